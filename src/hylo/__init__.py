@@ -1,0 +1,1 @@
+"""hylo: a serving engine for hybrid linear/sparse-attention MoE models."""
