@@ -1,0 +1,158 @@
+"""Model configuration: GLM-5.3-Flash (`glm5_next`) text config parsed from an HF `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+LINEAR = "linear_attention"
+INDEXED = "indexed_attention"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The text model of `glm5_next`, with defaults and schedules resolved as `transformers` 5.23 does.
+
+    Invariants (checked in `__post_init__`): every per-layer list has `num_hidden_layers` entries;
+    a `shared` indexer layer directly follows a `full` indexed layer (the only place the HF model
+    carries top-k rows from); `index_topk` is a multiple of `index_kpool`; NoPE (no rotary dims).
+    """
+
+    vocab_size: int = 154880
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 45
+    num_attention_heads: int = 64
+    n_shared_experts: int = 1
+    n_routed_experts: int = 288
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int = 1536
+    qk_nope_head_dim: int = 256
+    v_head_dim: int = 256
+    n_group: int = 1
+    topk_group: int = 1
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-5
+    pad_token_id: int | None = 154820
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = False
+    index_topk: int = 2048
+    index_head_dim: int = 128
+    index_n_heads: int = 32
+    index_kpool: int = 16
+    index_kpool_always_select_tail: bool = True
+    swiglu_limit: float = 10.0
+    linear_head_dim: int = 128
+    linear_num_heads: int = 64
+    linear_conv_kernel_dim: int = 4
+    linear_lower_bound: float | None = -5.0
+    hc_mult: int = 4
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
+    max_position_embeddings: int = 1048576
+    layer_types: list[str] = field(default_factory=list)
+    mlp_layer_types: list[str] = field(default_factory=list)
+    indexer_types: list[str] = field(default_factory=list)
+    quantization_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        for name in ("layer_types", "mlp_layer_types", "indexer_types"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"config.{name} has {len(getattr(self, name))} entries, expected {n}")
+        if self.index_kpool < 1 or self.index_topk % self.index_kpool:
+            raise ValueError(
+                f"config.index_topk ({self.index_topk}) must be a multiple of index_kpool ({self.index_kpool})"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in (LINEAR, INDEXED):
+                raise ValueError(f"config.layer_types[{i}] = {kind!r}, expected {LINEAR!r} or {INDEXED!r}")
+            if kind == INDEXED and self.indexer_types[i] == "shared" and not self._full_indexed(i - 1):
+                raise ValueError(
+                    f"config.indexer_types[{i}] is 'shared' but layer {i - 1} is not a 'full' indexed layer"
+                )
+        for i, kind in enumerate(self.mlp_layer_types):
+            if kind not in ("dense", "sparse"):
+                raise ValueError(f"config.mlp_layer_types[{i}] = {kind!r}, expected 'dense' or 'sparse'")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError("config.n_routed_experts must be a multiple of n_group")
+
+    def _full_indexed(self, i: int) -> bool:
+        return i >= 0 and self.layer_types[i] == INDEXED and self.indexer_types[i] == "full"
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    @property
+    def dsa_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == INDEXED]
+
+    @property
+    def indexer_layers(self) -> list[int]:
+        """DSA layers that run their own indexer (and own indexer caches)."""
+        return [i for i in self.dsa_layers if self.indexer_types[i] == "full"]
+
+    @property
+    def row_width(self) -> int:
+        """Selected rows per query: top-k tokens plus the incomplete tail pool."""
+        tail = self.index_kpool - 1 if self.index_kpool_always_select_tail else 0
+        return self.index_topk + tail
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Parse an HF `glm5_next` config: nested (`text_config`) or flat text-only."""
+        text = dict(raw.get("text_config") or raw)
+        if "quantization_config" in raw and "quantization_config" not in text:
+            text["quantization_config"] = raw["quantization_config"]
+        n = int(text.get("num_hidden_layers", cls.num_hidden_layers))
+        if text.get("layer_types") is None:
+            text["layer_types"] = [LINEAR if i % 4 != 3 else INDEXED for i in range(n)]
+        text["layer_types"] = [INDEXED if t == "full_attention" else t for t in text["layer_types"]]
+        if text.get("mlp_layer_types") is None:
+            text["mlp_layer_types"] = ["dense"] * min(3, n) + ["sparse"] * (n - 3)
+        if text.get("indexer_types") is None:
+            text["indexer_types"] = _indexer_schedule(text, n)
+        linear = text.get("linear_attn_config")
+        if linear:
+            text.setdefault("linear_head_dim", linear.get("head_dim", cls.linear_head_dim))
+            text.setdefault("linear_num_heads", linear.get("num_heads", cls.linear_num_heads))
+            text.setdefault("linear_conv_kernel_dim", linear.get("short_conv_kernel_size", 4))
+            bound = linear.get("gate_lower_bound")
+            if bound is None and linear.get("safe_gate", True):
+                bound = -5.0
+            text.setdefault("linear_lower_bound", bound)
+        if text.get("qk_rope_head_dim", 0):
+            raise ValueError(f"config.qk_rope_head_dim = {text['qk_rope_head_dim']}: glm5_next is NoPE")
+        if text.get("num_key_value_heads", text.get("num_attention_heads")) != text.get("num_attention_heads"):
+            raise ValueError("config.num_key_value_heads must equal num_attention_heads")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in text.items() if k in known})
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found: a model directory needs a config.json")
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from e
+        model_type = raw.get("model_type")
+        if model_type not in ("glm5_next", "glm5_next_text"):
+            raise ValueError(f"{file}: model_type {model_type!r} is not supported (expected 'glm5_next')")
+        return cls.from_dict(raw)
+
+
+def _indexer_schedule(text: dict[str, Any], n: int) -> list[str]:
+    pattern = text.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq = max(int(text.get("index_topk_freq", 1)), 1)
+    offset = int(text.get("index_skip_topk_offset", 2))
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]

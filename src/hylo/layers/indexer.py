@@ -1,0 +1,44 @@
+"""DSA indexer with k-pool compression: picks the latent rows each query of a DSA layer attends to."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hylo.config import ModelConfig
+from hylo.forward_batch import ForwardBatch
+from hylo.ops import indexer as indexer_ops
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        d, h = config.index_head_dim, config.index_n_heads
+        self.layer_idx, self.num_heads, self.head_dim = layer_idx, h, d
+        self.kpool, self.topk, self.tail = config.index_kpool, config.index_topk, config.index_kpool_always_select_tail
+        self.wq_b = nn.Linear(config.q_lora_rank, h * d, bias=False)
+        self.wk = nn.Linear(config.hidden_size, d, bias=False)
+        self.k_norm = nn.LayerNorm(d, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, h, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, d))
+        self.index_kpool_compress_gate = nn.Parameter(torch.empty(d, config.hidden_size))
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Token-cache slots of the rows each query attends to, `[T, W]`, -1 for empty entries."""
+        cache = batch.tokens
+        layer = cache.indexer_index[self.layer_idx]
+        keys, gates, pooled = cache.index_key[layer], cache.index_gate[layer], cache.pooled_key[layer]
+        keys[batch.new_slots] = self.k_norm(self.wk(x))
+        gates[batch.new_slots] = x @ self.index_kpool_compress_gate.t()
+        indexer_ops.compress_pools(keys, gates, self.index_kpool_compress_ape, batch.completed_pools, pooled)
+
+        q = self.wq_b(q_resid).unflatten(-1, (self.num_heads, self.head_dim)) * self.head_dim**-0.5
+        head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        positions = batch.unpad(
+            indexer_ops.select_rows(
+                batch.pad(q), batch.pad(head_weights), pooled, batch.pool_table, batch.pad(batch.positions),
+                self.kpool, self.topk, self.tail,
+            )
+        )
+        slots = batch.req_to_token[batch.token_seq[:, None], positions.clamp(min=0)]
+        return slots.masked_fill(positions < 0, -1)

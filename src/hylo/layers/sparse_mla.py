@@ -1,0 +1,51 @@
+"""DSA layer: NoPE MLA over the rows selected by the indexer, in the absorbed (latent) form."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hylo.config import ModelConfig
+from hylo.forward_batch import ForwardBatch
+from hylo.layers.indexer import Indexer
+from hylo.layers.norm import RMSNorm
+from hylo.ops.sparse_mla import sparse_mla
+
+
+class SparseMLA(nn.Module):
+    """Only the latent `c = RMSNorm(kv_a x)` is cached. kv_b is absorbed: q_lat = q·W_UK per head,
+    attention runs over latents, and W_UV maps the latent output back per head."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        hidden, h = config.hidden_size, config.num_attention_heads
+        self.layer_idx, self.num_heads = layer_idx, h
+        self.nope_dim, self.v_dim, self.rank = config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+        self.scale = config.qk_nope_head_dim**-0.5
+        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, h * self.nope_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.rank, h * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, hidden, bias=False)
+        self.indexer = Indexer(config, layer_idx) if config.indexer_types[layer_idx] == "full" else None
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the output and the rows used (a `shared` layer passes in its predecessor's rows)."""
+        latent = batch.tokens.latent[batch.tokens.dsa_index[self.layer_idx]]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        latent[batch.new_slots] = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        if self.indexer is not None:
+            rows = self.indexer(x, q_resid, batch)
+        elif rows is None:
+            raise ValueError(f"layer {self.layer_idx} shares rows but no full indexer layer precedes it")
+
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
+        q = self.q_b_proj(q_resid).unflatten(-1, (self.num_heads, self.nope_dim))
+        out_latent = sparse_mla(torch.einsum("thd,hdr->thr", q, w_uk), latent, rows, self.scale)
+        out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
+        return self.o_proj(out.flatten(1)), rows

@@ -1,0 +1,30 @@
+"""Per-token caches of the DSA layers: MLA latents and the indexer's keys, gate scores and pooled keys."""
+
+from __future__ import annotations
+
+import torch
+
+from hylo.config import ModelConfig
+
+
+class TokenCache:
+    """Token-slot pools shared by every sequence; a sequence's positions map to slots through its
+    `req_to_token` row (built by the caller).
+
+    Invariants: slot `s` of one pool belongs to at most one sequence position at a time; a k-pool's
+    `index_kpool` tokens occupy an aligned run of slots (`first_slot % index_kpool == 0`), so the
+    pooled key of the pool starting at slot `s` lives at `pooled_key[:, s // index_kpool]`. Callers
+    guarantee this by allocating slots in pages whose size is a multiple of `index_kpool`.
+    """
+
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+        if num_slots % config.index_kpool:
+            raise ValueError(f"num_slots ({num_slots}) must be a multiple of index_kpool ({config.index_kpool})")
+        self.num_slots = num_slots
+        n_dsa, n_idx, d = len(config.dsa_layers), len(config.indexer_layers), config.index_head_dim
+        self.latent = torch.zeros(n_dsa, num_slots, config.kv_lora_rank, dtype=dtype, device=device)
+        self.index_key = torch.zeros(n_idx, num_slots, d, dtype=dtype, device=device)
+        self.index_gate = torch.zeros(n_idx, num_slots, d, dtype=dtype, device=device)
+        self.pooled_key = torch.zeros(n_idx, num_slots // config.index_kpool, d, dtype=dtype, device=device)
+        self.dsa_index = {layer: i for i, layer in enumerate(config.dsa_layers)}
+        self.indexer_index = {layer: i for i, layer in enumerate(config.indexer_layers)}

@@ -1,0 +1,231 @@
+"""Checkpoint I/O for `glm5_next`: HF model directories of safetensors, bf16/fp32 or FP8 block-scaled.
+
+One table maps every checkpoint tensor to a view of a hylo parameter; loading and saving both walk
+it, so the two cannot disagree. Accepted layouts: `Glm5NextForConditionalGeneration`
+(`model.language_model.*` + `lm_head.weight`) and flat text-only (`model.*` + `lm_head.weight`).
+Vision tensors and the MTP layer (`layers.{num_hidden_layers}.*`, `shared_head`) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from hylo.config import ModelConfig
+from hylo.models.glm5_next import Glm5NextForCausalLM
+
+FP8_BLOCK = 128
+_TEXT_PREFIXES = ("model.language_model.", "model.")
+_SKIPPED = re.compile(r"^(model\.visual\.|visual\.|mtp\.)|\.shared_head\.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: names the tensor, the file and what was expected."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one checkpoint tensor lives: `view(param)` is the destination, `shape` the on-disk shape."""
+
+    param: str
+    view: Callable[[torch.Tensor], torch.Tensor]
+    shape: tuple[int, ...]
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    return p
+
+
+def checkpoint_layout(model: Glm5NextForCausalLM) -> dict[str, Slot]:
+    """Checkpoint name (without the `model.language_model.` prefix) -> destination, for every tensor."""
+    c = model.config
+    layout: dict[str, Slot] = {}
+    tensors = dict(model.named_parameters(remove_duplicate=True)) | dict(model.named_buffers())
+    for name, tensor in tensors.items():
+        shape = tuple(tensor.shape)
+        if name.endswith("self_attn.conv_weight"):
+            width = shape[0] // 3
+            for i, part in enumerate("qkv"):
+                view = (lambda p, i=i, w=width: p[i * w : (i + 1) * w].unsqueeze(1))
+                layout[name.replace("conv_weight", f"{part}_conv1d.weight")] = Slot(name, view, (width, 1, shape[1]))
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            inter = c.moe_intermediate_size
+            for e in range(c.n_routed_experts):
+                base = name.replace("gate_up_proj", f"{e}")
+                layout[f"{base}.gate_proj.weight"] = Slot(name, lambda p, e=e: p[e, :inter], (inter, shape[2]))
+                layout[f"{base}.up_proj.weight"] = Slot(name, lambda p, e=e: p[e, inter:], (inter, shape[2]))
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(c.n_routed_experts):
+                layout[name.replace("down_proj", f"{e}.down_proj.weight")] = Slot(
+                    name, lambda p, e=e: p[e], shape[1:]
+                )
+        else:
+            key = re.sub(r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2", name)
+            layout[key] = Slot(name, _whole, shape)
+    if c.tie_word_embeddings:
+        layout.pop("lm_head.weight", None)
+    return layout
+
+
+def _strip_prefix(key: str) -> str:
+    if key.startswith("lm_head."):
+        return key
+    for prefix in _TEXT_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
+def _is_skipped(key: str, num_layers: int) -> bool:
+    return bool(_SKIPPED.search(key)) or re.search(rf"(^|\.)layers\.{num_layers}\.", key) is not None
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 weight `[N, K]` times its per-[128, 128]-block scale `[ceil(N/128), ceil(K/128)]`."""
+    n, k = weight.shape
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return (weight.float() * scale).to(dtype)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled e4m3 of a 2-D weight: (fp8 weight, fp32 `weight_scale_inv`)."""
+    n, k = weight.shape
+    rows, cols = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = torch.zeros(rows * FP8_BLOCK, cols * FP8_BLOCK, dtype=torch.float32)
+    padded[:n, :k] = weight.float()
+    blocks = padded.view(rows, FP8_BLOCK, cols, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    q = (blocks / scale[:, None, :, None]).view_as(padded)[:n, :k].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files (only safetensors checkpoints are supported)")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{f} is listed in {index.name} but does not exist")
+    return files
+
+
+def load_weights(model: Glm5NextForCausalLM, path: str | Path, progress: bool | None = None) -> None:
+    """Stream every tensor of the checkpoint at `path` into `model`, one tensor at a time.
+
+    Raises `CheckpointError` for a missing, unexpected or mis-shaped tensor (naming it, its file and
+    the expected shape). FP8 weights with a `weight_scale_inv` are dequantised to the parameter dtype.
+    """
+    path = Path(path)
+    files = _checkpoint_files(path)
+    layout = checkpoint_layout(model)
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    seen: set[str] = set()
+    bar = tqdm(desc=f"Loading {path.name}", unit="tensor", total=len(layout), disable=progress is False
+               or (progress is None and len(layout) < 2000))
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from e
+        with handle as f:
+            keys = set(f.keys())
+            for raw in sorted(keys):
+                key = _strip_prefix(raw)
+                if _is_skipped(raw, model.config.num_hidden_layers) or key.endswith(".weight_scale_inv"):
+                    continue
+                slot = layout.get(key)
+                if slot is None:
+                    raise CheckpointError(f"{file.name}: unexpected tensor {raw!r} (not part of the model)")
+                tensor = f.get_tensor(raw)
+                if tuple(tensor.shape) != slot.shape:
+                    raise CheckpointError(
+                        f"{file.name}: tensor {raw!r} has shape {tuple(tensor.shape)}, expected {slot.shape}"
+                    )
+                dest = slot.view(params[slot.param].data)
+                if tensor.dtype == torch.float8_e4m3fn:
+                    tensor = _dequantized(f, raw, keys, tensor, file, dest.dtype)
+                dest.copy_(tensor.view(dest.shape))
+                seen.add(key)
+                bar.update()
+    bar.close()
+    missing = sorted(set(layout) - seen)
+    if missing:
+        shown = ", ".join(f"{m} {layout[m].shape}" for m in missing[:5])
+        raise CheckpointError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {shown}")
+
+
+def _dequantized(f, raw: str, keys: set[str], tensor: torch.Tensor, file: Path, dtype: torch.dtype) -> torch.Tensor:
+    scale_key = raw + "_scale_inv"
+    if scale_key not in keys:
+        raise CheckpointError(f"{file.name}: FP8 tensor {raw!r} has no {scale_key!r} in the same file")
+    scale = f.get_tensor(scale_key)
+    blocks = tuple(-(-s // FP8_BLOCK) for s in tensor.shape)
+    if tensor.dim() != 2 or tuple(scale.shape) != blocks:
+        raise CheckpointError(
+            f"{file.name}: {scale_key!r} has shape {tuple(scale.shape)}, expected {blocks} for [128, 128] blocks"
+        )
+    return dequantize_fp8(tensor, scale, dtype)
+
+
+def save_checkpoint(model: Glm5NextForCausalLM, path: str | Path, raw_config: dict, fp8: bool = False) -> None:
+    """Write `model` as an HF `Glm5NextForConditionalGeneration` directory (config + one safetensors
+    file). With `fp8`, every 2-D projection weight is stored as block-scaled e4m3."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    out: dict[str, torch.Tensor] = {}
+    for key, slot in checkpoint_layout(model).items():
+        tensor = slot.view(params[slot.param].data).detach().reshape(slot.shape).contiguous().cpu()
+        name = key if key.startswith("lm_head.") else f"model.language_model.{key}"
+        if fp8 and _quantizable(key, tensor):
+            out[name], out[name + "_scale_inv"] = quantize_fp8(tensor)
+        else:
+            out[name] = tensor
+    config = dict(raw_config)
+    if fp8:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _quantizable(key: str, tensor: torch.Tensor) -> bool:
+    return tensor.dim() == 2 and key.endswith("proj.weight") and "weights_proj" not in key
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+               progress: bool | None = None) -> Glm5NextForCausalLM:
+    """Build the model from `path/config.json` without initialising weights, then load them."""
+    config = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = Glm5NextForCausalLM(config)
+    model = model.to_empty(device=device)
+    keep_fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32 and _stays_fp32(n)}
+    for name, p in model.named_parameters():
+        if name not in keep_fp32:
+            p.data = p.data.to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_weights(model, path, progress)
+    return model.eval()
+
+
+def _stays_fp32(name: str) -> bool:
+    """Parameters `transformers` keeps in fp32 whatever the model dtype."""
+    return name.endswith(("conv_weight", "dt_bias", "A_log", "_hc.base", "_hc.scale"))

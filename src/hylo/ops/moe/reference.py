@@ -1,0 +1,64 @@
+"""Torch reference of the MoE: sigmoid group-limited routing and SwiGLU-clamp experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid scores; choice by score + correction bias within the best `topk_group` groups (a
+    group's strength is the sum of its top two biased scores); weights are the unbiased scores of
+    the chosen experts, normalised if asked, times `scaling`. Returns (ids `[T, k]`, weights fp32)."""
+    scores = torch.sigmoid(x.float() @ weight.float().t())
+    biased = scores + correction_bias.float()
+    groups = biased.view(x.shape[0], n_group, -1)
+    best_groups = groups.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+    biased = groups.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+    ids = biased.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
+
+
+def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(min(gate, limit)) · clamp(up, ±limit)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Σ_k weights[t,k] · expert_{ids[t,k]}(x_t); gate_up `[E, 2I, D]`, down `[E, D, I]`."""
+    out = torch.zeros_like(x)
+    flat_ids = ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    token_of = order // ids.shape[1]
+    weight_of = weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = token_of[start : start + count]
+        gate, up = (x[tokens] @ gate_up[expert].t()).chunk(2, dim=-1)
+        y = (swiglu_clamp(gate, up, limit) @ down[expert].t()) * weight_of[start : start + count, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+        start += count
+    return out
