@@ -23,11 +23,13 @@ LAYER_MIXES = {
 
 
 def tiny_text_config(kpool: int, topk: int, mix: str = "shared", **overrides) -> dict:
+    """16 indexer heads: with few heads every head's ReLU score is often exactly 0, and HF breaks such
+    ties however `torch.topk` happens to (hylo prefers the earlier pool)."""
     config = dict(
         vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=len(LAYER_MIXES[mix]["layer_types"]), num_attention_heads=4, num_key_value_heads=4,
         n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, kv_lora_rank=32, q_lora_rank=48,
-        qk_nope_head_dim=16, v_head_dim=16, index_topk=topk, index_head_dim=16, index_n_heads=4,
+        qk_nope_head_dim=16, v_head_dim=16, index_topk=topk, index_head_dim=16, index_n_heads=16,
         linear_head_dim=16, linear_num_heads=4, index_kpool=kpool, pad_token_id=0,
         **LAYER_MIXES[mix],
     )
@@ -35,9 +37,10 @@ def tiny_text_config(kpool: int, topk: int, mix: str = "shared", **overrides) ->
     return config
 
 
-def write_hf_checkpoint(path: Path, text_config: dict, seed: int) -> Path:
+def write_hf_checkpoint(path: Path, text_config: dict, seed: int, gain: float = 1.0) -> Path:
     """Build the HF model with random weights (every tensor perturbed, none left at its init constant)
-    and `save_pretrained` it to `path`."""
+    and `save_pretrained` it to `path`. Projection matrices get std `gain`/sqrt(fan_in); a gain below 1
+    gives a tamer network whose logits move smoothly with its weights."""
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -61,7 +64,7 @@ def write_hf_checkpoint(path: Path, text_config: dict, seed: int) -> Path:
             elif name.endswith(("embed_tokens.weight",)):
                 p.copy_(torch.randn_like(p))
             elif p.dim() >= 2:
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+                p.copy_(torch.randn_like(p) * gain * p.shape[-1] ** -0.5)
     model.eval().save_pretrained(path)
     return path
 

@@ -38,7 +38,7 @@ def select_rows(
     pool_table `[B, P]` pooled-key slots of each sequence's complete pools (-1 beyond);
     positions `[B, T]`. A pool is a candidate for the query at position p when its last token is
     at or before p; the score is Σ_h w_h·ReLU(q_h·k_pool); the top `topk/kpool` candidates are
-    expanded to their tokens and the query's own incomplete pool (up to kpool-1 tokens) is appended.
+    expanded to their tokens (ties to the earlier pool) and the query's own incomplete pool (up to kpool-1 tokens) is appended.
     """
     keys = pooled[pool_table.clamp(min=0)].float()  # [B, P, d]
     scores = torch.relu(torch.einsum("bthd,bpd->bthp", q.float(), keys))
@@ -46,7 +46,10 @@ def select_rows(
     visible_pools = (positions + 1) // kpool  # [B, T]
     pool_ids = torch.arange(pool_table.shape[1], device=q.device)
     scores = scores.masked_fill(pool_ids >= visible_pools[..., None], float("-inf"))
-    chosen = scores.topk(min(topk // kpool, pool_table.shape[1]), dim=-1).indices  # [B, T, k]
+    # Equal scores (all heads ReLU'd to zero is common) go to the earlier pool, so the choice does not
+    # depend on how many pools other sequences in the batch have.
+    order = scores.sort(dim=-1, descending=True, stable=True).indices
+    chosen = order[..., : min(topk // kpool, pool_table.shape[1])]  # [B, T, k]
     offsets = torch.arange(kpool, device=q.device)
     rows = chosen[..., None] * kpool + offsets
     rows = rows.masked_fill((chosen >= visible_pools[..., None])[..., None], -1).flatten(-2)

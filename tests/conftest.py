@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hf_reference import hf_model, tiny_text_config, write_hf_checkpoint  # noqa: E402
+
+from hylo.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
+from hylo.memory.kv import TokenCache  # noqa: E402
+from hylo.memory.state import StateCache  # noqa: E402
+from hylo.models.loader import load_model  # noqa: E402
+
+# name -> (kpool, index_topk, layer mix, overrides)
+PARITY_CONFIGS = {
+    "kpool4-shared": (4, 8, "shared", {}),
+    "kpool16-shared": (16, 32, "shared", {}),
+    "kpool4-dense-moe": (4, 12, "default", {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2}),
+}
+
+
+@pytest.fixture(scope="session", params=sorted(PARITY_CONFIGS))
+def tiny_checkpoint(request, tmp_path_factory) -> Path:
+    kpool, topk, mix, overrides = PARITY_CONFIGS[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    return write_hf_checkpoint(path, tiny_text_config(kpool, topk, mix, **overrides), seed=len(request.param))
+
+
+@pytest.fixture(scope="session")
+def models(tiny_checkpoint):
+    """(hylo model, HF reference model) for one tiny checkpoint, both fp32 on the CPU."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return load_model(tiny_checkpoint, dtype=torch.float32, progress=False), hf_model(tiny_checkpoint)
+
+
+class Caches:
+    """Caches for a handful of sequences, each owning a contiguous aligned run of `per_seq` slots."""
+
+    def __init__(self, model, num_seqs: int = 8, per_seq: int = 256):
+        config = model.config
+        self.kpool, self.per_seq = config.index_kpool, per_seq
+        self.tokens = TokenCache(config, num_seqs * per_seq, torch.float32, "cpu")
+        self.states = StateCache(config, num_seqs, torch.float32, "cpu")
+
+    def chunk(self, seq: int, token_ids, prefix_len: int) -> SequenceChunk:
+        start = seq * self.per_seq
+        return SequenceChunk(list(token_ids), prefix_len, range(start, start + self.per_seq), seq)
+
+    def forward(self, model, chunks, all_logits: bool = True) -> torch.Tensor:
+        return model(ForwardBatch.build(chunks, self.tokens, self.states, self.kpool, all_logits=all_logits))
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(2, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()

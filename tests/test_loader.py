@@ -1,0 +1,186 @@
+"""Checkpoint loading: layouts, FP8 block-scaled weights, and clear errors for broken checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Caches, random_prompt
+from hf_reference import tiny_text_config, write_hf_checkpoint
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from hylo.config import ModelConfig
+from hylo.models.loader import (
+    CheckpointError,
+    _quantizable,
+    checkpoint_layout,
+    dequantize_fp8,
+    load_model,
+    quantize_fp8,
+    save_checkpoint,
+)
+
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("base"), tiny_text_config(4, 8), seed=11)
+
+
+def copy_with(base: Path, dest: Path, edit) -> Path:
+    """A copy of `base` whose tensors went through `edit(dict) -> dict`."""
+    shutil.copytree(base, dest)
+    tensors = edit(load_file(base / WEIGHTS))
+    save_file(tensors, str(dest / WEIGHTS))
+    return dest
+
+
+def logits(model, ids):
+    caches = Caches(model)
+    return caches.forward(model, [caches.chunk(0, ids, 0)])
+
+
+def load(path):
+    return load_model(path, dtype=torch.float32, progress=False)
+
+
+def test_missing_tensor_is_named(base, tmp_path):
+    key = "model.language_model.layers.1.self_attn.indexer.wk.weight"
+    path = copy_with(base, tmp_path / "c", lambda t: {k: v for k, v in t.items() if k != key})
+    with pytest.raises(CheckpointError, match=r"missing.*layers\.1\.self_attn\.indexer\.wk\.weight \(16, 64\)"):
+        load(path)
+
+
+def test_unexpected_tensor_is_named_with_its_file(base, tmp_path):
+    path = copy_with(base, tmp_path / "c", lambda t: t | {"model.language_model.layers.0.bogus.weight": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: unexpected tensor .*layers\.0\.bogus\.weight"):
+        load(path)
+
+
+def test_misshaped_tensor_names_expected_shape(base, tmp_path):
+    key = "model.language_model.layers.4.mlp.experts.5.up_proj.weight"
+    path = copy_with(base, tmp_path / "c", lambda t: t | {key: torch.ones(31, 64)})
+    with pytest.raises(CheckpointError, match=r"experts\.5\.up_proj\.weight.*\(31, 64\), expected \(32, 64\)"):
+        load(path)
+
+
+def test_corrupt_file_and_missing_shard_are_reported(base, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(base, corrupt)
+    (corrupt / WEIGHTS).write_bytes((base / WEIGHTS).read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load(corrupt)
+    sharded = tmp_path / "sharded"
+    shutil.copytree(base, sharded)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "missing.safetensors"}}))
+    with pytest.raises(CheckpointError, match="missing.safetensors"):
+        load(sharded)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((base / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load(empty)
+
+
+def test_fp8_weight_without_scale_is_rejected(base, tmp_path):
+    key = "model.language_model.layers.0.self_attn.q_proj.weight"
+    path = copy_with(base, tmp_path / "c", lambda t: t | {key: t[key].to(torch.float8_e4m3fn)})
+    with pytest.raises(CheckpointError, match="q_proj.weight_scale_inv"):
+        load(path)
+
+
+def test_sharded_flat_layout_with_skipped_tensors_loads_identically(base, tmp_path):
+    """Text-only `model.layers.*` names, two shards + index, MTP layer and vision tensors present."""
+    tensors = load_file(base / WEIGHTS)
+    flat = {k.replace("model.language_model.", "model."): v for k, v in tensors.items() if "visual" not in k}
+    flat["model.layers.6.eh_proj.weight"] = torch.ones(3, 3)  # the MTP layer (num_hidden_layers = 6)
+    flat["model.layers.6.shared_head.norm.weight"] = torch.ones(3)
+    flat["model.visual.blocks.0.attn.qkv.weight"] = torch.ones(3)
+    path = tmp_path / "flat"
+    path.mkdir()
+    keys = sorted(flat)
+    shards = {"a.safetensors": keys[: len(keys) // 2], "b.safetensors": keys[len(keys) // 2 :]}
+    for name, part in shards.items():
+        save_file({k: flat[k] for k in part}, str(path / name))
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    text = json.loads((base / "config.json").read_text())["text_config"]
+    (path / "config.json").write_text(json.dumps(text | {"model_type": "glm5_next"}))
+    ids = random_prompt(23, 160, seed=5)
+    torch.testing.assert_close(logits(load(path), ids), logits(load(base), ids), rtol=0, atol=0)
+
+
+def test_fp8_checkpoint_round_trip(tmp_path):
+    base = write_hf_checkpoint(tmp_path / "base", tiny_text_config(4, 8), seed=12, gain=0.3)
+    model = load(base)
+    raw = json.loads((base / "config.json").read_text())
+    save_checkpoint(model, tmp_path / "fp8", raw, fp8=True)
+    with safe_open(str(tmp_path / "fp8" / WEIGHTS), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes["model.language_model.layers.4.mlp.experts.0.gate_proj.weight"] == "F8_E4M3"
+    assert dtypes["model.language_model.layers.4.mlp.experts.0.gate_proj.weight_scale_inv"] == "F32"
+    assert dtypes["model.language_model.layers.1.self_attn.kv_b_proj.weight"] == "F8_E4M3"
+    fp8 = load(tmp_path / "fp8")
+
+    # exactly the model whose weights went through block quantisation in memory
+    expected = load(base)
+    params = dict(expected.named_parameters()) | dict(expected.named_buffers())
+    for key, slot in checkpoint_layout(expected).items():
+        view = slot.view(params[slot.param].data)
+        if _quantizable(key, view.reshape(slot.shape)):
+            view.copy_(dequantize_fp8(*quantize_fp8(view.reshape(slot.shape)), torch.float32).view(view.shape))
+    ids = random_prompt(41, 160, seed=6)
+    exact, got = logits(model, ids), logits(fp8, ids)
+    torch.testing.assert_close(got, logits(expected, ids), rtol=1e-5, atol=1e-5)
+
+    # and within FP8 error of bf16: e4m3 rounds each weight by up to 2^-4 of itself
+    bf16 = load(base)
+    for p in bf16.parameters():
+        p.data = p.data.to(torch.bfloat16).float()
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    fp8_err, bf16_err = rel(got, exact), rel(logits(bf16, ids), exact)
+    assert fp8_err < 0.03 and bf16_err < 0.01
+
+
+def test_quantize_fp8_blocks():
+    """Each block's largest magnitude maps to e4m3's 448; every weight is off by at most half a step
+    (2^-4 of itself for normals, 2^-10 of the block scale for subnormals)."""
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 200)
+    q, scale = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
+    assert q.float().abs()[:128, :128].max().item() == 448
+    back = dequantize_fp8(q, scale, torch.float32)
+    per_weight = scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    bound = torch.maximum(w.abs() / 16, per_weight * 2**-10) * (1 + 1e-6)
+    assert bool(((back - w).abs() <= bound).all())
+
+
+def test_config_rejects_shared_layer_without_full_predecessor():
+    text = tiny_text_config(4, 8, indexer_types=["full", "full", "full", "full", "shared", "shared"])
+    text["layer_types"] = ["linear_attention", "indexed_attention", "linear_attention",
+                           "linear_attention", "linear_attention", "indexed_attention"]
+    with pytest.raises(ValueError, match=r"indexer_types\[5\] is 'shared' but layer 4"):
+        ModelConfig.from_dict({"model_type": "glm5_next", "text_config": text})
+
+
+def test_config_rejects_other_model_types(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
+        ModelConfig.from_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_dir(tmp_path / "nowhere")
+
+
+def test_default_schedules_match_glm5_flash():
+    config = ModelConfig.from_dict({"model_type": "glm5_next"})
+    assert len(config.kda_layers) == 34 and config.dsa_layers == list(range(3, 45, 4))
+    assert config.mlp_layer_types[:4] == ["dense", "dense", "dense", "sparse"]
+    assert config.row_width == 2048 + 15
