@@ -8,12 +8,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hf_reference import hf_model, tiny_text_config, write_hf_checkpoint  # noqa: E402
+from hf_reference import hf_model, tiny_text_config, write_hf_checkpoint
 
-from hylo.forward_batch import ForwardBatch, SequenceChunk  # noqa: E402
-from hylo.memory.kv import TokenCache  # noqa: E402
-from hylo.memory.state import StateCache  # noqa: E402
-from hylo.models.loader import load_model  # noqa: E402
+from hylo.forward_batch import ForwardBatch, SequenceChunk
+from hylo.memory.kv import TokenCache
+from hylo.memory.state import StateCache
+from hylo.models.loader import load_model
 
 # name -> (kpool, index_topk, layer mix, overrides)
 PARITY_CONFIGS = {

@@ -9,8 +9,14 @@ import torch
 LAYER_MIXES = {
     # 6 layers: KDA and DSA interleaved, a shared indexer layer directly after a full one.
     "shared": dict(
-        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
-                     "linear_attention", "indexed_attention"],
+        layer_types=[
+            "linear_attention",
+            "indexed_attention",
+            "indexed_attention",
+            "linear_attention",
+            "linear_attention",
+            "indexed_attention",
+        ],
         indexer_types=["full", "full", "shared", "full", "full", "full"],
         mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse", "sparse"],
     ),
@@ -26,11 +32,28 @@ def tiny_text_config(kpool: int, topk: int, mix: str = "shared", **overrides) ->
     """16 indexer heads: with few heads every head's ReLU score is often exactly 0, and HF breaks such
     ties however `torch.topk` happens to (hylo prefers the earlier pool)."""
     config = dict(
-        vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=len(LAYER_MIXES[mix]["layer_types"]), num_attention_heads=4, num_key_value_heads=4,
-        n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, kv_lora_rank=32, q_lora_rank=48,
-        qk_nope_head_dim=16, v_head_dim=16, index_topk=topk, index_head_dim=16, index_n_heads=16,
-        linear_head_dim=16, linear_num_heads=4, index_kpool=kpool, pad_token_id=0,
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=len(LAYER_MIXES[mix]["layer_types"]),
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_topk=topk,
+        index_head_dim=16,
+        index_n_heads=16,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        index_kpool=kpool,
+        pad_token_id=0,
         **LAYER_MIXES[mix],
     )
     config.update(overrides)
@@ -44,8 +67,14 @@ def write_hf_checkpoint(path: Path, text_config: dict, seed: int, gain: float = 
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
     torch.manual_seed(seed)
-    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32,
-                  out_hidden_size=text_config["hidden_size"], projection_intermediate_size=32)
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=32,
+        out_hidden_size=text_config["hidden_size"],
+        projection_intermediate_size=32,
+    )
     model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text_config, vision_config=vision))
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):

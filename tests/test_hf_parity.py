@@ -38,7 +38,7 @@ def test_greedy_generation_matches_hf(models):
     ours = generate(model, prompts, Sampling(max_new_tokens=32))
     for prompt, tokens in zip(prompts, ours, strict=True):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)
-        assert tokens == ref[0, len(prompt):].tolist()
+        assert tokens == ref[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64])

@@ -52,20 +52,28 @@ def load(path):
 def test_missing_tensor_is_named(base, tmp_path):
     key = "model.language_model.layers.1.self_attn.indexer.wk.weight"
     path = copy_with(base, tmp_path / "c", lambda t: {k: v for k, v in t.items() if k != key})
-    with pytest.raises(CheckpointError, match=r"missing.*layers\.1\.self_attn\.indexer\.wk\.weight \(16, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"missing.*layers\.1\.self_attn\.indexer\.wk\.weight \(16, 64\)"
+    ):
         load(path)
 
 
 def test_unexpected_tensor_is_named_with_its_file(base, tmp_path):
-    path = copy_with(base, tmp_path / "c", lambda t: t | {"model.language_model.layers.0.bogus.weight": torch.ones(2)})
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: unexpected tensor .*layers\.0\.bogus\.weight"):
+    path = copy_with(
+        base, tmp_path / "c", lambda t: t | {"model.language_model.layers.0.bogus.weight": torch.ones(2)}
+    )
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: unexpected tensor .*layers\.0\.bogus\.weight"
+    ):
         load(path)
 
 
 def test_misshaped_tensor_names_expected_shape(base, tmp_path):
     key = "model.language_model.layers.4.mlp.experts.5.up_proj.weight"
     path = copy_with(base, tmp_path / "c", lambda t: t | {key: torch.ones(31, 64)})
-    with pytest.raises(CheckpointError, match=r"experts\.5\.up_proj\.weight.*\(31, 64\), expected \(32, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"experts\.5\.up_proj\.weight.*\(31, 64\), expected \(32, 64\)"
+    ):
         load(path)
 
 
@@ -73,24 +81,26 @@ def test_corrupt_file_and_missing_shard_are_reported(base, tmp_path):
     corrupt = tmp_path / "corrupt"
     shutil.copytree(base, corrupt)
     (corrupt / WEIGHTS).write_bytes((base / WEIGHTS).read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match="model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         load(corrupt)
     sharded = tmp_path / "sharded"
     shutil.copytree(base, sharded)
-    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "missing.safetensors"}}))
-    with pytest.raises(CheckpointError, match="missing.safetensors"):
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "missing.safetensors"}})
+    )
+    with pytest.raises(CheckpointError, match=r"missing\.safetensors"):
         load(sharded)
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text((base / "config.json").read_text())
-    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         load(empty)
 
 
 def test_fp8_weight_without_scale_is_rejected(base, tmp_path):
     key = "model.language_model.layers.0.self_attn.q_proj.weight"
     path = copy_with(base, tmp_path / "c", lambda t: t | {key: t[key].to(torch.float8_e4m3fn)})
-    with pytest.raises(CheckpointError, match="q_proj.weight_scale_inv"):
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight_scale_inv"):
         load(path)
 
 
@@ -121,7 +131,7 @@ def test_fp8_checkpoint_round_trip(tmp_path):
     raw = json.loads((base / "config.json").read_text())
     save_checkpoint(model, tmp_path / "fp8", raw, fp8=True)
     with safe_open(str(tmp_path / "fp8" / WEIGHTS), "pt") as f:
-        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (a safetensors handle is not iterable)
     assert dtypes["model.language_model.layers.4.mlp.experts.0.gate_proj.weight"] == "F8_E4M3"
     assert dtypes["model.language_model.layers.4.mlp.experts.0.gate_proj.weight_scale_inv"] == "F32"
     assert dtypes["model.language_model.layers.1.self_attn.kv_b_proj.weight"] == "F8_E4M3"
@@ -133,7 +143,9 @@ def test_fp8_checkpoint_round_trip(tmp_path):
     for key, slot in checkpoint_layout(expected).items():
         view = slot.view(params[slot.param].data)
         if _quantizable(key, view.reshape(slot.shape)):
-            view.copy_(dequantize_fp8(*quantize_fp8(view.reshape(slot.shape)), torch.float32).view(view.shape))
+            view.copy_(
+                dequantize_fp8(*quantize_fp8(view.reshape(slot.shape)), torch.float32).view(view.shape)
+            )
     ids = random_prompt(41, 160, seed=6)
     exact, got = logits(model, ids), logits(fp8, ids)
     torch.testing.assert_close(got, logits(expected, ids), rtol=1e-5, atol=1e-5)
@@ -165,8 +177,14 @@ def test_quantize_fp8_blocks():
 
 def test_config_rejects_shared_layer_without_full_predecessor():
     text = tiny_text_config(4, 8, indexer_types=["full", "full", "full", "full", "shared", "shared"])
-    text["layer_types"] = ["linear_attention", "indexed_attention", "linear_attention",
-                           "linear_attention", "linear_attention", "indexed_attention"]
+    text["layer_types"] = [
+        "linear_attention",
+        "indexed_attention",
+        "linear_attention",
+        "linear_attention",
+        "linear_attention",
+        "indexed_attention",
+    ]
     with pytest.raises(ValueError, match=r"indexer_types\[5\] is 'shared' but layer 4"):
         ModelConfig.from_dict({"model_type": "glm5_next", "text_config": text})
 
@@ -175,7 +193,7 @@ def test_config_rejects_other_model_types(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
         ModelConfig.from_dir(tmp_path)
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         ModelConfig.from_dir(tmp_path / "nowhere")
 
 

@@ -20,8 +20,11 @@ def naive_kda(q, k, v, g, beta, state):
     outs = []
     for t in range(q.shape[1]):
         s = s * g[:, t, :, :, None].exp()
-        s = s + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k[:, t],
-                             v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s))
+        s = s + torch.einsum(
+            "bhk,bhv->bhkv",
+            beta[:, t, :, None] * k[:, t],
+            v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s),
+        )
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
     return torch.stack(outs, 1), s
 
@@ -29,8 +32,12 @@ def naive_kda(q, k, v, g, beta, state):
 def kda_inputs(b=2, t=45, h=3, d=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, t, h, d, generator=gen) for _ in range(3))
-    g = kda_gate(torch.randn(b, t, h, d, generator=gen), torch.randn(h * d, generator=gen),
-                 torch.randn(h, generator=gen), -5.0)
+    g = kda_gate(
+        torch.randn(b, t, h, d, generator=gen),
+        torch.randn(h * d, generator=gen),
+        torch.randn(h, generator=gen),
+        -5.0,
+    )
     beta = torch.rand(b, t, h, generator=gen)
     state = torch.randn(b, h, d, d, generator=gen) * 0.1
     return q, k, v, g, beta, state
@@ -68,7 +75,9 @@ def test_causal_conv_matches_conv1d_and_carries_window():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 11, 6, generator=gen)
     weight = torch.randn(6, 4, generator=gen)
-    ref = F.silu(F.conv1d(x.transpose(1, 2), weight[:, None, :], padding=3, groups=6)[..., :11]).transpose(1, 2)
+    ref = F.silu(F.conv1d(x.transpose(1, 2), weight[:, None, :], padding=3, groups=6)[..., :11]).transpose(
+        1, 2
+    )
     empty = torch.zeros(2, 3, 6)
     y, _ = causal_conv(x, empty, weight, torch.tensor([11, 11]))
     torch.testing.assert_close(y, ref)
@@ -120,9 +129,15 @@ def test_mhc_comb_is_doubly_stochastic():
     gen = torch.Generator().manual_seed(3)
     n, dim = 4, 8
     streams = torch.randn(5, n, dim, generator=gen)
-    post, comb, collapsed = mhc_pre(streams, 0.1 * torch.randn(24, n * dim, generator=gen),
-                                    torch.randn(24, generator=gen), torch.rand(3, generator=gen) + 0.5,
-                                    1e-5, 1e-6, 20)
+    post, comb, collapsed = mhc_pre(
+        streams,
+        0.1 * torch.randn(24, n * dim, generator=gen),
+        torch.randn(24, generator=gen),
+        torch.rand(3, generator=gen) + 0.5,
+        1e-5,
+        1e-6,
+        20,
+    )
     torch.testing.assert_close(comb.sum(-2), torch.ones(5, n), atol=1e-5, rtol=0)
     torch.testing.assert_close(comb.sum(-1), torch.ones(5, n), atol=1e-3, rtol=0)
     assert bool(((post > 0) & (post < 2)).all()) and collapsed.shape == (5, dim)
@@ -147,6 +162,7 @@ def test_routing_and_experts_match_per_token_loop():
         assert set(ids[t].tolist()) == set(chosen)
         w = scores[chosen] / scores[chosen].sum() * 2.5
         expect = sum(
-            wi * down[e] @ swiglu_clamp(*(gate_up[e] @ x[t]).chunk(2), 1.5) for wi, e in zip(w, chosen, strict=True)
+            wi * down[e] @ swiglu_clamp(*(gate_up[e] @ x[t]).chunk(2), 1.5)
+            for wi, e in zip(w, chosen, strict=True)
         )
         torch.testing.assert_close(out[t], expect, rtol=1e-4, atol=1e-5)

@@ -67,7 +67,8 @@ class ModelConfig:
                 raise ValueError(f"config.{name} has {len(getattr(self, name))} entries, expected {n}")
         if self.index_kpool < 1 or self.index_topk % self.index_kpool:
             raise ValueError(
-                f"config.index_topk ({self.index_topk}) must be a multiple of index_kpool ({self.index_kpool})"
+                f"config.index_topk ({self.index_topk}) must be a multiple of "
+                f"index_kpool ({self.index_kpool})"
             )
         for i, kind in enumerate(self.layer_types):
             if kind not in (LINEAR, INDEXED):
@@ -129,7 +130,9 @@ class ModelConfig:
             text.setdefault("linear_lower_bound", bound)
         if text.get("qk_rope_head_dim", 0):
             raise ValueError(f"config.qk_rope_head_dim = {text['qk_rope_head_dim']}: glm5_next is NoPE")
-        if text.get("num_key_value_heads", text.get("num_attention_heads")) != text.get("num_attention_heads"):
+        if text.get("num_key_value_heads", text.get("num_attention_heads")) != text.get(
+            "num_attention_heads"
+        ):
             raise ValueError("config.num_key_value_heads must equal num_attention_heads")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in text.items() if k in known})
@@ -152,7 +155,9 @@ class ModelConfig:
 def _indexer_schedule(text: dict[str, Any], n: int) -> list[str]:
     pattern = text.get("index_topk_pattern")
     if pattern is not None:
-        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        return (
+            [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        )
     freq = max(int(text.get("index_topk_freq", 1)), 1)
     offset = int(text.get("index_skip_topk_offset", 2))
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]

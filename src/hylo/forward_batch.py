@@ -71,7 +71,9 @@ class ForwardBatch:
             if e == 0:
                 raise ValueError(f"sequence {i} has no new tokens")
             if len(c.token_slots) < total:
-                raise ValueError(f"sequence {i}: token_slots covers {len(c.token_slots)} of {total} positions")
+                raise ValueError(
+                    f"sequence {i}: token_slots covers {len(c.token_slots)} of {total} positions"
+                )
         batch_size, max_len, max_new = len(chunks), max(totals), max(extend)
         req_to_token = torch.full((batch_size, max_len), -1, dtype=torch.long)
         for b, (c, total) in enumerate(zip(chunks, totals, strict=True)):
@@ -89,7 +91,9 @@ class ForwardBatch:
 
         max_pools = max(t // kpool for t in totals)
         pool_ids = torch.arange(max_pools)
-        pool_table = req_to_token[:, : max_pools * kpool : kpool] // kpool if max_pools else req_to_token[:, :0]
+        pool_table = (
+            req_to_token[:, : max_pools * kpool : kpool] // kpool if max_pools else req_to_token[:, :0]
+        )
         pool_table = torch.where(pool_ids[None] < torch.tensor(totals)[:, None] // kpool, pool_table, -1)
         completed = [
             req_to_token[b, p * kpool].item() // kpool
@@ -141,8 +145,10 @@ def _check_pool_alignment(req_to_token: torch.Tensor, totals: list[int], kpool: 
         first = row[:, :1]
         if bool((first % kpool).any()) or bool((row != first + torch.arange(kpool)).any()):
             raise ValueError(
-                f"sequence {b}: token slots of each k-pool of {kpool} tokens must be an aligned contiguous run"
+                f"sequence {b}: the token slots of each k-pool ({kpool} tokens) must be one aligned run"
             )
         tail = req_to_token[b, full:total]
         if tail.numel() and bool((tail != tail[:1] + torch.arange(tail.numel())).any() or tail[0] % kpool):
-            raise ValueError(f"sequence {b}: the incomplete k-pool's slots must start an aligned contiguous run")
+            raise ValueError(
+                f"sequence {b}: the incomplete k-pool's slots must start an aligned contiguous run"
+            )

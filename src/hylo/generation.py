@@ -91,6 +91,8 @@ def generate(
             if token not in params.stop_token_ids and len(outputs[i]) < params.max_new_tokens:
                 still.append(i)
         active = still
-        chunks = [SequenceChunk([outputs[i][-1]], len(prompts[i]) + len(outputs[i]) - 1, slots[i], i)
-                  for i in active]
+        chunks = [
+            SequenceChunk([outputs[i][-1]], len(prompts[i]) + len(outputs[i]) - 1, slots[i], i)
+            for i in active
+        ]
     return outputs

@@ -15,7 +15,11 @@ class Indexer(nn.Module):
         super().__init__()
         d, h = config.index_head_dim, config.index_n_heads
         self.layer_idx, self.num_heads, self.head_dim = layer_idx, h, d
-        self.kpool, self.topk, self.tail = config.index_kpool, config.index_topk, config.index_kpool_always_select_tail
+        self.kpool, self.topk, self.tail = (
+            config.index_kpool,
+            config.index_topk,
+            config.index_kpool_always_select_tail,
+        )
         self.wq_b = nn.Linear(config.q_lora_rank, h * d, bias=False)
         self.wk = nn.Linear(config.hidden_size, d, bias=False)
         self.k_norm = nn.LayerNorm(d, eps=1e-6)
@@ -36,8 +40,14 @@ class Indexer(nn.Module):
         head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
         positions = batch.unpad(
             indexer_ops.select_rows(
-                batch.pad(q), batch.pad(head_weights), pooled, batch.pool_table, batch.pad(batch.positions),
-                self.kpool, self.topk, self.tail,
+                batch.pad(q),
+                batch.pad(head_weights),
+                pooled,
+                batch.pool_table,
+                batch.pad(batch.positions),
+                self.kpool,
+                self.topk,
+                self.tail,
             )
         )
         slots = batch.req_to_token[batch.token_seq[:, None], positions.clamp(min=0)]

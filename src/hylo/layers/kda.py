@@ -24,7 +24,9 @@ class KDAAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, h * d, bias=False)
         self.k_proj = nn.Linear(hidden, h * d, bias=False)
         self.v_proj = nn.Linear(hidden, h * d, bias=False)
-        self.conv_weight = nn.Parameter(torch.empty(3 * h * d, config.linear_conv_kernel_dim, dtype=torch.float32))
+        self.conv_weight = nn.Parameter(
+            torch.empty(3 * h * d, config.linear_conv_kernel_dim, dtype=torch.float32)
+        )
         self.f_a_proj = nn.Linear(hidden, d, bias=False)
         self.f_b_proj = nn.Linear(d, h * d, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(h * d, dtype=torch.float32))
@@ -43,12 +45,15 @@ class KDAAttention(nn.Module):
         lengths = batch.pad_valid.sum(1)
 
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv, window = kda_ops.causal_conv(batch.pad(qkv), states.conv[layer, slots], self.conv_weight, lengths)
+        qkv, window = kda_ops.causal_conv(
+            batch.pad(qkv), states.conv[layer, slots], self.conv_weight, lengths
+        )
         states.conv[layer, slots] = window
         q, k, v = (t.unflatten(-1, heads) for t in qkv.chunk(3, dim=-1))
 
-        g = kda_ops.kda_gate(self.f_b_proj(self.f_a_proj(x)).unflatten(-1, heads), self.dt_bias, self.A_log,
-                             self.lower_bound)
+        g = kda_ops.kda_gate(
+            self.f_b_proj(self.f_a_proj(x)).unflatten(-1, heads), self.dt_bias, self.A_log, self.lower_bound
+        )
         beta = torch.sigmoid(self.b_proj(x))
         o, final = kda_ops.kda_chunked(q, k, v, batch.pad(g), batch.pad(beta), states.recurrent[layer, slots])
         states.recurrent[layer, slots] = final

@@ -21,4 +21,3 @@ class HyperConnection(nn.Module):
     def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(post, comb, block input) for `streams [T, n, D]`."""
         return mhc_pre(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, self.iters)
-

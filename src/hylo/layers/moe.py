@@ -14,11 +14,13 @@ class Router(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        self.register_buffer(
+            "e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32)
+        )
 
 
 class Experts(nn.Module):
-    """Routed expert weights stacked as `gate_up_proj [E, 2I, D]` (gate rows first) and `down_proj [E, D, I]`."""
+    """Routed expert weights, stacked: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -40,8 +42,14 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         ids, weights = moe_ops.route(
-            x, self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
-            c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
+            x,
+            self.gate.weight,
+            self.gate.e_score_correction_bias,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
         )
         routed = moe_ops.experts(
             x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, c.swiglu_limit

@@ -19,7 +19,9 @@ class TokenCache:
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str):
         if num_slots % config.index_kpool:
-            raise ValueError(f"num_slots ({num_slots}) must be a multiple of index_kpool ({config.index_kpool})")
+            raise ValueError(
+                f"num_slots ({num_slots}) must be a multiple of index_kpool ({config.index_kpool})"
+            )
         self.num_slots = num_slots
         n_dsa, n_idx, d = len(config.dsa_layers), len(config.indexer_layers), config.index_head_dim
         self.latent = torch.zeros(n_dsa, num_slots, config.kv_lora_rank, dtype=dtype, device=device)

@@ -21,8 +21,9 @@ class StateCache:
         h, d = config.linear_num_heads, config.linear_head_dim
         conv_dim = 3 * h * d
         self.num_slots = num_slots
-        self.conv = torch.zeros(n_kda, num_slots, config.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype,
-                                device=device)
+        self.conv = torch.zeros(
+            n_kda, num_slots, config.linear_conv_kernel_dim - 1, conv_dim, dtype=dtype, device=device
+        )
         self.recurrent = torch.zeros(n_kda, num_slots, h, d, d, dtype=torch.float32, device=device)
         self.kda_index = {layer: i for i, layer in enumerate(config.kda_layers)}
 

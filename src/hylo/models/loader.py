@@ -12,6 +12,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,29 +45,40 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def _conv_part(p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return p[lo:hi].unsqueeze(1)
+
+
+def _expert_rows(p: torch.Tensor, expert: int, lo: int, hi: int | None) -> torch.Tensor:
+    return p[expert, lo:hi]
+
+
 def checkpoint_layout(model: Glm5NextForCausalLM) -> dict[str, Slot]:
     """Checkpoint name (without the `model.language_model.` prefix) -> destination, for every tensor."""
     c = model.config
+    inter = c.moe_intermediate_size
     layout: dict[str, Slot] = {}
     tensors = dict(model.named_parameters(remove_duplicate=True)) | dict(model.named_buffers())
     for name, tensor in tensors.items():
         shape = tuple(tensor.shape)
         if name.endswith("self_attn.conv_weight"):
-            width = shape[0] // 3
+            w = shape[0] // 3
             for i, part in enumerate("qkv"):
-                view = (lambda p, i=i, w=width: p[i * w : (i + 1) * w].unsqueeze(1))
-                layout[name.replace("conv_weight", f"{part}_conv1d.weight")] = Slot(name, view, (width, 1, shape[1]))
+                view = partial(_conv_part, lo=i * w, hi=(i + 1) * w)
+                layout[name.replace("conv_weight", f"{part}_conv1d.weight")] = Slot(
+                    name, view, (w, 1, shape[1])
+                )
         elif name.endswith("mlp.experts.gate_up_proj"):
-            inter = c.moe_intermediate_size
             for e in range(c.n_routed_experts):
                 base = name.replace("gate_up_proj", f"{e}")
-                layout[f"{base}.gate_proj.weight"] = Slot(name, lambda p, e=e: p[e, :inter], (inter, shape[2]))
-                layout[f"{base}.up_proj.weight"] = Slot(name, lambda p, e=e: p[e, inter:], (inter, shape[2]))
+                gate = partial(_expert_rows, expert=e, lo=0, hi=inter)
+                up = partial(_expert_rows, expert=e, lo=inter, hi=None)
+                layout[f"{base}.gate_proj.weight"] = Slot(name, gate, (inter, shape[2]))
+                layout[f"{base}.up_proj.weight"] = Slot(name, up, (inter, shape[2]))
         elif name.endswith("mlp.experts.down_proj"):
             for e in range(c.n_routed_experts):
-                layout[name.replace("down_proj", f"{e}.down_proj.weight")] = Slot(
-                    name, lambda p, e=e: p[e], shape[1:]
-                )
+                view = partial(_expert_rows, expert=e, lo=0, hi=None)
+                layout[name.replace("down_proj", f"{e}.down_proj.weight")] = Slot(name, view, shape[1:])
         else:
             key = re.sub(r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2", name)
             layout[key] = Slot(name, _whole, shape)
@@ -137,8 +149,12 @@ def load_weights(model: Glm5NextForCausalLM, path: str | Path, progress: bool | 
     layout = checkpoint_layout(model)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     seen: set[str] = set()
-    bar = tqdm(desc=f"Loading {path.name}", unit="tensor", total=len(layout), disable=progress is False
-               or (progress is None and len(layout) < 2000))
+    bar = tqdm(
+        desc=f"Loading {path.name}",
+        unit="tensor",
+        total=len(layout),
+        disable=progress is False or (progress is None and len(layout) < 2000),
+    )
     for file in files:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -171,7 +187,9 @@ def load_weights(model: Glm5NextForCausalLM, path: str | Path, progress: bool | 
         raise CheckpointError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {shown}")
 
 
-def _dequantized(f, raw: str, keys: set[str], tensor: torch.Tensor, file: Path, dtype: torch.dtype) -> torch.Tensor:
+def _dequantized(
+    f, raw: str, keys: set[str], tensor: torch.Tensor, file: Path, dtype: torch.dtype
+) -> torch.Tensor:
     scale_key = raw + "_scale_inv"
     if scale_key not in keys:
         raise CheckpointError(f"{file.name}: FP8 tensor {raw!r} has no {scale_key!r} in the same file")
@@ -179,12 +197,15 @@ def _dequantized(f, raw: str, keys: set[str], tensor: torch.Tensor, file: Path, 
     blocks = tuple(-(-s // FP8_BLOCK) for s in tensor.shape)
     if tensor.dim() != 2 or tuple(scale.shape) != blocks:
         raise CheckpointError(
-            f"{file.name}: {scale_key!r} has shape {tuple(scale.shape)}, expected {blocks} for [128, 128] blocks"
+            f"{file.name}: {scale_key!r} has shape {tuple(scale.shape)}, expected {blocks} "
+            "for [128, 128] blocks"
         )
     return dequantize_fp8(tensor, scale, dtype)
 
 
-def save_checkpoint(model: Glm5NextForCausalLM, path: str | Path, raw_config: dict, fp8: bool = False) -> None:
+def save_checkpoint(
+    model: Glm5NextForCausalLM, path: str | Path, raw_config: dict, fp8: bool = False
+) -> None:
     """Write `model` as an HF `Glm5NextForConditionalGeneration` directory (config + one safetensors
     file). With `fp8`, every 2-D projection weight is stored as block-scaled e4m3."""
     path = Path(path)
@@ -200,7 +221,11 @@ def save_checkpoint(model: Glm5NextForCausalLM, path: str | Path, raw_config: di
             out[name] = tensor
     config = dict(raw_config)
     if fp8:
-        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+        }
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -209,8 +234,12 @@ def _quantizable(key: str, tensor: torch.Tensor) -> bool:
     return tensor.dim() == 2 and key.endswith("proj.weight") and "weights_proj" not in key
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-               progress: bool | None = None) -> Glm5NextForCausalLM:
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    progress: bool | None = None,
+) -> Glm5NextForCausalLM:
     """Build the model from `path/config.json` without initialising weights, then load them."""
     config = ModelConfig.from_dir(path)
     with torch.device("meta"):

@@ -37,8 +37,9 @@ def select_rows(
     q `[B, T, Hi, d]` (already scaled by d^-1/2); head_weights `[B, T, Hi]`; pooled `[S/kpool, d]`;
     pool_table `[B, P]` pooled-key slots of each sequence's complete pools (-1 beyond);
     positions `[B, T]`. A pool is a candidate for the query at position p when its last token is
-    at or before p; the score is Σ_h w_h·ReLU(q_h·k_pool); the top `topk/kpool` candidates are
-    expanded to their tokens (ties to the earlier pool) and the query's own incomplete pool (up to kpool-1 tokens) is appended.
+    at or before p; the score is Σ_h w_h·ReLU(q_h·k_pool); the top `topk/kpool` candidates (ties
+    to the earlier pool) are expanded to their tokens and the query's own incomplete pool (up to
+    kpool-1 tokens) is appended.
     """
     keys = pooled[pool_table.clamp(min=0)].float()  # [B, P, d]
     scores = torch.relu(torch.einsum("bthd,bpd->bthp", q.float(), keys))

@@ -25,7 +25,9 @@ def causal_conv(
     return y, new_window
 
 
-def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+def kda_gate(
+    f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None
+) -> torch.Tensor:
     """Per-channel log forget gate from raw `f [..., H, d]`: safe gate `lb·σ(e^A·(f+b))` when bounded."""
     x = f.float() + dt_bias.float().view(f.shape[-2:])
     rate = torch.exp(a_log.float())[:, None]
@@ -73,7 +75,9 @@ def kda_chunked(
     for start in range(0, length + pad, c):
         qc, kc, vc, bc = (t[:, :, start : start + c] for t in (q, k, v, beta))
         gc = g[:, :, start : start + c].cumsum(2)
-        decay = torch.exp((gc[:, :, :, None] - gc[:, :, None, :]).masked_fill(~causal[..., None], float("-inf")))
+        decay = torch.exp(
+            (gc[:, :, :, None] - gc[:, :, None, :]).masked_fill(~causal[..., None], float("-inf"))
+        )
         kk = torch.einsum("bhid,bhjd,bhijd->bhij", kc, kc, decay)
         qk = torch.einsum("bhid,bhjd,bhijd->bhij", qc, kc, decay)
         system = torch.eye(c, device=q.device) + bc[..., None] * kk * strict

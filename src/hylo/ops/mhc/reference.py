@@ -37,7 +37,9 @@ def mhc_pre(
     return post, comb, collapsed
 
 
-def mhc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def mhc_post(
+    out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
     """New streams `post ⊗ out + combᵀ @ streams` (`[T, n, D]`, in the streams' dtype)."""
     dtype = streams.dtype
     return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams

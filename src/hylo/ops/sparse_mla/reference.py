@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def sparse_mla(q_latent: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+def sparse_mla(
+    q_latent: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention of `q_latent [T, H, R]` over the latent rows `rows [T, W]` of `latent [S, R]`.
 
     `rows` holds token-cache slots, -1 for an empty entry; every query has at least one row. The
