@@ -11,8 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hf_reference import hf_model, tiny_text_config, write_hf_checkpoint
 
 from hylo.forward_batch import ForwardBatch, SequenceChunk
-from hylo.memory.kv import TokenCache
-from hylo.memory.state import StateCache
+from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.models.loader import load_model
 
 # name -> (kpool, index_topk, layer mix, overrides)
@@ -40,20 +39,24 @@ def models(tiny_checkpoint):
 
 
 class Caches:
-    """Caches for a handful of sequences, each owning a contiguous aligned run of `per_seq` slots."""
+    """Caches for a handful of sequences, each given pages for up to `per_seq` positions."""
 
-    def __init__(self, model, num_seqs: int = 8, per_seq: int = 256):
+    def __init__(self, model, num_seqs: int = 8, per_seq: int = 256, page_size: int = 16):
         config = model.config
-        self.kpool, self.per_seq = config.index_kpool, per_seq
-        self.tokens = TokenCache(config, num_seqs * per_seq, torch.float32, "cpu")
-        self.states = StateCache(config, num_seqs, torch.float32, "cpu")
+        plan = MemoryPlan(num_seqs * per_seq // page_size, page_size, num_seqs, per_seq, 0, 0)
+        self.manager = CacheManager(config, plan, torch.float32, "cpu")
+        for _ in range(num_seqs):
+            slot = self.manager.acquire_slot()
+            assert self.manager.grow(slot, [], per_seq)
 
     def chunk(self, seq: int, token_ids, prefix_len: int) -> SequenceChunk:
-        start = seq * self.per_seq
-        return SequenceChunk(list(token_ids), prefix_len, range(start, start + self.per_seq), seq)
+        return SequenceChunk(list(token_ids), prefix_len, seq, seq)
 
     def forward(self, model, chunks, all_logits: bool = True) -> torch.Tensor:
-        return model(ForwardBatch.build(chunks, self.tokens, self.states, self.kpool, all_logits=all_logits))
+        m = self.manager
+        return model(
+            ForwardBatch.build(chunks, m.table.table, m.tokens, m.states, m.kpool, all_logits=all_logits)
+        )
 
 
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:

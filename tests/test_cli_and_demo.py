@@ -8,14 +8,12 @@ import sys
 from pathlib import Path
 
 import torch
+from conftest import Caches
 
-from hylo.forward_batch import ForwardBatch, SequenceChunk
-from hylo.generation import Sampling, generate
-from hylo.memory.kv import TokenCache
-from hylo.memory.state import StateCache
+from hylo import LLM, SamplingParams
 from hylo.models.demo import DEMO_NAME, ensure_default_model, write_demo_model
 from hylo.models.loader import load_model
-from hylo.tokenizer import IncrementalDetokenizer, Tokenizer
+from hylo.tokenizer import Tokenizer
 
 
 def run_hylo(*args: str, home: Path) -> subprocess.CompletedProcess:
@@ -44,12 +42,8 @@ def test_demo_model_is_deterministic_and_complete(tmp_path):
     assert "shared" in [config.indexer_types[i] for i in config.dsa_layers]
     assert Tokenizer.from_dir(tmp_path / "a").vocab_size == config.vocab_size
     # the random weights give a real, non-degenerate distribution
-    tokens = TokenCache(config, 64, torch.float32, "cpu")
-    states = StateCache(config, 1, torch.float32, "cpu")
-    batch = ForwardBatch.build(
-        [SequenceChunk([5, 6, 7], 0, range(64), 0)], tokens, states, config.index_kpool
-    )
-    probs = torch.softmax(model(batch), -1)
+    caches = Caches(model, num_seqs=1, per_seq=64)
+    probs = torch.softmax(caches.forward(model, [caches.chunk(0, [5, 6, 7], 0)]), -1)
     assert torch.isfinite(probs).all() and probs.max() < 0.99
 
 
@@ -69,23 +63,24 @@ def test_generate_streams_text_from_the_demo_model(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "embedded demo model" in out.stderr and "random weights" in out.stderr
+    assert "max_total_num_tokens=" in out.stderr and "max_running_requests=" in out.stderr
 
-    path = tmp_path / DEMO_NAME
-    tokenizer = Tokenizer.from_dir(path)
-    prompt = tokenizer.encode(
-        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}]), add_special_tokens=False
+    llm = LLM(str(tmp_path / DEMO_NAME), device="cpu")
+    (expected,) = llm.chat(
+        [{"role": "user", "content": "Hello"}],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
     )
-    (ids,) = generate(
-        load_model(path, dtype=torch.float32, progress=False), [prompt], Sampling(max_new_tokens=12)
-    )
-    assert len(ids) == 12
-    assert out.stdout == IncrementalDetokenizer(tokenizer, prompt).step(ids) + "\n"
+    assert len(expected.token_ids) == 12
+    assert out.stdout == expected.text + "\n"
 
 
 def test_generate_rejects_bad_input(tmp_path):
     missing = run_hylo("generate", "--model", str(tmp_path / "nope"), "--prompt", "x", home=tmp_path)
-    assert missing.returncode != 0 and "not a directory" in missing.stderr
+    assert missing.returncode == 2 and "config.json not found" in missing.stderr
     bad = run_hylo("generate", "--prompt", "x", "--top-p", "0", home=tmp_path)
     assert bad.returncode == 2 and "top_p" in bad.stderr
+    bad_engine = run_hylo("generate", "--prompt", "x", "--page-size", "6", home=tmp_path)
+    assert bad_engine.returncode == 2 and "page_size" in bad_engine.stderr
     no_prompt = run_hylo("generate", home=tmp_path)
     assert no_prompt.returncode == 2 and "--prompt" in no_prompt.stderr

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import Caches, random_prompt
 
-from hylo.generation import Sampling, generate
+from hylo import LLM, SamplingParams
 
 PROMPT_LENS = (37, 70, 13)  # none a multiple of 4 or 16; all far beyond the top-k on the long ones
 
@@ -32,10 +32,14 @@ def test_prefill_logits_match_hf(models, length):
     assert rel_err(ours, ref) < 1e-4
 
 
-def test_greedy_generation_matches_hf(models):
+def test_greedy_generation_matches_hf(models, tiny_checkpoint):
     model, hf = models
     prompts = [random_prompt(n, model.config.vocab_size, seed=100 + n) for n in PROMPT_LENS]
-    ours = generate(model, prompts, Sampling(max_new_tokens=32))
+    llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=16)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ours = [
+        o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    ]
     for prompt, tokens in zip(prompts, ours, strict=True):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)
         assert tokens == ref[0, len(prompt) :].tolist()

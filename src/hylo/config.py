@@ -161,3 +161,70 @@ def _indexer_schedule(text: dict[str, Any], n: int) -> list[str]:
     freq = max(int(text.get("index_topk_freq", 1)), 1)
     offset = int(text.get("index_skip_topk_offset", 2))
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+
+
+def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting. Each field is also a `hylo` CLI flag (`--page-size` for `page_size`) and
+    an `LLM(...)` keyword."""
+
+    model: str | None = _flag(
+        None,
+        "HF model directory; default: the embedded tiny random-weight GLM-5.3-Flash, written on first use",
+    )
+    tokenizer: str | None = _flag(None, "tokenizer directory (default: the model directory)")
+    device: str = _flag("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
+    dtype: str = _flag("auto", "bfloat16, float16, float32 or auto (bfloat16 on GPU, float32 on CPU)")
+    page_size: int = _flag(64, "tokens per cache page (a multiple of the indexer's k-pool size)")
+    chunked_prefill_size: int = _flag(8192, "prompt tokens one step may prefill, summed over requests")
+    max_running_requests: int | None = _flag(
+        None,
+        "requests decoding at once (default: what half the memory budget's state slots allow, at most 256)",
+    )
+    mem_fraction_static: float = _flag(
+        0.85, "GPU: fraction of the device memory that weights and caches may take together"
+    )
+    max_memory_gb: float = _flag(2.0, "CPU: GiB for the caches (token pages and request state slots)")
+    context_length: int | None = _flag(None, "longest sequence, prompt + output (default: the model's)")
+    seed: int = _flag(0, "seed of the sampler for requests that bring no seed of their own")
+
+    def __post_init__(self) -> None:
+        positive = ("page_size", "chunked_prefill_size", "max_running_requests", "context_length")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.max_memory_gb <= 0:
+            raise ValueError(f"max_memory_gb must be > 0, got {self.max_memory_gb}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: Any) -> None:
+        """One `--flag` per field, typed by its annotation."""
+        for f in fields(cls):
+            kind = {"int": int, "float": float, "str": str}[str(f.type).split(" |")[0]]
+            parser.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                type=kind,
+                default=f.default,
+                help=f"{f.metadata['help']} (default: {f.default})",
+            )
+
+    @classmethod
+    def from_cli(cls, namespace: Any) -> EngineConfig:
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})

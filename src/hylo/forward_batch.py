@@ -15,31 +15,35 @@ from hylo.memory.state import StateCache
 class SequenceChunk:
     """One sequence's share of a forward: `token_ids` are appended after `prefix_len` cached tokens.
 
-    `token_slots[p]` is the token-cache slot of position `p` for every `p < prefix_len + len(token_ids)`;
-    `state_slot` is the sequence's KDA state slot.
+    `table_row` is the sequence's row of the request table (its positions' token-cache slots, backed
+    for every position `< prefix_len + len(token_ids)`); `state_slot` its KDA state slot. With
+    `sample`, the forward returns logits for the chunk's last token.
     """
 
     token_ids: Sequence[int]
     prefix_len: int
-    token_slots: Sequence[int]
+    table_row: int
     state_slot: int
+    sample: bool = True
 
 
 @dataclass
 class ForwardBatch:
     """Tensors every layer of one forward shares. Tokens are packed sequence after sequence.
 
-    Invariants: built from CPU-side lengths only (no device read); `pad_index[b, t]` is the packed
-    index of sequence b's t-th new token where `pad_valid[b, t]`; `pool_table[b, p]` is the pooled-key
-    slot of sequence b's p-th complete pool after this forward (-1 past its last complete pool);
-    `completed_pools` lists the pooled-key slots of pools whose last token is in this forward.
+    Invariants: built from CPU-side lengths only (device tensors are only indexed, never read);
+    `pad_index[b, t]` is the packed index of sequence b's t-th new token where `pad_valid[b, t]`;
+    `pool_table[b, p]` is the pooled-key slot of sequence b's p-th complete pool after this forward
+    (-1 past its last complete pool); `completed_pools` lists the pooled-key slots of pools whose
+    last token is in this forward.
     """
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T] position of each token in its sequence
     token_seq: torch.Tensor  # [T] sequence index of each token
+    token_rows: torch.Tensor  # [T] request-table row of each token
     new_slots: torch.Tensor  # [T] token-cache slot each token writes
-    req_to_token: torch.Tensor  # [B, max_len] token-cache slot of every position
+    req_to_token: torch.Tensor  # [rows, max_len] the request table
     state_slots: torch.Tensor  # [B]
     pad_index: torch.Tensor  # [B, max_new]
     pad_valid: torch.Tensor  # [B, max_new]
@@ -55,30 +59,29 @@ class ForwardBatch:
     def build(
         cls,
         chunks: Sequence[SequenceChunk],
+        req_to_token: torch.Tensor,
         tokens: TokenCache,
         states: StateCache,
         kpool: int,
         all_logits: bool = False,
     ) -> ForwardBatch:
-        """Pack `chunks`; logits are returned for every token if `all_logits`, else each sequence's last."""
+        """Pack `chunks`; logits are returned for every token if `all_logits`, else for the last token
+        of each chunk that samples."""
         if not chunks:
             raise ValueError("a forward batch needs at least one sequence")
-        device = tokens.latent.device
+        device = req_to_token.device
         extend = [len(c.token_ids) for c in chunks]
         prefix = [c.prefix_len for c in chunks]
         totals = [p + e for p, e in zip(prefix, extend, strict=True)]
-        for i, (c, e, total) in enumerate(zip(chunks, extend, totals, strict=True)):
+        for i, (e, total) in enumerate(zip(extend, totals, strict=True)):
             if e == 0:
                 raise ValueError(f"sequence {i} has no new tokens")
-            if len(c.token_slots) < total:
+            if total > req_to_token.shape[1]:
                 raise ValueError(
-                    f"sequence {i}: token_slots covers {len(c.token_slots)} of {total} positions"
+                    f"sequence {i} reaches position {total}, the table holds {req_to_token.shape[1]}"
                 )
-        batch_size, max_len, max_new = len(chunks), max(totals), max(extend)
-        req_to_token = torch.full((batch_size, max_len), -1, dtype=torch.long)
-        for b, (c, total) in enumerate(zip(chunks, totals, strict=True)):
-            req_to_token[b, :total] = torch.as_tensor(c.token_slots[:total], dtype=torch.long)
-        _check_pool_alignment(req_to_token, totals, kpool)
+        batch_size, max_new = len(chunks), max(extend)
+        rows = torch.tensor([c.table_row for c in chunks])
 
         lens = torch.tensor(extend)
         starts = torch.cumsum(lens, 0) - lens
@@ -89,33 +92,36 @@ class ForwardBatch:
         pad_valid = steps[None, :] < lens[:, None]
         pad_index = torch.where(pad_valid, starts[:, None] + steps[None, :], 0)
 
-        max_pools = max(t // kpool for t in totals)
-        pool_ids = torch.arange(max_pools)
-        pool_table = (
-            req_to_token[:, : max_pools * kpool : kpool] // kpool if max_pools else req_to_token[:, :0]
-        )
-        pool_table = torch.where(pool_ids[None] < torch.tensor(totals)[:, None] // kpool, pool_table, -1)
+        pools_after = torch.tensor(totals) // kpool
+        pool_ids = torch.arange(int(pools_after.max()))
+        pool_valid = pool_ids[None, :] < pools_after[:, None]
         completed = [
-            req_to_token[b, p * kpool].item() // kpool
-            for b in range(batch_size)
-            for p in range(prefix[b] // kpool, totals[b] // kpool)
+            (c.table_row, p * kpool)
+            for c, before, after in zip(chunks, prefix, totals, strict=True)
+            for p in range(before // kpool, after // kpool)
         ]
-        logits_index = packed if all_logits else starts + lens - 1
+        done = torch.tensor(completed, dtype=torch.long).view(-1, 2)
+        sampled = [i for i, c in enumerate(chunks) if c.sample]
+        logits_index = packed if all_logits else (starts + lens - 1)[sampled]
 
         def dev(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
 
+        token_rows = dev(rows[token_seq])
+        positions_d = dev(positions)
+        table_pools = req_to_token[dev(rows)[:, None], dev(pool_ids * kpool)[None, :]].long() // kpool
         return cls(
             input_ids=dev(torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)),
-            positions=dev(positions),
+            positions=positions_d,
             token_seq=dev(token_seq),
-            new_slots=dev(req_to_token[token_seq, positions]),
-            req_to_token=dev(req_to_token),
+            token_rows=token_rows,
+            new_slots=req_to_token[token_rows, positions_d].long(),
+            req_to_token=req_to_token,
             state_slots=dev(torch.tensor([c.state_slot for c in chunks], dtype=torch.long)),
             pad_index=dev(pad_index),
             pad_valid=dev(pad_valid),
-            pool_table=dev(pool_table),
-            completed_pools=dev(torch.tensor(completed, dtype=torch.long)),
+            pool_table=torch.where(dev(pool_valid), table_pools, -1),
+            completed_pools=req_to_token[dev(done[:, 0]), dev(done[:, 1])].long() // kpool,
             logits_index=dev(logits_index),
             extend_lens=extend,
             prefix_lens=prefix,
@@ -135,20 +141,3 @@ class ForwardBatch:
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         """Inverse of `pad`: `[B, max_new, ...]` -> `[T, ...]`."""
         return padded[self.pad_valid]
-
-
-def _check_pool_alignment(req_to_token: torch.Tensor, totals: list[int], kpool: int) -> None:
-    """Every k-pool must sit in an aligned run of `kpool` slots (see `TokenCache`)."""
-    for b, total in enumerate(totals):
-        full = total - total % kpool
-        row = req_to_token[b, :full].view(-1, kpool)
-        first = row[:, :1]
-        if bool((first % kpool).any()) or bool((row != first + torch.arange(kpool)).any()):
-            raise ValueError(
-                f"sequence {b}: the token slots of each k-pool ({kpool} tokens) must be one aligned run"
-            )
-        tail = req_to_token[b, full:total]
-        if tail.numel() and bool((tail != tail[:1] + torch.arange(tail.numel())).any() or tail[0] % kpool):
-            raise ValueError(
-                f"sequence {b}: the incomplete k-pool's slots must start an aligned contiguous run"
-            )

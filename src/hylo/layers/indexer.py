@@ -50,5 +50,5 @@ class Indexer(nn.Module):
                 self.tail,
             )
         )
-        slots = batch.req_to_token[batch.token_seq[:, None], positions.clamp(min=0)]
+        slots = batch.req_to_token[batch.token_rows[:, None], positions.clamp(min=0)].long()
         return slots.masked_fill(positions < 0, -1)

@@ -15,9 +15,20 @@ class TokenCache:
     `index_kpool` tokens occupy an aligned run of slots (`first_slot % index_kpool == 0`), so the
     pooled key of the pool starting at slot `s` lives at `pooled_key[:, s // index_kpool]`. Callers
     guarantee this by allocating slots in pages whose size is a multiple of `index_kpool`.
+
+    `indexer_dtype` is the pooled keys' dtype (default: `dtype`); with `torch.float8_e4m3fn` each
+    pooled key row has a power-of-two fp32 scale in `pooled_key_scale` (None otherwise) and the
+    indexer scores in FP8.
     """
 
-    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        indexer_dtype: torch.dtype | None = None,
+    ):
         if num_slots % config.index_kpool:
             raise ValueError(
                 f"num_slots ({num_slots}) must be a multiple of index_kpool ({config.index_kpool})"
@@ -27,6 +38,20 @@ class TokenCache:
         self.latent = torch.zeros(n_dsa, num_slots, config.kv_lora_rank, dtype=dtype, device=device)
         self.index_key = torch.zeros(n_idx, num_slots, d, dtype=dtype, device=device)
         self.index_gate = torch.zeros(n_idx, num_slots, d, dtype=dtype, device=device)
-        self.pooled_key = torch.zeros(n_idx, num_slots // config.index_kpool, d, dtype=dtype, device=device)
+        n_pools = num_slots // config.index_kpool
+        indexer_dtype = indexer_dtype or dtype
+        self.pooled_key = torch.zeros(n_idx, n_pools, d, dtype=indexer_dtype, device=device)
+        self.pooled_key_scale = (
+            torch.ones(n_idx, n_pools, dtype=torch.float32, device=device)
+            if indexer_dtype == torch.float8_e4m3fn
+            else None
+        )
         self.dsa_index = {layer: i for i, layer in enumerate(config.dsa_layers)}
         self.indexer_index = {layer: i for i, layer in enumerate(config.indexer_layers)}
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> float:
+        """Cache bytes one token costs across all DSA layers (pooled keys amortised over the pool)."""
+        n_idx, d = len(config.indexer_layers), config.index_head_dim
+        elems = len(config.dsa_layers) * config.kv_lora_rank + n_idx * d * (2 + 1 / config.index_kpool)
+        return elems * torch.finfo(dtype).bits / 8

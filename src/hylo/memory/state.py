@@ -27,6 +27,13 @@ class StateCache:
         self.recurrent = torch.zeros(n_kda, num_slots, h, d, d, dtype=torch.float32, device=device)
         self.kda_index = {layer: i for i, layer in enumerate(config.kda_layers)}
 
-    def reset(self, slots: torch.Tensor) -> None:
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        """State bytes of one request across all KDA layers: conv windows plus the fp32 S."""
+        h, d, n_kda = config.linear_num_heads, config.linear_head_dim, len(config.kda_layers)
+        conv = (config.linear_conv_kernel_dim - 1) * 3 * h * d * torch.finfo(dtype).bits // 8
+        return n_kda * (conv + h * d * d * 4)
+
+    def reset(self, slots: torch.Tensor | list[int]) -> None:
         self.conv[:, slots] = 0
         self.recurrent[:, slots] = 0

@@ -1,0 +1,185 @@
+"""The engine: requests in, tokens out, one scheduled step at a time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hylo.config import EngineConfig
+from hylo.engine.request import Request, Status
+from hylo.engine.runner import ModelRunner
+from hylo.engine.scheduler import Scheduler
+from hylo.memory.manager import CacheManager, MemoryPlan
+from hylo.models.loader import load_model
+from hylo.sampling import SamplingParams
+from hylo.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("hylo")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class StepOutput:
+    """What one step did to one request: its new final text and tokens, and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_text: str
+
+    @property
+    def finished(self) -> bool:
+        return self.request.status is Status.FINISHED
+
+
+class Engine:
+    """Loads the model, sizes the caches from one memory budget, and runs the step loop."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        path = Path(config.model) if config.model is not None else _demo_model()
+        self.device, self.dtype = resolve_device(config.device, config.dtype)
+        self.model = load_model(path, self.device, self.dtype)
+        model_config = self.model.config
+        tok_path = Path(config.tokenizer) if config.tokenizer else path
+        self.tokenizer = Tokenizer.from_dir(tok_path) if (tok_path / "tokenizer.json").is_file() else None
+        self.context_len = config.context_length or model_config.max_position_embeddings
+        self.plan = MemoryPlan.from_budget(
+            model_config,
+            self._budget_bytes(),
+            config.page_size,
+            config.max_running_requests,
+            self.context_len,
+            self.dtype,
+        )
+        self.caches = CacheManager(model_config, self.plan, self.dtype, self.device)
+        self.scheduler = Scheduler(self.caches, self.plan.num_slots, config.chunked_prefill_size)
+        self.runner = ModelRunner(self.model, self.caches, config.seed)
+        self.requests: dict[str, Request] = {}
+        logger.info(
+            "max_total_num_tokens=%d max_running_requests=%d bytes_per_token=%.0f bytes_per_slot=%d",
+            self.plan.max_total_num_tokens,
+            self.plan.num_slots,
+            self.plan.bytes_per_token,
+            self.plan.bytes_per_slot,
+        )
+
+    def _budget_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - self.config.mem_fraction_static))
+            if budget <= 0:
+                raise ValueError(
+                    f"mem_fraction_static={self.config.mem_fraction_static} leaves no memory for caches "
+                    f"after the weights ({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
+                )
+            return budget
+        return int(self.config.max_memory_gb * 2**30)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.tokenizer is not None:
+            return self.tokenizer.eos_token_ids
+        eos = self.model.config.eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def add_request(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> list[Request]:
+        """Validate and queue a prompt; `params.n` sequences (ids `request_id`, or `request_id-i`)."""
+        if request_id in self.requests or f"{request_id}-0" in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt = self.validate_prompt(prompt_ids, params)
+        stop_ids = frozenset(params.stop_token_ids) | frozenset(
+            () if params.ignore_eos else self.eos_token_ids
+        )
+        created = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens)
+            request = Request(rid, prompt, params, stop_ids, self.context_len, detok, generator)
+            self.requests[rid] = request
+            self.scheduler.add(request)
+            created.append(request)
+        return created
+
+    def validate_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list, or a ValueError naming what is wrong; nothing is queued on error."""
+        prompt = [int(t) for t in prompt_ids]
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("prompt: must contain at least one token")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.context_len:
+            raise ValueError(f"prompt: {len(prompt)} tokens, the context length is {self.context_len}")
+        needed = min(len(prompt) + params.max_tokens, self.context_len)
+        if needed > self.plan.max_total_num_tokens:
+            raise ValueError(
+                f"prompt + max_tokens: {needed} tokens can never fit the cache of "
+                f"{self.plan.max_total_num_tokens} tokens (max_total_num_tokens)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this model has none")
+        return prompt
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request now (reason `abort`), freeing its pages and slot."""
+        request = self.requests.pop(request_id, None)
+        if request is None or request.status is Status.FINISHED:
+            return None
+        self.scheduler.finish(request)
+        request.finish("abort")
+        return request
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        sampled = [ch.request for ch in chunks if ch.samples]
+        result = self.runner.step(chunks)
+        for ch in chunks:
+            ch.request.num_computed += ch.num_tokens
+        outputs = []
+        for request, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            text = request.append(token, logprobs)
+            if request.status is Status.FINISHED:
+                self.scheduler.finish(request)
+                self.requests.pop(request.request_id, None)
+            outputs.append(StepOutput(request, [token], text))
+        return outputs
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device} requested but CUDA is not available")
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, DTYPES[dtype]
+
+
+def _demo_model() -> Path:
+    from hylo.models.demo import ensure_default_model
+
+    path = ensure_default_model()
+    logger.warning(
+        "no model given: using the embedded demo model at %s (a tiny GLM-5.3-Flash with random weights; "
+        "its output is gibberish by design)",
+        path,
+    )
+    return path

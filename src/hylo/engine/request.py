@@ -1,0 +1,127 @@
+"""A request as the engine tracks it, from arrival to its finish reason."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hylo.sampling import SamplingParams
+from hylo.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Metrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class Request:
+    """One sequence to complete. `num_computed` tokens of `prompt_ids + output_ids` are in the caches;
+    the next forward feeds the rest (all of it after a preemption, which empties the caches).
+
+    Invariant: a RUNNING request holds a slot and pages for at least `num_computed` positions;
+    a WAITING or FINISHED one holds neither.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    max_total_len: int
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    metrics: Metrics = field(default_factory=lambda: Metrics(time.time()))
+    _held_text: str = ""
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to feed before the next sample."""
+        return self.total_len - self.num_computed
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n) : stop - n]
+
+    def banned_ids(self) -> list[int]:
+        """Stop ids may not be sampled before `min_tokens` tokens exist."""
+        return sorted(self.stop_ids) if len(self.output_ids) < self.params.min_tokens else []
+
+    def append(self, token: int, logprobs: dict[int, float] | None) -> str:
+        """Record a sampled token; decide whether the request is finished. Returns the new text that
+        is final (text that might still turn out to start a stop string is held back)."""
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = time.time()
+        self.output_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        new_text = self.detokenizer.step([token]) if self.detokenizer is not None else ""
+        pending = self._held_text + new_text
+        if token in self.stop_ids and len(self.output_ids) >= self.params.min_tokens:
+            return self._finish("stop", pending)
+        if self.params.stop and len(self.output_ids) >= self.params.min_tokens:
+            cut = self._stop_string_cut(pending)
+            if cut is not None:
+                return self._finish("stop", pending[:cut])
+        if len(self.output_ids) >= self.params.max_tokens or self.total_len >= self.max_total_len:
+            return self._finish("length", pending)
+        hold = self._hold_length(pending)
+        emit, self._held_text = pending[: len(pending) - hold], pending[len(pending) - hold :]
+        self.text += emit
+        return emit
+
+    def _stop_string_cut(self, pending: str) -> int | None:
+        """Where the output text ends if a stop string completed in `pending`. Emitted text never ends
+        in a proper prefix of a stop string (see `_hold_length`), so a stop string that completes now
+        starts inside `pending`."""
+        hits = [(i, stop) for stop in self.params.stop if (i := pending.find(stop)) >= 0]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        return index + (len(stop) if self.params.include_stop_str_in_output else 0)
+
+    def _hold_length(self, pending: str) -> int:
+        """Longest suffix of the text that is a proper prefix of some stop string."""
+        longest = 0
+        full = self.text + pending
+        for stop in self.params.stop:
+            for k in range(min(len(stop) - 1, len(full)), longest, -1):
+                if full.endswith(stop[:k]):
+                    longest = k
+                    break
+        return min(longest, len(pending))
+
+    def _finish(self, reason: str, final_text: str) -> str:
+        self.text += final_text
+        self._held_text = ""
+        self.finish(reason)
+        return final_text
+
+    def finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.metrics.finish_time = time.time()

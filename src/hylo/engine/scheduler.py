@@ -1,0 +1,104 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each feeds."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from hylo.engine.request import Request, Status
+from hylo.memory.manager import CacheManager
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk feeds the request's last uncomputed token, so a token is sampled after it."""
+        return self.num_tokens == self.request.remaining
+
+
+class Scheduler:
+    """FCFS with chunked prefill, mixed prefill + decode steps and preemption by recompute.
+
+    Each step: every running request whose prompt is done decodes one token; partially prefilled
+    running requests continue, then waiting requests are admitted in arrival order, while the step's
+    prefill budget (`chunked_prefill_size` tokens), the running limit, slots and pages allow. When a
+    running request needs a page and none is free, the most recently admitted other request is
+    preempted: its caches are released and it returns to the head of the queue, to be recomputed
+    from its prompt and the tokens it already generated.
+    """
+
+    def __init__(self, caches: CacheManager, max_running: int, chunked_prefill_size: int):
+        self.caches = caches
+        self.max_running = max_running
+        self.prefill_budget = chunked_prefill_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        chunks: list[ScheduledChunk] = []
+        budget = self.prefill_budget
+        for request in list(self.running):
+            if request.status is not Status.RUNNING:
+                continue  # preempted while making room for an earlier request
+            n = 1 if request.remaining == 1 else min(request.remaining, budget)
+            if n == 0 or not self._grow(request, request.num_computed + n):
+                continue
+            if request.remaining > 1:
+                budget -= n
+            chunks.append(ScheduledChunk(request, n))
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            n = min(request.remaining, budget)
+            if self.caches.pages_needed(0, n) > self.caches.pages.num_free:
+                break
+            slot = self.caches.acquire_slot()
+            if slot is None:
+                break
+            self.waiting.popleft()
+            request.slot, request.status = slot, Status.RUNNING
+            self.caches.grow(slot, request.pages, n)
+            self.running.append(request)
+            budget -= n
+            chunks.append(ScheduledChunk(request, n))
+        return chunks
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        """Pages for `num_tokens` positions of `request`, preempting later requests if needed; False
+        when `request` itself had to be preempted."""
+        assert request.slot is not None
+        while not self.caches.grow(request.slot, request.pages, num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def preempt(self, request: Request) -> None:
+        self.num_preemptions += 1
+        self._release(request)
+        request.status, request.num_computed = Status.WAITING, 0
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """Drop a finished or aborted request from the queues and free its memory."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request.slot is not None:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        assert request.slot is not None
+        self.caches.release(request.slot, request.pages)
+        request.slot = None
+        self.running.remove(request)

@@ -1,0 +1,103 @@
+"""All per-request memory of one model: token pages, request slots, and the pools they index."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hylo.config import ModelConfig
+from hylo.memory.kv import TokenCache
+from hylo.memory.pages import FreeList, RequestTable
+from hylo.memory.state import StateCache
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How one memory budget is split between token pages and request slots."""
+
+    num_pages: int
+    page_size: int
+    num_slots: int
+    max_len: int
+    bytes_per_token: float
+    bytes_per_slot: int
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @classmethod
+    def from_budget(
+        cls,
+        config: ModelConfig,
+        budget_bytes: int,
+        page_size: int,
+        max_running_requests: int | None,
+        context_len: int,
+        dtype: torch.dtype,
+    ) -> MemoryPlan:
+        """Request slots get what `max_running_requests` asks, or by default up to half the budget
+        (at most 256); token pages get the rest. A slot also pays for its request-table row."""
+        per_token = TokenCache.bytes_per_token(config, dtype)
+        max_len = min(context_len, int(budget_bytes // per_token))
+        per_slot = StateCache.bytes_per_slot(config, dtype) + 4 * max_len
+        slots = max_running_requests or min(256, int(budget_bytes // 2 // per_slot))
+        pages = int((budget_bytes - slots * per_slot) // (per_token * page_size))
+        if slots < 1 or pages < 1:
+            raise ValueError(
+                f"memory budget of {budget_bytes / 2**20:.1f} MiB is too small: one request slot needs "
+                f"{per_slot / 2**20:.1f} MiB and one page of {page_size} tokens "
+                f"{per_token * page_size / 2**20:.2f} MiB"
+            )
+        return cls(pages, page_size, slots, min(max_len, pages * page_size), per_token, per_slot)
+
+
+class CacheManager:
+    """Owns the caches of the running requests. Each running request holds one slot (its request
+    table row and its KDA state slot share the index) and the pages backing its positions.
+
+    Invariants: `pages.num_free` and `slots.num_free` return to their start values once every
+    request is released; a slot's state is zeroed when it is handed out.
+    """
+
+    def __init__(self, config: ModelConfig, plan: MemoryPlan, dtype: torch.dtype, device: torch.device | str):
+        if plan.page_size % config.index_kpool:
+            raise ValueError(
+                f"page_size ({plan.page_size}) must be a multiple of index_kpool ({config.index_kpool})"
+            )
+        self.plan = plan
+        self.kpool = config.index_kpool
+        self.tokens = TokenCache(config, plan.num_pages * plan.page_size, dtype, device)
+        self.states = StateCache(config, plan.num_slots, dtype, device)
+        self.table = RequestTable(plan.num_slots, plan.max_len, plan.page_size, device)
+        self.pages = FreeList(plan.num_pages)
+        self.slots = FreeList(plan.num_slots)
+
+    def acquire_slot(self) -> int | None:
+        got = self.slots.alloc(1)
+        if got is None:
+            return None
+        self.states.reset(got)
+        return got[0]
+
+    def pages_needed(self, held: int, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.plan.page_size) - held)
+
+    def grow(self, slot: int, pages: list[int], num_tokens: int) -> bool:
+        """Back the first `num_tokens` positions of `slot` (appending to `pages`); False, with nothing
+        taken, when not enough pages are free."""
+        need = self.pages_needed(len(pages), num_tokens)
+        if need == 0:
+            return True
+        new = self.pages.alloc(need)
+        if new is None:
+            return False
+        self.table.assign(slot, len(pages), new)
+        pages.extend(new)
+        return True
+
+    def release(self, slot: int, pages: list[int]) -> None:
+        self.pages.free(pages)
+        self.slots.free([slot])
+        pages.clear()

@@ -1,0 +1,51 @@
+"""Token pages, request slots and the request-to-token table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class FreeList:
+    """Hands out integer ids in `[0, size)`; an id is owned by at most one holder until freed."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._free = list(range(size - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """`n` ids, lowest first, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        taken = [self._free.pop() for _ in range(n)]
+        return taken
+
+    def free(self, ids: Sequence[int]) -> None:
+        self._free.extend(sorted(ids, reverse=True))
+
+
+class RequestTable:
+    """`req_to_token[row, position]` = token-cache slot of that position of the request in `row`.
+
+    Positions are backed by pages of `page_size` slots (page p holds slots `p·page_size ..`), so every
+    aligned run of `page_size` positions maps to an aligned run of slots: with `page_size` a multiple
+    of the indexer's pool size, every k-pool sits in one aligned run, as `TokenCache` requires.
+    Entries past a request's pages are stale and never read.
+    """
+
+    def __init__(self, rows: int, max_len: int, page_size: int, device: torch.device | str):
+        self.page_size = page_size
+        self.max_len = -(-max_len // page_size) * page_size
+        self.table = torch.zeros(rows, self.max_len, dtype=torch.int32, device=device)
+
+    def assign(self, row: int, first_page_index: int, pages: Sequence[int]) -> None:
+        """Back positions `first_page_index·page_size ..` of `row` with `pages`."""
+        offsets = torch.arange(self.page_size, dtype=torch.int32)
+        slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * self.page_size + offsets).flatten()
+        start = first_page_index * self.page_size
+        self.table[row, start : start + slots.numel()] = slots.to(self.table.device, non_blocking=True)

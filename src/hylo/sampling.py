@@ -1,0 +1,174 @@
+"""Sampling parameters (vLLM conventions) and the batched sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class SamplingParams(BaseModel):
+    """How to pick each generated token and when to stop. Invalid values raise a `ValueError`
+    (pydantic's `ValidationError`) naming the field; so does an unknown field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n: int = Field(1, ge=1, description="completions per prompt")
+    temperature: float = Field(1.0, ge=0, description="0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 or 0 disables top-k")
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, description="per-request seed: same seed, same output, whatever the batch")
+    max_tokens: int = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list, description="stop strings (not part of the output text)")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    repetition_penalty: float = Field(1.0, gt=0)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logprobs: int | None = Field(None, ge=0, le=20, description="top-n logprobs per generated token")
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else ([] if value is None else value)
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value < -1:
+            raise ValueError("top_k must be -1 (disabled), 0 (disabled) or positive")
+        return value
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+@dataclass
+class SampleRow:
+    """One row of a sampling batch: the request's parameters and what it has seen so far."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    generator: torch.Generator | None
+    banned_ids: Sequence[int]  # eos/stop ids masked while min_tokens is not reached
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def sample(
+    logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator | None
+) -> SampleResult:
+    """Next token per row of `logits [B, V]` (fp32), and top-n logprobs where asked.
+
+    Logprobs are of the raw model distribution (vLLM's default), the sampled token always included.
+    A row with its own generator draws exactly one vector of noise per step from it, so a seeded
+    request samples the same tokens whatever else is in the batch.
+    """
+    raw = logits
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        if row.params.penalized:
+            _apply_penalties(logits[i], row)
+        if row.banned_ids:
+            logits[i, list(row.banned_ids)] = float("-inf")
+
+    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+    temps = torch.tensor(
+        [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows], device=logits.device
+    )
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    probs = _truncate(probs, rows)
+    noise = torch.empty_like(probs)
+    shared = [i for i, r in enumerate(rows) if r.generator is None]
+    if shared:
+        noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
+            generator=generator
+        )
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=r.generator)
+    # probs / Exp(1) noise is an exponential race: its argmax is a sample from probs.
+    sampled = torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1))
+
+    wanted = [r.params.logprobs for r in rows]
+    if all(n is None for n in wanted):
+        return SampleResult(sampled.tolist(), [None] * len(rows))
+    logprobs = torch.log_softmax(raw, dim=-1)
+    top_n = max(n for n in wanted if n is not None)
+    top = logprobs.topk(top_n, dim=-1) if top_n else None
+    chosen = logprobs.gather(1, sampled[:, None])[:, 0]
+    tokens, chosen_lp = sampled.tolist(), chosen.tolist()
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in rows]
+    top_lps = top.values.tolist() if top is not None else [[] for _ in rows]
+    out: list[dict[int, float] | None] = []
+    for i, n in enumerate(wanted):
+        if n is None:
+            out.append(None)
+            continue
+        entry = dict(zip(top_ids[i][:n], top_lps[i][:n], strict=True))
+        entry[tokens[i]] = chosen_lp[i]
+        out.append(entry)
+    return SampleResult(tokens, out)
+
+
+def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
+    """vLLM semantics: repetition over prompt + output, frequency/presence over the output."""
+    p = row.params
+    device = logits.device
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted({*row.prompt_ids, *row.output_ids}), dtype=torch.long, device=device)
+        if seen.numel():
+            values = logits[seen]
+            logits[seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+    if (p.frequency_penalty or p.presence_penalty) and row.output_ids:
+        ids = torch.tensor(row.output_ids, dtype=torch.long, device=device)
+        counts = torch.bincount(ids, minlength=logits.shape[0]).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _truncate(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """top-k, then top-p, then min-p, each only where a row asks for it (decided on the host)."""
+    vocab, device = probs.shape[1], probs.device
+    ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    ps = [r.params.top_p for r in rows]
+    if any(k < vocab for k in ks) or any(p < 1 for p in ps):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device)[None, :]
+        top_k, top_p = torch.tensor(ks, device=device), torch.tensor(ps, device=device)
+        drop = (rank >= top_k[:, None]) | (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None])
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0))
+    if any(r.params.min_p > 0 for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0)
+    return probs

@@ -1,0 +1,193 @@
+"""The engine end to end on the CPU: batching, chunking, preemption, sampling, validation, abort."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompt
+from hf_reference import hf_model, tiny_text_config, write_hf_checkpoint
+
+from hylo import LLM, SamplingParams
+from hylo.config import ModelConfig
+from hylo.memory.kv import TokenCache
+from hylo.memory.state import StateCache
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+LENGTHS = [37, 5, 70, 13, 1, 22, 48, 9, 64, 31, 2, 17, 55, 40, 8, 26]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_hf_checkpoint(tmp_path_factory.mktemp("engine"), tiny_text_config(4, 8), seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [random_prompt(n, 160, seed=1000 + i) for i, n in enumerate(LENGTHS)]
+
+
+def make_llm(checkpoint, **kwargs) -> LLM:
+    return LLM(model=str(checkpoint), device="cpu", dtype="float32", page_size=16, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts):
+    """Greedy tokens of every prompt from the engine with default settings."""
+    outs = make_llm(checkpoint).generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+def test_batch_of_16_matches_hf_generate(checkpoint, prompts, reference):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    hf = hf_model(checkpoint)
+    for prompt, ours in zip(prompts, reference, strict=True):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert ours == ref[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(chunked_prefill_size=1),
+        dict(chunked_prefill_size=7),
+        dict(chunked_prefill_size=64),
+        dict(max_running_requests=1),
+        dict(max_running_requests=16),
+    ],
+)
+def test_outputs_do_not_depend_on_chunking_or_concurrency(checkpoint, prompts, reference, settings):
+    outs = make_llm(checkpoint, **settings).generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False
+    )
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_preemption_keeps_outputs_and_loses_nothing(checkpoint, prompts, reference):
+    config = ModelConfig.from_dir(checkpoint)
+    token_bytes = TokenCache.bytes_per_token(config, torch.float32)
+    slot_bytes = StateCache.bytes_per_slot(config, torch.float32)
+    # room for 4 request slots and ~200 tokens: far less than 16 prompts of up to 70 + 24 tokens
+    budget = 4 * (slot_bytes + 4 * 256) + 200 * token_bytes
+    llm = make_llm(checkpoint, max_memory_gb=budget / 2**30, max_running_requests=4, context_length=256)
+    assert llm.engine.plan.max_total_num_tokens < 4 * (70 + 24)
+    pages, slots = llm.engine.caches.pages.num_free, llm.engine.caches.slots.num_free
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    assert (llm.engine.caches.pages.num_free, llm.engine.caches.slots.num_free) == (pages, slots)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(checkpoint, prompts):
+    llm = make_llm(checkpoint)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=[prompts[0]], sampling_params=params, use_tqdm=False)[0]
+    mixed = [SamplingParams(temperature=1.0, max_tokens=5 + i, ignore_eos=True) for i in range(5)]
+    batch = llm.generate(
+        prompt_token_ids=[prompts[3], prompts[0], *prompts[5:9]],
+        sampling_params=[mixed[0], params, *mixed[1:]],
+        use_tqdm=False,
+    )
+    assert batch[1].token_ids == alone.token_ids
+    other_seed = llm.generate(
+        prompt_token_ids=[prompts[0]], sampling_params=params.model_copy(update={"seed": 8}), use_tqdm=False
+    )[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_n_logprobs_and_greedy_truncations(checkpoint, prompts):
+    llm = make_llm(checkpoint)
+    out = llm.generate(
+        prompt_token_ids=[prompts[0]],
+        use_tqdm=False,
+        sampling_params=SamplingParams(
+            n=3, temperature=1.0, seed=1, max_tokens=12, ignore_eos=True, logprobs=3
+        ),
+    )[0]
+    assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) == 3
+    for completion in out.outputs:
+        assert len(completion.logprobs) == 12
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+            assert token in entry and 3 <= len(entry) <= 4 and all(v <= 0 for v in entry.values())
+    greedy = llm.generate(
+        prompt_token_ids=[prompts[0]],
+        use_tqdm=False,
+        sampling_params=GREEDY.model_copy(update={"logprobs": 2}),
+    )[0]
+    for token, entry in zip(greedy.token_ids, greedy.logprobs, strict=True):
+        assert entry[token] == max(entry.values())
+    for truncation in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+        same = llm.generate(
+            prompt_token_ids=[prompts[0]],
+            use_tqdm=False,
+            sampling_params=GREEDY.model_copy(update=dict(temperature=1.5, **truncation)),
+        )[0]
+        assert same.token_ids == greedy.token_ids, truncation
+
+
+def test_stop_token_ids_and_min_tokens(checkpoint, prompts, reference):
+    llm = make_llm(checkpoint)
+    stop_at = reference[0][3]
+    first = reference[0].index(stop_at)
+    out = llm.generate(
+        prompt_token_ids=[prompts[0]],
+        use_tqdm=False,
+        sampling_params=GREEDY.model_copy(update={"stop_token_ids": [stop_at]}),
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == reference[0][: first + 1]
+    delayed = llm.generate(
+        prompt_token_ids=[prompts[0]],
+        use_tqdm=False,
+        sampling_params=GREEDY.model_copy(update={"stop_token_ids": [stop_at], "min_tokens": first + 2}),
+    )[0]
+    assert stop_at not in delayed.token_ids[: first + 1] and len(delayed.token_ids) >= first + 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(prompt_token_ids=[[5, 6], []]), "prompt"),
+        (dict(prompt_token_ids=[[5, 6], [3] * 300]), "context length"),
+        (dict(prompt_token_ids=[[5, 6], [3, 160]]), "vocabulary"),
+    ],
+)
+def test_bad_prompts_are_rejected_before_any_work(checkpoint, kwargs, field):
+    llm = make_llm(checkpoint, context_length=256)
+    with pytest.raises(ValueError, match=field) as err:
+        llm.generate(sampling_params=GREEDY, use_tqdm=False, **kwargs)
+    assert "prompt 1" in str(err.value)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(bogus=1), "bogus"),
+        (dict(top_p=0), "top_p"),
+        (dict(temperature=-1), "temperature"),
+    ],
+)
+def test_bad_sampling_fields_name_the_field(params, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**params)
+
+
+def test_abort_frees_pages_and_slot(checkpoint, prompts):
+    llm = make_llm(checkpoint)
+    engine = llm.engine
+    start = (engine.caches.pages.num_free, engine.caches.slots.num_free)
+    for i, prompt in enumerate(prompts[:4]):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert engine.caches.pages.num_free < start[0]
+    aborted = engine.abort("r2")
+    assert aborted.finish_reason == "abort" and aborted.slot is None
+    while engine.has_unfinished():
+        engine.step()
+    assert (engine.caches.pages.num_free, engine.caches.slots.num_free) == start
+    waiting = engine.add_request("w", prompts[0], GREEDY)[0]
+    assert engine.abort("w") is waiting and not engine.has_unfinished()

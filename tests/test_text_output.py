@@ -1,0 +1,90 @@
+"""Text-level behaviour on the demo model (it has a tokenizer): stop strings, streaming, chat."""
+
+from __future__ import annotations
+
+import pytest
+
+from hylo import LLM, SamplingParams
+from hylo.models.demo import write_demo_model
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("demo")
+    write_demo_model(path)
+    return LLM(str(path), device="cpu", page_size=16)
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(**({"temperature": 0, "max_tokens": 40, "ignore_eos": True} | kwargs))
+
+
+def straddling_stop(llm, token_ids) -> tuple[str, str]:
+    """The full greedy text and a 3-character stop string that spans a token boundary in it."""
+    tok = llm.tokenizer
+    text = tok.decode(token_ids)
+    for j in range(2, len(token_ids) - 2):
+        head = tok.decode(token_ids[:j])
+        stop = text[len(head) - 1 : len(head) + 2]
+        clean = text.startswith(head) and len(tok.decode(token_ids[j : j + 1])) >= 2
+        if clean and len(head) > 1 and len(stop) == 3 and "\ufffd" not in stop:
+            return text, stop
+    raise AssertionError("no clean token boundary in the greedy text")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_token_boundary_cuts_exactly(llm, include):
+    (full,) = llm.generate(PROMPT, greedy(), use_tqdm=False)
+    text, stop = straddling_stop(llm, full.token_ids)
+    (out,) = llm.generate(PROMPT, greedy(stop=[stop], include_stop_str_in_output=include), use_tqdm=False)
+    cut = text.index(stop) + (len(stop) if include else 0)
+    assert out.finish_reason == "stop"
+    assert out.text == text[:cut]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert llm.tokenizer.decode(out.token_ids).startswith(text[: text.index(stop) + len(stop)])
+
+
+def test_streamed_text_never_leaks_a_stop_string(llm):
+    (full,) = llm.generate(PROMPT, greedy(), use_tqdm=False)
+    text, stop = straddling_stop(llm, full.token_ids)
+    engine = llm.engine
+    engine.add_request("s", llm.tokenizer.encode(PROMPT), greedy(stop=[stop, "never-appears"]))
+    pieces = []
+    while engine.has_unfinished():
+        pieces.extend(out.new_text for out in engine.step())
+    streamed = "".join(pieces)
+    assert streamed == text[: text.index(stop)]
+    assert stop not in streamed
+
+
+def test_stream_equals_final_text_without_stops(llm):
+    engine = llm.engine
+    requests = engine.add_request("t", llm.tokenizer.encode(PROMPT), greedy(max_tokens=30))
+    pieces = []
+    while engine.has_unfinished():
+        pieces.extend(out.new_text for out in engine.step())
+    assert "".join(pieces) == requests[0].text
+    assert "\ufffd" not in requests[0].text or "\ufffd" in llm.tokenizer.decode(requests[0].output_ids)
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    (out,) = llm.chat(messages, greedy(max_tokens=8), use_tqdm=False)
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert out.prompt_token_ids == prompt
+    (direct,) = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(max_tokens=8), use_tqdm=False)
+    assert out.token_ids == direct.token_ids
+    with pytest.raises(ValueError, match="message 0"):
+        llm.chat([{"role": "user"}], greedy(), use_tqdm=False)
+
+
+def test_eos_stops_generation(llm):
+    eos = llm.tokenizer.eos_token_ids
+    (full,) = llm.generate(PROMPT, greedy(), use_tqdm=False)
+    first = full.token_ids[2]
+    (out,) = llm.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[first]), use_tqdm=False
+    )
+    assert out.finish_reason == "stop" and out.token_ids[-1] in {first, *eos}
