@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/hylo generate --chat --prompt "Hello from hylo! Tell me about hybrid attention." --max-tokens 48
+	$(VENV)/bin/hylo serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP) lint
 	$(PY) -m pytest

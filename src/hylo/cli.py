@@ -32,8 +32,38 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence tokens"
     )
-    engine = gen.add_argument_group("engine")
-    EngineConfig.add_cli_args(engine)
+    EngineConfig.add_cli_args(gen.add_argument_group("engine"))
+
+    srv = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument(
+        "--served-model-name", default=None, help="model name of the API (default: the directory name)"
+    )
+    srv.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="waiting requests beyond which new ones get HTTP 429 (default: no limit)",
+    )
+    EngineConfig.add_cli_args(srv.add_argument_group("engine"))
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench", required=True)
+    from hylo.bench.serving import add_cli_args as add_bench_args
+
+    add_bench_args(
+        bench_kinds.add_parser(
+            "serve",
+            help="load-test an OpenAI-compatible server",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
     return parser
 
 
@@ -70,12 +100,30 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from hylo.models.loader import CheckpointError
+    from hylo.server.launch import serve
+
+    try:
+        config = EngineConfig.from_cli(args)
+        serve(config, args.host, args.port, args.api_key, args.served_model_name, args.max_queued_requests)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"hylo: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="hylo: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     args = _build_parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)
-    return 1
+    if args.command == "serve":
+        return _serve(args)
+    from hylo.bench.serving import run_from_cli
+
+    return run_from_cli(args)
 
 
 if __name__ == "__main__":

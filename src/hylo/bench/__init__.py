@@ -1,0 +1,1 @@
+"""Benchmarks users run against hylo and other servers."""

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server (its own registry, so several servers can live in one process)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from hylo.engine.engine import Engine, StepOutput
+from hylo.engine.request import Request
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    """Gauges read the engine when scraped; histograms and counters are fed by the engine thread."""
+
+    def __init__(self, engine: Engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        caches, scheduler = engine.caches, engine.scheduler
+        Gauge("hylo_num_requests_running", "Requests holding a slot", registry=r).set_function(
+            lambda: len(scheduler.running)
+        )
+        Gauge("hylo_num_requests_waiting", "Requests queued for a slot", registry=r).set_function(
+            lambda: len(scheduler.waiting)
+        )
+        Gauge("hylo_token_usage", "Fraction of token-cache pages in use", registry=r).set_function(
+            lambda: 1 - caches.pages.num_free / caches.pages.size
+        )
+        Gauge("hylo_state_slot_usage", "Fraction of KDA state slots in use", registry=r).set_function(
+            lambda: 1 - caches.slots.num_free / caches.slots.size
+        )
+        Gauge("hylo_num_preemptions", "Requests preempted so far", registry=r).set_function(
+            lambda: scheduler.num_preemptions
+        )
+        self.ttft = Histogram(
+            "hylo_time_to_first_token_seconds", "Arrival to first token", registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.itl = Histogram(
+            "hylo_inter_token_latency_seconds",
+            "Gap between a request's tokens",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "hylo_e2e_request_latency_seconds", "Arrival to finish", registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.prompt_tokens = Counter("hylo_prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("hylo_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("hylo_request_success", "Requests finished", ["finish_reason"], registry=r)
+        self._last_token: dict[str, float] = {}
+
+    def on_arrival(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def on_step(self, outputs: Sequence[StepOutput]) -> None:
+        now = time.time()
+        for out in outputs:
+            request = out.request
+            self.generation_tokens.inc(len(out.new_token_ids))
+            last = self._last_token.get(request.request_id)
+            if last is None:
+                self.ttft.observe(now - request.metrics.arrival_time)
+            else:
+                self.itl.observe(now - last)
+            self._last_token[request.request_id] = now
+
+    def on_finish(self, request: Request) -> None:
+        self._last_token.pop(request.request_id, None)
+        self.finished.labels(request.finish_reason or "unknown").inc()
+        if request.metrics.finish_time is not None:
+            self.e2e.observe(request.metrics.finish_time - request.metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,366 @@
+"""The OpenAI-compatible server, driven by the official `openai` client against a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from hylo import LLM, SamplingParams
+from hylo.models.demo import write_demo_model
+
+KEY = "test-key"
+NAME = "demo"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "hylo.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        NAME,
+        "--device",
+        "cpu",
+        "--page-size",
+        "16",
+        "--max-memory-gb",
+        "0.25",
+        *flags,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("demo")
+    write_demo_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc, url = start_server(model_dir, "--api-key", KEY, "--context-length", "512")
+    yield url
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir) -> LLM:
+    return LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.25)
+
+
+PROMPTS = [
+    " ".join(["story", "water", "time", "book", "night", "game"][: 1 + i % 6]) + f" {i}" for i in range(32)
+]
+
+
+def test_completions_match_offline_generate(client, offline):
+    out = client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=12, temperature=0)
+    (ref,) = offline.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert out.choices[0].text == ref.text
+    assert out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids) and out.usage.completion_tokens == len(
+        ref.token_ids
+    )
+    stream = client.completions.create(
+        model=NAME,
+        prompt=PROMPTS[3],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_chat_streaming_and_not(client, offline):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    (ref,) = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    assert out.choices[0].message.content == ref.text and out.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_32_concurrent_streams_equal_offline(server, offline):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
+
+    async def one(aclient: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await aclient.completions.create(
+            model=NAME,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in PROMPTS))
+
+    assert asyncio.run(run()) == expected
+
+
+def test_n_seed_and_logprobs(client):
+    out = client.completions.create(
+        model=NAME,
+        prompt="Hello",
+        max_tokens=6,
+        temperature=1.0,
+        n=2,
+        seed=3,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in out.choices] == [0, 1] and out.usage.completion_tokens == 12
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == 6 and len(lp.token_logprobs) == 6 and all(v <= 0 for v in lp.token_logprobs)
+        assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
+    again = client.completions.create(
+        model=NAME,
+        prompt="Hello",
+        max_tokens=6,
+        temperature=1.0,
+        n=2,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob == max(t.logprob for t in c.top_logprobs) for c in content)
+
+
+def post(url: str, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": "high"}, 400, "top_p"),
+        ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [1, 2, 100000]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ],
+)
+def test_bad_input_gets_its_status_and_server_keeps_serving(server, path, body, status, param):
+    response = post(server, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["param"] == param and param in error["message"]
+    assert post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_auth(server):
+    assert post(server, "/v1/completions", {"prompt": "x"}, key=None).status_code == 401
+    bad = post(server, "/v1/completions", {"prompt": "x"}, key="wrong")
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server}/v1/models").status_code == 401
+    models = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert models["data"][0]["id"] == NAME and models["data"][0]["max_model_len"] == 512
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def wait_idle(url: str) -> dict:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        info = httpx.get(f"{url}/server_info").json()
+        if (
+            info["num_running"] == 0
+            and info["num_waiting"] == 0
+            and info["free_pages"] == info["total_pages"]
+        ):
+            return info
+        time.sleep(0.1)
+    raise AssertionError(f"server never went idle: {info}")
+
+
+def test_disconnect_mid_stream_frees_resources(server):
+    wait_idle(server)
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as response:
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        info = httpx.get(f"{server}/server_info").json()
+        assert info["num_running"] == 1 and info["free_slots"] == info["total_slots"] - 1
+    info = wait_idle(server)
+    assert info["free_slots"] == info["total_slots"]
+    metrics = httpx.get(f"{server}/metrics").text
+    assert 'hylo_request_success_total{finish_reason="abort"}' in metrics
+
+
+def test_metrics_expose_serving_figures(server):
+    text = httpx.get(f"{server}/metrics").text
+    for name in (
+        "hylo_num_requests_running",
+        "hylo_num_requests_waiting",
+        "hylo_token_usage",
+        "hylo_state_slot_usage",
+        "hylo_time_to_first_token_seconds_bucket",
+        "hylo_inter_token_latency_seconds_bucket",
+        "hylo_e2e_request_latency_seconds_bucket",
+        "hylo_prompt_tokens_total",
+        "hylo_generation_tokens_total",
+    ):
+        assert name in text, name
+
+
+def test_bench_serve_writes_every_metric(server, tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hylo.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            server,
+            "--dataset",
+            "random",
+            "--num-prompts",
+            "8",
+            "--random-input-len",
+            "12",
+            "--random-output-len",
+            "6",
+            "--api-key",
+            KEY,
+            "--max-concurrency",
+            "4",
+            "--output-json",
+            str(out),
+            "--disable-tqdm",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Serving Benchmark Result" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["completed"] == 8 and report["failed"] == 0 and report["total_output_tokens"] == 48
+    for key in (
+        "request_throughput",
+        "input_throughput",
+        "output_throughput",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "p99_itl_ms",
+        "median_e2e_latency_ms",
+    ):
+        assert report[key] > 0, key
+
+
+def test_queue_limit_and_graceful_sigterm(model_dir):
+    proc, url = start_server(model_dir, "--max-running-requests", "1", "--max-queued-requests", "1")
+    try:
+        long = {"prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=120) as first:
+            lines = first.iter_lines()
+            next(lines)
+
+            async def burst() -> list[int]:
+                async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                    rs = await asyncio.gather(
+                        *(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}) for _ in range(4))
+                    )
+                    return [r.status_code for r in rs]
+
+            statuses = asyncio.run(burst())
+            assert 429 in statuses and 200 in statuses
+            # SIGTERM while the long stream runs: it still completes, then the process exits cleanly
+            proc.send_signal(signal.SIGTERM)
+            rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert rest[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        stop(proc)
