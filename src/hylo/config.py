@@ -191,9 +191,22 @@ class EngineConfig:
     max_memory_gb: float = _flag(2.0, "CPU: GiB for the caches (token pages and request state slots)")
     context_length: int | None = _flag(None, "longest sequence, prompt + output (default: the model's)")
     seed: int = _flag(0, "seed of the sampler for requests that bring no seed of their own")
+    speculative_algorithm: str | None = _flag(
+        None, "speculative decoding: DFLASH (DFlash and DFlash2 drafts)"
+    )
+    speculative_draft_model_path: str | None = _flag(None, "draft model directory (DFLASH)")
+    speculative_num_draft_tokens: int | None = _flag(
+        None, "DFLASH block size: the anchor + drafts verified per step (default: the draft's block_size)"
+    )
 
     def __post_init__(self) -> None:
-        positive = ("page_size", "chunked_prefill_size", "max_running_requests", "context_length")
+        positive = (
+            "page_size",
+            "chunked_prefill_size",
+            "max_running_requests",
+            "context_length",
+            "speculative_num_draft_tokens",
+        )
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -202,6 +215,12 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.max_memory_gb <= 0:
             raise ValueError(f"max_memory_gb must be > 0, got {self.max_memory_gb}")
+        if self.speculative_algorithm not in (None, "DFLASH"):
+            raise ValueError(f"speculative_algorithm must be DFLASH, got {self.speculative_algorithm!r}")
+        if self.speculative_algorithm and not self.speculative_draft_model_path:
+            raise ValueError("speculative_draft_model_path is required with speculative_algorithm")
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
+            raise ValueError("speculative_num_draft_tokens must be >= 2 (the anchor and at least one draft)")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
 

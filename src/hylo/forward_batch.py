@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +17,9 @@ class SequenceChunk:
 
     `table_row` is the sequence's row of the request table (its positions' token-cache slots, backed
     for every position `< prefix_len + len(token_ids)`); `state_slot` its KDA state slot. With
-    `sample`, the forward returns logits for the chunk's last token.
+    `sample`, the forward returns logits for the chunk's last token. A `verify` chunk (an anchor and
+    its drafts) returns logits for every token and leaves the KDA state of its slot untouched: the
+    accepted prefix is committed afterwards (`Glm5NextForCausalLM.commit`).
     """
 
     token_ids: Sequence[int]
@@ -25,6 +27,7 @@ class SequenceChunk:
     table_row: int
     state_slot: int
     sample: bool = True
+    verify: bool = False
 
 
 @dataclass
@@ -52,8 +55,13 @@ class ForwardBatch:
     logits_index: torch.Tensor  # packed indices whose logits the forward returns
     extend_lens: list[int]
     prefix_lens: list[int]
+    verify_seqs: list[int]  # indices of the verify chunks
+    seq_rows: list[int]  # request-table row of each sequence (host copy)
+    seq_slots: list[int]  # KDA state slot of each sequence (host copy)
     tokens: TokenCache
     states: StateCache
+    kda_records: dict[int, torch.Tensor] = field(default_factory=dict)  # KDA layer -> input a commit replays
+    features: torch.Tensor | None = None  # captured target features, when a forward asks for them
 
     @classmethod
     def build(
@@ -101,8 +109,10 @@ class ForwardBatch:
             for p in range(before // kpool, after // kpool)
         ]
         done = torch.tensor(completed, dtype=torch.long).view(-1, 2)
-        sampled = [i for i, c in enumerate(chunks) if c.sample]
-        logits_index = packed if all_logits else (starts + lens - 1)[sampled]
+        logits_index = packed if all_logits else torch.cat([
+            torch.arange(start, start + n) if c.verify else torch.tensor([start + n - 1])
+            for c, start, n in zip(chunks, starts.tolist(), extend, strict=True) if c.sample or c.verify
+        ] or [torch.zeros(0, dtype=torch.long)])  # fmt: skip
 
         def dev(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
@@ -125,6 +135,9 @@ class ForwardBatch:
             logits_index=dev(logits_index),
             extend_lens=extend,
             prefix_lens=prefix,
+            verify_seqs=[i for i, c in enumerate(chunks) if c.verify],
+            seq_rows=[c.table_row for c in chunks],
+            seq_slots=[c.state_slot for c in chunks],
             tokens=tokens,
             states=states,
         )

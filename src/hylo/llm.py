@@ -13,6 +13,7 @@ from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.engine.request import Metrics, Request
 from hylo.sampling import SamplingParams
+from hylo.spec.proposer import Proposer
 
 
 @dataclass
@@ -55,8 +56,9 @@ class LLM:
     """`LLM(model=PATH, device=..., dtype=..., **engine_args)`; engine args are the `hylo` CLI flags
     in snake_case (`chunked_prefill_size`, `max_running_requests`, `page_size`, ...)."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any):
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_args))
+    def __init__(self, model: str | None = None, proposer: Proposer | None = None, **engine_args: Any):
+        """`proposer` plugs in a custom speculative proposer (instead of `speculative_algorithm`)."""
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_args), proposer)
         self._ids = itertools.count()
 
     @property

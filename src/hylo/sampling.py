@@ -94,19 +94,8 @@ def sample(
     request samples the same tokens whatever else is in the batch.
     """
     raw = logits
-    logits = logits.clone()
-    for i, row in enumerate(rows):
-        if row.params.penalized:
-            _apply_penalties(logits[i], row)
-        if row.banned_ids:
-            logits[i, list(row.banned_ids)] = float("-inf")
-
+    logits, probs = target_distribution(logits, rows)
     greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-    temps = torch.tensor(
-        [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows], device=logits.device
-    )
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
-    probs = _truncate(probs, rows)
     noise = torch.empty_like(probs)
     shared = [i for i, r in enumerate(rows) if r.generator is None]
     if shared:
@@ -138,6 +127,20 @@ def sample(
         entry[tokens[i]] = chosen_lp[i]
         out.append(entry)
     return SampleResult(tokens, out)
+
+
+def target_distribution(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The processed logits (penalties, banned ids) and the distribution each row samples from
+    (temperature, then top-k / top-p / min-p). Greedy rows sample the argmax of the logits."""
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        if row.params.penalized:
+            _apply_penalties(logits[i], row)
+        if row.banned_ids:
+            logits[i, list(row.banned_ids)] = float("-inf")
+    temps = [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows]
+    probs = torch.softmax(logits / torch.tensor(temps, device=logits.device)[:, None], dim=-1)
+    return logits, _truncate(probs, rows)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:

@@ -16,6 +16,7 @@ from hylo.engine.scheduler import Scheduler
 from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
+from hylo.spec.proposer import Proposer
 from hylo.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("hylo")
@@ -29,6 +30,7 @@ class StepOutput:
     request: Request
     new_token_ids: list[int]
     new_text: str
+    accepted_drafts: int | None = None  # set for a verify step
 
     @property
     def finished(self) -> bool:
@@ -38,7 +40,8 @@ class StepOutput:
 class Engine:
     """Loads the model, sizes the caches from one memory budget, and runs the step loop."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, proposer: Proposer | None = None):
+        """`proposer` overrides the one `config.speculative_algorithm` would build."""
         self.config = config
         path = Path(config.model) if config.model is not None else _demo_model()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
@@ -47,17 +50,19 @@ class Engine:
         tok_path = Path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = Tokenizer.from_dir(tok_path) if (tok_path / "tokenizer.json").is_file() else None
         self.context_len = config.context_length or model_config.max_position_embeddings
+        self.proposer = proposer or self._build_proposer()
+        draft_bytes = self.proposer.bytes_per_token() if self.proposer else 0.0
         self.plan = MemoryPlan.from_budget(
-            model_config,
-            self._budget_bytes(),
-            config.page_size,
-            config.max_running_requests,
-            self.context_len,
-            self.dtype,
-        )
+            model_config, self._budget_bytes(), config.page_size, config.max_running_requests,
+            self.context_len, self.dtype, draft_bytes,
+        )  # fmt: skip
         self.caches = CacheManager(model_config, self.plan, self.dtype, self.device)
-        self.scheduler = Scheduler(self.caches, self.plan.num_slots, config.chunked_prefill_size)
-        self.runner = ModelRunner(self.model, self.caches, config.seed)
+        num_drafts = 0
+        if self.proposer is not None:
+            self.proposer.attach(self.caches.tokens.num_slots, self.caches.table.table)
+            num_drafts = self.proposer.num_draft_tokens
+        self.scheduler = Scheduler(self.caches, self.plan.num_slots, config.chunked_prefill_size, num_drafts)
+        self.runner = ModelRunner(self.model, self.caches, config.seed, self.proposer)
         self.requests: dict[str, Request] = {}
         logger.info(
             "max_total_num_tokens=%d max_running_requests=%d bytes_per_token=%.0f bytes_per_slot=%d",
@@ -65,6 +70,15 @@ class Engine:
             self.plan.num_slots,
             self.plan.bytes_per_token,
             self.plan.bytes_per_slot,
+        )
+
+    def _build_proposer(self) -> Proposer | None:
+        if self.config.speculative_algorithm is None:
+            return None
+        from hylo.spec.dflash import DFlashProposer
+
+        return DFlashProposer.load(
+            self.config.speculative_draft_model_path, self.model, self.config.speculative_num_draft_tokens
         )
 
     def _budget_bytes(self) -> int:
@@ -148,17 +162,24 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        sampled = [ch.request for ch in chunks if ch.samples]
-        result = self.runner.step(chunks)
-        for ch in chunks:
-            ch.request.num_computed += ch.num_tokens
         outputs = []
-        for request, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
-            text = request.append(token, logprobs)
-            if request.status is Status.FINISHED:
-                self.scheduler.finish(request)
-                self.requests.pop(request.request_id, None)
-            outputs.append(StepOutput(request, [token], text))
+        for ch, result in zip(chunks, self.runner.step(chunks), strict=True):
+            request = ch.request
+            request.num_computed += result.committed
+            if ch.verify:
+                request.metrics.spec_verify_steps += 1
+                request.metrics.spec_accepted_tokens += result.accepted
+            if not result.tokens:
+                continue
+            text, taken = "", []
+            for k, token in enumerate(result.tokens):
+                taken.append(token)
+                text += request.append(token, result.logprobs[k] if result.logprobs else None)
+                if request.status is Status.FINISHED:
+                    self.scheduler.finish(request)
+                    self.requests.pop(request.request_id, None)
+                    break
+            outputs.append(StepOutput(request, taken, text, result.accepted if ch.verify else None))
         return outputs
 
 

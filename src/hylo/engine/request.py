@@ -20,9 +20,20 @@ class Status(enum.Enum):
 
 @dataclass
 class Metrics:
+    """Times, and with speculative decoding the verify steps and the drafts they accepted;
+    the acceptance length τ = tokens committed per verify step (accepted drafts + 1)."""
+
     arrival_time: float
     first_token_time: float | None = None
     finish_time: float | None = None
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        if not self.spec_verify_steps:
+            return None
+        return 1 + self.spec_accepted_tokens / self.spec_verify_steps
 
 
 @dataclass
@@ -66,6 +77,14 @@ class Request:
         if stop <= n:
             return self.prompt_ids[start:stop]
         return self.prompt_ids[start:] + self.output_ids[max(0, start - n) : stop - n]
+
+    def draft_budget(self, num_draft_tokens: int) -> int:
+        """Drafts worth verifying: never past max_tokens or the length limit; none for penalized
+        sampling, whose distribution depends on the tokens before it in the block."""
+        if self.params.penalized:
+            return 0
+        room = min(self.params.max_tokens - len(self.output_ids), self.max_total_len - self.total_len) - 1
+        return max(0, min(num_draft_tokens, room))
 
     def banned_ids(self) -> list[int]:
         """Stop ids may not be sampled before `min_tokens` tokens exist."""

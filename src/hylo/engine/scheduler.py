@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hylo.engine.request import Request, Status
 from hylo.memory.manager import CacheManager
@@ -11,19 +11,25 @@ from hylo.memory.manager import CacheManager
 
 @dataclass
 class ScheduledChunk:
+    """`num_tokens` of the request's uncomputed tokens; a `verify` chunk instead feeds the anchor and
+    up to `num_tokens - 1` draft tokens (`drafts`, filled in by the proposer)."""
+
     request: Request
     num_tokens: int
+    verify: bool = False
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
-        """The chunk feeds the request's last uncomputed token, so a token is sampled after it."""
-        return self.num_tokens == self.request.remaining
+        """The chunk ends at the request's last uncomputed token, so the target picks what follows."""
+        return self.verify or self.num_tokens == self.request.remaining
 
 
 class Scheduler:
     """FCFS with chunked prefill, mixed prefill + decode steps and preemption by recompute.
 
-    Each step: every running request whose prompt is done decodes one token; partially prefilled
+    Each step: every running request whose prompt is done decodes one token (or, with speculation,
+    verifies an anchor and up to `num_draft_tokens` drafts, positions reserved); partially prefilled
     running requests continue, then waiting requests are admitted in arrival order, while the step's
     prefill budget (`chunked_prefill_size` tokens), the running limit, slots and pages allow. When a
     running request needs a page and none is free, the most recently admitted other request is
@@ -31,8 +37,11 @@ class Scheduler:
     from its prompt and the tokens it already generated.
     """
 
-    def __init__(self, caches: CacheManager, max_running: int, chunked_prefill_size: int):
+    def __init__(
+        self, caches: CacheManager, max_running: int, chunked_prefill_size: int, num_draft_tokens: int = 0
+    ):
         self.caches = caches
+        self.num_draft_tokens = num_draft_tokens
         self.max_running = max_running
         self.prefill_budget = chunked_prefill_size
         self.waiting: deque[Request] = deque()
@@ -51,12 +60,13 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier request
-            n = 1 if request.remaining == 1 else min(request.remaining, budget)
+            drafts = request.draft_budget(self.num_draft_tokens) if request.remaining == 1 else 0
+            n = 1 + drafts if request.remaining == 1 else min(request.remaining, budget)
             if n == 0 or not self._grow(request, request.num_computed + n):
                 continue
             if request.remaining > 1:
                 budget -= n
-            chunks.append(ScheduledChunk(request, n))
+            chunks.append(ScheduledChunk(request, n, verify=drafts > 0))
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             n = min(request.remaining, budget)

@@ -36,10 +36,12 @@ class MemoryPlan:
         max_running_requests: int | None,
         context_len: int,
         dtype: torch.dtype,
+        extra_bytes_per_token: float = 0.0,
     ) -> MemoryPlan:
         """Request slots get what `max_running_requests` asks, or by default up to half the budget
-        (at most 256); token pages get the rest. A slot also pays for its request-table row."""
-        per_token = TokenCache.bytes_per_token(config, dtype)
+        (at most 256); token pages get the rest. A slot also pays for its request-table row; a token
+        also pays `extra_bytes_per_token` (a draft model's cache)."""
+        per_token = TokenCache.bytes_per_token(config, dtype) + extra_bytes_per_token
         max_len = min(context_len, int(budget_bytes // per_token))
         per_slot = StateCache.bytes_per_slot(config, dtype) + 4 * max_len
         slots = max_running_requests or min(256, int(budget_bytes // 2 // per_slot))

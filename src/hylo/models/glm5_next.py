@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from hylo.config import LINEAR, ModelConfig
-from hylo.forward_batch import ForwardBatch
+from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.layers.kda import KDAAttention
 from hylo.layers.mhc import HyperConnection
 from hylo.layers.mlp import MLP
@@ -40,7 +42,9 @@ class DecoderLayer(nn.Module):
         """Returns the new streams and the rows a following `shared` DSA layer reuses (None after KDA)."""
         post, comb, x = self.attn_hc.pre(streams)
         x = self.input_layernorm(x)
-        if self.is_linear:
+        if self.is_linear and batch.verify_seqs:
+            out, rows = self._verify_linear(x, batch), None
+        elif self.is_linear:
             out, rows = self.self_attn(x, batch), None
         else:
             out, rows = self.self_attn(x, batch, rows)
@@ -49,6 +53,17 @@ class DecoderLayer(nn.Module):
         post, comb, x = self.ffn_hc.pre(streams)
         out = self.mlp(self.post_attention_layernorm(x))
         return mhc_post(out, streams, post, comb), rows
+
+    def _verify_linear(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """KDA over a batch with verify chunks: their slots' conv windows and states are put back as
+        they were, and the layer input is kept so `commit` can replay the accepted prefix."""
+        states, layer = batch.states, batch.states.kda_index[self.self_attn.layer_idx]
+        slots = batch.state_slots[batch.verify_seqs]
+        saved = states.conv[layer, slots].clone(), states.recurrent[layer, slots].clone()
+        out = self.self_attn(x, batch)
+        states.conv[layer, slots], states.recurrent[layer, slots] = saved
+        batch.kda_records[self.self_attn.layer_idx] = x
+        return out
 
 
 class Glm5NextForCausalLM(nn.Module):
@@ -65,13 +80,44 @@ class Glm5NextForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, capture_layers: Sequence[int] = ()) -> torch.Tensor:
         """Runs the batch's new tokens through every layer, updating the caches; returns the logits
-        `[len(batch.logits_index), vocab]` (fp32) of the tokens the batch asks for."""
+        `[len(batch.logits_index), vocab]` (fp32) of the tokens the batch asks for. With
+        `capture_layers`, `batch.features` receives, for every token, the mean of the residual
+        streams after each of those layers, concatenated (`[T, len(capture_layers)·hidden]`)."""
         x = self.embed_tokens(batch.input_ids)
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         rows = None
-        for layer in self.layers:
+        captured = []
+        for i, layer in enumerate(self.layers):
             streams, rows = layer(streams, batch, rows)
+            if i in capture_layers:
+                captured.append(streams.mean(dim=1))
+        if capture_layers:
+            batch.features = torch.cat(captured, dim=-1)
         hidden = self.norm(streams[batch.logits_index].mean(dim=1))
         return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def commit(self, batch: ForwardBatch, lengths: Sequence[int]) -> None:
+        """After a forward with verify chunks: advance each verify chunk's KDA state and conv window
+        by its first `lengths[j]` tokens (the anchor and the accepted drafts), replaying every KDA
+        layer on the inputs the forward kept. Attention caches need nothing: what lies past a
+        sequence's committed length is never read and is overwritten later."""
+        if not batch.verify_seqs:
+            return
+        starts = [sum(batch.extend_lens[:b]) for b in batch.verify_seqs]
+        chunks = [
+            SequenceChunk([0] * n, batch.prefix_lens[b], batch.seq_rows[b], batch.seq_slots[b], sample=False)
+            for b, n in zip(batch.verify_seqs, lengths, strict=True)
+        ]
+        replay = ForwardBatch.build(
+            chunks, batch.req_to_token, batch.tokens, batch.states, self.config.index_kpool
+        )
+        picked = torch.tensor(
+            [s + t for s, n in zip(starts, lengths, strict=True) for t in range(n)],
+            device=batch.input_ids.device,
+        )
+        for layer in self.layers:
+            if layer.is_linear:
+                layer.self_attn(batch.kda_records[layer.self_attn.layer_idx][picked], replay)

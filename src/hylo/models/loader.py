@@ -258,3 +258,34 @@ def load_model(
 def _stays_fp32(name: str) -> bool:
     """Parameters `transformers` keeps in fp32 whatever the model dtype."""
     return name.endswith(("conv_weight", "dt_bias", "A_log", "_hc.base", "_hc.scale"))
+
+
+def load_flat(module: torch.nn.Module, path: str | Path) -> None:
+    """Load a checkpoint whose tensor names are `module`'s parameter names (draft models), with the
+    same checks as `load_weights`: every tensor present, none unexpected, every shape right."""
+    path = Path(path)
+    params = dict(module.named_parameters())
+    seen: set[str] = set()
+    for file in _checkpoint_files(path):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from e
+        with handle as f:
+            for key in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
+                if key not in params:
+                    raise CheckpointError(f"{file.name}: unexpected tensor {key!r} (not part of the model)")
+                tensor = f.get_tensor(key)
+                if tuple(tensor.shape) != tuple(params[key].shape):
+                    raise CheckpointError(
+                        f"{file.name}: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(params[key].shape)}"
+                    )
+                params[key].data.copy_(tensor)
+                seen.add(key)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise CheckpointError(
+            f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. "
+            + ", ".join(f"{m} {tuple(params[m].shape)}" for m in missing[:5])
+        )

@@ -90,7 +90,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             "total_slots": caches.slots.size,
             "num_running": len(core.scheduler.running),
             "num_waiting": engine.num_waiting,
-        }
+        } | (
+            {} if (tau := engine.metrics.mean_acceptance_length) is None else {"avg_spec_accept_length": tau}
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -50,6 +50,14 @@ class ServerMetrics:
         self.prompt_tokens = Counter("hylo_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("hylo_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("hylo_request_success", "Requests finished", ["finish_reason"], registry=r)
+        self.acceptance = Histogram(
+            "hylo_spec_acceptance_length",
+            "Tokens committed per verify step (tau)",
+            registry=r,
+            buckets=tuple(range(1, 33)),
+        )
+        self.verify_steps = 0
+        self.committed_by_verify = 0
         self._last_token: dict[str, float] = {}
 
     def on_arrival(self, prompt_tokens: int) -> None:
@@ -66,6 +74,14 @@ class ServerMetrics:
             else:
                 self.itl.observe(now - last)
             self._last_token[request.request_id] = now
+            if out.accepted_drafts is not None:
+                self.acceptance.observe(out.accepted_drafts + 1)
+                self.verify_steps += 1
+                self.committed_by_verify += out.accepted_drafts + 1
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return self.committed_by_verify / self.verify_steps if self.verify_steps else None
 
     def on_finish(self, request: Request) -> None:
         self._last_token.pop(request.request_id, None)

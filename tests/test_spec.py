@@ -1,0 +1,251 @@
+"""Speculative decoding: acceptance, rollback/commit of every cache, losslessness, the DFlash draft."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import random_prompt
+from dflash_reference import write_dflash_checkpoint
+from hf_reference import tiny_text_config, write_hf_checkpoint
+
+from hylo import LLM, SamplingParams
+from hylo.engine.request import Request
+from hylo.models.dflash import DFlashConfig, DFlashDraftModel
+from hylo.models.loader import load_flat
+from hylo.spec.proposer import Proposer
+from hylo.spec.verify import verify
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_hf_checkpoint(tmp_path_factory.mktemp("target"), tiny_text_config(4, 8), seed=21)
+
+
+def make_llm(path, **kwargs) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", page_size=16, max_memory_gb=0.25, **kwargs)
+
+
+class Scripted(Proposer):
+    """Proposes the target's own greedy continuation, corrupting the drafts for chosen output
+    positions, so how many drafts each verify step accepts is known in advance."""
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], wrong: set[int], k: int):
+        self.truth, self.wrong, self.num_draft_tokens = truth, wrong, k
+        self.accepted_expected: list[int] = []
+
+    def propose(self, requests, budgets):
+        drafts = []
+        for r, budget in zip(requests, budgets, strict=True):
+            n = len(r.output_ids)
+            truth = self.truth[tuple(r.prompt_ids)][n : n + budget]
+            d = [(t + 1) % 160 if n + j in self.wrong else t for j, t in enumerate(truth)]
+            self.accepted_expected.append(next((j for j, t in enumerate(d) if n + j in self.wrong), len(d)))
+            drafts.append(d)
+        return drafts
+
+
+def cache_view(engine, request_slot: int, length: int) -> dict[str, torch.Tensor]:
+    """Every cache entry of a sequence's first `length` positions, independent of slot placement."""
+    c = engine.caches
+    slots = c.table.table[request_slot, :length].long()
+    pools = slots[: length - length % c.kpool : c.kpool] // c.kpool
+    return {
+        "conv": c.states.conv[:, request_slot].clone(),
+        "S": c.states.recurrent[:, request_slot].clone(),
+        "latent": c.tokens.latent[:, slots].clone(),
+        "keys": c.tokens.index_key[:, slots].clone(),
+        "gates": c.tokens.index_gate[:, slots].clone(),
+        "pooled": c.tokens.pooled_key[:, pools].clone(),
+    }
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        set(),
+        {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19},
+        {1, 5, 6, 11},
+        {2},
+        {3, 9, 15},
+    ],
+)
+def test_scripted_drafts_commit_exactly_what_plain_decoding_computes(target, wrong):
+    prompt = random_prompt(29, 160, seed=4)
+    plain = make_llm(target)
+    reference: dict[int, dict[str, torch.Tensor]] = {}
+    (request,) = plain.engine.add_request("p", prompt, GREEDY)
+    while plain.engine.has_unfinished():
+        plain.engine.step()
+        if request.slot is not None:
+            reference[request.num_computed] = cache_view(plain.engine, request.slot, request.num_computed)
+    truth = {tuple(prompt): request.output_ids}
+
+    proposer = Scripted(truth, wrong, BLOCK - 1)
+    spec = make_llm(target, proposer=proposer)
+    (req,) = spec.engine.add_request("s", prompt, GREEDY)
+    accepted = []
+    while spec.engine.has_unfinished():
+        spec.engine.step()
+        if req.metrics.spec_verify_steps > len(accepted):
+            accepted.append(req.metrics.spec_accepted_tokens - sum(accepted))
+        if req.slot is not None and req.num_computed > len(prompt):
+            got = cache_view(spec.engine, req.slot, req.num_computed)
+            for name, value in reference[req.num_computed].items():
+                torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert req.output_ids == request.output_ids
+    assert accepted == proposer.accepted_expected
+    if not wrong:
+        assert max(accepted) == BLOCK - 1
+    assert req.metrics.mean_acceptance_length == 1 + sum(accepted) / len(accepted)
+
+
+def test_stop_inside_an_accepted_block_ends_at_the_right_token(target):
+    prompt = random_prompt(17, 160, seed=8)
+    (ref,) = make_llm(target).generate(prompt_token_ids=[prompt], sampling_params=GREEDY, use_tqdm=False)
+    stop = ref.token_ids[6]
+    proposer = Scripted({tuple(prompt): ref.token_ids}, set(), BLOCK - 1)
+    params = GREEDY.model_copy(update={"stop_token_ids": [stop]})
+    (out,) = make_llm(target, proposer=proposer).generate(
+        prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False
+    )
+    assert out.token_ids == ref.token_ids[: ref.token_ids.index(stop) + 1] and out.finish_reason == "stop"
+    short = GREEDY.model_copy(update={"max_tokens": 5})
+    (cut,) = make_llm(target, proposer=proposer).generate(
+        prompt_token_ids=[prompt], sampling_params=short, use_tqdm=False
+    )
+    assert cut.token_ids == ref.token_ids[:5] and cut.finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return write_dflash_checkpoint(
+        tmp_path_factory.mktemp("draft"), 64, 160, [0, 2, 4], seed=5, block_size=BLOCK
+    )
+
+
+def test_dflash_greedy_is_lossless_on_a_batch_of_16(target, draft):
+    prompts = [
+        random_prompt(n, 160, seed=300 + n)
+        for n in (3, 9, 17, 25, 33, 41, 5, 12, 20, 28, 36, 44, 7, 15, 23, 31)
+    ]
+    plain = make_llm(target).generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    spec_llm = make_llm(target, speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft))
+    spec = spec_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.metrics.spec_verify_steps > 0 for o in spec)
+
+
+def naive_dflash(model: DFlashDraftModel, features, block_embeds, start):
+    """The format description, written plainly: context = hidden_norm(fc(features)) for positions
+    0..start-1; each layer: q from the normed block, k/v from [context; normed block] with k_norm and
+    RoPE, non-causal attention (sliding layers: keys within the window), residual, SwiGLU MLP."""
+    c = model.config
+    ctx = model.hidden_norm(model.fc(features))
+    x = block_embeds
+    positions = torch.arange(start + x.shape[0])
+    q_pos = positions[start:]
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        both = torch.cat([ctx, h])
+        k = attn.k_norm(attn.k_proj(both).view(-1, c.num_key_value_heads, c.head_dim))
+        v = attn.v_proj(both).view(-1, c.num_key_value_heads, c.head_dim)
+        q = attn.q_norm(attn.q_proj(h).view(-1, c.num_attention_heads, c.head_dim))
+
+        def rotate(t, pos):
+            inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)
+            ang = pos[:, None].float() * inv
+            cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+            half = c.head_dim // 2
+            return t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin
+
+        q, k = rotate(q, q_pos), rotate(k, positions)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = []
+        for qi, p in enumerate(q_pos):
+            keys = [
+                j
+                for j in range(len(positions))
+                if c.layer_types[i] != "sliding_attention" or positions[j] > p - c.sliding_window
+            ]
+            s = torch.einsum("hd,khd->hk", q[qi], k[keys]) * c.head_dim**-0.5
+            out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v[keys]))
+        x = x + attn.o_proj(torch.stack(out).flatten(1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.norm(x)
+
+
+def test_dflash_draft_forward_matches_plain_reimplementation(draft):
+    c = DFlashConfig.from_dir(draft)
+    model = DFlashDraftModel(c)
+    load_flat(model, draft)
+    gen = torch.Generator().manual_seed(0)
+    start = 11
+    features = torch.randn(start, 3 * 64, generator=gen)
+    block = torch.randn(BLOCK, 64, generator=gen)
+    expected = naive_dflash(model, features, block, start)
+    ctx_pos = torch.arange(start)
+    ctx_kv = [(k[None], v[None]) for k, v in model.context_kv(features, ctx_pos)]
+    got = model(
+        block[None],
+        (start + torch.arange(BLOCK))[None],
+        ctx_kv,
+        ctx_pos[None],
+        torch.ones(1, start, dtype=torch.bool),
+    )[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rejection_sampler_reproduces_the_target_distribution():
+    """Many one-hot drafts against exact distributions: the committed first token follows p exactly
+    (chi-square), whatever the draft token and however likely it is under p."""
+    vocab, rows = 6, 30000
+    gen = torch.Generator().manual_seed(1)
+    p = torch.tensor([0.35, 0.25, 0.2, 0.1, 0.07, 0.03])
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    for draft_token in (0, 3, 5):
+        requests = [Request(str(i), [1], params, frozenset(), 100) for i in range(rows)]
+        logits = p.log().expand(rows * 2, vocab).clone()
+        verdicts = verify(logits, requests, [[draft_token]] * rows, gen)
+        first = torch.bincount(torch.tensor([v.tokens[0] for v in verdicts]), minlength=vocab).float()
+        expected = p * rows
+        chi2 = ((first - expected) ** 2 / expected).sum().item()
+        assert chi2 < 20.5  # 99.9% quantile of chi-square with 5 degrees of freedom
+        accepted = sum(v.accepted for v in verdicts) / rows
+        assert math.isclose(accepted, p[draft_token].item(), abs_tol=0.015)
+
+
+def test_server_reports_acceptance_length(target, draft):
+    from fastapi.testclient import TestClient
+
+    from hylo.config import EngineConfig
+    from hylo.engine.engine import Engine
+    from hylo.server.api import build_app
+    from hylo.server.async_engine import AsyncEngine
+
+    config = EngineConfig(
+        model=str(target),
+        device="cpu",
+        dtype="float32",
+        page_size=16,
+        max_memory_gb=0.25,
+        speculative_algorithm="DFLASH",
+        speculative_draft_model_path=str(draft),
+    )
+    engine = AsyncEngine(Engine(config))
+    engine.start()
+    try:
+        client = TestClient(build_app(engine, "tiny"))
+        body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 12
+        tau = client.get("/server_info").json()["avg_spec_accept_length"]
+        assert 1 <= tau <= BLOCK
+        assert "hylo_spec_acceptance_length_bucket" in client.get("/metrics").text
+    finally:
+        engine.shutdown()
