@@ -34,6 +34,7 @@ class StateCache:
         conv = (config.linear_conv_kernel_dim - 1) * 3 * h * d * torch.finfo(dtype).bits // 8
         return n_kda * (conv + h * d * d * 4)
 
-    def reset(self, slots: torch.Tensor | list[int]) -> None:
-        self.conv[:, slots] = 0
-        self.recurrent[:, slots] = 0
+    def reset(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.conv[:, slot].zero_()
+            self.recurrent[:, slot].zero_()

@@ -46,12 +46,15 @@ def experts(
     limit: float,
 ) -> torch.Tensor:
     """Σ_k weights[t,k] · expert_{ids[t,k]}(x_t); gate_up `[E, 2I, D]`, down `[E, D, I]`."""
-    out = torch.zeros_like(x)
     flat_ids = ids.flatten()
     order = flat_ids.argsort(stable=True)
     counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
     token_of = order // ids.shape[1]
     weight_of = weights.flatten()[order]
+    # each (token, choice) pair gets its own row, so results are placed, not accumulated
+    routed = torch.empty(
+        flat_ids.numel(), x.shape[1], dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device
+    )
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -59,6 +62,6 @@ def experts(
         tokens = token_of[start : start + count]
         gate, up = (x[tokens] @ gate_up[expert].t()).chunk(2, dim=-1)
         y = (swiglu_clamp(gate, up, limit) @ down[expert].t()) * weight_of[start : start + count, None]
-        out.index_add_(0, tokens, y.to(out.dtype))
+        routed[order[start : start + count]] = y
         start += count
-    return out
+    return routed.view(*ids.shape, -1).to(x.dtype).sum(1)
