@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,7 +80,7 @@ class ModelRunner:
             if results[i] is None:
                 results[i] = ChunkResult([], None, ch.num_tokens)
         if self.proposer is not None:
-            offsets = [sum(s.__len__() for s in (q.token_ids for q in seqs[:i])) for i in range(len(seqs))]
+            offsets = list(itertools.accumulate(batch.extend_lens, initial=0))[:-1]
             committed = [
                 Committed(ch.request, ch.request.num_computed, r.committed, off)
                 for ch, r, off in zip(chunks, results, offsets, strict=True)
