@@ -23,8 +23,8 @@ test: $(STAMP) lint
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests
-	$(PY) -m ruff format --check src tests
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

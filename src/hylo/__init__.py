@@ -1,6 +1,21 @@
-"""hylo: a serving engine for hybrid linear/sparse-attention MoE models."""
+"""hylo: a serving engine for hybrid linear/sparse-attention MoE models.
 
-from hylo.llm import LLM, CompletionOutput, RequestOutput
-from hylo.sampling import SamplingParams
+`LLM`, `SamplingParams` and the output types are imported on first use, so kernels and models can
+be imported (e.g. on a bare GPU image) without the serving dependencies.
+"""
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+from importlib import import_module
+
+_EXPORTS = {
+    "LLM": "hylo.llm",
+    "CompletionOutput": "hylo.llm",
+    "RequestOutput": "hylo.llm",
+    "SamplingParams": "hylo.sampling",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hylo' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -32,23 +32,28 @@ class Indexer(nn.Module):
         cache = batch.tokens
         layer = cache.indexer_index[self.layer_idx]
         keys, gates, pooled = cache.index_key[layer], cache.index_gate[layer], cache.pooled_key[layer]
+        pooled_scale = None if cache.pooled_key_scale is None else cache.pooled_key_scale[layer]
         keys[batch.new_slots] = self.k_norm(self.wk(x))
         gates[batch.new_slots] = x @ self.index_kpool_compress_gate.t()
-        indexer_ops.compress_pools(keys, gates, self.index_kpool_compress_ape, batch.completed_pools, pooled)
+        indexer_ops.compress_pools(
+            keys, gates, self.index_kpool_compress_ape, batch.completed_pools, pooled, pooled_scale
+        )
 
         q = self.wq_b(q_resid).unflatten(-1, (self.num_heads, self.head_dim)) * self.head_dim**-0.5
         head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
-        positions = batch.unpad(
-            indexer_ops.select_rows(
-                batch.pad(q),
-                batch.pad(head_weights),
-                pooled,
-                batch.pool_table,
-                batch.pad(batch.positions),
-                self.kpool,
-                self.topk,
-                self.tail,
-            )
+        return indexer_ops.select_slots(
+            q,
+            head_weights,
+            pooled,
+            pooled_scale,
+            batch.pool_table,
+            batch.req_to_token,
+            batch.token_seq,
+            batch.token_rows,
+            batch.positions,
+            batch.pad_index,
+            batch.pad_valid,
+            self.kpool,
+            self.topk,
+            self.tail,
         )
-        slots = batch.req_to_token[batch.token_rows[:, None], positions.clamp(min=0)].long()
-        return slots.masked_fill(positions < 0, -1)

@@ -4,22 +4,51 @@ from __future__ import annotations
 
 import torch
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def fp8_row_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two `s` with `amax / s <= 448` (1 where amax is 0), in fp32. A power of two
+    makes dequantisation exact and lets the kernels fold the scale into other factors."""
+    bits = (amax.float() / FP8_MAX).view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+    return torch.where(amax > 0, (exponent << 23).view(torch.float32), 1.0)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (last dim) FP8 e4m3: `(x_q, scale)` with `x ~= x_q.float() * scale[..., None]`."""
+    scale = fp8_row_scale(x.float().abs().amax(-1))
+    return (x.float() / scale[..., None]).to(FP8), scale
+
 
 def compress_pools(
-    keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, pools: torch.Tensor, pooled: torch.Tensor
+    keys: torch.Tensor,
+    gates: torch.Tensor,
+    ape: torch.Tensor,
+    pools: torch.Tensor,
+    pooled: torch.Tensor,
+    pooled_scale: torch.Tensor | None = None,
 ) -> None:
     """Write the compressed key of each completed pool: per channel, the softmax-over-the-pool of
     `gate + ape[position in pool]` weighting the pool's keys.
 
     keys, gates: `[S, d]` token caches; ape `[kpool, d]`; pools `[P]` pooled-key slots (pool p covers
-    token slots `p*kpool ..`); pooled `[S/kpool, d]` is written in place.
+    token slots `p*kpool ..`); pooled `[S/kpool, d]` is written in place. An FP8 e4m3 `pooled` stores
+    the key-dtype value quantised per pool, its power-of-two scale in `pooled_scale [S/kpool]`.
     """
     kpool = ape.shape[0]
     if pools.numel() == 0:
         return
     members = pools[:, None] * kpool + torch.arange(kpool, device=pools.device)
     weights = torch.softmax(gates[members].float() + ape.float(), dim=1).to(keys.dtype)
-    pooled[pools] = (weights * keys[members]).sum(1)
+    value = (weights * keys[members]).sum(1)
+    if pooled.dtype == FP8:
+        if pooled_scale is None:
+            raise ValueError("an FP8 pooled-key cache needs its per-pool scale tensor")
+        pooled[pools], pooled_scale[pools] = quantize_fp8_rows(value)
+    else:
+        pooled[pools] = value
 
 
 def select_rows(
@@ -31,6 +60,7 @@ def select_rows(
     kpool: int,
     topk: int,
     tail: bool,
+    pooled_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Positions each query attends to, `[B, T, topk + (kpool-1 if tail)]`, -1 for empty entries.
 
@@ -39,9 +69,14 @@ def select_rows(
     positions `[B, T]`. A pool is a candidate for the query at position p when its last token is
     at or before p; the score is Σ_h w_h·ReLU(q_h·k_pool); the top `topk/kpool` candidates (ties
     to the earlier pool) are expanded to their tokens and the query's own incomplete pool (up to
-    kpool-1 tokens) is appended.
+    kpool-1 tokens) is appended. With FP8 pooled keys (`pooled_scale` given) the queries are quantised
+    per (token, head) too, as the FP8 kernel does.
     """
     keys = pooled[pool_table.clamp(min=0)].float()  # [B, P, d]
+    if pooled.dtype == FP8:
+        keys = keys * pooled_scale[pool_table.clamp(min=0)][..., None]
+        q_fp8, q_scale = quantize_fp8_rows(q)
+        q = q_fp8.float() * q_scale[..., None]
     scores = torch.relu(torch.einsum("bthd,bpd->bthp", q.float(), keys))
     scores = torch.einsum("bth,bthp->btp", head_weights.float(), scores)
     visible_pools = (positions + 1) // kpool  # [B, T]
@@ -61,3 +96,38 @@ def select_rows(
     rows = torch.cat(parts, dim=-1)
     width = topk + (kpool - 1 if tail else 0)
     return torch.nn.functional.pad(rows, (0, width - rows.shape[-1]), value=-1)
+
+
+def select_slots(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    pooled: torch.Tensor,
+    pooled_scale: torch.Tensor | None,
+    pool_table: torch.Tensor,
+    req_to_token: torch.Tensor,
+    token_seq: torch.Tensor,
+    token_rows: torch.Tensor,
+    positions: torch.Tensor,
+    pad_index: torch.Tensor,
+    pad_valid: torch.Tensor,
+    kpool: int,
+    topk: int,
+    tail: bool,
+) -> torch.Tensor:
+    """`select_rows` on packed tokens, mapped to token-cache slots: `[T, W]` (-1 = empty).
+
+    q `[T, Hi, d]`, head_weights `[T, Hi]`, positions / token_seq (batch index) / token_rows
+    (request-table row) `[T]`; `pad_index`/`pad_valid [B, max_new]` lay the packed tokens out per
+    sequence; `req_to_token [rows, max_len]` maps positions to slots.
+    """
+
+    def pad(packed: torch.Tensor) -> torch.Tensor:
+        mask = pad_valid.view(*pad_valid.shape, *([1] * (packed.dim() - 1)))
+        return packed[pad_index] * mask
+
+    padded = select_rows(
+        pad(q), pad(head_weights), pooled, pool_table, pad(positions), kpool, topk, tail, pooled_scale
+    )
+    rows = padded[pad_valid]
+    slots = req_to_token[token_rows[:, None], rows.clamp(min=0)].long()
+    return slots.masked_fill(rows < 0, -1)

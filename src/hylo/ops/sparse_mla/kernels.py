@@ -1,0 +1,232 @@
+"""Triton kernels of absorbed sparse MLA (NoPE, latent = key = value) over selected cache rows.
+
+One program owns one query token, a block of heads and a contiguous chunk of that token's row list;
+it gathers the chunk's latent rows (slot -1 = empty, never read), runs an online softmax in fp32 and
+either writes the normalised output (one chunk per token: prefill) or a partial output plus its
+log-sum-exp (several chunks per token: decode/verify), which `_merge_kernel` combines. A chunk with
+no valid row leaves lse = -inf and weighs nothing in the merge. Scores are kept in base 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr,
+    kv_ptr,
+    rows_ptr,
+    out_ptr,
+    lse_ptr,
+    num_heads,
+    width,
+    rows_per_split,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kv,
+    stride_rt,
+    stride_ot,
+    stride_os,
+    stride_oh,
+    stride_lt,
+    stride_ls,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    R: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, R)
+    head_ok = heads < num_heads
+    q = tl.load(
+        q_ptr + tok * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0
+    )
+    # A finite start keeps exp2(-inf - m) = 0 (not NaN) for blocks whose rows are all empty.
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    # The last chunk may run past `width`: its extra blocks are all empty (skipped or masked).
+    lo = split * rows_per_split
+    for start in range(lo, lo + rows_per_split, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(rows_ptr + tok * stride_rt + cols, mask=cols < width, other=-1)
+        valid = idx >= 0
+        run = True
+        if SKIP_EMPTY:  # decode: skip the loads and dots of a block with no valid row
+            run = tl.max(valid.to(tl.int32), axis=0) > 0
+        if run:
+            kv = tl.load(
+                kv_ptr + idx.to(tl.int64)[:, None] * stride_kv + dims[None, :], mask=valid[:, None], other=0.0
+            )
+            s = tl.dot(q, tl.trans(kv)) * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            m_i = m_new
+    has_rows = l_i > 0
+    inv_l = tl.where(has_rows, 1.0 / tl.where(has_rows, l_i, 1.0), 0.0)
+    o = acc * inv_l[:, None]
+    o_ptrs = out_ptr + tok * stride_ot + split * stride_os + heads[:, None] * stride_oh + dims[None, :]
+    o_mask = head_ok[:, None]
+    if PARTIAL:
+        lse = tl.where(has_rows, m_i + tl.log2(tl.where(has_rows, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + tok * stride_lt + split * stride_ls + heads, lse, mask=head_ok)
+        tl.store(o_ptrs, o, mask=o_mask)
+    else:
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    num_splits,
+    rank,
+    stride_pt,
+    stride_ps,
+    stride_ph,
+    stride_lt,
+    stride_ls,
+    stride_ot,
+    stride_oh,
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < num_splits
+    lse = tl.load(lse_ptr + tok * stride_lt + splits * stride_ls + head, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    live = lse > float("-inf")
+    weight = tl.where(live, tl.exp2(lse - tl.where(live, top, 0.0)), 0.0)
+    total = tl.sum(weight, axis=0)
+    weight = weight / tl.where(total > 0, total, 1.0)
+    part = tl.load(
+        part_ptr + tok * stride_pt + splits[:, None] * stride_ps + head * stride_ph + dims[None, :],
+        mask=live[:, None] & (dims < rank)[None, :],
+        other=0.0,
+    )
+    o = tl.sum(part * weight[:, None], axis=0)
+    tl.store(
+        out_ptr + tok * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty), mask=dims < rank
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_config(num_tokens: int, num_heads: int) -> dict[str, int]:
+    """Tile choice for `sparse_mla_fwd` (measured on H200, 64 heads, 2112-wide rows; RESULTS.md):
+    for 1-2 query tokens narrow head blocks put more programs in flight; from 3 tokens on, whole
+    64-head blocks with wgmma read each row once."""
+    if num_tokens <= 2:
+        return {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
+    return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+def sparse_mla_fwd(
+    q_latent: torch.Tensor,
+    latent: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    waves: float = 1.0,
+    skip_empty: bool = False,
+) -> torch.Tensor:
+    """Absorbed sparse MLA: `q_latent [T, H, R]` attends to `latent[rows[t]]` (`latent [S, R]`,
+    `rows [T, W]` int32/int64 cache slots, -1 = empty; any W). Same contract as the reference.
+
+    `num_splits` chunks each token's row list across programs (merged by log-sum-exp); by default it
+    is picked so that about `waves` x the SM count of programs run, and 1 (no merge) when the tokens
+    alone fill the GPU. `skip_empty` branches around blocks with no valid row (saves their dots, but
+    the branch stops the row loads from being software-pipelined); masked rows are never read anyway.
+    """
+    num_tokens, num_heads, rank = q_latent.shape
+    width = rows.shape[1]
+    out = torch.empty_like(q_latent)
+    if num_tokens == 0:
+        return out
+    cfg = default_config(num_tokens, num_heads)
+    block_h = block_h or min(cfg["block_h"], max(16, triton.next_power_of_2(num_heads)))
+    block_n = block_n or cfg["block_n"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
+    if rank & (rank - 1) or rank < 16:
+        raise ValueError(f"sparse_mla_fwd needs a power-of-two latent rank >= 16, got {rank}")
+    head_blocks = triton.cdiv(num_heads, block_h)
+    row_blocks = max(1, triton.cdiv(width, block_n))
+    if num_splits is None:
+        target = math.ceil(waves * _num_sms(q_latent.device))
+        num_splits = min(row_blocks, max(1, triton.cdiv(target, num_tokens * head_blocks)))
+    blocks_per_split = triton.cdiv(row_blocks, max(1, num_splits))
+    num_splits = triton.cdiv(row_blocks, blocks_per_split)
+    rows_per_split = blocks_per_split * block_n
+    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    grid = (num_tokens, num_splits, head_blocks)
+    common = dict(BLOCK_H=block_h, BLOCK_N=block_n, R=rank, num_warps=num_warps, num_stages=num_stages)
+    if num_splits == 1:
+        _sparse_mla_kernel[grid](
+            q_latent, latent, rows, out, out,
+            num_heads, width, rows_per_split, scale * LOG2E,
+            q_latent.stride(0), q_latent.stride(1), latent.stride(0), rows.stride(0),
+            out.stride(0), 0, out.stride(1), 0, 0,
+            PARTIAL=False, SKIP_EMPTY=False, **common,
+        )  # fmt: skip
+        return out
+    part = torch.empty(num_tokens, num_splits, num_heads, rank, dtype=torch.float32, device=q_latent.device)
+    lse = torch.empty(num_tokens, num_splits, num_heads, dtype=torch.float32, device=q_latent.device)
+    _sparse_mla_kernel[grid](
+        q_latent, latent, rows, part, lse,
+        num_heads, width, rows_per_split, scale * LOG2E,
+        q_latent.stride(0), q_latent.stride(1), latent.stride(0), rows.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        PARTIAL=True, SKIP_EMPTY=skip_empty, **common,
+    )  # fmt: skip
+    block_r = min(rank, 128)
+    _merge_kernel[(num_tokens, num_heads, rank // block_r)](
+        part, lse, out, num_splits, rank,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_R=block_r, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def sparse_mla_decode(q_latent, latent, rows, scale, **kwargs) -> torch.Tensor:
+    """Decode/verify (a few query tokens per request): rows split across programs, merged by lse."""
+    return sparse_mla_fwd(q_latent, latent, rows, scale, **kwargs)
+
+
+def sparse_mla_prefill(q_latent, latent, rows, scale, **kwargs) -> torch.Tensor:
+    """Prefill: one program per token and head block walks all of that token's rows (no merge)."""
+    kwargs.setdefault("num_splits", 1)
+    kwargs.setdefault("block_h", 64)
+    kwargs.setdefault("num_warps", 8)
+    kwargs.setdefault("num_stages", 2)
+    return sparse_mla_fwd(q_latent, latent, rows, scale, **kwargs)
