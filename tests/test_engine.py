@@ -191,3 +191,16 @@ def test_abort_frees_pages_and_slot(checkpoint, prompts):
     assert (engine.caches.pages.num_free, engine.caches.slots.num_free) == start
     waiting = engine.add_request("w", prompts[0], GREEDY)[0]
     assert engine.abort("w") is waiting and not engine.has_unfinished()
+
+
+def test_request_that_can_never_fit_is_rejected_at_admission(checkpoint):
+    config = ModelConfig.from_dir(checkpoint)
+    budget = 2 * (
+        StateCache.bytes_per_slot(config, torch.float32) + 4 * 256
+    ) + 100 * TokenCache.bytes_per_token(config, torch.float32)
+    llm = make_llm(checkpoint, max_memory_gb=budget / 2**30, max_running_requests=2, context_length=256)
+    assert llm.engine.plan.max_total_num_tokens < 100
+    too_big = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    with pytest.raises(ValueError, match="can never fit"):
+        llm.generate(prompt_token_ids=[[5] * 50], sampling_params=too_big, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
