@@ -39,25 +39,33 @@ class KDAAttention(nn.Module):
         self.o_proj = nn.Linear(h * d, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Packed tokens in, packed out. A step of single tokens takes the decode kernels, anything else the
+        varlen chunked prefill; both read and advance the slots' conv windows and states in place."""
         tokens, heads = x.shape[0], (self.num_heads, self.head_dim)
         states = batch.states
-        layer, slots = states.kda_index[self.layer_idx], batch.state_slots
-        lengths = batch.pad_valid.sum(1)
-
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        qkv, window = kda_ops.causal_conv(
-            batch.pad(qkv), states.conv[layer, slots], self.conv_weight, lengths
-        )
-        states.conv[layer, slots] = window
-        q, k, v = (t.unflatten(-1, heads) for t in qkv.chunk(3, dim=-1))
-
-        g = kda_ops.kda_gate(
-            self.f_b_proj(self.f_a_proj(x)).unflatten(-1, heads), self.dt_bias, self.A_log, self.lower_bound
-        )
-        beta = torch.sigmoid(self.b_proj(x))
-        o, final = kda_ops.kda_chunked(q, k, v, batch.pad(g), batch.pad(beta), states.recurrent[layer, slots])
-        states.recurrent[layer, slots] = final
+        layer = states.kda_index[self.layer_idx]
+        conv_pool, state_pool = states.conv[layer], states.recurrent[layer]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        f, b = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)
+        params = (self.conv_weight, self.dt_bias, self.A_log, conv_pool, state_pool, batch.state_slots)
+        if max(batch.extend_lens) == 1:
+            o = kda_ops.decode(q, k, v, f, b, *params, self.lower_bound)
+        else:
+            cu_cpu, cu = _cu_seqlens(batch)
+            o = kda_ops.prefill(q, k, v, f, b, *params, cu, cu_cpu, self.lower_bound)
 
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, heads)
-        o = kda_ops.gated_rms_norm(batch.unpad(o), gate, self.o_norm.weight, self.eps)
+        o = kda_ops.gated_norm(o, gate, self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(tokens, -1))
+
+
+def _cu_seqlens(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
+    """Token offsets of the batch's sequences (host list, int32 device copy), made once per batch."""
+    cached = batch.__dict__.get("_kda_cu_seqlens")
+    if cached is None:
+        offsets = [0]
+        for n in batch.extend_lens:
+            offsets.append(offsets[-1] + n)
+        device_copy = torch.tensor(offsets, dtype=torch.int32).to(batch.state_slots.device, non_blocking=True)
+        cached = batch.__dict__["_kda_cu_seqlens"] = (offsets, device_copy)
+    return cached

@@ -1,5 +1,123 @@
-"""KDA (Kimi Delta Attention) ops. Only the torch reference exists so far."""
+"""KDA (Kimi Delta Attention) ops: torch references and their Triton kernels behind one dispatcher.
 
-from hylo.ops.kda.reference import causal_conv, gated_rms_norm, kda_chunked, kda_gate
+The serving entry points (`prefill`, `decode`, `verify`, `commit`, `commit_steps`, `gated_norm`) take
+CUDA tensors to the Triton kernels (`chunk.py`, `recurrent.py`, `rmsnorm.py`) and anything else to the torch
+references (`reference.py`), with the same arguments. The chunked Triton prefill needs the safe gate
+(-5 ≤ lower_bound < 0); other gates take the reference there. Triton is imported on first CUDA use only.
+"""
 
-__all__ = ["causal_conv", "gated_rms_norm", "kda_chunked", "kda_gate"]
+from __future__ import annotations
+
+import torch
+
+from hylo.ops.kda import reference
+from hylo.ops.kda.reference import VerifyCache, causal_conv, gated_rms_norm, kda_chunked, kda_gate
+
+__all__ = [
+    "VerifyCache",
+    "causal_conv",
+    "commit",
+    "commit_steps",
+    "decode",
+    "gated_norm",
+    "gated_rms_norm",
+    "kda_chunked",
+    "kda_gate",
+    "prefill",
+    "verify",
+]
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def prefill(
+    q,
+    k,
+    v,
+    f,
+    b,
+    conv_weight,
+    dt_bias,
+    a_log,
+    conv_pool,
+    state_pool,
+    slot_ids,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    lower_bound,
+):
+    """Packed varlen prefill (see `reference.prefill`): o `[N, H, d]`; windows and states updated."""
+    args = (
+        q,
+        k,
+        v,
+        f,
+        b,
+        conv_weight,
+        dt_bias,
+        a_log,
+        conv_pool,
+        state_pool,
+        slot_ids,
+        cu_seqlens,
+        cu_seqlens_cpu,
+        lower_bound,
+    )
+    if _triton(q) and lower_bound is not None and -5.0 <= lower_bound < 0:
+        from hylo.ops.kda import chunk
+
+        return chunk.prefill(*args)
+    return reference.prefill(*args)
+
+
+def decode(q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound):
+    """One token per sequence (see `reference.decode`): o `[B, H, d]`; windows and states updated."""
+    args = (q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound)
+    if _triton(q):
+        from hylo.ops.kda import recurrent
+
+        return recurrent.decode(*args)
+    return reference.decode(*args)
+
+
+def verify(
+    q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound, step_states=None
+):
+    """T tokens per sequence from the committed state, left untouched (see `reference.verify`)."""
+    args = (q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound)
+    if _triton(q):
+        from hylo.ops.kda import recurrent
+
+        return recurrent.verify(*args, step_states=step_states)
+    return reference.verify(*args, step_states=step_states)
+
+
+def commit(cache, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, n_accepted, lower_bound):
+    """Replay the first `n_accepted[b]` verified tokens onto the slot (see `reference.commit`)."""
+    args = (cache, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, n_accepted, lower_bound)
+    if _triton(state_pool):
+        from hylo.ops.kda import recurrent
+
+        return recurrent.commit(*args)
+    return reference.commit(*args)
+
+
+def commit_steps(cache, step_states, conv_pool, state_pool, slot_ids, n_accepted):
+    """Per-step-state commit: take the state saved after step `n_accepted[b]` (see `reference`)."""
+    args = (cache, step_states, conv_pool, state_pool, slot_ids, n_accepted)
+    if _triton(state_pool):
+        from hylo.ops.kda import recurrent
+
+        return recurrent.commit_steps(*args)
+    return reference.commit_steps(*args)
+
+
+def gated_norm(x, gate, weight, eps):
+    """Sigmoid-gated RMSNorm per head (see `reference.gated_rms_norm`)."""
+    if _triton(x):
+        from hylo.ops.kda import rmsnorm
+
+        return rmsnorm.gated_rms_norm(x, gate, weight, eps)
+    return gated_rms_norm(x, gate, weight, eps)

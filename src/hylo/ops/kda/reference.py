@@ -4,6 +4,9 @@ which leaves the state exactly unchanged, so one call serves prefill, chunked pr
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -95,3 +98,140 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+# ---- packed serving API: the references the Triton kernels are checked against ----------------------
+# Tokens are packed sequence after sequence (`[N, ...]`, offsets `cu_seqlens`), or `[B, T, ...]` for the
+# fixed-length decode/verify steps. q/k/v are the pre-conv projections `[.., H·d]`, f the raw gate
+# `[.., H·d]`, b the raw β logits `[.., H]`; `conv_pool [slots, K-1, 3·H·d]` and `state_pool
+# [slots, H, d, d]` (fp32) are one layer's views of the slot pool, read and written at `slot_ids`.
+
+
+@dataclass
+class VerifyCache:
+    """What `commit` needs from a verify step: its inputs (`[B, T, ...]`) and, from the Triton path,
+    the conv output `qkv [B, T, 3·H·d]` so the replay need not recompute it."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    f: torch.Tensor
+    b: torch.Tensor
+    qkv: torch.Tensor | None = None
+
+
+def _pad_plan(lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = torch.tensor(lengths)
+    steps = torch.arange(max(lengths))
+    valid = steps[None, :] < lens[:, None]
+    index = torch.where(valid, (torch.cumsum(lens, 0) - lens)[:, None] + steps[None, :], 0)
+    return index.to(device), valid.to(device)
+
+
+def prefill(
+    q,
+    k,
+    v,
+    f,
+    b,
+    conv_weight,
+    dt_bias,
+    a_log,
+    conv_pool,
+    state_pool,
+    slot_ids,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    lower_bound,
+) -> torch.Tensor:
+    """Conv + SiLU, gate, β, L2-normalised chunked delta rule over packed sequences; the slot windows
+    and states are read, then overwritten with each sequence's final ones. Returns o `[N, H, d]`."""
+    del cu_seqlens  # the reference pads on the host lengths
+    heads = state_pool.shape[1:3]
+    lengths = [e - s for s, e in itertools.pairwise(cu_seqlens_cpu)]
+    index, valid = _pad_plan(lengths, q.device)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return x[index] * valid.view(*valid.shape, *([1] * (x.dim() - 1)))
+
+    y, window = causal_conv(
+        pad(torch.cat([q, k, v], -1)),
+        conv_pool[slot_ids],
+        conv_weight,
+        torch.tensor(lengths, device=q.device),
+    )
+    conv_pool[slot_ids] = window.to(conv_pool.dtype)
+    qq, kk, vv = (t.unflatten(-1, tuple(heads)) for t in y.chunk(3, dim=-1))
+    g = kda_gate(f.unflatten(-1, tuple(heads)), dt_bias, a_log, lower_bound)
+    o, final = kda_chunked(qq, kk, vv, pad(g), pad(torch.sigmoid(b)), state_pool[slot_ids])
+    state_pool[slot_ids] = final
+    return o[valid]
+
+
+def decode(q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound):
+    """One token per sequence (`[B, ...]` inputs), state and window updated in place; o `[B, H, d]`."""
+    cu = list(range(q.shape[0] + 1))
+    return prefill(
+        q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, None, cu, lower_bound
+    )
+
+
+def verify(
+    q,
+    k,
+    v,
+    f,
+    b,
+    conv_weight,
+    dt_bias,
+    a_log,
+    conv_pool,
+    state_pool,
+    slot_ids,
+    lower_bound,
+    step_states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, VerifyCache]:
+    """T = k+1 tokens per sequence (`[B, T, ...]`): outputs for every position from the committed
+    window and state, which stay untouched. With `step_states [B, T, H, d, d]` (fp32) the state after
+    each step is written there too. Returns o `[B, T, H, d]` and the cache `commit` replays from."""
+    bsz, t = q.shape[:2]
+    heads = tuple(state_pool.shape[1:3])
+    full = torch.full((bsz,), t, device=q.device)
+    y, _ = causal_conv(torch.cat([q, k, v], -1), conv_pool[slot_ids], conv_weight, full)
+    qq, kk, vv = (x.unflatten(-1, heads) for x in y.chunk(3, dim=-1))
+    g = kda_gate(f.unflatten(-1, heads), dt_bias, a_log, lower_bound)
+    beta = torch.sigmoid(b)
+    o, _ = kda_chunked(qq, kk, vv, g, beta, state_pool[slot_ids])
+    if step_states is not None:
+        for n in range(1, t + 1):
+            _, s = kda_chunked(qq[:, :n], kk[:, :n], vv[:, :n], g[:, :n], beta[:, :n], state_pool[slot_ids])
+            step_states[:, n - 1] = s
+    return o, VerifyCache(q, k, v, f, b)
+
+
+def commit(
+    cache: VerifyCache, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, n_accepted, lower_bound
+) -> None:
+    """Advance each sequence's window and state by its first `n_accepted[b]` verified tokens (0..T)."""
+    keep = n_accepted.tolist()
+    rows = [i for i, n in enumerate(keep) if n > 0]
+    if not rows:
+        return
+    lens = [keep[i] for i in rows]
+    parts = [
+        torch.cat([x[i, : keep[i]] for i in rows]) for x in (cache.q, cache.k, cache.v, cache.f, cache.b)
+    ]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    prefill(*parts, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids[rows], None, cu, lower_bound)
+
+
+def commit_steps(cache: VerifyCache, step_states, conv_pool, state_pool, slot_ids, n_accepted) -> None:
+    """The per-step-state alternative: copy the state saved after step n_accepted[b] into the slot."""
+    keep = n_accepted.tolist()
+    for i, n in enumerate(keep):
+        if n > 0:
+            state_pool[slot_ids[i]] = step_states[i, n - 1]
+            z = torch.cat([conv_pool[slot_ids[i]], torch.cat([cache.q, cache.k, cache.v], -1)[i, :n]])
+            conv_pool[slot_ids[i]] = z[-conv_pool.shape[1] :]

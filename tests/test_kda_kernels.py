@@ -1,0 +1,238 @@
+"""KDA Triton kernels against their torch references, under the Triton interpreter on the CPU.
+
+Shapes are small (2 heads, d = 16/32); inputs are fp32 or fp16 (the interpreter's `tl.dot` on bf16 is
+not trustworthy). Errors are FLA's measure, rms(out - ref) / rms(ref): ≤ 5e-3 (FLA's bound) for fp16,
+≤ 3e-6 for fp32, where both sides are exact up to rounding. Pool slots the step does not own are
+checked to be bit-for-bit untouched. The references are checked against per-token
+formulas written the way FLA's `naive.py` writes them.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hylo.ops.kda import chunk, recurrent, reference, rmsnorm
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked-out scores overflow in numpy
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+
+
+@pytest.fixture(autouse=True)
+def strict_launch_arguments(monkeypatch):
+    """The interpreter ignores keyword arguments a kernel does not declare; the GPU launcher raises."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def checked(self, *args, grid, warmup, **kwargs):
+        unknown = set(kwargs) - set(self.arg_names) - LAUNCH_OPTIONS
+        assert not unknown, f"{self.fn.__name__} got undeclared arguments {sorted(unknown)}"
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", checked)
+
+
+RATIO = 3e-6  # fp32
+RATIO_HALF = 5e-3
+
+
+def err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+
+
+class Problem:
+    """Random layer parameters and slot pools for H heads of size d (fresh draws per seed)."""
+
+    def __init__(
+        self, seed: int, h: int = 2, d: int = 16, width: int = 4, slots: int = 7, dtype=torch.float32
+    ):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.h, self.d, self.dtype = h, d, dtype
+        hd = h * d
+        self.conv_weight = self.randn(3 * hd, width, dtype=torch.float32) * 0.5
+        self.dt_bias = self.randn(hd, dtype=torch.float32)
+        self.a_log = self.randn(h, dtype=torch.float32) * 0.5
+        self.conv_pool = self.randn(slots, width - 1, 3 * hd)
+        self.state_pool = self.randn(slots, h, d, d, dtype=torch.float32) * 0.3
+
+    def randn(self, *shape, dtype=None) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(dtype or self.dtype)
+
+    def inputs(self, *lead) -> list[torch.Tensor]:
+        hd = self.h * self.d
+        return [self.randn(*lead, hd) for _ in range(4)] + [self.randn(*lead, self.h)]
+
+    def params(self):
+        return self.conv_weight, self.dt_bias, self.a_log
+
+    def pools(self):
+        return self.conv_pool.clone(), self.state_pool.clone()
+
+
+def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
+    untouched = [s for s in range(conv.shape[0]) if s not in set(touched)]
+    assert torch.equal(conv[untouched], conv_ref[untouched])
+    assert torch.equal(state[untouched], state_ref[untouched])
+    assert torch.equal(conv[touched], conv_ref[touched])
+    assert err(state[touched], state_ref[touched]) < ratio
+
+
+@pytest.mark.parametrize(
+    ("lens", "dtype", "seed"),
+    [([70, 1, 2, 130], torch.float32, 0), ([64, 3, 65], torch.float16, 1)],
+)
+def test_prefill_matches_reference(lens, dtype, seed):
+    p = Problem(seed, dtype=dtype)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q, k, v, f, b = p.inputs(cu[-1])
+    slots = torch.randperm(7, generator=p.gen)[: len(lens)]
+    conv_ref, state_ref = p.pools()
+    o_ref = reference.prefill(q, k, v, f, b, *p.params(), conv_ref, state_ref, slots, None, cu, -5.0)
+    conv, state = p.pools()
+    cu_dev = torch.tensor(cu, dtype=torch.int32)
+    o = chunk.prefill(q, k, v, f, b, *p.params(), conv, state, slots, cu_dev, cu, -5.0)
+    ratio = RATIO if dtype == torch.float32 else RATIO_HALF
+    assert o.dtype == dtype and err(o, o_ref) < ratio
+    check_pools(conv, state, conv_ref, state_ref, slots.tolist(), ratio)
+
+
+@pytest.mark.parametrize(("lower_bound", "d"), [(-5.0, 32), (None, 16)])
+def test_decode_matches_reference(lower_bound, d):
+    p = Problem(2 + d, d=d)
+    q, k, v, f, b = p.inputs(3)
+    slots = torch.tensor([5, 0, 3])
+    conv_ref, state_ref = p.pools()
+    o_ref = reference.decode(q, k, v, f, b, *p.params(), conv_ref, state_ref, slots, lower_bound)
+    conv, state = p.pools()
+    o = recurrent.decode(q, k, v, f, b, *p.params(), conv, state, slots, lower_bound, block_v=16)
+    assert err(o, o_ref) < RATIO
+    check_pools(conv, state, conv_ref, state_ref, slots.tolist())
+
+
+def test_verify_leaves_pools_and_commits_match():
+    p = Problem(3)
+    t = 4
+    q, k, v, f, b = p.inputs(4, t)
+    slots = torch.tensor([6, 1, 2, 4])
+    n_acc = torch.tensor([1, 4, 0, 3])
+    conv0, state0 = p.pools()
+
+    steps_ref = torch.empty(4, t, p.h, p.d, p.d)
+    o_ref, cache_ref = reference.verify(
+        q, k, v, f, b, *p.params(), conv0, state0, slots, -5.0, step_states=steps_ref
+    )
+    conv, state = p.pools()
+    steps = torch.full_like(steps_ref, float("nan"))
+    o, cache = recurrent.verify(q, k, v, f, b, *p.params(), conv, state, slots, -5.0, step_states=steps)
+    assert err(o, o_ref) < RATIO and err(steps, steps_ref) < RATIO
+    o_chunk, _ = recurrent.verify(q, k, v, f, b, *p.params(), conv, state, slots, -5.0)  # one-chunk kernel
+    assert err(o_chunk, o_ref) < RATIO
+    assert torch.equal(conv, p.conv_pool) and torch.equal(state, p.state_pool)
+    assert torch.equal(conv0, p.conv_pool) and torch.equal(state0, p.state_pool)
+
+    # the verified outputs are what decoding the tokens one by one gives
+    conv_seq, state_seq = p.pools()
+    outs = [
+        reference.decode(
+            q[:, i], k[:, i], v[:, i], f[:, i], b[:, i], *p.params(), conv_seq, state_seq, slots, -5.0
+        )
+        for i in range(t)
+    ]
+    assert err(o, torch.stack(outs, 1)) < RATIO
+
+    reference.commit(cache_ref, *p.params(), conv0, state0, slots, n_acc, -5.0)
+    replay_conv, replay_state = p.pools()
+    recurrent.commit(cache, *p.params(), replay_conv, replay_state, slots, n_acc, -5.0, block_v=8)
+    check_pools(replay_conv, replay_state, conv0, state0, [6, 1, 4])
+    assert torch.equal(replay_conv[2], p.conv_pool[2]) and torch.equal(replay_state[2], p.state_pool[2])
+
+    seq_state = p.state_pool.clone()  # the sequential kernel's replay agrees
+    recurrent.recurrent(
+        cache.qkv, f, b, p.dt_bias, p.a_log, seq_state, slots, -5.0, write_o=False, n_steps=n_acc
+    )
+    assert err(seq_state, state0) < RATIO
+
+    step_conv, step_state = p.pools()
+    recurrent.commit_steps(cache, steps, step_conv, step_state, slots, n_acc)
+    check_pools(step_conv, step_state, conv0, state0, [6, 1, 4])
+    ref_conv, ref_state = p.pools()
+    reference.commit_steps(cache_ref, steps_ref, ref_conv, ref_state, slots, n_acc)
+    check_pools(ref_conv, ref_state, conv0, state0, [6, 1, 4])
+
+
+def test_conv_steps_window_paths():
+    p = Problem(4, dtype=torch.float16)
+    q, k, v, _, _ = p.inputs(3, 5)
+    slots = torch.tensor([2, 0, 5])
+    x = torch.cat([q, k, v], -1)
+    y_ref, win_ref = reference.causal_conv(x, p.conv_pool[slots], p.conv_weight, torch.tensor([5, 2, 0]))
+    conv = p.conv_pool.clone()
+    y = recurrent.conv_steps(q, k, v, p.conv_weight, conv, slots)
+    assert err(y, y_ref) < RATIO_HALF and torch.equal(conv, p.conv_pool)
+    recurrent.conv_steps(
+        q, k, v, None, conv, slots, write_y=False, write_window=True, n_keep=torch.tensor([5, 2, 0])
+    )
+    assert torch.equal(conv[slots], win_ref)
+
+
+def test_gated_norm_matches_reference():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 3, 32, generator=gen).half()
+    gate = torch.randn(9, 96, generator=gen).half()
+    weight = torch.randn(32, generator=gen)
+    y = rmsnorm.gated_rms_norm(x, gate, weight, 1e-5)
+    assert (
+        y.dtype == x.dtype
+        and err(y, reference.gated_rms_norm(x, gate.view(9, 3, 32), weight, 1e-5)) < RATIO_HALF
+    )
+
+
+# ---- the packed references against per-token formulas (FLA naive.py style) ---------------------------
+
+
+def naive_sequence(q, k, v, f, b, conv_weight, dt_bias, a_log, window, state, lower_bound):
+    """One sequence, token by token: conv over [window, x], FLA's naive lower-bound gate and recurrence."""
+    h, d = state.shape[:2]
+    x = torch.cat([window, torch.cat([q, k, v], -1)]).float()
+    width = conv_weight.shape[1]
+    y = F.silu(F.conv1d(x.T[None], conv_weight[:, None, :], groups=x.shape[1])[0].T).to(q.dtype).float()
+    qq, kk, vv = (t.unflatten(-1, (h, d)) for t in y.chunk(3, -1))
+    raw = f.float().unflatten(-1, (h, d)) + dt_bias.view(h, d)
+    g = lower_bound * torch.sigmoid(a_log.exp()[:, None] * raw)
+    s = state.clone()
+    outs = []
+    for t in range(q.shape[0]):
+        qt = F.normalize(qq[t], dim=-1, eps=0) * d**-0.5
+        kt = F.normalize(kk[t], dim=-1, eps=0)
+        s = s * g[t].exp()[..., None]
+        delta = vv[t] - torch.einsum("hk,hkv->hv", kt, s)
+        s = s + torch.einsum("hk,hv->hkv", torch.sigmoid(b[t].float())[:, None] * kt, delta)
+        outs.append(torch.einsum("hk,hkv->hv", qt, s))
+    return torch.stack(outs), s, x[-(width - 1) :]
+
+
+def test_reference_prefill_matches_naive_per_sequence():
+    p = Problem(6)
+    lens = [5, 1, 40]
+    cu = [0, 5, 6, 46]
+    q, k, v, f, b = p.inputs(cu[-1])
+    slots = torch.tensor([3, 6, 0])
+    conv, state = p.pools()
+    o = reference.prefill(q, k, v, f, b, *p.params(), conv, state, slots, None, cu, -5.0)
+    for i, (s0, n) in enumerate(zip(cu[:-1], lens, strict=True)):
+        part = [t[s0 : s0 + n] for t in (q, k, v, f, b)]
+        o_n, s_n, w_n = naive_sequence(
+            *part, *p.params(), p.conv_pool[slots[i]], p.state_pool[slots[i]], -5.0
+        )
+        torch.testing.assert_close(o[s0 : s0 + n], o_n, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(state[slots[i]], s_n, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(conv[slots[i]], w_n)
