@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-from dflash_reference import write_dflash_checkpoint  # noqa: E402
+from dflash_reference import write_dflash_checkpoint
 
-from hylo import LLM, SamplingParams  # noqa: E402
-from hylo.models.demo import write_demo_model  # noqa: E402
+from hylo import LLM, SamplingParams
+from hylo.models.demo import write_demo_model
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
