@@ -7,6 +7,7 @@ and DFlash speculative decoding against plain decoding, on the embedded demo mod
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -48,6 +49,9 @@ def main() -> None:
         report[f"{name}_seconds"] = time.perf_counter() - start
         if outs[0].metrics.spec_verify_steps:
             report[f"{name}_mean_tau"] = sum(o.metrics.mean_acceptance_length for o in outs) / len(outs)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()  # the next engine sizes its caches from the free memory
         return [o.token_ids for o in outs]
 
     cpu = run("cpu_fp32", device="cpu", dtype="float32", max_memory_gb=1.0)
@@ -61,6 +65,20 @@ def main() -> None:
         speculative_algorithm="DFLASH",
         speculative_draft_model_path=str(draft),
     )
+    spec32 = run(
+        "cuda_fp32_dflash",
+        device="cuda",
+        dtype="float32",
+        mem_fraction_static=0.3,
+        speculative_algorithm="DFLASH",
+        speculative_draft_model_path=str(draft),
+    )
+    report["dflash_vs_plain_fp32_first_divergence"] = [
+        first_divergence(a, b) for a, b in zip(spec32, gpu32, strict=True)
+    ]
+    report["dflash_vs_plain_bf16_first_divergence"] = [
+        first_divergence(a, b) for a, b in zip(spec16, gpu16, strict=True)
+    ]
     report["cuda_fp32_vs_cpu_first_divergence"] = [
         first_divergence(a, b) for a, b in zip(gpu32, cpu, strict=True)
     ]
