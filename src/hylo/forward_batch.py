@@ -141,16 +141,3 @@ class ForwardBatch:
             tokens=tokens,
             states=states,
         )
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
-
-    def pad(self, packed: torch.Tensor) -> torch.Tensor:
-        """`[T, ...]` packed -> `[B, max_new, ...]`, zeros where a sequence has no token."""
-        mask = self.pad_valid.view(*self.pad_valid.shape, *([1] * (packed.dim() - 1)))
-        return packed[self.pad_index] * mask
-
-    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        """Inverse of `pad`: `[B, max_new, ...]` -> `[T, ...]`."""
-        return padded[self.pad_valid]
