@@ -249,3 +249,51 @@ def test_server_reports_acceptance_length(target, draft):
         assert "hylo_spec_acceptance_length_bucket" in client.get("/metrics").text
     finally:
         engine.shutdown()
+
+
+def test_sampling_is_lossless_end_to_end(tmp_path):
+    """20k sampled runs (temperature 1, vocab 16) with a DFlash draft: the first three tokens follow
+    the target's exact distribution, computed from its logits (chi-square on each position's marginal
+    and on the joint of the first two)."""
+    from conftest import Caches
+
+    vocab, runs, prompt = 16, 20000, [3, 5, 7, 9, 11]
+    target = write_hf_checkpoint(tmp_path / "t", tiny_text_config(4, 8, vocab_size=vocab), seed=2, gain=0.3)
+    draft = write_dflash_checkpoint(tmp_path / "d", 64, vocab, [0, 2, 4], seed=3, block_size=BLOCK)
+    llm = LLM(str(target), device="cpu", dtype="float32", page_size=16, context_length=16,
+              max_running_requests=runs, max_memory_gb=1.0, speculative_algorithm="DFLASH",
+              speculative_draft_model_path=str(draft), seed=11)  # fmt: skip
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=[prompt] * runs, sampling_params=params, use_tqdm=False)
+    samples = torch.tensor([o.token_ids for o in outs])
+    steps = sum(o.metrics.spec_verify_steps for o in outs)
+    assert 0 < sum(o.metrics.spec_accepted_tokens for o in outs) < steps * (BLOCK - 1)  # both paths taken
+
+    model = llm.engine.model
+    seqs = (
+        [prompt]
+        + [[*prompt, a] for a in range(vocab)]
+        + [[*prompt, a, b] for a in range(vocab) for b in range(vocab)]
+    )
+    caches = Caches(model, num_seqs=len(seqs), per_seq=16)
+    probs = torch.softmax(
+        caches.forward(model, [caches.chunk(i, s, 0) for i, s in enumerate(seqs)], False), -1
+    )
+    p1, p2, p3 = probs[0], probs[1 : 1 + vocab], probs[1 + vocab :].view(vocab, vocab, vocab)
+    joint12 = p1[:, None] * p2
+    joint = joint12[..., None] * p3
+    expected = {"t1": p1, "t2": joint12.sum(0), "t3": joint.sum((0, 1)), "t1t2": joint12.flatten()}
+    observed = {
+        "t1": torch.bincount(samples[:, 0], minlength=vocab),
+        "t2": torch.bincount(samples[:, 1], minlength=vocab),
+        "t3": torch.bincount(samples[:, 2], minlength=vocab),
+        "t1t2": torch.bincount(samples[:, 0] * vocab + samples[:, 1], minlength=vocab * vocab),
+    }
+    for name, p in expected.items():
+        e, o = p.double() * runs, observed[name].double()
+        keep = e >= 5  # cells expected below 5 are pooled into one
+        e = torch.cat([e[keep], e[~keep].sum()[None]])
+        o = torch.cat([o[keep], o[~keep].sum()[None]])
+        chi2 = ((o - e) ** 2 / e.clamp(min=1e-9)).sum().item()
+        dof = int(keep.sum())  # cells - 1, the pooled cell included
+        assert chi2 < dof + 4.5 * math.sqrt(2 * dof), (name, chi2, dof)  # ~1e-4 false alarm
