@@ -191,6 +191,9 @@ class EngineConfig:
     max_memory_gb: float = _flag(2.0, "CPU: GiB for the caches (token pages and request state slots)")
     context_length: int | None = _flag(None, "longest sequence, prompt + output (default: the model's)")
     seed: int = _flag(0, "seed of the sampler for requests that bring no seed of their own")
+    indexer_dtype: str = _flag(
+        "auto", "pooled indexer keys: auto (the model dtype) or fp8 (e4m3, per-row scales)"
+    )
     speculative_algorithm: str | None = _flag(
         None, "speculative decoding: DFLASH (DFlash and DFlash2 drafts)"
     )
@@ -221,6 +224,8 @@ class EngineConfig:
             raise ValueError("speculative_draft_model_path is required with speculative_algorithm")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ValueError("speculative_num_draft_tokens must be >= 2 (the anchor and at least one draft)")
+        if self.indexer_dtype not in ("auto", "fp8"):
+            raise ValueError(f"indexer_dtype must be auto or fp8, got {self.indexer_dtype!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
 
@@ -241,7 +246,7 @@ class EngineConfig:
                 f"--{f.name.replace('_', '-')}",
                 type=kind,
                 default=f.default,
-                help=f"{f.metadata['help']} (default: {f.default})",
+                help=f.metadata["help"],
             )
 
     @classmethod

@@ -52,11 +52,12 @@ class Engine:
         self.context_len = config.context_length or model_config.max_position_embeddings
         self.proposer = proposer or self._build_proposer()
         draft_bytes = self.proposer.bytes_per_token() if self.proposer else 0.0
+        indexer_dtype = torch.float8_e4m3fn if config.indexer_dtype == "fp8" else None
         self.plan = MemoryPlan.from_budget(
             model_config, self._budget_bytes(), config.page_size, config.max_running_requests,
-            self.context_len, self.dtype, draft_bytes,
+            self.context_len, self.dtype, draft_bytes, indexer_dtype,
         )  # fmt: skip
-        self.caches = CacheManager(model_config, self.plan, self.dtype, self.device)
+        self.caches = CacheManager(model_config, self.plan, self.dtype, self.device, indexer_dtype)
         num_drafts = 0
         if self.proposer is not None:
             self.proposer.attach(self.caches.tokens.num_slots, self.caches.table.table)

@@ -50,8 +50,15 @@ class TokenCache:
         self.indexer_index = {layer: i for i, layer in enumerate(config.indexer_layers)}
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> float:
-        """Cache bytes one token costs across all DSA layers (pooled keys amortised over the pool)."""
-        n_idx, d = len(config.indexer_layers), config.index_head_dim
-        elems = len(config.dsa_layers) * config.kv_lora_rank + n_idx * d * (2 + 1 / config.index_kpool)
-        return elems * torch.finfo(dtype).bits / 8
+    def bytes_per_token(
+        config: ModelConfig, dtype: torch.dtype, indexer_dtype: torch.dtype | None = None
+    ) -> float:
+        """Cache bytes one token costs across all DSA layers (pooled keys and their FP8 scales
+        amortised over the pool)."""
+        n_idx, d, kpool = len(config.indexer_layers), config.index_head_dim, config.index_kpool
+        size = torch.finfo(dtype).bits / 8
+        pooled_row = d * torch.finfo(indexer_dtype or dtype).bits / 8
+        if indexer_dtype == torch.float8_e4m3fn:
+            pooled_row += 4  # the row's fp32 scale
+        per_token = (len(config.dsa_layers) * config.kv_lora_rank + n_idx * 2 * d) * size
+        return per_token + n_idx * pooled_row / kpool

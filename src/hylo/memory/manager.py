@@ -37,11 +37,12 @@ class MemoryPlan:
         context_len: int,
         dtype: torch.dtype,
         extra_bytes_per_token: float = 0.0,
+        indexer_dtype: torch.dtype | None = None,
     ) -> MemoryPlan:
         """Request slots get what `max_running_requests` asks, or by default up to half the budget
         (at most 256); token pages get the rest. A slot also pays for its request-table row; a token
         also pays `extra_bytes_per_token` (a draft model's cache)."""
-        per_token = TokenCache.bytes_per_token(config, dtype) + extra_bytes_per_token
+        per_token = TokenCache.bytes_per_token(config, dtype, indexer_dtype) + extra_bytes_per_token
         max_len = min(context_len, int(budget_bytes // per_token))
         per_slot = StateCache.bytes_per_slot(config, dtype) + 4 * max_len
         slots = max_running_requests or min(256, int(budget_bytes // 2 // per_slot))
@@ -63,14 +64,21 @@ class CacheManager:
     request is released; a slot's state is zeroed when it is handed out.
     """
 
-    def __init__(self, config: ModelConfig, plan: MemoryPlan, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        config: ModelConfig,
+        plan: MemoryPlan,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        indexer_dtype: torch.dtype | None = None,
+    ):
         if plan.page_size % config.index_kpool:
             raise ValueError(
                 f"page_size ({plan.page_size}) must be a multiple of index_kpool ({config.index_kpool})"
             )
         self.plan = plan
         self.kpool = config.index_kpool
-        self.tokens = TokenCache(config, plan.num_pages * plan.page_size, dtype, device)
+        self.tokens = TokenCache(config, plan.num_pages * plan.page_size, dtype, device, indexer_dtype)
         self.states = StateCache(config, plan.num_slots, dtype, device)
         self.table = RequestTable(plan.num_slots, plan.max_len, plan.page_size, device)
         self.pages = FreeList(plan.num_pages)
