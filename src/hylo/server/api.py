@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -154,37 +154,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
 
-        def choice(
-            index: int,
-            text: str,
-            ids: Sequence[int],
-            logprobs: Sequence[dict[int, float]],
-            reason: str | None,
-        ) -> dict:
-            lp = _completion_logprobs(tokenizer, ids, logprobs) if body.logprobs is not None and ids else None
-            return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+        def choice(index: int, c: Delta | _Choice) -> dict:
+            """A delta and a collected choice carry the same fields."""
+            ids = c.token_ids
+            lp = (
+                _completion_logprobs(tokenizer, ids, c.logprobs)
+                if body.logprobs is not None and ids
+                else None
+            )
+            return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
-        if body.stream:
-
-            async def events() -> AsyncIterator[str]:
-                usage = [0, 0]
-                async for index, delta in _merge(engine, handles, usage):
-                    if delta.text or delta.finish_reason or delta.token_ids:
-                        c = choice(index, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason)
-                        yield _sse(base | {"choices": [c]})
-                if body.include_usage:
-                    yield _sse(base | {"choices": [], "usage": _usage(*usage)})
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        usage = [0, 0]
-        choices = await _until_disconnect(raw, _collect(engine, handles, usage))
-        return JSONResponse(base | {
-            "choices": [choice(i, c.text, c.token_ids, c.logprobs, c.finish_reason)
-                        for i, c in enumerate(choices)],
-            "usage": _usage(*usage),
-        })  # fmt: skip
+        return await _reply(raw, engine, handles, body, base, choice, choice)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -213,44 +193,81 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
                 else None
             )
 
-        if body.stream:
-            chunk = base | {"object": "chat.completion.chunk"}
+        def delta_choice(i: int, d: Delta) -> dict:
+            return {
+                "index": i,
+                "delta": {"content": d.text} if d.text else {},
+                "logprobs": logprobs_of(d.token_ids, d.logprobs),
+                "finish_reason": d.finish_reason,
+            }
 
-            async def events() -> AsyncIterator[str]:
-                for i in range(params.n):
-                    first = {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    yield _sse(chunk | {"choices": [first]})
-                usage = [0, 0]
-                async for _, delta in _merge(engine, handles, usage):
-                    if delta.text or delta.finish_reason or delta.token_ids:
-                        c = {
-                            "index": delta.index,
-                            "delta": {"content": delta.text} if delta.text else {},
-                            "logprobs": logprobs_of(delta.token_ids, delta.logprobs),
-                            "finish_reason": delta.finish_reason,
-                        }
-                        yield _sse(chunk | {"choices": [c]})
-                if body.include_usage:
-                    yield _sse(chunk | {"choices": [], "usage": _usage(*usage)})
-                yield "data: [DONE]\n\n"
+        def final_choice(i: int, c: _Choice) -> dict:
+            return {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs_of(c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
 
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        usage = [0, 0]
-        choices = await _until_disconnect(raw, _collect(engine, handles, usage))
-        return JSONResponse(base | {
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": logprobs_of(c.token_ids, c.logprobs), "finish_reason": c.finish_reason}
-                        for i, c in enumerate(choices)],
-            "usage": _usage(*usage),
-        })  # fmt: skip
+        role = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(params.n)
+        ]
+        return await _reply(
+            raw,
+            engine,
+            handles,
+            body,
+            base,
+            delta_choice,
+            final_choice,
+            chunk_object="chat.completion.chunk",
+            first_choices=role,
+        )
 
     return app
+
+
+async def _reply(
+    raw: Request,
+    engine: AsyncEngine,
+    handles: Sequence[Handle],
+    body: CompletionRequest | ChatCompletionRequest,
+    base: dict[str, Any],
+    delta_choice: Callable[[int, Delta], dict],
+    final_choice: Callable[[int, _Choice], dict],
+    chunk_object: str | None = None,
+    first_choices: Sequence[dict] = (),
+) -> Response:
+    """SSE chunks (one per delta carrying text, tokens or a finish; usage last when asked; then
+    [DONE]) when the body streams, else one JSON response with every choice and the usage."""
+    if body.stream:
+        chunk = base | ({"object": chunk_object} if chunk_object else {})
+
+        async def events() -> AsyncIterator[str]:
+            for c in first_choices:
+                yield _sse(chunk | {"choices": [c]})
+            usage = [0, 0]
+            async for index, delta in _merge(engine, handles, usage):
+                if delta.text or delta.finish_reason or delta.token_ids:
+                    yield _sse(chunk | {"choices": [delta_choice(index, delta)]})
+            if body.include_usage:
+                yield _sse(chunk | {"choices": [], "usage": _usage(*usage)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    usage = [0, 0]
+    choices = await _until_disconnect(raw, _collect(engine, handles, usage))
+    body_json = base | {
+        "choices": [final_choice(i, c) for i, c in enumerate(choices)],
+        "usage": _usage(*usage),
+    }
+    return JSONResponse(body_json)
 
 
 async def _merge(
