@@ -169,6 +169,45 @@ def mla_decode(quick: bool) -> None:
         rec(f"decode_T{tokens}_hylo_cold_us_per_layer", round(bench_graph(cold) / layers, 2))
 
 
+def mla_decode_sweep(tokens_list: list[int]) -> None:
+    """Launch-configuration sweep of the split-rows decode kernel (medians under graph replay)."""
+    gen = torch.Generator().manual_seed(3)
+    latent = torch.randn(CONTEXT, RANK, device=DEV, dtype=torch.bfloat16)
+    deadline = time.time() + (5 if DRY else 270)
+    grid = [
+        (bh, bn, w, st)
+        for bh in (32, 64)
+        for bn in (32, 64)
+        for w in (4, 8)
+        for st in (2, 3, 4)
+        if not (bn == 64 and st == 4)
+    ]
+    for tokens in tokens_list:
+        q = torch.randn(tokens, HEADS, RANK, device=DEV, dtype=torch.bfloat16)
+        rows = mla_rows(tokens, CONTEXT, gen)
+        ref = sparse_mla_ref(q.float(), latent.float(), rows.long(), SCALE)
+        timings = []
+        for bh, bn, w, st in grid:
+            for waves in (0.125, 0.25, 0.5, 1.0):
+                if time.time() > deadline:
+                    break
+                cfg = dict(block_h=bh, block_n=bn, num_warps=w, num_stages=st, waves=waves)
+                try:
+                    err = rel_err(sk.sparse_mla_decode(q, latent, rows, SCALE, **cfg), ref)
+                    if err > 1e-2:
+                        rec(f"sweep_T{tokens}_{bh}_{bn}_{w}_{st}_{waves}_relerr", round(err, 4))
+                        continue
+                    t = bench_graph(
+                        lambda cfg=cfg, q=q, rows=rows: sk.sparse_mla_decode(q, latent, rows, SCALE, **cfg)
+                    )
+                except Exception as exc:  # out of shared memory / registers: not a candidate
+                    rec(f"sweep_T{tokens}_{bh}_{bn}_{w}_{st}_skipped", type(exc).__name__)
+                    break
+                timings.append((round(t, 2), bh, bn, w, st, waves))
+        timings.sort()
+        rec(f"sweep_T{tokens}_best10", timings[:10])
+
+
 def mla_prefill(quick: bool) -> None:
     gen = torch.Generator(device=DEV).manual_seed(2)
     tokens = PREFILL
@@ -404,7 +443,19 @@ def indexer_quality() -> None:
         rec(f"parity_select_{name}_identical_rows", f"{sum(same)}/{len(same)}")
 
 
-SUMMARY_WORDS = ("best", "floor", "naive", "cold", "overlap", "prefill", "TFLOPs", "topk", "ratio", "over")
+SUMMARY_WORDS = (
+    "best",
+    "sweep",
+    "floor",
+    "naive",
+    "cold",
+    "overlap",
+    "prefill",
+    "TFLOPs",
+    "topk",
+    "ratio",
+    "over",
+)
 
 
 def main() -> None:
@@ -415,6 +466,7 @@ def main() -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="CPU, interpreter, tiny sizes (checks the script)"
     )
+    parser.add_argument("--sweep-tokens", default="8", help="query tokens swept by mla_decode_sweep")
     args = parser.parse_args()
     rec("gpu", "none (dry run)" if DRY else torch.cuda.get_device_name())
     rec("torch", torch.__version__)
@@ -424,11 +476,12 @@ def main() -> None:
     for name, fn, *rest in [
         ("mla_parity", mla_parity),
         ("mla_decode", mla_decode, args.quick),
+        ("mla_decode_sweep", mla_decode_sweep, [int(t) for t in args.sweep_tokens.split(",")]),
         ("mla_prefill", mla_prefill, args.quick),
         ("indexer", indexer_bench, args.quick),
         ("indexer_quality", indexer_quality),
     ]:
-        if not only or name in only:
+        if name in only or (not only and name != "mla_decode_sweep"):  # the sweep only when named
             section(name, fn, *rest)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sparse.json").write_text(json.dumps(RESULTS, indent=1))

@@ -10,6 +10,7 @@ no valid row leaves lse = -inf and weighs nothing in the merge. Scores are kept 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -135,13 +136,15 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def default_config(num_tokens: int, num_heads: int) -> dict[str, int]:
+def default_config(num_tokens: int, num_heads: int) -> dict[str, Any]:
     """Tile choice for `sparse_mla_fwd` (measured on H200, 64 heads, 2112-wide rows; RESULTS.md):
     for 1-2 query tokens narrow head blocks put more programs in flight; from 3 tokens on, whole
-    64-head blocks with wgmma read each row once."""
+    64-head blocks with wgmma read each row once, and half a wave of longer programs (about four
+    row blocks each) beats a full wave of two-block ones: fewer partials to write and merge, and
+    the row gathers reach their pipelined steady state."""
     if num_tokens <= 2:
-        return {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
-    return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
+        return {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 1.0}
+    return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, "waves": 0.5}
 
 
 def sparse_mla_fwd(
@@ -155,16 +158,17 @@ def sparse_mla_fwd(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    waves: float = 1.0,
+    waves: float | None = None,
     skip_empty: bool = False,
 ) -> torch.Tensor:
     """Absorbed sparse MLA: `q_latent [T, H, R]` attends to `latent[rows[t]]` (`latent [S, R]`,
     `rows [T, W]` int32/int64 cache slots, -1 = empty; any W). Same contract as the reference.
 
     `num_splits` chunks each token's row list across programs (merged by log-sum-exp); by default it
-    is picked so that about `waves` x the SM count of programs run, and 1 (no merge) when the tokens
-    alone fill the GPU. `skip_empty` branches around blocks with no valid row (saves their dots, but
-    the branch stops the row loads from being software-pipelined); masked rows are never read anyway.
+    is picked so that about `waves` (default: `default_config`) x the SM count of programs run, and 1
+    (no merge) when the tokens alone fill the GPU. `skip_empty` branches around blocks with no valid
+    row (saves their dots, but the branch stops the row loads from being software-pipelined); masked
+    rows are never read anyway.
     """
     num_tokens, num_heads, rank = q_latent.shape
     width = rows.shape[1]
@@ -176,6 +180,7 @@ def sparse_mla_fwd(
     block_n = block_n or cfg["block_n"]
     num_warps = num_warps or cfg["num_warps"]
     num_stages = num_stages or cfg["num_stages"]
+    waves = waves or cfg["waves"]
     if rank & (rank - 1) or rank < 16:
         raise ValueError(f"sparse_mla_fwd needs a power-of-two latent rank >= 16, got {rank}")
     head_blocks = triton.cdiv(num_heads, block_h)
