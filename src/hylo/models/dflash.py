@@ -1,15 +1,38 @@
-"""DFlash block-diffusion draft model (z-lab checkpoint format).
+"""DFlash and DFlash2 block-diffusion draft models (z-lab checkpoint format).
 
 A stack of Qwen3-style layers with no embedding or head of its own: the block `[anchor, mask × (B−1)]`
 is embedded with the target's embeddings, every layer attends (non-causally inside the block) to
 the block and to the context, and the context is the committed tokens' target features after
 `target_layer_ids`, fused by `fc` + `hidden_norm` and projected by each layer's k/v projections
 (k_norm and RoPE at the token's absolute position). Proposals come from the target's `lm_head`.
+
+DFlash2 (`architectures: ["DFlash2DraftModel"]`) adds two things, with the semantics of z-lab's own
+reference (github.com/z-lab/dflash, `dflash/model.py`: `GroupedDynamicCausalConv`,
+`CandidateSelector`, `DFlashDraftModel.compute_logits`, `dflash_generate`):
+
+- Each sublayer (attention, MLP) is wrapped by a grouped dynamic causal conv over the block rows.
+  Its kernel is `base_kernel[side, tap, channel] + delta[row, side, tap, group]`, where
+  `delta = kernel_projection(h)` is computed from each row's *normed* sublayer input `h` and laid
+  out `[side, tap, group]`; group g covers channels `g·group_size .. (g+1)·group_size − 1`. Side 0
+  convolves `h` before the sublayer, side 1 convolves the sublayer's output (with the same row's
+  deltas) before the residual add. Tap t reads row i − t of the same block; rows before the block
+  start read zeros, and the context (target features) is never convolved.
+- Proposals: the head's logits are scaled by `output_multiplier`, then soft-capped
+  (`cap · tanh(logits / cap)`) when `final_logit_softcapping` is set and positive. The
+  `selector_top_k` best tokens per drafted row are candidates; the path is chosen greedily from the
+  first drafted row on, scoring candidate c after predecessor p as
+  `logit(c) + Σ_r pred_codebook[p, r] · hidden_projection(h_row)[r] · succ_codebook[c, r]`, where
+  the first predecessor is the anchor token and `h_row` is the draft's final (normed) hidden state.
+
+Both formats honour `dflash_config.input_embedding_scale` (default 1), which z-lab multiplies into
+the block's embeddings.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +42,66 @@ from torch import nn
 
 from hylo.layers.norm import RMSNorm
 
-ARCHITECTURES = ("DFlashDraftModel",)
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+ARCHITECTURES = ("DFlashDraftModel", DFLASH2_ARCHITECTURE)
+DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def _is_finite_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class DFlash2Config:
+    """The DFlash2 additions: grouped conv (`conv_*`) and candidate selector (`selector_*`, logits)."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    vocab_size: int
+    output_multiplier: float
+    final_logit_softcapping: float | None
+
+    @classmethod
+    def parse(cls, raw: dict, file: Path, block_size: int) -> DFlash2Config:
+        options = raw.get("dflash_config") or {}
+        missing = [k for k in DFLASH2_REQUIRED if k not in options]
+        if "vocab_size" not in raw:
+            missing.append("vocab_size (top level)")
+        if missing:
+            raise ValueError(f"{file}: a DFlash2 draft's config lacks {', '.join(missing)}")
+        for key in DFLASH2_REQUIRED:
+            value = options[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{file}: dflash_config.{key} must be a positive integer, got {value!r}")
+        hidden, vocab = raw["hidden_size"], raw["vocab_size"]
+        if hidden % options["conv_group_size"]:
+            raise ValueError(
+                f"{file}: dflash_config.conv_group_size {options['conv_group_size']} does not divide "
+                f"hidden_size {hidden}"
+            )
+        if options["conv_kernel_size"] > block_size:
+            raise ValueError(
+                f"{file}: dflash_config.conv_kernel_size {options['conv_kernel_size']} exceeds "
+                f"block_size {block_size}"
+            )
+        if options["selector_top_k"] > vocab:
+            raise ValueError(
+                f"{file}: dflash_config.selector_top_k {options['selector_top_k']} exceeds vocab_size {vocab}"
+            )
+        multiplier = options.get("output_multiplier", 1.0)
+        if not _is_finite_number(multiplier) or multiplier <= 0:
+            raise ValueError(f"{file}: dflash_config.output_multiplier must be positive, got {multiplier!r}")
+        cap = options.get("final_logit_softcapping")
+        if cap is not None and (not _is_finite_number(cap) or cap < 0):
+            raise ValueError(f"{file}: dflash_config.final_logit_softcapping must be >= 0, got {cap!r}")
+        return cls(
+            conv_kernel_size=options["conv_kernel_size"], conv_group_size=options["conv_group_size"],
+            selector_rank=options["selector_rank"], selector_top_k=options["selector_top_k"],
+            vocab_size=vocab, output_multiplier=float(multiplier),
+            final_logit_softcapping=float(cap) if cap else None,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -37,6 +119,8 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     layer_types: tuple[str, ...]
     sliding_window: int | None
+    input_embedding_scale: float = 1.0
+    dflash2: DFlash2Config | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> DFlashConfig:
@@ -54,6 +138,9 @@ class DFlashConfig:
         n = raw["num_hidden_layers"]
         heads = raw["num_attention_heads"]
         rope = raw.get("rope_parameters") or {}
+        dflash2 = (
+            DFlash2Config.parse(raw, file, dflash["block_size"]) if arch == DFLASH2_ARCHITECTURE else None
+        )
         return cls(
             hidden_size=raw["hidden_size"], num_hidden_layers=n, num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads", heads),
@@ -64,6 +151,7 @@ class DFlashConfig:
             target_layer_ids=tuple(dflash["target_layer_ids"]),
             layer_types=tuple(raw.get("layer_types") or ["full_attention"] * n),
             sliding_window=raw.get("sliding_window"),
+            input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)), dflash2=dflash2,
         )  # fmt: skip
 
 
@@ -130,6 +218,60 @@ class DraftMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedBlockConv(nn.Module):
+    """DFlash2's grouped dynamic causal conv around one sublayer, over the rows of each block."""
+
+    def __init__(self, hidden_size: int, taps: int, group_size: int):
+        super().__init__()
+        self.taps, self.group_size = taps, group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, taps, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * (hidden_size // group_size), bias=False)
+
+    def convolve(self, x: torch.Tensor, deltas: torch.Tensor, side: int) -> torch.Tensor:
+        """Rows `x [R, B, H]` (one block per leading index) with per-row group deltas `[R, B, taps, G]`."""
+        rows = x.unflatten(-1, (-1, self.group_size))
+        kernel = self.base_kernel[side].unflatten(-1, (-1, self.group_size)) + deltas[..., None]
+        out = kernel[:, :, 0] * rows
+        # A tap reaching before the block start reads zeros: the conv never crosses into the context.
+        for tap in range(1, min(self.taps, x.shape[1])):
+            earlier = F.pad(rows[:, :-tap], (0, 0, 0, 0, tap, 0))
+            out = out + kernel[:, :, tap] * earlier
+        return out.flatten(-2)
+
+    def forward(self, h: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`sublayer` applied between the input-side and the output-side conv of the normed input `h`."""
+        deltas = self.kernel_projection(h).unflatten(-1, (2, self.taps, -1))
+        inner = sublayer(self.convolve(h, deltas[..., 0, :, :], side=0))
+        return self.convolve(inner, deltas[..., 1, :, :], side=1)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's greedy path over each drafted row's top-k tokens with rank-r pairwise scores."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+
+    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Tokens `[R, P]` for drafted rows `hidden [R, P, H]` with fp32 `logits [R, P, V]` after
+        `anchors [R]`."""
+        unary, candidates = logits.topk(self.top_k, dim=-1)
+        # Only the predecessor depends on earlier choices: fold the row and successor factors first.
+        folded = (
+            self.successor_codebook[candidates].float() * self.hidden_projection(hidden).float()[:, :, None]
+        )
+        previous, path = anchors, []
+        for row in range(hidden.shape[1]):
+            pair = torch.einsum("rkd,rd->rk", folded[:, row], self.predecessor_codebook[previous].float())
+            choice = (unary[:, row] + pair).argmax(-1, keepdim=True)
+            previous = candidates[:, row].gather(-1, choice)[:, 0]
+            path.append(previous)
+        return torch.stack(path, 1)
+
+
 class DraftLayer(nn.Module):
     def __init__(self, c: DFlashConfig, index: int):
         super().__init__()
@@ -137,6 +279,27 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = DraftAttention(c, c.layer_types[index] == "sliding_attention")
         self.mlp = DraftMLP(c)
+        self.attention_conv = self.mlp_conv = None
+        if c.dflash2 is not None:
+            taps, group = c.dflash2.conv_kernel_size, c.dflash2.conv_group_size
+            self.attention_conv = GroupedBlockConv(c.hidden_size, taps, group)
+            self.mlp_conv = GroupedBlockConv(c.hidden_size, taps, group)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+        ctx_pos: torch.Tensor, ctx_valid: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        def attend(h: torch.Tensor) -> torch.Tensor:
+            return self.self_attn(h, positions, ctx_k, ctx_v, ctx_pos, ctx_valid)
+
+        x = x + self._around(self.attention_conv, attend, self.input_layernorm(x))
+        return x + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
+
+    @staticmethod
+    def _around(
+        conv: GroupedBlockConv | None, sublayer: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor
+    ) -> torch.Tensor:
+        return sublayer(h) if conv is None else conv(h, sublayer)
 
 
 class DFlashDraftModel(nn.Module):
@@ -149,6 +312,11 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.dflash2 is not None:
+            v2 = c.dflash2
+            self.candidate_selector = CandidateSelector(
+                c.hidden_size, v2.vocab_size, v2.selector_rank, v2.selector_top_k
+            )
 
     def context_kv(
         self, features: torch.Tensor, positions: torch.Tensor
@@ -162,8 +330,22 @@ class DFlashDraftModel(nn.Module):
         ctx_pos: torch.Tensor, ctx_valid: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """Final hidden states `[R, B, H]` of the embedded blocks `[R, B, H]`."""
-        x = block
+        x = block * self.config.input_embedding_scale
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
-            x = x + layer.self_attn(layer.input_layernorm(x), positions, k, v, ctx_pos, ctx_valid)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, positions, k, v, ctx_pos, ctx_valid)
         return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """DFlash2's fp32 proposal logits: the head's, scaled by `output_multiplier` and soft-capped."""
+        v2 = self.config.dflash2
+        logits = lm_head(hidden).float() * v2.output_multiplier
+        if v2.final_logit_softcapping is not None:
+            logits = v2.final_logit_softcapping * torch.tanh(logits / v2.final_logit_softcapping)
+        return logits
+
+    def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Draft tokens `[R, B−1]` from the drafted rows' hidden states `[R, B−1, H]`: the head's
+        argmax for DFlash, the candidate selector's path after `anchors [R]` for DFlash2."""
+        if self.config.dflash2 is None:
+            return lm_head(hidden).argmax(-1)
+        return self.candidate_selector(hidden, self.logits(hidden, lm_head), anchors)

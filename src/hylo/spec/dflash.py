@@ -1,5 +1,5 @@
 """DFlash proposer: keeps the draft's context K/V for every committed token and drafts one block
-per verify step."""
+per verify step (DFlash2 drafts pick the block's tokens with their candidate selector)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ class DFlashProposer(Proposer):
         if any(not 0 <= i < t.num_hidden_layers for i in c.target_layer_ids):
             raise ValueError(
                 f"{path}: target_layer_ids {list(c.target_layer_ids)} exceed the target's layers"
+            )
+        if c.dflash2 is not None and c.dflash2.vocab_size != t.vocab_size:
+            raise ValueError(
+                f"{path}: DFlash2 vocab_size {c.dflash2.vocab_size} != target vocab_size {t.vocab_size} "
+                "(the selector's codebooks are indexed by the target's token ids)"
             )
         weight = target.embed_tokens.weight
         with torch.device("meta"):
@@ -95,5 +100,5 @@ class DFlashProposer(Proposer):
         slots = self.table[rows[:, None], ctx_pos].long()
         ctx_kv = [(self.k_cache[i][slots], self.v_cache[i][slots]) for i in range(c.num_hidden_layers)]
         hidden = self.draft(self.target.embed_tokens(block), positions, ctx_kv, ctx_pos, ctx_valid)
-        drafts = self.target.lm_head(hidden[:, 1:]).argmax(-1).tolist()
+        drafts = self.draft.propose(hidden[:, 1:], block[:, 0], self.target.lm_head).tolist()
         return [d[:b] for d, b in zip(drafts, budgets, strict=True)]
