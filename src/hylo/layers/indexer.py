@@ -7,6 +7,7 @@ from torch import nn
 
 from hylo.config import ModelConfig
 from hylo.forward_batch import ForwardBatch
+from hylo.layers.linear import Linear
 from hylo.ops import indexer as indexer_ops
 
 
@@ -20,10 +21,10 @@ class Indexer(nn.Module):
             config.index_topk,
             config.index_kpool_always_select_tail,
         )
-        self.wq_b = nn.Linear(config.q_lora_rank, h * d, bias=False)
-        self.wk = nn.Linear(config.hidden_size, d, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, h * d)
+        self.wk = Linear(config.hidden_size, d)
         self.k_norm = nn.LayerNorm(d, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, h, bias=False)
+        self.weights_proj = Linear(config.hidden_size, h)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, d))
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(d, config.hidden_size))
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from hylo.config import ModelConfig
 from hylo.forward_batch import ForwardBatch
+from hylo.layers.linear import Linear
 from hylo.ops import kda as kda_ops
 
 
@@ -21,22 +22,22 @@ class KDAAttention(nn.Module):
         d, h, hidden = config.linear_head_dim, config.linear_num_heads, config.hidden_size
         self.layer_idx, self.num_heads, self.head_dim = layer_idx, h, d
         self.lower_bound, self.eps = config.linear_lower_bound, config.rms_norm_eps
-        self.q_proj = nn.Linear(hidden, h * d, bias=False)
-        self.k_proj = nn.Linear(hidden, h * d, bias=False)
-        self.v_proj = nn.Linear(hidden, h * d, bias=False)
+        self.q_proj = Linear(hidden, h * d)
+        self.k_proj = Linear(hidden, h * d)
+        self.v_proj = Linear(hidden, h * d)
         self.conv_weight = nn.Parameter(
             torch.empty(3 * h * d, config.linear_conv_kernel_dim, dtype=torch.float32)
         )
-        self.f_a_proj = nn.Linear(hidden, d, bias=False)
-        self.f_b_proj = nn.Linear(d, h * d, bias=False)
+        self.f_a_proj = Linear(hidden, d)
+        self.f_b_proj = Linear(d, h * d)
         self.dt_bias = nn.Parameter(torch.empty(h * d, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32))
-        self.b_proj = nn.Linear(hidden, h, bias=False)
-        self.g_a_proj = nn.Linear(hidden, d, bias=False)
-        self.g_b_proj = nn.Linear(d, h * d, bias=False)
+        self.b_proj = Linear(hidden, h)
+        self.g_a_proj = Linear(hidden, d)
+        self.g_b_proj = Linear(d, h * d)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(d))
-        self.o_proj = nn.Linear(h * d, hidden, bias=False)
+        self.o_proj = Linear(h * d, hidden)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Packed tokens in, packed out. A step of single tokens takes the decode kernels, anything else the

@@ -5,15 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hylo.layers.linear import Linear
 from hylo.ops.moe import swiglu_clamp
 
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size)
+        self.up_proj = Linear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from torch import nn
 from hylo.config import ModelConfig
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.indexer import Indexer
+from hylo.layers.linear import Linear
 from hylo.layers.norm import RMSNorm
 from hylo.ops.sparse_mla import sparse_mla
 
@@ -22,13 +23,13 @@ class SparseMLA(nn.Module):
         self.layer_idx, self.num_heads = layer_idx, h
         self.nope_dim, self.v_dim, self.rank = config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
         self.scale = config.qk_nope_head_dim**-0.5
-        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(hidden, config.q_lora_rank)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, h * self.nope_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, h * self.nope_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank)
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.rank, h * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, hidden, bias=False)
+        self.kv_b_proj = Linear(self.rank, h * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(h * self.v_dim, hidden)
         self.indexer = Indexer(config, layer_idx) if config.indexer_types[layer_idx] == "full" else None
 
     def forward(

@@ -1,0 +1,58 @@
+"""Measured launch configurations of the small-M GEMM, one JSON table per GPU model.
+
+A table maps `(M bucket, N, K)` to the configuration that beat `torch.matmul` for that shape on that
+GPU; `benchmarks/kernels/gemm_tune.py` writes it after checking the kernel against the reference.
+Shapes without an entry (or GPUs without a table) stay on `torch.matmul`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+TABLES = Path(__file__).parent / "tables"
+M_BUCKETS = (16, 32, 64)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration; `split_k` programs share each output tile's K range."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def m_bucket(m: int) -> int | None:
+    """The smallest bucket holding `m` rows, None above the small-M range."""
+    return next((b for b in M_BUCKETS if m <= b), None)
+
+
+def entry_key(bucket: int, n: int, k: int) -> str:
+    return f"m{bucket}_n{n}_k{k}"
+
+
+def table_path(gpu_name: str) -> Path:
+    return TABLES / (re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_") + ".json")
+
+
+@cache
+def load_table(gpu_name: str) -> dict[str, GemmConfig]:
+    path = table_path(gpu_name)
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    if data.get("gpu") != gpu_name:
+        raise ValueError(f"{path}: table is for {data.get('gpu')!r}, not {gpu_name!r}")
+    return {key: GemmConfig(**entry["config"]) for key, entry in data["entries"].items()}
+
+
+def lookup(gpu_name: str, m: int, n: int, k: int) -> GemmConfig | None:
+    bucket = m_bucket(m)
+    return None if bucket is None else load_table(gpu_name).get(entry_key(bucket, n, k))
