@@ -7,26 +7,13 @@ interpreter's bf16 `tl.dot` is wrong, DESIGN §8); FP8 kernels and real shapes r
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from interpreter import use_interpreter
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
-
-    import triton.runtime.interpreter as _interpreter
-
-    # numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter does for loop
-    # bounds computed from program ids or arguments; read the single element instead.
-    _patch_lang_tensor = _interpreter._patch_lang_tensor
-
-    def _patch_with_index(tensor, scope):
-        _patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interpreter._patch_lang_tensor = _patch_with_index
+    use_interpreter()  # before the kernels are decorated
 
 from hylo.ops import indexer as indexer_ops  # noqa: E402
 from hylo.ops import sparse_mla as sparse_mla_ops  # noqa: E402

@@ -25,9 +25,10 @@ import torch
 
 DRY = "--dry-run" in sys.argv
 if DRY:
-    os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-    import test_sparse_kernels  # noqa: F401  (installs the interpreter's loop-bound fix)
+    from interpreter import use_interpreter
+
+    use_interpreter()
 
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
