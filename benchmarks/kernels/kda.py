@@ -3,7 +3,7 @@
 
 GLM-5.3-Flash shapes: 64 heads, d = 128, bf16 activations, fp32 state. Usage (FLA optional):
 
-    PYTHONPATH=src python benchmarks/kernels/kda.py [--quick] [--out DIR]
+    PYTHONPATH=src python benchmarks/kernels/kda.py [--quick] [--only prefill|step] [--out DIR]
 
 Prints a table last; writes every figure to DIR/kda.json (default $OUT or ./out). Small launches are
 timed with `do_bench_cudagraph`, prefill with `do_bench`; all medians.
@@ -111,7 +111,64 @@ def fla_api():
 # ---------------------------------------------------------------------------------------------------
 
 
-def parity(fla_chunk, fla_rec) -> None:
+PREFILL_VARIANTS = {  # prep settings besides the default, checked for parity and timed
+    "intra_w8": dict(intra_warps=8),
+    "bk32": dict(block_k=32),
+    "unroll2": dict(gram_unroll=2),
+    "unroll8": dict(gram_unroll=8),
+    "stages2": dict(intra_stages=2),
+    "conv_w4": dict(conv_warps=4),
+    "merge_tf32x3": dict(merge_precision="tf32x3"),
+}
+RECUR_VARIANTS = {
+    "v32": dict(block_v=32),
+    "v32s3": dict(block_v=32, stages=3),
+    "v64s2": dict(stages=2),
+    "v64w8": dict(warps=8),
+}
+
+
+def _warm_one(job: tuple[dict, int]) -> str:
+    """Compile the prefill kernels for `tuning` and `n_seq` sequences (fills Triton's on-disk cache)."""
+    tuning, n_seq = job
+    t0 = time.time()
+    lay = Layer(slots=n_seq, seed=0)
+    cu, cu_d = offsets([70] * n_seq)
+    conv, state = lay.pools()
+    chunk.prefill(
+        *lay.inputs(cu[-1]),
+        *lay.params(),
+        conv,
+        state,
+        torch.arange(n_seq, device=DEV),
+        cu_d,
+        cu,
+        LB,
+        **tuning,
+    )
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    return f"{tuning} x{n_seq}: {time.time() - t0:.0f}s"
+
+
+def warm_prefill_kernels(sweep: bool):
+    """Start compiling every prefill kernel configuration the run will use, in parallel processes (the
+    kernels are large; compiling them one after another would take minutes). Returns the pending jobs."""
+    import concurrent.futures
+    import multiprocessing
+
+    jobs = [({}, n) for n in (1, 2, 4)]
+    if sweep:
+        jobs += [(t, n) for t in (*PREFILL_VARIANTS.values(), *RECUR_VARIANTS.values()) for n in (1, 4)]
+    pool = concurrent.futures.ProcessPoolExecutor(
+        max_workers=min(len(jobs), max(1, (os.cpu_count() or 2) - 2)),
+        mp_context=multiprocessing.get_context("spawn"),
+    )
+    return pool, [pool.submit(_warm_one, job) for job in jobs]
+
+
+def parity_prefill(fla_chunk, variants: dict[str, dict]) -> None:
+    """Varlen prefill with random slots against the fp32 reference: default settings and `variants`."""
     lay = Layer(slots=8, seed=1)
     lens = [L(1500), 1, 3, L(2600)]
     cu, cu_d = offsets(lens)
@@ -119,12 +176,15 @@ def parity(fla_chunk, fla_rec) -> None:
     slots = torch.tensor([5, 0, 7, 2], device=DEV)
     c_ref, s_ref = lay.pools()
     o_ref = reference.prefill(q, k, v, f, b, *lay.params(), c_ref, s_ref, slots, None, cu, LB)
-    c, s = lay.pools()
-    o = chunk.prefill(q, k, v, f, b, *lay.params(), c, s, slots, cu_d, cu, LB)
-    rec("parity_prefill_o", err(o, o_ref))
-    rec("parity_prefill_state", err(s[slots], s_ref[slots]))
-    rec("parity_prefill_window_exact", bool(torch.equal(c, c_ref)))
-    rec("parity_prefill_untouched_exact", bool(torch.equal(s[[1, 3, 4, 6]], lay.state_pool[[1, 3, 4, 6]])))
+    for name, tuning in {"": {}, **variants}.items():
+        tag = f"parity_prefill{'_' + name if name else ''}"
+        c, s = lay.pools()
+        o = chunk.prefill(q, k, v, f, b, *lay.params(), c, s, slots, cu_d, cu, LB, **tuning)
+        rec(f"{tag}_o", err(o, o_ref))
+        rec(f"{tag}_state", err(s[slots], s_ref[slots]))
+        if not name:
+            rec(f"{tag}_window_exact", bool(torch.equal(c, c_ref)))
+            rec(f"{tag}_untouched_exact", bool(torch.equal(s[[1, 3, 4, 6]], lay.state_pool[[1, 3, 4, 6]])))
     if fla_chunk is not None and os.environ.get("KDA_BENCH_FLA_PARITY") == "1":
         # FLA on the same conv outputs, gate and β in its kernel
         y, _ = reference.causal_conv(
@@ -159,6 +219,16 @@ def parity(fla_chunk, fla_rec) -> None:
         rec("parity_prefill_hylo_vs_ref_o_same_input", err(o1, o1_ref))
         rec("parity_prefill_fla_vs_ref_state", err(s_f[0], s2[slots[0]]))
 
+
+def parity(fla_chunk, fla_rec) -> None:
+    parity_prefill(fla_chunk, {})
+    parity_steps()
+
+
+def parity_steps() -> None:
+    """Decode, verify (block and sequential kernels) and both commits against the fp32 reference, with
+    random slots and random accepted counts (0 and T included); then the gated norm."""
+    lay = Layer(slots=8, seed=1)
     bsz, t = 8, 8
     q, k, v, f, b = lay.inputs(bsz, t)
     slots = torch.randperm(8, device=DEV)
@@ -172,30 +242,46 @@ def parity(fla_chunk, fla_rec) -> None:
     rec("parity_decode_state", err(s, s_ref))
     rec("parity_decode_window_exact", bool(torch.equal(c, c_ref)))
 
+    n_acc = torch.tensor([0, 8, 3, 1, 8, 5, 2, 7], device=DEV)
     steps_ref = torch.empty(bsz, t, H, D, D, device=DEV)
     c0, s0 = lay.pools()
     o_ref, cache_ref = reference.verify(
         q, k, v, f, b, *lay.params(), c0, s0, slots, LB, step_states=steps_ref
     )
+    reference.commit(cache_ref, *lay.params(), c0, s0, slots, n_acc, LB)
     c, s = lay.pools()
     steps = torch.empty_like(steps_ref)
-    o, cache = recurrent.verify(q, k, v, f, b, *lay.params(), c, s, slots, LB, step_states=steps)
+    o, seq_cache = recurrent.verify(q, k, v, f, b, *lay.params(), c, s, slots, LB, step_states=steps)
     rec("parity_verify_sequential_o", err(o, o_ref))
-    o1, _ = recurrent.verify(q, k, v, f, b, *lay.params(), c, s, slots, LB)
-    rec("parity_verify_o", err(o1, o_ref))
     rec("parity_verify_step_states", err(steps, steps_ref))
+    o, cache = recurrent.verify(q, k, v, f, b, *lay.params(), c, s, slots, LB)
+    rec("parity_verify_o", err(o, o_ref))
     rec(
         "parity_verify_pools_untouched",
         bool(torch.equal(c, lay.conv_pool) and torch.equal(s, lay.state_pool)),
     )
-    n_acc = torch.randint(0, t + 1, (bsz,), device=DEV)
-    reference.commit(cache_ref, *lay.params(), c0, s0, slots, n_acc, LB)
     recurrent.commit(cache, *lay.params(), c, s, slots, n_acc, LB)
     rec("parity_commit_state", err(s, s0))
     rec("parity_commit_window_exact", bool(torch.equal(c, c0)))
+    rec("parity_commit_rejected_untouched", bool(torch.equal(s[slots[0]], lay.state_pool[slots[0]])))
     c, s = lay.pools()
-    recurrent.commit_steps(cache, steps, c, s, slots, n_acc)
+    recurrent.commit(seq_cache, *lay.params(), c, s, slots, n_acc, LB)
+    rec("parity_commit_sequential_state", err(s, s0))
+    c, s = lay.pools()
+    recurrent.commit_steps(seq_cache, steps, c, s, slots, n_acc)
     rec("parity_commit_steps_state", err(s, s0))
+    for t in (16, 4, 1):  # other block lengths
+        q, k, v, f, b = lay.inputs(bsz, t)
+        n_acc = torch.randint(0, t + 1, (bsz,), device=DEV)
+        c0, s0 = lay.pools()
+        o_ref, cache_ref = reference.verify(q, k, v, f, b, *lay.params(), c0, s0, slots, LB)
+        reference.commit(cache_ref, *lay.params(), c0, s0, slots, n_acc, LB)
+        c, s = lay.pools()
+        o, cache = recurrent.verify(q, k, v, f, b, *lay.params(), c, s, slots, LB)
+        recurrent.commit(cache, *lay.params(), c, s, slots, n_acc, LB)
+        rec(f"parity_verify_T{t}_o", err(o, o_ref))
+        rec(f"parity_commit_T{t}_state", err(s, s0))
+        rec(f"parity_commit_T{t}_window_exact", bool(torch.equal(c, c0)))
     x = torch.randn(L(4096), H, D, device=DEV).bfloat16()
     gate = torch.randn(L(4096), HD, device=DEV).bfloat16()
     wn = torch.randn(D, device=DEV)
@@ -220,195 +306,256 @@ def copy_ceiling() -> float:
     return 2 * (1 << 30) * 2 / (t * 1e-3) / 1e12
 
 
+def kernel_registers() -> None:
+    """Registers and spills of every compiled prefill kernel (ptxas's figures, from Triton's cache)."""
+    if DEV == "cpu":
+        return
+    for kernel in (chunk._conv_gate_kernel, chunk._intra_kernel, chunk._recur_kernel):
+        for i, compiled in enumerate(kernel.device_caches[torch.cuda.current_device()][0].values()):
+            compiled._init_handles()
+            rec(f"regs_{kernel.fn.__name__}_{i}", f"{compiled.n_regs} regs, {compiled.n_spills} spills")
+
+
+def fla_prefill_kwargs(lay: Layer, lens: list[int]) -> dict:
+    """FLA `chunk_kda`'s fastest path for this model: gate, β and L2 norm in-kernel, safe gate."""
+    kw = dict(
+        A_log=lay.a_log,
+        dt_bias=lay.dt_bias,
+        initial_state=lay.state_pool[: len(lens)].clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        safe_gate=True,
+        lower_bound=LB,
+    )
+    if len(lens) > 1:
+        cu, cu_d = offsets(lens)
+        kw.update(cu_seqlens=cu_d.long(), cu_seqlens_cpu=torch.tensor(cu))
+    return kw
+
+
+PREFILL_CASES = {"T4096": [4096], "T13312": [13312], "varlen2x6656": [6656, 6656]}
+
+
+def warm_fla(fla_chunk) -> None:
+    """FLA autotunes on its first calls: run them (fixed and varlen) before anything is timed."""
+    for lens in ([L(4096)], [L(256), L(256)]):
+        lay = Layer(slots=4, seed=2)
+        q, k, v, f, b = (t[None] for t in lay.inputs(sum(lens)))
+        fla_chunk(
+            q.unflatten(-1, (H, D)),
+            k.unflatten(-1, (H, D)),
+            v.unflatten(-1, (H, D)),
+            f.unflatten(-1, (H, D)),
+            b,
+            **fla_prefill_kwargs(lay, lens),
+        )
+    torch.cuda.synchronize()
+
+
+def kernel_times(fn, tag: str) -> None:
+    """Per-kernel GPU time of one call of `fn` (median of 5, from the profiler)."""
+    if DEV == "cpu":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.count >= 5:
+            rec(f"{tag}_kernel_{event.key[:40]}_us", event.device_time_total / event.count)
+
+
 def time_prefill(fla_chunk, quick: bool) -> None:
-    cases = {"T4096": [L(4096)], "T13312": [L(13312)], "varlen2x6656": [L(6656), L(6656)]}
-    for name, lens in cases.items():
+    """hylo, then FLA `chunk_kda`, on the same inputs (hylo also runs the conv). Unless `quick`, the
+    settings of PREFILL_VARIANTS / RECUR_VARIANTS are timed on the single-sequence cases."""
+    inputs = {}
+    for name, lens in PREFILL_CASES.items():
+        lens = [L(n) for n in lens]
         lay = Layer(slots=4, seed=2)
         cu, cu_d = offsets(lens)
-        q, k, v, f, b = lay.inputs(cu[-1])
+        q, k, v, f, b = inputs[name] = lay.inputs(cu[-1])
         slots = torch.arange(len(lens), device=DEV)
         conv, state = lay.pools()
         args = (q, k, v, f, b, *lay.params(), conv, state, slots, cu_d, cu, LB)
         rec(f"prefill_{name}_hylo_us", bench(lambda a=args: chunk.prefill(*a), graph=False))
-        if name == "T4096":
-            pargs = (q, k, v, f, b, *lay.params(), conv, slots, cu_d, cu, LB, H)
-            bufs = chunk.prep(*pargs)
-            rec(f"prefill_{name}_hylo_prep_us", bench(lambda: chunk.prep(*pargs), graph=False))
+        if len(lens) > 1:
+            continue
+        kernel_times(lambda a=args: chunk.prefill(*a), f"prefill_{name}")
+        pargs = (q, k, v, f, b, *lay.params(), conv, slots, cu_d, cu, LB, H)
+        bufs = chunk.prep(*pargs)
+        o = torch.empty(cu[-1], H, D, dtype=q.dtype, device=DEV)
+        rec(f"prefill_{name}_hylo_prep_us", bench(lambda: chunk.prep(*pargs), graph=False))
+        rec(
+            f"prefill_{name}_hylo_recur_us",
+            bench(lambda: chunk.recur(bufs, o, state, slots, cu_d), graph=False),
+        )
+        for var, tuning in {} if quick else PREFILL_VARIANTS.items():
+            rec(f"prefill_{name}_prep_{var}_us", bench(lambda t=tuning: chunk.prep(*pargs, **t), graph=False))
+        for var, tuning in {} if quick else RECUR_VARIANTS.items():
             rec(
-                f"prefill_{name}_hylo_recur_us",
-                bench(lambda: chunk.recur(bufs, state, slots, cu_d), graph=False),
+                f"prefill_{name}_recur_{var}_us",
+                bench(lambda t=tuning: chunk.recur(bufs, o, state, slots, cu_d, **t), graph=False),
             )
-            if not quick:
-                rec(
-                    f"prefill_{name}_prep_dh64_us",
-                    bench(lambda: chunk.prep(*pargs, col_block=64), graph=False),
-                )
-        if fla_chunk is not None:
-            qq, kk, vv = (t.view(1, -1, H, D) for t in (q, k, v))
-            ff, bb = f.view(1, -1, H, D), b.view(1, -1, H)
-            h0 = lay.state_pool[: len(lens)].clone()
-            kw = dict(
-                A_log=lay.a_log,
-                dt_bias=lay.dt_bias,
-                initial_state=h0,
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True,
-                safe_gate=True,
-                lower_bound=LB,
-            )
-            if len(lens) > 1:
-                kw.update(cu_seqlens=cu_d.long(), cu_seqlens_cpu=torch.tensor(cu))
-            rec(
-                f"prefill_{name}_fla_us",
-                bench(lambda kw=kw: fla_chunk(qq, kk, vv, ff, bb, **kw), graph=False),
-            )
-            rec(f"prefill_{name}_ratio", RES[f"prefill_{name}_hylo_us"] / RES[f"prefill_{name}_fla_us"])
         torch.cuda.empty_cache()
+    kernel_registers()
+    for name, lens in PREFILL_CASES.items() if fla_chunk is not None else ():
+        lens = [L(n) for n in lens]
+        lay = Layer(slots=4, seed=2)
+        qq, kk, vv, ff = (t.view(1, -1, H, D) for t in inputs[name][:4])
+        b = inputs[name][4][None]
+        kw = fla_prefill_kwargs(lay, lens)
+        rec(f"prefill_{name}_fla_us", bench(lambda kw=kw: fla_chunk(qq, kk, vv, ff, b, **kw), graph=False))
+        rec(f"prefill_{name}_ratio", RES[f"prefill_{name}_hylo_us"] / RES[f"prefill_{name}_fla_us"])
+
+
+VERIFY_LAUNCH = {  # block-verify launch settings (BV, warps, key chunk) timed besides the default
+    "bv32_w4_dc128": dict(block_v=32, num_warps=4, key_chunk=128),
+    "bv64_w4_dc128": dict(block_v=64, num_warps=4, key_chunk=128),
+    "bv64_w4_dc32": dict(block_v=64, num_warps=4, key_chunk=32),
+    "bv64_w4_dc64": dict(block_v=64, num_warps=4, key_chunk=64),
+    "bv64_w8_dc64": dict(block_v=64, num_warps=8, key_chunk=64),
+    "bv128_w4_dc64": dict(block_v=128, num_warps=4, key_chunk=64),
+    "bv128_w8_dc128": dict(block_v=128, num_warps=8, key_chunk=128),
+    "bv128_w8_dc32": dict(block_v=128, num_warps=8, key_chunk=32),
+}
+COMMIT_LAUNCH = {
+    "bv16_w2": dict(block_v=16, num_warps=2),
+    "bv32_w2": dict(block_v=32, num_warps=2),
+    "bv32_w4": dict(block_v=32, num_warps=4),
+    "bv64_w8": dict(block_v=64, num_warps=8),
+    "bv128_w8": dict(block_v=128, num_warps=8),
+}
 
 
 def time_steps(fla_rec, ceiling: float, quick: bool) -> None:
+    """Per batch size, under graph replay: decode T=1, verify T=8 and the commit of 8 accepted tokens
+    (kernels alone, then with their conv launch), FLA's fused_recurrent_kda at T=1 and T=8 on the same
+    conv outputs, and the per-step-state alternative (sequential verify writing 8 states, commit by copy)."""
+    t = 8
     for bsz in (1, 8, 32, 128):
         lay = Layer(slots=bsz, seed=3)
         slots = torch.randperm(bsz, device=DEV)
         conv, state = lay.pools()
         state_bytes = bsz * H * D * D * 4
-        n_all = torch.full((bsz,), 8, device=DEV, dtype=torch.int32)
+        n_all = torch.full((bsz,), t, device=DEV, dtype=torch.int32)
         dt, al = lay.dt_bias, lay.a_log
-        for t in (1, 8):
-            q, k, v, f, b = lay.inputs(bsz, t)
+        q, k, v, f, b = lay.inputs(bsz, 1)
+        qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, conv, slots)
+        rec(
+            f"decode_B{bsz}_hylo_us",
+            bench(lambda: recurrent.recurrent(qkv, f, b, dt, al, state, slots, LB), graph=True),
+        )
+        rec(f"decode_B{bsz}_hylo_TBps", 2 * state_bytes / RES[f"decode_B{bsz}_hylo_us"] / 1e6)
+        rec(f"decode_B{bsz}_hylo_frac_ceiling", RES[f"decode_B{bsz}_hylo_TBps"] / ceiling)
+        one = [x[:, 0] for x in (q, k, v, f, b)]
+        rec(
+            f"decode_B{bsz}_hylo_with_conv_us",
+            bench(lambda: recurrent.decode(*one, *lay.params(), conv, state, slots, LB), graph=True),
+        )
+        fla_timing(fla_rec, f"decode_B{bsz}", qkv, f, b, lay)
+
+        q, k, v, f, b = lay.inputs(bsz, t)
+        qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, conv, slots)
+        rec(
+            f"verify_B{bsz}_hylo_us",
+            bench(lambda: recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB), graph=True),
+        )
+        for name, launch in {} if quick else VERIFY_LAUNCH.items():
+            rec(
+                f"verify_B{bsz}_{name}_us",
+                bench(
+                    lambda: recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB, **launch), graph=True
+                ),
+            )
+        rec(
+            f"verify_B{bsz}_hylo_with_conv_us",
+            bench(lambda: recurrent.verify(q, k, v, f, b, *lay.params(), conv, state, slots, LB), graph=True),
+        )
+        fla_timing(fla_rec, f"verify_B{bsz}", qkv, f, b, lay)
+        _, replay = recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB)
+        rec(
+            f"commit8_B{bsz}_hylo_us",
+            bench(lambda: recurrent.block_commit(replay, q, k, v, conv, state, slots, n_all, LB), graph=True),
+        )
+        for name, launch in {} if quick else COMMIT_LAUNCH.items():
+            rec(
+                f"commit8_B{bsz}_{name}_us",
+                bench(
+                    lambda: recurrent.block_commit(replay, q, k, v, conv, state, slots, n_all, LB, **launch),
+                    graph=True,
+                ),
+            )
+        rec(f"commit8_B{bsz}_TBps", 2 * state_bytes / RES[f"commit8_B{bsz}_hylo_us"] / 1e6)
+        if bsz <= 32:
+            steps = torch.empty(bsz, t, H, D, D, device=DEV)
+            rec(
+                f"verify_steps_B{bsz}_hylo_us",
+                bench(
+                    lambda: recurrent.recurrent(
+                        qkv, f, b, dt, al, state, slots, LB, store_state=False, step_states=steps
+                    ),
+                    graph=True,
+                ),
+            )
+            cache = reference.VerifyCache(q, k, v, f, b, qkv)
+            rec(
+                f"commit_steps_B{bsz}_hylo_us",
+                bench(lambda: recurrent.commit_steps(cache, steps, conv, state, slots, n_all), graph=True),
+            )
+            del steps
+        if bsz in (8, 32):  # a DFlash-sized block of 16 tokens
+            q, k, v, f, b = lay.inputs(bsz, 16)
             qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, conv, slots)
-            tag = "decode" if t == 1 else "verify"
-            if t == 1:
+            for name, launch in {"": {}, **({} if quick else VERIFY_LAUNCH)}.items():
                 rec(
-                    f"decode_B{bsz}_hylo_us",
-                    bench(lambda: recurrent.recurrent(qkv, f, b, dt, al, state, slots, LB), graph=True),
-                )
-                rec(f"decode_B{bsz}_hylo_TBps", 2 * state_bytes / RES[f"decode_B{bsz}_hylo_us"] / 1e6)
-                rec(f"decode_B{bsz}_hylo_frac_ceiling", RES[f"decode_B{bsz}_hylo_TBps"] / ceiling)
-                rec(
-                    f"decode_B{bsz}_hylo_with_conv_us",
+                    f"verify16_B{bsz}{'_' + name if name else '_hylo'}_us",
                     bench(
-                        lambda: recurrent.decode(
-                            q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], *lay.params(), conv, state, slots, LB
-                        ),
+                        lambda: recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB, **launch),
                         graph=True,
                     ),
                 )
-            else:
-                rec(
-                    f"verify_B{bsz}_hylo_us",
-                    bench(lambda: recurrent.one_chunk(qkv, f, b, dt, al, state, slots, LB), graph=True),
-                )
-                rec(
-                    f"verify_B{bsz}_hylo_with_conv_us",
-                    bench(
-                        lambda: recurrent.verify(q, k, v, f, b, *lay.params(), conv, state, slots, LB),
-                        graph=True,
-                    ),
-                )
-                if bsz <= 8 and not quick:
-                    rec(
-                        f"verify_B{bsz}_hylo_bv32_us",
-                        bench(
-                            lambda: recurrent.one_chunk(qkv, f, b, dt, al, state, slots, LB, block_v=32),
-                            graph=True,
-                        ),
-                    )
-                rec(
-                    f"verify_B{bsz}_sequential_us",
-                    bench(
-                        lambda: recurrent.recurrent(qkv, f, b, dt, al, state, slots, LB, store_state=False),
-                        graph=True,
-                    ),
-                )
-                _, cache = recurrent.verify(q, k, v, f, b, *lay.params(), conv, state, slots, LB)
-                rec(
-                    f"commit8_B{bsz}_hylo_us",
-                    bench(
-                        lambda: recurrent.one_chunk(
-                            qkv,
-                            f,
-                            b,
-                            dt,
-                            al,
-                            state,
-                            slots,
-                            LB,
-                            write_o=False,
-                            store_state=True,
-                            n_steps=n_all,
-                        ),
-                        graph=True,
-                    ),
-                )
-                rec(
-                    f"commit8_B{bsz}_hylo_with_window_us",
-                    bench(
-                        lambda: recurrent.commit(cache, *lay.params(), conv, state, slots, n_all, LB),
-                        graph=True,
-                    ),
-                )
-                rec(
-                    f"commit8_B{bsz}_sequential_us",
-                    bench(
-                        lambda: recurrent.recurrent(
-                            qkv, f, b, dt, al, state, slots, LB, write_o=False, n_steps=n_all
-                        ),
-                        graph=True,
-                    ),
-                )
-                if bsz <= 32:
-                    steps = torch.empty(bsz, t, H, D, D, device=DEV)
-                    rec(
-                        f"verify_steps_B{bsz}_hylo_us",
-                        bench(
-                            lambda: recurrent.recurrent(
-                                qkv, f, b, dt, al, state, slots, LB, store_state=False, step_states=steps
-                            ),
-                            graph=True,
-                        ),
-                    )
-                    rec(
-                        f"commit_steps_B{bsz}_hylo_us",
-                        bench(
-                            lambda: recurrent.commit_steps(cache, steps, conv, state, slots, n_all),
-                            graph=True,
-                        ),
-                    )
-                    del steps
-            if fla_rec is not None:
-                qq, kk, vv = (x.unflatten(-1, (H, D)).contiguous() for x in qkv.chunk(3, -1))
-                ff = f.unflatten(-1, (H, D))
-                h0 = lay.state_pool.clone()
-                rec(
-                    f"{tag}_B{bsz}_fla_us",
-                    bench(
-                        lambda: fla_rec(
-                            qq,
-                            kk,
-                            vv,
-                            ff,
-                            b,
-                            A_log=al,
-                            dt_bias=dt,
-                            initial_state=h0,
-                            output_final_state=True,
-                            use_qk_l2norm_in_kernel=True,
-                            use_gate_in_kernel=True,
-                            use_beta_sigmoid_in_kernel=True,
-                            lower_bound=LB,
-                        ),
-                        graph=True,
-                    ),
-                )
+            _, replay = recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB)
+            n16 = torch.full((bsz,), 16, device=DEV, dtype=torch.int32)
+            rec(
+                f"commit16_B{bsz}_hylo_us",
+                bench(
+                    lambda: recurrent.block_commit(replay, q, k, v, conv, state, slots, n16, LB), graph=True
+                ),
+            )
+            fla_timing(fla_rec, f"verify16_B{bsz}", qkv, f, b, lay)
         if fla_rec is not None:
             rec(f"decode_B{bsz}_ratio_fla", RES[f"decode_B{bsz}_hylo_us"] / RES[f"decode_B{bsz}_fla_us"])
             rec(f"verify_B{bsz}_ratio_fla", RES[f"verify_B{bsz}_hylo_us"] / RES[f"verify_B{bsz}_fla_us"])
         rec(f"verify_B{bsz}_ratio_decode", RES[f"verify_B{bsz}_hylo_us"] / RES[f"decode_B{bsz}_hylo_us"])
         rec(f"commit8_B{bsz}_ratio_decode", RES[f"commit8_B{bsz}_hylo_us"] / RES[f"decode_B{bsz}_hylo_us"])
         torch.cuda.empty_cache()
+    rec("replay_MiB_per_request_layer", 3 * t * HD * 4 / 2**20)
+    rec("step_states_MiB_per_request_layer", t * H * D * D * 4 / 2**20)
+
+
+def fla_timing(fla_rec, tag: str, qkv, f, b, lay: Layer) -> None:
+    """FLA's fused_recurrent_kda (gate, β and L2 norm in-kernel, safe gate) on the same conv outputs."""
+    if fla_rec is None:
+        return
+    qq, kk, vv = (x.unflatten(-1, (H, D)).contiguous() for x in qkv.chunk(3, -1))
+    ff = f.unflatten(-1, (H, D))
+    h0 = lay.state_pool.clone()
+    kw = dict(
+        A_log=lay.a_log,
+        dt_bias=lay.dt_bias,
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        lower_bound=LB,
+    )
+    rec(f"{tag}_fla_us", bench(lambda: fla_rec(qq, kk, vv, ff, b, **kw), graph=True))
 
 
 def main() -> None:
@@ -416,6 +563,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the tuning sweeps")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument(
+        "--only", choices=["prefill", "step"], help="run one kernel family: its parity, then its timings"
+    )
     args = ap.parse_args()
     t0 = time.time()
     rec("torch", torch.__version__)
@@ -431,6 +581,21 @@ def main() -> None:
         ("prefill", lambda: time_prefill(fla_chunk, args.quick)),
         ("steps", lambda: time_steps(fla_rec, RES.get("copy_TBps", 4.27), args.quick)),
     ]
+    if args.only == "prefill":
+        variants = {} if args.quick else {**PREFILL_VARIANTS, **RECUR_VARIANTS}
+        warm = warm_prefill_kernels(not args.quick) if DEV == "cuda" else None
+        sections = [("fla_warmup", lambda: warm_fla(fla_chunk))] if fla_chunk is not None else []
+        sections += [("compile", lambda: [rec("compiled", job.result()) for job in warm[1]])] * (
+            warm is not None
+        )
+        sections += [("parity", lambda: parity_prefill(fla_chunk, variants))] * (not args.skip_parity)
+        sections += [("prefill", lambda: time_prefill(fla_chunk, args.quick))]
+    if args.only == "step":
+        sections = [("parity", parity_steps)] * (not args.skip_parity)
+        sections += [
+            ("copy", lambda: rec("copy_TBps", copy_ceiling())),
+            ("steps", lambda: time_steps(fla_rec, RES.get("copy_TBps", 4.27), args.quick)),
+        ]
     for name, run in sections:
         t1 = time.time()
         try:
@@ -443,7 +608,7 @@ def main() -> None:
     (out / "kda.json").write_text(json.dumps(RES, indent=1))
     print("\n| figure | value |\n| --- | --- |")
     for key, val in RES.items():
-        if any(s in key for s in ("parity", "_us", "ratio", "TBps", "frac")) and "_bv" not in key:
+        if any(s in key for s in ("parity", "_us", "ratio", "TBps", "frac", "regs")) and "_bv" not in key:
             print(f"| {key} | {val:.4g} |" if isinstance(val, float) else f"| {key} | {val} |")
 
 

@@ -3,7 +3,8 @@
 The serving entry points (`prefill`, `decode`, `verify`, `commit`, `commit_steps`, `gated_norm`) take
 CUDA tensors to the Triton kernels (`chunk.py`, `recurrent.py`, `rmsnorm.py`) and anything else to the torch
 references (`reference.py`), with the same arguments. The chunked Triton prefill needs the safe gate
-(-5 ≤ lower_bound < 0); other gates take the reference there. Triton is imported on first CUDA use only.
+(-5 ≤ lower_bound < 0); other gates take the reference there. Verify and commit run as one block of T ≤ 16
+tokens with the safe gate and step by step otherwise. Triton is imported on first CUDA use only.
 """
 
 from __future__ import annotations

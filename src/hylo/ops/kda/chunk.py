@@ -1,24 +1,27 @@
 """Triton chunked KDA prefill over packed variable-length sequences (state in the slot pool).
 
-Three launches. `_conv_kernel` (one program per 64-token chunk, head and q|k|v part) computes the
-causal conv + SiLU from the slot window, rewriting the window for a sequence's first chunk, and the
-scaled inverse L2 norms of q and k. `_intra_kernel` (per chunk and head, all in parallel) computes the
-safe gate and its in-chunk cumulative sum, β = σ(b), and the in-chunk algebra
+Three launches, the first two fully parallel over (64-token chunk, head):
 
-    X = (I + L)⁻¹,  L[i,j] = β_i Σ_d k_i k_j e^{G_i-G_j} (i > j),  A[i,j] = Σ_d q_i k_j e^{G_i-G_j} (i ≥ j)
-    w = X diag(β) (k ⊙ e^G),  u = X diag(β) v,  q' = q ⊙ e^G − A w,  o₀ = A u,  k̄ = k ⊙ e^{G_C−G}
+1. `_conv_gate_kernel` (also over q|k|v|gate parts): causal conv + SiLU of q, k, v from the projections
+   (a sequence's first chunk reads its slot's conv window, then rewrites it), the scaled inverse L2 norms
+   of q and k, the in-chunk cumulative safe gate G (log2 units, fp32), β = σ(b) and e^{G_C} (G_C: the
+   value at the chunk's last token).
+2. `_intra_kernel`: the in-chunk algebra, with q and k normalised,
 
-with G the cumulative log decay from the chunk start and G_C its value at the chunk's last token (the
-d-sums run over column blocks to bound registers). `_recur_kernel` runs one program per (sequence,
-head, value tile), walking the chunks in order:
+       X = (I + L)⁻¹,  L[i,j] = β_i k_i·k_j e^{G_i-G_j} (i > j),  A[i,j] = q_i·k_j e^{G_i-G_j} (i ≥ j)
+       w = X diag(β) (k ⊙ e^G),  u = X diag(β) v,  q' = q ⊙ e^G − A w,  o₀ = A u,  k̄ = k ⊙ e^{G_C−G}
 
-    o = o₀ + q' S,   S ← diag(e^{G_C}) S + k̄ᵀ (u − w S)
+3. `_recur_kernel`, one program per (sequence, head, value tile), walking the chunks in order:
 
-The 64-row chunk is handled as two 32-row halves. e^{G_i−G_j} is never formed from e^{±G} of a whole
-chunk: the diagonal 32×32 blocks factor it around an anchor G_first + lb·31/2 (only the half's first
-token, so nothing from the future enters a causal score), which keeps both factors within e^{±77.5} for
-a gate bounded by lb ≥ -5; the off-diagonal block factors around the boundary, where both factors are
-≤ 1. The bound is why this path needs the safe gate.
+       o = o₀ + q' S,   S ← diag(e^{G_C}) S + k̄ᵀ (u − w S)
+
+Intermediates are stored per chunk, padded to 64 rows (padding rows are exact zeros or, for G, its
+last value), so the later launches read whole tiles. The Gram matrices are summed over column blocks in
+16-row sub-blocks: e^{G_i-G_j} is split around an anchor per sub-block of rows, the gate total before it
+plus lb·8, so both factors stay within 2^±58 for a gate bounded by lb ≥ -5 (e^{G_i-G_j} of a whole chunk
+spans down to 2^-462, past fp32) and nothing after token i enters row i. The triangular inverse takes
+the four 16×16 diagonal blocks by a Neumann product (nilpotency ends it after four factors), then merges
+them with the strictly-block-lower rest: X = (I − N)(I + N²) X_d with N = X_d E.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import triton
 import triton.language as tl
 
 BT = 64  # chunk length
-HB = 32  # half chunk
+BC = 16  # sub-block of rows in the Gram pass
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -52,356 +55,346 @@ def _locate(cu, idx, n_seq, BT: tl.constexpr, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
-def _conv_rows(x, x_stride, win, win_stride, wt, pos, seq_len, bos, cols, W: tl.constexpr):
-    """SiLU(causal conv) at in-sequence positions `pos` for the columns `cols` (fp32, rounded like x).
-
-    Tap i reads input pos-(W-1)+i: from x (rows bos+..) when ≥ 0, else from the slot window row."""
-    acc = tl.zeros([pos.shape[0], cols.shape[0]], dtype=tl.float32)
+def _conv_silu(
+    x,
+    win,
+    taps,
+    pos,
+    col,
+    seq_len,
+    bos,
+    first,
+    W: tl.constexpr,
+    X_STRIDE: tl.constexpr,
+    WIN_STRIDE: tl.constexpr,
+):
+    """SiLU(causal conv) at in-sequence positions `pos` (any shape broadcasting against the channel index
+    `col`), 0 past the end; fp32 rounded to x's dtype like the reference. Tap i reads input pos-(W-1)+i:
+    from x (rows bos+..) when ≥ 0, else (only in a sequence's `first` chunk) from the slot window row."""
     live = pos < seq_len
+    acc = tl.zeros(pos.shape, tl.float32) * tl.zeros(col.shape, tl.float32)
     for i in tl.static_range(W):
         j = pos - (W - 1) + i
-        from_x = live & (j >= 0)
-        from_w = live & (j < 0)
-        xv = tl.load(
-            x + (bos + j).to(tl.int64)[:, None] * x_stride + cols[None, :], mask=from_x[:, None], other=0.0
-        )
-        wv = tl.load(win + (W - 1 + j)[:, None] * win_stride + cols[None, :], mask=from_w[:, None], other=0.0)
-        tap = tl.load(wt + cols * W + i)
-        acc += (xv.to(tl.float32) + wv.to(tl.float32)) * tap[None, :]
+        xv = tl.load(x + (bos + j).to(tl.int64) * X_STRIDE + col, mask=live & (j >= 0), other=0.0)
+        acc += xv.to(tl.float32) * tl.load(taps + col * W + i)
+    if first:
+        for i in tl.static_range(W - 1):
+            j = pos - (W - 1) + i
+            wv = tl.load(win + (W - 1 + j) * WIN_STRIDE + col, mask=live & (j < 0), other=0.0)
+            acc += wv.to(tl.float32) * tl.load(taps + col * W + i)
     y = acc * tl.sigmoid(acc)
     return y.to(x.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
-def _first_row(x, rows):
-    return tl.sum(tl.where(rows[:, None] == 0, x, 0.0), 0)
-
-
-@triton.jit
-def _unit_lower_inverse(lt_a, lt_b, HB: tl.constexpr):
-    """(I + L)⁻¹ for two strictly lower HB×HB matrices given transposed (lt[j, i] = L[i, j])."""
-    rows = tl.arange(0, HB)
-    xa = tl.zeros([HB, HB], dtype=tl.float32)
-    xb = tl.zeros([HB, HB], dtype=tl.float32)
-    for i in range(HB):
-        eye = tl.where(rows == i, 1.0, 0.0)
-        la = tl.sum(tl.where(rows[None, :] == i, lt_a, 0.0), 1)
-        lb = tl.sum(tl.where(rows[None, :] == i, lt_b, 0.0), 1)
-        ra = eye - tl.sum(la[:, None] * xa, 0)
-        rb = eye - tl.sum(lb[:, None] * xb, 0)
-        xa = tl.where(rows[:, None] == i, ra[None, :], xa)
-        xb = tl.where(rows[:, None] == i, rb[None, :], xb)
-    return xa, xb
+def _gate(f, bias, rate, lb2, tok, live, col, F_STRIDE: tl.constexpr):
+    """Safe gate in log2 units, lb·σ(e^A·(f + dt_bias)), 0 on rows past the sequence end."""
+    fv = tl.load(f + tok * F_STRIDE + col, mask=live, other=0.0).to(tl.float32)
+    return tl.where(live, lb2 * tl.sigmoid(rate * (fv + bias)), 0.0)
 
 
 @triton.jit
 def _rewrite_window(
-    x, x_stride, win, win_stride, xcols, wcols, seq_len, bos, W: tl.constexpr, WP: tl.constexpr
+    x,
+    win,
+    xcols,
+    wcols,
+    seq_len,
+    bos,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    X_STRIDE: tl.constexpr,
+    WIN_STRIDE: tl.constexpr,
 ):
     """New window = the last W-1 inputs of the sequence (older ones from the old window)."""
     r = tl.arange(0, WP)
     j = seq_len - (W - 1) + r
     live = r < W - 1
     xval = tl.load(
-        x + (bos + j).to(tl.int64)[:, None] * x_stride + xcols[None, :],
+        x + (bos + j).to(tl.int64)[:, None] * X_STRIDE + xcols[None, :],
         mask=(live & (j >= 0))[:, None],
         other=0.0,
     )
     wval = tl.load(
-        win + (W - 1 + j)[:, None] * win_stride + wcols[None, :], mask=(live & (j < 0))[:, None], other=0.0
+        win + (W - 1 + j)[:, None] * WIN_STRIDE + wcols[None, :], mask=(live & (j < 0))[:, None], other=0.0
     )
     new = xval.to(tl.float32) + wval.to(tl.float32)
     tl.debug_barrier()
-    tl.store(win + r[:, None] * win_stride + wcols[None, :], new.to(win.dtype.element_ty), mask=live[:, None])
+    tl.store(win + r[:, None] * WIN_STRIDE + wcols[None, :], new.to(win.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit
-def _conv_part(
-    x,
-    x_stride,
-    win,
-    win_stride,
-    conv_w,
-    y,
-    rnorm,
-    pos,
-    seq_len,
-    bos,
-    h,
-    part,
-    scale,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    W: tl.constexpr,
-    WP: tl.constexpr,
-    NORM: tl.constexpr,
-    FIRST,
-):
-    """conv + SiLU of one head of one of q|k|v over a chunk into y; q/k also get their scaled 1/‖·‖."""
-    cols = tl.arange(0, D)
-    ch = part * H * D + h * D + cols
-    yv = _conv_rows(
-        x,
-        x_stride,
-        win + part * H * D,
-        win_stride,
-        conv_w + part * H * D * W,
-        pos,
-        seq_len,
-        bos,
-        h * D + cols,
-        W,
-    )
-    ok = pos < seq_len
-    tok = (bos + pos).to(tl.int64)
-    tl.store(y + tok[:, None] * (3 * H * D) + ch[None, :], yv.to(y.dtype.element_ty), mask=ok[:, None])
-    if NORM:
-        r = scale / tl.sqrt(tl.sum(yv * yv, 1) + 1e-6)
-        tl.store(rnorm + (tok * 2 + part) * H + h, r, mask=ok)
-    if FIRST:
-        _rewrite_window(x, x_stride, win, win_stride, h * D + cols, ch, seq_len, bos, W, WP)
+def _unit_lower_inverse(low, BC: tl.constexpr, PREC: tl.constexpr):
+    """(I + L)⁻¹ of a batch of strictly lower BC×BC blocks, BC = 16: (I − L)(I + L²)(I + L⁴)(I + L⁸)."""
+    r = tl.arange(0, BC)
+    eye = (r[:, None] == r[None, :]).to(tl.float32)[None, :, :]
+    sq2 = tl.dot(low, low, input_precision=PREC)
+    sq4 = tl.dot(sq2, sq2, input_precision=PREC)
+    sq8 = tl.dot(sq4, sq4, input_precision=PREC)
+    inv = tl.dot(eye - low, eye + sq2, input_precision=PREC)
+    inv = tl.dot(inv, eye + sq4, input_precision=PREC)
+    return tl.dot(inv, eye + sq8, input_precision=PREC)
 
 
 @triton.jit
-def _conv_kernel(
+def _conv_gate_kernel(
     xq,
     xk,
     xv,
-    x_stride,
+    f,
+    b,
     conv_w,
     conv_pool,
     pool_stride,
-    win_stride,
     slot_ids,
+    dt_bias,
+    a_log,
     cu,
     n_seq,
     y,
     rnorm,
+    gcum,
+    beta,
+    decay_c,
     scale,
+    lower_bound,
     H: tl.constexpr,
     D: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
+    X_STRIDE: tl.constexpr,
+    F_STRIDE: tl.constexpr,
+    B_STRIDE: tl.constexpr,
+    WIN_STRIDE: tl.constexpr,
     BT: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
     pid, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
-    win = conv_pool + tl.load(slot_ids + seq).to(tl.int64) * pool_stride
-    pos = chunk * BT + tl.arange(0, BT)
-    first = chunk == 0  # that program is the only reader of the old window of its channels: it rewrites it
-    if part == 0:
-        _conv_part(
-            xq,
-            x_stride,
-            win,
-            win_stride,
-            conv_w,
-            y,
-            rnorm,
-            pos,
-            eos - bos,
-            bos,
-            h,
-            0,
-            scale,
-            H,
-            D,
-            W,
-            WP,
-            True,
-            first,
+    seq_len = eos - bos
+    HD: tl.constexpr = H * D
+    r = tl.arange(0, BT)
+    pos = (chunk * BT + r)[:, None]
+    live = pos < seq_len
+    col = tl.arange(0, D)[None, :]
+    if part == 3:
+        tok = (bos + pos).to(tl.int64)
+        rate = tl.exp(tl.load(a_log + h).to(tl.float32))
+        g = _gate(
+            f + h * D,
+            tl.load(dt_bias + h * D + col),
+            rate,
+            lower_bound * 1.4426950408889634,
+            tok,
+            live,
+            col,
+            F_STRIDE,
         )
-    elif part == 1:
-        _conv_part(
-            xk,
-            x_stride,
-            win,
-            win_stride,
-            conv_w,
-            y,
-            rnorm,
-            pos,
-            eos - bos,
-            bos,
-            h,
-            1,
-            1.0,
-            H,
-            D,
-            W,
-            WP,
-            True,
-            first,
-        )
+        tl.store(gcum + ((pid * H + h) * BT + r[:, None]) * D + col, tl.cumsum(g, 0))
+        tl.store(decay_c + (pid * H + h) * D + col, tl.exp2(tl.sum(g, 0)[None, :]))
+        logit = tl.load(b + tok * B_STRIDE + h, mask=live, other=0.0).to(tl.float32)
+        tl.store(beta + (pid * H + h) * BT + r[:, None], tl.where(live, tl.sigmoid(logit), 0.0))
     else:
-        _conv_part(
-            xv,
-            x_stride,
-            win,
-            win_stride,
-            conv_w,
-            y,
-            rnorm,
-            pos,
-            eos - bos,
-            bos,
-            h,
-            2,
-            1.0,
-            H,
-            D,
-            W,
-            WP,
-            False,
-            first,
+        if part == 0:
+            x = xq
+        elif part == 1:
+            x = xk
+        else:
+            x = xv
+        x += h * D
+        win = conv_pool + tl.load(slot_ids + seq).to(tl.int64) * pool_stride + part * HD + h * D
+        first = chunk == 0
+        yv = _conv_silu(
+            x, win, conv_w + (part * HD + h * D) * W, pos, col, seq_len, bos, first, W, X_STRIDE, WIN_STRIDE
         )
+        tl.store(y + (((pid * 3 + part) * H + h) * BT + r[:, None]) * D + col, yv.to(y.dtype.element_ty))
+        if part < 2:
+            norm = tl.where(part == 0, scale, 1.0) / tl.sqrt(tl.sum(yv * yv, 1) + 1e-6)
+            tl.store(rnorm + ((pid * 2 + part) * H + h) * BT + r, norm)
+        if first:  # the only reader of the old window of these channels: it rewrites it
+            cols = tl.arange(0, D)
+            _rewrite_window(x, win, cols, cols, seq_len, bos, W, WP, X_STRIDE, WIN_STRIDE)
 
 
 @triton.jit
-def _load_half(y, rnorm, f, f_stride, bias, rate, lb2, tok, ok, h, cols, H: tl.constexpr, D: tl.constexpr):
-    """Normalised q, k and the gate (log2 units, 0 on dead rows) of rows `tok`, columns `cols`."""
-    base = tok[:, None] * (3 * H * D) + h * D + cols[None, :]
-    q = tl.load(y + base, mask=ok[:, None], other=0.0).to(tl.float32)
-    k = tl.load(y + base + H * D, mask=ok[:, None], other=0.0).to(tl.float32)
-    q = q * tl.load(rnorm + (tok * 2) * H + h, mask=ok, other=0.0)[:, None]
-    k = k * tl.load(rnorm + (tok * 2 + 1) * H + h, mask=ok, other=0.0)[:, None]
-    fv = tl.load(f + tok[:, None] * f_stride + h * D + cols[None, :], mask=ok[:, None], other=0.0)
-    g = tl.where(ok[:, None], lb2 * tl.sigmoid(rate * (fv.to(tl.float32) + bias[None, :])), 0.0)
-    return q, k, g
+def _chunk_inverse(
+    y_q,
+    y_k,
+    gcum,
+    rn_q,
+    rn_k,
+    beta,
+    lower_bound,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    UNROLL: tl.constexpr,
+    GRAM_PREC: tl.constexpr,
+    SOLVE_PREC: tl.constexpr,
+    MERGE_PREC: tl.constexpr,
+):
+    """X = (I + L)⁻¹ and A of one chunk (pointers at its [BT, D] / [BT] tiles), both [BT, BT] fp32."""
+    NB: tl.constexpr = BT // BC
+    sub = tl.arange(0, NB)
+    row = tl.arange(0, BC)
+    i3 = sub[:, None, None] * BC + row[None, :, None]  # [NB, BC, 1]: row in the chunk
+    prev = sub[:, None, None] * BC - 1  # [NB, 1, 1]: the row before each sub-block
+    anchor = lower_bound * 1.4426950408889634 * (BC // 2)
+    later_block = sub[None, :, None] > sub[:, None, None]  # [s, t]: t > s
+    akk = tl.zeros([NB, BC, BT], dtype=tl.float32)
+    aqk = tl.zeros([NB, BC, BT], dtype=tl.float32)
+    kk_diag = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for c0 in tl.range(0, D, BK, loop_unroll_factor=UNROLL):
+        col = c0 + tl.arange(0, BK)[None, None, :]
+        yq = tl.load(y_q + i3 * D + col).to(tl.float32)
+        yk = tl.load(y_k + i3 * D + col).to(tl.float32)
+        before = tl.load(gcum + prev * D + col, mask=prev >= 0, other=0.0)  # gate sum before the sub-block
+        local = tl.load(gcum + i3 * D + col) - before
+        row_scale = tl.exp2(local - anchor)  # e^{G_i - a_s} for row i of sub-block s
+        kc = yk * tl.exp2(anchor - local)  # e^{a_t - G_j} for column j of sub-block t
+        # e^{a_s - G_j} = e^{a_t - G_j} e^{a_s - a_t}, the second ≤ 1 for t ≤ s; blocks t > s are not needed
+        before = tl.reshape(before, [NB, BK])
+        block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
+        cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
+        cols = tl.trans(cols, (0, 2, 1))
+        akk = tl.dot(yk * row_scale, cols, akk, input_precision=GRAM_PREC)
+        aqk = tl.dot(yq * row_scale, cols, aqk, input_precision=GRAM_PREC)
+        kk_diag = tl.dot(yk * row_scale, tl.trans(kc, (0, 2, 1)), kk_diag, input_precision=GRAM_PREC)
+
+    rk3 = tl.load(rn_k + i3)  # [NB, BC, 1]
+    rq3 = tl.load(rn_q + i3)
+    b3 = tl.load(beta + i3)
+    rk = tl.load(rn_k + tl.arange(0, BT))[None, None, :]
+    j3 = tl.arange(0, BT)[None, None, :]
+    low = tl.where(j3 < i3, akk * (b3 * rk3) * rk, 0.0)
+    att = tl.where(j3 <= i3, aqk * rq3 * rk, 0.0)
+    rk_cols = tl.reshape(rk3, [NB, 1, BC])
+    low_diag = tl.where(row[None, None, :] < row[None, :, None], kk_diag * (b3 * rk3) * rk_cols, 0.0)
+
+    inv_diag = _unit_lower_inverse(low_diag, BC, SOLVE_PREC)
+    same_block = sub[:, None, None, None] == sub[None, None, :, None]
+    x_diag = tl.reshape(tl.where(same_block, inv_diag[:, :, None, :], 0.0), [BT, BT])
+    r2 = tl.arange(0, BT)
+    eye = (r2[:, None] == r2[None, :]).to(tl.float32)
+    off_diag = tl.where((r2[None, :] // BC) < (r2[:, None] // BC), tl.reshape(low, [BT, BT]), 0.0)
+    nil = tl.dot(x_diag, off_diag, input_precision=MERGE_PREC)
+    nil2 = tl.dot(nil, nil, input_precision=MERGE_PREC)
+    inv = tl.dot(
+        tl.dot(eye - nil, eye + nil2, input_precision=MERGE_PREC), x_diag, input_precision=MERGE_PREC
+    )
+    return inv, tl.reshape(att, [BT, BT])
+
+
+@triton.jit
+def _chunk_outputs(
+    inv,
+    att,
+    y_q,
+    y_k,
+    y_v,
+    gcum,
+    rn_q,
+    rn_k,
+    beta,
+    w_out,
+    qp_out,
+    kg_out,
+    u_out,
+    o_out,
+    c0,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Columns c0.. of w, q', k̄, u, o₀ of one chunk (pointers at its [BT, D] tiles)."""
+    r = tl.arange(0, BT)[:, None]
+    col = c0 + tl.arange(0, BK)[None, :]
+    off = r * D + col
+    g = tl.load(gcum + off)
+    decay = tl.exp2(g)
+    k = tl.load(y_k + off).to(tl.float32) * tl.load(rn_k + r)
+    bt = tl.load(beta + r)
+    w = tl.dot(inv, bt * k * decay, input_precision="tf32")
+    tl.store(w_out + off, w.to(w_out.dtype.element_ty))
+    tl.store(kg_out + off, (k * tl.exp2(tl.load(gcum + (BT - 1) * D + col) - g)).to(kg_out.dtype.element_ty))
+    q = tl.load(y_q + off).to(tl.float32) * tl.load(rn_q + r)
+    qp = q * decay - tl.dot(att, w, input_precision="tf32")
+    tl.store(qp_out + off, qp.to(qp_out.dtype.element_ty))
+    u = tl.dot(inv, bt * tl.load(y_v + off).to(tl.float32), input_precision="tf32")
+    tl.store(u_out + off, u.to(u_out.dtype.element_ty))
+    tl.store(o_out + off, tl.dot(att, u, input_precision="tf32").to(o_out.dtype.element_ty))
 
 
 @triton.jit
 def _intra_kernel(
     y,
     rnorm,
-    f,
-    f_stride,
-    b,
-    b_stride,
-    dt_bias,
-    a_log,
-    cu,
-    n_seq,
+    gcum,
+    beta,
     w_out,
     qp_out,
     kg_out,
     u_out,
     o_out,
-    dc_out,
     lower_bound,
     H: tl.constexpr,
     D: tl.constexpr,
-    DH: tl.constexpr,
     BT: tl.constexpr,
-    HB: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    PREC: tl.constexpr,
+    BC: tl.constexpr,
+    BK1: tl.constexpr,
+    BK2: tl.constexpr,
+    UNROLL: tl.constexpr,
+    GRAM_PREC: tl.constexpr,
+    SOLVE_PREC: tl.constexpr,
+    MERGE_PREC: tl.constexpr,
 ):
     pid, h = tl.program_id(0), tl.program_id(1)
-    _, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
-    rows = tl.arange(0, HB)
-    pos_a = chunk * BT + rows
-    pos_b = pos_a + HB
-    ok_a, ok_b = pos_a < eos - bos, pos_b < eos - bos
-    tok_a, tok_b = (bos + pos_a).to(tl.int64), (bos + pos_b).to(tl.int64)
-    rate = tl.exp(tl.load(a_log + h).to(tl.float32))
-    lb2 = lower_bound * 1.4426950408889634
-    shift = lb2 * (HB - 1) / 2
-    beta_a = tl.where(
-        ok_a, tl.sigmoid(tl.load(b + tok_a * b_stride + h, mask=ok_a, other=0.0).to(tl.float32)), 0.0
+    tile = (pid * H + h) * BT * D
+    y_q = y + ((pid * 3) * H + h) * BT * D
+    y_k, y_v = y_q + H * BT * D, y_q + 2 * H * BT * D
+    rn_q = rnorm + ((pid * 2) * H + h) * BT
+    rn_k = rn_q + H * BT
+    beta += (pid * H + h) * BT
+    gcum += tile
+    inv, att = _chunk_inverse(
+        y_q,
+        y_k,
+        gcum,
+        rn_q,
+        rn_k,
+        beta,
+        lower_bound,
+        D,
+        BT,
+        BC,
+        BK1,
+        UNROLL,
+        GRAM_PREC,
+        SOLVE_PREC,
+        MERGE_PREC,
     )
-    beta_b = tl.where(
-        ok_b, tl.sigmoid(tl.load(b + tok_b * b_stride + h, mask=ok_b, other=0.0).to(tl.float32)), 0.0
-    )
-
-    # in-chunk scores, accumulated over column blocks; each factored around an anchor that keeps both
-    # factors finite (see the module docstring)
-    lt_a = tl.zeros([HB, HB], dtype=tl.float32)
-    lt_b = tl.zeros([HB, HB], dtype=tl.float32)
-    l_ba = tl.zeros([HB, HB], dtype=tl.float32)
-    a_a = tl.zeros([HB, HB], dtype=tl.float32)
-    a_b = tl.zeros([HB, HB], dtype=tl.float32)
-    a_ba = tl.zeros([HB, HB], dtype=tl.float32)
-    for c0 in range(0, D, DH):
-        cols = c0 + tl.arange(0, DH)
-        bias = tl.load(dt_bias + h * D + cols).to(tl.float32)
-        q_a, k_a, g_a = _load_half(y, rnorm, f, f_stride, bias, rate, lb2, tok_a, ok_a, h, cols, H, D)
-        q_b, k_b, g_b = _load_half(y, rnorm, f, f_stride, bias, rate, lb2, tok_b, ok_b, h, cols, H, D)
-        tot_a = tl.sum(g_a, 0)
-        tl.store(dc_out + (pid * H + h) * D + cols, tl.exp2(tot_a + tl.sum(g_b, 0)))
-        g_a = tl.cumsum(g_a, 0)
-        g_b = tot_a[None, :] + tl.cumsum(g_b, 0)
-        m_a = _first_row(g_a, rows) + shift
-        m_b = _first_row(g_b, rows) + shift
-        kr_a = k_a * tl.exp2(m_a[None, :] - g_a)
-        kr_b = k_b * tl.exp2(m_b[None, :] - g_b)
-        kr_x = k_a * tl.exp2(tot_a[None, :] - g_a)
-        lt_a += tl.dot(kr_a, tl.trans(k_a * tl.exp2(g_a - m_a[None, :])), input_precision=PREC)
-        lt_b += tl.dot(kr_b, tl.trans(k_b * tl.exp2(g_b - m_b[None, :])), input_precision=PREC)
-        l_ba += tl.dot(k_b * tl.exp2(g_b - tot_a[None, :]), tl.trans(kr_x), input_precision=PREC)
-        a_a += tl.dot(q_a * tl.exp2(g_a - m_a[None, :]), tl.trans(kr_a), input_precision=PREC)
-        a_b += tl.dot(q_b * tl.exp2(g_b - m_b[None, :]), tl.trans(kr_b), input_precision=PREC)
-        a_ba += tl.dot(q_b * tl.exp2(g_b - tot_a[None, :]), tl.trans(kr_x), input_precision=PREC)
-    causal_t = rows[None, :] > rows[:, None]  # [j, i]: i > j
-    lt_a = tl.where(causal_t, lt_a * beta_a[None, :], 0.0)
-    lt_b = tl.where(causal_t, lt_b * beta_b[None, :], 0.0)
-    l_ba = l_ba * beta_b[:, None]
-    incl = rows[:, None] >= rows[None, :]
-    a_a = tl.where(incl, a_a, 0.0)
-    a_b = tl.where(incl, a_b, 0.0)
-
-    x_a, x_b = _unit_lower_inverse(lt_a, lt_b, HB)
-    x_ba = -tl.dot(tl.dot(x_b, l_ba, input_precision=PREC), x_a, input_precision=PREC)
-
-    out_ty = w_out.dtype.element_ty
-    for c0 in range(0, D, DH):
-        cols = c0 + tl.arange(0, DH)
-        bias = tl.load(dt_bias + h * D + cols).to(tl.float32)
-        q_a, k_a, g_a = _load_half(y, rnorm, f, f_stride, bias, rate, lb2, tok_a, ok_a, h, cols, H, D)
-        q_b, k_b, g_b = _load_half(y, rnorm, f, f_stride, bias, rate, lb2, tok_b, ok_b, h, cols, H, D)
-        tot_a = tl.sum(g_a, 0)
-        g_c = tot_a + tl.sum(g_b, 0)
-        g_a = tl.cumsum(g_a, 0)
-        g_b = tot_a[None, :] + tl.cumsum(g_b, 0)
-        ea, eb = tl.exp2(g_a), tl.exp2(g_b)
-        bk_a = beta_a[:, None] * k_a * ea
-        w_a = tl.dot(x_a, bk_a, input_precision=PREC)
-        w_b = tl.dot(x_ba, bk_a, input_precision=PREC) + tl.dot(
-            x_b, beta_b[:, None] * k_b * eb, input_precision=PREC
+    for c0 in tl.static_range(0, D, BK2):  # unrolled: the [BT, BT] operands are laid out once
+        _chunk_outputs(
+            inv,
+            att,
+            y_q,
+            y_k,
+            y_v,
+            gcum,
+            rn_q,
+            rn_k,
+            beta,
+            w_out + tile,
+            qp_out + tile,
+            kg_out + tile,
+            u_out + tile,
+            o_out + tile,
+            c0,
+            D,
+            BT,
+            BK2,
         )
-        off_a = (tok_a * H + h)[:, None] * D + cols[None, :]
-        off_b = (tok_b * H + h)[:, None] * D + cols[None, :]
-        tl.store(w_out + off_a, w_a.to(out_ty), mask=ok_a[:, None])
-        tl.store(w_out + off_b, w_b.to(out_ty), mask=ok_b[:, None])
-        qp_a = q_a * ea - tl.dot(a_a, w_a, input_precision=PREC)
-        qp_b = q_b * eb - tl.dot(a_ba, w_a, input_precision=PREC) - tl.dot(a_b, w_b, input_precision=PREC)
-        tl.store(qp_out + off_a, qp_a.to(out_ty), mask=ok_a[:, None])
-        tl.store(qp_out + off_b, qp_b.to(out_ty), mask=ok_b[:, None])
-        tl.store(kg_out + off_a, (k_a * tl.exp2(g_c[None, :] - g_a)).to(out_ty), mask=ok_a[:, None])
-        tl.store(kg_out + off_b, (k_b * tl.exp2(g_c[None, :] - g_b)).to(out_ty), mask=ok_b[:, None])
-
-        v_a = tl.load(
-            y + tok_a[:, None] * (3 * H * D) + 2 * H * D + h * D + cols[None, :],
-            mask=ok_a[:, None],
-            other=0.0,
-        ).to(tl.float32)
-        v_b = tl.load(
-            y + tok_b[:, None] * (3 * H * D) + 2 * H * D + h * D + cols[None, :],
-            mask=ok_b[:, None],
-            other=0.0,
-        ).to(tl.float32)
-        bv_a = beta_a[:, None] * v_a
-        u_a = tl.dot(x_a, bv_a, input_precision=PREC)
-        u_b = tl.dot(x_ba, bv_a, input_precision=PREC) + tl.dot(
-            x_b, beta_b[:, None] * v_b, input_precision=PREC
-        )
-        tl.store(u_out + off_a, u_a.to(out_ty), mask=ok_a[:, None])
-        tl.store(u_out + off_b, u_b.to(out_ty), mask=ok_b[:, None])
-        o_a = tl.dot(a_a, u_a, input_precision=PREC)
-        o_b = tl.dot(a_ba, u_a, input_precision=PREC) + tl.dot(a_b, u_b, input_precision=PREC)
-        tl.store(o_out + off_a, o_a.to(o_out.dtype.element_ty), mask=ok_a[:, None])
-        tl.store(o_out + off_b, o_b.to(o_out.dtype.element_ty), mask=ok_b[:, None])
 
 
 @triton.jit
@@ -411,8 +404,9 @@ def _chunk_step(
     qp_in,
     kg_in,
     u_in,
-    o_io,
+    o0_in,
     dc_in,
+    o_out,
     bos,
     eos,
     c,
@@ -420,25 +414,25 @@ def _chunk_step(
     h,
     H: tl.constexpr,
     D: tl.constexpr,
-    BV: tl.constexpr,
     BT: tl.constexpr,
     rk,
     rv,
 ):
     """One chunk: o = o₀ + q'S, then S ← diag(e^{G_C}) S + k̄ᵀ(u − wS)."""
-    tok = bos + c * BT + tl.arange(0, BT)
-    ok = tok < eos
-    base = (tok.to(tl.int64) * H + h) * D
-    w = tl.load(w_in + base[:, None] + rk[None, :], mask=ok[:, None], other=0.0)
-    qp = tl.load(qp_in + base[:, None] + rk[None, :], mask=ok[:, None], other=0.0)
-    kg = tl.load(kg_in + base[:, None] + rk[None, :], mask=ok[:, None], other=0.0)
-    u = tl.load(u_in + base[:, None] + rv[None, :], mask=ok[:, None], other=0.0)
-    o0 = tl.load(o_io + base[:, None] + rv[None, :], mask=ok[:, None], other=0.0)
+    r = tl.arange(0, BT)
+    tile = ((first + c) * H + h) * BT * D + r[:, None] * D
+    w = tl.load(w_in + tile + rk[None, :])
+    qp = tl.load(qp_in + tile + rk[None, :])
+    kg = tl.load(kg_in + tile + rk[None, :])
+    u = tl.load(u_in + tile + rv[None, :])
+    o0 = tl.load(o0_in + tile + rv[None, :])
     dc = tl.load(dc_in + ((first + c) * H + h) * D + rk)
     op_ty = w_in.dtype.element_ty
     s_op = s.to(op_ty)
     o = o0.to(tl.float32) + tl.dot(qp, s_op)
-    tl.store(o_io + base[:, None] + rv[None, :], o.to(o_io.dtype.element_ty), mask=ok[:, None])
+    tok = bos + c * BT + r
+    out = (tok.to(tl.int64) * H + h) * D
+    tl.store(o_out + out[:, None] + rv[None, :], o.to(o_out.dtype.element_ty), mask=(tok < eos)[:, None])
     upd = u.to(tl.float32) - tl.dot(w, s_op)
     return s * dc[:, None] + tl.dot(tl.trans(kg), upd.to(op_ty))
 
@@ -449,8 +443,9 @@ def _recur_kernel(
     qp_in,
     kg_in,
     u_in,
-    o_io,
+    o0_in,
     dc_in,
+    o_out,
     state_pool,
     pool_stride,
     slot_ids,
@@ -480,13 +475,13 @@ def _recur_kernel(
     if FOR_LOOP:
         for c in tl.range(0, n_chunks, num_stages=STAGES):
             s = _chunk_step(
-                s, w_in, qp_in, kg_in, u_in, o_io, dc_in, bos, eos, c, first, h, H, D, BV, BT, rk, rv
+                s, w_in, qp_in, kg_in, u_in, o0_in, dc_in, o_out, bos, eos, c, first, h, H, D, BT, rk, rv
             )
     else:  # the interpreter cannot take a run-time bound in range()
         c = 0
         while c < n_chunks:
             s = _chunk_step(
-                s, w_in, qp_in, kg_in, u_in, o_io, dc_in, bos, eos, c, first, h, H, D, BV, BT, rk, rv
+                s, w_in, qp_in, kg_in, u_in, o0_in, dc_in, o_out, bos, eos, c, first, h, H, D, BT, rk, rv
             )
             c += 1
     tl.store(p_s, s)
@@ -494,6 +489,20 @@ def _recur_kernel(
 
 def chunk_count(cu_seqlens_cpu) -> int:
     return sum(-(-(b - a) // BT) for a, b in itertools.pairwise(cu_seqlens_cpu))
+
+
+PREP_KEYS = frozenset(
+    {
+        "conv_warps",
+        "intra_warps",
+        "intra_stages",
+        "gram_precision",
+        "solve_precision",
+        "merge_precision",
+        "block_k",
+        "gram_unroll",
+    }
+)
 
 
 def prefill(
@@ -515,8 +524,9 @@ def prefill(
 ) -> torch.Tensor:
     """Triton twin of `reference.prefill` (see there for the arguments); returns o `[N, H, d]`.
 
-    Needs the safe gate with -5 ≤ lower_bound < 0. `tuning` goes to `prep` / `recur`."""
-    prep_keys = {"precision", "prep_warps", "col_block"}
+    Needs the safe gate with -5 ≤ lower_bound < 0. `tuning` goes to `prep` (its keyword arguments) and
+    `recur` (the rest)."""
+    h, d = state_pool.shape[1:3]
     bufs = prep(
         q,
         k,
@@ -531,17 +541,19 @@ def prefill(
         cu_seqlens,
         cu_seqlens_cpu,
         lower_bound,
-        state_pool.shape[1],
-        **{key: val for key, val in tuning.items() if key in prep_keys},
+        h,
+        **{key: val for key, val in tuning.items() if key in PREP_KEYS},
     )
+    o = torch.empty(q.shape[0], h, d, dtype=q.dtype, device=q.device)
     recur(
         bufs,
+        o,
         state_pool,
         slot_ids,
         cu_seqlens,
-        **{key: val for key, val in tuning.items() if key not in prep_keys},
+        **{key: val for key, val in tuning.items() if key not in PREP_KEYS},
     )
-    return bufs[4]
+    return o
 
 
 def prep(
@@ -560,96 +572,108 @@ def prep(
     lower_bound,
     h: int,
     *,
-    precision: str | None = None,
-    prep_warps: int = 4,
-    col_block: int = 64,
+    conv_warps: int = 8,
+    intra_warps: int = 4,
+    intra_stages: int = 1,
+    gram_precision: str = "tf32",
+    solve_precision: str = "tf32x3",
+    merge_precision: str = "tf32",
+    block_k: int = 64,
+    gram_unroll: int = 1,
 ) -> tuple[torch.Tensor, ...]:
-    """The parallel launches (conv + norm, then in-chunk algebra); returns (w, q', k̄, u, o₀, e^{G_C}).
-    `precision` is the `tl.dot` mode of the fp32 in-chunk products (tf32; ieee under the interpreter)."""
-    n, hd = q.shape
-    d = hd // h
+    """The parallel launches; returns (w, q', k̄, u, o₀) `[chunks, H, 64, d]` and e^{G_C} `[chunks, H, d]`.
+
+    `gram_precision` / `solve_precision` / `merge_precision` are the `tl.dot` modes of the fp32 Gram, the
+    16×16 inverses (tf32x3: their Neumann product amplifies rounding) and the 64×64 merge; `block_k` is
+    the column block of the w/u/q'/o₀ products, `gram_unroll` the unrolling of the Gram loop."""
+    d = q.shape[1] // h
     n_seq = slot_ids.shape[0]
     if not -5.0 <= lower_bound < 0:
         raise ValueError(f"the chunked Triton path needs -5 <= lower_bound < 0, got {lower_bound}")
-    assert q.stride() == k.stride() == v.stride() and q.stride(1) == 1 and f.stride(1) == 1
-    assert conv_pool.stride(2) == 1
-    precision = precision or ("ieee" if _INTERPRET else "tf32")
+    if not (q.stride() == k.stride() == v.stride() and q.stride(1) == 1):
+        raise ValueError("q, k, v must share strides with unit channel stride")
+    if f.stride(1) != 1 or conv_pool.stride(2) != 1:
+        raise ValueError("f and conv_pool need a unit channel stride")
     n_chunks = chunk_count(cu_seqlens_cpu)
-    block_b = triton.next_power_of_2(n_seq + 1)
     width = conv_weight.shape[1]
-    y = torch.empty(n, 3 * hd, dtype=q.dtype, device=q.device)
-    rnorm = torch.empty(n, 2, h, dtype=torch.float32, device=q.device)
-    _conv_kernel[(n_chunks, h, 3)](
+    dev = q.device
+    y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
+    rnorm = torch.empty(n_chunks, 2, h, BT, dtype=torch.float32, device=dev)
+    gcum = torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev)
+    beta = torch.empty(n_chunks, h, BT, dtype=torch.float32, device=dev)
+    decay_c = torch.empty(n_chunks, h, d, dtype=torch.float32, device=dev)
+    _conv_gate_kernel[(n_chunks, h, 4)](
         q,
         k,
         v,
-        q.stride(0),
+        f,
+        b,
         conv_weight,
         conv_pool,
         conv_pool.stride(0),
-        conv_pool.stride(1),
         slot_ids,
-        cu_seqlens,
-        n_seq,
-        y,
-        rnorm,
-        d**-0.5,
-        H=h,
-        D=d,
-        W=width,
-        WP=triton.next_power_of_2(width - 1),
-        BT=BT,
-        BLOCK_B=block_b,
-        num_warps=4,
-    )
-    o, w, qp, kg, u = (torch.empty(n, h, d, dtype=q.dtype, device=q.device) for _ in range(5))
-    dc = torch.empty(n_chunks, h, d, dtype=torch.float32, device=q.device)
-    _intra_kernel[(n_chunks, h)](
-        y,
-        rnorm,
-        f,
-        f.stride(0),
-        b,
-        b.stride(0),
         dt_bias,
         a_log,
         cu_seqlens,
         n_seq,
+        y,
+        rnorm,
+        gcum,
+        beta,
+        decay_c,
+        d**-0.5,
+        float(lower_bound),
+        H=h,
+        D=d,
+        W=width,
+        WP=triton.next_power_of_2(width - 1),
+        X_STRIDE=q.stride(0),
+        F_STRIDE=f.stride(0),
+        B_STRIDE=b.stride(0),
+        WIN_STRIDE=conv_pool.stride(1),
+        BT=BT,
+        BLOCK_B=triton.next_power_of_2(n_seq + 1),
+        num_warps=conv_warps,
+    )
+    w, qp, kg, u, o0 = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(5))
+    _intra_kernel[(n_chunks, h)](
+        y,
+        rnorm,
+        gcum,
+        beta,
         w,
         qp,
         kg,
         u,
-        o,
-        dc,
+        o0,
         float(lower_bound),
         H=h,
         D=d,
-        DH=min(col_block, d),
         BT=BT,
-        HB=HB,
-        BLOCK_B=block_b,
-        PREC=precision,
-        num_warps=prep_warps,
+        BC=BC,
+        BK1=min(16, d),
+        BK2=min(block_k, d),
+        UNROLL=gram_unroll,
+        GRAM_PREC=gram_precision,
+        SOLVE_PREC=solve_precision,
+        MERGE_PREC=merge_precision,
+        num_warps=intra_warps,
+        num_stages=intra_stages,
     )
-    return w, qp, kg, u, o, dc
+    return w, qp, kg, u, o0, decay_c
 
 
 def recur(
-    bufs, state_pool, slot_ids, cu_seqlens, *, block_v: int = 64, stages: int = 2, warps: int = 4
+    bufs, o, state_pool, slot_ids, cu_seqlens, *, block_v: int = 64, stages: int = 3, warps: int = 4
 ) -> None:
-    """The sequential launch: o₀ += q'S per chunk, S carried through the slot (in place)."""
-    w, qp, kg, u, o, dc = bufs
+    """The sequential launch: o = o₀ + q'S per chunk into o `[N, H, d]`, S carried through the slot."""
     h, d = state_pool.shape[1], state_pool.shape[2]
     assert state_pool.is_contiguous()
     n_seq = slot_ids.shape[0]
     bv = min(block_v, d)
     _recur_kernel[(n_seq, h, d // bv)](
-        w,
-        qp,
-        kg,
-        u,
+        *bufs,
         o,
-        dc,
         state_pool,
         state_pool.stride(0),
         slot_ids,

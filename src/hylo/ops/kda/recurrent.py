@@ -1,26 +1,28 @@
 """Triton KDA step kernels over the slot pool: conv window steps, decode, one-launch verify, commit.
 
-The sequential kernel serves three modes. Each program owns one (sequence, head, value tile) of S
-(`[d_k, BV]` fp32, kept in registers) and walks the sequence's T tokens:
+The sequential kernel: each program owns one (sequence, head, value tile) of S (`[d_k, BV]` fp32, kept
+in registers) and walks the sequence's T tokens,
 
-    S ← diag(e^{g_t}) S;  S ← S + β_t k_t (v_t − Sᵀk_t)ᵀ;  o_t = Sᵀ q_t
+    S ← diag(e^{g_t}) S;  S ← S + β_t k_t (v_t − Sᵀk_t)ᵀ;  o_t = Sᵀ q_t.
 
-- decode: T = 1, o written, S stored back in place;
-- verify: T = k+1 tokens from the committed S in one launch, o written for every t, S not stored
-  (optionally the state after every step, for the per-step-state alternative);
-- commit: replays the first n_accepted[b] verified tokens onto the committed S and stores it.
+It serves decode (T = 1, S stored back in place), verify with the state after every step saved (the
+per-step-state alternative) and, for gates other than the safe one or T > 16, verify and replay-commit.
 
-With the safe gate, verify and commit instead treat the T ≤ 32 tokens as one chunk of the chunked
-form (`_one_chunk_kernel`): o = q'S + A u is one tensor-core product against S and the commit
-S ← e^{G_C} S + k̄ᵀ(u − wS) two, with no step-to-step dependency.
+With the safe gate and T ≤ 16 the block kernels take over. Verify treats the T tokens as one chunk
+of the chunked form (`_block_verify_kernel`): a tensor-core product of the stacked keys and queries
+against S, a T×T triangular solve, no step-to-step dependency, S only read. It also leaves, per token,
+the values u it adds to the state and the gate factors, from which any accepted prefix of n tokens
+commits as n rank-1 updates of S (`_block_commit_kernel`): that launch reads and writes S once, like
+decode, and advances the conv window too.
 
 The conv kernel computes SiLU(conv) for T tokens continuing from the slot window and, for decode and
-commit, rewrites the window with the last K-1 consumed inputs (its first n[b] tokens).
+the sequential commit, rewrites the window with the last K-1 consumed inputs (its first n[b] tokens).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,113 +33,71 @@ from hylo.ops.kda.reference import VerifyCache
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@dataclass
+class ReplayCache(VerifyCache):
+    """A block verify's cache: `replay [3, B, T, H, d]` fp32 holds per token k 2^{m−G}, 2^{G−m} and the
+    new values u/|k| (see `_block_verify_kernel`), from which any accepted prefix commits without
+    recomputation; the conv output is not kept."""
+
+    replay: torch.Tensor | None = None
+
+
 @triton.jit
-def _conv_part(
-    x,
-    x_sb,
-    x_st,
-    win,
-    win_stride,
-    wt,
-    y,
-    y_sb,
-    y_st,
-    bi,
-    c,
-    ch,
-    n,
-    T: tl.constexpr,
-    W: tl.constexpr,
-    WP: tl.constexpr,
-    WRITE_Y: tl.constexpr,
-    WRITE_WIN: tl.constexpr,
-):
-    """One of q|k|v: columns `c` of x are channels `ch` of the window, weight and y."""
-    xb = x + bi.to(tl.int64) * x_sb
-    if WRITE_Y:
-        for t in tl.static_range(T):
-            acc = tl.zeros([c.shape[0]], dtype=tl.float32)
-            for i in tl.static_range(W):
-                if t - (W - 1) + i >= 0:
-                    z = tl.load(xb + (t - (W - 1) + i) * x_st + c)
-                else:
-                    z = tl.load(win + (t + i) * win_stride + ch)
-                acc += z.to(tl.float32) * tl.load(wt + ch * W + i)
-            tl.store(
-                y + bi.to(tl.int64) * y_sb + t * y_st + ch, (acc * tl.sigmoid(acc)).to(y.dtype.element_ty)
-            )
-    if WRITE_WIN:
-        r = tl.arange(0, WP)
-        j = n - (W - 1) + r
-        live = r < W - 1
-        xval = tl.load(xb + j[:, None] * x_st + c[None, :], mask=(live & (j >= 0))[:, None], other=0.0)
-        wval = tl.load(
-            win + (W - 1 + j)[:, None] * win_stride + ch[None, :], mask=(live & (j < 0))[:, None], other=0.0
-        )
-        new = xval.to(tl.float32) + wval.to(tl.float32)
-        tl.debug_barrier()
-        tl.store(
-            win + r[:, None] * win_stride + ch[None, :], new.to(win.dtype.element_ty), mask=live[:, None]
-        )
+def _window_after(x, x_sb, x_st, win, win_stride, bi, n, c, ch, W: tl.constexpr, WP: tl.constexpr):
+    """The window columns `ch` once n tokens (columns `c` of x) are consumed: the last W-1 inputs."""
+    r = tl.arange(0, WP)
+    j = n - (W - 1) + r
+    live = r < W - 1
+    xval = tl.load(
+        x + bi.to(tl.int64) * x_sb + j[:, None] * x_st + c[None, :],
+        mask=(live & (j >= 0))[:, None],
+        other=0.0,
+    )
+    wval = tl.load(
+        win + (W - 1 + j)[:, None] * win_stride + ch[None, :], mask=(live & (j < 0))[:, None], other=0.0
+    )
+    return xval.to(win.dtype.element_ty) + wval
 
 
 @triton.jit
 def _conv_kernel(
-    xq,
-    xk,
-    xv,
-    x_sb,
-    x_st,
-    pool,
-    pool_stride,
-    win_stride,
-    slot_ids,
-    weight,
-    y,
-    y_sb,
-    y_st,
-    n_keep,
-    T: tl.constexpr,
-    HD: tl.constexpr,
-    W: tl.constexpr,
-    WP: tl.constexpr,
-    BC: tl.constexpr,
-    WRITE_Y: tl.constexpr,
-    WRITE_WIN: tl.constexpr,
-    PER_SEQ: tl.constexpr,
-):
+    xq, xk, xv, x_sb, x_st, pool, pool_stride, win_stride, slot_ids, weight, y, y_sb, y_st, n_keep,
+    T: tl.constexpr, TP: tl.constexpr, HD: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+    BC: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_WIN: tl.constexpr, PER_SEQ: tl.constexpr,
+):  # fmt: skip
+    """BC channels of the packed q|k|v space for one sequence: y = SiLU(conv) of its T tokens (each tap
+    one [TP, BC] load from the inputs or the window), then the window rewritten for these channels."""
     bi, cb = tl.program_id(0), tl.program_id(1)
-    c = cb * BC + tl.arange(0, BC)
+    part = cb // (HD // BC)  # 0: q, 1: k, 2: v
+    x = tl.where(part == 0, xq, tl.where(part == 1, xk, xv))
+    c = (cb % (HD // BC)) * BC + tl.arange(0, BC)  # columns of x
+    ch = part * HD + c  # channels of the window, the weight and y
     win = pool + tl.load(slot_ids + bi).to(tl.int64) * pool_stride
-    n = T
-    if PER_SEQ:
-        n = tl.load(n_keep + bi)
-    _conv_part(
-        xq, x_sb, x_st, win, win_stride, weight, y, y_sb, y_st, bi, c, c, n, T, W, WP, WRITE_Y, WRITE_WIN
-    )
-    _conv_part(
-        xk, x_sb, x_st, win, win_stride, weight, y, y_sb, y_st, bi, c, HD + c, n, T, W, WP, WRITE_Y, WRITE_WIN
-    )
-    _conv_part(
-        xv,
-        x_sb,
-        x_st,
-        win,
-        win_stride,
-        weight,
-        y,
-        y_sb,
-        y_st,
-        bi,
-        c,
-        2 * HD + c,
-        n,
-        T,
-        W,
-        WP,
-        WRITE_Y,
-        WRITE_WIN,
-    )
+    if WRITE_Y:
+        r = tl.arange(0, TP)
+        live = r < T
+        acc = tl.zeros([TP, BC], dtype=tl.float32)
+        for i in tl.static_range(W):
+            j = r + i - (W - 1)  # input row of tap i; negative rows are in the window
+            z = tl.load(
+                x + bi.to(tl.int64) * x_sb + j[:, None] * x_st + c[None, :],
+                mask=(live & (j >= 0))[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            z += tl.load(
+                win + (r + i)[:, None] * win_stride + ch[None, :], mask=(live & (j < 0))[:, None], other=0.0
+            ).to(tl.float32)
+            acc += z * tl.load(weight + ch * W + i)[None, :]
+        p_y = y + bi.to(tl.int64) * y_sb + r[:, None] * y_st + ch[None, :]
+        tl.store(p_y, (acc * tl.sigmoid(acc)).to(y.dtype.element_ty), mask=live[:, None])
+    if WRITE_WIN:
+        n = T
+        if PER_SEQ:
+            n = tl.load(n_keep + bi)
+        new = _window_after(x, x_sb, x_st, win, win_stride, bi, n, c, ch, W, WP)
+        tl.debug_barrier()  # every thread has read the old window before any row is overwritten
+        rows = tl.arange(0, WP)
+        tl.store(win + rows[:, None] * win_stride + ch[None, :], new, mask=(rows < W - 1)[:, None])
 
 
 @triton.jit
@@ -199,100 +159,132 @@ def _recurrent_kernel(
 
 
 @triton.jit
-def _inv_unit_lower(lt, N: tl.constexpr):
-    """(I + L)⁻¹ of a strictly lower N×N matrix given transposed (lt[j, i] = L[i, j])."""
-    rows = tl.arange(0, N)
-    x = tl.zeros([N, N], dtype=tl.float32)
-    for i in range(N):
-        col = tl.sum(tl.where(rows[None, :] == i, lt, 0.0), 1)
-        r = tl.where(rows == i, 1.0, 0.0) - tl.sum(col[:, None] * x, 0)
-        x = tl.where(rows[:, None] == i, r[None, :], x)
-    return x
+def _unit_lower_inverse(nil, TP: tl.constexpr, FACTORS: tl.constexpr, PREC: tl.constexpr):
+    """(I - N)⁻¹ = (I + N)(I + N²)(I + N⁴)… for a strictly lower TP×TP N whose live block is at most
+    2^FACTORS rows (so the series ends): log-depth tensor-core products instead of a row-by-row solve."""
+    rt = tl.arange(0, TP)
+    inv = tl.where(rt[:, None] == rt[None, :], 1.0, 0.0) + nil
+    power = nil
+    for _ in tl.static_range(FACTORS - 1):
+        power = tl.dot(power, power, input_precision=PREC)
+        inv += tl.dot(inv, power, input_precision=PREC)
+    return inv
 
 
 @triton.jit
-def _one_chunk_kernel(
-    qkv,
-    qkv_sb,
-    qkv_st,
-    f,
-    f_sb,
-    f_st,
-    b,
-    b_sb,
-    b_st,
-    dt_bias,
-    a_log,
-    state_pool,
-    pool_stride,
-    slot_ids,
-    n_steps,
-    o,
-    o_sb,
-    o_st,
-    scale,
-    lower_bound,
-    T: tl.constexpr,
-    TP: tl.constexpr,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BV: tl.constexpr,
-    WRITE_O: tl.constexpr,
-    STORE_STATE: tl.constexpr,
-    PER_SEQ: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """The T ≤ 32 steps of one request as one chunk (safe gate): o = q'S + A u, S ← e^{G_C}S + k̄ᵀ(u − wS)."""
+def _stack_twice(x):
+    """[R, C] → [2R, C]: x on top of itself."""
+    both = tl.permute(tl.join(x, x), (2, 0, 1))
+    return tl.reshape(both, (2 * x.shape[0], x.shape[1]))
+
+
+@triton.jit
+def _block_verify_kernel(
+    qkv, qkv_sb, qkv_st, f, f_sb, f_st, b, b_sb, b_st, dt_bias, a_log, state_pool, pool_stride, slot_ids,
+    o, o_sb, o_st, replay, part_stride, scale, lower_bound, anchor,
+    T: tl.constexpr, TP: tl.constexpr, FACTORS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+    DC: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The T ≤ 16 tokens of one request as one chunk of the delta rule (safe gate), for one head and one
+    BV-wide slice of its state S [D, D], which is only read. With G the in-block cumulative log2 gates,
+    k̂ and q̂ the normalised keys and queries, Tβ = (I + L)⁻¹ diag(β), L[c, i] = β_c k̂_c·(2^{G_c−G_i} k̂_i)
+    for c > i:
+        u = Tβ (v − (k̂ 2^G) S)   (the values each token adds to the state),
+        o = (q̂ 2^G) S + A u,     A[c, j] = q̂_c·(2^{G_c−G_j} k̂_j) for c ≥ j.
+    Any prefix of n tokens then gives S_n = 2^{G_n} S + Σ_{i<n} (k_i 2^{G_n−G_i}) (u_i/|k_i|)ᵀ, so the
+    commit kernel only needs k 2^{m−G}, 2^{G−m} (m the anchor) and u/|k|, which go to `replay`.
+    Keys fill rows [0, TP) and queries rows [TP, 2·TP) of one tile: a single product against kᵀ gives
+    L and A, a single product against S both S-terms. The channels are walked DC at a time, the norms
+    applied at the end."""
     bi, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bi64 = bi.to(tl.int64)
     rt = tl.arange(0, TP)
-    rk = tl.arange(0, D)
+    rr = tl.arange(0, 2 * TP)
+    rc = tl.arange(0, DC)
     rv = iv * BV + tl.arange(0, BV)
-    live = rt < T
-    if PER_SEQ:
-        live = rt < tl.load(n_steps + bi)
-    row = qkv + bi64 * qkv_sb + rt[:, None] * qkv_st + h * D
-    q = tl.load(row + rk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    k = tl.load(row + H * D + rk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    v = tl.load(row + 2 * H * D + rv[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    x = tl.load(f + bi64 * f_sb + rt[:, None] * f_st + h * D + rk[None, :], mask=live[:, None], other=0.0)
-    x = x.to(tl.float32) + tl.load(dt_bias + h * D + rk).to(tl.float32)[None, :]
-    lb2 = lower_bound * 1.4426950408889634
-    g = tl.where(live[:, None], lb2 * tl.sigmoid(tl.exp(tl.load(a_log + h).to(tl.float32)) * x), 0.0)
-    beta = tl.load(b + bi64 * b_sb + rt * b_st + h, mask=live, other=0.0).to(tl.float32)
-    beta = tl.where(live, tl.sigmoid(beta), 0.0)
-    k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-    gs = tl.cumsum(g, 0)
-    g_c = tl.sum(g, 0)
-    m = tl.sum(tl.where(rt[:, None] == 0, gs, 0.0), 0) + lb2 * (TP - 1) / 2
-    kr = k * tl.exp2(m[None, :] - gs)
-    lt = tl.dot(kr, tl.trans(k * tl.exp2(gs - m[None, :])), input_precision=PREC)
-    lt = tl.where(rt[None, :] > rt[:, None], lt * beta[None, :], 0.0)
-    xinv = _inv_unit_lower(lt, TP)
-    eg = tl.exp2(gs)
-    w = tl.dot(xinv, beta[:, None] * k * eg, input_precision=PREC)
-    u = tl.dot(xinv, beta[:, None] * v, input_precision=PREC)
-    p_s = (
-        state_pool
-        + tl.load(slot_ids + bi).to(tl.int64) * pool_stride
-        + h * D * D
-        + rk[:, None] * D
-        + rv[None, :]
-    )
-    s = tl.load(p_s)
-    if WRITE_O:
-        q = q * (scale / tl.sqrt(tl.sum(q * q, 1) + 1e-6))[:, None]
-        a = tl.dot(q * tl.exp2(gs - m[None, :]), tl.trans(kr), input_precision=PREC)
-        a = tl.where(rt[:, None] >= rt[None, :], a, 0.0)
-        qp = q * eg - tl.dot(a, w, input_precision=PREC)
-        out = tl.dot(qp, s, input_precision=PREC) + tl.dot(a, u, input_precision=PREC)
-        p_o = o + bi64 * o_sb + rt[:, None] * o_st + h * D + rv[None, :]
-        tl.store(p_o, out.to(o.dtype.element_ty), mask=(rt < T)[:, None])
-    if STORE_STATE:
-        upd = u - tl.dot(w, s, input_precision=PREC)
-        kg = k * tl.exp2(g_c[None, :] - gs)
-        s = s * tl.exp2(g_c)[:, None] + tl.dot(tl.trans(kg), upd, input_precision=PREC)
+    tok = rr % TP
+    is_q = rr >= TP
+    live = tok < T
+    p_s = state_pool + tl.load(slot_ids + bi).to(tl.int64) * pool_stride + h * D * D + rv[None, :]
+    row = qkv + bi64 * qkv_sb + tok[:, None] * qkv_st + h * D
+    p_kq = row + tl.where(is_q, 0, H * D)[:, None]
+    p_f = f + bi64 * f_sb + rt[:, None] * f_st + h * D
+    p_r = replay + bi64 * T * H * D + tok[:, None] * H * D + h * D
+    rate = tl.exp(tl.load(a_log + h)) * -1.4426950408889634  # σ(z) = 1 / (1 + 2^{-z·log2 e})
+    lb2 = lower_bound * 1.4426950408889634  # the gates in log2 units
+    gram = tl.zeros([2 * TP, 2 * TP], dtype=tl.float32)
+    proj = tl.zeros([2 * TP, BV], dtype=tl.float32)
+    for c0 in tl.static_range(0, D, DC):
+        x = tl.load(p_f + c0 + rc[None, :], mask=(rt < T)[:, None], other=0.0).to(tl.float32)
+        x += tl.load(dt_bias + h * D + c0 + rc)[None, :]
+        g = tl.where((rt < T)[:, None], tl.math.fdiv(lb2, 1.0 + tl.exp2(rate * x)), 0.0)
+        gs = tl.cumsum(g, 0)
+        # 2^{G-m} and 2^{m-G} stay within fp32 for |G| ≤ TP·|lb2| with the anchor m = lb2·TP/2;
+        # keys and queries of a token share its gates: the [TP, DC] factors are stacked twice
+        rise = _stack_twice(tl.exp2(gs - anchor))
+        kq = tl.load(p_kq + c0 + rc[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        kq_fall = kq * _stack_twice(tl.exp2(anchor - gs))
+        kq_rise = kq * rise
+        mine = (live & ~is_q)[:, None] & ((c0 + rc) // BV == iv)[None, :]  # this program's key channels
+        tl.store(p_r + c0 + rc[None, :], kq_fall, mask=mine)
+        tl.store(p_r + part_stride + c0 + rc[None, :], rise, mask=mine)
+        gram = tl.dot(kq_rise, tl.trans(kq_fall), acc=gram, input_precision=PREC)
+        proj = tl.dot(kq_rise, tl.load(p_s + (c0 + rc)[:, None] * D), acc=proj, input_precision=PREC)
+    # the diagonal of the Gram tile is |k|² on key rows and |q|² on query rows
+    sq = tl.sum(tl.where(rr[:, None] == rr[None, :], gram, 0.0), 1)
+    inv_norm = tl.where(is_q, scale, 1.0) / tl.sqrt(sq + 1e-6)  # 1/|k| on key rows, scale/|q| on query rows
+    gram = gram * inv_norm[:, None] * inv_norm[None, :]
+    beta = tl.load(b + bi64 * b_sb + tok * b_st + h, mask=live & ~is_q, other=0.0).to(tl.float32)
+    beta = tl.where(live & ~is_q, tl.sigmoid(beta), 0.0)
+    keys = ~is_q[None, :]
+    nil = tl.where(keys & ~is_q[:, None] & (tok[:, None] > tok[None, :]), -beta[:, None] * gram, 0.0)
+    t_beta = _unit_lower_inverse(nil, 2 * TP, FACTORS, PREC) * beta[None, :]
+    a_qk = tl.where(keys & is_q[:, None] & (tok[:, None] >= tok[None, :]), gram, 0.0)
+    proj = proj * (inv_norm * tl.exp2(anchor))[:, None]  # k̂ 2^G S on key rows, q̂ 2^G S on query rows
+    v = tl.load(row + 2 * H * D + rv[None, :], mask=(live & ~is_q)[:, None], other=0.0).to(tl.float32)
+    u = tl.dot(t_beta, tl.where(is_q[:, None], 0.0, v - proj), input_precision=PREC)
+    out = tl.where(is_q[:, None], proj, 0.0) + tl.dot(a_qk, u, input_precision=PREC)
+    p_o = o + bi64 * o_sb + tok[:, None] * o_st + h * D + rv[None, :]
+    tl.store(p_o, out.to(o.dtype.element_ty), mask=(live & is_q)[:, None])
+    tl.store(p_r + 2 * part_stride + rv[None, :], u * inv_norm[:, None], mask=(live & ~is_q)[:, None])
+
+
+@triton.jit
+def _block_commit_kernel(
+    replay, part_stride, state_pool, pool_stride, slot_ids, n_steps, xq, xk, xv, x_sb, x_st, conv_pool,
+    conv_stride, win_stride, anchor,
+    T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+):  # fmt: skip
+    """Commit of the first n[b] ≤ T verified tokens from the verify kernel's `replay`: S ← 2^{G_n} S +
+    Σ_{i<n} (k_i 2^{m−G_i})·2^{G_n−m} (u_i/|k_i|)ᵀ as n rank-1 fp32 updates of one [D, BV] slice, and the
+    conv window advanced by n tokens on this program's share of the head's channels (BV of q, k, v)."""
+    bi, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.load(n_steps + bi)
+    slot = tl.load(slot_ids + bi).to(tl.int64)
+    if n > 0:
+        rk = tl.arange(0, D)
+        rv = iv * BV + tl.arange(0, BV)
+        p_s = state_pool + slot * pool_stride + h * D * D + rk[:, None] * D + rv[None, :]
+        s = tl.load(p_s)
+        win = conv_pool + slot * conv_stride
+        c = h * D + rv
+        rows = tl.arange(0, WP)[:, None] * win_stride
+        new_q = _window_after(xq, x_sb, x_st, win, win_stride, bi, n, c, c, W, WP)
+        new_k = _window_after(xk, x_sb, x_st, win, win_stride, bi, n, c, H * D + c, W, WP)
+        new_v = _window_after(xv, x_sb, x_st, win, win_stride, bi, n, c, 2 * H * D + c, W, WP)
+        base = replay + bi.to(tl.int64) * T * H * D + h * D
+        rise_n = tl.load(base + part_stride + (n - 1) * H * D + rk)  # 2^{G_n − m}
+        s = s * (rise_n * tl.exp2(anchor))[:, None]
+        for t in tl.static_range(T):
+            k_bar = tl.load(base + t * H * D + rk, mask=t < n, other=0.0) * rise_n
+            u = tl.load(base + 2 * part_stride + t * H * D + rv, mask=t < n, other=0.0)
+            s += k_bar[:, None] * u[None, :]
         tl.store(p_s, s)
+        tl.debug_barrier()  # every thread has read the old window before any row is overwritten
+        fresh = (tl.arange(0, WP) < W - 1)[:, None]
+        tl.store(win + rows + c[None, :], new_q, mask=fresh)
+        tl.store(win + rows + H * D + c[None, :], new_k, mask=fresh)
+        tl.store(win + rows + 2 * H * D + c[None, :], new_v, mask=fresh)
 
 
 @triton.jit
@@ -315,33 +307,16 @@ def conv_steps(q, k, v, conv_weight, conv_pool, slot_ids, *, write_y=True, write
     assert q.stride() == k.stride() == v.stride() and q.stride(2) == 1 and conv_pool.stride(2) == 1
     y = torch.empty(bsz, t, 3 * hd, dtype=q.dtype, device=q.device) if write_y else q
     width = conv_pool.shape[1] + 1
-    bc = min(512, triton.next_power_of_2(hd))
+    bc = min(128, triton.next_power_of_2(hd))
     assert hd % bc == 0
-    _conv_kernel[(bsz, hd // bc)](
-        q,
-        k,
-        v,
-        q.stride(0),
-        q.stride(1),
-        conv_pool,
-        conv_pool.stride(0),
-        conv_pool.stride(1),
-        slot_ids,
-        conv_weight if write_y else conv_pool,
-        y,
-        y.stride(0),
-        y.stride(1),
+    tp = triton.next_power_of_2(t)
+    _conv_kernel[(bsz, 3 * hd // bc)](
+        q, k, v, q.stride(0), q.stride(1), conv_pool, conv_pool.stride(0), conv_pool.stride(1), slot_ids,
+        conv_weight if write_y else conv_pool, y, y.stride(0), y.stride(1),
         n_keep if n_keep is not None else slot_ids,
-        T=t,
-        HD=hd,
-        W=width,
-        WP=triton.next_power_of_2(width - 1),
-        BC=bc,
-        WRITE_Y=write_y,
-        WRITE_WIN=write_window,
-        PER_SEQ=n_keep is not None,
-        num_warps=4,
-    )
+        T=t, TP=tp, HD=hd, W=width, WP=triton.next_power_of_2(width - 1), BC=bc, WRITE_Y=write_y,
+        WRITE_WIN=write_window, PER_SEQ=n_keep is not None, num_warps=max(1, min(4, tp * bc // 256)),
+    )  # fmt: skip
     return y if write_y else None
 
 
@@ -418,7 +393,27 @@ def recurrent(
     return o if write_o else None
 
 
-def one_chunk(
+def _block_rows(t: int) -> int:
+    """TP, the rows per block of the block kernels (T ≤ TP)."""
+    return max(8, triton.next_power_of_2(t))
+
+
+def _anchor(lower_bound: float, t: int) -> float:
+    """The log2 anchor m of the block kernels' gate factors 2^{G-m}, 2^{m-G}: with |G| ≤ TP·|lb2| both stay
+    within 2^{±TP·|lb2|/2}, so their products with S cannot overflow fp32 for T ≤ 16."""
+    return lower_bound * 1.4426950408889634 * (_block_rows(t) // 2)
+
+
+def _verify_launch(bsz: int, h: int, d: int) -> tuple[int, int, int]:
+    """(BV, num_warps, DC) of the block verify. Two value slices per head throughout; the key channels in
+    one pass while the batch leaves SMs idle (the shortest chain), in chunks of 32 beyond (fewer registers,
+    more programs per SM, which timed fastest on the H200 once the SMs were full)."""
+    if bsz * h <= 128:
+        return min(64, d), 4, d
+    return min(64, d), 4, min(32, d)
+
+
+def block_verify(
     qkv,
     f,
     b,
@@ -428,58 +423,53 @@ def one_chunk(
     slot_ids,
     lower_bound,
     *,
-    write_o=True,
-    store_state=False,
-    n_steps=None,
     block_v=None,
     num_warps=None,
-    precision=None,
+    key_chunk=None,
 ):
-    """Verify (`write_o`) or commit (`store_state`, first `n_steps[b]` tokens) of T ≤ 32 tokens per request
-    as one chunk; needs the safe gate (-5 ≤ lower_bound < 0). Returns o `[B, T, H, d]` when `write_o`."""
+    """Verify of T ≤ 16 tokens per request as one chunk (safe gate) on conv outputs `qkv [B, T, 3·H·d]`,
+    one launch, pools untouched. Returns o `[B, T, H, d]` and the replay operands `[3, B, T, H, d]` fp32
+    that `block_commit` needs for any accepted prefix."""
     bsz, t, _ = qkv.shape
     h, d = state_pool.shape[1], state_pool.shape[2]
-    assert t <= 32 and lower_bound is not None and -5.0 <= lower_bound < 0
+    if not _chunkable(t, lower_bound):
+        raise ValueError(
+            f"block_verify takes T ≤ 16 tokens and the safe gate, got T={t}, lower_bound={lower_bound}"
+        )
     assert qkv.stride(2) == 1 and f.stride(2) == 1 and state_pool.is_contiguous()
-    o = torch.empty(bsz, t, h, d, dtype=qkv.dtype, device=qkv.device) if write_o else qkv
+    o = torch.empty(bsz, t, h, d, dtype=qkv.dtype, device=qkv.device)
+    replay = torch.empty(3, bsz, t, h, d, dtype=torch.float32, device=qkv.device)
+    bv, warps, dc = _verify_launch(bsz, h, d)
+    bv, warps, dc = block_v or bv, num_warps or warps, key_chunk or dc
+    _block_verify_kernel[(bsz, h, d // bv)](
+        qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), b, b.stride(0), b.stride(1),
+        dt_bias, a_log, state_pool, state_pool.stride(0), slot_ids, o, o.stride(0), o.stride(1),
+        replay, replay.stride(0), d**-0.5, float(lower_bound), _anchor(lower_bound, t),
+        T=t, TP=_block_rows(t), FACTORS=max(1, (t - 1).bit_length()), H=h, D=d, DC=dc, BV=bv,
+        PREC="ieee" if _INTERPRET else "tf32", num_warps=warps,
+    )  # fmt: skip
+    return o, replay
+
+
+def block_commit(
+    replay, q, k, v, conv_pool, state_pool, slot_ids, n_accepted, lower_bound, *, block_v=None, num_warps=None
+):
+    """Commit the first n_accepted[b] tokens of a `block_verify` onto the slot states (from its replay
+    operands, no recomputation) and windows (from the raw q|k|v `[B, T, H·d]`), one launch."""
+    _, bsz, t, h, d = replay.shape
+    assert q.stride() == k.stride() == v.stride() and q.stride(2) == 1 and conv_pool.stride(2) == 1
     bv, warps = block_v or min(64, d), num_warps or 4
-    _one_chunk_kernel[(bsz, h, d // bv)](
-        qkv,
-        qkv.stride(0),
-        qkv.stride(1),
-        f,
-        f.stride(0),
-        f.stride(1),
-        b,
-        b.stride(0),
-        b.stride(1),
-        dt_bias,
-        a_log,
-        state_pool,
-        state_pool.stride(0),
-        slot_ids,
-        n_steps if n_steps is not None else slot_ids,
-        o,
-        o.stride(0),
-        o.stride(1) if write_o else 0,
-        d**-0.5,
-        float(lower_bound),
-        T=t,
-        TP=max(16, triton.next_power_of_2(t)),
-        H=h,
-        D=d,
-        BV=bv,
-        WRITE_O=write_o,
-        STORE_STATE=store_state,
-        PER_SEQ=n_steps is not None,
-        PREC=precision or ("ieee" if _INTERPRET else "tf32x3"),
-        num_warps=warps,
-    )
-    return o if write_o else None
+    width = conv_pool.shape[1] + 1
+    _block_commit_kernel[(bsz, h, d // bv)](
+        replay, replay.stride(0), state_pool, state_pool.stride(0), slot_ids, n_accepted, q, k, v,
+        q.stride(0), q.stride(1), conv_pool, conv_pool.stride(0), conv_pool.stride(1),
+        _anchor(lower_bound, t),
+        T=t, H=h, D=d, BV=bv, W=width, WP=triton.next_power_of_2(width - 1), num_warps=warps,
+    )  # fmt: skip
 
 
 def _chunkable(t: int, lower_bound) -> bool:
-    return t <= 32 and lower_bound is not None and -5.0 <= lower_bound < 0
+    return t <= 16 and lower_bound is not None and -5.0 <= lower_bound < 0
 
 
 def decode(q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound, **kw):
@@ -505,38 +495,51 @@ def verify(
     step_states=None,
     **kw,
 ):
-    """Triton twin of `reference.verify`: one conv launch and one launch for all T tokens (the one-chunk
+    """Triton twin of `reference.verify`: one conv launch and one launch for all T tokens (the block
     kernel; the sequential one for other gates or when `step_states` are wanted)."""
     qkv = conv_steps(q, k, v, conv_weight, conv_pool, slot_ids)
     if step_states is None and _chunkable(q.shape[1], lower_bound):
-        o = one_chunk(qkv, f, b, dt_bias, a_log, state_pool, slot_ids, lower_bound, **kw)
-    else:
-        o = recurrent(
-            qkv,
-            f,
-            b,
-            dt_bias,
-            a_log,
-            state_pool,
-            slot_ids,
-            lower_bound,
-            store_state=False,
-            step_states=step_states,
-            **kw,
-        )
+        o, replay = block_verify(qkv, f, b, dt_bias, a_log, state_pool, slot_ids, lower_bound, **kw)
+        return o, ReplayCache(q, k, v, f, b, replay=replay)
+    o = recurrent(
+        qkv,
+        f,
+        b,
+        dt_bias,
+        a_log,
+        state_pool,
+        slot_ids,
+        lower_bound,
+        store_state=False,
+        step_states=step_states,
+        **kw,
+    )
     return o, VerifyCache(q, k, v, f, b, qkv)
 
 
 def commit(
     cache, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, n_accepted, lower_bound, **kw
 ):
-    """Triton twin of `reference.commit`: replay n_accepted[b] steps (one launch), advance the window."""
+    """Triton twin of `reference.commit`, one launch after a block verify (state and window from its
+    replay operands); otherwise the sequential kernel's replay plus a window launch."""
+    if isinstance(cache, ReplayCache):
+        block_commit(
+            cache.replay,
+            cache.q,
+            cache.k,
+            cache.v,
+            conv_pool,
+            state_pool,
+            slot_ids,
+            n_accepted,
+            lower_bound,
+            **kw,
+        )
+        return
     qkv = cache.qkv
     if qkv is None:
         qkv = conv_steps(cache.q, cache.k, cache.v, conv_weight, conv_pool, slot_ids)
-    n = n_accepted.to(torch.int32)
-    step = one_chunk if _chunkable(qkv.shape[1], lower_bound) else recurrent
-    step(
+    recurrent(
         qkv,
         cache.f,
         cache.b,
@@ -546,23 +549,46 @@ def commit(
         slot_ids,
         lower_bound,
         write_o=False,
-        store_state=True,
-        n_steps=n,
+        n_steps=n_accepted,
         **kw,
     )
     conv_steps(
-        cache.q, cache.k, cache.v, None, conv_pool, slot_ids, write_y=False, write_window=True, n_keep=n
+        cache.q,
+        cache.k,
+        cache.v,
+        None,
+        conv_pool,
+        slot_ids,
+        write_y=False,
+        write_window=True,
+        n_keep=n_accepted,
     )
 
 
 def commit_steps(cache, step_states, conv_pool, state_pool, slot_ids, n_accepted) -> None:
     """Triton twin of `reference.commit_steps`: copy the saved state of step n_accepted[b]."""
     bsz, t, h, d, _ = step_states.shape
-    n = n_accepted.to(torch.int32)
     blk = min(4096, d * d)
     _take_step_kernel[(bsz, h, d * d // blk)](
-        step_states, t, state_pool, state_pool.stride(0), slot_ids, n, H=h, DD=d * d, BLK=blk, num_warps=4
+        step_states,
+        t,
+        state_pool,
+        state_pool.stride(0),
+        slot_ids,
+        n_accepted,
+        H=h,
+        DD=d * d,
+        BLK=blk,
+        num_warps=4,
     )
     conv_steps(
-        cache.q, cache.k, cache.v, None, conv_pool, slot_ids, write_y=False, write_window=True, n_keep=n
+        cache.q,
+        cache.k,
+        cache.v,
+        None,
+        conv_pool,
+        slot_ids,
+        write_y=False,
+        write_window=True,
+        n_keep=n_accepted,
     )
