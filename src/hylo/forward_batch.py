@@ -9,6 +9,7 @@ import torch
 
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
+from hylo.ops.kda.reference import VerifyCache
 
 
 @dataclass
@@ -60,7 +61,8 @@ class ForwardBatch:
     seq_slots: list[int]  # KDA state slot of each sequence (host copy)
     tokens: TokenCache
     states: StateCache
-    kda_records: dict[int, torch.Tensor] = field(default_factory=dict)  # KDA layer -> input a commit replays
+    # KDA layer -> what its verify kept for `commit` (the verified tokens' inputs and replay operands)
+    kda_records: dict[int, VerifyCache] = field(default_factory=dict)
     features: torch.Tensor | None = None  # captured target features, when a forward asks for them
 
     @classmethod

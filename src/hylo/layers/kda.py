@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -40,33 +42,108 @@ class KDAAttention(nn.Module):
         self.o_proj = Linear(h * d, hidden)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Packed tokens in, packed out. A step of single tokens takes the decode kernels, anything else the
-        varlen chunked prefill; both read and advance the slots' conv windows and states in place."""
+        """Packed tokens in, packed out. Sequences advance their slots' conv windows and states in place
+        (a step of single tokens by the decode kernels, anything else by the varlen chunked prefill),
+        except verify chunks: they run as one block per sequence from the committed state, which stays
+        untouched, and leave in `batch.kda_records` what `commit` needs to advance it afterwards."""
         tokens, heads = x.shape[0], (self.num_heads, self.head_dim)
-        states = batch.states
-        layer = states.kda_index[self.layer_idx]
-        conv_pool, state_pool = states.conv[layer], states.recurrent[layer]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        f, b = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)
-        params = (self.conv_weight, self.dt_bias, self.A_log, conv_pool, state_pool, batch.state_slots)
-        if max(batch.extend_lens) == 1:
-            o = kda_ops.decode(q, k, v, f, b, *params, self.lower_bound)
+        qkvfb = (
+            self.q_proj(x),
+            self.k_proj(x),
+            self.v_proj(x),
+            self.f_b_proj(self.f_a_proj(x)),
+            self.b_proj(x),
+        )
+        if not batch.verify_seqs:
+            o = self._advance(qkvfb, batch.state_slots, *_cu_seqlens(batch), batch)
         else:
-            cu_cpu, cu = _cu_seqlens(batch)
-            o = kda_ops.prefill(q, k, v, f, b, *params, cu, cu_cpu, self.lower_bound)
-
+            plan = _verify_plan(batch)
+            o = x.new_empty(tokens, *heads)
+            blocks = [t[plan.block_tokens] for t in qkvfb]  # [sequences, T, ...], short blocks padded
+            o_blocks, batch.kda_records[self.layer_idx] = kda_ops.verify(
+                *blocks, *self._params(batch, plan.block_slots), self.lower_bound
+            )
+            o[plan.verified_tokens] = o_blocks.flatten(0, 1)[plan.verified_positions]
+            if plan.other_slots.numel():
+                rest = [t[plan.other_tokens] for t in qkvfb]
+                o[plan.other_tokens] = self._advance(rest, plan.other_slots, *plan.other_cu, batch)
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, heads)
         o = kda_ops.gated_norm(o, gate, self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(tokens, -1))
+
+    def commit(self, batch: ForwardBatch, n_accepted: torch.Tensor) -> None:
+        """Advance each verify chunk's window and state by its first `n_accepted[j]` tokens (int32,
+        device), from what the verify forward recorded."""
+        plan = _verify_plan(batch)
+        record = batch.kda_records.pop(self.layer_idx)
+        kda_ops.commit(record, *self._params(batch, plan.block_slots), n_accepted, self.lower_bound)
+
+    def _params(self, batch: ForwardBatch, slots: torch.Tensor) -> tuple:
+        layer = batch.states.kda_index[self.layer_idx]
+        pools = (batch.states.conv[layer], batch.states.recurrent[layer])
+        return (self.conv_weight, self.dt_bias, self.A_log, *pools, slots)
+
+    def _advance(
+        self, qkvfb, slots: torch.Tensor, cu_cpu: list[int], cu: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if cu_cpu[-1] == len(cu_cpu) - 1:  # one token per sequence
+            return kda_ops.decode(*qkvfb, *self._params(batch, slots), self.lower_bound)
+        return kda_ops.prefill(*qkvfb, *self._params(batch, slots), cu, cu_cpu, self.lower_bound)
 
 
 def _cu_seqlens(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
     """Token offsets of the batch's sequences (host list, int32 device copy), made once per batch."""
     cached = batch.__dict__.get("_kda_cu_seqlens")
     if cached is None:
-        offsets = [0]
-        for n in batch.extend_lens:
-            offsets.append(offsets[-1] + n)
-        device_copy = torch.tensor(offsets, dtype=torch.int32).to(batch.state_slots.device, non_blocking=True)
-        cached = batch.__dict__["_kda_cu_seqlens"] = (offsets, device_copy)
+        cached = batch.__dict__["_kda_cu_seqlens"] = _offsets(batch.extend_lens, batch.state_slots.device)
     return cached
+
+
+def _offsets(lengths: list[int], device: torch.device) -> tuple[list[int], torch.Tensor]:
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return offsets, torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+
+
+@dataclass
+class VerifyPlan:
+    """Where a batch's verify chunks and other sequences sit among its packed tokens (built once per
+    batch, shared by every KDA layer). Verify chunks form `[sequences, T]` blocks, T the longest chunk;
+    a shorter chunk repeats its last token, whose outputs are dropped and which no commit reaches."""
+
+    block_tokens: torch.Tensor  # [V, T] packed token of each block position
+    block_slots: torch.Tensor  # [V] state slots of the verify chunks
+    verified_tokens: torch.Tensor  # packed tokens of the verify chunks ...
+    verified_positions: torch.Tensor  # ... and their positions in the flattened blocks
+    other_tokens: torch.Tensor  # packed tokens of the other sequences
+    other_slots: torch.Tensor
+    other_cu: tuple[list[int], torch.Tensor]
+
+
+def _verify_plan(batch: ForwardBatch) -> VerifyPlan:
+    cached = batch.__dict__.get("_kda_verify_plan")
+    if cached is not None:
+        return cached
+    device = batch.state_slots.device
+    offsets, _ = _cu_seqlens(batch)
+    verify = set(batch.verify_seqs)
+    width = max(batch.extend_lens[i] for i in verify)
+    blocks, verified, positions = [], [], []
+    for row, i in enumerate(batch.verify_seqs):
+        lo, n = offsets[i], batch.extend_lens[i]
+        blocks.append([lo + min(t, n - 1) for t in range(width)])
+        verified += range(lo, lo + n)
+        positions += range(row * width, row * width + n)
+    others = [i for i in range(len(batch.extend_lens)) if i not in verify]
+    other_tokens = [t for i in others for t in range(offsets[i], offsets[i] + batch.extend_lens[i])]
+
+    def dev(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    plan = batch.__dict__["_kda_verify_plan"] = VerifyPlan(
+        dev(blocks), dev([batch.seq_slots[i] for i in batch.verify_seqs]), dev(verified), dev(positions),
+        dev(other_tokens), dev([batch.seq_slots[i] for i in others]),
+        _offsets([batch.extend_lens[i] for i in others], device),
+    )  # fmt: skip
+    return plan

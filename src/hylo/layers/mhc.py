@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hylo.config import ModelConfig
-from hylo.ops.mhc import mhc_pre
+from hylo.ops.mhc import mhc_post_pre, mhc_pre
 
 
 class HyperConnection(nn.Module):
@@ -21,3 +21,12 @@ class HyperConnection(nn.Module):
     def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(post, comb, block input) for `streams [T, n, D]`."""
         return mhc_pre(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, self.iters)
+
+    def post_pre(
+        self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The previous block's post (its `out`, `post`, `comb`) applied to `streams`, then this
+        connection's pre, in one pass: (new streams, post, comb, block input)."""
+        return mhc_post_pre(
+            out, streams, post, comb, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, self.iters
+        )

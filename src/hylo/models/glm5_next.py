@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from hylo.config import LINEAR, ModelConfig
-from hylo.forward_batch import ForwardBatch, SequenceChunk
+from hylo.forward_batch import ForwardBatch
 from hylo.layers.kda import KDAAttention
 from hylo.layers.mhc import HyperConnection
 from hylo.layers.mlp import MLP
@@ -16,6 +16,9 @@ from hylo.layers.moe import MoE
 from hylo.layers.norm import RMSNorm
 from hylo.layers.sparse_mla import SparseMLA
 from hylo.ops.mhc import mhc_post
+
+# A block's output and its post/comb weights, not yet mixed into the streams: (out, post, comb).
+PendingPost = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -37,33 +40,28 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(config)
 
     def forward(
-        self, streams: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns the new streams and the rows a following `shared` DSA layer reuses (None after KDA)."""
-        post, comb, x = self.attn_hc.pre(streams)
+        self,
+        streams: torch.Tensor,
+        batch: ForwardBatch,
+        rows: torch.Tensor | None,
+        pending: PendingPost | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PendingPost]:
+        """Returns the streams, the rows a following `shared` DSA layer reuses (None after KDA) and
+        the MLP's post, left pending so that it runs fused with the next hyper-connection's pre.
+        `pending` is the previous layer's, still to be applied to `streams`."""
+        if pending is None:
+            post, comb, x = self.attn_hc.pre(streams)
+        else:
+            out, post, comb = pending
+            streams, post, comb, x = self.attn_hc.post_pre(out, streams, post, comb)
         x = self.input_layernorm(x)
-        if self.is_linear and batch.verify_seqs:
-            out, rows = self._verify_linear(x, batch), None
-        elif self.is_linear:
+        if self.is_linear:
             out, rows = self.self_attn(x, batch), None
         else:
             out, rows = self.self_attn(x, batch, rows)
-        streams = mhc_post(out, streams, post, comb)
-
-        post, comb, x = self.ffn_hc.pre(streams)
+        streams, post, comb, x = self.ffn_hc.post_pre(out, streams, post, comb)
         out = self.mlp(self.post_attention_layernorm(x))
-        return mhc_post(out, streams, post, comb), rows
-
-    def _verify_linear(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """KDA over a batch with verify chunks: their slots' conv windows and states are put back as
-        they were, and the layer input is kept so `commit` can replay the accepted prefix."""
-        states, layer = batch.states, batch.states.kda_index[self.self_attn.layer_idx]
-        slots = batch.state_slots[batch.verify_seqs]
-        saved = states.conv[layer, slots].clone(), states.recurrent[layer, slots].clone()
-        out = self.self_attn(x, batch)
-        states.conv[layer, slots], states.recurrent[layer, slots] = saved
-        batch.kda_records[self.self_attn.layer_idx] = x
-        return out
+        return streams, rows, (out, post, comb)
 
 
 class Glm5NextForCausalLM(nn.Module):
@@ -87,10 +85,13 @@ class Glm5NextForCausalLM(nn.Module):
         streams after each of those layers, concatenated (`[T, len(capture_layers)·hidden]`)."""
         x = self.embed_tokens(batch.input_ids)
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
-        rows = None
+        rows, pending = None, None
         captured = []
         for i, layer in enumerate(self.layers):
-            streams, rows = layer(streams, batch, rows)
+            streams, rows, pending = layer(streams, batch, rows, pending)
+            if i in capture_layers or i == len(self.layers) - 1:  # these need the streams complete
+                out, post, comb = pending
+                streams, pending = mhc_post(out, streams, post, comb), None
             if i in capture_layers:
                 captured.append(streams.mean(dim=1))
         if capture_layers:
@@ -101,23 +102,14 @@ class Glm5NextForCausalLM(nn.Module):
     @torch.inference_mode()
     def commit(self, batch: ForwardBatch, lengths: Sequence[int]) -> None:
         """After a forward with verify chunks: advance each verify chunk's KDA state and conv window
-        by its first `lengths[j]` tokens (the anchor and the accepted drafts), replaying every KDA
-        layer on the inputs the forward kept. Attention caches need nothing: what lies past a
+        by its first `lengths[j]` tokens (the anchor and the accepted drafts) from what the verify
+        kept, one commit launch per KDA layer. Attention caches need nothing: what lies past a
         sequence's committed length is never read and is overwritten later."""
         if not batch.verify_seqs:
             return
-        starts = [sum(batch.extend_lens[:b]) for b in batch.verify_seqs]
-        chunks = [
-            SequenceChunk([0] * n, batch.prefix_lens[b], batch.seq_rows[b], batch.seq_slots[b], sample=False)
-            for b, n in zip(batch.verify_seqs, lengths, strict=True)
-        ]
-        replay = ForwardBatch.build(
-            chunks, batch.req_to_token, batch.tokens, batch.states, self.config.index_kpool
-        )
-        picked = torch.tensor(
-            [s + t for s, n in zip(starts, lengths, strict=True) for t in range(n)],
-            device=batch.input_ids.device,
+        n_accepted = torch.tensor(list(lengths), dtype=torch.int32).to(
+            batch.input_ids.device, non_blocking=True
         )
         for layer in self.layers:
             if layer.is_linear:
-                layer.self_attn(batch.kda_records[layer.self_attn.layer_idx][picked], replay)
+                layer.self_attn.commit(batch, n_accepted)

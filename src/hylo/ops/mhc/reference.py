@@ -43,3 +43,20 @@ def mhc_post(
     """New streams `post ⊗ out + combᵀ @ streams` (`[T, n, D]`, in the streams' dtype)."""
     dtype = streams.dtype
     return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
+
+
+def mhc_post_pre(
+    out: torch.Tensor,
+    streams: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mhc_post` of one block then `mhc_pre` of the next: (new streams, post, comb, block input)."""
+    streams = mhc_post(out, streams, post, comb)
+    return (streams, *mhc_pre(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters))

@@ -1,0 +1,436 @@
+"""mHC kernels on the GPU: real-shape parity, then timings of hylo's Triton kernels against eager
+torch, `torch.compile` of the torch reference and the memory floor, all measured in the same run.
+(The MoE part of this benchmark is still to come.)
+
+    python benchmarks/kernels/mhc_moe.py [--sweep] [--no-compile] [--out DIR]
+    python benchmarks/kernels/mhc_moe.py --dry-run   # CPU, Triton interpreter, tiny sizes, fake timers
+
+Shapes follow GLM-5.3-Flash: hidden 4096, 4 streams, 24 projection rows, 20 Sinkhorn iterations,
+bf16 streams and `fn` (as the engine loads them), fp32 base and scale. Decode sizes (M = 1, 16, 64)
+are timed as CUDA-graph replays, M = 13312 with plain launches. The floor is the bytes each op must
+move (streams, out, block input; `fn` and the weights are left out) at the copy bandwidth measured
+first. Prints a table last and writes `mhc_moe.json` to --out (default $OUT or ./out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from interpreter import use_interpreter
+
+    use_interpreter()
+
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+
+from hylo.ops.mhc import kernels, reference  # noqa: E402
+from hylo.ops.mhc.kernels import Plan  # noqa: E402
+
+HIDDEN, N, ITERS, RMS_EPS, HC_EPS = (64 if DRY else 4096), 4, 20, 1e-6, 1e-6
+DECODE = (1, 16, 64) if not DRY else (1, 16)
+PREFILL = 13312 if not DRY else 40
+DEV = "cpu" if DRY else "cuda"
+DTYPE = torch.float32 if DRY else torch.bfloat16  # the interpreter's bf16 dot and casts are not exact
+RESULTS: dict[str, object] = {}
+
+
+def rec(key: str, value: object) -> None:
+    RESULTS[key] = value
+    print(f"{key}: {value}", flush=True)
+
+
+def section(name, fn, *args):
+    start = time.time()
+    try:
+        fn(*args)
+    except Exception:  # keep measuring the other sections; the log says what broke
+        rec(f"{name}_error", traceback.format_exc()[-2000:])
+    rec(f"{name}_wall_s", round(time.time() - start, 1))
+
+
+def bench_graph(fn) -> float:
+    """Median microseconds of a CUDA-graph replay (small launches)."""
+    if DRY:
+        fn()
+        return 1.0
+    return do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+
+def bench(fn, rep=100) -> float:
+    if DRY:
+        fn()
+        return 1.0
+    return do_bench(fn, warmup=5, rep=rep, return_mode="median") * 1e3
+
+
+def timed(tokens: int):
+    return bench_graph if tokens <= 64 else bench
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def case(tokens: int, seed: int, fn_dtype=None):
+    """Streams with a realistic spread, the block output, one hyper-connection's parameters and the
+    previous block's post/comb (from the reference, so comb is doubly stochastic)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    streams = torch.randn(tokens, N, HIDDEN, generator=g, device=DEV).to(DTYPE)
+    out = torch.randn(tokens, HIDDEN, generator=g, device=DEV).to(DTYPE)
+    fn = (torch.randn(24, N * HIDDEN, generator=g, device=DEV) * (N * HIDDEN) ** -0.5).to(fn_dtype or DTYPE)
+    base = torch.randn(24, generator=g, device=DEV) * 0.5
+    scale = torch.rand(3, generator=g, device=DEV) + 0.5
+    params = (fn, base, scale, RMS_EPS, HC_EPS, ITERS)
+    post, comb, _ = reference.mhc_pre(torch.randn_like(streams), *params)
+    return streams, out, params, post, comb
+
+
+def stream_bytes(tokens: int, *, streams_read: int, out_read: int, streams_written: int, inputs_written: int):
+    elt = torch.finfo(DTYPE).bits // 8
+    return tokens * HIDDEN * elt * (N * streams_read + out_read + N * streams_written + inputs_written)
+
+
+# ---------------------------------------------------------------- ceilings
+
+
+def ceilings() -> None:
+    x = torch.randn(1 << (16 if DRY else 29), device=DEV, dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    rec("copy_TBps", round(2 * x.numel() * 2 / (t * 1e-6) / 1e12, 2))
+
+
+# ---------------------------------------------------------------- parity
+
+
+def diff(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+    g, r = got.double(), ref.double()
+    rec(
+        name,
+        {
+            "max_abs": float((g - r).abs().max()),
+            "rel_l2": float((g - r).norm() / r.norm()),
+            "share_not_equal": round(float((got != ref).double().mean()), 6),
+        },
+    )
+
+
+def parity() -> None:
+    for tokens in (*DECODE, PREFILL):
+        parity_at(tokens)
+    streams, _, params, _, _ = case(64, seed=5, fn_dtype=torch.float32)  # fp32 fn: the split projection
+    _, ref_comb, ref_x = reference.mhc_pre(streams, *params)
+    _, got_comb, got_x = kernels.mhc_pre(streams, *params)
+    diff("parity_pre_fp32fn_M64_comb", got_comb, ref_comb)
+    diff("parity_pre_fp32fn_M64_input", got_x, ref_x)
+
+
+def parity_at(tokens: int) -> None:
+    streams, out, params, post, comb = case(tokens, seed=tokens)
+    for part, a, b in zip(
+        ("post", "comb", "input"),
+        kernels.mhc_pre(streams, *params),
+        reference.mhc_pre(streams, *params),
+        strict=True,
+    ):
+        diff(f"parity_pre_M{tokens}_{part}", a, b)
+    # post against the exact mix (fp64, weights cast to the streams' dtype as the reference casts them)
+    exact = post.to(DTYPE).double()[..., None] * out.double()[:, None, :]
+    exact += comb.to(DTYPE).double().transpose(-1, -2) @ streams.double()
+    new = kernels.mhc_post(out, streams, post, comb)
+    for name, got in (("hylo", new), ("torch", reference.mhc_post(out, streams, post, comb))):
+        rec(
+            f"parity_post_M{tokens}_{name}_vs_exact",
+            {
+                "max_abs": float((got.double() - exact).abs().max()),
+                "share_correctly_rounded": round(float((got == exact.to(DTYPE)).double().mean()), 6),
+            },
+        )
+    del exact
+    ref = reference.mhc_post_pre(out, streams, post, comb, *params)
+    got = kernels.mhc_post_pre(out, streams, post, comb, *params)
+    for part, a, b in zip(("streams", "post", "comb", "input"), got, ref, strict=True):
+        diff(f"parity_post_pre_M{tokens}_{part}_vs_torch", a, b)
+    # fused against hylo's separate post then pre: the same new streams, the same pre of them
+    for part, a, b in zip(
+        ("streams", "post", "comb", "input"), got, (new, *kernels.mhc_pre(new, *params)), strict=True
+    ):
+        diff(f"parity_post_pre_M{tokens}_{part}_vs_separate", a, b)
+    # the same launch again gives the same bits: counters were reset, no race in the work list
+    again = kernels.mhc_post_pre(out, streams, post, comb, *params)
+    rec(f"repeat_post_pre_M{tokens}_bitwise_equal", all(map(torch.equal, got, again)))
+
+
+def stress() -> None:
+    """Many back-to-back launches of mixed sizes: every result equals the first of its size."""
+    cases = {m: case(m, seed=100 + m) for m in (1, 64, 200 if DRY else 3000)}
+    first = {m: kernels.mhc_post_pre(out, s, p, c, *prm) for m, (s, out, prm, p, c) in cases.items()}
+    same = True
+    for _ in range(3 if DRY else 50):
+        for m, (s, out, prm, p, c) in cases.items():
+            same &= all(map(torch.equal, kernels.mhc_post_pre(out, s, p, c, *prm), first[m]))
+    rec("stress_mixed_sizes_bitwise_equal", bool(same))
+
+
+# ---------------------------------------------------------------- plan sweep
+
+SWEEP_PREFILL = [
+    Plan(64, 256, 512, 64, 8),
+    Plan(64, 256, 512, 32, 8),
+    Plan(128, 256, 512, 32, 8),
+    Plan(64, 512, 512, 64, 8),
+    Plan(64, 256, 512, 64, 8, num_stages=2),
+    Plan(64, 256, 1024, 64, 8),
+    Plan(64, 256, 512, 32, 8, collapse_k=256),
+    Plan(64, 128, 512, 32, 8),
+]
+SWEEP_DECODE = [
+    Plan(16, 128, 128, 64, 4),
+    Plan(16, 128, 128, 32, 4),
+    Plan(16, 256, 128, 64, 4),
+    Plan(16, 64, 128, 64, 4),
+    Plan(16, 128, 256, 64, 4),
+    Plan(16, 128, 128, 64, 8),
+]
+SWEEP_POST = [(16, 128, 4), (32, 64, 4)]
+BEST: dict[str, Plan] = {}  # regime -> plan the timings use (the sweep's fastest when it runs)
+
+
+def launch_ok(fn) -> bool:
+    """A second launch (the first may still load the kernel), timed on the host: a work list that
+    cannot make progress spins until its budget (about a second) runs out; such a plan is reported
+    and skipped."""
+    fn()
+    if DRY:
+        return True
+    torch.cuda.synchronize()
+    start = time.time()
+    fn()
+    torch.cuda.synchronize()
+    return time.time() - start < 0.5
+
+
+def sweep() -> None:
+    totals: dict[Plan, float] = {p: sweep_at(PREFILL, p) for p in SWEEP_PREFILL}
+    BEST["prefill"] = min(totals, key=totals.get)
+    decode = {p: sum(sweep_at(m, p) for m in (1, 64)) for p in SWEEP_DECODE}
+    BEST["decode"] = min(decode, key=decode.get)
+    rec("sweep_best", {k: str(v) for k, v in BEST.items()})
+    for tokens in (1, PREFILL):
+        sweep_post(tokens)
+
+
+def sweep_post(tokens: int) -> None:
+    streams, out, _, post, comb = case(tokens, seed=7)
+    for block_m, block_k, warps in SWEEP_POST:
+        t = timed(tokens)(
+            lambda b=block_m, k=block_k, w=warps: kernels.mhc_post(
+                out, streams, post, comb, block_m=b, block_k=k, num_warps=w
+            )
+        )
+        rec(f"sweep_M{tokens}_post_bm{block_m}_bk{block_k}_w{warps}_us", round(t, 2))
+
+
+def sweep_at(tokens: int, plan: Plan) -> float:
+    """Fused post+pre plus pre microseconds of one plan (inf when it fails)."""
+    streams, out, params, post, comb = case(tokens, seed=7)
+
+    def fused():
+        return kernels.mhc_post_pre(out, streams, post, comb, *params, plan=plan)
+
+    try:
+        if not launch_ok(fused):
+            rec(f"sweep_M{tokens}_{plan}", "stalled")
+            return float("inf")
+        ref = reference.mhc_post_pre(out, streams, post, comb, *params)
+        err = max(float((a.double() - b.double()).abs().max()) for a, b in zip(fused(), ref, strict=True))
+        t_fused = timed(tokens)(fused)
+        t_pre = timed(tokens)(lambda: kernels.mhc_pre(streams, *params, plan=plan))
+    except Exception as e:
+        rec(f"sweep_M{tokens}_{plan}_error", repr(e)[:400])
+        return float("inf")
+    rec(
+        f"sweep_M{tokens}_{plan}",
+        {"post_pre_us": round(t_fused, 2), "pre_us": round(t_pre, 2), "max_abs_err": err},
+    )
+    return t_fused + t_pre
+
+
+# ---------------------------------------------------------------- timings
+
+OPS = ("pre", "post", "pre+post", "post_pre")
+TIMES: dict[tuple[int, str, str], float] = {}  # (tokens, op, implementation) -> microseconds
+
+
+def floor_us(tokens: int, op: str) -> float:
+    moved = {
+        "pre": stream_bytes(tokens, streams_read=1, out_read=0, streams_written=0, inputs_written=1),
+        "post": stream_bytes(tokens, streams_read=1, out_read=1, streams_written=1, inputs_written=0),
+        "post_pre": stream_bytes(tokens, streams_read=1, out_read=1, streams_written=1, inputs_written=1),
+    }
+    moved["pre+post"] = moved["pre"] + moved["post"]
+    return moved[op] / (RESULTS["copy_TBps"] * 1e12) * 1e6
+
+
+def hylo_impls(tokens: int):
+    plan = BEST.get("decode" if tokens <= 64 else "prefill")
+    rec(f"plan_M{tokens}", str(plan or kernels.default_plan(tokens)))
+
+    def pre(streams, *params):
+        return kernels.mhc_pre(streams, *params, plan=plan)
+
+    def post_pre(*args):
+        return kernels.mhc_post_pre(*args, plan=plan)
+
+    return pre, kernels.mhc_post, post_pre
+
+
+def timings(name: str) -> None:
+    for tokens in (*DECODE, PREFILL):
+        if name == "hylo":
+            impls = hylo_impls(tokens)
+        elif name == "eager":
+            impls = (reference.mhc_pre, reference.mhc_post, None)
+        else:  # one compile per shape, as a serving engine with fixed buckets would have
+            impls = (
+                torch.compile(reference.mhc_pre, dynamic=False),
+                torch.compile(reference.mhc_post, dynamic=False),
+                None,
+            )
+        timings_at(tokens, name, *impls)
+
+
+def timings_at(tokens: int, name: str, impl_pre, impl_post, impl_post_pre) -> None:
+    streams, out, params, post, comb = case(tokens, seed=tokens)
+    bench_fn = timed(tokens)
+
+    def pre_post():
+        p, c, _ = impl_pre(streams, *params)
+        return impl_post(out, streams, p, c)
+
+    runs = {
+        "pre": lambda: impl_pre(streams, *params),
+        "post": lambda: impl_post(out, streams, post, comb),
+        "pre+post": pre_post,
+    }
+    if impl_post_pre is not None:
+        runs["post_pre"] = lambda: impl_post_pre(out, streams, post, comb, *params)
+    for op, fn in runs.items():
+        fn()  # compile / load outside the timed region
+        TIMES[tokens, op, name] = bench_fn(fn)
+        rec(f"time_M{tokens}_{op}_{name}_us", round(TIMES[tokens, op, name], 2))
+
+
+def table() -> list[str]:
+    header = ("M", "op", "hylo_us", "eager_us", "compile_us", "floor_us", "floor/hylo")
+    rows = [header]
+    for tokens in (*DECODE, PREFILL):
+        for op in OPS:
+            if (tokens, op, "hylo") not in TIMES:
+                continue
+            hylo = TIMES[tokens, op, "hylo"]
+            baseline_op = "pre+post" if op == "post_pre" else op  # torch has no fused form
+            others = [TIMES.get((tokens, baseline_op, n)) for n in ("eager", "compile")]
+            rows.append(
+                (
+                    str(tokens),
+                    op,
+                    f"{hylo:.2f}",
+                    *(f"{t:.1f}" if t is not None else "-" for t in others),
+                    f"{floor_us(tokens, op):.2f}",
+                    f"{floor_us(tokens, op) / hylo:.2f}",
+                )
+            )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+
+
+# ---------------------------------------------------------------- compile ahead
+
+
+def compile_jobs(with_sweep: bool) -> list[tuple]:
+    """(op, plan, fp32 fn) for every kernel variant this run launches; post's plan is (bm, bk, warps)."""
+    plans = [kernels.default_plan(1), kernels.default_plan(PREFILL)]
+    if with_sweep:
+        plans += [p for p in SWEEP_PREFILL + SWEEP_DECODE if p not in plans]
+    jobs = [(op, plan, False) for plan in plans for op in ("pre", "post_pre")]
+    jobs += [("pre", kernels.default_plan(64), True), ("post", None, False)]
+    if with_sweep:
+        jobs += [("post", cfg, False) for cfg in SWEEP_POST]
+    return jobs
+
+
+def compile_one(job: tuple) -> None:
+    op, plan, fp32_fn = job
+    streams, out, params, post, comb = case(16, seed=0, fn_dtype=torch.float32 if fp32_fn else None)
+    if op == "pre":
+        kernels.mhc_pre(streams, *params, plan=plan)
+    elif op == "post_pre":
+        kernels.mhc_post_pre(out, streams, post, comb, *params, plan=plan)
+    elif plan is None:
+        kernels.mhc_post(out, streams, post, comb)
+    else:
+        block_m, block_k, warps = plan
+        kernels.mhc_post(out, streams, post, comb, block_m=block_m, block_k=block_k, num_warps=warps)
+    torch.cuda.synchronize()
+
+
+def compile_ahead(jobs: list[tuple]) -> None:
+    """Compile every variant in parallel processes (spawned before this one touches CUDA); they fill
+    Triton's disk cache, so the launches below load instead of compiling one after another."""
+    start = time.time()
+    with multiprocessing.get_context("spawn").Pool(min(len(jobs), os.cpu_count() or 1, 16)) as pool:
+        pool.map(compile_one, jobs)
+    rec("compile_ahead_s", round(time.time() - start, 1))
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument(
+        "--sweep", action="store_true", help="time alternative plans; the fastest are used below"
+    )
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not DRY:
+        section("compile_ahead", compile_ahead, compile_jobs(args.sweep))
+        rec("gpu", torch.cuda.get_device_name())
+    rec("torch", torch.__version__)
+    section("ceilings", ceilings)
+    section("parity", parity)
+    section("stress", stress)
+    if args.sweep:
+        section("sweep", sweep)
+    section("timings_hylo", timings, "hylo")
+    section("timings_eager", timings, "eager")
+    lines = table()  # written before the compile baseline, which may take minutes
+    (out / "mhc_moe_table.txt").write_text("\n".join(lines) + "\n")
+    if not (args.no_compile or DRY):
+        section("timings_compile", timings, "compile")
+        lines = table()
+    print("\n".join(lines))
+    (out / "mhc_moe_table.txt").write_text("\n".join(lines) + "\n")
+    (out / "mhc_moe.json").write_text(json.dumps(RESULTS | {"table": lines}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""mHC Triton kernels against the torch reference, under the Triton interpreter on the CPU.
+
+Small shapes (hidden 64-192, several row blocks, hidden sizes that the chunks do not divide);
+fp32 streams, where both sides are exact up to rounding order, and fp16 streams with an fp32 `fn`
+(the split-`fn` projection). bf16 is checked at real shapes on the GPU by
+`benchmarks/kernels/mhc_moe.py`: the interpreter's bf16 `tl.dot` is not trustworthy and its fp32 → bf16
+casts truncate where the GPU rounds to nearest.
+The interpreter runs one program, so it checks the work list and the counters, not the concurrency.
+"""
+
+from __future__ import annotations
+
+from interpreter import use_interpreter
+
+use_interpreter()  # before the kernels are decorated
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from conftest import Caches, random_prompt  # noqa: E402
+
+import hylo.ops.mhc as mhc_ops  # noqa: E402
+from hylo.config import ModelConfig  # noqa: E402
+from hylo.forward_batch import ForwardBatch  # noqa: E402
+from hylo.models import demo  # noqa: E402
+from hylo.models.glm5_next import Glm5NextForCausalLM  # noqa: E402
+from hylo.ops.mhc import kernels, reference  # noqa: E402
+
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+RMS_EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
+SMALL = kernels.Plan(block_m=16, project_chunk=32, collapse_chunk=64, block_k=16, num_warps=4, collapse_k=32)
+
+
+@pytest.fixture(autouse=True)
+def strict_launch_arguments(monkeypatch):
+    """The interpreter ignores keyword arguments a kernel does not declare; the GPU launcher raises."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def checked(self, *args, grid, warmup, **kwargs):
+        unknown = set(kwargs) - set(self.arg_names) - LAUNCH_OPTIONS
+        assert not unknown, f"{self.fn.__name__} got undeclared arguments {sorted(unknown)}"
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", checked)
+
+
+def hc_case(tokens: int, hidden: int, seed: int, dtype=torch.float32, iters: int = ITERS):
+    """Streams, an out, hyper-connection parameters and the previous block's (post, comb)."""
+    g = torch.Generator().manual_seed(seed)
+    streams = torch.randn(tokens, 4, hidden, generator=g).to(dtype)
+    out = torch.randn(tokens, hidden, generator=g).to(dtype)
+    fn = torch.randn(24, 4 * hidden, generator=g) * (4 * hidden) ** -0.5
+    base = torch.randn(24, generator=g)
+    scale = torch.rand(3, generator=g) + 0.5
+    post = 2 * torch.rand(tokens, 4, generator=g)
+    comb = torch.rand(tokens, 4, 4, generator=g)
+    return streams, out, (fn, base, scale, RMS_EPS, HC_EPS, iters), post, comb
+
+
+def assert_pre_close(got, ref, tol):
+    for name, a, b in zip(("post", "comb", "block input"), got, ref, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
+FP16 = {"rtol": 2e-3, "atol": 2e-3}  # one fp16 rounding of the block input
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "plan"),
+    [
+        (1, 64, SMALL),  # decode: one token, projection split in two chunks
+        (37, 96, SMALL),  # three row blocks, the last partial; chunks that do not divide hidden
+        (20, 128, kernels.Plan(16, 64, 32, 32, 4, lag=2)),  # collapse two steps behind
+        (5, 64, None),  # the default decode plan: one chunk covers the hidden size
+    ],
+)
+def test_pre_matches_reference(tokens, hidden, plan):
+    streams, _, params, _, _ = hc_case(tokens, hidden, seed=tokens)
+    got = kernels.mhc_pre(streams, *params, plan=plan)
+    assert_pre_close(got, reference.mhc_pre(streams, *params), FP32)
+
+
+def test_pre_fp16_streams_with_fp32_fn():
+    """fn keeps its fp32 precision: projected as two fp16 halves, the logits match to fp32 level."""
+    streams, _, params, _, _ = hc_case(9, 64, seed=3, dtype=torch.float16)
+    post, comb, x = kernels.mhc_pre(streams, *params, plan=SMALL)
+    ref_post, ref_comb, ref_x = reference.mhc_pre(streams, *params)
+    torch.testing.assert_close(post, ref_post, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(comb, ref_comb, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.float(), ref_x.float(), **FP16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_post_is_the_exact_mix_rounded_once(dtype):
+    """New streams: the exact mix (fp64, with post and comb cast to the streams' dtype as the
+    reference casts them) rounded once; torch rounds three times (product, matmul, sum)."""
+    streams, out, _, post, comb = hc_case(19, 96, seed=5, dtype=dtype)
+    got = kernels.mhc_post(out, streams, post, comb, block_m=16, block_k=64)
+    ref = reference.mhc_post(out, streams, post, comb)
+    mixed = comb.to(dtype).double().transpose(-1, -2) @ streams.double()
+    exact = post.to(dtype).double()[..., None] * out.double()[:, None, :] + mixed
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, **FP32)
+    else:
+        assert (got == exact.to(dtype)).double().mean() > 0.999
+        assert (got.double() - exact).abs().max() <= (ref.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_post_pre_matches_post_then_pre(tokens):
+    streams, out, params, post, comb = hc_case(tokens, 96, seed=7)
+    new, *got = kernels.mhc_post_pre(out, streams, post, comb, *params, plan=SMALL)
+    ref_new, *ref = reference.mhc_post_pre(out, streams, post, comb, *params)
+    torch.testing.assert_close(new, ref_new, **FP32)
+    assert_pre_close(got, ref, FP32)
+
+
+def test_counters_are_left_at_zero_for_the_next_launch():
+    streams, out, params, post, comb = hc_case(17, 64, seed=11, iters=2)
+    first = kernels.mhc_post_pre(out, streams, post, comb, *params, plan=SMALL)
+    counters = kernels._counters(streams.device, 2)
+    assert not counters.any()
+    second = kernels.mhc_post_pre(out, streams, post, comb, *params, plan=SMALL)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_inputs_name_the_tensor():
+    streams, out, params, post, comb = hc_case(3, 64, seed=13)
+    with pytest.raises(ValueError, match="streams"):
+        kernels.mhc_pre(streams[:, :3], *params)
+    with pytest.raises(ValueError, match="fn"):
+        kernels.mhc_pre(streams, params[0][:, :-1], *params[1:])
+    with pytest.raises(ValueError, match="comb"):
+        kernels.mhc_post(out, streams, post, comb[:2])
+    with pytest.raises(ValueError, match="out"):
+        kernels.mhc_post_pre(out.half(), streams, post, comb, *params)
+    with pytest.raises(ValueError, match="block_k"):
+        kernels.mhc_pre(streams, *params, plan=kernels.Plan(16, 32, 32, 24, 4))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """Two layers (KDA, DSA) at hidden 64 with random weights in trained-model ranges."""
+    text = demo._TEXT_CONFIG | dict(
+        vocab_size=96,
+        pad_token_id=0,
+        hidden_size=64,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        indexer_types=["full"] * 2,
+        hc_sinkhorn_iters=3,  # the interpreter is slow; 20 iterations are checked op by op above
+    )
+    model = Glm5NextForCausalLM(ModelConfig.from_dict({"model_type": "glm5_next", "text_config": text}))
+    demo._randomize(model, torch.Generator().manual_seed(0))
+    return model
+
+
+def test_model_with_kernels_matches_reference_path(tiny_model, monkeypatch):
+    """The model with the kernels (post fused with the next pre inside each layer and across the
+    layer boundary) against the reference path, where each post runs before the next pre."""
+    ids = random_prompt(19, tiny_model.config.vocab_size, seed=19)
+
+    def run():
+        caches = Caches(tiny_model)
+        m = caches.manager
+        batch = ForwardBatch.build(
+            [caches.chunk(0, ids, 0)], m.table.table, m.tokens, m.states, m.kpool, all_logits=True
+        )
+        return tiny_model(batch)
+
+    ref = run()
+    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda streams: True)
+    monkeypatch.setattr(mhc_ops, "SEPARATE_POST_PRE_TOKENS", 0)  # the fused launch at every size
+    torch.testing.assert_close(run(), ref, rtol=1e-4, atol=1e-4)
