@@ -195,11 +195,18 @@ class EngineConfig:
         "auto", "pooled indexer keys: auto (the model dtype) or fp8 (e4m3, per-row scales)"
     )
     speculative_algorithm: str | None = _flag(
-        None, "speculative decoding: DFLASH (DFlash and DFlash2 drafts)"
+        None,
+        "speculative decoding: DFLASH (DFlash and DFlash2 drafts) or MTP (the model checkpoint's own "
+        "next-n layer, layers.{num_hidden_layers}.*; no draft path)",
     )
-    speculative_draft_model_path: str | None = _flag(None, "draft model directory (DFLASH)")
+    speculative_draft_model_path: str | None = _flag(None, "draft model directory (DFLASH only)")
     speculative_num_draft_tokens: int | None = _flag(
-        None, "DFLASH block size: the anchor + drafts verified per step (default: the draft's block_size)"
+        None,
+        "DFLASH block size: the anchor + drafts verified per step (default: the draft's block_size); "
+        "with MTP it may only be given as speculative_num_steps + 1",
+    )
+    speculative_num_steps: int | None = _flag(
+        None, "MTP: chained MTP forwards per verify step, one draft token each (default 1)"
     )
 
     def __post_init__(self) -> None:
@@ -209,6 +216,7 @@ class EngineConfig:
             "max_running_requests",
             "context_length",
             "speculative_num_draft_tokens",
+            "speculative_num_steps",
         )
         for name in positive:
             value = getattr(self, name)
@@ -218,16 +226,35 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.max_memory_gb <= 0:
             raise ValueError(f"max_memory_gb must be > 0, got {self.max_memory_gb}")
-        if self.speculative_algorithm not in (None, "DFLASH"):
-            raise ValueError(f"speculative_algorithm must be DFLASH, got {self.speculative_algorithm!r}")
-        if self.speculative_algorithm and not self.speculative_draft_model_path:
-            raise ValueError("speculative_draft_model_path is required with speculative_algorithm")
+        self._check_speculative()
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ValueError("speculative_num_draft_tokens must be >= 2 (the anchor and at least one draft)")
         if self.indexer_dtype not in ("auto", "fp8"):
             raise ValueError(f"indexer_dtype must be auto or fp8, got {self.indexer_dtype!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+
+    def _check_speculative(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm not in (None, "DFLASH", "MTP"):
+            raise ValueError(f"speculative_algorithm must be DFLASH or MTP, got {algorithm!r}")
+        if algorithm == "DFLASH" and not self.speculative_draft_model_path:
+            raise ValueError("speculative_draft_model_path is required with speculative_algorithm DFLASH")
+        if algorithm == "MTP" and self.speculative_draft_model_path:
+            raise ValueError(
+                "speculative_draft_model_path must not be set with speculative_algorithm MTP: the MTP "
+                "layer is read from the model checkpoint"
+            )
+        if self.speculative_num_steps is not None and algorithm != "MTP":
+            raise ValueError(
+                f"speculative_num_steps applies to speculative_algorithm MTP only, got {algorithm!r}"
+            )
+        steps = self.speculative_num_steps or 1
+        if algorithm == "MTP" and self.speculative_num_draft_tokens not in (None, steps + 1):
+            raise ValueError(
+                f"speculative_num_draft_tokens ({self.speculative_num_draft_tokens}) must be "
+                f"speculative_num_steps + 1 ({steps + 1}) with speculative_algorithm MTP"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -50,9 +50,9 @@ class Engine:
         tok_path = Path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = Tokenizer.from_dir(tok_path) if (tok_path / "tokenizer.json").is_file() else None
         self.context_len = config.context_length or model_config.max_position_embeddings
-        self.proposer = proposer or self._build_proposer()
-        draft_bytes = self.proposer.bytes_per_token() if self.proposer else 0.0
         indexer_dtype = torch.float8_e4m3fn if config.indexer_dtype == "fp8" else None
+        self.proposer = proposer or self._build_proposer(path, indexer_dtype)
+        draft_bytes = self.proposer.bytes_per_token() if self.proposer else 0.0
         self.plan = MemoryPlan.from_budget(
             model_config, self._budget_bytes(), config.page_size, config.max_running_requests,
             self.context_len, self.dtype, draft_bytes, indexer_dtype,
@@ -73,9 +73,15 @@ class Engine:
             self.plan.bytes_per_slot,
         )
 
-    def _build_proposer(self) -> Proposer | None:
+    def _build_proposer(self, model_path: Path, indexer_dtype: torch.dtype | None) -> Proposer | None:
         if self.config.speculative_algorithm is None:
             return None
+        if self.config.speculative_algorithm == "MTP":
+            from hylo.spec.mtp import MTPProposer
+
+            return MTPProposer.load(
+                model_path, self.model, self.config.speculative_num_steps or 1, indexer_dtype
+            )
         from hylo.spec.dflash import DFlashProposer
 
         return DFlashProposer.load(

@@ -3,7 +3,8 @@
 One table maps every checkpoint tensor to a view of a hylo parameter; loading and saving both walk
 it, so the two cannot disagree. Accepted layouts: `Glm5NextForConditionalGeneration`
 (`model.language_model.*` + `lm_head.weight`) and flat text-only (`model.*` + `lm_head.weight`).
-Vision tensors and the MTP layer (`layers.{num_hidden_layers}.*`, `shared_head`) are skipped.
+Vision tensors are skipped; the MTP layer (`layers.{num_hidden_layers}.*`) is skipped by the target
+and read on its own by `load_mtp_layer`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import safe_open
@@ -22,8 +24,10 @@ from tqdm import tqdm
 
 from hylo.config import ModelConfig
 from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.models.mtp import MTPLayer, mtp_config
 
 FP8_BLOCK = 128
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 _TEXT_PREFIXES = ("model.language_model.", "model.")
 _SKIPPED = re.compile(r"^(model\.visual\.|visual\.|mtp\.)|\.shared_head\.")
 
@@ -53,7 +57,7 @@ def _expert_rows(p: torch.Tensor, expert: int, lo: int, hi: int | None) -> torch
     return p[expert, lo:hi]
 
 
-def checkpoint_layout(model: Glm5NextForCausalLM) -> dict[str, Slot]:
+def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
     """Checkpoint name (without the `model.language_model.` prefix) -> destination, for every tensor."""
     c = model.config
     inter = c.moe_intermediate_size
@@ -144,10 +148,25 @@ def load_weights(model: Glm5NextForCausalLM, path: str | Path, progress: bool | 
     Raises `CheckpointError` for a missing, unexpected or mis-shaped tensor (naming it, its file and
     the expected shape). FP8 weights with a `weight_scale_inv` are dequantised to the parameter dtype.
     """
-    path = Path(path)
+    num_layers = model.config.num_hidden_layers
+
+    def local_name(raw: str) -> str | None:
+        return None if _is_skipped(raw, num_layers) else _strip_prefix(raw)
+
+    _load_tensors(model, Path(path), checkpoint_layout(model), local_name, progress)
+
+
+def _load_tensors(
+    module: torch.nn.Module,
+    path: Path,
+    layout: dict[str, Slot],
+    local_name: Callable[[str], str | None],
+    progress: bool | None,
+) -> None:
+    """Copy into `module` every checkpoint tensor whose `local_name` is not None (its key in `layout`);
+    every key of `layout` must be found."""
     files = _checkpoint_files(path)
-    layout = checkpoint_layout(model)
-    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    params = dict(module.named_parameters()) | dict(module.named_buffers())
     seen: set[str] = set()
     bar = tqdm(
         desc=f"Loading {path.name}",
@@ -163,8 +182,8 @@ def load_weights(model: Glm5NextForCausalLM, path: str | Path, progress: bool | 
         with handle as f:
             keys = set(f.keys())
             for raw in sorted(keys):
-                key = _strip_prefix(raw)
-                if _is_skipped(raw, model.config.num_hidden_layers) or key.endswith(".weight_scale_inv"):
+                key = local_name(raw)
+                if key is None or key.endswith(".weight_scale_inv"):
                     continue
                 slot = layout.get(key)
                 if slot is None:
@@ -244,15 +263,67 @@ def load_model(
     config = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = Glm5NextForCausalLM(config)
-    model = model.to_empty(device=device)
-    keep_fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32 and _stays_fp32(n)}
-    for name, p in model.named_parameters():
-        if name not in keep_fp32:
-            p.data = p.data.to(dtype)
+    model = _materialize(model, device, dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_weights(model, path, progress)
     return model.eval()
+
+
+def load_mtp_layer(path: str | Path, target: Glm5NextForCausalLM, progress: bool | None = None) -> MTPLayer:
+    """The MTP (next-n) layer stored after the target's layers: `layers.{num_hidden_layers}.*` under
+    any prefix the target loader accepts (see `hylo.models.mtp` for the names), on the target's device
+    and in its dtype. Raises `CheckpointError` when the checkpoint has no such layer, one that is not
+    a DSA layer with its own indexer, or a missing or unexpected tensor in it."""
+    path = Path(path)
+    n = target.config.num_hidden_layers
+    prefix = f"layers.{n}."
+    names = {key[len(prefix) :] for key in map(_strip_prefix, _tensor_names(path)) if key.startswith(prefix)}
+    if not names:
+        raise CheckpointError(
+            f"{path}: no MTP layer: no tensor named model.layers.{n}.* or model.language_model.layers.{n}.* "
+            f"(the next-n layer after the target's {n} layers, which speculative_algorithm MTP runs)"
+        )
+    for needed in ("self_attn.kv_a_proj_with_mqa.weight", "self_attn.indexer.wk.weight"):
+        if needed not in names:
+            raise CheckpointError(
+                f"{path}: MTP layer tensor {prefix}{needed} is missing: hylo runs the MTP layer as a DSA "
+                "(indexed_attention) layer with its own indexer"
+            )
+    config = mtp_config(target.config, "sparse" if "mlp.gate.weight" in names else "dense")
+    with torch.device("meta"):
+        layer = MTPLayer(config, "embed_tokens.weight" in names, "shared_head.head.weight" in names)
+    weight = target.embed_tokens.weight
+    layer = _materialize(layer, weight.device, weight.dtype)
+    layout = {prefix + key.removeprefix("decoder."): slot for key, slot in checkpoint_layout(layer).items()}
+
+    def local_name(raw: str) -> str | None:
+        key = _strip_prefix(raw)
+        return key if key.startswith(prefix) else None
+
+    _load_tensors(layer, path, layout, local_name, progress)
+    return layer.eval()
+
+
+def _tensor_names(path: Path) -> list[str]:
+    names = []
+    for file in _checkpoint_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names.extend(f.keys())
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from e
+    return names
+
+
+def _materialize(module: ModuleT, device: str | torch.device, dtype: torch.dtype) -> ModuleT:
+    """Allocate a meta-built module on `device` in `dtype`, keeping the parameters `transformers` keeps
+    in fp32."""
+    module = module.to_empty(device=device)
+    for name, p in module.named_parameters():
+        if not (p.dtype == torch.float32 and _stays_fp32(name)):
+            p.data = p.data.to(dtype)
+    return module
 
 
 def _stays_fp32(name: str) -> bool:

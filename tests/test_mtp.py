@@ -1,0 +1,312 @@
+"""MTP speculative decoding: greedy losslessness, the drafts against a from-scratch reference built on
+HF's decoder layer, the loader's key layout and errors, and the flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Caches, random_prompt
+from hf_reference import hf_model, tiny_text_config, write_hf_checkpoint
+from safetensors.torch import load_file, save_file
+
+from hylo import LLM, SamplingParams
+from hylo.config import EngineConfig
+from hylo.forward_batch import ForwardBatch
+from hylo.layers.moe import MoE
+from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.models.loader import CheckpointError, dequantize_fp8, load_model, load_mtp_layer, quantize_fp8
+
+TARGET_LAYERS = 6
+VOCAB, HIDDEN = 160, 64
+LAYER = f"model.language_model.layers.{TARGET_LAYERS}."
+WEIGHTS = "model.safetensors"
+MTP_LAYER_KIND = {"layer_types": "indexed_attention", "indexer_types": "full", "mlp_layer_types": "sparse"}
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [
+    random_prompt(n, VOCAB, seed=400 + n)
+    for n in (3, 9, 17, 25, 33, 41, 5, 12, 20, 28, 36, 44, 7, 15, 23, 31)
+]
+
+
+def mtp_extras(seed: int, own_embedding: bool = False, own_head: bool = True) -> dict[str, torch.Tensor]:
+    """The MTP layer's tensors beyond a decoder layer's, by their names under `layers.{N}.`."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def norm() -> torch.Tensor:
+        return 1 + 0.2 * torch.randn(HIDDEN, generator=gen)
+
+    tensors = {
+        "enorm.weight": norm(),
+        "hnorm.weight": norm(),
+        "eh_proj.weight": torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) / (2 * HIDDEN) ** 0.5,
+        "shared_head.norm.weight": norm(),
+    }
+    if own_head:
+        tensors["shared_head.head.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN**0.5
+    if own_embedding:
+        tensors["embed_tokens.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen)
+    return tensors
+
+
+def target_dir(hf: Path, dest: Path, extras: dict[str, torch.Tensor], drop: str | None = None) -> Path:
+    """`hf`'s tensors (less those whose name contains `drop`) under a config of `TARGET_LAYERS` layers,
+    so that its last layer becomes the MTP layer's decoder; `extras` go to a second file."""
+    dest.mkdir()
+    raw = json.loads((hf / "config.json").read_text())
+    text = raw["text_config"]
+    text["num_hidden_layers"] = TARGET_LAYERS
+    for key in MTP_LAYER_KIND:
+        text[key] = text[key][:TARGET_LAYERS]
+    (dest / "config.json").write_text(json.dumps(raw))
+    if drop is None:
+        shutil.copyfile(hf / WEIGHTS, dest / WEIGHTS)
+    else:
+        save_file({k: v for k, v in load_file(hf / WEIGHTS).items() if drop not in k}, str(dest / WEIGHTS))
+    if extras:
+        save_file(extras, str(dest / "mtp.safetensors"))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """(HF directory of a 7-layer glm5_next whose last layer is a DSA + MoE layer, the target directory
+    made from it with an MTP layer, the MTP layer's extra tensors)."""
+    root = tmp_path_factory.mktemp("mtp")
+    config = tiny_text_config(4, 8, num_hidden_layers=TARGET_LAYERS + 1)
+    for key, kind in MTP_LAYER_KIND.items():
+        config[key] = [*config[key], kind]
+    hf = write_hf_checkpoint(root / "hf", config, seed=31)
+    extras = mtp_extras(seed=7)
+    return hf, target_dir(hf, root / "target", {LAYER + k: v for k, v in extras.items()}), extras
+
+
+def make_llm(path: Path, **kwargs) -> LLM:
+    """Prefill steps of at most 100 tokens, so that some prompts are observed in two pieces."""
+    return LLM(
+        str(path), device="cpu", dtype="float32", page_size=16, max_memory_gb=0.25, chunked_prefill_size=100,
+        **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(checkpoints) -> list[list[int]]:
+    outputs = make_llm(checkpoints[1]).generate(
+        prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False
+    )
+    return [o.token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module", params=[1, 3], ids=["1-step", "3-step"])
+def mtp_run(request, checkpoints):
+    """An MTP run over `PROMPTS`: (llm, outputs, every proposal as (prompt, tokens up to and with the
+    anchor, drafts))."""
+    llm = make_llm(checkpoints[1], speculative_algorithm="MTP", speculative_num_steps=request.param)
+    proposer = llm.engine.proposer
+    assert proposer.num_draft_tokens == request.param
+    proposals = []
+    propose = proposer.propose
+
+    def recording(requests, budgets):
+        drafts = propose(requests, budgets)
+        proposals.extend(
+            (r.prompt_ids, r.tokens(0, r.num_computed + 1), d) for r, d in zip(requests, drafts, strict=True)
+        )
+        return drafts
+
+    proposer.propose = recording
+    outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    return llm, outputs, proposals
+
+
+def test_mtp_greedy_is_lossless_on_a_batch_of_16(plain_outputs, mtp_run):
+    _, outputs, proposals = mtp_run
+    assert [o.token_ids for o in outputs] == plain_outputs
+    assert all(o.metrics.spec_verify_steps > 0 for o in outputs)
+    assert max(len(d) for _, _, d in proposals) == mtp_run[0].engine.proposer.num_steps
+
+
+class ReferenceMTP:
+    """The documented MTP format written plainly, with no cache: target hiddens h_i (mean of the last
+    layer's streams) of a whole token sequence, pairs (h_i, token i+1) -> eh_proj(cat[enorm(e),
+    hnorm(h)]) copied into the hc streams -> HF's decoder layer over every pair so far -> MTP hidden g
+    (mean of the streams) -> head(shared_head.norm(g))."""
+
+    def __init__(self, target: Glm5NextForCausalLM, hf_layer, extras: dict[str, torch.Tensor]):
+        self.target, self.hf_layer, self.extras = target, hf_layer, extras
+        self.first_steps: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        eps = self.target.config.rms_norm_eps
+        return self.extras[name] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def target_hiddens(self, tokens: list[int]) -> torch.Tensor:
+        caches = Caches(self.target, num_seqs=1, per_seq=64)
+        m = caches.manager
+        batch = ForwardBatch.build([caches.chunk(0, tokens, 0)], m.table.table, m.tokens, m.states, m.kpool)
+        self.target(batch, capture_layers=(TARGET_LAYERS - 1,))
+        return batch.features
+
+    def hiddens(self, target_hiddens: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
+        """MTP hidden of every pair (target_hiddens[i], next_tokens[i])."""
+        embeds = self.target.embed_tokens.weight[next_tokens]
+        x = torch.cat([self._rms(embeds, "enorm.weight"), self._rms(target_hiddens, "hnorm.weight")], -1)
+        x = x @ self.extras["eh_proj.weight"].t()
+        n = len(x)
+        streams = x[None, :, None, :].expand(-1, -1, self.target.config.hc_mult, -1).contiguous()
+        out, _ = self.hf_layer(
+            streams,
+            attention_mask=torch.ones(1, n, dtype=torch.bool),
+            position_ids=torch.arange(n)[None],
+            position_embeddings=None,
+            past_key_values=None,
+        )
+        return out[0].mean(1)
+
+    def draft(self, hidden: torch.Tensor) -> int:
+        normed = self._rms(hidden, "shared_head.norm.weight")
+        return int((normed @ self.extras["shared_head.head.weight"].t()).argmax())
+
+    def proposals(self, sequence: list[int], anchors_and_counts: list[tuple[int, int]]) -> list[list[int]]:
+        """For each (anchor position n, k): the k chained drafts after `sequence[: n + 1]`. Everything is
+        causal, so one pass over the whole sequence gives every first step; each later step reruns the
+        layer over the prefix's pairs plus the drafted ones."""
+        key = tuple(sequence)
+        if key not in self.first_steps:
+            h = self.target_hiddens(sequence[:-1])
+            self.first_steps[key] = h, self.hiddens(h, sequence[1:])
+        h, first = self.first_steps[key]
+        out = []
+        for n, count in anchors_and_counts:
+            pair_h, pair_tokens, g = h[:n], sequence[1 : n + 1], first[n - 1]
+            drafts = [self.draft(g)]
+            for _ in range(count - 1):
+                pair_h, pair_tokens = torch.cat([pair_h, g[None]]), [*pair_tokens, drafts[-1]]
+                g = self.hiddens(pair_h, pair_tokens)[-1]
+                drafts.append(self.draft(g))
+            out.append(drafts)
+        return out
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints) -> ReferenceMTP:
+    hf, target, extras = checkpoints
+    hf_layer = hf_model(hf).model.language_model.layers[TARGET_LAYERS]
+    return ReferenceMTP(load_model(target, dtype=torch.float32, progress=False), hf_layer, extras)
+
+
+@torch.inference_mode()
+def test_mtp_drafts_equal_a_from_scratch_recomputation(reference, mtp_run):
+    """Checks the incremental MTP caches (observe after prefill chunks and verifies, stale draft
+    entries, k-pools completed by drafts): every proposal made for a short prompt, a long one prefilled
+    in two steps, and any request that had a draft accepted equals the drafts recomputed from its full
+    prefix."""
+    _, outputs, proposals = mtp_run
+    checked = [i for i, o in enumerate(outputs) if i in (0, 5) or o.metrics.spec_accepted_tokens]
+    for i in checked:
+        prompt = PROMPTS[i]
+        made = [(len(tokens) - 1, drafts) for p, tokens, drafts in proposals if p == prompt]
+        assert len(made) >= 5
+        expected = reference.proposals(prompt + outputs[i].token_ids, [(n, len(d)) for n, d in made])
+        assert [d for _, d in made] == expected, i
+
+
+def test_mtp_layer_loads_flat_fp8_names_and_its_own_embedding(checkpoints, tmp_path):
+    """`model.layers.{N}.*` names, an FP8 block-scaled eh_proj, an own embedding and no own head."""
+    hf = checkpoints[0]
+    extras = mtp_extras(seed=8, own_embedding=True, own_head=False)
+    q, scale = quantize_fp8(extras.pop("eh_proj.weight"))
+    flat = f"model.layers.{TARGET_LAYERS}."
+    tensors = {flat + k: v for k, v in extras.items()}
+    tensors |= {flat + "eh_proj.weight": q, flat + "eh_proj.weight_scale_inv": scale}
+    path = target_dir(hf, tmp_path / "t", tensors)
+    target = load_model(path, dtype=torch.float32, progress=False)
+    layer = load_mtp_layer(path, target, progress=False)
+
+    torch.testing.assert_close(layer.eh_proj.weight.data, dequantize_fp8(q, scale, torch.float32))
+    assert layer.embedding(target) is layer.embed_tokens
+    assert torch.equal(layer.embed_tokens.weight, extras["embed_tokens.weight"])
+    assert layer.head(target) is target.lm_head
+    assert torch.equal(layer.enorm.weight, extras["enorm.weight"])
+    hf_tensors = load_file(hf / WEIGHTS)
+    assert isinstance(layer.decoder.mlp, MoE)
+    assert torch.equal(layer.decoder.attn_hc.fn, hf_tensors[LAYER + "hc_attn_fn"])
+    assert torch.equal(
+        layer.decoder.mlp.experts.gate_up_proj[3, :32], hf_tensors[LAYER + "mlp.experts.3.gate_proj.weight"]
+    )
+    assert torch.equal(
+        layer.decoder.self_attn.indexer.wk.weight, hf_tensors[LAYER + "self_attn.indexer.wk.weight"]
+    )
+
+
+def test_checkpoint_without_an_mtp_layer_is_rejected_by_the_engine(checkpoints, tmp_path):
+    path = target_dir(checkpoints[0], tmp_path / "t", {}, drop=LAYER)
+    with pytest.raises(
+        CheckpointError, match=rf"no MTP layer: no tensor named model\.layers\.{TARGET_LAYERS}\.\*"
+    ):
+        make_llm(path, speculative_algorithm="MTP")
+
+
+@pytest.mark.parametrize(
+    ("drop", "message"),
+    [
+        ("eh_proj", rf"1 tensors missing.*layers\.{TARGET_LAYERS}\.eh_proj\.weight \(64, 128\)"),
+        ("shared_head.norm", rf"missing.*layers\.{TARGET_LAYERS}\.shared_head\.norm\.weight"),
+        ("self_attn.", rf"layers\.{TARGET_LAYERS}\.self_attn\.kv_a_proj_with_mqa\.weight is missing"),
+        ("self_attn.indexer.", rf"layers\.{TARGET_LAYERS}\.self_attn\.indexer\.wk\.weight is missing"),
+        ("input_layernorm", rf"missing.*layers\.{TARGET_LAYERS}\.input_layernorm\.weight"),
+    ],
+)
+def test_missing_mtp_tensor_is_named(checkpoints, tmp_path, drop, message):
+    hf, _, extras = checkpoints
+    kept = {LAYER + k: v for k, v in extras.items() if drop not in k}
+    path = target_dir(hf, tmp_path / "t", kept, drop=LAYER + drop)
+    target = load_model(path, dtype=torch.float32, progress=False)
+    with pytest.raises(CheckpointError, match=message):
+        load_mtp_layer(path, target, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"speculative_algorithm": "EAGLE"}, "must be DFLASH or MTP, got 'EAGLE'"),
+        ({"speculative_algorithm": "DFLASH"}, "speculative_draft_model_path is required"),
+        (
+            {"speculative_algorithm": "MTP", "speculative_draft_model_path": "/draft"},
+            "must not be set with speculative_algorithm MTP",
+        ),
+        ({"speculative_algorithm": "MTP", "speculative_num_steps": 0}, "speculative_num_steps must be >= 1"),
+        (
+            {
+                "speculative_algorithm": "DFLASH",
+                "speculative_draft_model_path": "/d",
+                "speculative_num_steps": 2,
+            },
+            "speculative_num_steps applies to speculative_algorithm MTP only, got 'DFLASH'",
+        ),
+        ({"speculative_num_steps": 2}, "speculative_num_steps applies to speculative_algorithm MTP only"),
+        (
+            {"speculative_algorithm": "MTP", "speculative_num_steps": 2, "speculative_num_draft_tokens": 4},
+            r"speculative_num_draft_tokens \(4\) must be speculative_num_steps \+ 1 \(3\)",
+        ),
+    ],
+)
+def test_bad_speculative_flags_are_rejected(flags, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**flags)
+
+
+def test_mtp_flags_reach_the_engine_config_from_the_command_line():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--speculative-algorithm", "MTP", "--speculative-num-steps", "3"])
+    config = EngineConfig.from_cli(args)
+    assert (config.speculative_algorithm, config.speculative_num_steps) == ("MTP", 3)
+    assert (
+        EngineConfig(speculative_algorithm="MTP", speculative_num_draft_tokens=2).speculative_num_steps
+        is None
+    )
