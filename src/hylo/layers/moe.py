@@ -28,13 +28,60 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float
+    ) -> torch.Tensor:
+        return moe_ops.experts(x, self.gate_up_proj, self.down_proj, ids, weights, limit)
+
+
+class FP8Experts(nn.Module):
+    """`Experts` with e4m3 weights and fp32 `*_scale_inv [E, ceil(N/128), ceil(K/128)]` per [128, 128]
+    block, the layout of FP8 checkpoints; the weights stay FP8 in memory."""
+
+    def __init__(
+        self,
+        gate_up_proj: torch.Tensor,
+        gate_up_proj_scale_inv: torch.Tensor,
+        down_proj: torch.Tensor,
+        down_proj_scale_inv: torch.Tensor,
+    ):
+        super().__init__()
+        self.register_buffer("gate_up_proj", gate_up_proj)
+        self.register_buffer("gate_up_proj_scale_inv", gate_up_proj_scale_inv)
+        self.register_buffer("down_proj", down_proj)
+        self.register_buffer("down_proj_scale_inv", down_proj_scale_inv)
+
+    @classmethod
+    def from_experts(cls, experts: Experts) -> FP8Experts:
+        """Block-quantised copy of bf16 experts (tests and benchmarks; checkpoints load FP8 directly)."""
+        return cls(
+            *moe_ops.quantize_fp8_blocks(experts.gate_up_proj.detach()),
+            *moe_ops.quantize_fp8_blocks(experts.down_proj.detach()),
+        )
+
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float
+    ) -> torch.Tensor:
+        return moe_ops.experts_fp8(
+            x,
+            self.gate_up_proj,
+            self.gate_up_proj_scale_inv,
+            self.down_proj,
+            self.down_proj_scale_inv,
+            ids,
+            weights,
+            limit,
+        )
+
 
 class MoE(nn.Module):
+    """Routed experts (`Experts`, or `FP8Experts` in place of it) plus the shared expert MLP."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.gate = Router(config)
-        self.experts = Experts(config)
+        self.experts: Experts | FP8Experts = Experts(config)
         self.shared_experts = MLP(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit
         )
@@ -51,7 +98,4 @@ class MoE(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
-        routed = moe_ops.experts(
-            x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, c.swiglu_limit
-        )
-        return routed + self.shared_experts(x)
+        return self.experts(x, ids, weights, c.swiglu_limit) + self.shared_experts(x)

@@ -65,3 +65,61 @@ def experts(
         routed[order[start : start + count]] = y
         start += count
     return routed.view(*ids.shape, -1).to(x.dtype).sum(1)
+
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled e4m3 of `[..., N, K]` weights, as FP8 checkpoints store them: (fp8 weight, fp32
+    `scale_inv [..., ceil(N/128), ceil(K/128)]`) with weight ≈ fp8 · scale_inv per [128, 128] block."""
+    *lead, n, k = weight.shape
+    rows, cols = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = weight.new_zeros(*lead, rows * FP8_BLOCK, cols * FP8_BLOCK, dtype=torch.float32)
+    padded[..., :n, :k] = weight.float()
+    blocks = padded.unflatten(-1, (cols, FP8_BLOCK)).unflatten(-3, (rows, FP8_BLOCK))
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[..., :, None, :, None]).flatten(-4, -3).flatten(-2)[..., :n, :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[..., N, K]` e4m3 weight times its per-[128, 128]-block `scale_inv`, in `dtype`."""
+    n, k = weight.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, -2)[..., :n, :]
+    return (weight.float() * scale.repeat_interleave(FP8_BLOCK, -1)[..., :k]).to(dtype)
+
+
+def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group-128 e4m3 activations: (fp8 `[T, K]`, fp32 scale `[T, ceil(K/128)]`),
+    x ≈ fp8 · scale."""
+    t, k = x.shape
+    groups = -(-k // FP8_BLOCK)
+    padded = x.new_zeros(t, groups * FP8_BLOCK, dtype=torch.float32)
+    padded[:, :k] = x.float()
+    padded = padded.view(t, groups, FP8_BLOCK)
+    scale = padded.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return (padded / scale[..., None]).flatten(1)[:, :k].to(torch.float8_e4m3fn), scale
+
+
+def experts_fp8(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale_inv: torch.Tensor,
+    down: torch.Tensor,
+    down_scale_inv: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """`experts` with block-scaled e4m3 weights (`scale_inv [E, ceil(N/128), ceil(K/128)]`), dequantised
+    to x's dtype; activations stay unquantised here."""
+    return experts(
+        x,
+        dequantize_fp8_blocks(gate_up, gate_up_scale_inv, x.dtype),
+        dequantize_fp8_blocks(down, down_scale_inv, x.dtype),
+        ids,
+        weights,
+        limit,
+    )

@@ -1,0 +1,345 @@
+"""MoE kernels on the GPU: real-shape parity, then timings of hylo's routed-expert step (routing +
+permutation + grouped GEMMs + combine), bf16 and FP8 block-scaled, against the eager torch
+reference, the copy ceiling on the weight bytes a decode step reads, and the FP8 / bf16 matmul
+ceilings measured in the same run.
+
+    python benchmarks/kernels/moe.py [--sweep] [--only SECTIONS] [--out DIR]
+    python benchmarks/kernels/moe.py --dry-run   # CPU, Triton interpreter, tiny sizes, fake timers
+
+Shapes follow GLM-5.3-Flash: hidden 4096, expert intermediate 2048, 288 experts, top-8, scaling 2.5,
+SwiGLU limit 10 (the shared expert is not part of the step). Decode steps (M = 1, 4, 16 tokens) are
+CUDA-graph replays that cycle through 4 batches routed to different experts, so weights come from
+HBM, not L2; their floor is (distinct experts × 3·I·D bytes + scales) / copy bandwidth, the copy
+bandwidth counting read + write bytes of a 1 GiB device copy. Prefill is M = 8192 tokens.
+`--sweep` times a grid of tile configurations (checked for parity first). Prints a table last and
+writes `moe.json` to --out (default $OUT or ./out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from harness import RESULTS, bench, bench_graph, rec, section  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+
+from hylo.ops.moe import kernels, reference, routing  # noqa: E402
+from hylo.ops.moe.kernels import MoeConfig, Tiles  # noqa: E402
+
+DEV = "cpu" if DRY else "cuda"
+# the interpreter's bf16 dot is wrong: the dry run's "bf16" path runs on fp32
+ACT = torch.float32 if DRY else torch.bfloat16
+HIDDEN, INTER, EXPERTS, TOP_K = (128, 64, 16, 4) if DRY else (4096, 2048, 288, 8)
+LIMIT, SCALING = 10.0, 2.5
+DECODE_TOKENS = (1, 4, 16)
+PREFILL_TOKENS = 48 if DRY else 8192
+ROTATE = 4  # decode batches per timed call, each routed to its own experts
+START = time.time()
+SWEEP_UNTIL_S = 540  # seconds after the start: the device stops a command at 600
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+class Model:
+    """Random router and experts: bf16, their block-FP8 quantisation and its dequantisation (the
+    FP8 reference), built a few experts at a time to bound the fp32 temporaries."""
+
+    def __init__(self, seed: int = 0):
+        torch.manual_seed(seed)
+        self.router = torch.randn(EXPERTS, HIDDEN, device=DEV, dtype=ACT) * HIDDEN**-0.5
+        self.bias = torch.randn(EXPERTS, device=DEV) * 0.01
+        self.gate_up = torch.empty(EXPERTS, 2 * INTER, HIDDEN, device=DEV, dtype=ACT)
+        self.down = torch.empty(EXPERTS, HIDDEN, INTER, device=DEV, dtype=ACT)
+        self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.dequantized: dict[str, torch.Tensor] = {}
+        for name, weight in (("gate_up", self.gate_up), ("down", self.down)):
+            q = torch.empty(weight.shape, device=DEV, dtype=torch.float8_e4m3fn)
+            s = torch.empty(EXPERTS, -(-weight.shape[1] // 128), -(-weight.shape[2] // 128), device=DEV)
+            deq = torch.empty_like(weight)
+            for e in range(0, EXPERTS, 16):
+                chunk = slice(e, e + 16)
+                weight[chunk] = (
+                    torch.randn(weight[chunk].shape, device=DEV, dtype=ACT) * weight.shape[2] ** -0.5
+                )
+                q[chunk], s[chunk] = reference.quantize_fp8_blocks(weight[chunk])
+                deq[chunk] = reference.dequantize_fp8_blocks(q[chunk], s[chunk], ACT)
+            self.fp8[name], self.dequantized[name] = (q, s), deq
+
+    def route(self, x):
+        return routing.route(x, self.router, self.bias, TOP_K, 1, 1, True, SCALING)
+
+    def experts(self, x, ids, weights, fp8: bool, config: MoeConfig | None = None):
+        if fp8:
+            return kernels.experts_fp8(
+                x, *self.fp8["gate_up"], *self.fp8["down"], ids, weights, LIMIT, config
+            )
+        return kernels.experts(x, self.gate_up, self.down, ids, weights, LIMIT, config)
+
+    def step(self, x, fp8: bool, config: MoeConfig | None = None):
+        return self.experts(x, *self.route(x), fp8, config)
+
+    def reference(self, x, ids, weights, fp8: bool):
+        gate_up, down = (
+            (self.dequantized["gate_up"], self.dequantized["down"]) if fp8 else (self.gate_up, self.down)
+        )
+        return reference.experts(x, gate_up, down, ids, weights, LIMIT)
+
+    def bytes_read(self, ids: torch.Tensor, fp8: bool) -> int:
+        """Weight bytes of the distinct experts `ids` names (+ their scales for FP8)."""
+        per_expert = 3 * INTER * HIDDEN * (1 if fp8 else 2)
+        if fp8:
+            per_expert += 4 * sum(s[0].numel() for _, s in self.fp8.values())
+        return int(ids.unique().numel()) * per_expert
+
+
+def batch(tokens: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(tokens, HIDDEN, device=DEV, dtype=ACT, generator=gen)
+
+
+# ---------------------------------------------------------------- ceilings
+
+
+def ceilings() -> None:
+    x = torch.randn(1 << (16 if DRY else 29), device=DEV, dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    rec("copy_TBps", round(2 * x.numel() * 2 / (t * 1e-6) / 1e12, 3))
+    n = 256 if DRY else 8192
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    rec("bf16_matmul_TFLOPs", round(2 * n**3 / (bench(lambda: a @ b) * 1e-6) / 1e12, 1))
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # cuBLAS wants b column-major
+    one = torch.ones((), device=DEV)
+    t = bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    rec("fp8_scaled_mm_TFLOPs", round(2 * n**3 / (t * 1e-6) / 1e12, 1))
+
+
+# ---------------------------------------------------------------- parity
+
+
+def parity(model: Model) -> None:
+    for tokens in (1, 16, 300, PREFILL_TOKENS):
+        x = batch(tokens, seed=tokens)
+        ids, weights = model.route(x)
+        ref_ids, ref_weights = reference.route(x, model.router, model.bias, TOP_K, 1, 1, True, SCALING)
+        same = ids == ref_ids
+        rec(f"parity_route_T{tokens}_ids_equal_share", round(float(same.float().mean()), 5))
+        rows = same.all(-1)  # tokens whose choice agrees (near-ties may flip with the summation order)
+        if rows.any():
+            rec(f"parity_route_T{tokens}_weights_maxdiff", float((weights - ref_weights)[rows].abs().max()))
+        for fp8 in (False, True):
+            tag = "fp8" if fp8 else "bf16"
+            out = model.experts(x, ref_ids, ref_weights, fp8)
+            rec(
+                f"parity_{tag}_T{tokens}_relerr",
+                round(rel_err(out, model.reference(x, ref_ids, ref_weights, fp8)), 5),
+            )
+        rec(
+            f"parity_fp8_vs_bf16_weights_T{tokens}_relerr",
+            round(rel_err(out, model.reference(x, ref_ids, ref_weights, False)), 5),
+        )
+        q, s = kernels.quantize_groups(x)
+        ref_q, ref_s = reference.quantize_fp8_groups(x)
+        rec(
+            f"parity_quantize_T{tokens}_equal",
+            bool(torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)),
+        )
+
+
+# ---------------------------------------------------------------- timings
+
+
+def decode(model: Model) -> None:
+    bandwidth = RESULTS["copy_TBps"] * 1e12
+    for tokens in DECODE_TOKENS:
+        xs = [batch(tokens, seed=100 * tokens + r) for r in range(ROTATE)]
+        routes = [model.route(x) for x in xs]
+        for fp8 in (True, False):
+            tag = f"decode_T{tokens}_{'fp8' if fp8 else 'bf16'}"
+            floor_us = sum(model.bytes_read(ids, fp8) for ids, _ in routes) / bandwidth * 1e6 / ROTATE
+            rec(f"{tag}_floor_us", round(floor_us, 2))
+
+            def step(fp8=fp8, xs=xs):
+                for x in xs:
+                    model.step(x, fp8)
+
+            def experts_only(fp8=fp8, xs=xs, routes=routes):
+                for x, (ids, weights) in zip(xs, routes, strict=True):
+                    model.experts(x, ids, weights, fp8)
+
+            t = bench_graph(step) / ROTATE
+            rec(f"{tag}_step_us", round(t, 2))
+            rec(f"{tag}_step_pct_of_copy_ceiling", round(100 * floor_us / t, 1))
+            t = bench_graph(experts_only) / ROTATE
+            rec(f"{tag}_experts_us", round(t, 2))
+            rec(f"{tag}_experts_pct_of_copy_ceiling", round(100 * floor_us / t, 1))
+        ids, weights = routes[0]
+        rec(
+            f"decode_T{tokens}_eager_reference_bf16_us",
+            round(
+                bench(lambda xs=xs, ids=ids, weights=weights: model.reference(xs[0], ids, weights, False)), 1
+            ),
+        )
+
+
+def prefill(model: Model) -> None:
+    tokens = PREFILL_TOKENS
+    x = batch(tokens, seed=7)
+    ids, weights = model.route(x)
+    flops = 6 * tokens * TOP_K * INTER * HIDDEN  # useful work: no padding rows
+    for fp8 in (True, False):
+        tag = f"prefill_T{tokens}_{'fp8' if fp8 else 'bf16'}"
+        ceiling = RESULTS["fp8_scaled_mm_TFLOPs" if fp8 else "bf16_matmul_TFLOPs"]
+        for name, fn in (
+            ("step", lambda fp8=fp8: model.step(x, fp8)),
+            ("experts", lambda fp8=fp8: model.experts(x, ids, weights, fp8)),
+        ):
+            t = bench(fn, rep=300)
+            tflops = flops / (t * 1e-6) / 1e12
+            rec(f"{tag}_{name}_ms", round(t / 1e3, 3))
+            rec(f"{tag}_{name}_TFLOPs", round(tflops, 1))
+            rec(f"{tag}_{name}_pct_of_{'fp8' if fp8 else 'bf16'}_matmul", round(100 * tflops / ceiling, 1))
+    rec(
+        f"prefill_T{tokens}_eager_reference_bf16_ms",
+        round(bench(lambda: model.reference(x, ids, weights, False), rep=50) / 1e3, 2),
+    )
+
+
+def sweep_configs(tokens: int, fp8: bool) -> list[MoeConfig]:
+    """The default, then gate|up tiles (down at its default), then down tiles (gate|up at its
+    default), over decode-sized or prefill-sized candidates."""
+    decode_sized = tokens * TOP_K <= 16 * EXPERTS  # the default's own split
+    block_ms = (16, 32) if decode_sized else (64, 128)
+    up_ns = ((128, 256) if fp8 else (64, 128)) if decode_sized else (128, 256)
+    down_ns = (32, 64, 128) if decode_sized else (128, 256)
+    block_ks = (128,) if fp8 else ((64, 128) if decode_sized else (64,))
+    warps = (4,) if decode_sized else (4, 8)
+    stages = (3, 4, 5) if decode_sized else (3, 4)
+    default = kernels.default_config(tokens * TOP_K, EXPERTS, fp8)
+    configs = [default]
+    for bm, bn, bk, w, st in itertools.product(block_ms, up_ns, block_ks, warps, stages):
+        configs.append(MoeConfig(bm, Tiles(bn, bk, w, st), default.down))
+    for bm, bn, bk, w, st in itertools.product(block_ms, down_ns, block_ks, warps, stages):
+        configs.append(MoeConfig(bm, default.gate_up, Tiles(bn, bk, w, st)))
+    return list(dict.fromkeys(configs))
+
+
+def sweep(model: Model, tokens_list: list[int], dtypes: list[str]) -> None:
+    """Each candidate must reproduce the default configuration's output (the same quantisation, only
+    the fp32 summation order differs) before it is timed."""
+    deadline = START + SWEEP_UNTIL_S
+    for tokens, fp8 in itertools.product(tokens_list, [d == "fp8" for d in dtypes]):
+        tag = f"sweep_T{tokens}_{'fp8' if fp8 else 'bf16'}"
+        x = batch(tokens, seed=11)
+        ids, weights = model.route(x)
+        baseline = model.experts(x, ids, weights, fp8)
+        rec(
+            f"{tag}_default_relerr_vs_reference",
+            round(rel_err(baseline, model.reference(x, ids, weights, fp8)), 5),
+        )
+        timed = []
+        for config in sweep_configs(tokens, fp8)[: 3 if DRY else None]:
+            if time.time() > deadline:
+                rec(f"{tag}_stopped_at_deadline", str(config))
+                break
+
+            def run(config=config, x=x, ids=ids, weights=weights, fp8=fp8):
+                return model.experts(x, ids, weights, fp8, config)
+
+            try:
+                err = rel_err(run(), baseline)
+                if err > 1e-2:
+                    rec(f"{tag}_{config}_relerr_vs_default", round(err, 4))
+                    continue
+                t = bench_graph(run) if tokens <= 16 else bench(run, rep=100)
+            except Exception as exc:  # out of shared memory / registers: not a candidate
+                rec(f"{tag}_{config}_skipped", type(exc).__name__)
+                continue
+            timed.append((round(t, 2), str(config)))
+        timed.sort()
+        rec(f"{tag}_best5_us", timed[:5])
+
+
+# ---------------------------------------------------------------- main
+
+
+def table() -> None:
+    print("\n| case | hylo step | experts only | floor / ceiling | % |")
+    print("|---|---|---|---|---|")
+    for tokens in DECODE_TOKENS:
+        for tag in ("fp8", "bf16"):
+            key = f"decode_T{tokens}_{tag}"
+            if f"{key}_step_us" in RESULTS:
+                step, experts = RESULTS[f"{key}_step_us"], RESULTS[f"{key}_experts_us"]
+                floor, pct = RESULTS[f"{key}_floor_us"], RESULTS[f"{key}_step_pct_of_copy_ceiling"]
+                print(f"| decode M={tokens} {tag} | {step} us | {experts} us | {floor} us (copy) | {pct} |")
+    for tag in ("fp8", "bf16"):
+        key = f"prefill_T{PREFILL_TOKENS}_{tag}"
+        if f"{key}_step_ms" in RESULTS:
+            ceiling = RESULTS["fp8_scaled_mm_TFLOPs" if tag == "fp8" else "bf16_matmul_TFLOPs"]
+            print(
+                f"| prefill M={PREFILL_TOKENS} {tag} | {RESULTS[f'{key}_step_TFLOPs']} TFLOP/s"
+                f" | {RESULTS[f'{key}_experts_TFLOPs']} TFLOP/s | {ceiling} TFLOP/s (matmul)"
+                f" | {RESULTS[f'{key}_step_pct_of_{tag}_matmul']} |"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="add the tile sweep to the sections")
+    parser.add_argument("--only", help="comma-separated sections: " + ",".join(SECTIONS))
+    parser.add_argument(
+        "--sweep-tokens", default=f"1,16,{PREFILL_TOKENS}", help="token counts the sweep tunes"
+    )
+    parser.add_argument("--sweep-dtypes", default="fp8,bf16", help="weight formats the sweep tunes")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = parser.parse_args()
+    chosen = args.only.split(",") if args.only else [*DEFAULT_SECTIONS, *(["sweep"] if args.sweep else [])]
+    if unknown := set(chosen) - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(unknown)}")
+    if {"decode", "prefill"} & set(chosen) and "ceilings" not in chosen:
+        chosen.insert(0, "ceilings")  # their percentages divide by the ceilings
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not DRY:
+        rec("gpu", torch.cuda.get_device_name())
+    rec("torch", torch.__version__)
+    for tokens in (1, 16, PREFILL_TOKENS):
+        for fp8 in (True, False):
+            config = kernels.default_config(tokens * TOP_K, EXPERTS, fp8)
+            rec(f"default_config_T{tokens}_{'fp8' if fp8 else 'bf16'}", str(config))
+    model = Model()
+    sweep_args = ([int(t) for t in args.sweep_tokens.split(",")], args.sweep_dtypes.split(","))
+    for name in chosen:
+        section(
+            name,
+            SECTIONS[name],
+            *([] if name == "ceilings" else [model]),
+            *(sweep_args if name == "sweep" else []),
+        )
+        # written after every section: a run stopped at the device's time limit keeps what it measured
+        (out / "moe.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    table()
+
+
+SECTIONS = {"ceilings": ceilings, "parity": parity, "decode": decode, "prefill": prefill, "sweep": sweep}
+DEFAULT_SECTIONS = ("ceilings", "parity", "decode", "prefill")
+
+if __name__ == "__main__":
+    main()

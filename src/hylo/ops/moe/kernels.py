@@ -1,0 +1,443 @@
+"""Triton grouped-GEMM experts of the MoE, bf16 and FP8 e4m3 block-scaled, with no GPU→CPU sync.
+
+One step: `routing.align` sorts the (token, choice) pairs by expert into `block_m`-row blocks; the
+gate|up GEMM gathers each block's token rows of x, computes the matching gate and up tiles of the
+block's expert and writes SiLU(min(gate, L))·clamp(up, ±L) per padded row; the down GEMM reads those
+rows, multiplies each by its routing weight and writes it to its pair's row of a `[T·k, D]` buffer;
+summing the k rows of a token (a fixed order) makes the combine deterministic.
+
+FP8: weights stay e4m3 with fp32 `scale_inv [E, ceil(N/128), ceil(K/128)]`; activations are
+quantised per token and group of 128 channels (x by a small kernel, once per token; the SwiGLU
+output in the gate|up epilogue, whose tile holds whole groups). Each 128-deep K step multiplies its
+partial product by the activation scale of the rows and the weight scale of the columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hylo.ops.moe.reference import FP8_BLOCK
+from hylo.ops.moe.routing import align
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch parameters of one grouped GEMM."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """`block_m` is shared by both GEMMs (it is the alignment's block); `group_m` blocks of rows are
+    walked together so their weight tiles stay in L2."""
+
+    block_m: int
+    gate_up: Tiles
+    down: Tiles
+    group_m: int = 8
+
+
+def default_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
+    """Decode-sized batches (≤ 16 rows per expert on average) take 16-row blocks: the GEMMs stream
+    weights. Larger ones take 64-row blocks (half the padding of 128 rows; the FP8 gate|up kernel's
+    two accumulators and per-K-step partial products spill registers at 128 rows on H100/H200)."""
+    if num_pairs <= 16 * num_experts:
+        return MoeConfig(16, Tiles(128 if fp8 else 64, 128, 4, 4), Tiles(64, 128, 4, 4))
+    if fp8:
+        return MoeConfig(64, Tiles(128, 128, 8, 4), Tiles(256, 128, 8, 3))
+    return MoeConfig(64, Tiles(128, 64, 8, 4), Tiles(256, 64, 8, 4))
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (|v| ≤ 448) rounded to the nearest e4m3 value, ties to even, in fp32: adding and removing
+    1.5·2^(e+20) drops all but 3 mantissa bits (the step is 2^-9 below 2^-6). The cast to fp8 that
+    follows is then exact, so the GPU and the Triton interpreter (which mis-rounds values that
+    carry into the next binade) store the same bits as torch."""
+    magnitude = tl.abs(v)
+    binade = (magnitude.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    shift = tl.maximum(binade, 0.015625) * 1572864.0
+    rounded = (magnitude + shift) - shift
+    return tl.where(v < 0, -rounded, rounded)
+
+
+@triton.jit
+def _group_scale(amax):
+    """amax / 448 (at least 1e-12 / 448) with IEEE division, as torch divides (Triton's `/` may not)."""
+    clamped = tl.maximum(amax, 1e-12)
+    return tl.math.div_rn(clamped, tl.full(clamped.shape, 448.0, tl.float32))
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    x_ptr, q_ptr, scale_ptr, num_rows, stride_x, stride_q, stride_s, K: tl.constexpr, BLOCK_T: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    ok = (rows < num_rows)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=ok, other=0.0).to(
+        tl.float32
+    )
+    scale = _group_scale(tl.max(tl.abs(x), axis=1))
+    q = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))
+    tl.store(
+        q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok
+    )
+    tl.store(scale_ptr + rows * stride_s + tl.program_id(1), scale, mask=rows < num_rows)
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `reference.quantize_fp8_groups`: (e4m3 `[T, K]`, fp32 scale `[T, ceil(K/128)]`)."""
+    x = x.contiguous()
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, triton.cdiv(k, FP8_BLOCK), dtype=torch.float32, device=x.device)
+    if rows:
+        grid = (triton.cdiv(rows, 16), scale.shape[1])
+        _quantize_groups_kernel[grid](
+            x, q, scale, rows, x.stride(0), q.stride(0), scale.stride(0), K=k, BLOCK_T=16
+        )
+    return q, scale
+
+
+@triton.jit
+def _block_of(pid, num_blocks, N: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column tile) of a program: GROUP_M row blocks sweep the column tiles together."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    h_ptr,
+    h_scale_ptr,
+    num_blocks,
+    limit,
+    stride_x,
+    stride_xs,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_h,
+    stride_hs,
+    TOP_K: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr,
+    QUANT_GROUP: tl.constexpr,
+):
+    pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    m = tl.arange(0, BLOCK_M)
+    row_ok = m < tl.load(block_rows_ptr + pid_m)
+    slot = pid_m * BLOCK_M + m
+    token = tl.load(pairs_ptr + slot, mask=row_ok, other=0) // TOP_K
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
+    gate_cols = w_ptr + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn
+    up_cols = gate_cols + N * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + k < K
+        a = tl.load(x_rows + (k0 + k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        b_gate = tl.load(gate_cols + (k0 + k)[:, None], mask=w_ok, other=0.0)
+        b_up = tl.load(up_cols + (k0 + k)[:, None], mask=w_ok, other=0.0)
+        if FP8:
+            a_scale = tl.load(x_scale_ptr + token * stride_xs + k0 // 128, mask=row_ok, other=0.0)
+            w_scales = w_scale_ptr + expert * stride_wse + k0 // 128
+            s_gate = tl.load(w_scales + (n // 128) * stride_wsn, mask=n_ok, other=0.0)
+            s_up = tl.load(w_scales + ((n + N) // 128) * stride_wsn, mask=n_ok, other=0.0)
+            acc_gate += tl.dot(a, b_gate) * (a_scale[:, None] * s_gate[None, :])
+            acc_up += tl.dot(a, b_up) * (a_scale[:, None] * s_up[None, :])
+        else:
+            acc_gate = tl.dot(a, b_gate, acc_gate)
+            acc_up = tl.dot(a, b_up, acc_up)
+    gate = tl.minimum(acc_gate, limit)
+    h = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit)
+    h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
+    out_ok = row_ok[:, None] & n_ok[None, :]
+    if FP8:
+        grouped = tl.reshape(tl.where(n_ok[None, :], h, 0.0), [BLOCK_M, BLOCK_N // QUANT_GROUP, QUANT_GROUP])
+        scale = _group_scale(tl.max(tl.abs(grouped), axis=2))
+        q = _round_to_e4m3(tl.math.div_rn(grouped, tl.broadcast_to(scale[:, :, None], grouped.shape)))
+        tl.store(
+            h_rows + n[None, :], tl.reshape(q, [BLOCK_M, BLOCK_N]).to(h_ptr.dtype.element_ty), mask=out_ok
+        )
+        group = (pid_n * BLOCK_N) // 128 + tl.arange(0, BLOCK_N // QUANT_GROUP)
+        group_ok = row_ok[:, None] & (group < tl.cdiv(N, 128))[None, :]  # a tile may reach past I
+        tl.store(h_scale_ptr + slot[:, None] * stride_hs + group[None, :], scale, mask=group_ok)
+    else:
+        tl.store(h_rows + n[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    h_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    weights_ptr,
+    out_ptr,
+    num_blocks,
+    stride_h,
+    stride_hs,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_o,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    m = tl.arange(0, BLOCK_M)
+    row_ok = m < tl.load(block_rows_ptr + pid_m)
+    slot = pid_m * BLOCK_M + m
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    k = tl.arange(0, BLOCK_K)
+    h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + k < K
+        a = tl.load(h_rows + (k0 + k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + (k0 + k)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            a_scale = tl.load(h_scale_ptr + slot * stride_hs + k0 // 128, mask=row_ok, other=0.0)
+            w_scale = tl.load(
+                w_scale_ptr + expert * stride_wse + (n // 128) * stride_wsn + k0 // 128, mask=n_ok, other=0.0
+            )
+            acc += tl.dot(a, b) * (a_scale[:, None] * w_scale[None, :])
+        else:
+            acc = tl.dot(a, b, acc)
+    pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
+    acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _check(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+):
+    if x.ndim != 2 or gate_up.ndim != 3 or down.ndim != 3:
+        raise ValueError(
+            f"experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)} "
+            "must be [T, D], [E, 2I, D], [E, D, I]"
+        )
+    e, two_i, d = gate_up.shape
+    if d != x.shape[1] or two_i % 2 or down.shape != (e, d, two_i // 2):
+        raise ValueError(
+            f"experts: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not match "
+            f"D = {x.shape[1]} as [E, 2I, D] and [E, D, I]"
+        )
+    if ids.ndim != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
+        raise ValueError(f"experts: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [T, k]")
+
+
+def _check_scale(name: str, scale: torch.Tensor, weight: torch.Tensor) -> None:
+    e, n, k = weight.shape
+    expected = (e, triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"experts_fp8: {name} must be float8_e4m3fn, got {weight.dtype}")
+    if scale.shape != expected or scale.dtype != torch.float32:
+        raise ValueError(
+            f"experts_fp8: {name}_scale_inv must be fp32 {expected}, got {scale.dtype} {tuple(scale.shape)}"
+        )
+
+
+def _check_config(config: MoeConfig, intermediate: int, fp8: bool) -> None:
+    for name, tiles in (("gate_up", config.gate_up), ("down", config.down)):
+        if fp8 and FP8_BLOCK % tiles.block_k:
+            raise ValueError(f"experts_fp8: {name}.block_k {tiles.block_k} must divide {FP8_BLOCK}")
+    block_n = config.gate_up.block_n
+    if fp8 and block_n % FP8_BLOCK and block_n < intermediate:
+        raise ValueError(
+            f"experts_fp8: gate_up.block_n {block_n} must be a multiple of {FP8_BLOCK} or cover I = "
+            f"{intermediate}: its epilogue quantises whole groups of {FP8_BLOCK}"
+        )
+
+
+def _run(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor | None,
+    down: torch.Tensor,
+    down_scale: torch.Tensor | None,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    limit: float,
+    out_dtype: torch.dtype,
+    config: MoeConfig | None,
+) -> torch.Tensor:
+    fp8 = x_scale is not None
+    tokens, top_k = ids.shape
+    num_experts, two_i, hidden = gate_up.shape
+    intermediate = two_i // 2
+    if tokens == 0:
+        return torch.zeros(0, hidden, dtype=out_dtype, device=x.device)
+    config = config or default_config(tokens * top_k, num_experts, fp8)
+    _check_config(config, intermediate, fp8)
+    # the bf16 path never reads the scale arguments: any tensor will do
+    gate_up_scale = gate_up if gate_up_scale is None else gate_up_scale
+    down_scale = down if down_scale is None else down_scale
+    x_scale = x if x_scale is None else x_scale
+    for name, t in (
+        ("gate_up", gate_up),
+        ("down", down),
+        ("gate_up_scale_inv", gate_up_scale),
+        ("down_scale_inv", down_scale),
+    ):
+        if t.stride(-1) != 1:  # weights are too large to copy on every call
+            raise ValueError(
+                f"experts: {name} must be contiguous in its last dimension, strides {t.stride()}"
+            )
+    layout = align(ids, num_experts, config.block_m)
+    num_blocks = layout.block_expert.numel()
+    h_dtype = torch.float8_e4m3fn if fp8 else x.dtype
+    h = torch.empty(layout.pairs.numel(), intermediate, dtype=h_dtype, device=x.device)
+    h_scale = (
+        torch.empty(h.shape[0], triton.cdiv(intermediate, FP8_BLOCK), dtype=torch.float32, device=x.device)
+        if fp8
+        else h  # never read
+    )
+    up, dn = config.gate_up, config.down
+    _gate_up_kernel[(num_blocks * triton.cdiv(intermediate, up.block_n),)](
+        x,
+        x_scale,
+        gate_up,
+        gate_up_scale,
+        *layout[:3],
+        h,
+        h_scale,
+        num_blocks,
+        float(limit),
+        x.stride(0),
+        x_scale.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        gate_up_scale.stride(0),
+        gate_up_scale.stride(1),
+        h.stride(0),
+        h_scale.stride(0),
+        TOP_K=top_k,
+        N=intermediate,
+        K=hidden,
+        BLOCK_M=config.block_m,
+        BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k,
+        GROUP_M=config.group_m,
+        FP8=fp8,
+        QUANT_GROUP=min(up.block_n, FP8_BLOCK),
+        num_warps=up.num_warps,
+        num_stages=up.num_stages,
+    )
+    routed = torch.empty(tokens * top_k, hidden, dtype=out_dtype, device=x.device)
+    _down_kernel[(num_blocks * triton.cdiv(hidden, dn.block_n),)](
+        h,
+        h_scale,
+        down,
+        down_scale,
+        *layout[:3],
+        weights.float().contiguous(),
+        routed,
+        num_blocks,
+        h.stride(0),
+        h_scale.stride(0),
+        down.stride(0),
+        down.stride(1),
+        down_scale.stride(0),
+        down_scale.stride(1),
+        routed.stride(0),
+        N=hidden,
+        K=intermediate,
+        BLOCK_M=config.block_m,
+        BLOCK_N=dn.block_n,
+        BLOCK_K=dn.block_k,
+        GROUP_M=config.group_m,
+        FP8=fp8,
+        num_warps=dn.num_warps,
+        num_stages=dn.num_stages,
+    )
+    return routed.view(tokens, top_k, hidden).sum(1)
+
+
+def experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    limit: float,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as `reference.experts`; weights in x's dtype."""
+    _check(x, gate_up, down, ids, weights)
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(
+            f"experts: gate_up {gate_up.dtype} and down {down.dtype} must be x's dtype {x.dtype}"
+        )
+    x = x.contiguous()
+    return _run(x, None, gate_up, None, down, None, ids, weights, limit, x.dtype, config)
+
+
+def experts_fp8(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale_inv: torch.Tensor,
+    down: torch.Tensor,
+    down_scale_inv: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    limit: float,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as `reference.experts_fp8`; x is quantised per token and group of 128."""
+    _check(x, gate_up, down, ids, weights)
+    _check_scale("gate_up", gate_up_scale_inv, gate_up)
+    _check_scale("down", down_scale_inv, down)
+    x_q, x_scale = quantize_groups(x)
+    return _run(
+        x_q, x_scale, gate_up, gate_up_scale_inv, down, down_scale_inv, ids, weights, limit, x.dtype, config
+    )

@@ -1,0 +1,366 @@
+"""Triton routing and token permutation of the MoE, with no GPU→CPU synchronisation.
+
+`route`: router logits by one cuBLAS GEMM (fp32 output from bf16 inputs), then one kernel per block
+of tokens: sigmoid, correction bias, group-limited choice, top-k by repeated arg-max (lowest index
+first on ties), normalisation and scaling.
+
+`align`: the (token, choice) pairs sorted by expert, each expert's run padded to the GEMM's
+`block_m`. Counts and offsets live on the device: an atomic increment per pair gives its rank
+within its expert (so the order inside an expert is arbitrary, which changes nothing: every GEMM
+row is computed and written on its own), and per-expert block offsets come from a cumulative sum
+over the counts that every placing program recomputes. The number of blocks is only known on the
+device, so the arrays are sized by the bound cdiv(T·k, block_m) + min(E, T·k); blocks past the real
+count get expert -1 and their GEMM programs return at once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# Up to this many pairs (decode and verify batches) one program counts and places them, one launch
+# instead of a fill and two launches.
+SMALL_PAIRS = 256
+CHUNK = 32  # pairs or blocks per step of the placing loops: a [CHUNK, E_PAD] one-hot stays in registers
+
+
+class Alignment(NamedTuple):
+    """`pairs [num_blocks·block_m]`: pair index t·k + j per row (rows past an expert's count are
+    unset); `block_expert [num_blocks]`: expert of each block, -1 past the real count;
+    `block_rows [num_blocks]`: valid rows of each block."""
+
+    pairs: torch.Tensor
+    block_expert: torch.Tensor
+    block_rows: torch.Tensor
+    block_m: int
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of Σ_e cdiv(count_e, block_m): at most min(E, pairs) experts have a partial block."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+# ---------------------------------------------------------------- routing
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    weights_ptr,
+    num_tokens,
+    scaling,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < num_tokens
+    e = tl.arange(0, E_PAD)
+    e_ok = e < E
+    logits = tl.load(logits_ptr + t[:, None] * E + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+    scores = tl.sigmoid(logits)
+    biased = scores + tl.load(bias_ptr + e, mask=e_ok, other=0.0)[None, :]
+    biased = tl.where(e_ok[None, :], biased, float("-inf"))
+    if N_GROUP > 1:
+        group_of = e // (E // N_GROUP)
+        g = tl.arange(0, G_PAD)
+        strength = tl.full([BLOCK_T, G_PAD], float("-inf"), tl.float32)
+        for group in tl.static_range(N_GROUP):
+            members = tl.where((group_of == group)[None, :], biased, float("-inf"))
+            first = tl.argmax(members, axis=1)
+            second = tl.max(tl.where(e[None, :] == first[:, None], float("-inf"), members), axis=1)
+            top_two = tl.max(members, axis=1) + second
+            strength = tl.where(g[None, :] == group, top_two[:, None], strength)
+        keep = tl.zeros([BLOCK_T, E_PAD], tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.argmax(strength, axis=1)
+            keep = keep | (group_of[None, :] == best[:, None])
+            strength = tl.where(g[None, :] == best[:, None], float("-inf"), strength)
+        biased = tl.where(keep, biased, float("-inf"))
+    j = tl.arange(0, K_PAD)
+    ids = tl.zeros([BLOCK_T, K_PAD], tl.int64)
+    weights = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+    for choice in tl.static_range(TOP_K):
+        pick = tl.argmax(biased, axis=1)
+        chosen = e[None, :] == pick[:, None]
+        ids = tl.where(j[None, :] == choice, pick.to(tl.int64)[:, None], ids)
+        weights = tl.where(
+            j[None, :] == choice, tl.sum(tl.where(chosen, scores, 0.0), axis=1)[:, None], weights
+        )
+        biased = tl.where(chosen, float("-inf"), biased)
+    if NORMALIZE:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+    out = t[:, None] * TOP_K + j[None, :]
+    ok = t_ok[:, None] & (j < TOP_K)[None, :]
+    tl.store(ids_ptr + out, ids, mask=ok)
+    tl.store(weights_ptr + out, weights * scaling, mask=ok)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 `x · weightᵀ`; 16-bit operands go to cuBLAS as they are, with an fp32 output."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return x.float() @ weight.float().t()
+
+
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `reference.route`: (ids int64 `[T, k]`, weights fp32 `[T, k]`)."""
+    num_experts = weight.shape[0]
+    if x.ndim != 2 or weight.ndim != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"route: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [T, D] and [E, D]"
+        )
+    if correction_bias.shape != (num_experts,):
+        raise ValueError(f"route: correction_bias {tuple(correction_bias.shape)} must be [{num_experts}]")
+    if num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(
+            f"route: n_group {n_group} / topk_group {topk_group} do not split {num_experts} experts"
+        )
+    if not 1 <= top_k <= topk_group * num_experts // n_group:
+        raise ValueError(f"route: top_k {top_k} exceeds the experts of {topk_group} groups")
+    logits = router_logits(x, weight)
+    tokens = x.shape[0]
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    if tokens == 0:
+        return ids, weights
+    block_t = 4 if num_experts > 128 else 16
+    _route_kernel[(triton.cdiv(tokens, block_t),)](
+        logits,
+        correction_bias.float().contiguous(),
+        ids,
+        weights,
+        tokens,
+        float(scaling),
+        E=num_experts,
+        E_PAD=triton.next_power_of_2(num_experts),
+        TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        N_GROUP=n_group,
+        G_PAD=triton.next_power_of_2(n_group),
+        TOPK_GROUP=topk_group,
+        NORMALIZE=normalize,
+        BLOCK_T=block_t,
+    )
+    return ids, weights
+
+
+# ---------------------------------------------------------------- permutation
+
+
+@triton.jit
+def _count_chunk(ids_ptr, counts_ptr, ranks_ptr, start, num_pairs, CHUNK_SIZE: tl.constexpr):
+    """Each pair's rank within its expert: the old value of its expert's counter."""
+    i = start + tl.arange(0, CHUNK_SIZE)
+    ok = i < num_pairs
+    expert = tl.load(ids_ptr + i, mask=ok, other=0)
+    rank = tl.atomic_add(counts_ptr + expert, 1, mask=ok)
+    tl.store(ranks_ptr + i, rank, mask=ok)
+
+
+@triton.jit
+def _expert_blocks(counts_ptr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(counts, first block, end block) of every expert, padded to E_PAD with empty experts."""
+    e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e, mask=e < E, other=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(blocks, axis=0)
+    return counts, ends - blocks, ends
+
+
+@triton.jit
+def _place_chunk(
+    ids_ptr,
+    ranks_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    counts,
+    starts,
+    ends,
+    start,
+    num_pairs,
+    num_blocks,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+):
+    """Pairs start..start+CHUNK to their padded rows, and blocks start..start+CHUNK to their expert."""
+    e = tl.arange(0, E_PAD)
+    i = start + tl.arange(0, CHUNK_SIZE)
+    ok = i < num_pairs
+    expert = tl.load(ids_ptr + i, mask=ok, other=0)
+    first_block = tl.sum(tl.where(e[None, :] == expert[:, None], starts[None, :], 0), axis=1)
+    rank = tl.load(ranks_ptr + i, mask=ok, other=0)
+    tl.store(pairs_ptr + first_block * BLOCK_M + rank, i.to(tl.int32), mask=ok)
+
+    b = i  # the same chunk indices, now as block numbers
+    # the owner of block b is the number of experts whose blocks all end at or before b
+    owner = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
+    owned = e[None, :] == owner[:, None]
+    first = tl.sum(tl.where(owned, starts[None, :], 0), axis=1)
+    rows = tl.minimum(tl.sum(tl.where(owned, counts[None, :], 0), axis=1) - (b - first) * BLOCK_M, BLOCK_M)
+    real = owner < E
+    b_ok = b < num_blocks
+    tl.store(block_expert_ptr + b, tl.where(real, owner, -1), mask=b_ok)
+    tl.store(block_rows_ptr + b, tl.where(real, rows, 0), mask=b_ok)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_pairs, CHUNK_SIZE: tl.constexpr):
+    _count_chunk(ids_ptr, counts_ptr, ranks_ptr, tl.program_id(0) * CHUNK_SIZE, num_pairs, CHUNK_SIZE)
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr,
+    ranks_ptr,
+    counts_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    num_pairs,
+    num_blocks,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+):
+    counts, starts, ends = _expert_blocks(counts_ptr, E, E_PAD, BLOCK_M)
+    _place_chunk(
+        ids_ptr,
+        ranks_ptr,
+        pairs_ptr,
+        block_expert_ptr,
+        block_rows_ptr,
+        counts,
+        starts,
+        ends,
+        tl.program_id(0) * CHUNK_SIZE,
+        num_pairs,
+        num_blocks,
+        E,
+        E_PAD,
+        BLOCK_M,
+        CHUNK_SIZE,
+    )
+
+
+@triton.jit
+def _align_small_kernel(
+    ids_ptr,
+    counts_ptr,
+    ranks_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    num_pairs,
+    num_blocks,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PAIR_CHUNKS: tl.constexpr,
+    PLACE_CHUNKS: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+):
+    """The count and place kernels in one program; barriers order the phases (one CTA sees its own
+    global writes after a barrier)."""
+    e = tl.arange(0, E_PAD)
+    tl.store(counts_ptr + e, tl.zeros([E_PAD], tl.int32), mask=e < E)
+    tl.debug_barrier()
+    for chunk in tl.static_range(PAIR_CHUNKS):
+        _count_chunk(ids_ptr, counts_ptr, ranks_ptr, chunk * CHUNK_SIZE, num_pairs, CHUNK_SIZE)
+    tl.debug_barrier()
+    counts, starts, ends = _expert_blocks(counts_ptr, E, E_PAD, BLOCK_M)
+    for chunk in tl.static_range(PLACE_CHUNKS):
+        _place_chunk(
+            ids_ptr,
+            ranks_ptr,
+            pairs_ptr,
+            block_expert_ptr,
+            block_rows_ptr,
+            counts,
+            starts,
+            ends,
+            chunk * CHUNK_SIZE,
+            num_pairs,
+            num_blocks,
+            E,
+            E_PAD,
+            BLOCK_M,
+            CHUNK_SIZE,
+        )
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sort the pairs of `ids [T, k]` by expert into `block_m`-row blocks (see the module docstring)."""
+    if ids.ndim != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"align: ids must be an int32/int64 [T, k] tensor, got {ids.dtype} {tuple(ids.shape)}"
+        )
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    device = ids.device
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    block_rows = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    buffers = (pairs, block_expert, block_rows)
+    e_pad = triton.next_power_of_2(num_experts)
+    if num_pairs <= SMALL_PAIRS:
+        bucket = triton.next_power_of_2(num_pairs)  # loops unrolled per power of two: few compiled variants
+        _align_small_kernel[(1,)](
+            flat,
+            counts,
+            ranks,
+            *buffers,
+            num_pairs,
+            num_blocks,
+            E=num_experts,
+            E_PAD=e_pad,
+            BLOCK_M=block_m,
+            PAIR_CHUNKS=triton.cdiv(bucket, CHUNK),
+            PLACE_CHUNKS=triton.cdiv(max(bucket, max_blocks(bucket, num_experts, block_m)), CHUNK),
+            CHUNK_SIZE=CHUNK,
+            num_warps=8,
+        )
+    else:
+        counts.zero_()
+        _count_kernel[(triton.cdiv(num_pairs, 256),)](flat, counts, ranks, num_pairs, CHUNK_SIZE=256)
+        _place_kernel[(triton.cdiv(max(num_pairs, num_blocks), CHUNK),)](
+            flat,
+            ranks,
+            counts,
+            *buffers,
+            num_pairs,
+            num_blocks,
+            E=num_experts,
+            E_PAD=e_pad,
+            BLOCK_M=block_m,
+            CHUNK_SIZE=CHUNK,
+            num_warps=8,
+        )
+    return Alignment(pairs, block_expert, block_rows, block_m)
