@@ -14,6 +14,8 @@ from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.models.loader import load_model
 
+TRITON_LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+
 # name -> (kpool, index_topk, layer mix, overrides)
 PARITY_CONFIGS = {
     "kpool4-shared": (4, 8, "shared", {}),
@@ -36,6 +38,22 @@ def models(tiny_checkpoint):
 
     transformers.logging.set_verbosity_error()
     return load_model(tiny_checkpoint, dtype=torch.float32, progress=False), hf_model(tiny_checkpoint)
+
+
+@pytest.fixture
+def strict_launch_arguments(monkeypatch):
+    """The Triton interpreter ignores keyword arguments a kernel does not declare; the GPU launcher
+    raises. Kernel test modules use this (`pytestmark`) so the CPU catches such launches too."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def checked(self, *args, grid, warmup, **kwargs):
+        unknown = set(kwargs) - set(self.arg_names) - TRITON_LAUNCH_OPTIONS
+        assert not unknown, f"{self.fn.__name__} got undeclared arguments {sorted(unknown)}"
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", checked)
 
 
 class Caches:

@@ -15,6 +15,8 @@ from hylo.layers.linear import Linear  # noqa: E402
 from hylo.ops import gemm  # noqa: E402
 from hylo.ops.gemm import kernels, table  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
+
 
 @pytest.mark.parametrize(
     ("m", "n", "k", "config"),

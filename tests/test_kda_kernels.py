@@ -19,23 +19,10 @@ import torch.nn.functional as F
 
 from hylo.ops.kda import chunk, recurrent, reference, rmsnorm
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked-out scores overflow in numpy
-LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
-
-
-@pytest.fixture(autouse=True)
-def strict_launch_arguments(monkeypatch):
-    """The interpreter ignores keyword arguments a kernel does not declare; the GPU launcher raises."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    run = InterpretedFunction.run
-
-    def checked(self, *args, grid, warmup, **kwargs):
-        unknown = set(kwargs) - set(self.arg_names) - LAUNCH_OPTIONS
-        assert not unknown, f"{self.fn.__name__} got undeclared arguments {sorted(unknown)}"
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", checked)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # masked-out scores overflow in numpy
+    pytest.mark.usefixtures("strict_launch_arguments"),
+]
 
 
 RATIO = 3e-6  # fp32

@@ -25,24 +25,10 @@ from hylo.models import demo  # noqa: E402
 from hylo.models.glm5_next import Glm5NextForCausalLM  # noqa: E402
 from hylo.ops.mhc import kernels, reference  # noqa: E402
 
-LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
+
 RMS_EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
 SMALL = kernels.Plan(block_m=16, project_chunk=32, collapse_chunk=64, block_k=16, num_warps=4, collapse_k=32)
-
-
-@pytest.fixture(autouse=True)
-def strict_launch_arguments(monkeypatch):
-    """The interpreter ignores keyword arguments a kernel does not declare; the GPU launcher raises."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    run = InterpretedFunction.run
-
-    def checked(self, *args, grid, warmup, **kwargs):
-        unknown = set(kwargs) - set(self.arg_names) - LAUNCH_OPTIONS
-        assert not unknown, f"{self.fn.__name__} got undeclared arguments {sorted(unknown)}"
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", checked)
 
 
 def hc_case(tokens: int, hidden: int, seed: int, dtype=torch.float32, iters: int = ITERS):

@@ -22,6 +22,8 @@ from hylo.ops.indexer import reference as iref  # noqa: E402
 from hylo.ops.sparse_mla import kernels as sk  # noqa: E402
 from hylo.ops.sparse_mla.reference import sparse_mla  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
+
 DEV = "cuda" if CUDA else "cpu"
 # fp32 tiles: exact under the interpreter, tf32 tensor-core dots on the GPU
 TOL = {"rtol": 5e-3, "atol": 5e-3} if CUDA else {"rtol": 1e-4, "atol": 1e-5}

@@ -20,7 +20,6 @@ import multiprocessing
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ if DRY:
 
     use_interpreter()
 
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+from harness import RESULTS, bench, bench_graph, rec, section  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
@@ -45,36 +44,6 @@ DECODE = (1, 16, 64) if not DRY else (1, 16)
 PREFILL = 13312 if not DRY else 40
 DEV = "cpu" if DRY else "cuda"
 DTYPE = torch.float32 if DRY else torch.bfloat16  # the interpreter's bf16 dot and casts are not exact
-RESULTS: dict[str, object] = {}
-
-
-def rec(key: str, value: object) -> None:
-    RESULTS[key] = value
-    print(f"{key}: {value}", flush=True)
-
-
-def section(name, fn, *args):
-    start = time.time()
-    try:
-        fn(*args)
-    except Exception:  # keep measuring the other sections; the log says what broke
-        rec(f"{name}_error", traceback.format_exc()[-2000:])
-    rec(f"{name}_wall_s", round(time.time() - start, 1))
-
-
-def bench_graph(fn) -> float:
-    """Median microseconds of a CUDA-graph replay (small launches)."""
-    if DRY:
-        fn()
-        return 1.0
-    return do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
-
-
-def bench(fn, rep=100) -> float:
-    if DRY:
-        fn()
-        return 1.0
-    return do_bench(fn, warmup=5, rep=rep, return_mode="median") * 1e3
 
 
 def timed(tokens: int):

@@ -18,7 +18,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ if DRY:
     use_interpreter()
 
 import triton  # noqa: E402
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+from harness import RESULTS, bench, bench_graph, rec, section  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
@@ -43,39 +42,9 @@ from hylo.ops.sparse_mla.reference import sparse_mla as sparse_mla_ref  # noqa: 
 HEADS, RANK, SCALE = 64, 512, 256**-0.5
 KPOOL, TOPK, IDX_HEADS, IDX_DIM = 4, 2048, 32, 128
 WIDTH = ik.row_width(TOPK, KPOOL, True)  # 2112
-RESULTS: dict[str, object] = {}
 DEV = "cpu" if DRY else "cuda"
 # real sizes; --dry-run shrinks them to check the script itself on the CPU
 CONTEXT, PREFILL, INDEXER_TOKENS, LAYERS = (4096, 64, 2304, 2) if DRY else (16384, 13312, 13312, 32)
-
-
-def rec(key: str, value: object) -> None:
-    RESULTS[key] = value
-    print(f"{key}: {value}", flush=True)
-
-
-def section(name, fn, *args):
-    start = time.time()
-    try:
-        fn(*args)
-    except Exception:  # keep measuring the other sections; the log says what broke
-        rec(f"{name}_error", traceback.format_exc()[-1500:])
-    rec(f"{name}_wall_s", round(time.time() - start, 1))
-
-
-def bench_graph(fn) -> float:
-    """Median microseconds of a CUDA-graph replay (small launches)."""
-    if DRY:
-        fn()
-        return 1.0
-    return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
-
-
-def bench(fn, rep=100) -> float:
-    if DRY:
-        fn()
-        return 1.0
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

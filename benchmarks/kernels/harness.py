@@ -1,0 +1,49 @@
+"""What the kernel benchmark scripts share: a results record, sections that survive failures, timers.
+
+`--dry-run` on a script's command line (CPU, Triton interpreter, tiny sizes) makes the timers run the
+function once and report 1 us, so the script's own logic is checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+DRY = "--dry-run" in sys.argv
+RESULTS: dict[str, object] = {}
+
+
+def rec(key: str, value: object) -> None:
+    RESULTS[key] = value
+    print(f"{key}: {value}", flush=True)
+
+
+def section(name: str, fn, *args) -> None:
+    """Run one part of a benchmark; a failure is recorded and the other parts still run."""
+    start = time.time()
+    try:
+        fn(*args)
+    except Exception:  # keep measuring the other sections; the log says what broke
+        rec(f"{name}_error", traceback.format_exc()[-2000:])
+    rec(f"{name}_wall_s", round(time.time() - start, 1))
+
+
+def bench_graph(fn, rep: int = 50) -> float:
+    """Median microseconds of a CUDA-graph replay (small launches); compiles outside the capture."""
+    fn()
+    if DRY:
+        return 1.0
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3
+
+
+def bench(fn, rep: int = 100) -> float:
+    """Median microseconds of eager launches."""
+    if DRY:
+        fn()
+        return 1.0
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
