@@ -44,14 +44,12 @@ DEV = "cpu" if DRY else "cuda"
 
 
 def model_shapes() -> list[tuple[int, int]]:
-    """Distinct (N, K) of the model's projections and head, built on the meta device."""
+    """Distinct (N, K) of the model's projections and head (hylo `Linear`s), built on the meta device."""
     if DRY:
         return [(48, 64), (24, 128)]
     with torch.device("meta"):
         model = Glm5NextForCausalLM(ModelConfig())
-    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)}
-    shapes.add(tuple(model.lm_head.weight.shape))
-    return sorted(shapes)
+    return sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)})
 
 
 def candidates(bucket: int) -> list[table.GemmConfig]:

@@ -10,6 +10,7 @@ from torch import nn
 from hylo.config import LINEAR, ModelConfig
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.kda import KDAAttention
+from hylo.layers.linear import Linear
 from hylo.layers.mhc import HyperConnection
 from hylo.layers.mlp import MLP
 from hylo.layers.moe import MoE
@@ -73,7 +74,7 @@ class Glm5NextForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
