@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hylo.config import ModelConfig
+from hylo.layers.moe import FP8Experts, MoE
 from hylo.models.loader import (
     CheckpointError,
     _quantizable,
@@ -202,3 +203,35 @@ def test_default_schedules_match_glm5_flash():
     assert len(config.kda_layers) == 34 and config.dsa_layers == list(range(3, 45, 4))
     assert config.mlp_layer_types[:4] == ["dense", "dense", "dense", "sparse"]
     assert config.row_width == 2048 + 15
+
+
+def test_fp8_experts_stay_fp8_in_memory(tmp_path):
+    """`fp8_experts` keeps the routed experts' e4m3 weights and block scales as the checkpoint has them;
+    the model computes what the dequantised-at-load model computes."""
+    base = write_hf_checkpoint(
+        tmp_path / "base", tiny_text_config(4, 8, moe_intermediate_size=128), seed=13, gain=0.3
+    )
+    raw = json.loads((base / "config.json").read_text())
+    save_checkpoint(load(base), tmp_path / "fp8", raw, fp8=True)
+    dequantised = load(tmp_path / "fp8")
+    resident = load_model(tmp_path / "fp8", dtype=torch.float32, progress=False, fp8_experts=True)
+    experts = [layer.mlp.experts for layer in resident.layers if isinstance(layer.mlp, MoE)]
+    assert experts and all(isinstance(e, FP8Experts) for e in experts)
+    assert experts[0].gate_up_proj.dtype == torch.float8_e4m3fn
+    with safe_open(str(tmp_path / "fp8" / WEIGHTS), "pt") as f:
+        prefix = "model.language_model.layers.4.mlp.experts.2"
+        up, up_scale = (
+            f.get_tensor(f"{prefix}.up_proj.weight"),
+            f.get_tensor(f"{prefix}.up_proj.weight_scale_inv"),
+        )
+    layer4 = resident.layers[4].mlp.experts
+    assert torch.equal(layer4.gate_up_proj[2, 128:].view(torch.uint8), up.view(torch.uint8))
+    assert torch.equal(layer4.gate_up_proj_scale_inv[2, 1:], up_scale)
+    ids = random_prompt(37, 160, seed=8)
+    torch.testing.assert_close(logits(resident, ids), logits(dequantised, ids), rtol=1e-5, atol=1e-5)
+
+    with pytest.raises(ValueError, match="moe_intermediate_size to be a multiple of 128, got 32"):
+        small = write_hf_checkpoint(tmp_path / "small", tiny_text_config(4, 8), seed=14)
+        load_model(small, dtype=torch.float32, progress=False, fp8_experts=True)
+    with pytest.raises(CheckpointError, match="FP8 experts need e4m3"):
+        load_model(base, dtype=torch.float32, progress=False, fp8_experts=True)

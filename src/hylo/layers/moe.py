@@ -8,6 +8,7 @@ from torch import nn
 from hylo.config import ModelConfig
 from hylo.layers.mlp import MLP
 from hylo.ops import moe as moe_ops
+from hylo.ops.moe.reference import FP8_BLOCK
 
 
 class Router(nn.Module):
@@ -50,6 +51,23 @@ class FP8Experts(nn.Module):
         self.register_buffer("gate_up_proj_scale_inv", gate_up_proj_scale_inv)
         self.register_buffer("down_proj", down_proj)
         self.register_buffer("down_proj_scale_inv", down_proj_scale_inv)
+
+    @classmethod
+    def empty(cls, config: ModelConfig, device: str | torch.device) -> FP8Experts:
+        """Uninitialised buffers for a checkpoint's FP8 experts. The gate and up blocks of an expert are
+        stacked, so its intermediate size must be whole [128, 128] blocks."""
+        e, i, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        if i % FP8_BLOCK:
+            raise ValueError(
+                f"FP8 experts need moe_intermediate_size to be a multiple of {FP8_BLOCK}, got {i}"
+            )
+
+        def buffers(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            weight = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=device)
+            scale = torch.empty(e, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK), dtype=torch.float32, device=device)
+            return weight, scale
+
+        return cls(*buffers(2 * i, d), *buffers(d, i))
 
     @classmethod
     def from_experts(cls, experts: Experts) -> FP8Experts:

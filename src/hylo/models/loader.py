@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hylo.config import ModelConfig
+from hylo.layers.moe import FP8Experts, MoE
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.mtp import MTPLayer, mtp_config
 
@@ -83,6 +84,19 @@ def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
             for e in range(c.n_routed_experts):
                 view = partial(_expert_rows, expert=e, lo=0, hi=None)
                 layout[name.replace("down_proj", f"{e}.down_proj.weight")] = Slot(name, view, shape[1:])
+        elif name.endswith("mlp.experts.gate_up_proj_scale_inv"):  # FP8Experts: gate blocks, then up blocks
+            half = shape[1] // 2
+            for e in range(c.n_routed_experts):
+                base = name.replace("gate_up_proj_scale_inv", f"{e}")
+                gate = partial(_expert_rows, expert=e, lo=0, hi=half)
+                up = partial(_expert_rows, expert=e, lo=half, hi=None)
+                layout[f"{base}.gate_proj.weight_scale_inv"] = Slot(name, gate, (half, shape[2]))
+                layout[f"{base}.up_proj.weight_scale_inv"] = Slot(name, up, (half, shape[2]))
+        elif name.endswith("mlp.experts.down_proj_scale_inv"):
+            for e in range(c.n_routed_experts):
+                view = partial(_expert_rows, expert=e, lo=0, hi=None)
+                key = name.replace("down_proj_scale_inv", f"{e}.down_proj.weight_scale_inv")
+                layout[key] = Slot(name, view, shape[1:])
         else:
             key = re.sub(r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2", name)
             layout[key] = Slot(name, _whole, shape)
@@ -183,8 +197,8 @@ def _load_tensors(
             keys = set(f.keys())
             for raw in sorted(keys):
                 key = local_name(raw)
-                if key is None or key.endswith(".weight_scale_inv"):
-                    continue
+                if key is None or (key.endswith(".weight_scale_inv") and key not in layout):
+                    continue  # scales of weights dequantised below
                 slot = layout.get(key)
                 if slot is None:
                     raise CheckpointError(f"{file.name}: unexpected tensor {raw!r} (not part of the model)")
@@ -194,8 +208,10 @@ def _load_tensors(
                         f"{file.name}: tensor {raw!r} has shape {tuple(tensor.shape)}, expected {slot.shape}"
                     )
                 dest = slot.view(params[slot.param].data)
-                if tensor.dtype == torch.float8_e4m3fn:
+                if tensor.dtype == torch.float8_e4m3fn and dest.dtype != torch.float8_e4m3fn:
                     tensor = _dequantized(f, raw, keys, tensor, file, dest.dtype)
+                elif dest.dtype == torch.float8_e4m3fn and tensor.dtype != dest.dtype:
+                    raise CheckpointError(f"{file.name}: {raw!r} is {tensor.dtype}, FP8 experts need e4m3")
                 dest.copy_(tensor.view(dest.shape))
                 seen.add(key)
                 bar.update()
@@ -258,11 +274,25 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     progress: bool | None = None,
+    fp8_experts: bool | None = None,
 ) -> Glm5NextForCausalLM:
-    """Build the model from `path/config.json` without initialising weights, then load them."""
+    """Build the model from `path/config.json` without initialising weights, then load them. With
+    `fp8_experts` (an FP8 checkpoint) the routed experts stay e4m3 with their block scales
+    (`FP8Experts`, run by the FP8 grouped GEMMs) instead of being dequantised to `dtype`; by default
+    they do on CUDA whenever the checkpoint is block-FP8 and its experts are whole [128, 128] blocks."""
     config = ModelConfig.from_dir(path)
+    if fp8_experts is None:
+        fp8_experts = (
+            torch.device(device).type == "cuda"
+            and (config.quantization_config or {}).get("quant_method") == "fp8"
+            and config.moe_intermediate_size % FP8_BLOCK == 0
+        )
     with torch.device("meta"):
         model = Glm5NextForCausalLM(config)
+        if fp8_experts:  # swapped before allocation: the bf16 experts never take memory
+            for layer in model.layers:
+                if isinstance(layer.mlp, MoE):
+                    layer.mlp.experts = FP8Experts.empty(config, "meta")
     model = _materialize(model, device, dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
