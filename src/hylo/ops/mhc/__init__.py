@@ -64,12 +64,10 @@ def mhc_post_pre(
     sinkhorn_iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`mhc_post` of one block fused with `mhc_pre` of the next: (new streams, post, comb, block input)."""
-    args = (out, streams, post, comb, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
-    if not _use_kernels(streams):
-        return reference.mhc_post_pre(*args)
-    from hylo.ops.mhc import kernels
+    if _use_kernels(streams) and streams.shape[0] > SEPARATE_POST_PRE_TOKENS:
+        from hylo.ops.mhc import kernels
 
-    if streams.shape[0] > SEPARATE_POST_PRE_TOKENS:
-        return kernels.mhc_post_pre(*args)
-    streams = kernels.mhc_post(out, streams, post, comb)
-    return (streams, *kernels.mhc_pre(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters))
+        hc = (fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
+        return kernels.mhc_post_pre(out, streams, post, comb, *hc)
+    streams = mhc_post(out, streams, post, comb)
+    return (streams, *mhc_pre(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters))
