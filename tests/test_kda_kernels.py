@@ -9,15 +9,15 @@ formulas written the way FLA's `naive.py` writes them.
 
 from __future__ import annotations
 
-import os
+from interpreter import use_interpreter
 
-os.environ["TRITON_INTERPRET"] = "1"
+use_interpreter()  # before the kernels are decorated
 
-import pytest
-import torch
-import torch.nn.functional as F
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-from hylo.ops.kda import chunk, recurrent, reference, rmsnorm
+from hylo.ops.kda import chunk, recurrent, reference, rmsnorm  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # masked-out scores overflow in numpy

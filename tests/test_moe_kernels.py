@@ -13,18 +13,18 @@ on dequantised weights.
 
 from __future__ import annotations
 
-import os
+from interpreter import use_interpreter
 
-os.environ["TRITON_INTERPRET"] = "1"
+use_interpreter()  # before the kernels are decorated
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-from hylo.config import ModelConfig
-from hylo.layers.moe import FP8Experts, MoE
-from hylo.ops import moe as moe_ops
-from hylo.ops.moe import kernels, reference, routing
-from hylo.ops.moe.kernels import MoeConfig, Tiles
+from hylo.config import ModelConfig  # noqa: E402
+from hylo.layers.moe import FP8Experts, MoE  # noqa: E402
+from hylo.ops import moe as moe_ops  # noqa: E402
+from hylo.ops.moe import kernels, reference, routing  # noqa: E402
+from hylo.ops.moe.kernels import MoeConfig, Tiles  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 

@@ -29,7 +29,10 @@ import torch
 
 DRY = "--dry-run" in sys.argv
 if DRY:
-    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from interpreter import use_interpreter
+
+    use_interpreter()
 
 from harness import RESULTS, bench, bench_graph, rec, section  # noqa: E402
 
