@@ -64,3 +64,26 @@ def test_linear_layer_keeps_nn_linear_contract():
     x = torch.randn(3, 5, 24)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight))
     torch.testing.assert_close(gemm.linear(x, layer.weight), x @ layer.weight.t())
+
+
+def test_shipped_tables_hold_only_measured_wins_for_model_shapes():
+    """Every table in the package names its GPU, keys shapes of GLM-5.3-Flash's projections, and records
+    that its configuration beat cuBLAS by the tuner's margin at both ends of its bucket."""
+    from hylo.config import ModelConfig
+    from hylo.models.glm5_next import Glm5NextForCausalLM
+
+    with torch.device("meta"):
+        model = Glm5NextForCausalLM(ModelConfig.from_dict({}))
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)}
+    keys = {table.entry_key(b, n, k) for b in table.M_BUCKETS for n, k in shapes}
+    paths = sorted(table.TABLES.glob("*.json"))
+    assert paths, "no table shipped"
+    for path in paths:
+        data = json.loads(path.read_text())
+        assert table.table_path(data["gpu"]) == path
+        assert data["entries"] and set(data["entries"]) <= keys
+        for entry in data["entries"].values():
+            config = table.GemmConfig(**entry["config"])
+            assert config.split_k >= 1 and config.block_m in table.M_BUCKETS
+            for rows, us in entry["us"].items():
+                assert us * 1.02 <= entry["cublas_us"][rows]

@@ -7,8 +7,9 @@ For every distinct projection shape (N, K) of the model and every M bucket (16, 
 launch configuration is first checked against an fp32 torch product (relative error ≤ 1e-2 in bf16),
 then timed under CUDA-graph replay (median) at the bucket's smallest and largest M next to
 `torch.nn.functional.linear` (cuBLAS) on the same inputs. An entry is written only when its best
-configuration is faster than cuBLAS at both ends of the bucket, so every entry beats cuBLAS for its
-shape; the other shapes stay on cuBLAS. Prints the table and writes it (with the timings) to --out.
+configuration is at least 2% faster than cuBLAS at both ends of the bucket (above run-to-run noise),
+so every entry beats cuBLAS for its shape; the other shapes stay on cuBLAS. Prints the table and
+writes it (with the timings) to --out.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -41,19 +43,22 @@ from hylo.models.glm5_next import Glm5NextForCausalLM  # noqa: E402
 from hylo.ops.gemm import kernels, table  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
+MARGIN = 1.02  # an entry must beat cuBLAS by this factor at both ends of its bucket: run-to-run noise is ~1%
 
 
 def model_shapes() -> list[tuple[int, int]]:
-    """Distinct (N, K) of the model's projections and head (hylo `Linear`s), built on the meta device."""
+    """Distinct (N, K) of the model's projections and head (hylo `Linear`s), built on the meta device,
+    the most weight bytes per decode step first (the budget may end before the last ones)."""
     if DRY:
         return [(48, 64), (24, 128)]
     with torch.device("meta"):
-        model = Glm5NextForCausalLM(ModelConfig())
-    return sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)})
+        model = Glm5NextForCausalLM(ModelConfig.from_dict({}))
+    shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear))
+    return sorted(shapes, key=lambda nk: -shapes[nk] * nk[0] * nk[1])
 
 
 def candidates(bucket: int) -> list[table.GemmConfig]:
-    grid = itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8), (4,), (3,))
+    grid = itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (4,), (3,))
     if DRY:
         grid = itertools.product((16,), (32,), (1, 2), (4,), (2,))
     return [table.GemmConfig(bucket, bn, bk, sk, w, st) for bn, bk, sk, w, st in grid]
@@ -91,7 +96,7 @@ def tune_shape(n: int, k: int, bucket: int, gen: torch.Generator) -> dict | None
     if best is None:
         return None
     config, us, error = best
-    faster = DRY or all(us[m] < cublas[m] for m in xs)
+    faster = DRY or all(us[m] * MARGIN <= cublas[m] for m in xs)
     return {
         "config": config.__dict__,
         "us": {str(m): round(t, 2) for m, t in us.items()},
@@ -113,9 +118,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     deadline = time.time() + args.budget_s
     entries, measured = {}, {}
-    for (n, k), bucket in itertools.product(model_shapes(), table.M_BUCKETS):
+    for bucket, (n, k) in itertools.product(table.M_BUCKETS, model_shapes()):
         if time.time() > deadline:
-            print(f"budget spent: shapes from (N={n}, K={k}) on were not tuned")
+            print(f"budget spent: from bucket {bucket}, shape (N={n}, K={k}) on, nothing was tuned")
             break
         result = tune_shape(n, k, bucket, gen)
         key = table.entry_key(bucket, n, k)
