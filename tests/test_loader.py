@@ -235,3 +235,29 @@ def test_fp8_experts_stay_fp8_in_memory(tmp_path):
         load_model(small, dtype=torch.float32, progress=False, fp8_experts=True)
     with pytest.raises(CheckpointError, match="FP8 experts need e4m3"):
         load_model(base, dtype=torch.float32, progress=False, fp8_experts=True)
+
+
+def test_dummy_load_needs_only_the_config(tmp_path):
+    """`load_format="dummy"` builds a model from config.json alone with seeded random weights (FP8
+    experts included), the same on every load, finite logits; a bad load_format names the field."""
+    text = tiny_text_config(4, 8, moe_intermediate_size=128) | {"model_type": "glm5_next_text"}
+    raw = {"model_type": "glm5_next", "text_config": text, "quantization_config": {"quant_method": "fp8"}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    first, second = (
+        load_model(tmp_path, dtype=torch.float32, progress=False, fp8_experts=True, random_weights=True)
+        for _ in range(2)
+    )
+    experts = first.layers[4].mlp.experts
+    assert isinstance(experts, FP8Experts) and experts.gate_up_proj.float().std() > 0.5
+    assert (experts.gate_up_proj_scale_inv > 0).all()
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b,
+        ), name
+    out = logits(first, random_prompt(9, 160, seed=2))
+    assert torch.isfinite(out).all() and out.std() > 0
+    from hylo.config import EngineConfig
+
+    with pytest.raises(ValueError, match="load_format must be auto or dummy"):
+        EngineConfig(load_format="pt")

@@ -177,6 +177,9 @@ class EngineConfig:
         "HF model directory; default: the embedded tiny random-weight GLM-5.3-Flash, written on first use",
     )
     tokenizer: str | None = _flag(None, "tokenizer directory (default: the model directory)")
+    load_format: str = _flag(
+        "auto", "auto (the checkpoint's safetensors) or dummy (seeded random weights from config.json alone)"
+    )
     device: str = _flag("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
     dtype: str = _flag("auto", "bfloat16, float16, float32 or auto (bfloat16 on GPU, float32 on CPU)")
     page_size: int = _flag(64, "tokens per cache page (a multiple of the indexer's k-pool size)")
@@ -229,6 +232,8 @@ class EngineConfig:
         self._check_speculative()
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ValueError("speculative_num_draft_tokens must be >= 2 (the anchor and at least one draft)")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.indexer_dtype not in ("auto", "fp8"):
             raise ValueError(f"indexer_dtype must be auto or fp8, got {self.indexer_dtype!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

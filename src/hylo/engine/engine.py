@@ -45,7 +45,7 @@ class Engine:
         self.config = config
         path = Path(config.model) if config.model is not None else _demo_model()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
-        self.model = load_model(path, self.device, self.dtype)
+        self.model = load_model(path, self.device, self.dtype, random_weights=config.load_format == "dummy")
         model_config = self.model.config
         tok_path = Path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = Tokenizer.from_dir(tok_path) if (tok_path / "tokenizer.json").is_file() else None

@@ -19,6 +19,7 @@ import torch
 from hylo.config import ModelConfig
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import save_checkpoint
+from hylo.models.random_init import randomize
 from hylo.tokenizer import Tokenizer, write_byte_level_tokenizer
 
 DEMO_NAME = "glm5-next-tiny-random-v1"
@@ -91,27 +92,6 @@ def write_demo_model(path: Path) -> None:
         "text_config": text,
     }
     model = Glm5NextForCausalLM(ModelConfig.from_dict(raw))
-    _randomize(model, torch.Generator().manual_seed(_SEED))
+    randomize(model, torch.Generator().manual_seed(_SEED))
     save_checkpoint(model, path, raw)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}, indent=2) + "\n")
-
-
-def _randomize(model: Glm5NextForCausalLM, gen: torch.Generator) -> None:
-    """Every tensor random, in the ranges a trained model's tensors live in."""
-    with torch.no_grad():
-        for name, p in sorted([*model.named_parameters(), *model.named_buffers()]):
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith(("norm.weight", "layernorm.weight")) or name.endswith("_hc.scale"):
-                p.copy_(1 + 0.1 * noise)
-            elif name.endswith("A_log"):
-                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
-            elif name.endswith(
-                ("dt_bias", "e_score_correction_bias", "_hc.base", "k_norm.bias", "compress_ape")
-            ):
-                p.copy_(0.1 * noise)
-            elif name.endswith("conv_weight"):
-                p.copy_(0.5 * noise)
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(noise)
-            else:
-                p.copy_(noise * p.shape[-1] ** -0.5)

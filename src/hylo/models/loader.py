@@ -26,6 +26,7 @@ from hylo.config import ModelConfig
 from hylo.layers.moe import FP8Experts, MoE
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.mtp import MTPLayer, mtp_config
+from hylo.models.random_init import randomize
 
 FP8_BLOCK = 128
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
@@ -275,11 +276,14 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     progress: bool | None = None,
     fp8_experts: bool | None = None,
+    random_weights: bool = False,
 ) -> Glm5NextForCausalLM:
     """Build the model from `path/config.json` without initialising weights, then load them. With
     `fp8_experts` (an FP8 checkpoint) the routed experts stay e4m3 with their block scales
     (`FP8Experts`, run by the FP8 grouped GEMMs) instead of being dequantised to `dtype`; by default
-    they do on CUDA whenever the checkpoint is block-FP8 and its experts are whole [128, 128] blocks."""
+    they do on CUDA whenever the checkpoint is block-FP8 and its experts are whole [128, 128] blocks.
+    `random_weights` fills seeded random weights instead of reading any (`load_format="dummy"`: a
+    real-size model to benchmark from its config.json alone)."""
     config = ModelConfig.from_dir(path)
     if fp8_experts is None:
         fp8_experts = (
@@ -296,7 +300,10 @@ def load_model(
     model = _materialize(model, device, dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    load_weights(model, path, progress)
+    if random_weights:
+        randomize(model, torch.Generator(device).manual_seed(0))
+    else:
+        load_weights(model, path, progress)
     return model.eval()
 
 

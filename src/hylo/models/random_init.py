@@ -1,0 +1,41 @@
+"""Random weights in the ranges a trained GLM-5.3-Flash's tensors live in: for the embedded demo model
+and for `load_format="dummy"` (benchmarking a real-size model from its config.json alone)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hylo.layers.moe import FP8_BLOCK
+
+_SLICE_ELEMENTS = 1 << 28
+
+
+def randomize(model: nn.Module, gen: torch.Generator) -> None:
+    """Fill every parameter and buffer of `model` in place, drawing from `gen` (on its device) in name
+    order, so a seed gives the same weights on every run."""
+    with torch.no_grad():
+        for name, tensor in sorted([*model.named_parameters(), *model.named_buffers()]):
+            # large tensors (expert stacks, the embedding) are filled in slices of the first dim:
+            # no fp32 copy of a whole [288, 4096, 4096] stack
+            rows = max(1, _SLICE_ELEMENTS * tensor.shape[0] // max(tensor.numel(), 1)) if tensor.dim() else 1
+            for p in tensor.split(rows) if tensor.dim() else (tensor,):
+                _fill(name, p, gen)
+
+
+def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+    noise = torch.randn(p.shape, generator=gen, device=gen.device).to(p.device)
+    if name.endswith(("norm.weight", "layernorm.weight")) or name.endswith("_hc.scale"):
+        p.copy_(1 + 0.1 * noise)
+    elif name.endswith("A_log"):
+        p.copy_(torch.rand(p.shape, generator=gen, device=gen.device).to(p.device) * 2 - 1)
+    elif name.endswith(("dt_bias", "e_score_correction_bias", "_hc.base", "k_norm.bias", "compress_ape")):
+        p.copy_(0.1 * noise)
+    elif name.endswith("conv_weight"):
+        p.copy_(0.5 * noise)
+    elif name.endswith("embed_tokens.weight") or p.dtype == torch.float8_e4m3fn:
+        p.copy_(noise)  # FP8 weights: unit scale here, their block scales shrink them
+    elif name.endswith("scale_inv"):  # one scale per [128, 128] block of an FP8 weight
+        p.copy_((1 + 0.1 * noise.abs()) * (p.shape[-1] * FP8_BLOCK) ** -0.5)
+    else:
+        p.copy_(noise * p.shape[-1] ** -0.5)
