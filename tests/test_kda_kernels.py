@@ -107,8 +107,8 @@ def test_decode_matches_reference(lower_bound, d):
     check_pools(conv, state, conv_ref, state_ref, slots.tolist())
 
 
-@pytest.mark.parametrize(("t", "block_v"), [(5, 8), (13, 16)])
-def test_block_verify_and_commit_match_reference(t, block_v):
+@pytest.mark.parametrize(("t", "block_v", "block_k"), [(5, 8, 4), (13, 16, 16)])
+def test_block_verify_and_commit_match_reference(t, block_v, block_k):
     """The block kernels (8-row blocks for T ≤ 8, else 16): verify leaves the pools untouched, the commit
     of any accepted prefix (0 and T included) from its replay operands gives the reference's state and
     window, and a request that accepts nothing keeps its slot bit-for-bit."""
@@ -123,9 +123,20 @@ def test_block_verify_and_commit_match_reference(t, block_v):
     o, cache = recurrent.verify(q, k, v, f, b, *p.params(), conv, state, slots, -5.0, block_v=block_v)
     assert isinstance(cache, recurrent.ReplayCache) and err(o, o_ref) < RATIO
     assert torch.equal(conv, p.conv_pool) and torch.equal(state, p.state_pool)
-    recurrent.commit(cache, *p.params(), conv, state, slots, n_acc, -5.0, block_v=block_v)
+    recurrent.commit(cache, *p.params(), conv, state, slots, n_acc, -5.0, block_k=block_k)
     check_pools(conv, state, conv_ref, state_ref, [6, 1, 4])
     assert torch.equal(conv[2], p.conv_pool[2]) and torch.equal(state[2], p.state_pool[2])
+
+
+def test_block_commit_rejects_a_row_block_that_does_not_divide_the_head():
+    p = Problem(6)
+    q, k, v, _, _ = p.inputs(1, 2)
+    replay = p.randn(3, 1, 2, p.h, p.d, dtype=torch.float32)
+    conv, state = p.pools()
+    with pytest.raises(ValueError, match="block_k=3 must divide the head size 16"):
+        recurrent.block_commit(
+            replay, q, k, v, conv, state, torch.tensor([0]), torch.tensor([2]), -5.0, block_k=3
+        )
 
 
 def test_block_verify_rejects_long_blocks():

@@ -4,9 +4,12 @@ the small-M GEMM table), with the GEMM table and with every projection on cuBLAS
 
     PYTHONPATH=src python3 benchmarks/device/decode_e2e.py [--layers 8] [--out DIR]
 
-Per batch size: decode tokens/s (from the requests' first-token and finish times), the Triton small-M
-GEMM launches per generated token, and whether the two runs' greedy tokens agree. The engine runs eagerly
-(no CUDA graphs yet), so host time is part of every figure.
+Per batch size: decode tokens/s of the engine (from the requests' first-token and finish times, the
+batch generated once before to compile everything), the Triton small-M GEMM launches per generated
+token, and whether the two runs' greedy tokens agree. The engine runs eagerly (no CUDA graphs yet), so
+host time is part of those figures; the model forward of one decode batch is also timed on its own,
+eagerly and as a CUDA-graph replay (the device time a graph-captured engine step would take), with
+and without the table.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from triton.testing import do_bench, do_bench_cudagraph
 
 import hylo.ops.gemm as gemm_dispatch
 from hylo import LLM, SamplingParams
@@ -28,6 +32,36 @@ def write_config(path: Path, layers: int) -> None:
     text = {"model_type": "glm5_next_text", "num_hidden_layers": layers}
     raw = {"model_type": "glm5_next", "text_config": text, "quantization_config": {"quant_method": "fp8"}}
     (path / "config.json").write_text(json.dumps(raw))
+
+
+class ForwardProbe:
+    """Stands in for the runner's model: the first forward of exactly `tokens` new tokens (a decode batch)
+    is also timed, table on and off, before it runs for real. Other attributes pass through."""
+
+    def __init__(self, model, modes: dict, report: dict):
+        self.model, self.modes, self.report, self.tokens = model, modes, report, None
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, batch, capture=()):
+        if self.tokens is not None and batch.input_ids.shape[0] == self.tokens:
+            tag, self.tokens = f"B{self.tokens}", None
+            for mode, lookup in self.modes.items():
+                gemm_dispatch.lookup = lookup
+                try:
+                    self.model(batch, capture)  # compiles this batch size's kernels
+                    run = lambda: self.model(batch, capture)  # noqa: E731
+                    self.report[f"{tag}_{mode}_forward_eager_us"] = round(do_bench(run, rep=200) * 1e3, 1)
+                    graph_us = do_bench_cudagraph(run, rep=200, return_mode="median") * 1e3
+                    self.report[f"{tag}_{mode}_forward_graph_us"] = round(graph_us, 1)
+                except Exception as e:  # the figures of the other modes still count
+                    self.report[f"{tag}_{mode}_forward_error"] = repr(e)[:300]
+            gemm_dispatch.lookup = self.modes["table"]
+            graph = [self.report.get(f"{tag}_{m}_forward_graph_us") for m in ("table", "cublas")]
+            if all(graph):
+                self.report[f"{tag}_forward_graph_table_speedup"] = round(graph[1] / graph[0], 3)
+        return self.model(batch, capture)
 
 
 def main() -> None:
@@ -53,13 +87,17 @@ def main() -> None:
         str(model), load_format="dummy", device="cuda", dtype="bfloat16", context_length=4096,
         max_running_requests=64, mem_fraction_static=0.8,
     )  # fmt: skip
+    modes = {"table": table_lookup, "cublas": lambda *a: None}
+    probe = ForwardProbe(llm.engine.runner.model, modes, report)
+    llm.engine.runner.model = probe
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     for bsz in map(int, args.batches.split(",")):
         prompts = [torch.randint(0, 150000, (64,), generator=gen).tolist() for _ in range(bsz)]
-        llm.generate(prompt_token_ids=prompts[:1], sampling_params=params, use_tqdm=False)  # warm-up
+        probe.tokens = bsz
+        llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)  # warm-up and probe
         tokens = {}
-        for mode, lookup in (("table", table_lookup), ("cublas", lambda *a: None)):
+        for mode, lookup in modes.items():
             gemm_dispatch.lookup = lookup
             calls["gemm"] = 0
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)

@@ -414,21 +414,20 @@ def time_prefill(fla_chunk, quick: bool) -> None:
 
 
 VERIFY_LAUNCH = {  # block-verify launch settings (BV, warps, key chunk) timed besides the default
-    "bv32_w4_dc128": dict(block_v=32, num_warps=4, key_chunk=128),
     "bv64_w4_dc128": dict(block_v=64, num_warps=4, key_chunk=128),
-    "bv64_w4_dc32": dict(block_v=64, num_warps=4, key_chunk=32),
-    "bv64_w4_dc64": dict(block_v=64, num_warps=4, key_chunk=64),
-    "bv64_w8_dc64": dict(block_v=64, num_warps=8, key_chunk=64),
+    "bv64_w2_dc128": dict(block_v=64, num_warps=2, key_chunk=128),
+    "bv128_w2_dc64": dict(block_v=128, num_warps=2, key_chunk=64),
+    "bv128_w2_dc128": dict(block_v=128, num_warps=2, key_chunk=128),
+    "bv128_w2_dc32": dict(block_v=128, num_warps=2, key_chunk=32),
+    "bv128_w1_dc64": dict(block_v=128, num_warps=1, key_chunk=64),
     "bv128_w4_dc64": dict(block_v=128, num_warps=4, key_chunk=64),
-    "bv128_w8_dc128": dict(block_v=128, num_warps=8, key_chunk=128),
-    "bv128_w8_dc32": dict(block_v=128, num_warps=8, key_chunk=32),
 }
-COMMIT_LAUNCH = {
-    "bv16_w2": dict(block_v=16, num_warps=2),
-    "bv32_w2": dict(block_v=32, num_warps=2),
-    "bv32_w4": dict(block_v=32, num_warps=4),
-    "bv64_w8": dict(block_v=64, num_warps=8),
-    "bv128_w8": dict(block_v=128, num_warps=8),
+COMMIT_LAUNCH = {  # rows of S per program, warps
+    "bk16_w1": dict(block_k=16, num_warps=1),
+    "bk16_w2": dict(block_k=16, num_warps=2),
+    "bk16_w4": dict(block_k=16, num_warps=4),
+    "bk32_w2": dict(block_k=32, num_warps=2),
+    "bk32_w4": dict(block_k=32, num_warps=4),
 }
 
 
@@ -608,7 +607,8 @@ def main() -> None:
     (out / "kda.json").write_text(json.dumps(RES, indent=1))
     print("\n| figure | value |\n| --- | --- |")
     for key, val in RES.items():
-        if any(s in key for s in ("parity", "_us", "ratio", "TBps", "frac", "regs")) and "_bv" not in key:
+        swept = "_bv" in key or "_bk" in key
+        if any(s in key for s in ("parity", "_us", "ratio", "TBps", "frac", "regs")) and not swept:
             print(f"| {key} | {val:.4g} |" if isinstance(val, float) else f"| {key} | {val} |")
 
 

@@ -14,7 +14,7 @@ import triton.language as tl
 from hylo.ops.gemm.table import GemmConfig
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a decode batch
 def _gemm_kernel(
     x_ptr,
     w_ptr,

@@ -253,34 +253,41 @@ def _block_verify_kernel(
 def _block_commit_kernel(
     replay, part_stride, state_pool, pool_stride, slot_ids, n_steps, xq, xk, xv, x_sb, x_st, conv_pool,
     conv_stride, win_stride, anchor,
-    T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+    T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
+    WP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Commit of the first n[b] ≤ T verified tokens from the verify kernel's `replay`: S ← 2^{G_n} S +
-    Σ_{i<n} (k_i 2^{m−G_i})·2^{G_n−m} (u_i/|k_i|)ᵀ as n rank-1 fp32 updates of one [D, BV] slice, and the
-    conv window advanced by n tokens on this program's share of the head's channels (BV of q, k, v)."""
-    bi, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    Σ_{i<n} (k_i 2^{m−G_i})·2^{G_n−m} (u_i/|k_i|)ᵀ. Rows of S do not mix, so each program streams BK whole
+    rows (contiguous, all value columns): every operand is one tile load issued up front, the n rank-1
+    updates one [BK, TP] × [TP, D] product (tf32x3, fp32-accurate). One extra program per head advances
+    its q, k, v conv windows, so that the state programs only stream."""
+    bi, h, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(n_steps + bi)
     slot = tl.load(slot_ids + bi).to(tl.int64)
-    if n > 0:
-        rk = tl.arange(0, D)
-        rv = iv * BV + tl.arange(0, BV)
+    rv = tl.arange(0, D)
+    if n > 0 and ik < D // BK:
+        rk = ik * BK + tl.arange(0, BK)
+        rt = tl.arange(0, TP)
         p_s = state_pool + slot * pool_stride + h * D * D + rk[:, None] * D + rv[None, :]
         s = tl.load(p_s)
-        win = conv_pool + slot * conv_stride
+        base = replay + bi.to(tl.int64) * T * H * D + h * D
+        accepted = rt < n
+        k_fall = tl.load(base + rt[None, :] * H * D + rk[:, None], mask=accepted[None, :], other=0.0)
+        u = tl.load(
+            base + 2 * part_stride + rt[:, None] * H * D + rv[None, :], mask=accepted[:, None], other=0.0
+        )
+        rise_n = tl.load(base + part_stride + (n - 1) * H * D + rk)  # 2^{G_n − m}
+        s = s * (rise_n * tl.exp2(anchor))[:, None]
+        s = tl.dot(k_fall * rise_n[:, None], u, acc=s, input_precision=PREC)
+        tl.store(p_s, s)
+    if n > 0 and ik == D // BK:
         c = h * D + rv
-        rows = tl.arange(0, WP)[:, None] * win_stride
+        win = conv_pool + slot * conv_stride
         new_q = _window_after(xq, x_sb, x_st, win, win_stride, bi, n, c, c, W, WP)
         new_k = _window_after(xk, x_sb, x_st, win, win_stride, bi, n, c, H * D + c, W, WP)
         new_v = _window_after(xv, x_sb, x_st, win, win_stride, bi, n, c, 2 * H * D + c, W, WP)
-        base = replay + bi.to(tl.int64) * T * H * D + h * D
-        rise_n = tl.load(base + part_stride + (n - 1) * H * D + rk)  # 2^{G_n − m}
-        s = s * (rise_n * tl.exp2(anchor))[:, None]
-        for t in tl.static_range(T):
-            k_bar = tl.load(base + t * H * D + rk, mask=t < n, other=0.0) * rise_n
-            u = tl.load(base + 2 * part_stride + t * H * D + rv, mask=t < n, other=0.0)
-            s += k_bar[:, None] * u[None, :]
-        tl.store(p_s, s)
         tl.debug_barrier()  # every thread has read the old window before any row is overwritten
+        rows = tl.arange(0, WP)[:, None] * win_stride
         fresh = (tl.arange(0, WP) < W - 1)[:, None]
         tl.store(win + rows + c[None, :], new_q, mask=fresh)
         tl.store(win + rows + H * D + c[None, :], new_k, mask=fresh)
@@ -404,13 +411,13 @@ def _anchor(lower_bound: float, t: int) -> float:
     return lower_bound * 1.4426950408889634 * (_block_rows(t) // 2)
 
 
-def _verify_launch(bsz: int, h: int, d: int) -> tuple[int, int, int]:
-    """(BV, num_warps, DC) of the block verify. Two value slices per head throughout; the key channels in
-    one pass while the batch leaves SMs idle (the shortest chain), in chunks of 32 beyond (fewer registers,
-    more programs per SM, which timed fastest on the H200 once the SMs were full)."""
+def _verify_launch(bsz: int, h: int, d: int, t: int) -> tuple[int, int, int]:
+    """(BV, num_warps, DC) of the block verify, the fastest of the H200 sweep (benchmarks/RESULTS.md): two
+    value slices per head with the key channels in one pass while the batch leaves SMs idle; beyond, one
+    slice per head (no duplicated Gram and solve) on 2 warps, walking the keys 64 at a time."""
     if bsz * h <= 128:
         return min(64, d), 4, d
-    return min(64, d), 4, min(32, d)
+    return d, 2, min(64, d)
 
 
 def block_verify(
@@ -439,7 +446,7 @@ def block_verify(
     assert qkv.stride(2) == 1 and f.stride(2) == 1 and state_pool.is_contiguous()
     o = torch.empty(bsz, t, h, d, dtype=qkv.dtype, device=qkv.device)
     replay = torch.empty(3, bsz, t, h, d, dtype=torch.float32, device=qkv.device)
-    bv, warps, dc = _verify_launch(bsz, h, d)
+    bv, warps, dc = _verify_launch(bsz, h, d, t)
     bv, warps, dc = block_v or bv, num_warps or warps, key_chunk or dc
     _block_verify_kernel[(bsz, h, d // bv)](
         qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), b, b.stride(0), b.stride(1),
@@ -452,19 +459,23 @@ def block_verify(
 
 
 def block_commit(
-    replay, q, k, v, conv_pool, state_pool, slot_ids, n_accepted, lower_bound, *, block_v=None, num_warps=None
+    replay, q, k, v, conv_pool, state_pool, slot_ids, n_accepted, lower_bound, *, block_k=None, num_warps=None
 ):
     """Commit the first n_accepted[b] tokens of a `block_verify` onto the slot states (from its replay
-    operands, no recomputation) and windows (from the raw q|k|v `[B, T, H·d]`), one launch."""
+    operands, no recomputation) and windows (from the raw q|k|v `[B, T, H·d]`), one launch. `block_k` rows
+    of S per program."""
     _, bsz, t, h, d = replay.shape
     assert q.stride() == k.stride() == v.stride() and q.stride(2) == 1 and conv_pool.stride(2) == 1
-    bv, warps = block_v or min(64, d), num_warps or 4
+    bk, warps = block_k or min(32, d), num_warps or 4
+    if d % bk:
+        raise ValueError(f"block_commit: block_k={bk} must divide the head size {d}")
     width = conv_pool.shape[1] + 1
-    _block_commit_kernel[(bsz, h, d // bv)](
+    _block_commit_kernel[(bsz, h, d // bk + 1)](
         replay, replay.stride(0), state_pool, state_pool.stride(0), slot_ids, n_accepted, q, k, v,
         q.stride(0), q.stride(1), conv_pool, conv_pool.stride(0), conv_pool.stride(1),
         _anchor(lower_bound, t),
-        T=t, H=h, D=d, BV=bv, W=width, WP=triton.next_power_of_2(width - 1), num_warps=warps,
+        T=t, TP=max(16, triton.next_power_of_2(t)), H=h, D=d, BK=bk, W=width,
+        WP=triton.next_power_of_2(width - 1), PREC="ieee" if _INTERPRET else "tf32x3", num_warps=warps,
     )  # fmt: skip
 
 
