@@ -458,6 +458,12 @@ def block_verify(
     return o, replay
 
 
+def _commit_rows(bsz: int, h: int, d: int) -> int:
+    """Rows of S per commit program, the fastest on the H200 (benchmarks/RESULTS.md): 16 while the batch
+    is small (more programs in flight), 32 once there are plenty."""
+    return min(16 if bsz * h <= 2048 else 32, d)
+
+
 def block_commit(
     replay, q, k, v, conv_pool, state_pool, slot_ids, n_accepted, lower_bound, *, block_k=None, num_warps=None
 ):
@@ -466,7 +472,7 @@ def block_commit(
     of S per program."""
     _, bsz, t, h, d = replay.shape
     assert q.stride() == k.stride() == v.stride() and q.stride(2) == 1 and conv_pool.stride(2) == 1
-    bk, warps = block_k or min(32, d), num_warps or 4
+    bk, warps = block_k or _commit_rows(bsz, h, d), num_warps or 4
     if d % bk:
         raise ValueError(f"block_commit: block_k={bk} must divide the head size {d}")
     width = conv_pool.shape[1] + 1
