@@ -59,6 +59,7 @@ class Case:
     [
         (9, 16, 4, 4, 2, True),  # group-limited
         (5, 12, 2, 1, 1, False),
+        (4, 12, 3, 1, 1, True),  # top-3 pads to 4 choices, the padding must not enter the sum
         (3, 288, 8, 1, 1, True),  # GLM-5.3-Flash: 288 experts pad to 512 lanes
     ],
 )
@@ -82,8 +83,9 @@ def test_route_matches_reference(tokens, num_experts, top_k, n_group, topk_group
 
 @pytest.mark.parametrize(
     ("tokens", "top_k", "num_experts", "block_m"),
-    # one program up to 256 pairs, then the count and place launches; experts of one to three blocks
-    [(1, 2, 8, 16), (7, 3, 16, 16), (60, 4, 8, 32), (100, 3, 10, 16)],
+    # one program up to 256 pairs (GLM-5.3-Flash decode: 16 tokens × top-8 over 288 experts), then the
+    # count and place launches; experts of one to three blocks
+    [(1, 2, 8, 16), (7, 3, 16, 16), (60, 4, 8, 32), (16, 8, 288, 16), (100, 3, 10, 16)],
 )
 def test_align_invariants(tokens, top_k, num_experts, block_m):
     g = torch.Generator().manual_seed(tokens)

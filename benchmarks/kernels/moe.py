@@ -11,7 +11,8 @@ SwiGLU limit 10 (the shared expert is not part of the step). Decode steps (M = 1
 CUDA-graph replays that cycle through 4 batches routed to different experts, so weights come from
 HBM, not L2; their floor is (distinct experts × 3·I·D bytes + scales) / copy bandwidth, the copy
 bandwidth counting read + write bytes of a 1 GiB device copy. Prefill is M = 8192 tokens.
-`--sweep` times a grid of tile configurations (checked for parity first). Prints a table last and
+`--sweep` times candidate tile configurations (checked for parity first); the `breakdown` section
+(`--only breakdown`) times each launch of an FP8 decode step on its own. Prints a table last and
 writes `moe.json` to --out (default $OUT or ./out).
 """
 
@@ -23,6 +24,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,7 +52,7 @@ DECODE_TOKENS = (1, 4, 16)
 PREFILL_TOKENS = 48 if DRY else 8192
 ROTATE = 4  # decode batches per timed call, each routed to its own experts
 START = time.time()
-SWEEP_UNTIL_S = 540  # seconds after the start: the device stops a command at 600
+SWEEP_UNTIL_S = [540]  # seconds after the start (--sweep-until-s): the device stops a command at 600
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -223,29 +225,82 @@ def prefill(model: Model) -> None:
     )
 
 
+def decode_launches(model: Model, tokens: int) -> dict[str, object]:
+    """Each launch of an FP8 decode step (default configuration) on its own, over ROTATE batches."""
+    xs = [batch(tokens, seed=200 * tokens + r) for r in range(ROTATE)]
+    routes = [model.route(x) for x in xs]
+    config = kernels.default_config(tokens * TOP_K, EXPERTS, True)
+    gemm_inputs = [kernels.quantize_groups(x) for x in xs]
+    layouts = [routing.align(ids, EXPERTS, config.block_m) for ids, _ in routes]
+    (gate_up, gate_up_scale), (down, down_scale) = model.fp8["gate_up"], model.fp8["down"]
+
+    def gate_up_stage():
+        return [
+            kernels.gate_up_stage(q, s, gate_up, gate_up_scale, layout, TOP_K, LIMIT, config)
+            for (q, s), layout in zip(gemm_inputs, layouts, strict=True)
+        ]
+
+    hs = gate_up_stage()
+
+    def down_stage():
+        return [
+            kernels.down_stage(h, h_scale, down, down_scale, layout, w, ACT, config)
+            for (h, h_scale), layout, (_, w) in zip(hs, layouts, routes, strict=True)
+        ]
+
+    routed = down_stage()
+    return {
+        "router_logits": lambda: [routing.router_logits(x, model.router) for x in xs],
+        "route": lambda: [model.route(x) for x in xs],
+        "quantize": lambda: [kernels.quantize_groups(x) for x in xs],
+        "align": lambda: [routing.align(ids, EXPERTS, config.block_m) for ids, _ in routes],
+        "gate_up": gate_up_stage,
+        "down": down_stage,
+        "combine": lambda: [r.view(tokens, TOP_K, HIDDEN).sum(1) for r in routed],
+    }
+
+
+def breakdown(model: Model) -> None:
+    """Graph-replayed time of each launch of an FP8 decode step (router GEMM, routing kernel, x
+    quantisation, alignment, the two GEMMs, combine): where the step's time beyond the floor goes."""
+    for tokens in (1, 16):
+        for name, fn in decode_launches(model, tokens).items():
+            rec(f"breakdown_T{tokens}_fp8_{name}_us", round(bench_graph(fn) / ROTATE, 2))
+
+
+# Candidates that compile for sm_90a without register spills (ptxas -v). Decode streams weights:
+# 16-row blocks, deeper pipelines, narrower or wider column tiles. Prefill is register-bound: the
+# gate|up kernel holds two accumulators, 64-row blocks at 8 warps are the largest that fit.
+DECODE_UP = (Tiles(32, 128, 4, 6), Tiles(64, 128, 4, 6), Tiles(128, 128, 4, 4), Tiles(64, 128, 8, 4))
+DECODE_DOWN = (Tiles(32, 128, 4, 4), Tiles(64, 128, 4, 6), Tiles(128, 128, 4, 4))
+PREFILL_UP = (Tiles(128, 128, 8, 3), Tiles(128, 128, 8, 5))
+PREFILL_DOWN = (Tiles(128, 128, 4, 4), Tiles(128, 128, 8, 4), Tiles(256, 128, 8, 4))
+
+
 def sweep_configs(tokens: int, fp8: bool) -> list[MoeConfig]:
     """The default, then gate|up tiles (down at its default), then down tiles (gate|up at its
-    default), over decode-sized or prefill-sized candidates."""
-    decode_sized = tokens * TOP_K <= 16 * EXPERTS  # the default's own split
-    block_ms = (16, 32) if decode_sized else (64, 128)
-    up_ns = ((128, 256) if fp8 else (64, 128)) if decode_sized else (128, 256)
-    down_ns = (32, 64, 128) if decode_sized else (128, 256)
-    block_ks = (128,) if fp8 else ((64, 128) if decode_sized else (64,))
-    warps = (4,) if decode_sized else (4, 8)
-    stages = (3, 4, 5) if decode_sized else (3, 4)
+    default), prefill also more row blocks walked together (group_m: L2 reuse of the weight tiles)."""
     default = kernels.default_config(tokens * TOP_K, EXPERTS, fp8)
+    if default.block_m == 16:
+        up, down = DECODE_UP, DECODE_DOWN
+    else:  # bf16 prefill keeps its default block_k (64)
+        up, down = (
+            [Tiles(t.block_n, default.gate_up.block_k, t.num_warps, t.num_stages) for t in tiles]
+            for tiles in (PREFILL_UP, PREFILL_DOWN)
+        )
     configs = [default]
-    for bm, bn, bk, w, st in itertools.product(block_ms, up_ns, block_ks, warps, stages):
-        configs.append(MoeConfig(bm, Tiles(bn, bk, w, st), default.down))
-    for bm, bn, bk, w, st in itertools.product(block_ms, down_ns, block_ks, warps, stages):
-        configs.append(MoeConfig(bm, default.gate_up, Tiles(bn, bk, w, st)))
+    # the FP8 gate|up epilogue quantises whole groups: narrower tiles are refused
+    configs += [replace(default, gate_up=t) for t in up if not fp8 or t.block_n % reference.FP8_BLOCK == 0]
+    configs += [replace(default, down=t) for t in down]
+    if default.block_m > 16:
+        configs += [replace(default, group_m=g) for g in (4, 16, 32)]
     return list(dict.fromkeys(configs))
 
 
 def sweep(model: Model, tokens_list: list[int], dtypes: list[str]) -> None:
     """Each candidate must reproduce the default configuration's output (the same quantisation, only
     the fp32 summation order differs) before it is timed."""
-    deadline = START + SWEEP_UNTIL_S
+    deadline = START + SWEEP_UNTIL_S[0]
     for tokens, fp8 in itertools.product(tokens_list, [d == "fp8" for d in dtypes]):
         tag = f"sweep_T{tokens}_{'fp8' if fp8 else 'bf16'}"
         x = batch(tokens, seed=11)
@@ -275,7 +330,7 @@ def sweep(model: Model, tokens_list: list[int], dtypes: list[str]) -> None:
                 continue
             timed.append((round(t, 2), str(config)))
         timed.sort()
-        rec(f"{tag}_best5_us", timed[:5])
+        rec(f"{tag}_timed_us", timed)  # fastest first
 
 
 # ---------------------------------------------------------------- main
@@ -311,8 +366,15 @@ def main() -> None:
         "--sweep-tokens", default=f"1,16,{PREFILL_TOKENS}", help="token counts the sweep tunes"
     )
     parser.add_argument("--sweep-dtypes", default="fp8,bf16", help="weight formats the sweep tunes")
+    parser.add_argument(
+        "--sweep-until-s",
+        type=float,
+        default=SWEEP_UNTIL_S[0],
+        help="stop sweeping this long after the start",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
+    SWEEP_UNTIL_S[0] = args.sweep_until_s
     chosen = args.only.split(",") if args.only else [*DEFAULT_SECTIONS, *(["sweep"] if args.sweep else [])]
     if unknown := set(chosen) - set(SECTIONS):
         parser.error(f"unknown sections {sorted(unknown)}")
@@ -341,7 +403,14 @@ def main() -> None:
     table()
 
 
-SECTIONS = {"ceilings": ceilings, "parity": parity, "decode": decode, "prefill": prefill, "sweep": sweep}
+SECTIONS = {
+    "ceilings": ceilings,
+    "parity": parity,
+    "decode": decode,
+    "prefill": prefill,
+    "breakdown": breakdown,
+    "sweep": sweep,
+}
 DEFAULT_SECTIONS = ("ceilings", "parity", "decode", "prefill")
 
 if __name__ == "__main__":

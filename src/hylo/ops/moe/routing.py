@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 # Up to this many pairs (decode and verify batches) one program counts and places them, one launch
-# instead of a fill and two launches.
+# instead of a fill and two launches, holding every pair and block in one vector.
 SMALL_PAIRS = 256
 CHUNK = 32  # pairs or blocks per step of the placing loops: a [CHUNK, E_PAD] one-hot stays in registers
 
@@ -90,19 +90,18 @@ def _route_kernel(
         biased = tl.where(keep, biased, float("-inf"))
     j = tl.arange(0, K_PAD)
     ids = tl.zeros([BLOCK_T, K_PAD], tl.int64)
-    weights = tl.zeros([BLOCK_T, K_PAD], tl.float32)
     for choice in tl.static_range(TOP_K):
         pick = tl.argmax(biased, axis=1)
-        chosen = e[None, :] == pick[:, None]
         ids = tl.where(j[None, :] == choice, pick.to(tl.int64)[:, None], ids)
-        weights = tl.where(
-            j[None, :] == choice, tl.sum(tl.where(chosen, scores, 0.0), axis=1)[:, None], weights
-        )
-        biased = tl.where(chosen, float("-inf"), biased)
-    if NORMALIZE:
-        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+        biased = tl.where(e[None, :] == pick[:, None], float("-inf"), biased)
     out = t[:, None] * TOP_K + j[None, :]
     ok = t_ok[:, None] & (j < TOP_K)[None, :]
+    # the chosen scores gathered from the logits (cached) rather than reduced out of the one-hot
+    # choice: one load instead of one cross-warp reduction per choice
+    chosen = tl.load(logits_ptr + t[:, None] * E + ids, mask=ok, other=0.0)
+    weights = tl.where(ok, tl.sigmoid(chosen), 0.0)  # the padding choices stay out of the sum
+    if NORMALIZE:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     tl.store(ids_ptr + out, ids, mask=ok)
     tl.store(weights_ptr + out, weights * scaling, mask=ok)
 
@@ -271,7 +270,7 @@ def _place_kernel(
 def _align_small_kernel(
     ids_ptr,
     counts_ptr,
-    ranks_ptr,
+    starts_ptr,
     pairs_ptr,
     block_expert_ptr,
     block_rows_ptr,
@@ -280,37 +279,34 @@ def _align_small_kernel(
     E: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    PAIR_CHUNKS: tl.constexpr,
-    PLACE_CHUNKS: tl.constexpr,
-    CHUNK_SIZE: tl.constexpr,
+    PAIRS_PAD: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
 ):
-    """The count and place kernels in one program; barriers order the phases (one CTA sees its own
-    global writes after a barrier)."""
+    """Count and place every pair in one program, with no one-hot reductions: each pair keeps its
+    rank in a register, gathers its expert's first block from `starts` and writes its row, its
+    block's expert and row count (the pairs of one block write the same values). Barriers order the
+    phases (one CTA sees its own global writes after a barrier)."""
     e = tl.arange(0, E_PAD)
     tl.store(counts_ptr + e, tl.zeros([E_PAD], tl.int32), mask=e < E)
     tl.debug_barrier()
-    for chunk in tl.static_range(PAIR_CHUNKS):
-        _count_chunk(ids_ptr, counts_ptr, ranks_ptr, chunk * CHUNK_SIZE, num_pairs, CHUNK_SIZE)
+    i = tl.arange(0, PAIRS_PAD)
+    ok = i < num_pairs
+    expert = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+    rank = tl.atomic_add(counts_ptr + expert, 1, mask=ok)
     tl.debug_barrier()
-    counts, starts, ends = _expert_blocks(counts_ptr, E, E_PAD, BLOCK_M)
-    for chunk in tl.static_range(PLACE_CHUNKS):
-        _place_chunk(
-            ids_ptr,
-            ranks_ptr,
-            pairs_ptr,
-            block_expert_ptr,
-            block_rows_ptr,
-            counts,
-            starts,
-            ends,
-            chunk * CHUNK_SIZE,
-            num_pairs,
-            num_blocks,
-            E,
-            E_PAD,
-            BLOCK_M,
-            CHUNK_SIZE,
-        )
+    _, starts, ends = _expert_blocks(counts_ptr, E, E_PAD, BLOCK_M)
+    tl.store(starts_ptr + e, starts, mask=e < E)
+    b = tl.arange(0, BLOCKS_PAD)
+    unused = (b >= tl.max(ends, axis=0)) & (b < num_blocks)
+    tl.store(block_expert_ptr + b, tl.full([BLOCKS_PAD], -1, tl.int32), mask=unused)
+    tl.store(block_rows_ptr + b, tl.zeros([BLOCKS_PAD], tl.int32), mask=unused)
+    tl.debug_barrier()
+    first_block = tl.load(starts_ptr + expert, mask=ok, other=0)
+    count = tl.load(counts_ptr + expert, mask=ok, other=0)
+    tl.store(pairs_ptr + first_block * BLOCK_M + rank, i, mask=ok)
+    block = rank // BLOCK_M
+    tl.store(block_expert_ptr + first_block + block, expert, mask=ok)
+    tl.store(block_rows_ptr + first_block + block, tl.minimum(count - block * BLOCK_M, BLOCK_M), mask=ok)
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -324,30 +320,29 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
     device = ids.device
     counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
     pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     block_rows = torch.empty(num_blocks, dtype=torch.int32, device=device)
     buffers = (pairs, block_expert, block_rows)
     e_pad = triton.next_power_of_2(num_experts)
     if num_pairs <= SMALL_PAIRS:
-        bucket = triton.next_power_of_2(num_pairs)  # loops unrolled per power of two: few compiled variants
+        bucket = triton.next_power_of_2(num_pairs)  # vectors sized per power of two: few compiled variants
         _align_small_kernel[(1,)](
             flat,
             counts,
-            ranks,
+            torch.empty(num_experts, dtype=torch.int32, device=device),  # each expert's first block
             *buffers,
             num_pairs,
             num_blocks,
             E=num_experts,
             E_PAD=e_pad,
             BLOCK_M=block_m,
-            PAIR_CHUNKS=triton.cdiv(bucket, CHUNK),
-            PLACE_CHUNKS=triton.cdiv(max(bucket, max_blocks(bucket, num_experts, block_m)), CHUNK),
-            CHUNK_SIZE=CHUNK,
-            num_warps=8,
+            PAIRS_PAD=bucket,
+            BLOCKS_PAD=triton.next_power_of_2(max_blocks(bucket, num_experts, block_m)),
+            num_warps=4,
         )
     else:
+        ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
         counts.zero_()
         _count_kernel[(triton.cdiv(num_pairs, 256),)](flat, counts, ranks, num_pairs, CHUNK_SIZE=256)
         _place_kernel[(triton.cdiv(max(num_pairs, num_blocks), CHUNK),)](
