@@ -23,6 +23,7 @@ from hylo.config import ModelConfig  # noqa: E402
 from hylo.forward_batch import ForwardBatch  # noqa: E402
 from hylo.models import demo  # noqa: E402
 from hylo.models.glm5_next import Glm5NextForCausalLM  # noqa: E402
+from hylo.models.random_init import randomize  # noqa: E402
 from hylo.ops.mhc import kernels, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
@@ -143,7 +144,7 @@ def tiny_model():
         hc_sinkhorn_iters=3,  # the interpreter is slow; 20 iterations are checked op by op above
     )
     model = Glm5NextForCausalLM(ModelConfig.from_dict({"model_type": "glm5_next", "text_config": text}))
-    demo._randomize(model, torch.Generator().manual_seed(0))
+    randomize(model, torch.Generator().manual_seed(0))
     return model
 
 
