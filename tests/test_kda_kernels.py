@@ -72,12 +72,18 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
 
 
 @pytest.mark.parametrize(
-    ("lens", "dtype", "d", "seed"),
-    [([70, 1, 2, 130], torch.float32, 16, 0), ([64, 3, 65], torch.float16, 32, 1)],
+    ("lens", "dtype", "d", "seed", "tuning"),
+    [
+        ([70, 1, 2, 130], torch.float32, 16, 0, {}),
+        ([64, 3, 65], torch.float16, 32, 1, {}),
+        ([2, 129, 9], torch.float32, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=2)),
+    ],
 )
-def test_prefill_matches_reference(lens, dtype, d, seed):
+def test_prefill_matches_reference(lens, dtype, d, seed, tuning):
     """Varlen prefill into random slots: short sequences whose conv reads the old window, chunk-spanning
-    ones, and (d = 32) Gram sums over more than one column block."""
+    ones, and (d = 32) Gram sums over more than one column block; the first launch in its default tiles
+    and in narrower ones (8-row conv blocks, so a chunk's first block holds only 8 rows, and the gate in
+    four column blocks of which one also writes β)."""
     p = Problem(seed, d=d, dtype=dtype)
     cu = [0]
     for n in lens:
@@ -88,10 +94,39 @@ def test_prefill_matches_reference(lens, dtype, d, seed):
     o_ref = reference.prefill(q, k, v, f, b, *p.params(), conv_ref, state_ref, slots, None, cu, -5.0)
     conv, state = p.pools()
     cu_dev = torch.tensor(cu, dtype=torch.int32)
-    o = chunk.prefill(q, k, v, f, b, *p.params(), conv, state, slots, cu_dev, cu, -5.0)
+    o = chunk.prefill(q, k, v, f, b, *p.params(), conv, state, slots, cu_dev, cu, -5.0, **tuning)
     ratio = RATIO if dtype == torch.float32 else RATIO_HALF
     assert o.dtype == dtype and err(o, o_ref) < ratio
     check_pools(conv, state, conv_ref, state_ref, slots.tolist(), ratio)
+
+
+@pytest.mark.parametrize(
+    ("tuning", "message"),
+    [
+        (dict(conv_rows=2), "conv_rows must be 8, 16, 32 or 64 and at least 3"),
+        (dict(gate_cols=6), "gate_cols"),
+    ],
+)
+def test_prefill_rejects_first_launch_tiles_it_cannot_take(tuning, message):
+    p = Problem(7)
+    q, k, v, f, b = p.inputs(5)
+    conv, state = p.pools()
+    with pytest.raises(ValueError, match=message):
+        chunk.prefill(
+            q,
+            k,
+            v,
+            f,
+            b,
+            *p.params(),
+            conv,
+            state,
+            torch.tensor([0]),
+            torch.tensor([0, 5]),
+            [0, 5],
+            -5.0,
+            **tuning,
+        )
 
 
 @pytest.mark.parametrize(("lower_bound", "d"), [(-5.0, 32), (None, 16)])

@@ -111,21 +111,15 @@ def fla_api():
 # ---------------------------------------------------------------------------------------------------
 
 
-PREFILL_VARIANTS = {  # prep settings besides the default, checked for parity and timed
-    "intra_w8": dict(intra_warps=8),
-    "bk32": dict(block_k=32),
-    "unroll2": dict(gram_unroll=2),
-    "unroll8": dict(gram_unroll=8),
-    "stages2": dict(intra_stages=2),
-    "conv_w4": dict(conv_warps=4),
-    "merge_tf32x3": dict(merge_precision="tf32x3"),
+PREFILL_VARIANTS = {  # prep settings besides the default (16-row conv, 32-column gate, 4 warps), timed
+    "conv_r32": dict(conv_rows=32),
+    "conv_g16": dict(gate_cols=16),
+    "conv_w2": dict(conv_warps=2),
 }
-RECUR_VARIANTS = {
-    "v32": dict(block_v=32),
-    "v32s3": dict(block_v=32, stages=3),
-    "v64s2": dict(stages=2),
-    "v64w8": dict(warps=8),
-}
+# the recurrence's own settings were swept in KDA run 4 (3 stages best; 4 need 271 KB of shared memory)
+RECUR_VARIANTS: dict[str, dict] = {}
+# FLA chunk_kda in KDA run 4 (benchmarks/RESULTS.md), for --skip-fla: not measured in the same run
+FLA_PREFILL_RECORDED_US = {"T4096": 1731.0, "T13312": 2856.0, "varlen2x6656": 2875.0}
 
 
 def _warm_one(job: tuple[dict, int]) -> str:
@@ -370,9 +364,11 @@ def kernel_times(fn, tag: str) -> None:
             rec(f"{tag}_kernel_{event.key[:40]}_us", event.device_time_total / event.count)
 
 
-def time_prefill(fla_chunk, quick: bool) -> None:
+def time_prefill(fla_chunk, quick: bool, skip_fla: bool = False) -> None:
     """hylo, then FLA `chunk_kda`, on the same inputs (hylo also runs the conv). Unless `quick`, the
-    settings of PREFILL_VARIANTS / RECUR_VARIANTS are timed on the single-sequence cases."""
+    settings of PREFILL_VARIANTS are timed end to end on every case, and split into prep / recurrence
+    (with RECUR_VARIANTS) on the single-sequence cases. `skip_fla`: FLA is not run; the ratios are taken
+    against its figures recorded in an earlier run (keys `..._fla_us_recorded`, `..._ratio_recorded_fla`)."""
     inputs = {}
     for name, lens in PREFILL_CASES.items():
         lens = [L(n) for n in lens]
@@ -383,9 +379,16 @@ def time_prefill(fla_chunk, quick: bool) -> None:
         conv, state = lay.pools()
         args = (q, k, v, f, b, *lay.params(), conv, state, slots, cu_d, cu, LB)
         rec(f"prefill_{name}_hylo_us", bench(lambda a=args: chunk.prefill(*a), graph=False))
+        for var, tuning in {} if quick else PREFILL_VARIANTS.items():
+            rec(
+                f"prefill_{name}_{var}_us",
+                bench(lambda a=args, t=tuning: chunk.prefill(*a, **t), graph=False),
+            )
         if len(lens) > 1:
             continue
         kernel_times(lambda a=args: chunk.prefill(*a), f"prefill_{name}")
+        for var, tuning in {} if quick else PREFILL_VARIANTS.items():
+            kernel_times(lambda a=args, t=tuning: chunk.prefill(*a, **t), f"prefill_{name}_{var}")
         pargs = (q, k, v, f, b, *lay.params(), conv, slots, cu_d, cu, LB, H)
         bufs = chunk.prep(*pargs)
         o = torch.empty(cu[-1], H, D, dtype=q.dtype, device=DEV)
@@ -403,24 +406,30 @@ def time_prefill(fla_chunk, quick: bool) -> None:
             )
         torch.cuda.empty_cache()
     kernel_registers()
-    for name, lens in PREFILL_CASES.items() if fla_chunk is not None else ():
+    for name in PREFILL_CASES if skip_fla else ():
+        rec(f"prefill_{name}_fla_us_recorded", FLA_PREFILL_RECORDED_US[name])
+        for var in ("hylo", *({} if quick else PREFILL_VARIANTS)):
+            rec(
+                f"prefill_{name}_{var}_ratio_recorded_fla",
+                RES[f"prefill_{name}_{var}_us"] / FLA_PREFILL_RECORDED_US[name],
+            )
+    for name, lens in PREFILL_CASES.items() if fla_chunk is not None and not skip_fla else ():
         lens = [L(n) for n in lens]
         lay = Layer(slots=4, seed=2)
         qq, kk, vv, ff = (t.view(1, -1, H, D) for t in inputs[name][:4])
         b = inputs[name][4][None]
         kw = fla_prefill_kwargs(lay, lens)
         rec(f"prefill_{name}_fla_us", bench(lambda kw=kw: fla_chunk(qq, kk, vv, ff, b, **kw), graph=False))
-        rec(f"prefill_{name}_ratio", RES[f"prefill_{name}_hylo_us"] / RES[f"prefill_{name}_fla_us"])
+        for var in ("hylo", *({} if quick else PREFILL_VARIANTS)):
+            rec(
+                f"prefill_{name}_{var}_ratio", RES[f"prefill_{name}_{var}_us"] / RES[f"prefill_{name}_fla_us"]
+            )
 
 
 VERIFY_LAUNCH = {  # block-verify launch settings (BV, warps, key chunk) timed besides the default
     "bv64_w4_dc128": dict(block_v=64, num_warps=4, key_chunk=128),
-    "bv64_w2_dc128": dict(block_v=64, num_warps=2, key_chunk=128),
     "bv128_w2_dc64": dict(block_v=128, num_warps=2, key_chunk=64),
-    "bv128_w2_dc128": dict(block_v=128, num_warps=2, key_chunk=128),
     "bv128_w2_dc32": dict(block_v=128, num_warps=2, key_chunk=32),
-    "bv128_w1_dc64": dict(block_v=128, num_warps=1, key_chunk=64),
-    "bv128_w4_dc64": dict(block_v=128, num_warps=4, key_chunk=64),
 }
 COMMIT_LAUNCH = {  # rows of S per program, warps
     "bk16_w1": dict(block_k=16, num_warps=1),
@@ -563,6 +572,11 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument(
+        "--skip-fla",
+        action="store_true",
+        help="prefill: neither warm up nor time FLA's chunk_kda; compare with its recorded figures",
+    )
+    ap.add_argument(
         "--only", choices=["prefill", "step"], help="run one kernel family: its parity, then its timings"
     )
     args = ap.parse_args()
@@ -577,18 +591,19 @@ def main() -> None:
     if not args.skip_parity:
         sections.insert(0, ("parity", lambda: parity(fla_chunk, fla_rec)))
     sections += [
-        ("prefill", lambda: time_prefill(fla_chunk, args.quick)),
+        ("prefill", lambda: time_prefill(fla_chunk, args.quick, args.skip_fla)),
         ("steps", lambda: time_steps(fla_rec, RES.get("copy_TBps", 4.27), args.quick)),
     ]
     if args.only == "prefill":
         variants = {} if args.quick else {**PREFILL_VARIANTS, **RECUR_VARIANTS}
         warm = warm_prefill_kernels(not args.quick) if DEV == "cuda" else None
-        sections = [("fla_warmup", lambda: warm_fla(fla_chunk))] if fla_chunk is not None else []
+        warm_needed = fla_chunk is not None and not args.skip_fla
+        sections = [("fla_warmup", lambda: warm_fla(fla_chunk))] if warm_needed else []
         sections += [("compile", lambda: [rec("compiled", job.result()) for job in warm[1]])] * (
             warm is not None
         )
         sections += [("parity", lambda: parity_prefill(fla_chunk, variants))] * (not args.skip_parity)
-        sections += [("prefill", lambda: time_prefill(fla_chunk, args.quick))]
+        sections += [("prefill", lambda: time_prefill(fla_chunk, args.quick, args.skip_fla))]
     if args.only == "step":
         sections = [("parity", parity_steps)] * (not args.skip_parity)
         sections += [

@@ -2,9 +2,10 @@
 
 Three launches, the first two fully parallel over (64-token chunk, head):
 
-1. `_conv_gate_kernel` (also over q|k|v|gate parts): causal conv + SiLU of q, k, v from the projections
-   (a sequence's first chunk reads its slot's conv window, then rewrites it), the scaled inverse L2 norms
-   of q and k, the in-chunk cumulative safe gate G (log2 units, fp32), β = σ(b) and e^{G_C} (G_C: the
+1. `_conv_gate_kernel`, also over small sub-tiles so that no program spills: causal conv + SiLU of q, k, v
+   from the projections in blocks of whole rows (the block at a sequence's start reads its slot's conv
+   window, then rewrites it) with the scaled inverse L2 norms of q and k, and, in column blocks of the
+   whole chunk, the in-chunk cumulative safe gate G (log2 units, fp32), β = σ(b) and e^{G_C} (G_C: the
    value at the chunk's last token).
 2. `_intra_kernel`: the in-chunk algebra, with q and k normalised,
 
@@ -59,27 +60,27 @@ def _conv_silu(
     x,
     win,
     taps,
-    pos,
+    rows,
     col,
-    seq_len,
-    bos,
-    first,
+    n_left,
+    start,
     W: tl.constexpr,
     X_STRIDE: tl.constexpr,
     WIN_STRIDE: tl.constexpr,
 ):
-    """SiLU(causal conv) at in-sequence positions `pos` (any shape broadcasting against the channel index
-    `col`), 0 past the end; fp32 rounded to x's dtype like the reference. Tap i reads input pos-(W-1)+i:
-    from x (rows bos+..) when ≥ 0, else (only in a sequence's `first` chunk) from the slot window row."""
-    live = pos < seq_len
-    acc = tl.zeros(pos.shape, tl.float32) * tl.zeros(col.shape, tl.float32)
+    """SiLU(causal conv) at `rows` (broadcasting against the channel index `col`) counted from the token x
+    points at, in-sequence position `start`; 0 from row `n_left` on; fp32 rounded to x's dtype like the
+    reference. Tap i reads the input i-(W-1) rows back: from x at or after the sequence start, else (only
+    when `start` is 0) from the slot window row."""
+    live = rows < n_left
+    acc = tl.zeros(rows.shape, tl.float32) * tl.zeros(col.shape, tl.float32)
     for i in tl.static_range(W):
-        j = pos - (W - 1) + i
-        xv = tl.load(x + (bos + j).to(tl.int64) * X_STRIDE + col, mask=live & (j >= 0), other=0.0)
+        j = rows - (W - 1) + i
+        xv = tl.load(x + j * X_STRIDE + col, mask=live & (j >= -start), other=0.0)
         acc += xv.to(tl.float32) * tl.load(taps + col * W + i)
-    if first:
+    if start == 0:
         for i in tl.static_range(W - 1):
-            j = pos - (W - 1) + i
+            j = rows - (W - 1) + i
             wv = tl.load(win + (W - 1 + j) * WIN_STRIDE + col, mask=live & (j < 0), other=0.0)
             acc += wv.to(tl.float32) * tl.load(taps + col * W + i)
     y = acc * tl.sigmoid(acc)
@@ -87,40 +88,36 @@ def _conv_silu(
 
 
 @triton.jit
-def _gate(f, bias, rate, lb2, tok, live, col, F_STRIDE: tl.constexpr):
-    """Safe gate in log2 units, lb·σ(e^A·(f + dt_bias)), 0 on rows past the sequence end."""
-    fv = tl.load(f + tok * F_STRIDE + col, mask=live, other=0.0).to(tl.float32)
+def _gate(f, bias, rate, lb2, rows, live, col, F_STRIDE: tl.constexpr):
+    """Safe gate in log2 units, lb·σ(e^A·(f + dt_bias)), 0 on rows past the sequence end (f at the row 0
+    token)."""
+    fv = tl.load(f + rows * F_STRIDE + col, mask=live, other=0.0).to(tl.float32)
     return tl.where(live, lb2 * tl.sigmoid(rate * (fv + bias)), 0.0)
 
 
 @triton.jit
 def _rewrite_window(
-    x,
+    x_end,
     win,
-    xcols,
-    wcols,
+    cols,
     seq_len,
-    bos,
     W: tl.constexpr,
     WP: tl.constexpr,
     X_STRIDE: tl.constexpr,
     WIN_STRIDE: tl.constexpr,
 ):
-    """New window = the last W-1 inputs of the sequence (older ones from the old window)."""
+    """New window = the last W-1 inputs of the sequence (older ones from the old window); x_end points
+    at the token W-1 rows before the sequence end."""
     r = tl.arange(0, WP)
-    j = seq_len - (W - 1) + r
+    j = seq_len - (W - 1) + r  # in-sequence position of window row r
     live = r < W - 1
-    xval = tl.load(
-        x + (bos + j).to(tl.int64)[:, None] * X_STRIDE + xcols[None, :],
-        mask=(live & (j >= 0))[:, None],
-        other=0.0,
-    )
+    xval = tl.load(x_end + r[:, None] * X_STRIDE + cols[None, :], mask=(live & (j >= 0))[:, None], other=0.0)
     wval = tl.load(
-        win + (W - 1 + j)[:, None] * WIN_STRIDE + wcols[None, :], mask=(live & (j < 0))[:, None], other=0.0
+        win + (W - 1 + j)[:, None] * WIN_STRIDE + cols[None, :], mask=(live & (j < 0))[:, None], other=0.0
     )
     new = xval.to(tl.float32) + wval.to(tl.float32)
     tl.debug_barrier()
-    tl.store(win + r[:, None] * WIN_STRIDE + wcols[None, :], new.to(win.dtype.element_ty), mask=live[:, None])
+    tl.store(win + r[:, None] * WIN_STRIDE + cols[None, :], new.to(win.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit
@@ -167,34 +164,21 @@ def _conv_gate_kernel(
     B_STRIDE: tl.constexpr,
     WIN_STRIDE: tl.constexpr,
     BT: tl.constexpr,
+    CONV_ROWS: tl.constexpr,
+    GATE_COLS: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    pid, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program (chunk, head, sub): sub < 3·BT/CONV_ROWS convolves CONV_ROWS whole rows of q, k or v (the
+    norms need whole rows); the rest take GATE_COLS columns of the gate over the whole chunk (the cumulative
+    sum runs down it). Bases are 64-bit per program, offsets in it 32-bit."""
+    pid, h, sub = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
-    seq_len = eos - bos
     HD: tl.constexpr = H * D
-    r = tl.arange(0, BT)
-    pos = (chunk * BT + r)[:, None]
-    live = pos < seq_len
-    col = tl.arange(0, D)[None, :]
-    if part == 3:
-        tok = (bos + pos).to(tl.int64)
-        rate = tl.exp(tl.load(a_log + h).to(tl.float32))
-        g = _gate(
-            f + h * D,
-            tl.load(dt_bias + h * D + col),
-            rate,
-            lower_bound * 1.4426950408889634,
-            tok,
-            live,
-            col,
-            F_STRIDE,
-        )
-        tl.store(gcum + ((pid * H + h) * BT + r[:, None]) * D + col, tl.cumsum(g, 0))
-        tl.store(decay_c + (pid * H + h) * D + col, tl.exp2(tl.sum(g, 0)[None, :]))
-        logit = tl.load(b + tok * B_STRIDE + h, mask=live, other=0.0).to(tl.float32)
-        tl.store(beta + (pid * H + h) * BT + r[:, None], tl.where(live, tl.sigmoid(logit), 0.0))
-    else:
+    ROW_BLOCKS: tl.constexpr = BT // CONV_ROWS
+    head_tile = pid.to(tl.int64) * H + h
+    if sub < 3 * ROW_BLOCKS:
+        part = sub // ROW_BLOCKS
+        r0 = (sub % ROW_BLOCKS) * CONV_ROWS
         if part == 0:
             x = xq
         elif part == 1:
@@ -202,18 +186,56 @@ def _conv_gate_kernel(
         else:
             x = xv
         x += h * D
+        start = chunk * BT + r0
+        rows = tl.arange(0, CONV_ROWS)[:, None]
+        cols = tl.arange(0, D)
         win = conv_pool + tl.load(slot_ids + seq).to(tl.int64) * pool_stride + part * HD + h * D
-        first = chunk == 0
         yv = _conv_silu(
-            x, win, conv_w + (part * HD + h * D) * W, pos, col, seq_len, bos, first, W, X_STRIDE, WIN_STRIDE
+            x + (bos + start).to(tl.int64) * X_STRIDE,
+            win,
+            conv_w + (part * HD + h * D) * W,
+            rows,
+            cols[None, :],
+            eos - bos - start,
+            start,
+            W,
+            X_STRIDE,
+            WIN_STRIDE,
         )
-        tl.store(y + (((pid * 3 + part) * H + h) * BT + r[:, None]) * D + col, yv.to(y.dtype.element_ty))
+        tile = y + (((pid.to(tl.int64) * 3 + part) * H + h) * BT + r0) * D
+        tl.store(tile + rows * D + cols[None, :], yv.to(y.dtype.element_ty))
         if part < 2:
             norm = tl.where(part == 0, scale, 1.0) / tl.sqrt(tl.sum(yv * yv, 1) + 1e-6)
-            tl.store(rnorm + ((pid * 2 + part) * H + h) * BT + r, norm)
-        if first:  # the only reader of the old window of these channels: it rewrites it
-            cols = tl.arange(0, D)
-            _rewrite_window(x, win, cols, cols, seq_len, bos, W, WP, X_STRIDE, WIN_STRIDE)
+            norm_tile = rnorm + ((pid.to(tl.int64) * 2 + part) * H + h) * BT + r0
+            tl.store(norm_tile + tl.arange(0, CONV_ROWS), norm)
+        # rows ≥ CONV_ROWS ≥ W-1 never reach back before the sequence: the row block at its start is the
+        # only reader of the old window of these channels, so it rewrites it
+        if start == 0:
+            x_end = x + (eos - (W - 1)).to(tl.int64) * X_STRIDE
+            _rewrite_window(x_end, win, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
+    else:
+        c0 = (sub - 3 * ROW_BLOCKS) * GATE_COLS
+        chunk_rows = tl.arange(0, BT)[:, None]
+        col = c0 + tl.arange(0, GATE_COLS)[None, :]
+        live = chunk_rows < eos - bos - chunk * BT
+        first_tok = (bos + chunk * BT).to(tl.int64)
+        g = _gate(
+            f + first_tok * F_STRIDE + h * D,
+            tl.load(dt_bias + h * D + col),
+            tl.exp(tl.load(a_log + h).to(tl.float32)),
+            lower_bound * 1.4426950408889634,
+            chunk_rows,
+            live,
+            col,
+            F_STRIDE,
+        )
+        tl.store(gcum + head_tile * BT * D + chunk_rows * D + col, tl.cumsum(g, 0))
+        tl.store(decay_c + head_tile * D + col, tl.exp2(tl.sum(g, 0)[None, :]))
+        if c0 == 0:
+            logit = tl.load(b + first_tok * B_STRIDE + chunk_rows * B_STRIDE + h, mask=live, other=0.0)
+            tl.store(
+                beta + head_tile * BT + chunk_rows, tl.where(live, tl.sigmoid(logit.to(tl.float32)), 0.0)
+            )
 
 
 @triton.jit
@@ -493,6 +515,8 @@ def chunk_count(cu_seqlens_cpu) -> int:
 
 PREP_KEYS = frozenset(
     {
+        "conv_rows",
+        "gate_cols",
         "conv_warps",
         "intra_warps",
         "intra_stages",
@@ -572,7 +596,9 @@ def prep(
     lower_bound,
     h: int,
     *,
-    conv_warps: int = 8,
+    conv_rows: int = 16,
+    gate_cols: int = 32,
+    conv_warps: int = 4,
     intra_warps: int = 4,
     intra_stages: int = 1,
     gram_precision: str = "tf32",
@@ -585,24 +611,31 @@ def prep(
 
     `gram_precision` / `solve_precision` / `merge_precision` are the `tl.dot` modes of the fp32 Gram, the
     16×16 inverses (tf32x3: their Neumann product amplifies rounding) and the 64×64 merge; `block_k` is
-    the column block of the w/u/q'/o₀ products, `gram_unroll` the unrolling of the Gram loop."""
+    the column block of the w/u/q'/o₀ products, `gram_unroll` the unrolling of the Gram loop. The first
+    launch convolves `conv_rows` rows (a power of two from W-1 to 64) per program and takes the gate in
+    `gate_cols` columns, both with `conv_warps` warps."""
     d = q.shape[1] // h
     n_seq = slot_ids.shape[0]
+    width = conv_weight.shape[1]
     if not -5.0 <= lower_bound < 0:
         raise ValueError(f"the chunked Triton path needs -5 <= lower_bound < 0, got {lower_bound}")
+    if conv_rows not in (8, 16, 32, 64) or conv_rows < width - 1:
+        raise ValueError(f"conv_rows must be 8, 16, 32 or 64 and at least {width - 1}, got {conv_rows}")
+    gate_cols = min(gate_cols, d)
+    if gate_cols < 1 or d % gate_cols or gate_cols & (gate_cols - 1):
+        raise ValueError(f"gate_cols must be a power of two dividing the head size {d}, got {gate_cols}")
     if not (q.stride() == k.stride() == v.stride() and q.stride(1) == 1):
         raise ValueError("q, k, v must share strides with unit channel stride")
     if f.stride(1) != 1 or conv_pool.stride(2) != 1:
         raise ValueError("f and conv_pool need a unit channel stride")
     n_chunks = chunk_count(cu_seqlens_cpu)
-    width = conv_weight.shape[1]
     dev = q.device
     y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
     rnorm = torch.empty(n_chunks, 2, h, BT, dtype=torch.float32, device=dev)
     gcum = torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev)
     beta = torch.empty(n_chunks, h, BT, dtype=torch.float32, device=dev)
     decay_c = torch.empty(n_chunks, h, d, dtype=torch.float32, device=dev)
-    _conv_gate_kernel[(n_chunks, h, 4)](
+    _conv_gate_kernel[(n_chunks, h, 3 * BT // conv_rows + d // gate_cols)](
         q,
         k,
         v,
@@ -632,6 +665,8 @@ def prep(
         B_STRIDE=b.stride(0),
         WIN_STRIDE=conv_pool.stride(1),
         BT=BT,
+        CONV_ROWS=conv_rows,
+        GATE_COLS=gate_cols,
         BLOCK_B=triton.next_power_of_2(n_seq + 1),
         num_warps=conv_warps,
     )
