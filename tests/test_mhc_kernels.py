@@ -1,11 +1,13 @@
 """mHC Triton kernels against the torch reference, under the Triton interpreter on the CPU.
 
-Small shapes (hidden 64-192, several row blocks, hidden sizes that the chunks do not divide);
+Small shapes (hidden 64-96, several token blocks, hidden sizes that the splits and chunks do not divide),
+a small plan with several splits and chunks, and the default decode and prefill plans;
 fp32 streams, where both sides are exact up to rounding order, and fp16 streams with an fp32 `fn`
 (the split-`fn` projection). bf16 is checked at real shapes on the GPU by
 `benchmarks/kernels/mhc_moe.py`: the interpreter's bf16 `tl.dot` is not trustworthy and its fp32 → bf16
 casts truncate where the GPU rounds to nearest.
-The interpreter runs one program, so it checks the work list and the counters, not the concurrency.
+No program waits on another, so running them one after another (as the interpreter does) checks all
+there is to check.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from interpreter import use_interpreter
 
 use_interpreter()  # before the kernels are decorated
+
+import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -29,7 +33,11 @@ from hylo.ops.mhc import kernels, reference  # noqa: E402
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
 RMS_EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
-SMALL = kernels.Plan(block_m=16, project_chunk=32, collapse_chunk=64, block_k=16, num_warps=4, collapse_k=32)
+# two projection splits, two finishing chunks and tokens per finishing program over several blocks
+SMALL = kernels.SplitPlan(
+    split=32, block_m=16, block_k=16, collapse_tokens=4, collapse_chunk=32, collapse_k=16
+)
+PLANS = {"small": SMALL, "decode": kernels.DECODE_PLAN, "prefill": kernels.PREFILL_PLAN}
 
 
 def hc_case(tokens: int, hidden: int, seed: int, dtype=torch.float32, iters: int = ITERS):
@@ -58,16 +66,22 @@ FP16 = {"rtol": 2e-3, "atol": 2e-3}  # one fp16 rounding of the block input
 @pytest.mark.parametrize(
     ("tokens", "hidden", "plan"),
     [
-        (1, 64, SMALL),  # decode: one token, projection split in two chunks
-        (37, 96, SMALL),  # three row blocks, the last partial; chunks that do not divide hidden
-        (20, 128, kernels.Plan(16, 64, 32, 32, 4, lag=2)),  # collapse two steps behind
-        (5, 64, None),  # the default decode plan: one chunk covers the hidden size
+        (1, 64, "small"),  # decode: one token
+        (21, 96, "small"),  # two token blocks, the last partial; splits and chunks that do not divide hidden
+        (1, 64, "decode"),
+        (21, 96, "decode"),
+        (21, 96, "prefill"),  # four tokens per finishing program, the last group partial
     ],
 )
 def test_pre_matches_reference(tokens, hidden, plan):
     streams, _, params, _, _ = hc_case(tokens, hidden, seed=tokens)
-    got = kernels.mhc_pre(streams, *params, plan=plan)
+    got = kernels.mhc_pre(streams, *params, plan=PLANS[plan])
     assert_pre_close(got, reference.mhc_pre(streams, *params), FP32)
+
+
+def test_default_plan_by_token_count():
+    assert kernels.default_plan(kernels.PREFILL_PLAN_FROM - 1) == kernels.DECODE_PLAN
+    assert kernels.default_plan(kernels.PREFILL_PLAN_FROM) == kernels.PREFILL_PLAN
 
 
 def test_pre_fp16_streams_with_fp32_fn():
@@ -97,23 +111,34 @@ def test_post_is_the_exact_mix_rounded_once(dtype):
         assert (got.double() - exact).abs().max() <= (ref.double() - exact).abs().max()
 
 
-@pytest.mark.parametrize("tokens", [1, 33])
-def test_post_pre_matches_post_then_pre(tokens):
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The dispatcher sends CPU tensors to the kernels (under the interpreter)."""
+    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda streams: True)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(("tokens", "prefill_plan_from"), [(1, kernels.PREFILL_PLAN_FROM), (19, 1)])
+def test_post_pre_matches_post_then_pre(kernels_on_cpu, tokens, prefill_plan_from):
+    """The dispatcher's post_pre through the kernels, on the decode plan (1 token) and the prefill plan."""
+    kernels_on_cpu.setattr(kernels, "PREFILL_PLAN_FROM", prefill_plan_from)
     streams, out, params, post, comb = hc_case(tokens, 96, seed=7)
-    new, *got = kernels.mhc_post_pre(out, streams, post, comb, *params, plan=SMALL)
+    new, *got = mhc_ops.mhc_post_pre(out, streams, post, comb, *params)
     ref_new, *ref = reference.mhc_post_pre(out, streams, post, comb, *params)
     torch.testing.assert_close(new, ref_new, **FP32)
     assert_pre_close(got, ref, FP32)
 
 
-def test_counters_are_left_at_zero_for_the_next_launch():
-    streams, out, params, post, comb = hc_case(17, 64, seed=11, iters=2)
-    first = kernels.mhc_post_pre(out, streams, post, comb, *params, plan=SMALL)
-    counters = kernels._counters(streams.device, 2)
-    assert not counters.any()
-    second = kernels.mhc_post_pre(out, streams, post, comb, *params, plan=SMALL)
-    for a, b in zip(first, second, strict=True):
-        assert torch.equal(a, b)
+def test_repeated_launches_give_the_same_bits():
+    """Every finishing program sums the partials in the same order, whatever the plan or the timing:
+    a second launch repeats the first bit for bit, and plans with the same projection splits agree."""
+    streams, _, params, _, _ = hc_case(17, 64, seed=11, iters=2)
+    first = kernels.mhc_pre(streams, *params, plan=SMALL)
+    second = kernels.mhc_pre(streams, *params, plan=SMALL)
+    assert all(map(torch.equal, first, second))
+    # 64 / 32 = the same two splits as SMALL, other token groups and chunks in the finishing launch
+    regrouped = dataclasses.replace(SMALL, collapse_tokens=1, collapse_chunk=64, collapse_k=64)
+    assert all(map(torch.equal, first, kernels.mhc_pre(streams, *params, plan=regrouped)))
 
 
 def test_bad_inputs_name_the_tensor():
@@ -125,9 +150,11 @@ def test_bad_inputs_name_the_tensor():
     with pytest.raises(ValueError, match="comb"):
         kernels.mhc_post(out, streams, post, comb[:2])
     with pytest.raises(ValueError, match="out"):
-        kernels.mhc_post_pre(out.half(), streams, post, comb, *params)
+        kernels.mhc_post(out.half(), streams, post, comb)
     with pytest.raises(ValueError, match="block_k"):
-        kernels.mhc_pre(streams, *params, plan=kernels.Plan(16, 32, 32, 24, 4))
+        kernels.mhc_pre(streams, *params, plan=kernels.SplitPlan(split=32, block_k=24))
+    with pytest.raises(ValueError, match="collapse_k"):
+        kernels.mhc_pre(streams, *params, plan=kernels.SplitPlan(collapse_chunk=256, collapse_k=512))
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +175,10 @@ def tiny_model():
     return model
 
 
-def test_model_with_kernels_matches_reference_path(tiny_model, monkeypatch):
-    """The model with the kernels (post fused with the next pre inside each layer and across the
-    layer boundary) against the reference path, where each post runs before the next pre."""
+@pytest.mark.parametrize("prefill_plan_from", [kernels.PREFILL_PLAN_FROM, 1])
+def test_model_with_kernels_matches_reference_path(tiny_model, monkeypatch, prefill_plan_from):
+    """The model with the kernels (19 tokens on the decode plan, then on the prefill plan) against the
+    reference path."""
     ids = random_prompt(19, tiny_model.config.vocab_size, seed=19)
 
     def run():
@@ -163,5 +191,5 @@ def test_model_with_kernels_matches_reference_path(tiny_model, monkeypatch):
 
     ref = run()
     monkeypatch.setattr(mhc_ops, "_use_kernels", lambda streams: True)
-    monkeypatch.setattr(mhc_ops, "SEPARATE_POST_PRE_TOKENS", 0)  # the fused launch at every size
+    monkeypatch.setattr(kernels, "PREFILL_PLAN_FROM", prefill_plan_from)
     torch.testing.assert_close(run(), ref, rtol=1e-4, atol=1e-4)

@@ -9,12 +9,14 @@ Shapes follow GLM-5.3-Flash: hidden 4096, 4 streams, 24 projection rows, 20 Sink
 bf16 streams and `fn` (as the engine loads them), fp32 base and scale. Decode sizes (M = 1, 16, 64)
 are timed as CUDA-graph replays, M = 13312 with plain launches. The floor is the bytes each op must
 move (streams, out, block input; `fn` and the weights are left out) at the copy bandwidth measured
-first. Prints a table last and writes `mhc_moe.json` to --out (default $OUT or ./out).
+first; for post_pre it is that of a single pass, which hylo's post then pre (two passes) cannot reach.
+Prints a table last and writes `mhc_moe.json` to --out (default $OUT or ./out).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -36,7 +38,7 @@ from harness import RESULTS, bench, bench_graph, rec, section  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from hylo.ops.mhc import kernels, reference  # noqa: E402
-from hylo.ops.mhc.kernels import Plan  # noqa: E402
+from hylo.ops.mhc.kernels import DECODE_PLAN, PREFILL_PLAN, SplitPlan  # noqa: E402
 
 HIDDEN, N, ITERS, RMS_EPS, HC_EPS = (64 if DRY else 4096), 4, 20, 1e-6, 1e-6
 DECODE = (1, 16, 64) if not DRY else (1, 16)
@@ -96,9 +98,22 @@ def diff(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
     )
 
 
+def hylo_post_pre(out, streams, post, comb, *params, plan: SplitPlan | None = None):
+    """What `hylo.ops.mhc.mhc_post_pre` runs on CUDA: post, then pre of the new streams."""
+    new = kernels.mhc_post(out, streams, post, comb)
+    return (new, *kernels.mhc_pre(new, *params, plan=plan))
+
+
 def parity() -> None:
     for tokens in (*DECODE, PREFILL):
         parity_at(tokens)
+    for tokens, plan in ((DECODE[-1], PREFILL_PLAN), (PREFILL, DECODE_PLAN)):  # each size on the other plan
+        streams, _, params, _, _ = case(tokens, seed=tokens)
+        got = kernels.mhc_pre(streams, *params, plan=plan)
+        for part, a, b in zip(
+            ("post", "comb", "input"), got, reference.mhc_pre(streams, *params), strict=True
+        ):
+            diff(f"parity_pre_M{tokens}_{plan}_{part}", a, b)
     streams, _, params, _, _ = case(64, seed=5, fn_dtype=torch.float32)  # fp32 fn: the split projection
     _, ref_comb, ref_x = reference.mhc_pre(streams, *params)
     _, got_comb, got_x = kernels.mhc_pre(streams, *params)
@@ -129,72 +144,49 @@ def parity_at(tokens: int) -> None:
         )
     del exact
     ref = reference.mhc_post_pre(out, streams, post, comb, *params)
-    got = kernels.mhc_post_pre(out, streams, post, comb, *params)
+    got = hylo_post_pre(out, streams, post, comb, *params)
     for part, a, b in zip(("streams", "post", "comb", "input"), got, ref, strict=True):
         diff(f"parity_post_pre_M{tokens}_{part}_vs_torch", a, b)
-    # fused against hylo's separate post then pre: the same new streams, the same pre of them
-    for part, a, b in zip(
-        ("streams", "post", "comb", "input"), got, (new, *kernels.mhc_pre(new, *params)), strict=True
-    ):
-        diff(f"parity_post_pre_M{tokens}_{part}_vs_separate", a, b)
-    # the same launch again gives the same bits: counters were reset, no race in the work list
-    again = kernels.mhc_post_pre(out, streams, post, comb, *params)
+    # the same launches again give the same bits: no program's result depends on another's timing
+    again = hylo_post_pre(out, streams, post, comb, *params)
     rec(f"repeat_post_pre_M{tokens}_bitwise_equal", all(map(torch.equal, got, again)))
 
 
 def stress() -> None:
     """Many back-to-back launches of mixed sizes: every result equals the first of its size."""
-    cases = {m: case(m, seed=100 + m) for m in (1, 64, 200 if DRY else 3000)}
-    first = {m: kernels.mhc_post_pre(out, s, p, c, *prm) for m, (s, out, prm, p, c) in cases.items()}
+    cases = {m: case(m, seed=100 + m) for m in ((1, PREFILL) if DRY else (1, 64, 3000))}  # both plans
+    first = {m: hylo_post_pre(out, s, p, c, *prm) for m, (s, out, prm, p, c) in cases.items()}
     same = True
     for _ in range(3 if DRY else 50):
         for m, (s, out, prm, p, c) in cases.items():
-            same &= all(map(torch.equal, kernels.mhc_post_pre(out, s, p, c, *prm), first[m]))
+            same &= all(map(torch.equal, hylo_post_pre(out, s, p, c, *prm), first[m]))
     rec("stress_mixed_sizes_bitwise_equal", bool(same))
 
 
 # ---------------------------------------------------------------- plan sweep
 
-SWEEP_PREFILL = [
-    Plan(64, 256, 512, 64, 8),
-    Plan(64, 256, 512, 32, 8),
-    Plan(128, 256, 512, 32, 8),
-    Plan(64, 512, 512, 64, 8),
-    Plan(64, 256, 512, 64, 8, num_stages=2),
-    Plan(64, 256, 1024, 64, 8),
-    Plan(64, 256, 512, 32, 8, collapse_k=256),
-    Plan(64, 128, 512, 32, 8),
+SWEEP_PREFILL: list[SplitPlan] = [
+    PREFILL_PLAN,
+    dataclasses.replace(PREFILL_PLAN, split=512),
+    dataclasses.replace(PREFILL_PLAN, split=2048),
+    dataclasses.replace(PREFILL_PLAN, collapse_tokens=8, collapse_chunk=512),
 ]
-SWEEP_DECODE = [
-    Plan(16, 128, 128, 64, 4),
-    Plan(16, 128, 128, 32, 4),
-    Plan(16, 256, 128, 64, 4),
-    Plan(16, 64, 128, 64, 4),
-    Plan(16, 128, 256, 64, 4),
-    Plan(16, 128, 128, 64, 8),
+SWEEP_DECODE: list[SplitPlan] = [
+    DECODE_PLAN,
+    dataclasses.replace(DECODE_PLAN, collapse_chunk=1024, collapse_k=512),
+    dataclasses.replace(DECODE_PLAN, split=32),
+    dataclasses.replace(DECODE_PLAN, split=128, block_k=64),
+    dataclasses.replace(DECODE_PLAN, collapse_chunk=512, collapse_k=512),
+    dataclasses.replace(DECODE_PLAN, block_m=64, num_warps=8),
 ]
 SWEEP_POST = [(16, 128, 4), (32, 64, 4)]
-BEST: dict[str, Plan] = {}  # regime -> plan the timings use (the sweep's fastest when it runs)
-
-
-def launch_ok(fn) -> bool:
-    """A second launch (the first may still load the kernel), timed on the host: a work list that
-    cannot make progress spins until its budget (about a second) runs out; such a plan is reported
-    and skipped."""
-    fn()
-    if DRY:
-        return True
-    torch.cuda.synchronize()
-    start = time.time()
-    fn()
-    torch.cuda.synchronize()
-    return time.time() - start < 0.5
+BEST: dict[str, SplitPlan] = {}  # regime -> plan the timings use (the sweep's fastest when it runs)
 
 
 def sweep() -> None:
-    totals: dict[Plan, float] = {p: sweep_at(PREFILL, p) for p in SWEEP_PREFILL}
+    totals = {p: sweep_at(PREFILL, p) for p in SWEEP_PREFILL}
     BEST["prefill"] = min(totals, key=totals.get)
-    decode = {p: sum(sweep_at(m, p) for m in (1, 64)) for p in SWEEP_DECODE}
+    decode = {p: sum(sweep_at(m, p) for m in (1, DECODE[-1])) for p in SWEEP_DECODE}
     BEST["decode"] = min(decode, key=decode.get)
     rec("sweep_best", {k: str(v) for k, v in BEST.items()})
     for tokens in (1, PREFILL):
@@ -212,34 +204,27 @@ def sweep_post(tokens: int) -> None:
         rec(f"sweep_M{tokens}_post_bm{block_m}_bk{block_k}_w{warps}_us", round(t, 2))
 
 
-def sweep_at(tokens: int, plan: Plan) -> float:
-    """Fused post+pre plus pre microseconds of one plan (inf when it fails)."""
-    streams, out, params, post, comb = case(tokens, seed=7)
+def sweep_at(tokens: int, plan: SplitPlan) -> float:
+    """Pre microseconds of one plan (inf when it fails); post does not depend on the plan."""
+    streams, _, params, _, _ = case(tokens, seed=7)
 
-    def fused():
-        return kernels.mhc_post_pre(out, streams, post, comb, *params, plan=plan)
+    def pre():
+        return kernels.mhc_pre(streams, *params, plan=plan)
 
     try:
-        if not launch_ok(fused):
-            rec(f"sweep_M{tokens}_{plan}", "stalled")
-            return float("inf")
-        ref = reference.mhc_post_pre(out, streams, post, comb, *params)
-        err = max(float((a.double() - b.double()).abs().max()) for a, b in zip(fused(), ref, strict=True))
-        t_fused = timed(tokens)(fused)
-        t_pre = timed(tokens)(lambda: kernels.mhc_pre(streams, *params, plan=plan))
+        ref = reference.mhc_pre(streams, *params)
+        err = max(float((a.double() - b.double()).abs().max()) for a, b in zip(pre(), ref, strict=True))
+        t_pre = timed(tokens)(pre)
     except Exception as e:
         rec(f"sweep_M{tokens}_{plan}_error", repr(e)[:400])
         return float("inf")
-    rec(
-        f"sweep_M{tokens}_{plan}",
-        {"post_pre_us": round(t_fused, 2), "pre_us": round(t_pre, 2), "max_abs_err": err},
-    )
-    return t_fused + t_pre
+    rec(f"sweep_M{tokens}_{plan}", {"pre_us": round(t_pre, 2), "max_abs_err": err})
+    return t_pre
 
 
 # ---------------------------------------------------------------- timings
 
-OPS = ("pre", "post", "pre+post", "post_pre")
+OPS = ("pre", "post", "post_pre")
 TIMES: dict[tuple[int, str, str], float] = {}  # (tokens, op, implementation) -> microseconds
 
 
@@ -249,53 +234,43 @@ def floor_us(tokens: int, op: str) -> float:
         "post": stream_bytes(tokens, streams_read=1, out_read=1, streams_written=1, inputs_written=0),
         "post_pre": stream_bytes(tokens, streams_read=1, out_read=1, streams_written=1, inputs_written=1),
     }
-    moved["pre+post"] = moved["pre"] + moved["post"]
     return moved[op] / (RESULTS["copy_TBps"] * 1e12) * 1e6
 
 
 def hylo_impls(tokens: int):
-    plan = BEST.get("decode" if tokens <= 64 else "prefill")
-    rec(f"plan_M{tokens}", str(plan or kernels.default_plan(tokens)))
+    regime = "prefill" if tokens == PREFILL else "decode"
+    plan = BEST.get(regime, PREFILL_PLAN if regime == "prefill" else DECODE_PLAN)
+    rec(f"plan_M{tokens}", str(plan))
 
     def pre(streams, *params):
         return kernels.mhc_pre(streams, *params, plan=plan)
 
     def post_pre(*args):
-        return kernels.mhc_post_pre(*args, plan=plan)
+        return hylo_post_pre(*args, plan=plan)
 
     return pre, kernels.mhc_post, post_pre
 
 
 def timings(name: str) -> None:
+    ops = (reference.mhc_pre, reference.mhc_post, reference.mhc_post_pre)
     for tokens in (*DECODE, PREFILL):
         if name == "hylo":
             impls = hylo_impls(tokens)
         elif name == "eager":
-            impls = (reference.mhc_pre, reference.mhc_post, None)
+            impls = ops
         else:  # one compile per shape, as a serving engine with fixed buckets would have
-            impls = (
-                torch.compile(reference.mhc_pre, dynamic=False),
-                torch.compile(reference.mhc_post, dynamic=False),
-                None,
-            )
+            impls = tuple(torch.compile(op, dynamic=False) for op in ops)
         timings_at(tokens, name, *impls)
 
 
 def timings_at(tokens: int, name: str, impl_pre, impl_post, impl_post_pre) -> None:
     streams, out, params, post, comb = case(tokens, seed=tokens)
     bench_fn = timed(tokens)
-
-    def pre_post():
-        p, c, _ = impl_pre(streams, *params)
-        return impl_post(out, streams, p, c)
-
     runs = {
         "pre": lambda: impl_pre(streams, *params),
         "post": lambda: impl_post(out, streams, post, comb),
-        "pre+post": pre_post,
+        "post_pre": lambda: impl_post_pre(out, streams, post, comb, *params),
     }
-    if impl_post_pre is not None:
-        runs["post_pre"] = lambda: impl_post_pre(out, streams, post, comb, *params)
     for op, fn in runs.items():
         fn()  # compile / load outside the timed region
         TIMES[tokens, op, name] = bench_fn(fn)
@@ -310,8 +285,7 @@ def table() -> list[str]:
             if (tokens, op, "hylo") not in TIMES:
                 continue
             hylo = TIMES[tokens, op, "hylo"]
-            baseline_op = "pre+post" if op == "post_pre" else op  # torch has no fused form
-            others = [TIMES.get((tokens, baseline_op, n)) for n in ("eager", "compile")]
+            others = [TIMES.get((tokens, op, n)) for n in ("eager", "compile")]
             rows.append(
                 (
                     str(tokens),
@@ -331,10 +305,10 @@ def table() -> list[str]:
 
 def compile_jobs(with_sweep: bool) -> list[tuple]:
     """(op, plan, fp32 fn) for every kernel variant this run launches; post's plan is (bm, bk, warps)."""
-    plans = [kernels.default_plan(1), kernels.default_plan(PREFILL)]
+    plans = [DECODE_PLAN, PREFILL_PLAN]
     if with_sweep:
         plans += [p for p in SWEEP_PREFILL + SWEEP_DECODE if p not in plans]
-    jobs = [(op, plan, False) for plan in plans for op in ("pre", "post_pre")]
+    jobs = [("pre", plan, False) for plan in plans]
     jobs += [("pre", kernels.default_plan(64), True), ("post", None, False)]
     if with_sweep:
         jobs += [("post", cfg, False) for cfg in SWEEP_POST]
@@ -346,8 +320,6 @@ def compile_one(job: tuple) -> None:
     streams, out, params, post, comb = case(16, seed=0, fn_dtype=torch.float32 if fp32_fn else None)
     if op == "pre":
         kernels.mhc_pre(streams, *params, plan=plan)
-    elif op == "post_pre":
-        kernels.mhc_post_pre(out, streams, post, comb, *params, plan=plan)
     elif plan is None:
         kernels.mhc_post(out, streams, post, comb)
     else:

@@ -1,8 +1,8 @@
 """mHC ops: the torch reference and the Triton kernels behind one dispatcher.
 
-CUDA tensors go to `kernels` (one persistent launch per pre or fused post+pre, one elementwise launch
-per post), everything else to the reference. The fused post+pre runs from 65 tokens up; below, post
-then pre.
+CUDA tensors go to `kernels` (pre: two launches; post: one elementwise launch), everything else to
+the reference. `mhc_post_pre` is post then pre on every device: on the H200 a fused launch was never
+faster (10.50 / 14.68 / 990 us against 10.22 / 14.15 / 793 at M = 1 / 64 / 13312).
 """
 
 from __future__ import annotations
@@ -12,11 +12,6 @@ import torch
 from hylo.ops.mhc import reference
 
 __all__ = ["mhc_post", "mhc_post_pre", "mhc_pre"]
-
-# Up to this many tokens the H200 ran post then pre faster than the fused launch (19.2 vs 20.6 us at
-# M = 1, 37.3 vs 42.4 us at M = 64; benchmarks/kernels/mhc_moe.py); at M = 13312 the fused launch
-# was as fast (956 vs 972 us) and moves a third less data.
-SEPARATE_POST_PRE_TOKENS = 64
 
 
 def _use_kernels(streams: torch.Tensor) -> bool:
@@ -63,11 +58,6 @@ def mhc_post_pre(
     hc_eps: float,
     sinkhorn_iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`mhc_post` of one block fused with `mhc_pre` of the next: (new streams, post, comb, block input)."""
-    if _use_kernels(streams) and streams.shape[0] > SEPARATE_POST_PRE_TOKENS:
-        from hylo.ops.mhc import kernels
-
-        hc = (fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
-        return kernels.mhc_post_pre(out, streams, post, comb, *hc)
+    """`mhc_post` of one block then `mhc_pre` of the next: (new streams, post, comb, block input)."""
     streams = mhc_post(out, streams, post, comb)
     return (streams, *mhc_pre(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters))
