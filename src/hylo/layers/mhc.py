@@ -26,7 +26,7 @@ class HyperConnection(nn.Module):
         self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The previous block's post (its `out`, `post`, `comb`) applied to `streams`, then this
-        connection's pre, in one pass: (new streams, post, comb, block input)."""
+        connection's pre: (new streams, post, comb, block input)."""
         return mhc_post_pre(
             out, streams, post, comb, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, self.iters
         )
