@@ -18,8 +18,8 @@ def randomize(model: nn.Module, gen: torch.Generator) -> None:
         for name, tensor in sorted([*model.named_parameters(), *model.named_buffers()]):
             # large tensors (expert stacks, the embedding) are filled in slices of the first dim:
             # no fp32 copy of a whole [288, 4096, 4096] stack
-            rows = max(1, _SLICE_ELEMENTS * tensor.shape[0] // max(tensor.numel(), 1)) if tensor.dim() else 1
-            for p in tensor.split(rows) if tensor.dim() else (tensor,):
+            big = tensor.numel() > _SLICE_ELEMENTS
+            for p in tensor.split(max(1, _SLICE_ELEMENTS // tensor[0].numel())) if big else (tensor,):
                 _fill(name, p, gen)
 
 

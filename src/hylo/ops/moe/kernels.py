@@ -132,6 +132,37 @@ def _block_of(pid, num_blocks, N: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
+def _expert_product(
+    a_rows, a_scales, w_cols, w_scales, row_ok, col_ok,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """fp32 `[BLOCK_M, WIDTH]` product of a block's activation rows (`a_rows`, row pointers) with its
+    expert's weight columns (`w_cols`, column pointers), K deep. FP8: each 128-deep step is scaled by
+    the rows' and the columns' block scales (`a_scales`, `w_scales` at K group 0)."""
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, WIDTH], tl.float32)
+    if FP8:
+        a_scale = tl.load(a_scales, mask=row_ok, other=0.0)
+        w_scale = tl.load(w_scales, mask=col_ok, other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + k < K
+        a = _load_rows(a_rows, k0 + k, row_ok, K)
+        b = tl.load(w_cols + (k0 + k)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if FP8:
+            # The pipeliner leaves these small loads synchronous: issued a step ahead of their use,
+            # their latency hides behind this step's dot instead of stalling every step.
+            group = (k0 + BLOCK_K) // 128
+            more = k0 + BLOCK_K < K
+            next_w_scale = tl.load(w_scales + group, mask=col_ok & more, other=0.0)
+            next_a_scale = tl.load(a_scales + group, mask=row_ok & more, other=0.0)
+            acc += tl.dot(a, b) * (a_scale[:, None] * w_scale[None, :])
+            w_scale, a_scale = next_w_scale, next_a_scale
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     x_scale_ptr,
@@ -177,30 +208,13 @@ def _gate_up_kernel(
     j = tl.arange(0, 2 * BLOCK_N)
     w_row = pid_n * BLOCK_N + j % BLOCK_N + (j // BLOCK_N) * N
     w_row_ok = pid_n * BLOCK_N + j % BLOCK_N < N
-    k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
     w_cols = w_ptr + expert.to(tl.int64) * stride_we + w_row[None, :] * stride_wn
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
-    if FP8:
-        a_scales = x_scale_ptr + token * stride_xs
-        w_scales = w_scale_ptr + expert * stride_wse + (w_row // 128) * stride_wsn
-        a_scale = tl.load(a_scales, mask=row_ok, other=0.0)
-        w_scale = tl.load(w_scales, mask=w_row_ok, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = k0 + k < K
-        a = _load_rows(x_rows, k0 + k, row_ok, K)
-        b = tl.load(w_cols + (k0 + k)[:, None], mask=k_ok[:, None] & w_row_ok[None, :], other=0.0)
-        if FP8:
-            # The pipeliner leaves these small loads synchronous: issued a step ahead of their use,
-            # their latency hides behind this step's dot instead of stalling every step.
-            group = (k0 + BLOCK_K) // 128
-            more = k0 + BLOCK_K < K
-            next_w_scale = tl.load(w_scales + group, mask=w_row_ok & more, other=0.0)
-            next_a_scale = tl.load(a_scales + group, mask=row_ok & more, other=0.0)
-            acc += tl.dot(a, b) * (a_scale[:, None] * w_scale[None, :])
-            w_scale, a_scale = next_w_scale, next_a_scale
-        else:
-            acc = tl.dot(a, b, acc)
+    a_scales = x_scale_ptr + token * stride_xs
+    w_scales = w_scale_ptr + expert * stride_wse + (w_row // 128) * stride_wsn
+    acc = _expert_product(
+        x_rows, a_scales, w_cols, w_scales, row_ok, w_row_ok, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP8
+    )
     acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
     gate = tl.minimum(acc_gate, limit)
     h = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit)
@@ -256,28 +270,11 @@ def _down_kernel(
     slot = pid_m * BLOCK_M + m
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    k = tl.arange(0, BLOCK_K)
     h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
     w_cols = w_ptr + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if FP8:
-        a_scales = h_scale_ptr + slot * stride_hs
-        w_scales = w_scale_ptr + expert * stride_wse + (n // 128) * stride_wsn
-        a_scale = tl.load(a_scales, mask=row_ok, other=0.0)
-        w_scale = tl.load(w_scales, mask=n_ok, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = k0 + k < K
-        a = _load_rows(h_rows, k0 + k, row_ok, K)
-        b = tl.load(w_cols + (k0 + k)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8:
-            group = (k0 + BLOCK_K) // 128  # a step ahead, as in the gate|up kernel
-            more = k0 + BLOCK_K < K
-            next_w_scale = tl.load(w_scales + group, mask=n_ok & more, other=0.0)
-            next_a_scale = tl.load(a_scales + group, mask=row_ok & more, other=0.0)
-            acc += tl.dot(a, b) * (a_scale[:, None] * w_scale[None, :])
-            w_scale, a_scale = next_w_scale, next_a_scale
-        else:
-            acc = tl.dot(a, b, acc)
+    a_scales = h_scale_ptr + slot * stride_hs
+    w_scales = w_scale_ptr + expert * stride_wse + (n // 128) * stride_wsn
+    acc = _expert_product(h_rows, a_scales, w_cols, w_scales, row_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
     pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
     acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
