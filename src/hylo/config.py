@@ -163,6 +163,9 @@ def _indexer_schedule(text: dict[str, Any], n: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
+
+
 def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
@@ -193,6 +196,14 @@ class EngineConfig:
     )
     max_memory_gb: float = _flag(2.0, "CPU: GiB for the caches (token pages and request state slots)")
     context_length: int | None = _flag(None, "longest sequence, prompt + output (default: the model's)")
+    disable_cuda_graph: bool = _flag(
+        False, "run decode steps eagerly instead of as CUDA-graph replays (the graphs are CUDA only)"
+    )
+    cuda_graph_max_bs: int | None = _flag(
+        None,
+        "largest decode batch run as a CUDA-graph replay; larger ones run eagerly "
+        f"(default: {DEFAULT_CUDA_GRAPH_MAX_BS}, at most the running-request limit)",
+    )
     seed: int = _flag(0, "seed of the sampler for requests that bring no seed of their own")
     indexer_dtype: str = _flag(
         "auto", "pooled indexer keys: auto (the model dtype) or fp8 (e4m3, per-row scales)"
@@ -218,6 +229,7 @@ class EngineConfig:
             "chunked_prefill_size",
             "max_running_requests",
             "context_length",
+            "cuda_graph_max_bs",
             "speculative_num_draft_tokens",
             "speculative_num_steps",
         )
@@ -225,6 +237,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not isinstance(self.disable_cuda_graph, bool):
+            raise ValueError(f"disable_cuda_graph must be a bool, got {self.disable_cuda_graph!r}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.max_memory_gb <= 0:
@@ -271,12 +285,15 @@ class EngineConfig:
 
     @classmethod
     def add_cli_args(cls, parser: Any) -> None:
-        """One `--flag` per field, typed by its annotation."""
+        """One `--flag` per field, typed by its annotation; a bool field is a switch."""
         for f in fields(cls):
-            kind = {"int": int, "float": float, "str": str}[str(f.type).split(" |")[0]]
+            flag, kind = f"--{f.name.replace('_', '-')}", str(f.type).split(" |")[0]
+            if kind == "bool":
+                parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+                continue
             parser.add_argument(
-                f"--{f.name.replace('_', '-')}",
-                type=kind,
+                flag,
+                type={"int": int, "float": float, "str": str}[kind],
                 default=f.default,
                 help=f.metadata["help"],
             )

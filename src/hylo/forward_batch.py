@@ -31,6 +31,25 @@ class SequenceChunk:
     verify: bool = False
 
 
+@dataclass(frozen=True)
+class FixedShape:
+    """Shapes a batch keeps from one step to the next, so that a CUDA graph captured on one batch can
+    replay another: `num_seqs` sequences (the chunks, then one-token filler sequences at position 0 of
+    the request-table row and KDA state slot `filler_slot`), a `pool_table` `pool_width` pools wide,
+    and `num_seqs` entries in `completed_pools` (the pool at position 0 of `filler_slot`'s row where
+    no pool completes). The filler slot's row and state must belong to no request."""
+
+    num_seqs: int
+    pool_width: int
+    filler_slot: int
+
+    def pad(self, chunks: Sequence[SequenceChunk]) -> list[SequenceChunk]:
+        if len(chunks) > self.num_seqs:
+            raise ValueError(f"chunks: {len(chunks)} sequences, the fixed shape holds {self.num_seqs}")
+        filler = SequenceChunk([0], 0, self.filler_slot, self.filler_slot)
+        return [*chunks, *[filler] * (self.num_seqs - len(chunks))]
+
+
 @dataclass
 class ForwardBatch:
     """Tensors every layer of one forward shares. Tokens are packed sequence after sequence.
@@ -39,7 +58,7 @@ class ForwardBatch:
     `pad_index[b, t]` is the packed index of sequence b's t-th new token where `pad_valid[b, t]`;
     `pool_table[b, p]` is the pooled-key slot of sequence b's p-th complete pool after this forward
     (-1 past its last complete pool); `completed_pools` lists the pooled-key slots of pools whose
-    last token is in this forward.
+    last token is in this forward (in a fixed-shape batch, padded with the filler's pool).
     """
 
     input_ids: torch.Tensor  # [T]
@@ -74,9 +93,12 @@ class ForwardBatch:
         states: StateCache,
         kpool: int,
         all_logits: bool = False,
+        fixed: FixedShape | None = None,
     ) -> ForwardBatch:
         """Pack `chunks`; logits are returned for every token if `all_logits`, else for the last token
-        of each chunk that samples."""
+        of each chunk that samples. With `fixed`, the batch is padded to those shapes."""
+        if fixed is not None:
+            chunks = fixed.pad(chunks)
         if not chunks:
             raise ValueError("a forward batch needs at least one sequence")
         device = req_to_token.device
@@ -103,13 +125,25 @@ class ForwardBatch:
         pad_index = torch.where(pad_valid, starts[:, None] + steps[None, :], 0)
 
         pools_after = torch.tensor(totals) // kpool
-        pool_ids = torch.arange(int(pools_after.max()))
-        pool_valid = pool_ids[None, :] < pools_after[:, None]
+        pool_width = int(pools_after.max())
+        if fixed is not None:
+            if not pool_width <= fixed.pool_width <= req_to_token.shape[1] // kpool:
+                raise ValueError(
+                    f"fixed.pool_width: {fixed.pool_width} pools, a sequence has {pool_width} and the "
+                    f"table holds {req_to_token.shape[1] // kpool}"
+                )
+            pool_width = fixed.pool_width
         completed = [
             (c.table_row, p * kpool)
             for c, before, after in zip(chunks, prefix, totals, strict=True)
             for p in range(before // kpool, after // kpool)
         ]
+        if fixed is not None:
+            if len(completed) > fixed.num_seqs:
+                raise ValueError(
+                    f"chunks: {len(completed)} pools complete, the fixed shape holds {fixed.num_seqs}"
+                )
+            completed += [(fixed.filler_slot, 0)] * (fixed.num_seqs - len(completed))
         done = torch.tensor(completed, dtype=torch.long).view(-1, 2)
         logits_index = packed if all_logits else torch.cat([
             torch.arange(start, start + n) if c.verify else torch.tensor([start + n - 1])
@@ -121,7 +155,10 @@ class ForwardBatch:
 
         token_rows = dev(rows[token_seq])
         positions_d = dev(positions)
-        table_pools = req_to_token[dev(rows)[:, None], dev(pool_ids * kpool)[None, :]].long() // kpool
+        # made on the device: a fixed-shape batch's pool table is as wide as the request table
+        pool_ids = torch.arange(pool_width, device=device)
+        pool_valid = pool_ids[None, :] < dev(pools_after)[:, None]
+        table_pools = req_to_token[dev(rows)[:, None], pool_ids[None, :] * kpool].long() // kpool
         return cls(
             input_ids=dev(torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)),
             positions=positions_d,
@@ -132,7 +169,7 @@ class ForwardBatch:
             state_slots=dev(torch.tensor([c.state_slot for c in chunks], dtype=torch.long)),
             pad_index=dev(pad_index),
             pad_valid=dev(pad_valid),
-            pool_table=torch.where(dev(pool_valid), table_pools, -1),
+            pool_table=torch.where(pool_valid, table_pools, -1),
             completed_pools=req_to_token[dev(done[:, 0]), dev(done[:, 1])].long() // kpool,
             logits_index=dev(logits_index),
             extend_lens=extend,

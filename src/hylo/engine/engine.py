@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from hylo.config import EngineConfig
+from hylo.config import DEFAULT_CUDA_GRAPH_MAX_BS, EngineConfig
+from hylo.engine.cuda_graph import DecodeGraphs
 from hylo.engine.request import Request, Status
 from hylo.engine.runner import ModelRunner
 from hylo.engine.scheduler import Scheduler
@@ -40,8 +41,13 @@ class StepOutput:
 class Engine:
     """Loads the model, sizes the caches from one memory budget, and runs the step loop."""
 
-    def __init__(self, config: EngineConfig, proposer: Proposer | None = None):
-        """`proposer` overrides the one `config.speculative_algorithm` would build."""
+    def __init__(
+        self, config: EngineConfig, proposer: Proposer | None = None, decode_graphs: bool | None = None
+    ):
+        """`proposer` overrides the one `config.speculative_algorithm` would build. `decode_graphs`
+        overrides whether plain decode steps run as fixed-shape batches (by default: on CUDA, as graph
+        replays, unless `config.disable_cuda_graph` or speculative decoding); on the CPU they run as
+        plain calls of the model (for tests)."""
         self.config = config
         path = Path(config.model) if config.model is not None else _demo_model()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
@@ -53,9 +59,13 @@ class Engine:
         indexer_dtype = torch.float8_e4m3fn if config.indexer_dtype == "fp8" else None
         self.proposer = proposer or self._build_proposer(path, indexer_dtype)
         draft_bytes = self.proposer.bytes_per_token() if self.proposer else 0.0
+        if decode_graphs is None:
+            decode_graphs = (
+                self.device.type == "cuda" and not config.disable_cuda_graph and self.proposer is None
+            )
         self.plan = MemoryPlan.from_budget(
             model_config, self._budget_bytes(), config.page_size, config.max_running_requests,
-            self.context_len, self.dtype, draft_bytes, indexer_dtype,
+            self.context_len, self.dtype, draft_bytes, indexer_dtype, scratch=decode_graphs,
         )  # fmt: skip
         self.caches = CacheManager(model_config, self.plan, self.dtype, self.device, indexer_dtype)
         num_drafts = 0
@@ -63,7 +73,6 @@ class Engine:
             self.proposer.attach(self.caches.tokens.num_slots, self.caches.table.table)
             num_drafts = self.proposer.num_draft_tokens
         self.scheduler = Scheduler(self.caches, self.plan.num_slots, config.chunked_prefill_size, num_drafts)
-        self.runner = ModelRunner(self.model, self.caches, config.seed, self.proposer)
         self.requests: dict[str, Request] = {}
         logger.info(
             "max_total_num_tokens=%d max_running_requests=%d bytes_per_token=%.0f bytes_per_slot=%d",
@@ -72,6 +81,11 @@ class Engine:
             self.plan.bytes_per_token,
             self.plan.bytes_per_slot,
         )
+        graphs = None
+        if decode_graphs:
+            max_bs = min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.plan.num_slots)
+            graphs = DecodeGraphs(self.model, self.caches, max_bs, capture=self.device.type == "cuda")
+        self.runner = ModelRunner(self.model, self.caches, config.seed, self.proposer, graphs)
 
     def _build_proposer(self, model_path: Path, indexer_dtype: torch.dtype | None) -> Proposer | None:
         if self.config.speculative_algorithm is None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hylo.engine.cuda_graph import DecodeGraphs
 from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
@@ -29,12 +30,24 @@ class ChunkResult:
 
 
 class ModelRunner:
+    """Plain decode steps go through `graphs` when it accepts them (CUDA-graph replays of fixed-shape
+    batches), everything else runs eagerly. `graphs` and a proposer exclude each other: a proposer
+    observes every forward's captured features, which the graphs do not produce."""
+
     def __init__(
-        self, model: Glm5NextForCausalLM, caches: CacheManager, seed: int, proposer: Proposer | None = None
+        self,
+        model: Glm5NextForCausalLM,
+        caches: CacheManager,
+        seed: int,
+        proposer: Proposer | None = None,
+        graphs: DecodeGraphs | None = None,
     ):
+        if graphs is not None and proposer is not None:
+            raise ValueError("graphs: decode graphs cannot serve an engine with a speculative proposer")
         self.model = model
         self.caches = caches
         self.proposer = proposer
+        self.graphs = graphs
         device = model.embed_tokens.weight.device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -52,9 +65,12 @@ class ModelRunner:
             )
             for ch in chunks
         ]  # fmt: skip
-        batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
-        capture = self.proposer.capture_layers if self.proposer is not None else ()
-        logits = self.model(batch, capture)
+        if self.graphs is not None and self.graphs.accepts(seqs):
+            batch, logits = self.graphs.run(seqs)
+        else:
+            batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
+            capture = self.proposer.capture_layers if self.proposer is not None else ()
+            logits = self.model(batch, capture)
 
         results: list[ChunkResult | None] = [None] * len(chunks)
         plain = [i for i, ch in enumerate(chunks) if ch.samples and not ch.verify]

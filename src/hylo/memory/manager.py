@@ -14,7 +14,8 @@ from hylo.memory.state import StateCache
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How one memory budget is split between token pages and request slots."""
+    """How one memory budget is split between token pages and request slots. With `scratch`, one more
+    slot and one more page, never handed out, absorb the padding rows of fixed-shape decode batches."""
 
     num_pages: int
     page_size: int
@@ -22,6 +23,7 @@ class MemoryPlan:
     max_len: int
     bytes_per_token: float
     bytes_per_slot: int
+    scratch: bool = False
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -38,13 +40,17 @@ class MemoryPlan:
         dtype: torch.dtype,
         extra_bytes_per_token: float = 0.0,
         indexer_dtype: torch.dtype | None = None,
+        scratch: bool = False,
     ) -> MemoryPlan:
         """Request slots get what `max_running_requests` asks, or by default up to half the budget
         (at most 256); token pages get the rest. A slot also pays for its request-table row; a token
-        also pays `extra_bytes_per_token` (a draft model's cache)."""
+        also pays `extra_bytes_per_token` (a draft model's cache). The `scratch` slot and page are
+        paid for first."""
         per_token = TokenCache.bytes_per_token(config, dtype, indexer_dtype) + extra_bytes_per_token
         max_len = min(context_len, int(budget_bytes // per_token))
         per_slot = StateCache.bytes_per_slot(config, dtype) + 4 * max_len
+        if scratch:
+            budget_bytes -= per_slot + per_token * page_size
         slots = max_running_requests or min(256, int(budget_bytes // 2 // per_slot))
         pages = int((budget_bytes - slots * per_slot) // (per_token * page_size))
         if slots < 1 or pages < 1:
@@ -53,7 +59,7 @@ class MemoryPlan:
                 f"{per_slot / 2**20:.1f} MiB and one page of {page_size} tokens "
                 f"{per_token * page_size / 2**20:.2f} MiB"
             )
-        return cls(pages, page_size, slots, min(max_len, pages * page_size), per_token, per_slot)
+        return cls(pages, page_size, slots, min(max_len, pages * page_size), per_token, per_slot, scratch)
 
 
 class CacheManager:
@@ -61,7 +67,10 @@ class CacheManager:
     table row and its KDA state slot share the index) and the pages backing its positions.
 
     Invariants: `pages.num_free` and `slots.num_free` return to their start values once every
-    request is released; a slot's state is zeroed when it is handed out.
+    request is released; a slot's state is zeroed when it is handed out. With `plan.scratch`,
+    `scratch_slot` (= `plan.num_slots`) is one more request-table row and KDA state slot, its row's
+    first page the page `plan.num_pages`: neither is ever handed out, so whatever a padding row writes
+    there is nobody's.
     """
 
     def __init__(
@@ -78,11 +87,16 @@ class CacheManager:
             )
         self.plan = plan
         self.kpool = config.index_kpool
-        self.tokens = TokenCache(config, plan.num_pages * plan.page_size, dtype, device, indexer_dtype)
-        self.states = StateCache(config, plan.num_slots, dtype, device)
-        self.table = RequestTable(plan.num_slots, plan.max_len, plan.page_size, device)
+        extra = int(plan.scratch)
+        num_token_slots = (plan.num_pages + extra) * plan.page_size
+        self.tokens = TokenCache(config, num_token_slots, dtype, device, indexer_dtype)
+        self.states = StateCache(config, plan.num_slots + extra, dtype, device)
+        self.table = RequestTable(plan.num_slots + extra, plan.max_len, plan.page_size, device)
         self.pages = FreeList(plan.num_pages)
         self.slots = FreeList(plan.num_slots)
+        self.scratch_slot = plan.num_slots if plan.scratch else None
+        if self.scratch_slot is not None:
+            self.table.assign(self.scratch_slot, 0, [plan.num_pages])
 
     def acquire_slot(self) -> int | None:
         got = self.slots.alloc(1)

@@ -1,0 +1,152 @@
+"""Plain decode steps as CUDA-graph replays, one graph per batch-size bucket, captured at engine start.
+
+A plain decode step (every sequence feeds one token and samples, no verify chunk) of B sequences
+runs in the smallest bucket >= B: the step's batch is built with the bucket's fixed shapes
+(`FixedShape`: filler sequences on the cache manager's scratch slot, a `pool_table` as wide as the
+request table), the tensors that vary from step to step are copied into the bucket's static batch
+(device copies), the bucket's graph replays, and the first B rows of its logits are the step's.
+Sampling stays outside the graph. Any other step runs eagerly.
+
+Without capture (the CPU) the static batch goes through a plain call of the model instead of a
+replay: the same fixed-shape path, so that it can be checked against the eager one anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from tqdm import tqdm
+
+from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
+from hylo.memory.manager import CacheManager
+from hylo.models.glm5_next import Glm5NextForCausalLM
+
+logger = logging.getLogger("hylo")
+
+# Every tensor of a decode batch is indexed by sequence (= token) first: a bucket's static batch is
+# the first rows of the largest bucket's.
+PER_SEQUENCE_TENSORS = (
+    "input_ids", "positions", "token_seq", "token_rows", "new_slots", "state_slots",
+    "pad_index", "pad_valid", "pool_table", "completed_pools", "logits_index",
+)  # fmt: skip
+# What a step changes; the others (token_seq, pad_index, pad_valid, logits_index) are aranges that
+# depend on the bucket alone.
+STEP_TENSORS = (
+    "input_ids",
+    "positions",
+    "token_rows",
+    "new_slots",
+    "state_slots",
+    "pool_table",
+    "completed_pools",
+)
+# Eager runs before a capture: kernels compile and per-batch host caches fill outside the graph.
+WARMUP_RUNS = 2
+
+
+def batch_size_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8 below `max_batch_size`, then `max_batch_size` itself."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    small = [b for b in (1, 2, 4) if b < max_batch_size]
+    return [*small, *range(8, max_batch_size, 8), max_batch_size]
+
+
+class DecodeGraphs:
+    """Fixed-shape decode batches for the buckets up to `max_batch_size`, captured as CUDA graphs when
+    `capture` (all in one memory pool, the largest first so that the others reuse its memory).
+
+    Invariants: a static batch points at the scratch slot and at the slots of the last step it ran,
+    nothing else; the logits `run` returns stay valid until the next `run`.
+    """
+
+    def __init__(self, model: Glm5NextForCausalLM, caches: CacheManager, max_batch_size: int, capture: bool):
+        if caches.scratch_slot is None:
+            raise ValueError(
+                "caches: fixed-shape decode batches need a scratch slot (MemoryPlan scratch=True)"
+            )
+        self.model, self.caches = model, caches
+        self.buckets = batch_size_buckets(max_batch_size)
+        self.pool_width = caches.table.table.shape[1] // caches.kpool
+        largest = self._build([], self.buckets[-1])
+        self.static = {b: _leading(largest, b) for b in self.buckets}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def accepts(self, seqs: Sequence[SequenceChunk]) -> bool:
+        """A plain decode step that fits the largest bucket."""
+        return len(seqs) <= self.buckets[-1] and all(
+            len(s.token_ids) == 1 and s.sample and not s.verify for s in seqs
+        )
+
+    def run(self, seqs: Sequence[SequenceChunk]) -> tuple[ForwardBatch, torch.Tensor]:
+        """The step's padded batch and the logits of its sequences, `[len(seqs), vocab]`, in order."""
+        if not self.accepts(seqs):
+            raise ValueError(
+                f"seqs: a fixed-shape decode takes up to {self.buckets[-1]} sequences of one sampled "
+                "token each"
+            )
+        bucket = next(b for b in self.buckets if b >= len(seqs))
+        step, static = self._build(seqs, bucket), self.static[bucket]
+        for name in STEP_TENSORS:
+            getattr(static, name).copy_(getattr(step, name))
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            logits = self.model(static)
+        else:
+            graph.replay()
+            logits = self.logits[bucket]
+        return step, logits[: len(seqs)]
+
+    def _build(self, seqs: Sequence[SequenceChunk], bucket: int) -> ForwardBatch:
+        c = self.caches
+        assert c.scratch_slot is not None
+        fixed = FixedShape(bucket, self.pool_width, c.scratch_slot)
+        return ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool, fixed=fixed)
+
+    def _capture_all(self) -> None:
+        device = self.caches.table.table.device
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+        bar = tqdm(
+            reversed(self.buckets), total=len(self.buckets), desc="Capturing CUDA graphs", unit="graph"
+        )
+        with torch.cuda.device(device):
+            for bucket in bar:
+                bar.set_postfix(bs=bucket)
+                self._capture(bucket, pool, stream)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s, using %.2f GiB",
+            len(self.buckets),
+            ",".join(map(str, self.buckets)),
+            time.perf_counter() - start,
+            (free_before - torch.cuda.mem_get_info(device)[0]) / 2**30,
+        )
+
+    def _capture(self, bucket: int, pool: tuple[int, int], stream: torch.cuda.Stream) -> None:
+        static = self.static[bucket]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                self.model(static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            self.logits[bucket] = self.model(static)
+        self.graphs[bucket] = graph
+
+
+def _leading(batch: ForwardBatch, n: int) -> ForwardBatch:
+    """The first `n` sequences of a fixed-shape decode batch, sharing its tensors' memory."""
+    views = {name: getattr(batch, name)[:n] for name in PER_SEQUENCE_TENSORS}
+    return dataclasses.replace(
+        batch, **views,
+        extend_lens=batch.extend_lens[:n], prefix_lens=batch.prefix_lens[:n], verify_seqs=[],
+        seq_rows=batch.seq_rows[:n], seq_slots=batch.seq_slots[:n], kda_records={}, features=None,
+    )  # fmt: skip

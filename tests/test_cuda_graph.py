@@ -1,0 +1,226 @@
+"""Fixed-shape decode (the batches CUDA graphs replay) on the CPU: padded batches in batch-size buckets
+give the eager path's logits and caches, the scratch slot absorbs the padding, and the engine generates
+the same tokens with it."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from conftest import random_prompt
+from hf_reference import tiny_text_config, write_hf_checkpoint
+
+from hylo.config import EngineConfig
+from hylo.engine.cuda_graph import DecodeGraphs, batch_size_buckets
+from hylo.engine.engine import Engine
+from hylo.engine.runner import ModelRunner
+from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
+from hylo.memory.manager import CacheManager, MemoryPlan
+from hylo.models.loader import load_model
+from hylo.sampling import SamplingParams
+from hylo.spec.proposer import Proposer
+
+PAGE, MAX_LEN, SLOTS = 16, 64, 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_hf_checkpoint(tmp_path_factory.mktemp("graphs"), tiny_text_config(4, 8), seed=5)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_model(checkpoint, dtype=torch.float32, progress=False)
+
+
+def caches_for(model, scratch: bool = True) -> CacheManager:
+    plan = MemoryPlan(SLOTS * MAX_LEN // PAGE, PAGE, SLOTS, MAX_LEN, 0, 0, scratch)
+    return CacheManager(model.config, plan, torch.float32, "cpu")
+
+
+def admit(caches: CacheManager, count: int) -> list[int]:
+    slots = [caches.acquire_slot() for _ in range(count)]
+    for slot in slots:
+        assert caches.grow(slot, [], MAX_LEN)
+    return slots
+
+
+def build(caches: CacheManager, chunks, **kwargs) -> ForwardBatch:
+    c = caches
+    return ForwardBatch.build(chunks, c.table.table, c.tokens, c.states, c.kpool, **kwargs)
+
+
+def test_batch_size_buckets():
+    assert batch_size_buckets(1) == [1]
+    assert batch_size_buckets(3) == [1, 2, 3]
+    assert batch_size_buckets(8) == [1, 2, 4, 8]
+    assert batch_size_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_size_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        batch_size_buckets(0)
+
+
+def test_scratch_slot_and_page_are_never_handed_out(model):
+    caches = caches_for(model)
+    plan = caches.plan
+    assert caches.scratch_slot == plan.num_slots == caches.states.num_slots - 1
+    assert caches.tokens.num_slots == (plan.num_pages + 1) * PAGE
+    assert caches.table.table[caches.scratch_slot, 0] == plan.num_pages * PAGE
+    slots = [caches.acquire_slot() for _ in range(plan.num_slots)]
+    assert caches.acquire_slot() is None and caches.scratch_slot not in slots
+    assert caches.pages.alloc(plan.num_pages + 1) is None
+    assert plan.num_pages not in caches.pages.alloc(plan.num_pages)
+    config, budget = model.config, 2**22
+    plain = MemoryPlan.from_budget(config, budget, PAGE, 4, MAX_LEN, torch.float32)
+    reserved = MemoryPlan.from_budget(config, budget, PAGE, 4, MAX_LEN, torch.float32, scratch=True)
+    paid = plain.bytes_per_slot + plain.bytes_per_token * PAGE
+    assert reserved.num_pages == int(
+        (budget - paid - 4 * plain.bytes_per_slot) // (PAGE * plain.bytes_per_token)
+    )
+
+
+def test_fixed_shape_batch_pads_onto_the_scratch_slot(model):
+    caches = caches_for(model)
+    a, b = admit(caches, 2)
+    chunks = [SequenceChunk([7], 11, a, a), SequenceChunk([9], 30, b, b)]  # b completes pool 7
+    width = MAX_LEN // caches.kpool
+    eager, fixed = (
+        build(caches, chunks),
+        build(caches, chunks, fixed=FixedShape(4, width, caches.scratch_slot)),
+    )
+    scratch_token = caches.plan.num_pages * PAGE
+    assert fixed.input_ids.tolist() == [7, 9, 0, 0] and fixed.positions.tolist() == [11, 30, 0, 0]
+    assert fixed.state_slots.tolist() == [a, b, caches.scratch_slot, caches.scratch_slot]
+    assert fixed.new_slots[2:].tolist() == [scratch_token] * 2
+    assert fixed.extend_lens == [1] * 4 and fixed.logits_index.tolist() == [0, 1, 2, 3]
+    assert fixed.pool_table.shape == (4, width)
+    assert torch.equal(fixed.pool_table[:2, : eager.pool_table.shape[1]], eager.pool_table)
+    assert (fixed.pool_table[:2, eager.pool_table.shape[1] :] == -1).all() and (
+        fixed.pool_table[2:] == -1
+    ).all()
+    assert fixed.completed_pools.tolist() == [*eager.completed_pools.tolist(), *[scratch_token // 4] * 3]
+    with pytest.raises(ValueError, match="chunks: 2 sequences, the fixed shape holds 1"):
+        build(caches, chunks, fixed=FixedShape(1, width, caches.scratch_slot))
+    with pytest.raises(ValueError, match=r"fixed\.pool_width: 4 pools, a sequence has 7"):
+        build(caches, chunks, fixed=FixedShape(4, 4, caches.scratch_slot))
+
+
+def test_decode_graphs_take_plain_decode_steps_only(model):
+    with pytest.raises(ValueError, match="caches: fixed-shape decode batches need a scratch slot"):
+        DecodeGraphs(model, caches_for(model, scratch=False), 4, capture=False)
+    caches = caches_for(model)
+    graphs = DecodeGraphs(model, caches, 3, capture=False)
+    assert graphs.buckets == [1, 2, 3] and not graphs.graphs
+    one = SequenceChunk([5], 3, 0, 0)
+    assert graphs.accepts([one] * 3)
+    rejected = [
+        [one] * 4,  # above the largest bucket
+        [SequenceChunk([5, 6], 3, 0, 0)],  # prefill
+        [SequenceChunk([5], 3, 0, 0, sample=False)],  # one prompt token of a longer prompt
+        [SequenceChunk([5], 3, 0, 0, verify=True)],
+    ]
+    for seqs in rejected:
+        assert not graphs.accepts(seqs)
+        with pytest.raises(ValueError, match="seqs: a fixed-shape decode takes up to 3"):
+            graphs.run(seqs)
+
+    class Drafter(Proposer):
+        num_draft_tokens = 2
+
+        def propose(self, requests, budgets):
+            return [[] for _ in requests]
+
+    with pytest.raises(ValueError, match="graphs: decode graphs cannot serve"):
+        ModelRunner(model, caches, 0, Drafter(), graphs)
+
+
+def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(model):
+    """Same prompts and tokens through eager batches (caches `ref`) and through the bucketed fixed-shape
+    path (caches `fix`): batch sizes between buckets, pools completing along the way."""
+    ref, fix = caches_for(model), caches_for(model)
+    graphs = DecodeGraphs(model, fix, 8, capture=False)
+    slots = admit(ref, 7)
+    assert admit(fix, 7) == slots
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 24, (7,), generator=gen).tolist()
+    prompts = [random_prompt(n, model.config.vocab_size, seed=i) for i, n in enumerate(lengths)]
+    prefill = [SequenceChunk(p, 0, s, s) for p, s in zip(prompts, slots, strict=True)]
+    for caches in (ref, fix):
+        model(build(caches, prefill))
+    for step, batch_size in enumerate([3, 5, 7, 6, 1, 7]):
+        tokens = torch.randint(0, model.config.vocab_size, (batch_size,), generator=gen).tolist()
+        seqs = [SequenceChunk([t], lengths[i], slots[i], slots[i]) for i, t in enumerate(tokens)]
+        expected = model(build(ref, seqs))
+        batch, logits = graphs.run(seqs)
+        assert len(batch.extend_lens) == next(b for b in graphs.buckets if b >= batch_size)
+        torch.testing.assert_close(logits, expected, msg=f"step {step}, batch of {batch_size}")
+        for i in range(batch_size):
+            lengths[i] += 1
+
+    scratch, page = fix.scratch_slot, fix.plan.num_pages
+    real_tokens = slice(0, page * PAGE)
+    for name in ("conv", "recurrent"):
+        ours, theirs = getattr(fix.states, name), getattr(ref.states, name)
+        torch.testing.assert_close(ours[:, :scratch], theirs[:, :scratch], msg=name)
+        assert (theirs[:, scratch] == 0).all() and (ours[:, scratch] != 0).any(), f"scratch {name}"
+    for name in ("latent", "index_key", "index_gate"):
+        ours, theirs = getattr(fix.tokens, name), getattr(ref.tokens, name)
+        torch.testing.assert_close(ours[:, real_tokens], theirs[:, real_tokens], msg=name)
+        assert (ours[:, page * PAGE] != 0).any() and (theirs[:, page * PAGE] == 0).all(), f"scratch {name}"
+    pools = page * PAGE // fix.kpool
+    torch.testing.assert_close(fix.tokens.pooled_key[:, :pools], ref.tokens.pooled_key[:, :pools])
+    assert (fix.tokens.pooled_key[:, :pools] != 0).any()
+
+
+def test_engine_with_decode_graphs_generates_the_plain_engines_tokens(checkpoint):
+    """Greedy generation through fixed-shape decode batches (CPU: plain calls on the static batches)
+    equals the plain engine's; batches above the largest bucket fall back to eager steps."""
+    config = EngineConfig(
+        model=str(checkpoint), device="cpu", dtype="float32", page_size=16, context_length=128,
+        max_memory_gb=0.02, max_running_requests=8, cuda_graph_max_bs=4,
+    )  # fmt: skip
+    prompts = [random_prompt(n, 160, seed=200 + i) for i, n in enumerate([37, 5, 13, 1, 22, 9])]
+
+    def generate(engine: Engine) -> dict[str, list[int]]:
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
+            engine.add_request(str(i), prompt, params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request.request_id, []).extend(out.new_token_ids)
+        return tokens
+
+    plain = Engine(config)
+    assert plain.runner.graphs is None and not plain.plan.scratch
+    expected = generate(plain)
+
+    engine = Engine(config, decode_graphs=True)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.buckets == [1, 2, 4]
+    decisions: list[tuple[int, bool]] = []
+    accepts = graphs.accepts
+
+    def recording(seqs):
+        decisions.append((len(seqs), accepts(seqs)))
+        return decisions[-1][1]
+
+    graphs.accepts = recording
+    free = (engine.caches.pages.num_free, engine.caches.slots.num_free)
+    assert generate(engine) == expected
+    assert (6, False) in decisions and {(4, True), (3, True), (1, True)} <= set(decisions)
+    assert (engine.caches.pages.num_free, engine.caches.slots.num_free) == free
+
+
+def test_cuda_graph_flags():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    defaults = EngineConfig.from_cli(parser.parse_args([]))
+    assert defaults.disable_cuda_graph is False and defaults.cuda_graph_max_bs is None
+    config = EngineConfig.from_cli(parser.parse_args(["--disable-cuda-graph", "--cuda-graph-max-bs", "16"]))
+    assert config.disable_cuda_graph is True and config.cuda_graph_max_bs == 16
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be >= 1"):
+        EngineConfig(cuda_graph_max_bs=0)
+    with pytest.raises(ValueError, match="disable_cuda_graph must be a bool"):
+        EngineConfig(disable_cuda_graph="yes")
