@@ -90,7 +90,11 @@ def test_route_matches_reference(tokens, num_experts, top_k, n_group, topk_group
 def test_align_invariants(tokens, top_k, num_experts, block_m):
     g = torch.Generator().manual_seed(tokens)
     ids = torch.rand(tokens, num_experts - 3, generator=g).argsort(-1)[:, :top_k]  # 3 experts unused
-    layout = routing.align(ids, num_experts, block_m)
+    assert_alignment(routing.align(ids, num_experts, block_m), ids, num_experts, block_m)
+
+
+def assert_alignment(layout: routing.Alignment, ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    """`layout` sorts the pairs of `ids` by expert into blocks as `routing.align` promises."""
     counts = torch.bincount(ids.flatten(), minlength=num_experts)
     bound = routing.max_blocks(ids.numel(), num_experts, block_m)
     assert layout.block_expert.shape == (bound,) and layout.pairs.shape == (bound * block_m,)

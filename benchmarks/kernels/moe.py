@@ -11,9 +11,13 @@ SwiGLU limit 10 (the shared expert is not part of the step). Decode steps (M = 1
 CUDA-graph replays that cycle through 4 batches routed to different experts, so weights come from
 HBM, not L2; their floor is (distinct experts × 3·I·D bytes + scales) / copy bandwidth, the copy
 bandwidth counting read + write bytes of a 1 GiB device copy. Prefill is M = 8192 tokens.
-`--sweep` times candidate tile configurations (checked for parity first); the `breakdown` section
-(`--only breakdown`) times each launch of an FP8 decode step on its own. Prints a table last and
-writes `moe.json` to --out (default $OUT or ./out).
+Steps of at most `moe_decode.MAX_PAIRS` (token, choice) pairs (M = 1, 4) run by default as the three
+launches of `hylo.ops.moe.decode` (fused routing prologue, gate|up, down with the combine); the
+general path (router GEMM, routing, x quantisation, alignment, the two GEMMs, combine) is timed beside
+them as `*_general_*`. `--sweep` times candidate tile configurations (checked for parity first); the
+`breakdown` section (`--only breakdown`) times each launch of an FP8 decode step on its own, both
+paths, and the prologue's variants. Prints a table last and writes `moe.json` to --out (default $OUT
+or ./out).
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ from harness import RESULTS, bench, bench_graph, rec, section  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
+from hylo.ops.moe import decode as moe_decode  # noqa: E402
 from hylo.ops.moe import kernels, reference, routing  # noqa: E402
 from hylo.ops.moe.kernels import MoeConfig, Tiles  # noqa: E402
+from hylo.ops.moe.reference import Routing  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
 # the interpreter's bf16 dot is wrong: the dry run's "bf16" path runs on fp32
@@ -49,6 +55,7 @@ ACT = torch.float32 if DRY else torch.bfloat16
 HIDDEN, INTER, EXPERTS, TOP_K = (128, 64, 16, 4) if DRY else (4096, 2048, 288, 8)
 LIMIT, SCALING = 10.0, 2.5
 DECODE_TOKENS = (1, 4, 16)
+FUSED_TOKENS = tuple(t for t in DECODE_TOKENS if moe_decode.fits(t, TOP_K))
 PREFILL_TOKENS = 48 if DRY else 8192
 ROTATE = 4  # decode batches per timed call, each routed to its own experts
 START = time.time()
@@ -67,6 +74,7 @@ class Model:
         torch.manual_seed(seed)
         self.router = torch.randn(EXPERTS, HIDDEN, device=DEV, dtype=ACT) * HIDDEN**-0.5
         self.bias = torch.randn(EXPERTS, device=DEV) * 0.01
+        self.routing = Routing(self.router, self.bias, TOP_K, 1, 1, True, SCALING)
         self.gate_up = torch.empty(EXPERTS, 2 * INTER, HIDDEN, device=DEV, dtype=ACT)
         self.down = torch.empty(EXPERTS, HIDDEN, INTER, device=DEV, dtype=ACT)
         self.fp8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -85,7 +93,7 @@ class Model:
             self.fp8[name], self.dequantized[name] = (q, s), deq
 
     def route(self, x):
-        return routing.route(x, self.router, self.bias, TOP_K, 1, 1, True, SCALING)
+        return routing.route(x, *self.routing)
 
     def experts(self, x, ids, weights, fp8: bool, config: MoeConfig | None = None):
         if fp8:
@@ -95,7 +103,16 @@ class Model:
         return kernels.experts(x, self.gate_up, self.down, ids, weights, LIMIT, config)
 
     def step(self, x, fp8: bool, config: MoeConfig | None = None):
+        """The general path: routing, then the experts."""
         return self.experts(x, *self.route(x), fp8, config)
+
+    def fused_step(self, x, fp8: bool):
+        """The decode path (`moe_decode.routed_experts`)."""
+        if fp8:
+            (gate_up, gate_up_scale), (down, down_scale) = self.fp8["gate_up"], self.fp8["down"]
+            scales = (gate_up_scale, down_scale)
+            return moe_decode.routed_experts(x, self.routing, gate_up, down, LIMIT, scales)
+        return moe_decode.routed_experts(x, self.routing, self.gate_up, self.down, LIMIT)
 
     def reference(self, x, ids, weights, fp8: bool):
         gate_up, down = (
@@ -164,12 +181,49 @@ def parity(model: Model) -> None:
             f"parity_quantize_T{tokens}_equal",
             bool(torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)),
         )
+    for tokens in (1, 4, 8):  # up to the decode path's largest step at top-8
+        if moe_decode.fits(tokens, TOP_K):
+            fused_parity(model, tokens)
+
+
+def fused_parity(model: Model, tokens: int) -> None:
+    """The decode path's routing, quantised x and alignment against the references, and its output
+    against the general path's on the same routing (random routings: most tokens' experts differ)."""
+    tag = f"parity_fused_T{tokens}"
+    x = batch(tokens, seed=1000 + tokens)
+    config = kernels.default_config(tokens * TOP_K, EXPERTS, True)
+    ids, weights, layout, q, s = moe_decode.prologue(x, model.routing, config.block_m, quantize=True)
+    ref_ids, ref_weights = reference.route(x, *model.routing)
+    rec(f"{tag}_route_ids_equal", bool(torch.equal(ids, ref_ids)))
+    rec(f"{tag}_route_weights_maxdiff", float((weights - ref_weights).abs().max()))
+    # against the general path's kernel: on the GPU the torch reference divides by 448 as a multiply
+    ref_q, ref_s = kernels.quantize_groups(x)
+    rec(
+        f"{tag}_quantize_equal_general", bool(torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s))
+    )
+    general = routing.align(ids, EXPERTS, config.block_m)
+    rec(
+        f"{tag}_blocks_equal",
+        bool(torch.equal(layout.block_expert, general.block_expert))
+        and bool(torch.equal(layout.block_rows, general.block_rows)),
+    )
+    for fp8 in (False, True):
+        kind = "fp8" if fp8 else "bf16"
+        out = model.fused_step(x, fp8)
+        rec(f"{tag}_{kind}_relerr_vs_general", round(rel_err(out, model.experts(x, ids, weights, fp8)), 6))
+        rec(
+            f"{tag}_{kind}_relerr_vs_reference",
+            round(rel_err(out, model.reference(x, ref_ids, ref_weights, fp8)), 5),
+        )
+        rec(f"{tag}_{kind}_repeats_bitwise", bool(torch.equal(out, model.fused_step(x, fp8))))
 
 
 # ---------------------------------------------------------------- timings
 
 
 def decode(model: Model) -> None:
+    """`step`: the default path of the step's size (the decode path up to `moe_decode.MAX_PAIRS` pairs),
+    `general_step`: the general path, `experts`: the general path's experts without the routing."""
     bandwidth = RESULTS["copy_TBps"] * 1e12
     for tokens in DECODE_TOKENS:
         xs = [batch(tokens, seed=100 * tokens + r) for r in range(ROTATE)]
@@ -179,20 +233,24 @@ def decode(model: Model) -> None:
             floor_us = sum(model.bytes_read(ids, fp8) for ids, _ in routes) / bandwidth * 1e6 / ROTATE
             rec(f"{tag}_floor_us", round(floor_us, 2))
 
-            def step(fp8=fp8, xs=xs):
+            def general_step(fp8=fp8, xs=xs):
                 for x in xs:
                     model.step(x, fp8)
+
+            def fused_step(fp8=fp8, xs=xs):
+                for x in xs:
+                    model.fused_step(x, fp8)
 
             def experts_only(fp8=fp8, xs=xs, routes=routes):
                 for x, (ids, weights) in zip(xs, routes, strict=True):
                     model.experts(x, ids, weights, fp8)
 
-            t = bench_graph(step) / ROTATE
-            rec(f"{tag}_step_us", round(t, 2))
-            rec(f"{tag}_step_pct_of_copy_ceiling", round(100 * floor_us / t, 1))
-            t = bench_graph(experts_only) / ROTATE
-            rec(f"{tag}_experts_us", round(t, 2))
-            rec(f"{tag}_experts_pct_of_copy_ceiling", round(100 * floor_us / t, 1))
+            variants = {"general_step": general_step, "experts": experts_only}
+            variants["step"] = fused_step if tokens in FUSED_TOKENS else general_step
+            for name, fn in variants.items():
+                t = bench_graph(fn) / ROTATE
+                rec(f"{tag}_{name}_us", round(t, 2))
+                rec(f"{tag}_{name}_pct_of_copy_ceiling", round(100 * floor_us / t, 1))
         ids, weights = routes[0]
         rec(
             f"decode_T{tokens}_eager_reference_bf16_us",
@@ -226,7 +284,8 @@ def prefill(model: Model) -> None:
 
 
 def decode_launches(model: Model, tokens: int) -> dict[str, object]:
-    """Each launch of an FP8 decode step (default configuration) on its own, over ROTATE batches."""
+    """Each launch of an FP8 decode step of the general path (default configuration) on its own,
+    over ROTATE batches."""
     xs = [batch(tokens, seed=200 * tokens + r) for r in range(ROTATE)]
     routes = [model.route(x) for x in xs]
     config = kernels.default_config(tokens * TOP_K, EXPERTS, True)
@@ -260,12 +319,51 @@ def decode_launches(model: Model, tokens: int) -> dict[str, object]:
     }
 
 
+# (block_e, num_warps) of the prologue: router rows per program and warps
+PROLOGUE_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8))
+
+
+def fused_launches(model: Model, tokens: int) -> dict[str, object]:
+    """Each launch of an FP8 decode step of the decode path on its own (the prologue in each of its
+    `PROLOGUE_VARIANTS`, the first the default), over ROTATE batches."""
+    xs = [batch(tokens, seed=300 * tokens + r) for r in range(ROTATE)]
+    config = kernels.default_config(tokens * TOP_K, EXPERTS, True)
+    prologues = [moe_decode.prologue(x, model.routing, config.block_m, quantize=True) for x in xs]
+    (gate_up, gate_up_scale), (down, down_scale) = model.fp8["gate_up"], model.fp8["down"]
+    hs = [
+        kernels.gate_up_stage(q, s, gate_up, gate_up_scale, layout, TOP_K, LIMIT, config)
+        for _, _, layout, q, s in prologues
+    ]
+    device = xs[0].device
+    launches = {
+        f"prologue_e{block_e}_w{warps}": lambda block_e=block_e, warps=warps: [
+            moe_decode.prologue(x, model.routing, config.block_m, True, block_e, warps) for x in xs
+        ]
+        for block_e, warps in PROLOGUE_VARIANTS
+    }
+    launches["gate_up"] = lambda: [
+        kernels.gate_up_stage(q, s, gate_up, gate_up_scale, layout, TOP_K, LIMIT, config)
+        for _, _, layout, q, s in prologues
+    ]
+    launches["down_combine"] = lambda: [
+        kernels.down_combine_stage(
+            h, h_scale, down, down_scale, layout, weights, ACT, config, moe_decode.tickets(device)
+        )
+        for (h, h_scale), (_, weights, layout, _, _) in zip(hs, prologues, strict=True)
+    ]
+    return launches
+
+
 def breakdown(model: Model) -> None:
-    """Graph-replayed time of each launch of an FP8 decode step (router GEMM, routing kernel, x
-    quantisation, alignment, the two GEMMs, combine): where the step's time beyond the floor goes."""
+    """Graph-replayed time of each launch of an FP8 decode step, general path (router GEMM, routing
+    kernel, x quantisation, alignment, the two GEMMs, combine) and decode path (prologue, gate|up,
+    down with the combine): where the step's time beyond the floor goes."""
     for tokens in (1, 16):
         for name, fn in decode_launches(model, tokens).items():
-            rec(f"breakdown_T{tokens}_fp8_{name}_us", round(bench_graph(fn) / ROTATE, 2))
+            rec(f"breakdown_T{tokens}_fp8_general_{name}_us", round(bench_graph(fn) / ROTATE, 2))
+    for tokens in FUSED_TOKENS:
+        for name, fn in fused_launches(model, tokens).items():
+            rec(f"breakdown_T{tokens}_fp8_fused_{name}_us", round(bench_graph(fn) / ROTATE, 2))
 
 
 # Candidates that compile for sm_90a without register spills (ptxas -v). Decode streams weights:
@@ -337,21 +435,25 @@ def sweep(model: Model, tokens_list: list[int], dtypes: list[str]) -> None:
 
 
 def table() -> None:
-    print("\n| case | hylo step | experts only | floor / ceiling | % |")
-    print("|---|---|---|---|---|")
+    print("\n| case | hylo step | general path step | experts only | floor / ceiling | % |")
+    print("|---|---|---|---|---|---|")
     for tokens in DECODE_TOKENS:
         for tag in ("fp8", "bf16"):
             key = f"decode_T{tokens}_{tag}"
             if f"{key}_step_us" in RESULTS:
                 step, experts = RESULTS[f"{key}_step_us"], RESULTS[f"{key}_experts_us"]
+                general = RESULTS[f"{key}_general_step_us"]
                 floor, pct = RESULTS[f"{key}_floor_us"], RESULTS[f"{key}_step_pct_of_copy_ceiling"]
-                print(f"| decode M={tokens} {tag} | {step} us | {experts} us | {floor} us (copy) | {pct} |")
+                print(
+                    f"| decode M={tokens} {tag} | {step} us | {general} us | {experts} us | {floor} us (copy)"
+                    f" | {pct} |"
+                )
     for tag in ("fp8", "bf16"):
         key = f"prefill_T{PREFILL_TOKENS}_{tag}"
         if f"{key}_step_ms" in RESULTS:
             ceiling = RESULTS["fp8_scaled_mm_TFLOPs" if tag == "fp8" else "bf16_matmul_TFLOPs"]
             print(
-                f"| prefill M={PREFILL_TOKENS} {tag} | {RESULTS[f'{key}_step_TFLOPs']} TFLOP/s"
+                f"| prefill M={PREFILL_TOKENS} {tag} | {RESULTS[f'{key}_step_TFLOPs']} TFLOP/s | "
                 f" | {RESULTS[f'{key}_experts_TFLOPs']} TFLOP/s | {ceiling} TFLOP/s (matmul)"
                 f" | {RESULTS[f'{key}_step_pct_of_{tag}_matmul']} |"
             )

@@ -34,6 +34,10 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         return moe_ops.experts(x, self.gate_up_proj, self.down_proj, ids, weights, limit)
 
+    def routed(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
+        """The routed experts' output for x, routing included (`moe_ops.routed_experts`)."""
+        return moe_ops.routed_experts(x, routing, self.gate_up_proj, self.down_proj, limit)
+
 
 class FP8Experts(nn.Module):
     """`Experts` with e4m3 weights and fp32 `*_scale_inv [E, ceil(N/128), ceil(K/128)]` per [128, 128]
@@ -91,6 +95,11 @@ class FP8Experts(nn.Module):
             limit,
         )
 
+    def routed(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
+        """The routed experts' output for x, routing included (`moe_ops.routed_experts`)."""
+        scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
+        return moe_ops.routed_experts(x, routing, self.gate_up_proj, self.down_proj, limit, scales)
+
 
 class MoE(nn.Module):
     """Routed experts (`Experts`, or `FP8Experts` in place of it) plus the shared expert MLP."""
@@ -106,8 +115,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        ids, weights = moe_ops.route(
-            x,
+        routing = moe_ops.Routing(
             self.gate.weight,
             self.gate.e_score_correction_bias,
             c.num_experts_per_tok,
@@ -116,4 +124,4 @@ class MoE(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
-        return self.experts(x, ids, weights, c.swiglu_limit) + self.shared_experts(x)
+        return self.experts.routed(x, routing, c.swiglu_limit) + self.shared_experts(x)

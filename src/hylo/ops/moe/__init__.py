@@ -2,6 +2,8 @@
 
 CUDA tensors go to the Triton routing kernel and grouped GEMMs (`routing`, `kernels`), everything
 else to the reference. `experts_fp8` takes e4m3 weights with per-[128, 128]-block fp32 `scale_inv`.
+`routed_experts` is route then experts in one call, so that steps of a few tokens can take the
+three-launch path of `decode`.
 """
 
 from __future__ import annotations
@@ -9,9 +11,18 @@ from __future__ import annotations
 import torch
 
 from hylo.ops.moe import reference
-from hylo.ops.moe.reference import dequantize_fp8_blocks, quantize_fp8_blocks, swiglu_clamp
+from hylo.ops.moe.reference import Routing, dequantize_fp8_blocks, quantize_fp8_blocks, swiglu_clamp
 
-__all__ = ["dequantize_fp8_blocks", "experts", "experts_fp8", "quantize_fp8_blocks", "route", "swiglu_clamp"]
+__all__ = [
+    "Routing",
+    "dequantize_fp8_blocks",
+    "experts",
+    "experts_fp8",
+    "quantize_fp8_blocks",
+    "route",
+    "routed_experts",
+    "swiglu_clamp",
+]
 
 
 def route(
@@ -66,3 +77,25 @@ def experts_fp8(
 
         return kernels.experts_fp8(*args)
     return reference.experts_fp8(*args)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    routing: Routing,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`experts(x, gate_up, down, *route(x, *routing), limit)`, or `experts_fp8` with `scales` =
+    (gate_up_scale_inv, down_scale_inv). On CUDA, steps of at most `decode.MAX_PAIRS` (token, choice)
+    pairs run as three launches (`decode.routed_experts`)."""
+    if x.is_cuda:
+        from hylo.ops.moe import decode
+
+        if decode.fits(x.shape[0], routing.top_k):
+            return decode.routed_experts(x, routing, gate_up, down, limit, scales)
+    ids, weights = route(x, *routing)
+    if scales is None:
+        return experts(x, gate_up, down, ids, weights, limit)
+    return experts_fp8(x, gate_up, scales[0], down, scales[1], ids, weights, limit)

@@ -4,7 +4,8 @@ One step: `routing.align` sorts the (token, choice) pairs by expert into `block_
 gate|up GEMM gathers each block's token rows of x, computes the matching gate and up tiles of the
 block's expert and writes SiLU(min(gate, L))·clamp(up, ±L) per padded row; the down GEMM reads those
 rows, multiplies each by its routing weight and writes it to its pair's row of a `[T·k, D]` buffer;
-summing the k rows of a token (a fixed order) makes the combine deterministic.
+summing the k rows of a token (a fixed order) makes the combine deterministic. For a few tokens
+(`decode`), `down_combine_stage` sums them in the down launch itself.
 
 FP8: weights stay e4m3 with fp32 `scale_inv [E, ceil(N/128), ceil(K/128)]`; activations are
 quantised per token and group of 128 channels (x by a small kernel, once per token; the SwiGLU
@@ -84,11 +85,11 @@ def _group_scale(amax):
 
 
 @triton.jit
-def _quantize_groups_kernel(
-    x_ptr, q_ptr, scale_ptr, num_rows, stride_x, stride_q, stride_s, K: tl.constexpr, BLOCK_T: tl.constexpr
+def quantize_tile(
+    x_ptr, q_ptr, scale_ptr, rows, group, num_rows, stride_x, stride_q, stride_s, K: tl.constexpr
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    """Rows `rows` of x, channel group `group` (128 wide): e4m3 values and their fp32 scale."""
+    cols = group * 128 + tl.arange(0, 128)
     ok = (rows < num_rows)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=ok, other=0.0).to(
         tl.float32
@@ -98,7 +99,15 @@ def _quantize_groups_kernel(
     tl.store(
         q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok
     )
-    tl.store(scale_ptr + rows * stride_s + tl.program_id(1), scale, mask=rows < num_rows)
+    tl.store(scale_ptr + rows * stride_s + group, scale, mask=rows < num_rows)
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    x_ptr, q_ptr, scale_ptr, num_rows, stride_x, stride_q, stride_s, K: tl.constexpr, BLOCK_T: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    quantize_tile(x_ptr, q_ptr, scale_ptr, rows, tl.program_id(1), num_rows, stride_x, stride_q, stride_s, K)
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,6 +244,30 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _down_rows(
+    h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pairs_ptr, block_rows_ptr, weights_ptr, out_ptr,
+    pid_m, pid_n, expert, stride_h, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_o,
+    N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr,
+):  # fmt: skip
+    """Row block `pid_m` (of `expert`) times its column tile `pid_n`, weighted, to each pair's row."""
+    m = tl.arange(0, BLOCK_M)
+    row_ok = m < tl.load(block_rows_ptr + pid_m)
+    slot = pid_m * BLOCK_M + m
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn
+    a_scales = h_scale_ptr + slot * stride_hs
+    w_scales = w_scale_ptr + expert * stride_wse + (n // 128) * stride_wsn
+    acc = _expert_product(h_rows, a_scales, w_cols, w_scales, row_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
+    pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
+    acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _down_kernel(
     h_ptr,
     h_scale_ptr,
@@ -265,20 +298,71 @@ def _down_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    m = tl.arange(0, BLOCK_M)
-    row_ok = m < tl.load(block_rows_ptr + pid_m)
-    slot = pid_m * BLOCK_M + m
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
-    w_cols = w_ptr + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn
-    a_scales = h_scale_ptr + slot * stride_hs
-    w_scales = w_scale_ptr + expert * stride_wse + (n // 128) * stride_wsn
-    acc = _expert_product(h_rows, a_scales, w_cols, w_scales, row_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
-    pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
-    acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
-    dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    _down_rows(
+        h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pairs_ptr, block_rows_ptr, weights_ptr, out_ptr,
+        pid_m, pid_n, expert, stride_h, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_o,
+        N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+    )  # fmt: skip
+
+
+@triton.jit
+def _down_combine_kernel(
+    h_ptr,
+    h_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    weights_ptr,
+    routed_ptr,
+    out_ptr,
+    tickets_ptr,
+    num_blocks,
+    num_tokens,
+    stride_h,
+    stride_hs,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_r,
+    stride_o,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    T_PAD: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """`_down_kernel`, then the combine of its column tile by the tile's last program to finish: every
+    row block of the tile takes a ticket (empty blocks too), and the last ticket sums each token's k
+    rows in a fixed order and puts the ticket counter back to zero."""
+    pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        _down_rows(
+            h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pairs_ptr, block_rows_ptr, weights_ptr, routed_ptr,
+            pid_m, pid_n, expert, stride_h, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_r,
+            N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+        )  # fmt: skip
+    tl.debug_barrier()  # all of this program's rows are stored before its ticket releases them
+    if tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == num_blocks - 1:
+        tl.store(tickets_ptr + pid_n, 0)
+        t = tl.arange(0, T_PAD)
+        j = tl.arange(0, K_PAD)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = ((t < num_tokens)[:, None] & (j < TOP_K)[None, :])[:, :, None] & (n < N)[None, None, :]
+        rows = (t[:, None] * TOP_K + j[None, :]).to(tl.int64)[:, :, None] * stride_r
+        # .cg: rows other SMs wrote in this launch
+        routed = tl.load(routed_ptr + rows + n[None, None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        dst = out_ptr + t[:, None].to(tl.int64) * stride_o + n[None, :]
+        out_ok = (t < num_tokens)[:, None] & (n < N)[None, :]
+        tl.store(dst, tl.sum(routed.to(tl.float32), axis=1).to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 def _check(
@@ -322,7 +406,7 @@ def _check_config(config: MoeConfig, intermediate: int, fp8: bool) -> None:
         )
 
 
-def _run(
+def check_experts(
     x: torch.Tensor,
     gate_up: torch.Tensor,
     gate_up_scale: torch.Tensor | None,
@@ -330,14 +414,23 @@ def _run(
     down_scale: torch.Tensor | None,
     ids: torch.Tensor,
     weights: torch.Tensor,
-    limit: float,
     config: MoeConfig | None,
-) -> torch.Tensor:
+) -> MoeConfig:
+    """The configuration a step runs with (`config` or the default), after a ValueError naming any
+    argument that does not fit: FP8 when the scales are given, else weights in x's dtype."""
+    _check(x, gate_up, down, ids, weights)
     fp8 = gate_up_scale is not None
+    if fp8:
+        if down_scale is None:
+            raise ValueError("experts_fp8: down_scale_inv is missing")
+        _check_scale("gate_up", gate_up_scale, gate_up)
+        _check_scale("down", down_scale, down)
+    elif gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(
+            f"experts: gate_up {gate_up.dtype} and down {down.dtype} must be x's dtype {x.dtype}"
+        )
     tokens, top_k = ids.shape
-    num_experts, two_i, hidden = gate_up.shape
-    if tokens == 0:
-        return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
+    num_experts, two_i, _ = gate_up.shape
     config = config or default_config(tokens * top_k, num_experts, fp8)
     _check_config(config, two_i // 2, fp8)
     for name, t in (
@@ -350,8 +443,28 @@ def _run(
             raise ValueError(
                 f"experts: {name} must be contiguous in its last dimension, strides {t.stride()}"
             )
+    return config
+
+
+def _run(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_scale: torch.Tensor | None,
+    down: torch.Tensor,
+    down_scale: torch.Tensor | None,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    limit: float,
+    config: MoeConfig | None,
+) -> torch.Tensor:
+    config = check_experts(x, gate_up, gate_up_scale, down, down_scale, ids, weights, config)
+    tokens, top_k = ids.shape
+    num_experts, _, hidden = gate_up.shape
+    if tokens == 0:
+        return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
+    x = x.contiguous()
     out_dtype, x_scale = x.dtype, None
-    if fp8:
+    if gate_up_scale is not None:
         x, x_scale = quantize_groups(x)
     layout = align(ids, num_experts, config.block_m)
     h, h_scale = gate_up_stage(x, x_scale, gate_up, gate_up_scale, layout, top_k, limit, config)
@@ -417,6 +530,52 @@ def gate_up_stage(
     return h, h_scale
 
 
+def _down_arguments(
+    h: torch.Tensor,
+    h_scale: torch.Tensor | None,
+    down: torch.Tensor,
+    down_scale: torch.Tensor | None,
+    layout: Alignment,
+    weights: torch.Tensor,
+    config: MoeConfig,
+) -> tuple[int, dict[str, object]]:
+    """(programs, keyword arguments) the two down kernels share."""
+    fp8 = down_scale is not None
+    if fp8 != (h_scale is not None):
+        raise ValueError("down_stage: h_scale and down_scale come together (FP8) or not at all")
+    num_blocks = layout.block_expert.numel()
+    hidden = down.shape[1]
+    dn = config.down
+    scale, w_scale = _or(h_scale, h), _or(down_scale, down)
+    arguments = {
+        "h_ptr": h,
+        "h_scale_ptr": scale,
+        "w_ptr": down,
+        "w_scale_ptr": w_scale,
+        "pairs_ptr": layout.pairs,
+        "block_expert_ptr": layout.block_expert,
+        "block_rows_ptr": layout.block_rows,
+        "weights_ptr": weights.float().contiguous(),
+        "num_blocks": num_blocks,
+        "stride_h": h.stride(0),
+        "stride_hs": scale.stride(0),
+        "stride_we": down.stride(0),
+        "stride_wn": down.stride(1),
+        "stride_wse": w_scale.stride(0),
+        "stride_wsn": w_scale.stride(1),
+        "N": hidden,
+        "K": h.shape[1],
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": dn.block_n,
+        "BLOCK_K": dn.block_k,
+        "GROUP_M": config.group_m,
+        "FP8": fp8,
+        "num_warps": dn.num_warps,
+        "num_stages": dn.num_stages,
+    }
+    return num_blocks * triton.cdiv(hidden, dn.block_n), arguments
+
+
 def down_stage(
     h: torch.Tensor,
     h_scale: torch.Tensor | None,
@@ -429,40 +588,50 @@ def down_stage(
 ) -> torch.Tensor:
     """The second grouped GEMM (one launch): each pair's weighted expert output, `[T·k, D]`; with FP8
     weights, h comes quantised with `h_scale`."""
-    fp8 = down_scale is not None
-    if fp8 != (h_scale is not None):
-        raise ValueError("down_stage: h_scale and down_scale come together (FP8) or not at all")
-    num_blocks = layout.block_expert.numel()
-    hidden = down.shape[1]
-    routed = torch.empty(weights.numel(), hidden, dtype=out_dtype, device=h.device)
-    dn = config.down
-    _down_kernel[(num_blocks * triton.cdiv(hidden, dn.block_n),)](
-        h,
-        _or(h_scale, h),
-        down,
-        _or(down_scale, down),
-        *layout[:3],
-        weights.float().contiguous(),
-        routed,
-        num_blocks,
-        h.stride(0),
-        _or(h_scale, h).stride(0),
-        down.stride(0),
-        down.stride(1),
-        _or(down_scale, down).stride(0),
-        _or(down_scale, down).stride(1),
-        routed.stride(0),
-        N=hidden,
-        K=h.shape[1],
-        BLOCK_M=config.block_m,
-        BLOCK_N=dn.block_n,
-        BLOCK_K=dn.block_k,
-        GROUP_M=config.group_m,
-        FP8=fp8,
-        num_warps=dn.num_warps,
-        num_stages=dn.num_stages,
-    )
+    programs, arguments = _down_arguments(h, h_scale, down, down_scale, layout, weights, config)
+    routed = torch.empty(weights.numel(), down.shape[1], dtype=out_dtype, device=h.device)
+    _down_kernel[(programs,)](**arguments, out_ptr=routed, stride_o=routed.stride(0))
     return routed
+
+
+def down_combine_stage(
+    h: torch.Tensor,
+    h_scale: torch.Tensor | None,
+    down: torch.Tensor,
+    down_scale: torch.Tensor | None,
+    layout: Alignment,
+    weights: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: MoeConfig,
+    tickets: torch.Tensor,
+) -> torch.Tensor:
+    """`down_stage` and the combine in one launch, for a few tokens: Σ_k of each token's weighted rows
+    (each rounded to `out_dtype`, summed in fp32 in a fixed order), `[T, D]`. `tickets`: int32
+    zeros, at least one per column tile of the output, left zero."""
+    tokens, top_k = weights.shape
+    hidden = down.shape[1]
+    column_tiles = triton.cdiv(hidden, config.down.block_n)
+    if tickets.dtype != torch.int32 or tickets.numel() < column_tiles:
+        raise ValueError(
+            f"down_combine_stage: tickets must be int32 with at least {column_tiles} counters (D {hidden} / "
+            f"down.block_n {config.down.block_n}), got {tickets.dtype} {tuple(tickets.shape)}"
+        )
+    programs, arguments = _down_arguments(h, h_scale, down, down_scale, layout, weights, config)
+    routed = torch.empty(tokens * top_k, hidden, dtype=out_dtype, device=h.device)
+    out = torch.empty(tokens, hidden, dtype=out_dtype, device=h.device)
+    _down_combine_kernel[(programs,)](
+        **arguments,
+        routed_ptr=routed,
+        out_ptr=out,
+        tickets_ptr=tickets,
+        num_tokens=tokens,
+        stride_r=routed.stride(0),
+        stride_o=out.stride(0),
+        TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        T_PAD=triton.next_power_of_2(tokens),
+    )
+    return out
 
 
 def _or(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
@@ -479,12 +648,6 @@ def experts(
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.experts`; weights in x's dtype."""
-    _check(x, gate_up, down, ids, weights)
-    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(
-            f"experts: gate_up {gate_up.dtype} and down {down.dtype} must be x's dtype {x.dtype}"
-        )
-    x = x.contiguous()
     return _run(x, gate_up, None, down, None, ids, weights, limit, config)
 
 
@@ -500,7 +663,4 @@ def experts_fp8(
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.experts_fp8`; x is quantised per token and group of 128."""
-    _check(x, gate_up, down, ids, weights)
-    _check_scale("gate_up", gate_up_scale_inv, gate_up)
-    _check_scale("down", down_scale_inv, down)
-    return _run(x.contiguous(), gate_up, gate_up_scale_inv, down, down_scale_inv, ids, weights, limit, config)
+    return _run(x, gate_up, gate_up_scale_inv, down, down_scale_inv, ids, weights, limit, config)

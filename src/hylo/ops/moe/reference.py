@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+
+class Routing(NamedTuple):
+    """A router's tensors and choice rule, in `route`'s argument order (`route(x, *routing)`)."""
+
+    weight: torch.Tensor
+    correction_bias: torch.Tensor
+    top_k: int
+    n_group: int
+    topk_group: int
+    normalize: bool
+    scaling: float
 
 
 def route(

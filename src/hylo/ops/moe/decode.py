@@ -1,0 +1,280 @@
+"""The MoE step of a few tokens (decode, short verify) in three launches instead of seven.
+
+1. `prologue`: the router logits, split over the experts (each program reads `block_e` rows of the
+   router weight whole: many programs read its 2.4 MB at bandwidth, and every logit is one program's
+   dot product, so nothing is reduced across programs), the FP8 quantisation of x (one 128-channel
+   group per program), then, in the program that arrives last (an atomic ticket, no waiting), the
+   routing of every token (`routing.choose_experts`) and the expert alignment. The alignment runs in
+   registers: a pair's rank within its expert and its expert's first block come from comparisons of
+   every pair with every other (at most `MAX_PAIRS`² of them), with no atomics or global round trips.
+2. `kernels.gate_up_stage`, as in the general path.
+3. `kernels.down_combine_stage`: the down GEMM, whose last program of each column tile sums every
+   token's k weighted rows in a fixed order (the combine).
+
+The ticket counters are zero between launches: the last program of each counter puts it back, so a
+CUDA graph replays the launches as they are. Each CUDA stream gets its own counters (`tickets`), so
+launches on different streams never share one; launches of one stream run one after another.
+
+H200, GLM-5.3-Flash shapes, FP8 experts, graph replays (`benchmarks/kernels/moe.py`): one token
+65.4 us against 82.1 for the general path (prologue 4.7 us where the router GEMM, routing kernel, x
+quantisation and alignment took 16.7; down with the combine 20.8 against 19.3 + 2.2); four tokens
+214.0 against 221.9. Launching gate|up and down as programmatic dependent launches (Hopper) was
+measured too: +4 us at one FP8 token with gate|up dependent, within ±1.4 us otherwise, so not used.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hylo.ops.moe import kernels
+from hylo.ops.moe.kernels import MoeConfig, quantize_tile
+from hylo.ops.moe.reference import FP8_BLOCK, Routing
+from hylo.ops.moe.routing import Alignment, check_route, choice_constants, choose_experts, max_blocks
+
+MAX_PAIRS = 64  # (token, choice) pairs of a step on this path: the alignment's [pairs, pairs] fits registers
+TICKET_SLOTS = 256  # counters per stream: the down launch takes one per column tile (D / block_n)
+_SPARE_STREAMS = 8  # counter sets made at once, so a stream first seen during a graph capture finds one
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_SPARE: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def fits(tokens: int, top_k: int) -> bool:
+    """Whether a step of `tokens` tokens takes this path."""
+    return tokens * top_k <= MAX_PAIRS
+
+
+def tickets(device: torch.device) -> torch.Tensor:
+    """The int32 ticket counters of the current stream of `device`, zero between launches. Counter
+    sets are zeroed outside graph captures, a few at a time, and never freed: a captured graph keeps
+    using the set of the stream it was captured on."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _TICKETS:
+        spare = _SPARE.setdefault(device, [])
+        if not spare:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # zeros made inside a capture would only be written when the graph replays
+                raise RuntimeError(
+                    "MoE decode: run one step on this device before capturing a CUDA graph, "
+                    "so its ticket counters are zeroed outside the capture"
+                )
+            sets = torch.zeros(_SPARE_STREAMS, TICKET_SLOTS, dtype=torch.int32, device=device)
+            spare.extend(sets.unbind())
+        _TICKETS[key] = spare.pop()
+    return _TICKETS[key]
+
+
+@triton.jit
+def _place_pairs(
+    ids,
+    ok,
+    pair,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    num_blocks,
+    PAIRS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
+):
+    """`routing.align` of the chosen `ids` (`ok`: real choices; `pair`: their pair indices) from
+    registers: a pair's rank is the number of earlier pairs of its expert, its expert's first block
+    the blocks of all smaller chosen experts (counted once, at each expert's first pair)."""
+    expert = tl.reshape(ids.to(tl.int32), [PAIRS])
+    valid = tl.reshape(ok, [PAIRS])
+    pair = tl.reshape(pair, [PAIRS])
+    lane = tl.arange(0, PAIRS)
+    same = (expert[:, None] == expert[None, :]) & valid[None, :]
+    rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
+    count = tl.sum(same.to(tl.int32), axis=1)
+    blocks = tl.where(valid & (rank == 0), (count + BLOCK_M - 1) // BLOCK_M, 0)
+    first_block = tl.sum(tl.where(expert[None, :] < expert[:, None], blocks[None, :], 0), axis=1)
+    tl.store(pairs_ptr + first_block * BLOCK_M + rank, pair, mask=valid)
+    block = rank // BLOCK_M
+    # the pairs of one block all write its expert and row count
+    tl.store(block_expert_ptr + first_block + block, expert, mask=valid)
+    rows = tl.minimum(count - block * BLOCK_M, BLOCK_M)
+    tl.store(block_rows_ptr + first_block + block, rows, mask=valid)
+    b = tl.arange(0, BLOCKS_PAD)
+    unused = (b >= tl.sum(blocks, axis=0)) & (b < num_blocks)
+    tl.store(block_expert_ptr + b, tl.full([BLOCKS_PAD], -1, tl.int32), mask=unused)
+    tl.store(block_rows_ptr + b, tl.zeros([BLOCKS_PAD], tl.int32), mask=unused)
+
+
+@triton.jit
+def _prologue_kernel(
+    x_ptr,
+    router_ptr,
+    bias_ptr,
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    q_ptr,
+    q_scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    tickets_ptr,
+    num_tokens,
+    num_blocks,
+    scaling,
+    stride_x,
+    stride_r,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    T_PAD: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    d = tl.arange(0, D_PAD)
+    w_rows = router_ptr + e[:, None].to(tl.int64) * stride_r + d[None, :]
+    w = tl.load(w_rows, mask=e_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    for token in tl.static_range(T_PAD):
+        real = token < num_tokens
+        x = tl.load(x_ptr + token * stride_x + d, mask=(d < D) & real, other=0.0).to(tl.float32)
+        tl.store(logits_ptr + token * E + e, tl.sum(w * x[None, :], axis=1), mask=e_ok & real)
+    if QUANTIZE:  # noqa: SIM102 (a constexpr test: the kernel compiles without the branch)
+        if pid < tl.cdiv(D, 128):
+            tokens = tl.arange(0, T_PAD)
+            quantize_tile(x_ptr, q_ptr, q_scale_ptr, tokens, pid, num_tokens, stride_x, D, tl.cdiv(D, 128), D)
+    tl.debug_barrier()  # all of this program's logits are stored before its ticket releases them
+    if tl.atomic_add(tickets_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.store(tickets_ptr, 0)
+        t = tl.arange(0, T_PAD)
+        ids, weights, ok = choose_experts(
+            logits_ptr,
+            bias_ptr,
+            t,
+            t < num_tokens,
+            scaling,
+            E,
+            E_PAD,
+            TOP_K,
+            K_PAD,
+            N_GROUP,
+            G_PAD,
+            TOPK_GROUP,
+            NORMALIZE,
+        )
+        pair = t[:, None] * TOP_K + tl.arange(0, K_PAD)[None, :]
+        tl.store(ids_ptr + pair, ids, mask=ok)
+        tl.store(weights_ptr + pair, weights, mask=ok)
+        _place_pairs(
+            ids,
+            ok,
+            pair,
+            pairs_ptr,
+            block_expert_ptr,
+            block_rows_ptr,
+            num_blocks,
+            T_PAD * K_PAD,
+            BLOCK_M,
+            BLOCKS_PAD,
+        )
+
+
+def prologue(
+    x: torch.Tensor,
+    routing: Routing,
+    block_m: int,
+    quantize: bool,
+    block_e: int = 1,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, Alignment, torch.Tensor | None, torch.Tensor | None]:
+    """One launch: (ids `[T, k]`, weights `[T, k]`, alignment into `block_m`-row blocks, and with
+    `quantize` x as e4m3 `[T, D]` with its fp32 group scales `[T, ceil(D/128)]`, else None, None).
+    `block_e` router rows per program and `num_warps`: the fastest of those timed by
+    `benchmarks/kernels/moe.py --only breakdown` on an H200 at M = 1 and 4."""
+    check_route(
+        x, routing.weight, routing.correction_bias, routing.top_k, routing.n_group, routing.topk_group
+    )
+    tokens, hidden = x.shape
+    num_experts, top_k = routing.weight.shape[0], routing.top_k
+    if not fits(tokens, top_k):
+        raise ValueError(f"prologue: x has {tokens} tokens, more than {MAX_PAIRS // top_k} at top-{top_k}")
+    x, weight = x.contiguous(), routing.weight.contiguous()
+    device = x.device
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+    num_blocks = max_blocks(tokens * top_k, num_experts, block_m)
+    layout = Alignment(
+        torch.empty(num_blocks * block_m, dtype=torch.int32, device=device),
+        torch.empty(num_blocks, dtype=torch.int32, device=device),
+        torch.empty(num_blocks, dtype=torch.int32, device=device),
+        block_m,
+    )
+    groups = triton.cdiv(hidden, FP8_BLOCK)
+    q = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device) if quantize else None
+    q_scale = torch.empty(tokens, groups, dtype=torch.float32, device=device) if quantize else None
+    if tokens == 0:
+        return ids, weights, layout, q, q_scale
+    programs = max(triton.cdiv(num_experts, block_e), groups if quantize else 1)
+    _prologue_kernel[(programs,)](
+        x,
+        weight,
+        routing.correction_bias.float().contiguous(),
+        torch.empty(tokens, num_experts, dtype=torch.float32, device=device),  # the logits
+        ids,
+        weights,
+        x if q is None else q,  # read only where QUANTIZE says so
+        weights if q_scale is None else q_scale,
+        *layout[:3],
+        tickets(device),
+        tokens,
+        num_blocks,
+        float(routing.scaling),
+        x.stride(0),
+        weight.stride(0),
+        D=hidden,
+        D_PAD=triton.next_power_of_2(hidden),
+        BLOCK_E=block_e,
+        T_PAD=triton.next_power_of_2(tokens),
+        QUANTIZE=quantize,
+        BLOCK_M=block_m,
+        BLOCKS_PAD=triton.next_power_of_2(num_blocks),
+        **choice_constants(num_experts, top_k, routing.n_group, routing.topk_group, routing.normalize),
+        num_warps=num_warps,
+    )
+    return ids, weights, layout, q, q_scale
+
+
+def routed_experts(
+    x: torch.Tensor,
+    routing: Routing,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """`route` then `kernels.experts` (with `scales` = (gate_up_scale_inv, down_scale_inv):
+    `kernels.experts_fp8`) for at most `MAX_PAIRS` pairs, in three launches (module docstring)."""
+    tokens, top_k = x.shape[0], routing.top_k
+    gate_up_scale, down_scale = scales if scales is not None else (None, None)
+    shape = torch.empty(tokens, top_k, device="meta")  # the ids and weights `prologue` will make
+    config = kernels.check_experts(x, gate_up, gate_up_scale, down, down_scale, shape, shape, config)
+    _, weights, layout, q, q_scale = prologue(x, routing, config.block_m, quantize=scales is not None)
+    if tokens == 0:
+        return torch.zeros(0, x.shape[1], dtype=x.dtype, device=x.device)
+    activations = x.contiguous() if q is None else q
+    h, h_scale = kernels.gate_up_stage(
+        activations, q_scale, gate_up, gate_up_scale, layout, top_k, limit, config
+    )
+    return kernels.down_combine_stage(
+        h, h_scale, down, down_scale, layout, weights, x.dtype, config, tickets(x.device)
+    )

@@ -1,0 +1,141 @@
+"""The three-launch MoE step of a few tokens (`hylo.ops.moe.decode`) against the references and the
+general path, under the Triton interpreter on the CPU.
+
+The interpreter runs a launch's programs one after another, so the prologue's routing and alignment
+run in its last program and the combine in each column tile's last program, as the ticket counters
+decide on the GPU. As in test_moe_kernels.py, the "bf16" experts run on fp32 here (the interpreter's
+bf16 `tl.dot` is wrong); the FP8 experts run on e4m3 with bf16 or fp32 activations.
+"""
+
+from __future__ import annotations
+
+from interpreter import use_interpreter
+
+use_interpreter()  # before the kernels are decorated
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from test_moe_kernels import assert_alignment, rel_err  # noqa: E402
+
+from hylo.ops.moe import decode, kernels, reference, routing  # noqa: E402
+from hylo.ops.moe.reference import Routing  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
+
+LIMIT = 1.5  # low enough that the clamps bite on these inputs
+
+
+def random_routing(g: torch.Generator, hidden: int, num_experts: int, top_k: int, n_group=1, topk_group=1):
+    weight = torch.randn(num_experts, hidden, generator=g) * hidden**-0.5
+    bias = torch.randn(num_experts, generator=g) * 0.3  # large enough to change the choice
+    return Routing(weight, bias, top_k, n_group, topk_group, True, 2.5)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "num_experts", "top_k", "groups", "normalize", "block_m", "dtype"),
+    [
+        (1, 256, 16, 4, (4, 2), True, 16, torch.float32),  # group-limited, two channel groups
+        (5, 96, 12, 3, (1, 1), False, 16, torch.float32),  # top-3 pads to 4, D a partial group
+        (8, 64, 20, 8, (1, 1), True, 4, torch.float32),  # 64 pairs, experts shared by tokens: 1-2 blocks
+        (2, 128, 288, 8, (1, 1), True, 16, torch.bfloat16),  # GLM-5.3-Flash's 288 experts, bf16 router
+    ],
+)
+def test_prologue_matches_reference(tokens, hidden, num_experts, top_k, groups, normalize, block_m, dtype):
+    g = torch.Generator().manual_seed(tokens * hidden + num_experts)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    routing_ = random_routing(g, hidden, num_experts, top_k, *groups)._replace(normalize=normalize)
+    routing_ = routing_._replace(weight=routing_.weight.to(dtype))
+    ids, weights, layout, q, q_scale = decode.prologue(x, routing_, block_m, quantize=True)
+    ref_ids, ref_weights = reference.route(x, *routing_)
+    assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+    if groups[0] > 1:  # the data makes the group limit matter: without it the choice differs
+        assert not torch.equal(reference.route(x, *routing_._replace(n_group=1, topk_group=1))[0], ref_ids)
+    assert_alignment(layout, ids, num_experts, block_m)
+    general = routing.align(ids, num_experts, block_m)  # the same blocks; the order inside may differ
+    assert torch.equal(layout.block_expert, general.block_expert)
+    assert torch.equal(layout.block_rows, general.block_rows)
+    ref_q, ref_scale = reference.quantize_fp8_groups(x)
+    assert torch.equal(q_scale, ref_scale)
+    assert torch.equal(q.float(), ref_q.float())
+
+
+class Experts:
+    """Random experts, bf16-style (`gate_up`, `down`) and their block-FP8 quantisation."""
+
+    def __init__(self, g: torch.Generator, hidden: int, inter: int, num_experts: int):
+        self.gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+        self.down = torch.randn(num_experts, hidden, inter, generator=g) * inter**-0.5
+        (self.gate_up_q, self.gate_up_s), (self.down_q, self.down_s) = (
+            reference.quantize_fp8_blocks(w) for w in (self.gate_up, self.down)
+        )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "num_experts", "top_k"), [(1, 64, 32, 8, 3), (6, 96, 48, 10, 4)]
+)
+def test_routed_experts_matches_the_general_path(tokens, hidden, inter, num_experts, top_k):
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g)
+    routing_, experts = random_routing(g, hidden, num_experts, top_k), Experts(g, hidden, inter, num_experts)
+    out = decode.routed_experts(x, routing_, experts.gate_up, experts.down, LIMIT)
+    ids, weights = reference.route(x, *routing_)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, kernels.experts(x, experts.gate_up, experts.down, ids, weights, LIMIT)) < 1e-6
+    assert rel_err(out, reference.experts(x, experts.gate_up, experts.down, ids, weights, LIMIT)) < 2e-6
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 4e-3)])
+def test_routed_experts_fp8_matches_the_general_path(dtype, tolerance):
+    """Same quantisation and GEMMs as `kernels.experts_fp8`; only the combine's summation order
+    differs (bf16: each row is rounded before the sum, as in the general path)."""
+    g = torch.Generator().manual_seed(3)
+    tokens, hidden, inter, num_experts, top_k = 4, 160, 128, 6, 3
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    routing_, experts = random_routing(g, hidden, num_experts, top_k), Experts(g, hidden, inter, num_experts)
+    routing_ = routing_._replace(weight=routing_.weight.to(dtype))
+    scales = (experts.gate_up_s, experts.down_s)
+    out = decode.routed_experts(x, routing_, experts.gate_up_q, experts.down_q, LIMIT, scales)
+    ids, weights = reference.route(x, *routing_)
+    general = kernels.experts_fp8(
+        x, experts.gate_up_q, experts.gate_up_s, experts.down_q, experts.down_s, ids, weights, LIMIT
+    )
+    assert out.dtype == dtype
+    assert rel_err(out, general) < tolerance
+    # e4m3 activations: a few percent from the bf16 reference on the original weights
+    assert (
+        rel_err(out, reference.experts(x.float(), experts.gate_up, experts.down, ids, weights, LIMIT)) < 0.1
+    )
+
+
+def test_tickets_are_left_zero_and_steps_repeat_bitwise():
+    """Every launch puts its ticket counters back to zero, so the next launch (or graph replay) finds
+    them ready; the fixed-order combine makes two steps bitwise equal."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, generator=g)
+    routing_, experts = random_routing(g, 64, 8, 2), Experts(g, 64, 32, 8)
+    scales = (experts.gate_up_s, experts.down_s)
+    first = decode.routed_experts(x, routing_, experts.gate_up_q, experts.down_q, LIMIT, scales)
+    assert not decode.tickets(x.device).any()
+    again = decode.routed_experts(x, routing_, experts.gate_up_q, experts.down_q, LIMIT, scales)
+    assert torch.equal(first, again)
+
+
+def test_bad_inputs_are_named():
+    g = torch.Generator().manual_seed(6)
+    routing_, experts = random_routing(g, 64, 8, 4), Experts(g, 64, 32, 8)
+    with pytest.raises(ValueError, match="x has 17 tokens"):
+        decode.routed_experts(torch.randn(17, 64), routing_, experts.gate_up, experts.down, LIMIT)
+    with pytest.raises(ValueError, match="correction_bias"):
+        decode.prologue(torch.randn(2, 64), routing_._replace(correction_bias=torch.zeros(7)), 16, True)
+    with pytest.raises(ValueError, match="gate_up_scale_inv"):
+        scales = (experts.gate_up_s[:3], experts.down_s)
+        decode.routed_experts(torch.randn(2, 64), routing_, experts.gate_up_q, experts.down_q, LIMIT, scales)
+    x = torch.randn(2, 64)
+    ids, weights, layout, *_ = decode.prologue(x, routing_, 16, quantize=False)
+    config = kernels.default_config(ids.numel(), 8, fp8=False)
+    h, _ = kernels.gate_up_stage(x, None, experts.gate_up, None, layout, 4, LIMIT, config)
+    with pytest.raises(ValueError, match="tickets must be int32 with at least 1"):
+        kernels.down_combine_stage(
+            h, None, experts.down, None, layout, weights, x.dtype, config, torch.zeros(0, dtype=torch.int32)
+        )
