@@ -437,6 +437,7 @@ COMMIT_LAUNCH = {  # rows of S per program, warps
     "bk16_w4": dict(block_k=16, num_warps=4),
     "bk32_w2": dict(block_k=32, num_warps=2),
     "bk32_w4": dict(block_k=32, num_warps=4),
+    "bk64_w4": dict(block_k=64, num_warps=4),
 }
 
 
@@ -541,9 +542,47 @@ def time_steps(fla_rec, ceiling: float, quick: bool) -> None:
             rec(f"verify_B{bsz}_ratio_fla", RES[f"verify_B{bsz}_hylo_us"] / RES[f"verify_B{bsz}_fla_us"])
         rec(f"verify_B{bsz}_ratio_decode", RES[f"verify_B{bsz}_hylo_us"] / RES[f"decode_B{bsz}_hylo_us"])
         rec(f"commit8_B{bsz}_ratio_decode", RES[f"commit8_B{bsz}_hylo_us"] / RES[f"decode_B{bsz}_hylo_us"])
+        time_layer_sweep(bsz, lay, slots, t)
         torch.cuda.empty_cache()
     rec("replay_MiB_per_request_layer", 3 * t * HD * 4 / 2**20)
     rec("step_states_MiB_per_request_layer", t * H * D * D * 4 / 2**20)
+
+
+def time_layer_sweep(bsz: int, lay: Layer, slots: torch.Tensor, t: int) -> None:
+    """Decode, verify and commit as a model step runs them: each launch on another layer's pools (the model
+    has 34 KDA layers, each with its own), so the state comes from HBM. Replaying one pool, as above, keeps
+    up to 50 MB of state in L2 between launches (decode at B=8 then beats the HBM bandwidth). Per-launch
+    median of a graph of launches over `layers` pools (together ≥ 256 MiB, at most 34)."""
+    state_bytes = bsz * H * D * D * 4
+    layers = min(34, max(2, -(-(256 << 20) // state_bytes)))
+    pools = [lay.pools() for _ in range(layers)]
+    dt, al = lay.dt_bias, lay.a_log
+    n_all = torch.full((bsz,), t, device=DEV, dtype=torch.int32)
+
+    def sweep(fn) -> float:
+        return bench(lambda: [fn(conv, state) for conv, state in pools], graph=True) / layers
+
+    q, k, v, f, b = lay.inputs(bsz, 1)
+    qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, pools[0][0], slots)
+    one = [x[:, 0] for x in (q, k, v, f, b)]
+    decode = sweep(lambda conv, state: recurrent.recurrent(qkv, f, b, dt, al, state, slots, LB))
+    rec(f"decode_B{bsz}_layers_us", decode)
+    rec(f"decode_B{bsz}_layers_TBps", 2 * state_bytes / decode / 1e6)
+    rec(
+        f"decode_B{bsz}_layers_with_conv_us",
+        sweep(lambda conv, state: recurrent.decode(*one, *lay.params(), conv, state, slots, LB)),
+    )
+    q, k, v, f, b = lay.inputs(bsz, t)
+    qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, pools[0][0], slots)
+    rec(
+        f"verify_B{bsz}_layers_us",
+        sweep(lambda conv, state: recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB)),
+    )
+    _, replay = recurrent.block_verify(qkv, f, b, dt, al, pools[0][1], slots, LB)
+    commit = sweep(lambda conv, state: recurrent.block_commit(replay, q, k, v, conv, state, slots, n_all, LB))
+    rec(f"commit8_B{bsz}_layers_us", commit)
+    rec(f"commit8_B{bsz}_layers_ratio_decode", commit / decode)
+    rec(f"layers_B{bsz}", layers)
 
 
 def fla_timing(fla_rec, tag: str, qkv, f, b, lay: Layer) -> None:

@@ -261,7 +261,7 @@ def _block_commit_kernel(
     rows (contiguous, all value columns): every operand is one tile load issued up front, the n rank-1
     updates one [BK, TP] × [TP, D] product (tf32x3, fp32-accurate). One extra program per head advances
     its q, k, v conv windows, so that the state programs only stream."""
-    bi, h, ik = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ik, bi, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(n_steps + bi)
     slot = tl.load(slot_ids + bi).to(tl.int64)
     rv = tl.arange(0, D)
@@ -459,9 +459,9 @@ def block_verify(
 
 
 def _commit_rows(bsz: int, h: int, d: int) -> int:
-    """Rows of S per commit program, the fastest on the H200 (benchmarks/RESULTS.md): 16 while the batch
-    is small (more programs in flight), 32 once there are plenty."""
-    return min(16 if bsz * h <= 2048 else 32, d)
+    """Rows of S per commit program, the fastest on the H200 (benchmarks/RESULTS.md, run S4-2): 16 for a
+    single request (more programs in flight), 32 from two on."""
+    return min(16 if bsz * h <= 64 else 32, d)
 
 
 def block_commit(
@@ -476,7 +476,8 @@ def block_commit(
     if d % bk:
         raise ValueError(f"block_commit: block_k={bk} must divide the head size {d}")
     width = conv_pool.shape[1] + 1
-    _block_commit_kernel[(bsz, h, d // bk + 1)](
+    # a head's row tiles are neighbours in the launch order: its state is streamed in one sweep
+    _block_commit_kernel[(d // bk + 1, bsz, h)](
         replay, replay.stride(0), state_pool, state_pool.stride(0), slot_ids, n_accepted, q, k, v,
         q.stride(0), q.stride(1), conv_pool, conv_pool.stride(0), conv_pool.stride(1),
         _anchor(lower_bound, t),
