@@ -10,11 +10,15 @@ Three launches, the first two fully parallel over (64-token chunk, head):
 2. `_intra_kernel`: the in-chunk algebra, with q and k normalised,
 
        X = (I + L)⁻¹,  L[i,j] = β_i k_i·k_j e^{G_i-G_j} (i > j),  A[i,j] = q_i·k_j e^{G_i-G_j} (i ≥ j)
-       w = X diag(β) (k ⊙ e^G),  u = X diag(β) v,  q' = q ⊙ e^G − A w,  o₀ = A u,  k̄ = k ⊙ e^{G_C−G}
+       w = X diag(β) (k ⊙ e^G),  u = X diag(β) v,  q̄ = q ⊙ e^G,  k̄ = k ⊙ e^{G_C−G}
 
+   and stores w, u, q̄, k̄ and A, all in the activations' dtype.
 3. `_recur_kernel`, one program per (sequence, head, value tile), walking the chunks in order:
 
-       o = o₀ + q' S,   S ← diag(e^{G_C}) S + k̄ᵀ (u − w S)
+       δ = u − w S,   o = q̄ S + A δ,   S ← diag(e^{G_C}) S + k̄ᵀ δ
+
+   δ = X diag(β) (v − (k ⊙ e^G) S) is the chunk's update, so A δ is its in-chunk output; δ enters both
+   products rounded to the activations' dtype.
 
 Intermediates are stored per chunk, padded to 64 rows (padding rows are exact zeros or, for G, its
 last value), so the later launches read whole tiles. The Gram matrices are summed over column blocks in
@@ -246,6 +250,7 @@ def _chunk_inverse(
     rn_q,
     rn_k,
     beta,
+    att_out,
     lower_bound,
     D: tl.constexpr,
     BT: tl.constexpr,
@@ -256,7 +261,7 @@ def _chunk_inverse(
     SOLVE_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr,
 ):
-    """X = (I + L)⁻¹ and A of one chunk (pointers at its [BT, D] / [BT] tiles), both [BT, BT] fp32."""
+    """X = (I + L)⁻¹ of one chunk, [BT, BT] fp32; stores A into att_out (pointers at the chunk's tiles)."""
     NB: tl.constexpr = BT // BC
     sub = tl.arange(0, NB)
     row = tl.arange(0, BC)
@@ -284,13 +289,14 @@ def _chunk_inverse(
         aqk = tl.dot(yq * row_scale, cols, aqk, input_precision=GRAM_PREC)
         kk_diag = tl.dot(yk * row_scale, tl.trans(kc, (0, 2, 1)), kk_diag, input_precision=GRAM_PREC)
 
-    rk3 = tl.load(rn_k + i3)  # [NB, BC, 1]
-    rq3 = tl.load(rn_q + i3)
-    b3 = tl.load(beta + i3)
     rk = tl.load(rn_k + tl.arange(0, BT))[None, None, :]
     j3 = tl.arange(0, BT)[None, None, :]
+    # stored now, so that A is not kept live through the inverse
+    att = tl.where(j3 <= i3, aqk * tl.load(rn_q + i3) * rk, 0.0)
+    tl.store(att_out + i3 * BT + j3, att.to(att_out.dtype.element_ty))
+    rk3 = tl.load(rn_k + i3)  # [NB, BC, 1]
+    b3 = tl.load(beta + i3)
     low = tl.where(j3 < i3, akk * (b3 * rk3) * rk, 0.0)
-    att = tl.where(j3 <= i3, aqk * rq3 * rk, 0.0)
     rk_cols = tl.reshape(rk3, [NB, 1, BC])
     low_diag = tl.where(row[None, None, :] < row[None, :, None], kk_diag * (b3 * rk3) * rk_cols, 0.0)
 
@@ -302,16 +308,14 @@ def _chunk_inverse(
     off_diag = tl.where((r2[None, :] // BC) < (r2[:, None] // BC), tl.reshape(low, [BT, BT]), 0.0)
     nil = tl.dot(x_diag, off_diag, input_precision=MERGE_PREC)
     nil2 = tl.dot(nil, nil, input_precision=MERGE_PREC)
-    inv = tl.dot(
+    return tl.dot(
         tl.dot(eye - nil, eye + nil2, input_precision=MERGE_PREC), x_diag, input_precision=MERGE_PREC
     )
-    return inv, tl.reshape(att, [BT, BT])
 
 
 @triton.jit
 def _chunk_outputs(
     inv,
-    att,
     y_q,
     y_k,
     y_v,
@@ -320,32 +324,30 @@ def _chunk_outputs(
     rn_k,
     beta,
     w_out,
-    qp_out,
+    qg_out,
     kg_out,
     u_out,
-    o_out,
     c0,
     D: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """Columns c0.. of w, q', k̄, u, o₀ of one chunk (pointers at its [BT, D] tiles)."""
+    """Columns c0.. of w, q̄, k̄, u of one chunk (pointers at its [BT, D] tiles)."""
     r = tl.arange(0, BT)[:, None]
     col = c0 + tl.arange(0, BK)[None, :]
     off = r * D + col
-    g = tl.load(gcum + off)
-    decay = tl.exp2(g)
-    k = tl.load(y_k + off).to(tl.float32) * tl.load(rn_k + r)
+    # each tile is stored as soon as it is made, w last, so that few [BT, BK] tiles are live at once
     bt = tl.load(beta + r)
-    w = tl.dot(inv, bt * k * decay, input_precision="tf32")
-    tl.store(w_out + off, w.to(w_out.dtype.element_ty))
-    tl.store(kg_out + off, (k * tl.exp2(tl.load(gcum + (BT - 1) * D + col) - g)).to(kg_out.dtype.element_ty))
-    q = tl.load(y_q + off).to(tl.float32) * tl.load(rn_q + r)
-    qp = q * decay - tl.dot(att, w, input_precision="tf32")
-    tl.store(qp_out + off, qp.to(qp_out.dtype.element_ty))
     u = tl.dot(inv, bt * tl.load(y_v + off).to(tl.float32), input_precision="tf32")
     tl.store(u_out + off, u.to(u_out.dtype.element_ty))
-    tl.store(o_out + off, tl.dot(att, u, input_precision="tf32").to(o_out.dtype.element_ty))
+    g = tl.load(gcum + off)
+    decay = tl.exp2(g)
+    q = tl.load(y_q + off).to(tl.float32) * tl.load(rn_q + r)
+    tl.store(qg_out + off, (q * decay).to(qg_out.dtype.element_ty))
+    k = tl.load(y_k + off).to(tl.float32) * tl.load(rn_k + r)
+    tl.store(kg_out + off, (k * tl.exp2(tl.load(gcum + (BT - 1) * D + col) - g)).to(kg_out.dtype.element_ty))
+    w = tl.dot(inv, bt * k * decay, input_precision="tf32")
+    tl.store(w_out + off, w.to(w_out.dtype.element_ty))
 
 
 @triton.jit
@@ -355,10 +357,10 @@ def _intra_kernel(
     gcum,
     beta,
     w_out,
-    qp_out,
+    qg_out,
     kg_out,
     u_out,
-    o_out,
+    att_out,
     lower_bound,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -379,13 +381,14 @@ def _intra_kernel(
     rn_k = rn_q + H * BT
     beta += (pid * H + h) * BT
     gcum += tile
-    inv, att = _chunk_inverse(
+    inv = _chunk_inverse(
         y_q,
         y_k,
         gcum,
         rn_q,
         rn_k,
         beta,
+        att_out + (pid * H + h) * BT * BT,
         lower_bound,
         D,
         BT,
@@ -396,10 +399,9 @@ def _intra_kernel(
         SOLVE_PREC,
         MERGE_PREC,
     )
-    for c0 in tl.static_range(0, D, BK2):  # unrolled: the [BT, BT] operands are laid out once
+    for c0 in tl.static_range(0, D, BK2):  # unrolled: the [BT, BT] operand is laid out once
         _chunk_outputs(
             inv,
-            att,
             y_q,
             y_k,
             y_v,
@@ -408,10 +410,9 @@ def _intra_kernel(
             rn_k,
             beta,
             w_out + tile,
-            qp_out + tile,
+            qg_out + tile,
             kg_out + tile,
             u_out + tile,
-            o_out + tile,
             c0,
             D,
             BT,
@@ -423,10 +424,10 @@ def _intra_kernel(
 def _chunk_step(
     s,
     w_in,
-    qp_in,
+    qg_in,
     kg_in,
     u_in,
-    o0_in,
+    att_in,
     dc_in,
     o_out,
     bos,
@@ -440,32 +441,33 @@ def _chunk_step(
     rk,
     rv,
 ):
-    """One chunk: o = o₀ + q'S, then S ← diag(e^{G_C}) S + k̄ᵀ(u − wS)."""
+    """One chunk: δ = u − wS, o = q̄S + Aδ, then S ← diag(e^{G_C}) S + k̄ᵀδ."""
     r = tl.arange(0, BT)
-    tile = ((first + c) * H + h) * BT * D + r[:, None] * D
+    head_tile = (first + c) * H + h
+    tile = head_tile * BT * D + r[:, None] * D
     w = tl.load(w_in + tile + rk[None, :])
-    qp = tl.load(qp_in + tile + rk[None, :])
+    qg = tl.load(qg_in + tile + rk[None, :])
     kg = tl.load(kg_in + tile + rk[None, :])
     u = tl.load(u_in + tile + rv[None, :])
-    o0 = tl.load(o0_in + tile + rv[None, :])
-    dc = tl.load(dc_in + ((first + c) * H + h) * D + rk)
+    att = tl.load(att_in + head_tile * BT * BT + r[:, None] * BT + r[None, :])
+    dc = tl.load(dc_in + head_tile * D + rk)
     op_ty = w_in.dtype.element_ty
     s_op = s.to(op_ty)
-    o = o0.to(tl.float32) + tl.dot(qp, s_op)
+    delta = (u.to(tl.float32) - tl.dot(w, s_op)).to(op_ty)
+    o = tl.dot(att, delta, tl.dot(qg, s_op))
     tok = bos + c * BT + r
     out = (tok.to(tl.int64) * H + h) * D
     tl.store(o_out + out[:, None] + rv[None, :], o.to(o_out.dtype.element_ty), mask=(tok < eos)[:, None])
-    upd = u.to(tl.float32) - tl.dot(w, s_op)
-    return s * dc[:, None] + tl.dot(tl.trans(kg), upd.to(op_ty))
+    return s * dc[:, None] + tl.dot(tl.trans(kg), delta)
 
 
 @triton.jit
 def _recur_kernel(
     w_in,
-    qp_in,
+    qg_in,
     kg_in,
     u_in,
-    o0_in,
+    att_in,
     dc_in,
     o_out,
     state_pool,
@@ -497,13 +499,13 @@ def _recur_kernel(
     if FOR_LOOP:
         for c in tl.range(0, n_chunks, num_stages=STAGES):
             s = _chunk_step(
-                s, w_in, qp_in, kg_in, u_in, o0_in, dc_in, o_out, bos, eos, c, first, h, H, D, BT, rk, rv
+                s, w_in, qg_in, kg_in, u_in, att_in, dc_in, o_out, bos, eos, c, first, h, H, D, BT, rk, rv
             )
     else:  # the interpreter cannot take a run-time bound in range()
         c = 0
         while c < n_chunks:
             s = _chunk_step(
-                s, w_in, qp_in, kg_in, u_in, o0_in, dc_in, o_out, bos, eos, c, first, h, H, D, BT, rk, rv
+                s, w_in, qg_in, kg_in, u_in, att_in, dc_in, o_out, bos, eos, c, first, h, H, D, BT, rk, rv
             )
             c += 1
     tl.store(p_s, s)
@@ -607,11 +609,12 @@ def prep(
     block_k: int = 64,
     gram_unroll: int = 1,
 ) -> tuple[torch.Tensor, ...]:
-    """The parallel launches; returns (w, q', k̄, u, o₀) `[chunks, H, 64, d]` and e^{G_C} `[chunks, H, d]`.
+    """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
+    e^{G_C} `[chunks, H, d]`.
 
     `gram_precision` / `solve_precision` / `merge_precision` are the `tl.dot` modes of the fp32 Gram, the
     16×16 inverses (tf32x3: their Neumann product amplifies rounding) and the 64×64 merge; `block_k` is
-    the column block of the w/u/q'/o₀ products, `gram_unroll` the unrolling of the Gram loop. The first
+    the column block of the w/u products, `gram_unroll` the unrolling of the Gram loop. The first
     launch convolves `conv_rows` rows (a power of two from W-1 to 64) per program and takes the gate in
     `gate_cols` columns, both with `conv_warps` warps."""
     d = q.shape[1] // h
@@ -670,17 +673,18 @@ def prep(
         BLOCK_B=triton.next_power_of_2(n_seq + 1),
         num_warps=conv_warps,
     )
-    w, qp, kg, u, o0 = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(5))
+    w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(4))
+    att = torch.empty(n_chunks, h, BT, BT, dtype=q.dtype, device=dev)
     _intra_kernel[(n_chunks, h)](
         y,
         rnorm,
         gcum,
         beta,
         w,
-        qp,
+        qg,
         kg,
         u,
-        o0,
+        att,
         float(lower_bound),
         H=h,
         D=d,
@@ -695,13 +699,14 @@ def prep(
         num_warps=intra_warps,
         num_stages=intra_stages,
     )
-    return w, qp, kg, u, o0, decay_c
+    return w, qg, kg, u, att, decay_c
 
 
 def recur(
     bufs, o, state_pool, slot_ids, cu_seqlens, *, block_v: int = 64, stages: int = 3, warps: int = 4
 ) -> None:
-    """The sequential launch: o = o₀ + q'S per chunk into o `[N, H, d]`, S carried through the slot."""
+    """The sequential launch: δ = u − wS, o = q̄S + Aδ per chunk into o `[N, H, d]`, S carried through the
+    slot."""
     h, d = state_pool.shape[1], state_pool.shape[2]
     assert state_pool.is_contiguous()
     n_seq = slot_ids.shape[0]
