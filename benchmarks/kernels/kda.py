@@ -113,10 +113,8 @@ def fla_api():
 
 PREFILL_VARIANTS = {  # prep settings besides the default (16-row conv, 32-column gate, 4 warps), timed
     "conv_w2": dict(conv_warps=2),
-    "conv_r32_w2": dict(conv_rows=32, conv_warps=2),
-    "intra_w8": dict(intra_warps=8),
-    "intra_bk32": dict(block_k=32),
-    "intra_unroll2": dict(gram_unroll=2),
+    "conv_heads": dict(conv_order="head"),
+    "conv_heads_w2": dict(conv_order="head", conv_warps=2),
 }
 # the recurrence's own settings were swept in KDA run 4 (3 stages best; 4 need 271 KB of shared memory)
 RECUR_VARIANTS: dict[str, dict] = {}

@@ -40,6 +40,7 @@ import triton.language as tl
 
 BT = 64  # chunk length
 BC = 16  # sub-block of rows in the Gram pass
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -171,11 +172,17 @@ def _conv_gate_kernel(
     CONV_ROWS: tl.constexpr,
     GATE_COLS: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
     """Program (chunk, head, sub): sub < 3·BT/CONV_ROWS convolves CONV_ROWS whole rows of q, k or v (the
     norms need whole rows); the rest take GATE_COLS columns of the gate over the whole chunk (the cumulative
-    sum runs down it). Bases are 64-bit per program, offsets in it 32-bit."""
-    pid, h, sub = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    sum runs down it). Bases are 64-bit per program, offsets in it 32-bit. The grid is (chunk, head, sub),
+    or (head, sub, chunk) with HEADS_FIRST, where programs next to each other in launch order read the
+    other heads' parts of the same rows."""
+    if HEADS_FIRST:
+        h, sub, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        pid, h, sub = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
     HD: tl.constexpr = H * D
     ROW_BLOCKS: tl.constexpr = BT // CONV_ROWS
@@ -527,6 +534,7 @@ PREP_KEYS = frozenset(
         "merge_precision",
         "block_k",
         "gram_unroll",
+        "conv_order",
     }
 )
 
@@ -608,6 +616,7 @@ def prep(
     merge_precision: str = "tf32",
     block_k: int = 64,
     gram_unroll: int = 1,
+    conv_order: str = "chunk",
 ) -> tuple[torch.Tensor, ...]:
     """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
     e^{G_C} `[chunks, H, d]`.
@@ -616,7 +625,8 @@ def prep(
     16×16 inverses (tf32x3: their Neumann product amplifies rounding) and the 64×64 merge; `block_k` is
     the column block of the w/u products, `gram_unroll` the unrolling of the Gram loop. The first
     launch convolves `conv_rows` rows (a power of two from W-1 to 64) per program and takes the gate in
-    `gate_cols` columns, both with `conv_warps` warps."""
+    `gate_cols` columns, both with `conv_warps` warps; its programs run chunk after chunk of one head and
+    part (`conv_order="chunk"`) or head after head of one chunk and part ("head")."""
     d = q.shape[1] // h
     n_seq = slot_ids.shape[0]
     width = conv_weight.shape[1]
@@ -632,13 +642,19 @@ def prep(
     if f.stride(1) != 1 or conv_pool.stride(2) != 1:
         raise ValueError("f and conv_pool need a unit channel stride")
     n_chunks = chunk_count(cu_seqlens_cpu)
+    if conv_order not in ("chunk", "head"):
+        raise ValueError(f"conv_order must be 'chunk' or 'head', got {conv_order!r}")
+    heads_first = conv_order == "head"
+    if heads_first and n_chunks > MAX_GRID_Z:
+        raise ValueError(f"conv_order='head' takes at most {MAX_GRID_Z} chunks per launch, got {n_chunks}")
     dev = q.device
     y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
     rnorm = torch.empty(n_chunks, 2, h, BT, dtype=torch.float32, device=dev)
     gcum = torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev)
     beta = torch.empty(n_chunks, h, BT, dtype=torch.float32, device=dev)
     decay_c = torch.empty(n_chunks, h, d, dtype=torch.float32, device=dev)
-    _conv_gate_kernel[(n_chunks, h, 3 * BT // conv_rows + d // gate_cols)](
+    subs = 3 * BT // conv_rows + d // gate_cols
+    _conv_gate_kernel[(h, subs, n_chunks) if heads_first else (n_chunks, h, subs)](
         q,
         k,
         v,
@@ -671,6 +687,7 @@ def prep(
         CONV_ROWS=conv_rows,
         GATE_COLS=gate_cols,
         BLOCK_B=triton.next_power_of_2(n_seq + 1),
+        HEADS_FIRST=heads_first,
         num_warps=conv_warps,
     )
     w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(4))
