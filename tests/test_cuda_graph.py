@@ -94,11 +94,8 @@ def test_fixed_shape_batch_pads_onto_the_scratch_slot(model):
     assert fixed.state_slots.tolist() == [a, b, caches.scratch_slot, caches.scratch_slot]
     assert fixed.new_slots[2:].tolist() == [scratch_token] * 2
     assert fixed.extend_lens == [1] * 4 and fixed.logits_index.tolist() == [0, 1, 2, 3]
-    assert fixed.pool_table.shape == (4, width)
-    assert torch.equal(fixed.pool_table[:2, : eager.pool_table.shape[1]], eager.pool_table)
-    assert (fixed.pool_table[:2, eager.pool_table.shape[1] :] == -1).all() and (
-        fixed.pool_table[2:] == -1
-    ).all()
+    assert fixed.pool_table.shape == (4, eager.pool_table.shape[1])  # the batch's width, not the table's
+    assert torch.equal(fixed.pool_table[:2], eager.pool_table) and (fixed.pool_table[2:] == -1).all()
     assert fixed.completed_pools.tolist() == [*eager.completed_pools.tolist(), *[scratch_token // 4] * 3]
     with pytest.raises(ValueError, match="chunks: 2 sequences, the fixed shape holds 1"):
         build(caches, chunks, fixed=FixedShape(1, width, caches.scratch_slot))
@@ -153,8 +150,12 @@ def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(mo
         seqs = [SequenceChunk([t], lengths[i], slots[i], slots[i]) for i, t in enumerate(tokens)]
         expected = model(build(ref, seqs))
         batch, logits = graphs.run(seqs)
-        assert len(batch.extend_lens) == next(b for b in graphs.buckets if b >= batch_size)
+        bucket = next(b for b in graphs.buckets if b >= batch_size)
+        assert len(batch.extend_lens) == bucket
         torch.testing.assert_close(logits, expected, msg=f"step {step}, batch of {batch_size}")
+        # the step's pools, then -1: also where an earlier, wider step wrote into the same rows
+        static, width = graphs.static[bucket].pool_table, batch.pool_table.shape[1]
+        assert torch.equal(static[:, :width], batch.pool_table) and (static[:, width:] == -1).all()
         for i in range(batch_size):
             lengths[i] += 1
 
@@ -171,6 +172,25 @@ def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(mo
     pools = page * PAGE // fix.kpool
     torch.testing.assert_close(fix.tokens.pooled_key[:, :pools], ref.tokens.pooled_key[:, :pools])
     assert (fix.tokens.pooled_key[:, :pools] != 0).any()
+
+
+def test_static_pool_table_is_reset_where_a_wider_step_wrote(model):
+    """A step's pool table fills the first columns of the static one; columns that an earlier, wider step
+    wrote into the same rows go back to -1, in the bucket it shares with a larger one too."""
+    caches = caches_for(model)
+    graphs = DecodeGraphs(model, caches, 2, capture=False)
+    kpool = caches.kpool
+    short, long_ = admit(caches, 2)
+
+    def step(*seqs: tuple[int, int]) -> None:
+        batch, _ = graphs.run([SequenceChunk([3], length, slot, slot) for slot, length in seqs])
+        bucket = len(batch.extend_lens)
+        static, width = graphs.static[bucket].pool_table, batch.pool_table.shape[1]
+        assert torch.equal(static[:, :width], batch.pool_table) and (static[:, width:] == -1).all()
+
+    step((short, kpool), (long_, 3 * kpool))  # rows 0, 1: 1 and 3 pools
+    step((short, kpool))  # bucket 1 = row 0 of the same memory
+    step((short, kpool), (short, 2 * kpool))  # row 1 had 3 pools
 
 
 def test_engine_with_decode_graphs_generates_the_plain_engines_tokens(checkpoint):

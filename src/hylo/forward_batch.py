@@ -35,9 +35,11 @@ class SequenceChunk:
 class FixedShape:
     """Shapes a batch keeps from one step to the next, so that a CUDA graph captured on one batch can
     replay another: `num_seqs` sequences (the chunks, then one-token filler sequences at position 0 of
-    the request-table row and KDA state slot `filler_slot`), a `pool_table` `pool_width` pools wide,
-    and `num_seqs` entries in `completed_pools` (the pool at position 0 of `filler_slot`'s row where
-    no pool completes). The filler slot's row and state must belong to no request."""
+    the request-table row and KDA state slot `filler_slot`) and `num_seqs` entries in `completed_pools`
+    (the pool at position 0 of `filler_slot`'s row where no pool completes). The filler slot's row and
+    state must belong to no request. The `pool_table` keeps the batch's own width, at most `pool_width`
+    pools: a graph's static batch holds `pool_width` columns, of which a step fills the first ones (so a
+    step's cost follows its sequences' lengths, not the context length)."""
 
     num_seqs: int
     pool_width: int
@@ -126,13 +128,11 @@ class ForwardBatch:
 
         pools_after = torch.tensor(totals) // kpool
         pool_width = int(pools_after.max())
-        if fixed is not None:
-            if not pool_width <= fixed.pool_width <= req_to_token.shape[1] // kpool:
-                raise ValueError(
-                    f"fixed.pool_width: {fixed.pool_width} pools, a sequence has {pool_width} and the "
-                    f"table holds {req_to_token.shape[1] // kpool}"
-                )
-            pool_width = fixed.pool_width
+        if fixed is not None and not pool_width <= fixed.pool_width <= req_to_token.shape[1] // kpool:
+            raise ValueError(
+                f"fixed.pool_width: {fixed.pool_width} pools, a sequence has {pool_width} and the "
+                f"table holds {req_to_token.shape[1] // kpool}"
+            )
         completed = [
             (c.table_row, p * kpool)
             for c, before, after in zip(chunks, prefix, totals, strict=True)
@@ -155,7 +155,6 @@ class ForwardBatch:
 
         token_rows = dev(rows[token_seq])
         positions_d = dev(positions)
-        # made on the device: a fixed-shape batch's pool table is as wide as the request table
         pool_ids = torch.arange(pool_width, device=device)
         pool_valid = pool_ids[None, :] < dev(pools_after)[:, None]
         table_pools = req_to_token[dev(rows)[:, None], pool_ids[None, :] * kpool].long() // kpool

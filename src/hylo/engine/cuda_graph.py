@@ -2,9 +2,11 @@
 
 A plain decode step (every sequence feeds one token and samples, no verify chunk) of B sequences
 runs in the smallest bucket >= B: the step's batch is built with the bucket's fixed shapes
-(`FixedShape`: filler sequences on the cache manager's scratch slot, a `pool_table` as wide as the
-request table), the tensors that vary from step to step are copied into the bucket's static batch
-(device copies), the bucket's graph replays, and the first B rows of its logits are the step's.
+(`FixedShape`: filler sequences on the cache manager's scratch slot), the tensors that vary from step
+to step are copied into the bucket's static batch (device copies; the step's pool table into the first
+columns of the static one, which is as wide as the request table, with the columns an earlier, wider
+step wrote there reset to -1), the bucket's graph replays, and the first B rows of its logits are the
+step's.
 Sampling stays outside the graph. Any other step runs eagerly.
 
 Without capture (the CPU) the static batch goes through a plain call of the model instead of a
@@ -33,17 +35,9 @@ PER_SEQUENCE_TENSORS = (
     "input_ids", "positions", "token_seq", "token_rows", "new_slots", "state_slots",
     "pad_index", "pad_valid", "pool_table", "completed_pools", "logits_index",
 )  # fmt: skip
-# What a step changes; the others (token_seq, pad_index, pad_valid, logits_index) are aranges that
-# depend on the bucket alone.
-STEP_TENSORS = (
-    "input_ids",
-    "positions",
-    "token_rows",
-    "new_slots",
-    "state_slots",
-    "pool_table",
-    "completed_pools",
-)
+# What a step changes, besides the pool table's first columns; the others (token_seq, pad_index,
+# pad_valid, logits_index) are aranges that depend on the bucket alone.
+STEP_TENSORS = ("input_ids", "positions", "token_rows", "new_slots", "state_slots", "completed_pools")
 # Eager runs before a capture: kernels compile and per-batch host caches fill outside the graph.
 WARMUP_RUNS = 2
 
@@ -61,7 +55,8 @@ class DecodeGraphs:
     `capture` (all in one memory pool, the largest first so that the others reuse its memory).
 
     Invariants: a static batch points at the scratch slot and at the slots of the last step it ran,
-    nothing else; the logits `run` returns stay valid until the next `run`.
+    nothing else; row r of the static pool table is -1 from column `pool_columns[r]` on; the logits
+    `run` returns stay valid until the next `run`.
     """
 
     def __init__(self, model: Glm5NextForCausalLM, caches: CacheManager, max_batch_size: int, capture: bool):
@@ -73,7 +68,11 @@ class DecodeGraphs:
         self.buckets = batch_size_buckets(max_batch_size)
         self.pool_width = caches.table.table.shape[1] // caches.kpool
         largest = self._build([], self.buckets[-1])
+        full_width = torch.full((self.buckets[-1], self.pool_width), -1, device=largest.pool_table.device)
+        largest = dataclasses.replace(largest, pool_table=full_width)
         self.static = {b: _leading(largest, b) for b in self.buckets}
+        # per row of the static pool table: the columns the last step through it wrote (-1 beyond)
+        self.pool_columns = [0] * self.buckets[-1]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         if capture:
@@ -96,6 +95,11 @@ class DecodeGraphs:
         step, static = self._build(seqs, bucket), self.static[bucket]
         for name in STEP_TENSORS:
             getattr(static, name).copy_(getattr(step, name))
+        width, written = step.pool_table.shape[1], max(self.pool_columns[:bucket])
+        static.pool_table[:, :width].copy_(step.pool_table)
+        if written > width:
+            static.pool_table[:, width:written].fill_(-1)
+        self.pool_columns[:bucket] = [width] * bucket
         graph = self.graphs.get(bucket)
         if graph is None:
             logits = self.model(static)
