@@ -29,12 +29,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
-    def forward(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float
-    ) -> torch.Tensor:
-        return moe_ops.experts(x, self.gate_up_proj, self.down_proj, ids, weights, limit)
-
-    def routed(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
         """The routed experts' output for x, routing included (`moe_ops.routed_experts`)."""
         return moe_ops.routed_experts(x, routing, self.gate_up_proj, self.down_proj, limit)
 
@@ -81,21 +76,7 @@ class FP8Experts(nn.Module):
             *moe_ops.quantize_fp8_blocks(experts.down_proj.detach()),
         )
 
-    def forward(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float
-    ) -> torch.Tensor:
-        return moe_ops.experts_fp8(
-            x,
-            self.gate_up_proj,
-            self.gate_up_proj_scale_inv,
-            self.down_proj,
-            self.down_proj_scale_inv,
-            ids,
-            weights,
-            limit,
-        )
-
-    def routed(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
         """The routed experts' output for x, routing included (`moe_ops.routed_experts`)."""
         scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
         return moe_ops.routed_experts(x, routing, self.gate_up_proj, self.down_proj, limit, scales)
@@ -124,4 +105,4 @@ class MoE(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
-        return self.experts.routed(x, routing, c.swiglu_limit) + self.shared_experts(x)
+        return self.experts(x, routing, c.swiglu_limit) + self.shared_experts(x)
