@@ -76,14 +76,16 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
     [
         ([70, 1, 2, 130], torch.float32, 16, 0, {}),
         ([64, 3, 65], torch.float16, 32, 1, {}),
-        ([2, 129, 9], torch.float32, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=2, conv_order="head")),
+        ([2, 129, 9], torch.float32, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=4, conv_order="chunk")),
+        ([70, 2, 131], torch.float32, 32, 3, dict(conv_rows=32, gate_cols=16, conv_warps=1)),
     ],
 )
 def test_prefill_matches_reference(lens, dtype, d, seed, tuning):
     """Varlen prefill into random slots: short sequences whose conv reads the old window, chunk-spanning
     ones, and (d = 32) Gram sums over more than one column block; the first launch in its default tiles
     and in narrower ones (8-row conv blocks, so a chunk's first block holds only 8 rows, and the gate in
-    four column blocks of which one also writes β, launched head after head)."""
+    four column blocks of which one also writes β, launched chunk after chunk), and 32-row conv blocks with
+    one warp."""
     p = Problem(seed, d=d, dtype=dtype)
     cu = [0]
     for n in lens:

@@ -3,7 +3,7 @@
     ncu --clock-control none -k regex:'_conv_gate|_intra|_recur|_block_' --section SpeedOfLight \
         python3 benchmarks/device/kda_profile.py
 
-Prefill of 13312 tokens (the three launches), block verify T=8 at B=8, the commit of 8 tokens at B=32
+Prefill of 13312 tokens (the three launches), as one sequence and as two, block verify T=8 at B=8, the commit of 8 tokens at B=32
 and decode at B=32: each is run once so that every profiled launch is a kernel that has compiled.
 """
 
@@ -26,6 +26,9 @@ def main() -> None:
     q, k, v, f, b = lay.inputs(13312)
     cu, cu_d = bench.offsets([13312])
     slots = torch.arange(1, device="cuda")
+    chunk.prefill(q, k, v, f, b, *lay.params(), conv, state, slots, cu_d, cu, bench.LB)
+    cu, cu_d = bench.offsets([6656, 6656])
+    slots = torch.arange(2, device="cuda")
     chunk.prefill(q, k, v, f, b, *lay.params(), conv, state, slots, cu_d, cu, bench.LB)
     for bsz, t in ((8, 8), (32, 8), (32, 1)):
         slots = torch.randperm(bsz, device="cuda")

@@ -111,10 +111,8 @@ def fla_api():
 # ---------------------------------------------------------------------------------------------------
 
 
-PREFILL_VARIANTS = {  # prep settings besides the default (16-row conv, 32-column gate, 4 warps), timed
-    "conv_w2": dict(conv_warps=2),
-    "conv_heads": dict(conv_order="head"),
-    "conv_heads_w2": dict(conv_order="head", conv_warps=2),
+PREFILL_VARIANTS = {  # prep settings besides the default (head order, 16-row conv, 32-column gate, 2 warps)
+    "chunk_order_w4": dict(conv_order="chunk", conv_warps=4),
 }
 # the recurrence's own settings were swept in KDA run 4 (3 stages best; 4 need 271 KB of shared memory)
 RECUR_VARIANTS: dict[str, dict] = {}
@@ -384,11 +382,11 @@ def time_prefill(fla_chunk, quick: bool, skip_fla: bool = False) -> None:
                 f"prefill_{name}_{var}_us",
                 bench(lambda a=args, t=tuning: chunk.prefill(*a, **t), graph=False),
             )
-        if len(lens) > 1:
-            continue
         kernel_times(lambda a=args: chunk.prefill(*a), f"prefill_{name}")
         for var, tuning in {} if quick else PREFILL_VARIANTS.items():
             kernel_times(lambda a=args, t=tuning: chunk.prefill(*a, **t), f"prefill_{name}_{var}")
+        if len(lens) > 1:
+            continue
         pargs = (q, k, v, f, b, *lay.params(), conv, slots, cu_d, cu, LB, H)
         bufs = chunk.prep(*pargs)
         o = torch.empty(cu[-1], H, D, dtype=q.dtype, device=DEV)
@@ -398,7 +396,11 @@ def time_prefill(fla_chunk, quick: bool, skip_fla: bool = False) -> None:
             bench(lambda: chunk.recur(bufs, o, state, slots, cu_d), graph=False),
         )
         for var, tuning in {} if quick else PREFILL_VARIANTS.items():
-            rec(f"prefill_{name}_prep_{var}_us", bench(lambda t=tuning: chunk.prep(*pargs, **t), graph=False))
+            if set(tuning) <= chunk.PREP_KEYS:
+                rec(
+                    f"prefill_{name}_prep_{var}_us",
+                    bench(lambda t=tuning: chunk.prep(*pargs, **t), graph=False),
+                )
         for var, tuning in {} if quick else RECUR_VARIANTS.items():
             rec(
                 f"prefill_{name}_recur_{var}_us",

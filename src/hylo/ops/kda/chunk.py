@@ -40,7 +40,6 @@ import triton.language as tl
 
 BT = 64  # chunk length
 BC = 16  # sub-block of rows in the Gram pass
-MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -172,15 +171,18 @@ def _conv_gate_kernel(
     CONV_ROWS: tl.constexpr,
     GATE_COLS: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    SUBS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
 ):
     """Program (chunk, head, sub): sub < 3·BT/CONV_ROWS convolves CONV_ROWS whole rows of q, k or v (the
     norms need whole rows); the rest take GATE_COLS columns of the gate over the whole chunk (the cumulative
     sum runs down it). Bases are 64-bit per program, offsets in it 32-bit. The grid is (chunk, head, sub),
-    or (head, sub, chunk) with HEADS_FIRST, where programs next to each other in launch order read the
-    other heads' parts of the same rows."""
+    or with HEADS_FIRST one dimension ordered head fastest, then sub, then chunk (a dimension of its own
+    would cap the chunks at 65535), so that programs next to each other in launch order read the other
+    heads' parts of the same rows."""
     if HEADS_FIRST:
-        h, sub, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        flat = tl.program_id(0)
+        h, sub, pid = flat % H, (flat // H) % SUBS, flat // (H * SUBS)
     else:
         pid, h, sub = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
@@ -490,7 +492,7 @@ def _recur_kernel(
     FOR_LOOP: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    seq, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    iv, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = tl.arange(0, BLOCK_B)
     lo = tl.load(cu + offs, mask=offs < n_seq, other=0)
     hi = tl.load(cu + offs + 1, mask=offs < n_seq, other=0)
@@ -608,7 +610,7 @@ def prep(
     *,
     conv_rows: int = 16,
     gate_cols: int = 32,
-    conv_warps: int = 4,
+    conv_warps: int = 2,
     intra_warps: int = 4,
     intra_stages: int = 1,
     gram_precision: str = "tf32",
@@ -616,7 +618,7 @@ def prep(
     merge_precision: str = "tf32",
     block_k: int = 64,
     gram_unroll: int = 1,
-    conv_order: str = "chunk",
+    conv_order: str = "head",
 ) -> tuple[torch.Tensor, ...]:
     """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
     e^{G_C} `[chunks, H, d]`.
@@ -626,7 +628,10 @@ def prep(
     the column block of the w/u products, `gram_unroll` the unrolling of the Gram loop. The first
     launch convolves `conv_rows` rows (a power of two from W-1 to 64) per program and takes the gate in
     `gate_cols` columns, both with `conv_warps` warps; its programs run chunk after chunk of one head and
-    part (`conv_order="chunk"`) or head after head of one chunk and part ("head")."""
+    part (`conv_order="chunk"`) or head after head of one chunk and part ("head"). The defaults measured
+    fastest on the H200 (first launch at T=13312: 1103 us, chunk order with 4 warps 1179 us; 8-row
+    or 32/64-row conv blocks, 64/128-column gate blocks, 1 or 8 warps, and the gate's cumulative sum as a
+    triangular tl.dot were all slower: benchmarks/RESULTS.md, session 5)."""
     d = q.shape[1] // h
     n_seq = slot_ids.shape[0]
     width = conv_weight.shape[1]
@@ -645,8 +650,6 @@ def prep(
     if conv_order not in ("chunk", "head"):
         raise ValueError(f"conv_order must be 'chunk' or 'head', got {conv_order!r}")
     heads_first = conv_order == "head"
-    if heads_first and n_chunks > MAX_GRID_Z:
-        raise ValueError(f"conv_order='head' takes at most {MAX_GRID_Z} chunks per launch, got {n_chunks}")
     dev = q.device
     y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
     rnorm = torch.empty(n_chunks, 2, h, BT, dtype=torch.float32, device=dev)
@@ -654,7 +657,7 @@ def prep(
     beta = torch.empty(n_chunks, h, BT, dtype=torch.float32, device=dev)
     decay_c = torch.empty(n_chunks, h, d, dtype=torch.float32, device=dev)
     subs = 3 * BT // conv_rows + d // gate_cols
-    _conv_gate_kernel[(h, subs, n_chunks) if heads_first else (n_chunks, h, subs)](
+    _conv_gate_kernel[(h * subs * n_chunks,) if heads_first else (n_chunks, h, subs)](
         q,
         k,
         v,
@@ -687,6 +690,7 @@ def prep(
         CONV_ROWS=conv_rows,
         GATE_COLS=gate_cols,
         BLOCK_B=triton.next_power_of_2(n_seq + 1),
+        SUBS=subs,
         HEADS_FIRST=heads_first,
         num_warps=conv_warps,
     )
@@ -728,7 +732,9 @@ def recur(
     assert state_pool.is_contiguous()
     n_seq = slot_ids.shape[0]
     bv = min(block_v, d)
-    _recur_kernel[(n_seq, h, d // bv)](
+    # value tiles of a head next to each other in launch order: they read the same w, q̄, k̄ and A, which
+    # then come from L2 once; with the sequence first, a batch larger than one wave read them twice
+    _recur_kernel[(d // bv, h, n_seq)](
         *bufs,
         o,
         state_pool,
