@@ -3,8 +3,9 @@
     ncu --clock-control none -k regex:'_conv_gate|_intra|_recur|_block_' --section SpeedOfLight \
         python3 benchmarks/device/kda_profile.py
 
-Prefill of 13312 tokens (the three launches), as one sequence and as two, block verify T=8 at B=8, the commit of 8 tokens at B=32
-and decode at B=32: each is run once so that every profiled launch is a kernel that has compiled.
+Prefill of 13312 tokens (the three launches), as one sequence and as two, block verify T=8 at B=8, the
+commit of 8 tokens at B=32 and decode at B=32: each is run once so that every profiled launch is a kernel
+that has compiled.
 """
 
 from __future__ import annotations

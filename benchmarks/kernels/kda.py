@@ -113,11 +113,12 @@ def fla_api():
 
 PREFILL_VARIANTS = {  # prep settings besides the default (head order, 16-row conv, 32-column gate, 2 warps)
     "chunk_order_w4": dict(conv_order="chunk", conv_warps=4),
+    "gate16": dict(gate_cols=16),
 }
 # the recurrence's own settings were swept in KDA run 4 (3 stages best; 4 need 271 KB of shared memory)
 RECUR_VARIANTS: dict[str, dict] = {}
-# FLA chunk_kda in KDA run 4 (benchmarks/RESULTS.md), for --skip-fla: not measured in the same run
-FLA_PREFILL_RECORDED_US = {"T4096": 1731.0, "T13312": 2856.0, "varlen2x6656": 2875.0}
+# FLA chunk_kda in run S5-12 (benchmarks/RESULTS.md), for --skip-fla: not measured in the same run
+FLA_PREFILL_RECORDED_US = {"T4096": 928.4, "T13312": 2838.0, "varlen2x6656": 2882.0}
 
 
 def _warm_one(job: tuple[dict, int]) -> str:

@@ -60,6 +60,27 @@ def _locate(cu, idx, n_seq, BT: tl.constexpr, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
+def _sigmoid(x, FAST: tl.constexpr):
+    """σ(x); FAST: from the approximate, flush-to-zero exp2 and reciprocal instructions (relative error
+    ~2^-21) instead of tl.sigmoid's exp and division with their denormal and range fix-ups. With the
+    taps as FMAs this took the first launch from 3992 to 3288 SASS instructions and, on the H200, from
+    1103 to 975 us at T=13312. The interpreter has no inline PTX: it takes tl.sigmoid."""
+    if FAST:
+        e = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;",
+            "=f,f",
+            [x * -1.4426950408889634],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [e + 1.0], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return tl.sigmoid(x)
+
+
+@triton.jit
 def _conv_silu(
     x,
     win,
@@ -71,6 +92,7 @@ def _conv_silu(
     W: tl.constexpr,
     X_STRIDE: tl.constexpr,
     WIN_STRIDE: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """SiLU(causal conv) at `rows` (broadcasting against the channel index `col`) counted from the token x
     points at, in-sequence position `start`; 0 from row `n_left` on; fp32 rounded to x's dtype like the
@@ -81,22 +103,22 @@ def _conv_silu(
     for i in tl.static_range(W):
         j = rows - (W - 1) + i
         xv = tl.load(x + j * X_STRIDE + col, mask=live & (j >= -start), other=0.0)
-        acc += xv.to(tl.float32) * tl.load(taps + col * W + i)
+        acc = tl.fma(xv.to(tl.float32), tl.load(taps + col * W + i), acc)
     if start == 0:
         for i in tl.static_range(W - 1):
             j = rows - (W - 1) + i
             wv = tl.load(win + (W - 1 + j) * WIN_STRIDE + col, mask=live & (j < 0), other=0.0)
-            acc += wv.to(tl.float32) * tl.load(taps + col * W + i)
-    y = acc * tl.sigmoid(acc)
+            acc = tl.fma(wv.to(tl.float32), tl.load(taps + col * W + i), acc)
+    y = acc * _sigmoid(acc, FAST)
     return y.to(x.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
-def _gate(f, bias, rate, lb2, rows, live, col, F_STRIDE: tl.constexpr):
+def _gate(f, bias, rate, lb2, rows, live, col, F_STRIDE: tl.constexpr, FAST: tl.constexpr):
     """Safe gate in log2 units, lb·σ(e^A·(f + dt_bias)), 0 on rows past the sequence end (f at the row 0
     token)."""
     fv = tl.load(f + rows * F_STRIDE + col, mask=live, other=0.0).to(tl.float32)
-    return tl.where(live, lb2 * tl.sigmoid(rate * (fv + bias)), 0.0)
+    return tl.where(live, lb2 * _sigmoid(rate * (fv + bias), FAST), 0.0)
 
 
 @triton.jit
@@ -173,6 +195,7 @@ def _conv_gate_kernel(
     BLOCK_B: tl.constexpr,
     SUBS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    FAST_MATH: tl.constexpr,
 ):
     """Program (chunk, head, sub): sub < 3·BT/CONV_ROWS convolves CONV_ROWS whole rows of q, k or v (the
     norms need whole rows); the rest take GATE_COLS columns of the gate over the whole chunk (the cumulative
@@ -214,6 +237,7 @@ def _conv_gate_kernel(
             W,
             X_STRIDE,
             WIN_STRIDE,
+            FAST_MATH,
         )
         tile = y + (((pid.to(tl.int64) * 3 + part) * H + h) * BT + r0) * D
         tl.store(tile + rows * D + cols[None, :], yv.to(y.dtype.element_ty))
@@ -241,6 +265,7 @@ def _conv_gate_kernel(
             live,
             col,
             F_STRIDE,
+            FAST_MATH,
         )
         tl.store(gcum + head_tile * BT * D + chunk_rows * D + col, tl.cumsum(g, 0))
         tl.store(decay_c + head_tile * D + col, tl.exp2(tl.sum(g, 0)[None, :]))
@@ -629,9 +654,10 @@ def prep(
     launch convolves `conv_rows` rows (a power of two from W-1 to 64) per program and takes the gate in
     `gate_cols` columns, both with `conv_warps` warps; its programs run chunk after chunk of one head and
     part (`conv_order="chunk"`) or head after head of one chunk and part ("head"). The defaults measured
-    fastest on the H200 (first launch at T=13312: 1103 us, chunk order with 4 warps 1179 us; 8-row
-    or 32/64-row conv blocks, 64/128-column gate blocks, 1 or 8 warps, and the gate's cumulative sum as a
-    triangular tl.dot were all slower: benchmarks/RESULTS.md, session 5)."""
+    fastest on the H200 (first launch at T=13312: 975 us; chunk order with 4 warps 1179 us before the
+    fast sigmoid; 8-row or 32/64-row conv blocks, 16/64/128-column gate blocks, 1, 4 or 8 warps, the gate's
+    cumulative sum as a triangular tl.dot, and the conv taps shifted out of one tile by tl.dot were all
+    slower: benchmarks/RESULTS.md, session 5)."""
     d = q.shape[1] // h
     n_seq = slot_ids.shape[0]
     width = conv_weight.shape[1]
@@ -692,6 +718,7 @@ def prep(
         BLOCK_B=triton.next_power_of_2(n_seq + 1),
         SUBS=subs,
         HEADS_FIRST=heads_first,
+        FAST_MATH=not _INTERPRET,
         num_warps=conv_warps,
     )
     w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(4))
