@@ -165,11 +165,15 @@ def stress() -> None:
 
 # ---------------------------------------------------------------- plan sweep
 
-SWEEP_PREFILL: list[SplitPlan] = [
+SWEEP_PREFILL: list[SplitPlan] = [  # split 512 / 2048 and 8-token collapses measured slower in session 3
     PREFILL_PLAN,
-    dataclasses.replace(PREFILL_PLAN, split=512),
-    dataclasses.replace(PREFILL_PLAN, split=2048),
-    dataclasses.replace(PREFILL_PLAN, collapse_tokens=8, collapse_chunk=512),
+    # larger token blocks: every projection program reads fn's slice (24 × 4·split fp32) once per block
+    dataclasses.replace(PREFILL_PLAN, block_m=64, block_k=64),
+    dataclasses.replace(PREFILL_PLAN, block_m=64, block_k=128),
+    dataclasses.replace(PREFILL_PLAN, block_m=32, block_k=64),
+    dataclasses.replace(PREFILL_PLAN, block_m=128, block_k=64),
+    dataclasses.replace(PREFILL_PLAN, block_m=64, block_k=64, split=2048),
+    dataclasses.replace(PREFILL_PLAN, block_m=64, block_k=64, collapse_tokens=8, collapse_k=512),
 ]
 SWEEP_DECODE: list[SplitPlan] = [
     DECODE_PLAN,
@@ -186,11 +190,29 @@ BEST: dict[str, SplitPlan] = {}  # regime -> plan the timings use (the sweep's f
 def sweep() -> None:
     totals = {p: sweep_at(PREFILL, p) for p in SWEEP_PREFILL}
     BEST["prefill"] = min(totals, key=totals.get)
+    for plan in (PREFILL_PLAN, BEST["prefill"]):
+        kernel_split(PREFILL, plan)
     decode = {p: sum(sweep_at(m, p) for m in (1, DECODE[-1])) for p in SWEEP_DECODE}
     BEST["decode"] = min(decode, key=decode.get)
     rec("sweep_best", {k: str(v) for k, v in BEST.items()})
     for tokens in (1, PREFILL):
         sweep_post(tokens)
+
+
+def kernel_split(tokens: int, plan: SplitPlan) -> None:
+    """GPU time of each of pre's launches under `plan` (profiler, mean of 5 calls)."""
+    if DRY:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    streams, _, params, _, _ = case(tokens, seed=7)
+    kernels.mhc_pre(streams, *params, plan=plan)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            kernels.mhc_pre(streams, *params, plan=plan)
+        torch.cuda.synchronize()
+    split = {e.key[:32]: round(e.device_time_total / e.count, 1) for e in prof.key_averages() if e.count >= 5}
+    rec(f"sweep_M{tokens}_{plan}_kernels_us", split)
 
 
 def sweep_post(tokens: int) -> None:

@@ -16,10 +16,11 @@ The projection multiplies in the streams' dtype with fp32 accumulation; an fp32 
 two halves of the streams' dtype, so the products stay exact.
 
 H200, GLM-5.3-Flash shapes (hidden 4096, bf16; benchmarks/kernels/mhc_moe.py, CUDA-graph replay up to
-M = 64): pre 8.61 / 9.43 / 11.45 / 549 us and post 1.57 / 1.90 / 2.30 / 251 us at M = 1 / 16 / 64 /
-13312 with the default plans. Two alternatives measured slower and were removed: post fused into the
+M = 64): pre 8.61 / 9.43 / 11.45 / 365 us and post 1.57 / 1.90 / 2.30 / 251 us at M = 1 / 16 / 64 /
+13312 with the default plans. Three alternatives measured slower and were removed: post fused into the
 pre's first launch (10.50 / 11.57 / 14.68 / 990 us against post then pre at 10.22 / 11.57 / 14.15 /
-793), and one launch whose programs own whole tokens (pre 888-1665 us at M = 13312).
+793), one launch whose programs own whole tokens (pre 888-1665 us at M = 13312), and post then pre in
+one launch with grid barriers at M ≤ 64 (12.1 / 13.9 / 16.3 us against 10.3 / 11.8 / 14.3 at M = 1 / 16 / 64).
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ class SplitPlan:
 # The H200 sweep's fastest pre at M = 1 and 64 (8.48 / 11.38 us; with collapse_chunk=1024, collapse_k=512
 # 8.48 / 13.16 us, split=128 10.78 / 13.97 us).
 DECODE_PLAN = SplitPlan()
-# The measured plan at M = 13312 (pre 549 us).
-PREFILL_PLAN = SplitPlan(split=1024, collapse_tokens=4, collapse_chunk=1024, collapse_k=256)
+# The H200 sweep's fastest pre at M = 13312 (365 us, the projection 226 of them; with 16-token blocks 550,
+# the projection 410: each program reads fn's 24 × 4·split slice once per token block, so small blocks
+# read fn three times as often as the streams; blocks of 32 / 128 tokens or 128 dims: 701 / 390 / 390 us).
+PREFILL_PLAN = SplitPlan(
+    split=1024, block_m=64, block_k=64, collapse_tokens=4, collapse_chunk=1024, collapse_k=256
+)
 # Not measured between M = 64 and 13312: from here the prefill plan's projection has 512 programs
 # (~4 per H200 SM), while the decode plan's 64-dim splits multiply its partials 16-fold.
 PREFILL_PLAN_FROM = 2048
