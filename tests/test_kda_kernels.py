@@ -102,6 +102,47 @@ def test_prefill_matches_reference(lens, dtype, d, seed, tuning):
     check_pools(conv, state, conv_ref, state_ref, slots.tolist(), ratio)
 
 
+# Compiles the first prefill launch for sm_90 as the GPU does (fast sigmoid on: the interpreter cannot run
+# inline PTX) in a fresh interpreter-free process, and prints which sigmoid instructions its PTX holds.
+_HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hylo.ops.kda import chunk
+
+fn = chunk._conv_gate_kernel
+consts = dict(H=4, D=128, W=4, WP=4, X_STRIDE=512, F_STRIDE=512, B_STRIDE=4, WIN_STRIDE=1536, BT=64,
+              CONV_ROWS=16, GATE_COLS=32, BLOCK_B=2, SUBS=16, HEADS_FIRST=True, FAST_MATH=True)
+kinds = {"slot_ids": "*i32", "cu": "*i32", "scale": "fp32", "lower_bound": "fp32", "pool_stride": "i32",
+         "n_seq": "i32", "conv_w": "*fp32", "dt_bias": "*fp32", "a_log": "*fp32", "rnorm": "*fp32",
+         "gcum": "*fp32", "beta": "*fp32", "decay_c": "*fp32"}
+sig = {n: "constexpr" if n in consts else kinds.get(n, "*bf16") for n in fn.arg_names}
+src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 2})
+ptx = kernel.asm["ptx"]
+print(len(kernel.asm["cubin"]) > 0, "rcp.approx.ftz.f32" in ptx, ptx.count("div.full"))
+"""
+
+
+def test_first_launch_fast_sigmoid_compiles_for_hopper():
+    """The GPU-only fast sigmoid: ptxas takes its inline PTX, and the conv and gate tiles lose their fp32
+    divisions (17 remain, for the per-row norms and β; with tl.sigmoid there these settings compile to 81)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run(
+        [sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    compiled, has_fast_reciprocal, divisions = done.stdout.split()
+    assert compiled == has_fast_reciprocal == "True"
+    assert int(divisions) < 32
+
+
 @pytest.mark.parametrize(
     ("tuning", "message"),
     [
