@@ -103,7 +103,8 @@ def test_prefill_matches_reference(lens, dtype, d, seed, tuning):
 
 
 # Compiles the first prefill launch for sm_90 as the GPU does (fast sigmoid on: the interpreter cannot run
-# inline PTX) in a fresh interpreter-free process, and prints which sigmoid instructions its PTX holds.
+# inline PTX) in a fresh interpreter-free process; prints whether a cubin came out, whether the PTX holds
+# the fast reciprocal, and how many fp32 divisions it keeps.
 _HOPPER_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
