@@ -14,7 +14,7 @@ from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.models.loader import load_model
 
-TRITON_LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+TRITON_LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl"}
 
 # name -> (kpool, index_topk, layer mix, overrides)
 PARITY_CONFIGS = {

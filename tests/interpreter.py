@@ -23,3 +23,18 @@ def use_interpreter() -> None:
 
     interpreter._patch_lang_tensor = patch_with_index
     interpreter._hylo_index_patch = True
+
+
+def run_compiled_for_hopper(script: str) -> str:
+    """Stdout of `script`, run in a fresh process without the interpreter, so that it can compile
+    kernels for sm_90 as the GPU would (no GPU needed); fails the test with its stderr otherwise."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout

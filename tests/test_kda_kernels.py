@@ -9,7 +9,7 @@ formulas written the way FLA's `naive.py` writes them.
 
 from __future__ import annotations
 
-from interpreter import use_interpreter
+from interpreter import run_compiled_for_hopper, use_interpreter
 
 use_interpreter()  # before the kernels are decorated
 
@@ -128,18 +128,7 @@ print(len(kernel.asm["cubin"]) > 0, "rcp.approx.ftz.f32" in ptx, ptx.count("div.
 def test_first_launch_fast_sigmoid_compiles_for_hopper():
     """The GPU-only fast sigmoid: ptxas takes its inline PTX, and the conv and gate tiles lose their fp32
     divisions (17 remain, for the per-row norms and β; with tl.sigmoid there these settings compile to 81)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
-    done = subprocess.run(
-        [sys.executable, "-c", _HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    compiled, has_fast_reciprocal, divisions = done.stdout.split()
+    compiled, has_fast_reciprocal, divisions = run_compiled_for_hopper(_HOPPER_COMPILE).split()
     assert compiled == has_fast_reciprocal == "True"
     assert int(divisions) < 32
 

@@ -12,7 +12,7 @@ there is to check.
 
 from __future__ import annotations
 
-from interpreter import use_interpreter
+from interpreter import run_compiled_for_hopper, use_interpreter
 
 use_interpreter()  # before the kernels are decorated
 
@@ -193,3 +193,36 @@ def test_model_with_kernels_matches_reference_path(tiny_model, monkeypatch, pref
     monkeypatch.setattr(mhc_ops, "_use_kernels", lambda streams: True)
     monkeypatch.setattr(kernels, "PREFILL_PLAN_FROM", prefill_plan_from)
     torch.testing.assert_close(run(), ref, rtol=1e-4, atol=1e-4)
+
+
+# Compiles pre's two launches for sm_90 as dependent launches (the interpreter cannot run
+# griddepcontrol) in a fresh interpreter-free process; prints, per kernel, whether a cubin came out and
+# whether the PTX waits on the launch before it and lets the next one start.
+_HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hylo.ops.mhc import kernels
+
+scalars = {"M": "i32", "stride_split": "i32", "stride_token": "i32", "stride_row": "i32", "rms_eps": "fp32",
+           "hc_eps": "fp32", "streams": "*bf16", "fn": "*bf16", "collapsed": "*bf16"}
+shared = dict(D=4096, NS=64, PDL=True)
+for fn, consts in (
+    (kernels._split_project_kernel, dict(SPLIT=64, BM=16, BK=32, SPLIT_FN=False, PRECISION="tf32")),
+    (kernels._finish_collapse_kernel, dict(SS=64, BT=1, CHUNK=4096, CK=4096, ITERS=20)),
+):
+    consts |= shared
+    sig = {n: "constexpr" if n in consts else scalars.get(n, "*fp32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 2})
+    ptx = kernel.asm["ptx"]
+    releases = "griddepcontrol.launch_dependents" in ptx
+    print(len(kernel.asm["cubin"]) > 0, "griddepcontrol.wait" in ptx, releases)
+"""
+
+
+def test_pre_compiles_as_dependent_launches_for_hopper():
+    """The GPU-only dependent launches of the decode plan: both kernels compile, wait on the launch before
+    them and release the next one."""
+    lines = run_compiled_for_hopper(_HOPPER_COMPILE).splitlines()
+    assert lines == ["True True True"] * 2

@@ -10,26 +10,31 @@ timing and CUDA graphs need no state. The 24 × 4·D projection is mostly a read
 first launch spreads the hidden dims over many programs, each storing its partial logits and sum of
 squares; the second gives each program a few tokens and a chunk of hidden dims: it sums the
 partials in a fixed order, derives `pre` and collapses its chunk; one more program per token block
-computes `post` and `comb` (softmax, Sinkhorn) alongside.
+computes `post` and `comb` (softmax, Sinkhorn) alongside. At decode sizes both start as programmatic
+dependents of the launch before them (sm_90+), which hides most of the gap between launches.
 
 The projection multiplies in the streams' dtype with fp32 accumulation; an fp32 `fn` is split into
 two halves of the streams' dtype, so the products stay exact.
 
 H200, GLM-5.3-Flash shapes (hidden 4096, bf16; benchmarks/kernels/mhc_moe.py, CUDA-graph replay up to
-M = 64): pre 8.61 / 9.43 / 11.45 / 365 us and post 1.57 / 1.90 / 2.30 / 251 us at M = 1 / 16 / 64 /
-13312 with the default plans. Three alternatives measured slower and were removed: post fused into the
-pre's first launch (10.50 / 11.57 / 14.68 / 990 us against post then pre at 10.22 / 11.57 / 14.15 /
-793), one launch whose programs own whole tokens (pre 888-1665 us at M = 13312), and post then pre in
-one launch with grid barriers at M ≤ 64 (12.1 / 13.9 / 16.3 us against 10.3 / 11.8 / 14.3 at M = 1 / 16 / 64).
+M = 64): pre 5.36 / 5.66 / 6.48 / 368 us and post 1.18 / 1.61 / 2.08 / 251 us at M = 1 / 16 / 64 /
+13312 with the default plans; post then pre 6.98 / 7.46 / 8.79 / 619 us. Three alternatives measured slower
+and were removed: post fused into the pre's first launch (10.50 / 11.57 / 14.68 / 990 us against post then
+pre at 10.22 / 11.57 / 14.15 / 793 at the time), one launch whose programs own whole tokens (pre 888-1665 us
+at M = 13312), and post then pre in one launch with grid barriers at M ≤ 64 (12.1 / 13.9 / 16.3 us against
+10.3 / 11.8 / 14.3 at the time).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 HC_MULT = 4
 N_LOGITS = tl.constexpr(24)  # pre (4) | post (4) | comb (16): the rows of fn
@@ -48,18 +53,34 @@ class SplitPlan:
     block_k: int = 32  # hidden dims per inner step of a projection program
     collapse_tokens: int = 1  # tokens per finishing program
     collapse_chunk: int = 4096  # hidden dims per finishing program
-    collapse_k: int = 1024  # hidden dims per inner step of a finishing program
-    num_warps: int = 4
+    collapse_k: int = 4096  # hidden dims per inner step of a finishing program
+    num_warps: int = 2  # per projection program
+    finish_warps: int = 4  # per finishing program
+    split_major: bool = True  # partials stored [split, token, row]; else [token, row, split]
+    # both launches start while the one before finishes, and wait for it (programmatic dependent
+    # launch, sm_90 and newer; the streams' producer is not ours, so post never does)
+    dependent_launch: bool = True
 
 
-# The H200 sweep's fastest pre at M = 1 and 64 (8.48 / 11.38 us; with collapse_chunk=1024, collapse_k=512
-# 8.48 / 13.16 us, split=128 10.78 / 13.97 us).
+# The H200 sweeps' fastest at M = 1 / 16 / 64 (session 6, post then pre under graph replay, 10.2 / 11.8 / 14.2
+# us before): two-warp projections (-0.5 to -1.2 us), split-major partials (each projection program's
+# stores contiguous: -1.3 us at M = 64), dependent launches (-0.6 to -0.9 us; post as one too made M = 64
+# 5 us slower), whole-chunk collapse steps (-0.3 us).
 DECODE_PLAN = SplitPlan()
 # The H200 sweep's fastest pre at M = 13312 (365 us, the projection 226 of them; with 16-token blocks 550,
 # the projection 410: each program reads fn's 24 × 4·split slice once per token block, so small blocks
 # read fn three times as often as the streams; blocks of 32 / 128 tokens or 128 dims: 701 / 390 / 390 us).
+# Token-major partials: split-major ones made the projection 15 us slower here.
 PREFILL_PLAN = SplitPlan(
-    split=1024, block_m=64, block_k=64, collapse_tokens=4, collapse_chunk=1024, collapse_k=256
+    split=1024,
+    block_m=64,
+    block_k=64,
+    collapse_tokens=4,
+    collapse_chunk=1024,
+    collapse_k=256,
+    num_warps=4,
+    split_major=False,
+    dependent_launch=False,
 )
 # Not measured between M = 64 and 13312: from here the prefill plan's projection has 512 programs
 # (~4 per H200 SM), while the decode plan's 64-dim splits multiply its partials 16-fold.
@@ -126,40 +147,17 @@ def _project(acc, x, fn, stream: tl.constexpr, d, dmask, D: tl.constexpr, SPLIT_
 
 
 @triton.jit
-def _logit(table, i: tl.constexpr):
-    """Row i of table [32, BM] (summed logits and the sum of squares) as a [BM] vector."""
-    r = tl.arange(0, LOGIT_ROWS)
-    return tl.sum(tl.where(r[:, None] == i, table, 0.0), axis=0)
-
-
-@triton.jit
-def _rstd(table, rms_eps, D: tl.constexpr):
-    return tl.rsqrt(_logit(table, SUMSQ_ROW) / (4 * D) + rms_eps)
-
-
-@triton.jit
-def _pre(table, rstd, base, scale, i: tl.constexpr, hc_eps):
-    return tl.sigmoid(_logit(table, i) * rstd * tl.load(scale) + tl.load(base + i)) + hc_eps
-
-
-@triton.jit
 def _normalized(a, b, c, d, eps):
     total = a + b + c + d + eps
     return a / total, b / total, c / total, d / total
 
 
 @triton.jit
-def _comb_logit(table, rstd, base, s_comb, k: tl.constexpr, j: tl.constexpr):
-    return _logit(table, 8 + 4 * k + j) * rstd * s_comb + tl.load(base + 8 + 4 * k + j)
-
-
-@triton.jit
-def _softmax_row(table, rstd, base, s_comb, k: tl.constexpr, hc_eps):
-    """Row k of comb: softmax over j of its logits, plus hc_eps (as the reference)."""
-    z0 = _comb_logit(table, rstd, base, s_comb, k, 0)
-    z1 = _comb_logit(table, rstd, base, s_comb, k, 1)
-    z2 = _comb_logit(table, rstd, base, s_comb, k, 2)
-    z3 = _comb_logit(table, rstd, base, s_comb, k, 3)
+def _softmax_row(z, k: tl.constexpr, hc_eps):
+    """Row k of comb: softmax over j of its logits (rows 8 + 4k + j of the program's table `z` in
+    memory, [BT] pointers), plus hc_eps (as the reference)."""
+    row = z + 8 + 4 * k
+    z0, z1, z2, z3 = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
     top = tl.maximum(tl.maximum(z0, z1), tl.maximum(z2, z3))
     e0, e1, e2, e3 = tl.exp(z0 - top), tl.exp(z1 - top), tl.exp(z2 - top), tl.exp(z3 - top)
     total = e0 + e1 + e2 + e3
@@ -167,18 +165,13 @@ def _softmax_row(table, rstd, base, s_comb, k: tl.constexpr, hc_eps):
 
 
 @triton.jit
-def _store_post_comb(table, rstd, base, scale, post_out, comb_out, rows, rmask, hc_eps, ITERS: tl.constexpr):
-    """post and the Sinkhorn-normalised comb of the tokens `rows`; each token's 4 × 4 matrix lives in
-    sixteen [BM] vectors, so the normalisations are plain arithmetic, no cross-thread reductions."""
-    s_post = tl.load(scale + 1)
-    for j in tl.static_range(4):
-        post = 2 * tl.sigmoid(_logit(table, 4 + j) * rstd * s_post + tl.load(base + 4 + j))
-        tl.store(post_out + rows * 4 + j, post, mask=rmask)
-    s_comb = tl.load(scale + 2)
-    c00, c01, c02, c03 = _softmax_row(table, rstd, base, s_comb, 0, hc_eps)
-    c10, c11, c12, c13 = _softmax_row(table, rstd, base, s_comb, 1, hc_eps)
-    c20, c21, c22, c23 = _softmax_row(table, rstd, base, s_comb, 2, hc_eps)
-    c30, c31, c32, c33 = _softmax_row(table, rstd, base, s_comb, 3, hc_eps)
+def _store_comb(z, comb_out, rows, rmask, hc_eps, ITERS: tl.constexpr):
+    """The Sinkhorn-normalised comb of the tokens `rows`; each token's 4 × 4 matrix lives in sixteen
+    [BT] vectors, so the normalisations are plain arithmetic, no cross-thread reductions."""
+    c00, c01, c02, c03 = _softmax_row(z, 0, hc_eps)
+    c10, c11, c12, c13 = _softmax_row(z, 1, hc_eps)
+    c20, c21, c22, c23 = _softmax_row(z, 2, hc_eps)
+    c30, c31, c32, c33 = _softmax_row(z, 3, hc_eps)
     c00, c10, c20, c30 = _normalized(c00, c10, c20, c30, hc_eps)
     c01, c11, c21, c31 = _normalized(c01, c11, c21, c31, hc_eps)
     c02, c12, c22, c32 = _normalized(c02, c12, c22, c32, hc_eps)
@@ -229,6 +222,9 @@ def _split_project_kernel(
     fn,
     partials,
     M,
+    stride_split,
+    stride_token,
+    stride_row,
     D: tl.constexpr,
     NS: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -236,9 +232,14 @@ def _split_project_kernel(
     BK: tl.constexpr,
     SPLIT_FN: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Partial logits and sum of squares of tokens `BM·pid(1) + [0, BM)` over dims `SPLIT·pid(0) +
-    [0, SPLIT)` of every stream, stored at partials [M, 32, NS][token, row, split]."""
+    [0, SPLIT)` of every stream, stored at partials + split·stride_split + token·stride_token +
+    row·stride_row (see `SplitPlan.split_major`)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     split = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     rmask = rows < M
@@ -261,7 +262,9 @@ def _split_project_kernel(
         squares += tl.sum(f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3, axis=1)
     r = tl.arange(0, LOGIT_ROWS)
     acc += tl.where(r[:, None] == SUMSQ_ROW, squares[None, :], 0.0)
-    ptr = partials + (rows[None, :].to(tl.int64) * LOGIT_ROWS + r[:, None]) * NS + split
+    ptr = (
+        partials + split * stride_split + rows[None, :].to(tl.int64) * stride_token + r[:, None] * stride_row
+    )
     tl.store(ptr, acc, mask=rmask[None, :] & (r <= SUMSQ_ROW)[:, None])
 
 
@@ -269,12 +272,16 @@ def _split_project_kernel(
 def _finish_collapse_kernel(
     streams,
     partials,
+    tables,
     base,
     scale,
     post_out,
     comb_out,
     collapsed,
     M,
+    stride_split,
+    stride_token,
+    stride_row,
     rms_eps,
     hc_eps,
     D: tl.constexpr,
@@ -284,31 +291,47 @@ def _finish_collapse_kernel(
     CHUNK: tl.constexpr,
     CK: tl.constexpr,
     ITERS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Tokens `BT·pid(1) + [0, BT)`: sums their partials (every program in the same order, so all
     derive the same bits), then collapses dims `CHUNK·pid(0) + [0, CHUNK)`, or, as the last program
     of its tokens, computes their post and comb."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     chunk = tl.program_id(0)
     rows = tl.program_id(1) * BT + tl.arange(0, BT)
     rmask = rows < M
     r = tl.arange(0, LOGIT_ROWS)
     weights_program = chunk == (D + CHUNK - 1) // CHUNK
     wanted = (r < 4) | (r == SUMSQ_ROW) | ((r < SUMSQ_ROW) & weights_program)  # collapses need pre only
-    row_ptr = partials + (rows[None, :, None].to(tl.int64) * LOGIT_ROWS + r[:, None, None]) * NS
+    # issued first, so their latency hides behind the partials'
+    base_row = tl.load(base + r, mask=r < N_LOGITS, other=0.0)
+    scale_row = tl.load(scale + (r >= 4).to(tl.int32) + (r >= 8).to(tl.int32))  # pre | post | comb
+    row_ptr = partials + rows[None, :, None].to(tl.int64) * stride_token + r[:, None, None] * stride_row
     sums = tl.zeros((LOGIT_ROWS, BT, SS), tl.float32)  # reduced after the loop: Triton 3.6 fails to
     for first in range(0, NS, SS):  # compile a reduction inside it whose result has several uses
         s = first + tl.arange(0, SS)
         mask = wanted[:, None, None] & rmask[None, :, None] & (s < NS)[None, None, :]
-        sums += tl.load(row_ptr + s[None, None, :], mask=mask, other=0.0)
+        sums += tl.load(row_ptr + s[None, None, :].to(tl.int64) * stride_split, mask=mask, other=0.0)
     table = tl.sum(sums, axis=2)
-    rstd = _rstd(table, rms_eps, D)
+    rstd = tl.rsqrt(tl.sum(tl.where(r[:, None] == SUMSQ_ROW, table, 0.0), axis=0) / (4 * D) + rms_eps)
+    z = table * rstd[None, :] * scale_row[:, None] + base_row[:, None]
     if weights_program:
-        _store_post_comb(table, rstd, base, scale, post_out, comb_out, rows, rmask, hc_eps, ITERS)
+        post = 2 * tl.sigmoid(z)
+        post_mask = ((r >= 4) & (r < 8))[:, None] & rmask[None, :]
+        tl.store(post_out + rows[None, :] * 4 + (r[:, None] - 4), post, mask=post_mask)
     else:
-        pre0 = _pre(table, rstd, base, scale, 0, hc_eps)
-        pre1 = _pre(table, rstd, base, scale, 1, hc_eps)
-        pre2 = _pre(table, rstd, base, scale, 2, hc_eps)
-        pre3 = _pre(table, rstd, base, scale, 3, hc_eps)
+        z = tl.sigmoid(z) + hc_eps  # rows 0-3: pre
+    # The rows are needed as [BT] vectors: reading them back from memory takes one barrier, while
+    # extracting each from the register tile is a cross-warp reduction with barriers of its own.
+    own = tables + ((chunk * tl.num_programs(1) + tl.program_id(1)) * BT + tl.arange(0, BT)) * LOGIT_ROWS
+    tl.store(own[None, :] + r[:, None], z)
+    tl.debug_barrier()
+    if weights_program:
+        _store_comb(own, comb_out, rows, rmask, hc_eps, ITERS)
+    else:
+        pre0, pre1, pre2, pre3 = tl.load(own), tl.load(own + 1), tl.load(own + 2), tl.load(own + 3)
         for step in range(CHUNK // CK):
             d = chunk * CHUNK + step * CK + tl.arange(0, CK)
             _collapse_step(streams, collapsed, rows, rmask, pre0, pre1, pre2, pre3, d, D)
@@ -362,6 +385,15 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tenso
         raise ValueError(f"{name} is on {t.device}, the streams on {like.device}")
 
 
+@functools.cache
+def _dependent_launches(device: torch.device) -> bool:
+    """Whether launches on `device` can be programmatic dependents (sm_90 and newer, not the
+    interpreter, whose programs run one after another anyway)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _check_plan(plan: SplitPlan) -> None:
     if not isinstance(plan, SplitPlan):
         raise TypeError(f"plan must be a SplitPlan, got {type(plan).__name__}")
@@ -372,6 +404,8 @@ def _check_plan(plan: SplitPlan) -> None:
         "collapse_tokens": 1,
         "collapse_chunk": 16,
         "collapse_k": 16,
+        "num_warps": 1,
+        "finish_warps": 1,
     }
     for field, least in least_powers.items():
         value = getattr(plan, field)
@@ -413,13 +447,19 @@ def mhc_pre(
         return post, comb, collapsed
     base, scale = base.float().contiguous(), scale.float().contiguous()
     n_splits = triton.cdiv(hidden, plan.split)
-    partials = torch.empty(tokens, LOGIT_ROWS.value, n_splits, dtype=torch.float32, device=device)
+    if plan.split_major:
+        partials = torch.empty(n_splits, tokens, LOGIT_ROWS.value, dtype=torch.float32, device=device)
+        strides = partials.stride()
+    else:
+        partials = torch.empty(tokens, LOGIT_ROWS.value, n_splits, dtype=torch.float32, device=device)
+        strides = (1, partials.stride(0), partials.stride(1))
+    dependent = plan.dependent_launch and _dependent_launches(device)
     _split_project_kernel[(n_splits, triton.cdiv(tokens, plan.block_m))](
-        streams, fn, partials, tokens,
+        streams, fn, partials, tokens, *strides,
         D=hidden, NS=n_splits, SPLIT=plan.split, BM=plan.block_m, BK=plan.block_k,
         SPLIT_FN=fn.element_size() > streams.element_size(),
         PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=plan.num_warps,
+        PDL=dependent, launch_pdl=dependent, num_warps=plan.num_warps,
     )  # fmt: skip
     # powers of two both: the table tile holds at most TABLE_ELEMENTS
     splits_per_step = min(
@@ -427,11 +467,13 @@ def mhc_pre(
     )
     # one program per chunk and one for post and comb
     grid = (triton.cdiv(hidden, plan.collapse_chunk) + 1, triton.cdiv(tokens, plan.collapse_tokens))
+    table_rows = grid[0] * grid[1] * plan.collapse_tokens  # one table per program and token
+    tables = torch.empty(table_rows, LOGIT_ROWS.value, dtype=torch.float32, device=device)
     _finish_collapse_kernel[grid](
-        streams, partials, base, scale, post, comb, collapsed, tokens, rms_eps, hc_eps,
+        streams, partials, tables, base, scale, post, comb, collapsed, tokens, *strides, rms_eps, hc_eps,
         D=hidden, NS=n_splits, SS=splits_per_step,
         BT=plan.collapse_tokens, CHUNK=plan.collapse_chunk, CK=plan.collapse_k, ITERS=sinkhorn_iters,
-        num_warps=plan.num_warps,
+        PDL=dependent, launch_pdl=dependent, num_warps=plan.finish_warps,
     )  # fmt: skip
     return post, comb, collapsed
 
@@ -442,12 +484,16 @@ def mhc_post(
     post: torch.Tensor,
     comb: torch.Tensor,
     block_m: int = 16,
-    block_k: int = 128,
+    block_k: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """See `reference.mhc_post`: new streams post ⊗ out + combᵀ @ streams `[T, 4, D]`. The default
-    tiles measured fastest on the H200 (M = 13312: 251 us; block_m=32, block_k=64: 284 us)."""
+    tiles measured fastest on the H200: 64 dims below `PREFILL_PLAN_FROM` tokens (M = 1 / 16 / 64: 1.65
+    / 1.86 / 2.32 us; 128 dims 1.85 / 2.15 / 2.49), else 128 (M = 13312: 251 us; block_m=32,
+    block_k=64: 284 us)."""
     tokens, hidden = _check_streams(streams)
+    if block_k is None:
+        block_k = 64 if tokens < PREFILL_PLAN_FROM else 128
     _check("out", out, (tokens, hidden), streams)
     _check("post", post, (tokens, HC_MULT), streams)
     _check("comb", comb, (tokens, HC_MULT, HC_MULT), streams)
