@@ -16,8 +16,11 @@ launches of `hylo.ops.moe.decode` (fused routing prologue, gate|up, down with th
 general path (router GEMM, routing, x quantisation, alignment, the two GEMMs, combine) is timed beside
 them as `*_general_*`. `--sweep` times candidate tile configurations (checked for parity first); the
 `breakdown` section (`--only breakdown`) times each launch of an FP8 decode step on its own, both
-paths, and the prologue's variants. Prints a table last and writes `moe.json` to --out (default $OUT
-or ./out).
+paths, and the prologue's variants, and lists the kernels of an FP8 prefill step (torch.profiler).
+`--only prefill_sweep` times the FP8 prefill step in each of `PREFILL_VARIANTS` (compiled first in
+parallel processes) against the FP8 matmul ceiling measured after the compiles, with each variant's
+output against the default's and its per-kernel times. Prints a table last and writes `moe.json` to
+--out (default $OUT or ./out).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from hylo.ops.moe.reference import Routing  # noqa: E402
 DEV = "cpu" if DRY else "cuda"
 # the interpreter's bf16 dot is wrong: the dry run's "bf16" path runs on fp32
 ACT = torch.float32 if DRY else torch.bfloat16
-HIDDEN, INTER, EXPERTS, TOP_K = (128, 64, 16, 4) if DRY else (4096, 2048, 288, 8)
+HIDDEN, INTER, EXPERTS, TOP_K = (128, 128, 16, 4) if DRY else (4096, 2048, 288, 8)
 LIMIT, SCALING = 10.0, 2.5
 DECODE_TOKENS = (1, 4, 16)
 FUSED_TOKENS = tuple(t for t in DECODE_TOKENS if moe_decode.fits(t, TOP_K))
@@ -145,10 +148,19 @@ def ceilings() -> None:
     a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     rec("bf16_matmul_TFLOPs", round(2 * n**3 / (bench(lambda: a @ b) * 1e-6) / 1e12, 1))
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # cuBLAS wants b column-major
+    fp8_ceiling()
+
+
+def fp8_ceiling() -> float:
+    """`torch._scaled_mm` on 8192³ e4m3 (per-tensor scales), TFLOP/s, recorded."""
+    n = 256 if DRY else 8192
+    a8 = torch.randn(n, n, device=DEV, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    b8 = torch.randn(n, n, device=DEV, dtype=torch.bfloat16).to(torch.float8_e4m3fn).t()  # column-major
     one = torch.ones((), device=DEV)
     t = bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-    rec("fp8_scaled_mm_TFLOPs", round(2 * n**3 / (t * 1e-6) / 1e12, 1))
+    tflops = round(2 * n**3 / (t * 1e-6) / 1e12, 1)
+    rec("fp8_scaled_mm_TFLOPs", tflops)
+    return tflops
 
 
 # ---------------------------------------------------------------- parity
@@ -364,6 +376,35 @@ def breakdown(model: Model) -> None:
     for tokens in FUSED_TOKENS:
         for name, fn in fused_launches(model, tokens).items():
             rec(f"breakdown_T{tokens}_fp8_fused_{name}_us", round(bench_graph(fn) / ROTATE, 2))
+    x = batch(PREFILL_TOKENS, seed=7)
+    rec(f"breakdown_T{PREFILL_TOKENS}_fp8_kernels_us", kernel_times(lambda: model.step(x, True)))
+
+
+def kernel_times(fn, steps: int = 3) -> dict[str, float]:
+    """GPU time per call of `fn` of each kernel it launches (torch.profiler, `steps` calls), slowest
+    first, with the sum as "total"; on the CPU (dry run) the profiler's CPU times of the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU if DRY else ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        if not DRY:
+            torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        if DRY or event.device_type.name == "CUDA":
+            total = event.self_cpu_time_total if DRY else event.device_time_total
+            name = short_kernel_name(event.key)
+            times[name] = times.get(name, 0.0) + total / steps
+    ranked = dict(sorted(((k, round(v, 1)) for k, v in times.items()), key=lambda kv: -kv[1])[:12])
+    return {**ranked, "total": round(sum(times.values()), 1)}
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name without C++ return type, namespaces and template arguments."""
+    name = name.removeprefix("void ").split("<")[0].split("(")[0]
+    return name.rsplit("::", 1)[-1][:48]
 
 
 # Candidates that compile for sm_90a without register spills (ptxas -v). Decode streams weights:
@@ -431,6 +472,127 @@ def sweep(model: Model, tokens_list: list[int], dtypes: list[str]) -> None:
         rec(f"{tag}_timed_us", timed)  # fastest first
 
 
+# FP8 prefill candidates (issue #7: M = 8192 at 38% of the FP8 matmul ceiling). The pointer kernels
+# gather x row by row with cp.async and convert the per-column weight scales through shared memory
+# every K step; the `tma` kernels take x gathered into slot order once, load both operands through
+# TMA descriptors and scale by one weight scale per tile. Registers from an offline sm_90a compile
+# (Triton 3.6), gate|up / down: pointer 248 / 215; tma (the default) 150 / 86, no spills; 4-warp 64-row and
+# 128-row gate|up tiles hold two accumulators and a partial product: 255 with a few spills. Shared
+# memory per stage: (block_m + 2·128) · 128 bytes for gate|up, (block_m + 128) · 128 for down. Hopper
+# warp specialisation (`tl.range(..., warp_specialize=True)`, 4 warps + a producer) compiled but hung
+# on the H200 in every variant (S6-9).
+def _prefill_variants() -> dict[str, MoeConfig]:
+    tma_m64 = kernels.default_config(PREFILL_TOKENS * TOP_K, EXPERTS, True)
+    tma_m128 = MoeConfig(128, Tiles(128, 128, 8, 2), Tiles(128, 128, 8, 3), tma=True)
+    return {
+        "default": tma_m64,
+        "pointer": kernels.default_config(PREFILL_TOKENS * TOP_K, EXPERTS, True, tma=False),
+        "tma_m64_down_w8": replace(tma_m64, down=Tiles(128, 128, 8, 4)),
+        "tma_m64_down_s6": replace(tma_m64, down=Tiles(128, 128, 4, 6)),
+        "tma_m64_group4": replace(tma_m64, group_m=4),
+        "tma_m64_group16": replace(tma_m64, group_m=16),
+        "tma_m64_up_w4_s2": replace(tma_m64, gate_up=Tiles(128, 128, 4, 2)),
+        "tma_m128": tma_m128,
+        "tma_m128_up_s3": replace(tma_m128, gate_up=Tiles(128, 128, 8, 3)),
+    }
+
+
+PREFILL_VARIANTS = _prefill_variants()
+
+
+def _warm_one(name: str) -> str:
+    """Compile variant `name`'s two GEMMs at the real step's constants (fills Triton's on-disk cache):
+    2 experts of zero weights, but the alignment's block bound of the real step, which the kernels
+    specialise on."""
+    config = PREFILL_VARIANTS[name]
+    start = time.time()
+    try:
+        _compile(config)
+    except Exception as exc:  # refused or failed to compile: reported, the step then skips it
+        return f"{name}: {type(exc).__name__}: {str(exc)[:200]}"
+    return f"{name}: {time.time() - start:.0f}s"
+
+
+def _compile(config: MoeConfig) -> None:
+    tokens, experts = PREFILL_TOKENS, 2
+
+    def fp8_zeros(*shape):
+        return torch.zeros(shape, device=DEV).to(torch.float8_e4m3fn)
+
+    def scale_ones(rows, *dims):
+        return torch.ones(rows, *(-(-d // reference.FP8_BLOCK) for d in dims), device=DEV)
+
+    gate_up, gate_up_scale = fp8_zeros(experts, 2 * INTER, HIDDEN), scale_ones(experts, 2 * INTER, HIDDEN)
+    down, down_scale = fp8_zeros(experts, HIDDEN, INTER), scale_ones(experts, HIDDEN, INTER)
+    x, x_scale = fp8_zeros(tokens, HIDDEN), scale_ones(tokens, HIDDEN)
+    ids = torch.randint(0, experts, (tokens, TOP_K), device=DEV)
+    layout = routing.align(ids, EXPERTS, config.block_m)
+    h, h_scale = kernels.gate_up_stage(x, x_scale, gate_up, gate_up_scale, layout, TOP_K, LIMIT, config)
+    weights = torch.ones(tokens, TOP_K, device=DEV)
+    kernels.down_stage(h, h_scale, down, down_scale, layout, weights, ACT, config)
+    if not DRY:
+        torch.cuda.synchronize()
+
+
+def warm_prefill_variants():
+    """Start compiling every variant in parallel spawned processes; (pool, futures)."""
+    import concurrent.futures
+    import multiprocessing
+
+    pool = concurrent.futures.ProcessPoolExecutor(
+        max_workers=min(len(PREFILL_VARIANTS), max(1, (os.cpu_count() or 2) - 2)),
+        mp_context=multiprocessing.get_context("spawn"),
+    )
+    return pool, [pool.submit(_warm_one, name) for name in PREFILL_VARIANTS]
+
+
+WARM: list = []  # (pool, futures) of warm_prefill_variants, started before the model is built
+
+
+def prefill_sweep(model: Model) -> None:
+    """Every `PREFILL_VARIANTS` entry as a whole FP8 step at M = PREFILL_TOKENS (routing, quantisation,
+    alignment, both GEMMs, combine): output against the default's, median time, % of the FP8 matmul
+    ceiling measured here after the compiles, and the per-kernel times (torch.profiler)."""
+    if WARM:
+        pool, jobs = WARM[0]
+        rec("prefill_sweep_compiled", [job.result() for job in jobs])
+        pool.shutdown()
+    else:
+        rec("prefill_sweep_compiled", [_warm_one(name) for name in PREFILL_VARIANTS])
+    ceiling = fp8_ceiling()
+    tokens = PREFILL_TOKENS
+    x = batch(tokens, seed=7)
+    ids, weights = model.route(x)
+    flops = 6 * tokens * TOP_K * INTER * HIDDEN
+    baseline = model.step(x, True)
+    reference_err = rel_err(baseline, model.reference(x, ids, weights, True))
+    rec("prefill_sweep_default_relerr_vs_reference", round(reference_err, 5))
+    timed = []
+    for name, config in PREFILL_VARIANTS.items():
+        tag = f"prefill_sweep_T{tokens}_{name}"
+        rec(f"{tag}_config", str(config))
+
+        def step(config=config):
+            return model.step(x, True, config)
+
+        try:
+            err = rel_err(step(), baseline)
+            rec(f"{tag}_relerr_vs_default", round(err, 6))
+            if err > 1e-3:  # more than the fp32 summation order: not the same arithmetic, not timed
+                rec(f"{tag}_rejected", f"relerr {err:.2e} > 1e-3")
+                continue
+            t = bench(step, rep=200)
+        except Exception as exc:  # out of shared memory / registers
+            rec(f"{tag}_skipped", f"{type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        pct = round(100 * flops / (t * 1e-6) / 1e12 / ceiling, 1)
+        rec(f"{tag}_ms", round(t / 1e3, 3))
+        rec(f"{tag}_pct_of_fp8_matmul", pct)
+        rec(f"{tag}_kernels_us", kernel_times(step))
+        timed.append((round(t / 1e3, 3), pct, name))
+    rec(f"prefill_sweep_T{tokens}_ranked_ms_pct", sorted(timed))
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -482,6 +644,8 @@ def main() -> None:
         parser.error(f"unknown sections {sorted(unknown)}")
     if {"decode", "prefill"} & set(chosen) and "ceilings" not in chosen:
         chosen.insert(0, "ceilings")  # their percentages divide by the ceilings
+    if "prefill_sweep" in chosen and not DRY:
+        WARM.append(warm_prefill_variants())  # compiles while the model is built
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not DRY:
@@ -512,6 +676,7 @@ SECTIONS = {
     "prefill": prefill,
     "breakdown": breakdown,
     "sweep": sweep,
+    "prefill_sweep": prefill_sweep,
 }
 DEFAULT_SECTIONS = ("ceilings", "parity", "decode", "prefill")
 

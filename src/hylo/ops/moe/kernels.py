@@ -13,6 +13,9 @@ output in the gate|up epilogue, whose tile holds whole groups). Each 128-deep K 
 partial product by the activation scale of the rows and the weight scale of the columns, whose loads
 are issued one step ahead. (Quantising the activation tiles inside the GEMMs instead, to save the x
 launch, measured 2.8x slower at decode on an H200: 210 against 74 us for one token.)
+
+Large FP8 batches (`MoeConfig.tma`) gather the quantised x into the alignment's row order once, so both
+GEMMs load whole activation and weight tiles through TMA descriptors.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hylo.ops.moe.reference import FP8_BLOCK
 from hylo.ops.moe.routing import Alignment, align
@@ -40,15 +44,21 @@ class Tiles:
 @dataclass(frozen=True)
 class MoeConfig:
     """`block_m` is shared by both GEMMs (it is the alignment's block); `group_m` blocks of rows are
-    walked together so their weight tiles stay in L2."""
+    walked together so their weight tiles stay in L2.
+
+    `tma` (FP8, I a multiple of 128): the quantised x is first gathered into the alignment's row order,
+    so that both GEMMs read whole tiles of activations and weights through TMA descriptors; each tile
+    of `block_n` ≤ 128 columns then lies in one weight scale block, and its K steps scale by the rows'
+    scales times one weight scale (gate|up: a gate and an up tile, `block_n` = 128, two products)."""
 
     block_m: int
     gate_up: Tiles
     down: Tiles
     group_m: int = 8
+    tma: bool = False
 
 
-def default_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
+def default_config(num_pairs: int, num_experts: int, fp8: bool, tma: bool = True) -> MoeConfig:
     """Decode-sized batches (≤ 16 rows per expert on average) take 16-row blocks: the GEMMs stream
     weights. Larger ones take 64-row blocks (half the padding of 128 rows; the FP8 gate|up kernel's
     two accumulators and per-K-step partial products spill registers at 128 rows on H100/H200).
@@ -56,9 +66,13 @@ def default_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
     Measured on an H200 at GLM-5.3-Flash shapes (288 experts, top-8, D 4096, I 2048): FP8 decode
     takes 74 us for one token and 678 us for 16 (gate|up 64-wide tiles, 6 stages, 8 warps or down
     32/128-wide tiles were all slower); FP8 prefill of 8192 tokens 7.34 ms with 4 gate|up stages,
-    within noise of 5 stages (7.33 ms), 3 stages 7.38 ms."""
+    within noise of 5 stages (7.33 ms), 3 stages 7.38 ms. Where the weights allow it (`tma`: see
+    `MoeConfig.tma`), FP8 prefill runs the TMA kernels, bit for bit the same output: 6.21 ms against
+    7.51 in the same run (S6-10; with 8-warp down tiles 6.34, 128-row blocks 7.16-8.48)."""
     if num_pairs <= 16 * num_experts:
         return MoeConfig(16, Tiles(128 if fp8 else 64, 128, 4, 4), Tiles(64, 128, 4, 4))
+    if fp8 and tma:
+        return MoeConfig(64, Tiles(128, 128, 8, 4), Tiles(128, 128, 4, 4), tma=True)
     if fp8:
         return MoeConfig(64, Tiles(128, 128, 8, 4), Tiles(256, 128, 8, 3))
     return MoeConfig(64, Tiles(128, 64, 8, 4), Tiles(256, 64, 8, 4))
@@ -365,6 +379,107 @@ def _down_combine_kernel(
         tl.store(dst, tl.sum(routed.to(tl.float32), axis=1).to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
+@triton.jit
+def _gather_rows_kernel(
+    q_ptr, scale_ptr, pairs_ptr, block_rows_ptr, out_ptr, out_scale_ptr, num_slots,
+    stride_q, stride_s, stride_o, stride_os,
+    TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """`ROWS` slots from `program_id(0)·ROWS`, channel group `program_id(1)`: the token row of each
+    valid slot (quantised x and its scale) copied to the slot's row, zeros to the padding rows of
+    real blocks (whole tiles go through the GEMMs: zeros keep their rows finite); the rows of the
+    blocks past the real count stay unset, no GEMM program reads them."""
+    slot = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    in_range = slot < num_slots
+    rows = tl.load(block_rows_ptr + slot // BLOCK_M, mask=in_range, other=0)
+    ok = slot % BLOCK_M < rows
+    real = in_range & (rows > 0)
+    token = tl.load(pairs_ptr + slot, mask=ok, other=0) // TOP_K
+    group = tl.program_id(1)
+    cols = group * 128 + tl.arange(0, 128)
+    q = tl.load(q_ptr + token.to(tl.int64)[:, None] * stride_q + cols[None, :], mask=ok[:, None], other=0.0)
+    tl.store(out_ptr + slot.to(tl.int64)[:, None] * stride_o + cols[None, :], q, mask=real[:, None])
+    scale = tl.load(scale_ptr + token * stride_s + group, mask=ok, other=0.0)
+    tl.store(out_scale_ptr + slot * stride_os + group, scale, mask=real)
+
+
+@triton.jit
+def _gate_up_tma_kernel(
+    x_desc, x_scale_ptr, w_desc, w_scale_ptr, block_expert_ptr, block_rows_ptr, h_ptr, h_scale_ptr,
+    num_blocks, limit, stride_xs, stride_wse, stride_wsn, stride_h, stride_hs,
+    N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """`_gate_up_kernel` (FP8) on x already in slot order (`x_desc` over `[slots, K]`, `w_desc` over the
+    weights as `[E·2N, K]`): a gate and an up tile of BLOCK_N = 128 columns, each one weight scale
+    block, as two products, so one consumer warp group holds a single partial product at a time."""
+    pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    m = tl.arange(0, BLOCK_M)
+    row_ok = m < tl.load(block_rows_ptr + pid_m)
+    slot = pid_m * BLOCK_M + m
+    gate_row = expert * (2 * N) + pid_n * BLOCK_N
+    a_scales = x_scale_ptr + slot * stride_xs
+    gate_scales = w_scale_ptr + expert * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+    up_scales = gate_scales + (N // 128) * stride_wsn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = x_desc.load([pid_m * BLOCK_M, k0])
+        w_gate = w_desc.load([gate_row, k0])
+        w_up = w_desc.load([gate_row + N, k0])
+        # after the first step, the scales come from the cache lines the first one brought into L1
+        group = k0 // 128
+        a_scale = tl.load(a_scales + group)
+        gate_scale = tl.load(gate_scales + group)
+        up_scale = tl.load(up_scales + group)
+        acc_gate += tl.dot(a, w_gate.T) * (a_scale * gate_scale)[:, None]
+        acc_up += tl.dot(a, w_up.T) * (a_scale * up_scale)[:, None]
+    gate = tl.minimum(acc_gate, limit)
+    h = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit)
+    scale = _group_scale(tl.max(tl.abs(h), axis=1))
+    q = _round_to_e4m3(tl.math.div_rn(h, tl.broadcast_to(scale[:, None], h.shape)))
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
+    # padding rows stay unset (storing their zeros spilled registers into the loop): the down kernel
+    # reads them in whole tiles, and only its own masked-off rows see them
+    tl.store(h_rows + n[None, :], q.to(h_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(h_scale_ptr + slot * stride_hs + pid_n, scale, mask=row_ok)
+
+
+@triton.jit
+def _down_tma_kernel(
+    h_desc, h_scale_ptr, w_desc, w_scale_ptr, pairs_ptr, block_expert_ptr, block_rows_ptr, weights_ptr,
+    out_ptr, num_blocks, stride_hs, stride_wse, stride_wsn, stride_o,
+    N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """`_down_kernel` (FP8) through TMA descriptors (`h_desc` over h `[slots, K]`, `w_desc` over the
+    weights as `[E·N, K]`), tiles of BLOCK_N ≤ 128 columns in one weight scale block."""
+    pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    m = tl.arange(0, BLOCK_M)
+    row_ok = m < tl.load(block_rows_ptr + pid_m)
+    slot = pid_m * BLOCK_M + m
+    w_row = expert * N + pid_n * BLOCK_N
+    a_scales = h_scale_ptr + slot * stride_hs
+    w_scales = w_scale_ptr + expert * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = h_desc.load([pid_m * BLOCK_M, k0])
+        scale = tl.load(a_scales + k0 // 128) * tl.load(w_scales + k0 // 128)  # see `_gate_up_tma_kernel`
+        acc += tl.dot(a, w_desc.load([w_row, k0]).T) * scale[:, None]
+    pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
+    acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (n < N)[None, :])
+
+
 def _check(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 ):
@@ -394,15 +509,34 @@ def _check_scale(name: str, scale: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
-def _check_config(config: MoeConfig, intermediate: int, fp8: bool) -> None:
+def _check_config(config: MoeConfig, hidden: int, intermediate: int, fp8: bool) -> None:
     for name, tiles in (("gate_up", config.gate_up), ("down", config.down)):
         if fp8 and FP8_BLOCK % tiles.block_k:
             raise ValueError(f"experts_fp8: {name}.block_k {tiles.block_k} must divide {FP8_BLOCK}")
+    if config.tma:
+        _check_tma_config(config, hidden, intermediate, fp8)
     block_n = config.gate_up.block_n
     if fp8 and block_n % FP8_BLOCK and block_n < intermediate:
         raise ValueError(
             f"experts_fp8: gate_up.block_n {block_n} must be a multiple of {FP8_BLOCK} or cover I = "
             f"{intermediate}: its epilogue quantises whole groups of {FP8_BLOCK}"
+        )
+
+
+def _check_tma_config(config: MoeConfig, hidden: int, intermediate: int, fp8: bool) -> None:
+    if not fp8:
+        raise ValueError("experts: config.tma applies to FP8 weights only")
+    if hidden % FP8_BLOCK or intermediate % FP8_BLOCK:
+        raise ValueError(
+            f"experts_fp8: config.tma needs D {hidden} and I {intermediate} to be multiples of {FP8_BLOCK}"
+        )
+    if config.gate_up.block_n != FP8_BLOCK:
+        raise ValueError(
+            f"experts_fp8: config.tma needs gate_up.block_n = {FP8_BLOCK}, got {config.gate_up.block_n}"
+        )
+    if FP8_BLOCK % config.down.block_n:
+        raise ValueError(
+            f"experts_fp8: config.tma needs down.block_n to divide {FP8_BLOCK}, got {config.down.block_n}"
         )
 
 
@@ -430,9 +564,15 @@ def check_experts(
             f"experts: gate_up {gate_up.dtype} and down {down.dtype} must be x's dtype {x.dtype}"
         )
     tokens, top_k = ids.shape
-    num_experts, two_i, _ = gate_up.shape
-    config = config or default_config(tokens * top_k, num_experts, fp8)
-    _check_config(config, two_i // 2, fp8)
+    num_experts, two_i, hidden = gate_up.shape
+    tma = (
+        hidden % FP8_BLOCK == 0
+        and two_i % (2 * FP8_BLOCK) == 0
+        and gate_up.is_contiguous()
+        and down.is_contiguous()
+    )
+    config = config or default_config(tokens * top_k, num_experts, fp8, tma)
+    _check_config(config, hidden, two_i // 2, fp8)
     for name, t in (
         ("gate_up", gate_up),
         ("down", down),
@@ -443,6 +583,9 @@ def check_experts(
             raise ValueError(
                 f"experts: {name} must be contiguous in its last dimension, strides {t.stride()}"
             )
+    for name, t in (("gate_up", gate_up), ("down", down)):
+        if config.tma and not t.is_contiguous():  # its descriptor views it as [E·N, K]
+            raise ValueError(f"experts_fp8: config.tma needs {name} contiguous, strides {t.stride()}")
     return config
 
 
@@ -472,6 +615,23 @@ def _run(
     return routed.view(tokens, top_k, hidden).sum(1)
 
 
+def gather_rows(
+    x: torch.Tensor, x_scale: torch.Tensor, layout: Alignment, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantised x and its scales in the alignment's row order (`[slots, K]`, `[slots, K/128]`): each
+    valid slot a copy of its token's row (see `_gather_rows_kernel`). K is a multiple of 128."""
+    slots = layout.pairs.numel()
+    out = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
+    out_scale = torch.empty(slots, x_scale.shape[1], dtype=x_scale.dtype, device=x.device)
+    rows = 32
+    _gather_rows_kernel[(triton.cdiv(slots, rows), x_scale.shape[1])](
+        x, x_scale, layout.pairs, layout.block_rows, out, out_scale, slots,
+        x.stride(0), x_scale.stride(0), out.stride(0), out_scale.stride(0),
+        TOP_K=top_k, K=x.shape[1], BLOCK_M=layout.block_m, ROWS=rows,
+    )  # fmt: skip
+    return out, out_scale
+
+
 def gate_up_stage(
     x: torch.Tensor,
     x_scale: torch.Tensor | None,
@@ -497,7 +657,36 @@ def gate_up_stage(
         else None
     )
     up = config.gate_up
-    _gate_up_kernel[(num_blocks * triton.cdiv(intermediate, up.block_n),)](
+    programs = num_blocks * triton.cdiv(intermediate, up.block_n)
+    if config.tma:
+        x, x_scale = gather_rows(x, x_scale, layout, top_k)
+        _gate_up_tma_kernel[(programs,)](
+            TensorDescriptor.from_tensor(x, [config.block_m, up.block_k]),
+            x_scale,
+            TensorDescriptor.from_tensor(gate_up.view(-1, gate_up.shape[2]), [up.block_n, up.block_k]),
+            gate_up_scale,
+            layout.block_expert,
+            layout.block_rows,
+            h,
+            h_scale,
+            num_blocks,
+            float(limit),
+            x_scale.stride(0),
+            gate_up_scale.stride(0),
+            gate_up_scale.stride(1),
+            h.stride(0),
+            h_scale.stride(0),
+            N=intermediate,
+            K=gate_up.shape[2],
+            BLOCK_M=config.block_m,
+            BLOCK_N=up.block_n,
+            BLOCK_K=up.block_k,
+            GROUP_M=config.group_m,
+            num_warps=up.num_warps,
+            num_stages=up.num_stages,
+        )
+        return h, h_scale
+    _gate_up_kernel[(programs,)](
         x,
         _or(x_scale, x),  # the kernel reads a scale argument only where its flags say so
         gate_up,
@@ -588,10 +777,52 @@ def down_stage(
 ) -> torch.Tensor:
     """The second grouped GEMM (one launch): each pair's weighted expert output, `[T·k, D]`; with FP8
     weights, h comes quantised with `h_scale`."""
-    programs, arguments = _down_arguments(h, h_scale, down, down_scale, layout, weights, config)
     routed = torch.empty(weights.numel(), down.shape[1], dtype=out_dtype, device=h.device)
+    if config.tma:
+        _down_tma(h, h_scale, down, down_scale, layout, weights, routed, config)
+        return routed
+    programs, arguments = _down_arguments(h, h_scale, down, down_scale, layout, weights, config)
     _down_kernel[(programs,)](**arguments, out_ptr=routed, stride_o=routed.stride(0))
     return routed
+
+
+def _down_tma(
+    h: torch.Tensor,
+    h_scale: torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+    layout: Alignment,
+    weights: torch.Tensor,
+    routed: torch.Tensor,
+    config: MoeConfig,
+) -> None:
+    num_blocks = layout.block_expert.numel()
+    hidden, intermediate = down.shape[1:]
+    dn = config.down
+    _down_tma_kernel[(num_blocks * triton.cdiv(hidden, dn.block_n),)](
+        TensorDescriptor.from_tensor(h, [config.block_m, dn.block_k]),
+        h_scale,
+        TensorDescriptor.from_tensor(down.view(-1, intermediate), [dn.block_n, dn.block_k]),
+        down_scale,
+        layout.pairs,
+        layout.block_expert,
+        layout.block_rows,
+        weights.float().contiguous(),
+        routed,
+        num_blocks,
+        h_scale.stride(0),
+        down_scale.stride(0),
+        down_scale.stride(1),
+        routed.stride(0),
+        N=hidden,
+        K=intermediate,
+        BLOCK_M=config.block_m,
+        BLOCK_N=dn.block_n,
+        BLOCK_K=dn.block_k,
+        GROUP_M=config.group_m,
+        num_warps=dn.num_warps,
+        num_stages=dn.num_stages,
+    )
 
 
 def down_combine_stage(
@@ -608,6 +839,8 @@ def down_combine_stage(
     """`down_stage` and the combine in one launch, for a few tokens: Σ_k of each token's weighted rows
     (each rounded to `out_dtype`, summed in fp32 in a fixed order), `[T, D]`. `tickets`: int32
     zeros, at least one per column tile of the output, left zero."""
+    if config.tma:
+        raise ValueError("down_combine_stage: config.tma has no combining down kernel")
     tokens, top_k = weights.shape
     hidden = down.shape[1]
     column_tiles = triton.cdiv(hidden, config.down.block_n)
