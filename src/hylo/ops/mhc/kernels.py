@@ -17,8 +17,10 @@ The projection multiplies in the streams' dtype with fp32 accumulation; an fp32 
 two halves of the streams' dtype, so the products stay exact.
 
 H200, GLM-5.3-Flash shapes (hidden 4096, bf16; benchmarks/kernels/mhc_moe.py, CUDA-graph replay up to
-M = 64): pre 5.36 / 5.66 / 6.48 / 368 us and post 1.18 / 1.61 / 2.08 / 251 us at M = 1 / 16 / 64 /
-13312 with the default plans; post then pre 6.98 / 7.46 / 8.79 / 619 us. Three alternatives measured slower
+M = 64): pre 5.36 / 5.66 / 6.48 / 278 us and post 1.18 / 1.61 / 2.08 / 245 us at M = 1 / 16 / 64 /
+13312 with the default plans; post then pre 6.98 / 7.46 / 8.79 / 527 us. The projection puts the tokens
+on the rows of its products, so from 64 tokens they run as wgmma (at M = 13312 the projection launch took
+226 us with fn's rows there, 136 us now). Three alternatives measured slower
 and were removed: post fused into the pre's first launch (10.50 / 11.57 / 14.68 / 990 us against post then
 pre at 10.22 / 11.57 / 14.15 / 793 at the time), one launch whose programs own whole tokens (pre 888-1665 us
 at M = 13312), and post then pre in one launch with grid barriers at M ≤ 64 (12.1 / 13.9 / 16.3 us against
@@ -67,10 +69,12 @@ class SplitPlan:
 # stores contiguous: -1.3 us at M = 64), dependent launches (-0.6 to -0.9 us; post as one too made M = 64
 # 5 us slower), whole-chunk collapse steps (-0.3 us).
 DECODE_PLAN = SplitPlan()
-# The H200 sweep's fastest pre at M = 13312 (365 us, the projection 226 of them; with 16-token blocks 550,
-# the projection 410: each program reads fn's 24 × 4·split slice once per token block, so small blocks
-# read fn three times as often as the streams; blocks of 32 / 128 tokens or 128 dims: 701 / 390 / 390 us).
-# Token-major partials: split-major ones made the projection 15 us slower here.
+# The H200 sweep's fastest pre at M = 13312 (365 us when the projection's products had fn's rows as their
+# rows, 226 us of them; with 16-token blocks 550: each program reads fn's 24 × 4·split slice once per token
+# block, so small blocks read fn three times as often as the streams; blocks of 32 / 128 tokens or 128
+# dims: 701 / 390 / 390 us). With tokens as the rows: 278 us; 128-token blocks 285-289, 8 warps 335,
+# 128-dim steps 273, splits of 512 / 2048 275 / 269 (one run, S6-14). Token-major partials: split-major
+# ones made the projection 15 us slower here.
 PREFILL_PLAN = SplitPlan(
     split=1024,
     block_m=64,
@@ -134,15 +138,14 @@ def _expand(o, s0, s1, s2, s3, w, DTYPE: tl.constexpr):
 
 @triton.jit
 def _project(acc, x, fn, stream: tl.constexpr, d, dmask, D: tl.constexpr, SPLIT_FN: tl.constexpr, PRECISION):
-    """acc [32, BM] += fn's rows (24 real, 8 zero) at stream's dims d @ xᵀ [BK, BM]."""
+    """acc [BM, 32] += x [BM, BK] @ fn's rows (24 real, 8 zero) at stream's dims d, transposed [BK, 32]."""
     r = tl.arange(0, LOGIT_ROWS)
-    ptr = fn + r[:, None] * (4 * D) + stream * D + d[None, :]
-    f = tl.load(ptr, mask=(r < N_LOGITS)[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    ptr = fn + r[None, :] * (4 * D) + stream * D + d[:, None]
+    f = tl.load(ptr, mask=dmask[:, None] & (r < N_LOGITS)[None, :], other=0.0).to(tl.float32)
     high = f.to(x.dtype)
-    xt = tl.trans(x)
-    acc = tl.dot(high, xt, acc, input_precision=PRECISION)
+    acc = tl.dot(x, high, acc, input_precision=PRECISION)
     if SPLIT_FN:
-        acc = tl.dot((f - high.to(tl.float32)).to(x.dtype), xt, acc, input_precision=PRECISION)
+        acc = tl.dot(x, (f - high.to(tl.float32)).to(x.dtype), acc, input_precision=PRECISION)
     return acc
 
 
@@ -243,7 +246,7 @@ def _split_project_kernel(
     split = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     rmask = rows < M
-    acc = tl.zeros((LOGIT_ROWS, BM), tl.float32)  # transposed: the streams are the dot's B operand
+    acc = tl.zeros((BM, LOGIT_ROWS), tl.float32)  # tokens as the dot's rows: wgmma from 64 tokens
     squares = tl.zeros((BM,), tl.float32)
     for step in range(SPLIT // BK):
         d = split * SPLIT + step * BK + tl.arange(0, BK)
@@ -261,11 +264,11 @@ def _split_project_kernel(
         f0, f1, f2, f3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
         squares += tl.sum(f0 * f0 + f1 * f1 + f2 * f2 + f3 * f3, axis=1)
     r = tl.arange(0, LOGIT_ROWS)
-    acc += tl.where(r[:, None] == SUMSQ_ROW, squares[None, :], 0.0)
+    acc += tl.where(r[None, :] == SUMSQ_ROW, squares[:, None], 0.0)
     ptr = (
-        partials + split * stride_split + rows[None, :].to(tl.int64) * stride_token + r[:, None] * stride_row
+        partials + split * stride_split + rows[:, None].to(tl.int64) * stride_token + r[None, :] * stride_row
     )
-    tl.store(ptr, acc, mask=rmask[None, :] & (r <= SUMSQ_ROW)[:, None])
+    tl.store(ptr, acc, mask=rmask[:, None] & (r <= SUMSQ_ROW)[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
