@@ -74,7 +74,7 @@ DECODE_PLAN = SplitPlan()
 # block, so small blocks read fn three times as often as the streams; blocks of 32 / 128 tokens or 128
 # dims: 701 / 390 / 390 us). With tokens as the rows: 278 us; 128-token blocks 285-289, 8 warps 335,
 # 128-dim steps 273, splits of 512 / 2048 275 / 269 (one run, S6-14). Token-major partials: split-major
-# ones made the projection 15 us slower here.
+# ones made the previous projection 15 us slower here (not measured since).
 PREFILL_PLAN = SplitPlan(
     split=1024,
     block_m=64,
