@@ -658,6 +658,16 @@ def gate_up_stage(
     )
     up = config.gate_up
     programs = num_blocks * triton.cdiv(intermediate, up.block_n)
+    launch = dict(
+        N=intermediate,
+        K=gate_up.shape[2],
+        BLOCK_M=config.block_m,
+        BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k,
+        GROUP_M=config.group_m,
+        num_warps=up.num_warps,
+        num_stages=up.num_stages,
+    )
     if config.tma:
         x, x_scale = gather_rows(x, x_scale, layout, top_k)
         _gate_up_tma_kernel[(programs,)](
@@ -676,14 +686,7 @@ def gate_up_stage(
             gate_up_scale.stride(1),
             h.stride(0),
             h_scale.stride(0),
-            N=intermediate,
-            K=gate_up.shape[2],
-            BLOCK_M=config.block_m,
-            BLOCK_N=up.block_n,
-            BLOCK_K=up.block_k,
-            GROUP_M=config.group_m,
-            num_warps=up.num_warps,
-            num_stages=up.num_stages,
+            **launch,
         )
         return h, h_scale
     _gate_up_kernel[(programs,)](
@@ -705,16 +708,9 @@ def gate_up_stage(
         h.stride(0),
         _or(h_scale, h).stride(0),
         TOP_K=top_k,
-        N=intermediate,
-        K=gate_up.shape[2],
-        BLOCK_M=config.block_m,
-        BLOCK_N=up.block_n,
-        BLOCK_K=up.block_k,
-        GROUP_M=config.group_m,
         FP8=fp8,
         QUANT_GROUP=min(up.block_n, FP8_BLOCK),
-        num_warps=up.num_warps,
-        num_stages=up.num_stages,
+        **launch,
     )
     return h, h_scale
 
