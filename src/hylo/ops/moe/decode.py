@@ -4,7 +4,7 @@
    router weight whole: many programs read its 2.4 MB at bandwidth, and every logit is one program's
    dot product, so nothing is reduced across programs), the FP8 quantisation of x (one 128-channel
    group per program), then, in the program that arrives last (an atomic ticket, no waiting), the
-   routing of every token (`routing.choose_experts`) and the expert alignment. The alignment runs in
+   routing of every token (`routing.route_tokens`) and the expert alignment. The alignment runs in
    registers: a pair's rank within its expert and its expert's first block come from comparisons of
    every pair with every other (at most `MAX_PAIRS`² of them), with no atomics or global round trips.
 2. `kernels.gate_up_stage`, as in the general path.
@@ -31,7 +31,7 @@ import triton.language as tl
 from hylo.ops.moe import kernels
 from hylo.ops.moe.kernels import MoeConfig, quantize_tile
 from hylo.ops.moe.reference import FP8_BLOCK, Routing
-from hylo.ops.moe.routing import Alignment, check_route, choice_constants, choose_experts, max_blocks
+from hylo.ops.moe.routing import Alignment, check_route, choice_constants, max_blocks, route_tokens
 
 MAX_PAIRS = 64  # (token, choice) pairs of a step on this path: the alignment's [pairs, pairs] fits registers
 TICKET_SLOTS = 256  # counters per stream: the down launch takes one per column tile (D / block_n)
@@ -156,24 +156,10 @@ def _prologue_kernel(
     if tl.atomic_add(tickets_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         tl.store(tickets_ptr, 0)
         t = tl.arange(0, T_PAD)
-        ids, weights, ok = choose_experts(
-            logits_ptr,
-            bias_ptr,
-            t,
-            t < num_tokens,
-            scaling,
-            E,
-            E_PAD,
-            TOP_K,
-            K_PAD,
-            N_GROUP,
-            G_PAD,
-            TOPK_GROUP,
-            NORMALIZE,
-        )
-        pair = t[:, None] * TOP_K + tl.arange(0, K_PAD)[None, :]
-        tl.store(ids_ptr + pair, ids, mask=ok)
-        tl.store(weights_ptr + pair, weights, mask=ok)
+        ids, ok, pair = route_tokens(
+            logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t < num_tokens, scaling,
+            E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE,
+        )  # fmt: skip
         _place_pairs(
             ids,
             ok,

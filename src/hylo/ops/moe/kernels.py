@@ -658,16 +658,7 @@ def gate_up_stage(
     )
     up = config.gate_up
     programs = num_blocks * triton.cdiv(intermediate, up.block_n)
-    launch = dict(
-        N=intermediate,
-        K=gate_up.shape[2],
-        BLOCK_M=config.block_m,
-        BLOCK_N=up.block_n,
-        BLOCK_K=up.block_k,
-        GROUP_M=config.group_m,
-        num_warps=up.num_warps,
-        num_stages=up.num_stages,
-    )
+    launch = _tile_arguments(config, up, intermediate, gate_up.shape[2])
     if config.tma:
         x, x_scale = gather_rows(x, x_scale, layout, top_k)
         _gate_up_tma_kernel[(programs,)](
@@ -715,6 +706,20 @@ def gate_up_stage(
     return h, h_scale
 
 
+def _tile_arguments(config: MoeConfig, tiles: Tiles, n: int, k: int) -> dict[str, object]:
+    """The shape and launch keywords every grouped-GEMM launch takes (an `[n, k]` weight per expert)."""
+    return {
+        "N": n,
+        "K": k,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_K": tiles.block_k,
+        "GROUP_M": config.group_m,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
+    }
+
+
 def _down_arguments(
     h: torch.Tensor,
     h_scale: torch.Tensor | None,
@@ -748,15 +753,8 @@ def _down_arguments(
         "stride_wn": down.stride(1),
         "stride_wse": w_scale.stride(0),
         "stride_wsn": w_scale.stride(1),
-        "N": hidden,
-        "K": h.shape[1],
-        "BLOCK_M": config.block_m,
-        "BLOCK_N": dn.block_n,
-        "BLOCK_K": dn.block_k,
-        "GROUP_M": config.group_m,
         "FP8": fp8,
-        "num_warps": dn.num_warps,
-        "num_stages": dn.num_stages,
+        **_tile_arguments(config, dn, hidden, h.shape[1]),
     }
     return num_blocks * triton.cdiv(hidden, dn.block_n), arguments
 
@@ -810,14 +808,7 @@ def _down_tma(
         down_scale.stride(0),
         down_scale.stride(1),
         routed.stride(0),
-        N=hidden,
-        K=intermediate,
-        BLOCK_M=config.block_m,
-        BLOCK_N=dn.block_n,
-        BLOCK_K=dn.block_k,
-        GROUP_M=config.group_m,
-        num_warps=dn.num_warps,
-        num_stages=dn.num_stages,
+        **_tile_arguments(config, dn, hidden, intermediate),
     )
 
 

@@ -113,6 +113,22 @@ def choose_experts(
 
 
 @triton.jit
+def route_tokens(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t_ok, scaling,
+    E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
+):  # fmt: skip
+    """`choose_experts` of tokens `t`, stored at ids / weights `[T, k]`; returns (ids, valid, pair index)."""
+    ids, weights, ok = choose_experts(
+        logits_ptr, bias_ptr, t, t_ok, scaling, E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE
+    )
+    pair = t[:, None] * TOP_K + tl.arange(0, K_PAD)[None, :]
+    tl.store(ids_ptr + pair, ids, mask=ok)
+    tl.store(weights_ptr + pair, weights, mask=ok)
+    return ids, ok, pair
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr,
     bias_ptr,
@@ -131,24 +147,10 @@ def _route_kernel(
     BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ids, weights, ok = choose_experts(
-        logits_ptr,
-        bias_ptr,
-        t,
-        t < num_tokens,
-        scaling,
-        E,
-        E_PAD,
-        TOP_K,
-        K_PAD,
-        N_GROUP,
-        G_PAD,
-        TOPK_GROUP,
-        NORMALIZE,
-    )
-    out = t[:, None] * TOP_K + tl.arange(0, K_PAD)[None, :]
-    tl.store(ids_ptr + out, ids, mask=ok)
-    tl.store(weights_ptr + out, weights, mask=ok)
+    route_tokens(
+        logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t < num_tokens, scaling,
+        E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE,
+    )  # fmt: skip
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
