@@ -222,11 +222,14 @@ def test_tma_kernels_match_the_pointer_kernels(tokens, hidden, inter, config):
     assert rel_err(out, emulated_fp8(case, *quantized)) < 1e-3
 
 
-def test_gather_rows_puts_each_token_row_in_its_slots():
+@pytest.mark.parametrize(("rows", "groups"), [(32, 1), (8, 2)])  # a program: one group, or both
+def test_gather_rows_puts_each_token_row_in_its_slots(rows, groups):
     case = Case(2, 11, 256, 128, 6, 3, unused=2)
     q, scale = kernels.quantize_groups(case.x)
     layout = routing.align(case.ids, 6, 16)
-    rows, row_scales = kernels.gather_rows(q, scale, layout, 3)
+    with pytest.raises(ValueError, match="groups 4 must divide"):
+        kernels.gather_rows(q, scale, layout, 3, groups=4)
+    rows, row_scales = kernels.gather_rows(q, scale, layout, 3, rows=rows, groups=groups)
     real = int((layout.block_expert >= 0).sum())
     valid = torch.arange(16)[None, :] < layout.block_rows[:real, None]
     slots = torch.arange(real * 16).view(real, 16)[valid]
