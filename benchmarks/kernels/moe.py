@@ -483,17 +483,15 @@ def sweep(model: Model, tokens_list: list[int], dtypes: list[str]) -> None:
 # on the H200 in every variant (S6-9).
 def _prefill_variants() -> dict[str, MoeConfig]:
     tma_m64 = kernels.default_config(PREFILL_TOKENS * TOP_K, EXPERTS, True)
-    tma_m128 = MoeConfig(128, Tiles(128, 128, 8, 2), Tiles(128, 128, 8, 3), tma=True)
-    return {
+    return {  # S7: the gate|up kernel's 4 stages of 40 KB leave one program per SM
         "default": tma_m64,
         "pointer": kernels.default_config(PREFILL_TOKENS * TOP_K, EXPERTS, True, tma=False),
-        "tma_m64_down_w8": replace(tma_m64, down=Tiles(128, 128, 8, 4)),
-        "tma_m64_down_s6": replace(tma_m64, down=Tiles(128, 128, 4, 6)),
-        "tma_m64_group4": replace(tma_m64, group_m=4),
-        "tma_m64_group16": replace(tma_m64, group_m=16),
-        "tma_m64_up_w4_s2": replace(tma_m64, gate_up=Tiles(128, 128, 4, 2)),
-        "tma_m128": tma_m128,
-        "tma_m128_up_s3": replace(tma_m128, gate_up=Tiles(128, 128, 8, 3)),
+        "tma_m64_up_s3": replace(tma_m64, gate_up=Tiles(128, 128, 8, 3)),
+        "tma_m64_up_s2": replace(tma_m64, gate_up=Tiles(128, 128, 8, 2)),
+        "tma_m64_up_k64_s4": replace(tma_m64, gate_up=Tiles(128, 64, 8, 4)),
+        "tma_m64_up_k64_s6": replace(tma_m64, gate_up=Tiles(128, 64, 8, 6)),
+        "tma_m64_down_k64_s6": replace(tma_m64, down=Tiles(128, 64, 4, 6)),
+        "tma_m64_down_s3": replace(tma_m64, down=Tiles(128, 128, 4, 3)),
     }
 
 
