@@ -24,7 +24,10 @@ on the rows of its products, so from 64 tokens they run as wgmma (at M = 13312 t
 and were removed: post fused into the pre's first launch (10.50 / 11.57 / 14.68 / 990 us against post then
 pre at 10.22 / 11.57 / 14.15 / 793 at the time), one launch whose programs own whole tokens (pre 888-1665 us
 at M = 13312), and post then pre in one launch with grid barriers at M ≤ 64 (12.1 / 13.9 / 16.3 us against
-10.3 / 11.8 / 14.3 at the time).
+10.3 / 11.8 / 14.3 at the time). At M = 13312 three more (session 7, against 521-528 us): one persistent
+launch handing post+projection and finishing items out by ticket so the finish reads the new streams from
+L2 (1201 us at best), post then pre in L2-sized token chunks (563 us), and post with the projection in one
+pass before the finish (529 us).
 """
 
 from __future__ import annotations

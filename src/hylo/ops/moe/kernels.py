@@ -15,7 +15,9 @@ are issued one step ahead. (Quantising the activation tiles inside the GEMMs ins
 launch, measured 2.8x slower at decode on an H200: 210 against 74 us for one token.)
 
 Large FP8 batches (`MoeConfig.tma`) gather the quantised x into the alignment's row order once, so both
-GEMMs load whole activation and weight tiles through TMA descriptors.
+GEMMs load whole activation and weight tiles through TMA descriptors. (Gluon versions of the down GEMM, with
+two products in flight or warp-specialised with a TMA producer and two consumer warpgroups, on 64- or 128-row
+blocks, gave the same bits at 522-594 TFLOP/s against this kernel's 624-653 on the H200: session 7.)
 """
 
 from __future__ import annotations
