@@ -258,6 +258,11 @@ def test_bad_inputs_are_named():
         kernels.experts(case.x, case.gate_up, case.down, *args, tma)
     with pytest.raises(ValueError, match=r"D 64 and I 48"):  # not multiples of 128
         kernels.experts_fp8(case.x, gq, gs, dq, ds, *args, tma)
+    wide = Case(1, 3, 128, 128, 8, 2)
+    wq, ws, vq, vs = (*reference.quantize_fp8_blocks(wide.gate_up), *reference.quantize_fp8_blocks(wide.down))
+    strided = torch.cat([vq, vq], dim=1)[:, ::2]  # [E, D, I] rows two apart: a TMA descriptor cannot view it
+    with pytest.raises(ValueError, match=r"config\.tma needs down contiguous"):
+        kernels.experts_fp8(wide.x, wq, ws, strided, vs, wide.ids, wide.weights, LIMIT, tma)
     with pytest.raises(ValueError, match="down"):
         kernels.experts(case.x, case.gate_up, case.down[:, :, :5], *args)
     with pytest.raises(ValueError, match="ids"):

@@ -512,12 +512,14 @@ def _check_scale(name: str, scale: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
-def _check_config(config: MoeConfig, hidden: int, intermediate: int, fp8: bool) -> None:
+def _check_config(
+    config: MoeConfig, hidden: int, intermediate: int, fp8: bool, weights: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     for name, tiles in (("gate_up", config.gate_up), ("down", config.down)):
         if fp8 and FP8_BLOCK % tiles.block_k:
             raise ValueError(f"experts_fp8: {name}.block_k {tiles.block_k} must divide {FP8_BLOCK}")
     if config.tma:
-        _check_tma_config(config, hidden, intermediate, fp8)
+        _check_tma_config(config, hidden, intermediate, fp8, weights)
     block_n = config.gate_up.block_n
     if fp8 and block_n % FP8_BLOCK and block_n < intermediate:
         raise ValueError(
@@ -526,13 +528,24 @@ def _check_config(config: MoeConfig, hidden: int, intermediate: int, fp8: bool) 
         )
 
 
-def _check_tma_config(config: MoeConfig, hidden: int, intermediate: int, fp8: bool) -> None:
+def _tma_refusal(hidden: int, intermediate: int, weights: tuple[torch.Tensor, torch.Tensor]) -> str | None:
+    """What the TMA kernels would need of the weights `(gate_up, down)` and they lack, or None."""
+    if hidden % FP8_BLOCK or intermediate % FP8_BLOCK:
+        return f"D {hidden} and I {intermediate} to be multiples of {FP8_BLOCK}"
+    for name, t in zip(("gate_up", "down"), weights, strict=True):
+        if not t.is_contiguous():  # its descriptor views it as [E·N, K]
+            return f"{name} contiguous, strides {t.stride()}"
+    return None
+
+
+def _check_tma_config(
+    config: MoeConfig, hidden: int, intermediate: int, fp8: bool, weights: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     if not fp8:
         raise ValueError("experts: config.tma applies to FP8 weights only")
-    if hidden % FP8_BLOCK or intermediate % FP8_BLOCK:
-        raise ValueError(
-            f"experts_fp8: config.tma needs D {hidden} and I {intermediate} to be multiples of {FP8_BLOCK}"
-        )
+    refusal = _tma_refusal(hidden, intermediate, weights)
+    if refusal:
+        raise ValueError(f"experts_fp8: config.tma needs {refusal}")
     if config.gate_up.block_n != FP8_BLOCK:
         raise ValueError(
             f"experts_fp8: config.tma needs gate_up.block_n = {FP8_BLOCK}, got {config.gate_up.block_n}"
@@ -568,14 +581,9 @@ def check_experts(
         )
     tokens, top_k = ids.shape
     num_experts, two_i, hidden = gate_up.shape
-    tma = (
-        hidden % FP8_BLOCK == 0
-        and two_i % (2 * FP8_BLOCK) == 0
-        and gate_up.is_contiguous()
-        and down.is_contiguous()
-    )
+    tma = _tma_refusal(hidden, two_i // 2, (gate_up, down)) is None
     config = config or default_config(tokens * top_k, num_experts, fp8, tma)
-    _check_config(config, hidden, two_i // 2, fp8)
+    _check_config(config, hidden, two_i // 2, fp8, (gate_up, down))
     for name, t in (
         ("gate_up", gate_up),
         ("down", down),
@@ -586,9 +594,6 @@ def check_experts(
             raise ValueError(
                 f"experts: {name} must be contiguous in its last dimension, strides {t.stride()}"
             )
-    for name, t in (("gate_up", gate_up), ("down", down)):
-        if config.tma and not t.is_contiguous():  # its descriptor views it as [E·N, K]
-            raise ValueError(f"experts_fp8: config.tma needs {name} contiguous, strides {t.stride()}")
     return config
 
 
