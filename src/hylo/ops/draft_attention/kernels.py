@@ -1,0 +1,343 @@
+"""Triton kernels of the DFlash draft's attention: paged block attention and the context K/V store.
+
+`paged_draft_attention` is two launches with grids fixed by the shapes, so it can be captured in a
+CUDA graph and replayed with other context lengths:
+
+1. `_context_split_kernel`, grid (R, Hkv, num_splits). One program owns one request, one kv head
+   and one share of that request's context tiles. Its M rows are the B block rows times the
+   Hq / Hkv query heads of the kv head, so each K/V tile, gathered through the request's table row,
+   is read once per kv head and feeds one `tl.dot`. The number of tiles comes from the context length
+   read on the device (with a window, only the tiles from the first key any row can see), and the
+   program's share of them is its loop bound. It writes its normalised partial output and its
+   log-sum-exp (base 2; -inf when its share is empty or entirely outside the window).
+2. `_block_merge_kernel`, grid (R, Hkv). Attends the same M rows over the block's own B keys, then
+   folds the splits' partials into that by log-sum-exp and writes the output. Every query row sees
+   at least its own block key, so the merged denominator is never zero.
+
+Scores are kept in base 2 (the scale is multiplied by log2 e). A finite running-max start keeps
+`exp2(-inf - m) = 0` rather than NaN for rows whose keys in a tile are all masked.
+
+`store_context_kv` is one launch over (token, layer): RMSNorm over head_dim, weight, rotate-half
+RoPE from fp32 tables, then both caches; a negative slot masks the row's stores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hylo.ops.draft_attention.support import paged_draft_attention_refusal, store_context_kv_refusal
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _query_rows(
+    q_ptr, req, kv, stride_qr, stride_qb, stride_qh,
+    BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The M = B * group query rows of kv head `kv` (row m: block row m // group, head
+    kv * group + m % group), their block rows, heads and validity (rows past B * group are padding)."""
+    m = tl.arange(0, BLOCK_M)
+    block_row = m // GROUP
+    head = kv * GROUP + m % GROUP
+    row_ok = m < BLOCK * GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + req * stride_qr + block_row[:, None] * stride_qb + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    return q, block_row, head, row_ok
+
+
+@triton.jit
+def _context_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, ctx_lens_ptr, part_ptr, lse_ptr,
+    scale_log2, window, num_splits,
+    stride_qr, stride_qb, stride_qh,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_table,
+    stride_pr, stride_pk, stride_ps, stride_pm,
+    stride_lr, stride_lk, stride_ls,
+    BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(ctx_lens_ptr + req).to(tl.int32)
+    table_row = tl.load(rows_ptr + req).to(tl.int64)
+    q, block_row, _, _ = _query_rows(
+        q_ptr, req, kv, stride_qr, stride_qb, stride_qh, BLOCK, GROUP, BLOCK_M, HEAD_DIM
+    )
+    q_pos = ctx_len + block_row
+    # Block row 0 is the earliest query: no row sees a context key at or before ctx_len - window.
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(ctx_len - window + 1, 0)
+    num_tiles = tl.cdiv(ctx_len - first, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    dims = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        pos = first + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_ctx = pos < ctx_len
+        slot = tl.load(table_ptr + table_row * stride_table + pos, mask=in_ctx, other=0).to(tl.int64)
+        k = tl.load(
+            k_cache_ptr + slot[:, None] * stride_ks + kv * stride_kh + dims[None, :],
+            mask=in_ctx[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + slot[:, None] * stride_vs + kv * stride_vh + dims[None, :],
+            mask=in_ctx[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        allowed = in_ctx[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf"))
+    m = tl.arange(0, BLOCK_M)
+    part = part_ptr + req * stride_pr + kv * stride_pk + split * stride_ps
+    tl.store(part + m[:, None] * stride_pm + dims[None, :], acc / safe_l[:, None])
+    tl.store(lse_ptr + req * stride_lr + kv * stride_lk + split * stride_ls + m, lse)
+
+
+@triton.jit
+def _block_merge_kernel(
+    q_ptr, k_block_ptr, v_block_ptr, part_ptr, lse_ptr, out_ptr,
+    scale_log2, window, num_splits,
+    stride_qr, stride_qb, stride_qh,
+    stride_kr, stride_kb, stride_kh, stride_vr, stride_vb, stride_vh,
+    stride_pr, stride_pk, stride_ps, stride_pm,
+    stride_lr, stride_lk, stride_ls,
+    stride_or, stride_ob, stride_oh,
+    BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):  # fmt: skip
+    req = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    q, block_row, head, row_ok = _query_rows(
+        q_ptr, req, kv, stride_qr, stride_qb, stride_qh, BLOCK, GROUP, BLOCK_M, HEAD_DIM
+    )
+    dims = tl.arange(0, HEAD_DIM)
+    j = tl.arange(0, BLOCK_J)
+    key_ok = j < BLOCK
+    k = tl.load(
+        k_block_ptr + req * stride_kr + j[:, None] * stride_kb + kv * stride_kh + dims[None, :],
+        mask=key_ok[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_block_ptr + req * stride_vr + j[:, None] * stride_vb + kv * stride_vh + dims[None, :],
+        mask=key_ok[:, None],
+        other=0.0,
+    )
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    allowed = key_ok[None, :]
+    if HAS_WINDOW:  # block key j sits at ctx_len + j, block row b at ctx_len + b
+        allowed = allowed & (j[None, :] > block_row[:, None] - window)
+    s = tl.where(allowed, s, float("-inf"))
+    m_i = tl.maximum(tl.max(s, axis=1), -1.0e30)
+    p = tl.exp2(s - m_i[:, None])
+    l_i = tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v)
+
+    m = tl.arange(0, BLOCK_M)
+    part = part_ptr + req * stride_pr + kv * stride_pk
+    lse = lse_ptr + req * stride_lr + kv * stride_lk
+    for split in range(num_splits):
+        lse_s = tl.load(lse + split * stride_ls + m)
+        o_s = tl.load(part + split * stride_ps + m[:, None] * stride_pm + dims[None, :])
+        m_new = tl.maximum(m_i, lse_s)
+        alpha = tl.exp2(m_i - m_new)
+        weight = tl.exp2(lse_s - m_new)
+        l_i = l_i * alpha + weight
+        acc = acc * alpha[:, None] + weight[:, None] * o_s
+        m_i = m_new
+
+    o = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + req * stride_or + block_row[:, None] * stride_ob + head[:, None] * stride_oh + dims[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_num_splits(
+    num_requests: int, num_kv_heads: int, max_len: int, window: int | None, block_n: int, device: torch.device
+) -> int:
+    """Context splits per (request, kv head): about two waves of programs on the GPU, but no more
+    than the tiles the longest possible context (the table's width, or the window) can fill. Depends
+    on shapes only, so a captured graph stays valid for any context lengths."""
+    longest = max_len if window is None else min(max_len, window)
+    tiles = max(1, triton.cdiv(longest, block_n))
+    wanted = triton.cdiv(2 * _num_sms(device), max(1, num_requests * num_kv_heads))
+    return max(1, min(tiles, wanted))
+
+
+def paged_draft_attention(
+    q: torch.Tensor,
+    k_block: torch.Tensor,
+    v_block: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Triton `paged_draft_attention_reference` (same arguments and result), CUDA-graph safe: no
+    host read of device data, grids and buffers fixed by the shapes and `num_splits` (by default
+    `default_num_splits`). Raises ValueError for a call `paged_draft_attention_refusal` refuses."""
+    refusal = paged_draft_attention_refusal(
+        q, k_block, v_block, k_cache, v_cache, req_to_token, rows, ctx_lens, window
+    )
+    if refusal is not None:
+        raise ValueError(f"paged_draft_attention kernel: {refusal}")
+    num_requests, block, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if num_requests == 0:
+        return out
+    if num_splits is None:
+        num_splits = default_num_splits(
+            num_requests, num_kv_heads, req_to_token.shape[1], window, block_n, q.device
+        )
+    block_m = max(16, triton.next_power_of_2(block * group))
+    part = torch.empty(
+        num_requests, num_kv_heads, num_splits, block_m, head_dim, dtype=torch.float32, device=q.device
+    )
+    lse = torch.empty(num_requests, num_kv_heads, num_splits, block_m, dtype=torch.float32, device=q.device)
+    scale_log2 = scale * LOG2E
+    window_arg = 0 if window is None else window
+    common = dict(BLOCK=block, GROUP=group, BLOCK_M=block_m, HEAD_DIM=head_dim, HAS_WINDOW=window is not None)
+    _context_split_kernel[(num_requests, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, req_to_token, rows, ctx_lens, part, lse,
+        scale_log2, window_arg, num_splits,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
+    )  # fmt: skip
+    _block_merge_kernel[(num_requests, num_kv_heads)](
+        q, k_block, v_block, part, lse, out,
+        scale_log2, window_arg, num_splits,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_block.stride(0), k_block.stride(1), k_block.stride(2),
+        v_block.stride(0), v_block.stride(1), v_block.stride(2),
+        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_J=max(16, triton.next_power_of_2(block)), num_warps=4, **common,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _store_context_kv_kernel(
+    k_raw_ptr, v_ptr, weight_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+    eps, num_heads,
+    stride_xl, stride_xn, stride_xh, stride_vl, stride_vn, stride_vh,
+    stride_wl, stride_cos, stride_sin,
+    stride_kcl, stride_kcs, stride_kch, stride_vcl, stride_vcs, stride_vch,
+    BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    lo = tl.arange(0, HALF)
+    mask = (heads < num_heads)[:, None] & (slot >= 0)
+    x = k_raw_ptr + layer * stride_xl + tok * stride_xn + heads[:, None] * stride_xh + lo[None, :]
+    x_lo = tl.load(x, mask=mask, other=0.0)
+    x_hi = tl.load(x + HALF, mask=mask, other=0.0)
+    dtype = x_lo.dtype
+    # RMSNorm as hylo.layers.norm: normalise in fp32, round to the input dtype, then scale by the
+    # weight (a product of two 16-bit floats is exact in fp32, so one rounding matches torch's).
+    x_lo, x_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
+    mean_sq = (tl.sum(x_lo * x_lo, axis=1) + tl.sum(x_hi * x_hi, axis=1)) / (2 * HALF)
+    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)[:, None]
+    w = weight_ptr + layer * stride_wl + lo
+    w_lo = tl.load(w).to(tl.float32)[None, :]
+    w_hi = tl.load(w + HALF).to(tl.float32)[None, :]
+    n_lo = ((x_lo * rstd).to(dtype).to(tl.float32) * w_lo).to(dtype).to(tl.float32)
+    n_hi = ((x_hi * rstd).to(dtype).to(tl.float32) * w_hi).to(dtype).to(tl.float32)
+    cos = tl.load(cos_ptr + pos * stride_cos + lo)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_sin + lo)[None, :]
+    k_lo = (n_lo * cos - n_hi * sin).to(dtype)
+    k_hi = (n_hi * cos + n_lo * sin).to(dtype)
+    k_out = k_cache_ptr + layer * stride_kcl + slot * stride_kcs + heads[:, None] * stride_kch + lo[None, :]
+    tl.store(k_out, k_lo.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_out + HALF, k_hi.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v_in = v_ptr + layer * stride_vl + tok * stride_vn + heads[:, None] * stride_vh + lo[None, :]
+    v_out = v_cache_ptr + layer * stride_vcl + slot * stride_vcs + heads[:, None] * stride_vch + lo[None, :]
+    for half in tl.static_range(2):
+        value = tl.load(v_in + half * HALF, mask=mask, other=0.0)
+        tl.store(v_out + half * HALF, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_context_kv(
+    k_raw: torch.Tensor,
+    v: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Triton `store_context_kv_reference` (same arguments, caches written in place): one launch over
+    (token, layer), all kv heads of a token per program. Raises ValueError for a call
+    `store_context_kv_refusal` refuses."""
+    refusal = store_context_kv_refusal(k_raw, v, k_norm_weight, cos, sin, positions, slots, k_cache, v_cache)
+    if refusal is not None:
+        raise ValueError(f"store_context_kv kernel: {refusal}")
+    num_layers, num_tokens, num_heads, head_dim = k_raw.shape
+    if num_tokens == 0:
+        return
+    _store_context_kv_kernel[(num_tokens, num_layers)](
+        k_raw, v, k_norm_weight, cos, sin, positions, slots, k_cache, v_cache,
+        eps, num_heads,
+        k_raw.stride(0), k_raw.stride(1), k_raw.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        k_norm_weight.stride(0), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_H=triton.next_power_of_2(num_heads), HALF=head_dim // 2, num_warps=4,
+    )  # fmt: skip

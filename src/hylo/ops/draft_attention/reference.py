@@ -1,0 +1,103 @@
+"""Torch references of the DFlash draft's attention ops: plain, request by request, through the table.
+
+The math is `DraftAttention.forward` / `DraftAttention.key_value` in `hylo.models.dflash`: the
+block of B query rows of request r sits at positions L_r .. L_r + B - 1 after its L_r committed
+context tokens, attends every context key and (non-causally) all B block keys, subject to the
+sliding-window rule `key_pos > q_pos - window`, with fp32 scores and softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_draft_attention_reference(
+    q: torch.Tensor,
+    k_block: torch.Tensor,
+    v_block: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Block attention of `q [R, B, Hq, d]` over each request's context and its own block.
+
+    Request r's context is positions 0 .. L_r - 1 (`L_r = ctx_lens[r]`), whose K/V live in
+    `k_cache/v_cache [num_slots, Hkv, d]` at slots `req_to_token[rows[r], :L_r]`; its block keys and
+    values are `k_block/v_block [R, B, Hkv, d]` at positions L_r + b. Query head h reads kv head
+    `h // (Hq // Hkv)`. Returns `[R, B, Hq, d]` in q's dtype. Reads `ctx_lens` on the host.
+    """
+    num_requests, block, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[1]
+    out = torch.empty_like(q)
+    for r in range(num_requests):
+        ctx_len = int(ctx_lens[r])
+        slots = req_to_token[rows[r], :ctx_len].long()
+        keys = torch.cat([k_cache[slots], k_block[r]]).repeat_interleave(group, 1)  # [L + B, Hq, d]
+        values = torch.cat([v_cache[slots], v_block[r]]).repeat_interleave(group, 1)
+        key_pos = torch.arange(ctx_len + block, device=q.device)
+        q_pos = ctx_len + torch.arange(block, device=q.device)
+        scores = torch.einsum("bhd,khd->hbk", q[r].float(), keys.float()) * scale
+        if window is not None:
+            allowed = key_pos[None, :] > q_pos[:, None] - window  # [B, L + B]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        out[r] = torch.einsum("hbk,khd->bhd", scores.softmax(-1), values.float()).to(q.dtype)
+    return out
+
+
+def rotary_tables(
+    max_pos: int, head_dim: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 `cos, sin [max_pos, head_dim // 2]` of the rotate-half rotary embedding, computed as
+    `hylo.models.dflash.rope` computes them, so that a table lookup equals its angles bit for bit."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.arange(max_pos, device=device).float()[:, None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def normed_rotated_keys(
+    k_raw: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """`rope(RMSNorm(k_raw))` of `k_raw [N, Hkv, d]` at `positions [N]`, as `DraftAttention.key_value`:
+    normalise in fp32, round to k_raw's dtype, scale by the weight, rotate in fp32, round again."""
+    xf = k_raw.float()
+    normed = k_norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(k_raw.dtype)
+    cos_full = torch.cat([cos[positions], cos[positions]], -1)[:, None, :]
+    sin_full = torch.cat([sin[positions], sin[positions]], -1)[:, None, :]
+    half = normed.shape[-1] // 2
+    rotated = torch.cat([-normed[..., half:], normed[..., :half]], -1)
+    return (normed.float() * cos_full + rotated.float() * sin_full).to(normed.dtype)
+
+
+def store_context_kv_reference(
+    k_raw: torch.Tensor,
+    v: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Write every draft layer's context keys and values into its cache, in place.
+
+    `k_raw, v [Lyr, N, Hkv, d]` (k_proj / v_proj outputs), `k_norm_weight [Lyr, d]`, rotary tables
+    `cos, sin [max_pos, d // 2]`, `positions [N]`, `slots [N]` (a negative slot skips its row: the
+    cache rows of rejected tokens are left as they were), caches `[Lyr, num_slots, Hkv, d]`.
+    """
+    kept = slots >= 0
+    positions, slots = positions[kept], slots[kept]
+    for layer in range(k_raw.shape[0]):
+        keys = normed_rotated_keys(k_raw[layer, kept], k_norm_weight[layer], eps, cos, sin, positions)
+        k_cache[layer, slots] = keys.to(k_cache.dtype)
+        v_cache[layer, slots] = v[layer, kept].to(v_cache.dtype)
