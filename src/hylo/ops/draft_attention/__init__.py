@@ -63,9 +63,8 @@ def store_context_kv(
 ) -> None:
     """RMSNorm + RoPE the context keys of every draft layer and write keys and values into the caches
     (negative slots skipped); see `reference.store_context_kv_reference` for the contract."""
-    if k_raw.is_cuda and store_context_kv_refusal(
-        k_raw, v, k_norm_weight, cos, sin, positions, slots, k_cache, v_cache
-    ) is None:
+    tensors = (k_raw, v, k_norm_weight, cos, sin, positions, slots, k_cache, v_cache)
+    if k_raw.is_cuda and store_context_kv_refusal(*tensors) is None:
         from hylo.ops.draft_attention import kernels
 
         kernels.store_context_kv(k_raw, v, k_norm_weight, eps, cos, sin, positions, slots, k_cache, v_cache)

@@ -175,11 +175,8 @@ def _block_merge_kernel(
         m_i = m_new
 
     o = acc / tl.where(row_ok, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + req * stride_or + block_row[:, None] * stride_ob + head[:, None] * stride_oh + dims[None, :],
-        o.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
+    out = out_ptr + req * stride_or + block_row[:, None] * stride_ob + head[:, None] * stride_oh
+    tl.store(out + dims[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _num_sms(device: torch.device) -> int:

@@ -79,7 +79,7 @@ def store_context_kv_refusal(
         return "all tensors must be on one device"
     if k_raw.dim() != 4 or v.shape != k_raw.shape:
         return "k_raw and v must both be [Lyr, N, Hkv, d]"
-    num_layers, num_tokens, num_kv_heads, head_dim = k_raw.shape
+    num_layers, num_tokens, _, head_dim = k_raw.shape
     if k_raw.dtype not in KERNEL_DTYPES:
         return f"unsupported dtype {k_raw.dtype} (supported: {KERNEL_DTYPES})"
     # RMSNorm multiplies in the promoted dtype; the kernel rounds the product to k_raw's dtype.
