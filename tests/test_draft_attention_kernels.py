@@ -71,22 +71,26 @@ def reference64(case, scale, window):
 
 
 @pytest.mark.parametrize(
-    ("block", "group", "window", "dtype", "num_splits"),
+    ("block", "group", "window", "dtype", "num_splits", "merge_block_d"),
     [
-        (1, 1, None, torch.float32, 1),  # one row per request: M padded to 16
-        (4, 4, None, torch.float32, 3),  # GQA, context split in three, some splits empty
-        (8, 4, None, torch.float16, 2),
-        (8, 1, 20, torch.float32, 3),  # window shorter than two of the contexts: leading tiles skipped
-        (4, 4, 20, torch.float16, 1),
-        (8, 4, 3, torch.float32, 2),  # window shorter than the block: block keys masked too
-        (4, 1, None, torch.float32, None),  # default split count
+        (1, 1, None, torch.float32, 1, None),  # one row per request: M padded to 16
+        (4, 4, None, torch.float32, 3, 16),  # GQA, context split in three, some splits empty; d in 2 slices
+        (8, 4, None, torch.float16, 2, None),
+        (8, 1, 20, torch.float32, 3, None),  # window shorter than two contexts: leading tiles skipped
+        (4, 4, 20, torch.float16, 1, 16),
+        (8, 4, 3, torch.float32, 2, None),  # window shorter than the block: block keys masked too
+        (4, 1, None, torch.float32, None, None),  # default split count
     ],
 )
-def test_paged_draft_attention_kernel_matches_reference(block, group, window, dtype, num_splits):
+def test_paged_draft_attention_kernel_matches_reference(
+    block, group, window, dtype, num_splits, merge_block_d
+):
     case = paged_case(CONTEXT_LENS, block, 2, group, 32, dtype, seed=block * 10 + group)
     scale = 32**-0.5
     expected = reference64(case, scale, window)
-    out = kernels.paged_draft_attention(*case, scale, window, num_splits=num_splits, block_n=BLOCK_N)
+    out = kernels.paged_draft_attention(
+        *case, scale, window, num_splits=num_splits, block_n=BLOCK_N, merge_block_d=merge_block_d
+    )
     assert out.shape == case[0].shape and out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, **TOL[dtype])
 
@@ -276,7 +280,7 @@ rows = dict(BLOCK=8, GROUP=4, BLOCK_M=32, HEAD_DIM=128, HAS_WINDOW=True)
 tiles = K.CONTEXT_TILES
 print(spill_bytes(K._context_split_kernel, {**rows, "BLOCK_N": tiles["block_n"]}, tiles["num_warps"],
                   tiles["num_stages"]),
-      spill_bytes(K._block_merge_kernel, {**rows, "BLOCK_J": 16}, 4),
+      spill_bytes(K._block_merge_kernel, {**rows, "BLOCK_J": 16, "BLOCK_D": 32}, 4),
       spill_bytes(K._store_context_kv_kernel, {"BLOCK_H": 8, "HALF": 64}, 4))
 """
 

@@ -53,7 +53,7 @@ WINDOW = 24 if DRY else 2048
 PAGE = 16
 DRAFT_LAYERS, STORE_TOKENS = (2, (8, 40)) if DRY else (5, (256, 8192))
 SCALE = HEAD_DIM**-0.5
-# (block_n, num_warps, num_stages) tried by the sweep, with the default split count and twice it
+# (block_n, num_warps, num_stages) tried by the sweep, with 1/2, 1, 2 and 4 x the default split count
 SWEEP = [(16, 4, 2)] if DRY else [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3)]
 ROWS: list[dict[str, object]] = []
 
@@ -157,7 +157,7 @@ def attention_timings(quick: bool) -> None:
         best, best_cfg = graph, f"default {K.CONTEXT_TILES} splits {splits}"
         for block_n, warps, stages in [] if quick else SWEEP:
             cfg_splits = K.default_num_splits(num_requests, KV_HEADS, case[5].shape[1], window, block_n, DEV)
-            for num_splits in sorted({cfg_splits, 2 * cfg_splits}):
+            for num_splits in sorted({max(1, cfg_splits // 2), cfg_splits, 2 * cfg_splits, 4 * cfg_splits}):
                 tiles = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=num_splits)
                 t = bench_graph(lambda case=case, window=window, tiles=tiles: K.paged_draft_attention(
                     *case, SCALE, window, **tiles))  # fmt: skip

@@ -10,9 +10,11 @@ CUDA graph and replayed with other context lengths:
    read on the device (with a window, only the tiles from the first key any row can see), and the
    program's share of them is its loop bound. It writes its normalised partial output and its
    log-sum-exp (base 2; -inf when its share is empty or entirely outside the window).
-2. `_block_merge_kernel`, grid (R, Hkv). Attends the same M rows over the block's own B keys, then
-   folds the splits' partials into that by log-sum-exp and writes the output. Every query row sees
-   at least its own block key, so the merged denominator is never zero.
+2. `_block_merge_kernel`, grid (R, Hkv, d / BLOCK_D). Attends the same M rows over the block's own
+   B keys, then folds the splits' partials into that by log-sum-exp and writes the output, each
+   program for one slice of head_dim (the partials of a long context are read by several programs
+   rather than streamed through one). Every query row sees at least its own block key, so the merged
+   denominator is never zero.
 
 Scores are kept in base 2 (the scale is multiplied by log2 e). A finite running-max start keeps
 `exp2(-inf - m) = 0` rather than NaN for rows whose keys in a tile are all masked.
@@ -134,10 +136,12 @@ def _block_merge_kernel(
     stride_lr, stride_lk, stride_ls,
     stride_or, stride_ob, stride_oh,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
+    # Scores need all of head_dim; the values, partials and output only this program's BLOCK_D slice.
+    out_dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     q, block_row, head, row_ok = _query_rows(
         q_ptr, req, kv, stride_qr, stride_qb, stride_qh, BLOCK, GROUP, BLOCK_M, HEAD_DIM
     )
@@ -150,7 +154,7 @@ def _block_merge_kernel(
         other=0.0,
     )
     v = tl.load(
-        v_block_ptr + req * stride_vr + j[:, None] * stride_vb + kv * stride_vh + dims[None, :],
+        v_block_ptr + req * stride_vr + j[:, None] * stride_vb + kv * stride_vh + out_dims[None, :],
         mask=key_ok[:, None],
         other=0.0,
     )
@@ -165,11 +169,11 @@ def _block_merge_kernel(
     acc = tl.dot(p.to(v.dtype), v)
 
     m = tl.arange(0, BLOCK_M)
-    part = part_ptr + req * stride_pr + kv * stride_pk
-    lse = lse_ptr + req * stride_lr + kv * stride_lk
+    part = part_ptr + req * stride_pr + kv * stride_pk + m[:, None] * stride_pm + out_dims[None, :]
+    lse = lse_ptr + req * stride_lr + kv * stride_lk + m
     for split in range(num_splits):
-        lse_s = tl.load(lse + split * stride_ls + m)
-        o_s = tl.load(part + split * stride_ps + m[:, None] * stride_pm + dims[None, :])
+        lse_s = tl.load(lse + split * stride_ls)
+        o_s = tl.load(part + split * stride_ps)
         m_new = tl.maximum(m_i, lse_s)
         alpha = tl.exp2(m_i - m_new)
         weight = tl.exp2(lse_s - m_new)
@@ -179,7 +183,7 @@ def _block_merge_kernel(
 
     o = acc / tl.where(row_ok, l_i, 1.0)[:, None]
     out = out_ptr + req * stride_or + block_row[:, None] * stride_ob + head[:, None] * stride_oh
-    tl.store(out + dims[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out + out_dims[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _num_sms(device: torch.device) -> int:
@@ -216,11 +220,13 @@ def paged_draft_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    merge_block_d: int | None = None,
 ) -> torch.Tensor:
     """Triton `paged_draft_attention_reference` (same arguments and result), CUDA-graph safe: no
     host read of device data, grids and buffers fixed by the shapes and `num_splits` (by default
-    `default_num_splits`); tiles default to `CONTEXT_TILES`. Raises ValueError for a call
-    `paged_draft_attention_refusal` refuses."""
+    `default_num_splits`); tiles default to `CONTEXT_TILES`, the merge's head_dim slice to 32.
+    Requires `ctx_lens[r] <= req_to_token.shape[1]` (the table is not bounds-checked on the device).
+    Raises ValueError for a call `paged_draft_attention_refusal` refuses."""
     refusal = paged_draft_attention_refusal(
         q, k_block, v_block, k_cache, v_cache, req_to_token, rows, ctx_lens, window
     )
@@ -257,7 +263,10 @@ def paged_draft_attention(
         lse.stride(0), lse.stride(1), lse.stride(2),
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
-    _block_merge_kernel[(num_requests, num_kv_heads)](
+    merge_block_d = merge_block_d or min(head_dim, 32)
+    if merge_block_d & (merge_block_d - 1) or not 16 <= merge_block_d <= head_dim:
+        raise ValueError(f"merge_block_d must be a power of two in [16, head_dim], got {merge_block_d}")
+    _block_merge_kernel[(num_requests, num_kv_heads, head_dim // merge_block_d)](
         q, k_block, v_block, part, lse, out,
         scale_log2, window_arg, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
@@ -266,7 +275,7 @@ def paged_draft_attention(
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
         lse.stride(0), lse.stride(1), lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_J=max(16, triton.next_power_of_2(block)), num_warps=4, **common,
+        BLOCK_J=max(16, triton.next_power_of_2(block)), BLOCK_D=merge_block_d, num_warps=4, **common,
     )  # fmt: skip
     return out
 
