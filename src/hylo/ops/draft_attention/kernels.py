@@ -195,7 +195,7 @@ def _num_sms(device: torch.device) -> int:
 def default_num_splits(
     num_requests: int, num_kv_heads: int, max_len: int, window: int | None, block_n: int, device: torch.device
 ) -> int:
-    """Context splits per (request, kv head): about two waves of programs on the GPU, but no more
+    """Context splits per (request, kv head): about 2 x the SM count of programs in all, but no more
     than the tiles the longest possible context (the table's width, or the window) can fill. Depends
     on shapes only, so a captured graph stays valid for any context lengths."""
     longest = max_len if window is None else min(max_len, window)
@@ -233,6 +233,9 @@ def paged_draft_attention(
     if refusal is not None:
         raise ValueError(f"paged_draft_attention kernel: {refusal}")
     num_requests, block, num_heads, head_dim = q.shape
+    merge_block_d = merge_block_d or min(head_dim, 32)
+    if merge_block_d & (merge_block_d - 1) or not 16 <= merge_block_d <= head_dim:
+        raise ValueError(f"merge_block_d must be a power of two in [16, head_dim], got {merge_block_d}")
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
@@ -263,9 +266,6 @@ def paged_draft_attention(
         lse.stride(0), lse.stride(1), lse.stride(2),
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
-    merge_block_d = merge_block_d or min(head_dim, 32)
-    if merge_block_d & (merge_block_d - 1) or not 16 <= merge_block_d <= head_dim:
-        raise ValueError(f"merge_block_d must be a power of two in [16, head_dim], got {merge_block_d}")
     _block_merge_kernel[(num_requests, num_kv_heads, head_dim // merge_block_d)](
         q, k_block, v_block, part, lse, out,
         scale_log2, window_arg, num_splits,

@@ -56,6 +56,8 @@ def paged_draft_attention_refusal(
         return "req_to_token must be a 2-D int32/int64 table"
     if rows.shape != (num_requests,) or ctx_lens.shape != (num_requests,):
         return "rows and ctx_lens must be [R]"
+    if rows.dtype not in (torch.int32, torch.int64) or ctx_lens.dtype not in (torch.int32, torch.int64):
+        return "rows and ctx_lens must be int32/int64"
     if window is not None and window < 1:
         return f"window must be >= 1, got {window}"
     return _unit_last_stride({**tensors, "req_to_token": req_to_token})
@@ -95,4 +97,6 @@ def store_context_kv_refusal(
         return "v_cache must have k_cache's shape"
     if positions.shape != (num_tokens,) or slots.shape != (num_tokens,):
         return "positions and slots must be [N]"
+    if positions.dtype not in (torch.int32, torch.int64) or slots.dtype not in (torch.int32, torch.int64):
+        return "positions and slots must be int32/int64"
     return _unit_last_stride(tensors)
