@@ -214,15 +214,34 @@ def test_store_reference_matches_draft_attention_key_value():
 # ---------------------------------------------------------------- dispatch and refusals
 
 
+def on_cpu(args):
+    return [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+
+
 def test_dispatch_sends_cpu_calls_to_the_references():
-    case = paged_case([3, 20], 4, 2, 2, 16, torch.float32, seed=3)
+    case = on_cpu(paged_case([3, 20], 4, 2, 2, 16, torch.float32, seed=3))
     out = ops.paged_draft_attention(*case, 0.25, 8)
     torch.testing.assert_close(out, paged_draft_attention_reference(*case, 0.25, 8), rtol=0, atol=0)
-    args = store_case(2, 5, 2, 16, torch.float32, seed=4)
+    args = on_cpu(store_case(2, 5, 2, 16, torch.float32, seed=4))
     expected_k, expected_v = args[8].clone(), args[9].clone()
     store_context_kv_reference(*args[:8], expected_k, expected_v)
     ops.store_context_kv(*args)
     assert torch.equal(args[8], expected_k) and torch.equal(args[9], expected_v)
+
+
+@cuda_only
+def test_dispatch_sends_cuda_calls_to_the_kernels(monkeypatch):
+    case = paged_case([3, 20], 4, 2, 2, 16, torch.float32, seed=3)
+    args = store_case(2, 5, 2, 16, torch.float32, seed=4)
+    calls = []
+    for name in ("paged_draft_attention", "store_context_kv"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(
+            kernels, name, lambda *a, kernel=kernel, name=name: calls.append(name) or kernel(*a)
+        )
+    ops.paged_draft_attention(*case, 0.25, 8)
+    ops.store_context_kv(*args)
+    assert calls == ["paged_draft_attention", "store_context_kv"]
 
 
 def test_refusals_name_the_reason():
