@@ -9,14 +9,17 @@ CUDA graph and replayed with other context lengths:
    is read once per kv head and feeds one `tl.dot`. The number of tiles comes from the context length
    read on the device (with a window, only the tiles from the first key any row can see), and the
    program's share of them is its loop bound. It writes its normalised partial output and its
-   log-sum-exp (base 2; -inf when its share is empty or entirely outside the window).
+   log-sum-exp (base 2; -inf when its share is empty or entirely outside the window) to fp32
+   buffers `[R, Hkv, num_splits, BLOCK_M, d]` and `[R, Hkv, num_splits, BLOCK_M]`.
 2. `_block_merge_kernel`, grid (R, Hkv, d / BLOCK_D). Attends the same M rows over the block's own
    B keys, then folds the splits' partials into that by log-sum-exp and writes the output, each
    program for one slice of head_dim (the partials of a long context are read by several programs
    rather than streamed through one). Every query row sees at least its own block key, so the merged
    denominator is never zero.
 
-Scores are kept in base 2 (the scale is multiplied by log2 e). A finite running-max start keeps
+Scores, softmax statistics and accumulators are fp32, kept in base 2 (the scale is multiplied by
+log2 e); the probabilities enter the P·V dot in the input dtype, as in flash attention, so bf16
+results differ from the reference by about one bf16 rounding. A finite running-max start keeps
 `exp2(-inf - m) = 0` rather than NaN for rows whose keys in a tile are all masked.
 
 `store_context_kv` is one launch over (token, layer): RMSNorm over head_dim, weight, rotate-half

@@ -94,6 +94,7 @@ def store_context_kv_reference(
     `k_raw, v [Lyr, N, Hkv, d]` (k_proj / v_proj outputs), `k_norm_weight [Lyr, d]`, rotary tables
     `cos, sin [max_pos, d // 2]`, `positions [N]`, `slots [N]` (a negative slot skips its row: the
     cache rows of rejected tokens are left as they were), caches `[Lyr, num_slots, Hkv, d]`.
+    Every position is below `cos.shape[0]`; the kept slots are distinct.
     """
     kept = slots >= 0
     positions, slots = positions[kept], slots[kept]
