@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import random_prompt
 from hf_reference import tiny_text_config, write_hf_checkpoint
+from tolerance import assert_fp32_close, model_accumulation_terms
 
 from hylo.config import EngineConfig
 from hylo.engine.cuda_graph import DecodeGraphs, batch_size_buckets
@@ -137,6 +138,8 @@ def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(mo
     path (caches `fix`): batch sizes between buckets, pools completing along the way."""
     ref, fix = caches_for(model), caches_for(model)
     graphs = DecodeGraphs(model, fix, 8, capture=False)
+    # padded batches are other shapes than the eager ones: equal up to fp32 reordering, not bit for bit
+    terms = model_accumulation_terms(model.config)
     slots = admit(ref, 7)
     assert admit(fix, 7) == slots
     gen = torch.Generator().manual_seed(0)
@@ -152,7 +155,7 @@ def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(mo
         batch, logits = graphs.run(seqs)
         bucket = next(b for b in graphs.buckets if b >= batch_size)
         assert len(batch.extend_lens) == bucket
-        torch.testing.assert_close(logits, expected, msg=f"step {step}, batch of {batch_size}")
+        assert_fp32_close(logits, expected, terms, msg=f"step {step}, batch of {batch_size}")
         # the step's pools, then -1: also where an earlier, wider step wrote into the same rows
         static, width = graphs.static[bucket].pool_table, batch.pool_table.shape[1]
         assert torch.equal(static[:, :width], batch.pool_table) and (static[:, width:] == -1).all()
@@ -163,14 +166,14 @@ def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(mo
     real_tokens = slice(0, page * PAGE)
     for name in ("conv", "recurrent"):
         ours, theirs = getattr(fix.states, name), getattr(ref.states, name)
-        torch.testing.assert_close(ours[:, :scratch], theirs[:, :scratch], msg=name)
+        assert_fp32_close(ours[:, :scratch], theirs[:, :scratch], terms, msg=name)
         assert (theirs[:, scratch] == 0).all() and (ours[:, scratch] != 0).any(), f"scratch {name}"
     for name in ("latent", "index_key", "index_gate"):
         ours, theirs = getattr(fix.tokens, name), getattr(ref.tokens, name)
-        torch.testing.assert_close(ours[:, real_tokens], theirs[:, real_tokens], msg=name)
+        assert_fp32_close(ours[:, real_tokens], theirs[:, real_tokens], terms, msg=name)
         assert (ours[:, page * PAGE] != 0).any() and (theirs[:, page * PAGE] == 0).all(), f"scratch {name}"
     pools = page * PAGE // fix.kpool
-    torch.testing.assert_close(fix.tokens.pooled_key[:, :pools], ref.tokens.pooled_key[:, :pools])
+    assert_fp32_close(fix.tokens.pooled_key[:, :pools], ref.tokens.pooled_key[:, :pools], terms, msg="pooled")
     assert (fix.tokens.pooled_key[:, :pools] != 0).any()
 
 

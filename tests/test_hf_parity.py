@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import Caches, random_prompt
+from tolerance import model_accumulation_terms, relative_tolerance
 
 from hylo import LLM, SamplingParams
 
@@ -12,7 +13,13 @@ PROMPT_LENS = (37, 70, 13)  # none a multiple of 4 or 16; all far beyond the top
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The worst row's max difference relative to that row's scale."""
     return ((a - b).abs().amax(-1) / b.abs().amax(-1)).max().item()
+
+
+def reordering(model) -> float:
+    """hylo against itself over other batch shapes: the same arithmetic in another order."""
+    return relative_tolerance(model_accumulation_terms(model.config))
 
 
 def test_indexer_drops_tokens(models):
@@ -29,6 +36,8 @@ def test_prefill_logits_match_hf(models, length):
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
     caches = Caches(model)
     ours = caches.forward(model, [caches.chunk(0, ids, 0)])
+    # HF computes other arithmetic (attention without the absorbed kv_b, KDA step by step), not only
+    # another order: a fixed bound a few times the reordering one
     assert rel_err(ours, ref) < 1e-4
 
 
@@ -56,12 +65,12 @@ def test_chunked_prefill_matches_one_pass(models, chunk):
         caches.forward(model, [caches.chunk(0, ids[start : start + chunk], start)])
         for start in range(0, len(ids), chunk)
     ]
-    assert rel_err(torch.cat(pieces), whole) < 1e-5
+    assert rel_err(torch.cat(pieces), whole) < reordering(model)
     # the caches left behind agree too: the next token's logits are the same either way
     follow = [3]
     a = whole_caches.forward(model, [whole_caches.chunk(0, follow, len(ids))])
     b = caches.forward(model, [caches.chunk(0, follow, len(ids))])
-    assert rel_err(b, a) < 1e-5
+    assert rel_err(b, a) < reordering(model)
 
 
 def test_mixed_batch_matches_each_alone(models):
@@ -74,7 +83,7 @@ def test_mixed_batch_matches_each_alone(models):
         alone.append(caches.forward(model, [caches.chunk(0, ids, 0)]))
     caches = Caches(model)
     together = caches.forward(model, [caches.chunk(i, ids, 0) for i, ids in enumerate(prompts)])
-    assert rel_err(together, torch.cat(alone)) < 1e-5
+    assert rel_err(together, torch.cat(alone)) < reordering(model)
 
     # a step mixing a decode, a continued prefill and a fresh prefill, against the same work alone
     steps = [(0, [9], 37), (2, random_prompt(11, vocab, seed=3), 70)]
@@ -84,4 +93,4 @@ def test_mixed_batch_matches_each_alone(models):
         ref = Caches(model)
         ref.forward(model, [ref.chunk(0, prompts[seq], 0)])
         solo.append(ref.forward(model, [ref.chunk(0, ids, prefix)]))
-    assert rel_err(mixed, torch.cat(solo)) < 1e-5
+    assert rel_err(mixed, torch.cat(solo)) < reordering(model)

@@ -9,6 +9,7 @@ import torch
 from conftest import random_prompt
 from dflash_reference import write_dflash_checkpoint
 from hf_reference import tiny_text_config, write_hf_checkpoint
+from tolerance import assert_fp32_close, draft_accumulation_terms, model_accumulation_terms
 
 from hylo import LLM, SamplingParams
 from hylo.engine.request import Request
@@ -88,6 +89,7 @@ def test_scripted_drafts_commit_exactly_what_plain_decoding_computes(target, wro
     proposer = Scripted(truth, wrong, BLOCK - 1)
     spec = make_llm(target, proposer=proposer)
     (req,) = spec.engine.add_request("s", prompt, GREEDY)
+    terms = model_accumulation_terms(spec.engine.model.config)
     accepted = []
     while spec.engine.has_unfinished():
         spec.engine.step()
@@ -96,7 +98,7 @@ def test_scripted_drafts_commit_exactly_what_plain_decoding_computes(target, wro
         if req.slot is not None and req.num_computed > len(prompt):
             got = cache_view(spec.engine, req.slot, req.num_computed)
             for name, value in reference[req.num_computed].items():
-                torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+                assert_fp32_close(got[name], value, terms, msg=f"{name} at length {req.num_computed}")
     assert req.output_ids == request.output_ids
     assert accepted == proposer.accepted_expected
     if not wrong:
@@ -199,7 +201,7 @@ def test_dflash_draft_forward_matches_plain_reimplementation(draft):
         ctx_pos[None],
         torch.ones(1, start, dtype=torch.bool),
     )[0]
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert_fp32_close(got, expected, draft_accumulation_terms(c))
 
 
 def test_rejection_sampler_reproduces_the_target_distribution():
