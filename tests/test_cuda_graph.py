@@ -126,8 +126,8 @@ def test_decode_graphs_take_plain_decode_steps_only(model):
     class Drafter(Proposer):
         num_draft_tokens = 2
 
-        def propose(self, requests, budgets):
-            return [[] for _ in requests]
+        def propose(self, batch, commit):
+            pass
 
     with pytest.raises(ValueError, match="graphs: decode graphs cannot serve"):
         ModelRunner(model, caches, 0, Drafter(), graphs)

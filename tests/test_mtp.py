@@ -111,12 +111,13 @@ def mtp_run(request, checkpoints):
     proposals = []
     propose = proposer.propose
 
-    def recording(requests, budgets):
-        drafts = propose(requests, budgets)
-        proposals.extend(
-            (r.prompt_ids, r.tokens(0, r.num_computed + 1), d) for r, d in zip(requests, drafts, strict=True)
-        )
-        return drafts
+    def recording(batch, commit):
+        propose(batch, commit)
+        for c in commit.host:
+            if c.new_tokens:  # the step's tokens are not appended yet; the last one is the anchor
+                r = c.request
+                tokens = [*r.prompt_ids, *r.output_ids, *c.new_tokens][: c.start + c.count + 1]
+                proposals.append((r.prompt_ids, tokens, proposer.drafts[r.slot].tolist()))
 
     proposer.propose = recording
     outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)

@@ -15,8 +15,8 @@ from hylo import LLM, SamplingParams
 from hylo.engine.request import Request
 from hylo.models.dflash import DFlashConfig, DFlashDraftModel
 from hylo.models.loader import load_flat
-from hylo.spec.proposer import Proposer
-from hylo.spec.verify import verify
+from hylo.spec.proposer import Proposer, write_drafts
+from hylo.spec.verify import accept
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 BLOCK = 4
@@ -33,21 +33,28 @@ def make_llm(path, **kwargs) -> LLM:
 
 class Scripted(Proposer):
     """Proposes the target's own greedy continuation, corrupting the drafts for chosen output
-    positions, so how many drafts each verify step accepts is known in advance."""
+    positions, so how many drafts each verify step accepts is known in advance. It drafts on the
+    host, after the step's read (`needs_host`), from the tokens the step adds."""
 
     def __init__(self, truth: dict[tuple[int, ...], list[int]], wrong: set[int], k: int):
         self.truth, self.wrong, self.num_draft_tokens = truth, wrong, k
         self.accepted_expected: list[int] = []
 
-    def propose(self, requests, budgets):
-        drafts = []
-        for r, budget in zip(requests, budgets, strict=True):
-            n = len(r.output_ids)
-            truth = self.truth[tuple(r.prompt_ids)][n : n + budget]
+    def propose(self, batch, commit):
+        rows, drafts = [], []
+        for c in commit.host:
+            if not c.new_tokens:
+                continue
+            r = c.request
+            n = len(r.output_ids) + len(c.new_tokens)  # the step's tokens are not appended yet
+            truth = self.truth[tuple(r.prompt_ids)][n : n + self.num_draft_tokens]
             d = [(t + 1) % 160 if n + j in self.wrong else t for j, t in enumerate(truth)]
-            self.accepted_expected.append(next((j for j, t in enumerate(d) if n + j in self.wrong), len(d)))
+            budget = min(self.num_draft_tokens, r.params.max_tokens - n - 1)
+            if budget > 0:  # the next step verifies this many of them
+                self.accepted_expected.append(next((j for j in range(budget) if n + j in self.wrong), budget))
+            rows.append(r.slot)
             drafts.append(d)
-        return drafts
+        write_drafts(self.drafts, rows, drafts)
 
 
 def cache_view(engine, request_slot: int, length: int) -> dict[str, torch.Tensor]:
@@ -213,13 +220,14 @@ def test_rejection_sampler_reproduces_the_target_distribution():
     params = SamplingParams(temperature=1.0, max_tokens=4)
     for draft_token in (0, 3, 5):
         requests = [Request(str(i), [1], params, frozenset(), 100) for i in range(rows)]
-        logits = p.log().expand(rows * 2, vocab).clone()
-        verdicts = verify(logits, requests, [[draft_token]] * rows, gen)
-        first = torch.bincount(torch.tensor([v.tokens[0] for v in verdicts]), minlength=vocab).float()
+        logits = p.log().expand(rows, 2, vocab).clone()
+        drafts = torch.full((rows, 1), draft_token)
+        result = accept(logits, drafts, [1] * rows, requests, gen)
+        first = torch.bincount(result.emitted[:, 0], minlength=vocab).float()
         expected = p * rows
         chi2 = ((first - expected) ** 2 / expected).sum().item()
         assert chi2 < 20.5  # 99.9% quantile of chi-square with 5 degrees of freedom
-        accepted = sum(v.accepted for v in verdicts) / rows
+        accepted = result.accepted.sum().item() / rows
         assert math.isclose(accepted, p[draft_token].item(), abs_tol=0.015)
 
 
@@ -299,3 +307,70 @@ def test_sampling_is_lossless_end_to_end(tmp_path):
         chi2 = ((o - e) ** 2 / e.clamp(min=1e-9)).sum().item()
         dof = int(keep.sum())  # cells - 1, the pooled cell included
         assert chi2 < dof + 4.5 * math.sqrt(2 * dof), (name, chi2, dof)  # ~1e-4 false alarm
+
+
+class Oracle(Proposer):
+    """Drafts the target's own greedy tokens from `truth [table rows, positions]` (corrupted where the
+    test wants rejections) from device tensors alone, so it drafts inside a verify graph too."""
+
+    needs_host = False
+
+    def __init__(self, truth: torch.Tensor, k: int):
+        self.truth, self.num_draft_tokens = truth, k
+
+    def propose(self, batch, commit):
+        seqs = commit.sampling
+        rows = batch.state_slots[seqs]
+        after_anchor = batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs] + 1
+        columns = (after_anchor[:, None] + torch.arange(self.num_draft_tokens)).clamp(
+            max=self.truth.shape[1] - 1
+        )
+        self.drafts[rows] = self.truth[rows[:, None], columns]
+
+
+def test_verify_graphs_commit_what_plain_decoding_computes(target):
+    """Greedy speculative steps through the fixed-shape verify batches (CPU: plain calls of the static
+    batches, the path CUDA graphs replay) give the plain engine's tokens, with drafts accepted, rejected
+    and cut short by the token limit (blocks padded to the graphs' width); every page and slot comes
+    back."""
+    from hylo.config import EngineConfig
+    from hylo.engine.engine import Engine
+
+    config = EngineConfig(
+        model=str(target), device="cpu", dtype="float32", page_size=16, context_length=96,
+        max_memory_gb=0.25, max_running_requests=4, cuda_graph_max_bs=4,
+    )  # fmt: skip
+    prompts = [random_prompt(n, 160, seed=40 + n) for n in (29, 6, 17)]
+    params = [GREEDY.model_copy(update={"max_tokens": n}) for n in (20, 13, 9)]
+    plain = Engine(config)
+    expected = []
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        expected.append(plain.add_request(str(i), prompt, p)[0])
+    while plain.has_unfinished():
+        plain.step()
+
+    truth = torch.zeros(config.max_running_requests + 1, 96, dtype=torch.long)
+    for slot, request in enumerate(expected):  # slots are handed out lowest first, in arrival order
+        sequence = [*request.prompt_ids, *request.output_ids]
+        for j in (2, 3, 7):  # drafts for these output positions are wrong
+            sequence[len(request.prompt_ids) + j] = (sequence[len(request.prompt_ids) + j] + 1) % 160
+        truth[slot, : len(sequence)] = torch.tensor(sequence)
+    engine = Engine(config, proposer=Oracle(truth, BLOCK - 1), decode_graphs=True)
+    graphs = engine.runner.verify_graphs
+    assert graphs is not None and graphs.buckets == [1, 2, 4] and engine.runner.graphs is None
+    replays = []
+    run = graphs.run
+    graphs.run = lambda seqs: replays.append(len(seqs)) or run(seqs)
+    free = (engine.caches.pages.num_free, engine.caches.slots.num_free)
+    got = [
+        engine.add_request(str(i), prompt, p)[0]
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_ids for r in got] == [r.output_ids for r in expected]
+    # 3 requests verify in the bucket of 4 (a filler block on the scratch slot); a step with a plain
+    # decode (a request one token from its limit) runs eagerly
+    assert replays.count(3) >= 3 and 1 in replays
+    assert all(r.metrics.spec_accepted_tokens > 0 for r in got)
+    assert (engine.caches.pages.num_free, engine.caches.slots.num_free) == free

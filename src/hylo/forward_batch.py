@@ -34,21 +34,30 @@ class SequenceChunk:
 @dataclass(frozen=True)
 class FixedShape:
     """Shapes a batch keeps from one step to the next, so that a CUDA graph captured on one batch can
-    replay another: `num_seqs` sequences (the chunks, then one-token filler sequences at position 0 of
-    the request-table row and KDA state slot `filler_slot`) and `num_seqs` entries in `completed_pools`
-    (the pool at position 0 of `filler_slot`'s row where no pool completes). The filler slot's row and
-    state must belong to no request. The `pool_table` keeps the batch's own width, at most `pool_width`
-    pools: a graph's static batch holds `pool_width` columns, of which a step fills the first ones (so a
-    step's cost follows its sequences' lengths, not the context length)."""
+    replay another: `num_seqs` sequences (the chunks, then filler sequences of `tokens_per_seq`
+    tokens at the start of the request-table row and KDA state slot `filler_slot`; verify blocks when
+    `tokens_per_seq > 1`) and `num_seqs · ceil(tokens_per_seq / kpool)` entries in `completed_pools`
+    (padded with the pool at position 0 of `filler_slot`'s row), the most that many tokens per
+    sequence can complete. The filler slot's row and state must belong to no request. The
+    `pool_table` keeps the batch's own width, at most `pool_width` pools: a graph's static batch holds
+    `pool_width` columns, of which a step fills the first ones (so a step's cost follows its
+    sequences' lengths, not the context length)."""
 
     num_seqs: int
     pool_width: int
     filler_slot: int
+    tokens_per_seq: int = 1
+    kpool: int = 1
+
+    @property
+    def num_completed(self) -> int:
+        return self.num_seqs * -(-self.tokens_per_seq // self.kpool)
 
     def pad(self, chunks: Sequence[SequenceChunk]) -> list[SequenceChunk]:
         if len(chunks) > self.num_seqs:
             raise ValueError(f"chunks: {len(chunks)} sequences, the fixed shape holds {self.num_seqs}")
-        filler = SequenceChunk([0], 0, self.filler_slot, self.filler_slot)
+        n = self.tokens_per_seq
+        filler = SequenceChunk([0] * n, 0, self.filler_slot, self.filler_slot, verify=n > 1)
         return [*chunks, *[filler] * (self.num_seqs - len(chunks))]
 
 
@@ -139,11 +148,11 @@ class ForwardBatch:
             for p in range(before // kpool, after // kpool)
         ]
         if fixed is not None:
-            if len(completed) > fixed.num_seqs:
+            if len(completed) > fixed.num_completed:
                 raise ValueError(
-                    f"chunks: {len(completed)} pools complete, the fixed shape holds {fixed.num_seqs}"
+                    f"chunks: {len(completed)} pools complete, the fixed shape holds {fixed.num_completed}"
                 )
-            completed += [(fixed.filler_slot, 0)] * (fixed.num_seqs - len(completed))
+            completed += [(fixed.filler_slot, 0)] * (fixed.num_completed - len(completed))
         done = torch.tensor(completed, dtype=torch.long).view(-1, 2)
         logits_index = packed if all_logits else torch.cat([
             torch.arange(start, start + n) if c.verify else torch.tensor([start + n - 1])

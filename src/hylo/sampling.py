@@ -79,54 +79,58 @@ class SampleRow:
 
 
 @dataclass
-class SampleResult:
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
+class Sampled:
+    """Device results of one sampling batch: `tokens [B]`, and where any row asks for logprobs the
+    sampled tokens' own (`chosen [B]`) and the top-n of the raw distribution (`top_ids`/`top_values`
+    `[B, n]`, n the largest asked for)."""
+
+    tokens: torch.Tensor
+    chosen: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
 
 
-def sample(
-    logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator | None
-) -> SampleResult:
-    """Next token per row of `logits [B, V]` (fp32), and top-n logprobs where asked.
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator | None) -> Sampled:
+    """Next token per row of `logits [B, V]` (fp32), and logprobs where asked; nothing is read back.
 
     Logprobs are of the raw model distribution (vLLM's default), the sampled token always included.
-    A row with its own generator draws exactly one vector of noise per step from it, so a seeded
-    request samples the same tokens whatever else is in the batch.
+    Greedy rows draw no noise. A row with its own generator draws exactly one vector of noise per step
+    from it, so a seeded request samples the same tokens whatever else is in the batch.
     """
     raw = logits
-    logits, probs = target_distribution(logits, rows)
-    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-    noise = torch.empty_like(probs)
-    shared = [i for i, r in enumerate(rows) if r.generator is None]
-    if shared:
-        noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
-            generator=generator
-        )
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=r.generator)
-    # probs / Exp(1) noise is an exponential race: its argmax is a sample from probs.
-    sampled = torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1))
-
-    wanted = [r.params.logprobs for r in rows]
-    if all(n is None for n in wanted):
-        return SampleResult(sampled.tolist(), [None] * len(rows))
+    if all(r.params.greedy and not r.banned_ids and not r.params.penalized for r in rows):
+        sampled = logits.argmax(-1)
+    else:
+        logits, probs = target_distribution(logits, rows)
+        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        noise = torch.ones_like(probs)
+        shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
+                generator=generator
+            )
+        for i, r in enumerate(rows):
+            if r.generator is not None and not r.params.greedy:
+                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(
+                    generator=r.generator
+                )
+        # probs / Exp(1) noise is an exponential race: its argmax is a sample from probs.
+        sampled = torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1))
+    wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    if not wanted:
+        return Sampled(sampled)
     logprobs = torch.log_softmax(raw, dim=-1)
-    top_n = max(n for n in wanted if n is not None)
-    top = logprobs.topk(top_n, dim=-1) if top_n else None
-    chosen = logprobs.gather(1, sampled[:, None])[:, 0]
-    tokens, chosen_lp = sampled.tolist(), chosen.tolist()
-    top_ids = top.indices.tolist() if top is not None else [[] for _ in rows]
-    top_lps = top.values.tolist() if top is not None else [[] for _ in rows]
-    out: list[dict[int, float] | None] = []
-    for i, n in enumerate(wanted):
-        if n is None:
-            out.append(None)
-            continue
-        entry = dict(zip(top_ids[i][:n], top_lps[i][:n], strict=True))
-        entry[tokens[i]] = chosen_lp[i]
-        out.append(entry)
-    return SampleResult(tokens, out)
+    top = logprobs.topk(max(wanted), dim=-1)
+    return Sampled(sampled, logprobs.gather(1, sampled[:, None])[:, 0], top.indices, top.values)
+
+
+def logprob_entry(
+    token: int, chosen: float, top_ids: Sequence[int], top_values: Sequence[float], n: int
+) -> dict[int, float]:
+    """One position's top-n logprobs (host values), the picked token itself always included."""
+    entry = dict(zip(top_ids[:n], top_values[:n], strict=True))
+    entry[token] = chosen
+    return entry
 
 
 def target_distribution(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:

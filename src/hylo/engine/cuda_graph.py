@@ -23,9 +23,12 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
+from hylo.engine.request import Request
 from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.spec.proposer import Proposer, StepCommit
+from hylo.spec.verify import MAX_BLOCK_TOKENS, greedy_accept
 
 logger = logging.getLogger("hylo")
 
@@ -59,6 +62,10 @@ class DecodeGraphs:
     `run` returns stay valid until the next `run`.
     """
 
+    tokens_per_seq = 1
+    kind = "decode"
+    memory_bytes = 0  # what the captured graphs hold, for the start-up memory report
+
     def __init__(self, model: Glm5NextForCausalLM, caches: CacheManager, max_batch_size: int, capture: bool):
         if caches.scratch_slot is None:
             raise ValueError(
@@ -67,14 +74,11 @@ class DecodeGraphs:
         self.model, self.caches = model, caches
         self.buckets = batch_size_buckets(max_batch_size)
         self.pool_width = caches.table.table.shape[1] // caches.kpool
-        largest = self._build([], self.buckets[-1])
-        full_width = torch.full((self.buckets[-1], self.pool_width), -1, device=largest.pool_table.device)
-        largest = dataclasses.replace(largest, pool_table=full_width)
-        self.static = {b: _leading(largest, b) for b in self.buckets}
+        self.static = self._static_batches()
         # per row of the static pool table: the columns the last step through it wrote (-1 beyond)
         self.pool_columns = [0] * self.buckets[-1]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         if capture:
             self._capture_all()
 
@@ -91,6 +95,11 @@ class DecodeGraphs:
                 f"seqs: a fixed-shape decode takes up to {self.buckets[-1]} sequences of one sampled "
                 "token each"
             )
+        step, (logits,) = self._replay(seqs)
+        return step, logits[: len(seqs)]
+
+    def _replay(self, seqs: Sequence[SequenceChunk]) -> tuple[ForwardBatch, tuple[torch.Tensor, ...]]:
+        """Copy the step into its bucket's static batch and replay (or, uncaptured, call) the bucket."""
         bucket = next(b for b in self.buckets if b >= len(seqs))
         step, static = self._build(seqs, bucket), self.static[bucket]
         for name in STEP_TENSORS:
@@ -102,16 +111,25 @@ class DecodeGraphs:
         self.pool_columns[:bucket] = [width] * bucket
         graph = self.graphs.get(bucket)
         if graph is None:
-            logits = self.model(static)
-        else:
-            graph.replay()
-            logits = self.logits[bucket]
-        return step, logits[: len(seqs)]
+            return step, self._forward(static)
+        graph.replay()
+        return step, self.outputs[bucket]
+
+    def _static_batches(self) -> dict[int, ForwardBatch]:
+        """Every bucket's static batch: the first rows of the largest bucket's (one token a sequence)."""
+        largest = self._build([], self.buckets[-1])
+        full_width = torch.full((self.buckets[-1], self.pool_width), -1, device=largest.pool_table.device)
+        largest = dataclasses.replace(largest, pool_table=full_width)
+        return {b: _leading(largest, b) for b in self.buckets}
+
+    def _forward(self, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """What a replay computes from the static batch (captured once per bucket)."""
+        return (self.model(static),)
 
     def _build(self, seqs: Sequence[SequenceChunk], bucket: int) -> ForwardBatch:
         c = self.caches
         assert c.scratch_slot is not None
-        fixed = FixedShape(bucket, self.pool_width, c.scratch_slot)
+        fixed = FixedShape(bucket, self.pool_width, c.scratch_slot, self.tokens_per_seq, c.kpool)
         return ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool, fixed=fixed)
 
     def _capture_all(self) -> None:
@@ -126,23 +144,28 @@ class DecodeGraphs:
                 bar.set_postfix(bs=bucket)
                 self._capture(bucket, pool, stream)
         logger.info(
-            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s, using %.2f GiB",
+            "captured %d %s CUDA graphs (batch sizes %s) in %.1f s, using %.2f GiB",
             len(self.buckets),
+            self.kind,
             ",".join(map(str, self.buckets)),
             time.perf_counter() - start,
-            (free_before - torch.cuda.mem_get_info(device)[0]) / 2**30,
+            self._record_memory(free_before - torch.cuda.mem_get_info(device)[0]) / 2**30,
         )
+
+    def _record_memory(self, used: int) -> int:
+        self.memory_bytes = used
+        return used
 
     def _capture(self, bucket: int, pool: tuple[int, int], stream: torch.cuda.Stream) -> None:
         static = self.static[bucket]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                self.model(static)
+                self._forward(static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            self.logits[bucket] = self.model(static)
+            self.outputs[bucket] = self._forward(static)
         self.graphs[bucket] = graph
 
 
@@ -154,3 +177,83 @@ def _leading(batch: ForwardBatch, n: int) -> ForwardBatch:
         extend_lens=batch.extend_lens[:n], prefix_lens=batch.prefix_lens[:n], verify_seqs=[],
         seq_rows=batch.seq_rows[:n], seq_slots=batch.seq_slots[:n], kda_records={}, features=None,
     )  # fmt: skip
+
+
+class VerifyGraphs(DecodeGraphs):
+    """Greedy speculative steps as CUDA-graph replays: every sequence verifies its anchor and all
+    `proposer.num_draft_tokens` drafts (T = drafts + 1 tokens), one graph per batch-size bucket.
+
+    A replay runs the whole step up to its one read: the drafts are copied from the proposer's device
+    rows into the static batch, the target's forward (with the proposer's features), greedy
+    acceptance, the KDA commit, the proposer's observe and its drafts for the next step. It returns
+    `(emitted [B, T], committed [B])`: row b's first `committed[b]` entries are its new tokens.
+    Filler sequences verify T tokens at the start of the scratch slot's row.
+
+    Steps it does not take (any sampled, penalised, logprob or `min_tokens`-banned row, a shorter
+    block, a prefill chunk, more sequences than the largest bucket) run eagerly.
+    """
+
+    kind = "verify"
+
+    def __init__(
+        self,
+        model: Glm5NextForCausalLM,
+        caches: CacheManager,
+        proposer: Proposer,
+        max_batch_size: int,
+        capture: bool,
+    ):
+        if proposer.needs_host:
+            raise ValueError(
+                "proposer: a verify graph needs a proposer that drafts from device tensors alone"
+            )
+        self.proposer = proposer
+        self.tokens_per_seq = proposer.num_draft_tokens + 1
+        if not 2 <= self.tokens_per_seq <= min(MAX_BLOCK_TOKENS, caches.plan.page_size):
+            raise ValueError(
+                f"proposer.num_draft_tokens: verify graphs take blocks of 2 to "
+                f"{min(MAX_BLOCK_TOKENS, caches.plan.page_size)} tokens, got {self.tokens_per_seq}"
+            )
+        super().__init__(model, caches, max_batch_size, capture)
+
+    def accepts(self, seqs: Sequence[SequenceChunk], requests: Sequence[Request] = ()) -> bool:
+        return (
+            len(seqs) <= self.buckets[-1]
+            and all(len(s.token_ids) == self.tokens_per_seq and s.verify for s in seqs)
+            and all(r.params.greedy and r.params.logprobs is None and not r.banned_ids() for r in requests)
+        )
+
+    def run(self, seqs: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.accepts(seqs):
+            raise ValueError(
+                f"seqs: a verify graph takes up to {self.buckets[-1]} verify blocks of "
+                f"{self.tokens_per_seq} tokens"
+            )
+        _, (emitted, committed) = self._replay(seqs)
+        return emitted[: len(seqs)], committed[: len(seqs)]
+
+    def _static_batches(self) -> dict[int, ForwardBatch]:
+        """One static batch per bucket (a verify batch's tensors are per token, not per sequence), its
+        pool table as wide as the request table's."""
+        static = {}
+        for bucket in self.buckets:
+            batch = self._build([], bucket)
+            full_width = torch.full((bucket, self.pool_width), -1, device=batch.pool_table.device)
+            static[bucket] = dataclasses.replace(batch, pool_table=full_width)
+        return static
+
+    def _forward(self, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        blocks, width = len(static.extend_lens), self.tokens_per_seq
+        ids = static.input_ids.view(blocks, width)
+        ids[:, 1:] = self.proposer.drafts[static.state_slots]
+        logits = self.model(static, self.proposer.capture_layers)
+        target = logits.argmax(-1).view(blocks, width)
+        drafts = torch.full((blocks,), width - 1, device=ids.device)
+        accepted = greedy_accept(target, ids[:, 1:], drafts)
+        committed = (accepted + 1).int()
+        self.model.commit(static, committed)
+        anchors = target.gather(1, accepted[:, None])[:, 0]
+        commit = StepCommit(committed, anchors, torch.arange(blocks, device=ids.device))
+        self.proposer.observe(static, commit)
+        self.proposer.propose(static, commit)
+        return target, committed

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from hylo.config import DEFAULT_CUDA_GRAPH_MAX_BS, EngineConfig
-from hylo.engine.cuda_graph import DecodeGraphs
+from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs
 from hylo.engine.request import Request, Status
 from hylo.engine.runner import ModelRunner
 from hylo.engine.scheduler import Scheduler
@@ -45,9 +45,9 @@ class Engine:
         self, config: EngineConfig, proposer: Proposer | None = None, decode_graphs: bool | None = None
     ):
         """`proposer` overrides the one `config.speculative_algorithm` would build. `decode_graphs`
-        overrides whether plain decode steps run as fixed-shape batches (by default: on CUDA, as graph
-        replays, unless `config.disable_cuda_graph` or speculative decoding); on the CPU they run as
-        plain calls of the model (for tests)."""
+        overrides whether decode steps run as fixed-shape batches (by default: on CUDA, as graph
+        replays, unless `config.disable_cuda_graph`): plain decode steps without a proposer, verify
+        steps with one that drafts on the device; on the CPU they run as plain calls (for tests)."""
         self.config = config
         path = Path(config.model) if config.model is not None else _demo_model()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
@@ -60,12 +60,14 @@ class Engine:
         self.proposer = proposer or self._build_proposer(path, indexer_dtype)
         draft_bytes = self.proposer.bytes_per_token() if self.proposer else 0.0
         if decode_graphs is None:
-            decode_graphs = (
-                self.device.type == "cuda" and not config.disable_cuda_graph and self.proposer is None
-            )
+            decode_graphs = self.device.type == "cuda" and not config.disable_cuda_graph
+        # a proposer observes every forward's features: plain decode graphs don't make them, so with
+        # one the fixed-shape steps are verify steps, and only for a proposer that drafts on the device
+        verify_graphs = decode_graphs and self.proposer is not None and not self.proposer.needs_host
+        decode_graphs = decode_graphs and self.proposer is None
         self.plan = MemoryPlan.from_budget(
             model_config, self._budget_bytes(), config.page_size, config.max_running_requests,
-            self.context_len, self.dtype, draft_bytes, indexer_dtype, scratch=decode_graphs,
+            self.context_len, self.dtype, draft_bytes, indexer_dtype, scratch=decode_graphs or verify_graphs,
         )  # fmt: skip
         self.caches = CacheManager(model_config, self.plan, self.dtype, self.device, indexer_dtype)
         num_drafts = 0
@@ -81,11 +83,14 @@ class Engine:
             self.plan.bytes_per_token,
             self.plan.bytes_per_slot,
         )
-        graphs = None
+        graphs = verifying = None
+        max_bs = min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.plan.num_slots)
+        capture = self.device.type == "cuda"
         if decode_graphs:
-            max_bs = min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.plan.num_slots)
-            graphs = DecodeGraphs(self.model, self.caches, max_bs, capture=self.device.type == "cuda")
-        self.runner = ModelRunner(self.model, self.caches, config.seed, self.proposer, graphs)
+            graphs = DecodeGraphs(self.model, self.caches, max_bs, capture)
+        if verify_graphs:
+            verifying = VerifyGraphs(self.model, self.caches, self.proposer, max_bs, capture)
+        self.runner = ModelRunner(self.model, self.caches, config.seed, self.proposer, graphs, verifying)
 
     def _build_proposer(self, model_path: Path, indexer_dtype: torch.dtype | None) -> Proposer | None:
         if self.config.speculative_algorithm is None:

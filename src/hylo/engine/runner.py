@@ -1,21 +1,20 @@
-"""One step on the device: scheduled chunks -> batch tensors -> model -> sampled tokens."""
+"""One step on the device: scheduled chunks -> batch tensors -> model -> picked tokens, read once."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hylo.engine.cuda_graph import DecodeGraphs
+from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs
 from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
-from hylo.sampling import SampleRow, sample
-from hylo.spec.proposer import Committed, Proposer
-from hylo.spec.verify import verify
+from hylo.sampling import SampleRow, logprob_entry, sample
+from hylo.spec.proposer import HostCommit, Proposer, StepCommit
+from hylo.spec.verify import accept
 
 
 @dataclass
@@ -30,9 +29,14 @@ class ChunkResult:
 
 
 class ModelRunner:
-    """Plain decode steps go through `graphs` when it accepts them (CUDA-graph replays of fixed-shape
-    batches), everything else runs eagerly. `graphs` and a proposer exclude each other: a proposer
-    observes every forward's captured features, which the graphs do not produce."""
+    """Plain decode steps go through `graphs` when it accepts them, verify steps through
+    `verify_graphs` (CUDA-graph replays of fixed-shape batches); everything else runs eagerly.
+
+    A speculative step (eager or replayed) is device work from the batch upload to the one read of
+    the picked tokens: drafts come from the proposer's device rows, acceptance, the KDA commit, the
+    proposer's observe and its next drafts all run before that read (a `needs_host` proposer's after).
+    `graphs` and a proposer exclude each other: a proposer observes every forward's captured
+    features, which plain decode graphs do not produce."""
 
     def __init__(
         self,
@@ -41,82 +45,186 @@ class ModelRunner:
         seed: int,
         proposer: Proposer | None = None,
         graphs: DecodeGraphs | None = None,
+        verify_graphs: VerifyGraphs | None = None,
     ):
         if graphs is not None and proposer is not None:
             raise ValueError("graphs: decode graphs cannot serve an engine with a speculative proposer")
-        self.model = model
-        self.caches = caches
-        self.proposer = proposer
-        self.graphs = graphs
+        self.model, self.caches, self.proposer = model, caches, proposer
+        self.graphs, self.verify_graphs = graphs, verify_graphs
         device = model.embed_tokens.weight.device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def step(self, chunks: Sequence[ScheduledChunk]) -> list[ChunkResult]:
-        """Run the chunks; one result per chunk. The device-to-host reads are of the sampled tokens
+        """Run the chunks; one result per chunk. The one device-to-host read is of the picked tokens
         (and of logprobs, when asked)."""
-        self._draft(chunks)
-        c = self.caches
-        seqs = [
-            SequenceChunk(
-                [ch.request.tokens(ch.request.num_computed, ch.request.num_computed + 1)[0], *ch.drafts]
-                if ch.verify
-                else ch.request.tokens(ch.request.num_computed, ch.request.num_computed + ch.num_tokens),
-                ch.request.num_computed, ch.request.slot, ch.request.slot, ch.samples, ch.verify,
-            )
-            for ch in chunks
-        ]  # fmt: skip
+        seqs = [_sequence(ch) for ch in chunks]
+        full = self._full_blocks(seqs)
+        if full is not None and self.verify_graphs.accepts(full, [ch.request for ch in chunks]):
+            emitted, counts = _read(*self.verify_graphs.run(full))
+            # a block padded past a request's draft budget ends the request this step: its tokens stop
+            # at the budget (what the caches hold past it belongs to nobody once it finishes)
+            kept = [min(int(counts[i]), ch.num_tokens) for i, ch in enumerate(chunks)]
+            return [ChunkResult(emitted[i, :n].tolist(), None, n, n - 1) for i, n in enumerate(kept)]
         if self.graphs is not None and self.graphs.accepts(seqs):
             batch, logits = self.graphs.run(seqs)
         else:
+            c = self.caches
             batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
+            if self.proposer is not None:
+                _feed_drafts(batch, chunks, self.proposer.drafts)
             capture = self.proposer.capture_layers if self.proposer is not None else ()
             logits = self.model(batch, capture)
+        return self._pick(chunks, batch, logits)
 
-        results: list[ChunkResult | None] = [None] * len(chunks)
+    def _full_blocks(self, seqs: list[SequenceChunk]) -> list[SequenceChunk] | None:
+        """The verify step as blocks of the verify graphs' width: shorter blocks (a request within a
+        block of its token limit) verify placeholder drafts up to the width, where the request table
+        has room for them. None when the step is not all verify blocks or a block cannot grow."""
+        graphs = self.verify_graphs
+        if graphs is None or not all(s.verify for s in seqs):
+            return None
+        width, room = graphs.tokens_per_seq, self.caches.table.table.shape[1]
+        if any(s.prefix_len + width > room or len(s.token_ids) > width for s in seqs):
+            return None
+        return [
+            SequenceChunk([*s.token_ids, *[0] * (width - len(s.token_ids))], s.prefix_len, s.table_row,
+                          s.state_slot, True, True)
+            for s in seqs
+        ]  # fmt: skip
+
+    def _pick(self, chunks: Sequence[ScheduledChunk], batch: ForwardBatch, logits: torch.Tensor):
+        device = logits.device
         plain = [i for i, ch in enumerate(chunks) if ch.samples and not ch.verify]
         verifying = [i for i, ch in enumerate(chunks) if ch.verify]
         rows_of = _logit_rows(chunks)
+        counts = torch.tensor([ch.num_tokens for ch in chunks], dtype=torch.int32).to(
+            device, non_blocking=True
+        )
+        anchors = torch.zeros(len(chunks), dtype=torch.long, device=device)
+        picked, acceptance = None, None
         if plain:
             rows = [
                 SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids())
                 for r in (chunks[i].request for i in plain)
             ]
             picked = sample(logits[[rows_of[i][0] for i in plain]], rows, self.generator)
-            for i, token, lp in zip(plain, picked.token_ids, picked.logprobs, strict=True):
-                results[i] = ChunkResult([token], None if lp is None else [lp], chunks[i].num_tokens)
+            anchors[plain] = picked.tokens
         if verifying:
-            verdicts = verify(
-                logits[[r for i in verifying for r in rows_of[i]]],
-                [chunks[i].request for i in verifying], [chunks[i].drafts for i in verifying], self.generator,
+            width = max(chunks[i].num_tokens for i in verifying)
+            index = [[rows_of[i][min(j, len(rows_of[i]) - 1)] for j in range(width)] for i in verifying]
+            index_d = torch.tensor(index).to(device, non_blocking=True)
+            drafts = batch.input_ids[index_d[:, 1:]]
+            acceptance = accept(
+                logits[index_d], drafts, [chunks[i].num_tokens - 1 for i in verifying],
+                [chunks[i].request for i in verifying], self.generator,
             )  # fmt: skip
-            self.model.commit(batch, [v.accepted + 1 for v in verdicts])
-            for i, v in zip(verifying, verdicts, strict=True):
-                results[i] = ChunkResult(v.tokens, v.logprobs, v.accepted + 1, v.accepted)
-        for i, ch in enumerate(chunks):
-            if results[i] is None:
-                results[i] = ChunkResult([], None, ch.num_tokens)
-        if self.proposer is not None:
-            offsets = list(itertools.accumulate(batch.extend_lens, initial=0))[:-1]
-            committed = [
-                Committed(ch.request, ch.request.num_computed, r.committed, off)
-                for ch, r, off in zip(chunks, results, offsets, strict=True)
+            committed = (acceptance.accepted + 1).int()
+            self.model.commit(batch, committed)
+            verify_index = torch.tensor(verifying, device=device)
+            counts[verify_index] = committed
+            anchors[verify_index] = acceptance.emitted.gather(1, acceptance.accepted[:, None])[:, 0]
+        sampling = torch.tensor(plain + verifying, dtype=torch.long).to(device, non_blocking=True)
+        commit = StepCommit(counts, anchors, sampling.sort().values)
+        proposer = self.proposer
+        if proposer is not None and not proposer.needs_host:
+            proposer.observe(batch, commit)
+            proposer.propose(batch, commit)
+
+        host = _read(
+            picked.tokens if picked else None, *_logprob_tensors(picked),
+            acceptance.accepted if acceptance else None, acceptance.emitted if acceptance else None,
+            *_logprob_tensors(acceptance),
+        )  # fmt: skip
+        results = [ChunkResult([], None, ch.num_tokens) for ch in chunks]
+        for k, i in enumerate(plain):
+            token = int(host[0][k])
+            lp = _entries(chunks[i].request, [token], host[1:4], k)
+            results[i] = ChunkResult([token], lp, chunks[i].num_tokens)
+        for k, i in enumerate(verifying):
+            accepted = int(host[4][k])
+            tokens = host[5][k, : accepted + 1].tolist()
+            results[i] = ChunkResult(
+                tokens, _entries(chunks[i].request, tokens, host[6:9], k), accepted + 1, accepted
+            )
+        if proposer is not None and proposer.needs_host:
+            offsets = [0, *batch.extend_lens]
+            for j in range(1, len(offsets)):
+                offsets[j] += offsets[j - 1]
+            commit.host = [
+                HostCommit(ch.request, ch.request.num_computed, r.committed, off, r.tokens)
+                for ch, r, off in zip(chunks, results, offsets, strict=False)
             ]
-            self.proposer.observe(batch, batch.features, committed)
+            proposer.observe(batch, commit)
+            proposer.propose(batch, commit)
         return results
 
-    def _draft(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Ask the proposer for each verify chunk's drafts; a chunk with none becomes a plain decode."""
-        verifying = [ch for ch in chunks if ch.verify]
-        if not verifying:
-            return
-        assert self.proposer is not None
-        drafts = self.proposer.propose(
-            [ch.request for ch in verifying], [ch.num_tokens - 1 for ch in verifying]
-        )
-        for ch, d in zip(verifying, drafts, strict=True):
-            ch.drafts = list(d[: ch.num_tokens - 1])
-            ch.num_tokens = 1 + len(ch.drafts)
-            ch.verify = bool(ch.drafts)
+
+def _sequence(ch: ScheduledChunk) -> SequenceChunk:
+    """The chunk's tokens; a verify chunk feeds its anchor and placeholders where its drafts go (the
+    drafts themselves are on the device: `_feed_drafts`, or the verify graph)."""
+    r = ch.request
+    if ch.verify:
+        anchor = r.tokens(r.num_computed, r.num_computed + 1)[0]
+        return SequenceChunk([anchor] + [0] * (ch.num_tokens - 1), r.num_computed, r.slot, r.slot, True, True)
+    tokens = r.tokens(r.num_computed, r.num_computed + ch.num_tokens)
+    return SequenceChunk(tokens, r.num_computed, r.slot, r.slot, ch.samples, False)
+
+
+def _feed_drafts(batch: ForwardBatch, chunks: Sequence[ScheduledChunk], drafts: torch.Tensor) -> None:
+    """Copy each verify chunk's drafts from the proposer's device rows into the batch's input ids."""
+    targets, rows, columns, offset = [], [], [], 0
+    for ch in chunks:
+        if ch.verify:
+            n = ch.num_tokens - 1
+            targets += range(offset + 1, offset + 1 + n)
+            rows += [ch.request.slot] * n
+            columns += range(n)
+        offset += ch.num_tokens
+    if targets:
+        device = batch.input_ids.device
+        index = torch.tensor([targets, rows, columns]).to(device, non_blocking=True)
+        batch.input_ids[index[0]] = drafts[index[1], index[2]]
+
+
+def _logprob_tensors(result) -> tuple:
+    if result is None or result.chosen is None:
+        return (None, None, None)
+    return (result.chosen, result.top_ids, result.top_values)
+
+
+def _entries(request, tokens: list[int], logprob_host: Sequence, k: int) -> list[dict[int, float]] | None:
+    """Host logprob dicts of row `k` of a read (`chosen`, `top_ids`, `top_values`)."""
+    n = request.params.logprobs
+    chosen, top_ids, top_values = logprob_host
+    if n is None or chosen is None:
+        return None
+    chosen, top_ids, top_values = (
+        chosen[k].reshape(-1),
+        top_ids[k].reshape(-1, top_ids.shape[-1]),
+        top_values[k],
+    )
+    top_values = top_values.reshape(-1, top_values.shape[-1])
+    return [
+        logprob_entry(t, float(chosen[j]), top_ids[j].tolist(), top_values[j].tolist(), n)
+        for j, t in enumerate(tokens)
+    ]
+
+
+def _read(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Host copies of the step's results: one synchronisation for all of them (pinned, non-blocking
+    copies on CUDA, then one wait)."""
+    present = [t for t in tensors if t is not None]
+    if present and present[0].is_cuda:
+        copies = []
+        for t in present:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            copies.append(host)
+        torch.cuda.current_stream(present[0].device).synchronize()
+    else:
+        copies = [t.clone() for t in present]
+    it = iter(copies)
+    return [None if t is None else next(it) for t in tensors]
 
 
 def _logit_rows(chunks: Sequence[ScheduledChunk]) -> list[list[int]]:

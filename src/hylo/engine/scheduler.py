@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hylo.engine.request import Request, Status
 from hylo.memory.manager import CacheManager
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledChunk:
     """`num_tokens` of the request's uncomputed tokens; a `verify` chunk instead feeds the anchor and
-    up to `num_tokens - 1` draft tokens (`drafts`, filled in by the proposer)."""
+    its first `num_tokens - 1` drafts (which the proposer keeps on the device)."""
 
     request: Request
     num_tokens: int
     verify: bool = False
-    drafts: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -29,12 +28,14 @@ class Scheduler:
     """FCFS with chunked prefill, mixed prefill + decode steps and preemption by recompute.
 
     Each step: every running request whose prompt is done decodes one token (or, with speculation,
-    verifies an anchor and up to `num_draft_tokens` drafts, positions reserved); partially prefilled
+    verifies an anchor and up to `num_draft_tokens` drafts); partially prefilled
     running requests continue, then waiting requests are admitted in arrival order, while the step's
     prefill budget (`chunked_prefill_size` tokens), the running limit, slots and pages allow. When a
     running request needs a page and none is free, the most recently admitted other request is
     preempted: its caches are released and it returns to the head of the queue, to be recomputed
-    from its prompt and the tokens it already generated.
+    from its prompt and the tokens it already generated. With speculation every chunk's pages also
+    cover `num_draft_tokens` positions past it: a proposer drafting at the end of the step may write
+    its caches there.
     """
 
     def __init__(
@@ -62,7 +63,7 @@ class Scheduler:
                 continue  # preempted while making room for an earlier request
             drafts = request.draft_budget(self.num_draft_tokens) if request.remaining == 1 else 0
             n = 1 + drafts if request.remaining == 1 else min(request.remaining, budget)
-            if n == 0 or not self._grow(request, request.num_computed + n):
+            if n == 0 or not self._grow(request, self._reserve(request.num_computed + n)):
                 continue
             if request.remaining > 1:
                 budget -= n
@@ -70,18 +71,22 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             n = min(request.remaining, budget)
-            if self.caches.pages_needed(0, n) > self.caches.pages.num_free:
+            if self.caches.pages_needed(0, self._reserve(n)) > self.caches.pages.num_free:
                 break
             slot = self.caches.acquire_slot()
             if slot is None:
                 break
             self.waiting.popleft()
             request.slot, request.status = slot, Status.RUNNING
-            self.caches.grow(slot, request.pages, n)
+            self.caches.grow(slot, request.pages, self._reserve(n))
             self.running.append(request)
             budget -= n
             chunks.append(ScheduledChunk(request, n))
         return chunks
+
+    def _reserve(self, num_tokens: int) -> int:
+        """Positions to back for a chunk ending at `num_tokens`: the drafts' lookahead included."""
+        return min(num_tokens + self.num_draft_tokens, self.caches.plan.max_len)
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
         """Pages for `num_tokens` positions of `request`, preempting later requests if needed; False

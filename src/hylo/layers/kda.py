@@ -129,6 +129,15 @@ def _verify_plan(batch: ForwardBatch) -> VerifyPlan:
     offsets, _ = _cu_seqlens(batch)
     verify = set(batch.verify_seqs)
     width = max(batch.extend_lens[i] for i in verify)
+    if len(verify) == len(batch.extend_lens) and all(n == width for n in batch.extend_lens):
+        # blocks of one width and nothing else (a verify graph's batch): the plan is the batch's own
+        # tensors, so that a replay with other slots reads them
+        tokens = torch.arange(len(offsets) - 1, device=device)[:, None] * width
+        blocks = tokens + torch.arange(width, device=device)
+        flat, empty = blocks.flatten(), torch.zeros(0, dtype=torch.long, device=device)
+        plan = VerifyPlan(blocks, batch.state_slots, flat, flat, empty, empty, _offsets([], device))
+        batch.__dict__["_kda_verify_plan"] = plan
+        return plan
     blocks, verified, positions = [], [], []
     for row, i in enumerate(batch.verify_seqs):
         lo, n = offsets[i], batch.extend_lens[i]

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylo.layers.norm import RMSNorm
+from hylo.ops.draft_attention import paged_draft_attention, rotary_tables
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 ARCHITECTURES = ("DFlashDraftModel", DFLASH2_ARCHITECTURE)
@@ -155,21 +156,57 @@ class DFlashConfig:
         )  # fmt: skip
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half layout) of `x [..., heads, d]` at `positions [...]`."""
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, table: RotaryTable | None = None
+) -> torch.Tensor:
+    """Rotary embedding (rotate-half layout) of `x [..., heads, d]` at `positions [...]`, from `table`
+    when given (built once) or from the frequencies."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = positions.float()[..., None] * inv_freq
-    cos, sin = (torch.cat([f, f], -1)[..., None, :] for f in (angles.cos(), angles.sin()))
+    if table is not None:
+        cos, sin = table.cos[positions], table.sin[positions]
+    else:
+        angles = positions.float()[..., None] * inverse_frequencies(d, theta, x.device)
+        cos, sin = angles.cos(), angles.sin()
+    cos, sin = (torch.cat([f, f], -1)[..., None, :] for f in (cos, sin))
     half = d // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def inverse_frequencies(d: int, theta: float, device) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+
+
+@dataclass(frozen=True)
+class RotaryTable:
+    """cos and sin of every position's angles, `[positions, d/2]` fp32, computed once."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, positions: int, d: int, theta: float, device) -> RotaryTable:
+        return cls(*rotary_tables(positions, d, theta, device))
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    """Where R blocks find their committed context: per-layer pools `k_cache`/`v_cache`
+    `[layers, token slots, kv heads, d]` indexed through `req_to_token[rows[r], position]`, the first
+    `lengths[r]` positions (device) of each request."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    req_to_token: torch.Tensor
+    rows: torch.Tensor
+    lengths: torch.Tensor
 
 
 class DraftAttention(nn.Module):
     def __init__(self, c: DFlashConfig, sliding: bool):
         super().__init__()
         self.c, self.window = c, c.sliding_window if sliding else None
+        self.rotary: RotaryTable | None = None
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
@@ -182,7 +219,7 @@ class DraftAttention(nn.Module):
         c = self.c
         k = self.k_norm(self.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)))
         v = self.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
-        return rope(k, positions, c.rope_theta), v
+        return rope(k, positions, c.rope_theta, self.rotary), v
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
@@ -192,7 +229,7 @@ class DraftAttention(nn.Module):
         `ctx_valid`) and the block's own keys, non-causally."""
         c = self.c
         q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
-                 c.rope_theta)  # fmt: skip
+                 c.rope_theta, self.rotary)  # fmt: skip
         k_blk, v_blk = self.key_value(x, positions)
         keys, values = torch.cat([ctx_k, k_blk], 1), torch.cat([ctx_v, v_blk], 1)
         key_pos = torch.cat([ctx_pos, positions], 1)
@@ -204,6 +241,21 @@ class DraftAttention(nn.Module):
         scores = torch.einsum("rqhd,rkhd->rhqk", q.float(), keys.float()) * c.head_dim**-0.5
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         out = torch.einsum("rhqk,rkhd->rqhd", scores.softmax(-1), values.float()).to(x.dtype)
+        return self.o_proj(out.flatten(-2))
+
+    def paged(
+        self, x: torch.Tensor, positions: torch.Tensor, context: PagedContext, layer: int
+    ) -> torch.Tensor:
+        """The same attention with the context read through the request table (`context`, this
+        layer's pools at index `layer`) instead of gathered keys."""
+        c = self.c
+        q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
+                 c.rope_theta, self.rotary)  # fmt: skip
+        k_blk, v_blk = self.key_value(x, positions)
+        out = paged_draft_attention(
+            q, k_blk, v_blk, context.k_cache[layer], context.v_cache[layer], context.req_to_token,
+            context.rows, context.lengths, c.head_dim**-0.5, self.window,
+        )  # fmt: skip
         return self.o_proj(out.flatten(-2))
 
 
@@ -285,13 +337,8 @@ class DraftLayer(nn.Module):
             self.attention_conv = GroupedBlockConv(c.hidden_size, taps, group)
             self.mlp_conv = GroupedBlockConv(c.hidden_size, taps, group)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-        ctx_pos: torch.Tensor, ctx_valid: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        def attend(h: torch.Tensor) -> torch.Tensor:
-            return self.self_attn(h, positions, ctx_k, ctx_v, ctx_pos, ctx_valid)
-
+    def forward(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`attend` is this layer's attention over its context (dense or paged) for the normed block."""
         x = x + self._around(self.attention_conv, attend, self.input_layernorm(x))
         return x + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
 
@@ -318,6 +365,13 @@ class DFlashDraftModel(nn.Module):
                 c.hidden_size, v2.vocab_size, v2.selector_rank, v2.selector_top_k
             )
 
+    def build_rotary(self, positions: int, device) -> None:
+        """Rotary tables for positions `0 .. positions-1`, shared by every layer from now on."""
+        c = self.config
+        table = RotaryTable.build(positions, c.head_dim, c.rope_theta, device)
+        for layer in self.layers:
+            layer.self_attn.rotary = table
+
     def context_kv(
         self, features: torch.Tensor, positions: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -329,10 +383,23 @@ class DFlashDraftModel(nn.Module):
         self, block: torch.Tensor, positions: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         ctx_pos: torch.Tensor, ctx_valid: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """Final hidden states `[R, B, H]` of the embedded blocks `[R, B, H]`."""
+        """Final hidden states `[R, B, H]` of the embedded blocks `[R, B, H]` over gathered context keys
+        and values (`ctx_kv[layer]`, `[R, L, kv, d]`, valid where `ctx_valid`)."""
         x = block * self.config.input_embedding_scale
         for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, positions, k, v, ctx_pos, ctx_valid)
+            attn = layer.self_attn
+            x = layer(x, lambda h, attn=attn, k=k, v=v: attn(h, positions, k, v, ctx_pos, ctx_valid))
+        return self.norm(x)
+
+    def forward_paged(
+        self, block: torch.Tensor, positions: torch.Tensor, context: PagedContext
+    ) -> torch.Tensor:
+        """The same as `forward` with the context read through the request table: no gather, and no
+        host read of the lengths (CUDA-graph safe where the paged kernel takes the call)."""
+        x = block * self.config.input_embedding_scale
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer(x, lambda h, attn=attn, i=i: attn.paged(h, positions, context, i))
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

@@ -101,16 +101,13 @@ class Glm5NextForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
-    def commit(self, batch: ForwardBatch, lengths: Sequence[int]) -> None:
+    def commit(self, batch: ForwardBatch, lengths: torch.Tensor) -> None:
         """After a forward with verify chunks: advance each verify chunk's KDA state and conv window
-        by its first `lengths[j]` tokens (the anchor and the accepted drafts) from what the verify
-        kept, one commit launch per KDA layer. Attention caches need nothing: what lies past a
-        sequence's committed length is never read and is overwritten later."""
+        by its first `lengths[j]` tokens (int32, device: the anchor and the accepted drafts) from what
+        the verify kept, one commit launch per KDA layer. Attention caches need nothing: what lies
+        past a sequence's committed length is never read and is overwritten later."""
         if not batch.verify_seqs:
             return
-        n_accepted = torch.tensor(list(lengths), dtype=torch.int32).to(
-            batch.input_ids.device, non_blocking=True
-        )
         for layer in self.layers:
             if layer.is_linear:
-                layer.self_attn.commit(batch, n_accepted)
+                layer.self_attn.commit(batch, lengths)

@@ -3,17 +3,16 @@ per verify step (DFlash2 drafts pick the block's tokens with their candidate sel
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from hylo.engine.request import Request
 from hylo.forward_batch import ForwardBatch
-from hylo.models.dflash import DFlashConfig, DFlashDraftModel
+from hylo.models.dflash import DFlashConfig, DFlashDraftModel, PagedContext
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_flat
-from hylo.spec.proposer import Committed, Proposer
+from hylo.ops.draft_attention import store_context_kv
+from hylo.spec.proposer import Proposer, StepCommit
 
 
 class DFlashProposer(Proposer):
@@ -26,6 +25,7 @@ class DFlashProposer(Proposer):
         self.block_size = block_size or c.block_size
         self.num_draft_tokens = self.block_size - 1
         self.capture_layers = c.target_layer_ids
+        self.needs_host = False
         self.k_cache = self.v_cache = self.table = None
 
     @classmethod
@@ -62,43 +62,51 @@ class DFlashProposer(Proposer):
         return 2.0 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
 
     def attach(self, num_token_slots: int, req_to_token: torch.Tensor) -> None:
+        """Draft K/V pools indexed like the target's token cache; every layer's k and v projections
+        stacked into one weight, so that a step's new context K/V is one GEMM and one store launch."""
+        super().attach(num_token_slots, req_to_token)
         c = self.draft.config
         w = self.target.embed_tokens.weight
         shape = (c.num_hidden_layers, num_token_slots, c.num_key_value_heads, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
         self.v_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
         self.table = req_to_token
+        self.draft.build_rotary(req_to_token.shape[1] + self.block_size, w.device)
+        attns = [layer.self_attn for layer in self.draft.layers]
+        self.kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
+        self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])
 
     @torch.inference_mode()
-    def observe(
-        self, batch: ForwardBatch, features: torch.Tensor | None, committed: Sequence[Committed]
-    ) -> None:
-        kept = [c for c in committed if c.count]
-        if not kept or features is None:
+    def observe(self, batch: ForwardBatch, commit: StepCommit) -> None:
+        """Draft K/V of every committed token of the forward, from its captured target features, in
+        one store launch for all layers (the other tokens' slots are -1: not written)."""
+        if batch.features is None:
             return
-        device = features.device
-        rows = torch.tensor([c.offset + t for c in kept for t in range(c.count)], device=device)
-        positions = torch.tensor([c.start + t for c in kept for t in range(c.count)], device=device)
-        table_rows = torch.tensor([c.request.slot for c in kept for _ in range(c.count)], device=device)
-        slots = self.table[table_rows, positions].long()
-        for layer, (k, v) in enumerate(self.draft.context_kv(features[rows], positions)):
-            self.k_cache[layer, slots], self.v_cache[layer, slots] = k, v
+        c = self.draft.config
+        packed = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
+        within = packed - batch.pad_index[batch.token_seq, 0]
+        slots = torch.where(within < commit.counts[batch.token_seq], batch.new_slots, -1)
+        ctx = self.draft.hidden_norm(self.draft.fc(batch.features))
+        kv = (ctx @ self.kv_weight.t()).view(-1, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
+        kv = kv.permute(2, 1, 0, 3, 4)  # [k|v, layer, token, kv heads, d]
+        rotary = self.draft.layers[0].self_attn.rotary
+        store_context_kv(
+            kv[0], kv[1], self.k_norm_weight, c.rms_norm_eps, rotary.cos, rotary.sin, batch.positions, slots,
+            self.k_cache, self.v_cache,
+        )  # fmt: skip
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], budgets: Sequence[int]) -> list[list[int]]:
+    def propose(self, batch: ForwardBatch, commit: StepCommit) -> None:
+        """One block per sampling sequence, [anchor, mask × (B−1)] right after its committed tokens,
+        attending its context through the request table; the drafts go to `drafts[row]`."""
         c = self.draft.config
+        seqs = commit.sampling
         device = self.k_cache.device
-        anchors = [r.tokens(r.num_computed, r.num_computed + 1)[0] for r in requests]
-        lengths = torch.tensor([r.num_computed for r in requests], device=device)
-        block = torch.full((len(requests), self.block_size), c.mask_token_id, device=device)
-        block[:, 0] = torch.tensor(anchors, device=device)
+        rows = batch.state_slots[seqs]  # a request's table row and state slot share the index
+        lengths = batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs]
+        block = torch.full((seqs.shape[0], self.block_size), c.mask_token_id, device=device)
+        block[:, 0] = commit.anchors[seqs]
         positions = lengths[:, None] + torch.arange(self.block_size, device=device)
-        longest = max(r.num_computed for r in requests)
-        ctx_pos = torch.arange(longest, device=device).expand(len(requests), -1)
-        ctx_valid = ctx_pos < lengths[:, None]
-        rows = torch.tensor([r.slot for r in requests], device=device)
-        slots = self.table[rows[:, None], ctx_pos].long()
-        ctx_kv = [(self.k_cache[i][slots], self.v_cache[i][slots]) for i in range(c.num_hidden_layers)]
-        hidden = self.draft(self.target.embed_tokens(block), positions, ctx_kv, ctx_pos, ctx_valid)
-        drafts = self.draft.propose(hidden[:, 1:], block[:, 0], self.target.lm_head).tolist()
-        return [d[:b] for d, b in zip(drafts, budgets, strict=True)]
+        context = PagedContext(self.k_cache, self.v_cache, self.table, rows, lengths)
+        hidden = self.draft.forward_paged(self.target.embed_tokens(block), positions, context)
+        self.drafts[rows] = self.draft.propose(hidden[:, 1:], block[:, 0], self.target.lm_head)

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import torch
 
-from hylo.engine.request import Request
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_mtp_layer
 from hylo.models.mtp import MTPLayer
-from hylo.spec.proposer import Committed, Proposer
+from hylo.spec.proposer import Proposer, StepCommit
 
 
 class MTPProposer(Proposer):
@@ -66,6 +65,7 @@ class MTPProposer(Proposer):
         return TokenCache.bytes_per_token(self.layer.config, self.dtype, self.indexer_dtype)
 
     def attach(self, num_token_slots: int, req_to_token: torch.Tensor) -> None:
+        super().attach(num_token_slots, req_to_token)
         self.cache = TokenCache(
             self.layer.config, num_token_slots, self.dtype, self.device, self.indexer_dtype
         )
@@ -78,12 +78,12 @@ class MTPProposer(Proposer):
         return ForwardBatch.build(chunks, self.table, self.cache, self.states, self.layer.config.index_kpool)
 
     @torch.inference_mode()
-    def observe(
-        self, batch: ForwardBatch, features: torch.Tensor | None, committed: Sequence[Committed]
-    ) -> None:
+    def observe(self, batch: ForwardBatch, commit: StepCommit) -> None:
         """One MTP forward writes the entries the committed tokens complete: for tokens at positions
         `start .. start+count-1`, entries `start-1 .. start+count-2` (none for token 0)."""
-        kept = [c for c in committed if c.count]
+        assert commit.host is not None, "the MTP proposer observes after the step's read"
+        features = batch.features
+        kept = [c for c in commit.host if c.count]
         if not kept or features is None:
             return
         rows = torch.tensor([c.request.slot for c in kept])
@@ -114,35 +114,24 @@ class MTPProposer(Proposer):
         self.last_hidden[rows.to(self.device)] = features[(offsets + counts - 1).to(features.device)]
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], budgets: Sequence[int]) -> list[list[int]]:
-        """Step s (from 0) runs every request whose budget exceeds s at position n-1+s (n = its committed
-        length): step 0 pairs the last committed hidden with the anchor, later steps the previous step's
-        MTP hidden with its draft. One device-to-host read at the end."""
-        steps = min(self.num_steps, max(budgets, default=0))
-        if steps == 0:
-            return [[] for _ in requests]
-        lengths = [r.num_computed for r in requests]
-        rows = [r.slot for r in requests]
-        anchors = [r.tokens(n, n + 1)[0] for r, n in zip(requests, lengths, strict=True)]
-        tokens = torch.tensor(anchors, device=self.device)
-        hidden = self.last_hidden[torch.tensor(rows, device=self.device)]
-        active = list(range(len(requests)))
-        drafted: list[tuple[list[int], torch.Tensor]] = []
-        for step in range(steps):
-            keep = [j for j, i in enumerate(active) if budgets[i] > step]
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=self.device)
-                tokens, hidden, active = tokens[index], hidden[index], [active[j] for j in keep]
+    def propose(self, batch: ForwardBatch, commit: StepCommit) -> None:
+        """Step s (from 0) runs every sampling sequence at position n-1+s (n = its committed length):
+        step 0 pairs the last committed hidden with the anchor, later steps the previous step's MTP
+        hidden with its draft; draft s goes to column s of the request's draft row."""
+        assert commit.host is not None, "the MTP proposer drafts after the step's read"
+        picked = [c for c in commit.host if c.new_tokens]
+        if not picked:
+            return
+        lengths = [c.start + c.count for c in picked]
+        rows = [c.request.slot for c in picked]
+        rows_d = torch.tensor(rows, device=self.device)
+        tokens = torch.tensor([c.new_tokens[-1] for c in picked], device=self.device)
+        hidden = self.last_hidden[rows_d]
+        for step in range(self.num_steps):
             chunks = [
-                SequenceChunk([0], lengths[i] - 1 + step, rows[i], rows[i], sample=False) for i in active
+                SequenceChunk([0], n - 1 + step, row, row, sample=False)
+                for n, row in zip(lengths, rows, strict=True)
             ]
             hidden = self.layer(self.layer.embedding(self.target)(tokens), hidden, self._batch(chunks))
             tokens = self.layer.logits(hidden, self.target).argmax(-1)
-            drafted.append((active, tokens))
-
-        values = iter(torch.cat([t for _, t in drafted]).tolist())
-        drafts: list[list[int]] = [[] for _ in requests]
-        for active_at_step, _ in drafted:
-            for i in active_at_step:
-                drafts[i].append(next(values))
-        return drafts
+            self.drafts[rows_d, step] = tokens

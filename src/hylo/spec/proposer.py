@@ -1,4 +1,4 @@
-"""The interface between the engine and a draft model."""
+"""The interface between the engine and a draft model, and what one target forward committed."""
 
 from __future__ import annotations
 
@@ -13,42 +13,80 @@ from hylo.forward_batch import ForwardBatch
 
 
 @dataclass
-class Committed:
-    """Tokens of one sequence the target has just committed to its caches: positions
-    `start .. start + count - 1`, whose features sit at packed rows `offset .. offset + count - 1`
-    of the forward that computed them."""
+class HostCommit:
+    """One sequence's commit as the host knows it after the step's read: positions `start ..
+    start + count - 1` of `request` are committed, their features at packed rows `offset ..
+    offset + count - 1` of the forward; `new_tokens` are what the step adds to the output (empty for a
+    prefill chunk that does not sample; the last of them is the next anchor)."""
 
     request: Request
     start: int
     count: int
     offset: int
+    new_tokens: list[int]
+
+
+@dataclass
+class StepCommit:
+    """What one target forward committed, read by the proposer's `observe` and `propose`.
+
+    Invariants: `counts[s]` (int32, device) is how many of sequence s's new tokens are now in the
+    target's caches (every token of a plain chunk; the anchor and the accepted drafts of a verify
+    chunk); `anchors[s]` (int64, device) is the token sequence s picked after them where it samples
+    (unspecified elsewhere); `sampling` lists the sequences that sampled: exactly those draft next.
+    `host` is None while the step is still on the device (inside a captured graph) and the host's
+    copy once the step's tokens have been read.
+    """
+
+    counts: torch.Tensor
+    anchors: torch.Tensor
+    sampling: torch.Tensor  # [S'] int64 device: indices of the sampling sequences
+    host: list[HostCommit] | None = None
 
 
 class Proposer(ABC):
-    """Drafts up to `num_draft_tokens` tokens per decoding request.
+    """Drafts up to `num_draft_tokens` tokens per decoding request into `drafts`.
 
-    Invariants: `propose` is called once per verify step, with the requests whose last committed
-    token is their anchor (the one sampled token not yet fed to the target); `observe` sees every
-    token the target commits, in order, with the features of `capture_layers` (the mean of the
-    residual streams after each of those target layers, concatenated), so a proposer's own caches
-    can follow the target's committed length exactly.
+    Drafts are request state: `drafts[row]` (device, `[request-table rows, num_draft_tokens]`) holds
+    the drafts following the anchor of the request in table row `row`, written at the end of the step
+    that picked that anchor and read by the next step's verify; they never visit the host.
+
+    Invariants: `observe` sees every token the target commits, in order, with the features of
+    `capture_layers` in `batch.features` (the mean of the residual streams after each of those target
+    layers, concatenated), so a proposer's own caches follow the target's committed length exactly;
+    `propose` then drafts for every sampling sequence of that batch. With `needs_host` the runner calls
+    both after the step's read, with `StepCommit.host` set; without it, before the read, from device
+    tensors alone (so both may run inside a captured CUDA graph).
     """
 
     num_draft_tokens: int
     capture_layers: tuple[int, ...] = ()
+    needs_host: bool = True
+    drafts: torch.Tensor
 
     def bytes_per_token(self) -> float:
         """Cache bytes the proposer keeps per token slot (added to the target's per-token cost)."""
         return 0.0
 
-    def attach(self, num_token_slots: int, req_to_token: torch.Tensor) -> None:  # noqa: B027 (optional hook)
-        """Allocate per-token caches indexed like the target's token cache."""
+    def attach(self, num_token_slots: int, req_to_token: torch.Tensor) -> None:
+        """Allocate the drafts (one row per request-table row) and any per-token caches, indexed like
+        the target's token cache. Subclasses with caches of their own extend this."""
+        self.drafts = torch.zeros(
+            req_to_token.shape[0], self.num_draft_tokens, dtype=torch.long, device=req_to_token.device
+        )
+
+    def observe(self, batch: ForwardBatch, commit: StepCommit) -> None:  # noqa: B027 (optional hook)
+        """Learn of committed tokens (default: nothing to learn)."""
 
     @abstractmethod
-    def propose(self, requests: Sequence[Request], budgets: Sequence[int]) -> list[list[int]]:
-        """At most `budgets[i]` draft tokens to follow the anchor of `requests[i]`."""
+    def propose(self, batch: ForwardBatch, commit: StepCommit) -> None:
+        """Write `drafts[row]` for the table row of every sampling sequence of `batch`."""
 
-    def observe(  # noqa: B027 (optional hook)
-        self, batch: ForwardBatch, features: torch.Tensor | None, committed: Sequence[Committed]
-    ) -> None:
-        """Learn of committed tokens (default: nothing to learn)."""
+
+def write_drafts(drafts: torch.Tensor, rows: Sequence[int], proposals: Sequence[Sequence[int]]) -> None:
+    """Host-made proposals into the draft rows (for host-side proposers: one upload per step)."""
+    width = drafts.shape[1]
+    if not rows:
+        return
+    padded = [list(p[:width]) + [0] * (width - len(p[:width])) for p in proposals]
+    drafts[torch.tensor(list(rows), device=drafts.device)] = torch.tensor(padded, device=drafts.device)

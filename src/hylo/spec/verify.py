@@ -1,4 +1,18 @@
-"""Accepting draft tokens: greedy prefix match, or lossless rejection sampling for one-hot drafts."""
+"""Accepting draft tokens on the device: greedy prefix match, or lossless rejection sampling.
+
+Glossary (one verify block = the anchor followed by its drafts, `T` tokens at most):
+- anchor: the request's last token, picked by the previous step and not yet fed to the target.
+- draft j: the proposer's guess for the token after draft j−1 (after the anchor for j = 0).
+- accepted: how many drafts the target keeps, from the first: a greedy row keeps drafts equal to its
+  argmax; a sampled row keeps draft x with probability p(x) under its processed distribution p.
+- recovered token: what replaces the first rejected draft (greedy: the argmax; sampled: a sample from
+  p with the draft removed and renormalised).
+- bonus token: what follows when every draft is accepted (greedy: the argmax; sampled: a sample of p).
+- emitted: the accepted drafts, then the recovered or bonus token: `accepted + 1` tokens, the block's
+  new output; `committed = accepted + 1` block tokens (the anchor and the accepted drafts) enter the
+  target's caches.
+Either way the emitted tokens are distributed exactly as plain sampling would make them.
+"""
 
 from __future__ import annotations
 
@@ -10,83 +24,85 @@ import torch
 from hylo.engine.request import Request
 from hylo.sampling import SampleRow, target_distribution
 
+# The KDA verify kernels run one block of at most 16 tokens per sequence (`hylo.ops.kda`).
+MAX_BLOCK_TOKENS = 16
+
 
 @dataclass
-class Verdict:
-    """`tokens` = the accepted drafts followed by one token from the target (the bonus, or the
-    replacement of the first rejected draft); `accepted` = how many drafts were kept."""
+class Acceptance:
+    """Device results for V blocks padded to T tokens. `accepted [V]`: drafts kept; `emitted [V, T]`:
+    the first `accepted[v] + 1` entries of row v are its emitted tokens (the rest is unspecified).
+    With logprobs asked for: `chosen [V, T]` the emitted tokens' logprobs and `top_ids`/`top_values`
+    `[V, T, n]` the top-n of the raw distribution at each position."""
 
-    accepted: int
-    tokens: list[int]
-    logprobs: list[dict[int, float]] | None = None
+    accepted: torch.Tensor
+    emitted: torch.Tensor
+    chosen: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
 
 
-def verify(
+def greedy_accept(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Drafts kept per row: the longest prefix of `drafts [V, T-1]` equal to the target's argmax
+    `target [V, T]`, among the first `num_drafts [V]`."""
+    steps = torch.arange(drafts.shape[1], device=drafts.device)
+    keep = (target[:, :-1] == drafts) & (steps[None, :] < num_drafts[:, None])
+    return keep.int().cumprod(1).sum(1)
+
+
+def accept(
     logits: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: Sequence[int],
     requests: Sequence[Request],
-    drafts: Sequence[Sequence[int]],
     generator: torch.Generator | None,
-) -> list[Verdict]:
-    """`logits` holds, request after request, the target's logits at the anchor and each draft
-    (`len(drafts[r]) + 1` rows). Position i's distribution is processed as if i tokens had already
-    been generated (so `min_tokens` bans move along the block).
+) -> Acceptance:
+    """`logits [V, T, vocab]` (fp32) at the anchor and each draft of V blocks, `drafts [V, T-1]` on the
+    device, `num_drafts[v]` real drafts in row v (positions past them are padding). Position i's
+    distribution is processed as if i tokens had already been generated (so `min_tokens` bans move
+    along the block). Nothing is read back to the host."""
+    num_blocks, width, vocab = logits.shape
+    assert width <= MAX_BLOCK_TOKENS, f"a verify block holds at most {MAX_BLOCK_TOKENS} tokens, got {width}"
+    device = logits.device
+    counts = torch.tensor(list(num_drafts), device=device)
+    steps = torch.arange(width, device=device)
+    padded_drafts = torch.cat([drafts, drafts.new_zeros(num_blocks, 1)], 1)
+    plain = all(r.params.greedy and not r.banned_ids() for r in requests)
+    if plain:
+        target = logits.argmax(-1)
+        accepted = greedy_accept(target, drafts, counts)
+        emitted = torch.where(steps[None, :] < accepted[:, None], padded_drafts, target)
+        return _with_logprobs(Acceptance(accepted, emitted), logits, requests)
 
-    Greedy requests keep the longest prefix of drafts equal to the target's argmax, then take the
-    argmax after it. Sampled requests accept draft x with probability p(x) under the target's
-    processed distribution p; the first rejection is replaced by a sample from p with x removed and
-    renormalised; if all drafts pass, the bonus is sampled from p. Either way the committed tokens
-    are distributed exactly as plain sampling would make them. One device-to-host read per call.
-    """
-    rows = [_row(r, i) for r, d in zip(requests, drafts, strict=True) for i in range(len(d) + 1)]
-    processed, probs = target_distribution(logits, rows)
-    draft_ids = torch.tensor([x for d in drafts for x in (*d, 0)], device=logits.device)
-    noise_u, noise_e = _noise(requests, drafts, probs, generator)
-    accept = noise_u < probs.gather(1, draft_ids[:, None])[:, 0]
-    residual = probs.scatter(1, draft_ids[:, None], 0.0)
-    picks = torch.stack([
-        processed.argmax(-1),  # greedy target token
-        (probs / noise_e).argmax(-1),  # sample from p (exponential race)
-        (residual / noise_e).argmax(-1),  # sample from p without the draft token
-    ]).tolist()  # fmt: skip
-    accept_list = accept.tolist()
-
-    verdicts, row = [], 0
-    for request, draft in zip(requests, drafts, strict=True):
-        greedy = request.params.greedy
-        tokens: list[int] = []
-        for i, x in enumerate(draft):
-            r = row + i
-            if (picks[0][r] == x) if greedy else accept_list[r]:
-                tokens.append(x)
-                continue
-            tokens.append(picks[0][r] if greedy else picks[2][r])
-            break
-        else:
-            last = row + len(draft)
-            tokens.append(picks[0][last] if greedy else picks[1][last])
-        verdicts.append(
-            Verdict(len(tokens) - 1, tokens, _logprobs(logits[row : row + len(tokens)], tokens, request))
-        )
-        row += len(draft) + 1
-    return verdicts
+    rows = [_row(r, min(i, n)) for r, n in zip(requests, num_drafts, strict=True) for i in range(width)]
+    processed, probs = target_distribution(logits.flatten(0, 1), rows)
+    flat_drafts = padded_drafts.flatten()
+    uniforms, exps = _noise(requests, num_drafts, width, vocab, device, generator)
+    greedy = torch.tensor([r.params.greedy for r in requests], device=device)[:, None]
+    target = processed.argmax(-1).view(num_blocks, width)
+    draft_probs = probs.gather(1, flat_drafts[:, None])[:, 0]
+    sampled_pass = (uniforms < draft_probs).view(num_blocks, width)[:, :-1]
+    passes = torch.where(greedy, target[:, :-1] == drafts, sampled_pass)
+    valid = steps[None, :-1] < counts[:, None]
+    accepted = (passes & valid).int().cumprod(1).sum(1)
+    bonus = (probs / exps).argmax(-1).view(num_blocks, width)  # a sample from p (exponential race)
+    recovered = (probs.scatter(1, flat_drafts[:, None], 0.0) / exps).argmax(-1).view(num_blocks, width)
+    sampled = torch.where(steps[None, :] < counts[:, None], recovered, bonus)
+    picks = torch.where(greedy, target, sampled)
+    emitted = torch.where(steps[None, :] < accepted[:, None], padded_drafts, picks)
+    return _with_logprobs(Acceptance(accepted, emitted), logits, requests)
 
 
-def _logprobs(logits: torch.Tensor, tokens: list[int], request: Request) -> list[dict[int, float]] | None:
-    """Top-n logprobs of the raw distribution at each committed position, the token itself included."""
-    n = request.params.logprobs
-    if n is None:
-        return None
+def _with_logprobs(result: Acceptance, logits: torch.Tensor, requests: Sequence[Request]) -> Acceptance:
+    """Top-n logprobs of the raw distribution at every block position, and the emitted tokens' own."""
+    wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+    if not wanted:
+        return result
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top = logprobs.topk(n, dim=-1) if n else None
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
-    out = []
-    for i, token in enumerate(tokens):
-        entry = (
-            dict(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True)) if top is not None else {}
-        )
-        entry[token] = chosen[i]
-        out.append(entry)
-    return out
+    result.chosen = logprobs.gather(2, result.emitted[..., None])[..., 0]
+    top = logprobs.topk(max(wanted), dim=-1)
+    result.top_ids, result.top_values = top.indices, top.values
+    return result
 
 
 def _row(request: Request, ahead: int) -> SampleRow:
@@ -94,14 +110,16 @@ def _row(request: Request, ahead: int) -> SampleRow:
     return SampleRow(request.params, request.prompt_ids, request.output_ids, request.generator, banned)
 
 
-def _noise(requests, drafts, probs: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniforms for the accept tests and Exp(1) noise for the samples, drawn from each request's
-    own generator when it has one (so a seeded request does not depend on its batch)."""
-    uniforms, exps = [], []
-    vocab, device = probs.shape[1], probs.device
-    for request, draft in zip(requests, drafts, strict=True):
+def _noise(
+    requests: Sequence[Request], num_drafts: Sequence[int], width: int, vocab: int, device, generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms for the accept tests and Exp(1) noise for the samples, `num_drafts[v] + 1` of each per
+    block, drawn from each request's own generator when it has one (so a seeded request does not
+    depend on its batch); padding positions get ones (never read)."""
+    uniforms = torch.ones(len(requests), width, device=device)
+    exps = torch.ones(len(requests), width, vocab, device=device)
+    for v, (request, n) in enumerate(zip(requests, num_drafts, strict=True)):
         gen = request.generator or generator
-        n = len(draft) + 1
-        uniforms.append(torch.rand(n, device=device, generator=gen))
-        exps.append(torch.empty(n, vocab, device=device).exponential_(generator=gen))
-    return torch.cat(uniforms), torch.cat(exps)
+        uniforms[v, : n + 1] = torch.rand(n + 1, device=device, generator=gen)
+        exps[v, : n + 1] = torch.empty(n + 1, vocab, device=device).exponential_(generator=gen)
+    return uniforms.flatten(), exps.flatten(0, 1)

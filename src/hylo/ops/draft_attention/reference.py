@@ -1,4 +1,4 @@
-"""Torch references of the DFlash draft's attention ops: plain, request by request, through the table.
+"""Torch references of the DFlash draft's attention ops: plain gathers through the table.
 
 The math is `DraftAttention.forward` / `DraftAttention.key_value` in `hylo.models.dflash`: the
 block of B query rows of request r sits at positions L_r .. L_r + B - 1 after its L_r committed
@@ -32,20 +32,20 @@ def paged_draft_attention_reference(
     """
     num_requests, block, num_heads, _ = q.shape
     group = num_heads // k_cache.shape[1]
-    out = torch.empty_like(q)
-    for r in range(num_requests):
-        ctx_len = int(ctx_lens[r])
-        slots = req_to_token[rows[r], :ctx_len].long()
-        keys = torch.cat([k_cache[slots], k_block[r]]).repeat_interleave(group, 1)  # [L + B, Hq, d]
-        values = torch.cat([v_cache[slots], v_block[r]]).repeat_interleave(group, 1)
-        key_pos = torch.arange(ctx_len + block, device=q.device)
-        q_pos = ctx_len + torch.arange(block, device=q.device)
-        scores = torch.einsum("bhd,khd->hbk", q[r].float(), keys.float()) * scale
-        if window is not None:
-            allowed = key_pos[None, :] > q_pos[:, None] - window  # [B, L + B]
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        out[r] = torch.einsum("hbk,khd->bhd", scores.softmax(-1), values.float()).to(q.dtype)
-    return out
+    longest = int(ctx_lens.max()) if num_requests else 0  # the one host read
+    ctx_pos = torch.arange(longest, device=q.device).expand(num_requests, -1)
+    ctx_valid = ctx_pos < ctx_lens[:, None]
+    slots = torch.where(ctx_valid, req_to_token[rows[:, None], ctx_pos].long(), 0)
+    keys = torch.cat([k_cache[slots], k_block], 1).repeat_interleave(group, 2)  # [R, L + B, Hq, d]
+    values = torch.cat([v_cache[slots], v_block], 1).repeat_interleave(group, 2)
+    q_pos = ctx_lens[:, None] + torch.arange(block, device=q.device)  # [R, B]
+    key_pos = torch.cat([ctx_pos, q_pos], 1)  # [R, L + B]
+    allowed = torch.cat([ctx_valid, torch.ones_like(q_pos, dtype=torch.bool)], 1)[:, None, :]
+    if window is not None:
+        allowed = allowed & (key_pos[:, None, :] > q_pos[:, :, None] - window)
+    scores = torch.einsum("rbhd,rkhd->rhbk", q.float(), keys.float()) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return torch.einsum("rhbk,rkhd->rbhd", scores.softmax(-1), values.float()).to(q.dtype)
 
 
 def rotary_tables(

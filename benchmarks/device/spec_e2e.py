@@ -1,0 +1,190 @@
+"""Speculative decoding end to end on a real-size GLM-5.3-Flash slice: plain graph decode against DFlash
+(block 8) and MTP in one process, runs interleaved.
+
+    PYTHONPATH=src python3 benchmarks/device/spec_e2e.py [--layers 8] [--batches 1,8] [--out DIR]
+
+The target is the slice `decode_e2e.py` builds (random weights, FP8 routed experts); the DFlash draft is
+random in the z-lab format (2 layers, 32 heads, 8 kv heads, head dim 128, target layers 1, L/2, L-2).
+"Forced" runs replace the greedy acceptance inside the captured verify graphs by "every draft accepted"
+(this script's hook: patched before the capture, never reachable from the CLI or API), which is how
+the seed benchmarks report acceptance at the block size; "natural" runs keep the real acceptance
+(about 1 for a random draft). Reports per (algorithm, batch): decode tokens/s per user and the ratio
+to plain graph decode of the same repetition (median of `--reps`), the wall time per engine step,
+the GPU time of one verify-graph replay (CUDA events), and the synchronising calls per step
+(`torch.cuda.set_sync_debug_mode("warn")`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import hylo.engine.cuda_graph as cuda_graph
+from hylo import LLM, SamplingParams
+from hylo.engine.cuda_graph import VerifyGraphs
+
+PROMPT_LEN = 64
+
+
+def write_target(path: Path, layers: int) -> None:
+    text = {"model_type": "glm5_next_text", "num_hidden_layers": layers}
+    raw = {"model_type": "glm5_next", "text_config": text, "quantization_config": {"quant_method": "fp8"}}
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def write_dflash(path: Path, target_layers: list[int], block: int, hidden=4096, vocab=154880) -> None:
+    heads, kv_heads, head_dim, inter, layers = 32, 8, 128, 12288, 2
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "intermediate_size": inter, "rms_norm_eps": 1e-6, "vocab_size": vocab,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "layer_types": ["full_attention"] * layers, "is_causal": False,
+        "dflash_config": {"block_size": block, "mask_token_id": vocab - 1, "target_layer_ids": target_layers},
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda") * shape[-1] ** -0.5).bfloat16().cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    tensors = {"fc.weight": w(hidden, len(target_layers) * hidden), "hidden_norm.weight": ones(hidden),
+               "norm.weight": ones(hidden)}  # fmt: skip
+    for i in range(layers):
+        p = f"layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
+            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+        }  # fmt: skip
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def accept_everything(target, drafts, num_drafts):
+    return num_drafts.clone()
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, float, int]:
+    """(tokens/s per user over the decode phase, wall ms per engine step, syncs per step)."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engine = llm.engine
+    steps = {"n": 0}
+    step = engine.step
+
+    def counted():
+        steps["n"] += 1
+        return step()
+
+    engine.step = counted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        torch.cuda.set_sync_debug_mode("default")
+    del engine.step
+    decode_s = max(o.metrics.finish_time for o in outs) - max(o.metrics.first_token_time for o in outs)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return (tokens - 1) / decode_s, 1000 * decode_s / max(1, steps["n"] - 1), syncs // max(1, steps["n"])
+
+
+def replay_ms(graphs: VerifyGraphs, bucket: int, reps: int = 50) -> float:
+    graph = graphs.graphs[bucket]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--tokens", type=int, default=65)  # 1 + 8 forced blocks of 8
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp())
+    (root / "target").mkdir()
+    (root / "draft").mkdir()
+    write_target(root / "target", args.layers)
+    write_dflash(root / "draft", [1, args.layers // 2, args.layers - 2], args.block)
+    report: dict = {"layers": args.layers, "gpu": torch.cuda.get_device_name(), "block": args.block}
+    max_bs = max(map(int, args.batches.split(",")))
+    common = dict(load_format="dummy", device="cuda", dtype="bfloat16", context_length=4096,
+                  max_running_requests=32, cuda_graph_max_bs=max_bs)  # fmt: skip
+    start = time.perf_counter()
+    plain = LLM(str(root / "target"), mem_fraction_static=0.45, **common)
+    dflash = LLM(str(root / "target"), mem_fraction_static=0.9, speculative_algorithm="DFLASH",
+                 speculative_draft_model_path=str(root / "draft"), speculative_num_draft_tokens=args.block,
+                 **common)  # fmt: skip
+    report["engines_start_s"] = round(time.perf_counter() - start, 1)
+    runner = dflash.engine.runner
+    natural = runner.verify_graphs
+    assert natural is not None, "the DFlash engine captured no verify graphs"
+    cuda_graph.greedy_accept = accept_everything  # the forced graphs see this at capture
+    forced = VerifyGraphs(
+        dflash.engine.model, dflash.engine.caches, dflash.engine.proposer, natural.buckets[-1], True
+    )
+    report["verify_graph_memory_gib"] = round(natural.memory_bytes / 2**30, 2)
+
+    gen = torch.Generator().manual_seed(0)
+    for bsz in map(int, args.batches.split(",")):
+        prompts = [torch.randint(0, 150000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(bsz)]
+        modes = (
+            ("plain", plain, None),
+            ("dflash_forced", dflash, forced),
+            ("dflash_natural", dflash, natural),
+        )
+        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name, _, _ in modes}
+        for _name, llm, graphs in modes:
+            if graphs is not None:
+                runner.verify_graphs = graphs
+            decode_rate(llm, prompts, args.tokens)  # warm-up: this batch's prefill and eager kernels
+        for _ in range(args.reps):
+            for name, llm, graphs in modes:
+                if graphs is not None:
+                    runner.verify_graphs = graphs
+                runs[name].append(decode_rate(llm, prompts, args.tokens))
+        bucket = next(b for b in natural.buckets if b >= bsz)
+        row = {}
+        for name, values in runs.items():
+            row[f"{name}_tok_s_per_user"] = round(statistics.median(v[0] for v in values), 1)
+            row[f"{name}_step_ms"] = round(statistics.median(v[1] for v in values), 2)
+            row[f"{name}_syncs_per_step"] = statistics.median(v[2] for v in values)
+        for name in ("dflash_forced", "dflash_natural"):
+            ratios = [d[0] / p[0] for d, p in zip(runs[name], runs["plain"], strict=True)]
+            row[f"{name}_vs_plain"] = round(statistics.median(ratios), 2)
+        row["verify_replay_ms_natural"] = round(replay_ms(natural, bucket), 3)
+        row["verify_replay_ms_forced"] = round(replay_ms(forced, bucket), 3)
+        report[f"B{bsz}"] = row
+        print(json.dumps({f"B{bsz}": row}), flush=True)
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "spec_e2e.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
