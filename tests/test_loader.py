@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from allocation_meter import AllocationMeter, largest_fp32_bytes
 from conftest import Caches, random_prompt
 from hf_reference import tiny_text_config, write_hf_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hylo.config import ModelConfig
+from hylo.config import EngineConfig, ModelConfig
 from hylo.layers.moe import FP8Experts, MoE
+from hylo.memory.manager import LoadPeak, weight_bytes
 from hylo.models.loader import (
     CheckpointError,
     _quantizable,
@@ -257,7 +259,44 @@ def test_dummy_load_needs_only_the_config(tmp_path):
         ), name
     out = logits(first, random_prompt(9, 160, seed=2))
     assert torch.isfinite(out).all() and out.std() > 0
-    from hylo.config import EngineConfig
-
     with pytest.raises(ValueError, match="load_format must be auto or dummy"):
         EngineConfig(load_format="pt")
+
+
+@pytest.mark.parametrize("random_weights", [False, True], ids=["checkpoint", "dummy"])
+def test_loading_holds_the_weights_and_one_tensor_more(base, random_weights):
+    """Parameters are allocated in their final dtype and filled one tensor at a time: while loading
+    bf16 weights, nothing beyond them but one fp32 tensor (a checkpoint tensor, or a slice of random
+    noise) is ever alive. Allocating the model in fp32 first and casting holds twice the weights."""
+    with AllocationMeter() as meter:
+        model = load_model(base, dtype=torch.bfloat16, progress=False, random_weights=random_weights)
+    weights = weight_bytes(model)
+    assert meter.peak <= weights + largest_fp32_bytes(model) < 1.5 * weights
+    kda = model.layers[0].self_attn
+    assert model.embed_tokens.weight.dtype == kda.q_proj.weight.dtype == torch.bfloat16
+    assert kda.A_log.dtype == kda.dt_bias.dtype == torch.float32  # kept fp32, as transformers does
+
+
+def test_tied_embeddings_are_one_tensor(tmp_path):
+    text = tiny_text_config(4, 8) | {"model_type": "glm5_next_text", "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm5_next", "text_config": text}))
+    model = load_model(tmp_path, dtype=torch.float32, progress=False, random_weights=True)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    untied = {id(p): p for m in model.modules() for p in m._parameters.values() if p is not None}
+    assert weight_bytes(model) == sum(p.nbytes for p in untied.values()) + sum(
+        b.nbytes for b in model.buffers()
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures PyTorch's CUDA allocator")
+@pytest.mark.parametrize("random_weights", [False, True], ids=["checkpoint", "dummy"])
+def test_cuda_load_peak_is_the_weights(base, random_weights):
+    """On the GPU a checkpoint's tensors are read and converted on the host: the peak is the weights
+    (1.05x leaves room for the allocator's rounding); random init adds one fp32 slice at a time."""
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    with LoadPeak(device) as peak:
+        model = load_model(base, device, torch.bfloat16, progress=False, random_weights=random_weights)
+    weights = weight_bytes(model)
+    bound = weights + largest_fp32_bytes(model) if random_weights else 1.05 * weights
+    assert weights <= peak.bytes <= bound, (peak.bytes, weights)

@@ -125,3 +125,29 @@ class CacheManager:
         self.pages.free(pages)
         self.slots.free([slot])
         pages.clear()
+
+
+class LoadPeak:
+    """`with LoadPeak(device) as peak:` measures in `peak.bytes` the most memory PyTorch's CUDA allocator
+    handed out during the block beyond what it held at the start; None off CUDA (no allocator to ask)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes: int | None = None
+        self._start = 0
+
+    def __enter__(self) -> LoadPeak:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `module`'s parameters and buffers, each storage counted once (tied weights share one)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
