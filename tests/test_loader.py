@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -10,13 +11,15 @@ import pytest
 import torch
 from allocation_meter import AllocationMeter, largest_fp32_bytes
 from conftest import Caches, random_prompt
+from fastapi.testclient import TestClient
 from hf_reference import tiny_text_config, write_hf_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hylo.config import EngineConfig, ModelConfig
+from hylo.engine.engine import Engine
 from hylo.layers.moe import FP8Experts, MoE
-from hylo.memory.manager import LoadPeak, weight_bytes
+from hylo.memory.manager import CacheManager, LoadPeak, weight_bytes
 from hylo.models.loader import (
     CheckpointError,
     _quantizable,
@@ -26,6 +29,8 @@ from hylo.models.loader import (
     quantize_fp8,
     save_checkpoint,
 )
+from hylo.server.api import build_app
+from hylo.server.async_engine import AsyncEngine
 
 WEIGHTS = "model.safetensors"
 
@@ -300,3 +305,42 @@ def test_cuda_load_peak_is_the_weights(base, random_weights):
     weights = weight_bytes(model)
     bound = weights + largest_fp32_bytes(model) if random_weights else 1.05 * weights
     assert weights <= peak.bytes <= bound, (peak.bytes, weights)
+
+
+def test_engine_reports_its_memory(base, caplog):
+    """The start-up report: the weights, what the caches really allocate, the admission limits; the
+    CUDA allocator's figures are absent on the CPU. It is logged and served by /server_info."""
+    config = EngineConfig(model=str(base), device="cpu", dtype="bfloat16", page_size=16, max_memory_gb=0.05)
+    with caplog.at_level(logging.INFO, logger="hylo"):
+        engine = Engine(config)
+    report = engine.memory_report
+    assert report["weights_bytes"] == weight_bytes(engine.model) > 0
+    with AllocationMeter() as meter:
+        caches = CacheManager(engine.model.config, engine.plan, engine.dtype, engine.device)
+        assert report["cache_bytes"] == meter.live_bytes <= config.max_memory_gb * 2**30
+    assert report["max_total_num_tokens"] == engine.plan.max_total_num_tokens == caches.pages.size * 16
+    assert report["max_running_requests"] == caches.slots.size > 0
+    assert {report[k] for k in ("load_peak_bytes", "torch_allocated_bytes", "torch_reserved_bytes")} == {None}
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: "))
+    gib = report["weights_bytes"] / 2**30
+    assert f"weights={gib:.2f}GiB load_peak=n/a" in line
+    assert f"max_total_num_tokens={report['max_total_num_tokens']}" in line
+    info = TestClient(build_app(AsyncEngine(engine), "m")).get("/server_info").json()
+    assert info["memory"] == report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures PyTorch's CUDA allocator")
+def test_cuda_budget_counts_freed_blocks_as_free(base):
+    """Blocks freed after loading stay reserved by PyTorch's cache, and `mem_get_info` counts them as
+    in use: the budget must count them as free (and the report shows the allocator's figures)."""
+    config = EngineConfig(model=str(base), device="cuda", mem_fraction_static=0.1, page_size=16)
+    engine = Engine(config, decode_graphs=False)
+    report = engine.memory_report
+    assert report["load_peak_bytes"] >= report["weights_bytes"] > 0
+    assert report["torch_reserved_bytes"] >= report["torch_allocated_bytes"] >= report["cache_bytes"]
+    staging = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    del staging
+    free, total = torch.cuda.mem_get_info()
+    held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert held >= 2**30
+    assert engine._budget_bytes() >= free - total * (1 - config.mem_fraction_static) + held - 2**20

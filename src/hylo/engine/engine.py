@@ -14,7 +14,7 @@ from hylo.engine.cuda_graph import DecodeGraphs
 from hylo.engine.request import Request, Status
 from hylo.engine.runner import ModelRunner
 from hylo.engine.scheduler import Scheduler
-from hylo.memory.manager import CacheManager, MemoryPlan
+from hylo.memory.manager import CacheManager, LoadPeak, MemoryPlan, format_memory_report, memory_report
 from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
 from hylo.spec.proposer import Proposer
@@ -51,7 +51,9 @@ class Engine:
         self.config = config
         path = Path(config.model) if config.model is not None else _demo_model()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
-        self.model = load_model(path, self.device, self.dtype, random_weights=config.load_format == "dummy")
+        dummy = config.load_format == "dummy"
+        with LoadPeak(self.device) as load_peak:
+            self.model = load_model(path, self.device, self.dtype, random_weights=dummy)
         model_config = self.model.config
         tok_path = Path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = Tokenizer.from_dir(tok_path) if (tok_path / "tokenizer.json").is_file() else None
@@ -74,18 +76,14 @@ class Engine:
             num_drafts = self.proposer.num_draft_tokens
         self.scheduler = Scheduler(self.caches, self.plan.num_slots, config.chunked_prefill_size, num_drafts)
         self.requests: dict[str, Request] = {}
-        logger.info(
-            "max_total_num_tokens=%d max_running_requests=%d bytes_per_token=%.0f bytes_per_slot=%d",
-            self.plan.max_total_num_tokens,
-            self.plan.num_slots,
-            self.plan.bytes_per_token,
-            self.plan.bytes_per_slot,
-        )
         graphs = None
         if decode_graphs:
             max_bs = min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.plan.num_slots)
             graphs = DecodeGraphs(self.model, self.caches, max_bs, capture=self.device.type == "cuda")
         self.runner = ModelRunner(self.model, self.caches, config.seed, self.proposer, graphs)
+        # taken last: the allocator's figures include the caches and the captured graphs' pools
+        self.memory_report = memory_report(self.model, self.plan, self.device, load_peak.bytes)
+        logger.info("memory: %s", format_memory_report(self.memory_report))
 
     def _build_proposer(self, model_path: Path, indexer_dtype: torch.dtype | None) -> Proposer | None:
         if self.config.speculative_algorithm is None:
@@ -103,13 +101,18 @@ class Engine:
         )
 
     def _budget_bytes(self) -> int:
+        """The caches' bytes: on CUDA what `mem_fraction_static` of the GPU leaves beside everything in
+        use now (weights, CUDA context, other processes)."""
         if self.device.type == "cuda":
+            # blocks the loading freed stay reserved by PyTorch's cache, and would count as in use
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - total * (1 - self.config.mem_fraction_static))
             if budget <= 0:
                 raise ValueError(
                     f"mem_fraction_static={self.config.mem_fraction_static} leaves no memory for caches "
-                    f"after the weights ({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
+                    f"after the weights ({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB, "
+                    f"{torch.cuda.memory_allocated(self.device) / 2**30:.1f} GiB of it PyTorch tensors)"
                 )
             return budget
         return int(self.config.max_memory_gb * 2**30)
