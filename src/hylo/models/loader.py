@@ -317,8 +317,8 @@ def load_mtp_layer(
     a DSA layer with its own indexer, or a missing or unexpected tensor in it.
 
     `random_weights` (`load_format="dummy"`) reads nothing from `path` (the config is the target's):
-    a layer with the MLP of the target's last layer, sharing the target's embedding and head (as
-    DeepSeek-V3-style checkpoints' copies of them are), filled from its own seed."""
+    a layer with the MLP of the target's last layer that uses the target's embedding and head (where
+    DeepSeek-V3-style checkpoints store copies of them), filled from its own seed."""
     path = Path(path)
     n = target.config.num_hidden_layers
     prefix = f"layers.{n}."
