@@ -20,7 +20,7 @@ from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
-from hylo.spec.proposer import Proposer
+from hylo.speculative.proposer import Proposer
 
 PAGE, MAX_LEN, SLOTS = 16, 64, 8
 
@@ -129,7 +129,9 @@ def test_decode_graphs_take_plain_decode_steps_only(model):
         def propose(self, batch, commit):
             pass
 
-    with pytest.raises(ValueError, match="graphs: decode graphs cannot serve"):
+    with pytest.raises(
+        ValueError, match="graphs: decode graphs serve an engine with a proposer only when captured with it"
+    ):
         ModelRunner(model, caches, 0, Drafter(), graphs)
 
 

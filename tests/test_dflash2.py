@@ -43,6 +43,7 @@ def draft(tmp_path_factory):
 
 
 def make_llm(path, **kwargs) -> LLM:
+    kwargs.setdefault("speculative_adaptive", False)  # every decode step verifies
     return LLM(str(path), device="cpu", dtype="float32", page_size=16, max_memory_gb=0.25, **kwargs)
 
 

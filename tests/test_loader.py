@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from allocation_meter import AllocationMeter, largest_fp32_bytes
 from conftest import Caches, random_prompt
+from fastapi.testclient import TestClient
 from hf_reference import tiny_text_config, write_hf_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hylo.config import ModelConfig
+from hylo.config import EngineConfig, ModelConfig
+from hylo.engine.engine import Engine
 from hylo.layers.moe import FP8Experts, MoE
+from hylo.memory.manager import CacheManager, LoadPeak, weight_bytes
 from hylo.models.loader import (
     CheckpointError,
     _quantizable,
@@ -24,6 +29,8 @@ from hylo.models.loader import (
     quantize_fp8,
     save_checkpoint,
 )
+from hylo.server.api import build_app
+from hylo.server.async_engine import AsyncEngine
 
 WEIGHTS = "model.safetensors"
 
@@ -257,7 +264,83 @@ def test_dummy_load_needs_only_the_config(tmp_path):
         ), name
     out = logits(first, random_prompt(9, 160, seed=2))
     assert torch.isfinite(out).all() and out.std() > 0
-    from hylo.config import EngineConfig
-
     with pytest.raises(ValueError, match="load_format must be auto or dummy"):
         EngineConfig(load_format="pt")
+
+
+@pytest.mark.parametrize("random_weights", [False, True], ids=["checkpoint", "dummy"])
+def test_loading_holds_the_weights_and_one_tensor_more(base, random_weights):
+    """Parameters are allocated in their final dtype and filled one tensor at a time: while loading
+    bf16 weights, nothing beyond them but one fp32 tensor (a checkpoint tensor, or a slice of random
+    noise) is ever alive. Allocating the model in fp32 first and casting holds twice the weights."""
+    with AllocationMeter() as meter:
+        model = load_model(base, dtype=torch.bfloat16, progress=False, random_weights=random_weights)
+    weights = weight_bytes(model)
+    assert meter.peak <= weights + largest_fp32_bytes(model) < 1.5 * weights
+    kda = model.layers[0].self_attn
+    assert model.embed_tokens.weight.dtype == kda.q_proj.weight.dtype == torch.bfloat16
+    assert kda.A_log.dtype == kda.dt_bias.dtype == torch.float32  # kept fp32, as transformers does
+
+
+def test_tied_embeddings_are_one_tensor(tmp_path):
+    text = tiny_text_config(4, 8) | {"model_type": "glm5_next_text", "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm5_next", "text_config": text}))
+    model = load_model(tmp_path, dtype=torch.float32, progress=False, random_weights=True)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    untied = {id(p): p for m in model.modules() for p in m._parameters.values() if p is not None}
+    assert weight_bytes(model) == sum(p.nbytes for p in untied.values()) + sum(
+        b.nbytes for b in model.buffers()
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures PyTorch's CUDA allocator")
+@pytest.mark.parametrize("random_weights", [False, True], ids=["checkpoint", "dummy"])
+def test_cuda_load_peak_is_the_weights(base, random_weights):
+    """On the GPU a checkpoint's tensors are read and converted on the host: the peak is the weights
+    (1.05x leaves room for the allocator's rounding); random init adds one fp32 slice at a time."""
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    with LoadPeak(device) as peak:
+        model = load_model(base, device, torch.bfloat16, progress=False, random_weights=random_weights)
+    weights = weight_bytes(model)
+    bound = weights + largest_fp32_bytes(model) if random_weights else 1.05 * weights
+    assert weights <= peak.bytes <= bound, (peak.bytes, weights)
+
+
+def test_engine_reports_its_memory(base, caplog):
+    """The start-up report: the weights, what the caches really allocate, the admission limits; the
+    CUDA allocator's figures are absent on the CPU. It is logged and served by /server_info."""
+    config = EngineConfig(model=str(base), device="cpu", dtype="bfloat16", page_size=16, max_memory_gb=0.05)
+    with caplog.at_level(logging.INFO, logger="hylo"):
+        engine = Engine(config)
+    report = engine.memory_report
+    assert report["weights_bytes"] == weight_bytes(engine.model) > 0
+    with AllocationMeter() as meter:
+        caches = CacheManager(engine.model.config, engine.plan, engine.dtype, engine.device)
+        assert report["cache_bytes"] == meter.live_bytes <= config.max_memory_gb * 2**30
+    assert report["max_total_num_tokens"] == engine.plan.max_total_num_tokens == caches.pages.size * 16
+    assert report["max_running_requests"] == caches.slots.size > 0
+    assert {report[k] for k in ("load_peak_bytes", "torch_allocated_bytes", "torch_reserved_bytes")} == {None}
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: "))
+    gib = report["weights_bytes"] / 2**30
+    assert f"weights={gib:.2f}GiB load_peak=n/a" in line
+    assert f"max_total_num_tokens={report['max_total_num_tokens']}" in line
+    info = TestClient(build_app(AsyncEngine(engine), "m")).get("/server_info").json()
+    assert info["memory"] == report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures PyTorch's CUDA allocator")
+def test_cuda_budget_counts_freed_blocks_as_free(base):
+    """Blocks freed after loading stay reserved by PyTorch's cache, and `mem_get_info` counts them as
+    in use: the budget must count them as free (and the report shows the allocator's figures)."""
+    config = EngineConfig(model=str(base), device="cuda", mem_fraction_static=0.1, page_size=16)
+    engine = Engine(config, decode_graphs=False)
+    report = engine.memory_report
+    assert report["load_peak_bytes"] >= report["weights_bytes"] > 0
+    assert report["torch_reserved_bytes"] >= report["torch_allocated_bytes"] >= report["cache_bytes"]
+    staging = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    del staging
+    free, total = torch.cuda.mem_get_info()
+    held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert held >= 2**30
+    assert engine._budget_bytes() >= free - total * (1 - config.mem_fraction_static) + held - 2**20

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from allocation_meter import AllocationMeter, largest_fp32_bytes
 from conftest import Caches, random_prompt
 from hf_reference import hf_model, tiny_text_config, write_hf_checkpoint
 from safetensors.torch import load_file, save_file
@@ -18,6 +19,7 @@ from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.moe import MoE
+from hylo.memory.manager import weight_bytes
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import CheckpointError, dequantize_fp8, load_model, load_mtp_layer, quantize_fp8
 
@@ -86,7 +88,9 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
 
 
 def make_llm(path: Path, **kwargs) -> LLM:
-    """Prefill steps of at most 100 tokens, so that some prompts are observed in two pieces."""
+    """Prefill steps of at most 100 tokens, so that some prompts are observed in two pieces; every
+    decode step verifies (the adaptive policy off)."""
+    kwargs.setdefault("speculative_adaptive", False)
     return LLM(
         str(path), device="cpu", dtype="float32", page_size=16, max_memory_gb=0.25, chunked_prefill_size=100,
         **kwargs,
@@ -242,6 +246,42 @@ def test_mtp_layer_loads_flat_fp8_names_and_its_own_embedding(checkpoints, tmp_p
     assert torch.equal(
         layer.decoder.self_attn.indexer.wk.weight, hf_tensors[LAYER + "self_attn.indexer.wk.weight"]
     )
+
+
+@pytest.fixture
+def config_only(checkpoints, tmp_path) -> Path:
+    """The target's config.json and nothing else, for `load_format="dummy"`."""
+    (tmp_path / "config.json").write_text((checkpoints[1] / "config.json").read_text())
+    return tmp_path
+
+
+def test_dummy_mtp_layer_needs_only_the_config(config_only):
+    """Seeded random weights on the target's device and dtype, the same on every load, the MLP of the
+    target's last layer, the target's embedding and head; no checkpoint is opened, and the loading
+    holds the layer's weights and one fp32 tensor more."""
+    target = load_model(config_only, dtype=torch.bfloat16, progress=False, random_weights=True)
+    with AllocationMeter() as meter:
+        layer = load_mtp_layer(config_only, target, random_weights=True)
+    assert meter.peak <= weight_bytes(layer) + largest_fp32_bytes(layer)
+    again = load_mtp_layer(config_only, target, random_weights=True)
+    for (name, a), b in zip(layer.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b) and a.float().std() > 0, name
+    assert layer.eh_proj.weight.dtype == torch.bfloat16
+    assert isinstance(layer.decoder.mlp, MoE) == (target.config.mlp_layer_types[-1] == "sparse")
+    assert layer.embedding(target) is target.embed_tokens and layer.head(target) is target.lm_head
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
+        load_mtp_layer(config_only, target)
+
+
+def test_mtp_on_dummy_weights_is_lossless(config_only):
+    prompts = PROMPTS[:4]
+    plain = make_llm(config_only, load_format="dummy").generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False
+    )
+    mtp = make_llm(config_only, load_format="dummy", speculative_algorithm="MTP", speculative_num_steps=2)
+    outputs = mtp.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert all(o.metrics.spec_verify_steps > 0 for o in outputs)
 
 
 def test_checkpoint_without_an_mtp_layer_is_rejected_by_the_engine(checkpoints, tmp_path):

@@ -15,8 +15,8 @@ from hylo import LLM, SamplingParams
 from hylo.engine.request import Request
 from hylo.models.dflash import DFlashConfig, DFlashDraftModel
 from hylo.models.loader import load_flat
-from hylo.spec.proposer import Proposer, write_drafts
-from hylo.spec.verify import accept
+from hylo.speculative.proposer import Proposer, write_drafts
+from hylo.speculative.verify import accept
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 BLOCK = 4
@@ -28,6 +28,8 @@ def target(tmp_path_factory):
 
 
 def make_llm(path, **kwargs) -> LLM:
+    """Every decode step verifies (the adaptive policy off): the tests count verify steps."""
+    kwargs.setdefault("speculative_adaptive", False)
     return LLM(str(path), device="cpu", dtype="float32", page_size=16, max_memory_gb=0.25, **kwargs)
 
 
@@ -245,6 +247,7 @@ def test_server_reports_acceptance_length(target, draft):
         dtype="float32",
         page_size=16,
         max_memory_gb=0.25,
+        speculative_adaptive=False,
         speculative_algorithm="DFLASH",
         speculative_draft_model_path=str(draft),
     )
@@ -272,6 +275,7 @@ def test_sampling_is_lossless_end_to_end(tmp_path):
     draft = write_dflash_checkpoint(tmp_path / "d", 64, vocab, [0, 2, 4], seed=3, block_size=BLOCK)
     llm = LLM(str(target), device="cpu", dtype="float32", page_size=16, context_length=16,
               max_running_requests=runs, max_memory_gb=1.0, speculative_algorithm="DFLASH",
+              speculative_adaptive=False,
               speculative_draft_model_path=str(draft), seed=11)  # fmt: skip
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=[prompt] * runs, sampling_params=params, use_tqdm=False)
@@ -338,7 +342,7 @@ def test_verify_graphs_commit_what_plain_decoding_computes(target):
 
     config = EngineConfig(
         model=str(target), device="cpu", dtype="float32", page_size=16, context_length=96,
-        max_memory_gb=0.25, max_running_requests=4, cuda_graph_max_bs=4,
+        max_memory_gb=0.25, max_running_requests=4, cuda_graph_max_bs=4, speculative_adaptive=False,
     )  # fmt: skip
     prompts = [random_prompt(n, 160, seed=40 + n) for n in (29, 6, 17)]
     params = [GREEDY.model_copy(update={"max_tokens": n}) for n in (20, 13, 9)]

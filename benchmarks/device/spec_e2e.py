@@ -1,16 +1,18 @@
 """Speculative decoding end to end on a real-size GLM-5.3-Flash slice: plain graph decode against DFlash
-(block 8) and MTP in one process, runs interleaved.
+(block 8), DFlash2 (block 8) and MTP (3 steps) in one process, one target model shared by all engines,
+runs interleaved.
 
     PYTHONPATH=src python3 benchmarks/device/spec_e2e.py [--layers 8] [--batches 1,8] [--out DIR]
 
 The target is the slice `decode_e2e.py` builds (random weights, FP8 routed experts); the DFlash draft is
 random in the z-lab format (2 layers, 32 heads, 8 kv heads, head dim 128, target layers 1, L/2, L-2).
-"Forced" runs replace the greedy acceptance inside the captured verify graphs by "every draft accepted"
-(this script's hook: patched before the capture, never reachable from the CLI or API), which is how
-the seed benchmarks report acceptance at the block size; "natural" runs keep the real acceptance
-(about 1 for a random draft). Reports per (algorithm, batch): decode tokens/s per user and the ratio
-to plain graph decode of the same repetition (median of `--reps`), the wall time per engine step,
-the GPU time of one verify-graph replay (CUDA events), and the synchronising calls per step
+"Forced" runs replace the greedy acceptance by "every draft accepted" (this script's hook: patched
+into the verify graphs captured for them and into the eager acceptance while they run, never
+reachable from the CLI or API), which is how the seed benchmarks report acceptance at the block size;
+"natural" runs keep the real acceptance (about 1 for a random draft), with the adaptive draft-length
+policy on ("adaptive") and off ("static"). Reports per (algorithm, batch): decode tokens/s per user
+and the ratio to plain graph decode of the same repetition (median of `--reps`), the wall time per
+engine step, the GPU time of one verify-graph replay (CUDA events), and the synchronising calls per step
 (`torch.cuda.set_sync_debug_mode("warn")`).
 """
 
@@ -28,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 import hylo.engine.cuda_graph as cuda_graph
+import hylo.speculative.verify as verify
 from hylo import LLM, SamplingParams
 from hylo.engine.cuda_graph import VerifyGraphs
 
@@ -40,7 +43,12 @@ def write_target(path: Path, layers: int) -> None:
     (path / "config.json").write_text(json.dumps(raw))
 
 
-def write_dflash(path: Path, target_layers: list[int], block: int, hidden=4096, vocab=154880) -> None:
+DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 128, "selector_rank": 64, "selector_top_k": 8}
+
+
+def write_dflash(
+    path: Path, target_layers: list[int], block: int, dflash2: bool = False, hidden=4096, vocab=154880
+) -> None:
     heads, kv_heads, head_dim, inter, layers = 32, 8, 128, 12288, 2
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
@@ -50,6 +58,9 @@ def write_dflash(path: Path, target_layers: list[int], block: int, hidden=4096, 
         "layer_types": ["full_attention"] * layers, "is_causal": False,
         "dflash_config": {"block_size": block, "mask_token_id": vocab - 1, "target_layer_ids": target_layers},
     }  # fmt: skip
+    if dflash2:
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["dflash_config"] |= DFLASH2
     (path / "config.json").write_text(json.dumps(config))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -73,6 +84,21 @@ def write_dflash(path: Path, target_layers: list[int], block: int, hidden=4096, 
             p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
             p + "mlp.down_proj.weight": w(hidden, inter),
         }  # fmt: skip
+    if dflash2:
+        taps, groups, rank = (
+            DFLASH2["conv_kernel_size"],
+            hidden // DFLASH2["conv_group_size"],
+            DFLASH2["selector_rank"],
+        )
+        for i in range(layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                base = torch.zeros(2, taps, hidden, dtype=torch.bfloat16)
+                base[:, 0] = 1
+                tensors[f"layers.{i}.{conv}.base_kernel"] = base
+                tensors[f"layers.{i}.{conv}.kernel_projection.weight"] = w(2 * taps * groups, hidden)
+        tensors |= {"candidate_selector.hidden_projection.weight": w(rank, hidden),
+                    "candidate_selector.predecessor_codebook": w(vocab, rank),
+                    "candidate_selector.successor_codebook": w(vocab, rank)}  # fmt: skip
     save_file(tensors, str(path / "model.safetensors"))
 
 
@@ -123,61 +149,105 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=65)  # 1 + 8 forced blocks of 8
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--mtp-steps", type=int, default=3)
+    parser.add_argument("--algorithms", default="dflash,dflash2,mtp")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
-    (root / "target").mkdir()
-    (root / "draft").mkdir()
+    target_layers = [1, args.layers // 2, args.layers - 2]
+    for name in ("target", "dflash", "dflash2"):
+        (root / name).mkdir()
     write_target(root / "target", args.layers)
-    write_dflash(root / "draft", [1, args.layers // 2, args.layers - 2], args.block)
+    algorithms = args.algorithms.split(",")
+    for name in ("dflash", "dflash2"):
+        if name in algorithms:
+            write_dflash(root / name, target_layers, args.block, dflash2=name == "dflash2")
     report: dict = {"layers": args.layers, "gpu": torch.cuda.get_device_name(), "block": args.block}
     max_bs = max(map(int, args.batches.split(",")))
     common = dict(load_format="dummy", device="cuda", dtype="bfloat16", context_length=4096,
                   max_running_requests=32, cuda_graph_max_bs=max_bs)  # fmt: skip
     start = time.perf_counter()
-    plain = LLM(str(root / "target"), mem_fraction_static=0.45, **common)
-    dflash = LLM(str(root / "target"), mem_fraction_static=0.9, speculative_algorithm="DFLASH",
-                 speculative_draft_model_path=str(root / "draft"), speculative_num_draft_tokens=args.block,
-                 **common)  # fmt: skip
+    plain = LLM(str(root / "target"), mem_fraction_static=0.35, **common)
+    target = plain.engine.model
+    engines = {}
+    for name in algorithms:
+        # each engine's caches get about 6 GiB above what is in use once its own weights are loaded
+        free, total = torch.cuda.mem_get_info()
+        own_weights = (16 if name == "mtp" else 1.5) * 2**30  # a dummy MTP layer keeps bf16 experts
+        fraction = min(0.95, (total - free + own_weights + 6 * 2**30) / total)
+        if name == "mtp":
+            flags = dict(speculative_algorithm="MTP", speculative_num_steps=args.mtp_steps)
+        else:
+            flags = dict(
+                speculative_algorithm="DFLASH",
+                speculative_draft_model_path=str(root / name),
+                speculative_num_draft_tokens=args.block,
+            )
+        engines[name] = LLM(
+            str(root / "target"), target=target, mem_fraction_static=fraction, **flags, **common
+        )
     report["engines_start_s"] = round(time.perf_counter() - start, 1)
-    runner = dflash.engine.runner
-    natural = runner.verify_graphs
-    assert natural is not None, "the DFlash engine captured no verify graphs"
-    cuda_graph.greedy_accept = accept_everything  # the forced graphs see this at capture
-    forced = VerifyGraphs(
-        dflash.engine.model, dflash.engine.caches, dflash.engine.proposer, natural.buckets[-1], True
-    )
-    report["verify_graph_memory_gib"] = round(natural.memory_bytes / 2**30, 2)
+    real_accept = cuda_graph.greedy_accept
+    graphs = {}
+    for name, llm in engines.items():
+        natural = llm.engine.runner.verify_graphs
+        if natural is None:
+            continue
+        cuda_graph.greedy_accept = accept_everything  # the forced graphs see this at capture
+        e = llm.engine
+        graphs[name] = (
+            natural,
+            VerifyGraphs(e.model, e.caches, e.proposer, natural.buckets[-1], True, natural.pool),
+        )
+        cuda_graph.greedy_accept = real_accept
+        report[f"{name}_verify_graph_memory_gib"] = round(natural.memory_bytes / 2**30, 2)
 
+    def setup(name: str, mode: str) -> LLM:
+        """The engine of `name` in `mode` (forced / adaptive / static): graphs, acceptance, policy."""
+        if name == "plain":
+            return plain
+        llm = engines[name]
+        runner, engine = llm.engine.runner, llm.engine
+        forced = mode == "forced"
+        if name in graphs:
+            runner.verify_graphs = graphs[name][1 if forced else 0]
+        verify.greedy_accept = accept_everything if forced else real_accept
+        if not hasattr(engine, "adaptive_policy"):
+            engine.adaptive_policy = engine.policy
+        engine.policy = engine.adaptive_policy if mode == "adaptive" else None
+        return llm
+
+    modes = [("plain", "plain")] + [(n, m) for n in algorithms for m in ("forced", "adaptive", "static")]
     gen = torch.Generator().manual_seed(0)
     for bsz in map(int, args.batches.split(",")):
         prompts = [torch.randint(0, 150000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(bsz)]
-        modes = (
-            ("plain", plain, None),
-            ("dflash_forced", dflash, forced),
-            ("dflash_natural", dflash, natural),
-        )
-        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name, _, _ in modes}
-        for _name, llm, graphs in modes:
-            if graphs is not None:
-                runner.verify_graphs = graphs
-            decode_rate(llm, prompts, args.tokens)  # warm-up: this batch's prefill and eager kernels
+        runs: dict[str, list[tuple[float, float, int]]] = {f"{n}_{m}": [] for n, m in modes}
+        for name, mode in modes:
+            decode_rate(setup(name, mode), prompts, args.tokens)  # warm-up: prefill and eager kernels
         for _ in range(args.reps):
-            for name, llm, graphs in modes:
-                if graphs is not None:
-                    runner.verify_graphs = graphs
-                runs[name].append(decode_rate(llm, prompts, args.tokens))
-        bucket = next(b for b in natural.buckets if b >= bsz)
+            for name, mode in modes:
+                runs[f"{name}_{mode}"].append(decode_rate(setup(name, mode), prompts, args.tokens))
+        verify.greedy_accept = real_accept
         row = {}
-        for name, values in runs.items():
-            row[f"{name}_tok_s_per_user"] = round(statistics.median(v[0] for v in values), 1)
-            row[f"{name}_step_ms"] = round(statistics.median(v[1] for v in values), 2)
-            row[f"{name}_syncs_per_step"] = statistics.median(v[2] for v in values)
-        for name in ("dflash_forced", "dflash_natural"):
-            ratios = [d[0] / p[0] for d, p in zip(runs[name], runs["plain"], strict=True)]
-            row[f"{name}_vs_plain"] = round(statistics.median(ratios), 2)
-        row["verify_replay_ms_natural"] = round(replay_ms(natural, bucket), 3)
-        row["verify_replay_ms_forced"] = round(replay_ms(forced, bucket), 3)
+        for key, values in runs.items():
+            row[f"{key}_tok_s_per_user"] = round(statistics.median(v[0] for v in values), 1)
+            row[f"{key}_step_ms"] = round(statistics.median(v[1] for v in values), 2)
+            row[f"{key}_syncs_per_step"] = statistics.median(v[2] for v in values)
+            if key != "plain_plain":
+                ratios = [d[0] / p[0] for d, p in zip(values, runs["plain_plain"], strict=True)]
+                row[f"{key}_vs_plain"] = round(statistics.median(ratios), 2)
+        for name, (natural, forced) in graphs.items():
+            bucket = next(b for b in natural.buckets if b >= bsz)
+            row[f"{name}_verify_replay_ms_natural"] = round(replay_ms(natural, bucket), 3)
+            row[f"{name}_verify_replay_ms_forced"] = round(replay_ms(forced, bucket), 3)
+        plain_graphs = plain.engine.runner.graphs
+        row["plain_decode_replay_ms"] = round(
+            replay_ms(plain_graphs, next(b for b in plain_graphs.buckets if b >= bsz)), 3
+        )
+        for name, llm in engines.items():
+            policy = getattr(llm.engine, "adaptive_policy", None)
+            if policy is not None:
+                row[f"{name}_adaptive_choices"] = dict(policy.choices)
         report[f"B{bsz}"] = row
         print(json.dumps({f"B{bsz}": row}), flush=True)
     print(json.dumps(report, indent=1))

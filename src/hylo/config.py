@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -222,6 +223,11 @@ class EngineConfig:
     speculative_num_steps: int | None = _flag(
         None, "MTP: chained MTP forwards per verify step, one draft token each (default 1)"
     )
+    speculative_adaptive: bool = _flag(
+        True,
+        "per step, verify the drafts or decode plainly, whichever the measured step costs and the running "
+        "acceptance length say is faster (--no-speculative-adaptive: always verify)",
+    )
 
     def __post_init__(self) -> None:
         positive = (
@@ -237,8 +243,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if not isinstance(self.disable_cuda_graph, bool):
-            raise ValueError(f"disable_cuda_graph must be a bool, got {self.disable_cuda_graph!r}")
+        for name in ("disable_cuda_graph", "speculative_adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.max_memory_gb <= 0:
@@ -288,8 +295,9 @@ class EngineConfig:
         """One `--flag` per field, typed by its annotation; a bool field is a switch."""
         for f in fields(cls):
             flag, kind = f"--{f.name.replace('_', '-')}", str(f.type).split(" |")[0]
-            if kind == "bool":
-                parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+            if kind == "bool":  # a switch; one that defaults to on also gets its --no- form
+                action = argparse.BooleanOptionalAction if f.default else "store_true"
+                parser.add_argument(flag, action=action, default=f.default, help=f.metadata["help"])
                 continue
             parser.add_argument(
                 flag,

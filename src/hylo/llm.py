@@ -13,7 +13,7 @@ from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.engine.request import Metrics, Request
 from hylo.sampling import SamplingParams
-from hylo.spec.proposer import Proposer
+from hylo.speculative.proposer import Proposer
 
 
 @dataclass
@@ -56,9 +56,13 @@ class LLM:
     """`LLM(model=PATH, device=..., dtype=..., **engine_args)`; engine args are the `hylo` CLI flags
     in snake_case (`chunked_prefill_size`, `max_running_requests`, `page_size`, ...)."""
 
-    def __init__(self, model: str | None = None, proposer: Proposer | None = None, **engine_args: Any):
-        """`proposer` plugs in a custom speculative proposer (instead of `speculative_algorithm`)."""
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_args), proposer)
+    def __init__(
+        self, model: str | None = None, proposer: Proposer | None = None, target=None, **engine_args: Any
+    ):
+        """`proposer` plugs in a custom speculative proposer (instead of `speculative_algorithm`);
+        `target` serves an already loaded model of `model` (another `LLM`'s `engine.model`)."""
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.engine = Engine(config, proposer, target=target)
         self._ids = itertools.count()
 
     @property

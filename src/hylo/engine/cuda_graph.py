@@ -27,8 +27,8 @@ from hylo.engine.request import Request
 from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
-from hylo.spec.proposer import Proposer, StepCommit
-from hylo.spec.verify import MAX_BLOCK_TOKENS, greedy_accept
+from hylo.speculative.proposer import Proposer, StepCommit
+from hylo.speculative.verify import MAX_BLOCK_TOKENS, greedy_accept
 
 logger = logging.getLogger("hylo")
 
@@ -66,7 +66,19 @@ class DecodeGraphs:
     kind = "decode"
     memory_bytes = 0  # what the captured graphs hold, for the start-up memory report
 
-    def __init__(self, model: Glm5NextForCausalLM, caches: CacheManager, max_batch_size: int, capture: bool):
+    def __init__(
+        self,
+        model: Glm5NextForCausalLM,
+        caches: CacheManager,
+        max_batch_size: int,
+        capture: bool,
+        proposer: Proposer | None = None,
+        pool: tuple[int, int] | None = None,
+    ):
+        """With a `proposer`, the forward also captures its features (the step's batch returns them)
+        and, for one that drafts from device tensors, its observe runs inside the graph too. `pool`:
+        a CUDA graph memory pool to share (the decode and verify graphs never replay at once)."""
+        self.proposer, self.pool = proposer, pool
         if caches.scratch_slot is None:
             raise ValueError(
                 "caches: fixed-shape decode batches need a scratch slot (MemoryPlan scratch=True)"
@@ -96,7 +108,14 @@ class DecodeGraphs:
                 "token each"
             )
         step, (logits,) = self._replay(seqs)
+        if self.proposer is not None:
+            step.features = self.static[len(step.extend_lens)].features
         return step, logits[: len(seqs)]
+
+    @property
+    def observes(self) -> bool:
+        """The proposer's observe runs inside the replay (nothing is left for the step to observe)."""
+        return self.proposer is not None and not self.proposer.needs_host
 
     def _replay(self, seqs: Sequence[SequenceChunk]) -> tuple[ForwardBatch, tuple[torch.Tensor, ...]]:
         """Copy the step into its bucket's static batch and replay (or, uncaptured, call) the bucket."""
@@ -124,7 +143,16 @@ class DecodeGraphs:
 
     def _forward(self, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """What a replay computes from the static batch (captured once per bucket)."""
-        return (self.model(static),)
+        if self.proposer is None:
+            return (self.model(static),)
+        logits = self.model(static, self.proposer.capture_layers)
+        if self.observes:
+            seqs = len(static.extend_lens)
+            device = logits.device
+            ones = torch.ones(seqs, dtype=torch.int32, device=device)
+            commit = StepCommit(ones, logits.argmax(-1), torch.arange(seqs, device=device))
+            self.proposer.observe(static, commit)
+        return (logits,)
 
     def _build(self, seqs: Sequence[SequenceChunk], bucket: int) -> ForwardBatch:
         c = self.caches
@@ -134,8 +162,9 @@ class DecodeGraphs:
 
     def _capture_all(self) -> None:
         device = self.caches.table.table.device
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+        start, reserved_before = time.perf_counter(), torch.cuda.memory_reserved(device)
+        pool, stream = self.pool or torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+        self.pool = pool
         bar = tqdm(
             reversed(self.buckets), total=len(self.buckets), desc="Capturing CUDA graphs", unit="graph"
         )
@@ -149,7 +178,7 @@ class DecodeGraphs:
             self.kind,
             ",".join(map(str, self.buckets)),
             time.perf_counter() - start,
-            self._record_memory(free_before - torch.cuda.mem_get_info(device)[0]) / 2**30,
+            self._record_memory(torch.cuda.memory_reserved(device) - reserved_before) / 2**30,
         )
 
     def _record_memory(self, used: int) -> int:
@@ -202,19 +231,19 @@ class VerifyGraphs(DecodeGraphs):
         proposer: Proposer,
         max_batch_size: int,
         capture: bool,
+        pool: tuple[int, int] | None = None,
     ):
         if proposer.needs_host:
             raise ValueError(
                 "proposer: a verify graph needs a proposer that drafts from device tensors alone"
             )
-        self.proposer = proposer
         self.tokens_per_seq = proposer.num_draft_tokens + 1
         if not 2 <= self.tokens_per_seq <= min(MAX_BLOCK_TOKENS, caches.plan.page_size):
             raise ValueError(
                 f"proposer.num_draft_tokens: verify graphs take blocks of 2 to "
                 f"{min(MAX_BLOCK_TOKENS, caches.plan.page_size)} tokens, got {self.tokens_per_seq}"
             )
-        super().__init__(model, caches, max_batch_size, capture)
+        super().__init__(model, caches, max_batch_size, capture, proposer, pool)
 
     def accepts(self, seqs: Sequence[SequenceChunk], requests: Sequence[Request] = ()) -> bool:
         return (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,14 +11,16 @@ from pathlib import Path
 import torch
 
 from hylo.config import DEFAULT_CUDA_GRAPH_MAX_BS, EngineConfig
-from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs
+from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs, batch_size_buckets
 from hylo.engine.request import Request, Status
 from hylo.engine.runner import ModelRunner
 from hylo.engine.scheduler import Scheduler
-from hylo.memory.manager import CacheManager, MemoryPlan
+from hylo.memory.manager import CacheManager, LoadPeak, MemoryPlan, format_memory_report, memory_report
+from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
-from hylo.spec.proposer import Proposer
+from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
+from hylo.speculative.proposer import Proposer
 from hylo.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("hylo")
@@ -42,16 +45,24 @@ class Engine:
     """Loads the model, sizes the caches from one memory budget, and runs the step loop."""
 
     def __init__(
-        self, config: EngineConfig, proposer: Proposer | None = None, decode_graphs: bool | None = None
+        self,
+        config: EngineConfig,
+        proposer: Proposer | None = None,
+        decode_graphs: bool | None = None,
+        target: Glm5NextForCausalLM | None = None,
     ):
         """`proposer` overrides the one `config.speculative_algorithm` would build. `decode_graphs`
         overrides whether decode steps run as fixed-shape batches (by default: on CUDA, as graph
         replays, unless `config.disable_cuda_graph`): plain decode steps without a proposer, verify
-        steps with one that drafts on the device; on the CPU they run as plain calls (for tests)."""
+        steps with one that drafts on the device; on the CPU they run as plain calls (for tests).
+        `target`: an already loaded model of `config.model` to serve instead of loading it (several
+        engines over one model in one process, as the benchmarks compare them)."""
         self.config = config
         path = Path(config.model) if config.model is not None else _demo_model()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
-        self.model = load_model(path, self.device, self.dtype, random_weights=config.load_format == "dummy")
+        dummy = config.load_format == "dummy"
+        with LoadPeak(self.device) as load_peak:
+            self.model = target or load_model(path, self.device, self.dtype, random_weights=dummy)
         model_config = self.model.config
         tok_path = Path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = Tokenizer.from_dir(tok_path) if (tok_path / "tokenizer.json").is_file() else None
@@ -64,7 +75,6 @@ class Engine:
         # a proposer observes every forward's features: plain decode graphs don't make them, so with
         # one the fixed-shape steps are verify steps, and only for a proposer that drafts on the device
         verify_graphs = decode_graphs and self.proposer is not None and not self.proposer.needs_host
-        decode_graphs = decode_graphs and self.proposer is None
         self.plan = MemoryPlan.from_budget(
             model_config, self._budget_bytes(), config.page_size, config.max_running_requests,
             self.context_len, self.dtype, draft_bytes, indexer_dtype, scratch=decode_graphs or verify_graphs,
@@ -76,45 +86,51 @@ class Engine:
             num_drafts = self.proposer.num_draft_tokens
         self.scheduler = Scheduler(self.caches, self.plan.num_slots, config.chunked_prefill_size, num_drafts)
         self.requests: dict[str, Request] = {}
-        logger.info(
-            "max_total_num_tokens=%d max_running_requests=%d bytes_per_token=%.0f bytes_per_slot=%d",
-            self.plan.max_total_num_tokens,
-            self.plan.num_slots,
-            self.plan.bytes_per_token,
-            self.plan.bytes_per_slot,
-        )
         graphs = verifying = None
         max_bs = min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.plan.num_slots)
         capture = self.device.type == "cuda"
         if decode_graphs:
-            graphs = DecodeGraphs(self.model, self.caches, max_bs, capture)
+            graphs = DecodeGraphs(self.model, self.caches, max_bs, capture, self.proposer)
         if verify_graphs:
-            verifying = VerifyGraphs(self.model, self.caches, self.proposer, max_bs, capture)
+            verifying = VerifyGraphs(self.model, self.caches, self.proposer, max_bs, capture, graphs.pool)
+        self.policy = None
+        if self.proposer is not None and config.speculative_adaptive:
+            self.policy = DraftLengthPolicy(self.proposer.num_draft_tokens + 1)
         self.runner = ModelRunner(self.model, self.caches, config.seed, self.proposer, graphs, verifying)
+        self.buckets = batch_size_buckets(max_bs)
+        # taken last: the allocator's figures include the caches and the captured graphs' pools
+        self.memory_report = memory_report(self.model, self.plan, self.device, load_peak.bytes)
+        logger.info("memory: %s", format_memory_report(self.memory_report))
 
     def _build_proposer(self, model_path: Path, indexer_dtype: torch.dtype | None) -> Proposer | None:
         if self.config.speculative_algorithm is None:
             return None
         if self.config.speculative_algorithm == "MTP":
-            from hylo.spec.mtp import MTPProposer
+            from hylo.speculative.mtp import MTPProposer
 
             return MTPProposer.load(
-                model_path, self.model, self.config.speculative_num_steps or 1, indexer_dtype
-            )
-        from hylo.spec.dflash import DFlashProposer
+                model_path, self.model, self.config.speculative_num_steps or 1, indexer_dtype,
+                random_weights=self.config.load_format == "dummy",
+            )  # fmt: skip
+        from hylo.speculative.dflash import DFlashProposer
 
         return DFlashProposer.load(
             self.config.speculative_draft_model_path, self.model, self.config.speculative_num_draft_tokens
         )
 
     def _budget_bytes(self) -> int:
+        """The caches' bytes: on CUDA what `mem_fraction_static` of the GPU leaves beside everything in
+        use now (weights, CUDA context, other processes)."""
         if self.device.type == "cuda":
+            # blocks the loading freed stay reserved by PyTorch's cache, and would count as in use
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - total * (1 - self.config.mem_fraction_static))
             if budget <= 0:
                 raise ValueError(
                     f"mem_fraction_static={self.config.mem_fraction_static} leaves no memory for caches "
-                    f"after the weights ({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
+                    f"after the weights ({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB, "
+                    f"{torch.cuda.memory_allocated(self.device) / 2**30:.1f} GiB of it PyTorch tensors)"
                 )
             return budget
         return int(self.config.max_memory_gb * 2**30)
@@ -185,11 +201,17 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        chunks = self.scheduler.schedule()
+        bucket = self._bucket()
+        plan = self.policy.plan(bucket) if self.policy is not None else StepPlan(True, True)
+        chunks = self.scheduler.schedule(draft=plan.verify)
         if not chunks:
             return []
+        start = time.perf_counter()
+        results = self.runner.step(chunks, draft=plan.draft)
+        if self.policy is not None:
+            self._record(bucket, chunks, results, time.perf_counter() - start)
         outputs = []
-        for ch, result in zip(chunks, self.runner.step(chunks), strict=True):
+        for ch, result in zip(chunks, results, strict=True):
             request = ch.request
             request.num_computed += result.committed
             if ch.verify:
@@ -207,6 +229,19 @@ class Engine:
                     break
             outputs.append(StepOutput(request, taken, text, result.accepted if ch.verify else None))
         return outputs
+
+    def _bucket(self) -> int:
+        """The batch-size bucket of the running requests (the graphs' buckets)."""
+        running = max(1, len(self.scheduler.running))
+        return next((b for b in self.buckets if b >= running), running)
+
+    def _record(self, bucket: int, chunks, results, seconds: float) -> None:
+        """Tell the policy what a decode step (no prefill chunk) cost and committed."""
+        if not all(ch.verify or (ch.num_tokens == 1 and ch.request.output_ids) for ch in chunks):
+            return
+        verified = [r.committed for ch, r in zip(chunks, results, strict=True) if ch.verify]
+        mean = sum(verified) / len(verified) if verified else None
+        self.policy.record(bucket, bool(verified), seconds, mean)
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:

@@ -13,8 +13,8 @@ from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.sampling import SampleRow, logprob_entry, sample
-from hylo.spec.proposer import HostCommit, Proposer, StepCommit
-from hylo.spec.verify import accept
+from hylo.speculative.proposer import HostCommit, Proposer, StepCommit
+from hylo.speculative.verify import accept
 
 
 @dataclass
@@ -47,16 +47,20 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         verify_graphs: VerifyGraphs | None = None,
     ):
-        if graphs is not None and proposer is not None:
-            raise ValueError("graphs: decode graphs cannot serve an engine with a speculative proposer")
+        if graphs is not None and graphs.proposer is not proposer:
+            raise ValueError(
+                "graphs: decode graphs serve an engine with a proposer only when captured with it (its "
+                "features, and its observe for a proposer that drafts on the device)"
+            )
         self.model, self.caches, self.proposer = model, caches, proposer
         self.graphs, self.verify_graphs = graphs, verify_graphs
         device = model.embed_tokens.weight.device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def step(self, chunks: Sequence[ScheduledChunk]) -> list[ChunkResult]:
+    def step(self, chunks: Sequence[ScheduledChunk], draft: bool = True) -> list[ChunkResult]:
         """Run the chunks; one result per chunk. The one device-to-host read is of the picked tokens
-        (and of logprobs, when asked)."""
+        (and of logprobs, when asked). Without `draft` the proposer only observes the step (its drafts
+        are not needed next step); a replayed verify step drafts regardless."""
         seqs = [_sequence(ch) for ch in chunks]
         full = self._full_blocks(seqs)
         if full is not None and self.verify_graphs.accepts(full, [ch.request for ch in chunks]):
@@ -65,8 +69,10 @@ class ModelRunner:
             # at the budget (what the caches hold past it belongs to nobody once it finishes)
             kept = [min(int(counts[i]), ch.num_tokens) for i, ch in enumerate(chunks)]
             return [ChunkResult(emitted[i, :n].tolist(), None, n, n - 1) for i, n in enumerate(kept)]
+        observed = False
         if self.graphs is not None and self.graphs.accepts(seqs):
             batch, logits = self.graphs.run(seqs)
+            observed = self.graphs.observes
         else:
             c = self.caches
             batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
@@ -74,7 +80,7 @@ class ModelRunner:
                 _feed_drafts(batch, chunks, self.proposer.drafts)
             capture = self.proposer.capture_layers if self.proposer is not None else ()
             logits = self.model(batch, capture)
-        return self._pick(chunks, batch, logits)
+        return self._pick(chunks, batch, logits, observed, draft)
 
     def _full_blocks(self, seqs: list[SequenceChunk]) -> list[SequenceChunk] | None:
         """The verify step as blocks of the verify graphs' width: shorter blocks (a request within a
@@ -92,7 +98,14 @@ class ModelRunner:
             for s in seqs
         ]  # fmt: skip
 
-    def _pick(self, chunks: Sequence[ScheduledChunk], batch: ForwardBatch, logits: torch.Tensor):
+    def _pick(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        batch: ForwardBatch,
+        logits: torch.Tensor,
+        observed: bool,
+        draft: bool,
+    ) -> list[ChunkResult]:
         device = logits.device
         plain = [i for i, ch in enumerate(chunks) if ch.samples and not ch.verify]
         verifying = [i for i, ch in enumerate(chunks) if ch.verify]
@@ -127,8 +140,10 @@ class ModelRunner:
         commit = StepCommit(counts, anchors, sampling.sort().values)
         proposer = self.proposer
         if proposer is not None and not proposer.needs_host:
-            proposer.observe(batch, commit)
-            proposer.propose(batch, commit)
+            if not observed:
+                proposer.observe(batch, commit)
+            if draft:
+                proposer.propose(batch, commit)
 
         host = _read(
             picked.tokens if picked else None, *_logprob_tensors(picked),
@@ -155,7 +170,8 @@ class ModelRunner:
                 for ch, r, off in zip(chunks, results, offsets, strict=False)
             ]
             proposer.observe(batch, commit)
-            proposer.propose(batch, commit)
+            if draft:
+                proposer.propose(batch, commit)
         return results
 
 

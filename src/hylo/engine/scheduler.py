@@ -55,13 +55,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self, draft: bool = True) -> list[ScheduledChunk]:
+        """The next step's chunks; without `draft` decoding requests decode one token plainly."""
         chunks: list[ScheduledChunk] = []
         budget = self.prefill_budget
         for request in list(self.running):
             if request.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier request
-            drafts = request.draft_budget(self.num_draft_tokens) if request.remaining == 1 else 0
+            drafts = request.draft_budget(self.num_draft_tokens) if draft and request.remaining == 1 else 0
             n = 1 + drafts if request.remaining == 1 else min(request.remaining, budget)
             if n == 0 or not self._grow(request, self._reserve(request.num_computed + n)):
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +29,13 @@ class MemoryPlan:
     @property
     def max_total_num_tokens(self) -> int:
         return self.num_pages * self.page_size
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the caches built from this plan allocate, the scratch slot and page included."""
+        extra = int(self.scratch)
+        tokens = (self.num_pages + extra) * self.page_size * self.bytes_per_token
+        return int(tokens + (self.num_slots + extra) * self.bytes_per_slot)
 
     @classmethod
     def from_budget(
@@ -59,7 +67,10 @@ class MemoryPlan:
                 f"{per_slot / 2**20:.1f} MiB and one page of {page_size} tokens "
                 f"{per_token * page_size / 2**20:.2f} MiB"
             )
-        return cls(pages, page_size, slots, min(max_len, pages * page_size), per_token, per_slot, scratch)
+        # the table rows were paid for at the longest max_len the budget allowed; the pages cap it
+        max_len = min(max_len, pages * page_size)
+        per_slot = StateCache.bytes_per_slot(config, dtype) + 4 * max_len
+        return cls(pages, page_size, slots, max_len, per_token, per_slot, scratch)
 
 
 class CacheManager:
@@ -125,3 +136,60 @@ class CacheManager:
         self.pages.free(pages)
         self.slots.free([slot])
         pages.clear()
+
+
+class LoadPeak:
+    """`with LoadPeak(device) as peak:` measures in `peak.bytes` the most memory PyTorch's CUDA allocator
+    handed out during the block beyond what it held at the start; None off CUDA (no allocator to ask)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes: int | None = None
+        self._start = 0
+
+    def __enter__(self) -> LoadPeak:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `module`'s parameters and buffers, each storage counted once (tied weights share one)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def memory_report(
+    model: torch.nn.Module, plan: MemoryPlan, device: torch.device, load_peak_bytes: int | None
+) -> dict[str, Any]:
+    """The start-up memory figures: weights, the peak while loading them, the caches' share, what
+    PyTorch's allocator holds now (after the caches and any graph capture; CUDA only), and what the
+    caches admit."""
+    cuda = device.type == "cuda"
+    return {
+        "weights_bytes": weight_bytes(model),
+        "load_peak_bytes": load_peak_bytes,
+        "cache_bytes": plan.cache_bytes,
+        "torch_allocated_bytes": torch.cuda.memory_allocated(device) if cuda else None,
+        "torch_reserved_bytes": torch.cuda.memory_reserved(device) if cuda else None,
+        "max_total_num_tokens": plan.max_total_num_tokens,
+        "max_running_requests": plan.num_slots,
+    }
+
+
+def format_memory_report(report: dict[str, Any]) -> str:
+    """One log line: byte counts in GiB, counts as they are, `n/a` for what was not measured."""
+
+    def shown(key: str, value: Any) -> str:
+        if value is None:
+            return f"{key.removesuffix('_bytes')}=n/a"
+        if key.endswith("_bytes"):
+            return f"{key.removesuffix('_bytes')}={value / 2**30:.2f}GiB"
+        return f"{key}={value}"
+
+    return " ".join(shown(k, v) for k, v in report.items())

@@ -29,6 +29,7 @@ from hylo.models.mtp import MTPLayer, mtp_config
 from hylo.models.random_init import randomize
 
 FP8_BLOCK = 128
+DUMMY_SEED = 0  # `load_format="dummy"`: the target's weights; its MTP layer's come from DUMMY_SEED + 1
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 _TEXT_PREFIXES = ("model.language_model.", "model.")
 _SKIPPED = re.compile(r"^(model\.visual\.|visual\.|mtp\.)|\.shared_head\.")
@@ -297,23 +298,55 @@ def load_model(
             for layer in model.layers:
                 if isinstance(layer.mlp, MoE):
                     layer.mlp.experts = FP8Experts.empty(config, "meta")
+        if config.tie_word_embeddings:  # tied before allocation: one tensor, not two
+            model.lm_head.weight = model.embed_tokens.weight
     model = _materialize(model, device, dtype)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
     if random_weights:
-        randomize(model, torch.Generator(device).manual_seed(0))
+        randomize(model, torch.Generator(device).manual_seed(DUMMY_SEED))
     else:
         load_weights(model, path, progress)
     return model.eval()
 
 
-def load_mtp_layer(path: str | Path, target: Glm5NextForCausalLM, progress: bool | None = None) -> MTPLayer:
+def load_mtp_layer(
+    path: str | Path, target: Glm5NextForCausalLM, progress: bool | None = None, random_weights: bool = False
+) -> MTPLayer:
     """The MTP (next-n) layer stored after the target's layers: `layers.{num_hidden_layers}.*` under
     any prefix the target loader accepts (see `hylo.models.mtp` for the names), on the target's device
     and in its dtype. Raises `CheckpointError` when the checkpoint has no such layer, one that is not
-    a DSA layer with its own indexer, or a missing or unexpected tensor in it."""
+    a DSA layer with its own indexer, or a missing or unexpected tensor in it.
+
+    `random_weights` (`load_format="dummy"`) reads nothing from `path` (the config is the target's):
+    a layer with the MLP of the target's last layer that uses the target's embedding and head (where
+    DeepSeek-V3-style checkpoints store copies of them), filled from its own seed."""
     path = Path(path)
     n = target.config.num_hidden_layers
+    prefix = f"layers.{n}."
+    if random_weights:
+        mlp, own_embedding, own_head = target.config.mlp_layer_types[-1], False, False
+    else:
+        names = _mtp_tensor_names(path, n)
+        mlp = "sparse" if "mlp.gate.weight" in names else "dense"
+        own_embedding, own_head = "embed_tokens.weight" in names, "shared_head.head.weight" in names
+    with torch.device("meta"):
+        layer = MTPLayer(mtp_config(target.config, mlp), own_embedding, own_head)
+    weight = target.embed_tokens.weight
+    layer = _materialize(layer, weight.device, weight.dtype)
+    if random_weights:
+        randomize(layer, torch.Generator(weight.device).manual_seed(DUMMY_SEED + 1))
+        return layer.eval()
+    layout = {prefix + key.removeprefix("decoder."): slot for key, slot in checkpoint_layout(layer).items()}
+
+    def local_name(raw: str) -> str | None:
+        key = _strip_prefix(raw)
+        return key if key.startswith(prefix) else None
+
+    _load_tensors(layer, path, layout, local_name, progress)
+    return layer.eval()
+
+
+def _mtp_tensor_names(path: Path, n: int) -> set[str]:
+    """The checkpoint's tensor names below `layers.{n}.` (the MTP layer), checked to describe a DSA layer."""
     prefix = f"layers.{n}."
     names = {key[len(prefix) :] for key in map(_strip_prefix, _tensor_names(path)) if key.startswith(prefix)}
     if not names:
@@ -327,19 +360,7 @@ def load_mtp_layer(path: str | Path, target: Glm5NextForCausalLM, progress: bool
                 f"{path}: MTP layer tensor {prefix}{needed} is missing: hylo runs the MTP layer as a DSA "
                 "(indexed_attention) layer with its own indexer"
             )
-    config = mtp_config(target.config, "sparse" if "mlp.gate.weight" in names else "dense")
-    with torch.device("meta"):
-        layer = MTPLayer(config, "embed_tokens.weight" in names, "shared_head.head.weight" in names)
-    weight = target.embed_tokens.weight
-    layer = _materialize(layer, weight.device, weight.dtype)
-    layout = {prefix + key.removeprefix("decoder."): slot for key, slot in checkpoint_layout(layer).items()}
-
-    def local_name(raw: str) -> str | None:
-        key = _strip_prefix(raw)
-        return key if key.startswith(prefix) else None
-
-    _load_tensors(layer, path, layout, local_name, progress)
-    return layer.eval()
+    return names
 
 
 def _tensor_names(path: Path) -> list[str]:
@@ -354,12 +375,22 @@ def _tensor_names(path: Path) -> list[str]:
 
 
 def _materialize(module: ModuleT, device: str | torch.device, dtype: torch.dtype) -> ModuleT:
-    """Allocate a meta-built module on `device` in `dtype`, keeping the parameters `transformers` keeps
-    in fp32."""
-    module = module.to_empty(device=device)
-    for name, p in module.named_parameters():
-        if not (p.dtype == torch.float32 and _stays_fp32(name)):
-            p.data = p.data.to(dtype)
+    """Give every parameter and buffer of a meta-built `module` uninitialised storage on `device`, each
+    allocated once in its final dtype: `dtype` for the parameters built in fp32 except those
+    `transformers` keeps in fp32; any other parameter and every buffer as built (FP8 experts, fp32
+    biases). Allocating in the build dtype and casting afterwards would hold the whole model in fp32
+    first. Tied parameters stay tied."""
+    made: dict[int, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+            for name, meta in table.items():
+                if meta is None:
+                    continue
+                if id(meta) not in made:
+                    cast = is_param and meta.dtype == torch.float32 and not _stays_fp32(f"{prefix}.{name}")
+                    data = torch.empty(meta.shape, dtype=dtype if cast else meta.dtype, device=device)
+                    made[id(meta)] = torch.nn.Parameter(data, meta.requires_grad) if is_param else data
+                table[name] = made[id(meta)]
     return module
 
 

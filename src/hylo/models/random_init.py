@@ -24,18 +24,22 @@ def randomize(model: nn.Module, gen: torch.Generator) -> None:
 
 
 def _fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
-    noise = torch.randn(p.shape, generator=gen, device=gen.device).to(p.device)
+    """One fp32 temporary of `p`'s size: it is scaled in place, the same arithmetic as out of place, so the
+    weights do not depend on it. Every tensor draws its normal noise first (A_log then draws again):
+    the stream, hence the weights of every later tensor, stays what it always was."""
+    noise = torch.randn(p.shape, generator=gen, device=gen.device)
     if name.endswith(("norm.weight", "layernorm.weight")) or name.endswith("_hc.scale"):
-        p.copy_(1 + 0.1 * noise)
+        noise.mul_(0.1).add_(1)
     elif name.endswith("A_log"):
-        p.copy_(torch.rand(p.shape, generator=gen, device=gen.device).to(p.device) * 2 - 1)
+        noise.uniform_(generator=gen).mul_(2).sub_(1)  # what `torch.rand` draws, in place
     elif name.endswith(("dt_bias", "e_score_correction_bias", "_hc.base", "k_norm.bias", "compress_ape")):
-        p.copy_(0.1 * noise)
+        noise.mul_(0.1)
     elif name.endswith("conv_weight"):
-        p.copy_(0.5 * noise)
+        noise.mul_(0.5)
     elif name.endswith("embed_tokens.weight") or p.dtype == torch.float8_e4m3fn:
-        p.copy_(noise)  # FP8 weights: unit scale here, their block scales shrink them
+        pass  # FP8 weights: unit scale here, their block scales shrink them
     elif name.endswith("scale_inv"):  # one scale per [128, 128] block of an FP8 weight
-        p.copy_((1 + 0.1 * noise.abs()) * (p.shape[-1] * FP8_BLOCK) ** -0.5)
+        noise.abs_().mul_(0.1).add_(1).mul_((p.shape[-1] * FP8_BLOCK) ** -0.5)
     else:
-        p.copy_(noise * p.shape[-1] ** -0.5)
+        noise.mul_(p.shape[-1] ** -0.5)
+    p.copy_(noise)

@@ -90,6 +90,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             "total_slots": caches.slots.size,
             "num_running": len(core.scheduler.running),
             "num_waiting": engine.num_waiting,
+            "memory": core.memory_report,
         } | (
             {} if (tau := engine.metrics.mean_acceptance_length) is None else {"avg_spec_accept_length": tau}
         )

@@ -56,6 +56,16 @@ class ServerMetrics:
             registry=r,
             buckets=tuple(range(1, 33)),
         )
+        policy = engine.policy
+        if policy is not None:
+            steps = Gauge(
+                "hylo_spec_adaptive_steps",
+                "Decode steps the adaptive draft-length policy planned, by mode (verify or plain)",
+                ["mode"],
+                registry=r,
+            )
+            for mode in ("verify", "plain"):
+                steps.labels(mode).set_function(lambda mode=mode: policy.choices[mode])
         self.verify_steps = 0
         self.committed_by_verify = 0
         self._last_token: dict[str, float] = {}

@@ -12,7 +12,7 @@ from hylo.models.dflash import DFlashConfig, DFlashDraftModel, PagedContext
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_flat
 from hylo.ops.draft_attention import store_context_kv
-from hylo.spec.proposer import Proposer, StepCommit
+from hylo.speculative.proposer import Proposer, StepCommit
 
 
 class DFlashProposer(Proposer):

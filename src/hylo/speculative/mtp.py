@@ -14,7 +14,7 @@ from hylo.memory.state import StateCache
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_mtp_layer
 from hylo.models.mtp import MTPLayer
-from hylo.spec.proposer import Proposer, StepCommit
+from hylo.speculative.proposer import Proposer, StepCommit
 
 
 class MTPProposer(Proposer):
@@ -57,9 +57,12 @@ class MTPProposer(Proposer):
         target: Glm5NextForCausalLM,
         num_steps: int = 1,
         indexer_dtype: torch.dtype | None = None,
+        random_weights: bool = False,
     ) -> MTPProposer:
-        """The MTP layer of the target checkpoint at `path`."""
-        return cls(load_mtp_layer(path, target), target, num_steps, indexer_dtype)
+        """The MTP layer of the target checkpoint at `path` (with `random_weights`, built from its
+        config alone with the seeded random init, as `load_format="dummy"` asks)."""
+        layer = load_mtp_layer(path, target, random_weights=random_weights)
+        return cls(layer, target, num_steps, indexer_dtype)
 
     def bytes_per_token(self) -> float:
         return TokenCache.bytes_per_token(self.layer.config, self.dtype, self.indexer_dtype)

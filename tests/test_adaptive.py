@@ -1,0 +1,107 @@
+"""The adaptive draft-length policy: its rule on given costs, and engines that use it stay lossless."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import random_prompt
+from hf_reference import tiny_text_config, write_hf_checkpoint
+from test_spec import GREEDY, Oracle, Scripted
+
+from hylo.config import EngineConfig
+from hylo.engine.engine import Engine
+from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
+
+BLOCK = 4
+
+
+def run_steps(policy: DraftLengthPolicy, n: int, verify_cost: float, plain_cost: float, committed: float):
+    """`n` steps of bucket 1 at those costs; returns each step's plan."""
+    plans = []
+    for _ in range(n):
+        plan = policy.plan(1)
+        plans.append(plan)
+        policy.record(
+            1, plan.verify, verify_cost if plan.verify else plain_cost, committed if plan.verify else None
+        )
+    return plans
+
+
+def test_policy_measures_both_modes_then_keeps_the_faster():
+    # verify costs 2.5 plain steps: worth it when a block commits 4 tokens, not when it commits 1
+    good = DraftLengthPolicy(BLOCK)
+    plans = run_steps(good, 40, verify_cost=2.5, plain_cost=1.0, committed=4.0)
+    # verify (unmeasured), verify again announcing a plain step, plain (planned before its own cost is
+    # known, so it announces one more plain step), plain announcing verify, then verify throughout
+    assert plans[:4] == [
+        StepPlan(True, True),
+        StepPlan(True, False),
+        StepPlan(False, False),
+        StepPlan(False, True),
+    ]
+    assert all(p.verify and p.draft for p in plans[4:]) and good.choices == {"verify": 38, "plain": 2}
+
+    bad = DraftLengthPolicy(BLOCK, probe_every=8)
+    plans = run_steps(bad, 60, verify_cost=2.5, plain_cost=1.0, committed=1.0)
+    verifying = [i for i, p in enumerate(plans) if p.verify]
+    # after the first measurements, one verify probe every 8 plain steps
+    assert verifying[:3] == [0, 1, 11]
+    assert all(b - a == 9 for a, b in itertools.pairwise(verifying[2:]))
+    # every verify step was announced a step ahead, so its drafts exist
+    assert all(plans[i - 1].draft for i in verifying if i)
+    assert len(verifying) == 8 and bad.choices == {"verify": 8, "plain": 52}
+
+
+def test_policy_costs_are_per_bucket_and_robust_to_one_slow_step():
+    policy = DraftLengthPolicy(BLOCK)
+    for seconds in (5.0, 1.0, 1.0, 1.0):  # a first step that compiled kernels
+        policy.record(8, True, seconds, 2.0)
+    assert policy.cost(8, True) == 1.0 and policy.cost(1, True) is None
+    with pytest.raises(ValueError, match="block"):
+        DraftLengthPolicy(1)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_hf_checkpoint(tmp_path_factory.mktemp("target"), tiny_text_config(4, 8), seed=21)
+
+
+def generate(engine: Engine, prompts, max_tokens=24) -> list[list[int]]:
+    params = GREEDY.model_copy(update={"max_tokens": max_tokens})
+    requests = [engine.add_request(str(i), p, params)[0] for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_ids for r in requests]
+
+
+def test_adaptive_engines_are_lossless_and_follow_the_acceptance(target):
+    """A draft that is always right keeps verifying; one that is always wrong is dropped for plain
+    decoding; the tokens equal plain decoding either way. Steps are charged fixed costs (a verify step
+    2.5 plain ones), as CPU wall times of the tiny model are noise."""
+    config = EngineConfig(
+        model=str(target), device="cpu", dtype="float32", page_size=16, context_length=96,
+        max_memory_gb=0.25, max_running_requests=4,
+    )  # fmt: skip
+    prompts = [random_prompt(n, 160, seed=70 + n) for n in (21, 9)]
+    expected = generate(Engine(config), prompts)
+
+    def charged(engine: Engine) -> Engine:
+        record = engine.policy.record
+        engine.policy.record = lambda bucket, verify, seconds, committed: record(
+            bucket, verify, 2.5 if verify else 1.0, committed
+        )
+        return engine
+
+    truth = torch.zeros(config.max_running_requests + 1, 96, dtype=torch.long)
+    for slot, (prompt, out) in enumerate(zip(prompts, expected, strict=True)):
+        truth[slot, : len(prompt) + len(out)] = torch.tensor([*prompt, *out])
+    right = charged(Engine(config, proposer=Oracle(truth, BLOCK - 1)))
+    assert generate(right, prompts) == expected
+    assert right.policy.choices["verify"] > 2 * right.policy.choices["plain"]
+
+    always_wrong = Scripted({tuple(p): [0] * 64 for p in prompts}, set(range(64)), BLOCK - 1)
+    wrong = charged(Engine(config, proposer=always_wrong))
+    assert generate(wrong, prompts) == expected
+    assert wrong.policy.choices["plain"] > 2 * wrong.policy.choices["verify"]
