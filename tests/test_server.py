@@ -222,7 +222,7 @@ def post(url: str, path: str, body: dict, key: str | None = KEY) -> httpx.Respon
         ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "model"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
     ],
 )
@@ -348,15 +348,17 @@ def test_queue_limit_and_graceful_sigterm(model_dir):
             lines = first.iter_lines()
             next(lines)
 
-            async def burst() -> list[int]:
+            async def burst() -> list[httpx.Response]:
                 async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-                    rs = await asyncio.gather(
+                    return await asyncio.gather(
                         *(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}) for _ in range(4))
                     )
-                    return [r.status_code for r in rs]
 
-            statuses = asyncio.run(burst())
+            responses = asyncio.run(burst())
+            statuses = [r.status_code for r in responses]
             assert 429 in statuses and 200 in statuses
+            # a client told to slow down is told for how long (issue 21, defect 9)
+            assert all(r.headers["retry-after"] == "1" for r in responses if r.status_code == 429)
             # SIGTERM while the long stream runs: it still completes, then the process exits cleanly
             proc.send_signal(signal.SIGTERM)
             rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
