@@ -366,3 +366,40 @@ def test_queue_limit_and_graceful_sigterm(model_dir):
         assert proc.wait(timeout=60) == 0
     finally:
         stop(proc)
+
+
+def test_tokenize_detokenize_and_model_card(server, offline):
+    text = "Once upon a time"
+    ids = post(server, "/v1/tokenize", {"prompt": text}).json()
+    assert ids["tokens"] == offline.tokenizer.encode(text) and ids["count"] == len(ids["tokens"])
+    assert ids["max_model_len"] == 512
+    bare = post(server, "/v1/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == offline.tokenizer.encode(text, add_special_tokens=False)
+    assert post(server, "/v1/detokenize", {"tokens": bare}).json() == {"prompt": text}
+    bad = post(server, "/v1/detokenize", {"tokens": [100000]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    card = httpx.get(f"{server}/v1/models/{NAME}", headers=headers).json()
+    assert card["id"] == NAME and card["object"] == "model" and card["max_model_len"] == 512
+    missing = httpx.get(f"{server}/v1/models/other", headers=headers)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_logit_bias_steers_sampling(client, offline):
+    token = offline.tokenizer.encode(" water", add_special_tokens=False)[0]
+    forced = client.completions.create(
+        model=NAME, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100}
+    )
+    assert forced.choices[0].text == offline.tokenizer.decode([token]) * 4
+    # logprobs are of the unbiased model: banning the argmax makes greedy pick a less likely token
+    (ref,) = offline.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    banned = client.completions.create(
+        model=NAME,
+        prompt="Hello",
+        max_tokens=1,
+        temperature=0,
+        logprobs=1,
+        logit_bias={str(ref.token_ids[0]): -100},
+    )
+    lp = banned.choices[0].logprobs
+    assert lp.token_logprobs[0] < max(lp.top_logprobs[0].values())

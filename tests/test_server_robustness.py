@@ -20,6 +20,7 @@ import pytest
 from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP
 from test_server import free_port, model_dir, wait_idle  # noqa: F401 (model_dir is a fixture)
 
+from hylo.sampling import SamplingParams
 from hylo.tokenizer import Tokenizer
 
 KEY = "robust-key"
@@ -108,7 +109,7 @@ def assert_serving(url: str) -> None:
     [
         # defect 1: these passed validation and killed the engine thread
         ({"prompt": "x", "seed": 2**64}, "seed"),
-        ({"prompt": "x", "seed": 2**64 - 2, "n": 2}, "seed"),
+        ({"prompt": "x", "seed": 2**53}, "seed"),  # beyond JSON's portable integers
         ({"prompt": "x", "seed": -(2**63) - 1}, "seed"),
         ({"prompt": "x", "stop_token_ids": [100000], "min_tokens": 2}, "stop_token_ids"),
         ({"prompt": "x", "stop_token_ids": [-1], "min_tokens": 2}, "stop_token_ids.0"),
@@ -377,3 +378,16 @@ def test_chat_logprob_bytes_are_the_token_bytes(server, model_dir):  # noqa: F81
         else:
             assert item["bytes"] == list(item["token"].encode())
     assert any(t["token"].startswith("bytes:") for c in content for t in c["top_logprobs"])
+
+
+def test_sampling_params_refuse_what_the_sampler_cannot_take():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64 - 1, n=2)  # sequence 1 would seed 2**64
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-4).greedy
+    assert SamplingParams(seed=2**64 - 2, n=2).seed == 2**64 - 2

@@ -20,6 +20,12 @@ _ERRORS = {
     503: "the engine has stopped",
 }
 _POST_ERRORS = (400, 404, 413, 429, 500, 503)
+# One server-sent event: `data` is a JSON chunk, an error object, or the final `[DONE]`.
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
 
 
 def describe(app: FastAPI, vocab_size: int, keyed: bool) -> None:
@@ -65,7 +71,7 @@ def _patch(schema: dict[str, Any], vocab_size: int, keyed: bool) -> None:
                 responses["429"]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
             if path in ("/v1/completions", "/v1/chat/completions"):
                 responses["200"]["description"] = "the completion, or with `stream: true` SSE chunks"
-                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                responses["200"]["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
     paths = schema["paths"]
     paths["/health"]["get"]["responses"] = {
         "200": {"description": "the engine is serving"},
@@ -80,11 +86,29 @@ def _patch(schema: dict[str, Any], vocab_size: int, keyed: bool) -> None:
 
 
 def _bound_token_ids(node: Any, maximum: int) -> None:
+    """Token ids (and logit_bias's keys, token ids spelled as strings) up to `maximum`."""
     if isinstance(node, dict):
-        if node.pop(TOKEN_ID_MARK, False):
+        mark = node.pop(TOKEN_ID_MARK, None)
+        if mark == "key":
+            node["pattern"] = f"^({_digits_up_to(maximum)})$"
+        elif mark:
             node["maximum"] = maximum
         for value in node.values():
             _bound_token_ids(value, maximum)
     elif isinstance(node, list):
         for value in node:
             _bound_token_ids(value, maximum)
+
+
+def _digits_up_to(maximum: int) -> str:
+    """A regex alternation matching the decimal numbers 0..maximum, without leading zeros."""
+    top = str(maximum)
+    options = ["0"] if maximum >= 0 else []
+    if len(top) > 1:
+        options.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")  # fewer digits than maximum
+    for i, digit in enumerate(top):  # as many digits: equal up to i, then a smaller digit
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            options.append(f"{top[:i]}[{low}-{int(digit) - 1}][0-9]{{{len(top) - i - 1}}}")
+    options.append(top)
+    return "|".join(dict.fromkeys(options))

@@ -8,7 +8,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+)
 
 from hylo.sampling import (
     MAX_LOGIT_BIAS,
@@ -16,11 +24,10 @@ from hylo.sampling import (
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    SEED_END,
-    SEED_MIN,
     SamplingParams,
 )
 
+JSON_SAFE_INT = 2**53 - 1
 # Marks token-id schemas so the app can set their maximum to the model's vocabulary.
 TOKEN_ID_MARK = "x-hylo-token-id"
 TOKEN_ID_KEY = "(0|[1-9][0-9]{0,8})"
@@ -45,36 +52,58 @@ def _unicode(text: str) -> str:
     return text
 
 
+def _json_int(value: object) -> object:
+    """JSON Schema's integer: 2.0 is one, true is not (Python's bool is an int)."""
+    if isinstance(value, bool):
+        raise ValueError("Input should be a valid integer")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _int(**bounds: Any) -> Any:
+    """An integer field type with its bounds. They go inside, before the validator, so that the
+    schema states them as JSON Schema's minimum/maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_json_int)]
+
+
 Text = Annotated[str, AfterValidator(_unicode)]
-TokenId = Annotated[StrictInt, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
+TokenId = _int(ge=0, json_schema_extra={TOKEN_ID_MARK: True})
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
+# Strict: JSON's types as the schema states them (no "1" for 1, no true for 1.0)
+_REQUEST = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    model_config = _REQUEST
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = _REQUEST
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: _int(ge=1, le=MAX_N) = 1
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: _int(ge=-1) = -1
     min_p: float = Field(0.0, ge=0, le=1)
-    # sequence i samples with seed + i, so the top MAX_N - 1 seeds are kept free for n
-    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_END - MAX_N)
+    # JSON integers beyond 2**53 are not portable (RFC 8259 section 6: many parsers hold numbers in
+    # doubles); well inside the sampler's range, seed + i (sequence i) included.
+    seed: _int(ge=-JSON_SAFE_INT, le=JSON_SAFE_INT) | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None,
         max_length=MAX_LOGIT_BIAS,
         description="token id (as a string) -> added to its logit",
-        json_schema_extra={"propertyNames": {"pattern": f"^{TOKEN_ID_KEY}$"}},
+        json_schema_extra={"propertyNames": {"pattern": f"^{TOKEN_ID_KEY}$", TOKEN_ID_MARK: "key"}},
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -82,7 +111,7 @@ class _Common(BaseModel):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, description="at most max_tokens are generated whatever this says")
+    min_tokens: _int(ge=0, description="at most max_tokens are generated whatever this says") = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
@@ -119,16 +148,25 @@ class CompletionRequest(_Common):
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
     # `max_tokens: 0` (prompt scoring with `echo`) is not supported yet: at least 1, as for chat
-    max_tokens: int | None = Field(16, ge=1, description="null means 16, OpenAI's default")
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = Field(False, description="echo: true is not supported yet")
+    max_tokens: _int(ge=1) | None = Field(16, description="null means 16, OpenAI's default")
+    logprobs: _int(ge=0, le=20) | None = None
+    echo: StrictBool = Field(
+        False, description="true: not supported yet", json_schema_extra={"enum": [False]}
+    )
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("true (the prompt and its logprobs in the output) is not supported yet")
+        return value
 
     def sampling_params(self) -> SamplingParams:
         return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST
 
     type: Literal["text"]
     text: Text
@@ -137,7 +175,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """The fields chat templates read; other fields are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST
 
     role: Literal["system", "user", "assistant", "tool"]
     content: Text | list[TextPart]
@@ -146,10 +184,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: _int(ge=1) | None = Field(None, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: _int(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: _int(ge=0, le=20) | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -174,7 +212,7 @@ class ChatCompletionRequest(_Common):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST
 
     model: str | None = None
     prompt: Text
@@ -182,7 +220,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST
 
     model: str | None = None
     tokens: list[TokenId]
