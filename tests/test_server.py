@@ -403,3 +403,20 @@ def test_logit_bias_steers_sampling(client, offline):
     )
     lp = banned.choices[0].logprobs
     assert lp.token_logprobs[0] < max(lp.top_logprobs[0].values())
+
+
+def test_continuous_usage_stats(server):
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "stream": True,
+        "n": 2,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 12
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12

@@ -342,10 +342,15 @@ async def _reply(
             for c in first_choices:
                 yield _sse(chunk | {"choices": [c]})
             usage = [0, 0]
+            so_far: dict[int, tuple[int, int]] = {}  # choice -> (prompt, completion) tokens
             try:
                 async for index, delta in _merge(engine, handles, usage):
+                    so_far[index] = (delta.prompt_tokens, delta.completion_tokens)
                     if delta.text or delta.finish_reason or delta.token_ids:
-                        yield _sse(chunk | {"choices": [delta_choice(index, delta)]})
+                        payload = chunk | {"choices": [delta_choice(index, delta)]}
+                        if body.continuous_usage:
+                            payload["usage"] = _usage(*map(sum, zip(*so_far.values(), strict=True)))
+                        yield _sse(payload)
             except RequestFailed as e:
                 yield _sse(
                     {

@@ -81,6 +81,7 @@ class StreamOptions(BaseModel):
     model_config = _REQUEST
 
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="usage so far in every chunk (vLLM)")
 
 
 class _Common(BaseModel):
@@ -138,6 +139,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Common):
