@@ -1,7 +1,7 @@
 """OpenAI request and response schemas (with the usual vLLM/SGLang extensions) and their
 SamplingParams. These models are the server's OpenAPI schema, so every constraint the server
 enforces statically lives here; what depends on the model (vocabulary, context) is patched into the
-schema by `api.py` and checked by the engine."""
+schema by `openapi.py` and checked by the engine."""
 
 from __future__ import annotations
 
