@@ -222,7 +222,7 @@ def post(url: str, path: str, body: dict, key: str | None = KEY) -> httpx.Respon
         ("/v1/completions", {"prompt": "x", "model": "other"}, 404, "model"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
     ],
 )
@@ -348,15 +348,17 @@ def test_queue_limit_and_graceful_sigterm(model_dir):
             lines = first.iter_lines()
             next(lines)
 
-            async def burst() -> list[int]:
+            async def burst() -> list[httpx.Response]:
                 async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-                    rs = await asyncio.gather(
+                    return await asyncio.gather(
                         *(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}) for _ in range(4))
                     )
-                    return [r.status_code for r in rs]
 
-            statuses = asyncio.run(burst())
+            responses = asyncio.run(burst())
+            statuses = [r.status_code for r in responses]
             assert 429 in statuses and 200 in statuses
+            # a client told to slow down is told for how long (issue 21, defect 9)
+            assert all(r.headers["retry-after"] == "1" for r in responses if r.status_code == 429)
             # SIGTERM while the long stream runs: it still completes, then the process exits cleanly
             proc.send_signal(signal.SIGTERM)
             rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
@@ -364,3 +366,57 @@ def test_queue_limit_and_graceful_sigterm(model_dir):
         assert proc.wait(timeout=60) == 0
     finally:
         stop(proc)
+
+
+def test_tokenize_detokenize_and_model_card(server, offline):
+    text = "Once upon a time"
+    ids = post(server, "/v1/tokenize", {"prompt": text}).json()
+    assert ids["tokens"] == offline.tokenizer.encode(text) and ids["count"] == len(ids["tokens"])
+    assert ids["max_model_len"] == 512
+    bare = post(server, "/v1/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == offline.tokenizer.encode(text, add_special_tokens=False)
+    assert post(server, "/v1/detokenize", {"tokens": bare}).json() == {"prompt": text}
+    bad = post(server, "/v1/detokenize", {"tokens": [100000]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    card = httpx.get(f"{server}/v1/models/{NAME}", headers=headers).json()
+    assert card["id"] == NAME and card["object"] == "model" and card["max_model_len"] == 512
+    missing = httpx.get(f"{server}/v1/models/other", headers=headers)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_logit_bias_steers_sampling(client, offline):
+    token = offline.tokenizer.encode(" water", add_special_tokens=False)[0]
+    forced = client.completions.create(
+        model=NAME, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100}
+    )
+    assert forced.choices[0].text == offline.tokenizer.decode([token]) * 4
+    # logprobs are of the unbiased model: banning the argmax makes greedy pick a less likely token
+    (ref,) = offline.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    banned = client.completions.create(
+        model=NAME,
+        prompt="Hello",
+        max_tokens=1,
+        temperature=0,
+        logprobs=1,
+        logit_bias={str(ref.token_ids[0]): -100},
+    )
+    lp = banned.choices[0].logprobs
+    assert lp.token_logprobs[0] < max(lp.top_logprobs[0].values())
+
+
+def test_continuous_usage_stats(server):
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "stream": True,
+        "n": 2,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 12
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12

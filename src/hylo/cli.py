@@ -51,6 +51,18 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="waiting requests beyond which new ones get HTTP 429 (default: no limit)",
     )
+    srv.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for open requests before aborting them",
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 2**20,
+        help="largest request body accepted; larger ones get HTTP 413",
+    )
     EngineConfig.add_cli_args(srv.add_argument_group("engine"))
 
     bench = commands.add_parser("bench", help="benchmarks")
@@ -106,11 +118,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         config = EngineConfig.from_cli(args)
-        serve(config, args.host, args.port, args.api_key, args.served_model_name, args.max_queued_requests)
+        return serve(
+            config,
+            args.host,
+            args.port,
+            args.api_key,
+            args.served_model_name,
+            args.max_queued_requests,
+            args.graceful_shutdown_timeout,
+            args.max_request_bytes,
+        )
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"hylo: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,27 +4,49 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Below this temperature sampling is greedy (vLLM's threshold): dividing logits by a tinier one
+# overflows to inf and the softmax to NaN.
+GREEDY_BELOW = 1e-5
+# A seed feeds torch.Generator.manual_seed, which takes [-2**63, 2**64); sequence i uses seed + i.
+SEED_MIN, SEED_END = -(2**63), 2**64
+MAX_N = 128
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 32, 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300
 
 
 class SamplingParams(BaseModel):
     """How to pick each generated token and when to stop. Invalid values raise a `ValueError`
     (pydantic's `ValidationError`) naming the field; so does an unknown field."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    n: int = Field(1, ge=1, description="completions per prompt")
-    temperature: float = Field(1.0, ge=0, description="0 is greedy")
+    n: int = Field(1, ge=1, le=MAX_N, description="completions per prompt")
+    temperature: float = Field(1.0, ge=0, description=f"0 (or below {GREEDY_BELOW}) is greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 or 0 disables top-k")
     min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = Field(None, description="per-request seed: same seed, same output, whatever the batch")
+    seed: int | None = Field(
+        None,
+        ge=SEED_MIN,
+        lt=SEED_END,
+        description="per-request seed: same seed, same output, whatever the batch",
+    )
     max_tokens: int = Field(16, ge=1)
     min_tokens: int = Field(0, ge=0)
-    stop: list[str] = Field(default_factory=list, description="stop strings (not part of the output text)")
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_STOP_STRINGS,
+        description="stop strings (not part of the output text)",
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS
+    )
     ignore_eos: bool = False
     repetition_penalty: float = Field(1.0, gt=0)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -32,6 +54,9 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=20, description="top-n logprobs per generated token")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] = Field(
+        default_factory=dict, max_length=MAX_LOGIT_BIAS, description="token id -> added to its logit"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -43,6 +68,8 @@ class SamplingParams(BaseModel):
     def _no_empty_stop(cls, value: list[str]) -> list[str]:
         if any(not s for s in value):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_LENGTH for s in value):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters")
         return value
 
     @field_validator("top_k")
@@ -58,9 +85,17 @@ class SamplingParams(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
 
+    @model_validator(mode="after")
+    def _seeds_in_range(self) -> SamplingParams:
+        if self.seed is not None and self.seed + self.n > SEED_END:
+            raise ValueError(
+                f"seed + n - 1 ({self.seed + self.n - 1}) must be below 2**64 (sequence i uses seed + i)"
+            )
+        return self
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -98,7 +133,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Gen
     from it, so a seeded request samples the same tokens whatever else is in the batch.
     """
     raw = logits
-    if all(r.params.greedy and not r.banned_ids and not r.params.penalized for r in rows):
+    if all(r.params.greedy and not (r.banned_ids or r.params.penalized or r.params.logit_bias) for r in rows):
         sampled = logits.argmax(-1)
     else:
         logits, probs = target_distribution(logits, rows)
@@ -140,9 +175,14 @@ def target_distribution(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tupl
     for i, row in enumerate(rows):
         if row.params.penalized:
             _apply_penalties(logits[i], row)
+        if row.params.logit_bias:
+            bias = row.params.logit_bias
+            logits[i, list(bias)] += torch.tensor(
+                list(bias.values()), dtype=logits.dtype, device=logits.device
+            )
         if row.banned_ids:
             logits[i, list(row.banned_ids)] = float("-inf")
-    temps = [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows]
+    temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
     probs = torch.softmax(logits / torch.tensor(temps, device=logits.device)[:, None], dim=-1)
     return logits, _truncate(probs, rows)
 

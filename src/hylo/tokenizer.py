@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,17 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE spells byte b as one printable character: itself when it is printable
+    (outside space and the C0/C1 controls), else chr(256 + k) for the k-th unprintable byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _raise_exception(message: str) -> None:
@@ -127,7 +139,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Encodes ``text``; ``add_bos_token`` from the config overrides the post-processor's choice."""
-        enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        # encode_batch releases the GIL (encode does not), so a server thread tokenising a long
+        # prompt leaves the event loop running.
+        (enc,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
         ids = enc.ids
         if not add_special_tokens or self.add_bos_token is None or self.bos_token_id is None:
             return ids
@@ -141,6 +155,18 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for; a byte-level token may hold part of a UTF-8 character,
+        which ``decode`` would turn into U+FFFD."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self._tok.decoder, decoders.ByteLevel) and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if (byte := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:  # SentencePiece byte fallback
+            return bytes([int(byte[1], 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)

@@ -218,8 +218,9 @@ class VerifyGraphs(DecodeGraphs):
     `(emitted [B, T], committed [B])`: row b's first `committed[b]` entries are its new tokens.
     Filler sequences verify T tokens at the start of the scratch slot's row.
 
-    Steps it does not take (any sampled, penalised, logprob or `min_tokens`-banned row, a shorter
-    block, a prefill chunk, more sequences than the largest bucket) run eagerly.
+    Steps it does not take (any sampled, penalised, logit-biased, logprob or `min_tokens`-banned row,
+    a prefill chunk, more sequences than the largest bucket) run eagerly; a shorter block is padded
+    to the width by the runner.
     """
 
     kind = "verify"
@@ -249,7 +250,10 @@ class VerifyGraphs(DecodeGraphs):
         return (
             len(seqs) <= self.buckets[-1]
             and all(len(s.token_ids) == self.tokens_per_seq and s.verify for s in seqs)
-            and all(r.params.greedy and r.params.logprobs is None and not r.banned_ids() for r in requests)
+            and all(
+                r.params.greedy and r.params.logprobs is None and not (r.banned_ids() or r.params.logit_bias)
+                for r in requests
+            )
         )
 
     def run(self, seqs: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor]:

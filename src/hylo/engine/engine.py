@@ -184,6 +184,10 @@ class Engine:
                 f"prompt + max_tokens: {needed} tokens can never fit the cache of "
                 f"{self.plan.max_total_num_tokens} tokens (max_total_num_tokens)"
             )
+        for field, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none")
         return prompt
@@ -196,6 +200,12 @@ class Engine:
         self.scheduler.finish(request)
         request.finish("abort")
         return request
+
+    def _fail(self, request: Request) -> None:
+        """Finish a request with reason `error`, freeing its pages and slot unless that is done."""
+        if self.requests.pop(request.request_id, None) is not None:
+            self.scheduler.finish(request)
+        request.finish("error")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -220,13 +230,17 @@ class Engine:
             if not result.tokens:
                 continue
             text, taken = "", []
-            for k, token in enumerate(result.tokens):
-                taken.append(token)
-                text += request.append(token, result.logprobs[k] if result.logprobs else None)
-                if request.status is Status.FINISHED:
-                    self.scheduler.finish(request)
-                    self.requests.pop(request.request_id, None)
-                    break
+            try:
+                for k, token in enumerate(result.tokens):
+                    taken.append(token)
+                    text += request.append(token, result.logprobs[k] if result.logprobs else None)
+                    if request.status is Status.FINISHED:
+                        self.scheduler.finish(request)
+                        self.requests.pop(request.request_id, None)
+                        break
+            except Exception:  # this request's bookkeeping failed: it alone ends, the batch goes on
+                logger.exception("request %s failed", request.request_id)
+                self._fail(request)
             outputs.append(StepOutput(request, taken, text, result.accepted if ch.verify else None))
         return outputs
 

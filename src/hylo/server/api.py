@@ -1,4 +1,7 @@
-"""OpenAI-compatible HTTP API over the async engine (FastAPI)."""
+"""OpenAI-compatible HTTP API over the async engine (FastAPI).
+
+Every response that is not a success is an OpenAI-format error (`protocol.error_body`), whatever
+raised it: validation, routing (404/405), the body guard (401/413), the engine, or a bug (500)."""
 
 from __future__ import annotations
 
@@ -15,10 +18,29 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from hylo.sampling import SamplingParams
-from hylo.server.async_engine import AsyncEngine, Delta, Handle, QueueFull
-from hylo.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from hylo.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Handle, QueueFull
+from hylo.server.guard import Guard, error_response
+from hylo.server.logprobs import chat_logprobs, completion_logprobs
+from hylo.server.openapi import describe
+from hylo.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    has_surrogate,
+)
+
+# What a client told to slow down (429) should wait, in seconds.
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -29,6 +51,10 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
+class RequestFailed(Exception):
+    """The engine failed one of this request's sequences (finish reason `error`)."""
+
+
 @dataclass
 class _Choice:
     text: str = ""
@@ -37,32 +63,50 @@ class _Choice:
     finish_reason: str | None = None
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, model_name: str, api_key: str | None = None, max_request_bytes: int = 8 * 2**20
+) -> FastAPI:
     app = FastAPI(title="hylo", docs_url=None, redoc_url=None)
-    tokenizer = engine.engine.tokenizer
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_request_bytes)
+    core = engine.engine
+    tokenizer = core.tokenizer
+    vocab = core.model.config.vocab_size
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.kind, e.status, e.param), status_code=e.status)
+    async def _api_error(_: Request, e: APIError) -> Response:
+        return error_response(e.status, e.message, e.kind, e.param)
 
     @app.exception_handler(QueueFull)
-    async def _queue_full(_: Request, e: QueueFull) -> JSONResponse:
-        return JSONResponse(error_body(str(e), "rate_limit_error", 429), status_code=429)
+    async def _queue_full(_: Request, e: QueueFull) -> Response:
+        return error_response(429, str(e), "rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(_: Request, e: EngineUnavailable) -> Response:
+        return error_response(503, str(e), "service_unavailable")
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(_: Request, e: RequestFailed) -> Response:
+        return error_response(500, str(e), "internal_server_error")
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), kind, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _invalid_body(_: Request, e: RequestValidationError) -> Response:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        if first["type"] == "json_invalid":
+            return error_response(400, f"the body is not valid JSON: {first['ctx']['error']}")
+        if first["type"] == "model_attributes_type" and tuple(first["loc"]) == ("body",):
+            return error_response(400, "the body must be a JSON object (Content-Type: application/json)")
+        param = _param([err["loc"][1:] if err["loc"][:1] == ("body",) else err["loc"] for err in e.errors()])
         message = f"{param}: {first['msg']}" if param else first["msg"]
-        return JSONResponse(error_body(message, "invalid_request_error", 400, param), status_code=400)
+        return error_response(400, message, param=param)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        guarded = api_key is not None and request.url.path.startswith("/v1")
-        if guarded and request.headers.get("authorization") != f"Bearer {api_key}":
-            body = error_body("missing or invalid API key", "authentication_error", 401)
-            return JSONResponse(body, status_code=401)
-        return await call_next(request)
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, e: Exception) -> Response:
+        return error_response(500, f"internal error ({type(e).__name__})", "internal_server_error")
 
     @app.get("/health")
     async def health() -> Response:
@@ -74,7 +118,6 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        core = engine.engine
         caches, plan = core.caches, core.plan
         return {
             "model": model_name,
@@ -91,20 +134,24 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             "num_running": len(core.scheduler.running),
             "num_waiting": engine.num_waiting,
             "memory": core.memory_report,
+            "num_open_requests": engine.num_open,
         } | (
             {} if (tau := engine.metrics.mean_acceptance_length) is None else {"avg_spec_accept_length": tau}
         )
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "hylo",
-            "max_model_len": engine.engine.context_len,
-        }
-        return {"object": "list", "data": [card]}
+    created_at = int(time.time())
+    card = ModelCard(
+        id=model_name, object="model", created=created_at, owned_by="hylo", max_model_len=core.context_len
+    )
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(object="list", data=[card])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard:
+        check_model(model_id)
+        return card
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -115,42 +162,67 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
                 "not_found_error",
             )
 
-    def params_of(build) -> SamplingParams:
+    def params_of(build: Callable[[], SamplingParams]) -> SamplingParams:
         try:
             return build()
         except ValidationError as e:
             first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
+            param = _param([err["loc"] for err in e.errors()])
             raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
 
-    def encode_prompts(prompt: Any) -> list[list[int]]:
+    def need_tokenizer(param: str) -> None:
+        if tokenizer is None:
+            raise APIError(400, f"{param}: this model has no tokenizer; send token ids", param)
+
+    def encode(texts: Sequence[str], param: str, add_special_tokens: bool = True) -> list[list[int]]:
+        """Runs off the event loop: a long prompt takes seconds to tokenise."""
+        for text in texts:
+            if has_surrogate(text):
+                raise APIError(400, f"{param}: contains a lone surrogate, which is not valid text", param)
+        return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    def check_ids(ids: Sequence[int], param: str) -> None:
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param)
+
+    async def encode_prompts(prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
-        if prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt[0], int):
             return [list(prompt)]
-        if not prompt:
-            raise APIError(400, "prompt: must not be empty", "prompt")
-        if all(isinstance(p, str) for p in prompt):
-            if tokenizer is None:
-                raise APIError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
-            return [tokenizer.encode(p) for p in prompt]
+        if isinstance(prompt[0], str):
+            need_tokenizer("prompt")
+            return await asyncio.to_thread(encode, prompt, "prompt")
         return [list(p) for p in prompt]
 
     def submitted(prompts: Sequence[list[int]], params: SamplingParams, param: str) -> list[Handle]:
         """Every prompt valid and room in the queue for all of them, or an error before any work."""
+        sequences = len(prompts) * params.n
+        if engine.max_queued is not None and sequences > engine.max_queued:
+            raise APIError(
+                400,
+                f"n: {sequences} sequences (prompts x n) can never fit the waiting queue of "
+                f"{engine.max_queued} (--max-queued-requests)",
+                "n",
+            )
         for ids in prompts:
             try:
                 engine.validate(ids, params)
             except ValueError as e:
-                raise APIError(400, str(e) if param == "prompt" else f"{param}: {e}", param) from None
-        engine.check_capacity(len(prompts) * params.n)
+                message = str(e)
+                field_name = message.split(":", 1)[0]
+                if field_name in ("stop_token_ids", "logit_bias", "stop"):
+                    raise APIError(400, message, field_name) from None
+                raise APIError(400, message if param == "prompt" else f"{param}: {message}", param) from None
+        engine.check_capacity(sequences)
         return [engine.submit(ids, params) for ids in prompts]
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         check_model(body.model)
         params = params_of(body.sampling_params)
-        prompts = encode_prompts(body.prompt)
+        prompts = await encode_prompts(body.prompt)
         handles = submitted(prompts, params, "prompt")
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
@@ -159,28 +231,28 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             """A delta and a collected choice carry the same fields."""
             ids = c.token_ids
             lp = (
-                _completion_logprobs(tokenizer, ids, c.logprobs)
-                if body.logprobs is not None and ids
-                else None
+                completion_logprobs(tokenizer, ids, c.logprobs) if body.logprobs is not None and ids else None
             )
             return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
         return await _reply(raw, engine, handles, body, base, choice, choice)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
-        if tokenizer is None:
-            raise APIError(400, "messages: this model has no tokenizer or chat template", "messages")
+        need_tokenizer("messages")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, body.add_generation_prompt, body.tools, **body.chat_template_kwargs
-            )
-        except ValueError as e:
-            raise APIError(400, f"messages: {e}", "messages") from None
-        prompts = [tokenizer.encode(text, add_special_tokens=False)]
-        core = engine.engine
+
+        def render() -> list[int]:
+            try:
+                text = tokenizer.apply_chat_template(
+                    messages, body.add_generation_prompt, body.tools, **body.chat_template_kwargs
+                )
+            except Exception as e:  # the template is data: whatever it raises is about this input
+                raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+            return encode([text], "messages", add_special_tokens=False)[0]
+
+        prompts = [await asyncio.to_thread(render)]
         room = min(core.context_len, core.plan.max_total_num_tokens) - len(prompts[0])
         params = params_of(lambda: body.sampling_params(max(1, room)))
         handles = submitted(prompts, params, "messages")
@@ -189,7 +261,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
 
         def logprobs_of(ids: Sequence[int], entries: Sequence[dict[int, float]]) -> dict | None:
             return (
-                _chat_logprobs(tokenizer, ids, entries, body.top_logprobs or 0)
+                chat_logprobs(tokenizer, ids, entries, body.top_logprobs or 0)
                 if body.logprobs and ids
                 else None
             )
@@ -231,6 +303,22 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             first_choices=role,
         )
 
+    @app.post("/v1/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(body.model)
+        need_tokenizer("prompt")
+        (ids,) = await asyncio.to_thread(encode, [body.prompt], "prompt", body.add_special_tokens)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=core.context_len)
+
+    @app.post("/v1/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model)
+        need_tokenizer("tokens")
+        check_ids(body.tokens, "tokens")
+        text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
+        return DetokenizeResponse(prompt=text)
+
+    describe(app, vocab, api_key is not None)
     return app
 
 
@@ -246,7 +334,8 @@ async def _reply(
     first_choices: Sequence[dict] = (),
 ) -> Response:
     """SSE chunks (one per delta carrying text, tokens or a finish; usage last when asked; then
-    [DONE]) when the body streams, else one JSON response with every choice and the usage."""
+    [DONE]) when the body streams, else one JSON response with every choice and the usage. A
+    sequence the engine failed ends the stream with an error event (or answers a 500)."""
     if body.stream:
         chunk = base | ({"object": chunk_object} if chunk_object else {})
 
@@ -254,11 +343,29 @@ async def _reply(
             for c in first_choices:
                 yield _sse(chunk | {"choices": [c]})
             usage = [0, 0]
-            async for index, delta in _merge(engine, handles, usage):
-                if delta.text or delta.finish_reason or delta.token_ids:
-                    yield _sse(chunk | {"choices": [delta_choice(index, delta)]})
-            if body.include_usage:
-                yield _sse(chunk | {"choices": [], "usage": _usage(*usage)})
+            so_far: dict[int, tuple[int, int]] = {}  # choice -> (prompt, completion) tokens
+            try:
+                async for index, delta in _merge(engine, handles, usage):
+                    so_far[index] = (delta.prompt_tokens, delta.completion_tokens)
+                    if delta.text or delta.finish_reason or delta.token_ids:
+                        payload = chunk | {"choices": [delta_choice(index, delta)]}
+                        if body.continuous_usage:
+                            payload["usage"] = _usage(*map(sum, zip(*so_far.values(), strict=True)))
+                        yield _sse(payload)
+            except RequestFailed as e:
+                yield _sse(
+                    {
+                        "error": {
+                            "message": str(e),
+                            "type": "internal_server_error",
+                            "param": None,
+                            "code": 500,
+                        }
+                    }
+                )
+            else:
+                if body.include_usage:
+                    yield _sse(chunk | {"choices": [], "usage": _usage(*usage)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -275,7 +382,8 @@ async def _merge(
     engine: AsyncEngine, handles: Sequence[Handle], usage: list[int]
 ) -> AsyncIterator[tuple[int, Delta]]:
     """Deltas of every request's sequences as they come, as (choice index, delta); `usage` collects
-    [prompt tokens, completion tokens]. Closing the iterator early aborts whatever still runs."""
+    [prompt tokens, completion tokens]. Closing the iterator early aborts whatever still runs;
+    a failed sequence raises RequestFailed (which closes it)."""
     merged: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
 
     async def pump(first_index: int, handle: Handle) -> None:
@@ -290,6 +398,8 @@ async def _merge(
         for _ in tasks:
             while (item := await merged.get()) is not None:
                 index, delta = item
+                if delta.finish_reason == "error":
+                    raise RequestFailed(delta.error or "the engine failed while serving this request")
                 if delta.finish_reason is not None:
                     usage[0] += delta.prompt_tokens
                     usage[1] += delta.completion_tokens
@@ -331,6 +441,26 @@ async def _until_disconnect(raw: Request, work: Awaitable[list[_Choice]]) -> lis
             task.cancel()
 
 
+def _param(locs: Sequence[Sequence[int | str]]) -> str | None:
+    """The field path of the first validation error. A union reports one error per member, each
+    under the member's tag (`list[int]`, `function-after[...]`), which is pydantic's, not the
+    client's: the path is what the first error's siblings share, up to any such tag."""
+    first = locs[0]
+    shared = len(first)
+    for loc in locs[1:]:
+        if loc[:1] == first[:1]:
+            same = 0
+            while same < min(len(first), len(loc)) and first[same] == loc[same]:
+                same += 1
+            shared = min(shared, same)
+    parts = []
+    for part in first[:shared]:
+        if isinstance(part, str) and not (part.isidentifier() or part.isdigit()):
+            break
+        parts.append(str(part))
+    return ".".join(parts) or None
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -341,37 +471,3 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else str(token_id)
-
-
-def _completion_logprobs(
-    tokenizer, ids: Sequence[int], entries: Sequence[dict[int, float]]
-) -> dict[str, Any]:
-    """The legacy completions format: tokens, their logprobs, and the top-n per position."""
-    return {
-        "tokens": [_token_text(tokenizer, t) for t in ids],
-        "token_logprobs": [entry[t] for t, entry in zip(ids, entries, strict=True)],
-        "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in entry.items()} for entry in entries],
-        "text_offset": None,
-    }
-
-
-def _chat_logprobs(tokenizer, ids: Sequence[int], entries: Sequence[dict[int, float]], top_n: int) -> dict:
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {
-        "content": [
-            item(t, entry[t])
-            | {
-                "top_logprobs": [
-                    item(i, lp) for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
-                ]
-            }
-            for t, entry in zip(ids, entries, strict=True)
-        ]
-    }

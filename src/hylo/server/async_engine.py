@@ -1,29 +1,42 @@
-"""The engine on its own thread, with an asyncio front: submit, stream deltas, abort."""
+"""The engine on its own thread, with an asyncio front: submit, stream deltas, abort.
+
+Failure containment: an exception while serving one request (adding it, its output bookkeeping,
+publishing it) fails that request alone, with finish reason `error`, and frees its pages and slot.
+An exception from the step itself (the model forward, the sampler) leaves the batch's state unknown:
+the engine stops, every open request fails with an error, and `on_fatal` tells the server to exit.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import queue
 import threading
-import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
-from hylo.engine.engine import Engine
+from hylo.engine.engine import Engine, StepOutput
 from hylo.engine.request import Request, Status
 from hylo.sampling import SamplingParams
 from hylo.server.metrics import ServerMetrics
+
+logger = logging.getLogger("hylo")
 
 
 class QueueFull(Exception):
     """The waiting queue holds `max_queued_requests` requests already."""
 
 
+class EngineUnavailable(Exception):
+    """The engine has stopped (shut down, or failed) and takes no more requests."""
+
+
 @dataclass(frozen=True)
 class Delta:
     """What one step added to one sequence (`index` among the request's n), immutable so the event
-    loop can read it while the engine thread moves on."""
+    loop can read it while the engine thread moves on. A finish reason of `error` carries `error`."""
 
     index: int
     text: str
@@ -32,13 +45,16 @@ class Delta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    error: str | None = None
 
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Delta]
-    indices: dict[str, int]
+    prompt_tokens: int
+    open: set[int]  # indices that have not received their finishing delta
+    indices: dict[str, int] = field(default_factory=dict)  # engine request id -> index
 
 
 @dataclass
@@ -52,15 +68,25 @@ class Handle:
 
 class AsyncEngine:
     """Owns the `Engine`; only the engine thread touches it after `start`, except for read-only
-    validation. Every submitted request ends with a delta carrying a finish reason."""
+    validation. Every submitted request ends with a delta carrying a finish reason, whatever fails."""
 
-    def __init__(self, engine: Engine, max_queued_requests: int | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        max_queued_requests: int | None = None,
+        on_fatal: Callable[[], None] | None = None,
+    ):
         self.engine = engine
         self.max_queued = max_queued_requests
         self.metrics = ServerMetrics(engine)
+        self.failure: str | None = None
+        self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Guards `_streams` against the engine thread closing it while the event loop submits.
+        self._lock = threading.Lock()
+        self._closed = False
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hylo-engine", daemon=True)
@@ -68,19 +94,25 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def shutdown(self) -> None:
-        """Stop the engine thread; requests still in it are aborted."""
+    def shutdown(self, timeout: float = 10) -> bool:
+        """Stop the engine thread; requests still in it are aborted. False if it did not stop in
+        `timeout` seconds (a step that never returns)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.failure is None
 
     @property
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._commands.qsize()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         return self.engine.validate_prompt(prompt_ids, params)
@@ -94,10 +126,12 @@ class AsyncEngine:
         """Queue a request now (from the event loop), so queue-capacity checks see it at once.
         Raises ValueError for a bad prompt before anything is queued."""
         prompt = self.validate(prompt_ids, params)
-        handle = Handle(
-            f"req-{next(self._ids)}", params.n, _Stream(asyncio.get_running_loop(), asyncio.Queue(), {})
-        )
-        self._streams[handle.request_id] = handle.stream
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt), set(range(params.n)))
+        handle = Handle(f"req-{next(self._ids)}", params.n, stream)
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailable(self.failure or "the server is shutting down")
+            self._streams[handle.request_id] = stream
         self._send(("add", handle.request_id, prompt, params))
         return handle
 
@@ -116,23 +150,34 @@ class AsyncEngine:
     def abort(self, handle: Handle) -> None:
         self._send(("abort", handle.request_id))
 
+    def abort_all(self) -> None:
+        """Abort every open request (they finish with reason `abort`)."""
+        self._send(("abort_all",))
+
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain_commands()
-            if self.engine.has_unfinished():
-                outputs = self.engine.step()
-                self.metrics.on_step(outputs)
-                for out in outputs:
-                    self._publish(out.request, out.new_text, out.new_token_ids)
-            else:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if self.engine.has_unfinished():
+                    self._publish_step(self.engine.step())
+                else:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except Exception as e:
+            logger.exception("the engine failed; failing every open request")
+            self.failure = f"the engine failed ({type(e).__name__}) and stopped; the server is exiting"
+            self._close(self.failure)
+            if self._on_fatal is not None:
+                self._on_fatal()
+            return
+        self._drain_commands()
         for request_id in list(self._streams):
             self._abort(request_id)
+        self._close("the server is shutting down")
 
     def _drain_commands(self) -> None:
         while True:
@@ -141,13 +186,42 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt, params = command
-                stream = self._streams[request_id]
-                for i, request in enumerate(self.engine.add_request(request_id, prompt, params)):
-                    stream.indices[request.request_id] = i
-                self.metrics.on_arrival(len(prompt) * params.n)
-            else:
+                self._add(*command[1:])
+            elif command[0] == "abort":
                 self._abort(command[1])
+            else:
+                for request_id in list(self._streams):
+                    self._abort(request_id)
+
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        stream = self._streams[request_id]
+        try:
+            for i, request in enumerate(self.engine.add_request(request_id, prompt, params)):
+                stream.indices[request.request_id] = i
+            self.metrics.on_arrival(len(prompt) * params.n)
+        except Exception:
+            logger.exception("request %s could not be added", request_id)
+            # add_request may have queued some of the n sequences before it raised
+            for i in range(params.n):
+                self.engine.abort(request_id if params.n == 1 else f"{request_id}-{i}")
+            stream.indices.clear()
+            self._fail_stream(request_id, "the engine could not start this request")
+
+    def _publish_step(self, outputs: list[StepOutput]) -> None:
+        try:
+            self.metrics.on_step(outputs)
+        except Exception:
+            logger.exception("step metrics failed")
+        for out in outputs:
+            try:
+                if out.request.finish_reason == "error":
+                    self._fail_sequence(out.request, "the engine failed while serving this request")
+                else:
+                    self._publish(out.request, out.new_text, out.new_token_ids)
+            except Exception:
+                logger.exception("publishing request %s failed", out.request.request_id)
+                self.engine.abort(out.request.request_id)
+                self._fail_sequence(out.request, "the engine failed while serving this request")
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -158,8 +232,11 @@ class AsyncEngine:
             if request is not None:
                 self._publish(request, "", [])
 
+    def _parent(self, request: Request) -> str:
+        return request.request_id if request.params.n == 1 else request.request_id.rsplit("-", 1)[0]
+
     def _publish(self, request: Request, text: str, token_ids: list[int]) -> None:
-        parent = request.request_id if request.params.n == 1 else request.request_id.rsplit("-", 1)[0]
+        parent = self._parent(request)
         stream = self._streams.get(parent)
         if stream is None:
             return
@@ -178,15 +255,48 @@ class AsyncEngine:
             len(request.output_ids),
         )
         if finished:
-            del stream.indices[request.request_id]
-            if not stream.indices:
-                del self._streams[parent]
             self.metrics.on_finish(request)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            del stream.indices[request.request_id]
+            self._finish_index(parent, stream, index, delta)
+        else:
+            _put(stream, delta)
 
-    def wait_idle(self, timeout: float) -> bool:
-        """True once no request is queued or running (for a graceful shutdown)."""
-        deadline = time.monotonic() + timeout
-        while self._streams and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return not self._streams
+    def _fail_sequence(self, request: Request, message: str) -> None:
+        parent = self._parent(request)
+        stream = self._streams.get(parent)
+        if stream is None:
+            return
+        index = stream.indices.pop(request.request_id, None)
+        if index is not None:
+            request.finish("error")
+            self.metrics.on_finish(request)
+            self._finish_index(parent, stream, index, self._error_delta(stream, index, message))
+
+    def _fail_stream(self, request_id: str, message: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            for index in sorted(stream.open):
+                self._finish_index(request_id, stream, index, self._error_delta(stream, index, message))
+
+    @staticmethod
+    def _error_delta(stream: _Stream, index: int, message: str) -> Delta:
+        return Delta(index, "", (), (), "error", stream.prompt_tokens, 0, message)
+
+    def _finish_index(self, request_id: str, stream: _Stream, index: int, delta: Delta) -> None:
+        stream.open.discard(index)
+        if not stream.open:
+            self._streams.pop(request_id, None)
+        _put(stream, delta)
+
+    def _close(self, message: str) -> None:
+        """No more submissions; every request still open ends with an error."""
+        with self._lock:
+            self._closed = True
+            for request_id in list(self._streams):
+                self._fail_stream(request_id, message)
+
+
+def _put(stream: _Stream, delta: Delta) -> None:
+    # RuntimeError: the event loop has closed, nobody is listening any more
+    with contextlib.suppress(RuntimeError):
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -17,13 +20,27 @@ from hylo.server.async_engine import AsyncEngine
 logger = logging.getLogger("hylo")
 
 
+# After the graceful-shutdown timeout has aborted the open requests, how long their connections
+# get to send the last chunks before uvicorn cancels them (for an engine too stuck to abort).
+_ABORT_GRACE_S = 3.0
+
+
 class _Server(uvicorn.Server):
     """uvicorn, plus a ready line once the socket listens. On SIGTERM uvicorn stops accepting
-    connections and waits for the open ones (streams included) before the app shuts down."""
+    connections and waits for the open ones (streams included); after `graceful_timeout` seconds
+    every open request is aborted, so streams end with finish reason `abort` and `[DONE]`."""
 
-    ready_line = ""
+    def __init__(self, config: uvicorn.Config, graceful_timeout: float, on_timeout: Callable[[], None]):
+        super().__init__(config)
+        self.ready_line = ""
+        self.graceful_timeout, self.on_timeout = graceful_timeout, on_timeout
+        self._timer: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(self.graceful_timeout, self.on_timeout)
+            self._timer.daemon = True
+            self._timer.start()
         super().handle_exit(sig, frame)
         if sig == signal.SIGTERM:
             # uvicorn re-raises captured signals after its shutdown; a drained SIGTERM is a clean exit
@@ -42,26 +59,53 @@ def serve(
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_queued_requests: int | None = None,
-) -> None:
+    graceful_shutdown_timeout: float = 30.0,
+    max_request_bytes: int = 8 * 2**20,
+) -> int:
+    """Serve until SIGTERM/SIGINT (exit status 0) or until the engine fails (status 1)."""
     engine = Engine(config)
     name = served_model_name or (Path(config.model).name if config.model else "hylo-demo")
-    async_engine = AsyncEngine(engine, max_queued_requests)
-    app = build_app(async_engine, name, api_key)
+    server: _Server | None = None
+
+    def on_fatal() -> None:
+        server.should_exit = True  # read by uvicorn's main loop, which then shuts down
+
+    async_engine = AsyncEngine(engine, max_queued_requests, on_fatal)
+    app = build_app(async_engine, name, api_key, max_request_bytes)
+    stopped = True
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
+        nonlocal stopped
         async_engine.start()
         yield
-        async_engine.wait_idle(timeout=60)
-        async_engine.shutdown()
+        stopped = await asyncio.to_thread(async_engine.shutdown, _ABORT_GRACE_S)
+        if not stopped:
+            logger.error("the engine thread did not stop (a step that never returns); exiting anyway")
         logger.info("engine stopped")
 
     app.router.lifespan_context = lifespan
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=graceful_shutdown_timeout + _ABORT_GRACE_S,
+        ),
+        graceful_shutdown_timeout,
+        async_engine.abort_all,
+    )
+    # The key itself is never printed: ready lines end up in shared logs.
+    auth = " -H 'Authorization: Bearer <your --api-key>'" if api_key else ""
     server.ready_line = (
         f"hylo: ready, serving {name!r} on http://{host}:{port}\n"
         f"  curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
         f"""-d '{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}'"""
     )
     server.run()
+    if async_engine.failure is not None:
+        logger.error("exiting with status 1: %s", async_engine.failure)
+        return 1
+    return 0 if stopped else 1

@@ -1,89 +1,332 @@
-"""OpenAI request schemas (with the usual vLLM/SGLang extensions) and their SamplingParams."""
+"""OpenAI request and response schemas (with the usual vLLM/SGLang extensions) and their
+SamplingParams. These models are the server's OpenAPI schema, so every constraint the server
+enforces statically lives here; what depends on the model (vocabulary, context) is patched into the
+schema by `openapi.py` and checked by the engine."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+)
 
-from hylo.sampling import SamplingParams
+from hylo.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
+
+JSON_SAFE_INT = 2**53 - 1
+# Marks token-id schemas so the app can set their maximum to the model's vocabulary.
+TOKEN_ID_MARK = "x-hylo-token-id"
+TOKEN_ID_KEY = "(0|[1-9][0-9]{0,8})"
+# Arguments of the template call itself; a kwarg of the same name would collide with them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools")
+
+
+def has_surrogate(text: str) -> bool:
+    """A lone UTF-16 surrogate (valid in JSON's \\uD800 escapes, invalid Unicode text)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _unicode(text: str) -> str:
+    if has_surrogate(text):
+        raise ValueError("contains a lone surrogate, which is not valid Unicode text")
+    return text
+
+
+def _json_int(value: object) -> object:
+    """JSON Schema's integer: 2.0 is one, true is not (Python's bool is an int)."""
+    if isinstance(value, bool):
+        raise ValueError("Input should be a valid integer")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _int(**bounds: Any) -> Any:
+    """An integer field type with its bounds. They go inside, before the validator, so that the
+    schema states them as JSON Schema's minimum/maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_json_int)]
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+TokenId = _int(ge=0, json_schema_extra={TOKEN_ID_MARK: True})
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+# Strict: JSON's types as the schema states them (no "1" for 1, no true for 1.0)
+_REQUEST = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
+    model_config = _REQUEST
+
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="usage so far in every chunk (vLLM)")
 
 
 class _Common(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST
 
     model: str | None = None
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    n: _int(ge=1, le=MAX_N) = 1
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: _int(ge=-1) = -1
+    min_p: float = Field(0.0, ge=0, le=1)
+    # JSON integers beyond 2**53 are not portable (RFC 8259 section 6: many parsers hold numbers in
+    # doubles); well inside the sampler's range, seed + i (sequence i) included.
+    seed: _int(ge=-JSON_SAFE_INT, le=JSON_SAFE_INT) | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None,
+        max_length=MAX_LOGIT_BIAS,
+        description="token id (as a string) -> added to its logit",
+        json_schema_extra={"propertyNames": {"pattern": f"^{TOKEN_ID_KEY}$", TOKEN_ID_MARK: "key"}},
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: _int(ge=0, description="at most max_tokens are generated whatever this says") = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and not all(re.fullmatch(TOKEN_ID_KEY, k) for k in value):
+            raise ValueError("keys must be token ids")
+        return value
+
     def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )  # fmt: skip
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    prompt: (
+        Annotated[Text, Field(min_length=1)]
+        | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    # `max_tokens: 0` (prompt scoring with `echo`) is not supported yet: at least 1, as for chat
+    max_tokens: _int(ge=1) | None = Field(16, description="null means 16, OpenAI's default")
+    logprobs: _int(ge=0, le=20) | None = None
+    echo: StrictBool = Field(
+        False, description="true: not supported yet", json_schema_extra={"enum": [False]}
+    )
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("true (the prompt and its logprobs in the output) is not supported yet")
+        return value
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling(self.max_tokens, self.logprobs)
+        return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+
+class TextPart(BaseModel):
+    model_config = _REQUEST
+
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """The fields chat templates read; other fields are ignored."""
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    model_config = _REQUEST
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text | list[TextPart]
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: _int(ge=1) | None = Field(None, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: _int(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: _int(ge=0, le=20) | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}},
+    )
     tools: list[dict[str, Any]] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved(cls, value: dict[str, Any]) -> dict[str, Any]:
+        clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in value]
+        if clash:
+            raise ValueError(f"{clash[0]!r} is set by the request itself, not by a template kwarg")
+        return value
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        """`max_completion_tokens`, else `max_tokens`, else what room the context leaves."""
+        max_tokens = next(
+            (v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), default_max_tokens
+        )
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = _REQUEST
+
+    model: str | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _REQUEST
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int] | None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:

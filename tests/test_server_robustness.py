@@ -1,0 +1,393 @@
+"""No request can hurt the engine (issue 21): bad input gets an OpenAI-format 4xx naming the field,
+a request that fails inside the engine fails alone, an engine that cannot continue fails every open
+request and exits non-zero, SIGTERM is bounded. Runs real server processes, some with planted faults
+(`faulty_server.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP
+from test_server import free_port, model_dir, wait_idle  # noqa: F401 (model_dir is a fixture)
+
+from hylo.sampling import SamplingParams
+from hylo.tokenizer import Tokenizer
+
+KEY = "robust-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+FAULTY = str(Path(__file__).with_name("faulty_server.py"))
+MAX_BODY = 4_000_000
+
+
+def launch(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """A faulty server; returns once /health answers 200."""
+    port = free_port()
+    cmd = [sys.executable, FAULTY, "serve", "--model", str(model), "--port", str(port)]
+    cmd += ["--served-model-name", "demo", "--device", "cpu", "--page-size", "16", "--max-memory-gb", "0.25"]
+    proc = subprocess.Popen([*cmd, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):  # noqa: F811
+    proc, url = launch(
+        model_dir,
+        "--api-key", KEY, "--context-length", "512", "--max-queued-requests", "16",
+        "--max-request-bytes", str(MAX_BODY),
+    )  # fmt: skip
+    yield url
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, headers=AUTH, timeout=120)
+
+
+def post_raw(url: str, path: str, raw: str) -> httpx.Response:
+    """A body httpx's JSON encoder would refuse (lone surrogates, NaN)."""
+    headers = AUTH | {"content-type": "application/json"}
+    return httpx.post(f"{url}{path}", content=raw.encode(), headers=headers, timeout=60)
+
+
+def stream_events(url: str, path: str, body: dict) -> list[dict | str]:
+    """Every SSE event of a streaming request: parsed JSON, or the literal `[DONE]`."""
+    events: list[dict | str] = []
+    with httpx.stream("POST", f"{url}{path}", json=body | {"stream": True}, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return events
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["code"] == status and error["param"] == param and isinstance(error["message"], str)
+    if param is not None:
+        assert param in error["message"]
+    return error
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def assert_serving(url: str) -> None:
+    ok = post(url, "/v1/completions", {"prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        # defect 1: these passed validation and killed the engine thread
+        ({"prompt": "x", "seed": 2**64}, "seed"),
+        ({"prompt": "x", "seed": 2**53}, "seed"),  # beyond JSON's portable integers
+        ({"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+        ({"prompt": "x", "stop_token_ids": [100000], "min_tokens": 2}, "stop_token_ids"),
+        ({"prompt": "x", "stop_token_ids": [-1], "min_tokens": 2}, "stop_token_ids.0"),
+        ({"prompt": "x", "logit_bias": {"100000": 5}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"abc": 5}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias.5"),
+        # defect 7: caps
+        ({"prompt": "x", "n": 129}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),  # more than the queue (16) can ever hold: not a 429
+        ({"prompt": ["a", "b", "c", "d"], "n": 5}, "n"),
+        ({"prompt": "x", "stop": [f"s{i}" for i in range(33)]}, "stop"),
+        ({"prompt": "x", "stop": "s" * 513}, "stop"),
+        # defect 8: booleans are not token ids
+        ({"prompt": [[False]]}, "prompt"),
+        ({"prompt": [True, 1]}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+    ],
+)
+def test_invalid_completion_is_rejected_naming_the_field(server, body, param):
+    assert_error(post(server, "/v1/completions", body), 400, param)
+    assert_serving(server)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        # defect 4: 0 is not "unlimited"; one rule (at least 1) for both endpoints
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens"),
+        # defect 5: template kwargs that collide with the template call's own arguments
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ({"seed": 2**64}, "seed"),
+    ],
+)
+def test_invalid_chat_is_rejected_naming_the_field(server, body, param):
+    request = {"messages": [{"role": "user", "content": "Hi"}]} | body
+    assert_error(post(server, "/v1/chat/completions", request), 400, param)
+    assert_serving(server)
+
+
+def test_completions_and_chat_share_the_max_tokens_rule(server):
+    messages = [{"role": "user", "content": "Hi"}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        out = post(server, "/v1/chat/completions", {"messages": messages, field: 1, "ignore_eos": True})
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 1
+    out = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "ignore_eos": True})
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 1
+    # min_tokens above max_tokens is bounded by max_tokens rather than refused
+    out = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 9})
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ('{"prompt": "a\\ud800b"}', "prompt"),
+        ('{"prompt": ["ok", "\\udfff"]}', "prompt"),
+        ('{"model": "\\ud800", "prompt": "x"}', "model"),  # 404, its message quoting the name
+        # Python's JSON parser takes these non-standard literals
+        ('{"prompt": "x", "temperature": Infinity}', "temperature"),
+        ('{"prompt": "x", "top_p": NaN}', "top_p"),
+    ],
+)
+def test_raw_json_is_rejected_naming_the_field(server, raw, param):
+    assert_error(post_raw(server, "/v1/completions", raw), 404 if param == "model" else 400, param)
+
+
+def test_lone_surrogates_in_chat_are_rejected_as_json(server):
+    def chat(raw: str) -> httpx.Response:
+        return post_raw(server, "/v1/chat/completions", raw)
+
+    assert_error(chat('{"messages": [{"role": "user", "content": "\\ud800"}]}'), 400, "messages.0.content")
+    parts = '[{"type": "text", "text": "\\ud800"}]'
+    assert_error(chat(f'{{"messages": [{{"role": "user", "content": {parts}}}]}}'), 400, "messages.0.content")
+    # a surrogate reaching the prompt through the tools the template renders
+    tools = '[{"name": "\\ud800"}]'
+    assert_error(
+        chat(f'{{"messages": [{{"role": "user", "content": "x"}}], "tools": {tools}}}'), 400, "messages"
+    )
+
+
+def test_every_error_is_openai_json(server):
+    assert_error(httpx.get(f"{server}/v1/nope", headers=AUTH), 404, None)
+    assert_error(httpx.get(f"{server}/v1/completions", headers=AUTH), 405, None)
+    headers = AUTH | {"content-type": "application/json"}
+    for raw in (b'{"prompt": "\xff"}', b"\xff\xfe{", b"{not json", b"[1, 2]"):
+        assert_error(httpx.post(f"{server}/v1/completions", content=raw, headers=headers), 400, None)
+    plain = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "x"}', headers=AUTH)
+    assert "JSON object" in assert_error(plain, 400, None)["message"]
+    assert_error(httpx.post(f"{server}/v1/completions", json={"prompt": "x"}), 401, None)
+    assert_serving(server)
+
+
+def test_body_size_is_capped_with_413(server):
+    big = {"prompt": "x" * (MAX_BODY + 10)}
+    assert "--max-request-bytes" in assert_error(post(server, "/v1/completions", big), 413, None)["message"]
+
+    def chunks():  # no Content-Length: the guard counts what arrives
+        for _ in range(5):
+            yield b" " * (MAX_BODY // 4)
+
+    chunked = httpx.post(f"{server}/v1/completions", content=chunks(), headers=AUTH, timeout=60)
+    assert_error(chunked, 413, None)
+    assert_serving(server)
+
+
+def test_a_long_prompt_does_not_stall_other_connections(server):
+    """Defect 6: tokenising ~3 MB took seconds on the event loop, /health included."""
+    result: dict[str, httpx.Response] = {}
+    worker = threading.Thread(
+        target=lambda: result.setdefault(
+            "r", post(server, "/v1/completions", {"prompt": "story water " * 250_000})
+        )
+    )
+    worker.start()
+    worst = 0.0
+    while worker.is_alive():
+        start = time.perf_counter()
+        assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+        worst = max(worst, time.perf_counter() - start)
+        time.sleep(0.05)
+    worker.join()
+    assert_error(result["r"], 400, "prompt")  # longer than the context, found out off the loop
+    assert worst < 1.0, f"/health took {worst:.2f} s while a long prompt was tokenised"
+
+
+def test_non_streaming_request_is_aborted_when_its_client_leaves(server):
+    """Defect 2: behind the old auth middleware a disconnect was never seen; the request ran on."""
+    wait_idle(server)
+    aborted = metric(server, 'hylo_request_success_total{finish_reason="abort"}')
+    generated = metric(server, "hylo_generation_tokens_total")
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=1.5)
+    info = wait_idle(server)
+    assert info["free_slots"] == info["total_slots"]
+    assert metric(server, 'hylo_request_success_total{finish_reason="abort"}') == aborted + 1
+    assert metric(server, "hylo_generation_tokens_total") - generated < 400
+
+
+def test_a_request_failing_in_the_engine_fails_alone(server):
+    """Defect 1's class: an exception while serving one request errors that request (stream: an error
+    event then [DONE]; JSON: a 500), frees its pages and slot, and the engine serves everyone else."""
+    wait_idle(server)
+    normal = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True}
+    poisoned = {"prompt": [*POISON_OUTPUT, 5], "max_tokens": 40, "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=120) as c:
+            long = asyncio.create_task(asyncio.to_thread(stream_events, server, "/v1/completions", normal))
+            await asyncio.sleep(0.5)
+            bad = await asyncio.to_thread(stream_events, server, "/v1/completions", poisoned)
+            bad_json = await c.post("/v1/completions", json=poisoned)
+            bad_n = await c.post("/v1/completions", json=poisoned | {"n": 2, "seed": 1})
+            return await long, bad, bad_json, bad_n
+
+    events, bad, bad_json, bad_n = asyncio.run(run())
+    assert bad[-1] == "[DONE]" and bad[-2]["error"]["code"] == 500
+    for response in (bad_json, bad_n):
+        assert_error(response, 500, None)
+    assert events[-1] == "[DONE]"
+    finishes = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+    assert finishes[-1] == "length"
+    info = wait_idle(server)
+    assert info["free_slots"] == info["total_slots"] and info["num_open_requests"] == 0
+    assert metric(server, 'hylo_request_success_total{finish_reason="error"}') >= 4
+    assert_serving(server)
+
+
+def test_an_engine_that_cannot_continue_fails_everything_and_exits(model_dir):  # noqa: F811
+    proc, url = launch(model_dir, "--api-key", KEY)
+    try:
+        normal = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+        result: dict[str, list] = {}
+        worker = threading.Thread(
+            target=lambda: result.setdefault("e", stream_events(url, "/v1/completions", normal))
+        )
+        worker.start()
+        time.sleep(1.0)
+        fatal = post(url, "/v1/completions", {"prompt": [*POISON_STEP, 1], "max_tokens": 4})
+        assert fatal.status_code in (500, 503) and fatal.json()["error"]["code"] == fatal.status_code
+        worker.join(timeout=30)
+        events = result["e"]
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        assert proc.wait(timeout=30) == 1
+        output = proc.stdout.read()
+        assert "hylo: ready" in output and KEY not in output  # defect 9: the key is not printed
+    finally:
+        proc.kill()
+
+
+def test_sigterm_aborts_open_requests_after_the_shutdown_timeout(model_dir):  # noqa: F811
+    """Defect 3: a stream that would run for minutes ends with `abort` once the timeout passes."""
+    proc, url = launch(model_dir, "--api-key", KEY, "--graceful-shutdown-timeout", "2")
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - start < 10
+    finally:
+        proc.kill()
+
+
+def test_sigterm_with_a_stuck_engine_still_exits(model_dir):  # noqa: F811
+    proc, url = launch(model_dir, "--graceful-shutdown-timeout", "1")
+    try:
+        threading.Thread(
+            target=lambda: httpx.post(
+                f"{url}/v1/completions", json={"prompt": [*POISON_HANG, 1]}, timeout=60
+            ),
+            daemon=True,
+        ).start()
+        time.sleep(1.5)  # the step now sleeps for an hour
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 1  # the engine thread never stopped
+        assert time.monotonic() - start < 15
+    finally:
+        proc.kill()
+
+
+def test_tiny_temperature_is_greedy(server):
+    """Defect 9: 1e-300 overflowed the softmax to NaN and always picked token 0."""
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True}
+    greedy = post(server, "/v1/completions", body | {"temperature": 0}).json()["choices"][0]["text"]
+    tiny = post(server, "/v1/completions", body | {"temperature": 1e-300}).json()["choices"][0]["text"]
+    assert tiny == greedy
+
+
+def test_top_logprobs_keep_tokens_that_decode_alike(server):
+    """Defect 9: byte tokens all decode to U+FFFD; keyed by text, 20 entries collapsed to a few."""
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "logprobs": 20, "ignore_eos": True}
+    lp = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert all(len(top) >= 20 for top in lp["top_logprobs"])
+    assert all(t in top for t, top in zip(lp["tokens"], lp["top_logprobs"], strict=True))
+
+
+def test_chat_logprob_bytes_are_the_token_bytes(server, model_dir):  # noqa: F811
+    tok = Tokenizer.from_dir(model_dir)
+    assert {tok.token_bytes(i) for i in range(256)} == {bytes([b]) for b in range(256)}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 12,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "ignore_eos": True,
+    }
+    content = post(server, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    for item in [*content, *(t for c in content for t in c["top_logprobs"])]:
+        if item["token"].startswith("bytes:"):
+            hex_bytes = bytes(int(h, 16) for h in re.findall(r"\\x([0-9a-f]{2})", item["token"]))
+            assert item["bytes"] == list(hex_bytes) and b"\xef\xbf\xbd" not in hex_bytes
+        else:
+            assert item["bytes"] == list(item["token"].encode())
+    assert any(t["token"].startswith("bytes:") for c in content for t in c["top_logprobs"])
+
+
+def test_sampling_params_refuse_what_the_sampler_cannot_take():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64 - 1, n=2)  # sequence 1 would seed 2**64
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-4).greedy
+    assert SamplingParams(seed=2**64 - 2, n=2).seed == 2**64 - 2
