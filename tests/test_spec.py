@@ -361,7 +361,8 @@ def test_verify_graphs_commit_what_plain_decoding_computes(target):
         truth[slot, : len(sequence)] = torch.tensor(sequence)
     engine = Engine(config, proposer=Oracle(truth, BLOCK - 1), decode_graphs=True)
     graphs = engine.runner.verify_graphs
-    assert graphs is not None and graphs.buckets == [1, 2, 4] and engine.runner.graphs is None
+    # plain decode steps replay decode graphs that run the proposer's observe inside
+    assert graphs is not None and graphs.buckets == [1, 2, 4] and engine.runner.graphs.observes
     replays = []
     run = graphs.run
     graphs.run = lambda seqs: replays.append(len(seqs)) or run(seqs)

@@ -212,9 +212,12 @@ class VerifyGraphs(DecodeGraphs):
     """Greedy speculative steps as CUDA-graph replays: every sequence verifies its anchor and all
     `proposer.num_draft_tokens` drafts (T = drafts + 1 tokens), one graph per batch-size bucket.
 
-    A replay runs the whole step up to its one read: the drafts are copied from the proposer's device
-    rows into the static batch, the target's forward (with the proposer's features), greedy
-    acceptance, the KDA commit, the proposer's observe and its drafts for the next step. It returns
+    A step uploads one small tensor (each block's prefix length, request-table row and anchor, from
+    pinned memory); the replay builds the rest of the batch's metadata from it and the request table
+    on the device (positions, cache slots, completed pools, the pool table), copies the drafts from
+    the proposer's device rows into the static batch, and runs the target's forward (with the
+    proposer's features), greedy acceptance, the KDA commit, the proposer's observe and its drafts for
+    the next step. It returns
     `(emitted [B, T], committed [B])`: row b's first `committed[b]` entries are its new tokens.
     Filler sequences verify T tokens at the start of the scratch slot's row.
 
@@ -262,21 +265,64 @@ class VerifyGraphs(DecodeGraphs):
                 f"seqs: a verify graph takes up to {self.buckets[-1]} verify blocks of "
                 f"{self.tokens_per_seq} tokens"
             )
-        _, (emitted, committed) = self._replay(seqs)
+        bucket = next(b for b in self.buckets if b >= len(seqs))
+        host = self.host_inputs[bucket]
+        assert self.caches.scratch_slot is not None
+        filler = [(0, self.caches.scratch_slot, 0)] * (bucket - len(seqs))
+        host.copy_(torch.tensor([(s.prefix_len, s.table_row, s.token_ids[0]) for s in seqs] + filler).t())
+        self.step_inputs[bucket].copy_(host, non_blocking=True)
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            emitted, committed = self._forward(self.static[bucket])
+        else:
+            graph.replay()
+            emitted, committed = self.outputs[bucket]
         return emitted[: len(seqs)], committed[: len(seqs)]
 
     def _static_batches(self) -> dict[int, ForwardBatch]:
         """One static batch per bucket (a verify batch's tensors are per token, not per sequence), its
         pool table as wide as the request table's."""
         static = {}
+        device = self.caches.table.table.device
+        # per bucket: the step's (prefix length, table row, anchor) of every block, and a pinned mirror
+        self.step_inputs: dict[int, torch.Tensor] = {}
+        self.host_inputs: dict[int, torch.Tensor] = {}
         for bucket in self.buckets:
             batch = self._build([], bucket)
             full_width = torch.full((bucket, self.pool_width), -1, device=batch.pool_table.device)
             static[bucket] = dataclasses.replace(batch, pool_table=full_width)
+            inputs = torch.tensor([[0] * bucket, [self.caches.scratch_slot] * bucket, [0] * bucket])
+            self.host_inputs[bucket] = inputs.pin_memory() if device.type == "cuda" else inputs
+            self.step_inputs[bucket] = inputs.to(device)
         return static
+
+    def _fill_metadata(self, static: ForwardBatch, inputs: torch.Tensor) -> None:
+        """The step's batch metadata, in place, from `inputs [3, B]` (prefix lengths, table rows,
+        anchors) and the request table: what `ForwardBatch.build` computes on the host for blocks of
+        `tokens_per_seq` tokens, with the full-width pool table of the static batch."""
+        prefix, rows, anchors = inputs
+        blocks, width, kpool = len(static.extend_lens), self.tokens_per_seq, self.caches.kpool
+        table = self.caches.table.table
+        device = table.device
+        positions = prefix[:, None] + torch.arange(width, device=device)
+        static.positions.copy_(positions.flatten())
+        static.token_rows.copy_(rows[:, None].expand(blocks, width).flatten())
+        static.new_slots.copy_(table[rows[:, None], positions].long().flatten())
+        static.state_slots.copy_(rows)
+        static.input_ids.view(blocks, width)[:, 0] = anchors
+        pools_after = (prefix + width) // kpool
+        candidates = prefix[:, None] // kpool + torch.arange(-(-width // kpool), device=device)
+        completes = candidates < pools_after[:, None]
+        pool_rows = torch.where(completes, rows[:, None], self.caches.scratch_slot)
+        pool_starts = torch.where(completes, candidates * kpool, 0)
+        static.completed_pools.copy_((table[pool_rows, pool_starts].long() // kpool).flatten())
+        columns = torch.arange(self.pool_width, device=device)
+        pool_slots = table[rows[:, None], columns[None, :] * kpool].long() // kpool
+        static.pool_table.copy_(torch.where(columns[None, :] < pools_after[:, None], pool_slots, -1))
 
     def _forward(self, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
         blocks, width = len(static.extend_lens), self.tokens_per_seq
+        self._fill_metadata(static, self.step_inputs[blocks])
         ids = static.input_ids.view(blocks, width)
         ids[:, 1:] = self.proposer.drafts[static.state_slots]
         logits = self.model(static, self.proposer.capture_layers)

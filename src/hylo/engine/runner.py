@@ -226,14 +226,24 @@ def _entries(request, tokens: list[int], logprob_host: Sequence, k: int) -> list
     ]
 
 
+# pinned host buffers of the reads, by place in the read, shape and dtype: allocating pinned memory
+# costs more than a step
+_PINNED: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+
 def _read(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Host copies of the step's results: one synchronisation for all of them (pinned, non-blocking
-    copies on CUDA, then one wait)."""
+    """Host copies of the step's results: one synchronisation for all of them (non-blocking copies
+    into reused pinned buffers on CUDA, then one wait). On CUDA the copies stay valid until the next
+    read: the step turns them into Python values before it returns."""
     present = [t for t in tensors if t is not None]
     if present and present[0].is_cuda:
         copies = []
         for t in present:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = _PINNED.get((tuple(t.shape), t.dtype))
+            if host is None:
+                host = _PINNED[(tuple(t.shape), t.dtype)] = torch.empty(
+                    t.shape, dtype=t.dtype, pin_memory=True
+                )
             host.copy_(t, non_blocking=True)
             copies.append(host)
         torch.cuda.current_stream(present[0].device).synchronize()
