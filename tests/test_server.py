@@ -29,6 +29,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, port: int) -> str:
+    """The server's URL once its /health answers 200; the server's output in the error if it exits."""
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
 def start_server(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [
@@ -57,19 +74,7 @@ def start_server(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
         text=True,
         env=os.environ | {"PYTHONUNBUFFERED": "1"},
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become ready")
+    return proc, wait_ready(proc, port)
 
 
 def stop(proc: subprocess.Popen) -> None:

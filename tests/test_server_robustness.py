@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP
-from test_server import free_port, model_dir, wait_idle  # noqa: F401 (model_dir is a fixture)
+from test_server import free_port, model_dir, wait_idle, wait_ready  # noqa: F401 (model_dir is a fixture)
 
 from hylo.sampling import SamplingParams
 from hylo.tokenizer import Tokenizer
@@ -35,19 +35,7 @@ def launch(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, FAULTY, "serve", "--model", str(model), "--port", str(port)]
     cmd += ["--served-model-name", "demo", "--device", "cpu", "--page-size", "16", "--max-memory-gb", "0.25"]
     proc = subprocess.Popen([*cmd, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become ready")
+    return proc, wait_ready(proc, port)
 
 
 @pytest.fixture(scope="module")
