@@ -28,8 +28,8 @@ def _plant() -> None:
             raise RuntimeError("planted fault in one request's output")
         return append(self, token, logprobs)
 
-    def failing_schedule(self: Scheduler):
-        chunks = schedule(self)
+    def failing_schedule(self: Scheduler, *args, **kwargs):
+        chunks = schedule(self, *args, **kwargs)
         if any(_starts(ch.request.prompt_ids, POISON_STEP) for ch in chunks):
             raise RuntimeError("planted fault in the engine step")
         if any(_starts(ch.request.prompt_ids, POISON_HANG) for ch in chunks):

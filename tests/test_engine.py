@@ -118,6 +118,14 @@ def test_n_logprobs_and_greedy_truncations(checkpoint, prompts):
     )[0]
     for token, entry in zip(greedy.token_ids, greedy.logprobs, strict=True):
         assert entry[token] == max(entry.values())
+    # logprobs=0: the picked token's own logprob alone (no top list), same tokens
+    own = llm.generate(
+        prompt_token_ids=[prompts[0]],
+        use_tqdm=False,
+        sampling_params=GREEDY.model_copy(update={"logprobs": 0}),
+    )[0]
+    assert own.token_ids == greedy.token_ids
+    assert [list(e) for e in own.logprobs] == [[t] for t in own.token_ids]
     for truncation in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
         same = llm.generate(
             prompt_token_ids=[prompts[0]],

@@ -35,8 +35,8 @@ class ModelRunner:
     A speculative step (eager or replayed) is device work from the batch upload to the one read of
     the picked tokens: drafts come from the proposer's device rows, acceptance, the KDA commit, the
     proposer's observe and its next drafts all run before that read (a `needs_host` proposer's after).
-    `graphs` and a proposer exclude each other: a proposer observes every forward's captured
-    features, which plain decode graphs do not produce."""
+    With a proposer, `graphs` must have been captured with it: a proposer observes every forward's
+    features, which those graphs then produce (and observe inside, for a device-side proposer)."""
 
     def __init__(
         self,
@@ -110,18 +110,26 @@ class ModelRunner:
         plain = [i for i, ch in enumerate(chunks) if ch.samples and not ch.verify]
         verifying = [i for i, ch in enumerate(chunks) if ch.verify]
         rows_of = _logit_rows(chunks)
-        counts = torch.tensor([ch.num_tokens for ch in chunks], dtype=torch.int32).to(
-            device, non_blocking=True
-        )
-        anchors = torch.zeros(len(chunks), dtype=torch.long, device=device)
+        proposer = self.proposer
+        # a plain step whose observe ran in its graph and that drafts nothing leaves the proposer nothing
+        needs_commit = proposer is not None and (proposer.needs_host or not observed or draft)
+        counts = anchors = None
+        if needs_commit:
+            counts = torch.tensor([ch.num_tokens for ch in chunks], dtype=torch.int32).to(
+                device, non_blocking=True
+            )
+            anchors = torch.zeros(len(chunks), dtype=torch.long, device=device)
         picked, acceptance = None, None
         if plain:
             rows = [
                 SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids())
                 for r in (chunks[i].request for i in plain)
             ]
-            picked = sample(logits[[rows_of[i][0] for i in plain]], rows, self.generator)
-            anchors[plain] = picked.tokens
+            picked_rows = [rows_of[i][0] for i in plain]
+            leading = picked_rows == list(range(len(picked_rows)))  # a decode step: no index upload
+            picked = sample(logits[: len(plain)] if leading else logits[picked_rows], rows, self.generator)
+            if anchors is not None:
+                anchors[plain] = picked.tokens
         if verifying:
             width = max(chunks[i].num_tokens for i in verifying)
             index = [[rows_of[i][min(j, len(rows_of[i]) - 1)] for j in range(width)] for i in verifying]
@@ -133,13 +141,15 @@ class ModelRunner:
             )  # fmt: skip
             committed = (acceptance.accepted + 1).int()
             self.model.commit(batch, committed)
-            verify_index = torch.tensor(verifying, device=device)
-            counts[verify_index] = committed
-            anchors[verify_index] = acceptance.emitted.gather(1, acceptance.accepted[:, None])[:, 0]
-        sampling = torch.tensor(plain + verifying, dtype=torch.long).to(device, non_blocking=True)
-        commit = StepCommit(counts, anchors, sampling.sort().values)
-        proposer = self.proposer
-        if proposer is not None and not proposer.needs_host:
+            if needs_commit:
+                verify_index = torch.tensor(verifying, device=device)
+                counts[verify_index] = committed
+                anchors[verify_index] = acceptance.emitted.gather(1, acceptance.accepted[:, None])[:, 0]
+        commit = None
+        if needs_commit:
+            sampling = torch.tensor(sorted(plain + verifying), dtype=torch.long).to(device, non_blocking=True)
+            commit = StepCommit(counts, anchors, sampling)
+        if needs_commit and not proposer.needs_host:
             if not observed:
                 proposer.observe(batch, commit)
             if draft:
@@ -161,7 +171,7 @@ class ModelRunner:
             results[i] = ChunkResult(
                 tokens, _entries(chunks[i].request, tokens, host[6:9], k), accepted + 1, accepted
             )
-        if proposer is not None and proposer.needs_host:
+        if needs_commit and proposer.needs_host:
             offsets = [0, *batch.extend_lens]
             for j in range(1, len(offsets)):
                 offsets[j] += offsets[j - 1]
@@ -214,12 +224,10 @@ def _entries(request, tokens: list[int], logprob_host: Sequence, k: int) -> list
     chosen, top_ids, top_values = logprob_host
     if n is None or chosen is None:
         return None
-    chosen, top_ids, top_values = (
-        chosen[k].reshape(-1),
-        top_ids[k].reshape(-1, top_ids.shape[-1]),
-        top_values[k],
-    )
-    top_values = top_values.reshape(-1, top_values.shape[-1])
+    # row k: one position (a plain sample, `[n]`) or a verify block's positions (`[T, n]`); n may be 0
+    chosen, top_ids, top_values = chosen[k].reshape(-1), top_ids[k], top_values[k]
+    if top_ids.dim() == 1:
+        top_ids, top_values = top_ids[None], top_values[None]
     return [
         logprob_entry(t, float(chosen[j]), top_ids[j].tolist(), top_values[j].tolist(), n)
         for j, t in enumerate(tokens)
