@@ -36,7 +36,7 @@ class Metrics:
         return 1 + self.spec_accepted_tokens / self.spec_verify_steps
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: it equals only itself, so queues find it without comparing fields
 class Request:
     """One sequence to complete. `num_computed` tokens of `prompt_ids + output_ids` are in the caches;
     the next forward feeds the rest (all of it after a preemption, which empties the caches).
