@@ -101,6 +101,12 @@ class SamplingParams(BaseModel):
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
+    @property
+    def raw_argmax(self) -> bool:
+        """Greedy over the model's own logits: nothing (penalties, logit bias) changes them first, so
+        the pick is their argmax alone (with no `min_tokens` ban in force, which the caller checks)."""
+        return self.greedy and not self.penalized and not self.logit_bias
+
 
 @dataclass
 class SampleRow:
@@ -133,7 +139,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Gen
     from it, so a seeded request samples the same tokens whatever else is in the batch.
     """
     raw = logits
-    if all(r.params.greedy and not (r.banned_ids or r.params.penalized or r.params.logit_bias) for r in rows):
+    if all(r.params.raw_argmax and not r.banned_ids for r in rows):
         sampled = logits.argmax(-1)
     else:
         logits, probs = target_distribution(logits, rows)

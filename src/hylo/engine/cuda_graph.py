@@ -254,8 +254,7 @@ class VerifyGraphs(DecodeGraphs):
             len(seqs) <= self.buckets[-1]
             and all(len(s.token_ids) == self.tokens_per_seq and s.verify for s in seqs)
             and all(
-                r.params.greedy and r.params.logprobs is None and not (r.banned_ids() or r.params.logit_bias)
-                for r in requests
+                r.params.raw_argmax and r.params.logprobs is None and not r.banned_ids() for r in requests
             )
         )
 

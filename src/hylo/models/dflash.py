@@ -42,6 +42,7 @@ from torch import nn
 
 from hylo.layers.norm import RMSNorm
 from hylo.ops.draft_attention import paged_draft_attention, rotary_tables
+from hylo.ops.draft_attention.reference import inverse_frequencies
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 ARCHITECTURES = ("DFlashDraftModel", DFLASH2_ARCHITECTURE)
@@ -171,10 +172,6 @@ def rope(
     half = d // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-def inverse_frequencies(d: int, theta: float, device) -> torch.Tensor:
-    return 1.0 / theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
 
 
 @dataclass(frozen=True)

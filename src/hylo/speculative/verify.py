@@ -67,7 +67,7 @@ def accept(
     counts = torch.tensor(list(num_drafts), device=device)
     steps = torch.arange(width, device=device)
     padded_drafts = torch.cat([drafts, drafts.new_zeros(num_blocks, 1)], 1)
-    plain = all(r.params.greedy and not (r.banned_ids() or r.params.logit_bias) for r in requests)
+    plain = all(r.params.raw_argmax and not r.banned_ids() for r in requests)
     if plain:
         target = logits.argmax(-1)
         accepted = greedy_accept(target, drafts, counts)

@@ -48,13 +48,21 @@ def paged_draft_attention_reference(
     return torch.einsum("rhbk,rkhd->rbhd", scores.softmax(-1), values.float()).to(q.dtype)
 
 
+def inverse_frequencies(
+    head_dim: int, theta: float, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """fp32 rotary frequencies `theta^(-2i/d)` of the rotate-half layout, `[head_dim // 2]`."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+
+
 def rotary_tables(
     max_pos: int, head_dim: int, theta: float, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 `cos, sin [max_pos, head_dim // 2]` of the rotate-half rotary embedding, computed as
     `hylo.models.dflash.rope` computes them, so that a table lookup equals its angles bit for bit."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.arange(max_pos, device=device).float()[:, None] * inv_freq
+    angles = torch.arange(max_pos, device=device).float()[:, None] * inverse_frequencies(
+        head_dim, theta, device
+    )
     return angles.cos(), angles.sin()
 
 
