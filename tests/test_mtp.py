@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
+from hylo.engine.request import Status
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.moe import MoE
 from hylo.memory.manager import weight_bytes
@@ -105,34 +106,49 @@ def plain_outputs(checkpoints) -> list[list[int]]:
     return [o.token_ids for o in outputs]
 
 
-@pytest.fixture(scope="module", params=[1, 3], ids=["1-step", "3-step"])
+@pytest.fixture(
+    scope="module", params=[(1, False), (3, False), (3, True)], ids=["1-step", "3-step", "3-step-graphs"]
+)
 def mtp_run(request, checkpoints):
-    """An MTP run over `PROMPTS`: (llm, outputs, every proposal as (prompt, tokens up to and with the
-    anchor, drafts))."""
-    llm = make_llm(checkpoints[1], speculative_algorithm="MTP", speculative_num_steps=request.param)
-    proposer = llm.engine.proposer
-    assert proposer.num_draft_tokens == request.param
-    proposals = []
+    """An MTP run over `PROMPTS`, eager or through the fixed-shape decode and verify batches (on the
+    CPU the plain calls of what CUDA graphs replay): (llm, outputs, every proposal as (prompt,
+    committed length n, anchor, drafts), the verify-graph steps run)."""
+    steps, graphs = request.param
+    llm = make_llm(
+        checkpoints[1], speculative_algorithm="MTP", speculative_num_steps=steps, decode_graphs=graphs,
+        max_running_requests=8, cuda_graph_max_bs=8,
+    )  # fmt: skip
+    engine, proposer = llm.engine, llm.engine.proposer
+    assert proposer.num_draft_tokens == steps
+    proposals, replays = [], []
     propose = proposer.propose
 
     def recording(batch, commit):
         propose(batch, commit)
-        for c in commit.host:
-            if c.new_tokens:  # the step's tokens are not appended yet; the last one is the anchor
-                r = c.request
-                tokens = [*r.prompt_ids, *r.output_ids, *c.new_tokens][: c.start + c.count + 1]
-                proposals.append((r.prompt_ids, tokens, proposer.drafts[r.slot].tolist()))
+        running = {r.slot: r for r in engine.requests.values() if r.status is Status.RUNNING}
+        seqs = commit.sampling
+        rows = batch.state_slots[seqs].tolist()
+        lengths = (batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs]).tolist()
+        for row, n, anchor in zip(rows, lengths, commit.anchors[seqs].tolist(), strict=True):
+            if row in running:  # not a filler block's
+                proposals.append((running[row].prompt_ids, n, anchor, proposer.drafts[row].tolist()))
 
     proposer.propose = recording
+    if graphs:
+        run = engine.runner.verify_graphs.run
+        engine.runner.verify_graphs.run = lambda seqs: replays.append(len(seqs)) or run(seqs)
     outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
-    return llm, outputs, proposals
+    return llm, outputs, proposals, replays
 
 
 def test_mtp_greedy_is_lossless_on_a_batch_of_16(plain_outputs, mtp_run):
-    _, outputs, proposals = mtp_run
+    llm, outputs, proposals, replays = mtp_run
     assert [o.token_ids for o in outputs] == plain_outputs
     assert all(o.metrics.spec_verify_steps > 0 for o in outputs)
-    assert max(len(d) for _, _, d in proposals) == mtp_run[0].engine.proposer.num_steps
+    assert max(len(d) for *_, d in proposals) == llm.engine.proposer.num_steps
+    if llm.engine.runner.verify_graphs is not None:
+        assert sum(replays) >= len(PROMPTS)  # the verify steps went through the fixed-shape batches
+        assert llm.engine.runner.graphs.observes
 
 
 class ReferenceMTP:
@@ -210,14 +226,17 @@ def test_mtp_drafts_equal_a_from_scratch_recomputation(reference, mtp_run):
     entries, k-pools completed by drafts): every proposal made for a short prompt, a long one prefilled
     in two steps, and any request that had a draft accepted equals the drafts recomputed from its full
     prefix."""
-    _, outputs, proposals = mtp_run
+    _, outputs, proposals, _ = mtp_run
     checked = [i for i, o in enumerate(outputs) if i in (0, 5) or o.metrics.spec_accepted_tokens]
     for i in checked:
         prompt = PROMPTS[i]
-        made = [(len(tokens) - 1, drafts) for p, tokens, drafts in proposals if p == prompt]
+        sequence = prompt + outputs[i].token_ids
+        made = [(n, anchor, drafts) for p, n, anchor, drafts in proposals if p == prompt]
         assert len(made) >= 5
-        expected = reference.proposals(prompt + outputs[i].token_ids, [(n, len(d)) for n, d in made])
-        assert [d for _, d in made] == expected, i
+        # every anchor is the token the target picked after the n committed ones
+        assert all(anchor == sequence[n] for n, anchor, _ in made if n < len(sequence))
+        expected = reference.proposals(sequence, [(n, len(d)) for n, _, d in made])
+        assert [d for *_, d in made] == expected, i
 
 
 def test_mtp_layer_loads_flat_fp8_names_and_its_own_embedding(checkpoints, tmp_path):

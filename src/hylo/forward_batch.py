@@ -1,4 +1,6 @@
-"""Metadata of one model forward over a batch of sequences, built once on the CPU."""
+"""Metadata of one model forward over a batch of sequences: built once on the CPU (`ForwardBatch.build`),
+or on the device from device lengths alone (`ForwardBatch.uniform`, what a CUDA graph builds inside
+its capture)."""
 
 from __future__ import annotations
 
@@ -94,6 +96,10 @@ class ForwardBatch:
     # KDA layer -> what its verify kept for `commit` (the verified tokens' inputs and replay operands)
     kda_records: dict[int, VerifyCache] = field(default_factory=dict)
     features: torch.Tensor | None = None  # captured target features, when a forward asks for them
+    # Set when every sequence has this many new tokens and is past position 0 (fixed-shape decode and
+    # verify batches, device-built ones): the device tensors describe the step; the host lists above
+    # may be a capture's placeholders, true for another step than the one replayed.
+    uniform_width: int | None = None
 
     @classmethod
     def build(
@@ -187,4 +193,77 @@ class ForwardBatch:
             seq_slots=[c.state_slot for c in chunks],
             tokens=tokens,
             states=states,
+            uniform_width=None if fixed is None else fixed.tokens_per_seq,
         )
+
+    @classmethod
+    def uniform(
+        cls,
+        prefix: torch.Tensor,
+        rows: torch.Tensor,
+        width: int,
+        req_to_token: torch.Tensor,
+        tokens: TokenCache,
+        states: StateCache,
+        kpool: int,
+    ) -> ForwardBatch:
+        """`len(prefix)` sequences of `width` new tokens, sequence b at positions `prefix[b] ..
+        prefix[b] + width - 1` of request-table row (and state slot) `rows[b]`; every tensor made on
+        the device from those two (int64, device) and the table, nothing read back. Logits for every
+        token; `input_ids` are zeros (for layers fed embeddings). The host lists are placeholders, so
+        there are no verify chunks: the batch is for layers that read device tensors only (attention,
+        MLP; not KDA verify). `pool_table` is as wide as the request table; every position must be
+        backed."""
+        b = prefix.shape[0]
+        device = req_to_token.device
+        meta = uniform_metadata(prefix, rows, width, req_to_token, kpool)
+        packed = torch.arange(b * width, device=device)
+        return cls(
+            input_ids=torch.zeros(b * width, dtype=torch.long, device=device),
+            token_seq=packed // width,
+            req_to_token=req_to_token,
+            pad_index=packed.view(b, width),
+            pad_valid=torch.ones(b, width, dtype=torch.bool, device=device),
+            logits_index=packed,
+            extend_lens=[width] * b,
+            prefix_lens=[0] * b,
+            verify_seqs=[],
+            seq_rows=[-1] * b,
+            seq_slots=[-1] * b,
+            tokens=tokens,
+            states=states,
+            uniform_width=width,
+            **meta,
+        )
+
+
+def uniform_metadata(
+    prefix: torch.Tensor, rows: torch.Tensor, width: int, req_to_token: torch.Tensor, kpool: int
+) -> dict[str, torch.Tensor]:
+    """On the device, what `ForwardBatch.build` computes for sequences of `width` tokens at device
+    prefix lengths `prefix [B]` in table rows `rows [B]`: `positions`, `token_rows`, `new_slots`,
+    `state_slots`, `completed_pools` (`B · ceil(width / kpool)` entries) and a `pool_table` as wide as
+    the table.
+
+    `completed_pools` lists, per sequence, the pools its tokens may complete; a listed pool that does
+    not complete is replaced by the sequence's pool at `prefix`, which is incomplete before this
+    forward, is masked out of `pool_table` until some forward completes it, and is recompressed by
+    that forward: whatever this one writes to its pooled slot is never read. (When that pool does
+    complete here, both entries compute the same key from the same entries.)"""
+    device = req_to_token.device
+    steps = torch.arange(width, device=device)
+    positions = prefix[:, None] + steps
+    pools_after = (prefix + width) // kpool
+    candidates = prefix[:, None] // kpool + torch.arange(-(-width // kpool), device=device)
+    candidates = torch.where(candidates < pools_after[:, None], candidates, prefix[:, None] // kpool)
+    completed = req_to_token[rows[:, None], candidates * kpool].long() // kpool
+    columns = torch.arange(req_to_token.shape[1] // kpool, device=device)
+    pool_slots = req_to_token[rows[:, None], columns[None, :] * kpool].long() // kpool
+    return {
+        "positions": positions.flatten(),
+        "token_rows": rows[:, None].expand(-1, width).flatten(),
+        "new_slots": req_to_token[rows[:, None], positions].long().flatten(),
+        "state_slots": rows,
+        "completed_pools": completed.flatten(),
+        "pool_table": torch.where(columns[None, :] < pools_after[:, None], pool_slots, -1),
+    }

@@ -57,12 +57,18 @@ class LLM:
     in snake_case (`chunked_prefill_size`, `max_running_requests`, `page_size`, ...)."""
 
     def __init__(
-        self, model: str | None = None, proposer: Proposer | None = None, target=None, **engine_args: Any
+        self,
+        model: str | None = None,
+        proposer: Proposer | None = None,
+        target=None,
+        decode_graphs: bool | None = None,
+        **engine_args: Any,
     ):
         """`proposer` plugs in a custom speculative proposer (instead of `speculative_algorithm`);
-        `target` serves an already loaded model of `model` (another `LLM`'s `engine.model`)."""
+        `target` serves an already loaded model of `model` (another `LLM`'s `engine.model`);
+        `decode_graphs` as `Engine` takes it (fixed-shape decode and verify steps on the CPU, for tests)."""
         config = EngineConfig.from_kwargs(model=model, **engine_args)
-        self.engine = Engine(config, proposer, target=target)
+        self.engine = Engine(config, proposer, decode_graphs, target=target)
         self._ids = itertools.count()
 
     @property

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from hylo.engine.request import Request
-from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
+from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk, uniform_metadata
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.speculative.proposer import Proposer, StepCommit
@@ -297,27 +297,12 @@ class VerifyGraphs(DecodeGraphs):
 
     def _fill_metadata(self, static: ForwardBatch, inputs: torch.Tensor) -> None:
         """The step's batch metadata, in place, from `inputs [3, B]` (prefix lengths, table rows,
-        anchors) and the request table: what `ForwardBatch.build` computes on the host for blocks of
-        `tokens_per_seq` tokens, with the full-width pool table of the static batch."""
+        anchors) and the request table (`uniform_metadata`)."""
         prefix, rows, anchors = inputs
-        blocks, width, kpool = len(static.extend_lens), self.tokens_per_seq, self.caches.kpool
-        table = self.caches.table.table
-        device = table.device
-        positions = prefix[:, None] + torch.arange(width, device=device)
-        static.positions.copy_(positions.flatten())
-        static.token_rows.copy_(rows[:, None].expand(blocks, width).flatten())
-        static.new_slots.copy_(table[rows[:, None], positions].long().flatten())
-        static.state_slots.copy_(rows)
-        static.input_ids.view(blocks, width)[:, 0] = anchors
-        pools_after = (prefix + width) // kpool
-        candidates = prefix[:, None] // kpool + torch.arange(-(-width // kpool), device=device)
-        completes = candidates < pools_after[:, None]
-        pool_rows = torch.where(completes, rows[:, None], self.caches.scratch_slot)
-        pool_starts = torch.where(completes, candidates * kpool, 0)
-        static.completed_pools.copy_((table[pool_rows, pool_starts].long() // kpool).flatten())
-        columns = torch.arange(self.pool_width, device=device)
-        pool_slots = table[rows[:, None], columns[None, :] * kpool].long() // kpool
-        static.pool_table.copy_(torch.where(columns[None, :] < pools_after[:, None], pool_slots, -1))
+        meta = uniform_metadata(prefix, rows, self.tokens_per_seq, self.caches.table.table, self.caches.kpool)
+        for name, value in meta.items():
+            getattr(static, name).copy_(value)
+        static.input_ids.view(len(static.extend_lens), self.tokens_per_seq)[:, 0] = anchors
 
     def _forward(self, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
         blocks, width = len(static.extend_lens), self.tokens_per_seq
@@ -328,6 +313,10 @@ class VerifyGraphs(DecodeGraphs):
         target = logits.argmax(-1).view(blocks, width)
         drafts = torch.full((blocks,), width - 1, device=ids.device)
         accepted = greedy_accept(target, ids[:, 1:], drafts)
+        # a filler block commits its anchor alone, so that what its proposer writes after it stays
+        # in the scratch slot's one page
+        filler = static.state_slots == self.caches.scratch_slot
+        accepted = torch.where(filler, 0, accepted)
         committed = (accepted + 1).int()
         self.model.commit(static, committed)
         anchors = target.gather(1, accepted[:, None])[:, 0]

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,13 +20,19 @@ class MTPProposer(Proposer):
     """The MTP layer's latents, indexer keys, gates and pooled keys live in a `TokenCache` of their own
     indexed by the target's request table, with the entry for (h_i, token i+1) at position i (see
     `hylo.models.mtp`). `last_hidden[row]` keeps the target hidden of each request's last committed
-    token, which pairs with the next token to arrive.
+    token, which pairs with the next token to arrive. Everything runs from device tensors (a verify
+    graph captures the observe and the `num_steps` chained drafting forwards).
 
     Invariant: after `observe`, a request with n committed tokens has correct entries at positions
-    0 .. n-2. `propose` writes positions n-1 .. n-2+steps from drafts; all are rewritten by later
-    observes before any forward reads them, and a k-pool completed by a draft entry is recompressed
-    when its last entry is written again, exactly as the target's own caches roll back.
+    0 .. n-2. Observe writes an entry for every token of the forward, committed or not (a rejected
+    draft's is wrong), and `propose` writes positions n-1 .. n-2+steps from drafts; any entry at n-1
+    or later is rewritten, by a later observe or propose, before a query reads it (queries at n-1+s
+    read positions up to n-1+s, and observes write in order), and a k-pool completed by a wrong
+    entry is recompressed when its last entry is written again, exactly as the target's own caches
+    roll back.
     """
+
+    needs_host = False
 
     def __init__(
         self,
@@ -77,64 +82,75 @@ class MTPProposer(Proposer):
             req_to_token.shape[0], self.target.config.hidden_size, dtype=self.dtype, device=self.device
         )
 
-    def _batch(self, chunks: Sequence[SequenceChunk]) -> ForwardBatch:
-        return ForwardBatch.build(chunks, self.table, self.cache, self.states, self.layer.config.index_kpool)
+    def _uniform(self, prefix: torch.Tensor, rows: torch.Tensor, width: int) -> ForwardBatch:
+        kpool = self.layer.config.index_kpool
+        return ForwardBatch.uniform(prefix, rows, width, self.table, self.cache, self.states, kpool)
 
     @torch.inference_mode()
     def observe(self, batch: ForwardBatch, commit: StepCommit) -> None:
-        """One MTP forward writes the entries the committed tokens complete: for tokens at positions
-        `start .. start+count-1`, entries `start-1 .. start+count-2` (none for token 0)."""
-        assert commit.host is not None, "the MTP proposer observes after the step's read"
+        """One MTP forward writes the entries of the forward's tokens: for tokens at positions
+        `start .. start+n-1`, entries `start-1 .. start+n-2` (none for token 0)."""
         features = batch.features
-        kept = [c for c in commit.host if c.count]
-        if not kept or features is None:
+        if features is None:
             return
-        rows = torch.tensor([c.request.slot for c in kept])
-        offsets = torch.tensor([c.offset for c in kept])
-        counts = torch.tensor([c.count for c in kept])
-        skip_first = torch.tensor([c.start == 0 for c in kept], dtype=torch.long)
-        entries = counts - skip_first
-        seq = torch.repeat_interleave(torch.arange(len(kept)), entries)
-        within = torch.arange(int(entries.sum())) - (torch.cumsum(entries, 0) - entries)[seq]
-        token_index = offsets[seq] + skip_first[seq] + within  # packed row of token i+1
-        hidden_index = token_index - 1  # packed row of h_i; before the chunk it is h_{start-1}, kept
-        kept_hidden = (hidden_index < offsets[seq])[:, None]
+        embed = self.layer.embedding(self.target)
+        offsets = batch.pad_index[:, 0]
+        width = batch.uniform_width
+        if width is not None:  # every sequence has `width` tokens and a cached prefix
+            blocks = len(batch.extend_lens)
+            rows = batch.state_slots
+            features_by_seq = features.view(blocks, width, -1)
+            hidden = torch.cat([self.last_hidden[rows][:, None], features_by_seq[:, :-1]], 1)
+            # a filler sequence starts at position 0 of the scratch slot: its entries go there too
+            prefix = (batch.positions[offsets] - 1).clamp(min=0)
+            self.layer(embed(batch.input_ids), hidden.flatten(0, 1), self._uniform(prefix, rows, width))
+        else:
+            self._observe_chunks(batch, features)
+        rows = batch.state_slots
+        self.last_hidden[rows] = features[offsets + commit.counts.long().clamp(min=1) - 1]
 
-        chunks = [
-            SequenceChunk([0] * n, c.start - 1 + first, c.request.slot, c.request.slot, sample=False)
-            for c, n, first in zip(kept, entries.tolist(), skip_first.tolist(), strict=True)
-            if n
-        ]
-        if chunks:
-            device = features.device
-            hidden = torch.where(
-                kept_hidden.to(device),
-                self.last_hidden[rows[seq].to(device)],
-                features[hidden_index.clamp(min=0).to(device)],
-            )
-            embeds = self.layer.embedding(self.target)(batch.input_ids[token_index.to(device)])
-            self.layer(embeds, hidden, self._batch(chunks))
-        self.last_hidden[rows.to(self.device)] = features[(offsets + counts - 1).to(features.device)]
+    def _observe_chunks(self, batch: ForwardBatch, features: torch.Tensor) -> None:
+        """The entries of a batch of chunks of any length (from its host lists): a chunk at position 0
+        has no entry for its first token; every other token's hidden is the one before it (for the
+        chunk's first token, the request's last committed hidden)."""
+        chunks, token_index, hidden_index, kept = [], [], [], []
+        offset = 0
+        for start, n, row in zip(batch.prefix_lens, batch.extend_lens, batch.seq_rows, strict=True):
+            first = int(start == 0)
+            if n > first:
+                chunks.append(SequenceChunk([0] * (n - first), start - 1 + first, row, row, sample=False))
+                token_index += range(offset + first, offset + n)
+                hidden_index += range(offset + first - 1, offset + n - 1)
+                kept += [first == 0] + [False] * (n - 1 - first)
+            offset += n
+        if not chunks:
+            return
+        device = features.device
+        token_index_d = torch.tensor(token_index).to(device, non_blocking=True)
+        hidden_index_d = torch.tensor(hidden_index).clamp(min=0).to(device, non_blocking=True)
+        kept_d = torch.tensor(kept).to(device, non_blocking=True)
+        hidden = torch.where(
+            kept_d[:, None], self.last_hidden[batch.token_rows[token_index_d]], features[hidden_index_d]
+        )
+        embeds = self.layer.embedding(self.target)(batch.input_ids[token_index_d])
+        kpool = self.layer.config.index_kpool
+        self.layer(embeds, hidden, ForwardBatch.build(chunks, self.table, self.cache, self.states, kpool))
 
     @torch.inference_mode()
     def propose(self, batch: ForwardBatch, commit: StepCommit) -> None:
         """Step s (from 0) runs every sampling sequence at position n-1+s (n = its committed length):
         step 0 pairs the last committed hidden with the anchor, later steps the previous step's MTP
         hidden with its draft; draft s goes to column s of the request's draft row."""
-        assert commit.host is not None, "the MTP proposer drafts after the step's read"
-        picked = [c for c in commit.host if c.new_tokens]
-        if not picked:
+        seqs = commit.sampling
+        if seqs.numel() == 0:
             return
-        lengths = [c.start + c.count for c in picked]
-        rows = [c.request.slot for c in picked]
-        rows_d = torch.tensor(rows, device=self.device)
-        tokens = torch.tensor([c.new_tokens[-1] for c in picked], device=self.device)
-        hidden = self.last_hidden[rows_d]
+        rows = batch.state_slots[seqs]
+        lengths = batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs].long()
+        last = self.table.shape[1] - 1  # drafts past the table's end are never verified
+        tokens, hidden = commit.anchors[seqs], self.last_hidden[rows]
+        embed = self.layer.embedding(self.target)
         for step in range(self.num_steps):
-            chunks = [
-                SequenceChunk([0], n - 1 + step, row, row, sample=False)
-                for n, row in zip(lengths, rows, strict=True)
-            ]
-            hidden = self.layer(self.layer.embedding(self.target)(tokens), hidden, self._batch(chunks))
+            positions = (lengths - 1 + step).clamp(max=last)
+            hidden = self.layer(embed(tokens), hidden, self._uniform(positions, rows, 1))
             tokens = self.layer.logits(hidden, self.target).argmax(-1)
-            self.drafts[rows_d, step] = tokens
+            self.drafts[rows, step] = tokens

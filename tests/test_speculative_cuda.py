@@ -1,0 +1,104 @@
+"""Speculative steps on the GPU: a verify step that replays its CUDA graph synchronises only for the
+one read of its tokens, and the replayed steps give the eager engine's tokens (batch sizes equal to
+graph buckets, so that both run the same kernels on the same shapes). Tiny random-weight target
+(`load_format="dummy"`), a tiny random DFlash draft and the target's dummy MTP layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_prompt
+from dflash_reference import write_dflash_checkpoint
+from hf_reference import tiny_text_config
+
+import hylo.engine.runner as runner_module
+from hylo import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs and the sync debug mode need a GPU"
+)
+
+VOCAB, HIDDEN, BLOCK = 160, 64, 4
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    """(a config-only target directory, a DFlash draft for it)."""
+    target = tmp_path_factory.mktemp("target")
+    text = {"model_type": "glm5_next_text", **tiny_text_config(4, 8)}
+    (target / "config.json").write_text(json.dumps({"model_type": "glm5_next", "text_config": text}))
+    draft = write_dflash_checkpoint(
+        tmp_path_factory.mktemp("draft"), HIDDEN, VOCAB, [0, 2, 4], seed=5, block_size=BLOCK
+    )
+    return target, draft
+
+
+def flags(algorithm: str, draft: Path) -> dict:
+    if algorithm == "mtp":
+        return {"speculative_algorithm": "MTP", "speculative_num_steps": BLOCK - 1}
+    return {
+        "speculative_algorithm": "DFLASH",
+        "speculative_draft_model_path": str(draft),
+        "speculative_num_draft_tokens": BLOCK,
+    }
+
+
+def make_llm(target: Path, algorithm: str, draft: Path, **kwargs) -> LLM:
+    return LLM(
+        str(target), device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
+        context_length=256, max_running_requests=4, cuda_graph_max_bs=4, mem_fraction_static=0.9,
+        speculative_adaptive=False, **flags(algorithm, draft), **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "mtp"])
+def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, monkeypatch):
+    target, draft = checkpoints
+    graphs = make_llm(target, algorithm, draft)
+    eager = make_llm(target, algorithm, draft, disable_cuda_graph=True, target=graphs.engine.model)
+    assert graphs.engine.runner.verify_graphs is not None and eager.engine.runner.verify_graphs is None
+
+    reads, replayed = [], []
+    read = runner_module._read
+
+    def allowed_read(*tensors):
+        """The step's one read, out of the sync debug mode's reach."""
+        mode = torch.cuda.get_sync_debug_mode()
+        if mode:  # a strict step's (the eager engine's steps read too)
+            reads[-1] += 1
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return read(*tensors)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    monkeypatch.setattr(runner_module, "_read", allowed_read)
+    runner = graphs.engine.runner
+    step, run = runner.step, runner.verify_graphs.run
+
+    def strict_step(chunks, draft=True):
+        """A verify step raises on any synchronising call but the read."""
+        if not all(ch.verify for ch in chunks):
+            return step(chunks, draft)
+        reads.append(0)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            results = step(chunks, draft)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert reads[-1] == 1
+        return results
+
+    monkeypatch.setattr(runner, "step", strict_step)
+    monkeypatch.setattr(runner.verify_graphs, "run", lambda seqs: replayed.append(len(seqs)) or run(seqs))
+    for batch in (1, 2, 4):  # graph buckets: no filler blocks
+        prompts = [random_prompt(9 + 7 * i, VOCAB, seed=60 + batch + i) for i in range(batch)]
+        got = graphs.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        expected = eager.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected], batch
+        assert replayed.count(batch) >= 3, replayed
+    assert len(reads) >= 9 and all(n == 1 for n in reads), reads
