@@ -12,8 +12,9 @@ reachable from the CLI or API), which is how the seed benchmarks report acceptan
 "natural" runs keep the real acceptance (about 1 for a random draft), with the adaptive draft-length
 policy on ("adaptive") and off ("static"). Reports per (algorithm, batch): decode tokens/s per user
 and the ratio to plain graph decode of the same repetition (median of `--reps`), the wall time per
-engine step, the GPU time of one verify-graph replay (CUDA events), and the synchronising calls per step
-(`torch.cuda.set_sync_debug_mode("warn")`).
+engine step, the GPU time of one verify-graph replay (CUDA events), the kernels one replay launches and
+the top kernels by GPU time (torch.profiler, `--out`/kernels_*.txt), and the synchronising calls per
+step (`torch.cuda.set_sync_debug_mode("warn")`).
 """
 
 from __future__ import annotations
@@ -142,6 +143,22 @@ def replay_ms(graphs: VerifyGraphs, bucket: int, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps
 
 
+def replay_kernels(graphs: VerifyGraphs, bucket: int, reps: int = 5) -> tuple[float, str]:
+    """(kernels per replay, the top kernels by GPU time) of `bucket`'s graph, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = graphs.graphs[bucket]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    return sum(e.count for e in kernels) / reps, table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
@@ -240,6 +257,13 @@ def main() -> None:
             bucket = next(b for b in natural.buckets if b >= bsz)
             row[f"{name}_verify_replay_ms_natural"] = round(replay_ms(natural, bucket), 3)
             row[f"{name}_verify_replay_ms_forced"] = round(replay_ms(forced, bucket), 3)
+        for name, (natural, _) in graphs.items():
+            bucket = next(b for b in natural.buckets if b >= bsz)
+            count, table = replay_kernels(natural, bucket)
+            row[f"{name}_verify_kernels_per_replay"] = count
+            if args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                (Path(args.out) / f"kernels_{name}_B{bsz}.txt").write_text(table)
         plain_graphs = plain.engine.runner.graphs
         row["plain_decode_replay_ms"] = round(
             replay_ms(plain_graphs, next(b for b in plain_graphs.buckets if b >= bsz)), 3
