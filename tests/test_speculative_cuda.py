@@ -47,9 +47,9 @@ def flags(algorithm: str, draft: Path) -> dict:
     }
 
 
-def make_llm(target: Path, algorithm: str, draft: Path, **kwargs) -> LLM:
+def make_llm(path: Path, algorithm: str, draft: Path, **kwargs) -> LLM:
     return LLM(
-        str(target), device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
+        str(path), device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
         context_length=256, max_running_requests=4, cuda_graph_max_bs=4, mem_fraction_static=0.9,
         speculative_adaptive=False, **flags(algorithm, draft), **kwargs,
     )  # fmt: skip
