@@ -249,3 +249,39 @@ def test_cuda_graph_flags():
         EngineConfig(cuda_graph_max_bs=0)
     with pytest.raises(ValueError, match="disable_cuda_graph must be a bool"):
         EngineConfig(disable_cuda_graph="yes")
+
+
+@pytest.mark.parametrize("width", [1, 3, 4, 6])
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_device_built_batch_is_the_host_built_one(model, num_seqs, width):
+    """`ForwardBatch.uniform` (what a graph builds inside its capture) against `ForwardBatch.build` of
+    the same sequences: every tensor equal and dense (kernels index them as dense rows; a stride-0
+    view for one sequence crashed the GPU's top-k kernel), the pool table as wide as the request
+    table with -1 past the host one's columns, and the completed pools the host's, a candidate that
+    does not complete replaced by the sequence's pool at its prefix."""
+    caches = caches_for(model, scratch=False)
+    slots = admit(caches, num_seqs)
+    prefixes = [5, 12, 30][:num_seqs]
+    chunks = [SequenceChunk([0] * width, p, s, s, sample=False) for p, s in zip(prefixes, slots, strict=True)]
+    host = build(caches, chunks, all_logits=True)
+    c, kpool, table = caches, caches.kpool, caches.table.table
+    rows = torch.tensor(slots)
+    dev = ForwardBatch.uniform(torch.tensor(prefixes), rows, width, table, c.tokens, c.states, kpool)
+    for name in ("input_ids", "positions", "token_seq", "token_rows", "new_slots", "state_slots", "pad_index",
+                 "pad_valid", "logits_index"):  # fmt: skip
+        got, expected = getattr(dev, name), getattr(host, name)
+        assert torch.equal(got, expected) and got.is_contiguous(), name
+    columns = host.pool_table.shape[1]
+    assert dev.pool_table.shape == (num_seqs, table.shape[1] // kpool) and dev.pool_table.is_contiguous()
+    assert torch.equal(dev.pool_table[:, :columns], host.pool_table)
+    assert bool((dev.pool_table[:, columns:] == -1).all())
+    expected = []
+    for p, s in zip(prefixes, slots, strict=True):
+        for k in range(-(-width // kpool)):
+            pool = p // kpool + k if p // kpool + k < (p + width) // kpool else p // kpool
+            expected.append(int(table[s, pool * kpool]) // kpool)
+    assert dev.completed_pools.tolist() == expected
+    completing = {int(table[s, q * kpool]) // kpool for p, s in zip(prefixes, slots, strict=True)
+                  for q in range(p // kpool, (p + width) // kpool)}  # fmt: skip
+    assert set(host.completed_pools.tolist()) == completing <= set(expected)
+    assert dev.uniform_width == width and host.uniform_width is None

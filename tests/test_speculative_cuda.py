@@ -47,19 +47,29 @@ def flags(algorithm: str, draft: Path) -> dict:
     }
 
 
+def cache_fraction(cache_bytes: float = 4 * 2**30) -> float:
+    """The `mem_fraction_static` that leaves an engine about `cache_bytes` of caches beside what is in
+    use now (a tiny model's weights, the other engines of the module)."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free + cache_bytes) / total
+
+
 def make_llm(path: Path, algorithm: str, draft: Path, **kwargs) -> LLM:
     return LLM(
         str(path), device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
-        context_length=256, max_running_requests=4, cuda_graph_max_bs=4, mem_fraction_static=0.9,
-        speculative_adaptive=False, **flags(algorithm, draft), **kwargs,
+        context_length=256, max_running_requests=4, cuda_graph_max_bs=4, speculative_adaptive=False,
+        **flags(algorithm, draft), **kwargs,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("algorithm", ["dflash", "mtp"])
 def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, monkeypatch):
     target, draft = checkpoints
-    graphs = make_llm(target, algorithm, draft)
-    eager = make_llm(target, algorithm, draft, disable_cuda_graph=True, target=graphs.engine.model)
+    graphs = make_llm(target, algorithm, draft, mem_fraction_static=cache_fraction())
+    eager = make_llm(
+        target, algorithm, draft, mem_fraction_static=cache_fraction(), disable_cuda_graph=True,
+        target=graphs.engine.model,
+    )  # fmt: skip
     assert graphs.engine.runner.verify_graphs is not None and eager.engine.runner.verify_graphs is None
 
     reads, replayed = [], []

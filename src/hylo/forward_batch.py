@@ -261,7 +261,8 @@ def uniform_metadata(
     pool_slots = req_to_token[rows[:, None], columns[None, :] * kpool].long() // kpool
     return {
         "positions": positions.flatten(),
-        "token_rows": rows[:, None].expand(-1, width).flatten(),
+        # a copy: with one sequence an expanded flatten is a stride-0 view, and kernels index rows densely
+        "token_rows": rows.repeat_interleave(width),
         "new_slots": req_to_token[rows[:, None], positions].long().flatten(),
         "state_slots": rows,
         "completed_pools": completed.flatten(),
