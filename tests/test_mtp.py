@@ -19,10 +19,12 @@ from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
 from hylo.engine.request import Status
 from hylo.forward_batch import ForwardBatch
-from hylo.layers.moe import MoE
+from hylo.layers.moe import FP8Experts, MoE
 from hylo.memory.manager import weight_bytes
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import CheckpointError, dequantize_fp8, load_model, load_mtp_layer, quantize_fp8
+from hylo.speculative.mtp import MTPProposer
+from hylo.speculative.proposer import StepCommit
 
 TARGET_LAYERS = 6
 VOCAB, HIDDEN = 160, 64
@@ -121,10 +123,10 @@ def mtp_run(request, checkpoints):
     engine, proposer = llm.engine, llm.engine.proposer
     assert proposer.num_draft_tokens == steps
     proposals, replays = [], []
-    propose = proposer.propose
+    propose, observe_and_propose = proposer.propose, proposer.observe_and_propose
+    inside = []
 
-    def recording(batch, commit):
-        propose(batch, commit)
+    def record(batch, commit):
         running = {r.slot: r for r in engine.requests.values() if r.status is Status.RUNNING}
         seqs = commit.sampling
         rows = batch.state_slots[seqs].tolist()
@@ -133,7 +135,18 @@ def mtp_run(request, checkpoints):
             if row in running:  # not a filler block's
                 proposals.append((running[row].prompt_ids, n, anchor, proposer.drafts[row].tolist()))
 
-    proposer.propose = recording
+    def recording_propose(batch, commit):
+        propose(batch, commit)
+        if not inside:
+            record(batch, commit)
+
+    def recording_observe_and_propose(batch, commit):
+        inside.append(True)
+        observe_and_propose(batch, commit)
+        inside.pop()
+        record(batch, commit)
+
+    proposer.propose, proposer.observe_and_propose = recording_propose, recording_observe_and_propose
     if graphs:
         run = engine.runner.verify_graphs.run
         engine.runner.verify_graphs.run = lambda seqs: replays.append(len(seqs)) or run(seqs)
@@ -290,6 +303,32 @@ def test_dummy_mtp_layer_needs_only_the_config(config_only):
     assert layer.embedding(target) is target.embed_tokens and layer.head(target) is target.lm_head
     with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         load_mtp_layer(config_only, target)
+
+
+def test_mtp_routed_experts_are_fp8_where_the_targets_are(tmp_path):
+    """A target whose routed experts stay FP8 gets an MTP layer whose experts do too (dummy weights
+    here; a checkpoint fills the same buffers), and the layer runs."""
+    text = {"model_type": "glm5_next_text", **tiny_text_config(4, 8, moe_intermediate_size=128)}
+    text["mlp_layer_types"] = ["sparse"] * len(text["mlp_layer_types"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm5_next", "text_config": text}))
+    target = load_model(tmp_path, dtype=torch.float32, progress=False, fp8_experts=True, random_weights=True)
+    layer = load_mtp_layer(tmp_path, target, random_weights=True)
+    experts = layer.decoder.mlp.experts
+    assert isinstance(experts, FP8Experts) and experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    bf16_target = load_model(tmp_path, dtype=torch.float32, progress=False, random_weights=True)
+    bf16_layer = load_mtp_layer(tmp_path, bf16_target, random_weights=True)
+    assert not isinstance(bf16_layer.decoder.mlp.experts, FP8Experts)
+    caches = Caches(target, num_seqs=1, per_seq=64)
+    m = caches.manager
+    proposer = MTPProposer(layer, target, num_steps=2)
+    proposer.attach(m.tokens.num_slots, m.table.table)
+    batch = ForwardBatch.build([caches.chunk(0, random_prompt(9, VOCAB, 3), 0)], m.table.table, m.tokens,
+                               m.states, m.kpool)  # fmt: skip
+    target(batch, capture_layers=proposer.capture_layers)
+    counts = torch.tensor([9], dtype=torch.int32)
+    commit = StepCommit(counts, torch.tensor([5]), torch.tensor([0]))
+    proposer.observe_and_propose(batch, commit)
+    assert proposer.drafts[0].min() >= 0 and proposer.drafts[0].max() < VOCAB
 
 
 def test_mtp_on_dummy_weights_is_lossless(config_only):

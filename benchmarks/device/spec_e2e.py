@@ -190,7 +190,7 @@ def main() -> None:
     for name in algorithms:
         # each engine's caches get about 6 GiB above what is in use once its own weights are loaded
         free, total = torch.cuda.mem_get_info()
-        own_weights = (16 if name == "mtp" else 1.5) * 2**30  # a dummy MTP layer keeps bf16 experts
+        own_weights = (8 if name == "mtp" else 1.5) * 2**30  # the MTP layer: FP8 experts, as the target's
         fraction = min(0.95, (total - free + own_weights + 6 * 2**30) / total)
         if name == "mtp":
             flags = dict(speculative_algorithm="MTP", speculative_num_steps=args.mtp_steps)

@@ -313,14 +313,9 @@ class VerifyGraphs(DecodeGraphs):
         target = logits.argmax(-1).view(blocks, width)
         drafts = torch.full((blocks,), width - 1, device=ids.device)
         accepted = greedy_accept(target, ids[:, 1:], drafts)
-        # a filler block commits its anchor alone, so that what its proposer writes after it stays
-        # in the scratch slot's one page
-        filler = static.state_slots == self.caches.scratch_slot
-        accepted = torch.where(filler, 0, accepted)
         committed = (accepted + 1).int()
         self.model.commit(static, committed)
         anchors = target.gather(1, accepted[:, None])[:, 0]
         commit = StepCommit(committed, anchors, torch.arange(blocks, device=ids.device))
-        self.proposer.observe(static, commit)
-        self.proposer.propose(static, commit)
+        self.proposer.observe_and_propose(static, commit)
         return target, committed

@@ -150,9 +150,11 @@ class ModelRunner:
             sampling = torch.tensor(sorted(plain + verifying), dtype=torch.long).to(device, non_blocking=True)
             commit = StepCommit(counts, anchors, sampling)
         if needs_commit and not proposer.needs_host:
-            if not observed:
+            if not observed and draft:
+                proposer.observe_and_propose(batch, commit)
+            elif not observed:
                 proposer.observe(batch, commit)
-            if draft:
+            elif draft:
                 proposer.propose(batch, commit)
 
         host = _read(

@@ -79,9 +79,9 @@ class CacheManager:
 
     Invariants: `pages.num_free` and `slots.num_free` return to their start values once every
     request is released; a slot's state is zeroed when it is handed out. With `plan.scratch`,
-    `scratch_slot` (= `plan.num_slots`) is one more request-table row and KDA state slot, its row's
-    first page the page `plan.num_pages`: neither is ever handed out, so whatever a padding row writes
-    there is nobody's.
+    `scratch_slot` (= `plan.num_slots`) is one more request-table row and KDA state slot, every page
+    of its row the page `plan.num_pages`: neither is ever handed out, so whatever a padding row
+    writes there is nobody's.
     """
 
     def __init__(
@@ -107,7 +107,10 @@ class CacheManager:
         self.slots = FreeList(plan.num_slots)
         self.scratch_slot = plan.num_slots if plan.scratch else None
         if self.scratch_slot is not None:
-            self.table.assign(self.scratch_slot, 0, [plan.num_pages])
+            # every position of the scratch row maps into the scratch page (a padding row's writes
+            # past the page's length wrap around in it instead of reaching somebody's page)
+            pages = self.table.max_len // plan.page_size
+            self.table.assign(self.scratch_slot, 0, [plan.num_pages] * pages)
 
     def acquire_slot(self) -> int | None:
         got = self.slots.alloc(1)

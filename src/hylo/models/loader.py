@@ -313,8 +313,9 @@ def load_mtp_layer(
 ) -> MTPLayer:
     """The MTP (next-n) layer stored after the target's layers: `layers.{num_hidden_layers}.*` under
     any prefix the target loader accepts (see `hylo.models.mtp` for the names), on the target's device
-    and in its dtype. Raises `CheckpointError` when the checkpoint has no such layer, one that is not
-    a DSA layer with its own indexer, or a missing or unexpected tensor in it.
+    and in its dtype (its routed experts in FP8 when the target's are). Raises `CheckpointError` when
+    the checkpoint has no such layer, one that is not a DSA layer with its own indexer, or a missing
+    or unexpected tensor in it.
 
     `random_weights` (`load_format="dummy"`) reads nothing from `path` (the config is the target's):
     a layer with the MLP of the target's last layer that uses the target's embedding and head (where
@@ -330,6 +331,9 @@ def load_mtp_layer(
         own_embedding, own_head = "embed_tokens.weight" in names, "shared_head.head.weight" in names
     with torch.device("meta"):
         layer = MTPLayer(mtp_config(target.config, mlp), own_embedding, own_head)
+        # FP8 routed experts where the target keeps its own FP8 (an FP8 checkpoint's MTP layer is too)
+        if isinstance(layer.decoder.mlp, MoE) and _has_fp8_experts(target):
+            layer.decoder.mlp.experts = FP8Experts.empty(layer.config, "meta")
     weight = target.embed_tokens.weight
     layer = _materialize(layer, weight.device, weight.dtype)
     if random_weights:
@@ -343,6 +347,10 @@ def load_mtp_layer(
 
     _load_tensors(layer, path, layout, local_name, progress)
     return layer.eval()
+
+
+def _has_fp8_experts(model: Glm5NextForCausalLM) -> bool:
+    return any(isinstance(getattr(layer.mlp, "experts", None), FP8Experts) for layer in model.layers)
 
 
 def _mtp_tensor_names(path: Path, n: int) -> set[str]:

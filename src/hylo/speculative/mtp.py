@@ -24,12 +24,12 @@ class MTPProposer(Proposer):
     graph captures the observe and the `num_steps` chained drafting forwards).
 
     Invariant: after `observe`, a request with n committed tokens has correct entries at positions
-    0 .. n-2. Observe writes an entry for every token of the forward, committed or not (a rejected
-    draft's is wrong), and `propose` writes positions n-1 .. n-2+steps from drafts; any entry at n-1
-    or later is rewritten, by a later observe or propose, before a query reads it (queries at n-1+s
-    read positions up to n-1+s, and observes write in order), and a k-pool completed by a wrong
-    entry is recompressed when its last entry is written again, exactly as the target's own caches
-    roll back.
+    0 .. n-2 (after `observe_and_propose`, 0 .. n-1). Observe writes an entry for every token of the
+    forward, committed or not (a rejected draft's is wrong), and drafting writes positions n-1 ..
+    n-2+steps; any entry at n-1 or later is rewritten, by a later observe or draft, before a query
+    reads it (queries at n-1+s read positions up to n-1+s, and observes write in order), and a
+    k-pool completed by a wrong entry is recompressed when its last entry is written again, exactly
+    as the target's own caches roll back.
     """
 
     needs_host = False
@@ -90,24 +90,59 @@ class MTPProposer(Proposer):
     def observe(self, batch: ForwardBatch, commit: StepCommit) -> None:
         """One MTP forward writes the entries of the forward's tokens: for tokens at positions
         `start .. start+n-1`, entries `start-1 .. start+n-2` (none for token 0)."""
-        features = batch.features
-        if features is None:
+        if batch.features is None:
             return
-        embed = self.layer.embedding(self.target)
-        offsets = batch.pad_index[:, 0]
-        width = batch.uniform_width
-        if width is not None:  # every sequence has `width` tokens and a cached prefix
-            blocks = len(batch.extend_lens)
-            rows = batch.state_slots
-            features_by_seq = features.view(blocks, width, -1)
-            hidden = torch.cat([self.last_hidden[rows][:, None], features_by_seq[:, :-1]], 1)
-            # a filler sequence starts at position 0 of the scratch slot: its entries go there too
-            prefix = (batch.positions[offsets] - 1).clamp(min=0)
-            self.layer(embed(batch.input_ids), hidden.flatten(0, 1), self._uniform(prefix, rows, width))
+        if batch.uniform_width is not None:
+            self._observe_uniform(batch)
         else:
-            self._observe_chunks(batch, features)
+            self._observe_chunks(batch, batch.features)
+        self._keep_last_hidden(batch, commit)
+
+    @torch.inference_mode()
+    def observe_and_propose(self, batch: ForwardBatch, commit: StepCommit) -> None:
+        """For a uniform batch whose every sequence drafts, the observe's forward also computes draft
+        step 0: its entry (last committed hidden, anchor) sits at position n-1, one past the forward's
+        last committed entry, so the forward takes one more column and the anchor replaces the token
+        after the committed ones (that entry and those after it are rewritten before they are read).
+        One MTP forward fewer per verify step."""
+        blocks = len(batch.extend_lens)
+        if batch.features is None or batch.uniform_width is None or commit.sampling.shape[0] != blocks:
+            super().observe_and_propose(batch, commit)
+            return
+        counts = commit.counts.long()
+        hidden = self._observe_uniform(batch, counts, commit.anchors)
+        self._keep_last_hidden(batch, commit)
+        first = hidden[torch.arange(blocks, device=hidden.device), counts]
+        tokens = self.layer.logits(first, self.target).argmax(-1)
         rows = batch.state_slots
-        self.last_hidden[rows] = features[offsets + commit.counts.long().clamp(min=1) - 1]
+        self.drafts[rows, 0] = tokens
+        lengths = batch.positions[batch.pad_index[:, 0]] + counts
+        self._chain(rows, lengths, tokens, first, first_step=1)
+
+    def _observe_uniform(
+        self, batch: ForwardBatch, counts: torch.Tensor | None = None, anchors: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The entries of a uniform batch's `width` tokens (every sequence past position 0), from
+        device tensors alone; with `anchors`, one more entry per sequence whose token `counts[b]`
+        (0-based in the block) is the anchor. The MTP hiddens, `[B, width (+1), H]`."""
+        width, blocks = batch.uniform_width, len(batch.extend_lens)
+        rows = batch.state_slots
+        features = batch.features.view(blocks, width, -1)
+        tokens = batch.input_ids.view(blocks, width)
+        if anchors is None:
+            hidden = torch.cat([self.last_hidden[rows][:, None], features[:, :-1]], 1)
+        else:
+            hidden = torch.cat([self.last_hidden[rows][:, None], features], 1)
+            tokens = torch.cat([tokens, tokens[:, -1:]], 1).scatter(1, counts[:, None], anchors[:, None])
+        # a filler sequence starts at position 0 of the scratch row: its entries go there too
+        prefix = (batch.positions[batch.pad_index[:, 0]] - 1).clamp(min=0)
+        embeds = self.layer.embedding(self.target)(tokens.flatten())
+        out = self.layer(embeds, hidden.flatten(0, 1), self._uniform(prefix, rows, tokens.shape[1]))
+        return out.view(blocks, tokens.shape[1], -1)
+
+    def _keep_last_hidden(self, batch: ForwardBatch, commit: StepCommit) -> None:
+        offsets = batch.pad_index[:, 0]
+        self.last_hidden[batch.state_slots] = batch.features[offsets + commit.counts.long().clamp(min=1) - 1]
 
     def _observe_chunks(self, batch: ForwardBatch, features: torch.Tensor) -> None:
         """The entries of a batch of chunks of any length (from its host lists): a chunk at position 0
@@ -146,10 +181,20 @@ class MTPProposer(Proposer):
             return
         rows = batch.state_slots[seqs]
         lengths = batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs].long()
+        self._chain(rows, lengths, commit.anchors[seqs], self.last_hidden[rows], first_step=0)
+
+    def _chain(
+        self,
+        rows: torch.Tensor,
+        lengths: torch.Tensor,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        first_step: int,
+    ) -> None:
+        """Draft steps `first_step ..` from step `first_step`'s input token and hidden."""
         last = self.table.shape[1] - 1  # drafts past the table's end are never verified
-        tokens, hidden = commit.anchors[seqs], self.last_hidden[rows]
         embed = self.layer.embedding(self.target)
-        for step in range(self.num_steps):
+        for step in range(first_step, self.num_steps):
             positions = (lengths - 1 + step).clamp(max=last)
             hidden = self.layer(embed(tokens), hidden, self._uniform(positions, rows, 1))
             tokens = self.layer.logits(hidden, self.target).argmax(-1)

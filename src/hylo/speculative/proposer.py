@@ -82,6 +82,11 @@ class Proposer(ABC):
     def propose(self, batch: ForwardBatch, commit: StepCommit) -> None:
         """Write `drafts[row]` for the table row of every sampling sequence of `batch`."""
 
+    def observe_and_propose(self, batch: ForwardBatch, commit: StepCommit) -> None:
+        """`observe`, then `propose`: for a step that drafts (a proposer may fuse the two)."""
+        self.observe(batch, commit)
+        self.propose(batch, commit)
+
 
 def write_drafts(drafts: torch.Tensor, rows: Sequence[int], proposals: Sequence[Sequence[int]]) -> None:
     """Host-made proposals into the draft rows (for host-side proposers: one upload per step)."""
