@@ -13,8 +13,10 @@ reachable from the CLI or API), which is how the seed benchmarks report acceptan
 policy on ("adaptive") and off ("static"). Reports per (algorithm, batch): decode tokens/s per user
 and the ratio to plain graph decode of the same repetition (median of `--reps`), the wall time per
 engine step, the GPU time of one verify-graph replay (CUDA events), the kernels one replay launches and
-the top kernels by GPU time (torch.profiler, `--out`/kernels_*.txt), and the synchronising calls per
-step (`torch.cuda.set_sync_debug_mode("warn")`).
+the top kernels by GPU time (torch.profiler, `--out`/kernels_*.txt), the synchronising calls per
+step (`torch.cuda.set_sync_debug_mode("warn")`), and the weight-read floor of the last verify step
+(every module's weights once per call, routed experts only those the block's tokens route to, at the
+copy bandwidth measured in the same run).
 """
 
 from __future__ import annotations
@@ -159,6 +161,72 @@ def replay_kernels(graphs: VerifyGraphs, bucket: int, reps: int = 5) -> tuple[fl
     return sum(e.count for e in kernels) / reps, table
 
 
+def copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device copy of 2 GiB (read + write): the floor's rate."""
+    from triton.testing import do_bench
+
+    src = torch.empty(2**29, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (ms / 1e3)
+
+
+def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, list[int]]:
+    """(Weight bytes one call of `forward` reads, distinct routed experts per experts call): every
+    call of a module reads its own parameters and buffers once; an embedding reads only its looked-up
+    rows, routed experts only the experts their tokens are routed to (`route` on the call's input)."""
+    from hylo.layers.moe import Experts, FP8Experts
+    from hylo.ops.moe.reference import route
+
+    read, distinct, hooks = [0.0], [], []
+
+    def own_bytes(m: torch.nn.Module) -> int:
+        tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def on_call(m: torch.nn.Module, args) -> None:
+        if isinstance(m, torch.nn.Embedding):
+            read[0] += args[0].numel() * m.weight.shape[1] * m.weight.element_size()
+        elif isinstance(m, Experts | FP8Experts):
+            ids = route(args[0], *args[1])[0]
+            count = int(ids.unique().numel())
+            distinct.append(count)
+            read[0] += own_bytes(m) * count / m.gate_up_proj.shape[0]
+        else:
+            read[0] += own_bytes(m)
+
+    seen = set()
+    for root in modules:
+        for m in root.modules():
+            if id(m) not in seen and own_bytes(m):
+                seen.add(id(m))
+                hooks.append(m.register_forward_pre_hook(on_call))
+    try:
+        forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return read[0], distinct
+
+
+def verify_floor(graphs: VerifyGraphs, bucket: int, bandwidth: float) -> dict:
+    """The weight-read floor of the last verify step through `bucket`'s graph, rerun eagerly with
+    counting hooks (the target, and the draft model or the MTP layer): bytes, distinct experts per
+    experts call, and the floor in ms at `bandwidth`."""
+    proposer = graphs.proposer
+    draft = getattr(proposer, "draft", None) or getattr(proposer, "layer", None)
+    with torch.inference_mode():
+        read, distinct = weight_bytes_read(
+            [graphs.model, draft], lambda: graphs._forward(graphs.static[bucket])
+        )
+    torch.cuda.synchronize()
+    return {
+        "weight_gb": round(read / 1e9, 3),
+        "distinct_experts_per_call": round(statistics.mean(distinct), 1) if distinct else 0,
+        "floor_ms": round(1e3 * read / bandwidth, 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
@@ -264,6 +332,12 @@ def main() -> None:
             if args.out:
                 Path(args.out).mkdir(parents=True, exist_ok=True)
                 (Path(args.out) / f"kernels_{name}_B{bsz}.txt").write_text(table)
+        bandwidth = copy_bandwidth()
+        row["copy_bandwidth_tb_s"] = round(bandwidth / 1e12, 2)
+        for name, (natural, forced) in graphs.items():
+            bucket = next(b for b in natural.buckets if b >= bsz)
+            for kind, g in (("natural", natural), ("forced", forced)):
+                row[f"{name}_verify_floor_{kind}"] = verify_floor(g, bucket, bandwidth)
         plain_graphs = plain.engine.runner.graphs
         row["plain_decode_replay_ms"] = round(
             replay_ms(plain_graphs, next(b for b in plain_graphs.buckets if b >= bsz)), 3
