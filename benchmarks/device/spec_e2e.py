@@ -346,6 +346,11 @@ def main() -> None:
             policy = getattr(llm.engine, "adaptive_policy", None)
             if policy is not None:
                 row[f"{name}_adaptive_choices"] = dict(policy.choices)
+                row[f"{name}_adaptive_mean_committed"] = policy.mean_committed
+                row[f"{name}_adaptive_costs_ms"] = {
+                    f"{b}/{'verify' if v else 'plain'}": round(1e3 * statistics.median(t), 2)
+                    for (b, v), t in policy.times.items()
+                }
         report[f"B{bsz}"] = row
         print(json.dumps({f"B{bsz}": row}), flush=True)
     print(json.dumps(report, indent=1))
