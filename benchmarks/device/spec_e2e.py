@@ -236,6 +236,8 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--mtp-steps", type=int, default=3)
     parser.add_argument("--algorithms", default="dflash,dflash2,mtp")
+    # the plain engine's share of the GPU: its weights (the shared target) and its caches
+    parser.add_argument("--plain-mem-fraction", type=float, default=0.35)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
@@ -252,7 +254,7 @@ def main() -> None:
     common = dict(load_format="dummy", device="cuda", dtype="bfloat16", context_length=4096,
                   max_running_requests=32, cuda_graph_max_bs=max_bs)  # fmt: skip
     start = time.perf_counter()
-    plain = LLM(str(root / "target"), mem_fraction_static=0.35, **common)
+    plain = LLM(str(root / "target"), mem_fraction_static=args.plain_mem_fraction, **common)
     target = plain.engine.model
     engines = {}
     for name in algorithms:
