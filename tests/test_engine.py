@@ -227,3 +227,46 @@ def test_fp8_indexer_cache(checkpoint, prompts, reference):
     # so compare the first token, chosen right after the prefill
     same = sum(o.token_ids[0] == ref[0] for o, ref in zip(outs, reference, strict=True))
     assert same >= len(prompts) * 2 // 3, same
+
+
+def test_prompt_logprobs_equal_a_whole_prompt_forward(checkpoint, prompts):
+    """Prompt logprobs of prompts prefilled in chunks of 7, batched with other requests' decode steps,
+    against one forward over each whole prompt: every position's own token and its top 3; with
+    `max_tokens` 0 the prompt is scored and nothing generated."""
+    from conftest import Caches
+    from tolerance import assert_fp32_close, model_accumulation_terms
+
+    from hylo.forward_batch import ForwardBatch
+    from hylo.models.loader import load_model
+
+    llm = make_llm(checkpoint, chunked_prefill_size=7, max_memory_gb=0.25)
+    scored = prompts[:6]
+    params = [
+        SamplingParams(temperature=0, max_tokens=0 if i % 2 else 5, ignore_eos=True, prompt_logprobs=3)
+        for i in range(len(scored))
+    ]
+    outs = llm.generate(prompt_token_ids=scored, sampling_params=params, use_tqdm=False)
+    model = load_model(checkpoint, dtype=torch.float32, progress=False)
+    terms = model_accumulation_terms(model.config)
+    for i, (prompt, out) in enumerate(zip(scored, outs, strict=True)):
+        assert len(out.token_ids) == (0 if i % 2 else 5)
+        assert out.finish_reason == "length" and out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(prompt)
+        if len(prompt) == 1:
+            continue
+        caches = Caches(model, num_seqs=1, per_seq=128)
+        m = caches.manager
+        batch = ForwardBatch.build([caches.chunk(0, prompt, 0)], m.table.table, m.tokens, m.states, m.kpool,
+                                   all_logits=True)  # fmt: skip
+        expected = torch.log_softmax(model(batch).float(), dim=-1)[:-1]
+        own = torch.tensor([entry[t] for entry, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)])
+        assert_fp32_close(own, expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], terms)
+        for q, entry in enumerate(out.prompt_logprobs[1:]):
+            top = expected[q].topk(3)
+            assert len(entry) in (3, 4) and prompt[q + 1] in entry
+            got = sorted((v for t, v in entry.items() if t != prompt[q + 1] or t in top.indices.tolist()),
+                         reverse=True)[:3]  # fmt: skip
+            assert_fp32_close(torch.tensor(got), top.values, terms, msg=f"prompt {i} position {q + 1}")
+    assert all(o.prompt_logprobs is None for o in llm.generate(prompt_token_ids=scored[:1], use_tqdm=False))
+    with pytest.raises(ValueError, match="max_tokens 0 generates nothing"):
+        SamplingParams(max_tokens=0)

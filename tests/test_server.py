@@ -112,6 +112,31 @@ PROMPTS = [
 ]
 
 
+def test_echo_scores_the_prompt_as_offline_prompt_logprobs(client, offline):
+    """`echo` with `logprobs` and `max_tokens: 0` (how lm-eval scores choices): the prompt as the
+    text, its tokens' logprobs (null for the first) and top-2 those of the offline API; with tokens
+    to generate, streamed, the prompt comes first, then the offline completion."""
+    prompt = PROMPTS[5]
+    (ref,) = offline.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2), use_tqdm=False
+    )
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    (c,) = out.choices
+    assert c.text == prompt and c.finish_reason == "length" and out.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ref.prompt_token_ids) and lp.token_logprobs[0] is None
+    expected = [e[t] for e, t in zip(ref.prompt_logprobs[1:], ref.prompt_token_ids[1:], strict=True)]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    assert lp.top_logprobs[0] is None and all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    stream = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1, stream=True
+    )
+    chunks = [ch.choices[0] for ch in stream if ch.choices]
+    assert "".join(ch.text for ch in chunks) == prompt + ref.text
+    first = chunks[0].logprobs
+    assert first.tokens[: len(ref.prompt_token_ids)] == lp.tokens and first.token_logprobs[0] is None
+
+
 def test_completions_match_offline_generate(client, offline):
     out = client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=12, temperature=0)
     (ref,) = offline.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)

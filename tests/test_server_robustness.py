@@ -115,7 +115,7 @@ def assert_serving(url: str) -> None:
         ({"prompt": [True, 1]}, "prompt"),
         ({"prompt": [[]]}, "prompt"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 scores the prompt: with echo only
     ],
 )
 def test_invalid_completion_is_rejected_naming_the_field(server, body, param):

@@ -20,9 +20,10 @@ class SequenceChunk:
 
     `table_row` is the sequence's row of the request table (its positions' token-cache slots, backed
     for every position `< prefix_len + len(token_ids)`); `state_slot` its KDA state slot. With
-    `sample`, the forward returns logits for the chunk's last token. A `verify` chunk (an anchor and
-    its drafts) returns logits for every token and leaves the KDA state of its slot untouched: the
-    accepted prefix is committed afterwards (`Glm5NextForCausalLM.commit`).
+    `sample`, the forward returns logits for the chunk's last token; a `score` chunk returns them for
+    every token (prompt logprobs). A `verify` chunk (an anchor and its drafts) returns logits for
+    every token and leaves the KDA state of its slot untouched: the accepted prefix is committed
+    afterwards (`Glm5NextForCausalLM.commit`).
     """
 
     token_ids: Sequence[int]
@@ -31,6 +32,7 @@ class SequenceChunk:
     state_slot: int
     sample: bool = True
     verify: bool = False
+    score: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,9 @@ class ForwardBatch:
             completed += [(fixed.filler_slot, 0)] * (fixed.num_completed - len(completed))
         done = torch.tensor(completed, dtype=torch.long).view(-1, 2)
         logits_index = packed if all_logits else torch.cat([
-            torch.arange(start, start + n) if c.verify else torch.tensor([start + n - 1])
-            for c, start, n in zip(chunks, starts.tolist(), extend, strict=True) if c.sample or c.verify
+            torch.arange(start, start + n) if c.verify or c.score else torch.tensor([start + n - 1])
+            for c, start, n in zip(chunks, starts.tolist(), extend, strict=True)
+            if c.sample or c.verify or c.score
         ] or [torch.zeros(0, dtype=torch.long)])  # fmt: skip
 
         def dev(t: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: Metrics
+    # with `prompt_logprobs`: one entry per prompt position, None for position 0 (nothing precedes it)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -157,4 +159,5 @@ def _request_output(group: list[Request]) -> RequestOutput:
         list(first.prompt_ids),
         outputs,
         first.metrics,
+        [None, *first.prompt_logprobs] if first.params.prompt_logprobs is not None else None,
     )

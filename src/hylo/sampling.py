@@ -37,7 +37,7 @@ class SamplingParams(BaseModel):
         lt=SEED_END,
         description="per-request seed: same seed, same output, whatever the batch",
     )
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0, description="0: score the prompt only (needs prompt_logprobs)")
     min_tokens: int = Field(0, ge=0)
     stop: list[str] = Field(
         default_factory=list,
@@ -52,6 +52,9 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     logprobs: int | None = Field(None, ge=0, le=20, description="top-n logprobs per generated token")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="top-n logprobs per prompt position (its own token's always)"
+    )
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] = Field(
@@ -83,6 +86,12 @@ class SamplingParams(BaseModel):
     def _min_below_max(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @model_validator(mode="after")
+    def _zero_tokens_score(self) -> SamplingParams:
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens 0 generates nothing: it scores the prompt, with prompt_logprobs set")
         return self
 
     @model_validator(mode="after")

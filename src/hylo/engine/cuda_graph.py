@@ -97,7 +97,7 @@ class DecodeGraphs:
     def accepts(self, seqs: Sequence[SequenceChunk]) -> bool:
         """A plain decode step that fits the largest bucket."""
         return len(seqs) <= self.buckets[-1] and all(
-            len(s.token_ids) == 1 and s.sample and not s.verify for s in seqs
+            len(s.token_ids) == 1 and s.sample and not s.verify and not s.score for s in seqs
         )
 
     def run(self, seqs: Sequence[SequenceChunk]) -> tuple[ForwardBatch, torch.Tensor]:

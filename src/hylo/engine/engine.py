@@ -223,7 +223,16 @@ class Engine:
         outputs = []
         for ch, result in zip(chunks, results, strict=True):
             request = ch.request
+            if result.prompt_logprobs:
+                first, _ = request.prompt_targets(request.num_computed, ch.num_tokens)
+                request.add_prompt_logprobs(first, result.prompt_logprobs)
             request.num_computed += result.committed
+            if result.tokens and request.params.max_tokens == 0:  # the prompt is scored: done
+                self.scheduler.finish(request)
+                self.requests.pop(request.request_id, None)
+                request.finish("length")
+                outputs.append(StepOutput(request, [], "", None))
+                continue
             if ch.verify:
                 request.metrics.spec_verify_steps += 1
                 request.metrics.spec_accepted_tokens += result.accepted

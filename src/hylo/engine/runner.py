@@ -26,6 +26,8 @@ class ChunkResult:
     logprobs: list[dict[int, float]] | None
     committed: int
     accepted: int = 0
+    # prompt logprobs the chunk scored: entries for prompt positions `first ..` (Request.prompt_targets)
+    prompt_logprobs: list[dict[int, float]] | None = None
 
 
 class ModelRunner:
@@ -125,7 +127,7 @@ class ModelRunner:
                 SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids())
                 for r in (chunks[i].request for i in plain)
             ]
-            picked_rows = [rows_of[i][0] for i in plain]
+            picked_rows = [rows_of[i][-1] for i in plain]  # a scoring chunk's last row samples
             leading = picked_rows == list(range(len(picked_rows)))  # a decode step: no index upload
             picked = sample(logits[: len(plain)] if leading else logits[picked_rows], rows, self.generator)
             if anchors is not None:
@@ -157,10 +159,12 @@ class ModelRunner:
             elif draft:
                 proposer.propose(batch, commit)
 
+        scoring = [i for i, ch in enumerate(chunks) if _prompt_targets(ch)[1]]
+        scored = _score_prompts(logits, [chunks[i] for i in scoring], [rows_of[i] for i in scoring])
         host = _read(
             picked.tokens if picked else None, *_logprob_tensors(picked),
             acceptance.accepted if acceptance else None, acceptance.emitted if acceptance else None,
-            *_logprob_tensors(acceptance),
+            *_logprob_tensors(acceptance), *scored,
         )  # fmt: skip
         results = [ChunkResult([], None, ch.num_tokens) for ch in chunks]
         for k, i in enumerate(plain):
@@ -173,6 +177,17 @@ class ModelRunner:
             results[i] = ChunkResult(
                 tokens, _entries(chunks[i].request, tokens, host[6:9], k), accepted + 1, accepted
             )
+        offset = 0
+        for i in scoring:
+            ch = chunks[i]
+            targets = _prompt_targets(ch)[1]
+            n = ch.request.params.prompt_logprobs
+            results[i].prompt_logprobs = [
+                logprob_entry(t, float(host[9][offset + j]), host[10][offset + j, :n].tolist(),
+                              host[11][offset + j, :n].tolist(), n)
+                for j, t in enumerate(targets)
+            ]  # fmt: skip
+            offset += len(targets)
         if needs_commit and proposer.needs_host:
             offsets = [0, *batch.extend_lens]
             for j in range(1, len(offsets)):
@@ -187,6 +202,32 @@ class ModelRunner:
         return results
 
 
+def _prompt_targets(ch: ScheduledChunk) -> tuple[int, list[int]]:
+    if ch.verify:
+        return 0, []
+    return ch.request.prompt_targets(ch.request.num_computed, ch.num_tokens)
+
+
+def _score_prompts(
+    logits: torch.Tensor, chunks: Sequence[ScheduledChunk], rows_of: Sequence[list[int]]
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(chosen `[N]`, top ids `[N, n]`, top values `[N, n]`) over the prompt positions the chunks
+    score, in order, n the largest `prompt_logprobs` asked; nothing is read back."""
+    if not chunks:
+        return (None, None, None)
+    rows, targets = [], []
+    for ch, chunk_rows in zip(chunks, rows_of, strict=True):
+        first, tokens = _prompt_targets(ch)
+        lead = first - 1 - ch.request.num_computed  # the logits row of position first - 1
+        rows += chunk_rows[lead : lead + len(tokens)]
+        targets += tokens
+    device = logits.device
+    index = torch.tensor([rows, targets]).to(device, non_blocking=True)
+    logprobs = torch.log_softmax(logits[index[0]].float(), dim=-1)
+    top = logprobs.topk(max(ch.request.params.prompt_logprobs for ch in chunks), dim=-1)
+    return logprobs.gather(1, index[1][:, None])[:, 0], top.indices, top.values
+
+
 def _sequence(ch: ScheduledChunk) -> SequenceChunk:
     """The chunk's tokens; a verify chunk feeds its anchor and placeholders where its drafts go (the
     drafts themselves are on the device: `_feed_drafts`, or the verify graph)."""
@@ -195,7 +236,8 @@ def _sequence(ch: ScheduledChunk) -> SequenceChunk:
         anchor = r.tokens(r.num_computed, r.num_computed + 1)[0]
         return SequenceChunk([anchor] + [0] * (ch.num_tokens - 1), r.num_computed, r.slot, r.slot, True, True)
     tokens = r.tokens(r.num_computed, r.num_computed + ch.num_tokens)
-    return SequenceChunk(tokens, r.num_computed, r.slot, r.slot, ch.samples, False)
+    score = bool(_prompt_targets(ch)[1])
+    return SequenceChunk(tokens, r.num_computed, r.slot, r.slot, ch.samples, False, score)
 
 
 def _feed_drafts(batch: ForwardBatch, chunks: Sequence[ScheduledChunk], drafts: torch.Tensor) -> None:
@@ -267,7 +309,7 @@ def _logit_rows(chunks: Sequence[ScheduledChunk]) -> list[list[int]]:
     """Rows of the forward's logits that belong to each chunk (see `ForwardBatch.logits_index`)."""
     rows, n = [], 0
     for ch in chunks:
-        count = ch.num_tokens if ch.verify else int(ch.samples)
+        count = ch.num_tokens if ch.verify or _prompt_targets(ch)[1] else int(ch.samples)
         rows.append(list(range(n, n + count)))
         n += count
     return rows

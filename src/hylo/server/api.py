@@ -61,6 +61,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: tuple[dict[int, float], ...] | None = None
 
 
 def build_app(
@@ -227,13 +228,24 @@ def build_app(
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
 
+        # with echo, each choice's first delta (or its collected whole) begins with its prompt
+        n = params.n
+        prompt_texts = (
+            [body.prompt] if isinstance(body.prompt, str)
+            else list(body.prompt) if isinstance(body.prompt[0], str)
+            else [tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else "" for ids in prompts]
+        )  # fmt: skip
+
         def choice(index: int, c: Delta | _Choice) -> dict:
             """A delta and a collected choice carry the same fields."""
-            ids = c.token_ids
-            lp = (
-                completion_logprobs(tokenizer, ids, c.logprobs) if body.logprobs is not None and ids else None
-            )
-            return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            ids, entries, text = list(c.token_ids), list(c.logprobs), c.text
+            if body.echo and (isinstance(c, _Choice) or c.prompt_logprobs is not None):
+                prompt = prompts[index // n]
+                text = prompt_texts[index // n] + text
+                if body.logprobs is not None:
+                    ids, entries = [*prompt, *ids], [None, *(c.prompt_logprobs or ()), *entries]
+            lp = completion_logprobs(tokenizer, ids, entries) if body.logprobs is not None and ids else None
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
 
         return await _reply(raw, engine, handles, body, base, choice, choice)
 
@@ -421,6 +433,8 @@ async def _collect(engine: AsyncEngine, handles: Sequence[Handle], usage: list[i
         c.token_ids.extend(delta.token_ids)
         c.logprobs.extend(delta.logprobs)
         c.finish_reason = delta.finish_reason or c.finish_reason
+        if delta.prompt_logprobs is not None:
+            c.prompt_logprobs = delta.prompt_logprobs
     return choices
 
 

@@ -46,6 +46,8 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    # with prompt logprobs, on a sequence's first delta: entries of prompt positions 1 ..
+    prompt_logprobs: tuple[dict[int, float], ...] | None = None
 
 
 @dataclass
@@ -245,6 +247,8 @@ class AsyncEngine:
         logprobs = (
             tuple(request.logprobs[len(request.logprobs) - len(token_ids) :]) if request.logprobs else ()
         )
+        first = len(request.output_ids) == len(token_ids) and (token_ids or finished)
+        scored = request.params.prompt_logprobs is not None and first
         delta = Delta(
             index,
             text,
@@ -253,6 +257,7 @@ class AsyncEngine:
             request.finish_reason if finished else None,
             len(request.prompt_ids),
             len(request.output_ids),
+            prompt_logprobs=tuple(request.prompt_logprobs) if scored else None,
         )
         if finished:
             self.metrics.on_finish(request)

@@ -20,8 +20,11 @@ def token_text(tokenizer, token_id: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def completion_logprobs(tokenizer, ids: Sequence[int], entries: Sequence[dict[int, float]]) -> dict[str, Any]:
-    """The legacy completions format: tokens, their logprobs, and the top-n per position."""
+def completion_logprobs(
+    tokenizer, ids: Sequence[int], entries: Sequence[dict[int, float] | None]
+) -> dict[str, Any]:
+    """The legacy completions format: tokens, their logprobs, and the top-n per position (null for
+    a position without any: an echoed prompt's first token)."""
 
     def top(entry: dict[int, float]) -> dict[str, float]:
         named: dict[str, float] = {}
@@ -32,8 +35,8 @@ def completion_logprobs(tokenizer, ids: Sequence[int], entries: Sequence[dict[in
 
     return {
         "tokens": [token_text(tokenizer, t) for t in ids],
-        "token_logprobs": [entry[t] for t, entry in zip(ids, entries, strict=True)],
-        "top_logprobs": [top(entry) for entry in entries],
+        "token_logprobs": [None if e is None else e[t] for t, e in zip(ids, entries, strict=True)],
+        "top_logprobs": [None if e is None else top(e) for e in entries],
         "text_offset": None,
     }
 

@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    ValidationInfo,
     field_validator,
 )
 
@@ -124,13 +125,15 @@ class _Common(BaseModel):
             raise ValueError("keys must be token ids")
         return value
 
-    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty, logprobs=logprobs,
+            presence_penalty=self.presence_penalty, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
@@ -146,28 +149,41 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
+    # the schema's form of `_zero_tokens_echo`: without `echo: true`, max_tokens is at least 1
+    model_config = _REQUEST | ConfigDict(
+        json_schema_extra={
+            "if": {"not": {"properties": {"echo": {"const": True}}, "required": ["echo"]}},
+            "then": {
+                "properties": {"max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}}
+            },
+        }
+    )
     prompt: (
         Annotated[Text, Field(min_length=1)]
         | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)]
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    # `max_tokens: 0` (prompt scoring with `echo`) is not supported yet: at least 1, as for chat
-    max_tokens: _int(ge=1) | None = Field(16, description="null means 16, OpenAI's default")
-    logprobs: _int(ge=0, le=20) | None = None
+    # before max_tokens, whose validator reads it
     echo: StrictBool = Field(
-        False, description="true: not supported yet", json_schema_extra={"enum": [False]}
+        False, description="the prompt before the completion, with its logprobs when logprobs is set"
     )
+    max_tokens: _int(ge=0) | None = Field(
+        16, description="null means 16, OpenAI's default; 0 (with echo) scores the prompt only"
+    )
+    logprobs: _int(ge=0, le=20) | None = None
 
-    @field_validator("echo")
+    @field_validator("max_tokens")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("true (the prompt and its logprobs in the output) is not supported yet")
+    def _zero_tokens_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("0 generates nothing: it scores the prompt, with echo: true")
         return value
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        scored = self.echo and (self.logprobs is not None or max_tokens == 0)
+        return self._sampling(max_tokens, self.logprobs, (self.logprobs or 0) if scored else None)
 
 
 class TextPart(BaseModel):
@@ -250,8 +266,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int] | None
 
 
