@@ -270,3 +270,38 @@ def test_prompt_logprobs_equal_a_whole_prompt_forward(checkpoint, prompts):
     assert all(o.prompt_logprobs is None for o in llm.generate(prompt_token_ids=scored[:1], use_tqdm=False))
     with pytest.raises(ValueError, match="max_tokens 0 generates nothing"):
         SamplingParams(max_tokens=0)
+
+
+def test_prompt_scoring_chunks_are_capped(checkpoint, prompts, monkeypatch):
+    """A chunk that scores its prompt returns logits for every token, so the scheduler caps it
+    (`MAX_SCORED_CHUNK_TOKENS`); other prompts keep the whole prefill budget, and the tokens and
+    prompt logprobs do not depend on the cap."""
+    import hylo.engine.scheduler as scheduler
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    pair = [prompts[2], prompts[8]]  # 70 and 64 tokens
+    uncapped = make_llm(checkpoint, chunked_prefill_size=96, max_memory_gb=0.25).generate(
+        prompt_token_ids=pair, sampling_params=[params, GREEDY], use_tqdm=False
+    )
+    monkeypatch.setattr(scheduler, "MAX_SCORED_CHUNK_TOKENS", 8)
+    llm = make_llm(checkpoint, chunked_prefill_size=96, max_memory_gb=0.25)
+    sizes: dict[str, list[int]] = {}
+    step = llm.engine.runner.step
+
+    def recording(chunks, draft=True):
+        for ch in chunks:
+            if not ch.request.output_ids:
+                sizes.setdefault(ch.request.request_id, []).append(ch.num_tokens)
+        return step(chunks, draft)
+
+    llm.engine.runner.step = recording
+    capped = llm.generate(prompt_token_ids=pair, sampling_params=[params, GREEDY], use_tqdm=False)
+    scored, plain = (sizes[o.request_id] for o in capped)
+    assert max(scored) == 8 and sum(scored) == len(pair[0]) and plain == [len(pair[1])]
+    assert [o.token_ids for o in capped] == [o.token_ids for o in uncapped]
+    from tolerance import assert_fp32_close, model_accumulation_terms
+
+    terms = model_accumulation_terms(llm.engine.model.config)
+    for got, expected in zip(capped[0].prompt_logprobs[1:], uncapped[0].prompt_logprobs[1:], strict=True):
+        assert got.keys() == expected.keys()
+        assert_fp32_close(torch.tensor(list(got.values())), torch.tensor(list(expected.values())), terms)

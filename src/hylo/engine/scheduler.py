@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from hylo.engine.request import Request, Status
 from hylo.memory.manager import CacheManager
 
+# A chunk that scores its prompt (prompt logprobs) returns logits for every token: at most this many
+# tokens a chunk, so that those logits stay bounded ([tokens, vocab] fp32: 0.6 GiB for 155K ids).
+MAX_SCORED_CHUNK_TOKENS = 1024
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
@@ -63,7 +67,7 @@ class Scheduler:
             if request.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier request
             drafts = request.draft_budget(self.num_draft_tokens) if draft and request.remaining == 1 else 0
-            n = 1 + drafts if request.remaining == 1 else min(request.remaining, budget)
+            n = 1 + drafts if request.remaining == 1 else self._prefill_tokens(request, budget)
             if n == 0 or not self._grow(request, self._reserve(request.num_computed + n)):
                 continue
             if request.remaining > 1:
@@ -71,7 +75,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, n, verify=drafts > 0))
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
-            n = min(request.remaining, budget)
+            n = self._prefill_tokens(request, budget)
             if self.caches.pages_needed(0, self._reserve(n)) > self.caches.pages.num_free:
                 break
             slot = self.caches.acquire_slot()
@@ -84,6 +88,12 @@ class Scheduler:
             budget -= n
             chunks.append(ScheduledChunk(request, n))
         return chunks
+
+    @staticmethod
+    def _prefill_tokens(request: Request, budget: int) -> int:
+        if request.prompt_targets(request.num_computed, budget)[1]:
+            budget = min(budget, MAX_SCORED_CHUNK_TOKENS)
+        return min(request.remaining, budget)
 
     def _reserve(self, num_tokens: int) -> int:
         """Positions to back for a chunk ending at `num_tokens`: the drafts' lookahead included."""
