@@ -43,15 +43,22 @@ def test_policy_measures_both_modes_then_keeps_the_faster():
     ]
     assert all(p.verify and p.draft for p in plans[4:]) and good.choices == {"verify": 38, "plain": 2}
 
-    bad = DraftLengthPolicy(BLOCK, probe_every=8)
-    plans = run_steps(bad, 60, verify_cost=2.5, plain_cost=1.0, committed=1.0)
+    bad = DraftLengthPolicy(BLOCK, probe_every=8, max_probe_every=32)
+    plans = run_steps(bad, 200, verify_cost=2.5, plain_cost=1.0, committed=1.0)
     verifying = [i for i, p in enumerate(plans) if p.verify]
-    # after the first measurements, one verify probe every 8 plain steps
+    # after the first measurements, a verify probe after 8 plain steps, and each failed probe doubles
+    # the wait, up to 32 plain steps
     assert verifying[:3] == [0, 1, 11]
-    assert all(b - a == 9 for a, b in itertools.pairwise(verifying[2:]))
+    gaps = [b - a - 1 for a, b in itertools.pairwise(verifying[2:])]
+    assert gaps[:3] == [16, 32, 32] and set(gaps[2:]) == {32}
     # every verify step was announced a step ahead, so its drafts exist
     assert all(plans[i - 1].draft for i in verifying if i)
-    assert len(verifying) == 8 and bad.choices == {"verify": 8, "plain": 52}
+
+    # a draft that turns right again is verified from the next probe on, and the wait starts over
+    plans = run_steps(bad, 40, verify_cost=2.5, plain_cost=1.0, committed=4.0)
+    first = next(i for i, p in enumerate(plans) if p.verify)
+    assert first <= 33 and all(p.verify for p in plans[first + 2 :])
+    assert bad._probe_interval[1] == 8
 
 
 def test_policy_costs_are_per_bucket_and_robust_to_one_slow_step():

@@ -4,9 +4,13 @@ A verify step of a batch bucket costs `c_verify` seconds and commits τ tokens p
 a plain decode step costs `c_plain` and commits 1. Verifying pays while `τ · c_plain > c_verify`.
 Both costs are measured per batch bucket (the median wall time of its last `COST_WINDOW` steps in
 that mode: robust to a step that compiled a kernel), τ as a running mean over the verify steps. A
-bucket whose cost in a mode is not yet known runs that mode once. While plain decoding wins, every
-`probe_every`-th step of a bucket verifies anyway, so that τ follows a draft that becomes right
-again (a request entering code, a repetition).
+bucket whose cost in a mode is not yet known runs that mode once. While plain decoding wins, a
+bucket verifies anyway after `probe_every` plain steps, so that τ follows a draft that becomes right
+again (a request entering code, a repetition); each probe after which plain decoding still wins
+doubles that interval, up to `max_probe_every` (a probe costs a verify step and the drafting before
+it, for about one token), and verifying winning again resets it. A verify step whose blocks
+committed enough to pay is followed by more verify steps even while the running mean, slow to move,
+still says otherwise.
 
 Drafts are made at the end of the step before the one that verifies them, so the policy plans one
 step ahead: `plan` says whether this step verifies (decided a step ago) and whether it must draft
@@ -41,15 +45,18 @@ class DraftLengthPolicy:
 
     Invariants: `choices` counts the steps planned in each mode (`verify`, `plain`) since start;
     `mean_committed` is the running mean of tokens committed per verify block (None before the first
-    verify step: until then every bucket verifies)."""
+    verify step: until then every bucket verifies), `last_committed` the last verify step's."""
 
     block: int
     probe_every: int = 32
+    max_probe_every: int = 512
     mean_committed: float | None = None
+    last_committed: float | None = None
     times: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
     choices: dict[str, int] = field(default_factory=lambda: {"verify": 0, "plain": 0})
     _next_verify: dict[int, bool] = field(default_factory=dict)
     _plain_run: dict[int, int] = field(default_factory=dict)
+    _probe_interval: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block < 2:
@@ -70,6 +77,7 @@ class DraftLengthPolicy:
         blocks committed."""
         self.times.setdefault((bucket, verify), deque(maxlen=COST_WINDOW)).append(seconds)
         if verify and committed_per_block is not None:
+            self.last_committed = committed_per_block
             mean = self.mean_committed
             self.mean_committed = (
                 committed_per_block if mean is None else mean + SMOOTHING * (committed_per_block - mean)
@@ -86,12 +94,16 @@ class DraftLengthPolicy:
             return True
         if plain_cost is None:
             return False
-        if self.mean_committed * plain_cost > verify_cost:
+        # the running mean, or the last verify step when it did better (a probe that paid verifies on)
+        if max(self.mean_committed, self.last_committed or 0.0) * plain_cost > verify_cost:
             self._plain_run[bucket] = 0
+            self._probe_interval[bucket] = self.probe_every
             return True
         run = self._plain_run.get(bucket, 0) + (not verifying_now)
         self._plain_run[bucket] = run
-        if run >= self.probe_every:
+        interval = self._probe_interval.get(bucket, self.probe_every)
+        if run >= interval:
             self._plain_run[bucket] = 0
+            self._probe_interval[bucket] = min(2 * interval, self.max_probe_every)
             return True
         return False
