@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP
+from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP, SCRIPTED_MAX_TOKENS
 from test_server import free_port, model_dir, wait_idle, wait_ready  # noqa: F401 (model_dir is a fixture)
 
 from hylo.sampling import SamplingParams
@@ -43,7 +43,7 @@ def server(model_dir):  # noqa: F811
     proc, url = launch(
         model_dir,
         "--api-key", KEY, "--context-length", "512", "--max-queued-requests", "16",
-        "--max-request-bytes", str(MAX_BODY),
+        "--max-request-bytes", str(MAX_BODY), "--tool-call-parser", "glm45", "--reasoning-parser", "glm45",
     )  # fmt: skip
     yield url
     proc.kill()
@@ -379,3 +379,72 @@ def test_sampling_params_refuse_what_the_sampler_cannot_take():
         SamplingParams(temperature=float("nan"))
     assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-4).greedy
     assert SamplingParams(seed=2**64 - 2, n=2).seed == 2**64 - 2
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
+SCRIPTED_CHAT = {
+    "messages": [{"role": "user", "content": "Weather in Paris?"}],
+    "tools": [WEATHER],
+    "max_tokens": SCRIPTED_MAX_TOKENS,
+    "ignore_eos": True,
+}
+EXPECTED_CALLS = [
+    ("get_weather", {"city": "Paris", "days": 3}),  # a string by the schema, an integer as JSON
+    ("get_time", {"zone": "CET"}),  # no schema, not JSON: kept as text
+]
+
+
+def test_reasoning_and_tool_calls_are_parsed(server):
+    """The GLM format (`faulty_server.SCRIPTED_REPLY`, tags split across tokens): reasoning_content,
+    content, tool_calls with typed arguments and finish_reason tool_calls, whole and streamed."""
+    body = post(server, "/v1/chat/completions", SCRIPTED_CHAT).json()
+    (choice,) = body["choices"]
+    message = choice["message"]
+    assert message["reasoning_content"] == "The user asks for weather."
+    assert message["content"] == "Checking now."
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    assert calls == EXPECTED_CALLS and choice["finish_reason"] == "tool_calls"
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in message["tool_calls"])
+
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=SCRIPTED_CHAT | {"stream": True},
+                      headers=AUTH, timeout=120) as r:  # fmt: skip
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    text = {k: "".join(d["delta"].get(k) or "" for d in deltas) for k in ("content", "reasoning_content")}
+    assert text == {"content": "Checking now.", "reasoning_content": "The user asks for weather."}
+    streamed = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert [c["index"] for c in streamed] == [0, 1]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed] == (
+        EXPECTED_CALLS
+    )
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_none_keeps_calls_as_text_and_agent_turns_are_accepted(server):
+    body = post(server, "/v1/chat/completions", SCRIPTED_CHAT | {"tool_choice": "none"}).json()
+    message = body["choices"][0]["message"]
+    assert message.get("tool_calls") is None
+    assert message["content"].startswith("Checking now.<tool_call>get_weather")
+    assert body["choices"][0]["finish_reason"] == "stop"
+    required = SCRIPTED_CHAT | {"tool_choice": "required"}
+    assert_error(post(server, "/v1/chat/completions", required), 400, "tool_choice")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    turns = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    answer = post(server, "/v1/chat/completions", {"messages": turns, "tools": [WEATHER], "max_tokens": 3})
+    assert answer.status_code == 200, answer.text
+    empty = {"messages": [{"role": "assistant"}]}
+    assert_error(post(server, "/v1/chat/completions", empty), 400, "messages.0.content")
+    assert_serving(server)

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from hylo.config import EngineConfig
+from hylo.server.parsers import PARSERS
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -50,6 +51,18 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="waiting requests beyond which new ones get HTTP 429 (default: no limit)",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="parse tool calls of this chat format into tool_calls (chat requests with tools)",
+    )
+    srv.add_argument(
+        "--reasoning-parser",
+        choices=PARSERS,
+        default=None,
+        help="separate the reasoning of this chat format into reasoning_content",
     )
     srv.add_argument(
         "--graceful-shutdown-timeout",
@@ -127,6 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
             args.max_queued_requests,
             args.graceful_shutdown_timeout,
             args.max_request_bytes,
+            args.tool_call_parser,
+            args.reasoning_parser,
         )
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"hylo: {e}", file=sys.stderr)

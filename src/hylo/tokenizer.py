@@ -51,7 +51,8 @@ def _tojson(value: Any, indent: int | None = None) -> str:
 
 
 def _validate_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Returns shallow copies whose ``content`` is always a ``str`` (text parts joined)."""
+    """Returns shallow copies whose ``content`` is always a ``str`` (text parts joined; an assistant
+    message with ``tool_calls`` may have none: then it is empty)."""
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -66,6 +67,8 @@ def _validate_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             ):
                 raise ValueError(f"message {i} field 'content' parts must be {{'type': 'text', 'text': str}}")
             content = "".join(p["text"] for p in content)
+        elif content is None and message.get("role") == "assistant" and message.get("tool_calls"):
+            content = ""
         elif not isinstance(content, str):
             raise ValueError(f"message {i} field 'content' must be a string or a list of text parts")
         checked.append({**message, "content": content})

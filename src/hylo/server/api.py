@@ -25,6 +25,7 @@ from hylo.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Hand
 from hylo.server.guard import Guard, error_response
 from hylo.server.logprobs import chat_logprobs, completion_logprobs
 from hylo.server.openapi import describe
+from hylo.server.parsers import THINK_START, ReplyParser, merge_deltas, whole_reply
 from hylo.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -65,8 +66,15 @@ class _Choice:
 
 
 def build_app(
-    engine: AsyncEngine, model_name: str, api_key: str | None = None, max_request_bytes: int = 8 * 2**20
+    engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    max_request_bytes: int = 8 * 2**20,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
+    """The OpenAI-compatible routes over `engine`; with `tool_call_parser` / `reasoning_parser`
+    (`hylo.server.parsers.PARSERS`) chat replies carry `tool_calls` / `reasoning_content`."""
     app = FastAPI(title="hylo", docs_url=None, redoc_url=None)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_request_bytes)
     core = engine.engine
@@ -255,16 +263,31 @@ def build_app(
         need_tokenizer("messages")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
 
-        def render() -> list[int]:
+        def render() -> tuple[str, list[int]]:
             try:
                 text = tokenizer.apply_chat_template(
                     messages, body.add_generation_prompt, body.tools, **body.chat_template_kwargs
                 )
             except Exception as e:  # the template is data: whatever it raises is about this input
                 raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
-            return encode([text], "messages", add_special_tokens=False)[0]
+            return text, encode([text], "messages", add_special_tokens=False)[0]
 
-        prompts = [await asyncio.to_thread(render)]
+        rendered, ids = await asyncio.to_thread(render)
+        prompts = [ids]
+        parse_tools = tool_call_parser is not None and bool(body.tools) and body.tool_choice != "none"
+        parse_reasoning = reasoning_parser is not None
+        parsers: dict[int, ReplyParser] = {}
+
+        def parser(i: int) -> ReplyParser:
+            """Choice i's parser (a reply opened `<think>` when the prompt ends with it)."""
+            if i not in parsers:
+                opened = rendered.rstrip().endswith(THINK_START)
+                parsers[i] = ReplyParser(parse_reasoning, parse_tools, body.tools, opened)
+            return parsers[i]
+
+        def finish_reason(i: int, reason: str | None) -> str | None:
+            return "tool_calls" if reason == "stop" and i in parsers and parsers[i].called else reason
+
         room = min(core.context_len, core.plan.max_total_num_tokens) - len(prompts[0])
         params = params_of(lambda: body.sampling_params(max(1, room)))
         handles = submitted(prompts, params, "messages")
@@ -279,19 +302,27 @@ def build_app(
             )
 
         def delta_choice(i: int, d: Delta) -> dict:
+            if parse_tools or parse_reasoning:
+                pieces = [*parser(i).feed(d.text), *(parser(i).finish() if d.finish_reason else [])]
+                delta = merge_deltas(pieces)
+            else:
+                delta = {"content": d.text} if d.text else {}
             return {
                 "index": i,
-                "delta": {"content": d.text} if d.text else {},
+                "delta": delta,
                 "logprobs": logprobs_of(d.token_ids, d.logprobs),
-                "finish_reason": d.finish_reason,
+                "finish_reason": finish_reason(i, d.finish_reason),
             }
 
         def final_choice(i: int, c: _Choice) -> dict:
+            message = {"role": "assistant", "content": c.text}
+            if parse_tools or parse_reasoning:
+                message |= whole_reply(parser(i), c.text)
             return {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": logprobs_of(c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason(i, c.finish_reason),
             }
 
         role = [

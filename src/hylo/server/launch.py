@@ -61,6 +61,8 @@ def serve(
     max_queued_requests: int | None = None,
     graceful_shutdown_timeout: float = 30.0,
     max_request_bytes: int = 8 * 2**20,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit status 0) or until the engine fails (status 1)."""
     engine = Engine(config)
@@ -71,7 +73,7 @@ def serve(
         server.should_exit = True  # read by uvicorn's main loop, which then shuts down
 
     async_engine = AsyncEngine(engine, max_queued_requests, on_fatal)
-    app = build_app(async_engine, name, api_key, max_request_bytes)
+    app = build_app(async_engine, name, api_key, max_request_bytes, tool_call_parser, reasoning_parser)
     stopped = True
 
     @contextlib.asynccontextmanager

@@ -196,11 +196,33 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """The fields chat templates read; other fields are ignored."""
 
-    model_config = _REQUEST
+    # the schema's form of `_content_or_calls`
+    model_config = _REQUEST | ConfigDict(
+        json_schema_extra={
+            "if": {
+                "properties": {
+                    "role": {"const": "assistant"},
+                    "tool_calls": {"type": "array", "minItems": 1},
+                },
+                "required": ["role", "tool_calls"],
+            },
+            "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        }
+    )
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: Text | list[TextPart]
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (agent loops)
+    tool_call_id: str | None = None  # a tool turn's answer to that call
+    # after role and tool_calls, which its validator reads
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, value: object, info: ValidationInfo) -> object:
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("required, except for an assistant message with tool_calls")
+        return value
 
 
 class ChatCompletionRequest(_Common):
@@ -215,6 +237,10 @@ class ChatCompletionRequest(_Common):
         json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}},
     )
     tools: list[dict[str, Any]] | None = None
+    # "required" and a named function would need constrained decoding (structured outputs)
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description="none: tool calls stay text; auto (the default with tools): parsed"
+    )
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -301,16 +327,29 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class ChatCompletionResponse(BaseModel):
