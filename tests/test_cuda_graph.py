@@ -153,14 +153,15 @@ def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(mo
     for step, batch_size in enumerate([3, 5, 7, 6, 1, 7]):
         tokens = torch.randint(0, model.config.vocab_size, (batch_size,), generator=gen).tolist()
         seqs = [SequenceChunk([t], lengths[i], slots[i], slots[i]) for i, t in enumerate(tokens)]
-        expected = model(build(ref, seqs))
+        eager = build(ref, seqs)
+        expected = model(eager)
         batch, logits = graphs.run(seqs)
         bucket = next(b for b in graphs.buckets if b >= batch_size)
-        assert len(batch.extend_lens) == bucket
+        assert len(batch.extend_lens) == bucket and batch is graphs.static[bucket]
         assert_fp32_close(logits, expected, terms, msg=f"step {step}, batch of {batch_size}")
         # the step's pools, then -1: also where an earlier, wider step wrote into the same rows
-        static, width = graphs.static[bucket].pool_table, batch.pool_table.shape[1]
-        assert torch.equal(static[:, :width], batch.pool_table) and (static[:, width:] == -1).all()
+        static, width = batch.pool_table[:batch_size], eager.pool_table.shape[1]
+        assert torch.equal(static[:, :width], eager.pool_table) and (static[:, width:] == -1).all()
         for i in range(batch_size):
             lengths[i] += 1
 
@@ -180,18 +181,19 @@ def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(mo
 
 
 def test_static_pool_table_is_reset_where_a_wider_step_wrote(model):
-    """A step's pool table fills the first columns of the static one; columns that an earlier, wider step
-    wrote into the same rows go back to -1, in the bucket it shares with a larger one too."""
+    """A step's pools fill the first columns of the static pool table and -1 the rest: columns that an
+    earlier, wider step wrote into the same rows go back to -1."""
     caches = caches_for(model)
     graphs = DecodeGraphs(model, caches, 2, capture=False)
     kpool = caches.kpool
     short, long_ = admit(caches, 2)
 
     def step(*seqs: tuple[int, int]) -> None:
-        batch, _ = graphs.run([SequenceChunk([3], length, slot, slot) for slot, length in seqs])
-        bucket = len(batch.extend_lens)
-        static, width = graphs.static[bucket].pool_table, batch.pool_table.shape[1]
-        assert torch.equal(static[:, :width], batch.pool_table) and (static[:, width:] == -1).all()
+        chunks = [SequenceChunk([3], length, slot, slot) for slot, length in seqs]
+        eager = build(caches, chunks)
+        batch, _ = graphs.run(chunks)
+        static, width = batch.pool_table[: len(chunks)], eager.pool_table.shape[1]
+        assert torch.equal(static[:, :width], eager.pool_table) and (static[:, width:] == -1).all()
 
     step((short, kpool), (long_, 3 * kpool))  # rows 0, 1: 1 and 3 pools
     step((short, kpool))  # bucket 1 = row 0 of the same memory

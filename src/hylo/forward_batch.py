@@ -241,7 +241,12 @@ class ForwardBatch:
 
 
 def uniform_metadata(
-    prefix: torch.Tensor, rows: torch.Tensor, width: int, req_to_token: torch.Tensor, kpool: int
+    prefix: torch.Tensor,
+    rows: torch.Tensor,
+    width: int,
+    req_to_token: torch.Tensor,
+    kpool: int,
+    filler_row: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """On the device, what `ForwardBatch.build` computes for sequences of `width` tokens at device
     prefix lengths `prefix [B]` in table rows `rows [B]`: `positions`, `token_rows`, `new_slots`,
@@ -249,17 +254,23 @@ def uniform_metadata(
     the table.
 
     `completed_pools` lists, per sequence, the pools its tokens may complete; a listed pool that does
-    not complete is replaced by the sequence's pool at `prefix`, which is incomplete before this
-    forward, is masked out of `pool_table` until some forward completes it, and is recompressed by
-    that forward: whatever this one writes to its pooled slot is never read. (When that pool does
-    complete here, both entries compute the same key from the same entries.)"""
+    not complete is replaced by the first pool of `filler_row` (a row nobody owns: a fixed-shape
+    batch's scratch slot) or, without one, by the sequence's pool at `prefix`, which is incomplete
+    before this forward, is masked out of `pool_table` until some forward completes it, and is
+    recompressed by that forward: whatever this one writes to its pooled slot is never read. (When
+    that pool does complete here, both entries compute the same key from the same entries.)"""
     device = req_to_token.device
     steps = torch.arange(width, device=device)
     positions = prefix[:, None] + steps
     pools_after = (prefix + width) // kpool
     candidates = prefix[:, None] // kpool + torch.arange(-(-width // kpool), device=device)
-    candidates = torch.where(candidates < pools_after[:, None], candidates, prefix[:, None] // kpool)
-    completed = req_to_token[rows[:, None], candidates * kpool].long() // kpool
+    completes = candidates < pools_after[:, None]
+    if filler_row is None:
+        pool_rows, candidates = rows[:, None], torch.where(completes, candidates, prefix[:, None] // kpool)
+    else:
+        pool_rows = torch.where(completes, rows[:, None], filler_row)
+        candidates = torch.where(completes, candidates, 0)
+    completed = req_to_token[pool_rows, candidates * kpool].long() // kpool
     columns = torch.arange(req_to_token.shape[1] // kpool, device=device)
     pool_slots = req_to_token[rows[:, None], columns[None, :] * kpool].long() // kpool
     return {

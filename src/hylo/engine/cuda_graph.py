@@ -1,15 +1,14 @@
 """Plain decode steps as CUDA-graph replays, one graph per batch-size bucket, captured at engine start.
 
 A plain decode step (every sequence feeds one token and samples, no verify chunk) of B sequences
-runs in the smallest bucket >= B: the step's batch is built with the bucket's fixed shapes
-(`FixedShape`: filler sequences on the cache manager's scratch slot), the tensors that vary from step
-to step are copied into the bucket's static batch (device copies; the step's pool table into the first
-columns of the static one, which is as wide as the request table, with the columns an earlier, wider
-step wrote there reset to -1), the bucket's graph replays, and the first B rows of its logits are the
-step's.
+runs in the smallest bucket >= B: the step uploads one small tensor from pinned memory (each
+sequence's prefix length, request-table row and token; filler sequences on the cache manager's
+scratch slot pad it to the bucket), the replay builds the batch's metadata from it and the request
+table on the device (`uniform_metadata`: positions, cache slots, completed pools, a pool table as
+wide as the request table), runs the forward, and the first B rows of its logits are the step's.
 Sampling stays outside the graph. Any other step runs eagerly.
 
-Without capture (the CPU) the static batch goes through a plain call of the model instead of a
+Without capture (the CPU) the static batch goes through a plain call of the same code instead of a
 replay: the same fixed-shape path, so that it can be checked against the eager one anywhere.
 """
 
@@ -32,15 +31,6 @@ from hylo.speculative.verify import MAX_BLOCK_TOKENS, greedy_accept
 
 logger = logging.getLogger("hylo")
 
-# Every tensor of a decode batch is indexed by sequence (= token) first: a bucket's static batch is
-# the first rows of the largest bucket's.
-PER_SEQUENCE_TENSORS = (
-    "input_ids", "positions", "token_seq", "token_rows", "new_slots", "state_slots",
-    "pad_index", "pad_valid", "pool_table", "completed_pools", "logits_index",
-)  # fmt: skip
-# What a step changes, besides the pool table's first columns; the others (token_seq, pad_index,
-# pad_valid, logits_index) are aranges that depend on the bucket alone.
-STEP_TENSORS = ("input_ids", "positions", "token_rows", "new_slots", "state_slots", "completed_pools")
 # Eager runs before a capture: kernels compile and per-batch host caches fill outside the graph.
 WARMUP_RUNS = 2
 
@@ -58,8 +48,7 @@ class DecodeGraphs:
     `capture` (all in one memory pool, the largest first so that the others reuse its memory).
 
     Invariants: a static batch points at the scratch slot and at the slots of the last step it ran,
-    nothing else; row r of the static pool table is -1 from column `pool_columns[r]` on; the logits
-    `run` returns stay valid until the next `run`.
+    nothing else; the batch and logits `run` returns stay valid until the next `run`.
     """
 
     tokens_per_seq = 1
@@ -87,8 +76,6 @@ class DecodeGraphs:
         self.buckets = batch_size_buckets(max_batch_size)
         self.pool_width = caches.table.table.shape[1] // caches.kpool
         self.static = self._static_batches()
-        # per row of the static pool table: the columns the last step through it wrote (-1 beyond)
-        self.pool_columns = [0] * self.buckets[-1]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         if capture:
@@ -101,48 +88,65 @@ class DecodeGraphs:
         )
 
     def run(self, seqs: Sequence[SequenceChunk]) -> tuple[ForwardBatch, torch.Tensor]:
-        """The step's padded batch and the logits of its sequences, `[len(seqs), vocab]`, in order."""
+        """The step's padded batch (the bucket's static one) and the logits of its sequences,
+        `[len(seqs), vocab]`, in order."""
         if not self.accepts(seqs):
             raise ValueError(
                 f"seqs: a fixed-shape decode takes up to {self.buckets[-1]} sequences of one sampled "
                 "token each"
             )
-        step, (logits,) = self._replay(seqs)
-        if self.proposer is not None:
-            step.features = self.static[len(step.extend_lens)].features
-        return step, logits[: len(seqs)]
+        bucket, (logits,) = self._replay(seqs)
+        return self.static[bucket], logits[: len(seqs)]
 
     @property
     def observes(self) -> bool:
         """The proposer's observe runs inside the replay (nothing is left for the step to observe)."""
         return self.proposer is not None and not self.proposer.needs_host
 
-    def _replay(self, seqs: Sequence[SequenceChunk]) -> tuple[ForwardBatch, tuple[torch.Tensor, ...]]:
-        """Copy the step into its bucket's static batch and replay (or, uncaptured, call) the bucket."""
+    def _replay(self, seqs: Sequence[SequenceChunk]) -> tuple[int, tuple[torch.Tensor, ...]]:
+        """Upload the step's (prefix length, table row, first token) of each sequence, fillers after
+        them, and replay (or, uncaptured, call) its bucket: (bucket, outputs)."""
         bucket = next(b for b in self.buckets if b >= len(seqs))
-        step, static = self._build(seqs, bucket), self.static[bucket]
-        for name in STEP_TENSORS:
-            getattr(static, name).copy_(getattr(step, name))
-        width, written = step.pool_table.shape[1], max(self.pool_columns[:bucket])
-        static.pool_table[:, :width].copy_(step.pool_table)
-        if written > width:
-            static.pool_table[:, width:written].fill_(-1)
-        self.pool_columns[:bucket] = [width] * bucket
+        host = self.host_inputs[bucket]
+        assert self.caches.scratch_slot is not None
+        filler = [(0, self.caches.scratch_slot, 0)] * (bucket - len(seqs))
+        host.copy_(torch.tensor([(s.prefix_len, s.table_row, s.token_ids[0]) for s in seqs] + filler).t())
+        self.step_inputs[bucket].copy_(host, non_blocking=True)
         graph = self.graphs.get(bucket)
         if graph is None:
-            return step, self._forward(static)
+            return bucket, self._forward(self.static[bucket])
         graph.replay()
-        return step, self.outputs[bucket]
+        return bucket, self.outputs[bucket]
 
     def _static_batches(self) -> dict[int, ForwardBatch]:
-        """Every bucket's static batch: the first rows of the largest bucket's (one token a sequence)."""
-        largest = self._build([], self.buckets[-1])
-        full_width = torch.full((self.buckets[-1], self.pool_width), -1, device=largest.pool_table.device)
-        largest = dataclasses.replace(largest, pool_table=full_width)
-        return {b: _leading(largest, b) for b in self.buckets}
+        """One static batch per bucket, its pool table as wide as the request table's, and the step's
+        (prefix length, table row, first token) of each sequence with a pinned mirror."""
+        static = {}
+        device = self.caches.table.table.device
+        self.step_inputs: dict[int, torch.Tensor] = {}
+        self.host_inputs: dict[int, torch.Tensor] = {}
+        for bucket in self.buckets:
+            batch = self._build([], bucket)
+            full_width = torch.full((bucket, self.pool_width), -1, device=batch.pool_table.device)
+            static[bucket] = dataclasses.replace(batch, pool_table=full_width)
+            inputs = torch.tensor([[0] * bucket, [self.caches.scratch_slot] * bucket, [0] * bucket])
+            self.host_inputs[bucket] = inputs.pin_memory() if device.type == "cuda" else inputs
+            self.step_inputs[bucket] = inputs.to(device)
+        return static
+
+    def _fill_metadata(self, static: ForwardBatch) -> None:
+        """The step's batch metadata, in place, from the uploaded inputs and the request table
+        (`uniform_metadata`), and each sequence's first token."""
+        prefix, rows, first = self.step_inputs[len(static.extend_lens)]
+        c = self.caches
+        meta = uniform_metadata(prefix, rows, self.tokens_per_seq, c.table.table, c.kpool, c.scratch_slot)
+        for name, value in meta.items():
+            getattr(static, name).copy_(value)
+        static.input_ids.view(len(static.extend_lens), self.tokens_per_seq)[:, 0] = first
 
     def _forward(self, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """What a replay computes from the static batch (captured once per bucket)."""
+        self._fill_metadata(static)
         if self.proposer is None:
             return (self.model(static),)
         logits = self.model(static, self.proposer.capture_layers)
@@ -196,16 +200,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             self.outputs[bucket] = self._forward(static)
         self.graphs[bucket] = graph
-
-
-def _leading(batch: ForwardBatch, n: int) -> ForwardBatch:
-    """The first `n` sequences of a fixed-shape decode batch, sharing its tensors' memory."""
-    views = {name: getattr(batch, name)[:n] for name in PER_SEQUENCE_TENSORS}
-    return dataclasses.replace(
-        batch, **views,
-        extend_lens=batch.extend_lens[:n], prefix_lens=batch.prefix_lens[:n], verify_seqs=[],
-        seq_rows=batch.seq_rows[:n], seq_slots=batch.seq_slots[:n], kda_records={}, features=None,
-    )  # fmt: skip
 
 
 class VerifyGraphs(DecodeGraphs):
@@ -264,49 +258,12 @@ class VerifyGraphs(DecodeGraphs):
                 f"seqs: a verify graph takes up to {self.buckets[-1]} verify blocks of "
                 f"{self.tokens_per_seq} tokens"
             )
-        bucket = next(b for b in self.buckets if b >= len(seqs))
-        host = self.host_inputs[bucket]
-        assert self.caches.scratch_slot is not None
-        filler = [(0, self.caches.scratch_slot, 0)] * (bucket - len(seqs))
-        host.copy_(torch.tensor([(s.prefix_len, s.table_row, s.token_ids[0]) for s in seqs] + filler).t())
-        self.step_inputs[bucket].copy_(host, non_blocking=True)
-        graph = self.graphs.get(bucket)
-        if graph is None:
-            emitted, committed = self._forward(self.static[bucket])
-        else:
-            graph.replay()
-            emitted, committed = self.outputs[bucket]
+        _, (emitted, committed) = self._replay(seqs)
         return emitted[: len(seqs)], committed[: len(seqs)]
-
-    def _static_batches(self) -> dict[int, ForwardBatch]:
-        """One static batch per bucket (a verify batch's tensors are per token, not per sequence), its
-        pool table as wide as the request table's."""
-        static = {}
-        device = self.caches.table.table.device
-        # per bucket: the step's (prefix length, table row, anchor) of every block, and a pinned mirror
-        self.step_inputs: dict[int, torch.Tensor] = {}
-        self.host_inputs: dict[int, torch.Tensor] = {}
-        for bucket in self.buckets:
-            batch = self._build([], bucket)
-            full_width = torch.full((bucket, self.pool_width), -1, device=batch.pool_table.device)
-            static[bucket] = dataclasses.replace(batch, pool_table=full_width)
-            inputs = torch.tensor([[0] * bucket, [self.caches.scratch_slot] * bucket, [0] * bucket])
-            self.host_inputs[bucket] = inputs.pin_memory() if device.type == "cuda" else inputs
-            self.step_inputs[bucket] = inputs.to(device)
-        return static
-
-    def _fill_metadata(self, static: ForwardBatch, inputs: torch.Tensor) -> None:
-        """The step's batch metadata, in place, from `inputs [3, B]` (prefix lengths, table rows,
-        anchors) and the request table (`uniform_metadata`)."""
-        prefix, rows, anchors = inputs
-        meta = uniform_metadata(prefix, rows, self.tokens_per_seq, self.caches.table.table, self.caches.kpool)
-        for name, value in meta.items():
-            getattr(static, name).copy_(value)
-        static.input_ids.view(len(static.extend_lens), self.tokens_per_seq)[:, 0] = anchors
 
     def _forward(self, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
         blocks, width = len(static.extend_lens), self.tokens_per_seq
-        self._fill_metadata(static, self.step_inputs[blocks])
+        self._fill_metadata(static)
         ids = static.input_ids.view(blocks, width)
         ids[:, 1:] = self.proposer.drafts[static.state_slots]
         logits = self.model(static, self.proposer.capture_layers)
