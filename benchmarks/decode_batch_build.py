@@ -1,5 +1,7 @@
-"""Host time to build one decode step's batch metadata on the CPU, eager vs the fixed shapes the decode
-CUDA graphs replay (padding to the bucket, the static pool table's columns), on the embedded demo model.
+"""Host time of one decode step's batch metadata on the CPU, on the embedded demo model: an eager
+batch build, a fixed-shape build (what the decode graphs did before they built their metadata on the
+device), and what a decode graph's step now does on the host (the (prefix, row, token) rows into its
+pinned upload buffer).
 
     .venv/bin/python benchmarks/decode_batch_build.py [--repeats 200]
 """
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+import torch
 
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
@@ -45,7 +49,12 @@ def main() -> None:
             )
             for name, shape in (("eager", None), ("fixed-shape", fixed))
         }
-        print(f"B={batch_size}: " + ", ".join(f"{name} build {us:.0f} us" for name, us in times.items()))
+        filler = [(0, c.scratch_slot, 0)] * (bucket - batch_size)
+        rows = [(s.prefix_len, s.table_row, s.token_ids[0]) for s in seqs] + filler
+        times["graph upload"] = median_us(
+            lambda r=rows, h=graphs.host_inputs[bucket]: h.copy_(torch.tensor(r).t()), args.repeats
+        )
+        print(f"B={batch_size}: " + ", ".join(f"{name} {us:.0f} us" for name, us in times.items()))
 
 
 if __name__ == "__main__":
