@@ -193,6 +193,12 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ResponseFormat(BaseModel):
+    model_config = _REQUEST
+
+    type: Literal["text"]
+
+
 class ChatMessage(BaseModel):
     """The fields chat templates read; other fields are ignored."""
 
@@ -237,6 +243,9 @@ class ChatCompletionRequest(_Common):
         json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}},
     )
     tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="text only: json_object and json_schema (structured outputs) are not supported yet"
+    )
     # "required" and a named function would need constrained decoding (structured outputs)
     tool_choice: Literal["none", "auto"] | None = Field(
         None, description="none: tool calls stay text; auto (the default with tools): parsed"
