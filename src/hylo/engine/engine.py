@@ -224,8 +224,7 @@ class Engine:
         for ch, result in zip(chunks, results, strict=True):
             request = ch.request
             if result.prompt_logprobs:
-                first, _ = request.prompt_targets(request.num_computed, ch.num_tokens)
-                request.add_prompt_logprobs(first, result.prompt_logprobs)
+                request.prompt_logprobs.extend(result.prompt_logprobs)
             request.num_computed += result.committed
             if result.tokens and request.params.max_tokens == 0:  # the prompt is scored: done
                 self.scheduler.finish(request)

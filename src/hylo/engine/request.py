@@ -88,20 +88,21 @@ class Request:
         room = min(self.params.max_tokens - len(self.output_ids), self.max_total_len - self.total_len) - 1
         return max(0, min(num_draft_tokens, room))
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs are asked and some prompt position (from 1) is not scored yet."""
+        scored = len(self.prompt_logprobs) + 1  # position 0 has no logprob
+        return self.params.prompt_logprobs is not None and scored < len(self.prompt_ids)
+
     def prompt_targets(self, start: int, num_tokens: int) -> tuple[int, list[int]]:
         """(first position, tokens): the prompt tokens a chunk of `num_tokens` from position `start`
-        scores when the request asks for prompt logprobs, each predicted from the position before it:
-        positions `start + 1 ..` up to the prompt's end, less those already scored (a recompute after
-        preemption adds nothing)."""
-        if self.params.prompt_logprobs is None:
+        scores, each predicted from the position before it: positions `start + 1 ..` up to the
+        prompt's end, less those already scored (a recompute after preemption adds nothing). Their
+        entries extend `prompt_logprobs` in order."""
+        if not self.scores_prompt:
             return 0, []
         first = max(start + 1, len(self.prompt_logprobs) + 1)
         return first, self.prompt_ids[first : min(start + num_tokens + 1, len(self.prompt_ids))]
-
-    def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
-        """The entries of the targets `prompt_targets` returned, from position `first`."""
-        assert not entries or first == len(self.prompt_logprobs) + 1, (first, len(self.prompt_logprobs))
-        self.prompt_logprobs.extend(entries)
 
     def banned_ids(self) -> list[int]:
         """Stop ids may not be sampled before `min_tokens` tokens exist."""

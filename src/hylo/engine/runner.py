@@ -26,7 +26,7 @@ class ChunkResult:
     logprobs: list[dict[int, float]] | None
     committed: int
     accepted: int = 0
-    # prompt logprobs the chunk scored: entries for prompt positions `first ..` (Request.prompt_targets)
+    # prompt logprobs the chunk scored, to extend `Request.prompt_logprobs` (Request.prompt_targets)
     prompt_logprobs: list[dict[int, float]] | None = None
 
 
@@ -63,7 +63,8 @@ class ModelRunner:
         """Run the chunks; one result per chunk. The one device-to-host read is of the picked tokens
         (and of logprobs, when asked). Without `draft` the proposer only observes the step (its drafts
         are not needed next step); a replayed verify step drafts regardless."""
-        seqs = [_sequence(ch) for ch in chunks]
+        targets = [_prompt_targets(ch) for ch in chunks]  # prompt positions each chunk scores
+        seqs = [_sequence(ch, bool(t[1])) for ch, t in zip(chunks, targets, strict=True)]
         full = self._full_blocks(seqs)
         if full is not None and self.verify_graphs.accepts(full, [ch.request for ch in chunks]):
             emitted, counts = _read(*self.verify_graphs.run(full))
@@ -82,7 +83,7 @@ class ModelRunner:
                 _feed_drafts(batch, chunks, self.proposer.drafts)
             capture = self.proposer.capture_layers if self.proposer is not None else ()
             logits = self.model(batch, capture)
-        return self._pick(chunks, batch, logits, observed, draft)
+        return self._pick(chunks, batch, logits, observed, draft, targets)
 
     def _full_blocks(self, seqs: list[SequenceChunk]) -> list[SequenceChunk] | None:
         """The verify step as blocks of the verify graphs' width: shorter blocks (a request within a
@@ -107,11 +108,12 @@ class ModelRunner:
         logits: torch.Tensor,
         observed: bool,
         draft: bool,
+        targets: Sequence[tuple[int, list[int]]],
     ) -> list[ChunkResult]:
         device = logits.device
         plain = [i for i, ch in enumerate(chunks) if ch.samples and not ch.verify]
         verifying = [i for i, ch in enumerate(chunks) if ch.verify]
-        rows_of = _logit_rows(chunks)
+        rows_of = _logit_rows(chunks, targets)
         proposer = self.proposer
         # a plain step whose observe ran in its graph and that drafts nothing leaves the proposer nothing
         needs_commit = proposer is not None and (proposer.needs_host or not observed or draft)
@@ -159,8 +161,10 @@ class ModelRunner:
             elif draft:
                 proposer.propose(batch, commit)
 
-        scoring = [i for i, ch in enumerate(chunks) if _prompt_targets(ch)[1]]
-        scored = _score_prompts(logits, [chunks[i] for i in scoring], [rows_of[i] for i in scoring])
+        scoring = [i for i, (_, tokens) in enumerate(targets) if tokens]
+        scored = _score_prompts(
+            logits, [chunks[i] for i in scoring], [targets[i] for i in scoring], [rows_of[i] for i in scoring]
+        )
         host = _read(
             picked.tokens if picked else None, *_logprob_tensors(picked),
             acceptance.accepted if acceptance else None, acceptance.emitted if acceptance else None,
@@ -179,15 +183,14 @@ class ModelRunner:
             )
         offset = 0
         for i in scoring:
-            ch = chunks[i]
-            targets = _prompt_targets(ch)[1]
-            n = ch.request.params.prompt_logprobs
+            tokens = targets[i][1]
+            n = chunks[i].request.params.prompt_logprobs
             results[i].prompt_logprobs = [
                 logprob_entry(t, float(host[9][offset + j]), host[10][offset + j, :n].tolist(),
                               host[11][offset + j, :n].tolist(), n)
-                for j, t in enumerate(targets)
+                for j, t in enumerate(tokens)
             ]  # fmt: skip
-            offset += len(targets)
+            offset += len(tokens)
         if needs_commit and proposer.needs_host:
             offsets = [0, *batch.extend_lens]
             for j in range(1, len(offsets)):
@@ -209,26 +212,29 @@ def _prompt_targets(ch: ScheduledChunk) -> tuple[int, list[int]]:
 
 
 def _score_prompts(
-    logits: torch.Tensor, chunks: Sequence[ScheduledChunk], rows_of: Sequence[list[int]]
+    logits: torch.Tensor,
+    chunks: Sequence[ScheduledChunk],
+    targets: Sequence[tuple[int, list[int]]],
+    rows_of: Sequence[list[int]],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(chosen `[N]`, top ids `[N, n]`, top values `[N, n]`) over the prompt positions the chunks
-    score, in order, n the largest `prompt_logprobs` asked; nothing is read back."""
+    score (`targets`: `_prompt_targets` of each), in order, n the largest `prompt_logprobs` asked;
+    nothing is read back."""
     if not chunks:
         return (None, None, None)
-    rows, targets = [], []
-    for ch, chunk_rows in zip(chunks, rows_of, strict=True):
-        first, tokens = _prompt_targets(ch)
+    rows, tokens = [], []
+    for ch, (first, chunk_tokens), chunk_rows in zip(chunks, targets, rows_of, strict=True):
         lead = first - 1 - ch.request.num_computed  # the logits row of position first - 1
-        rows += chunk_rows[lead : lead + len(tokens)]
-        targets += tokens
+        rows += chunk_rows[lead : lead + len(chunk_tokens)]
+        tokens += chunk_tokens
     device = logits.device
-    index = torch.tensor([rows, targets]).to(device, non_blocking=True)
+    index = torch.tensor([rows, tokens]).to(device, non_blocking=True)
     logprobs = torch.log_softmax(logits[index[0]].float(), dim=-1)
     top = logprobs.topk(max(ch.request.params.prompt_logprobs for ch in chunks), dim=-1)
     return logprobs.gather(1, index[1][:, None])[:, 0], top.indices, top.values
 
 
-def _sequence(ch: ScheduledChunk) -> SequenceChunk:
+def _sequence(ch: ScheduledChunk, score: bool) -> SequenceChunk:
     """The chunk's tokens; a verify chunk feeds its anchor and placeholders where its drafts go (the
     drafts themselves are on the device: `_feed_drafts`, or the verify graph)."""
     r = ch.request
@@ -236,7 +242,6 @@ def _sequence(ch: ScheduledChunk) -> SequenceChunk:
         anchor = r.tokens(r.num_computed, r.num_computed + 1)[0]
         return SequenceChunk([anchor] + [0] * (ch.num_tokens - 1), r.num_computed, r.slot, r.slot, True, True)
     tokens = r.tokens(r.num_computed, r.num_computed + ch.num_tokens)
-    score = bool(_prompt_targets(ch)[1])
     return SequenceChunk(tokens, r.num_computed, r.slot, r.slot, ch.samples, False, score)
 
 
@@ -305,11 +310,14 @@ def _read(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     return [None if t is None else next(it) for t in tensors]
 
 
-def _logit_rows(chunks: Sequence[ScheduledChunk]) -> list[list[int]]:
-    """Rows of the forward's logits that belong to each chunk (see `ForwardBatch.logits_index`)."""
+def _logit_rows(
+    chunks: Sequence[ScheduledChunk], targets: Sequence[tuple[int, list[int]]]
+) -> list[list[int]]:
+    """Rows of the forward's logits that belong to each chunk (see `ForwardBatch.logits_index`): every
+    token's for a verify chunk and a chunk that scores prompt positions, else the sampled one's."""
     rows, n = [], 0
-    for ch in chunks:
-        count = ch.num_tokens if ch.verify or _prompt_targets(ch)[1] else int(ch.samples)
+    for ch, (_, scored) in zip(chunks, targets, strict=True):
+        count = ch.num_tokens if ch.verify or scored else int(ch.samples)
         rows.append(list(range(n, n + count)))
         n += count
     return rows

@@ -91,7 +91,7 @@ class Scheduler:
 
     @staticmethod
     def _prefill_tokens(request: Request, budget: int) -> int:
-        if request.prompt_targets(request.num_computed, budget)[1]:
+        if request.scores_prompt:
             budget = min(budget, MAX_SCORED_CHUNK_TOKENS)
         return min(request.remaining, budget)
 

@@ -239,7 +239,8 @@ def build_app(
         # with echo, each choice's first delta (or its collected whole) begins with its prompt
         n = params.n
         prompt_texts = (
-            [body.prompt] if isinstance(body.prompt, str)
+            [] if not body.echo
+            else [body.prompt] if isinstance(body.prompt, str)
             else list(body.prompt) if isinstance(body.prompt[0], str)
             else [tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else "" for ids in prompts]
         )  # fmt: skip

@@ -112,7 +112,7 @@ class ReplyParser:
                 self.pending, self.mode = self.pending[end + len(CALL_END) :], "content"
             if (self.mode, len(self.pending)) == before:
                 break  # waiting for more text
-        return _merged(out)
+        return out
 
     def _until(self, tag: str, field: str, next_mode: str, out: list[dict[str, Any]]) -> None:
         """Emit `pending` as `field` up to `tag` (then switch to `next_mode`), holding back a suffix
@@ -140,18 +140,6 @@ class ReplyParser:
     @property
     def called(self) -> bool:
         return self.num_calls > 0
-
-
-def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Adjacent deltas of the same text field joined."""
-    out: list[dict[str, Any]] = []
-    for d in deltas:
-        ((key, value),) = d.items()
-        if out and key != "tool_calls" and key in out[-1]:
-            out[-1][key] += value
-        else:
-            out.append(dict(d))
-    return out
 
 
 def merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
