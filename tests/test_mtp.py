@@ -149,7 +149,7 @@ def mtp_run(request, checkpoints):
     proposer.propose, proposer.observe_and_propose = recording_propose, recording_observe_and_propose
     if graphs:
         run = engine.runner.verify_graphs.run
-        engine.runner.verify_graphs.run = lambda seqs: replays.append(len(seqs)) or run(seqs)
+        engine.runner.verify_graphs.run = lambda seqs, *rest: replays.append(len(seqs)) or run(seqs, *rest)
     outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
     return llm, outputs, proposals, replays
 

@@ -332,6 +332,68 @@ class Oracle(Proposer):
         self.drafts[rows] = self.truth[rows[:, None], columns]
 
 
+def _truth(engine, prompts, params) -> torch.Tensor:
+    """Each request's prompt and output from `engine`, by table row (slots are handed out lowest
+    first, in arrival order), positions `[table rows, context]`."""
+    done = _run(engine, prompts, params)
+    truth = torch.zeros(
+        engine.config.max_running_requests + 1, engine.config.context_length, dtype=torch.long
+    )
+    for slot, request in enumerate(done):
+        sequence = [*request.prompt_ids, *request.output_ids]
+        truth[slot, : len(sequence)] = torch.tensor(sequence)
+    return truth
+
+
+def _run(engine, prompts, params) -> list[Request]:
+    done = [
+        engine.add_request(str(i), prompt, p)[0]
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    return done
+
+
+def test_sampled_verify_steps_through_the_graphs_match_eager_steps(target):
+    """Sampled, logit-biased, `min_tokens` and logprob rows verify through the fixed-shape batches
+    (CPU: plain calls of the static batches, the path CUDA graphs replay), with acceptance run
+    between the two graphs: the same tokens and logprobs as eager verify steps, seeds and the
+    engine's own generator alike, drafts accepted and rejected."""
+    from hylo.config import EngineConfig
+    from hylo.engine.engine import Engine
+
+    config = EngineConfig(
+        model=str(target), device="cpu", dtype="float32", page_size=16, context_length=96,
+        max_memory_gb=0.25, max_running_requests=4, cuda_graph_max_bs=4, speculative_adaptive=False,
+        seed=7,
+    )  # fmt: skip
+    prompts = [random_prompt(n, 160, seed=50 + n) for n in (21, 8, 14, 11)]
+    params = [
+        SamplingParams(temperature=0.6, top_p=0.9, seed=3, max_tokens=18, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=6, logprobs=2, max_tokens=15, ignore_eos=True),
+        SamplingParams(temperature=0, logit_bias={5: 2.0, 9: -3.0}, max_tokens=16),
+        SamplingParams(temperature=0.5, min_p=0.05, min_tokens=9, stop_token_ids=[1, 2], max_tokens=17),
+    ]
+    # drafts from a plain engine's sampled run: right until the speculative run's draws part from it
+    truth = _truth(Engine(config), prompts, params)
+    replays = []
+    with_graphs = Engine(config, proposer=Oracle(truth, BLOCK - 1), decode_graphs=True)
+    run = with_graphs.runner.verify_graphs.run
+    with_graphs.runner.verify_graphs.run = lambda seqs, *rest: replays.append(len(seqs)) or run(seqs, *rest)
+    got = _run(with_graphs, prompts, params)
+    expected = _run(Engine(config, proposer=Oracle(truth, BLOCK - 1)), prompts, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in expected]
+    assert sum(replays) >= 3 * len(prompts), replays  # the sampled steps went through the graphs
+    accepted = sum(r.metrics.spec_accepted_tokens for r in got)
+    assert 0 < accepted < sum(r.metrics.spec_verify_steps for r in got) * (BLOCK - 1)
+    for mine, theirs in zip(got[1].logprobs, expected[1].logprobs, strict=True):
+        assert mine.keys() == theirs.keys()
+        assert torch.allclose(
+            torch.tensor(list(mine.values())), torch.tensor(list(theirs.values())), atol=1e-5
+        )
+
+
 def test_verify_graphs_commit_what_plain_decoding_computes(target):
     """Greedy speculative steps through the fixed-shape verify batches (CPU: plain calls of the static
     batches, the path CUDA graphs replay) give the plain engine's tokens, with drafts accepted, rejected
@@ -365,7 +427,7 @@ def test_verify_graphs_commit_what_plain_decoding_computes(target):
     assert graphs is not None and graphs.buckets == [1, 2, 4] and engine.runner.graphs.observes
     replays = []
     run = graphs.run
-    graphs.run = lambda seqs: replays.append(len(seqs)) or run(seqs)
+    graphs.run = lambda seqs, *rest: replays.append(len(seqs)) or run(seqs, *rest)
     free = (engine.caches.pages.num_free, engine.caches.slots.num_free)
     got = [
         engine.add_request(str(i), prompt, p)[0]

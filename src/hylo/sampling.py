@@ -9,6 +9,8 @@ from typing import Annotated
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hylo.host_copy import to_device
+
 # Below this temperature sampling is greedy (vLLM's threshold): dividing logits by a tinier one
 # overflows to inf and the softmax to NaN.
 GREEDY_BELOW = 1e-5
@@ -152,7 +154,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Gen
         sampled = logits.argmax(-1)
     else:
         logits, probs = target_distribution(logits, rows)
-        greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+        greedy = to_device([r.params.greedy for r in rows], logits.device)
         noise = torch.ones_like(probs)
         shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
         if shared:
@@ -192,13 +194,12 @@ def target_distribution(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tupl
             _apply_penalties(logits[i], row)
         if row.params.logit_bias:
             bias = row.params.logit_bias
-            logits[i, list(bias)] += torch.tensor(
-                list(bias.values()), dtype=logits.dtype, device=logits.device
-            )
+            ids = to_device(list(bias), logits.device, torch.long)
+            logits[i, ids] += to_device(list(bias.values()), logits.device, logits.dtype)
         if row.banned_ids:
-            logits[i, list(row.banned_ids)] = float("-inf")
+            logits[i, to_device(list(row.banned_ids), logits.device, torch.long)] = float("-inf")
     temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
-    probs = torch.softmax(logits / torch.tensor(temps, device=logits.device)[:, None], dim=-1)
+    probs = torch.softmax(logits / to_device(temps, logits.device, logits.dtype)[:, None], dim=-1)
     return logits, _truncate(probs, rows)
 
 
@@ -207,14 +208,14 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     p = row.params
     device = logits.device
     if p.repetition_penalty != 1:
-        seen = torch.tensor(sorted({*row.prompt_ids, *row.output_ids}), dtype=torch.long, device=device)
+        seen = to_device(sorted({*row.prompt_ids, *row.output_ids}), device, torch.long)
         if seen.numel():
             values = logits[seen]
             logits[seen] = torch.where(
                 values > 0, values / p.repetition_penalty, values * p.repetition_penalty
             )
     if (p.frequency_penalty or p.presence_penalty) and row.output_ids:
-        ids = torch.tensor(row.output_ids, dtype=torch.long, device=device)
+        ids = to_device(list(row.output_ids), device, torch.long)
         counts = torch.bincount(ids, minlength=logits.shape[0]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
@@ -227,10 +228,10 @@ def _truncate(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     if any(k < vocab for k in ks) or any(p < 1 for p in ps):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
-        top_k, top_p = torch.tensor(ks, device=device), torch.tensor(ps, device=device)
+        top_k, top_p = to_device(ks, device), to_device(ps, device, probs.dtype)
         drop = (rank >= top_k[:, None]) | (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None])
         probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0))
     if any(r.params.min_p > 0 for r in rows):
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        min_p = to_device([r.params.min_p for r in rows], device, probs.dtype)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0)
     return probs

@@ -27,7 +27,7 @@ from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk, uniform_
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.speculative.proposer import Proposer, StepCommit
-from hylo.speculative.verify import MAX_BLOCK_TOKENS, greedy_accept
+from hylo.speculative.verify import MAX_BLOCK_TOKENS, Acceptance, accept, greedy_accept
 
 logger = logging.getLogger("hylo")
 
@@ -194,30 +194,37 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                self._forward(static)
+                self._warm(static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             self.outputs[bucket] = self._forward(static)
         self.graphs[bucket] = graph
 
+    def _warm(self, static: ForwardBatch) -> None:
+        """One eager run of everything a bucket captures."""
+        self._forward(static)
+
 
 class VerifyGraphs(DecodeGraphs):
-    """Greedy speculative steps as CUDA-graph replays: every sequence verifies its anchor and all
-    `proposer.num_draft_tokens` drafts (T = drafts + 1 tokens), one graph per batch-size bucket.
+    """Speculative steps as CUDA-graph replays: every sequence verifies its anchor and all
+    `proposer.num_draft_tokens` drafts (T = drafts + 1 tokens), two graphs per batch-size bucket.
 
     A step uploads one small tensor (each block's prefix length, request-table row and anchor, from
-    pinned memory); the replay builds the rest of the batch's metadata from it and the request table
-    on the device (positions, cache slots, completed pools, the pool table), copies the drafts from
-    the proposer's device rows into the static batch, and runs the target's forward (with the
-    proposer's features), greedy acceptance, the KDA commit, the proposer's observe and its drafts for
-    the next step. It returns
-    `(emitted [B, T], committed [B])`: row b's first `committed[b]` entries are its new tokens.
-    Filler sequences verify T tokens at the start of the scratch slot's row.
+    pinned memory). The first graph builds the rest of the batch's metadata from it and the request
+    table on the device (positions, cache slots, completed pools, the pool table), copies the drafts
+    from the proposer's device rows into the static batch, and runs the target's forward (with the
+    proposer's features) and greedy acceptance into static `committed [B]` / `anchors [B]` buffers.
+    The second graph commits what those buffers say: the KDA commit, the proposer's observe and its
+    drafts for the next step. A step whose every row is a raw-argmax greedy row without logprobs
+    replays both back to back; any other step (sampled, penalised, logit-biased, logprob or
+    `min_tokens`-banned rows) runs `verify.accept` on the first graph's logits between the two
+    replays, exactly as an eager step would (same arguments, same generators), and overwrites the
+    buffers' rows of its blocks. Filler sequences verify T tokens at the start of the scratch slot's
+    row and keep their greedy commit.
 
-    Steps it does not take (any sampled, penalised, logit-biased, logprob or `min_tokens`-banned row,
-    a prefill chunk, more sequences than the largest bucket) run eagerly; a shorter block is padded
-    to the width by the runner.
+    Steps it does not take (a prefill chunk, more sequences than the largest bucket) run eagerly; a
+    shorter block is padded to the width by the runner.
     """
 
     kind = "verify"
@@ -241,27 +248,46 @@ class VerifyGraphs(DecodeGraphs):
                 f"proposer.num_draft_tokens: verify graphs take blocks of 2 to "
                 f"{min(MAX_BLOCK_TOKENS, caches.plan.page_size)} tokens, got {self.tokens_per_seq}"
             )
+        self.commits: dict[int, torch.cuda.CUDAGraph] = {}
         super().__init__(model, caches, max_batch_size, capture, proposer, pool)
 
-    def accepts(self, seqs: Sequence[SequenceChunk], requests: Sequence[Request] = ()) -> bool:
-        return (
-            len(seqs) <= self.buckets[-1]
-            and all(len(s.token_ids) == self.tokens_per_seq and s.verify for s in seqs)
-            and all(
-                r.params.raw_argmax and r.params.logprobs is None and not r.banned_ids() for r in requests
-            )
+    def accepts(self, seqs: Sequence[SequenceChunk]) -> bool:
+        return len(seqs) <= self.buckets[-1] and all(
+            len(s.token_ids) == self.tokens_per_seq and s.verify for s in seqs
         )
 
-    def run(self, seqs: Sequence[SequenceChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.accepts(seqs):
+    def run(
+        self,
+        seqs: Sequence[SequenceChunk],
+        requests: Sequence[Request],
+        num_drafts: Sequence[int],
+        generator: torch.Generator | None,
+    ) -> Acceptance:
+        """Verify and commit the blocks of `requests` (`num_drafts[b]` real drafts in block b, the rest
+        padding); the acceptance of the step's blocks, in order (with logprobs where asked)."""
+        if not self.accepts(seqs) or len(requests) != len(seqs) or len(num_drafts) != len(seqs):
             raise ValueError(
                 f"seqs: a verify graph takes up to {self.buckets[-1]} verify blocks of "
-                f"{self.tokens_per_seq} tokens"
+                f"{self.tokens_per_seq} tokens, with one request and draft count each"
             )
-        _, (emitted, committed) = self._replay(seqs)
-        return emitted[: len(seqs)], committed[: len(seqs)]
+        n, width = len(seqs), self.tokens_per_seq
+        bucket, (logits, target, committed, anchors) = self._replay(seqs)
+        if all(_greedy_in_graph(r) for r in requests):
+            result = Acceptance(committed[:n] - 1, target[:n])
+        else:
+            drafts = self.static[bucket].input_ids.view(bucket, width)[:n, 1:]
+            result = accept(logits.view(bucket, width, -1)[:n], drafts, num_drafts, requests, generator)
+            committed[:n] = result.accepted + 1
+            anchors[:n] = result.emitted.gather(1, result.accepted[:, None])[:, 0]
+        graph = self.commits.get(bucket)
+        if graph is None:
+            self._commit(self.static[bucket], committed, anchors)
+        else:
+            graph.replay()
+        return result
 
     def _forward(self, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """The first graph: `(logits [B·T, vocab], greedy picks [B, T], committed [B], anchors [B])`."""
         blocks, width = len(static.extend_lens), self.tokens_per_seq
         self._fill_metadata(static)
         ids = static.input_ids.view(blocks, width)
@@ -270,9 +296,25 @@ class VerifyGraphs(DecodeGraphs):
         target = logits.argmax(-1).view(blocks, width)
         drafts = torch.full((blocks,), width - 1, device=ids.device)
         accepted = greedy_accept(target, ids[:, 1:], drafts)
-        committed = (accepted + 1).int()
+        return logits, target, (accepted + 1).int(), target.gather(1, accepted[:, None])[:, 0]
+
+    def _commit(self, static: ForwardBatch, committed: torch.Tensor, anchors: torch.Tensor) -> None:
+        """The second graph: the KDA commit and the proposer's observe and drafts, from the buffers."""
         self.model.commit(static, committed)
-        anchors = target.gather(1, accepted[:, None])[:, 0]
-        commit = StepCommit(committed, anchors, torch.arange(blocks, device=ids.device))
+        commit = StepCommit(committed, anchors, torch.arange(len(static.extend_lens), device=anchors.device))
         self.proposer.observe_and_propose(static, commit)
-        return target, committed
+
+    def _warm(self, static: ForwardBatch) -> None:
+        self._commit(static, *self._forward(static)[2:])
+
+    def _capture(self, bucket: int, pool: tuple[int, int], stream: torch.cuda.Stream) -> None:
+        super()._capture(bucket, pool, stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            self._commit(self.static[bucket], *self.outputs[bucket][2:])
+        self.commits[bucket] = graph
+
+
+def _greedy_in_graph(request: Request) -> bool:
+    """A row the first verify graph's greedy acceptance serves as it is."""
+    return request.params.raw_argmax and request.params.logprobs is None and not request.banned_ids()

@@ -66,12 +66,22 @@ class ModelRunner:
         targets = [_prompt_targets(ch) for ch in chunks]  # prompt positions each chunk scores
         seqs = [_sequence(ch, bool(t[1])) for ch, t in zip(chunks, targets, strict=True)]
         full = self._full_blocks(seqs)
-        if full is not None and self.verify_graphs.accepts(full, [ch.request for ch in chunks]):
-            emitted, counts = _read(*self.verify_graphs.run(full))
-            # a block padded past a request's draft budget ends the request this step: its tokens stop
-            # at the budget (what the caches hold past it belongs to nobody once it finishes)
-            kept = [min(int(counts[i]), ch.num_tokens) for i, ch in enumerate(chunks)]
-            return [ChunkResult(emitted[i, :n].tolist(), None, n, n - 1) for i, n in enumerate(kept)]
+        if full is not None and self.verify_graphs.accepts(full):
+            requests = [ch.request for ch in chunks]
+            num_drafts = [ch.num_tokens - 1 for ch in chunks]
+            acceptance = self.verify_graphs.run(full, requests, num_drafts, self.generator)
+            accepted, emitted, *logprobs = _read(
+                acceptance.accepted, acceptance.emitted, *_logprob_tensors(acceptance)
+            )
+            # a block padded past a request's draft budget ends the request this step (greedy rows
+            # verify its placeholder drafts too): its tokens stop at the budget (what the caches hold
+            # past it belongs to nobody once it finishes)
+            kept = [min(int(accepted[i]) + 1, ch.num_tokens) for i, ch in enumerate(chunks)]
+            results = []
+            for i, (ch, n) in enumerate(zip(chunks, kept, strict=True)):
+                tokens = emitted[i, :n].tolist()
+                results.append(ChunkResult(tokens, _entries(ch.request, tokens, logprobs, i), n, n - 1))
+            return results
         observed = False
         if self.graphs is not None and self.graphs.accepts(seqs):
             batch, logits = self.graphs.run(seqs)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hylo.engine.request import Request
+from hylo.host_copy import to_device
 from hylo.sampling import SampleRow, target_distribution
 
 # The KDA verify kernels run one block of at most 16 tokens per sequence (`hylo.ops.kda`).
@@ -64,7 +65,7 @@ def accept(
     num_blocks, width, vocab = logits.shape
     assert width <= MAX_BLOCK_TOKENS, f"a verify block holds at most {MAX_BLOCK_TOKENS} tokens, got {width}"
     device = logits.device
-    counts = torch.tensor(list(num_drafts), device=device)
+    counts = to_device(list(num_drafts), device)
     steps = torch.arange(width, device=device)
     padded_drafts = torch.cat([drafts, drafts.new_zeros(num_blocks, 1)], 1)
     plain = all(r.params.raw_argmax and not r.banned_ids() for r in requests)
@@ -78,7 +79,7 @@ def accept(
     processed, probs = target_distribution(logits.flatten(0, 1), rows)
     flat_drafts = padded_drafts.flatten()
     uniforms, exps = _noise(requests, num_drafts, width, vocab, device, generator)
-    greedy = torch.tensor([r.params.greedy for r in requests], device=device)[:, None]
+    greedy = to_device([r.params.greedy for r in requests], device)[:, None]
     target = processed.argmax(-1).view(num_blocks, width)
     draft_probs = probs.gather(1, flat_drafts[:, None])[:, 0]
     sampled_pass = (uniforms < draft_probs).view(num_blocks, width)[:, :-1]
