@@ -10,13 +10,15 @@ random in the z-lab format (2 layers, 32 heads, 8 kv heads, head dim 128, target
 into the verify graphs captured for them and into the eager acceptance while they run, never
 reachable from the CLI or API), which is how the seed benchmarks report acceptance at the block size;
 "natural" runs keep the real acceptance (about 1 for a random draft), with the adaptive draft-length
-policy on ("adaptive") and off ("static"). Reports per (algorithm, batch): decode tokens/s per user
+policy on ("adaptive") and off ("static"); "sampled" runs are static ones at temperature 1 (rejection
+sampling between the verify step's two graphs). Reports per (algorithm, batch): decode tokens/s per user
 and the ratio to plain graph decode of the same repetition (median of `--reps`), the wall time per
 engine step, the GPU time of one verify-graph replay (CUDA events), the kernels one replay launches and
 the top kernels by GPU time (torch.profiler, `--out`/kernels_*.txt), the synchronising calls per
 step (`torch.cuda.set_sync_debug_mode("warn")`), and the weight-read floor of the last verify step
 (every module's weights once per call, routed experts only those the block's tokens route to, at the
-copy bandwidth measured in the same run).
+copy bandwidth measured in the same run), the same floor of a plain decode step, and the forced ratio
+both floors allow (tokens a block × plain floor / verify floor).
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from safetensors.torch import save_file
 import hylo.engine.cuda_graph as cuda_graph
 import hylo.speculative.verify as verify
 from hylo import LLM, SamplingParams
-from hylo.engine.cuda_graph import VerifyGraphs
+from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs
 
 PROMPT_LEN = 64
+# "sampled": always verify, at temperature 1 (the verify graphs with acceptance between their two replays)
+TEMPERATURE = {"plain": 0.0, "forced": 0.0, "adaptive": 0.0, "static": 0.0, "sampled": 1.0}
 
 
 def write_target(path: Path, layers: int) -> None:
@@ -109,9 +113,11 @@ def accept_everything(target, drafts, num_drafts):
     return num_drafts.clone()
 
 
-def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, float, int]:
+def decode_rate(
+    llm: LLM, prompts: list[list[int]], tokens: int, temperature: float = 0.0
+) -> tuple[float, float, int]:
     """(tokens/s per user over the decode phase, wall ms per engine step, syncs per step)."""
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True)
     engine = llm.engine
     steps = {"n": 0}
     step = engine.step
@@ -132,14 +138,20 @@ def decode_rate(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float,
     return (tokens - 1) / decode_s, 1000 * decode_s / max(1, steps["n"] - 1), syncs // max(1, steps["n"])
 
 
-def replay_ms(graphs: VerifyGraphs, bucket: int, reps: int = 50) -> float:
-    graph = graphs.graphs[bucket]
+def replay_step(graphs: DecodeGraphs, bucket: int) -> None:
+    """Replay what a step of `bucket` replays: the decode graph, or a verify step's two graphs."""
+    graphs.graphs[bucket].replay()
+    if isinstance(graphs, VerifyGraphs):
+        graphs.commits[bucket].replay()
+
+
+def replay_ms(graphs: DecodeGraphs, bucket: int, reps: int = 50) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
+    replay_step(graphs, bucket)
     torch.cuda.synchronize()
     start.record()
     for _ in range(reps):
-        graph.replay()
+        replay_step(graphs, bucket)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
@@ -149,12 +161,11 @@ def replay_kernels(graphs: VerifyGraphs, bucket: int, reps: int = 5) -> tuple[fl
     """(kernels per replay, the top kernels by GPU time) of `bucket`'s graph, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = graphs.graphs[bucket]
-    graph.replay()
+    replay_step(graphs, bucket)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            graph.replay()
+            replay_step(graphs, bucket)
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
@@ -209,16 +220,15 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
     return read[0], distinct
 
 
-def verify_floor(graphs: VerifyGraphs, bucket: int, bandwidth: float) -> dict:
-    """The weight-read floor of the last verify step through `bucket`'s graph, rerun eagerly with
-    counting hooks (the target, and the draft model or the MTP layer): bytes, distinct experts per
-    experts call, and the floor in ms at `bandwidth`."""
+def step_floor(graphs: DecodeGraphs, bucket: int, bandwidth: float) -> dict:
+    """The weight-read floor of the last step through `bucket`'s graphs (a verify step, or a plain
+    decode step), rerun eagerly with counting hooks (the target, and the draft model or the MTP
+    layer): bytes, distinct experts per experts call, and the floor in ms at `bandwidth`."""
     proposer = graphs.proposer
     draft = getattr(proposer, "draft", None) or getattr(proposer, "layer", None)
+    modules = [graphs.model] + ([draft] if draft is not None else [])
     with torch.inference_mode():
-        read, distinct = weight_bytes_read(
-            [graphs.model, draft], lambda: graphs._forward(graphs.static[bucket])
-        )
+        read, distinct = weight_bytes_read(modules, lambda: graphs._warm(graphs.static[bucket]))
     torch.cuda.synchronize()
     return {
         "weight_gb": round(read / 1e9, 3),
@@ -301,19 +311,23 @@ def main() -> None:
         verify.greedy_accept = accept_everything if forced else real_accept
         if not hasattr(engine, "adaptive_policy"):
             engine.adaptive_policy = engine.policy
-        engine.policy = engine.adaptive_policy if mode == "adaptive" else None
+        engine.policy = engine.adaptive_policy if mode == "adaptive" else None  # sampled: always verify
         return llm
 
-    modes = [("plain", "plain")] + [(n, m) for n in algorithms for m in ("forced", "adaptive", "static")]
+    modes = [("plain", "plain")] + [
+        (n, m) for n in algorithms for m in ("forced", "adaptive", "static", "sampled")
+    ]
     gen = torch.Generator().manual_seed(0)
     for bsz in map(int, args.batches.split(",")):
         prompts = [torch.randint(0, 150000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(bsz)]
         runs: dict[str, list[tuple[float, float, int]]] = {f"{n}_{m}": [] for n, m in modes}
         for name, mode in modes:
-            decode_rate(setup(name, mode), prompts, args.tokens)  # warm-up: prefill and eager kernels
+            # warm-up: prefill and eager kernels
+            decode_rate(setup(name, mode), prompts, args.tokens, TEMPERATURE[mode])
         for _ in range(args.reps):
             for name, mode in modes:
-                runs[f"{name}_{mode}"].append(decode_rate(setup(name, mode), prompts, args.tokens))
+                rate = decode_rate(setup(name, mode), prompts, args.tokens, TEMPERATURE[mode])
+                runs[f"{name}_{mode}"].append(rate)
         verify.greedy_accept = real_accept
         row = {}
         for key, values in runs.items():
@@ -339,11 +353,17 @@ def main() -> None:
         for name, (natural, forced) in graphs.items():
             bucket = next(b for b in natural.buckets if b >= bsz)
             for kind, g in (("natural", natural), ("forced", forced)):
-                row[f"{name}_verify_floor_{kind}"] = verify_floor(g, bucket, bandwidth)
+                row[f"{name}_verify_floor_{kind}"] = step_floor(g, bucket, bandwidth)
         plain_graphs = plain.engine.runner.graphs
-        row["plain_decode_replay_ms"] = round(
-            replay_ms(plain_graphs, next(b for b in plain_graphs.buckets if b >= bsz)), 3
-        )
+        plain_bucket = next(b for b in plain_graphs.buckets if b >= bsz)
+        row["plain_decode_replay_ms"] = round(replay_ms(plain_graphs, plain_bucket), 3)
+        row["plain_decode_floor"] = step_floor(plain_graphs, plain_bucket, bandwidth)
+        for name, (_, forced) in graphs.items():
+            # the forced ratio if both steps ran at their floors: tokens a block × plain floor / verify floor
+            bound = forced.tokens_per_seq * row["plain_decode_floor"]["floor_ms"]
+            row[f"{name}_forced_ratio_at_floors"] = round(
+                bound / row[f"{name}_verify_floor_forced"]["floor_ms"], 2
+            )
         for name, llm in engines.items():
             policy = getattr(llm.engine, "adaptive_policy", None)
             if policy is not None:
