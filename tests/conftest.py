@@ -79,3 +79,52 @@ class Caches:
 
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(2, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class EveryKth:
+    """A draft-length policy for tests: verify every k-th decode step and draft only in the step
+    before it, so that the plain steps between draft nothing (a device proposer defers their
+    observes)."""
+
+    def __init__(self, k: int):
+        self.k, self.steps = k, 0
+
+    def plan(self, bucket: int):
+        from hylo.speculative.adaptive import StepPlan
+
+        n, self.steps = self.steps, self.steps + 1
+        return StepPlan(verify=n % self.k == 0, draft=(n + 1) % self.k == 0)
+
+    def record(self, *args) -> None:
+        pass
+
+
+def run_every_kth(llm, prompts, params, k: int, defer: bool) -> tuple[list, list[int], torch.Tensor]:
+    """`llm.generate` under `EveryKth(k)`, its plain decode graphs deferring the proposer's observes or
+    (`defer` False) observing every step: (outputs, the tokens each catch-up had the proposer observe,
+    the token slots of the positions still deferred when their request finished: never observed)."""
+    from unittest import mock
+
+    from hylo.engine.cuda_graph import DecodeGraphs
+
+    engine = llm.engine
+    engine.policy = EveryKth(k)
+    caught_up, catch_up = [], engine.runner._catch_up
+    never, finish = [], engine.scheduler.finish
+
+    def counted(requests):
+        caught_up.extend(r.num_computed - r.deferred_from for r in requests if r.deferred_from is not None)
+        catch_up(requests)
+
+    def finished(request):
+        if request.deferred_from is not None:
+            never.append(
+                engine.caches.table.table[request.slot, request.deferred_from : request.num_computed]
+            )
+        finish(request)
+
+    engine.runner._catch_up, engine.scheduler.finish = counted, finished
+    defers = DecodeGraphs.defers if defer else property(lambda self: False)
+    with mock.patch.object(DecodeGraphs, "defers", defers):
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return outputs, caught_up, torch.cat(never or [torch.zeros(0, dtype=torch.int32)]).long()

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from allocation_meter import AllocationMeter, largest_fp32_bytes
-from conftest import Caches, random_prompt
+from conftest import Caches, random_prompt, run_every_kth
 from hf_reference import hf_model, tiny_text_config, write_hf_checkpoint
 from safetensors.torch import load_file, save_file
+from tolerance import assert_fp32_close, model_accumulation_terms
 
 from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
@@ -250,6 +251,35 @@ def test_mtp_drafts_equal_a_from_scratch_recomputation(reference, mtp_run):
         assert all(anchor == sequence[n] for n, anchor, _ in made if n < len(sequence))
         expected = reference.proposals(sequence, [(n, len(d)) for n, _, d in made])
         assert [d for *_, d in made] == expected, i
+
+
+def test_deferred_observes_leave_the_mtp_caches_of_observing_every_step(checkpoints):
+    """Plain graph steps that draft nothing (a policy verifying every 40th step, past the deferred
+    ring's positions) leave the MTP layer's observes for later: its caches then equal those of an
+    engine that observes every step (but where a request finished before observing), same outputs."""
+    from hylo.engine.cuda_graph import DEFERRED_TOKENS
+
+    params = GREEDY.model_copy(update={"max_tokens": 48})
+    runs = []
+    for defer in (True, False):
+        llm = make_llm(
+            checkpoints[1], speculative_algorithm="MTP", speculative_num_steps=3, decode_graphs=True,
+            max_running_requests=4, cuda_graph_max_bs=4,
+        )  # fmt: skip
+        outputs, caught_up, never = run_every_kth(llm, PROMPTS[:3], params, 40, defer)
+        runs.append(([o.token_ids for o in outputs], caught_up, never, llm.engine))
+    (deferred, caught_up, never, engine), (observed, none, _, observing) = runs
+    assert deferred == observed and not none and max(caught_up) == DEFERRED_TOKENS
+    mine, theirs = engine.proposer.cache, observing.proposer.cache
+    seen = torch.ones(mine.latent.shape[1], dtype=torch.bool)
+    seen[never] = False
+    seen[engine.caches.table.table[engine.caches.scratch_slot].long()] = False  # filler blocks' page
+    kpool = engine.proposer.layer.config.index_kpool
+    pools = seen.view(-1, kpool).all(1)
+    terms = model_accumulation_terms(engine.model.config)
+    for name in ("latent", "index_key", "index_gate"):
+        assert_fp32_close(getattr(mine, name)[:, seen], getattr(theirs, name)[:, seen], terms, name)
+    assert_fp32_close(mine.pooled_key[:, pools], theirs.pooled_key[:, pools], terms, "pooled_key")
 
 
 def test_mtp_layer_loads_flat_fp8_names_and_its_own_embedding(checkpoints, tmp_path):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_prompt
+from conftest import random_prompt, run_every_kth
 from dflash_reference import write_dflash_checkpoint
 from hf_reference import tiny_text_config, write_hf_checkpoint
 from tolerance import assert_fp32_close, draft_accumulation_terms, model_accumulation_terms
@@ -392,6 +392,37 @@ def test_sampled_verify_steps_through_the_graphs_match_eager_steps(target):
         assert torch.allclose(
             torch.tensor(list(mine.values())), torch.tensor(list(theirs.values())), atol=1e-5
         )
+
+
+@pytest.mark.parametrize("every", [5, 45])
+def test_deferred_observes_leave_the_draft_caches_of_observing_every_step(target, draft, every):
+    """Plain graph steps that draft nothing (a policy verifying every 5th step, or every 45th: past
+    the deferred ring's positions) leave their observes for later: the DFlash draft's context K/V
+    then equal those of an engine that observes every step (but for the positions a request still
+    deferred when it finished, which nothing reads), and the outputs are the same."""
+    from hylo.engine.cuda_graph import DEFERRED_TOKENS
+
+    prompts = [random_prompt(n, 160, seed=70 + n) for n in (13, 6, 22)]
+    params = GREEDY.model_copy(update={"max_tokens": 60})
+    runs = []
+    for defer in (True, False):
+        llm = make_llm(
+            target, speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft),
+            speculative_num_draft_tokens=BLOCK, decode_graphs=True, max_running_requests=4,
+            cuda_graph_max_bs=4,
+        )  # fmt: skip
+        outputs, caught_up, never = run_every_kth(llm, prompts, params, every, defer)
+        runs.append(([o.token_ids for o in outputs], caught_up, never, llm.engine))
+    (deferred, caught_up, never, engine), (observed, none, _, observing) = runs
+    assert deferred == observed and not none
+    assert max(caught_up) == (every - 2 if every < DEFERRED_TOKENS else DEFERRED_TOKENS), caught_up
+    proposer, reference = engine.proposer, observing.proposer
+    seen = torch.ones(proposer.k_cache.shape[1], dtype=torch.bool)
+    seen[never] = False
+    seen[engine.caches.table.table[engine.caches.scratch_slot].long()] = False  # filler blocks' page
+    terms = draft_accumulation_terms(proposer.draft.config)
+    assert_fp32_close(proposer.k_cache[:, seen], reference.k_cache[:, seen], terms)
+    assert_fp32_close(proposer.v_cache[:, seen], reference.v_cache[:, seen], terms)
 
 
 def test_verify_graphs_commit_what_plain_decoding_computes(target):

@@ -33,6 +33,11 @@ logger = logging.getLogger("hylo")
 
 # Eager runs before a capture: kernels compile and per-batch host caches fill outside the graph.
 WARMUP_RUNS = 2
+# A plain decode step that drafts nothing leaves a device proposer's observe for later: the step's
+# target features wait in a ring of this many positions per request (`DecodeGraphs.deferred`) until
+# a step that observes (one that drafts, runs eagerly or verifies) or a full ring has the proposer
+# observe them in one batch: its weights are read once for all of them.
+DEFERRED_TOKENS = 32
 
 
 def batch_size_buckets(max_batch_size: int) -> list[int]:
@@ -46,6 +51,10 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
 class DecodeGraphs:
     """Fixed-shape decode batches for the buckets up to `max_batch_size`, captured as CUDA graphs when
     `capture` (all in one memory pool, the largest first so that the others reuse its memory).
+
+    With a proposer that observes from device tensors, each bucket has a second, deferring graph:
+    its step writes the features to the `deferred` ring (`[request-table rows, DEFERRED_TOKENS,
+    features]`) instead of running the observe, for steps that draft nothing.
 
     Invariants: a static batch points at the scratch slot and at the slots of the last step it ran,
     nothing else; the batch and logits `run` returns stay valid until the next `run`.
@@ -73,6 +82,16 @@ class DecodeGraphs:
                 "caches: fixed-shape decode batches need a scratch slot (MemoryPlan scratch=True)"
             )
         self.model, self.caches = model, caches
+        self.deferred: torch.Tensor | None = None
+        if self.defers:
+            width = len(proposer.capture_layers) * model.config.hidden_size
+            weight = model.embed_tokens.weight
+            rows = caches.table.table.shape[0]
+            self.deferred = torch.zeros(
+                rows, DEFERRED_TOKENS, width, dtype=weight.dtype, device=weight.device
+            )
+        self.deferring: dict[int, torch.cuda.CUDAGraph] = {}
+        self.deferring_outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.buckets = batch_size_buckets(max_batch_size)
         self.pool_width = caches.table.table.shape[1] // caches.kpool
         self.static = self._static_batches()
@@ -87,15 +106,19 @@ class DecodeGraphs:
             len(s.token_ids) == 1 and s.sample and not s.verify and not s.score for s in seqs
         )
 
-    def run(self, seqs: Sequence[SequenceChunk]) -> tuple[ForwardBatch, torch.Tensor]:
+    def run(self, seqs: Sequence[SequenceChunk], defer: bool = False) -> tuple[ForwardBatch, torch.Tensor]:
         """The step's padded batch (the bucket's static one) and the logits of its sequences,
-        `[len(seqs), vocab]`, in order."""
+        `[len(seqs), vocab]`, in order. With `defer` (only where `defers`), the step's features go to
+        the deferred ring at each sequence's (table row, position % DEFERRED_TOKENS) instead of to
+        the proposer's observe: the caller keeps track of what waits there (`Request.deferred_from`)."""
         if not self.accepts(seqs):
             raise ValueError(
                 f"seqs: a fixed-shape decode takes up to {self.buckets[-1]} sequences of one sampled "
                 "token each"
             )
-        bucket, (logits,) = self._replay(seqs)
+        if defer and not self.defers:
+            raise ValueError("defer: these decode graphs observe every step (no device proposer)")
+        bucket, (logits,) = self._replay(seqs, defer)
         return self.static[bucket], logits[: len(seqs)]
 
     @property
@@ -103,20 +126,29 @@ class DecodeGraphs:
         """The proposer's observe runs inside the replay (nothing is left for the step to observe)."""
         return self.proposer is not None and not self.proposer.needs_host
 
-    def _replay(self, seqs: Sequence[SequenceChunk]) -> tuple[int, tuple[torch.Tensor, ...]]:
+    @property
+    def defers(self) -> bool:
+        """A step may leave its observe for later (a proposer that observes from device tensors)."""
+        return self.observes
+
+    def _replay(
+        self, seqs: Sequence[SequenceChunk], defer: bool = False
+    ) -> tuple[int, tuple[torch.Tensor, ...]]:
         """Upload the step's (prefix length, table row, first token) of each sequence, fillers after
-        them, and replay (or, uncaptured, call) its bucket: (bucket, outputs)."""
+        them, and replay (or, uncaptured, call) its bucket's graph (the deferring one with `defer`):
+        (bucket, outputs)."""
         bucket = next(b for b in self.buckets if b >= len(seqs))
         host = self.host_inputs[bucket]
         assert self.caches.scratch_slot is not None
         filler = [(0, self.caches.scratch_slot, 0)] * (bucket - len(seqs))
         host.copy_(torch.tensor([(s.prefix_len, s.table_row, s.token_ids[0]) for s in seqs] + filler).t())
         self.step_inputs[bucket].copy_(host, non_blocking=True)
-        graph = self.graphs.get(bucket)
+        graph = (self.deferring if defer else self.graphs).get(bucket)
         if graph is None:
-            return bucket, self._forward(self.static[bucket])
+            static = self.static[bucket]
+            return bucket, self._forward(static, defer=True) if defer else self._forward(static)
         graph.replay()
-        return bucket, self.outputs[bucket]
+        return bucket, (self.deferring_outputs if defer else self.outputs)[bucket]
 
     def _static_batches(self) -> dict[int, ForwardBatch]:
         """One static batch per bucket, its pool table as wide as the request table's, and the step's
@@ -144,13 +176,16 @@ class DecodeGraphs:
             getattr(static, name).copy_(value)
         static.input_ids.view(len(static.extend_lens), self.tokens_per_seq)[:, 0] = first
 
-    def _forward(self, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
-        """What a replay computes from the static batch (captured once per bucket)."""
+    def _forward(self, static: ForwardBatch, defer: bool = False) -> tuple[torch.Tensor, ...]:
+        """What a replay computes from the static batch (captured once per bucket, and once more
+        deferring where `defers`)."""
         self._fill_metadata(static)
         if self.proposer is None:
             return (self.model(static),)
         logits = self.model(static, self.proposer.capture_layers)
-        if self.observes:
+        if defer:  # filler sequences write the scratch row's ring
+            self.deferred[static.state_slots, static.positions % DEFERRED_TOKENS] = static.features
+        elif self.observes:
             seqs = len(static.extend_lens)
             device = logits.device
             ones = torch.ones(seqs, dtype=torch.int32, device=device)
@@ -200,6 +235,11 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             self.outputs[bucket] = self._forward(static)
         self.graphs[bucket] = graph
+        if self.defers:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.deferring_outputs[bucket] = self._forward(static, defer=True)
+            self.deferring[bucket] = graph
 
     def _warm(self, static: ForwardBatch) -> None:
         """One eager run of everything a bucket captures."""
@@ -255,6 +295,10 @@ class VerifyGraphs(DecodeGraphs):
         return len(seqs) <= self.buckets[-1] and all(
             len(s.token_ids) == self.tokens_per_seq and s.verify for s in seqs
         )
+
+    @property
+    def defers(self) -> bool:
+        return False  # a verify step drafts: it observes
 
     def run(
         self,

@@ -42,7 +42,8 @@ class Request:
     the next forward feeds the rest (all of it after a preemption, which empties the caches).
 
     Invariant: a RUNNING request holds a slot and pages for at least `num_computed` positions;
-    a WAITING or FINISHED one holds neither.
+    a WAITING or FINISHED one holds neither. With a proposer, positions `deferred_from ..
+    num_computed - 1` (fewer than `DEFERRED_TOKENS`) are committed but not yet observed.
     """
 
     request_id: str
@@ -58,6 +59,9 @@ class Request:
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
     num_computed: int = 0
+    # the first committed position the proposer has not observed (its target features wait in the
+    # decode graphs' deferred ring, `DecodeGraphs.deferred`); None when it has seen every one
+    deferred_from: int | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     slot: int | None = None

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs
+from hylo.engine.cuda_graph import DEFERRED_TOKENS, DecodeGraphs, VerifyGraphs
+from hylo.engine.request import Request
 from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch, SequenceChunk
+from hylo.host_copy import to_device
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.sampling import SampleRow, logprob_entry, sample
@@ -38,7 +40,10 @@ class ModelRunner:
     the picked tokens: drafts come from the proposer's device rows, acceptance, the KDA commit, the
     proposer's observe and its next drafts all run before that read (a `needs_host` proposer's after).
     With a proposer, `graphs` must have been captured with it: a proposer observes every forward's
-    features, which those graphs then produce (and observe inside, for a device-side proposer)."""
+    features, which those graphs then produce (and observe inside, for a device-side proposer). A
+    plain graph step that drafts nothing defers that observe (`DecodeGraphs.run(defer=True)`); the
+    next step that observes first has the proposer observe what waits (`_catch_up`), so the proposer
+    still sees every committed token in order."""
 
     def __init__(
         self,
@@ -65,9 +70,14 @@ class ModelRunner:
         are not needed next step); a replayed verify step drafts regardless."""
         targets = [_prompt_targets(ch) for ch in chunks]  # prompt positions each chunk scores
         seqs = [_sequence(ch, bool(t[1])) for ch, t in zip(chunks, targets, strict=True)]
+        requests = [ch.request for ch in chunks]
+        plain_graph = self.graphs is not None and self.graphs.accepts(seqs)
+        # a plain step that drafts nothing leaves its observe for later while every ring has room
+        defer = plain_graph and not draft and self.graphs.defers and all(map(_ring_has_room, requests))
+        if not defer:  # this step observes: the proposer sees every earlier token first
+            self._catch_up(requests)
         full = self._full_blocks(seqs)
         if full is not None and self.verify_graphs.accepts(full):
-            requests = [ch.request for ch in chunks]
             num_drafts = [ch.num_tokens - 1 for ch in chunks]
             acceptance = self.verify_graphs.run(full, requests, num_drafts, self.generator)
             accepted, emitted, *logprobs = _read(
@@ -83,9 +93,12 @@ class ModelRunner:
                 results.append(ChunkResult(tokens, _entries(ch.request, tokens, logprobs, i), n, n - 1))
             return results
         observed = False
-        if self.graphs is not None and self.graphs.accepts(seqs):
-            batch, logits = self.graphs.run(seqs)
-            observed = self.graphs.observes
+        if plain_graph:
+            batch, logits = self.graphs.run(seqs, defer)
+            observed = self.graphs.observes  # or deferred: nothing is left to observe now either
+            if defer:
+                for r in requests:
+                    r.deferred_from = r.num_computed if r.deferred_from is None else r.deferred_from
         else:
             c = self.caches
             batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
@@ -94,6 +107,32 @@ class ModelRunner:
             capture = self.proposer.capture_layers if self.proposer is not None else ()
             logits = self.model(batch, capture)
         return self._pick(chunks, batch, logits, observed, draft, targets)
+
+    def _catch_up(self, requests: Sequence[Request]) -> None:
+        """The proposer observes the deferred positions of `requests` (`Request.deferred_from ..
+        num_computed - 1`, their features from the decode graphs' ring) in one eager batch."""
+        pending = [r for r in requests if r.deferred_from is not None]
+        if not pending:
+            return
+        chunks = [
+            SequenceChunk(r.tokens(r.deferred_from, r.num_computed), r.deferred_from, r.slot, r.slot, False)
+            for r in pending
+        ]
+        c = self.caches
+        batch = ForwardBatch.build(chunks, c.table.table, c.tokens, c.states, c.kpool)
+        device = batch.input_ids.device
+        ring = [
+            (r.slot, p % DEFERRED_TOKENS) for r in pending for p in range(r.deferred_from, r.num_computed)
+        ]
+        index = to_device(ring, device, torch.long)
+        batch.features = self.graphs.deferred[index[:, 0], index[:, 1]]
+        counts = to_device([r.num_computed - r.deferred_from for r in pending], device, torch.int32)
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        self.proposer.observe(
+            batch, StepCommit(counts, torch.zeros(len(pending), dtype=torch.long, device=device), none)
+        )
+        for r in pending:
+            r.deferred_from = None
 
     def _full_blocks(self, seqs: list[SequenceChunk]) -> list[SequenceChunk] | None:
         """The verify step as blocks of the verify graphs' width: shorter blocks (a request within a
@@ -213,6 +252,11 @@ class ModelRunner:
             if draft:
                 proposer.propose(batch, commit)
         return results
+
+
+def _ring_has_room(request: Request) -> bool:
+    """The deferred ring holds one more of the request's positions."""
+    return request.deferred_from is None or request.num_computed - request.deferred_from < DEFERRED_TOKENS
 
 
 def _prompt_targets(ch: ScheduledChunk) -> tuple[int, list[int]]:

@@ -113,7 +113,7 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         self.num_preemptions += 1
         self._release(request)
-        request.status, request.num_computed = Status.WAITING, 0
+        request.status, request.num_computed, request.deferred_from = Status.WAITING, 0, None
         self.waiting.appendleft(request)
 
     def finish(self, request: Request) -> None:
