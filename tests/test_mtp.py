@@ -253,12 +253,14 @@ def test_mtp_drafts_equal_a_from_scratch_recomputation(reference, mtp_run):
         assert [d for *_, d in made] == expected, i
 
 
-def test_deferred_observes_leave_the_mtp_caches_of_observing_every_step(checkpoints):
+def test_deferred_observes_leave_the_mtp_caches_of_observing_every_step(checkpoints, monkeypatch):
     """Plain graph steps that draft nothing (a policy verifying every 40th step, past the deferred
     ring's positions) leave the MTP layer's observes for later: its caches then equal those of an
     engine that observes every step (but where a request finished before observing), same outputs."""
-    from hylo.engine.cuda_graph import DEFERRED_TOKENS
+    import hylo.engine.cuda_graph as cuda_graph
 
+    ring = 32
+    monkeypatch.setattr(cuda_graph, "MAX_DEFERRED_TOKENS", ring)  # a ring the test fills
     params = GREEDY.model_copy(update={"max_tokens": 48})
     runs = []
     for defer in (True, False):
@@ -269,7 +271,12 @@ def test_deferred_observes_leave_the_mtp_caches_of_observing_every_step(checkpoi
         outputs, caught_up, never = run_every_kth(llm, PROMPTS[:3], params, 40, defer)
         runs.append(([o.token_ids for o in outputs], caught_up, never, llm.engine))
     (deferred, caught_up, never, engine), (observed, none, _, observing) = runs
-    assert deferred == observed and not none and max(caught_up) == DEFERRED_TOKENS
+    assert deferred == observed and not none and max(caught_up) == ring
+    assert engine.runner.graphs.deferred_tokens == ring
+    rows = torch.arange(engine.proposer.drafts.shape[0]) != engine.caches.scratch_slot  # not fillers'
+    assert torch.equal(
+        engine.proposer.drafts[rows], observing.proposer.drafts[rows]
+    )  # graph and eager drafts
     mine, theirs = engine.proposer.cache, observing.proposer.cache
     seen = torch.ones(mine.latent.shape[1], dtype=torch.bool)
     seen[never] = False

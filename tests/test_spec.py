@@ -395,13 +395,15 @@ def test_sampled_verify_steps_through_the_graphs_match_eager_steps(target):
 
 
 @pytest.mark.parametrize("every", [5, 45])
-def test_deferred_observes_leave_the_draft_caches_of_observing_every_step(target, draft, every):
+def test_deferred_observes_leave_the_draft_caches_of_observing_every_step(target, draft, every, monkeypatch):
     """Plain graph steps that draft nothing (a policy verifying every 5th step, or every 45th: past
     the deferred ring's positions) leave their observes for later: the DFlash draft's context K/V
     then equal those of an engine that observes every step (but for the positions a request still
     deferred when it finished, which nothing reads), and the outputs are the same."""
-    from hylo.engine.cuda_graph import DEFERRED_TOKENS
+    import hylo.engine.cuda_graph as cuda_graph
 
+    ring = 32
+    monkeypatch.setattr(cuda_graph, "MAX_DEFERRED_TOKENS", ring)  # a ring the test fills
     prompts = [random_prompt(n, 160, seed=70 + n) for n in (13, 6, 22)]
     params = GREEDY.model_copy(update={"max_tokens": 60})
     runs = []
@@ -415,8 +417,11 @@ def test_deferred_observes_leave_the_draft_caches_of_observing_every_step(target
         runs.append(([o.token_ids for o in outputs], caught_up, never, llm.engine))
     (deferred, caught_up, never, engine), (observed, none, _, observing) = runs
     assert deferred == observed and not none
-    assert max(caught_up) == (every - 2 if every < DEFERRED_TOKENS else DEFERRED_TOKENS), caught_up
+    assert max(caught_up) == (every - 2 if every < ring else ring), caught_up
     proposer, reference = engine.proposer, observing.proposer
+    assert engine.runner.graphs.deferred_tokens == ring
+    rows = torch.arange(proposer.drafts.shape[0]) != engine.caches.scratch_slot  # not filler blocks' drafts
+    assert torch.equal(proposer.drafts[rows], reference.drafts[rows])  # made in the graph and eagerly
     seen = torch.ones(proposer.k_cache.shape[1], dtype=torch.bool)
     seen[never] = False
     seen[engine.caches.table.table[engine.caches.scratch_slot].long()] = False  # filler blocks' page

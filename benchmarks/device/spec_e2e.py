@@ -9,9 +9,12 @@ random in the z-lab format (2 layers, 32 heads, 8 kv heads, head dim 128, target
 "Forced" runs replace the greedy acceptance by "every draft accepted" (this script's hook: patched
 into the verify graphs captured for them and into the eager acceptance while they run, never
 reachable from the CLI or API), which is how the seed benchmarks report acceptance at the block size;
-"natural" runs keep the real acceptance (about 1 for a random draft), with the adaptive draft-length
-policy on ("adaptive") and off ("static"); "sampled" runs are static ones at temperature 1 (rejection
-sampling between the verify step's two graphs). Reports per (algorithm, batch): decode tokens/s per user
+"forced_common" runs are forced runs whose drafts are replaced by one pseudo-random token stream (by
+table row and position, the same for every algorithm: `common_drafting`), so that every algorithm's
+verify reads the same experts and the runs compare the drafting itself; "natural" runs keep the
+real acceptance (about 1 for a random draft), with the adaptive draft-length policy on ("adaptive")
+and off ("static"); "sampled" runs are static ones at temperature 1 (rejection sampling between the verify
+step's two graphs). Reports per (algorithm, batch): decode tokens/s per user
 and the ratio to plain graph decode of the same repetition (median of `--reps`), the wall time per
 engine step, the GPU time of one verify-graph replay (CUDA events), the kernels one replay launches and
 the top kernels by GPU time (torch.profiler, `--out`/kernels_*.txt), the synchronising calls per
@@ -41,7 +44,14 @@ from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs
 
 PROMPT_LEN = 64
 # "sampled": always verify, at temperature 1 (the verify graphs with acceptance between their two replays)
-TEMPERATURE = {"plain": 0.0, "forced": 0.0, "adaptive": 0.0, "static": 0.0, "sampled": 1.0}
+TEMPERATURE = {
+    "plain": 0.0,
+    "forced": 0.0,
+    "forced_common": 0.0,
+    "adaptive": 0.0,
+    "static": 0.0,
+    "sampled": 1.0,
+}
 
 
 def write_target(path: Path, layers: int) -> None:
@@ -111,6 +121,45 @@ def write_dflash(
 
 def accept_everything(target, drafts, num_drafts):
     return num_drafts.clone()
+
+
+GRAPH_SETS = ("natural", "forced", "forced_common")
+ROW_STRIDE = 977  # stream positions between two request-table rows' common drafts
+
+
+def common_drafting(proposer, stream: torch.Tensor) -> tuple:
+    """The proposer's `propose` and `observe_and_propose`, each followed by overwriting the drafts
+    it made with `stream`'s tokens at their positions: every algorithm then verifies the same
+    tokens, whose blocks route to the same experts (a random draft's own drafts are near-identical
+    tokens for DFlash and varied ones for DFlash2, which makes their verify forwards read different
+    numbers of experts)."""
+    propose, observe_and_propose = type(proposer).propose, type(proposer).observe_and_propose
+    after_anchor = torch.arange(proposer.num_draft_tokens, device=stream.device) + 1
+
+    def overwrite(rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        # offset by the row: the batch's sequences (prompts of one length) verify different tokens
+        start = lengths.long()[:, None] + after_anchor + ROW_STRIDE * rows[:, None]
+        proposer.drafts[rows] = stream[start % stream.numel()]
+
+    def common_propose(batch, commit):
+        propose(proposer, batch, commit)
+        seqs = commit.sampling
+        overwrite(batch.state_slots[seqs], batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs])
+
+    def common_observe_and_propose(batch, commit):
+        observe_and_propose(proposer, batch, commit)
+        overwrite(batch.state_slots, batch.positions[batch.pad_index[:, 0]] + commit.counts)
+
+    return common_propose, common_observe_and_propose
+
+
+def use_drafting(proposer, drafting: tuple | None) -> None:
+    """Install `common_drafting`'s methods on the proposer, or (None) its own again."""
+    for name, method in zip(("propose", "observe_and_propose"), drafting or (None, None), strict=True):
+        if method is not None:
+            setattr(proposer, name, method)
+        else:
+            proposer.__dict__.pop(name, None)
 
 
 def decode_rate(
@@ -285,6 +334,10 @@ def main() -> None:
         )
     report["engines_start_s"] = round(time.perf_counter() - start, 1)
     real_accept = cuda_graph.greedy_accept
+    stream = torch.randint(
+        0, 150000, (4096 + 64,), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+    )
+    drafting = {name: common_drafting(llm.engine.proposer, stream) for name, llm in engines.items()}
     graphs = {}
     for name, llm in engines.items():
         natural = llm.engine.runner.verify_graphs
@@ -292,10 +345,11 @@ def main() -> None:
             continue
         cuda_graph.greedy_accept = accept_everything  # the forced graphs see this at capture
         e = llm.engine
-        graphs[name] = (
-            natural,
-            VerifyGraphs(e.model, e.caches, e.proposer, natural.buckets[-1], True, natural.pool),
-        )
+        forced = VerifyGraphs(e.model, e.caches, e.proposer, natural.buckets[-1], True, natural.pool)
+        use_drafting(e.proposer, drafting[name])  # and the common-stream graphs this
+        forced_common = VerifyGraphs(e.model, e.caches, e.proposer, natural.buckets[-1], True, natural.pool)
+        use_drafting(e.proposer, None)
+        graphs[name] = (natural, forced, forced_common)
         cuda_graph.greedy_accept = real_accept
         report[f"{name}_verify_graph_memory_gib"] = round(natural.memory_bytes / 2**30, 2)
 
@@ -305,17 +359,20 @@ def main() -> None:
             return plain
         llm = engines[name]
         runner, engine = llm.engine.runner, llm.engine
-        forced = mode == "forced"
+        forced = mode in ("forced", "forced_common")
         if name in graphs:
-            runner.verify_graphs = graphs[name][1 if forced else 0]
+            runner.verify_graphs = graphs[name][
+                ("natural", "forced", "forced_common").index(mode) if forced else 0
+            ]
         verify.greedy_accept = accept_everything if forced else real_accept
+        use_drafting(llm.engine.proposer, drafting[name] if mode == "forced_common" else None)
         if not hasattr(engine, "adaptive_policy"):
             engine.adaptive_policy = engine.policy
         engine.policy = engine.adaptive_policy if mode == "adaptive" else None  # sampled: always verify
         return llm
 
     modes = [("plain", "plain")] + [
-        (n, m) for n in algorithms for m in ("forced", "adaptive", "static", "sampled")
+        (n, m) for n in algorithms for m in ("forced", "forced_common", "adaptive", "static", "sampled")
     ]
     gen = torch.Generator().manual_seed(0)
     for bsz in map(int, args.batches.split(",")):
@@ -337,11 +394,11 @@ def main() -> None:
             if key != "plain_plain":
                 ratios = [d[0] / p[0] for d, p in zip(values, runs["plain_plain"], strict=True)]
                 row[f"{key}_vs_plain"] = round(statistics.median(ratios), 2)
-        for name, (natural, forced) in graphs.items():
-            bucket = next(b for b in natural.buckets if b >= bsz)
-            row[f"{name}_verify_replay_ms_natural"] = round(replay_ms(natural, bucket), 3)
-            row[f"{name}_verify_replay_ms_forced"] = round(replay_ms(forced, bucket), 3)
-        for name, (natural, _) in graphs.items():
+        for name, sets in graphs.items():
+            bucket = next(b for b in sets[0].buckets if b >= bsz)
+            for kind, g in zip(GRAPH_SETS, sets, strict=True):
+                row[f"{name}_verify_replay_ms_{kind}"] = round(replay_ms(g, bucket), 3)
+        for name, (natural, *_) in graphs.items():
             bucket = next(b for b in natural.buckets if b >= bsz)
             count, table = replay_kernels(natural, bucket)
             row[f"{name}_verify_kernels_per_replay"] = count
@@ -350,20 +407,24 @@ def main() -> None:
                 (Path(args.out) / f"kernels_{name}_B{bsz}.txt").write_text(table)
         bandwidth = copy_bandwidth()
         row["copy_bandwidth_tb_s"] = round(bandwidth / 1e12, 2)
-        for name, (natural, forced) in graphs.items():
-            bucket = next(b for b in natural.buckets if b >= bsz)
-            for kind, g in (("natural", natural), ("forced", forced)):
+        for name, sets in graphs.items():
+            bucket = next(b for b in sets[0].buckets if b >= bsz)
+            for kind, g in zip(GRAPH_SETS, sets, strict=True):
+                # one replay first: the floor's rerun verifies the drafts of this kind's drafting
+                use_drafting(g.proposer, drafting[name] if kind == "forced_common" else None)
+                replay_step(g, bucket)
                 row[f"{name}_verify_floor_{kind}"] = step_floor(g, bucket, bandwidth)
+                use_drafting(g.proposer, None)
         plain_graphs = plain.engine.runner.graphs
         plain_bucket = next(b for b in plain_graphs.buckets if b >= bsz)
         row["plain_decode_replay_ms"] = round(replay_ms(plain_graphs, plain_bucket), 3)
         row["plain_decode_floor"] = step_floor(plain_graphs, plain_bucket, bandwidth)
-        for name, (_, forced) in graphs.items():
+        for name, (_, forced, _) in graphs.items():
             # the forced ratio if both steps ran at their floors: tokens a block × plain floor / verify floor
             bound = forced.tokens_per_seq * row["plain_decode_floor"]["floor_ms"]
-            row[f"{name}_forced_ratio_at_floors"] = round(
-                bound / row[f"{name}_verify_floor_forced"]["floor_ms"], 2
-            )
+            for kind in GRAPH_SETS[1:]:
+                floor = row[f"{name}_verify_floor_{kind}"]["floor_ms"]
+                row[f"{name}_{kind}_ratio_at_floors"] = round(bound / floor, 2)
         for name, llm in engines.items():
             policy = getattr(llm.engine, "adaptive_policy", None)
             if policy is not None:

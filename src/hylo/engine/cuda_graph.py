@@ -34,10 +34,16 @@ logger = logging.getLogger("hylo")
 # Eager runs before a capture: kernels compile and per-batch host caches fill outside the graph.
 WARMUP_RUNS = 2
 # A plain decode step that drafts nothing leaves a device proposer's observe for later: the step's
-# target features wait in a ring of this many positions per request (`DecodeGraphs.deferred`) until
-# a step that observes (one that drafts, runs eagerly or verifies) or a full ring has the proposer
-# observe them in one batch: its weights are read once for all of them.
-DEFERRED_TOKENS = 32
+# target features wait in a ring of positions per request (`DecodeGraphs.deferred`) until a step
+# that observes (one that drafts, runs eagerly or verifies) or a full ring has the proposer observe
+# them in one batch, its weights read once for all of them. The ring holds as many positions as
+# DEFERRED_RING_BYTES allow for every request-table row, within these bounds.
+MIN_DEFERRED_TOKENS, MAX_DEFERRED_TOKENS = 32, 256
+DEFERRED_RING_BYTES = 256 * 2**20
+
+# What a decode graph does with a device proposer: observe the step (`OBSERVE`), leave the observe
+# for later (`DEFER`), or observe and draft from the greedy picks (`DRAFT`).
+OBSERVE, DEFER, DRAFT = "observe", "defer", "draft"
 
 
 def batch_size_buckets(max_batch_size: int) -> list[int]:
@@ -52,9 +58,11 @@ class DecodeGraphs:
     """Fixed-shape decode batches for the buckets up to `max_batch_size`, captured as CUDA graphs when
     `capture` (all in one memory pool, the largest first so that the others reuse its memory).
 
-    With a proposer that observes from device tensors, each bucket has a second, deferring graph:
-    its step writes the features to the `deferred` ring (`[request-table rows, DEFERRED_TOKENS,
-    features]`) instead of running the observe, for steps that draft nothing.
+    With a proposer that observes from device tensors, each bucket has two more graphs: a deferring
+    one, whose step writes the features to the `deferred` ring (`[request-table rows,
+    deferred_tokens, features]`) instead of running the observe (for steps that draft nothing), and
+    a drafting one, whose step also drafts for the next from each sequence's argmax (for steps whose
+    every row picks its raw argmax).
 
     Invariants: a static batch points at the scratch slot and at the slots of the last step it ran,
     nothing else; the batch and logits `run` returns stay valid until the next `run`.
@@ -83,15 +91,18 @@ class DecodeGraphs:
             )
         self.model, self.caches = model, caches
         self.deferred: torch.Tensor | None = None
+        self.deferred_tokens = 0
         if self.defers:
             width = len(proposer.capture_layers) * model.config.hidden_size
             weight = model.embed_tokens.weight
             rows = caches.table.table.shape[0]
+            fits = DEFERRED_RING_BYTES // max(1, rows * width * weight.element_size())
+            self.deferred_tokens = max(MIN_DEFERRED_TOKENS, min(MAX_DEFERRED_TOKENS, fits))
             self.deferred = torch.zeros(
-                rows, DEFERRED_TOKENS, width, dtype=weight.dtype, device=weight.device
+                rows, self.deferred_tokens, width, dtype=weight.dtype, device=weight.device
             )
-        self.deferring: dict[int, torch.cuda.CUDAGraph] = {}
-        self.deferring_outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        # (variant, bucket) -> the DEFER and DRAFT graphs and their outputs
+        self.variants: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.buckets = batch_size_buckets(max_batch_size)
         self.pool_width = caches.table.table.shape[1] // caches.kpool
         self.static = self._static_batches()
@@ -106,19 +117,21 @@ class DecodeGraphs:
             len(s.token_ids) == 1 and s.sample and not s.verify and not s.score for s in seqs
         )
 
-    def run(self, seqs: Sequence[SequenceChunk], defer: bool = False) -> tuple[ForwardBatch, torch.Tensor]:
+    def run(self, seqs: Sequence[SequenceChunk], variant: str = OBSERVE) -> tuple[ForwardBatch, torch.Tensor]:
         """The step's padded batch (the bucket's static one) and the logits of its sequences,
-        `[len(seqs), vocab]`, in order. With `defer` (only where `defers`), the step's features go to
-        the deferred ring at each sequence's (table row, position % DEFERRED_TOKENS) instead of to
-        the proposer's observe: the caller keeps track of what waits there (`Request.deferred_from`)."""
+        `[len(seqs), vocab]`, in order. `DEFER` and `DRAFT` only where `defers`: with `DEFER` the
+        step's features go to the deferred ring at each sequence's (table row, position %
+        deferred_tokens) instead of to the proposer's observe (the caller keeps track of what waits
+        there: `Request.deferred_from`); with `DRAFT` the proposer also drafts, anchored on each
+        sequence's argmax (right for raw-argmax rows only: the caller's choice)."""
         if not self.accepts(seqs):
             raise ValueError(
                 f"seqs: a fixed-shape decode takes up to {self.buckets[-1]} sequences of one sampled "
                 "token each"
             )
-        if defer and not self.defers:
-            raise ValueError("defer: these decode graphs observe every step (no device proposer)")
-        bucket, (logits,) = self._replay(seqs, defer)
+        if variant != OBSERVE and not self.defers:
+            raise ValueError(f"variant: {variant} needs decode graphs of a device proposer")
+        bucket, (logits,) = self._replay(seqs, variant)
         return self.static[bucket], logits[: len(seqs)]
 
     @property
@@ -132,23 +145,28 @@ class DecodeGraphs:
         return self.observes
 
     def _replay(
-        self, seqs: Sequence[SequenceChunk], defer: bool = False
+        self, seqs: Sequence[SequenceChunk], variant: str = OBSERVE
     ) -> tuple[int, tuple[torch.Tensor, ...]]:
         """Upload the step's (prefix length, table row, first token) of each sequence, fillers after
-        them, and replay (or, uncaptured, call) its bucket's graph (the deferring one with `defer`):
-        (bucket, outputs)."""
+        them, and replay (or, uncaptured, call) its bucket's graph of `variant`: (bucket, outputs)."""
         bucket = next(b for b in self.buckets if b >= len(seqs))
         host = self.host_inputs[bucket]
         assert self.caches.scratch_slot is not None
         filler = [(0, self.caches.scratch_slot, 0)] * (bucket - len(seqs))
         host.copy_(torch.tensor([(s.prefix_len, s.table_row, s.token_ids[0]) for s in seqs] + filler).t())
         self.step_inputs[bucket].copy_(host, non_blocking=True)
-        graph = (self.deferring if defer else self.graphs).get(bucket)
+        static = self.static[bucket]
+        if variant != OBSERVE:
+            captured = self.variants.get((variant, bucket))
+            if captured is None:
+                return bucket, self._forward(static, variant)
+            captured[0].replay()
+            return bucket, captured[1]
+        graph = self.graphs.get(bucket)
         if graph is None:
-            static = self.static[bucket]
-            return bucket, self._forward(static, defer=True) if defer else self._forward(static)
+            return bucket, self._forward(static)
         graph.replay()
-        return bucket, (self.deferring_outputs if defer else self.outputs)[bucket]
+        return bucket, self.outputs[bucket]
 
     def _static_batches(self) -> dict[int, ForwardBatch]:
         """One static batch per bucket, its pool table as wide as the request table's, and the step's
@@ -176,21 +194,26 @@ class DecodeGraphs:
             getattr(static, name).copy_(value)
         static.input_ids.view(len(static.extend_lens), self.tokens_per_seq)[:, 0] = first
 
-    def _forward(self, static: ForwardBatch, defer: bool = False) -> tuple[torch.Tensor, ...]:
-        """What a replay computes from the static batch (captured once per bucket, and once more
-        deferring where `defers`)."""
+    def _forward(self, static: ForwardBatch, variant: str = OBSERVE) -> tuple[torch.Tensor, ...]:
+        """What a replay of `variant` computes from the static batch (captured once per bucket and
+        variant)."""
         self._fill_metadata(static)
         if self.proposer is None:
             return (self.model(static),)
         logits = self.model(static, self.proposer.capture_layers)
-        if defer:  # filler sequences write the scratch row's ring
-            self.deferred[static.state_slots, static.positions % DEFERRED_TOKENS] = static.features
+        if variant == DEFER:  # filler sequences write the scratch row's ring
+            if static.features is not None:  # (a proposer may read no features)
+                ring = static.positions % self.deferred_tokens
+                self.deferred[static.state_slots, ring] = static.features
         elif self.observes:
             seqs = len(static.extend_lens)
             device = logits.device
             ones = torch.ones(seqs, dtype=torch.int32, device=device)
             commit = StepCommit(ones, logits.argmax(-1), torch.arange(seqs, device=device))
-            self.proposer.observe(static, commit)
+            if variant == DRAFT:
+                self.proposer.observe_and_propose(static, commit)
+            else:
+                self.proposer.observe(static, commit)
         return (logits,)
 
     def _build(self, seqs: Sequence[SequenceChunk], bucket: int) -> ForwardBatch:
@@ -235,15 +258,15 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             self.outputs[bucket] = self._forward(static)
         self.graphs[bucket] = graph
-        if self.defers:
+        for variant in (DEFER, DRAFT) if self.defers else ():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.deferring_outputs[bucket] = self._forward(static, defer=True)
-            self.deferring[bucket] = graph
+                outputs = self._forward(static, variant)
+            self.variants[variant, bucket] = (graph, outputs)
 
     def _warm(self, static: ForwardBatch) -> None:
         """One eager run of everything a bucket captures."""
-        self._forward(static)
+        self._forward(static, DRAFT if self.defers else OBSERVE)
 
 
 class VerifyGraphs(DecodeGraphs):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hylo.engine.cuda_graph import DEFERRED_TOKENS, DecodeGraphs, VerifyGraphs
+from hylo.engine.cuda_graph import DEFER, DRAFT, OBSERVE, DecodeGraphs, VerifyGraphs
 from hylo.engine.request import Request
 from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch, SequenceChunk
@@ -41,9 +41,10 @@ class ModelRunner:
     proposer's observe and its next drafts all run before that read (a `needs_host` proposer's after).
     With a proposer, `graphs` must have been captured with it: a proposer observes every forward's
     features, which those graphs then produce (and observe inside, for a device-side proposer). A
-    plain graph step that drafts nothing defers that observe (`DecodeGraphs.run(defer=True)`); the
-    next step that observes first has the proposer observe what waits (`_catch_up`), so the proposer
-    still sees every committed token in order."""
+    plain graph step that drafts nothing defers that observe (the `DEFER` graphs); the next step that
+    observes first has the proposer observe what waits (`_catch_up`), so the proposer still sees
+    every committed token in order. A plain graph step of raw-argmax rows that drafts does so in its
+    graph (`DRAFT`)."""
 
     def __init__(
         self,
@@ -73,8 +74,16 @@ class ModelRunner:
         requests = [ch.request for ch in chunks]
         plain_graph = self.graphs is not None and self.graphs.accepts(seqs)
         # a plain step that drafts nothing leaves its observe for later while every ring has room
-        defer = plain_graph and not draft and self.graphs.defers and all(map(_ring_has_room, requests))
-        if not defer:  # this step observes: the proposer sees every earlier token first
+        variant = OBSERVE
+        if plain_graph and self.graphs.defers:
+            room = self.graphs.deferred_tokens
+            if not draft and all(
+                r.deferred_from is None or r.num_computed - r.deferred_from < room for r in requests
+            ):
+                variant = DEFER  # a plain step that drafts nothing leaves its observe for later
+            elif draft and all(r.params.raw_argmax and not r.banned_ids() for r in requests):
+                variant, draft = DRAFT, False  # its graph drafts from the picks: nothing is left to draft
+        if variant != DEFER:  # this step observes: the proposer sees every earlier token first
             self._catch_up(requests)
         full = self._full_blocks(seqs)
         if full is not None and self.verify_graphs.accepts(full):
@@ -94,9 +103,9 @@ class ModelRunner:
             return results
         observed = False
         if plain_graph:
-            batch, logits = self.graphs.run(seqs, defer)
+            batch, logits = self.graphs.run(seqs, variant)
             observed = self.graphs.observes  # or deferred: nothing is left to observe now either
-            if defer:
+            if variant == DEFER:
                 for r in requests:
                     r.deferred_from = r.num_computed if r.deferred_from is None else r.deferred_from
         else:
@@ -121,9 +130,8 @@ class ModelRunner:
         c = self.caches
         batch = ForwardBatch.build(chunks, c.table.table, c.tokens, c.states, c.kpool)
         device = batch.input_ids.device
-        ring = [
-            (r.slot, p % DEFERRED_TOKENS) for r in pending for p in range(r.deferred_from, r.num_computed)
-        ]
+        room = self.graphs.deferred_tokens
+        ring = [(r.slot, p % room) for r in pending for p in range(r.deferred_from, r.num_computed)]
         index = to_device(ring, device, torch.long)
         batch.features = self.graphs.deferred[index[:, 0], index[:, 1]]
         counts = to_device([r.num_computed - r.deferred_from for r in pending], device, torch.int32)
@@ -252,11 +260,6 @@ class ModelRunner:
             if draft:
                 proposer.propose(batch, commit)
         return results
-
-
-def _ring_has_room(request: Request) -> bool:
-    """The deferred ring holds one more of the request's positions."""
-    return request.deferred_from is None or request.num_computed - request.deferred_from < DEFERRED_TOKENS
 
 
 def _prompt_targets(ch: ScheduledChunk) -> tuple[int, list[int]]:
