@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 import hylo.engine.cuda_graph as cuda_graph
 import hylo.speculative.verify as verify
 from hylo import LLM, SamplingParams
-from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs
+from hylo.engine.cuda_graph import DEFER, DRAFT, DecodeGraphs, VerifyGraphs
 
 PROMPT_LEN = 64
 # "sampled": always verify, at temperature 1 (the verify graphs with acceptance between their two replays)
@@ -195,12 +195,21 @@ def replay_step(graphs: DecodeGraphs, bucket: int) -> None:
 
 
 def replay_ms(graphs: DecodeGraphs, bucket: int, reps: int = 50) -> float:
+    return timed_ms(lambda: replay_step(graphs, bucket), reps)
+
+
+def graph_ms(graph: torch.cuda.CUDAGraph, reps: int = 50) -> float:
+    return timed_ms(graph.replay, reps)
+
+
+def timed_ms(replay, reps: int) -> float:
+    """GPU ms per call of `replay` (CUDA events around `reps` calls, after one)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replay_step(graphs, bucket)
+    replay()
     torch.cuda.synchronize()
     start.record()
     for _ in range(reps):
-        replay_step(graphs, bucket)
+        replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
@@ -418,6 +427,12 @@ def main() -> None:
         plain_graphs = plain.engine.runner.graphs
         plain_bucket = next(b for b in plain_graphs.buckets if b >= bsz)
         row["plain_decode_replay_ms"] = round(replay_ms(plain_graphs, plain_bucket), 3)
+        for name, llm in engines.items():  # a speculative engine's plain steps: deferring, drafting
+            decode = llm.engine.runner.graphs
+            for variant in (DEFER, DRAFT):
+                if (variant, plain_bucket) in decode.variants:
+                    graph = decode.variants[variant, plain_bucket][0]
+                    row[f"{name}_plain_{variant}_replay_ms"] = round(graph_ms(graph), 3)
         row["plain_decode_floor"] = step_floor(plain_graphs, plain_bucket, bandwidth)
         for name, (_, forced, _) in graphs.items():
             # the forced ratio if both steps ran at their floors: tokens a block × plain floor / verify floor
