@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated
@@ -20,6 +21,8 @@ MAX_N = 128
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 32, 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300
+MAX_CONSTRAINT_LENGTH = 65536  # characters of a JSON schema, regex or EBNF grammar
+CONSTRAINTS = ("json_schema", "regex", "ebnf")
 
 
 class SamplingParams(BaseModel):
@@ -62,6 +65,36 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] = Field(
         default_factory=dict, max_length=MAX_LOGIT_BIAS, description="token id -> added to its logit"
     )
+    # structured outputs (SGLang's names), at most one: the output matches it (`hylo.structured`)
+    json_schema: str | None = Field(None, max_length=MAX_CONSTRAINT_LENGTH, description="a JSON schema")
+    regex: str | None = Field(None, min_length=1, max_length=MAX_CONSTRAINT_LENGTH)
+    ebnf: str | None = Field(None, min_length=1, max_length=MAX_CONSTRAINT_LENGTH, description="GBNF grammar")
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_is_json(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                schema = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"must be JSON: {exc}") from exc
+            if not isinstance(schema, dict | bool):
+                raise ValueError("must be a JSON schema (an object or a boolean)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingParams:
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)}: at most one constraint per request")
+        return self
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field, text) of the structured-output constraint, if any."""
+        return next(
+            ((name, getattr(self, name)) for name in CONSTRAINTS if getattr(self, name) is not None), None
+        )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -116,7 +149,7 @@ class SamplingParams(BaseModel):
     def raw_argmax(self) -> bool:
         """Greedy over the model's own logits: nothing (penalties, logit bias) changes them first, so
         the pick is their argmax alone (with no `min_tokens` ban in force, which the caller checks)."""
-        return self.greedy and not self.penalized and not self.logit_bias
+        return self.greedy and not self.penalized and not self.logit_bias and self.constraint is None
 
 
 @dataclass
@@ -142,18 +175,24 @@ class Sampled:
     top_values: torch.Tensor | None = None
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator | None) -> Sampled:
+def sample(
+    logits: torch.Tensor,
+    rows: Sequence[SampleRow],
+    generator: torch.Generator | None,
+    allowed: torch.Tensor | None = None,
+) -> Sampled:
     """Next token per row of `logits [B, V]` (fp32), and logprobs where asked; nothing is read back.
+    `allowed [B, V]` (bool, device): the tokens each row may pick (structured outputs), if any.
 
     Logprobs are of the raw model distribution (vLLM's default), the sampled token always included.
     Greedy rows draw no noise. A row with its own generator draws exactly one vector of noise per step
     from it, so a seeded request samples the same tokens whatever else is in the batch.
     """
     raw = logits
-    if all(r.params.raw_argmax and not r.banned_ids for r in rows):
+    if allowed is None and all(r.params.raw_argmax and not r.banned_ids for r in rows):
         sampled = logits.argmax(-1)
     else:
-        logits, probs = target_distribution(logits, rows)
+        logits, probs = target_distribution(logits, rows, allowed)
         greedy = to_device([r.params.greedy for r in rows], logits.device)
         noise = torch.ones_like(probs)
         shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
@@ -185,9 +224,14 @@ def logprob_entry(
     return entry
 
 
-def target_distribution(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The processed logits (penalties, banned ids) and the distribution each row samples from
-    (temperature, then top-k / top-p / min-p). Greedy rows sample the argmax of the logits."""
+def target_distribution(
+    logits: torch.Tensor, rows: Sequence[SampleRow], allowed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The processed logits (penalties, logit bias, banned ids, then tokens outside `allowed [B, V]`)
+    and the distribution each row samples from (temperature, then top-k / top-p / min-p). Greedy rows
+    sample the argmax of the logits. The constraint wins: a row whose processing left none of its
+    allowed tokens possible (a huge penalty, or a grammar that can only end while `min_tokens` bans
+    its end) picks uniformly among them."""
     logits = logits.clone()
     for i, row in enumerate(rows):
         if row.params.penalized:
@@ -198,6 +242,10 @@ def target_distribution(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tupl
             logits[i, ids] += to_device(list(bias.values()), logits.device, logits.dtype)
         if row.banned_ids:
             logits[i, to_device(list(row.banned_ids), logits.device, torch.long)] = float("-inf")
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        dead = torch.isneginf(logits).all(-1, keepdim=True)
+        logits = torch.where(dead & allowed, 0.0, logits)
     temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
     probs = torch.softmax(logits / to_device(temps, logits.device, logits.dtype)[:, None], dim=-1)
     return logits, _truncate(probs, rows)

@@ -174,6 +174,10 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def special_ids(self) -> list[int]:
+        """Ids of the added tokens marked special (chat markers, eos, ...): never part of text."""
+        return sorted(i for i, added in self._tok.get_added_tokens_decoder().items() if added.special)
+
     def token_to_id(self, s: str) -> int | None:
         i = self._tok.token_to_id(s)
         return self._added.get(s) if i is None else i

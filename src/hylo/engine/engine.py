@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ class Engine:
         model_config = self.model.config
         tok_path = Path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = Tokenizer.from_dir(tok_path) if (tok_path / "tokenizer.json").is_file() else None
+        self._grammars = None  # hylo.structured.Grammars, made by the first constrained request
+        self._grammars_lock = threading.Lock()
         self.context_len = config.context_length or model_config.max_position_embeddings
         indexer_dtype = torch.float8_e4m3fn if config.indexer_dtype == "fp8" else None
         self.proposer = proposer or self._build_proposer(path, indexer_dtype)
@@ -142,6 +145,22 @@ class Engine:
         eos = self.model.config.eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
+    def compile_constraint(self, params: SamplingParams):
+        """The compiled structured-output constraint of `params` (`hylo.structured`; compiled once,
+        then cached), or a ValueError naming the field. Safe to call from any thread."""
+        if params.constraint is None:
+            raise ValueError("params: no json_schema, regex or ebnf to compile")
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError(f"{params.constraint[0]}: structured outputs need the model's tokenizer")
+                from hylo.structured import Grammars
+
+                # a grammar ends on the model's eos tokens (a request's own stop ids stop it as usual)
+                self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+            grammars = self._grammars
+        return grammars.compile(params)
+
     def add_request(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams
     ) -> list[Request]:
@@ -149,6 +168,7 @@ class Engine:
         if request_id in self.requests or f"{request_id}-0" in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt = self.validate_prompt(prompt_ids, params)
+        compiled = self.compile_constraint(params) if params.constraint is not None else None
         stop_ids = frozenset(params.stop_token_ids) | frozenset(
             () if params.ignore_eos else self.eos_token_ids
         )
@@ -162,6 +182,10 @@ class Engine:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens)
             request = Request(rid, prompt, params, stop_ids, self.context_len, detok, generator)
+            if compiled is not None:
+                from hylo.structured import Grammars
+
+                request.grammar = Grammars.matcher(compiled)
             self.requests[rid] = request
             self.scheduler.add(request)
             created.append(request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,6 +54,8 @@ class Request:
     max_total_len: int
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
+    # with a structured-output constraint: its xgrammar matcher, fed every output token (`append`)
+    grammar: Any = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # with `params.prompt_logprobs`: entry j is prompt position j + 1's (position 0 has none)
@@ -86,8 +89,9 @@ class Request:
 
     def draft_budget(self, num_draft_tokens: int) -> int:
         """Drafts worth verifying: never past max_tokens or the length limit; none for penalized
-        sampling, whose distribution depends on the tokens before it in the block."""
-        if self.params.penalized:
+        sampling, whose distribution depends on the tokens before it in the block, and none for a
+        constrained request (the grammar would have to mask every position of the block)."""
+        if self.params.penalized or self.grammar is not None:
             return 0
         room = min(self.params.max_tokens - len(self.output_ids), self.max_total_len - self.total_len) - 1
         return max(0, min(num_draft_tokens, room))
@@ -122,7 +126,11 @@ class Request:
             self.logprobs.append(logprobs)
         new_text = self.detokenizer.step([token]) if self.detokenizer is not None else ""
         pending = self._held_text + new_text
+        if self.grammar is not None and not self.grammar.accept_token(token):
+            raise ValueError(f"token {token} breaks the request's {self.params.constraint[0]} constraint")
         if token in self.stop_ids and len(self.output_ids) >= self.params.min_tokens:
+            return self._finish("stop", pending)
+        if self.grammar is not None and self.grammar.is_terminated():  # the output is complete
             return self._finish("stop", pending)
         if self.params.stop and len(self.output_ids) >= self.params.min_tokens:
             cut = self._stop_string_cut(pending)

@@ -17,6 +17,7 @@ from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.sampling import SampleRow, logprob_entry, sample
 from hylo.speculative.proposer import HostCommit, Proposer, StepCommit
 from hylo.speculative.verify import accept
+from hylo.structured import allowed_tokens, fill_bitmasks
 
 
 @dataclass
@@ -188,7 +189,12 @@ class ModelRunner:
             ]
             picked_rows = [rows_of[i][-1] for i in plain]  # a scoring chunk's last row samples
             leading = picked_rows == list(range(len(picked_rows)))  # a decode step: no index upload
-            picked = sample(logits[: len(plain)] if leading else logits[picked_rows], rows, self.generator)
+            vocab = logits.shape[-1]
+            bitmasks = fill_bitmasks([chunks[i].request.grammar for i in plain], vocab, device)
+            allowed = None if bitmasks is None else allowed_tokens(bitmasks, vocab)
+            picked = sample(
+                logits[: len(plain)] if leading else logits[picked_rows], rows, self.generator, allowed
+            )
             if anchors is not None:
                 anchors[plain] = picked.tokens
         if verifying:

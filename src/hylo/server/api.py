@@ -177,6 +177,7 @@ def build_app(
         except ValidationError as e:
             first = e.errors()[0]
             param = _param([err["loc"] for err in e.errors()])
+            param = CONSTRAINT_FIELDS.get(param, param)
             raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
 
     def need_tokenizer(param: str) -> None:
@@ -205,6 +206,18 @@ def build_app(
             return await asyncio.to_thread(encode, prompt, "prompt")
         return [list(p) for p in prompt]
 
+    async def compiled(params: SamplingParams) -> None:
+        """A structured-output constraint compiles (off the event loop; cached for the engine), or a 400
+        naming the request field it came from."""
+        if params.constraint is None:
+            return
+        try:
+            await asyncio.to_thread(engine.compile_constraint, params)
+        except ValueError as e:
+            field_name = CONSTRAINT_FIELDS[params.constraint[0]]
+            message = str(e).split(":", 1)[-1].strip()
+            raise APIError(400, f"{field_name}: {message}", field_name) from None
+
     def submitted(prompts: Sequence[list[int]], params: SamplingParams, param: str) -> list[Handle]:
         """Every prompt valid and room in the queue for all of them, or an error before any work."""
         sequences = len(prompts) * params.n
@@ -232,6 +245,7 @@ def build_app(
         check_model(body.model)
         params = params_of(body.sampling_params)
         prompts = await encode_prompts(body.prompt)
+        await compiled(params)
         handles = submitted(prompts, params, "prompt")
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
@@ -291,6 +305,7 @@ def build_app(
 
         room = min(core.context_len, core.plan.max_total_num_tokens) - len(prompts[0])
         params = params_of(lambda: body.sampling_params(max(1, room)))
+        await compiled(params)
         handles = submitted(prompts, params, "messages")
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
@@ -485,6 +500,10 @@ async def _until_disconnect(raw: Request, work: Awaitable[list[_Choice]]) -> lis
     finally:
         if not task.done():
             task.cancel()
+
+
+# the request field a SamplingParams constraint comes from
+CONSTRAINT_FIELDS = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}
 
 
 def _param(locs: Sequence[Sequence[int | str]]) -> str | None:

@@ -119,6 +119,11 @@ class AsyncEngine:
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         return self.engine.validate_prompt(prompt_ids, params)
 
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """ValueError if the structured-output constraint does not compile (from any thread; the
+        engine keeps the compiled grammar for the request's own add)."""
+        self.engine.compile_constraint(params)
+
     def check_capacity(self, num_requests: int) -> None:
         """QueueFull if `num_requests` more would overfill the waiting queue."""
         if self.max_queued is not None and self.num_waiting + num_requests > self.max_queued:

@@ -5,6 +5,7 @@ schema by `openapi.py` and checked by the engine."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -17,9 +18,11 @@ from pydantic import (
     StrictBool,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from hylo.sampling import (
+    MAX_CONSTRAINT_LENGTH,
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_STOP_LENGTH,
@@ -85,10 +88,74 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = Field(False, description="usage so far in every chunk (vLLM)")
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = _REQUEST
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    # the JSON schema itself ("schema" is a BaseModel attribute: the field keeps its JSON name)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """text (the default), json_object (any JSON object) or json_schema (output that matches it)."""
+
+    model_config = _REQUEST | ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+            "then": {"required": ["json_schema"], "properties": {"json_schema": {"not": {"type": "null"}}}},
+        }
+    )
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required with type json_schema")
+        return self
+
+    def constraint(self) -> str | None:
+        """The JSON schema (text) the output must match, if any."""
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        if self.type == "json_schema":
+            return json.dumps(self.json_schema.schema_)
+        return None
+
+
+Constraint = Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_LENGTH)]
+
+
+def _given(field: str, value: dict) -> dict:
+    return {"required": [field], "properties": {field: value}}
+
+
+_REGEX, _EBNF = _given("regex", {"type": "string"}), _given("ebnf", {"type": "string"})
+_JSON_FORMAT = _given(
+    "response_format",
+    {
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+    },
+)
+# the schema's form of SamplingParams' one-constraint rule: no two of a JSON format, regex and ebnf
+ONE_CONSTRAINT = {
+    "not": {
+        "anyOf": [
+            {"allOf": pair} for pair in ([_REGEX, _EBNF], [_REGEX, _JSON_FORMAT], [_EBNF, _JSON_FORMAT])
+        ]
+    }
+}
+
+
 class _Common(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does."""
 
-    model_config = _REQUEST
+    model_config = _REQUEST | ConfigDict(json_schema_extra=ONE_CONSTRAINT)
 
     model: str | None = None
     n: _int(ge=1, le=MAX_N) = 1
@@ -117,6 +184,16 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object / json_schema: the output is JSON matching it (structured outputs)"
+    )
+    # whether a constraint compiles is more than a schema can say: one that does not is a 400 naming it
+    regex: Constraint | None = Field(
+        None, description="extension: the output matches this regular expression (400 if it does not compile)"
+    )
+    ebnf: Constraint | None = Field(
+        None, description="extension: the output matches this GBNF grammar (400 if it does not compile)"
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -137,6 +214,8 @@ class _Common(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            json_schema=self.response_format.constraint() if self.response_format else None,
+            regex=self.regex, ebnf=self.ebnf,
         )  # fmt: skip
 
     @property
@@ -157,6 +236,7 @@ class CompletionRequest(_Common):
                 "properties": {"max_tokens": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]}}
             },
         }
+        | ONE_CONSTRAINT
     )
     prompt: (
         Annotated[Text, Field(min_length=1)]
@@ -191,12 +271,6 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: Text
-
-
-class ResponseFormat(BaseModel):
-    model_config = _REQUEST
-
-    type: Literal["text"]
 
 
 class ChatMessage(BaseModel):
@@ -243,10 +317,7 @@ class ChatCompletionRequest(_Common):
         json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}},
     )
     tools: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = Field(
-        None, description="text only: json_object and json_schema (structured outputs) are not supported yet"
-    )
-    # "required" and a named function would need constrained decoding (structured outputs)
+    # "required" and a named function would need the tool call's constrained form (not yet)
     tool_choice: Literal["none", "auto"] | None = Field(
         None, description="none: tool calls stay text; auto (the default with tools): parsed"
     )
