@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from hylo.sampling import SamplingParams
 from hylo.server.parsers import ReplyParser, merge_deltas, whole_reply
 
 TOOLS = [
@@ -61,3 +62,36 @@ def test_prompt_opened_reasoning_unclosed_tags_and_parsers_off():
     assert whole_reply(ReplyParser(True, True, TOOLS), "a < b") == {"content": "a < b"}
     only_call = whole_reply(ReplyParser(False, True, TOOLS), "<tool_call>search</tool_call>")
     assert only_call["content"] is None and calls(only_call) == [("search", {})]
+
+
+def test_the_tool_call_grammar_takes_calls_only(tmp_path):
+    """`tool_call_grammar` (what tool_choice required / named constrain a reply with), compiled for the
+    demo tokenizer: whole calls in the parser's format pass, text around them or another function
+    does not."""
+    import xgrammar
+
+    from hylo.models.demo import write_demo_model
+    from hylo.server.parsers import parse_tool_call, tool_call_grammar
+    from hylo.structured import Grammars
+    from hylo.tokenizer import Tokenizer
+
+    write_demo_model(tmp_path)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    weather = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"properties": {"city": {}}}},
+    }
+    tools = [weather, {"type": "function", "function": {"name": "get_time"}}]
+    call = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+    other = "<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>CET</arg_value>\n</tool_call>"
+    assert parse_tool_call(call[len("<tool_call>") : -len("</tool_call>")], tools)["name"] == "get_weather"
+
+    def takes(grammar: str, text: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(grammars.compile(SamplingParams(ebnf=grammar)))
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    required, named = tool_call_grammar(tools), tool_call_grammar(tools, "get_weather")
+    assert takes(required, call) and takes(required, f"{call}\n{other}") and takes(named, call)
+    assert not takes(named, other) and not takes(required, "Sure. " + call)
+    assert not takes(required, call.replace("city", "country"))  # keys from the tool's schema

@@ -52,6 +52,10 @@ def _trim(_ctx, case):
     for key, compiles in (("regex", "[a-z]+"), ("ebnf", 'root ::= "a"+')):
         if isinstance(body.get(key), str):
             body[key] = compiles
+    # and honoured tool choices: `required` or a named function needs the server's --tool-call-parser
+    # and a tool of that name (test_server_robustness.py tests what a 400 says otherwise)
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        body["tool_choice"] = "auto"
     json_format = body.get("response_format")
     if isinstance(json_format, dict) and isinstance(json_format.get("json_schema"), dict):
         json_format["json_schema"]["schema"] = {"type": "object"}

@@ -398,6 +398,7 @@ SCRIPTED_CHAT = {
     "max_tokens": SCRIPTED_MAX_TOKENS,
     "ignore_eos": True,
 }
+TIME = {"type": "function", "function": {"name": "get_time"}}
 EXPECTED_CALLS = [
     ("get_weather", {"city": "Paris", "days": 3}),  # a string by the schema, an integer as JSON
     ("get_time", {"zone": "CET"}),  # no schema, not JSON: kept as text
@@ -436,8 +437,6 @@ def test_tool_choice_none_keeps_calls_as_text_and_agent_turns_are_accepted(serve
     assert message.get("tool_calls") is None
     assert message["content"].startswith("Checking now.<tool_call>get_weather")
     assert body["choices"][0]["finish_reason"] == "stop"
-    required = SCRIPTED_CHAT | {"tool_choice": "required"}
-    assert_error(post(server, "/v1/chat/completions", required), 400, "tool_choice")
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
     turns = [
         {"role": "user", "content": "Weather?"},
@@ -448,4 +447,31 @@ def test_tool_choice_none_keeps_calls_as_text_and_agent_turns_are_accepted(serve
     assert answer.status_code == 200, answer.text
     empty = {"messages": [{"role": "assistant"}]}
     assert_error(post(server, "/v1/chat/completions", empty), 400, "messages.0.content")
+    assert_serving(server)
+
+
+def test_tool_choice_required_or_named_constrains_the_reply_to_calls(server):
+    """The reply is a call of the named function (whole, or cut by max_tokens inside it); what
+    cannot be honoured is a 400 naming the field."""
+    chat = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER, TIME]}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in (named, "required"):
+        reply = post(
+            server, "/v1/chat/completions", chat | {"tool_choice": choice, "max_tokens": 60, "seed": 1}
+        )
+        assert reply.status_code == 200, reply.text
+        result = reply.json()["choices"][0]
+        calls = result["message"].get("tool_calls") or []
+        if result["finish_reason"] == "tool_calls":
+            assert calls and (choice != named or {c["function"]["name"] for c in calls} == {"get_weather"})
+        else:
+            assert result["finish_reason"] == "length" and result["message"]["content"].startswith(
+                "<tool_call>get_"
+            )
+    unknown = {"type": "function", "function": {"name": "nope"}}
+    assert_error(post(server, "/v1/chat/completions", chat | {"tool_choice": unknown}), 400, "tool_choice")
+    no_tools = {"messages": chat["messages"], "tool_choice": "required"}
+    assert_error(post(server, "/v1/chat/completions", no_tools), 400, "tools")
+    both = chat | {"tool_choice": "required", "regex": "a+"}
+    assert_error(post(server, "/v1/chat/completions", both), 400, "tool_choice")
     assert_serving(server)

@@ -129,3 +129,11 @@ def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sa
                 torch.testing.assert_close(list(mine.values()), list(theirs.values()), atol=2e-2, rtol=0)
         assert replayed.count(batch) >= 3, replayed
     assert len(reads) >= 9 and all(n == 1 for n in reads), reads
+
+
+def test_one_read_keeps_results_of_one_shape_apart():
+    """A step reads the sampled tokens and a verify step's accepted counts together; of one shape and
+    dtype, each still gets its own pinned buffer."""
+    tokens, accepted = torch.tensor([5, 6], device="cuda"), torch.tensor([1, 2], device="cuda")
+    got = runner_module._read(tokens, None, accepted)
+    assert got[0].tolist() == [5, 6] and got[1] is None and got[2].tolist() == [1, 2]

@@ -15,6 +15,7 @@ from test_server import KEY, start_server, stop
 
 from hylo import LLM, SamplingParams
 from hylo.models.demo import write_demo_model
+from hylo.speculative.proposer import Proposer
 from hylo.structured import allowed_tokens, bitmask_words
 
 # every string and number bounded: any path through the grammar ends within a few dozen tokens
@@ -110,9 +111,10 @@ def test_one_constraint_per_request():
         SamplingParams(regex="a", ebnf='root ::= "a"')
 
 
-def test_constrained_rows_decode_beside_verify_blocks(model_dir, tmp_path, llm):
-    """With DFlash on, a constrained request drafts nothing and decodes beside verifying requests:
-    it still matches, and the others are lossless."""
+def test_constrained_requests_verify_drafts_the_grammar_masks(model_dir, tmp_path, llm):
+    """With DFlash on, constrained requests verify too (each block position masked after the drafts
+    before it): greedy outputs are those without speculation, sampled ones still match, the
+    unconstrained request beside them is lossless."""
     config = json.loads((model_dir / "config.json").read_text())
     text = config.get("text_config", config)
     draft = write_dflash_checkpoint(
@@ -122,14 +124,56 @@ def test_constrained_rows_decode_beside_verify_blocks(model_dir, tmp_path, llm):
         str(model_dir), device="cpu", page_size=16, max_memory_gb=0.25, speculative_algorithm="DFLASH",
         speculative_draft_model_path=str(draft), speculative_num_draft_tokens=4, speculative_adaptive=False,
     )  # fmt: skip
-    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    prompts = ["the weather", "a number", "tell me"]
-    params = [free, SamplingParams(temperature=0, max_tokens=20, regex=REGEX), free]
+    prompts = ["the weather", "a number", "hello there", "x"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, regex=REGEX),
+        SamplingParams(temperature=0, max_tokens=120, json_schema=json.dumps(SCHEMA)),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=20, ebnf=EBNF),
+    ]
     outs = spec.generate(prompts, params, use_tqdm=False)
-    plain = llm.generate([prompts[0], prompts[2]], free, use_tqdm=False)
-    assert [outs[0].token_ids, outs[2].token_ids] == [o.token_ids for o in plain]
-    assert re.fullmatch(REGEX, outs[1].text) and outs[1].metrics.spec_verify_steps == 0
-    assert outs[0].metrics.spec_verify_steps > 0
+    plain = llm.generate(prompts[:3], params[:3], use_tqdm=False)
+    assert [o.token_ids for o in outs[:3]] == [o.token_ids for o in plain]
+    assert re.fullmatch(REGEX, outs[1].text) and re.fullmatch(r"x[yz]+!", outs[3].text)
+    assert_matches_schema(outs[2].text)
+    assert all(o.metrics.spec_verify_steps > 0 for o in outs)
+
+
+class GrammarOracle(Proposer):
+    """Drafts `truth[position]` for table row 0 (the constrained greedy output), wrong at `wrong`."""
+
+    needs_host = False
+
+    def __init__(self, truth: torch.Tensor, k: int):
+        self.truth, self.num_draft_tokens = truth, k
+
+    def propose(self, batch, commit):
+        seqs = commit.sampling
+        rows = batch.state_slots[seqs]
+        after_anchor = batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs] + 1
+        columns = (after_anchor[:, None] + torch.arange(self.num_draft_tokens)).clamp(
+            max=self.truth.numel() - 1
+        )
+        self.drafts[rows] = self.truth[columns]
+
+
+def test_right_drafts_of_a_constrained_request_are_accepted(model_dir):
+    """Drafts that follow the grammar's greedy output are accepted (one corrupted draft is not: the
+    mask refuses it), and the output is the one decoded without speculation."""
+    plain = LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.25)
+    params = SamplingParams(temperature=0, max_tokens=120, json_schema=json.dumps(SCHEMA))
+    expected = plain.generate(["hello there"], params, use_tqdm=False)[0]
+    sequence = [*expected.prompt_token_ids, *expected.token_ids, 0, 0, 0, 0]
+    truth = torch.tensor(sequence)
+    truth[len(expected.prompt_token_ids) + 6] = 0  # a token the JSON grammar refuses there
+    oracle = LLM(
+        str(model_dir), proposer=GrammarOracle(truth, 3), device="cpu", page_size=16, max_memory_gb=0.25,
+        speculative_adaptive=False,
+    )  # fmt: skip
+    out = oracle.generate(["hello there"], params, use_tqdm=False)[0]
+    assert out.token_ids == expected.token_ids
+    steps, accepted = out.metrics.spec_verify_steps, out.metrics.spec_accepted_tokens
+    assert accepted > 2 * steps and accepted < 3 * steps, (steps, accepted)
 
 
 @pytest.fixture(scope="module")

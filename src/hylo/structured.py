@@ -7,8 +7,12 @@ sampler masks the processed logits on the device (`allowed_tokens`: a torch unpa
 reference on every device). After the step's read each sampled token is accepted into its matcher; a
 matcher that has reached the end of its grammar ends the request (`stop`).
 
-Speculative decoding: a constrained request drafts nothing (its draft budget is 0) and decodes one
-token a step beside the others' verify blocks, like a penalised request.
+Speculative decoding: a constrained request's drafts come back with the step's one read (they are
+made on the device), and its next verify block is masked position by position with the drafts before
+each position accepted into its matcher and rolled back (`block_bitmasks`): a draft the grammar
+refuses is rejected like any other, and the accepted tokens and the bonus all match. A proposer that
+drafts on the host (`needs_host`) leaves its constrained requests without drafts: they decode one
+token a step.
 """
 
 from __future__ import annotations
@@ -89,6 +93,35 @@ def fill_bitmasks(
     for row, matcher in enumerate(matchers):
         if matcher is not None:
             matcher.fill_next_token_bitmask(host, row)
+    return to_device(host, device)
+
+
+def block_bitmasks(
+    blocks: Sequence[tuple[xgrammar.GrammarMatcher | None, Sequence[int]]],
+    width: int,
+    vocab_size: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The bitmasks of verify blocks of `width` positions, `[blocks · width, words]` on `device`, from
+    each block's (matcher, drafts): position i allows what the grammar allows after drafts 0 .. i-1
+    (accepted into the matcher, then rolled back); past a draft the grammar refuses (which is then
+    never accepted), and in a block without a matcher, everything. None when no block has one."""
+    if all(matcher is None for matcher, _ in blocks):
+        return None
+    host = torch.full((len(blocks) * width, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    for b, (matcher, drafts) in enumerate(blocks):
+        if matcher is None:
+            continue
+        taken = 0
+        for i in range(width):
+            matcher.fill_next_token_bitmask(host, b * width + i)
+            if i == width - 1 or i >= len(drafts) or not matcher.accept_token(drafts[i]):
+                break
+            taken += 1
+            if matcher.is_terminated():
+                break
+        if taken:
+            matcher.rollback(taken)
     return to_device(host, device)
 
 

@@ -329,9 +329,11 @@ class VerifyGraphs(DecodeGraphs):
         requests: Sequence[Request],
         num_drafts: Sequence[int],
         generator: torch.Generator | None,
+        allowed: torch.Tensor | None = None,
     ) -> Acceptance:
         """Verify and commit the blocks of `requests` (`num_drafts[b]` real drafts in block b, the rest
-        padding); the acceptance of the step's blocks, in order (with logprobs where asked)."""
+        padding; `allowed [blocks · T, vocab]`: structured outputs, as `verify.accept` takes it); the
+        acceptance of the step's blocks, in order (with logprobs where asked)."""
         if not self.accepts(seqs) or len(requests) != len(seqs) or len(num_drafts) != len(seqs):
             raise ValueError(
                 f"seqs: a verify graph takes up to {self.buckets[-1]} verify blocks of "
@@ -343,7 +345,9 @@ class VerifyGraphs(DecodeGraphs):
             result = Acceptance(committed[:n] - 1, target[:n])
         else:
             drafts = self.static[bucket].input_ids.view(bucket, width)[:n, 1:]
-            result = accept(logits.view(bucket, width, -1)[:n], drafts, num_drafts, requests, generator)
+            result = accept(
+                logits.view(bucket, width, -1)[:n], drafts, num_drafts, requests, generator, allowed
+            )
             committed[:n] = result.accepted + 1
             anchors[:n] = result.emitted.gather(1, result.accepted[:, None])[:, 0]
         graph = self.commits.get(bucket)

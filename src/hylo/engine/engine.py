@@ -250,6 +250,7 @@ class Engine:
             if result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs)
             request.num_computed += result.committed
+            request.host_drafts = result.drafts
             if result.tokens and request.params.max_tokens == 0:  # the prompt is scored: done
                 self.scheduler.finish(request)
                 self.requests.pop(request.request_id, None)

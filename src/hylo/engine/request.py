@@ -56,6 +56,8 @@ class Request:
     generator: torch.Generator | None = None
     # with a structured-output constraint: its xgrammar matcher, fed every output token (`append`)
     grammar: Any = None
+    # a constrained request's drafts after its last token, as the last step read them (None: none)
+    host_drafts: list[int] | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # with `params.prompt_logprobs`: entry j is prompt position j + 1's (position 0 has none)
@@ -90,8 +92,9 @@ class Request:
     def draft_budget(self, num_draft_tokens: int) -> int:
         """Drafts worth verifying: never past max_tokens or the length limit; none for penalized
         sampling, whose distribution depends on the tokens before it in the block, and none for a
-        constrained request (the grammar would have to mask every position of the block)."""
-        if self.params.penalized or self.grammar is not None:
+        constrained request whose drafts the host has not seen (its grammar masks each position
+        after the drafts before it)."""
+        if self.params.penalized or (self.grammar is not None and self.host_drafts is None):
             return 0
         room = min(self.params.max_tokens - len(self.output_ids), self.max_total_len - self.total_len) - 1
         return max(0, min(num_draft_tokens, room))

@@ -17,7 +17,7 @@ from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.sampling import SampleRow, logprob_entry, sample
 from hylo.speculative.proposer import HostCommit, Proposer, StepCommit
 from hylo.speculative.verify import accept
-from hylo.structured import allowed_tokens, fill_bitmasks
+from hylo.structured import allowed_tokens, block_bitmasks, fill_bitmasks
 
 
 @dataclass
@@ -31,6 +31,8 @@ class ChunkResult:
     accepted: int = 0
     # prompt logprobs the chunk scored, to extend `Request.prompt_logprobs` (Request.prompt_targets)
     prompt_logprobs: list[dict[int, float]] | None = None
+    # a constrained request's drafts for its next step (`Request.host_drafts`), None if none were made
+    drafts: list[int] | None = None
 
 
 class ModelRunner:
@@ -89,10 +91,12 @@ class ModelRunner:
         full = self._full_blocks(seqs)
         if full is not None and self.verify_graphs.accepts(full):
             num_drafts = [ch.num_tokens - 1 for ch in chunks]
-            acceptance = self.verify_graphs.run(full, requests, num_drafts, self.generator)
-            accepted, emitted, *logprobs = _read(
-                acceptance.accepted, acceptance.emitted, *_logprob_tensors(acceptance)
-            )
+            allowed = self._verify_allowed(requests, self.verify_graphs.tokens_per_seq)
+            acceptance = self.verify_graphs.run(full, requests, num_drafts, self.generator, allowed)
+            accepted, emitted, drafts, *logprobs = _read(
+                acceptance.accepted, acceptance.emitted, self._constrained_drafts(requests),
+                *_logprob_tensors(acceptance),
+            )  # fmt: skip
             # a block padded past a request's draft budget ends the request this step (greedy rows
             # verify its placeholder drafts too): its tokens stop at the budget (what the caches hold
             # past it belongs to nobody once it finishes)
@@ -101,6 +105,7 @@ class ModelRunner:
             for i, (ch, n) in enumerate(zip(chunks, kept, strict=True)):
                 tokens = emitted[i, :n].tolist()
                 results.append(ChunkResult(tokens, _entries(ch.request, tokens, logprobs, i), n, n - 1))
+            _give_drafts(results, requests, drafts)
             return results
         observed = False
         if plain_graph:
@@ -117,6 +122,23 @@ class ModelRunner:
             capture = self.proposer.capture_layers if self.proposer is not None else ()
             logits = self.model(batch, capture)
         return self._pick(chunks, batch, logits, observed, draft, targets)
+
+    def _verify_allowed(self, requests: Sequence[Request], width: int) -> torch.Tensor | None:
+        """What each position of the requests' verify blocks of `width` may hold (`[blocks · width,
+        vocab]` bool: structured outputs, `block_bitmasks`), None when no request is constrained."""
+        vocab = self.model.config.vocab_size
+        device = self.model.embed_tokens.weight.device
+        blocks = [(r.grammar, r.host_drafts or []) for r in requests]
+        bitmasks = block_bitmasks(blocks, width, vocab, device)
+        return None if bitmasks is None else allowed_tokens(bitmasks, vocab)
+
+    def _constrained_drafts(self, requests: Sequence[Request]) -> torch.Tensor | None:
+        """The drafts just made for the constrained requests (their next verify masks each position
+        after the drafts before it), to come back with the step's read; None without any."""
+        rows = [r.slot for r in requests if r.grammar is not None]
+        if not rows or self.proposer is None or self.proposer.needs_host:
+            return None
+        return self.proposer.drafts[to_device(rows, self.proposer.drafts.device, torch.long)]
 
     def _catch_up(self, requests: Sequence[Request]) -> None:
         """The proposer observes the deferred positions of `requests` (`Request.deferred_from ..
@@ -202,14 +224,15 @@ class ModelRunner:
             index = [[rows_of[i][min(j, len(rows_of[i]) - 1)] for j in range(width)] for i in verifying]
             index_d = torch.tensor(index).to(device, non_blocking=True)
             drafts = batch.input_ids[index_d[:, 1:]]
+            verifiers = [chunks[i].request for i in verifying]
             acceptance = accept(
-                logits[index_d], drafts, [chunks[i].num_tokens - 1 for i in verifying],
-                [chunks[i].request for i in verifying], self.generator,
+                logits[index_d], drafts, [chunks[i].num_tokens - 1 for i in verifying], verifiers,
+                self.generator, self._verify_allowed(verifiers, width),
             )  # fmt: skip
             committed = (acceptance.accepted + 1).int()
             self.model.commit(batch, committed)
             if needs_commit:
-                verify_index = torch.tensor(verifying, device=device)
+                verify_index = to_device(verifying, device, torch.long)
                 counts[verify_index] = committed
                 anchors[verify_index] = acceptance.emitted.gather(1, acceptance.accepted[:, None])[:, 0]
         commit = None
@@ -228,10 +251,13 @@ class ModelRunner:
         scored = _score_prompts(
             logits, [chunks[i] for i in scoring], [targets[i] for i in scoring], [rows_of[i] for i in scoring]
         )
+        requests = [ch.request for ch in chunks]
+        drafted = draft and proposer is not None and not proposer.needs_host
         host = _read(
             picked.tokens if picked else None, *_logprob_tensors(picked),
             acceptance.accepted if acceptance else None, acceptance.emitted if acceptance else None,
             *_logprob_tensors(acceptance), *scored,
+            self._constrained_drafts(requests) if drafted else None,
         )  # fmt: skip
         results = [ChunkResult([], None, ch.num_tokens) for ch in chunks]
         for k, i in enumerate(plain):
@@ -254,6 +280,7 @@ class ModelRunner:
                 for j, t in enumerate(tokens)
             ]  # fmt: skip
             offset += len(tokens)
+        _give_drafts(results, requests, host[12])
         if needs_commit and proposer.needs_host:
             offsets = [0, *batch.extend_lens]
             for j in range(1, len(offsets)):
@@ -266,6 +293,16 @@ class ModelRunner:
             if draft:
                 proposer.propose(batch, commit)
         return results
+
+
+def _give_drafts(results: list[ChunkResult], requests: Sequence[Request], drafts) -> None:
+    """Hand the constrained requests' drafts, as read (`_constrained_drafts`), to their results."""
+    if drafts is None:
+        return
+    rows = iter(drafts.tolist())
+    for result, request in zip(results, requests, strict=True):
+        if request.grammar is not None:
+            result.drafts = next(rows)
 
 
 def _prompt_targets(ch: ScheduledChunk) -> tuple[int, list[int]]:
@@ -358,12 +395,11 @@ def _read(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     present = [t for t in tensors if t is not None]
     if present and present[0].is_cuda:
         copies = []
-        for t in present:
-            host = _PINNED.get((tuple(t.shape), t.dtype))
+        for place, t in enumerate(present):
+            key = (place, tuple(t.shape), t.dtype)  # two results of one shape need two buffers
+            host = _PINNED.get(key)
             if host is None:
-                host = _PINNED[(tuple(t.shape), t.dtype)] = torch.empty(
-                    t.shape, dtype=t.dtype, pin_memory=True
-                )
+                host = _PINNED[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
             copies.append(host)
         torch.cuda.current_stream(present[0].device).synchronize()

@@ -25,7 +25,7 @@ from hylo.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Hand
 from hylo.server.guard import Guard, error_response
 from hylo.server.logprobs import chat_logprobs, completion_logprobs
 from hylo.server.openapi import describe
-from hylo.server.parsers import THINK_START, ReplyParser, merge_deltas, whole_reply
+from hylo.server.parsers import THINK_START, ReplyParser, merge_deltas, tool_call_grammar, whole_reply
 from hylo.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -218,6 +218,24 @@ def build_app(
             message = str(e).split(":", 1)[-1].strip()
             raise APIError(400, f"{field_name}: {message}", field_name) from None
 
+    def forced_tool_calls(body: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+        """`tool_choice` `required` or a named function: the reply constrained to tool calls in the
+        parser's format (`tool_call_grammar`), or a 400 naming what stands in the way."""
+        if tool_call_parser is None:
+            raise APIError(400, "tool_choice: needs the server's --tool-call-parser", "tool_choice")
+        if params.constraint is not None:
+            message = (
+                "tool_choice: required or a named function (a grammar) excludes response_format, regex, ebnf"
+            )
+            raise APIError(400, message, "tool_choice")
+        name = None if body.tool_choice == "required" else body.tool_choice.function.name
+        try:
+            grammar = tool_call_grammar(body.tools or [], name)
+        except ValueError as e:
+            field_name = str(e).split(":", 1)[0]
+            raise APIError(400, str(e), field_name) from None
+        return params.model_copy(update={"ebnf": grammar})
+
     def submitted(prompts: Sequence[list[int]], params: SamplingParams, param: str) -> list[Handle]:
         """Every prompt valid and room in the queue for all of them, or an error before any work."""
         sequences = len(prompts) * params.n
@@ -305,6 +323,8 @@ def build_app(
 
         room = min(core.context_len, core.plan.max_total_num_tokens) - len(prompts[0])
         params = params_of(lambda: body.sampling_params(max(1, room)))
+        if body.tool_choice not in (None, "none", "auto"):
+            params = forced_tool_calls(body, params)
         await compiled(params)
         handles = submitted(prompts, params, "messages")
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"

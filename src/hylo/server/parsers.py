@@ -40,8 +40,8 @@ def _held(text: str, tag: str) -> int:
 def _string_arguments(tools: list[dict[str, Any]] | None, name: str) -> set[str]:
     """The arguments of tool `name` its schema declares strings."""
     for tool in tools or ():
-        function = tool.get("function", tool) if isinstance(tool, dict) else {}
-        if isinstance(function, dict) and function.get("name") == name:
+        function = _function(tool)
+        if function.get("name") == name:
             properties = (function.get("parameters") or {}).get("properties") or {}
             return {k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"}
     return set()
@@ -63,6 +63,47 @@ def parse_tool_call(body: str, tools: list[dict[str, Any]] | None) -> dict[str, 
         except ValueError:
             arguments[key] = value
     return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+
+
+def _function(tool: Any) -> dict[str, Any]:
+    """A `tools` entry's function (OpenAI's `{"type": "function", "function": {...}}` or bare)."""
+    function = tool.get("function", tool) if isinstance(tool, dict) else {}
+    return function if isinstance(function, dict) else {}
+
+
+def tool_names(tools: list[dict[str, Any]] | None) -> list[str]:
+    """The function names of a request's `tools`, in order (entries without one are skipped)."""
+    names = [_function(tool).get("name") for tool in tools or ()]
+    return [name for name in names if isinstance(name, str) and name]
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> str:
+    """A GBNF grammar of replies that are only tool calls in this format: one call of `name`, or (None)
+    one or more calls of any of `tools`, each with argument keys from its JSON schema's properties
+    (any key where it declares none) and values free of `<`. `tool_choice` `required` and named
+    functions constrain the reply with it."""
+    rules, calls = [], []
+    for i, tool in enumerate(tools):
+        function = _function(tool)
+        tool_name = function.get("name")
+        if not isinstance(tool_name, str) or not tool_name or name not in (None, tool_name):
+            continue
+        parameters = function.get("parameters")
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        keys = [k for k in properties if k] if isinstance(properties, dict) else []
+        key = " | ".join(json.dumps(k) for k in keys) or "[^<\\n]+"
+        rules += [
+            f'call_{i} ::= "<tool_call>" {json.dumps(tool_name)} "\\n" arg_{i}* "</tool_call>"',
+            f'arg_{i} ::= "<arg_key>" ({key}) "</arg_key>\\n<arg_value>" [^<]* "</arg_value>\\n"',
+        ]
+        calls.append(f"call_{i}")
+    if not calls:
+        raise ValueError(
+            f"tool_choice: no tool named {name!r} in tools" if name else "tools: no function names"
+        )
+    if name is not None:
+        return "\n".join([f"root ::= {calls[0]}", *rules])
+    return "\n".join(['root ::= call ("\\n" call)*', f"call ::= {' | '.join(calls)}", *rules])
 
 
 class ReplyParser:

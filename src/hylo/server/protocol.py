@@ -305,6 +305,19 @@ class ChatMessage(BaseModel):
         return value
 
 
+class FunctionName(BaseModel):
+    model_config = _REQUEST
+
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _REQUEST
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: _int(ge=1) | None = Field(None, description="deprecated alias of max_completion_tokens")
@@ -317,9 +330,12 @@ class ChatCompletionRequest(_Common):
         json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}},
     )
     tools: list[dict[str, Any]] | None = None
-    # "required" and a named function would need the tool call's constrained form (not yet)
-    tool_choice: Literal["none", "auto"] | None = Field(
-        None, description="none: tool calls stay text; auto (the default with tools): parsed"
+    # whether a choice can be honoured (a tool of that name, the server's --tool-call-parser) is more
+    # than a schema can say: a 400 naming tool_choice says when it cannot
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="none: tool calls stay text; auto (the default with tools): parsed; required or a "
+        "named function: the reply is tool calls only (of that function), constrained by a grammar",
     )
 
     @field_validator("chat_template_kwargs")

@@ -57,18 +57,21 @@ def accept(
     num_drafts: Sequence[int],
     requests: Sequence[Request],
     generator: torch.Generator | None,
+    allowed: torch.Tensor | None = None,
 ) -> Acceptance:
     """`logits [V, T, vocab]` (fp32) at the anchor and each draft of V blocks, `drafts [V, T-1]` on the
     device, `num_drafts[v]` real drafts in row v (positions past them are padding). Position i's
     distribution is processed as if i tokens had already been generated (so `min_tokens` bans move
-    along the block). Nothing is read back to the host."""
+    along the block); `allowed [V·T, vocab]` (structured outputs) masks it after the block's drafts
+    before i (`hylo.structured.block_bitmasks`), so a draft the grammar refuses is never accepted.
+    Nothing is read back to the host."""
     num_blocks, width, vocab = logits.shape
     assert width <= MAX_BLOCK_TOKENS, f"a verify block holds at most {MAX_BLOCK_TOKENS} tokens, got {width}"
     device = logits.device
     counts = to_device(list(num_drafts), device)
     steps = torch.arange(width, device=device)
     padded_drafts = torch.cat([drafts, drafts.new_zeros(num_blocks, 1)], 1)
-    plain = all(r.params.raw_argmax and not r.banned_ids() for r in requests)
+    plain = allowed is None and all(r.params.raw_argmax and not r.banned_ids() for r in requests)
     if plain:
         target = logits.argmax(-1)
         accepted = greedy_accept(target, drafts, counts)
@@ -76,7 +79,7 @@ def accept(
         return _with_logprobs(Acceptance(accepted, emitted), logits, requests)
 
     rows = [_row(r, min(i, n)) for r, n in zip(requests, num_drafts, strict=True) for i in range(width)]
-    processed, probs = target_distribution(logits.flatten(0, 1), rows)
+    processed, probs = target_distribution(logits.flatten(0, 1), rows, allowed)
     flat_drafts = padded_drafts.flatten()
     uniforms, exps = _noise(requests, num_drafts, width, vocab, device, generator)
     greedy = to_device([r.params.greedy for r in requests], device)[:, None]
