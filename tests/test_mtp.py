@@ -261,7 +261,7 @@ def test_deferred_observes_leave_the_mtp_caches_of_observing_every_step(checkpoi
 
     ring = 32
     monkeypatch.setattr(cuda_graph, "MAX_DEFERRED_TOKENS", ring)  # a ring the test fills
-    params = GREEDY.model_copy(update={"max_tokens": 48})
+    params = GREEDY.model_copy(update={"max_tokens": 40})
     runs = []
     for defer in (True, False):
         llm = make_llm(

@@ -394,8 +394,10 @@ def test_sampled_verify_steps_through_the_graphs_match_eager_steps(target):
         )
 
 
-@pytest.mark.parametrize("every", [5, 45])
-def test_deferred_observes_leave_the_draft_caches_of_observing_every_step(target, draft, every, monkeypatch):
+@pytest.mark.parametrize(("every", "tokens"), [(5, 20), (45, 40)])
+def test_deferred_observes_leave_the_draft_caches_of_observing_every_step(
+    target, draft, every, tokens, monkeypatch
+):
     """Plain graph steps that draft nothing (a policy verifying every 5th step, or every 45th: past
     the deferred ring's positions) leave their observes for later: the DFlash draft's context K/V
     then equal those of an engine that observes every step (but for the positions a request still
@@ -405,7 +407,7 @@ def test_deferred_observes_leave_the_draft_caches_of_observing_every_step(target
     ring = 32
     monkeypatch.setattr(cuda_graph, "MAX_DEFERRED_TOKENS", ring)  # a ring the test fills
     prompts = [random_prompt(n, 160, seed=70 + n) for n in (13, 6, 22)]
-    params = GREEDY.model_copy(update={"max_tokens": 60})
+    params = GREEDY.model_copy(update={"max_tokens": tokens})
     runs = []
     for defer in (True, False):
         llm = make_llm(
