@@ -5,8 +5,8 @@ same accuracy (issue 21).
 
     .venv/bin/python benchmarks/lm_eval_parity.py --lm-eval VENV/bin/lm_eval [--model DIR] [--out DIR]
 
-lm-eval lives in a virtual environment of its own (`pip install lm-eval==0.4.13`: its dependencies are
-not hylo's); this script starts `hylo serve` on a loopback port, writes a local multiple-choice task
+lm-eval lives in a virtual environment of its own (`pip install "lm-eval[api]==0.4.13" transformers`:
+its dependencies are not hylo's); this script starts `hylo serve` on a loopback port, writes a local multiple-choice task
 (`QUESTIONS`, a JSON file and a task YAML), runs lm-eval on it with its per-sample log, and compares.
 Without `--model` it uses a fresh demo model.
 """
@@ -29,24 +29,24 @@ from hylo import LLM, SamplingParams
 from hylo.models.demo import write_demo_model
 from hylo.tokenizer import Tokenizer
 
-# (context, choices, index of the right one)
+# (context, choices, index of the right one); lm-eval puts its target delimiter (a space) between them
 QUESTIONS = [
-    ("The opposite of hot is", [" cold", " warm", " loud", " green"], 0),
-    ("Two plus two equals", [" three", " four", " five", " seven"], 1),
-    ("The sky on a clear day is", [" red", " blue", " square", " late"], 1),
-    ("A baby cat is called a", [" puppy", " calf", " kitten", " foal"], 2),
-    ("Water freezes at zero degrees", [" Celsius", " Fahrenheit", " Kelvin", " north"], 0),
-    ("The capital of France is", [" Berlin", " Madrid", " Paris", " Rome"], 2),
-    ("Bees make", [" milk", " honey", " glass", " rain"], 1),
-    ("The first month of the year is", [" March", " June", " January", " May"], 2),
-    ("You read a book with your", [" eyes", " ears", " feet", " elbows"], 0),
-    ("Ice is frozen", [" fire", " water", " sand", " wood"], 1),
-    ("A week has", [" five days", " seven days", " ten days", " two days"], 1),
-    ("The sun rises in the", [" west", " east", " south", " cellar"], 1),
-    ("Fish live in", [" trees", " water", " deserts", " clouds"], 1),
-    ("Snow is usually", [" black", " white", " purple", " hot"], 1),
-    ("A triangle has", [" three sides", " four sides", " six sides", " no sides"], 0),
-    ("People sleep at", [" night", " noon", " lunch", " school"], 0),
+    ("The opposite of hot is", ["cold", "warm", "loud", "green"], 0),
+    ("Two plus two equals", ["three", "four", "five", "seven"], 1),
+    ("The sky on a clear day is", ["red", "blue", "square", "late"], 1),
+    ("A baby cat is called a", ["puppy", "calf", "kitten", "foal"], 2),
+    ("Water freezes at zero degrees", ["Celsius", "Fahrenheit", "Kelvin", "north"], 0),
+    ("The capital of France is", ["Berlin", "Madrid", "Paris", "Rome"], 2),
+    ("Bees make", ["milk", "honey", "glass", "rain"], 1),
+    ("The first month of the year is", ["March", "June", "January", "May"], 2),
+    ("You read a book with your", ["eyes", "ears", "feet", "elbows"], 0),
+    ("Ice is frozen", ["fire", "water", "sand", "wood"], 1),
+    ("A week has", ["five days", "seven days", "ten days", "two days"], 1),
+    ("The sun rises in the", ["west", "east", "south", "cellar"], 1),
+    ("Fish live in", ["trees", "water", "deserts", "clouds"], 1),
+    ("Snow is usually", ["black", "white", "purple", "hot"], 1),
+    ("A triangle has", ["three sides", "four sides", "six sides", "no sides"], 0),
+    ("People sleep at", ["night", "noon", "lunch", "school"], 0),
 ]
 TASK = "hylo_local_mc"
 
@@ -58,6 +58,7 @@ def free_port() -> int:
 
 
 def write_task(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     data = root / "questions.jsonl"
     rows = [{"question": q, "choices": c, "label": a} for q, c, a in QUESTIONS]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -104,22 +105,28 @@ def lm_eval_samples(lm_eval: str, model: Path, port: int, tasks: Path, out: Path
     return [json.loads(line) for line in samples.read_text().splitlines()]
 
 
-def offline_loglikelihoods(model: Path) -> list[list[float]]:
+def offline_loglikelihoods(model: Path, samples: list[dict]) -> dict[int, list[float]]:
     """Each choice's loglikelihood given its context, from `prompt_logprobs` of the offline API, over
-    the tokens lm-eval sends (context + continuation encoded whole, the context's tokens split off)."""
+    the tokens lm-eval sends: its (context, continuation) strings, trailing spaces of the context
+    moved to the continuation, the whole encoded and the context's tokens split off."""
     tokenizer = Tokenizer.from_dir(model)
     llm = LLM(str(model), device="cpu")
-    scores = []
-    for context, choices, _ in QUESTIONS:
-        context_ids = tokenizer.encode(context, add_special_tokens=False)
-        wholes = [tokenizer.encode(context + c, add_special_tokens=False) for c in choices]
+    scores = {}
+    for sample in samples:
+        wholes, starts = [], []
+        for pair in sample["arguments"].values():
+            context, continuation = pair["arg_0"], pair["arg_1"]
+            spaces = len(context) - len(context.rstrip())
+            if spaces:
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            wholes.append(tokenizer.encode(context + continuation, add_special_tokens=False))
+            starts.append(len(tokenizer.encode(context, add_special_tokens=False)))
         params = SamplingParams(max_tokens=0, prompt_logprobs=0)
         outs = llm.generate(prompt_token_ids=wholes, sampling_params=params, use_tqdm=False)
-        row = []
-        for whole, out in zip(wholes, outs, strict=True):
-            positions = range(len(context_ids), len(whole))
-            row.append(sum(out.prompt_logprobs[p][whole[p]] for p in positions))
-        scores.append(row)
+        scores[sample["doc_id"]] = [
+            sum(out.prompt_logprobs[p][whole[p]] for p in range(start, len(whole)))
+            for whole, start, out in zip(wholes, starts, outs, strict=True)
+        ]
     return scores
 
 
@@ -142,9 +149,9 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
     served = {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in samples}
-    offline = offline_loglikelihoods(model)
+    offline = offline_loglikelihoods(model, samples)
     picks_served = [max(range(len(v)), key=v.__getitem__) for _, v in sorted(served.items())]
-    picks_offline = [max(range(len(v)), key=v.__getitem__) for v in offline]
+    picks_offline = [max(range(len(v)), key=v.__getitem__) for _, v in sorted(offline.items())]
     answers = [a for *_, a in QUESTIONS]
     largest = max(abs(a - b) for d, v in served.items() for a, b in zip(v, offline[d], strict=True))
     report = {
