@@ -6,8 +6,9 @@ same accuracy (issue 21).
     .venv/bin/python benchmarks/lm_eval_parity.py --lm-eval VENV/bin/lm_eval [--model DIR] [--out DIR]
 
 lm-eval lives in a virtual environment of its own (`pip install "lm-eval[api]==0.4.13" transformers`:
-its dependencies are not hylo's); this script starts `hylo serve` on a loopback port, writes a local multiple-choice task
-(`QUESTIONS`, a JSON file and a task YAML), runs lm-eval on it with its per-sample log, and compares.
+its dependencies are not hylo's); this script starts `hylo serve` on a loopback port, writes a local
+multiple-choice task (`QUESTIONS`, a JSON file and a task YAML), runs lm-eval on it with its
+per-sample log, and compares.
 Without `--model` it uses a fresh demo model.
 """
 
