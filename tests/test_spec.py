@@ -463,9 +463,17 @@ def test_verify_graphs_commit_what_plain_decoding_computes(target):
     graphs = engine.runner.verify_graphs
     # plain decode steps replay decode graphs that run the proposer's observe inside
     assert graphs is not None and graphs.buckets == [1, 2, 4] and engine.runner.graphs.observes
-    replays = []
-    run = graphs.run
+    replays, verify_steps, mixed = [], [], []
+    run, step = graphs.run, engine.runner.step
     graphs.run = lambda seqs, *rest: replays.append(len(seqs)) or run(seqs, *rest)
+
+    def counted(chunks, draft=True):
+        if any(ch.verify for ch in chunks):
+            verify_steps.append(len(chunks))
+            mixed.append(any(ch.num_tokens == 1 for ch in chunks))
+        return step(chunks, draft)
+
+    engine.runner.step = counted
     free = (engine.caches.pages.num_free, engine.caches.slots.num_free)
     got = [
         engine.add_request(str(i), prompt, p)[0]
@@ -474,8 +482,8 @@ def test_verify_graphs_commit_what_plain_decoding_computes(target):
     while engine.has_unfinished():
         engine.step()
     assert [r.output_ids for r in got] == [r.output_ids for r in expected]
-    # 3 requests verify in the bucket of 4 (a filler block on the scratch slot); a step with a plain
-    # decode (a request one token from its limit) runs eagerly
-    assert replays.count(3) >= 3 and 1 in replays
+    # 3 requests verify in the bucket of 4 (a filler block on the scratch slot); a request one token
+    # from its limit verifies a block without drafts beside the others: every verify step replays
+    assert replays.count(3) >= 3 and replays == verify_steps and any(mixed)
     assert all(r.metrics.spec_accepted_tokens > 0 for r in got)
     assert (engine.caches.pages.num_free, engine.caches.slots.num_free) == free

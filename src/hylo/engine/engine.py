@@ -257,7 +257,7 @@ class Engine:
                 request.finish("length")
                 outputs.append(StepOutput(request, [], "", None))
                 continue
-            if ch.verify:
+            if ch.verify and ch.num_tokens > 1:  # (a block without drafts verified nothing)
                 request.metrics.spec_verify_steps += 1
                 request.metrics.spec_accepted_tokens += result.accepted
             if not result.tokens:
@@ -274,7 +274,8 @@ class Engine:
             except Exception:  # this request's bookkeeping failed: it alone ends, the batch goes on
                 logger.exception("request %s failed", request.request_id)
                 self._fail(request)
-            outputs.append(StepOutput(request, taken, text, result.accepted if ch.verify else None))
+            verified = ch.verify and ch.num_tokens > 1
+            outputs.append(StepOutput(request, taken, text, result.accepted if verified else None))
         return outputs
 
     def _bucket(self) -> int:
@@ -286,7 +287,9 @@ class Engine:
         """Tell the policy what a decode step (no prefill chunk) cost and committed."""
         if not all(ch.verify or (ch.num_tokens == 1 and ch.request.output_ids) for ch in chunks):
             return
-        verified = [r.committed for ch, r in zip(chunks, results, strict=True) if ch.verify]
+        verified = [
+            r.committed for ch, r in zip(chunks, results, strict=True) if ch.verify and ch.num_tokens > 1
+        ]
         mean = sum(verified) / len(verified) if verified else None
         self.policy.record(bucket, bool(verified), seconds, mean)
 

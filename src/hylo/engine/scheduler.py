@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hylo.engine.request import Request, Status
 from hylo.memory.manager import CacheManager
@@ -16,7 +16,8 @@ MAX_SCORED_CHUNK_TOKENS = 1024
 @dataclass(frozen=True)
 class ScheduledChunk:
     """`num_tokens` of the request's uncomputed tokens; a `verify` chunk instead feeds the anchor and
-    its first `num_tokens - 1` drafts (which the proposer keeps on the device)."""
+    its first `num_tokens - 1` drafts (which the proposer keeps on the device; none for a decoding
+    request without a draft budget in a step where others verify: it verifies a block of one token)."""
 
     request: Request
     num_tokens: int
@@ -73,6 +74,10 @@ class Scheduler:
             if request.remaining > 1:
                 budget -= n
             chunks.append(ScheduledChunk(request, n, verify=drafts > 0))
+        if any(ch.verify for ch in chunks):
+            # the one-token decode rows of a verify step verify a block without drafts: every row of
+            # the step is then a verify block, which the verify graphs take
+            chunks = [replace(ch, verify=True) if _one_token_decode(ch) else ch for ch in chunks]
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             n = self._prefill_tokens(request, budget)
@@ -128,3 +133,9 @@ class Scheduler:
         self.caches.release(request.slot, request.pages)
         request.slot = None
         self.running.remove(request)
+
+
+def _one_token_decode(chunk: ScheduledChunk) -> bool:
+    """A plain chunk of a request's one uncomputed token that scores no prompt position."""
+    request = chunk.request
+    return not chunk.verify and chunk.num_tokens == 1 == request.remaining and not request.scores_prompt
