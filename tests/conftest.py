@@ -77,6 +77,24 @@ class Caches:
         )
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The embedded demo model (random weights, its real tokenizer), written once per module."""
+    from hylo.models.demo import write_demo_model
+
+    path = tmp_path_factory.mktemp("demo")
+    write_demo_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """The offline `LLM` of the demo model on the CPU."""
+    from hylo import LLM
+
+    return LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.25)
+
+
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(2, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 

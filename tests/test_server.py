@@ -16,8 +16,7 @@ import httpx
 import openai
 import pytest
 
-from hylo import LLM, SamplingParams
-from hylo.models.demo import write_demo_model
+from hylo import SamplingParams
 
 KEY = "test-key"
 NAME = "demo"
@@ -84,13 +83,6 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("demo")
-    write_demo_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def server(model_dir):
     proc, url = start_server(model_dir, "--api-key", KEY, "--context-length", "512")
     yield url
@@ -100,11 +92,6 @@ def server(model_dir):
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(model_dir) -> LLM:
-    return LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.25)
 
 
 PROMPTS = [

@@ -11,7 +11,7 @@ import pytest
 import schemathesis
 from schemathesis.engine import Status, events
 from schemathesis.engine import from_schema as engine_for
-from test_server import model_dir, start_server, stop  # noqa: F401 (model_dir is a fixture)
+from test_server import start_server, stop
 
 KEY = "fuzz-key"
 EXAMPLES = 50
@@ -20,7 +20,7 @@ MAX_TOKENS, MAX_N, MAX_PROMPTS = 2, 2, 2
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(model_dir):  # noqa: F811
+def fuzz_server(model_dir):
     # a context long enough for any prompt the seeded run generates: prompt length is the one limit
     # a schema cannot state (it is counted in tokens)
     proc, url = start_server(model_dir, "--api-key", KEY, "--context-length", "8192")

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP, SCRIPTED_MAX_TOKENS
-from test_server import free_port, model_dir, wait_idle, wait_ready  # noqa: F401 (model_dir is a fixture)
+from test_server import free_port, wait_idle, wait_ready
 
 from hylo.sampling import SamplingParams
 from hylo.tokenizer import Tokenizer
@@ -39,7 +39,7 @@ def launch(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
+def server(model_dir):
     proc, url = launch(
         model_dir,
         "--api-key", KEY, "--context-length", "512", "--max-queued-requests", "16",
@@ -274,7 +274,7 @@ def test_a_request_failing_in_the_engine_fails_alone(server):
     assert_serving(server)
 
 
-def test_an_engine_that_cannot_continue_fails_everything_and_exits(model_dir):  # noqa: F811
+def test_an_engine_that_cannot_continue_fails_everything_and_exits(model_dir):
     proc, url = launch(model_dir, "--api-key", KEY)
     try:
         normal = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
@@ -296,7 +296,7 @@ def test_an_engine_that_cannot_continue_fails_everything_and_exits(model_dir):  
         proc.kill()
 
 
-def test_sigterm_aborts_open_requests_after_the_shutdown_timeout(model_dir):  # noqa: F811
+def test_sigterm_aborts_open_requests_after_the_shutdown_timeout(model_dir):
     """Defect 3: a stream that would run for minutes ends with `abort` once the timeout passes."""
     proc, url = launch(model_dir, "--api-key", KEY, "--graceful-shutdown-timeout", "2")
     try:
@@ -315,7 +315,7 @@ def test_sigterm_aborts_open_requests_after_the_shutdown_timeout(model_dir):  # 
         proc.kill()
 
 
-def test_sigterm_with_a_stuck_engine_still_exits(model_dir):  # noqa: F811
+def test_sigterm_with_a_stuck_engine_still_exits(model_dir):
     proc, url = launch(model_dir, "--graceful-shutdown-timeout", "1")
     try:
         threading.Thread(
@@ -349,7 +349,7 @@ def test_top_logprobs_keep_tokens_that_decode_alike(server):
     assert all(t in top for t, top in zip(lp["tokens"], lp["top_logprobs"], strict=True))
 
 
-def test_chat_logprob_bytes_are_the_token_bytes(server, model_dir):  # noqa: F811
+def test_chat_logprob_bytes_are_the_token_bytes(server, model_dir):
     tok = Tokenizer.from_dir(model_dir)
     assert {tok.token_bytes(i) for i in range(256)} == {bytes([b]) for b in range(256)}
     body = {

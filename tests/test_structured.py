@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from dflash_reference import write_dflash_checkpoint
-from test_server import KEY, start_server, stop
+from test_server import KEY, server  # noqa: F401 (a fixture)
+from test_spec import Oracle
 
 from hylo import LLM, SamplingParams
-from hylo.models.demo import write_demo_model
-from hylo.speculative.proposer import Proposer
 from hylo.structured import allowed_tokens, bitmask_words
 
 # every string and number bounded: any path through the grammar ends within a few dozen tokens
@@ -32,18 +30,6 @@ SCHEMA = {
 }
 REGEX = r"[0-9]{3}-(ab|cd)"
 EBNF = 'root ::= "x" ("y" | "z")+ "!"'
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("demo")
-    write_demo_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir) -> LLM:
-    return LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.25)
 
 
 def assert_matches_schema(text: str) -> None:
@@ -63,19 +49,19 @@ def test_allowed_tokens_unpacks_the_bitmask():
     assert torch.equal(allowed_tokens(bitmasks, vocab), allowed)
 
 
-def test_constrained_outputs_match_their_constraint_and_others_are_unchanged(llm):
+def test_constrained_outputs_match_their_constraint_and_others_are_unchanged(offline):
     """A batch of JSON-schema (sampled, n = 3), regex (greedy) and EBNF rows beside an unconstrained
     greedy row: every constrained output matches and ends with `stop`; the unconstrained row decodes
     exactly what it decodes alone."""
     free = SamplingParams(temperature=0, max_tokens=12)
-    alone = llm.generate(["the weather"], free, use_tqdm=False)[0].token_ids
+    alone = offline.generate(["the weather"], free, use_tqdm=False)[0].token_ids
     params = [
         SamplingParams(temperature=0.9, seed=4, n=3, max_tokens=120, json_schema=json.dumps(SCHEMA)),
         SamplingParams(temperature=0, max_tokens=20, regex=REGEX),
         SamplingParams(temperature=1.0, seed=2, max_tokens=20, ebnf=EBNF),
         free,
     ]
-    outs = llm.generate(["hello there", "a number", "x", "the weather"], params, use_tqdm=False)
+    outs = offline.generate(["hello there", "a number", "x", "the weather"], params, use_tqdm=False)
     for choice in outs[0].outputs:
         assert choice.finish_reason == "stop", choice
         assert_matches_schema(choice.text)
@@ -85,9 +71,9 @@ def test_constrained_outputs_match_their_constraint_and_others_are_unchanged(llm
     assert outs[3].token_ids == alone
 
 
-def test_a_constrained_output_ends_with_its_grammar_under_ignore_eos(llm):
+def test_a_constrained_output_ends_with_its_grammar_under_ignore_eos(offline):
     params = SamplingParams(temperature=0, max_tokens=20, regex=REGEX, ignore_eos=True)
-    out = llm.generate(["a number"], params, use_tqdm=False)[0]
+    out = offline.generate(["a number"], params, use_tqdm=False)[0]
     assert out.finish_reason == "stop" and re.fullmatch(REGEX, out.text.rstrip()), out.text
 
 
@@ -100,10 +86,10 @@ def test_a_constrained_output_ends_with_its_grammar_under_ignore_eos(llm):
         ("ebnf", "root ::= ", "EBNF"),
     ],
 )
-def test_a_bad_constraint_is_an_error_naming_its_field(llm, field, value, message):
+def test_a_bad_constraint_is_an_error_naming_its_field(offline, field, value, message):
     with pytest.raises(ValueError, match=rf"{field}[\s\S]*{message}"):
-        llm.generate(["x"], SamplingParams(max_tokens=4, **{field: value}), use_tqdm=False)
-    assert not llm.engine.has_unfinished()
+        offline.generate(["x"], SamplingParams(max_tokens=4, **{field: value}), use_tqdm=False)
+    assert not offline.engine.has_unfinished()
 
 
 def test_one_constraint_per_request():
@@ -111,7 +97,7 @@ def test_one_constraint_per_request():
         SamplingParams(regex="a", ebnf='root ::= "a"')
 
 
-def test_constrained_requests_verify_drafts_the_grammar_masks(model_dir, tmp_path, llm):
+def test_constrained_requests_verify_drafts_the_grammar_masks(model_dir, tmp_path, offline):
     """With DFlash on, constrained requests verify too (each block position masked after the drafts
     before it): greedy outputs are those without speculation, sampled ones still match, the
     unconstrained request beside them is lossless."""
@@ -132,42 +118,23 @@ def test_constrained_requests_verify_drafts_the_grammar_masks(model_dir, tmp_pat
         SamplingParams(temperature=1.0, seed=2, max_tokens=20, ebnf=EBNF),
     ]
     outs = spec.generate(prompts, params, use_tqdm=False)
-    plain = llm.generate(prompts[:3], params[:3], use_tqdm=False)
+    plain = offline.generate(prompts[:3], params[:3], use_tqdm=False)
     assert [o.token_ids for o in outs[:3]] == [o.token_ids for o in plain]
     assert re.fullmatch(REGEX, outs[1].text) and re.fullmatch(r"x[yz]+!", outs[3].text)
     assert_matches_schema(outs[2].text)
     assert all(o.metrics.spec_verify_steps > 0 for o in outs)
 
 
-class GrammarOracle(Proposer):
-    """Drafts `truth[position]` for table row 0 (the constrained greedy output), wrong at `wrong`."""
-
-    needs_host = False
-
-    def __init__(self, truth: torch.Tensor, k: int):
-        self.truth, self.num_draft_tokens = truth, k
-
-    def propose(self, batch, commit):
-        seqs = commit.sampling
-        rows = batch.state_slots[seqs]
-        after_anchor = batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs] + 1
-        columns = (after_anchor[:, None] + torch.arange(self.num_draft_tokens)).clamp(
-            max=self.truth.numel() - 1
-        )
-        self.drafts[rows] = self.truth[columns]
-
-
-def test_right_drafts_of_a_constrained_request_are_accepted(model_dir):
+def test_right_drafts_of_a_constrained_request_are_accepted(model_dir, offline):
     """Drafts that follow the grammar's greedy output are accepted (one corrupted draft is not: the
     mask refuses it), and the output is the one decoded without speculation."""
-    plain = LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.25)
     params = SamplingParams(temperature=0, max_tokens=120, json_schema=json.dumps(SCHEMA))
-    expected = plain.generate(["hello there"], params, use_tqdm=False)[0]
+    expected = offline.generate(["hello there"], params, use_tqdm=False)[0]
     sequence = [*expected.prompt_token_ids, *expected.token_ids, 0, 0, 0, 0]
-    truth = torch.tensor(sequence)
-    truth[len(expected.prompt_token_ids) + 6] = 0  # a token the JSON grammar refuses there
+    truth = torch.tensor(sequence)[None]  # one request: table row 0
+    truth[0, len(expected.prompt_token_ids) + 6] = 0  # a token the JSON grammar refuses there
     oracle = LLM(
-        str(model_dir), proposer=GrammarOracle(truth, 3), device="cpu", page_size=16, max_memory_gb=0.25,
+        str(model_dir), proposer=Oracle(truth, 3), device="cpu", page_size=16, max_memory_gb=0.25,
         speculative_adaptive=False,
     )  # fmt: skip
     out = oracle.generate(["hello there"], params, use_tqdm=False)[0]
@@ -176,18 +143,11 @@ def test_right_drafts_of_a_constrained_request_are_accepted(model_dir):
     assert accepted > 2 * steps and accepted < 3 * steps, (steps, accepted)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    proc, url = start_server(model_dir, "--api-key", KEY, "--context-length", "512")
-    yield url
-    stop(proc)
-
-
 def post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
 
 
-def test_server_response_format_and_extensions(server):
+def test_server_response_format_and_extensions(server):  # noqa: F811 (the imported fixture)
     chat = {"messages": [{"role": "user", "content": "Answer in JSON"}], "max_tokens": 150, "seed": 3}
     schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
     reply = post(server, "/v1/chat/completions", chat | {"response_format": schema})
@@ -213,7 +173,7 @@ def test_server_response_format_and_extensions(server):
         ({"ebnf": "root ::= ", "regex": "a"}, None),
     ],
 )
-def test_server_rejects_bad_constraints_naming_the_field(server, body, param):
+def test_server_rejects_bad_constraints_naming_the_field(server, body, param):  # noqa: F811
     reply = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]} | body)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
@@ -229,7 +189,7 @@ def test_server_rejects_bad_constraints_naming_the_field(server, body, param):
     ],
     ids=["min-tokens", "huge-penalty"],
 )
-def test_the_constraint_wins_over_what_would_leave_it_nothing(llm, extra):
+def test_the_constraint_wins_over_what_would_leave_it_nothing(offline, extra):
     params = SamplingParams(temperature=0.7, seed=5, max_tokens=30, ebnf='root ::= "ab"', **extra)
-    out = llm.generate(["ab ab ab"], params, use_tqdm=False)[0]
+    out = offline.generate(["ab ab ab"], params, use_tqdm=False)[0]
     assert out.text == "ab" and out.finish_reason == "stop", out

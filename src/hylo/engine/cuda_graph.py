@@ -341,7 +341,7 @@ class VerifyGraphs(DecodeGraphs):
             )
         n, width = len(seqs), self.tokens_per_seq
         bucket, (logits, target, committed, anchors) = self._replay(seqs)
-        if all(_greedy_in_graph(r) for r in requests):
+        if all(r.picks_argmax and r.params.logprobs is None for r in requests):
             result = Acceptance(committed[:n] - 1, target[:n])
         else:
             drafts = self.static[bucket].input_ids.view(bucket, width)[:n, 1:]
@@ -384,8 +384,3 @@ class VerifyGraphs(DecodeGraphs):
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             self._commit(self.static[bucket], *self.outputs[bucket][2:])
         self.commits[bucket] = graph
-
-
-def _greedy_in_graph(request: Request) -> bool:
-    """A row the first verify graph's greedy acceptance serves as it is."""
-    return request.params.raw_argmax and request.params.logprobs is None and not request.banned_ids()

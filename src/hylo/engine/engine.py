@@ -22,6 +22,7 @@ from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
 from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
 from hylo.speculative.proposer import Proposer
+from hylo.structured import Grammars
 from hylo.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("hylo")
@@ -154,8 +155,6 @@ class Engine:
             if self._grammars is None:
                 if self.tokenizer is None:
                     raise ValueError(f"{params.constraint[0]}: structured outputs need the model's tokenizer")
-                from hylo.structured import Grammars
-
                 # a grammar ends on the model's eos tokens (a request's own stop ids stop it as usual)
                 self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
             grammars = self._grammars
@@ -183,8 +182,6 @@ class Engine:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens)
             request = Request(rid, prompt, params, stop_ids, self.context_len, detok, generator)
             if compiled is not None:
-                from hylo.structured import Grammars
-
                 request.grammar = Grammars.matcher(compiled)
             self.requests[rid] = request
             self.scheduler.add(request)
@@ -257,7 +254,7 @@ class Engine:
                 request.finish("length")
                 outputs.append(StepOutput(request, [], "", None))
                 continue
-            if ch.verify and ch.num_tokens > 1:  # (a block without drafts verified nothing)
+            if ch.verifies_drafts:
                 request.metrics.spec_verify_steps += 1
                 request.metrics.spec_accepted_tokens += result.accepted
             if not result.tokens:
@@ -274,8 +271,8 @@ class Engine:
             except Exception:  # this request's bookkeeping failed: it alone ends, the batch goes on
                 logger.exception("request %s failed", request.request_id)
                 self._fail(request)
-            verified = ch.verify and ch.num_tokens > 1
-            outputs.append(StepOutput(request, taken, text, result.accepted if verified else None))
+            accepted = result.accepted if ch.verifies_drafts else None
+            outputs.append(StepOutput(request, taken, text, accepted))
         return outputs
 
     def _bucket(self) -> int:
@@ -287,9 +284,7 @@ class Engine:
         """Tell the policy what a decode step (no prefill chunk) cost and committed."""
         if not all(ch.verify or (ch.num_tokens == 1 and ch.request.output_ids) for ch in chunks):
             return
-        verified = [
-            r.committed for ch, r in zip(chunks, results, strict=True) if ch.verify and ch.num_tokens > 1
-        ]
+        verified = [r.committed for ch, r in zip(chunks, results, strict=True) if ch.verifies_drafts]
         mean = sum(verified) / len(verified) if verified else None
         self.policy.record(bucket, bool(verified), seconds, mean)
 

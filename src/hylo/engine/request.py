@@ -44,7 +44,8 @@ class Request:
 
     Invariant: a RUNNING request holds a slot and pages for at least `num_computed` positions;
     a WAITING or FINISHED one holds neither. With a proposer, positions `deferred_from ..
-    num_computed - 1` (fewer than `DEFERRED_TOKENS`) are committed but not yet observed.
+    num_computed - 1` (fewer than the decode graphs' `deferred_tokens`) are committed but not yet
+    observed.
     """
 
     request_id: str
@@ -114,6 +115,11 @@ class Request:
             return 0, []
         first = max(start + 1, len(self.prompt_logprobs) + 1)
         return first, self.prompt_ids[first : min(start + num_tokens + 1, len(self.prompt_ids))]
+
+    @property
+    def picks_argmax(self) -> bool:
+        """The next pick is the argmax of the model's own logits (`raw_argmax`, no `min_tokens` ban)."""
+        return self.params.raw_argmax and not self.banned_ids()
 
     def banned_ids(self) -> list[int]:
         """Stop ids may not be sampled before `min_tokens` tokens exist."""

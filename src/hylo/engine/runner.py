@@ -76,7 +76,6 @@ class ModelRunner:
         seqs = [_sequence(ch, bool(t[1])) for ch, t in zip(chunks, targets, strict=True)]
         requests = [ch.request for ch in chunks]
         plain_graph = self.graphs is not None and self.graphs.accepts(seqs)
-        # a plain step that drafts nothing leaves its observe for later while every ring has room
         variant = OBSERVE
         if plain_graph and self.graphs.defers:
             room = self.graphs.deferred_tokens
@@ -84,7 +83,7 @@ class ModelRunner:
                 r.deferred_from is None or r.num_computed - r.deferred_from < room for r in requests
             ):
                 variant = DEFER  # a plain step that drafts nothing leaves its observe for later
-            elif draft and all(r.params.raw_argmax and not r.banned_ids() for r in requests):
+            elif draft and all(r.picks_argmax for r in requests):
                 variant, draft = DRAFT, False  # its graph drafts from the picks: nothing is left to draft
         if variant != DEFER:  # this step observes: the proposer sees every earlier token first
             self._catch_up(requests)
@@ -252,12 +251,11 @@ class ModelRunner:
             logits, [chunks[i] for i in scoring], [targets[i] for i in scoring], [rows_of[i] for i in scoring]
         )
         requests = [ch.request for ch in chunks]
-        drafted = draft and proposer is not None and not proposer.needs_host
         host = _read(
             picked.tokens if picked else None, *_logprob_tensors(picked),
             acceptance.accepted if acceptance else None, acceptance.emitted if acceptance else None,
             *_logprob_tensors(acceptance), *scored,
-            self._constrained_drafts(requests) if drafted else None,
+            self._constrained_drafts(requests) if draft else None,
         )  # fmt: skip
         results = [ChunkResult([], None, ch.num_tokens) for ch in chunks]
         for k, i in enumerate(plain):

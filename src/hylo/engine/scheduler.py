@@ -24,6 +24,11 @@ class ScheduledChunk:
     verify: bool = False
 
     @property
+    def verifies_drafts(self) -> bool:
+        """A verify chunk with drafts (a block of one token verifies nothing: it decodes)."""
+        return self.verify and self.num_tokens > 1
+
+    @property
     def samples(self) -> bool:
         """The chunk ends at the request's last uncomputed token, so the target picks what follows."""
         return self.verify or self.num_tokens == self.request.remaining

@@ -71,7 +71,7 @@ def accept(
     counts = to_device(list(num_drafts), device)
     steps = torch.arange(width, device=device)
     padded_drafts = torch.cat([drafts, drafts.new_zeros(num_blocks, 1)], 1)
-    plain = allowed is None and all(r.params.raw_argmax and not r.banned_ids() for r in requests)
+    plain = allowed is None and all(r.picks_argmax for r in requests)
     if plain:
         target = logits.argmax(-1)
         accepted = greedy_accept(target, drafts, counts)
