@@ -234,10 +234,10 @@ def test_engine_with_decode_graphs_generates_the_plain_engines_tokens(checkpoint
         return decisions[-1][1]
 
     graphs.accepts = recording
-    free = (engine.caches.pages.num_free, engine.caches.slots.num_free)
+    free = (engine.caches.num_available_pages, engine.caches.slots.num_free)
     assert generate(engine) == expected
     assert (6, False) in decisions and {(4, True), (3, True), (1, True)} <= set(decisions)
-    assert (engine.caches.pages.num_free, engine.caches.slots.num_free) == free
+    assert (engine.caches.num_available_pages, engine.caches.slots.num_free) == free
 
 
 def test_cuda_graph_flags():

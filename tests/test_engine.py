@@ -73,11 +73,11 @@ def test_preemption_keeps_outputs_and_loses_nothing(checkpoint, prompts, referen
     budget = 4 * (slot_bytes + 4 * 256) + 200 * token_bytes
     llm = make_llm(checkpoint, max_memory_gb=budget / 2**30, max_running_requests=4, context_length=256)
     assert llm.engine.plan.max_total_num_tokens < 4 * (70 + 24)
-    pages, slots = llm.engine.caches.pages.num_free, llm.engine.caches.slots.num_free
+    pages, slots = llm.engine.caches.num_available_pages, llm.engine.caches.slots.num_free
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == reference
-    assert (llm.engine.caches.pages.num_free, llm.engine.caches.slots.num_free) == (pages, slots)
+    assert (llm.engine.caches.num_available_pages, llm.engine.caches.slots.num_free) == (pages, slots)
 
 
 def test_seeded_sampling_is_reproducible_across_batches(checkpoint, prompts):
@@ -186,7 +186,7 @@ def test_bad_sampling_fields_name_the_field(params, field):
 def test_abort_frees_pages_and_slot(checkpoint, prompts):
     llm = make_llm(checkpoint)
     engine = llm.engine
-    start = (engine.caches.pages.num_free, engine.caches.slots.num_free)
+    start = (engine.caches.num_available_pages, engine.caches.slots.num_free)
     for i, prompt in enumerate(prompts[:4]):
         engine.add_request(f"r{i}", prompt, GREEDY)
     for _ in range(3):
@@ -196,7 +196,7 @@ def test_abort_frees_pages_and_slot(checkpoint, prompts):
     assert aborted.finish_reason == "abort" and aborted.slot is None
     while engine.has_unfinished():
         engine.step()
-    assert (engine.caches.pages.num_free, engine.caches.slots.num_free) == start
+    assert (engine.caches.num_available_pages, engine.caches.slots.num_free) == start
     waiting = engine.add_request("w", prompts[0], GREEDY)[0]
     assert engine.abort("w") is waiting and not engine.has_unfinished()
 

@@ -268,7 +268,7 @@ def wait_idle(url: str) -> dict:
         if (
             info["num_running"] == 0
             and info["num_waiting"] == 0
-            and info["free_pages"] == info["total_pages"]
+            and info["available_pages"] == info["total_pages"]
         ):
             return info
         time.sleep(0.1)
@@ -306,6 +306,21 @@ def test_metrics_expose_serving_figures(server):
         "hylo_generation_tokens_total",
     ):
         assert name in text, name
+
+
+def test_prefix_cache_figures_in_metrics_and_server_info(server):
+    """The same prompt twice: the second resumes from the first's last full page (16 tokens)."""
+    before = wait_idle(server)["prefix_cache"]
+    body = {"prompt": "the same long prompt, sent twice " * 6, "max_tokens": 2}
+    for _ in range(2):
+        assert post(server, "/v1/completions", body).status_code == 200
+    after = wait_idle(server)["prefix_cache"]
+    assert after["hit_tokens"] >= before["hit_tokens"] + 16 and after["snapshots"] >= 1
+    assert after["max_snapshots"] > 0 and after["tokens"] == 16 * after["pages"] > 0
+    metrics = httpx.get(f"{server}/metrics").text
+    assert f"hylo_prefix_cache_hit_tokens {float(after['hit_tokens'])}" in metrics
+    for name in ("hit_rate", "snapshots", "pages", "evicted_pages", "evicted_snapshots", "query_tokens"):
+        assert f"hylo_prefix_cache_{name} " in metrics, name
 
 
 def test_bench_serve_writes_every_metric(server, tmp_path):

@@ -474,7 +474,7 @@ def test_verify_graphs_commit_what_plain_decoding_computes(target):
         return step(chunks, draft)
 
     engine.runner.step = counted
-    free = (engine.caches.pages.num_free, engine.caches.slots.num_free)
+    free = (engine.caches.num_available_pages, engine.caches.slots.num_free)
     got = [
         engine.add_request(str(i), prompt, p)[0]
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
@@ -486,4 +486,4 @@ def test_verify_graphs_commit_what_plain_decoding_computes(target):
     # from its limit verifies a block without drafts beside the others: every verify step replays
     assert replays.count(3) >= 3 and replays == verify_steps and any(mixed)
     assert all(r.metrics.spec_accepted_tokens > 0 for r in got)
-    assert (engine.caches.pages.num_free, engine.caches.slots.num_free) == free
+    assert (engine.caches.num_available_pages, engine.caches.slots.num_free) == free

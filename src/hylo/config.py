@@ -205,6 +205,14 @@ class EngineConfig:
         "largest decode batch run as a CUDA-graph replay; larger ones run eagerly "
         f"(default: {DEFAULT_CUDA_GRAPH_MAX_BS}, at most the running-request limit)",
     )
+    disable_radix_cache: bool = _flag(
+        False, "no prefix cache: every request computes its whole prompt (SGLang's flag name)"
+    )
+    prefix_snapshot_interval: int = _flag(
+        1024,
+        "prefix cache: a long prefill keeps a snapshot of the KDA states every this many tokens (a "
+        "multiple of page_size); a prompt's last full page always keeps one",
+    )
     seed: int = _flag(0, "seed of the sampler for requests that bring no seed of their own")
     indexer_dtype: str = _flag(
         "auto", "pooled indexer keys: auto (the model dtype) or fp8 (e4m3, per-row scales)"
@@ -238,12 +246,13 @@ class EngineConfig:
             "cuda_graph_max_bs",
             "speculative_num_draft_tokens",
             "speculative_num_steps",
+            "prefix_snapshot_interval",
         )
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("disable_cuda_graph", "speculative_adaptive"):
+        for name in ("disable_cuda_graph", "speculative_adaptive", "disable_radix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not 0 < self.mem_fraction_static <= 1:
@@ -253,6 +262,11 @@ class EngineConfig:
         self._check_speculative()
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ValueError("speculative_num_draft_tokens must be >= 2 (the anchor and at least one draft)")
+        if self.prefix_snapshot_interval % self.page_size:
+            raise ValueError(
+                f"prefix_snapshot_interval ({self.prefix_snapshot_interval}) must be a multiple of "
+                f"page_size ({self.page_size})"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.indexer_dtype not in ("auto", "fp8"):

@@ -33,6 +33,9 @@ class SequenceChunk:
     sample: bool = True
     verify: bool = False
     score: bool = False
+    # (tokens of the chunk, snapshot id): copy every KDA layer's state after that many of its tokens
+    # into that prefix-cache snapshot (`ForwardBatch.snapshot_points`)
+    snapshots: Sequence[tuple[int, int]] = ()
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,10 @@ class ForwardBatch:
     # verify batches, device-built ones): the device tensors describe the step; the host lists above
     # may be a capture's placeholders, true for another step than the one replayed.
     uniform_width: int | None = None
+    # sequence index -> its chunk's (tokens, snapshot id) points (`SequenceChunk.snapshots`), and the
+    # state pool the snapshots go to; KDA layers advance such sequences in segments ending there
+    snapshot_points: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    snapshot_pool: StateCache | None = None
 
     @classmethod
     def build(
@@ -197,6 +204,7 @@ class ForwardBatch:
             tokens=tokens,
             states=states,
             uniform_width=None if fixed is None else fixed.tokens_per_seq,
+            snapshot_points={i: sorted(c.snapshots) for i, c in enumerate(chunks) if c.snapshots},
         )
 
     @classmethod

@@ -16,7 +16,14 @@ from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs, batch_size_bucket
 from hylo.engine.request import Request, Status
 from hylo.engine.runner import ModelRunner
 from hylo.engine.scheduler import Scheduler
-from hylo.memory.manager import CacheManager, LoadPeak, MemoryPlan, format_memory_report, memory_report
+from hylo.memory.manager import (
+    PREFIX_SNAPSHOT_SHARE,
+    CacheManager,
+    LoadPeak,
+    MemoryPlan,
+    format_memory_report,
+    memory_report,
+)
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
@@ -79,16 +86,31 @@ class Engine:
         # a proposer observes every forward's features: plain decode graphs don't make them, so with
         # one the fixed-shape steps are verify steps, and only for a proposer that drafts on the device
         verify_graphs = decode_graphs and self.proposer is not None and not self.proposer.needs_host
+        prefix_cache = not config.disable_radix_cache
+        feature_dim = 0  # a snapshot also keeps the features of its last token for such a proposer
+        if self.proposer is not None and self.proposer.needs_last_features:
+            feature_dim = model_config.hidden_size * len(self.proposer.capture_layers)
         self.plan = MemoryPlan.from_budget(
             model_config, self._budget_bytes(), config.page_size, config.max_running_requests,
             self.context_len, self.dtype, draft_bytes, indexer_dtype, scratch=decode_graphs or verify_graphs,
+            snapshot_share=PREFIX_SNAPSHOT_SHARE if prefix_cache else 0.0,
+            snapshot_extra_bytes=feature_dim * self.dtype.itemsize,
         )  # fmt: skip
-        self.caches = CacheManager(model_config, self.plan, self.dtype, self.device, indexer_dtype)
+        if prefix_cache and self.plan.num_snapshots == 0:
+            logger.warning(
+                "prefix cache: the memory budget holds no KDA state snapshot: nothing will be cached"
+            )
+        self.caches = CacheManager(
+            model_config, self.plan, self.dtype, self.device, indexer_dtype,
+            config.prefix_snapshot_interval if prefix_cache else None, feature_dim,
+        )  # fmt: skip
         num_drafts = 0
         if self.proposer is not None:
             self.proposer.attach(self.caches.tokens.num_slots, self.caches.table.table)
             num_drafts = self.proposer.num_draft_tokens
-        self.scheduler = Scheduler(self.caches, self.plan.num_slots, config.chunked_prefill_size, num_drafts)
+        self.scheduler = Scheduler(
+            self.caches, self.plan.num_slots, config.chunked_prefill_size, num_drafts, self.proposer
+        )
         self.requests: dict[str, Request] = {}
         graphs = verifying = None
         max_bs = min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.plan.num_slots)
@@ -247,6 +269,8 @@ class Engine:
             if result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs)
             request.num_computed += result.committed
+            if ch.snapshots:
+                self.scheduler.publish(ch)
             request.host_drafts = result.drafts
             if result.tokens and request.params.max_tokens == 0:  # the prompt is scored: done
                 self.scheduler.finish(request)

@@ -75,7 +75,8 @@ class ModelRunner:
         targets = [_prompt_targets(ch) for ch in chunks]  # prompt positions each chunk scores
         seqs = [_sequence(ch, bool(t[1])) for ch, t in zip(chunks, targets, strict=True)]
         requests = [ch.request for ch in chunks]
-        plain_graph = self.graphs is not None and self.graphs.accepts(seqs)
+        snapshots = any(ch.snapshots for ch in chunks)  # only eager forwards take prefix snapshots
+        plain_graph = not snapshots and self.graphs is not None and self.graphs.accepts(seqs)
         variant = OBSERVE
         if plain_graph and self.graphs.defers:
             room = self.graphs.deferred_tokens
@@ -87,7 +88,7 @@ class ModelRunner:
                 variant, draft = DRAFT, False  # its graph drafts from the picks: nothing is left to draft
         if variant != DEFER:  # this step observes: the proposer sees every earlier token first
             self._catch_up(requests)
-        full = self._full_blocks(seqs)
+        full = None if snapshots else self._full_blocks(seqs)
         if full is not None and self.verify_graphs.accepts(full):
             num_drafts = [ch.num_tokens - 1 for ch in chunks]
             allowed = self._verify_allowed(requests, self.verify_graphs.tokens_per_seq)
@@ -119,8 +120,20 @@ class ModelRunner:
             if self.proposer is not None:
                 _feed_drafts(batch, chunks, self.proposer.drafts)
             capture = self.proposer.capture_layers if self.proposer is not None else ()
+            batch.snapshot_pool = c.snapshots
             logits = self.model(batch, capture)
+            if snapshots and c.snapshot_features.shape[1]:
+                self._snapshot_features(batch)
         return self._pick(chunks, batch, logits, observed, draft, targets)
+
+    def _snapshot_features(self, batch: ForwardBatch) -> None:
+        """The features of each snapshot's last token, for a proposer that resumes from them."""
+        offsets = [0]
+        for n in batch.extend_lens:
+            offsets.append(offsets[-1] + n)
+        points = [(offsets[i] + k - 1, sid) for i, pts in batch.snapshot_points.items() for k, sid in pts]
+        index = to_device(points, batch.features.device, torch.long)
+        self.caches.snapshot_features[index[:, 1]] = batch.features[index[:, 0]]
 
     def _verify_allowed(self, requests: Sequence[Request], width: int) -> torch.Tensor | None:
         """What each position of the requests' verify blocks of `width` may hold (`[blocks · width,
@@ -340,7 +353,8 @@ def _sequence(ch: ScheduledChunk, score: bool) -> SequenceChunk:
         anchor = r.tokens(r.num_computed, r.num_computed + 1)[0]
         return SequenceChunk([anchor] + [0] * (ch.num_tokens - 1), r.num_computed, r.slot, r.slot, True, True)
     tokens = r.tokens(r.num_computed, r.num_computed + ch.num_tokens)
-    return SequenceChunk(tokens, r.num_computed, r.slot, r.slot, ch.samples, False, score)
+    points = [(position - r.num_computed, sid) for position, sid in ch.snapshots]
+    return SequenceChunk(tokens, r.num_computed, r.slot, r.slot, ch.samples, False, score, points)
 
 
 def _feed_drafts(batch: ForwardBatch, chunks: Sequence[ScheduledChunk], drafts: torch.Tensor) -> None:

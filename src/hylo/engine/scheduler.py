@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Any
 
 from hylo.engine.request import Request, Status
 from hylo.memory.manager import CacheManager
@@ -22,6 +23,8 @@ class ScheduledChunk:
     request: Request
     num_tokens: int
     verify: bool = False
+    # prefix-cache snapshots the chunk leaves: (position, snapshot id), the state after position - 1
+    snapshots: tuple[tuple[int, int], ...] = ()
 
     @property
     def verifies_drafts(self) -> bool:
@@ -46,12 +49,24 @@ class Scheduler:
     from its prompt and the tokens it already generated. With speculation every chunk's pages also
     cover `num_draft_tokens` positions past it: a proposer drafting at the end of the step may write
     its caches there.
+
+    With a prefix cache (`caches.prefix`), an admitted request starts from its deepest cached
+    snapshot (`PrefixCache.match`; not a request that scores its prompt, which needs every
+    position's logits), and prefill chunks leave the snapshots the cache asks for, which `publish`
+    puts in the tree once the step has computed them.
     """
 
     def __init__(
-        self, caches: CacheManager, max_running: int, chunked_prefill_size: int, num_draft_tokens: int = 0
+        self,
+        caches: CacheManager,
+        max_running: int,
+        chunked_prefill_size: int,
+        num_draft_tokens: int = 0,
+        proposer: Any = None,
     ):
         self.caches = caches
+        self.prefix = caches.prefix
+        self.proposer = proposer
         self.num_draft_tokens = num_draft_tokens
         self.max_running = max_running
         self.prefill_budget = chunked_prefill_size
@@ -78,32 +93,75 @@ class Scheduler:
                 continue
             if request.remaining > 1:
                 budget -= n
+                chunks.append(ScheduledChunk(request, n, snapshots=self._snapshots(request, n)))
+                continue
             chunks.append(ScheduledChunk(request, n, verify=drafts > 0))
         if any(ch.verify for ch in chunks):
             # the one-token decode rows of a verify step verify a block without drafts: every row of
             # the step is then a verify block, which the verify graphs take
             chunks = [replace(ch, verify=True) if _one_token_decode(ch) else ch for ch in chunks]
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            request = self.waiting[0]
-            n = self._prefill_tokens(request, budget)
-            if self.caches.pages_needed(0, self._reserve(n)) > self.caches.pages.num_free:
+            if not self._admit(self.waiting[0], budget, chunks):
                 break
-            slot = self.caches.acquire_slot()
-            if slot is None:
-                break
-            self.waiting.popleft()
-            request.slot, request.status = slot, Status.RUNNING
-            self.caches.grow(slot, request.pages, self._reserve(n))
-            self.running.append(request)
-            budget -= n
-            chunks.append(ScheduledChunk(request, n))
+            budget -= chunks[-1].num_tokens
         return chunks
 
+    def _admit(self, request: Request, budget: int, chunks: list[ScheduledChunk]) -> bool:
+        """Start `request` (from its cached prefix, if any) with its first chunk appended to `chunks`;
+        False, with nothing taken, when no slot or not enough pages are free."""
+        if self.caches.slots.num_free == 0:
+            return False
+        hit = None
+        if self.prefix is not None and not request.scores_prompt:
+            hit = self.prefix.match(request.tokens(0, request.total_len))
+        start = hit.length if hit else 0
+        n = self._prefill_tokens(request, budget, request.total_len - start)
+        shared = hit.pages if hit else []
+        self.caches.share(shared)  # before making room: eviction must not take them
+        private_copy = int(hit is not None and getattr(self.proposer, "needs_last_features", False))
+        need = self.caches.pages_needed(len(shared), self._reserve(start + n)) + private_copy
+        if not self.caches.make_room(need):
+            self.caches.unshare(shared)
+            return False
+        slot = self.caches.acquire_slot()
+        self.waiting.popleft()
+        request.slot, request.status = slot, Status.RUNNING
+        if self.prefix is not None:
+            self.prefix.stats.query_tokens += request.total_len
+        if hit is not None:
+            self.caches.resume(slot, hit, request.pages, self.proposer)
+            request.num_computed = start
+            self.prefix.stats.hit_tokens += start
+        self.caches.grow(slot, request.pages, self._reserve(start + n))
+        self.running.append(request)
+        chunks.append(ScheduledChunk(request, n, snapshots=self._snapshots(request, n)))
+        return True
+
+    def _snapshots(self, request: Request, n: int) -> tuple[tuple[int, int], ...]:
+        """The snapshots a prefill chunk of `n` tokens from `request.num_computed` leaves (with ids)."""
+        if self.prefix is None:
+            return ()
+        start, end = request.num_computed, request.total_len
+        positions = self.prefix.snapshot_positions(request.tokens(0, start + n), start, start + n, end)
+        taken = []
+        for position in positions:
+            sid = self.prefix.alloc_snapshot()
+            if sid is None:
+                break
+            taken.append((position, sid))
+        return tuple(taken)
+
+    def publish(self, chunk: ScheduledChunk) -> None:
+        """Put the snapshots `chunk` left, now computed, and the pages before them in the prefix cache."""
+        request = chunk.request
+        for position, sid in chunk.snapshots:
+            self.prefix.insert(request.tokens(0, position), request.pages, position, sid)
+
     @staticmethod
-    def _prefill_tokens(request: Request, budget: int) -> int:
+    def _prefill_tokens(request: Request, budget: int, remaining: int | None = None) -> int:
         if request.scores_prompt:
             budget = min(budget, MAX_SCORED_CHUNK_TOKENS)
-        return min(request.remaining, budget)
+        return min(request.remaining if remaining is None else remaining, budget)
 
     def _reserve(self, num_tokens: int) -> int:
         """Positions to back for a chunk ending at `num_tokens`: the drafts' lookahead included."""

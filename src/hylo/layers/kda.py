@@ -9,6 +9,7 @@ from torch import nn
 
 from hylo.config import ModelConfig
 from hylo.forward_batch import ForwardBatch
+from hylo.host_copy import to_device
 from hylo.layers.linear import Linear
 from hylo.ops import kda as kda_ops
 
@@ -54,7 +55,10 @@ class KDAAttention(nn.Module):
             self.f_b_proj(self.f_a_proj(x)),
             self.b_proj(x),
         )
-        if not batch.verify_seqs:
+        if not batch.verify_seqs and batch.snapshot_points:
+            o = x.new_empty(tokens, *heads)
+            self._advance_in_segments(qkvfb, range(len(batch.extend_lens)), batch, o)
+        elif not batch.verify_seqs:
             o = self._advance(qkvfb, batch.state_slots, *_cu_seqlens(batch), batch)
         else:
             plan = _verify_plan(batch)
@@ -64,7 +68,10 @@ class KDAAttention(nn.Module):
                 *blocks, *self._params(batch, plan.block_slots), self.lower_bound
             )
             o[plan.verified_tokens] = o_blocks.flatten(0, 1)[plan.verified_positions]
-            if plan.other_slots.numel():
+            others = [i for i in range(len(batch.extend_lens)) if i not in set(batch.verify_seqs)]
+            if any(i in batch.snapshot_points for i in others):
+                self._advance_in_segments(qkvfb, others, batch, o)
+            elif plan.other_slots.numel():
                 rest = [t[plan.other_tokens] for t in qkvfb]
                 o[plan.other_tokens] = self._advance(rest, plan.other_slots, *plan.other_cu, batch)
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, heads)
@@ -83,6 +90,19 @@ class KDAAttention(nn.Module):
         pools = (batch.states.conv[layer], batch.states.recurrent[layer])
         return (self.conv_weight, self.dt_bias, self.A_log, *pools, slots)
 
+    def _advance_in_segments(self, qkvfb, seqs, batch: ForwardBatch, o: torch.Tensor) -> None:
+        """Advance sequences `seqs` (batch indices) segment by segment, their chunks split at their
+        snapshot points (`ForwardBatch.snapshot_points`): round r advances every sequence's r-th
+        segment in one call, then copies the windows and states of the sequences whose segment ended
+        at a point into those snapshots. Outputs go to `o` at the sequences' packed tokens."""
+        layer = batch.states.kda_index[self.layer_idx]
+        for index, slots, cu_cpu, cu, snapshot_slots, snapshot_ids in _segment_rounds(batch, tuple(seqs)):
+            o[index] = self._advance([t[index] for t in qkvfb], slots, cu_cpu, cu, batch)
+            if snapshot_ids.numel():
+                pool = batch.snapshot_pool
+                pool.conv[layer, snapshot_ids] = batch.states.conv[layer, snapshot_slots]
+                pool.recurrent[layer, snapshot_ids] = batch.states.recurrent[layer, snapshot_slots]
+
     def _advance(
         self, qkvfb, slots: torch.Tensor, cu_cpu: list[int], cu: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
@@ -97,6 +117,39 @@ def _cu_seqlens(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
     if cached is None:
         cached = batch.__dict__["_kda_cu_seqlens"] = _offsets(batch.extend_lens, batch.state_slots.device)
     return cached
+
+
+def _segment_rounds(batch: ForwardBatch, seqs: tuple[int, ...]) -> list[tuple]:
+    """The rounds of `KDAAttention._advance_in_segments` for `seqs` (made once per batch, shared by
+    every KDA layer): per round the packed tokens, the state slots and offsets of the segments, and
+    the (state slot, snapshot id) pairs to copy after it."""
+    cache = batch.__dict__.setdefault("_kda_segment_rounds", {})
+    if seqs in cache:
+        return cache[seqs]
+    offsets, _ = _cu_seqlens(batch)
+    device = batch.state_slots.device
+    bounds, ids = {}, {}
+    for i in seqs:
+        n, points = batch.extend_lens[i], batch.snapshot_points.get(i, [])
+        bounds[i] = [0, *(k for k, _ in points if k < n), n]
+        ids[i] = dict(points)
+    rounds = []
+    for r in range(max(len(b) for b in bounds.values()) - 1):
+        live = [i for i in seqs if r + 1 < len(bounds[i])]
+        index, lengths = [], []
+        for i in live:
+            lo, hi = bounds[i][r], bounds[i][r + 1]
+            index += range(offsets[i] + lo, offsets[i] + hi)
+            lengths.append(hi - lo)
+        copies = [(batch.seq_slots[i], ids[i][bounds[i][r + 1]]) for i in live if bounds[i][r + 1] in ids[i]]
+        copies_d = to_device(copies, device, torch.long).view(-1, 2)
+        rounds.append((
+            to_device(index, device, torch.long),
+            to_device([batch.seq_slots[i] for i in live], device, torch.long),
+            *_offsets(lengths, device), copies_d[:, 0], copies_d[:, 1],
+        ))  # fmt: skip
+    cache[seqs] = rounds
+    return rounds
 
 
 def _offsets(lengths: list[int], device: torch.device) -> tuple[list[int], torch.Tensor]:

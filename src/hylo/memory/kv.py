@@ -34,6 +34,7 @@ class TokenCache:
                 f"num_slots ({num_slots}) must be a multiple of index_kpool ({config.index_kpool})"
             )
         self.num_slots = num_slots
+        self.kpool = config.index_kpool
         n_dsa, n_idx, d = len(config.dsa_layers), len(config.indexer_layers), config.index_head_dim
         self.latent = torch.zeros(n_dsa, num_slots, config.kv_lora_rank, dtype=dtype, device=device)
         self.index_key = torch.zeros(n_idx, num_slots, d, dtype=dtype, device=device)
@@ -62,3 +63,15 @@ class TokenCache:
             pooled_row += 4  # the row's fp32 scale
         per_token = (len(config.dsa_layers) * config.kv_lora_rank + n_idx * 2 * d) * size
         return per_token + n_idx * pooled_row / kpool
+
+    def copy_slots(self, src: int, dst: int, n: int) -> None:
+        """Every layer's entries of slots `src .. src + n - 1` into `dst ..` (both runs aligned to whole
+        k-pools, so the pooled keys of those pools are copied with them)."""
+        kpool = self.kpool
+        assert src % kpool == 0 and dst % kpool == 0 and n % kpool == 0
+        for pool in (self.latent, self.index_key, self.index_gate):
+            pool[:, dst : dst + n] = pool[:, src : src + n]
+        pools = (src // kpool, dst // kpool, n // kpool)
+        for pool in (self.pooled_key, self.pooled_key_scale):
+            if pool is not None:
+                pool[:, pools[1] : pools[1] + pools[2]] = pool[:, pools[0] : pools[0] + pools[2]]

@@ -10,7 +10,14 @@ import torch
 from hylo.config import ModelConfig
 from hylo.memory.kv import TokenCache
 from hylo.memory.pages import FreeList, RequestTable
+from hylo.memory.prefix_cache import PrefixCache, PrefixHit
 from hylo.memory.state import StateCache
+
+# snapshots beyond this many are not worth their memory: a prefix cache rarely holds more live branches
+MAX_SNAPSHOTS = 4096
+# the share of the cache budget the prefix cache's KDA snapshots take (one is a request slot's state:
+# ~136 MiB for GLM-5.3-Flash, so 1/8 of a 40 GiB budget holds 37)
+PREFIX_SNAPSHOT_SHARE = 0.125
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,9 @@ class MemoryPlan:
     bytes_per_token: float
     bytes_per_slot: int
     scratch: bool = False
+    # prefix-cache snapshots of every KDA layer's state (plus the proposer's features of one token)
+    num_snapshots: int = 0
+    bytes_per_snapshot: int = 0
 
     @property
     def max_total_num_tokens(self) -> int:
@@ -35,7 +45,8 @@ class MemoryPlan:
         """What the caches built from this plan allocate, the scratch slot and page included."""
         extra = int(self.scratch)
         tokens = (self.num_pages + extra) * self.page_size * self.bytes_per_token
-        return int(tokens + (self.num_slots + extra) * self.bytes_per_slot)
+        snapshots = self.num_snapshots * self.bytes_per_snapshot
+        return int(tokens + (self.num_slots + extra) * self.bytes_per_slot + snapshots)
 
     @classmethod
     def from_budget(
@@ -49,14 +60,21 @@ class MemoryPlan:
         extra_bytes_per_token: float = 0.0,
         indexer_dtype: torch.dtype | None = None,
         scratch: bool = False,
+        snapshot_share: float = 0.0,
+        snapshot_extra_bytes: int = 0,
     ) -> MemoryPlan:
-        """Request slots get what `max_running_requests` asks, or by default up to half the budget
-        (at most 256); token pages get the rest. A slot also pays for its request-table row; a token
-        also pays `extra_bytes_per_token` (a draft model's cache). The `scratch` slot and page are
-        paid for first."""
+        """Prefix-cache snapshots get `snapshot_share` of the budget (each one KDA state slot plus
+        `snapshot_extra_bytes`, at most `MAX_SNAPSHOTS`); request slots get what
+        `max_running_requests` asks, or by default up to half the rest (at most 256); token pages get
+        what remains. A slot also pays for its request-table row; a token also pays
+        `extra_bytes_per_token` (a draft model's cache). The `scratch` slot and page are paid for
+        first."""
         per_token = TokenCache.bytes_per_token(config, dtype, indexer_dtype) + extra_bytes_per_token
         max_len = min(context_len, int(budget_bytes // per_token))
         per_slot = StateCache.bytes_per_slot(config, dtype) + 4 * max_len
+        per_snapshot = StateCache.bytes_per_slot(config, dtype) + snapshot_extra_bytes
+        snapshots = min(MAX_SNAPSHOTS, int(budget_bytes * snapshot_share // per_snapshot))
+        budget_bytes -= snapshots * per_snapshot
         if scratch:
             budget_bytes -= per_slot + per_token * page_size
         slots = max_running_requests or min(256, int(budget_bytes // 2 // per_slot))
@@ -70,7 +88,7 @@ class MemoryPlan:
         # the table rows were paid for at the longest max_len the budget allowed; the pages cap it
         max_len = min(max_len, pages * page_size)
         per_slot = StateCache.bytes_per_slot(config, dtype) + 4 * max_len
-        return cls(pages, page_size, slots, max_len, per_token, per_slot, scratch)
+        return cls(pages, page_size, slots, max_len, per_token, per_slot, scratch, snapshots, per_snapshot)
 
 
 class CacheManager:
@@ -82,6 +100,12 @@ class CacheManager:
     `scratch_slot` (= `plan.num_slots`) is one more request-table row and KDA state slot, every page
     of its row the page `plan.num_pages`: neither is ever handed out, so whatever a padding row
     writes there is nobody's.
+
+    Pages are reference-counted (`page_refs`): a request holds one reference on every page of its
+    row, the prefix cache (`prefix`, with `prefix_snapshot_interval`) one on every page it keeps; a
+    page is free once nobody references it. `snapshots` (`plan.num_snapshots` KDA state slots) and
+    `snapshot_features` (`[num_snapshots, snapshot_feature_dim]`, the proposer's features of a
+    snapshot's last token) are the prefix cache's, handed out by `snapshot_ids`.
     """
 
     def __init__(
@@ -91,6 +115,8 @@ class CacheManager:
         dtype: torch.dtype,
         device: torch.device | str,
         indexer_dtype: torch.dtype | None = None,
+        prefix_snapshot_interval: int | None = None,
+        snapshot_feature_dim: int = 0,
     ):
         if plan.page_size % config.index_kpool:
             raise ValueError(
@@ -104,7 +130,16 @@ class CacheManager:
         self.states = StateCache(config, plan.num_slots + extra, dtype, device)
         self.table = RequestTable(plan.num_slots + extra, plan.max_len, plan.page_size, device)
         self.pages = FreeList(plan.num_pages)
+        self.page_refs = [0] * plan.num_pages
         self.slots = FreeList(plan.num_slots)
+        self.snapshots = StateCache(config, plan.num_snapshots, dtype, device)
+        self.snapshot_features = torch.zeros(
+            plan.num_snapshots, snapshot_feature_dim, dtype=dtype, device=device
+        )
+        self.snapshot_ids = FreeList(plan.num_snapshots)
+        self.prefix = (
+            None if prefix_snapshot_interval is None else PrefixCache(self, prefix_snapshot_interval)
+        )
         self.scratch_slot = plan.num_slots if plan.scratch else None
         if self.scratch_slot is not None:
             # every position of the scratch row maps into the scratch page (a padding row's writes
@@ -122,21 +157,81 @@ class CacheManager:
     def pages_needed(self, held: int, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.plan.page_size) - held)
 
+    def make_room(self, num_pages: int) -> bool:
+        """Whether `num_pages` pages are free, after evicting prefix-cache pages nobody else uses."""
+        short = num_pages - self.pages.num_free
+        if short > 0 and self.prefix is not None:
+            self.prefix.evict_pages(short)
+        return self.pages.num_free >= num_pages
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """`n` free pages with one reference each (evicting cached ones if needed), or None."""
+        if not self.make_room(n):
+            return None
+        new = self.pages.alloc(n)
+        for p in new:
+            self.page_refs[p] = 1
+        return new
+
     def grow(self, slot: int, pages: list[int], num_tokens: int) -> bool:
         """Back the first `num_tokens` positions of `slot` (appending to `pages`); False, with nothing
         taken, when not enough pages are free."""
         need = self.pages_needed(len(pages), num_tokens)
         if need == 0:
             return True
-        new = self.pages.alloc(need)
+        new = self.alloc_pages(need)
         if new is None:
             return False
         self.table.assign(slot, len(pages), new)
         pages.extend(new)
         return True
 
+    def share(self, pages: list[int]) -> None:
+        for p in pages:
+            self.page_refs[p] += 1
+
+    def unshare(self, pages: list[int]) -> None:
+        """Drop one reference on each page; pages nobody references any more are free."""
+        freed = []
+        for p in pages:
+            self.page_refs[p] -= 1
+            if self.page_refs[p] == 0:
+                freed.append(p)
+        self.pages.free(freed)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """The target's caches of page `src` into page `dst` (a private copy of a shared page)."""
+        ps = self.plan.page_size
+        self.tokens.copy_slots(src * ps, dst * ps, ps)
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages free now or held by the prefix cache alone (evictable on demand)."""
+        refs = self.page_refs
+        cached = 0 if self.prefix is None else sum(refs[n.page] == 1 for n in self.prefix.nodes())
+        return self.pages.num_free + cached
+
+    def resume(self, slot: int, hit: PrefixHit, pages: list[int], proposer: Any = None) -> None:
+        """Start the request in `slot` (its `pages` empty) from a prefix-cache hit whose pages the caller
+        already shares: the row maps them, the KDA states and the proposer's features come from the
+        snapshot. A proposer that rewrites the entry before a sequence's first new position
+        (`needs_last_features`) gets a private copy of the last page: the caller made room for it."""
+        pages.extend(hit.pages)
+        if proposer is not None and proposer.needs_last_features:
+            (copy,) = self.alloc_pages(1)
+            self.copy_page(pages[-1], copy)
+            ps = self.plan.page_size
+            proposer.copy_tokens(pages[-1] * ps, copy * ps, ps)
+            self.unshare([pages[-1]])
+            pages[-1] = copy
+        self.table.assign(slot, 0, pages)
+        self.states.conv[:, slot] = self.snapshots.conv[:, hit.snapshot]
+        self.states.recurrent[:, slot] = self.snapshots.recurrent[:, hit.snapshot]
+        if proposer is not None and proposer.needs_last_features:
+            proposer.resume(slot, self.snapshot_features[hit.snapshot])
+
     def release(self, slot: int, pages: list[int]) -> None:
-        self.pages.free(pages)
+        self.unshare(pages)
         self.slots.free([slot])
         pages.clear()
 
@@ -182,6 +277,7 @@ def memory_report(
         "torch_reserved_bytes": torch.cuda.memory_reserved(device) if cuda else None,
         "max_total_num_tokens": plan.max_total_num_tokens,
         "max_running_requests": plan.num_slots,
+        "prefix_snapshots": plan.num_snapshots,
     }
 
 

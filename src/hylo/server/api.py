@@ -137,12 +137,15 @@ def build_app(
             "bytes_per_token": plan.bytes_per_token,
             "bytes_per_slot": plan.bytes_per_slot,
             "free_pages": caches.pages.num_free,
+            # free, or held by the prefix cache alone (given up when a request needs them)
+            "available_pages": caches.num_available_pages,
             "total_pages": caches.pages.size,
             "free_slots": caches.slots.num_free,
             "total_slots": caches.slots.size,
             "num_running": len(core.scheduler.running),
             "num_waiting": engine.num_waiting,
             "memory": core.memory_report,
+            "prefix_cache": _prefix_cache_info(caches),
             "num_open_requests": engine.num_open,
         } | (
             {} if (tau := engine.metrics.mean_acceptance_length) is None else {"avg_spec_accept_length": tau}
@@ -556,3 +559,23 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _prefix_cache_info(caches) -> dict[str, Any] | None:
+    """The prefix cache's size and counters (None when it is off)."""
+    prefix = caches.prefix
+    if prefix is None:
+        return None
+    return {
+        "pages": prefix.num_nodes,
+        "tokens": prefix.num_nodes * prefix.page_size,
+        "snapshots": prefix.num_snapshots,
+        "max_snapshots": caches.plan.num_snapshots,
+        "snapshot_interval": prefix.interval,
+        "bytes_per_snapshot": caches.plan.bytes_per_snapshot,
+        "hit_tokens": prefix.stats.hit_tokens,
+        "query_tokens": prefix.stats.query_tokens,
+        "hit_rate": prefix.stats.hit_rate,
+        "evicted_pages": prefix.stats.evicted_pages,
+        "evicted_snapshots": prefix.stats.evicted_snapshots,
+    }

@@ -27,7 +27,7 @@ class ServerMetrics:
             lambda: len(scheduler.waiting)
         )
         Gauge("hylo_token_usage", "Fraction of token-cache pages in use", registry=r).set_function(
-            lambda: 1 - caches.pages.num_free / caches.pages.size
+            lambda: 1 - caches.num_available_pages / caches.pages.size
         )
         Gauge("hylo_state_slot_usage", "Fraction of KDA state slots in use", registry=r).set_function(
             lambda: 1 - caches.slots.num_free / caches.slots.size
@@ -35,6 +35,28 @@ class ServerMetrics:
         Gauge("hylo_num_preemptions", "Requests preempted so far", registry=r).set_function(
             lambda: scheduler.num_preemptions
         )
+        prefix = caches.prefix
+        if prefix is not None:
+            figures = {
+                "hit_tokens": (
+                    "Prompt tokens found in the prefix cache so far",
+                    lambda: prefix.stats.hit_tokens,
+                ),
+                "query_tokens": (
+                    "Prompt tokens of admitted requests so far",
+                    lambda: prefix.stats.query_tokens,
+                ),
+                "hit_rate": ("Prefix-cache hit tokens / query tokens so far", lambda: prefix.stats.hit_rate),
+                "snapshots": ("KDA state snapshots the prefix cache holds", lambda: prefix.num_snapshots),
+                "pages": ("Token pages the prefix cache holds", lambda: prefix.num_nodes),
+                "evicted_pages": ("Prefix-cache pages evicted so far", lambda: prefix.stats.evicted_pages),
+                "evicted_snapshots": (
+                    "Prefix-cache snapshots evicted so far",
+                    lambda: prefix.stats.evicted_snapshots,
+                ),
+            }
+            for name, (text, value) in figures.items():
+                Gauge(f"hylo_prefix_cache_{name}", text, registry=r).set_function(value)
         self.ttft = Histogram(
             "hylo_time_to_first_token_seconds", "Arrival to first token", registry=r, buckets=_LATENCY_BUCKETS
         )

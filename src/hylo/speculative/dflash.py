@@ -76,6 +76,10 @@ class DFlashProposer(Proposer):
         self.kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])
 
+    def copy_tokens(self, src: int, dst: int, n: int) -> None:
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, dst : dst + n] = cache[:, src : src + n]
+
     @torch.inference_mode()
     def observe(self, batch: ForwardBatch, commit: StepCommit) -> None:
         """Draft K/V of every committed token of the forward, from its captured target features, in

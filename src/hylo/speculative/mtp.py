@@ -33,6 +33,7 @@ class MTPProposer(Proposer):
     """
 
     needs_host = False
+    needs_last_features = True
 
     def __init__(
         self,
@@ -81,6 +82,12 @@ class MTPProposer(Proposer):
         self.last_hidden = torch.zeros(
             req_to_token.shape[0], self.target.config.hidden_size, dtype=self.dtype, device=self.device
         )
+
+    def copy_tokens(self, src: int, dst: int, n: int) -> None:
+        self.cache.copy_slots(src, dst, n)
+
+    def resume(self, row: int, features: torch.Tensor) -> None:
+        self.last_hidden[row] = features
 
     def _uniform(self, prefix: torch.Tensor, rows: torch.Tensor, width: int) -> ForwardBatch:
         kpool = self.layer.config.index_kpool

@@ -62,6 +62,10 @@ class Proposer(ABC):
     num_draft_tokens: int
     capture_layers: tuple[int, ...] = ()
     needs_host: bool = True
+    # the observe of a chunk from position S writes the proposer's entry at S - 1 (from the features
+    # of S - 1, `resume`): a request resuming from a prefix-cache snapshot at S needs those features
+    # and a private copy of the page holding S - 1
+    needs_last_features: bool = False
     drafts: torch.Tensor
 
     def bytes_per_token(self) -> float:
@@ -74,6 +78,13 @@ class Proposer(ABC):
         self.drafts = torch.zeros(
             req_to_token.shape[0], self.num_draft_tokens, dtype=torch.long, device=req_to_token.device
         )
+
+    def copy_tokens(self, src: int, dst: int, n: int) -> None:  # noqa: B027 (optional hook)
+        """Copy the per-token caches of token slots `src .. src + n - 1` to `dst ..` (whole pages)."""
+
+    def resume(self, row: int, features: torch.Tensor) -> None:  # noqa: B027 (optional hook)
+        """The request in table row `row` resumes from a prefix snapshot whose last token had these
+        captured target features (called only with `needs_last_features`)."""
 
     def observe(self, batch: ForwardBatch, commit: StepCommit) -> None:  # noqa: B027 (optional hook)
         """Learn of committed tokens (default: nothing to learn)."""

@@ -1,0 +1,224 @@
+"""The prefix cache: the page tree and its snapshots, and the engine with it on against it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompt
+from hf_reference import tiny_text_config, write_hf_checkpoint
+from test_mtp import checkpoints  # noqa: F401 (a fixture: the MTP target)
+from test_spec import draft  # noqa: F401 (a fixture: the DFlash draft)
+
+from hylo import LLM, SamplingParams
+from hylo.config import ModelConfig
+from hylo.memory.kv import TokenCache
+from hylo.memory.manager import CacheManager, MemoryPlan
+from hylo.memory.state import StateCache
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+PAGE, INTERVAL = 16, 32
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_hf_checkpoint(tmp_path_factory.mktemp("prefix"), tiny_text_config(4, 8), seed=23)
+
+
+def waves() -> list[list[list[int]]]:
+    """Two waves of prompts over a shared 70-token prefix: the second shares all of it (a longer
+    tail, one prompt sent again, one that extends an earlier prompt) or part of it with the first."""
+    shared = random_prompt(70, 160, seed=1)
+    a = shared + random_prompt(10, 160, seed=2)
+    first = [a, random_prompt(45, 160, seed=3)]
+    second = [
+        shared + random_prompt(25, 160, seed=4),
+        a,
+        shared[:40] + random_prompt(9, 160, seed=5),
+        a + random_prompt(30, 160, seed=6),
+    ]
+    return [first, second]
+
+
+def make_llm(path, cache: bool, **kwargs) -> LLM:
+    kwargs.setdefault("speculative_adaptive", False)
+    kwargs.setdefault("max_memory_gb", 0.25)
+    return LLM(
+        str(path), device="cpu", dtype="float32", page_size=PAGE,
+        disable_radix_cache=not cache, prefix_snapshot_interval=INTERVAL, **kwargs,
+    )  # fmt: skip
+
+
+def run(llm: LLM, prompt_waves, params) -> tuple[list, dict]:
+    """Outputs of the waves, one `generate` each, and every draft made after a sampled token, by
+    (prompt, tokens so far): drafts follow from the tokens alone when the proposer's caches are right."""
+    engine, drafts = llm.engine, {}
+    step = engine.step
+
+    def recording_step():
+        outputs = step()
+        proposer = engine.proposer
+        for out in outputs:
+            r = out.request
+            if proposer is not None and out.new_token_ids and not out.finished:
+                drafts[(tuple(r.prompt_ids), tuple(r.output_ids))] = proposer.drafts[r.slot].tolist()
+        return outputs
+
+    engine.step = recording_step
+    outs = [o for wave in prompt_waves for o in llm.generate(
+        prompt_token_ids=wave, sampling_params=params, use_tqdm=False
+    )]  # fmt: skip
+    return outs, drafts
+
+
+def assert_same(ref_outs, outs) -> None:
+    assert [s.token_ids for o in outs for s in o.outputs] == [
+        s.token_ids for o in ref_outs for s in o.outputs
+    ]
+    for o, ref in zip(outs, ref_outs, strict=True):
+        for s, rs in zip(o.outputs, ref.outputs, strict=True):
+            got = torch.tensor([list(lp.values()) for lp in s.logprobs])
+            want = torch.tensor([list(lp.values()) for lp in rs.logprobs])
+            # fp32 logprobs of one model over differently split prefills: last-bit differences
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def assert_all_returned(engine) -> None:
+    """Nothing running: every page is free or the cache's alone; after clearing it, every page and
+    snapshot is free and no page has a reference left."""
+    caches = engine.caches
+    assert not engine.has_unfinished()
+    assert caches.num_available_pages == caches.pages.size
+    caches.prefix.clear()
+    assert caches.pages.num_free == caches.pages.size and not any(caches.page_refs)
+    assert caches.snapshot_ids.num_free == caches.snapshot_ids.size > 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(n=2), dict(chunked_prefill_size=24), dict(max_running_requests=2)],
+    ids=["plain", "n=2", "chunks-of-24", "two-running"],
+)
+def test_outputs_and_logprobs_equal_with_the_cache_on_and_off(target, settings):
+    settings = dict(settings)
+    params = GREEDY if "n" not in settings else SamplingParams(**{**vars(GREEDY), "n": settings.pop("n")})
+    ref, _ = run(make_llm(target, False, **settings), waves(), params)
+    llm = make_llm(target, True, **settings)
+    outs, _ = run(llm, waves(), params)
+    assert_same(ref, outs)
+    stats = llm.engine.caches.prefix.stats
+    # the second wave resumes at 64 (three prompts) and 32 tokens, at least
+    assert stats.hit_tokens >= 3 * 64 * params.n + 32
+    assert_all_returned(llm.engine)
+
+
+@pytest.mark.parametrize("algorithm", ["DFLASH", "MTP"])
+def test_speculative_decoding_resumes_with_the_proposers_caches(target, draft, checkpoints, algorithm):  # noqa: F811
+    """A hit shares the proposer's caches with the target's: the drafts after every token equal those
+    of a run without the cache (MTP: the entry before the resumed position is the request's own)."""
+    if algorithm == "DFLASH":
+        path, kwargs = target, dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft))
+    else:
+        path, kwargs = checkpoints[1], dict(speculative_algorithm="MTP", speculative_num_steps=2)
+    ref, ref_drafts = run(make_llm(path, False, **kwargs), waves(), GREEDY)
+    llm = make_llm(path, True, **kwargs)
+    outs, drafts = run(llm, waves(), GREEDY)
+    assert_same(ref, outs)
+    common = drafts.keys() & ref_drafts.keys()
+    assert len(common) > 40
+    assert {k: drafts[k] for k in common} == {k: ref_drafts[k] for k in common}
+    assert llm.engine.caches.prefix.stats.hit_tokens >= 3 * 64
+    assert_all_returned(llm.engine)
+
+
+def test_preemption_and_eviction_under_a_tiny_budget(target):
+    """Pages for about two requests: requests are preempted and resume from their own snapshots,
+    cached pages are evicted for running ones, and every output is still the uncached one."""
+    prompts = [p for wave in waves() for p in wave] * 2
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref, _ = run(make_llm(target, False), [prompts], params)
+    config = ModelConfig.from_dir(target)
+    token_bytes = TokenCache.bytes_per_token(config, torch.float32)
+    slot_bytes = StateCache.bytes_per_slot(config, torch.float32)
+    # 4 request slots and ~300 tokens of pages in the 7/8 the snapshots leave (~2 snapshots)
+    budget = (4 * (slot_bytes + 4 * 256) + 300 * token_bytes) * 8 / 7
+    llm = make_llm(target, True, max_memory_gb=budget / 2**30, max_running_requests=4, context_length=256)
+    assert llm.engine.plan.max_total_num_tokens < 2 * 150 and llm.engine.plan.num_snapshots >= 2
+    outs, _ = run(llm, [prompts], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    engine = llm.engine
+    stats = engine.caches.prefix.stats
+    assert engine.scheduler.num_preemptions > 0 and stats.evicted_pages > 0 and stats.evicted_snapshots > 0
+    assert stats.hit_tokens > 0
+    assert_all_returned(engine)
+
+
+def test_abort_mid_prefill_and_an_entry_evicted_while_waiting(target):
+    """An aborted prefill leaves only what it computed in the cache; a request whose prefix entry is
+    evicted while it waits computes from the start and still completes correctly."""
+    _, second = waves()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref, _ = run(make_llm(target, False), [[second[3]], [second[0]]], params)
+    llm = make_llm(target, True, chunked_prefill_size=40, max_running_requests=1)
+    engine, prefix = llm.engine, llm.engine.caches.prefix
+    engine.add_request("aborted", second[3], params)
+    engine.step()  # 40 of its 110 tokens: a snapshot at 32
+    assert prefix.num_snapshots == 1
+    engine.abort("aborted")
+    (a,) = engine.add_request("a", second[3], params)
+    (b,) = engine.add_request("b", second[0], params)  # waits: one request runs at a time
+    engine.step()  # "a" resumes at 32
+    assert prefix.stats.hit_tokens == 32
+    while "a" in engine.requests:
+        engine.step()
+    assert prefix.match(second[0]).length == 64  # what "b" would resume from ...
+    prefix.evict_pages(10**6)  # ... leaves the cache while "b" waits
+    assert prefix.num_nodes == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert prefix.stats.hit_tokens == 32  # "b" found nothing
+    assert [a.output_ids, b.output_ids] == [r.token_ids for r in ref]
+    assert_all_returned(engine)
+
+
+def tree(num_pages: int = 8, snapshots: int = 3) -> CacheManager:
+    config = ModelConfig.from_dict(tiny_text_config(4, 8))
+    plan = MemoryPlan(num_pages, 4, 2, 32, 1.0, 1, num_snapshots=snapshots, bytes_per_snapshot=1)
+    return CacheManager(config, plan, torch.float32, "cpu", prefix_snapshot_interval=8)
+
+
+def test_tree_matches_the_deepest_snapshot_short_of_the_last_token():
+    caches = tree()
+    prefix = caches.prefix
+    pages = caches.alloc_pages(3)
+    tokens = list(range(12))
+    s1, s2 = prefix.alloc_snapshot(), prefix.alloc_snapshot()
+    prefix.insert(tokens, pages, 4, s1)
+    prefix.insert(tokens, pages, 12, s2)
+    assert prefix.num_nodes == 3 and [caches.page_refs[p] for p in pages] == [2, 2, 2]
+    assert prefix.match([*tokens, 99]).length == 12 and prefix.match([*tokens, 99]).snapshot == s2
+    hit = prefix.match(tokens)  # the last token must be computed: the snapshot at 4
+    assert (hit.length, hit.pages, hit.snapshot) == (4, pages[:1], s1)
+    assert prefix.match([0, 1, 2, 5, 9]) is None
+    # the same prefix from another request keeps the tree's pages and frees the second snapshot
+    other = caches.alloc_pages(1)
+    s3 = prefix.alloc_snapshot()
+    prefix.insert(tokens[:4], other, 4, s3)
+    assert prefix.num_nodes == 3 and caches.snapshot_ids.num_free == 1 and caches.page_refs[other[0]] == 1
+    assert prefix.snapshot_positions(tokens + [99] * 8, 0, 20, 20) == [8, 16]  # 4, 12 exist; 16: the last
+
+
+def test_tree_evicts_least_recently_used_leaves_and_prunes_unresumable_pages():
+    caches = tree(num_pages=6, snapshots=2)
+    prefix = caches.prefix
+    a, b = list(range(8)), [0, 1, 2, 3, 7, 7, 7, 7]
+    pa, pb = caches.alloc_pages(2), caches.alloc_pages(2)
+    prefix.insert(a, pa, 4, prefix.alloc_snapshot())
+    prefix.insert(a, pa, 8, prefix.alloc_snapshot())
+    prefix.insert(b, [pa[0], pb[1]], 8, prefix.alloc_snapshot())  # evicts the oldest snapshot (at 4)
+    assert prefix.stats.evicted_snapshots == 1 and prefix.num_nodes == 3
+    caches.unshare(pa + pb)  # the requests finish: the tree alone holds its pages
+    assert caches.pages.num_free == 6 - 3
+    prefix.match([*b, 0])  # b's branch is used last
+    assert prefix.evict_pages(1) == 1 and prefix.match([*a, 0]) is None and prefix.match([*b, 0]).length == 8
+    assert prefix.evict_pages(5) == 2 and prefix.num_nodes == 0 and caches.pages.num_free == 6
+    assert caches.snapshot_ids.num_free == 2
