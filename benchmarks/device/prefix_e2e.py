@@ -4,13 +4,16 @@ engine with the cache on and off (one shared target, runs interleaved).
     PYTHONPATH=src python3 benchmarks/device/prefix_e2e.py [--layers 8] [--reps 2] [--out DIR]
 
 Two workloads, each repetition over a fresh random system prompt (so no repetition hits another's):
-- "pair": one request of a 4096-token system prompt + 64 tokens, then one with the same system prompt
-  and 64 other tokens; TTFT of each (the second's over the first's is what the cache saves).
+- "pair" (also without speculation): one request of a 4096-token system prompt + 64 tokens, then
+  one with the same system prompt and 64 other tokens; TTFT of each (the second's over the first's
+  is what the cache saves).
 - "multi-turn": `--conversations` conversations x `--turns` turns over one system prompt; turn t of a
   conversation is the system prompt, its earlier user messages (64 tokens) and answers (`--answer`
   greedy tokens), and a new user message; every conversation's turn is submitted at once, the next
   turn when all answers are in. Mean and median TTFT (arrival to first token), output tokens/s over
-  the run, the cache's hit rate, and whether each answer equals the uncached engine's.
+  the run, the cache's hit rate, and whether each answer (and its first token) equals the uncached
+  engine's (bf16 with random weights: near-uniform logits, so a last-bit difference flips greedy picks;
+  the pairs' first-token logprob gaps, cached against uncached, are the correctness figure).
 The slice and the random DFlash draft (block 8) are those of `spec_e2e.py`.
 """
 
@@ -32,9 +35,11 @@ SYSTEM, USER = 4096, 64
 VOCAB = 150000
 
 
-def serve(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list, float]:
+def serve(
+    engine, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None
+) -> tuple[list, float]:
     """Submit every prompt at once and step until all finish: (requests, seconds)."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     start = time.perf_counter()
     requests = [engine.add_request(f"r{serve.count}-{i}", p, params)[0] for i, p in enumerate(prompts)]
     serve.count += 1
@@ -54,9 +59,19 @@ def ttft(request) -> float:
 def pair(engine, gen: torch.Generator) -> dict:
     system = torch.randint(0, VOCAB, (SYSTEM,), generator=gen).tolist()
     first, second = (system + torch.randint(0, VOCAB, (USER,), generator=gen).tolist() for _ in range(2))
-    (a,), _ = serve(engine, [first], 1)
-    (b,), _ = serve(engine, [second], 1)
-    return {"first_ttft_ms": ttft(a) * 1e3, "second_ttft_ms": ttft(b) * 1e3}
+    (a,), _ = serve(engine, [first], 1, logprobs=5)
+    (b,), _ = serve(engine, [second], 1, logprobs=5)
+    return {
+        "first_ttft_ms": ttft(a) * 1e3,
+        "second_ttft_ms": ttft(b) * 1e3,
+        "logprobs": [a.logprobs, b.logprobs],
+    }
+
+
+def logprob_gap(ours: list[dict[int, float]], theirs: list[dict[int, float]]) -> float:
+    """Largest difference between two runs' logprobs of the same token ids (top-5 of the first token)."""
+    (a,), (b,) = ours, theirs
+    return max(abs(a[t] - b[t]) for t in a.keys() & b.keys())
 
 
 def multi_turn(engine, gen: torch.Generator, conversations: int, turns: int, answer: int) -> dict:
@@ -106,9 +121,22 @@ def main() -> None:
         cuda_graph_max_bs=32, speculative_algorithm="DFLASH", speculative_num_draft_tokens=8,
         speculative_draft_model_path=str(root / "dflash"),
     )  # fmt: skip
-    off = LLM(str(root / "target"), disable_radix_cache=True, mem_fraction_static=0.5, **common)
-    on = LLM(str(root / "target"), target=off.engine.model, mem_fraction_static=0.9, **common)
-    engines = {"off": off.engine, "on": on.engine}
+    off = LLM(str(root / "target"), disable_radix_cache=True, mem_fraction_static=0.4, **common)
+    on = LLM(str(root / "target"), target=off.engine.model, mem_fraction_static=0.55, **common)
+    plain = {k: v for k, v in common.items() if not k.startswith("speculative")}
+    shared = dict(target=off.engine.model, **plain)
+    plain_off = LLM(str(root / "target"), disable_radix_cache=True, mem_fraction_static=0.7, **shared)
+    plain_on = LLM(str(root / "target"), mem_fraction_static=0.85, **shared)
+    # the noise of bf16 on its own: the uncached engine prefilling in chunks of 1024 (where the cache's
+    # snapshots split KDA, though here attention is split too)
+    chunked = LLM(
+        str(root / "target"), disable_radix_cache=True, mem_fraction_static=0.95, chunked_prefill_size=1024,
+        **shared,
+    )  # fmt: skip
+    engines = {
+        "off": off.engine, "on": on.engine, "plain_off": plain_off.engine, "plain_on": plain_on.engine,
+        "plain_off_chunked": chunked.engine,
+    }  # fmt: skip
     report: dict = {
         "gpu": torch.cuda.get_device_name(),
         "layers": args.layers,
@@ -117,15 +145,18 @@ def main() -> None:
         "max_total_num_tokens": {k: e.plan.max_total_num_tokens for k, e in engines.items()},
     }
     warm = torch.Generator().manual_seed(99)
-    for engine in engines.values():  # warm-up: every kernel once
+    for name, engine in engines.items():  # warm-up: every kernel once
         pair(engine, warm)
-        multi_turn(engine, warm, 4, 2, 8)
-    runs: dict = {f"{w}_{k}": [] for w in ("pair", "multi_turn") for k in engines}
-    agree = []
+        if not name.startswith("plain"):
+            multi_turn(engine, warm, 4, 2, 8)
+    runs: dict = {f"pair_{k}": [] for k in engines} | {"multi_turn_off": [], "multi_turn_on": []}
+    agree, first_agree, gaps = [], [], []
     for rep in range(args.reps):
         for workload in ("pair", "multi_turn"):
             results = {}
-            for name, engine in engines.items():  # the same prompts for both engines
+            for name, engine in engines.items():  # the same prompts for every engine
+                if workload == "multi_turn" and name.startswith("plain"):
+                    continue
                 gen = torch.Generator().manual_seed(1000 + rep)
                 if workload == "pair":
                     results[name] = pair(engine, gen)
@@ -133,16 +164,29 @@ def main() -> None:
                     results[name] = multi_turn(engine, gen, args.conversations, args.turns, args.answer)
                 runs[f"{workload}_{name}"].append(results[name])
             if workload == "multi_turn":
-                same = [
-                    a == b
-                    for a, b in zip(results["on"].pop("outputs"), results["off"].pop("outputs"), strict=False)
-                ]
-                agree.append(sum(same) / len(same))
+                ours, theirs = results["on"].pop("outputs"), results["off"].pop("outputs")
+                agree.append(sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours))
+                first_agree.append(sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True)) / len(ours))
+                continue
+            # cached against uncached, for the first (snapshots taken) and the second (resumed) request
+            for cached, uncached in (
+                ("on", "off"),
+                ("plain_on", "plain_off"),
+                ("plain_off_chunked", "plain_off"),
+            ):
+                pairs = zip(results[cached]["logprobs"], results[uncached]["logprobs"], strict=True)
+                gaps.append([round(logprob_gap(a, b), 4) for a, b in pairs])
+            for result in results.values():
+                del result["logprobs"]
     for key, values in runs.items():
         report[key] = {m: round(statistics.median(v[m] for v in values), 3) for m in values[0]}
-    report["pair_second_over_first_on"] = round(
-        statistics.median(v["second_ttft_ms"] / v["first_ttft_ms"] for v in runs["pair_on"]), 3
-    )
+        report[key + "_reps"] = values
+    for name in ("on", "plain_on"):
+        report[f"pair_second_over_first_{name}"] = round(
+            statistics.median(v["second_ttft_ms"] / v["first_ttft_ms"] for v in runs[f"pair_{name}"]), 3
+        )
+    # per repetition: on / off, plain_on / plain_off, plain_off_chunked / plain_off; each [first, second]
+    report["pair_first_token_logprob_gaps"] = gaps
     report["multi_turn_mean_ttft_off_over_on"] = round(
         statistics.median(
             off_["mean_ttft_ms"] / on_["mean_ttft_ms"]
@@ -151,6 +195,7 @@ def main() -> None:
         2,
     )
     report["multi_turn_answers_equal_uncached"] = agree
+    report["multi_turn_first_tokens_equal_uncached"] = first_agree
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
