@@ -37,15 +37,23 @@ def hit_step_ms(engine, system: list[int], tokens: int, gen: torch.Generator, pr
     start = time.perf_counter()
     if profiler:
         profiler.enable()
-    engine.step()
-    torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as gpu:
+            engine.step()
+            torch.cuda.synchronize()
+    else:
+        engine.step()
+        torch.cuda.synchronize()
     took = (time.perf_counter() - start) * 1e3
     text = ""
     if profiler:
         profiler.disable()
         out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
-        text = out.getvalue()
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
+        events = gpu.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 1e3
+        kernels = sum(e.count for e in events if e.self_device_time_total > 0)
+        table = events.table(sort_by="self_device_time_total", row_limit=12)
+        text = f"GPU busy {busy:.2f} ms over {kernels} kernels\n{table}\n{out.getvalue()}"
     while engine.has_unfinished():
         engine.step()
     return took, text
