@@ -17,7 +17,7 @@ from hylo.engine.cuda_graph import DecodeGraphs, batch_size_buckets
 from hylo.engine.engine import Engine
 from hylo.engine.runner import ModelRunner
 from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
-from hylo.memory.manager import CacheManager, MemoryPlan
+from hylo.memory.manager import CacheManager, MemoryPlan, target_cache_specs
 from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
 from hylo.speculative.proposer import Proposer
@@ -73,8 +73,9 @@ def test_scratch_slot_and_page_are_never_handed_out(model):
     assert caches.pages.alloc(plan.num_pages + 1) is None
     assert plan.num_pages not in caches.pages.alloc(plan.num_pages)
     config, budget = model.config, 2**22
-    plain = MemoryPlan.from_budget(config, budget, PAGE, 4, MAX_LEN, torch.float32)
-    reserved = MemoryPlan.from_budget(config, budget, PAGE, 4, MAX_LEN, torch.float32, scratch=True)
+    specs = target_cache_specs(config, torch.float32)
+    plain = MemoryPlan.from_budget(specs, budget, PAGE, 4, MAX_LEN)
+    reserved = MemoryPlan.from_budget(specs, budget, PAGE, 4, MAX_LEN, scratch=True)
     paid = plain.bytes_per_slot + plain.bytes_per_token * PAGE
     assert reserved.num_pages == int(
         (budget - paid - 4 * plain.bytes_per_slot) // (PAGE * plain.bytes_per_token)

@@ -22,10 +22,11 @@ from hylo.engine.request import Status
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.moe import FP8Experts, MoE
 from hylo.memory.manager import weight_bytes
+from hylo.memory.specs import TokenCacheSpec
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import CheckpointError, dequantize_fp8, load_model, load_mtp_layer, quantize_fp8
 from hylo.speculative.mtp import MTPProposer
-from hylo.speculative.proposer import StepCommit
+from hylo.speculative.proposer import ProposerCaches, StepCommit
 
 TARGET_LAYERS = 6
 VOCAB, HIDDEN = 160, 64
@@ -357,8 +358,11 @@ def test_mtp_routed_experts_are_fp8_where_the_targets_are(tmp_path):
     assert not isinstance(bf16_layer.decoder.mlp.experts, FP8Experts)
     caches = Caches(target, num_seqs=1, per_seq=64)
     m = caches.manager
-    proposer = MTPProposer(layer, target, num_steps=2)
-    proposer.attach(m.tokens.num_slots, m.table.table)
+    table = m.table.table
+    pools = [TokenCacheSpec(layer.config, torch.float32).allocate(m.num_token_slots, "cpu")]
+    proposer = MTPProposer(
+        layer, target, ProposerCaches(table, torch.zeros(table.shape[0], 2).long(), pools), 2
+    )
     batch = ForwardBatch.build([caches.chunk(0, random_prompt(9, VOCAB, 3), 0)], m.table.table, m.tokens,
                                m.states, m.kpool)  # fmt: skip
     target(batch, capture_layers=proposer.capture_layers)

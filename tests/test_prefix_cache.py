@@ -222,3 +222,28 @@ def test_tree_evicts_least_recently_used_leaves_and_prunes_unresumable_pages():
     assert prefix.evict_pages(1) == 1 and prefix.match([*a, 0]) is None and prefix.match([*b, 0]).length == 8
     assert prefix.evict_pages(5) == 2 and prefix.num_nodes == 0 and caches.pages.num_free == 6
     assert caches.snapshot_ids.num_free == 2
+
+
+def test_the_memory_plan_is_the_sum_of_its_pools(target, draft):  # noqa: F811
+    """Every pool (token caches, draft K/V, state slots, snapshots) is sized from one budget by its
+    spec, and what the engine allocates is what the plan says."""
+    llm = make_llm(target, True, speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft))
+    engine = llm.engine
+    caches, plan, proposer = engine.caches, engine.plan, engine.proposer
+
+    def nbytes(*tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    token_bytes = nbytes(*(getattr(caches.tokens, n) for n in ("latent", "index_key", "index_gate")))
+    token_bytes += nbytes(caches.tokens.pooled_key, caches.tokens.pooled_key_scale)
+    draft_bytes = nbytes(proposer.k_cache, proposer.v_cache)
+    slots = caches.tokens.num_slots
+    assert plan.bytes_per_token * slots == pytest.approx(token_bytes + draft_bytes)
+    assert draft_bytes > 0 and caches.prefix is not None and plan.num_snapshots > 0
+    state_bytes = nbytes(caches.states.conv, caches.states.recurrent)
+    snapshot_bytes = nbytes(caches.snapshots.conv, caches.snapshots.recurrent, caches.snapshot_features)
+    assert snapshot_bytes == plan.num_snapshots * plan.bytes_per_snapshot
+    allocated = token_bytes + draft_bytes + state_bytes + snapshot_bytes + nbytes(caches.table.table)
+    # the plan pays a request-table row per slot at max_len; the table rounds max_len up to pages
+    assert allocated == pytest.approx(plan.cache_bytes, rel=0.01)
+    assert 0.1 < snapshot_bytes / 0.25 / 2**30 <= 0.125  # the snapshots' share of the budget

@@ -23,12 +23,13 @@ from hylo.memory.manager import (
     MemoryPlan,
     format_memory_report,
     memory_report,
+    target_cache_specs,
 )
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
 from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
-from hylo.speculative.proposer import Proposer
+from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches
 from hylo.structured import Grammars
 from hylo.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -56,11 +57,13 @@ class Engine:
     def __init__(
         self,
         config: EngineConfig,
-        proposer: Proposer | None = None,
+        proposer: Proposer | ProposerBuild | None = None,
         decode_graphs: bool | None = None,
         target: Glm5NextForCausalLM | None = None,
     ):
-        """`proposer` overrides the one `config.speculative_algorithm` would build. `decode_graphs`
+        """`proposer` overrides the one `config.speculative_algorithm` would build: a `ProposerBuild`
+        (its caches are allocated with the target's from one budget and handed to it) or a proposer
+        without caches of its own, made before the engine (it receives the draft rows). `decode_graphs`
         overrides whether decode steps run as fixed-shape batches (by default: on CUDA, as graph
         replays, unless `config.disable_cuda_graph`): plain decode steps without a proposer, verify
         steps with one that drafts on the device; on the CPU they run as plain calls (for tests).
@@ -79,22 +82,20 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self.context_len = config.context_length or model_config.max_position_embeddings
         indexer_dtype = torch.float8_e4m3fn if config.indexer_dtype == "fp8" else None
-        self.proposer = proposer or self._build_proposer(path, indexer_dtype)
-        draft_bytes = self.proposer.bytes_per_token() if self.proposer else 0.0
+        build = self._build_proposer(path, indexer_dtype) if proposer is None else proposer
+        if isinstance(build, Proposer):
+            build = ProposerBuild.of(build)
         if decode_graphs is None:
             decode_graphs = self.device.type == "cuda" and not config.disable_cuda_graph
-        # a proposer observes every forward's features: plain decode graphs don't make them, so with
-        # one the fixed-shape steps are verify steps, and only for a proposer that drafts on the device
-        verify_graphs = decode_graphs and self.proposer is not None and not self.proposer.needs_host
         prefix_cache = not config.disable_radix_cache
-        feature_dim = 0  # a snapshot also keeps the features of its last token for such a proposer
-        if self.proposer is not None and self.proposer.needs_last_features:
-            feature_dim = model_config.hidden_size * len(self.proposer.capture_layers)
+        feature_dim = build.snapshot_feature_dim if build is not None else 0
+        target_specs = target_cache_specs(
+            model_config, self.dtype, indexer_dtype, feature_dim if prefix_cache else None
+        )
         self.plan = MemoryPlan.from_budget(
-            model_config, self._budget_bytes(), config.page_size, config.max_running_requests,
-            self.context_len, self.dtype, draft_bytes, indexer_dtype, scratch=decode_graphs or verify_graphs,
+            target_specs + (build.specs if build is not None else []), self._budget_bytes(),
+            config.page_size, config.max_running_requests, self.context_len, scratch=decode_graphs,
             snapshot_share=PREFIX_SNAPSHOT_SHARE if prefix_cache else 0.0,
-            snapshot_extra_bytes=feature_dim * self.dtype.itemsize,
         )  # fmt: skip
         if prefix_cache and self.plan.num_snapshots == 0:
             logger.warning(
@@ -104,10 +105,17 @@ class Engine:
             model_config, self.plan, self.dtype, self.device, indexer_dtype,
             config.prefix_snapshot_interval if prefix_cache else None, feature_dim,
         )  # fmt: skip
+        self.proposer = None
         num_drafts = 0
-        if self.proposer is not None:
-            self.proposer.attach(self.caches.tokens.num_slots, self.caches.table.table)
+        if build is not None:
+            table = self.caches.table.table
+            drafts = torch.zeros(table.shape[0], build.num_draft_tokens, dtype=torch.long, device=self.device)
+            pools = [spec.allocate(self.caches.num_token_slots, self.device) for spec in build.specs]
+            self.proposer = build.build(ProposerCaches(table, drafts, pools))
             num_drafts = self.proposer.num_draft_tokens
+        # a proposer observes every forward's features: plain decode graphs don't make them, so with
+        # one the fixed-shape steps are verify steps, and only for a proposer that drafts on the device
+        verify_graphs = decode_graphs and self.proposer is not None and not self.proposer.needs_host
         self.scheduler = Scheduler(
             self.caches, self.plan.num_slots, config.chunked_prefill_size, num_drafts, self.proposer
         )
@@ -128,7 +136,7 @@ class Engine:
         self.memory_report = memory_report(self.model, self.plan, self.device, load_peak.bytes)
         logger.info("memory: %s", format_memory_report(self.memory_report))
 
-    def _build_proposer(self, model_path: Path, indexer_dtype: torch.dtype | None) -> Proposer | None:
+    def _build_proposer(self, model_path: Path, indexer_dtype: torch.dtype | None) -> ProposerBuild | None:
         if self.config.speculative_algorithm is None:
             return None
         if self.config.speculative_algorithm == "MTP":

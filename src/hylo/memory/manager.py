@@ -8,10 +8,9 @@ from typing import Any
 import torch
 
 from hylo.config import ModelConfig
-from hylo.memory.kv import TokenCache
 from hylo.memory.pages import FreeList, RequestTable
 from hylo.memory.prefix_cache import PrefixCache, PrefixHit
-from hylo.memory.state import StateCache
+from hylo.memory.specs import CacheSpec, SnapshotSpec, StateSlotSpec, TokenCacheSpec, Unit, bytes_per
 
 # snapshots beyond this many are not worth their memory: a prefix cache rarely holds more live branches
 MAX_SNAPSHOTS = 4096
@@ -51,29 +50,26 @@ class MemoryPlan:
     @classmethod
     def from_budget(
         cls,
-        config: ModelConfig,
+        specs: list[CacheSpec],
         budget_bytes: int,
         page_size: int,
         max_running_requests: int | None,
         context_len: int,
-        dtype: torch.dtype,
-        extra_bytes_per_token: float = 0.0,
-        indexer_dtype: torch.dtype | None = None,
         scratch: bool = False,
         snapshot_share: float = 0.0,
-        snapshot_extra_bytes: int = 0,
     ) -> MemoryPlan:
-        """Prefix-cache snapshots get `snapshot_share` of the budget (each one KDA state slot plus
-        `snapshot_extra_bytes`, at most `MAX_SNAPSHOTS`); request slots get what
+        """Split one budget between the pools of `specs` by their units: prefix-cache snapshots get
+        `snapshot_share` of it (at most `MAX_SNAPSHOTS`); request slots get what
         `max_running_requests` asks, or by default up to half the rest (at most 256); token pages get
-        what remains. A slot also pays for its request-table row; a token also pays
-        `extra_bytes_per_token` (a draft model's cache). The `scratch` slot and page are paid for
-        first."""
-        per_token = TokenCache.bytes_per_token(config, dtype, indexer_dtype) + extra_bytes_per_token
+        what remains. A slot also pays for its request-table row. The `scratch` slot and page are paid
+        for first."""
+        per_token = bytes_per(specs, Unit.TOKEN)
         max_len = min(context_len, int(budget_bytes // per_token))
-        per_slot = StateCache.bytes_per_slot(config, dtype) + 4 * max_len
-        per_snapshot = StateCache.bytes_per_slot(config, dtype) + snapshot_extra_bytes
-        snapshots = min(MAX_SNAPSHOTS, int(budget_bytes * snapshot_share // per_snapshot))
+        per_slot = bytes_per(specs, Unit.SLOT) + 4 * max_len
+        per_snapshot = bytes_per(specs, Unit.SNAPSHOT)
+        snapshots = (
+            min(MAX_SNAPSHOTS, int(budget_bytes * snapshot_share // per_snapshot)) if per_snapshot else 0
+        )
         budget_bytes -= snapshots * per_snapshot
         if scratch:
             budget_bytes -= per_slot + per_token * page_size
@@ -87,8 +83,24 @@ class MemoryPlan:
             )
         # the table rows were paid for at the longest max_len the budget allowed; the pages cap it
         max_len = min(max_len, pages * page_size)
-        per_slot = StateCache.bytes_per_slot(config, dtype) + 4 * max_len
-        return cls(pages, page_size, slots, max_len, per_token, per_slot, scratch, snapshots, per_snapshot)
+        per_slot = bytes_per(specs, Unit.SLOT) + 4 * max_len
+        return cls(
+            pages, page_size, slots, max_len, per_token, per_slot, scratch, snapshots, int(per_snapshot)
+        )
+
+
+def target_cache_specs(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    indexer_dtype: torch.dtype | None = None,
+    snapshot_feature_dim: int | None = None,
+) -> list[CacheSpec]:
+    """The target model's pools: its token caches, its KDA state slots and, with a prefix cache
+    (`snapshot_feature_dim` not None), its snapshots."""
+    specs: list[CacheSpec] = [TokenCacheSpec(config, dtype, indexer_dtype), StateSlotSpec(config, dtype)]
+    if snapshot_feature_dim is not None:
+        specs.append(SnapshotSpec(config, dtype, snapshot_feature_dim))
+    return specs
 
 
 class CacheManager:
@@ -125,17 +137,21 @@ class CacheManager:
         self.plan = plan
         self.kpool = config.index_kpool
         extra = int(plan.scratch)
-        num_token_slots = (plan.num_pages + extra) * plan.page_size
-        self.tokens = TokenCache(config, num_token_slots, dtype, device, indexer_dtype)
-        self.states = StateCache(config, plan.num_slots + extra, dtype, device)
+        self.num_token_slots = (plan.num_pages + extra) * plan.page_size
+        prefix = prefix_snapshot_interval is not None
+        tokens, states, *snapshots = target_cache_specs(
+            config, dtype, indexer_dtype, snapshot_feature_dim if prefix else None
+        )
+        self.tokens = tokens.allocate(self.num_token_slots, device)
+        self.states = states.allocate(plan.num_slots + extra, device)
+        snapshots = (snapshots[0] if snapshots else SnapshotSpec(config, dtype)).allocate(
+            plan.num_snapshots, device
+        )
         self.table = RequestTable(plan.num_slots + extra, plan.max_len, plan.page_size, device)
         self.pages = FreeList(plan.num_pages)
         self.page_refs = [0] * plan.num_pages
         self.slots = FreeList(plan.num_slots)
-        self.snapshots = StateCache(config, plan.num_snapshots, dtype, device)
-        self.snapshot_features = torch.zeros(
-            plan.num_snapshots, snapshot_feature_dim, dtype=dtype, device=device
-        )
+        self.snapshots, self.snapshot_features = snapshots.states, snapshots.features
         self.snapshot_ids = FreeList(plan.num_snapshots)
         self.prefix = (
             None if prefix_snapshot_interval is None else PrefixCache(self, prefix_snapshot_interval)

@@ -3,35 +3,82 @@ per verify step (DFlash2 drafts pick the block's tokens with their candidate sel
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hylo.forward_batch import ForwardBatch
+from hylo.memory.specs import CacheSpec, Unit
 from hylo.models.dflash import DFlashConfig, DFlashDraftModel, PagedContext
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_flat
 from hylo.ops.draft_attention import store_context_kv
-from hylo.speculative.proposer import Proposer, StepCommit
+from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches, StepCommit
+
+
+@dataclass
+class DraftKV:
+    """The draft's context K and V of every token slot: `[layer, token slot, kv heads, head dim]`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DraftKVSpec(CacheSpec):
+    """A DFlash draft's context K/V per token-cache slot, every draft layer."""
+
+    config: DFlashConfig
+    dtype: torch.dtype
+    name: str = "draft_kv"
+    unit = Unit.TOKEN
+
+    def bytes_per_unit(self) -> float:
+        c = self.config
+        return 2.0 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+
+    def allocate(self, count: int, device: torch.device | str) -> DraftKV:
+        c = self.config
+        shape = (c.num_hidden_layers, count, c.num_key_value_heads, c.head_dim)
+        return DraftKV(*(torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2)))
 
 
 class DFlashProposer(Proposer):
     """Draft K/V live in `[layer, token slot, kv heads, head dim]` pools indexed by the target's
-    request table, so a request's draft context is exactly its committed positions."""
+    request table (`caches.pools[0]`, a `DraftKV` from `DraftKVSpec`), so a request's draft context is
+    exactly its committed positions."""
 
-    def __init__(self, draft: DFlashDraftModel, target: Glm5NextForCausalLM, block_size: int | None = None):
+    def __init__(
+        self,
+        draft: DFlashDraftModel,
+        target: Glm5NextForCausalLM,
+        caches: ProposerCaches,
+        block_size: int | None = None,
+    ):
         c = draft.config
         self.draft, self.target = draft, target
         self.block_size = block_size or c.block_size
         self.num_draft_tokens = self.block_size - 1
         self.capture_layers = c.target_layer_ids
         self.needs_host = False
-        self.k_cache = self.v_cache = self.table = None
+        (kv,) = caches.pools
+        self.k_cache, self.v_cache = kv.k, kv.v
+        self.table, self.drafts = caches.req_to_token, caches.drafts
+        w = target.embed_tokens.weight
+        self.draft.build_rotary(self.table.shape[1] + self.block_size, w.device)
+        # every layer's k and v projections stacked into one weight, so that a step's new context K/V
+        # is one GEMM and one store launch
+        attns = [layer.self_attn for layer in self.draft.layers]
+        self.kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
+        self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])
 
     @classmethod
     def load(
         cls, path: str | Path, target: Glm5NextForCausalLM, block_size: int | None = None
-    ) -> DFlashProposer:
+    ) -> ProposerBuild:
+        """The draft at `path`, checked against the target and loaded in its dtype on its device; the
+        proposer is built around the draft K/V pool the memory plan allocates."""
         c = DFlashConfig.from_dir(path)
         t = target.config
         if c.hidden_size != t.hidden_size:
@@ -54,27 +101,11 @@ class DFlashProposer(Proposer):
             draft = DFlashDraftModel(c)
         draft = draft.to_empty(device=weight.device).to(weight.dtype)
         load_flat(draft, path)
-        return cls(draft.eval(), target, block_size)
-
-    def bytes_per_token(self) -> float:
-        c = self.draft.config
-        elem = self.target.embed_tokens.weight.element_size()
-        return 2.0 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
-
-    def attach(self, num_token_slots: int, req_to_token: torch.Tensor) -> None:
-        """Draft K/V pools indexed like the target's token cache; every layer's k and v projections
-        stacked into one weight, so that a step's new context K/V is one GEMM and one store launch."""
-        super().attach(num_token_slots, req_to_token)
-        c = self.draft.config
-        w = self.target.embed_tokens.weight
-        shape = (c.num_hidden_layers, num_token_slots, c.num_key_value_heads, c.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
-        self.v_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
-        self.table = req_to_token
-        self.draft.build_rotary(req_to_token.shape[1] + self.block_size, w.device)
-        attns = [layer.self_attn for layer in self.draft.layers]
-        self.kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
-        self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])
+        draft = draft.eval()
+        block = block_size or c.block_size
+        return ProposerBuild(
+            [DraftKVSpec(c, weight.dtype)], block - 1, lambda caches: cls(draft, target, caches, block)
+        )
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:
         for cache in (self.k_cache, self.v_cache):

@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from hylo.forward_batch import ForwardBatch, SequenceChunk
-from hylo.memory.kv import TokenCache
+from hylo.memory.specs import TokenCacheSpec
 from hylo.memory.state import StateCache
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_mtp_layer
 from hylo.models.mtp import MTPLayer
-from hylo.speculative.proposer import Proposer, StepCommit
+from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches, StepCommit
 
 
 class MTPProposer(Proposer):
@@ -39,22 +39,24 @@ class MTPProposer(Proposer):
         self,
         layer: MTPLayer,
         target: Glm5NextForCausalLM,
+        caches: ProposerCaches,
         num_steps: int = 1,
-        indexer_dtype: torch.dtype | None = None,
     ):
+        """`caches.pools[0]`: the MTP layer's `TokenCache` (from `TokenCacheSpec(layer.config, ...)`)."""
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.layer, self.target = layer, target
         self.num_steps = self.num_draft_tokens = num_steps
         self.capture_layers = (target.config.num_hidden_layers - 1,)
-        self.indexer_dtype = indexer_dtype
         weight = target.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
         # The MTP layer has no KDA state; a forward batch still carries a (here empty) state cache.
         self.states = StateCache(layer.config, 0, self.dtype, self.device)
-        self.cache: TokenCache | None = None
-        self.table: torch.Tensor | None = None
-        self.last_hidden: torch.Tensor | None = None
+        (self.cache,) = caches.pools
+        self.table, self.drafts = caches.req_to_token, caches.drafts
+        self.last_hidden = torch.zeros(
+            self.table.shape[0], target.config.hidden_size, dtype=self.dtype, device=self.device
+        )
 
     @classmethod
     def load(
@@ -64,24 +66,16 @@ class MTPProposer(Proposer):
         num_steps: int = 1,
         indexer_dtype: torch.dtype | None = None,
         random_weights: bool = False,
-    ) -> MTPProposer:
+    ) -> ProposerBuild:
         """The MTP layer of the target checkpoint at `path` (with `random_weights`, built from its
-        config alone with the seeded random init, as `load_format="dummy"` asks)."""
+        config alone with the seeded random init, as `load_format="dummy"` asks); the proposer is
+        built around the layer's token cache (pooled keys in `indexer_dtype`) once the plan allocates it."""
         layer = load_mtp_layer(path, target, random_weights=random_weights)
-        return cls(layer, target, num_steps, indexer_dtype)
-
-    def bytes_per_token(self) -> float:
-        return TokenCache.bytes_per_token(self.layer.config, self.dtype, self.indexer_dtype)
-
-    def attach(self, num_token_slots: int, req_to_token: torch.Tensor) -> None:
-        super().attach(num_token_slots, req_to_token)
-        self.cache = TokenCache(
-            self.layer.config, num_token_slots, self.dtype, self.device, self.indexer_dtype
+        spec = TokenCacheSpec(
+            layer.config, target.embed_tokens.weight.dtype, indexer_dtype, name="mtp_tokens"
         )
-        self.table = req_to_token
-        self.last_hidden = torch.zeros(
-            req_to_token.shape[0], self.target.config.hidden_size, dtype=self.dtype, device=self.device
-        )
+        build = lambda caches: cls(layer, target, caches, num_steps)  # noqa: E731
+        return ProposerBuild([spec], num_steps, build, snapshot_feature_dim=target.config.hidden_size)
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:
         self.cache.copy_slots(src, dst, n)

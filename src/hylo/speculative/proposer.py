@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from hylo.engine.request import Request
 from hylo.forward_batch import ForwardBatch
+from hylo.memory.specs import CacheSpec
 
 
 @dataclass
@@ -44,6 +46,44 @@ class StepCommit:
     host: list[HostCommit] | None = None
 
 
+@dataclass
+class ProposerCaches:
+    """What the engine hands a proposer when it builds it: the request table its per-token pools are
+    indexed by (`req_to_token [rows, max_len]`), those pools (`pools[i]` allocated from the `i`-th of
+    its `ProposerBuild.specs` with one entry per token-cache slot) and the draft rows
+    (`drafts [rows, num_draft_tokens]`, zeros)."""
+
+    req_to_token: torch.Tensor
+    drafts: torch.Tensor
+    pools: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class ProposerBuild:
+    """A proposer whose weights are loaded and whose caches are not allocated yet: `specs` are the
+    per-token pools it needs (the memory plan sums them with the target's), `build` makes the proposer
+    around them once the plan has allocated them; a prefix-cache snapshot keeps `snapshot_feature_dim`
+    target features for it (`Proposer.needs_last_features`)."""
+
+    specs: list[CacheSpec]
+    num_draft_tokens: int
+    build: Callable[[ProposerCaches], Proposer]
+    snapshot_feature_dim: int = 0
+
+    @classmethod
+    def of(cls, proposer: Proposer) -> ProposerBuild:
+        """A proposer made before the engine, with no caches: it only takes the draft rows."""
+
+        if proposer.needs_last_features:
+            raise ValueError("proposer: one that resumes from snapshot features is built by its own load")
+
+        def build(caches: ProposerCaches) -> Proposer:
+            proposer.use_drafts(caches.drafts)
+            return proposer
+
+        return cls([], proposer.num_draft_tokens, build)
+
+
 class Proposer(ABC):
     """Drafts up to `num_draft_tokens` tokens per decoding request into `drafts`.
 
@@ -68,16 +108,10 @@ class Proposer(ABC):
     needs_last_features: bool = False
     drafts: torch.Tensor
 
-    def bytes_per_token(self) -> float:
-        """Cache bytes the proposer keeps per token slot (added to the target's per-token cost)."""
-        return 0.0
-
-    def attach(self, num_token_slots: int, req_to_token: torch.Tensor) -> None:
-        """Allocate the drafts (one row per request-table row) and any per-token caches, indexed like
-        the target's token cache. Subclasses with caches of their own extend this."""
-        self.drafts = torch.zeros(
-            req_to_token.shape[0], self.num_draft_tokens, dtype=torch.long, device=req_to_token.device
-        )
+    def use_drafts(self, drafts: torch.Tensor) -> None:
+        """Take the engine's draft rows (`[request-table rows, num_draft_tokens]`, `ProposerCaches.drafts`):
+        for a proposer made before the engine (one with no caches of its own, `ProposerBuild.of`)."""
+        self.drafts = drafts
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:  # noqa: B027 (optional hook)
         """Copy the per-token caches of token slots `src .. src + n - 1` to `dst ..` (whole pages)."""
