@@ -119,6 +119,8 @@ def test_speculative_decoding_resumes_with_the_proposers_caches(target, draft, c
         path, kwargs = target, dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft))
     else:
         path, kwargs = checkpoints[1], dict(speculative_algorithm="MTP", speculative_num_steps=2)
+    # prefills of 24 tokens a step: chunks that leave snapshots run beside verify blocks
+    kwargs["chunked_prefill_size"] = 24
     ref, ref_drafts = run(make_llm(path, False, **kwargs), waves(), GREEDY)
     llm = make_llm(path, True, **kwargs)
     outs, drafts = run(llm, waves(), GREEDY)
