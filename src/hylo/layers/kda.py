@@ -68,8 +68,9 @@ class KDAAttention(nn.Module):
                 *blocks, *self._params(batch, plan.block_slots), self.lower_bound
             )
             o[plan.verified_tokens] = o_blocks.flatten(0, 1)[plan.verified_positions]
-            others = [i for i in range(len(batch.extend_lens)) if i not in set(batch.verify_seqs)]
-            if any(i in batch.snapshot_points for i in others):
+            if batch.snapshot_points:  # prefill chunks beside the blocks leave prefix snapshots
+                verify = set(batch.verify_seqs)
+                others = [i for i in range(len(batch.extend_lens)) if i not in verify]
                 self._advance_in_segments(qkvfb, others, batch, o)
             elif plan.other_slots.numel():
                 rest = [t[plan.other_tokens] for t in qkvfb]
