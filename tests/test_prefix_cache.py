@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from conftest import random_prompt
@@ -10,7 +12,7 @@ from test_mtp import checkpoints  # noqa: F401 (a fixture: the MTP target)
 from test_spec import draft  # noqa: F401 (a fixture: the DFlash draft)
 
 from hylo import LLM, SamplingParams
-from hylo.config import ModelConfig
+from hylo.config import EngineConfig, ModelConfig
 from hylo.memory.kv import TokenCache
 from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.memory.state import StateCache
@@ -249,3 +251,22 @@ def test_the_memory_plan_is_the_sum_of_its_pools(target, draft):  # noqa: F811
     # the plan pays a request-table row per slot at max_len; the table rounds max_len up to pages
     assert allocated == pytest.approx(plan.cache_bytes, rel=0.01)
     assert 0.1 < snapshot_bytes / 0.25 / 2**30 <= 0.125  # the snapshots' share of the budget
+
+
+def test_prefix_cache_flags_and_their_errors():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli(
+        parser.parse_args(["--disable-radix-cache", "--prefix-snapshot-interval", "512"])
+    )
+    assert (config.disable_radix_cache, config.prefix_snapshot_interval) == (True, 512)
+    defaults = EngineConfig.from_cli(parser.parse_args([]))
+    assert (defaults.disable_radix_cache, defaults.prefix_snapshot_interval) == (False, 1024)
+    with pytest.raises(
+        ValueError, match=r"prefix_snapshot_interval \(100\) must be a multiple of page_size \(64\)"
+    ):
+        EngineConfig(prefix_snapshot_interval=100)
+    with pytest.raises(ValueError, match="prefix_snapshot_interval must be >= 1"):
+        EngineConfig(prefix_snapshot_interval=0)
+    with pytest.raises(ValueError, match="disable_radix_cache must be a bool"):
+        EngineConfig(disable_radix_cache="yes")
