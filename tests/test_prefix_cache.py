@@ -220,8 +220,11 @@ def test_tree_evicts_least_recently_used_leaves_and_prunes_unresumable_pages():
     prefix.insert(a, pa, 8, prefix.alloc_snapshot())
     prefix.insert(b, [pa[0], pb[1]], 8, prefix.alloc_snapshot())  # evicts the oldest snapshot (at 4)
     assert prefix.stats.evicted_snapshots == 1 and prefix.num_nodes == 3
-    caches.unshare(pa + pb)  # the requests finish: the tree alone holds its pages
-    assert caches.pages.num_free == 6 - 3
+    assert prefix.num_evictable_pages() == 0  # the requests still hold every cached page
+    caches.unshare([pb[1]])  # b's request finishes: its leaf is evictable, the shared root is not
+    assert prefix.num_evictable_pages() == 1
+    caches.unshare([*pa, pb[0]])  # the others finish: the tree alone holds its pages
+    assert caches.pages.num_free == 6 - 3 and prefix.num_evictable_pages() == 3
     prefix.match([*b, 0])  # b's branch is used last
     assert prefix.evict_pages(1) == 1 and prefix.match([*a, 0]) is None and prefix.match([*b, 0]).length == 8
     assert prefix.evict_pages(5) == 2 and prefix.num_nodes == 0 and caches.pages.num_free == 6

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from spec_e2e import write_dflash, write_target
+from spec_e2e import write_slice_with_dflash
 
 from hylo import LLM, SamplingParams
 
@@ -65,19 +65,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp())
-    (root / "target").mkdir()
-    (root / "dflash").mkdir()
-    write_target(root / "target", args.layers)
-    write_dflash(root / "dflash", [1, args.layers // 2, args.layers - 2], 8)
+    target, draft = write_slice_with_dflash(Path(tempfile.mkdtemp()), args.layers)
     common = dict(
         load_format="dummy", device="cuda", dtype="bfloat16", context_length=8192, max_running_requests=8,
         cuda_graph_max_bs=8,
     )  # fmt: skip
-    plain = LLM(str(root / "target"), mem_fraction_static=0.45, **common)
+    plain = LLM(str(target), mem_fraction_static=0.45, **common)
     spec = LLM(
-        str(root / "target"), target=plain.engine.model, mem_fraction_static=0.85,
-        speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "dflash"),
+        str(target), target=plain.engine.model, mem_fraction_static=0.85,
+        speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft),
         speculative_num_draft_tokens=8, **common,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(0)

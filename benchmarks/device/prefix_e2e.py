@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from spec_e2e import write_dflash, write_target
+from spec_e2e import write_slice_with_dflash
 
 from hylo import LLM, SamplingParams
 
@@ -111,26 +111,22 @@ def main() -> None:
     parser.add_argument("--answer", type=int, default=32)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp())
-    (root / "target").mkdir()
-    (root / "dflash").mkdir()
-    write_target(root / "target", args.layers)
-    write_dflash(root / "dflash", [1, args.layers // 2, args.layers - 2], 8)
+    target, draft = write_slice_with_dflash(Path(tempfile.mkdtemp()), args.layers)
     common = dict(
         load_format="dummy", device="cuda", dtype="bfloat16", context_length=8192, max_running_requests=32,
         cuda_graph_max_bs=32, speculative_algorithm="DFLASH", speculative_num_draft_tokens=8,
-        speculative_draft_model_path=str(root / "dflash"),
+        speculative_draft_model_path=str(draft),
     )  # fmt: skip
-    off = LLM(str(root / "target"), disable_radix_cache=True, mem_fraction_static=0.4, **common)
-    on = LLM(str(root / "target"), target=off.engine.model, mem_fraction_static=0.55, **common)
+    off = LLM(str(target), disable_radix_cache=True, mem_fraction_static=0.4, **common)
+    on = LLM(str(target), target=off.engine.model, mem_fraction_static=0.55, **common)
     plain = {k: v for k, v in common.items() if not k.startswith("speculative")}
     shared = dict(target=off.engine.model, **plain)
-    plain_off = LLM(str(root / "target"), disable_radix_cache=True, mem_fraction_static=0.7, **shared)
-    plain_on = LLM(str(root / "target"), mem_fraction_static=0.85, **shared)
+    plain_off = LLM(str(target), disable_radix_cache=True, mem_fraction_static=0.7, **shared)
+    plain_on = LLM(str(target), mem_fraction_static=0.85, **shared)
     # the noise of bf16 on its own: the uncached engine prefilling in chunks of 1024 (where the cache's
     # snapshots split KDA, though here attention is split too)
     chunked = LLM(
-        str(root / "target"), disable_radix_cache=True, mem_fraction_static=0.95, chunked_prefill_size=1024,
+        str(target), disable_radix_cache=True, mem_fraction_static=0.95, chunked_prefill_size=1024,
         **shared,
     )  # fmt: skip
     engines = {

@@ -60,6 +60,17 @@ def write_target(path: Path, layers: int) -> None:
     (path / "config.json").write_text(json.dumps(raw))
 
 
+def write_slice_with_dflash(root: Path, layers: int, block: int = 8) -> tuple[Path, Path]:
+    """The slice's config and a random DFlash draft of block `block` (target layers 1, L/2, L-2) under
+    `root`: (target directory, draft directory)."""
+    target, draft = root / "target", root / "dflash"
+    target.mkdir()
+    draft.mkdir()
+    write_target(target, layers)
+    write_dflash(draft, [1, layers // 2, layers - 2], block)
+    return target, draft
+
+
 DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 128, "selector_rank": 64, "selector_top_k": 8}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -128,9 +129,7 @@ class ModelRunner:
 
     def _snapshot_features(self, batch: ForwardBatch) -> None:
         """The features of each snapshot's last token, for a proposer that resumes from them."""
-        offsets = [0]
-        for n in batch.extend_lens:
-            offsets.append(offsets[-1] + n)
+        offsets = [0, *itertools.accumulate(batch.extend_lens)]
         points = [(offsets[i] + k - 1, sid) for i, pts in batch.snapshot_points.items() for k, sid in pts]
         index = to_device(points, batch.features.device, torch.long)
         self.caches.snapshot_features[index[:, 1]] = batch.features[index[:, 0]]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hylo.engine.request import Request, Status
-from hylo.memory.manager import CacheManager
+from hylo.memory.manager import CacheManager, copies_last_page
 
 # A chunk that scores its prompt (prompt logprobs) returns logits for every token: at most this many
 # tokens a chunk, so that those logits stay bounded ([tokens, vocab] fp32: 0.6 GiB for 155K ids).
@@ -118,7 +118,7 @@ class Scheduler:
         n = self._prefill_tokens(request, budget, request.total_len - start)
         shared = hit.pages if hit else []
         self.caches.share(shared)  # before making room: eviction must not take them
-        private_copy = int(hit is not None and getattr(self.proposer, "needs_last_features", False))
+        private_copy = int(hit is not None and copies_last_page(self.proposer))
         need = self.caches.pages_needed(len(shared), self._reserve(start + n)) + private_copy
         if not self.caches.make_room(need):
             self.caches.unshare(shared)

@@ -89,6 +89,13 @@ class MemoryPlan:
         )
 
 
+def copies_last_page(proposer: Any) -> bool:
+    """Whether a request resuming from a prefix snapshot gets a private copy of its last shared page
+    (and the snapshot's features): for a proposer that rewrites the entry before its first new
+    position (`Proposer.needs_last_features`)."""
+    return proposer is not None and proposer.needs_last_features
+
+
 def target_cache_specs(
     config: ModelConfig,
     dtype: torch.dtype,
@@ -222,10 +229,8 @@ class CacheManager:
 
     @property
     def num_available_pages(self) -> int:
-        """Pages free now or held by the prefix cache alone (evictable on demand)."""
-        refs = self.page_refs
-        cached = 0 if self.prefix is None else sum(refs[n.page] == 1 for n in self.prefix.nodes())
-        return self.pages.num_free + cached
+        """Pages free now or that evicting prefix-cache pages would free."""
+        return self.pages.num_free + (0 if self.prefix is None else self.prefix.num_evictable_pages())
 
     def resume(self, slot: int, hit: PrefixHit, pages: list[int], proposer: Any = None) -> None:
         """Start the request in `slot` (its `pages` empty) from a prefix-cache hit whose pages the caller
@@ -233,18 +238,17 @@ class CacheManager:
         snapshot. A proposer that rewrites the entry before a sequence's first new position
         (`needs_last_features`) gets a private copy of the last page: the caller made room for it."""
         pages.extend(hit.pages)
-        if proposer is not None and proposer.needs_last_features:
+        if copies_last_page(proposer):
             (copy,) = self.alloc_pages(1)
             self.copy_page(pages[-1], copy)
             ps = self.plan.page_size
             proposer.copy_tokens(pages[-1] * ps, copy * ps, ps)
             self.unshare([pages[-1]])
             pages[-1] = copy
+            proposer.resume(slot, self.snapshot_features[hit.snapshot])
         self.table.assign(slot, 0, pages)
         self.states.conv[:, slot] = self.snapshots.conv[:, hit.snapshot]
         self.states.recurrent[:, slot] = self.snapshots.recurrent[:, hit.snapshot]
-        if proposer is not None and proposer.needs_last_features:
-            proposer.resume(slot, self.snapshot_features[hit.snapshot])
 
     def release(self, slot: int, pages: list[int]) -> None:
         self.unshare(pages)

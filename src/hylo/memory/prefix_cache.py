@@ -201,6 +201,14 @@ class PrefixCache:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return freed
 
+    def num_evictable_pages(self) -> int:
+        """Pages `evict_pages` could free now: nodes whose page, and every page below them, only the
+        tree references."""
+        refs, evictable = self.caches.page_refs, {}
+        for node in sorted(self.nodes(), key=lambda n: -n.depth):  # children before their parents
+            evictable[node] = refs[node.page] == 1 and all(evictable[c] for c in node.children.values())
+        return sum(evictable.values())
+
     def clear(self) -> None:
         """Drop every node and snapshot (pages still used by running requests stay theirs)."""
         for node in list(self.nodes()):
