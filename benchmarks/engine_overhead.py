@@ -15,7 +15,7 @@ import time
 import torch
 
 from hylo import LLM, SamplingParams
-from hylo.models.demo import ensure_default_model
+from hylo.models.demo import default_model_dir
 
 
 def measure(llm: LLM, batch: int, steps: int) -> dict[str, float]:
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    llm = LLM(str(ensure_default_model()), device="cpu")
+    llm = LLM(str(default_model_dir()), device="cpu")
     print(f"torch threads: {torch.get_num_threads()}")
     print("| batch | steps/s | step ms | model forward ms | host overhead ms |")
     print("|---|---|---|---|---|")

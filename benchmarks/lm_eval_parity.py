@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from hylo import LLM, SamplingParams
-from hylo.models.demo import write_demo_model
+from hylo.models.demo import write_random_model
 from hylo.tokenizer import Tokenizer
 
 # (context, choices, index of the right one); lm-eval puts its target delimiter (a space) between them
@@ -141,7 +141,7 @@ def main() -> None:
     model = args.model
     if model is None:
         model = root / "demo"
-        write_demo_model(model)
+        write_random_model(model)
     port = free_port()
     proc = serve(model, port)
     try:

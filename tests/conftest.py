@@ -79,17 +79,18 @@ class Caches:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """The embedded demo model (random weights, its real tokenizer), written once per module."""
-    from hylo.models.demo import write_demo_model
+    """The random-weight test model (the architecture at small sizes, a tiny tokenizer), written once
+    per module."""
+    from hylo.models.demo import write_random_model
 
     path = tmp_path_factory.mktemp("demo")
-    write_demo_model(path)
+    write_random_model(path)
     return path
 
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    """The offline `LLM` of the demo model on the CPU."""
+    """The offline `LLM` of the random test model on the CPU."""
     from hylo import LLM
 
     return LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.25)

@@ -70,12 +70,12 @@ def test_the_tool_call_grammar_takes_calls_only(tmp_path):
     does not."""
     import xgrammar
 
-    from hylo.models.demo import write_demo_model
+    from hylo.models.demo import write_random_model
     from hylo.server.parsers import parse_tool_call, tool_call_grammar
     from hylo.structured import Grammars
     from hylo.tokenizer import Tokenizer
 
-    write_demo_model(tmp_path)
+    write_random_model(tmp_path)
     tokenizer = Tokenizer.from_dir(tmp_path)
     grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
     weather = {

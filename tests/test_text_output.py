@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hylo import LLM, SamplingParams
-from hylo.models.demo import write_demo_model
+from hylo.models.demo import write_random_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -13,7 +13,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("demo")
-    write_demo_model(path)
+    write_random_model(path)
     return LLM(str(path), device="cpu", page_size=16)
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from dflash_reference import write_dflash_checkpoint
 
 from hylo import LLM, SamplingParams
-from hylo.models.demo import write_demo_model
+from hylo.models.demo import write_random_model
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model = Path(tempfile.mkdtemp())
-    write_demo_model(model)
+    write_random_model(model)
     vocab = json.loads((model / "config.json").read_text())["text_config"]["vocab_size"]
     draft = write_dflash_checkpoint(Path(tempfile.mkdtemp()), 128, vocab, [0, 3, 6], seed=1, block_size=4)
     gen = torch.Generator().manual_seed(0)

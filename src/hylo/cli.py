@@ -78,6 +78,23 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     EngineConfig.add_cli_args(srv.add_argument_group("engine"))
 
+    from hylo.train.cli import add_train_args, add_train_draft_args
+
+    add_train_args(
+        commands.add_parser(
+            "train",
+            help="train the embedded demo target on ShareGPT (resumable)",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
+    add_train_draft_args(
+        commands.add_parser(
+            "train-draft",
+            help="train a DFlash/DFlash2 draft or the MTP layer for a target (resumable)",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
+
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     from hylo.bench.serving import add_cli_args as add_bench_args
@@ -156,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command in ("train", "train-draft"):
+        from hylo.train.cli import run_train, run_train_draft
+
+        return run_train(args) if args.command == "train" else run_train_draft(args)
     from hylo.bench.serving import run_from_cli
 
     return run_from_cli(args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +156,11 @@ class Tokenizer:
             return ids[1:]
         return ids
 
+    def encodings(self, texts: Sequence[str]) -> list[tokenizers.Encoding]:
+        """The encodings (ids, character offsets) of ``texts``, computed in parallel; their ids equal
+        ``encode(text)``'s unless the config sets ``add_bos_token``, which they ignore."""
+        return self._tok.encode_batch(list(texts))
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -251,7 +256,7 @@ class IncrementalDetokenizer:
         return chunk
 
 
-_DEMO_SPECIAL_TOKENS = (
+DEMO_SPECIAL_TOKENS = (
     "<|endoftext|>",
     "[gMASK]",
     "<sop>",
@@ -282,7 +287,7 @@ many tokens for the price of one step; when they are wrong, it keeps the correct
 
 _DEMO_MERGE_VOCAB = 384  # 256 byte symbols + 128 merges; specials come on top.
 
-_DEMO_CHAT_TEMPLATE = """\
+DEMO_CHAT_TEMPLATE = """\
 [gMASK]<sop>
 {%- if tools %}<|system|>
 You can call these tools:
@@ -301,30 +306,48 @@ You can call these tools:
 {% endif %}"""
 
 
-def write_byte_level_tokenizer(directory: Path) -> int:
-    """Writes the demo model's byte-level BPE tokenizer into ``directory``; returns its vocab size.
+def write_byte_level_bpe(
+    directory: Path,
+    texts: Iterable[str],
+    merge_vocab: int,
+    special_tokens: Sequence[str] = DEMO_SPECIAL_TOKENS,
+    extra_config: dict[str, str] | None = None,
+    show_progress: bool = False,
+) -> int:
+    """Trains a byte-level BPE of ``merge_vocab`` symbols on ``texts`` and writes it into ``directory``
+    (``tokenizer.json`` + ``tokenizer_config.json`` with the demo's bos/eos/pad, ``extra_config`` and
+    chat template); returns the vocab size, specials included.
 
-    Invariant: the output is byte-identical across calls and processes (the trainer's tie-breaks
-    are deterministic and every file is serialized in a fixed order). Ids 0-255 are the byte
-    symbols, then the learned merges, then the special tokens; the total stays <= 512.
+    Invariants: ids 0-255 are the byte symbols, then the learned merges, then ``special_tokens`` in
+    order; the output is byte-identical across calls and processes for the same ``texts`` (the
+    trainer's tie-breaks are deterministic and every file is serialized in a fixed order).
     """
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=_DEMO_MERGE_VOCAB,
+        vocab_size=merge_vocab,
         initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet()),
-        show_progress=False,
+        show_progress=show_progress,
     )
-    tok.train_from_iterator(_DEMO_CORPUS.split("\n\n"), trainer)
-    tok.add_special_tokens(list(_DEMO_SPECIAL_TOKENS))
+    tok.train_from_iterator(texts, trainer)
+    tok.add_special_tokens(list(special_tokens))
     config = {
         "bos_token": "<sop>",
         "eos_token": "<|endoftext|>",
         "pad_token": "<|endoftext|>",
-        "chat_template": _DEMO_CHAT_TEMPLATE,
+        **(extra_config or {}),
+        "chat_template": DEMO_CHAT_TEMPLATE,
     }
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return tok.get_vocab_size(with_added_tokens=True)
+
+
+def write_byte_level_tokenizer(directory: Path) -> int:
+    """Writes the demo model's byte-level BPE tokenizer into ``directory``; returns its vocab size.
+
+    Invariant: the output is byte-identical across calls and processes; the total stays <= 512.
+    """
+    return write_byte_level_bpe(directory, _DEMO_CORPUS.split("\n\n"), _DEMO_MERGE_VOCAB)

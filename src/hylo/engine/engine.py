@@ -333,12 +333,12 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
 
 
 def _demo_model() -> Path:
-    from hylo.models.demo import ensure_default_model
+    from hylo.models.demo import default_model_dir
 
-    path = ensure_default_model()
+    path = default_model_dir()
     logger.warning(
-        "no model given: using the embedded demo model at %s (a tiny GLM-5.3-Flash with random weights; "
-        "its output is gibberish by design)",
+        "no model given: using the embedded demo model at %s (a 7M-parameter GLM-5.3-Flash trained on "
+        "ShareGPT, with DFlash, DFlash2 and MTP drafts; its README.md is the model card)",
         path,
     )
     return path

@@ -1,17 +1,19 @@
-"""The embedded default model: a tiny random-weight GLM-5.3-Flash that hylo writes itself.
+"""The embedded demo model, and the random-weight model tests build.
 
-It has the real architecture (KDA and DSA layers with a k-pool indexer, a shared indexer layer,
-mHC, dense and MoE MLPs) at toy sizes, so `make serve` works on any machine with no download.
-Its weights are random: it produces gibberish, by design. The directory is written once,
-deterministically (same bytes on every write), under `$HYLO_HOME` (default `~/.cache/hylo`).
+`default_model_dir()` is the shipped demo: a 7M-parameter GLM-5.3-Flash (KDA and DSA layers with a
+k-pool indexer and a shared indexer layer, mHC, dense and MoE MLPs) trained on ShareGPT with its own
+tokenizer, with a DFlash draft (`dflash/`), a DFlash2 draft (`dflash2/`) and its MTP layer
+(`mtp.safetensors`) beside it; its `README.md` is the model card. It ships inside the package, so
+`make serve` works on any machine with no download.
+
+`write_random_model(path)` writes a smaller model of the same architecture with seeded random weights
+and a tiny byte-level tokenizer, deterministically (same bytes on every write): what tests need when
+a trained model would be slower and add nothing.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -22,7 +24,8 @@ from hylo.models.loader import save_checkpoint
 from hylo.models.random_init import randomize
 from hylo.tokenizer import Tokenizer, write_byte_level_tokenizer
 
-DEMO_NAME = "glm5-next-tiny-random-v1"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "glm5-next-demo"
+DEMO_DRAFTS = {"dflash": DEMO_DIR / "dflash", "dflash2": DEMO_DIR / "dflash2"}
 _SEED = 0
 _TEXT_CONFIG = dict(
     model_type="glm5_next_text",
@@ -56,32 +59,17 @@ _TEXT_CONFIG = dict(
 
 
 def default_model_dir() -> Path:
-    home = Path(os.environ.get("HYLO_HOME", Path.home() / ".cache" / "hylo"))
-    return home / DEMO_NAME
+    """The shipped demo model's directory; raises when the installation lacks it."""
+    if not (DEMO_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{DEMO_DIR}: the embedded demo model is missing from this installation (reinstall hylo, "
+            "or pass --model)"
+        )
+    return DEMO_DIR
 
 
-def ensure_default_model() -> Path:
-    """The demo model's directory, written first if absent (atomically: a half-written directory is
-    never visible, so concurrent first uses are safe)."""
-    target = default_model_dir()
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=target.parent))
-    try:
-        write_demo_model(staging)
-        staging.chmod(0o755)
-        staging.rename(target)
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def write_demo_model(path: Path) -> None:
-    """Tokenizer, config and seeded random weights of the demo model into `path`."""
+def write_random_model(path: Path) -> None:
+    """Tokenizer, config and seeded random weights of the random test model into `path`."""
     vocab = write_byte_level_tokenizer(path)
     tokenizer = Tokenizer.from_dir(path)
     stops = [tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]

@@ -34,6 +34,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -129,7 +130,11 @@ class DFlashConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file} not found: a DFlash draft directory needs a config.json")
-        raw = json.loads(file.read_text())
+        return cls.from_dict(json.loads(file.read_text()), file)
+
+    @classmethod
+    def from_dict(cls, raw: dict, file: Path = Path("config.json")) -> DFlashConfig:
+        """The config of a parsed z-lab `config.json` (`file` names it in errors)."""
         arch = (raw.get("architectures") or ["?"])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"{file}: architecture {arch!r} is not a supported DFlash draft {ARCHITECTURES}")
@@ -211,6 +216,12 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
+    def query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Queries (normed, rotated) `[..., heads, d]` of `x [..., H]` at `positions [...]`."""
+        c = self.c
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim)))
+        return rope(q, positions, c.rope_theta, self.rotary)
+
     def key_value(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values of `x [..., H]` at `positions [...]`."""
         c = self.c
@@ -225,8 +236,7 @@ class DraftAttention(nn.Module):
         """Block `x [R, B, H]` at `positions [R, B]` over context keys `[R, L, kv, d]` (valid where
         `ctx_valid`) and the block's own keys, non-causally."""
         c = self.c
-        q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
-                 c.rope_theta, self.rotary)  # fmt: skip
+        q = self.query(x, positions)
         k_blk, v_blk = self.key_value(x, positions)
         keys, values = torch.cat([ctx_k, k_blk], 1), torch.cat([ctx_v, v_blk], 1)
         key_pos = torch.cat([ctx_pos, positions], 1)
@@ -246,8 +256,7 @@ class DraftAttention(nn.Module):
         """The same attention with the context read through the request table (`context`, this
         layer's pools at index `layer`) instead of gathered keys."""
         c = self.c
-        q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim))), positions,
-                 c.rope_theta, self.rotary)  # fmt: skip
+        q = self.query(x, positions)
         k_blk, v_blk = self.key_value(x, positions)
         out = paged_draft_attention(
             q, k_blk, v_blk, context.k_cache[layer], context.v_cache[layer], context.req_to_token,
@@ -382,21 +391,28 @@ class DFlashDraftModel(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """Final hidden states `[R, B, H]` of the embedded blocks `[R, B, H]` over gathered context keys
         and values (`ctx_kv[layer]`, `[R, L, kv, d]`, valid where `ctx_valid`)."""
-        x = block * self.config.input_embedding_scale
-        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
-            attn = layer.self_attn
-            x = layer(x, lambda h, attn=attn, k=k, v=v: attn(h, positions, k, v, ctx_pos, ctx_valid))
-        return self.norm(x)
+        if len(ctx_kv) != len(self.layers):
+            raise ValueError(f"{len(ctx_kv)} context K/V for {len(self.layers)} layers")
+
+        def attend(i: int, h: torch.Tensor) -> torch.Tensor:
+            return self.layers[i].self_attn(h, positions, *ctx_kv[i], ctx_pos, ctx_valid)
+
+        return self.stack(block, attend)
 
     def forward_paged(
         self, block: torch.Tensor, positions: torch.Tensor, context: PagedContext
     ) -> torch.Tensor:
         """The same as `forward` with the context read through the request table: no gather, and no
         host read of the lengths (CUDA-graph safe where the paged kernel takes the call)."""
+        return self.stack(block, lambda i, h: self.layers[i].self_attn.paged(h, positions, context, i))
+
+    def stack(self, block: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Final hidden states `[R, B, H]` of the embedded blocks `[R, B, H]`, `attend(i, h)` being layer
+        i's attention (any context source: gathered, paged, or training's shared one) of its normed
+        block input `h [R, B, H]`. The one layer walk of every path, so they cannot drift apart."""
         x = block * self.config.input_embedding_scale
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer(x, lambda h, attn=attn, i=i: attn.paged(h, positions, context, i))
+            x = layer(x, partial(attend, i))
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

@@ -247,15 +247,7 @@ def save_checkpoint(
     file). With `fp8`, every 2-D projection weight is stored as block-scaled e4m3."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    params = dict(model.named_parameters()) | dict(model.named_buffers())
-    out: dict[str, torch.Tensor] = {}
-    for key, slot in checkpoint_layout(model).items():
-        tensor = slot.view(params[slot.param].data).detach().reshape(slot.shape).contiguous().cpu()
-        name = key if key.startswith("lm_head.") else f"model.language_model.{key}"
-        if fp8 and _quantizable(key, tensor):
-            out[name], out[name + "_scale_inv"] = quantize_fp8(tensor)
-        else:
-            out[name] = tensor
+    out = checkpoint_tensors(model, checkpoint_layout(model), fp8)
     config = dict(raw_config)
     if fp8:
         config["quantization_config"] = {
@@ -265,6 +257,28 @@ def save_checkpoint(
         }
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def checkpoint_tensors(
+    module: torch.nn.Module, layout: dict[str, Slot], fp8: bool = False, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """`module`'s tensors on the CPU under their full checkpoint names (`layout`'s keys, prefixed by
+    `model.language_model.` except `lm_head.*`). With `fp8`, every 2-D projection weight is stored as
+    block-scaled e4m3 with its `_scale_inv`; with `dtype`, the other fp32 parameters are cast to it,
+    except those `transformers` keeps in fp32 (buffers keep their dtype)."""
+    params = dict(module.named_parameters())
+    tensors = params | dict(module.named_buffers())
+    out: dict[str, torch.Tensor] = {}
+    for key, slot in layout.items():
+        tensor = slot.view(tensors[slot.param].data).detach().reshape(slot.shape).contiguous().cpu()
+        name = key if key.startswith("lm_head.") else f"model.language_model.{key}"
+        if fp8 and _quantizable(key, tensor):
+            out[name], out[name + "_scale_inv"] = quantize_fp8(tensor)
+            continue
+        if dtype is not None and slot.param in params and tensor.dtype == torch.float32:
+            tensor = tensor if _stays_fp32(slot.param) else tensor.to(dtype)
+        out[name] = tensor
+    return out
 
 
 def _quantizable(key: str, tensor: torch.Tensor) -> bool:
@@ -339,7 +353,7 @@ def load_mtp_layer(
     if random_weights:
         randomize(layer, torch.Generator(weight.device).manual_seed(DUMMY_SEED + 1))
         return layer.eval()
-    layout = {prefix + key.removeprefix("decoder."): slot for key, slot in checkpoint_layout(layer).items()}
+    layout = mtp_layout(layer, n)
 
     def local_name(raw: str) -> str | None:
         key = _strip_prefix(raw)
@@ -347,6 +361,14 @@ def load_mtp_layer(
 
     _load_tensors(layer, path, layout, local_name, progress)
     return layer.eval()
+
+
+def mtp_layout(layer: torch.nn.Module, num_target_layers: int) -> dict[str, Slot]:
+    """`checkpoint_layout` of an MTP layer (an `MTPLayer`, or a module with its parameter names) as the
+    target's checkpoint stores it: below `layers.{num_target_layers}.`, the decoder layer's tensors
+    without their `decoder.` prefix. `load_mtp_layer` reads this layout and MTP training writes it."""
+    prefix = f"layers.{num_target_layers}."
+    return {prefix + key.removeprefix("decoder."): slot for key, slot in checkpoint_layout(layer).items()}
 
 
 def _has_fp8_experts(model: Glm5NextForCausalLM) -> bool:

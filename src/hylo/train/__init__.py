@@ -1,0 +1,1 @@
+"""Training hylo's embedded demo model and speculative drafts (`hylo train`, `hylo train-draft`)."""

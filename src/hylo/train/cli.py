@@ -1,0 +1,145 @@
+"""`hylo train` and `hylo train-draft` command lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hylo.train.loop import TrainSettings
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _add_settings(parser: argparse.ArgumentParser, steps: int, lr: float, batch_size: int) -> None:
+    parser.add_argument(
+        "--out", type=Path, required=True, help="output directory (resumed when it has a run)"
+    )
+    parser.add_argument(
+        "--steps", type=_positive(int), default=steps, help="optimizer steps (schedule length)"
+    )
+    parser.add_argument(
+        "--time-budget", type=_positive(float), default=None,
+        help="seconds to train: the schedule is fitted to it after the first steps (at most --steps)",
+    )  # fmt: skip
+    parser.add_argument("--lr", type=_positive(float), default=lr, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
+    parser.add_argument("--batch-size", type=_positive(int), default=batch_size, help="sequences a step")
+    parser.add_argument(
+        "--checkpoint-every", type=_positive(int), default=500, help="steps between checkpoints"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the batches")
+    parser.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device to train on")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _settings(args: argparse.Namespace) -> TrainSettings:
+    return TrainSettings(
+        steps=args.steps, lr=args.lr, warmup=args.warmup, checkpoint_every=args.checkpoint_every,
+        seed=args.seed, time_budget_s=args.time_budget,
+    )  # fmt: skip
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    _add_settings(parser, steps=6000, lr=3e-3, batch_size=64)
+    parser.add_argument("--seq-len", type=_positive(int), default=256, help="tokens a training window")
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None, help="use this directory's tokenizer instead of training one"
+    )
+    parser.add_argument(
+        "--limit", type=_positive(int), default=None, help="read only the first N ShareGPT conversations"
+    )
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from hylo.train.target import train_target
+
+    try:
+        settings = _settings(args)
+    except ValueError as e:
+        print(f"hylo train: {e}", file=sys.stderr)
+        return 2
+    report = train_target(
+        args.out, settings, batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
+        limit=args.limit, tokenizer=args.tokenizer, progress=not args.no_progress,
+    )  # fmt: skip
+    print(json.dumps({k: report[k] for k in ("held_out_loss", "held_out_perplexity", "parameters")}))
+    return 0
+
+
+def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
+    from hylo.train.draft import ALGORITHMS
+
+    _add_settings(parser, steps=3000, lr=1e-3, batch_size=32)
+    parser.add_argument("--target", type=Path, required=True, help="the target model directory")
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default="dflash", help="what to train")
+    parser.add_argument(
+        "--data", default="sharegpt",
+        help="prompts: 'sharegpt' (the train split) or a JSONL file of {\"messages\": [...]} conversations",
+    )  # fmt: skip
+    parser.add_argument("--num-prompts", type=_positive(int), default=4000, help="prompts to distil")
+    parser.add_argument(
+        "--max-prompt-tokens", type=_positive(int), default=256, help="longer prompts are skipped"
+    )
+    parser.add_argument(
+        "--max-tokens", type=_positive(int), default=192, help="tokens of each target response"
+    )
+    parser.add_argument(
+        "--num-layers", type=_positive(int), default=None, help="draft layers (DFlash/DFlash2)"
+    )
+    parser.add_argument("--block-size", type=_positive(int), default=8, help="DFlash block size")
+    parser.add_argument(
+        "--intermediate-size", type=_positive(int), default=None, help="draft MLP width (default 3 x hidden)"
+    )
+    parser.add_argument(
+        "--init-from", type=Path, default=None, help="start from this DFlash draft's weights (same config)"
+    )
+
+
+def run_train_draft(args: argparse.Namespace) -> int:
+    from hylo.models.loader import CheckpointError
+    from hylo.train.draft import train_draft
+
+    options = {}
+    if args.algorithm != "mtp":
+        options["block_size"] = args.block_size
+        if args.num_layers is not None:
+            options["num_layers"] = args.num_layers
+        if args.intermediate_size is not None:
+            options["intermediate_size"] = args.intermediate_size
+        if args.init_from is not None:
+            options["init_from"] = args.init_from
+    elif any(v is not None for v in (args.num_layers, args.intermediate_size, args.init_from)):
+        print(
+            "hylo train-draft: --num-layers, --intermediate-size and --init-from apply to DFlash drafts "
+            "only (the MTP layer has the target's sizes)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        report = train_draft(
+            args.target, args.out, args.algorithm, _settings(args), source=args.data,
+            num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens=args.max_tokens, batch_size=args.batch_size, device=args.device,
+            draft_options=options, progress=not args.no_progress,
+        )  # fmt: skip
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"hylo train-draft: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"algorithm": report["algorithm"], "last_losses": report["last_losses"]}))
+    return 0

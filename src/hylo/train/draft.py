@@ -1,0 +1,218 @@
+"""`hylo train-draft`: a DFlash / DFlash2 draft or the MTP layer, trained for a frozen target.
+
+The recipe (`../shared/research/dflash.md` §3): the target regenerates the responses to the training
+prompts itself (self-distillation, served by hylo), hylo's own forward captures the target features
+the proposer will read at serving time, and only the draft trains (DFlash: random anchors in the
+responses, bidirectional blocks, position-decayed cross-entropy; MTP: next-next-token prediction
+from the target's last hidden). Everything before training is cached in `out/distill.pt`, and the
+run itself resumes from `out/run/` (see `hylo.train.loop`).
+
+Output: `out/model/` — for DFlash/DFlash2 a z-lab-format draft directory (`--speculative-draft-model-path`),
+for MTP `mtp.safetensors` to put beside the target's weights (`--speculative-algorithm MTP`) — and
+`out/training.json` (settings, data, the last losses).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from hylo.models.loader import load_flat, load_model
+from hylo.tokenizer import Tokenizer
+from hylo.train import data
+from hylo.train.distill import DistillSet, build_distill_set, regenerate
+from hylo.train.loop import Trainer, TrainSettings, step_generator
+
+ALGORITHMS = ("dflash", "dflash2", "mtp")
+DISTILL_CACHE = "distill.pt"
+GENERATION_MEMORY_FRACTION = 0.3
+GENERATION_GRAPH_MAX_BS = 64
+
+
+class DraftTargetMismatch(ValueError):
+    """The draft cannot serve this target (hidden size, vocabulary, layers): says which and why."""
+
+
+def training_prompts(
+    tokenizer: Tokenizer, source: str | Path, count: int, max_prompt_tokens: int
+) -> list[list[int]]:
+    """Up to `count` prompts of at most `max_prompt_tokens` tokens: first user turns of ShareGPT's train
+    split (`source == "sharegpt"`), or of a JSONL file of `{"messages": [...]}` conversations."""
+    if str(source) == "sharegpt":
+        conversations, _ = data.split(data.load_conversations())
+    else:
+        conversations = _jsonl_conversations(Path(source))
+    prompts = []
+    for conversation in conversations:
+        ids = data.prompt_ids(tokenizer, conversation)
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == count:
+            break
+    if not prompts:
+        raise ValueError(f"{source}: no prompt of at most {max_prompt_tokens} tokens")
+    return prompts
+
+
+def _jsonl_conversations(path: Path) -> list[data.Conversation]:
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file (give 'sharegpt' or a JSONL file)")
+    conversations = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+            if not messages or messages[0].get("role") not in ("system", "user"):
+                raise ValueError("the conversation must start with a system or user message")
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(
+                f"--data {path}, line {number}: not a {{'messages': [...]}} conversation ({e})"
+            ) from e
+        conversations.append(data.Conversation(f"{path.name}:{number}", tuple(messages)))
+    return conversations
+
+
+def distill(
+    target_dir: Path, out: Path, prompts: Sequence[Sequence[int]], max_tokens: int, device: str, dtype
+) -> list[list[int]]:
+    """The target's greedy responses to `prompts`, generated once and cached in `out/distill.pt`."""
+    cache = out / DISTILL_CACHE
+    if cache.is_file():
+        saved = torch.load(cache, weights_only=True)
+        if saved["prompts"] == [list(p) for p in prompts] and saved["max_tokens"] == max_tokens:
+            return saved["responses"]
+    from hylo import LLM
+
+    # A small share of the GPU: the memory training needs next is only given back when the engine goes.
+    llm = LLM(
+        str(target_dir), device=device, dtype=str(dtype).removeprefix("torch."), disable_radix_cache=True,
+        mem_fraction_static=GENERATION_MEMORY_FRACTION, cuda_graph_max_bs=GENERATION_GRAPH_MAX_BS,
+    )  # fmt: skip
+    responses = regenerate(llm, prompts, max_tokens)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {"prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "responses": responses}, cache
+    )
+    return responses
+
+
+def train_draft(
+    target_dir: Path,
+    out: Path,
+    algorithm: str,
+    settings: TrainSettings,
+    source: str | Path = "sharegpt",
+    num_prompts: int = 4000,
+    max_prompt_tokens: int = 256,
+    max_tokens: int = 192,
+    batch_size: int = 32,
+    device: str = "cpu",
+    draft_options: dict | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train (or resume) a draft of `algorithm` for the target at `target_dir` into `out`."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    target_dir, out = Path(target_dir), Path(out)
+    tokenizer = Tokenizer.from_dir(target_dir)
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    prompts = training_prompts(tokenizer, source, num_prompts, max_prompt_tokens)
+    responses = distill(target_dir, out, prompts, max_tokens, device, dtype)
+    target = load_model(target_dir, device=device, dtype=dtype, progress=False)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    draft, loss_fn, layers, export = _objective(
+        algorithm, target_dir, target, tokenizer, settings.seed, draft_options or {}
+    )
+    draft.to(device)
+    examples = build_distill_set(target, prompts, responses, layers, tokenizer.pad_token_id)
+    trainer = Trainer(
+        draft, _batches(examples, batch_size, settings.seed), loss_fn, settings, out / "run",
+        autocast=device != "cpu", progress=progress, description=f"hylo train-draft {algorithm}",
+    )  # fmt: skip
+    trainer.resume()
+    history = trainer.run()
+    export(out / "model")
+    report = {
+        "algorithm": algorithm,
+        "target": str(target_dir),
+        "data": {"source": str(source), "prompts": len(prompts), "max_tokens": max_tokens,
+                 "response_tokens": int(examples.loss_mask.sum())},
+        "settings": asdict(settings) | {"batch_size": batch_size, "steps_run": len(history)},
+        "last_losses": [h["loss"] for h in history[-5:]],
+    }  # fmt: skip
+    (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _batches(examples: DistillSet, batch_size: int, seed: int):
+    def batch_at(step: int):
+        rows = torch.randint(
+            len(examples), (min(batch_size, len(examples)),), generator=step_generator(seed, step)
+        )
+        return (*examples.batch(rows.to(examples.tokens.device)), step)
+
+    return batch_at
+
+
+def _objective(algorithm: str, target_dir: Path, target, tokenizer: Tokenizer, seed: int, options: dict):
+    """(the module that trains, loss_fn(batch), the target layers its features come from, export(dir));
+    a batch is (tokens, features, loss_mask, step)."""
+    if algorithm == "mtp":
+        from hylo.train.mtp import MTPObjective, export_mtp_layer, init_mtp_layer
+
+        steps = options.pop("steps", 3)
+        layer = init_mtp_layer(target, seed, **options)
+        objective = MTPObjective(layer, target)
+
+        def mtp_loss(batch):
+            tokens, features, mask, _ = batch
+            return objective.loss(tokens, features, mask, steps=steps)
+
+        def export(directory: Path) -> None:
+            # the target's config beside the layer says what it was made for; the weights stay where they are
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.copy(Path(target_dir) / "config.json", directory / "config.json")
+            export_mtp_layer(layer, directory, dtype=torch.bfloat16)
+
+        return layer, mtp_loss, (target.config.num_hidden_layers - 1,), export
+    from hylo.train.bpe import MASK_TOKEN
+    from hylo.train.dflash import DFlashObjective, init_draft, new_draft_config, save_draft
+
+    mask = tokenizer.token_to_id(MASK_TOKEN)
+    if mask is None:
+        raise DraftTargetMismatch(
+            f"the target's tokenizer has no {MASK_TOKEN} token: a DFlash draft needs a mask token id "
+            "inside the target's vocabulary"
+        )
+    init_from = options.pop("init_from", None)
+    config = new_draft_config(target.config, algorithm, mask_token_id=mask, **options)
+    draft = init_draft(config, seed)
+    if init_from is not None:  # continue from a draft of exactly this shape
+        saved = json.loads((Path(init_from) / "config.json").read_text())
+        saved.pop("torch_dtype", None)  # what save_draft stored the weights in, not the draft's shape
+        if saved != config:
+            raise DraftTargetMismatch(
+                f"--init-from {init_from}: its config.json differs from the draft asked for"
+            )
+        load_flat(draft, init_from)
+    objective = DFlashObjective(draft, target.embed_tokens, target.lm_head)
+    device = target.embed_tokens.weight.device
+
+    def dflash_loss(batch):
+        tokens, features, mask, step = batch
+        return objective.loss(tokens, features, mask, step_generator(seed + 1, step, device))
+
+    layers = config["dflash_config"]["target_layer_ids"]
+    return draft, dflash_loss, layers, lambda d: save_draft(draft, config, d, dtype=torch.bfloat16)
