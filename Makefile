@@ -19,8 +19,10 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/hylo serve --host 127.0.0.1 --port 8000
 
+# Two workers, one file each at a time (module fixtures are built once), one thread each: the tests
+# are mostly small-op Python overhead, which two processes overlap on a 2-core machine.
 test: $(STAMP) lint
-	$(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
