@@ -144,3 +144,12 @@ def test_hylo_train_end_to_end_on_a_tiny_config(tmp_path, monkeypatch):
     torch.testing.assert_close(
         ours.float(), theirs, atol=1e-3, rtol=0
     )  # the same bf16 weights, fp32 arithmetic
+
+
+def test_hylo_train_without_the_reference_implementation_says_what_to_install(tmp_path, monkeypatch, capsys):
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr(target, "train_target", missing)
+    assert main(["train", "--out", str(tmp_path), "--device", "cpu"]) == 2
+    assert "transformers==5.23.0" in capsys.readouterr().err

@@ -9,6 +9,11 @@ from pathlib import Path
 
 from hylo.train.loop import TrainSettings
 
+# The target (and the MTP layer's training forward) train through the reference implementation.
+REFERENCE_NEEDED = (
+    "transformers is not installed: training needs transformers==5.23.0 (pip install -e '.[dev]')"
+)
+
 
 def _positive(kind):
     def parse(text: str):
@@ -70,14 +75,18 @@ def run_train(args: argparse.Namespace) -> int:
     from hylo.train.target import train_target
 
     try:
-        settings = _settings(args)
-    except ValueError as e:
+        report = train_target(
+            args.out, _settings(args), batch_size=args.batch_size, seq_len=args.seq_len,
+            device=args.device, limit=args.limit, tokenizer=args.tokenizer, progress=not args.no_progress,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as e:
         print(f"hylo train: {e}", file=sys.stderr)
         return 2
-    report = train_target(
-        args.out, settings, batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
-        limit=args.limit, tokenizer=args.tokenizer, progress=not args.no_progress,
-    )  # fmt: skip
+    except ModuleNotFoundError as e:
+        if e.name != "transformers":
+            raise
+        print(f"hylo train: {REFERENCE_NEEDED}", file=sys.stderr)
+        return 2
     print(json.dumps({k: report[k] for k in ("held_out_loss", "held_out_perplexity", "parameters")}))
     return 0
 
@@ -140,6 +149,11 @@ def run_train_draft(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"hylo train-draft: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name != "transformers":
+            raise
+        print(f"hylo train-draft: {REFERENCE_NEEDED}", file=sys.stderr)
         return 2
     print(json.dumps({"algorithm": report["algorithm"], "last_losses": report["last_losses"]}))
     return 0
