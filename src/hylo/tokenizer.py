@@ -285,6 +285,9 @@ block with the full model in a single pass. When the guesses are right, the engi
 many tokens for the price of one step; when they are wrong, it keeps the correct prefix and retries.
 """
 
+# The tokens that end an assistant turn in the demo chat format (the models' eos ids).
+DEMO_STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
+
 _DEMO_MERGE_VOCAB = 384  # 256 byte symbols + 128 merges; specials come on top.
 
 DEMO_CHAT_TEMPLATE = """\

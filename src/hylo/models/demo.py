@@ -22,7 +22,7 @@ from hylo.config import ModelConfig
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import save_checkpoint
 from hylo.models.random_init import randomize
-from hylo.tokenizer import Tokenizer, write_byte_level_tokenizer
+from hylo.tokenizer import DEMO_STOP_TOKENS, Tokenizer, write_byte_level_tokenizer
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "glm5-next-demo"
 DEMO_DRAFTS = {"dflash": DEMO_DIR / "dflash", "dflash2": DEMO_DIR / "dflash2"}
@@ -72,7 +72,7 @@ def write_random_model(path: Path) -> None:
     """Tokenizer, config and seeded random weights of the random test model into `path`."""
     vocab = write_byte_level_tokenizer(path)
     tokenizer = Tokenizer.from_dir(path)
-    stops = [tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    stops = [tokenizer.token_to_id(t) for t in DEMO_STOP_TOKENS]
     text = _TEXT_CONFIG | {"vocab_size": vocab, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": stops}
     raw = {
         "architectures": ["Glm5NextForConditionalGeneration"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hylo.train.loop import TrainSettings
@@ -60,6 +61,20 @@ def _settings(args: argparse.Namespace) -> TrainSettings:
     )  # fmt: skip
 
 
+def _reported(command: str, run: Callable[[], dict]) -> dict | None:
+    """`run()`'s report, or None after one line on stderr naming what is wrong with the input (a
+    checkpoint, a setting, a file: `CheckpointError` is a `ValueError`) or what to install."""
+    try:
+        return run()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hylo {command}: {e}", file=sys.stderr)
+    except ModuleNotFoundError as e:
+        if e.name != "transformers":
+            raise
+        print(f"hylo {command}: {REFERENCE_NEEDED}", file=sys.stderr)
+    return None
+
+
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     _add_settings(parser, steps=6000, lr=3e-3, batch_size=64)
     parser.add_argument("--seq-len", type=_positive(int), default=256, help="tokens a training window")
@@ -74,18 +89,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from hylo.train.target import train_target
 
-    try:
-        report = train_target(
-            args.out, _settings(args), batch_size=args.batch_size, seq_len=args.seq_len,
-            device=args.device, limit=args.limit, tokenizer=args.tokenizer, progress=not args.no_progress,
-        )  # fmt: skip
-    except (ValueError, FileNotFoundError) as e:
-        print(f"hylo train: {e}", file=sys.stderr)
-        return 2
-    except ModuleNotFoundError as e:
-        if e.name != "transformers":
-            raise
-        print(f"hylo train: {REFERENCE_NEEDED}", file=sys.stderr)
+    report = _reported("train", lambda: train_target(
+        args.out, _settings(args), batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
+        limit=args.limit, tokenizer=args.tokenizer, progress=not args.no_progress,
+    ))  # fmt: skip
+    if report is None:
         return 2
     print(json.dumps({k: report[k] for k in ("held_out_loss", "held_out_perplexity", "parameters")}))
     return 0
@@ -121,7 +129,6 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train_draft(args: argparse.Namespace) -> int:
-    from hylo.models.loader import CheckpointError
     from hylo.train.draft import train_draft
 
     options = {}
@@ -140,20 +147,12 @@ def run_train_draft(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        report = train_draft(
-            args.target, args.out, args.algorithm, _settings(args), source=args.data,
-            num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens,
-            max_tokens=args.max_tokens, batch_size=args.batch_size, device=args.device,
-            draft_options=options, progress=not args.no_progress,
-        )  # fmt: skip
-    except (CheckpointError, ValueError, FileNotFoundError) as e:
-        print(f"hylo train-draft: {e}", file=sys.stderr)
-        return 2
-    except ModuleNotFoundError as e:
-        if e.name != "transformers":
-            raise
-        print(f"hylo train-draft: {REFERENCE_NEEDED}", file=sys.stderr)
+    report = _reported("train-draft", lambda: train_draft(
+        args.target, args.out, args.algorithm, _settings(args), source=args.data,
+        num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+        batch_size=args.batch_size, device=args.device, draft_options=options, progress=not args.no_progress,
+    ))  # fmt: skip
+    if report is None:
         return 2
     print(json.dumps({"algorithm": report["algorithm"], "last_losses": report["last_losses"]}))
     return 0

@@ -79,8 +79,7 @@ def capture_features(
             slots.append(slot)
             pages.append(held)
             chunks.append(SequenceChunk(list(ids), 0, slot, slot, sample=False))
-        m = caches
-        batch = ForwardBatch.build(chunks, m.table.table, m.tokens, m.states, m.kpool)
+        batch = ForwardBatch.build(chunks, caches.table.table, caches.tokens, caches.states, caches.kpool)
         target(batch, capture_layers=tuple(layers))
         features.extend(batch.features.split([len(ids) for ids in group]))
         for slot, held in zip(slots, pages, strict=True):

@@ -33,10 +33,12 @@ ALGORITHMS = ("dflash", "dflash2", "mtp")
 DISTILL_CACHE = "distill.pt"
 GENERATION_MEMORY_FRACTION = 0.3
 GENERATION_GRAPH_MAX_BS = 64
+MTP_TRAIN_STEPS = 3  # chained MTP steps the loss trains, as many as the demo serves
 
 
 class DraftTargetMismatch(ValueError):
-    """The draft cannot serve this target (hidden size, vocabulary, layers): says which and why."""
+    """The draft asked for cannot be made for this target (no mask token, a different `--init-from`
+    draft): says which and why."""
 
 
 def training_prompts(
@@ -172,13 +174,12 @@ def _objective(algorithm: str, target_dir: Path, target, tokenizer: Tokenizer, s
     if algorithm == "mtp":
         from hylo.train.mtp import MTPObjective, export_mtp_layer, init_mtp_layer
 
-        steps = options.pop("steps", 3)
-        layer = init_mtp_layer(target, seed, **options)
+        layer = init_mtp_layer(target, seed)
         objective = MTPObjective(layer, target)
 
         def mtp_loss(batch):
             tokens, features, mask, _ = batch
-            return objective.loss(tokens, features, mask, steps=steps)
+            return objective.loss(tokens, features, mask, steps=MTP_TRAIN_STEPS)
 
         def export(directory: Path) -> None:
             # the target's config beside the layer says what it was made for; the weights stay where they are
@@ -190,14 +191,15 @@ def _objective(algorithm: str, target_dir: Path, target, tokenizer: Tokenizer, s
     from hylo.train.bpe import MASK_TOKEN
     from hylo.train.dflash import DFlashObjective, init_draft, new_draft_config, save_draft
 
-    mask = tokenizer.token_to_id(MASK_TOKEN)
-    if mask is None:
+    mask_id = tokenizer.token_to_id(MASK_TOKEN)
+    if mask_id is None:
         raise DraftTargetMismatch(
             f"the target's tokenizer has no {MASK_TOKEN} token: a DFlash draft needs a mask token id "
             "inside the target's vocabulary"
         )
+    options = dict(options)
     init_from = options.pop("init_from", None)
-    config = new_draft_config(target.config, algorithm, mask_token_id=mask, **options)
+    config = new_draft_config(target.config, algorithm, mask_token_id=mask_id, **options)
     draft = init_draft(config, seed)
     if init_from is not None:  # continue from a draft of exactly this shape
         saved = json.loads((Path(init_from) / "config.json").read_text())

@@ -106,6 +106,11 @@ class Trainer:
         self.total = settings.steps if settings.time_budget_s is None else None
         self.history: list[dict[str, float]] = []
 
+    @property
+    def length(self) -> int:
+        """The schedule's length: `settings.steps` until a time budget has fixed it."""
+        return self.total or self.settings.steps
+
     def resume(self) -> bool:
         """Load `out/checkpoint.pt` when present (True if loaded)."""
         path = self.out / CHECKPOINT
@@ -132,7 +137,7 @@ class Trainer:
         started, first = time.perf_counter(), self.step
         probe_start = None
         self.module.train()
-        while self.step < (self.total or self.settings.steps):
+        while self.step < self.length:
             stats = self._one_step()
             self.history.append(stats)
             with (self.out / LOSS_LOG).open("a") as log:
@@ -146,30 +151,29 @@ class Trainer:
                 bar.total = self.total
             bar.update()
             bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{stats['lr']:.2e}")
-            if self.step % self.settings.checkpoint_every == 0 or self.step == (
-                self.total or self.settings.steps
-            ):
+            if self.step % self.settings.checkpoint_every == 0 or self.step == self.length:
                 self.save()
         bar.close()
         self.module.eval()
         return self.history
 
     def _one_step(self) -> dict[str, float]:
-        lr = learning_rate(self.settings, self.step, self.total or self.settings.steps)
+        lr = learning_rate(self.settings, self.step, self.length)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = self.batch_at(self.step)
         device_type = self.params[0].device.type
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast):
             loss, stats = self.loss_fn(batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"step {self.step}: the loss is {loss.item()}")
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(f"step {self.step}: the loss is {value}")
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         logged = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in stats.items()}
-        return {"step": self.step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(), **logged}
+        return {"step": self.step, "loss": value, "lr": lr, "grad_norm": norm.item(), **logged}
 
     def _fit_budget(self, elapsed: float, per_step: float) -> int:
         remaining = max(0.0, self.settings.time_budget_s - elapsed)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hylo.tokenizer import Tokenizer
+from hylo.tokenizer import DEMO_STOP_TOKENS, Tokenizer
 from hylo.train import data
 from hylo.train.bpe import MASK_TOKEN, train_tokenizer
 from hylo.train.loop import Trainer, TrainSettings, step_generator
@@ -83,7 +83,7 @@ def hf_config(text_config: dict, tokenizer: Tokenizer):
 
 
 def _stop_ids(tokenizer: Tokenizer) -> list[int]:
-    return [tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    return [tokenizer.token_to_id(t) for t in DEMO_STOP_TOKENS]
 
 
 def prepare(
@@ -108,7 +108,7 @@ def prepare(
             name: data.pack(
                 (ids for ids, _ in data.encode_all(tokenizer, split)),
                 seq_len,
-                tokenizer.token_to_id("<|endoftext|>"),
+                tokenizer.token_to_id(DEMO_STOP_TOKENS[0]),
             )
             for name, split in (("train", train), ("held_out", held_out))
         }
