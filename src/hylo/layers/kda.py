@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hylo.config import ModelConfig
+from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.host_copy import to_device
 from hylo.layers.linear import Linear
@@ -18,12 +19,16 @@ class KDAAttention(nn.Module):
     """q|k|v projections, one depthwise causal conv over the three, safe-gated delta rule, gated norm.
 
     `conv_weight [3·H·d, K]` is the checkpoint's q_conv1d, k_conv1d and v_conv1d stacked in that order.
+    Under tensor parallelism H is this rank's heads: every per-head tensor (q/k/v, f_b, g_b, b, dt_bias,
+    A_log, the conv channels, the state slots) is split by head, f_a and g_a are replicated, and
+    o_proj is row parallel (its partial sums are all-reduced).
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, parallel: Parallel = SINGLE):
         super().__init__()
-        d, h, hidden = config.linear_head_dim, config.linear_num_heads, config.hidden_size
-        self.layer_idx, self.num_heads, self.head_dim = layer_idx, h, d
+        d, hidden = config.linear_head_dim, config.hidden_size
+        h = parallel.part(config.linear_num_heads, "linear_num_heads")
+        self.layer_idx, self.num_heads, self.head_dim, self.parallel = layer_idx, h, d, parallel
         self.lower_bound, self.eps = config.linear_lower_bound, config.rms_norm_eps
         self.q_proj = Linear(hidden, h * d)
         self.k_proj = Linear(hidden, h * d)
@@ -77,7 +82,7 @@ class KDAAttention(nn.Module):
                 o[plan.other_tokens] = self._advance(rest, plan.other_slots, *plan.other_cu, batch)
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, heads)
         o = kda_ops.gated_norm(o, gate, self.o_norm.weight, self.eps)
-        return self.o_proj(o.reshape(tokens, -1))
+        return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, -1)))
 
     def commit(self, batch: ForwardBatch, n_accepted: torch.Tensor) -> None:
         """Advance each verify chunk's window and state by its first `n_accepted[j]` tokens (int32,

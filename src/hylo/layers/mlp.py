@@ -5,17 +5,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.layers.linear import Linear
 from hylo.ops.moe import swiglu_clamp
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float):
+    """Under tensor parallelism gate and up are column parallel, down row parallel. `reduce=False`
+    leaves down's partial sum to the caller (the MoE block reduces it with its routed experts')."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        swiglu_limit: float,
+        parallel: Parallel = SINGLE,
+        reduce: bool = True,
+    ):
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size)
-        self.up_proj = Linear(hidden_size, intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
-        self.swiglu_limit = swiglu_limit
+        inter = parallel.part(intermediate_size, "the MLP's intermediate size")
+        self.gate_proj = Linear(hidden_size, inter)
+        self.up_proj = Linear(hidden_size, inter)
+        self.down_proj = Linear(inter, hidden_size)
+        self.swiglu_limit, self.parallel, self.reduce = swiglu_limit, parallel, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_clamp(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        out = self.down_proj(swiglu_clamp(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        return self.parallel.all_reduce(out) if self.reduce else out

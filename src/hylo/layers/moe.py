@@ -1,4 +1,9 @@
-"""Routed + shared experts MoE block."""
+"""Routed + shared experts MoE block.
+
+Under tensor parallelism the router is replicated (every rank routes every token the same way) and
+the routed experts are split by expert or by tensor (`Parallel.ep_size`); the shared expert is split
+by tensor. Each rank's routed and shared partial sums are added and all-reduced once: the combine is
+one reduction."""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import torch
 from torch import nn
 
 from hylo.config import ModelConfig
+from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.layers.mlp import MLP
 from hylo.ops import moe as moe_ops
 from hylo.ops.moe.reference import FP8_BLOCK
@@ -20,18 +26,35 @@ class Router(nn.Module):
         )
 
 
-class Experts(nn.Module):
-    """Routed expert weights, stacked: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`."""
+def local_experts(config: ModelConfig, parallel: Parallel) -> tuple[int, int, int]:
+    """(first expert, experts, intermediate size) of the routed experts this rank holds."""
+    e, i = config.n_routed_experts, config.moe_intermediate_size
+    if parallel.experts_by_expert:
+        lo, hi = parallel.span(e, "n_routed_experts")
+        return lo, hi - lo, i
+    return 0, e, parallel.part(i, "moe_intermediate_size")
 
-    def __init__(self, config: ModelConfig):
+
+class Experts(nn.Module):
+    """Routed expert weights, stacked: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`
+    (this rank's experts and intermediate slice: `local_experts`)."""
+
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE):
         super().__init__()
-        e, i, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        _, e, i = local_experts(config, parallel)
+        d = config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
         """The routed experts' output for x, routing included (`moe_ops.routed_experts`)."""
         return moe_ops.routed_experts(x, routing, self.gate_up_proj, self.down_proj, limit)
+
+    def forward_routed(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float
+    ) -> torch.Tensor:
+        """The output for x of the (token, choice) pairs `ids` (local expert ids) with `weights`."""
+        return moe_ops.experts(x, self.gate_up_proj, self.down_proj, ids, weights, limit)
 
 
 class FP8Experts(nn.Module):
@@ -52,13 +75,18 @@ class FP8Experts(nn.Module):
         self.register_buffer("down_proj_scale_inv", down_proj_scale_inv)
 
     @classmethod
-    def empty(cls, config: ModelConfig, device: str | torch.device) -> FP8Experts:
-        """Uninitialised buffers for a checkpoint's FP8 experts. The gate and up blocks of an expert are
-        stacked, so its intermediate size must be whole [128, 128] blocks."""
-        e, i, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+    def empty(
+        cls, config: ModelConfig, device: str | torch.device, parallel: Parallel = SINGLE
+    ) -> FP8Experts:
+        """Uninitialised buffers for a checkpoint's FP8 experts (this rank's: `local_experts`). The gate
+        and up blocks of an expert are stacked, so its intermediate size must be whole [128, 128]
+        blocks (per rank, when split by tensor)."""
+        _, e, i = local_experts(config, parallel)
+        d = config.hidden_size
         if i % FP8_BLOCK:
+            per_rank = " per rank" if i != config.moe_intermediate_size else ""
             raise ValueError(
-                f"FP8 experts need moe_intermediate_size to be a multiple of {FP8_BLOCK}, got {i}"
+                f"FP8 experts need moe_intermediate_size to be a multiple of {FP8_BLOCK}, got {i}{per_rank}"
             )
 
         def buffers(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,18 +109,29 @@ class FP8Experts(nn.Module):
         scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
         return moe_ops.routed_experts(x, routing, self.gate_up_proj, self.down_proj, limit, scales)
 
+    def forward_routed(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float
+    ) -> torch.Tensor:
+        """The output for x of the (token, choice) pairs `ids` (local expert ids) with `weights`."""
+        return moe_ops.experts_fp8(
+            x, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv,
+            ids, weights, limit,
+        )  # fmt: skip
+
 
 class MoE(nn.Module):
     """Routed experts (`Experts`, or `FP8Experts` in place of it) plus the shared expert MLP."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE):
         super().__init__()
-        self.config = config
+        self.config, self.parallel = config, parallel
+        self.first_expert = local_experts(config, parallel)[0]
         self.gate = Router(config)
-        self.experts: Experts | FP8Experts = Experts(config)
+        self.experts: Experts | FP8Experts = Experts(config, parallel)
         self.shared_experts = MLP(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit
-        )
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit,
+            parallel, reduce=False,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -105,4 +144,20 @@ class MoE(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
-        return self.experts(x, routing, c.swiglu_limit) + self.shared_experts(x)
+        if self.parallel.experts_by_expert:
+            routed = self._local_pairs(x, routing)
+        else:
+            routed = self.experts(x, routing, c.swiglu_limit)
+        return self.parallel.all_reduce(routed + self.shared_experts(x))
+
+    def _local_pairs(self, x: torch.Tensor, routing: moe_ops.Routing) -> torch.Tensor:
+        """Experts split by expert: every pair routed to another rank's expert is given weight 0 (and
+        this rank's first expert, so that the kernels see valid ids); it adds nothing here, and the
+        rank that holds its expert adds it in the all-reduce. Those pairs are still computed: a
+        kernel that drops them is left for when expert parallelism runs on GPUs."""
+        ids, weights = moe_ops.route(x, *routing)
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < self.experts.gate_up_proj.shape[0])
+        return self.experts.forward_routed(
+            x, local.where(mine, 0), weights.where(mine, 0), self.config.swiglu_limit
+        )

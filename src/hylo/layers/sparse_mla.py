@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hylo.config import ModelConfig
+from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.indexer import Indexer
 from hylo.layers.linear import Linear
@@ -15,12 +16,16 @@ from hylo.ops.sparse_mla import sparse_mla
 
 class SparseMLA(nn.Module):
     """Only the latent `c = RMSNorm(kv_a x)` is cached. kv_b is absorbed: q_lat = q·W_UK per head,
-    attention runs over latents, and W_UV maps the latent output back per head."""
+    attention runs over latents, and W_UV maps the latent output back per head.
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    Under tensor parallelism the heads are split (q_b and kv_b by head, o_proj row parallel and
+    all-reduced); q_a, kv_a, their norms, the indexer and the latent cache are replicated: every rank
+    writes the same latents."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, parallel: Parallel = SINGLE):
         super().__init__()
-        hidden, h = config.hidden_size, config.num_attention_heads
-        self.layer_idx, self.num_heads = layer_idx, h
+        hidden, h = config.hidden_size, parallel.part(config.num_attention_heads, "num_attention_heads")
+        self.layer_idx, self.num_heads, self.parallel = layer_idx, h, parallel
         self.nope_dim, self.v_dim, self.rank = config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
         self.scale = config.qk_nope_head_dim**-0.5
         self.q_a_proj = Linear(hidden, config.q_lora_rank)
@@ -49,4 +54,4 @@ class SparseMLA(nn.Module):
         q = self.q_b_proj(q_resid).unflatten(-1, (self.num_heads, self.nope_dim))
         out_latent = sparse_mla(torch.einsum("thd,hdr->thr", q, w_uk), latent, rows, self.scale)
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
-        return self.o_proj(out.flatten(1)), rows
+        return self.parallel.all_reduce(self.o_proj(out.flatten(1))), rows

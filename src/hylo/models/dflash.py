@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hylo.layers.norm import RMSNorm
+from hylo.layers.vocab import VocabHead
 from hylo.ops.draft_attention import paged_draft_attention, rotary_tables
 from hylo.ops.draft_attention.reference import inverse_frequencies
 
@@ -423,9 +424,9 @@ class DFlashDraftModel(nn.Module):
             logits = v2.final_logit_softcapping * torch.tanh(logits / v2.final_logit_softcapping)
         return logits
 
-    def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: VocabHead) -> torch.Tensor:
         """Draft tokens `[R, B−1]` from the drafted rows' hidden states `[R, B−1, H]`: the head's
         argmax for DFlash, the candidate selector's path after `anchors [R]` for DFlash2."""
         if self.config.dflash2 is None:
-            return lm_head(hidden).argmax(-1)
+            return lm_head.argmax(hidden)
         return self.candidate_selector(hidden, self.logits(hidden, lm_head), anchors)

@@ -8,14 +8,15 @@ import torch
 from torch import nn
 
 from hylo.config import LINEAR, ModelConfig
+from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.kda import KDAAttention
-from hylo.layers.linear import Linear
 from hylo.layers.mhc import HyperConnection
 from hylo.layers.mlp import MLP
 from hylo.layers.moe import MoE
 from hylo.layers.norm import RMSNorm
 from hylo.layers.sparse_mla import SparseMLA
+from hylo.layers.vocab import VocabEmbedding, VocabHead
 from hylo.ops.mhc import mhc_post
 
 # A block's output and its post/comb weights, not yet mixed into the streams: (out, post, comb).
@@ -25,15 +26,16 @@ PendingPost = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class DecoderLayer(nn.Module):
     """attention block and MLP block, each entered and left through its own hyper-connection."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, parallel: Parallel = SINGLE):
         super().__init__()
         self.is_linear = config.layer_types[layer_idx] == LINEAR
-        self.self_attn: nn.Module = (
-            KDAAttention(config, layer_idx) if self.is_linear else SparseMLA(config, layer_idx)
-        )
+        attention = KDAAttention if self.is_linear else SparseMLA
+        self.self_attn: nn.Module = attention(config, layer_idx, parallel)
         dense = config.mlp_layer_types[layer_idx] == "dense"
         self.mlp: nn.Module = (
-            MLP(config.hidden_size, config.intermediate_size, config.swiglu_limit) if dense else MoE(config)
+            MLP(config.hidden_size, config.intermediate_size, config.swiglu_limit, parallel)
+            if dense
+            else MoE(config, parallel)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -66,15 +68,19 @@ class DecoderLayer(nn.Module):
 
 
 class Glm5NextForCausalLM(nn.Module):
-    """The text model and its head. Caches are owned by the caller and reached through the batch."""
+    """The text model and its head. Caches are owned by the caller and reached through the batch.
+    `parallel`: this rank's share under tensor parallelism (`hylo.distributed`); `config` stays the
+    whole model's."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE):
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.config, self.parallel = config, parallel
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, parallel) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = VocabHead(config.hidden_size, config.vocab_size, parallel)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

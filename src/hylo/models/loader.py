@@ -23,7 +23,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hylo.config import ModelConfig
-from hylo.layers.moe import FP8Experts, MoE
+from hylo.distributed.parallel import SINGLE, Parallel
+from hylo.distributed.sharding import VOCAB, Shard, expert_of, split_dim
+from hylo.layers.moe import FP8Experts, MoE, local_experts
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.mtp import MTPLayer, mtp_config
 from hylo.models.random_init import randomize
@@ -41,11 +43,13 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one checkpoint tensor lives: `view(param)` is the destination, `shape` the on-disk shape."""
+    """Where one checkpoint tensor lives: `view(param)` is the destination, `shape` the on-disk shape;
+    under tensor parallelism `shard` is the part of it this rank reads (None: all of it)."""
 
     param: str
     view: Callable[[torch.Tensor], torch.Tensor]
     shape: tuple[int, ...]
+    shard: Shard | None = None
 
 
 def _whole(p: torch.Tensor) -> torch.Tensor:
@@ -60,10 +64,17 @@ def _expert_rows(p: torch.Tensor, expert: int, lo: int, hi: int | None) -> torch
     return p[expert, lo:hi]
 
 
+def _leading_rows(p: torch.Tensor, inner: Callable[[torch.Tensor], torch.Tensor], rows: int) -> torch.Tensor:
+    return inner(p)[:rows]
+
+
 def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
-    """Checkpoint name (without the `model.language_model.` prefix) -> destination, for every tensor."""
+    """Checkpoint name (without the `model.language_model.` prefix) -> destination, for every tensor
+    this rank holds (`hylo.distributed.sharding`: other ranks' experts are absent, split tensors come
+    with their `Shard`)."""
     c = model.config
-    inter = c.moe_intermediate_size
+    parallel = getattr(model, "parallel", SINGLE)
+    first_expert, _, inter = local_experts(c, parallel)
     layout: dict[str, Slot] = {}
     tensors = dict(model.named_parameters(remove_duplicate=True)) | dict(model.named_buffers())
     for name, tensor in tensors.items():
@@ -76,35 +87,63 @@ def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
                     name, view, (w, 1, shape[1])
                 )
         elif name.endswith("mlp.experts.gate_up_proj"):
-            for e in range(c.n_routed_experts):
-                base = name.replace("gate_up_proj", f"{e}")
+            for e in range(shape[0]):
+                base = name.replace("gate_up_proj", f"{first_expert + e}")
                 gate = partial(_expert_rows, expert=e, lo=0, hi=inter)
                 up = partial(_expert_rows, expert=e, lo=inter, hi=None)
                 layout[f"{base}.gate_proj.weight"] = Slot(name, gate, (inter, shape[2]))
                 layout[f"{base}.up_proj.weight"] = Slot(name, up, (inter, shape[2]))
         elif name.endswith("mlp.experts.down_proj"):
-            for e in range(c.n_routed_experts):
+            for e in range(shape[0]):
                 view = partial(_expert_rows, expert=e, lo=0, hi=None)
-                layout[name.replace("down_proj", f"{e}.down_proj.weight")] = Slot(name, view, shape[1:])
+                key = name.replace("down_proj", f"{first_expert + e}.down_proj.weight")
+                layout[key] = Slot(name, view, shape[1:])
         elif name.endswith("mlp.experts.gate_up_proj_scale_inv"):  # FP8Experts: gate blocks, then up blocks
             half = shape[1] // 2
-            for e in range(c.n_routed_experts):
-                base = name.replace("gate_up_proj_scale_inv", f"{e}")
+            for e in range(shape[0]):
+                base = name.replace("gate_up_proj_scale_inv", f"{first_expert + e}")
                 gate = partial(_expert_rows, expert=e, lo=0, hi=half)
                 up = partial(_expert_rows, expert=e, lo=half, hi=None)
                 layout[f"{base}.gate_proj.weight_scale_inv"] = Slot(name, gate, (half, shape[2]))
                 layout[f"{base}.up_proj.weight_scale_inv"] = Slot(name, up, (half, shape[2]))
         elif name.endswith("mlp.experts.down_proj_scale_inv"):
-            for e in range(c.n_routed_experts):
+            for e in range(shape[0]):
                 view = partial(_expert_rows, expert=e, lo=0, hi=None)
-                key = name.replace("down_proj_scale_inv", f"{e}.down_proj.weight_scale_inv")
+                key = name.replace("down_proj_scale_inv", f"{first_expert + e}.down_proj.weight_scale_inv")
                 layout[key] = Slot(name, view, shape[1:])
         else:
             key = re.sub(r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2", name)
             layout[key] = Slot(name, _whole, shape)
     if c.tie_word_embeddings:
         layout.pop("lm_head.weight", None)
+    if parallel.size > 1:
+        layout = {key: _sharded(key, slot, c, parallel) for key, slot in layout.items()}
     return layout
+
+
+def _sharded(key: str, slot: Slot, config: ModelConfig, parallel: Parallel) -> Slot:
+    """`slot` (this rank's part, its shape the part's) as a part of the whole on-disk tensor."""
+    dim = split_dim(key, parallel)
+    if dim is None:
+        return slot
+    if dim == VOCAB:
+        lo, _ = parallel.vocab_span(config.vocab_size)
+        rows = min(slot.shape[0], config.vocab_size - lo)  # the last rank's padding rows read nothing
+        view = partial(_leading_rows, inner=slot.view, rows=rows)
+        return Slot(slot.param, view, (config.vocab_size, *slot.shape[1:]), Shard(0, lo, rows))
+    local = slot.shape[dim]
+    shape = (*slot.shape[:dim], local * parallel.size, *slot.shape[dim + 1 :])
+    return Slot(slot.param, slot.view, shape, Shard(dim, parallel.rank * local, local))
+
+
+def held_elsewhere(key: str, model: torch.nn.Module) -> bool:
+    """Whether checkpoint tensor `key` is a routed expert another rank holds (experts split by expert)."""
+    parallel = getattr(model, "parallel", SINGLE)
+    expert = expert_of(key)
+    if expert is None or not parallel.experts_by_expert:
+        return False
+    lo, hi = parallel.span(model.config.n_routed_experts, "n_routed_experts")
+    return not lo <= expert < hi
 
 
 def _strip_prefix(key: str) -> str:
@@ -120,11 +159,15 @@ def _is_skipped(key: str, num_layers: int) -> bool:
     return bool(_SKIPPED.search(key)) or re.search(rf"(^|\.)layers\.{num_layers}\.", key) is not None
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 weight `[N, K]` times its per-[128, 128]-block scale `[ceil(N/128), ceil(K/128)]`."""
+def dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, offset: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
+    """e4m3 weight `[N, K]` times its per-[128, 128]-block scale `[ceil(N/128), ceil(K/128)]`; a part of
+    a larger weight starting at row, column `offset` takes the whole weight's scales."""
     n, k = weight.shape
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-    return (weight.float() * scale).to(dtype)
+    rows = (torch.arange(n) + offset[0]) // FP8_BLOCK
+    cols = (torch.arange(k) + offset[1]) // FP8_BLOCK
+    return (weight.float() * scale_inv.float()[rows][:, cols]).to(dtype)
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,8 +201,9 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: Glm5NextForCausalLM, path: str | Path, progress: bool | None = None) -> None:
-    """Stream every tensor of the checkpoint at `path` into `model`, one tensor at a time.
+def load_weights(model: Glm5NextForCausalLM, path: str | Path, progress: bool | None = None) -> int:
+    """Stream every tensor of the checkpoint at `path` into `model`, one tensor at a time; under
+    tensor parallelism only this rank's parts of them. Returns the bytes read from the files.
 
     Raises `CheckpointError` for a missing, unexpected or mis-shaped tensor (naming it, its file and
     the expected shape). FP8 weights with a `weight_scale_inv` are dequantised to the parameter dtype.
@@ -169,7 +213,7 @@ def load_weights(model: Glm5NextForCausalLM, path: str | Path, progress: bool | 
     def local_name(raw: str) -> str | None:
         return None if _is_skipped(raw, num_layers) else _strip_prefix(raw)
 
-    _load_tensors(model, Path(path), checkpoint_layout(model), local_name, progress)
+    return _load_tensors(model, Path(path), checkpoint_layout(model), local_name, progress)
 
 
 def _load_tensors(
@@ -178,10 +222,11 @@ def _load_tensors(
     layout: dict[str, Slot],
     local_name: Callable[[str], str | None],
     progress: bool | None,
-) -> None:
-    """Copy into `module` every checkpoint tensor whose `local_name` is not None (its key in `layout`);
-    every key of `layout` must be found."""
+) -> int:
+    """Copy into `module` every checkpoint tensor whose `local_name` is not None (its key in `layout`,
+    or another rank's expert); every key of `layout` must be found. Returns the bytes read."""
     files = _checkpoint_files(path)
+    read = 0
     params = dict(module.named_parameters()) | dict(module.named_buffers())
     seen: set[str] = set()
     bar = tqdm(
@@ -203,15 +248,19 @@ def _load_tensors(
                     continue  # scales of weights dequantised below
                 slot = layout.get(key)
                 if slot is None:
+                    if held_elsewhere(key, module):
+                        continue
                     raise CheckpointError(f"{file.name}: unexpected tensor {raw!r} (not part of the model)")
-                tensor = f.get_tensor(raw)
-                if tuple(tensor.shape) != slot.shape:
+                part = f.get_slice(raw)
+                if tuple(part.get_shape()) != slot.shape:
                     raise CheckpointError(
-                        f"{file.name}: tensor {raw!r} has shape {tuple(tensor.shape)}, expected {slot.shape}"
+                        f"{file.name}: tensor {raw!r} has shape {tuple(part.get_shape())}, expected {slot.shape}"
                     )
+                tensor = f.get_tensor(raw) if slot.shard is None else part[slot.shard.index()]
+                read += tensor.numel() * tensor.element_size()
                 dest = slot.view(params[slot.param].data)
                 if tensor.dtype == torch.float8_e4m3fn and dest.dtype != torch.float8_e4m3fn:
-                    tensor = _dequantized(f, raw, keys, tensor, file, dest.dtype)
+                    tensor = _dequantized(f, raw, keys, tensor, file, dest.dtype, slot)
                 elif dest.dtype == torch.float8_e4m3fn and tensor.dtype != dest.dtype:
                     raise CheckpointError(f"{file.name}: {raw!r} is {tensor.dtype}, FP8 experts need e4m3")
                 dest.copy_(tensor.view(dest.shape))
@@ -222,22 +271,27 @@ def _load_tensors(
     if missing:
         shown = ", ".join(f"{m} {layout[m].shape}" for m in missing[:5])
         raise CheckpointError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {shown}")
+    return read
 
 
 def _dequantized(
-    f, raw: str, keys: set[str], tensor: torch.Tensor, file: Path, dtype: torch.dtype
+    f, raw: str, keys: set[str], tensor: torch.Tensor, file: Path, dtype: torch.dtype, slot: Slot
 ) -> torch.Tensor:
+    """`tensor` (the part of `raw` that `slot` reads) dequantised with the whole weight's block scales."""
     scale_key = raw + "_scale_inv"
     if scale_key not in keys:
         raise CheckpointError(f"{file.name}: FP8 tensor {raw!r} has no {scale_key!r} in the same file")
     scale = f.get_tensor(scale_key)
-    blocks = tuple(-(-s // FP8_BLOCK) for s in tensor.shape)
-    if tensor.dim() != 2 or tuple(scale.shape) != blocks:
+    blocks = tuple(-(-s // FP8_BLOCK) for s in slot.shape)
+    if len(slot.shape) != 2 or tuple(scale.shape) != blocks:
         raise CheckpointError(
             f"{file.name}: {scale_key!r} has shape {tuple(scale.shape)}, expected {blocks} "
             "for [128, 128] blocks"
         )
-    return dequantize_fp8(tensor, scale, dtype)
+    offset = [0, 0]
+    if slot.shard is not None:
+        offset[slot.shard.dim] = slot.shard.start
+    return dequantize_fp8(tensor, scale, dtype, (offset[0], offset[1]))
 
 
 def save_checkpoint(
@@ -292,13 +346,16 @@ def load_model(
     progress: bool | None = None,
     fp8_experts: bool | None = None,
     random_weights: bool = False,
+    parallel: Parallel = SINGLE,
 ) -> Glm5NextForCausalLM:
     """Build the model from `path/config.json` without initialising weights, then load them. With
     `fp8_experts` (an FP8 checkpoint) the routed experts stay e4m3 with their block scales
     (`FP8Experts`, run by the FP8 grouped GEMMs) instead of being dequantised to `dtype`; by default
     they do on CUDA whenever the checkpoint is block-FP8 and its experts are whole [128, 128] blocks.
     `random_weights` fills seeded random weights instead of reading any (`load_format="dummy"`: a
-    real-size model to benchmark from its config.json alone)."""
+    real-size model to benchmark from its config.json alone; under tensor parallelism every rank draws
+    the same stream into its own shapes, so they are not TP=1's weights). `parallel`: this rank's share
+    (`hylo.distributed.sharding`); it reads only that part of the checkpoint."""
     config = ModelConfig.from_dir(path)
     if fp8_experts is None:
         fp8_experts = (
@@ -307,11 +364,11 @@ def load_model(
             and config.moe_intermediate_size % FP8_BLOCK == 0
         )
     with torch.device("meta"):
-        model = Glm5NextForCausalLM(config)
+        model = Glm5NextForCausalLM(config, parallel)
         if fp8_experts:  # swapped before allocation: the bf16 experts never take memory
             for layer in model.layers:
                 if isinstance(layer.mlp, MoE):
-                    layer.mlp.experts = FP8Experts.empty(config, "meta")
+                    layer.mlp.experts = FP8Experts.empty(config, "meta", parallel)
         if config.tie_word_embeddings:  # tied before allocation: one tensor, not two
             model.lm_head.weight = model.embed_tokens.weight
     model = _materialize(model, device, dtype)
@@ -344,10 +401,10 @@ def load_mtp_layer(
         mlp = "sparse" if "mlp.gate.weight" in names else "dense"
         own_embedding, own_head = "embed_tokens.weight" in names, "shared_head.head.weight" in names
     with torch.device("meta"):
-        layer = MTPLayer(mtp_config(target.config, mlp), own_embedding, own_head)
+        layer = MTPLayer(mtp_config(target.config, mlp), own_embedding, own_head, target.parallel)
         # FP8 routed experts where the target keeps its own FP8 (an FP8 checkpoint's MTP layer is too)
         if isinstance(layer.decoder.mlp, MoE) and _has_fp8_experts(target):
-            layer.decoder.mlp.experts = FP8Experts.empty(layer.config, "meta")
+            layer.decoder.mlp.experts = FP8Experts.empty(layer.config, "meta", target.parallel)
     weight = target.embed_tokens.weight
     layer = _materialize(layer, weight.device, weight.dtype)
     if random_weights:

@@ -40,9 +40,11 @@ import torch
 from torch import nn
 
 from hylo.config import INDEXED, ModelConfig
+from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.linear import Linear
 from hylo.layers.norm import RMSNorm
+from hylo.layers.vocab import VocabEmbedding, VocabHead
 from hylo.models.glm5_next import DecoderLayer, Glm5NextForCausalLM
 from hylo.ops.mhc import mhc_post
 
@@ -56,33 +58,33 @@ def mtp_config(target: ModelConfig, mlp_type: str) -> ModelConfig:
 
 
 class SharedHead(nn.Module):
-    def __init__(self, config: ModelConfig, own_head: bool):
+    def __init__(self, config: ModelConfig, own_head: bool, parallel: Parallel = SINGLE):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if own_head else None
+        self.head = VocabHead(config.hidden_size, config.vocab_size, parallel) if own_head else None
 
 
 class MTPLayer(nn.Module):
     """Parameter names are the checkpoint's below `layers.{num_hidden_layers}.`, except that the decoder
     layer's sit under `decoder.`. `config` is the one-layer `mtp_config`."""
 
-    def __init__(self, config: ModelConfig, own_embedding: bool, own_head: bool):
+    def __init__(self, config: ModelConfig, own_embedding: bool, own_head: bool, parallel: Parallel = SINGLE):
         super().__init__()
         if config.num_hidden_layers != 1 or config.layer_types[0] != INDEXED:
             raise ValueError("an MTPLayer is built from a one-layer DSA config (see mtp_config)")
         h = config.hidden_size
-        self.config = config
+        self.config, self.parallel = config, parallel
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
         self.eh_proj = Linear(2 * h, h)
-        self.decoder = DecoderLayer(config, 0)
-        self.shared_head = SharedHead(config, own_head)
-        self.embed_tokens = nn.Embedding(config.vocab_size, h) if own_embedding else None
+        self.decoder = DecoderLayer(config, 0, parallel)
+        self.shared_head = SharedHead(config, own_head, parallel)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, h, parallel) if own_embedding else None
 
     def embedding(self, target: Glm5NextForCausalLM) -> nn.Embedding:
         return self.embed_tokens if self.embed_tokens is not None else target.embed_tokens
 
-    def head(self, target: Glm5NextForCausalLM) -> nn.Linear:
+    def head(self, target: Glm5NextForCausalLM) -> VocabHead:
         return self.shared_head.head if self.shared_head.head is not None else target.lm_head
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -96,3 +98,7 @@ class MTPLayer(nn.Module):
 
     def logits(self, hidden: torch.Tensor, target: Glm5NextForCausalLM) -> torch.Tensor:
         return self.head(target)(self.shared_head.norm(hidden)).float()
+
+    def greedy(self, hidden: torch.Tensor, target: Glm5NextForCausalLM) -> torch.Tensor:
+        """`logits(hidden, target).argmax(-1)`, without the full logits under tensor parallelism."""
+        return self.head(target).argmax(self.shared_head.norm(hidden))

@@ -114,7 +114,7 @@ class MTPProposer(Proposer):
         hidden = self._observe_uniform(batch, counts, commit.anchors)
         self._keep_last_hidden(batch, commit)
         first = hidden[torch.arange(blocks, device=hidden.device), counts]
-        tokens = self.layer.logits(first, self.target).argmax(-1)
+        tokens = self.layer.greedy(first, self.target)
         rows = batch.state_slots
         self.drafts[rows, 0] = tokens
         lengths = batch.positions[batch.pad_index[:, 0]] + counts
@@ -198,5 +198,5 @@ class MTPProposer(Proposer):
         for step in range(first_step, self.num_steps):
             positions = (lengths - 1 + step).clamp(max=last)
             hidden = self.layer(embed(tokens), hidden, self._uniform(positions, rows, 1))
-            tokens = self.layer.logits(hidden, self.target).argmax(-1)
+            tokens = self.layer.greedy(hidden, self.target)
             self.drafts[rows, step] = tokens

@@ -1,0 +1,87 @@
+"""This rank's place in tensor and expert parallelism, and the collectives the layers call.
+
+Glossary:
+- rank / size: this process's index among the `size` ranks that split every layer (tensor parallel,
+  TP). Rank 0 also talks to clients (`hylo.distributed.control`).
+- ep_size: how the routed experts are split. `ep_size == size`: by expert (rank r holds experts
+  `[r·E/size, (r+1)·E/size)`, every rank routes every token and computes only its experts' pairs);
+  `ep_size == 1`: by tensor (every rank holds every expert's slice of the intermediate dimension).
+- replicated: a tensor every rank holds whole (norms, router, mHC, indexer, the MLA latent cache).
+- column / row parallel: a projection split along its output (each rank computes its heads or
+  intermediate slice) / its input (each rank's partial sum, completed by `all_reduce`).
+
+Invariant: every collective returns the same bits on every rank (an all-reduce's sum is computed
+once per element and sent to all), so replicated computations stay equal across ranks and every rank
+samples the same tokens from the same logits with the same seeds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """`group` is the process group of the device collectives (NCCL on GPUs, gloo on CPUs); None for
+    one rank, or for a rank that only builds shapes (`hylo.distributed.sizing`, meta tensors)."""
+
+    rank: int = 0
+    size: int = 1
+    ep_size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tp rank {self.rank} of tp_size {self.size}: need 0 <= rank < tp_size")
+        if self.ep_size not in (1, self.size):
+            raise ValueError(
+                f"ep_size must be 1 (experts split by tensor) or tp_size ({self.size}: split by expert), "
+                f"got {self.ep_size}"
+            )
+
+    @property
+    def experts_by_expert(self) -> bool:
+        return self.size > 1 and self.ep_size == self.size
+
+    def part(self, n: int, what: str) -> int:
+        """This rank's share of `n` (`what`: the config field, for the error when it does not divide)."""
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) must be divisible by tp_size ({self.size})")
+        return n // self.size
+
+    def span(self, n: int, what: str) -> tuple[int, int]:
+        """This rank's `[lo, hi)` of `n` items split evenly."""
+        local = self.part(n, what)
+        return self.rank * local, (self.rank + 1) * local
+
+    def vocab_span(self, vocab: int) -> tuple[int, int]:
+        """This rank's vocabulary rows: `ceil(vocab / size)` each, the last rank's padded past `vocab`
+        (no token id reaches a padding row, and its logits are cut before anyone reads them)."""
+        local = -(-vocab // self.size)
+        if (self.size - 1) * local >= vocab:
+            raise ValueError(f"vocab_size ({vocab}) leaves the last of tp_size ({self.size}) ranks no rows")
+        return self.rank * local, (self.rank + 1) * local
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks in place (nothing for one rank); returns it."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' `x [..., n]` side by side: `[..., size·n]`, rank 0's columns first."""
+        if self.size == 1:
+            return x
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        parts = torch.empty((self.size, *flat.shape), dtype=x.dtype, device=x.device)
+        if x.is_cuda:  # one launch, capturable in a CUDA graph
+            dist.all_gather_into_tensor(parts.view(-1, flat.shape[1]), flat, group=self.group)
+        else:
+            dist.all_gather(list(parts.unbind(0)), flat, group=self.group)
+        return parts.permute(1, 0, 2).reshape(*x.shape[:-1], -1)
+
+
+SINGLE = Parallel()
