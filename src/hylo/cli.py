@@ -125,6 +125,11 @@ def _generate(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
         )
         engine = Engine(EngineConfig.from_cli(args))
+        if not engine.ranks.leader:  # another host's (or torchrun's) rank: it follows rank 0
+            from hylo.distributed.follower import follow
+
+            follow(engine)
+            return 0
         if engine.tokenizer is None:
             raise ValueError(f"{args.model}: no tokenizer.json, so text prompts cannot be encoded")
         text = args.prompt
@@ -139,6 +144,7 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
     sys.stdout.write("\n")
+    engine.close()
     return 0
 
 

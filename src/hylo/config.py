@@ -167,6 +167,11 @@ def _indexer_schedule(text: dict[str, Any], n: int) -> list[str]:
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
+def _host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
 def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
@@ -178,7 +183,8 @@ class EngineConfig:
 
     model: str | None = _flag(
         None,
-        "HF model directory; default: the embedded tiny random-weight GLM-5.3-Flash, written on first use",
+        "HF model directory; default: the embedded demo model (a 7M-parameter GLM-5.3-Flash trained on "
+        "ShareGPT, with its drafts)",
     )
     tokenizer: str | None = _flag(None, "tokenizer directory (default: the model directory)")
     load_format: str = _flag(
@@ -236,6 +242,20 @@ class EngineConfig:
         "per step, verify the drafts or decode plainly, whichever the measured step costs and the running "
         "acceptance length say is faster (--no-speculative-adaptive: always verify)",
     )
+    tp_size: int = _flag(
+        1, "tensor parallelism: ranks that split every layer (one process and GPU each; README: Parallelism)"
+    )
+    ep_size: int | None = _flag(
+        None, "routed experts: tp_size splits them by expert (the default), 1 splits each expert by tensor"
+    )
+    nnodes: int = _flag(1, "hosts the tp_size ranks span (each runs the same command with its node_rank)")
+    node_rank: int = _flag(0, "this host's index among nnodes (host 0 serves)")
+    dist_init_addr: str | None = _flag(
+        None, "host:port of node 0 where the ranks meet (required with nnodes > 1; default: a free local port)"
+    )
+    dist_timeout: float = _flag(
+        60.0, "seconds a collective may wait for the other ranks before the engine fails"
+    )
 
     def __post_init__(self) -> None:
         positive = (
@@ -247,6 +267,8 @@ class EngineConfig:
             "speculative_num_draft_tokens",
             "speculative_num_steps",
             "prefix_snapshot_interval",
+            "tp_size",
+            "nnodes",
         )
         for name in positive:
             value = getattr(self, name)
@@ -267,12 +289,27 @@ class EngineConfig:
                 f"prefix_snapshot_interval ({self.prefix_snapshot_interval}) must be a multiple of "
                 f"page_size ({self.page_size})"
             )
+        self._check_parallel()
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.indexer_dtype not in ("auto", "fp8"):
             raise ValueError(f"indexer_dtype must be auto or fp8, got {self.indexer_dtype!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+
+    def _check_parallel(self) -> None:
+        if self.ep_size not in (None, 1, self.tp_size):
+            raise ValueError(f"ep_size must be 1 or tp_size ({self.tp_size}), got {self.ep_size}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes = {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("dist_init_addr (host:port of node 0) is required with nnodes > 1")
+        if self.dist_init_addr is not None and not _host_port(self.dist_init_addr):
+            raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
 
     def _check_speculative(self) -> None:
         algorithm = self.speculative_algorithm

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
+
+from hylo.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,16 @@ class Parallel:
         if (self.size - 1) * local >= vocab:
             raise ValueError(f"vocab_size ({vocab}) leaves the last of tp_size ({self.size}) ranks no rows")
         return self.rank * local, (self.rank + 1) * local
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """`config` with this rank's head counts: what its per-head caches (KDA states) are sized by."""
+        if self.size == 1:
+            return config
+        return dataclasses.replace(
+            config,
+            linear_num_heads=self.part(config.linear_num_heads, "linear_num_heads"),
+            num_attention_heads=self.part(config.num_attention_heads, "num_attention_heads"),
+        )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks in place (nothing for one rank); returns it."""

@@ -12,6 +12,9 @@ from pathlib import Path
 import torch
 
 from hylo.config import DEFAULT_CUDA_GRAPH_MAX_BS, EngineConfig
+from hylo.distributed import launch
+from hylo.distributed.control import Abort, AddRequest
+from hylo.distributed.launch import Ranks
 from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs, batch_size_buckets
 from hylo.engine.request import Request, Status
 from hylo.engine.runner import ModelRunner
@@ -60,6 +63,7 @@ class Engine:
         proposer: Proposer | ProposerBuild | None = None,
         decode_graphs: bool | None = None,
         target: Glm5NextForCausalLM | None = None,
+        ranks: Ranks | None = None,
     ):
         """`proposer` overrides the one `config.speculative_algorithm` would build: a `ProposerBuild`
         (its caches are allocated with the target's from one budget and handed to it) or a proposer
@@ -68,14 +72,25 @@ class Engine:
         replays, unless `config.disable_cuda_graph`): plain decode steps without a proposer, verify
         steps with one that drafts on the device; on the CPU they run as plain calls (for tests).
         `target`: an already loaded model of `config.model` to serve instead of loading it (several
-        engines over one model in one process, as the benchmarks compare them)."""
+        engines over one model in one process, as the benchmarks compare them). `ranks`: this process's
+        rank of a tensor-parallel engine (`hylo.distributed.launch`); by default it is made from
+        `config.tp_size`, which makes this process rank 0 and starts the other ranks."""
         self.config = config
+        if config.tp_size > 1 and (proposer is not None or target is not None):
+            raise ValueError("tp_size > 1: every rank loads its own shard; a proposer or target cannot be given")
+        self.ranks = ranks if ranks is not None else launch.start(config)
         path = Path(config.model) if config.model is not None else _demo_model()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
+        self.device = self.ranks.device or self.device
         dummy = config.load_format == "dummy"
+        parallel = self.ranks.parallel
         with LoadPeak(self.device) as load_peak:
-            self.model = target or load_model(path, self.device, self.dtype, random_weights=dummy)
+            self.model = target or load_model(
+                path, self.device, self.dtype, random_weights=dummy, parallel=parallel,
+                progress=None if self.ranks.leader else False,
+            )  # fmt: skip
         model_config = self.model.config
+        cache_config = parallel.local_config(model_config)  # KDA states hold this rank's heads
         tok_path = Path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = Tokenizer.from_dir(tok_path) if (tok_path / "tokenizer.json").is_file() else None
         self._grammars = None  # hylo.structured.Grammars, made by the first constrained request
@@ -90,10 +105,11 @@ class Engine:
         prefix_cache = not config.disable_radix_cache
         feature_dim = build.snapshot_feature_dim if build is not None else 0
         target_specs = target_cache_specs(
-            model_config, self.dtype, indexer_dtype, feature_dim if prefix_cache else None
+            cache_config, self.dtype, indexer_dtype, feature_dim if prefix_cache else None
         )
         self.plan = MemoryPlan.from_budget(
-            target_specs + (build.specs if build is not None else []), self._budget_bytes(),
+            target_specs + (build.specs if build is not None else []),
+            self.ranks.min_over_ranks(self._budget_bytes()),
             config.page_size, config.max_running_requests, self.context_len, scratch=decode_graphs,
             snapshot_share=PREFIX_SNAPSHOT_SHARE if prefix_cache else 0.0,
         )  # fmt: skip
@@ -102,7 +118,7 @@ class Engine:
                 "prefix cache: the memory budget holds no KDA state snapshot: nothing will be cached"
             )
         self.caches = CacheManager(
-            model_config, self.plan, self.dtype, self.device, indexer_dtype,
+            cache_config, self.plan, self.dtype, self.device, indexer_dtype,
             config.prefix_snapshot_interval if prefix_cache else None, feature_dim,
         )  # fmt: skip
         self.proposer = None
@@ -127,8 +143,8 @@ class Engine:
             graphs = DecodeGraphs(self.model, self.caches, max_bs, capture, self.proposer)
         if verify_graphs:
             verifying = VerifyGraphs(self.model, self.caches, self.proposer, max_bs, capture, graphs.pool)
-        self.policy = None
-        if self.proposer is not None and config.speculative_adaptive:
+        self.policy = None  # rank 0's alone: the other ranks step by the plan it publishes
+        if self.proposer is not None and config.speculative_adaptive and self.ranks.leader:
             self.policy = DraftLengthPolicy(self.proposer.num_draft_tokens + 1)
         self.runner = ModelRunner(self.model, self.caches, config.seed, self.proposer, graphs, verifying)
         self.buckets = batch_size_buckets(max_bs)
@@ -216,6 +232,8 @@ class Engine:
             self.requests[rid] = request
             self.scheduler.add(request)
             created.append(request)
+        if self.ranks.publisher is not None:
+            self.ranks.publisher.record(AddRequest(request_id, prompt, params))
         return created
 
     def validate_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
@@ -245,6 +263,8 @@ class Engine:
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request now (reason `abort`), freeing its pages and slot."""
+        if self.ranks.publisher is not None:
+            self.ranks.publisher.record(Abort(request_id))
         request = self.requests.pop(request_id, None)
         if request is None or request.status is Status.FINISHED:
             return None
@@ -261,9 +281,25 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[StepOutput]:
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot go on (a rank was lost), None while it can."""
+        return self.ranks.failure
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing for one rank)."""
+        self.ranks.close()
+
+    def step(self, plan: StepPlan | None = None) -> list[StepOutput]:
+        """Schedule and run one step. `plan`: a follower rank's, as rank 0 published it; rank 0 (and
+        an engine of one rank) makes its own and publishes it to the others first."""
+        if self.failure is not None:
+            raise RuntimeError(f"the engine cannot go on: {self.failure}")
         bucket = self._bucket()
-        plan = self.policy.plan(bucket) if self.policy is not None else StepPlan(True, True)
+        if plan is None:
+            plan = self.policy.plan(bucket) if self.policy is not None else StepPlan(True, True)
+        if self.ranks.publisher is not None:
+            self.ranks.publisher.step(plan.verify, plan.draft)
         chunks = self.scheduler.schedule(draft=plan.verify)
         if not chunks:
             return []

@@ -106,7 +106,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.failure is None
+        return self._thread.is_alive() and self.failure is None and self.engine.failure is None
 
     @property
     def num_waiting(self) -> int:
@@ -168,6 +168,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                if self.engine.failure is not None:  # a rank is lost, also while nothing runs
+                    raise RuntimeError(f"the engine cannot go on: {self.engine.failure}")
                 self._drain_commands()
                 if self.engine.has_unfinished():
                     self._publish_step(self.engine.step())

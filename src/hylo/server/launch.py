@@ -13,6 +13,7 @@ from pathlib import Path
 import uvicorn
 
 from hylo.config import EngineConfig
+from hylo.distributed.follower import follow
 from hylo.engine.engine import Engine
 from hylo.server.api import build_app
 from hylo.server.async_engine import AsyncEngine
@@ -64,8 +65,12 @@ def serve(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT (exit status 0) or until the engine fails (status 1)."""
+    """Serve until SIGTERM/SIGINT (exit status 0) or until the engine fails (status 1). On a host
+    other than node 0 (or a `torchrun` rank other than 0) this process's rank follows rank 0 instead."""
     engine = Engine(config)
+    if not engine.ranks.leader:
+        follow(engine)
+        return 0
     name = served_model_name or (Path(config.model).name if config.model else "hylo-demo")
     server: _Server | None = None
 
@@ -110,4 +115,5 @@ def serve(
     if async_engine.failure is not None:
         logger.error("exiting with status 1: %s", async_engine.failure)
         return 1
+    engine.close()
     return 0 if stopped else 1
