@@ -12,6 +12,7 @@ from interpreter import use_interpreter
 use_interpreter()
 
 from hylo.layers.linear import Linear  # noqa: E402
+from hylo.layers.vocab import VocabHead  # noqa: E402
 from hylo.ops import gemm  # noqa: E402
 from hylo.ops.gemm import kernels, table  # noqa: E402
 
@@ -74,7 +75,7 @@ def test_shipped_tables_hold_only_measured_wins_for_model_shapes():
 
     with torch.device("meta"):
         model = Glm5NextForCausalLM(ModelConfig.from_dict({}))
-    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)}
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, (Linear, VocabHead))}
     keys = {table.entry_key(b, n, k) for b in table.M_BUCKETS for n, k in shapes}
     paths = sorted(table.TABLES.glob("*.json"))
     assert paths, "no table shipped"

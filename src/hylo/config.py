@@ -251,7 +251,8 @@ class EngineConfig:
     nnodes: int = _flag(1, "hosts the tp_size ranks span (each runs the same command with its node_rank)")
     node_rank: int = _flag(0, "this host's index among nnodes (host 0 serves)")
     dist_init_addr: str | None = _flag(
-        None, "host:port of node 0 where the ranks meet (required with nnodes > 1; default: a free local port)"
+        None,
+        "host:port of node 0 where the ranks meet (required with nnodes > 1; default: a free local port)",
     )
     dist_timeout: float = _flag(
         60.0, "seconds a collective may wait for the other ranks before the engine fails"

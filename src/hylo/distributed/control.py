@@ -71,7 +71,8 @@ class Message:
 class Publisher:
     """Rank 0's side. `record` the ops as the engine applies them; `step` sends them with the plan,
     before rank 0 runs that step itself. Safe to call from the engine's thread while the heartbeat
-    thread runs."""
+    thread runs. The heartbeats start with `start`, once the engine is built: the start-up exchanges
+    on the same group (the cache budget, the memory reports) must not meet one."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -79,8 +80,9 @@ class Publisher:
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._closed = False
-        self._beat = threading.Thread(target=self._heartbeat, name="hylo-heartbeat", daemon=True)
-        self._beat.start()
+
+    def start(self) -> None:
+        threading.Thread(target=self._heartbeat, name="hylo-heartbeat", daemon=True).start()
 
     def record(self, op: Op) -> None:
         with self._lock:

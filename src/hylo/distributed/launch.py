@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,17 @@ class Ranks:
     def leader(self) -> bool:
         return self.parallel.rank == 0
 
+    def describe(self) -> dict:
+        """For `/server_info`: the split, this rank, the processes this one started, any failure."""
+        p = self.parallel
+        return {
+            "tp_size": p.size,
+            "ep_size": p.ep_size,
+            "rank": p.rank,
+            "worker_pids": {rank: proc.pid for rank, proc in self.workers.items()},
+            "failure": self.failure,
+        }
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (the cache budget all ranks then share)."""
         if self.control is None:
@@ -69,19 +81,29 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
 
-    def close(self) -> None:
-        """Rank 0: tell the other ranks to exit and wait for the spawned ones (then end them)."""
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, by rank (start-up only: a pickled exchange)."""
+        if self.control is None:
+            return [value]
+        values: list[Any] = [None] * self.parallel.size
+        dist.all_gather_object(values, value, group=self.control)
+        return values
+
+    def close(self, failed: bool = False) -> None:
+        """Rank 0: tell the other ranks to exit and wait for the spawned ones (then end them). After a
+        failure (`failed`, or a rank lost) they are killed at once: a rank that hangs would not hear."""
         if self._closed:
             return
         self._closed = True
-        if self.publisher is not None and self.failure is None:
+        failed = failed or self.failure is not None
+        if self.publisher is not None and not failed:
             try:
                 self.publisher.close()
             except RuntimeError:
-                pass  # a rank is gone: the ones left end on their group's error
+                failed = True  # a rank is gone: the ones left end on their group's error
         for proc in self.workers.values():
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=0 if failed else 10)
             except subprocess.TimeoutExpired:
                 proc.kill()
         if dist.is_initialized():
@@ -105,7 +127,9 @@ def start(config: EngineConfig) -> Ranks:
     rank = torchrun_rank()
     if rank is not None:
         if int(os.environ["WORLD_SIZE"]) != config.tp_size:
-            raise ValueError(f"tp_size ({config.tp_size}) must equal torchrun's WORLD_SIZE ({os.environ['WORLD_SIZE']})")
+            raise ValueError(
+                f"tp_size ({config.tp_size}) must equal torchrun's WORLD_SIZE ({os.environ['WORLD_SIZE']})"
+            )
         return join(config, rank, "env://", int(os.environ.get("LOCAL_RANK", rank)))
     per_node = config.tp_size // config.nnodes
     first = config.node_rank * per_node
@@ -113,7 +137,15 @@ def start(config: EngineConfig) -> Ranks:
     settings = json.dumps(dataclasses.asdict(config))
     workers = {}
     for local in range(1, per_node):
-        command = [sys.executable, "-m", "hylo.distributed.worker", settings, str(first + local), address, str(local)]
+        command = [
+            sys.executable,
+            "-m",
+            "hylo.distributed.worker",
+            settings,
+            str(first + local),
+            address,
+            str(local),
+        ]
         workers[first + local] = subprocess.Popen(command)
     ranks = Ranks(workers=workers)
     threading.Thread(target=_monitor, args=(ranks,), name="hylo-ranks", daemon=True).start()

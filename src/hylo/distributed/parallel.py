@@ -17,9 +17,8 @@ samples the same tokens from the same logits with the same seeds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist

@@ -1,15 +1,15 @@
 """What each rank holds of every checkpoint tensor under tensor parallelism, by checkpoint name.
 
-| tensors (checkpoint names below `layers.N.`) | split |
-|---|---|
-| `embed_tokens`, `lm_head`, an MTP layer's `embed_tokens` / `shared_head.head` | vocabulary rows (`Parallel.vocab_span`) |
-| KDA `q_proj k_proj v_proj f_b_proj g_b_proj b_proj`, `q/k/v_conv1d`, `dt_bias`, `A_log` | by head (dim 0) |
-| DSA `q_b_proj`, `kv_b_proj` | by head (dim 0) |
-| KDA and DSA `o_proj`; dense and shared-expert `down_proj` | row parallel (dim 1) |
-| dense and shared-expert `gate_proj`, `up_proj` | column parallel (dim 0) |
-| routed experts, `ep_size == tp_size` | by expert: rank r reads only its experts |
-| routed experts, `ep_size == 1` | by tensor: `gate_proj`/`up_proj` dim 0, `down_proj` dim 1 (FP8 scales by block) |
-| everything else: norms, `f_a_proj`, `g_a_proj`, `q_a_proj`, `kv_a_proj_with_mqa`, the indexer, the router, mHC, `eh_proj` | replicated |
+- vocabulary rows (`Parallel.vocab_span`): `embed_tokens`, `lm_head`, an MTP layer's `embed_tokens`
+  and `shared_head.head`;
+- by head (dim 0): KDA `q_proj k_proj v_proj f_b_proj g_b_proj b_proj`, `q/k/v_conv1d`, `dt_bias`,
+  `A_log`; DSA `q_b_proj`, `kv_b_proj`;
+- row parallel (dim 1): KDA and DSA `o_proj`, dense and shared-expert `down_proj`;
+- column parallel (dim 0): dense and shared-expert `gate_proj`, `up_proj`;
+- routed experts with `ep_size == tp_size`: by expert, rank r reads only its experts; with
+  `ep_size == 1`: by tensor, `gate_proj`/`up_proj` dim 0 and `down_proj` dim 1 (FP8 scales by block);
+- replicated: everything else (norms, `f_a_proj`, `g_a_proj`, `q_a_proj`, `kv_a_proj_with_mqa`, the
+  indexer, the router, mHC, `eh_proj`).
 
 A split tensor is read as a slice (`safe_open(...).get_slice`): a rank never reads the rows or columns
 it does not keep.

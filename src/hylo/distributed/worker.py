@@ -18,7 +18,7 @@ logger = logging.getLogger("hylo")
 def main(argv: list[str]) -> None:
     settings, rank, address, local_rank = argv
     rank, local_rank = int(rank), int(local_rank)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     try:
         from hylo.distributed.follower import follow
         from hylo.engine.engine import Engine

@@ -77,7 +77,9 @@ class Engine:
         `config.tp_size`, which makes this process rank 0 and starts the other ranks."""
         self.config = config
         if config.tp_size > 1 and (proposer is not None or target is not None):
-            raise ValueError("tp_size > 1: every rank loads its own shard; a proposer or target cannot be given")
+            raise ValueError(
+                "tp_size > 1: every rank loads its own shard; a proposer or target cannot be given"
+            )
         self.ranks = ranks if ranks is not None else launch.start(config)
         path = Path(config.model) if config.model is not None else _demo_model()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
@@ -149,8 +151,14 @@ class Engine:
         self.runner = ModelRunner(self.model, self.caches, config.seed, self.proposer, graphs, verifying)
         self.buckets = batch_size_buckets(max_bs)
         # taken last: the allocator's figures include the caches and the captured graphs' pools
-        self.memory_report = memory_report(self.model, self.plan, self.device, load_peak.bytes)
-        logger.info("memory: %s", format_memory_report(self.memory_report))
+        report = memory_report(self.model, self.plan, self.device, load_peak.bytes)
+        rank = f" (rank {parallel.rank} of {parallel.size})" if parallel.size > 1 else ""
+        logger.info("memory%s: %s", rank, format_memory_report(report))
+        if parallel.size > 1:  # what every rank holds, in rank 0's report too
+            report["ranks"] = self.ranks.gather(dict(report))
+        self.memory_report = report
+        if self.ranks.publisher is not None:
+            self.ranks.publisher.start()
 
     def _build_proposer(self, model_path: Path, indexer_dtype: torch.dtype | None) -> ProposerBuild | None:
         if self.config.speculative_algorithm is None:
@@ -286,9 +294,10 @@ class Engine:
         """Why the engine cannot go on (a rank was lost), None while it can."""
         return self.ranks.failure
 
-    def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel engine (nothing for one rank)."""
-        self.ranks.close()
+    def close(self, failed: bool = False) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing for one rank); after a failure
+        without waiting for them."""
+        self.ranks.close(failed)
 
     def step(self, plan: StepPlan | None = None) -> list[StepOutput]:
         """Schedule and run one step. `plan`: a follower rank's, as rank 0 published it; rank 0 (and

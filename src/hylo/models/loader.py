@@ -254,13 +254,15 @@ def _load_tensors(
                 part = f.get_slice(raw)
                 if tuple(part.get_shape()) != slot.shape:
                     raise CheckpointError(
-                        f"{file.name}: tensor {raw!r} has shape {tuple(part.get_shape())}, expected {slot.shape}"
+                        f"{file.name}: tensor {raw!r} has shape {tuple(part.get_shape())}, "
+                        f"expected {slot.shape}"
                     )
                 tensor = f.get_tensor(raw) if slot.shard is None else part[slot.shard.index()]
                 read += tensor.numel() * tensor.element_size()
                 dest = slot.view(params[slot.param].data)
                 if tensor.dtype == torch.float8_e4m3fn and dest.dtype != torch.float8_e4m3fn:
-                    tensor = _dequantized(f, raw, keys, tensor, file, dest.dtype, slot)
+                    tensor, scale_bytes = _dequantized(f, raw, keys, tensor, file, dest.dtype, slot)
+                    read += scale_bytes
                 elif dest.dtype == torch.float8_e4m3fn and tensor.dtype != dest.dtype:
                     raise CheckpointError(f"{file.name}: {raw!r} is {tensor.dtype}, FP8 experts need e4m3")
                 dest.copy_(tensor.view(dest.shape))
@@ -276,8 +278,9 @@ def _load_tensors(
 
 def _dequantized(
     f, raw: str, keys: set[str], tensor: torch.Tensor, file: Path, dtype: torch.dtype, slot: Slot
-) -> torch.Tensor:
-    """`tensor` (the part of `raw` that `slot` reads) dequantised with the whole weight's block scales."""
+) -> tuple[torch.Tensor, int]:
+    """`tensor` (the part of `raw` that `slot` reads) dequantised with the whole weight's block scales,
+    and the bytes of the scales read (all of them: 1/16384 of the weight's)."""
     scale_key = raw + "_scale_inv"
     if scale_key not in keys:
         raise CheckpointError(f"{file.name}: FP8 tensor {raw!r} has no {scale_key!r} in the same file")
@@ -291,7 +294,8 @@ def _dequantized(
     offset = [0, 0]
     if slot.shard is not None:
         offset[slot.shard.dim] = slot.shard.start
-    return dequantize_fp8(tensor, scale, dtype, (offset[0], offset[1]))
+    scale_bytes = scale.numel() * scale.element_size()
+    return dequantize_fp8(tensor, scale, dtype, (offset[0], offset[1])), scale_bytes
 
 
 def save_checkpoint(

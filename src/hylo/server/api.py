@@ -146,6 +146,7 @@ def build_app(
             "num_waiting": engine.num_waiting,
             "memory": core.memory_report,
             "prefix_cache": _prefix_cache_info(caches),
+            "parallel": core.ranks.describe(),
             "num_open_requests": engine.num_open,
         } | (
             {} if (tau := engine.metrics.mean_acceptance_length) is None else {"avg_spec_accept_length": tau}

@@ -114,6 +114,7 @@ def serve(
     server.run()
     if async_engine.failure is not None:
         logger.error("exiting with status 1: %s", async_engine.failure)
+        engine.close(failed=True)
         return 1
     engine.close()
     return 0 if stopped else 1

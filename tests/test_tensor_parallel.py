@@ -1,0 +1,171 @@
+"""Tensor and expert parallelism on the CPU (gloo, 2 ranks): the same tokens and logprobs as one rank,
+with and without speculative decoding; each rank reads only its slices of the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hylo import LLM
+from hylo.config import EngineConfig, ModelConfig
+from hylo.distributed.parallel import Parallel
+from hylo.layers.moe import MoE
+from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS, write_random_model
+from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.models.loader import _materialize, checkpoint_layout, load_model, load_weights, save_checkpoint
+from hylo.sampling import SamplingParams
+from hylo.tokenizer import Tokenizer
+
+# fp32 sums of a row-parallel projection split in two, against one: a few ulps of the logits
+LOGPROB_TOLERANCE = 1e-4
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22], list(range(40, 110))]
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp-model")
+    write_random_model(path)
+    return path
+
+
+def _generate(model, prompts, params, **engine_args):
+    llm = LLM(None if model is None else str(model), device="cpu", **engine_args)
+    try:
+        return llm, llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    finally:
+        llm.engine.close()
+
+
+def _assert_same(reference, outputs):
+    for ref, out in zip(reference, outputs, strict=True):
+        assert out.token_ids == ref.token_ids
+        for ref_lp, lp in zip(ref.logprobs, out.logprobs, strict=True):
+            assert ref_lp.keys() == lp.keys()
+            for token, value in ref_lp.items():
+                assert lp[token] == pytest.approx(value, abs=LOGPROB_TOLERANCE)
+
+
+def test_two_ranks_equal_one_by_expert_and_by_tensor(random_model):
+    """Greedy tokens and top logprobs of TP=2 (experts split by expert, then by tensor) equal TP=1's,
+    over chunked prefill (a 70-token prompt in 32-token chunks) and a prefix-cache hit."""
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+    prompts = [*PROMPTS, [*PROMPTS[2][:64], 7, 7]]  # the last shares a page-aligned prefix with the third
+    args = dict(chunked_prefill_size=32, page_size=16, prefix_snapshot_interval=16)
+    _, reference = _generate(random_model, prompts, params, **args)
+    for ep in (2, 1):
+        llm, outputs = _generate(random_model, prompts, params, tp_size=2, ep_size=ep, **args)
+        _assert_same(reference, outputs)
+        report = llm.engine.memory_report
+        assert [r["max_total_num_tokens"] for r in report["ranks"]] == [report["max_total_num_tokens"]] * 2
+        # each rank holds about half of the weights (the replicated norms, router, indexer and mHC aside)
+        one_rank = report["ranks"][1]["weights_bytes"]
+        assert one_rank == report["weights_bytes"]
+    single = load_model(random_model, dtype=torch.float32, progress=False)
+    total = sum(t.numel() * t.element_size() for t in single.state_dict().values())
+    assert 0.5 * total < one_rank < 0.7 * total
+
+
+def test_two_ranks_speculative_equal_one():
+    """DFlash2 and MTP with 3 steps on the demo model, drafts verified every step: TP=2 commits the
+    tokens TP=1 does (lossless either way) with the same acceptance, so drafts agree across ranks."""
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    tokenizer = Tokenizer.from_dir(DEMO_DIR)
+    chats = ["What is the capital of France?", "Write a short poem about the sea."]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False
+        )
+        for c in chats
+    ]
+    for spec in (
+        dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(DEMO_DRAFTS["dflash2"])),
+        dict(speculative_algorithm="MTP", speculative_num_steps=3),
+    ):
+        spec |= dict(speculative_adaptive=False)
+        _, reference = _generate(None, prompts, params, **spec)
+        _, outputs = _generate(None, prompts, params, tp_size=2, **spec)
+        _assert_same(reference, outputs)
+        accepted = [o.metrics.spec_accepted_tokens for o in outputs]
+        assert accepted == [o.metrics.spec_accepted_tokens for o in reference]
+        assert sum(accepted) > 0
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("ep", [2, 1], ids=["by-expert", "by-tensor"])
+def test_each_rank_reads_only_its_slices(random_model, tmp_path, fp8, ep):
+    """Each rank holds exactly TP=1's tensors cut along the split dims (FP8 weights dequantised with the
+    whole weight's block scales, at offsets inside a block), and reads only that: together the two
+    ranks read each split tensor and each routed expert once and each replicated tensor twice."""
+    single = load_model(random_model, dtype=torch.float32, progress=False)
+    path = tmp_path / "ckpt"
+    save_checkpoint(single, path, json.loads((random_model / "config.json").read_text()), fp8=fp8)
+    reference = load_model(path, dtype=torch.float32, progress=False)
+    ranks, read = [], []
+    for rank in range(2):
+        with torch.device("meta"):
+            model = Glm5NextForCausalLM(reference.config, Parallel(rank, 2, ep))
+        model = _materialize(model, "cpu", torch.float32)
+        read.append(load_weights(model, path, progress=False))
+        ranks.append(model)
+    file_bytes = _file_tensor_bytes(path)
+    whole = sum(file_bytes.values())
+    assert max(read) < 0.75 * whole
+    if not fp8:  # (FP8: both ranks also read the small block scales of the weights they dequantise)
+        split = {k for k, slot in checkpoint_layout(ranks[0]).items() if slot.shard is not None}
+        once = [k for k in file_bytes if _local(k) in split or ".mlp.experts." in k]
+        assert split and sum(read) == 2 * whole - sum(file_bytes[k] for k in once)
+    for name, full in reference.state_dict().items():
+        parts = [m.state_dict()[name] for m in ranks]
+        if parts[0].shape == full.shape:  # replicated
+            for part in parts:
+                torch.testing.assert_close(part, full, rtol=0, atol=0)
+            continue
+        torch.testing.assert_close(_unsplit(name, parts, full.shape), full, rtol=0, atol=0)
+
+
+def _local(raw: str) -> str:
+    return raw.removeprefix("model.language_model.")
+
+
+def _unsplit(name: str, parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """The whole tensor from the ranks' parts: stacked tensors (q|k|v conv channels, gate|up rows of
+    experts split by tensor) are split part by part."""
+    dim = next(d for d in range(len(shape)) if parts[0].shape[d] != shape[d])
+    stacked = (
+        3 if name.endswith("conv_weight") else 2 if name.endswith("experts.gate_up_proj") and dim == 1 else 1
+    )
+    pieces = [p.chunk(stacked, dim) for p in parts]
+    joined = torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(stacked)], dim)
+    return joined.narrow(dim, 0, shape[dim])  # the vocabulary's padding rows go
+
+
+def _file_tensor_bytes(path) -> dict[str, int]:
+    sizes = {}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
+            t = f.get_slice(key)
+            sizes[key] = math.prod(t.get_shape()) * {"F32": 4, "BF16": 2, "F8_E4M3": 1}[t.get_dtype()]
+    return sizes
+
+
+def test_parallel_settings_are_checked(random_model):
+    with pytest.raises(ValueError, match="ep_size must be 1 or tp_size"):
+        EngineConfig(tp_size=4, ep_size=2)
+    with pytest.raises(ValueError, match="multiple of nnodes"):
+        EngineConfig(tp_size=3, nnodes=2, dist_init_addr="h:1")
+    with pytest.raises(ValueError, match=r"dist_init_addr .* is required"):
+        EngineConfig(tp_size=4, nnodes=2)
+    with pytest.raises(ValueError, match="host:port"):
+        EngineConfig(dist_init_addr="nohost")
+    with pytest.raises(ValueError, match="node_rank"):
+        EngineConfig(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1")
+    config = ModelConfig.from_dir(random_model)
+    with pytest.raises(ValueError, match=r"linear_num_heads \(4\) must be divisible by tp_size \(3\)"):
+        Glm5NextForCausalLM(config, Parallel(0, 3, 1))
+    with pytest.raises(ValueError, match=r"n_routed_experts \(16\) must be divisible by tp_size \(3\)"):
+        MoE(config, Parallel(0, 3, 3))
