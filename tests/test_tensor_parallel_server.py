@@ -112,3 +112,51 @@ def test_a_lost_rank_ends_the_server_with_an_error(model_dir, fault):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.kill()
+
+
+def _generate_command(model, *flags: str) -> list[str]:
+    return [
+        "-m", "hylo.cli", "generate", "--model", str(model), "--device", "cpu", "--prompt", "hello there",
+        "--max-tokens", "8", "--page-size", "16", "--max-memory-gb", "0.25", "--tp-size", "2", *flags,
+    ]  # fmt: skip
+
+
+def _expected_text(offline) -> str:
+    from hylo.sampling import SamplingParams
+
+    return offline.generate("hello there", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[
+        0
+    ].text
+
+
+def test_two_hosts_and_torchrun_launches(model_dir, offline):
+    """The ranks started another way give rank 0's answer too: as two "hosts" (`--nnodes 2`, each
+    command with its `--node-rank`; node 1's process follows and prints nothing), and under `torchrun`
+    (each process one rank)."""
+    expected = _expected_text(offline)
+    address = f"127.0.0.1:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                *_generate_command(
+                    model_dir, "--nnodes", "2", "--node-rank", str(node), "--dist-init-addr", address
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (1, 0)
+    ]
+    outputs = [p.communicate(timeout=120) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outputs
+    assert outputs[0][0].strip() == ""  # node 1 follows
+    assert outputs[1][0].strip() == expected.strip()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port())]  # fmt: skip
+    run = subprocess.run(
+        [*torchrun, *_generate_command(model_dir)], capture_output=True, text=True, timeout=180
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == expected.strip()
