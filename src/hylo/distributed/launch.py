@@ -42,6 +42,9 @@ from hylo.distributed.parallel import SINGLE, Parallel
 
 logger = logging.getLogger("hylo")
 FAILURE_EXIT_S = 20.0
+# how long ranks wait for each other to finish loading: loading a large checkpoint takes minutes and
+# ranks finish at different times (a rank that fails to load exits, and the others hear at once)
+LOAD_TIMEOUT_S = 3600.0
 _POLL_S = 0.5
 
 
@@ -72,6 +75,12 @@ class Ranks:
             "worker_pids": {rank: proc.pid for rank, proc in self.workers.items()},
             "failure": self.failure,
         }
+
+    def loaded(self) -> None:
+        """Wait until every rank has loaded its shard (up to `LOAD_TIMEOUT_S`, not the collectives'
+        `dist_timeout`)."""
+        if self.control is not None:
+            dist.monitored_barrier(self.control, timeout=timedelta(seconds=LOAD_TIMEOUT_S))
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value` (the cache budget all ranks then share)."""
@@ -130,7 +139,9 @@ def start(config: EngineConfig) -> Ranks:
             raise ValueError(
                 f"tp_size ({config.tp_size}) must equal torchrun's WORLD_SIZE ({os.environ['WORLD_SIZE']})"
             )
-        return join(config, rank, "env://", int(os.environ.get("LOCAL_RANK", rank)))
+        ranks = join(config, rank, "env://", int(os.environ.get("LOCAL_RANK", rank)))
+        atexit.register(ranks.close)
+        return ranks
     per_node = config.tp_size // config.nnodes
     first = config.node_rank * per_node
     address = config.dist_init_addr or f"127.0.0.1:{_free_port()}"

@@ -16,11 +16,11 @@ Collectives (read from the layers; `tests/test_tp_sizing.py` also counts them in
   weight dtype; then one all-gather of the `[rows, ceil(vocab / tp)]` logits of the rows the step
   samples (`VocabHead.forward`, in the weight dtype; `.float()` comes after the gather).
 - one chained MTP draft step over R rows: the target's embedding of the step's token (1 all-reduce),
-  the MTP decoder layer (2), and the greedy draft (`VocabHead.argmax`: two all-gathers of `[R, 1]`,
-  the fp32 maxima and the int64 ids). An MTP observe over T tokens: 3 all-reduces.
+  the MTP decoder layer (2), and the greedy draft (`VocabHead.argmax`: one all-gather of `[R, 2]`
+  fp32, each rank's maximum and its id). An MTP observe over T tokens: 3 all-reduces.
 - a DFlash draft over R rows of a B-token block: the target's embedding of the block (1 all-reduce of
   `[R·B, hidden]`; the draft layers are replicated, no collectives) and the argmax of B−1 rows per
-  block (2 all-gathers of `[R·(B−1), 1]`).
+  block (1 all-gather of `[R·(B−1), 2]`).
 
 Besides these, rank 0 broadcasts a 4-integer step header over a gloo (host) group each step
 (`hylo.distributed.control`); that is not NVLink traffic and is not counted here.
@@ -305,11 +305,9 @@ def target_step(config: ModelConfig, tp: int, tokens: int, rows: int, itemsize: 
 
 
 def _argmax(tp: int, rows: int) -> list[Collective]:
-    """`VocabHead.argmax`: each rank's fp32 maximum and int64 id of every row, gathered (`[rows, tp]`)."""
-    return [
-        Collective(ALL_GATHER, 1, tp * rows * 4, "argmax maxima (fp32)"),
-        Collective(ALL_GATHER, 1, tp * rows * 8, "argmax ids (int64)"),
-    ]
+    """`VocabHead.argmax`: each rank's maximum and its id of every row as one fp32 pair, gathered
+    (`[rows, 2·tp]`)."""
+    return [Collective(ALL_GATHER, 1, tp * rows * 2 * 4, "argmax (maximum, id) pairs (fp32)")]
 
 
 def mtp_draft_step(config: ModelConfig, tp: int, rows: int, itemsize: int = 2) -> list[Collective]:

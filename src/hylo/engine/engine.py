@@ -91,6 +91,7 @@ class Engine:
                 path, self.device, self.dtype, random_weights=dummy, parallel=parallel,
                 progress=None if self.ranks.leader else False,
             )  # fmt: skip
+        self.ranks.loaded()
         model_config = self.model.config
         cache_config = parallel.local_config(model_config)  # KDA states hold this rank's heads
         tok_path = Path(config.tokenizer) if config.tokenizer else path

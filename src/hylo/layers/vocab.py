@@ -35,6 +35,8 @@ class VocabHead(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, parallel: Parallel = SINGLE):
         super().__init__()
         lo, hi = parallel.vocab_span(vocab_size)
+        if vocab_size >= 1 << 24:
+            raise ValueError(f"vocab_size ({vocab_size}) must be below 2^24 (token ids travel as fp32)")
         self.vocab_size, self.lo, self.parallel = vocab_size, lo, parallel
         self.weight = nn.Parameter(torch.empty(hi - lo, hidden_size))
 
@@ -44,12 +46,14 @@ class VocabHead(nn.Module):
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """`forward(hidden).argmax(-1)` without the full logits: each rank's best row and its logit,
-        then the best of those (ties to the lowest id, as `argmax`)."""
+        exchanged in one gather, then the best of those (ties to the lowest id, as `argmax`)."""
         logits = linear(hidden, self.weight)
         if self.parallel.size == 1:
             return logits.argmax(-1)
         valid = self.vocab_size - self.lo  # rows past the vocabulary (the last rank's padding) never win
         best, index = logits[..., :valid].float().max(-1)
-        bests = self.parallel.all_gather(best[..., None])  # [..., tp]
-        ids = self.parallel.all_gather((index + self.lo)[..., None])
-        return ids.gather(-1, bests.argmax(-1, keepdim=True))[..., 0]
+        # (logit, id) pairs as fp32: ids below 2^24 are exact
+        pairs = self.parallel.all_gather(torch.stack([best, (index + self.lo).float()], -1))
+        pairs = pairs.unflatten(-1, (self.parallel.size, 2))  # [..., tp, (logit, id)]
+        winner = pairs[..., 0].argmax(-1, keepdim=True)
+        return pairs[..., 1].gather(-1, winner)[..., 0].long()
