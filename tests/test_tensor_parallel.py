@@ -73,7 +73,7 @@ def test_two_ranks_equal_one_by_expert_and_by_tensor(random_model):
 def test_two_ranks_speculative_equal_one():
     """DFlash2 and MTP with 3 steps on the demo model, drafts verified every step: TP=2 commits the
     tokens TP=1 does (lossless either way) with the same acceptance, so drafts agree across ranks."""
-    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=1)
     tokenizer = Tokenizer.from_dir(DEMO_DIR)
     chats = ["What is the capital of France?", "Write a short poem about the sea."]
     prompts = [

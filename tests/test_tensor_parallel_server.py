@@ -18,7 +18,7 @@ from test_server import free_port, wait_ready
 # a lost rank is noticed within a second (`launch._POLL_S`) or at the next collective's timeout; the
 # issue's bound is 60 s
 EXIT_WITHIN_S = 60
-DIST_TIMEOUT_S = 5
+DIST_TIMEOUT_S = 3
 
 
 def launch(model, *flags: str) -> tuple[subprocess.Popen, str]:

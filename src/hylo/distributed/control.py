@@ -14,8 +14,9 @@ would add a device-to-host-to-device round trip per step; sampling is a few kern
 rank already holds.
 
 Messages go over a gloo group of their own (host tensors), apart from the device collectives. When
-no step has been published for `HEARTBEAT_S`, rank 0 sends a heartbeat, so a follower that hears
-nothing for the group's timeout knows rank 0 is gone and exits instead of waiting forever.
+no step has been published for a heartbeat interval (`HEARTBEAT_S`, or a quarter of the group's
+timeout if that is shorter), rank 0 sends a heartbeat, so a follower that hears nothing for the
+group's timeout knows rank 0 is gone and exits instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class Publisher:
     thread runs. The heartbeats start with `start`, once the engine is built: the start-up exchanges
     on the same group (the cache budget, the memory reports) must not meet one."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float):
+        self.group, self.interval = group, min(HEARTBEAT_S, timeout_s / 4)
         self._ops: list[Op] = []
         self._lock = threading.Lock()
         self._last = time.monotonic()
@@ -112,11 +113,11 @@ class Publisher:
 
     def _heartbeat(self) -> None:
         while True:
-            time.sleep(HEARTBEAT_S / 2)
+            time.sleep(self.interval / 2)
             with self._lock:
                 if self._closed:
                     return
-                if time.monotonic() - self._last >= HEARTBEAT_S:
+                if time.monotonic() - self._last >= self.interval:
                     try:
                         self._send(Kind.HEARTBEAT, [], False, False)
                     except RuntimeError:  # the group is gone: the engine finds out on its next step

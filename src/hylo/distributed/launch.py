@@ -42,8 +42,8 @@ from hylo.distributed.parallel import SINGLE, Parallel
 
 logger = logging.getLogger("hylo")
 FAILURE_EXIT_S = 20.0
-# how long ranks wait for each other to finish loading: loading a large checkpoint takes minutes and
-# ranks finish at different times (a rank that fails to load exits, and the others hear at once)
+# how long ranks wait for each other to start and to finish loading: a large checkpoint takes minutes
+# and ranks finish at different times (a rank that fails to load exits, and the others hear at once)
 LOAD_TIMEOUT_S = 3600.0
 _POLL_S = 0.5
 
@@ -98,14 +98,15 @@ class Ranks:
         dist.all_gather_object(values, value, group=self.control)
         return values
 
-    def close(self, failed: bool = False) -> None:
-        """Rank 0: tell the other ranks to exit and wait for the spawned ones (then end them). After a
-        failure (`failed`, or a rank lost) they are killed at once: a rank that hangs would not hear."""
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to exit and wait for the spawned ones (then end them)."""
         if self._closed:
             return
+        if self.failure is not None:
+            self.abandon()
         self._closed = True
-        failed = failed or self.failure is not None
-        if self.publisher is not None and not failed:
+        failed = False
+        if self.publisher is not None:
             try:
                 self.publisher.close()
             except RuntimeError:
@@ -117,6 +118,20 @@ class Ranks:
                 proc.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def abandon(self, status: int = 1) -> None:
+        """After a failure: kill the ranks this process started and exit with `status` now, without
+        finalisers (a thread may be waiting in a collective that will never complete, and tearing the
+        groups down under it aborts the process). Nothing for an engine of one rank."""
+        if self.control is None and not self.workers:
+            return
+        self._closed = True
+        for proc in self.workers.values():
+            proc.kill()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(status)
 
 
 def torchrun_rank() -> int | None:
@@ -186,14 +201,19 @@ def join(config: EngineConfig, rank: int, init_method: str, local_rank: int) -> 
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=config.dist_timeout)
+    backend = "nccl" if cuda else "gloo"
+    # meeting waits as long as loading may (ranks start at different times); the groups the engine
+    # uses then wait `dist_timeout` a collective
     dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=config.tp_size,
-        timeout=timeout, device_id=device if cuda else None,
+        backend, init_method=init_method, rank=rank, world_size=config.tp_size,
+        timeout=timedelta(seconds=LOAD_TIMEOUT_S), device_id=device if cuda else None,
     )  # fmt: skip
+    timeout = timedelta(seconds=config.dist_timeout)
+    collectives = dist.new_group(backend=backend, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    parallel = Parallel(rank, config.tp_size, config.ep_size or config.tp_size, dist.group.WORLD)
-    return Ranks(parallel, device, control, Publisher(control) if rank == 0 else None)
+    parallel = Parallel(rank, config.tp_size, config.ep_size or config.tp_size, collectives)
+    publisher = Publisher(control, config.dist_timeout) if rank == 0 else None
+    return Ranks(parallel, device, control, publisher)
 
 
 def _monitor(ranks: Ranks) -> None:

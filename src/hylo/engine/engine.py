@@ -295,10 +295,9 @@ class Engine:
         """Why the engine cannot go on (a rank was lost), None while it can."""
         return self.ranks.failure
 
-    def close(self, failed: bool = False) -> None:
-        """Stop the other ranks of a tensor-parallel engine (nothing for one rank); after a failure
-        without waiting for them."""
-        self.ranks.close(failed)
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing for one rank)."""
+        self.ranks.close()
 
     def step(self, plan: StepPlan | None = None) -> list[StepOutput]:
         """Schedule and run one step. `plan`: a follower rank's, as rank 0 published it; rank 0 (and

@@ -114,7 +114,7 @@ def serve(
     server.run()
     if async_engine.failure is not None:
         logger.error("exiting with status 1: %s", async_engine.failure)
-        engine.close(failed=True)
+        engine.ranks.abandon(1)  # a tensor-parallel engine's ranks go with it (this process exits)
         return 1
     engine.close()
     return 0 if stopped else 1
