@@ -119,6 +119,13 @@ class Ranks:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def discard(self) -> None:
+        """Kill the ranks this process started (an engine that failed to start; this process goes on
+        to report why)."""
+        self._closed = True
+        for proc in self.workers.values():
+            proc.kill()
+
     def abandon(self, status: int = 1) -> None:
         """After a failure: kill the ranks this process started and exit with `status` now, without
         finalisers (a thread may be waiting in a collective that will never complete, and tearing the

@@ -81,6 +81,20 @@ class Engine:
                 "tp_size > 1: every rank loads its own shard; a proposer or target cannot be given"
             )
         self.ranks = ranks if ranks is not None else launch.start(config)
+        try:
+            self._start(config, proposer, decode_graphs, target)
+        except BaseException:
+            self.ranks.discard()  # the other ranks of an engine that cannot start go with it
+            raise
+
+    def _start(
+        self,
+        config: EngineConfig,
+        proposer: Proposer | ProposerBuild | None,
+        decode_graphs: bool | None,
+        target: Glm5NextForCausalLM | None,
+    ) -> None:
+        """Load the model, size and allocate the caches, build the proposer and capture the graphs."""
         path = Path(config.model) if config.model is not None else _demo_model()
         self.device, self.dtype = resolve_device(config.device, config.dtype)
         self.device = self.ranks.device or self.device
