@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from test_server import free_port, wait_ready
+from test_server import NAME, free_port, start_server
 
 # a lost rank is noticed within a second (`launch._POLL_S`) or at the next collective's timeout; the
 # issue's bound is 60 s
@@ -22,23 +22,7 @@ DIST_TIMEOUT_S = 3
 
 
 def launch(model, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "hylo.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-    ]
-    cmd += ["--page-size", "16", "--max-memory-gb", "0.25", "--tp-size", "2", "--served-model-name", "m"]
-    cmd += ["--dist-timeout", str(DIST_TIMEOUT_S), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, wait_ready(proc, port)
+    return start_server(model, "--tp-size", "2", "--dist-timeout", str(DIST_TIMEOUT_S), *flags)
 
 
 def worker_pid(url: str) -> int:
@@ -59,7 +43,7 @@ def gone(pid: int) -> bool:
 
 
 def complete(url: str, max_tokens: int) -> httpx.Response:
-    body = {"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": NAME, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 

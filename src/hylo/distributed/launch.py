@@ -185,9 +185,7 @@ def start(config: EngineConfig) -> Ranks:
     try:
         joined = join(config, first, f"tcp://{address}", 0)
     except BaseException:
-        ranks._closed = True
-        for proc in workers.values():
-            proc.kill()
+        ranks.discard()
         raise
     ranks.parallel, ranks.device, ranks.control, ranks.publisher = (
         joined.parallel, joined.device, joined.control, joined.publisher,

@@ -309,6 +309,11 @@ class Engine:
         """Why the engine cannot go on (a rank was lost), None while it can."""
         return self.ranks.failure
 
+    def check_alive(self) -> None:
+        """Raise when the engine cannot go on (`failure`)."""
+        if self.failure is not None:
+            raise RuntimeError(f"the engine cannot go on: {self.failure}")
+
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing for one rank)."""
         self.ranks.close()
@@ -316,8 +321,7 @@ class Engine:
     def step(self, plan: StepPlan | None = None) -> list[StepOutput]:
         """Schedule and run one step. `plan`: a follower rank's, as rank 0 published it; rank 0 (and
         an engine of one rank) makes its own and publishes it to the others first."""
-        if self.failure is not None:
-            raise RuntimeError(f"the engine cannot go on: {self.failure}")
+        self.check_alive()
         bucket = self._bucket()
         if plan is None:
             plan = self.policy.plan(bucket) if self.policy is not None else StepPlan(True, True)

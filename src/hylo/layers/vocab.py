@@ -30,7 +30,8 @@ class VocabEmbedding(nn.Embedding):
 
 class VocabHead(nn.Module):
     """The output projection over this rank's vocabulary rows. `forward` returns every rank the full
-    logits `[T, vocab]` (gathered); `argmax` the greedy tokens with only `[T, tp]` maxima exchanged."""
+    logits `[T, vocab]` (gathered); `argmax` the greedy tokens with only each rank's best (logit, id)
+    pair exchanged."""
 
     def __init__(self, hidden_size: int, vocab_size: int, parallel: Parallel = SINGLE):
         super().__init__()

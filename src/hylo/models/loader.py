@@ -142,8 +142,8 @@ def held_elsewhere(key: str, model: torch.nn.Module) -> bool:
     expert = expert_of(key)
     if expert is None or not parallel.experts_by_expert:
         return False
-    lo, hi = parallel.span(model.config.n_routed_experts, "n_routed_experts")
-    return not lo <= expert < hi
+    first, count, _ = local_experts(model.config, parallel)
+    return not first <= expert < first + count
 
 
 def _strip_prefix(key: str) -> str:

@@ -168,8 +168,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if self.engine.failure is not None:  # a rank is lost, also while nothing runs
-                    raise RuntimeError(f"the engine cannot go on: {self.engine.failure}")
+                self.engine.check_alive()  # a rank is lost: also while nothing runs
                 self._drain_commands()
                 if self.engine.has_unfinished():
                     self._publish_step(self.engine.step())
