@@ -131,7 +131,7 @@ def test_decode_graphs_take_plain_decode_steps_only(model):
             pass
 
     with pytest.raises(
-        ValueError, match="graphs: decode graphs serve an engine with a proposer only when captured with it"
+        ValueError, match="graphs: graphs serve an engine with a proposer only when captured with it"
     ):
         ModelRunner(model, caches, 0, Drafter(), graphs)
 

@@ -325,3 +325,94 @@ def test_reference_prefill_matches_naive_per_sequence():
         torch.testing.assert_close(o[s0 : s0 + n], o_n, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(state[slots[i]], s_n, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(conv[slots[i]], w_n)
+
+
+@pytest.mark.parametrize(("n", "width"), [(5, 128), (64, 256), (70, 128)])
+def test_prefill_of_a_padded_batch_from_device_offsets(n, width):
+    """One sequence of n tokens packed in `width` (a prefill graph's batch): given the device offsets
+    alone, the kernel launches for the most chunks `width` tokens hold, and the chunks past the
+    sequence's change nothing: outputs, window and state equal the call on the n tokens alone (the
+    same kernels: exactly), padding outputs are zeros; so does the reference."""
+    p = Problem(11 + n, d=16)
+    q, k, v, f, b = p.inputs(width)
+    slots = torch.tensor([3])
+    cu_dev = torch.tensor([0, n], dtype=torch.int32)
+    conv_ref, state_ref = p.pools()
+    o_ref = chunk.prefill(
+        *(t[:n] for t in (q, k, v, f, b)), *p.params(), conv_ref, state_ref, slots, cu_dev, [0, n], -5.0
+    )
+    conv, state = p.pools()
+    o = chunk.prefill(q, k, v, f, b, *p.params(), conv, state, slots, cu_dev, None, -5.0)
+    assert o.shape[0] == width and torch.equal(o[:n], o_ref) and not o[n:].any()
+    assert torch.equal(conv, conv_ref) and torch.equal(state, state_ref)
+    conv_r, state_r = p.pools()
+    o_r = reference.prefill(q, k, v, f, b, *p.params(), conv_r, state_r, slots, cu_dev, None, -5.0)
+    conv_e, state_e = p.pools()
+    o_e = reference.prefill(
+        *(t[:n] for t in (q, k, v, f, b)), *p.params(), conv_e, state_e, slots, None, [0, n], -5.0
+    )
+    # (elementwise ops over more rows may take other vector paths: last bits)
+    assert err(o_r[:n], o_e) < RATIO and not o_r[n:].any()
+    assert torch.equal(conv_r, conv_e) and err(state_r, state_e) < RATIO
+    assert err(o, o_r) < RATIO
+
+
+def test_device_offsets_are_refused_where_they_would_be_read_back():
+    from hylo.ops.kda import device_offsets_refusal
+
+    cuda = torch.device("cuda")
+    assert (
+        device_offsets_refusal(cuda, -5.0) is None
+        and device_offsets_refusal(torch.device("cpu"), None) is None
+    )
+    assert "safe gate" in device_offsets_refusal(cuda, None) and "got -6.0" in device_offsets_refusal(
+        cuda, -6.0
+    )
+
+
+def test_prefill_leaves_snapshots_at_chunk_ends():
+    """Snapshots after chunks 0 and 2 of the first sequence and chunk 1 of the second (packed chunks
+    0, 2 and 5): kernel and reference each leave exactly the window and state their own prefill of
+    that prefix alone ends with, and the kernel's outputs, windows and states are those of the call
+    without snapshots."""
+    p = Problem(5, d=16)
+    cu = [0, 200, 330]  # sequences of 200 and 130 tokens
+    q, k, v, f, b = p.inputs(cu[-1])
+    slots = torch.tensor([2, 5])
+    chunk_ids = torch.tensor([4, -1, 0, -1, -1, 6, -1])  # 4 + 3 chunks
+    cu_dev = torch.tensor(cu, dtype=torch.int32)
+
+    def pools(n):
+        return torch.zeros(n, *p.conv_pool.shape[1:]), torch.zeros(n, *p.state_pool.shape[1:])
+
+    snap_conv, snap_state = pools(8)
+    snaps = reference.ChunkSnapshots(chunk_ids, snap_conv, snap_state)
+    conv, state = p.pools()
+    o = chunk.prefill(q, k, v, f, b, *p.params(), conv, state, slots, cu_dev, cu, -5.0, snapshots=snaps)
+    conv_ref, state_ref = p.pools()
+    o_ref = chunk.prefill(q, k, v, f, b, *p.params(), conv_ref, state_ref, slots, cu_dev, cu, -5.0)
+    assert torch.equal(o, o_ref) and torch.equal(conv, conv_ref) and torch.equal(state, state_ref)
+
+    ref_conv, ref_state = pools(8)
+    conv_r, state_r = p.pools()
+    o_r = reference.prefill(
+        q, k, v, f, b, *p.params(), conv_r, state_r, slots, cu_dev, None, -5.0,
+        reference.ChunkSnapshots(chunk_ids, ref_conv, ref_state),
+    )  # fmt: skip
+    assert err(o, o_r) < RATIO and torch.equal(conv_r, conv) and err(state_r, state) < RATIO
+    for sid, seq, tokens in [(4, 0, 64), (0, 0, 192), (6, 1, 128)]:
+        lo, slot = cu[seq], slots[seq : seq + 1]
+        part = [t[lo : lo + tokens] for t in (q, k, v, f, b)]
+        one_conv, one_state = p.pools()
+        reference.prefill(*part, *p.params(), one_conv, one_state, slot, None, [0, tokens], -5.0)
+        assert torch.equal(ref_conv[sid], one_conv[slot[0]]) and torch.equal(
+            ref_state[sid], one_state[slot[0]]
+        )
+        one_conv, one_state = p.pools()
+        one_cu = torch.tensor([0, tokens], dtype=torch.int32)
+        chunk.prefill(*part, *p.params(), one_conv, one_state, slot, one_cu, [0, tokens], -5.0)
+        assert torch.equal(snap_conv[sid], one_conv[slot[0]]) and torch.equal(
+            snap_state[sid], one_state[slot[0]]
+        )
+    untouched = [1, 2, 3, 5, 7]
+    assert not snap_conv[untouched].any() and not snap_state[untouched].any()

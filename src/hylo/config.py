@@ -211,6 +211,11 @@ class EngineConfig:
         "largest decode batch run as a CUDA-graph replay; larger ones run eagerly "
         f"(default: {DEFAULT_CUDA_GRAPH_MAX_BS}, at most the running-request limit)",
     )
+    cuda_graph_max_prefill_tokens: int = _flag(
+        1024,
+        "longest prefill chunk of a step that prefills one request alone run as a CUDA-graph replay "
+        "(token buckets from 16 up to it); 0: every prefill runs eagerly",
+    )
     disable_radix_cache: bool = _flag(
         False, "no prefix cache: every request computes its whole prompt (SGLang's flag name)"
     )
@@ -275,6 +280,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not isinstance(self.cuda_graph_max_prefill_tokens, int) or self.cuda_graph_max_prefill_tokens < 0:
+            value = self.cuda_graph_max_prefill_tokens
+            raise ValueError(f"cuda_graph_max_prefill_tokens must be an int >= 0, got {value!r}")
         for name in ("disable_cuda_graph", "speculative_adaptive", "disable_radix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -109,6 +109,13 @@ class ForwardBatch:
     # state pool the snapshots go to; KDA layers advance such sequences in segments ending there
     snapshot_points: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     snapshot_pool: StateCache | None = None
+    # Set in a prefill graph's batch (`PrefillGraphs`): each sequence's new tokens `[B]` (int32,
+    # device); the rest of its `len(input_ids) // B` packed tokens are padding (`uniform_metadata`'s
+    # `lengths`), and the host lists are placeholders
+    padded_lens: torch.Tensor | None = None
+    # and where its KDA layers leave prefix-cache snapshots (into `snapshot_pool`) inside the chunk:
+    # `kda.ChunkSnapshots.chunk_ids`, `[chunks]` int64, -1 where none
+    padded_snapshots: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -255,6 +262,7 @@ def uniform_metadata(
     req_to_token: torch.Tensor,
     kpool: int,
     filler_row: int | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """On the device, what `ForwardBatch.build` computes for sequences of `width` tokens at device
     prefix lengths `prefix [B]` in table rows `rows [B]`: `positions`, `token_rows`, `new_slots`,
@@ -266,11 +274,17 @@ def uniform_metadata(
     batch's scratch slot) or, without one, by the sequence's pool at `prefix`, which is incomplete
     before this forward, is masked out of `pool_table` until some forward completes it, and is
     recompressed by that forward: whatever this one writes to its pooled slot is never read. (When
-    that pool does complete here, both entries compute the same key from the same entries.)"""
+    that pool does complete here, both entries compute the same key from the same entries.)
+
+    With `lengths [B]` (device, 1 <= lengths[b] <= width) sequence b has that many new tokens and the
+    rest of its width is padding: a padding token takes the position of the sequence's last token and
+    writes the first slot of `filler_row` (required), so that no sequence ever reads it; the pools
+    follow the real lengths."""
     device = req_to_token.device
     steps = torch.arange(width, device=device)
     positions = prefix[:, None] + steps
-    pools_after = (prefix + width) // kpool
+    end = prefix + width if lengths is None else prefix + lengths
+    pools_after = end // kpool
     candidates = prefix[:, None] // kpool + torch.arange(-(-width // kpool), device=device)
     completes = candidates < pools_after[:, None]
     if filler_row is None:
@@ -281,11 +295,19 @@ def uniform_metadata(
     completed = req_to_token[pool_rows, candidates * kpool].long() // kpool
     columns = torch.arange(req_to_token.shape[1] // kpool, device=device)
     pool_slots = req_to_token[rows[:, None], columns[None, :] * kpool].long() // kpool
+    if lengths is None:
+        new_slots = req_to_token[rows[:, None], positions]
+    else:
+        if filler_row is None:
+            raise ValueError("lengths: padding tokens write the filler row, and none was given")
+        positions = torch.minimum(positions, end[:, None] - 1)
+        real = steps[None, :] < lengths[:, None]
+        new_slots = torch.where(real, req_to_token[rows[:, None], positions], req_to_token[filler_row, 0])
     return {
         "positions": positions.flatten(),
         # a copy: with one sequence an expanded flatten is a stride-0 view, and kernels index rows densely
         "token_rows": rows.repeat_interleave(width),
-        "new_slots": req_to_token[rows[:, None], positions].long().flatten(),
+        "new_slots": new_slots.long().flatten(),
         "state_slots": rows,
         "completed_pools": completed.flatten(),
         "pool_table": torch.where(columns[None, :] < pools_after[:, None], pool_slots, -1),

@@ -70,6 +70,7 @@ class DecodeGraphs:
 
     tokens_per_seq = 1
     kind = "decode"
+    bucket_unit = "batch sizes"
     memory_bytes = 0  # what the captured graphs hold, for the start-up memory report
 
     def __init__(
@@ -103,13 +104,17 @@ class DecodeGraphs:
             )
         # (variant, bucket) -> the DEFER and DRAFT graphs and their outputs
         self.variants: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
-        self.buckets = batch_size_buckets(max_batch_size)
+        self.buckets = self._bucket_sizes(max_batch_size)
         self.pool_width = caches.table.table.shape[1] // caches.kpool
         self.static = self._static_batches()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         if capture:
             self._capture_all()
+
+    @staticmethod
+    def _bucket_sizes(largest: int) -> list[int]:
+        return batch_size_buckets(largest)
 
     def accepts(self, seqs: Sequence[SequenceChunk]) -> bool:
         """A plain decode step that fits the largest bucket."""
@@ -228,16 +233,18 @@ class DecodeGraphs:
         pool, stream = self.pool or torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
         self.pool = pool
         bar = tqdm(
-            reversed(self.buckets), total=len(self.buckets), desc="Capturing CUDA graphs", unit="graph"
-        )
+            reversed(self.buckets), total=len(self.buckets), desc=f"Capturing {self.kind} CUDA graphs",
+            unit="graph",
+        )  # fmt: skip
         with torch.cuda.device(device):
             for bucket in bar:
-                bar.set_postfix(bs=bucket)
+                bar.set_postfix(bucket=bucket)
                 self._capture(bucket, pool, stream)
         logger.info(
-            "captured %d %s CUDA graphs (batch sizes %s) in %.1f s, using %.2f GiB",
+            "captured %d %s CUDA graphs (%s %s) in %.1f s, using %.2f GiB",
             len(self.buckets),
             self.kind,
+            self.bucket_unit,
             ",".join(map(str, self.buckets)),
             time.perf_counter() - start,
             self._record_memory(torch.cuda.memory_reserved(device) - reserved_before) / 2**30,

@@ -16,6 +16,7 @@ from hylo.distributed import launch
 from hylo.distributed.control import Abort, AddRequest
 from hylo.distributed.launch import Ranks
 from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs, batch_size_buckets
+from hylo.engine.prefill_graph import PrefillGraphs, prefill_graph_refusal
 from hylo.engine.request import Request, Status
 from hylo.engine.runner import ModelRunner
 from hylo.engine.scheduler import Scheduler
@@ -160,10 +161,22 @@ class Engine:
             graphs = DecodeGraphs(self.model, self.caches, max_bs, capture, self.proposer)
         if verify_graphs:
             verifying = VerifyGraphs(self.model, self.caches, self.proposer, max_bs, capture, graphs.pool)
+        prefilling = None
+        if decode_graphs and config.cuda_graph_max_prefill_tokens:
+            refusal = prefill_graph_refusal(self.model, self.proposer)
+            if refusal is None:
+                prefilling = PrefillGraphs(
+                    self.model, self.caches, min(config.cuda_graph_max_prefill_tokens, self.context_len),
+                    capture, self.proposer, graphs.pool,
+                )  # fmt: skip
+            else:
+                logger.info("prefill chunks run eagerly: %s", refusal)
         self.policy = None  # rank 0's alone: the other ranks step by the plan it publishes
         if self.proposer is not None and config.speculative_adaptive and self.ranks.leader:
             self.policy = DraftLengthPolicy(self.proposer.num_draft_tokens + 1)
-        self.runner = ModelRunner(self.model, self.caches, config.seed, self.proposer, graphs, verifying)
+        self.runner = ModelRunner(
+            self.model, self.caches, config.seed, self.proposer, graphs, verifying, prefilling
+        )
         self.buckets = batch_size_buckets(max_bs)
         # taken last: the allocator's figures include the caches and the captured graphs' pools
         report = memory_report(self.model, self.plan, self.device, load_peak.bytes)

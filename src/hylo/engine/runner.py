@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from hylo.engine.cuda_graph import DEFER, DRAFT, OBSERVE, DecodeGraphs, VerifyGraphs
+from hylo.engine.prefill_graph import PrefillGraphs
 from hylo.engine.request import Request
 from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch, SequenceChunk
@@ -38,7 +39,8 @@ class ChunkResult:
 
 class ModelRunner:
     """Plain decode steps go through `graphs` when it accepts them, verify steps through
-    `verify_graphs` (CUDA-graph replays of fixed-shape batches); everything else runs eagerly.
+    `verify_graphs`, one-sequence prefill chunks through `prefill_graphs` (CUDA-graph replays of
+    fixed-shape batches); everything else runs eagerly.
 
     A speculative step (eager or replayed) is device work from the batch upload to the one read of
     the picked tokens: drafts come from the proposer's device rows, acceptance, the KDA commit, the
@@ -58,14 +60,16 @@ class ModelRunner:
         proposer: Proposer | None = None,
         graphs: DecodeGraphs | None = None,
         verify_graphs: VerifyGraphs | None = None,
+        prefill_graphs: PrefillGraphs | None = None,
     ):
-        if graphs is not None and graphs.proposer is not proposer:
-            raise ValueError(
-                "graphs: decode graphs serve an engine with a proposer only when captured with it (its "
-                "features, and its observe for a proposer that drafts on the device)"
-            )
+        for name, captured in (("graphs", graphs), ("prefill_graphs", prefill_graphs)):
+            if captured is not None and captured.proposer is not proposer:
+                raise ValueError(
+                    f"{name}: graphs serve an engine with a proposer only when captured with it (its "
+                    "features, and its observe for a proposer that drafts on the device)"
+                )
         self.model, self.caches, self.proposer = model, caches, proposer
-        self.graphs, self.verify_graphs = graphs, verify_graphs
+        self.graphs, self.verify_graphs, self.prefill_graphs = graphs, verify_graphs, prefill_graphs
         device = model.embed_tokens.weight.device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -115,6 +119,9 @@ class ModelRunner:
             if variant == DEFER:
                 for r in requests:
                     r.deferred_from = r.num_computed if r.deferred_from is None else r.deferred_from
+        elif self.prefill_graphs is not None and self.prefill_graphs.accepts(seqs):
+            batch, logits = self.prefill_graphs.run(seqs)  # takes the chunk's snapshots too
+            observed = self.prefill_graphs.observes
         else:
             c = self.caches
             batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)

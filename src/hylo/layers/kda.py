@@ -110,15 +110,27 @@ class KDAAttention(nn.Module):
                 pool.recurrent[layer, snapshot_ids] = batch.states.recurrent[layer, snapshot_slots]
 
     def _advance(
-        self, qkvfb, slots: torch.Tensor, cu_cpu: list[int], cu: torch.Tensor, batch: ForwardBatch
+        self, qkvfb, slots: torch.Tensor, cu_cpu: list[int] | None, cu: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        if cu_cpu[-1] == len(cu_cpu) - 1:  # one token per sequence
+        if cu_cpu is not None and cu_cpu[-1] == len(cu_cpu) - 1:  # one token per sequence
             return kda_ops.decode(*qkvfb, *self._params(batch, slots), self.lower_bound)
-        return kda_ops.prefill(*qkvfb, *self._params(batch, slots), cu, cu_cpu, self.lower_bound)
+        snapshots = None
+        if batch.padded_snapshots is not None:
+            layer, pool = batch.states.kda_index[self.layer_idx], batch.snapshot_pool
+            snapshots = kda_ops.ChunkSnapshots(
+                batch.padded_snapshots, pool.conv[layer], pool.recurrent[layer]
+            )
+        return kda_ops.prefill(*qkvfb, *self._params(batch, slots), cu, cu_cpu, self.lower_bound, snapshots)
 
 
-def _cu_seqlens(batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
-    """Token offsets of the batch's sequences (host list, int32 device copy), made once per batch."""
+def _cu_seqlens(batch: ForwardBatch) -> tuple[list[int] | None, torch.Tensor]:
+    """Token offsets of the batch's sequences (host list, int32 device copy), made once per batch. A
+    padded batch's (one sequence, `padded_lens`) are on the device alone, (None, [0, n]), made by
+    every call: in a graph they are part of the replay."""
+    if batch.padded_lens is not None:
+        if len(batch.extend_lens) != 1:
+            raise ValueError("a padded batch holds one sequence (its padding follows its tokens)")
+        return None, torch.nn.functional.pad(batch.padded_lens.int(), (1, 0))
     cached = batch.__dict__.get("_kda_cu_seqlens")
     if cached is None:
         cached = batch.__dict__["_kda_cu_seqlens"] = _offsets(batch.extend_lens, batch.state_slots.device)

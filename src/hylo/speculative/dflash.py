@@ -62,6 +62,7 @@ class DFlashProposer(Proposer):
         self.num_draft_tokens = self.block_size - 1
         self.capture_layers = c.target_layer_ids
         self.needs_host = False
+        self.observes_padded = True  # observe writes `counts` tokens per sequence; propose reads lengths
         (kv,) = caches.pools
         self.k_cache, self.v_cache = kv.k, kv.v
         self.table, self.drafts = caches.req_to_token, caches.drafts

@@ -106,6 +106,9 @@ class Proposer(ABC):
     # of S - 1, `resume`): a request resuming from a prefix-cache snapshot at S needs those features
     # and a private copy of the page holding S - 1
     needs_last_features: bool = False
+    # `observe` and `propose` take a padded batch (`ForwardBatch.padded_lens`: a prefill graph's),
+    # reading its device tensors and `StepCommit.counts` alone
+    observes_padded: bool = False
     drafts: torch.Tensor
 
     def use_drafts(self, drafts: torch.Tensor) -> None:

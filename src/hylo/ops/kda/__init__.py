@@ -12,14 +12,25 @@ from __future__ import annotations
 import torch
 
 from hylo.ops.kda import reference
-from hylo.ops.kda.reference import VerifyCache, causal_conv, gated_rms_norm, kda_chunked, kda_gate
+from hylo.ops.kda.reference import (
+    CHUNK_TOKENS,
+    ChunkSnapshots,
+    VerifyCache,
+    causal_conv,
+    gated_rms_norm,
+    kda_chunked,
+    kda_gate,
+)
 
 __all__ = [
+    "CHUNK_TOKENS",
+    "ChunkSnapshots",
     "VerifyCache",
     "causal_conv",
     "commit",
     "commit_steps",
     "decode",
+    "device_offsets_refusal",
     "gated_norm",
     "gated_rms_norm",
     "kda_chunked",
@@ -31,6 +42,21 @@ __all__ = [
 
 def _triton(x: torch.Tensor) -> bool:
     return x.is_cuda
+
+
+def _chunked(device: torch.device, lower_bound: float | None) -> bool:
+    return device.type == "cuda" and lower_bound is not None and -5.0 <= lower_bound < 0
+
+
+def device_offsets_refusal(device: torch.device, lower_bound: float | None) -> str | None:
+    """Why `prefill` with device offsets alone (`cu_seqlens_cpu` None) would read them back on
+    `device`, None when it would not: on CUDA only the chunked Triton kernel takes them as they are
+    (the reference pads on host lengths)."""
+    if device.type == "cuda" and not _chunked(device, lower_bound):
+        return (
+            f"the chunked Triton KDA prefill needs the safe gate (-5 <= lower_bound < 0), got {lower_bound}"
+        )
+    return None
 
 
 def prefill(
@@ -48,8 +74,11 @@ def prefill(
     cu_seqlens,
     cu_seqlens_cpu,
     lower_bound,
+    snapshots: ChunkSnapshots | None = None,
 ):
-    """Packed varlen prefill (see `reference.prefill`): o `[N, H, d]`; windows and states updated."""
+    """Packed varlen prefill (see `reference.prefill`): o `[N, H, d]`; windows and states updated.
+    `cu_seqlens_cpu` None: a padded batch described by the device offsets alone
+    (`device_offsets_refusal` says where that reads them back); `snapshots` inside the sequences."""
     args = (
         q,
         k,
@@ -66,11 +95,11 @@ def prefill(
         cu_seqlens_cpu,
         lower_bound,
     )
-    if _triton(q) and lower_bound is not None and -5.0 <= lower_bound < 0:
+    if _chunked(q.device, lower_bound):
         from hylo.ops.kda import chunk
 
-        return chunk.prefill(*args)
-    return reference.prefill(*args)
+        return chunk.prefill(*args, snapshots=snapshots)
+    return reference.prefill(*args, snapshots)
 
 
 def decode(q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound):

@@ -38,7 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-BT = 64  # chunk length
+from hylo.ops.kda.reference import CHUNK_TOKENS, ChunkSnapshots
+
+BT = CHUNK_TOKENS  # chunk length
 BC = 16  # sub-block of rows in the Gram pass
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -51,7 +53,9 @@ def _locate(cu, idx, n_seq, BT: tl.constexpr, BLOCK_B: tl.constexpr):
     hi = tl.load(cu + offs + 1, mask=offs < n_seq, other=0)
     nch = (hi - lo + BT - 1) // BT
     cum = tl.cumsum(nch, 0)
-    seq = tl.sum((cum <= idx).to(tl.int32), 0)
+    # a chunk past the batch's last (a padded batch's launch covers the most chunks its tokens could
+    # hold) lands past the last sequence's end: every row masked, no window rewritten
+    seq = tl.minimum(tl.sum((cum <= idx).to(tl.int32), 0), n_seq - 1)
     pick = offs == seq
     first = tl.sum(tl.where(pick, cum - nch, 0), 0)
     bos = tl.sum(tl.where(pick, lo, 0), 0)
@@ -496,6 +500,54 @@ def _chunk_step(
 
 
 @triton.jit
+def _snapshot_after(
+    s,
+    chunk_idx,
+    chunk_end,
+    snap_ids,
+    snap_state,
+    snap_stride,
+    snap_conv,
+    snap_conv_stride,
+    xq,
+    xk,
+    xv,
+    iv,
+    h,
+    rk,
+    rv,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    X_STRIDE: tl.constexpr,
+    WIN_STRIDE: tl.constexpr,
+):
+    """Where packed chunk `chunk_idx` has a snapshot id: S after it into that snapshot, and (value tile
+    0) the head's conv window, the W-1 pre-conv q, k, v rows before `chunk_end` (a token index)."""
+    sid = tl.load(snap_ids + chunk_idx)
+    if sid >= 0:
+        base = snap_state + sid.to(tl.int64) * snap_stride + h * D * D
+        tl.store(base + rk[:, None] * D + rv[None, :], s)
+        if iv == 0:
+            r = tl.arange(0, WP)
+            live = (r < W - 1)[:, None]
+            rows = (chunk_end - (W - 1) + r).to(tl.int64)[:, None] * X_STRIDE
+            cols = h * D + tl.arange(0, D)[None, :]
+            win = snap_conv + sid.to(tl.int64) * snap_conv_stride + r[:, None] * WIN_STRIDE + cols
+            HD: tl.constexpr = H * D
+            for part in tl.static_range(3):
+                if part == 0:
+                    x = xq
+                elif part == 1:
+                    x = xk
+                else:
+                    x = xv
+                val = tl.load(x + rows + cols, mask=live, other=0.0)
+                tl.store(win + part * HD, val.to(snap_conv.dtype.element_ty), mask=live)
+
+
+@triton.jit
 def _recur_kernel(
     w_in,
     qg_in,
@@ -509,6 +561,14 @@ def _recur_kernel(
     slot_ids,
     cu,
     n_seq,
+    snap_ids,
+    snap_state,
+    snap_stride,
+    snap_conv,
+    snap_conv_stride,
+    xq,
+    xk,
+    xv,
     H: tl.constexpr,
     D: tl.constexpr,
     BV: tl.constexpr,
@@ -516,7 +576,15 @@ def _recur_kernel(
     BLOCK_B: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     STAGES: tl.constexpr,
+    SNAPSHOTS: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    X_STRIDE: tl.constexpr,
+    WIN_STRIDE: tl.constexpr,
 ):
+    """Program (value tile, head, sequence) walks the sequence's chunks; with SNAPSHOTS, after each
+    chunk whose packed index has a snapshot id in `snap_ids` (-1: none) it leaves S and the conv window
+    there (`_snapshot_after`)."""
     iv, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs = tl.arange(0, BLOCK_B)
     lo = tl.load(cu + offs, mask=offs < n_seq, other=0)
@@ -535,17 +603,31 @@ def _recur_kernel(
             s = _chunk_step(
                 s, w_in, qg_in, kg_in, u_in, att_in, dc_in, o_out, bos, eos, c, first, h, H, D, BT, rk, rv
             )
+            if SNAPSHOTS:
+                _snapshot_after(
+                    s, first + c, bos + (c + 1) * BT, snap_ids, snap_state, snap_stride, snap_conv,
+                    snap_conv_stride, xq, xk, xv, iv, h, rk, rv, H, D, W, WP, X_STRIDE, WIN_STRIDE,
+                )  # fmt: skip
     else:  # the interpreter cannot take a run-time bound in range()
         c = 0
         while c < n_chunks:
             s = _chunk_step(
                 s, w_in, qg_in, kg_in, u_in, att_in, dc_in, o_out, bos, eos, c, first, h, H, D, BT, rk, rv
             )
+            if SNAPSHOTS:
+                _snapshot_after(
+                    s, first + c, bos + (c + 1) * BT, snap_ids, snap_state, snap_stride, snap_conv,
+                    snap_conv_stride, xq, xk, xv, iv, h, rk, rv, H, D, W, WP, X_STRIDE, WIN_STRIDE,
+                )  # fmt: skip
             c += 1
     tl.store(p_s, s)
 
 
-def chunk_count(cu_seqlens_cpu) -> int:
+def chunk_count(cu_seqlens_cpu, num_tokens: int, num_seqs: int) -> int:
+    """The chunks of the packed sequences; without host offsets (a padded batch, `cu_seqlens` on the
+    device alone) the most that `num_tokens` packed tokens in `num_seqs` sequences can hold."""
+    if cu_seqlens_cpu is None:
+        return -(-num_tokens // BT) + num_seqs - 1
     return sum(-(-(b - a) // BT) for a, b in itertools.pairwise(cu_seqlens_cpu))
 
 
@@ -581,9 +663,11 @@ def prefill(
     cu_seqlens,
     cu_seqlens_cpu,
     lower_bound: float,
+    snapshots: ChunkSnapshots | None = None,
     **tuning,
 ) -> torch.Tensor:
-    """Triton twin of `reference.prefill` (see there for the arguments); returns o `[N, H, d]`.
+    """Triton twin of `reference.prefill` (see there for the arguments, `cu_seqlens_cpu` None and
+    `snapshots` included: nothing is read back); returns o `[N, H, d]`.
 
     Needs the safe gate with -5 ≤ lower_bound < 0. `tuning` goes to `prep` (its keyword arguments) and
     `recur` (the rest)."""
@@ -605,13 +689,17 @@ def prefill(
         h,
         **{key: val for key, val in tuning.items() if key in PREP_KEYS},
     )
-    o = torch.empty(q.shape[0], h, d, dtype=q.dtype, device=q.device)
+    # a padded batch's tokens past its last sequence are never written by `recur`
+    make = torch.empty if cu_seqlens_cpu is not None else torch.zeros
+    o = make(q.shape[0], h, d, dtype=q.dtype, device=q.device)
     recur(
         bufs,
         o,
         state_pool,
         slot_ids,
         cu_seqlens,
+        snapshots,
+        (q, k, v),
         **{key: val for key, val in tuning.items() if key not in PREP_KEYS},
     )
     return o
@@ -672,7 +760,7 @@ def prep(
         raise ValueError("q, k, v must share strides with unit channel stride")
     if f.stride(1) != 1 or conv_pool.stride(2) != 1:
         raise ValueError("f and conv_pool need a unit channel stride")
-    n_chunks = chunk_count(cu_seqlens_cpu)
+    n_chunks = chunk_count(cu_seqlens_cpu, q.shape[0], n_seq)
     if conv_order not in ("chunk", "head"):
         raise ValueError(f"conv_order must be 'chunk' or 'head', got {conv_order!r}")
     heads_first = conv_order == "head"
@@ -751,14 +839,33 @@ def prep(
 
 
 def recur(
-    bufs, o, state_pool, slot_ids, cu_seqlens, *, block_v: int = 64, stages: int = 3, warps: int = 4
+    bufs,
+    o,
+    state_pool,
+    slot_ids,
+    cu_seqlens,
+    snapshots: ChunkSnapshots | None = None,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    *,
+    block_v: int = 64,
+    stages: int = 3,
+    warps: int = 4,
 ) -> None:
     """The sequential launch: δ = u − wS, o = q̄S + Aδ per chunk into o `[N, H, d]`, S carried through the
-    slot."""
+    slot; `snapshots` taken after their chunks (windows from `inputs`, the pre-conv q, k, v)."""
     h, d = state_pool.shape[1], state_pool.shape[2]
     assert state_pool.is_contiguous()
     n_seq = slot_ids.shape[0]
     bv = min(block_v, d)
+    if snapshots is None:
+        snap = (slot_ids, state_pool, 0, state_pool, 0, o, o, o)  # never read: SNAPSHOTS is off
+        width, x_stride, win_stride = 2, 0, 0
+    else:
+        assert inputs is not None
+        x = inputs
+        snap = (snapshots.chunk_ids, snapshots.state, snapshots.state.stride(0), snapshots.conv,
+                snapshots.conv.stride(0), *x)  # fmt: skip
+        width, x_stride, win_stride = snapshots.conv.shape[1] + 1, x[0].stride(0), snapshots.conv.stride(1)
     # value tiles of a head next to each other in launch order: they read the same w, q̄, k̄ and A, which
     # then come from L2 once; with the sequence first, a batch larger than one wave read them twice
     _recur_kernel[(d // bv, h, n_seq)](
@@ -769,6 +876,7 @@ def recur(
         slot_ids,
         cu_seqlens,
         n_seq,
+        *snap,
         H=h,
         D=d,
         BV=bv,
@@ -776,6 +884,11 @@ def recur(
         BLOCK_B=triton.next_power_of_2(n_seq + 1),
         FOR_LOOP=not _INTERPRET,
         STAGES=stages,
+        SNAPSHOTS=snapshots is not None,
+        W=width,
+        WP=triton.next_power_of_2(max(width - 1, 1)),
+        X_STRIDE=x_stride,
+        WIN_STRIDE=win_stride,
         num_warps=warps,
     )
 

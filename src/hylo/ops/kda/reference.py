@@ -128,6 +128,24 @@ def _pad_plan(lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     return index.to(device), valid.to(device)
 
 
+# Tokens per chunk of the chunked prefill (the Triton kernel's tile); snapshots inside a prefill fall
+# on its multiples (`ChunkSnapshots`).
+CHUNK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class ChunkSnapshots:
+    """Snapshots a prefill leaves inside its sequences: after the packed chunk c (`CHUNK_TOKENS`
+    tokens each, counted over the batch's sequences in order) that ends before its sequence does, the
+    conv window and state go to snapshot `chunk_ids[c]` (int64, device; -1: none) of one KDA layer's
+    snapshot pools `conv [S, W-1, 3·H·d]` and `state [S, H, d, d]`. (The state after a sequence's
+    last token is its slot's.)"""
+
+    chunk_ids: torch.Tensor
+    conv: torch.Tensor
+    state: torch.Tensor
+
+
 def prefill(
     q,
     k,
@@ -143,10 +161,19 @@ def prefill(
     cu_seqlens,
     cu_seqlens_cpu,
     lower_bound,
+    snapshots: ChunkSnapshots | None = None,
 ) -> torch.Tensor:
     """Conv + SiLU, gate, β, L2-normalised chunked delta rule over packed sequences; the slot windows
-    and states are read, then overwritten with each sequence's final ones. Returns o `[N, H, d]`."""
-    del cu_seqlens  # the reference pads on the host lengths
+    and states are read, then overwritten with each sequence's final ones. Returns o `[N, H, d]`.
+
+    Without `cu_seqlens_cpu` the offsets are read from `cu_seqlens` (a padded batch: tokens from
+    `cu_seqlens[-1]` to N belong to no sequence and get zero outputs). `snapshots`: see
+    `ChunkSnapshots`; here each sequence runs in segments ending at them."""
+    if cu_seqlens_cpu is None:
+        cu_seqlens_cpu = cu_seqlens.tolist()
+    if snapshots is not None:
+        args = (conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, cu_seqlens_cpu, lower_bound)
+        return _prefill_in_segments(q, k, v, f, b, *args, snapshots)
     heads = state_pool.shape[1:3]
     lengths = [e - s for s, e in itertools.pairwise(cu_seqlens_cpu)]
     index, valid = _pad_plan(lengths, q.device)
@@ -165,7 +192,50 @@ def prefill(
     g = kda_gate(f.unflatten(-1, tuple(heads)), dt_bias, a_log, lower_bound)
     o, final = kda_chunked(qq, kk, vv, pad(g), pad(torch.sigmoid(b)), state_pool[slot_ids])
     state_pool[slot_ids] = final
-    return o[valid]
+    return torch.nn.functional.pad(o[valid], (0, 0, 0, 0, 0, q.shape[0] - cu_seqlens_cpu[-1]))
+
+
+def _prefill_in_segments(
+    q,
+    k,
+    v,
+    f,
+    b,
+    conv_weight,
+    dt_bias,
+    a_log,
+    conv_pool,
+    state_pool,
+    slot_ids,
+    cu_cpu,
+    lower_bound,
+    snapshots,
+) -> torch.Tensor:
+    """`prefill` with `snapshots`: every sequence cut at its snapshot chunks' ends, segment by segment,
+    the slot's window and state copied into the snapshot after each cut."""
+    ids = snapshots.chunk_ids.tolist()
+    o = q.new_zeros(q.shape[0], *state_pool.shape[1:3])
+    first_chunk = 0
+    for i, (lo, hi) in enumerate(itertools.pairwise(cu_cpu)):
+        chunks = -(-(hi - lo) // CHUNK_TOKENS)
+        cuts = {
+            (c + 1) * CHUNK_TOKENS: ids[first_chunk + c]
+            for c in range(chunks - 1)
+            if ids[first_chunk + c] >= 0
+        }
+        bounds = [0, *sorted(cuts), hi - lo]
+        slot = slot_ids[i : i + 1]
+        for start, stop in itertools.pairwise(bounds):
+            part = slice(lo + start, lo + stop)
+            o[part] = prefill(
+                q[part], k[part], v[part], f[part], b[part], conv_weight, dt_bias, a_log, conv_pool,
+                state_pool, slot, None, [0, stop - start], lower_bound,
+            )  # fmt: skip
+            if stop in cuts:
+                snapshots.conv[cuts[stop]] = conv_pool[slot[0]]
+                snapshots.state[cuts[stop]] = state_pool[slot[0]]
+        first_chunk += chunks
+    return o
 
 
 def decode(q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound):

@@ -1,0 +1,219 @@
+"""Short prefill chunks as CUDA-graph replays: one graph per token bucket, a chunk padded to its bucket.
+
+A prefill step of one sequence (a new prompt, a prefix-cache hit's remaining tokens, a chunk of a long
+prompt) of n new tokens runs in the smallest bucket W >= n. The step uploads one small tensor from
+pinned memory (the sequence's prefix length, request-table row, n and its tokens); the replay builds
+the batch's metadata from it and the request table on the device (`uniform_metadata` with
+`lengths`): the W - n padding tokens take the last token's position, write the scratch page and
+complete no pool, so that no sequence ever reads them; KDA advances the state by the n real tokens
+alone (device offsets, `ForwardBatch.padded_lens`); the logits are the last real token's. A device
+proposer that takes padded batches (`Proposer.observes_padded`) observes the chunk inside the replay;
+its drafts for the next step come after sampling, eagerly.
+
+Short prompts are where an eager prefill is host-bound: a few hundred kernel launches for a few
+milliseconds of GPU work (RESULTS.md, S11-2). A chunk the graphs do not take runs eagerly: several
+sequences in one step, a verify block or a decode step beside it, prompt logprobs, a prefix-cache
+snapshot inside the chunk off the KDA chunks' boundaries (`CHUNK_TOKENS`: the kernels take those
+on them; one at the chunk's end is copied after the replay), more tokens than the largest bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hylo.engine.cuda_graph import OBSERVE, DecodeGraphs
+from hylo.forward_batch import ForwardBatch, SequenceChunk, uniform_metadata
+from hylo.memory.manager import CacheManager
+from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.ops import kda as kda_ops
+from hylo.ops.kda import CHUNK_TOKENS
+from hylo.speculative.proposer import Proposer, StepCommit
+
+# The smallest token bucket: below it a bucket's graph costs the same as its padding.
+MIN_PREFILL_BUCKET = 16
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from `MIN_PREFILL_BUCKET` below `max_tokens`, then `max_tokens` itself."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    buckets, w = [], MIN_PREFILL_BUCKET
+    while w < max_tokens:
+        buckets.append(w)
+        w *= 2
+    return [*buckets, max_tokens]
+
+
+def prefill_graph_refusal(model: Glm5NextForCausalLM, proposer: Proposer | None) -> str | None:
+    """Why prefill chunks of `model` (with `proposer`) cannot replay a graph, None when they can."""
+    if proposer is not None and (proposer.needs_host or not proposer.observes_padded):
+        return f"the proposer ({type(proposer).__name__}) does not observe padded batches on the device"
+    device = model.embed_tokens.weight.device
+    for layer in model.layers:
+        if layer.is_linear:
+            why = kda_ops.device_offsets_refusal(device, layer.self_attn.lower_bound)
+            if why is not None:
+                return f"layer {layer.self_attn.layer_idx}: {why}"
+    return None
+
+
+class PrefillGraphs(DecodeGraphs):
+    """Fixed-shape prefill batches of one sequence padded to the token buckets up to `max_tokens`,
+    captured as CUDA graphs when `capture` (in `pool`, shared with the decode graphs: they never replay
+    at once).
+
+    Invariants: a static batch points at the scratch slot and at the slot of the last step it ran,
+    nothing else; the batch and logits `run` returns stay valid until the next `run`; its host lists
+    (`extend_lens`, `prefix_lens`, ...) are placeholders.
+    """
+
+    kind = "prefill"
+    bucket_unit = "tokens"
+
+    def __init__(
+        self,
+        model: Glm5NextForCausalLM,
+        caches: CacheManager,
+        max_tokens: int,
+        capture: bool,
+        proposer: Proposer | None = None,
+        pool: tuple[int, int] | None = None,
+    ):
+        why = prefill_graph_refusal(model, proposer)
+        if why is not None:
+            raise ValueError(f"prefill graphs: {why}")
+        super().__init__(model, caches, max_tokens, capture, proposer, pool)
+
+    @staticmethod
+    def _bucket_sizes(largest: int) -> list[int]:
+        return prefill_buckets(largest)
+
+    @property
+    def defers(self) -> bool:
+        return False  # a prefill step observes
+
+    def accepts(self, seqs: Sequence[SequenceChunk]) -> bool:
+        """One plain chunk of at most the largest bucket's tokens whose snapshots (if any) fall at its
+        end or at multiples of `CHUNK_TOKENS` inside it (where the KDA kernels take them)."""
+        if len(seqs) != 1:
+            return False
+        s = seqs[0]
+        n = len(s.token_ids)
+        return (
+            not s.verify
+            and not s.score
+            and 1 <= n <= self.buckets[-1]
+            and all(point == n or (0 < point < n and point % CHUNK_TOKENS == 0) for point, _ in s.snapshots)
+        )
+
+    def run(self, seqs: Sequence[SequenceChunk], variant: str = OBSERVE) -> tuple[ForwardBatch, torch.Tensor]:
+        """The step's padded batch (its bucket's static one) and the logits of the chunk's last token,
+        `[1, vocab]`; the chunk's snapshots are taken."""
+        if not self.accepts(seqs):
+            raise ValueError(
+                f"seqs: a prefill graph takes one chunk of 1 to {self.buckets[-1]} tokens that neither "
+                f"verifies nor scores its prompt, its snapshots at its end or at multiples of {CHUNK_TOKENS}"
+            )
+        if variant != OBSERVE:
+            raise ValueError(f"variant: a prefill graph runs {OBSERVE} only, got {variant}")
+        bucket, (logits,) = self._replay(seqs)
+        static = self.static[bucket]
+        self._snapshot(seqs[0], static)
+        return static, logits
+
+    def _replay(
+        self, seqs: Sequence[SequenceChunk], variant: str = OBSERVE
+    ) -> tuple[int, tuple[torch.Tensor, ...]]:
+        (s,) = seqs
+        n = len(s.token_ids)
+        bucket = next(b for b in self.buckets if b >= n)
+        host = self.host_inputs[bucket]
+        host[:3] = torch.tensor([s.prefix_len, s.table_row, n])
+        host[3 : 3 + n] = torch.tensor(s.token_ids)
+        chunk_ids = host[3 + bucket :]
+        chunk_ids.fill_(-1)
+        for point, sid in s.snapshots:
+            if point < n:
+                chunk_ids[point // CHUNK_TOKENS - 1] = sid
+        self.step_inputs[bucket].copy_(host, non_blocking=True)
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            return bucket, self._forward(self.static[bucket])
+        graph.replay()
+        return bucket, self.outputs[bucket]
+
+    def _snapshot(self, s: SequenceChunk, static: ForwardBatch) -> None:
+        """Complete the chunk's snapshots: one at its end takes the slot's KDA state (those inside it
+        the kernels took); each, the features of its last token, for a proposer that resumes from
+        them."""
+        c = self.caches
+        for point, sid in s.snapshots:
+            if point == len(s.token_ids):
+                c.snapshots.conv[:, sid] = c.states.conv[:, s.state_slot]
+                c.snapshots.recurrent[:, sid] = c.states.recurrent[:, s.state_slot]
+            if c.snapshot_features.shape[1] and static.features is not None:
+                c.snapshot_features[sid] = static.features[point - 1]
+
+    def _static_batches(self) -> dict[int, ForwardBatch]:
+        """One static batch per bucket W (a pool table as wide as the request table's), and the step's
+        inputs with a pinned mirror: (prefix length, table row, new tokens n), the W token ids, and
+        the snapshot id after each of the ceil(W / CHUNK_TOKENS) KDA chunks (-1: none). At capture:
+        one token at the start of the scratch row."""
+        static = {}
+        c = self.caches
+        assert c.scratch_slot is not None
+        device = c.table.table.device
+        self.step_inputs: dict[int, torch.Tensor] = {}
+        self.host_inputs: dict[int, torch.Tensor] = {}
+        for width in self.buckets:
+            inputs = torch.full((3 + width + -(-width // CHUNK_TOKENS),), -1, dtype=torch.long)
+            inputs[: 3 + width] = 0
+            inputs[1:3] = torch.tensor([c.scratch_slot, 1])
+            self.host_inputs[width] = inputs.pin_memory() if device.type == "cuda" else inputs
+            self.step_inputs[width] = step = inputs.to(device)
+            prefix, row, n = step[:3, None]
+            meta = uniform_metadata(prefix, row, width, c.table.table, c.kpool, c.scratch_slot, n)
+            packed = torch.arange(width, device=device)
+            static[width] = ForwardBatch(
+                input_ids=step[3 : 3 + width],
+                token_seq=torch.zeros(width, dtype=torch.long, device=device),
+                req_to_token=c.table.table,
+                pad_index=packed[None].clone(),
+                pad_valid=torch.ones(1, width, dtype=torch.bool, device=device),
+                logits_index=torch.zeros(1, dtype=torch.long, device=device),
+                extend_lens=[width],
+                prefix_lens=[0],
+                verify_seqs=[],
+                seq_rows=[c.scratch_slot],
+                seq_slots=[c.scratch_slot],
+                tokens=c.tokens,
+                states=c.states,
+                padded_lens=n.int(),
+                padded_snapshots=step[3 + width :],
+                snapshot_pool=c.snapshots,
+                **meta,
+            )
+        return static
+
+    def _fill_metadata(self, static: ForwardBatch) -> None:
+        inputs = self.step_inputs[static.input_ids.shape[0]]
+        prefix, row, n = inputs[:3, None]
+        c = self.caches
+        width = static.input_ids.shape[0]
+        meta = uniform_metadata(prefix, row, width, c.table.table, c.kpool, c.scratch_slot, n)
+        for name, value in meta.items():
+            getattr(static, name).copy_(value)
+        static.padded_lens.copy_(n)  # (the token ids and snapshot ids are views of the inputs)
+        static.logits_index.copy_(n - 1)
+
+    def _forward(self, static: ForwardBatch, variant: str = OBSERVE) -> tuple[torch.Tensor, ...]:
+        self._fill_metadata(static)
+        if self.proposer is None:
+            return (self.model(static),)
+        logits = self.model(static, self.proposer.capture_layers)
+        device = logits.device
+        commit = StepCommit(static.padded_lens, logits.argmax(-1), torch.arange(1, device=device))
+        self.proposer.observe(static, commit)
+        return (logits,)
