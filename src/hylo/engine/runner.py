@@ -217,9 +217,7 @@ class ModelRunner:
         needs_commit = proposer is not None and (proposer.needs_host or not observed or draft)
         counts = anchors = None
         if needs_commit:
-            counts = torch.tensor([ch.num_tokens for ch in chunks], dtype=torch.int32).to(
-                device, non_blocking=True
-            )
+            counts = to_device([ch.num_tokens for ch in chunks], device, torch.int32)
             anchors = torch.zeros(len(chunks), dtype=torch.long, device=device)
         picked, acceptance = None, None
         if plain:
@@ -235,12 +233,14 @@ class ModelRunner:
             picked = sample(
                 logits[: len(plain)] if leading else logits[picked_rows], rows, self.generator, allowed
             )
-            if anchors is not None:
-                anchors[plain] = picked.tokens
+            if anchors is not None and plain == list(range(len(plain))):
+                anchors[: len(plain)] = picked.tokens
+            elif anchors is not None:  # (indexing by a list would upload it from pageable memory)
+                anchors[to_device(plain, device, torch.long)] = picked.tokens
         if verifying:
             width = max(chunks[i].num_tokens for i in verifying)
             index = [[rows_of[i][min(j, len(rows_of[i]) - 1)] for j in range(width)] for i in verifying]
-            index_d = torch.tensor(index).to(device, non_blocking=True)
+            index_d = to_device(index, device, torch.long)
             drafts = batch.input_ids[index_d[:, 1:]]
             verifiers = [chunks[i].request for i in verifying]
             acceptance = accept(
@@ -255,7 +255,7 @@ class ModelRunner:
                 anchors[verify_index] = acceptance.emitted.gather(1, acceptance.accepted[:, None])[:, 0]
         commit = None
         if needs_commit:
-            sampling = torch.tensor(sorted(plain + verifying), dtype=torch.long).to(device, non_blocking=True)
+            sampling = to_device(sorted(plain + verifying), device, torch.long)
             commit = StepCommit(counts, anchors, sampling)
         if needs_commit and not proposer.needs_host:
             if not observed and draft:
@@ -345,7 +345,7 @@ def _score_prompts(
         rows += chunk_rows[lead : lead + len(chunk_tokens)]
         tokens += chunk_tokens
     device = logits.device
-    index = torch.tensor([rows, tokens]).to(device, non_blocking=True)
+    index = to_device([rows, tokens], device, torch.long)
     logprobs = torch.log_softmax(logits[index[0]].float(), dim=-1)
     top = logprobs.topk(max(ch.request.params.prompt_logprobs for ch in chunks), dim=-1)
     return logprobs.gather(1, index[1][:, None])[:, 0], top.indices, top.values
@@ -375,7 +375,7 @@ def _feed_drafts(batch: ForwardBatch, chunks: Sequence[ScheduledChunk], drafts: 
         offset += ch.num_tokens
     if targets:
         device = batch.input_ids.device
-        index = torch.tensor([targets, rows, columns]).to(device, non_blocking=True)
+        index = to_device([targets, rows, columns], device, torch.long)
         batch.input_ids[index[0]] = drafts[index[1], index[2]]
 
 
