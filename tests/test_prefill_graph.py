@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import random_prompt
 from hf_reference import tiny_text_config, write_hf_checkpoint
-from test_prefix_cache import GREEDY, assert_all_returned, assert_same, run
+from test_prefix_cache import assert_all_returned, assert_same, run
 from test_spec import draft  # noqa: F401 (a fixture: the DFlash draft)
 
 from hylo import LLM
@@ -18,9 +18,11 @@ from hylo.engine.prefill_graph import PrefillGraphs, prefill_buckets
 from hylo.forward_batch import ForwardBatch, SequenceChunk, uniform_metadata
 from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.models.loader import load_model
+from hylo.sampling import SamplingParams
 from hylo.speculative.proposer import Proposer
 
 PAGE, MAX_LEN, SLOTS = 16, 96, 4
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -150,18 +152,13 @@ def long_waves() -> list[list[list[int]]]:
     shared = random_prompt(200, 160, seed=11)
     a = shared + random_prompt(30, 160, seed=12)
     first = [a, random_prompt(100, 160, seed=13)]
-    second = [
-        shared + random_prompt(50, 160, seed=14),
-        a,
-        shared[:130] + random_prompt(9, 160, seed=15),
-        a + random_prompt(40, 160, seed=16),
-    ]
+    second = [a, shared[:130] + random_prompt(9, 160, seed=15), a + random_prompt(40, 160, seed=16)]
     return [first, second]
 
 
 def make_llm(path, **kwargs) -> LLM:
     return LLM(
-        str(path), device="cpu", dtype="float32", page_size=64, prefix_snapshot_interval=128,
+        str(path), device="cpu", dtype="float32", page_size=64, prefix_snapshot_interval=128, context_length=512,
         speculative_adaptive=False, max_memory_gb=0.25, max_running_requests=1, cuda_graph_max_bs=1,
         cuda_graph_max_prefill_tokens=256, **kwargs,
     )  # fmt: skip
@@ -202,11 +199,11 @@ def test_engines_with_prefill_graphs_give_the_eager_outputs(target, draft, setti
     assert_same(ref, outs)
     if "speculative_algorithm" in settings:
         common = drafts.keys() & ref_drafts.keys()
-        assert len(common) > 40 and {k: drafts[k] for k in common} == {k: ref_drafts[k] for k in common}
+        assert len(common) >= 20 and {k: drafts[k] for k in common} == {k: ref_drafts[k] for k in common}
     if "chunked_prefill_size" in settings:  # snapshots off the KDA chunks' boundaries: eager
         assert runs and not all(decisions)
     else:  # (a run checks its chunk again)
-        assert all(decisions) and len(runs) == 6 and len(decisions) == 2 * len(runs)
+        assert all(decisions) and len(runs) == 5 and len(decisions) == 2 * len(runs)
     assert_all_returned(llm.engine)
 
 

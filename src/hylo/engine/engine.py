@@ -71,7 +71,8 @@ class Engine:
         without caches of its own, made before the engine (it receives the draft rows). `decode_graphs`
         overrides whether decode steps run as fixed-shape batches (by default: on CUDA, as graph
         replays, unless `config.disable_cuda_graph`): plain decode steps without a proposer, verify
-        steps with one that drafts on the device; on the CPU they run as plain calls (for tests).
+        steps with one that drafts on the device, and one request's prefill chunks up to
+        `config.cuda_graph_max_prefill_tokens`; on the CPU they run as plain calls (for tests).
         `target`: an already loaded model of `config.model` to serve instead of loading it (several
         engines over one model in one process, as the benchmarks compare them). `ranks`: this process's
         rank of a tensor-parallel engine (`hylo.distributed.launch`); by default it is made from
