@@ -158,7 +158,8 @@ def long_waves() -> list[list[list[int]]]:
 
 def make_llm(path, **kwargs) -> LLM:
     return LLM(
-        str(path), device="cpu", dtype="float32", page_size=64, prefix_snapshot_interval=128, context_length=512,
+        str(path), device="cpu", dtype="float32", page_size=64, prefix_snapshot_interval=128,
+        context_length=512,
         speculative_adaptive=False, max_memory_gb=0.25, max_running_requests=1, cuda_graph_max_bs=1,
         cuda_graph_max_prefill_tokens=256, **kwargs,
     )  # fmt: skip
