@@ -278,7 +278,7 @@ def test_loading_holds_the_weights_and_one_tensor_more(base, random_weights):
     weights = weight_bytes(model)
     assert meter.peak <= weights + largest_fp32_bytes(model) < 1.5 * weights
     kda = model.layers[0].self_attn
-    assert model.embed_tokens.weight.dtype == kda.q_proj.weight.dtype == torch.bfloat16
+    assert model.embed_tokens.weight.dtype == kda.qkvb_proj.weight.dtype == torch.bfloat16
     assert kda.A_log.dtype == kda.dt_bias.dtype == torch.float32  # kept fp32, as transformers does
 
 

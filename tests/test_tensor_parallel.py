@@ -119,29 +119,27 @@ def test_each_rank_reads_only_its_slices(random_model, tmp_path, fp8, ep):
         split = {k for k, slot in checkpoint_layout(ranks[0]).items() if slot.shard is not None}
         once = [k for k in file_bytes if _local(k) in split or ".mlp.experts." in k]
         assert split and sum(read) == 2 * whole - sum(file_bytes[k] for k in once)
-    for name, full in reference.state_dict().items():
-        parts = [m.state_dict()[name] for m in ranks]
-        if parts[0].shape == full.shape:  # replicated
-            for part in parts:
+    # checkpoint tensor by checkpoint tensor (a fused projection's parts are cut one by one)
+    held = [(checkpoint_layout(m), _tensors(m)) for m in ranks]
+    reference_tensors = _tensors(reference)
+    for key, slot in checkpoint_layout(reference).items():
+        full = slot.view(reference_tensors[slot.param])
+        parts = [(lay[key], lay[key].view(t[lay[key].param])) for lay, t in held if key in lay]
+        assert parts, key
+        if parts[0][0].shard is None:  # replicated, or a routed expert only one rank holds
+            for _, part in parts:
                 torch.testing.assert_close(part, full, rtol=0, atol=0)
             continue
-        torch.testing.assert_close(_unsplit(name, parts, full.shape), full, rtol=0, atol=0)
+        ordered = [part for s, part in sorted(parts, key=lambda p: p[0].shard.start)]
+        torch.testing.assert_close(torch.cat(ordered, parts[0][0].shard.dim), full, rtol=0, atol=0)
+
+
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters()) | dict(model.named_buffers())
 
 
 def _local(raw: str) -> str:
     return raw.removeprefix("model.language_model.")
-
-
-def _unsplit(name: str, parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    """The whole tensor from the ranks' parts: stacked tensors (q|k|v conv channels, gate|up rows of
-    experts split by tensor) are split part by part."""
-    dim = next(d for d in range(len(shape)) if parts[0].shape[d] != shape[d])
-    stacked = (
-        3 if name.endswith("conv_weight") else 2 if name.endswith("experts.gate_up_proj") and dim == 1 else 1
-    )
-    pieces = [p.chunk(stacked, dim) for p in parts]
-    joined = torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(stacked)], dim)
-    return joined.narrow(dim, 0, shape[dim])  # the vocabulary's padding rows go
 
 
 def _file_tensor_bytes(path) -> dict[str, int]:

@@ -22,26 +22,33 @@ class Indexer(nn.Module):
             config.index_kpool_always_select_tail,
         )
         self.wq_b = Linear(config.q_lora_rank, h * d)
-        self.wk = Linear(config.hidden_size, d)
+        # wk and weights_proj read the layer input: their rows are in the DSA layer's `in_proj`
         self.k_norm = nn.LayerNorm(d, eps=1e-6)
-        self.weights_proj = Linear(config.hidden_size, h)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, d))
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(d, config.hidden_size))
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Token-cache slots of the rows each query attends to, `[T, W]`, -1 for empty entries."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        batch: ForwardBatch,
+        key: torch.Tensor,
+        head_logits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Token-cache slots of the rows each query attends to, `[T, W]`, -1 for empty entries. `key`
+        and `head_logits` are the layer input's wk and weights_proj projections."""
         cache = batch.tokens
         layer = cache.indexer_index[self.layer_idx]
         keys, gates, pooled = cache.index_key[layer], cache.index_gate[layer], cache.pooled_key[layer]
         pooled_scale = None if cache.pooled_key_scale is None else cache.pooled_key_scale[layer]
-        keys[batch.new_slots] = self.k_norm(self.wk(x))
+        keys[batch.new_slots] = self.k_norm(key)
         gates[batch.new_slots] = x @ self.index_kpool_compress_gate.t()
         indexer_ops.compress_pools(
             keys, gates, self.index_kpool_compress_ape, batch.completed_pools, pooled, pooled_scale
         )
 
         q = self.wq_b(q_resid).unflatten(-1, (self.num_heads, self.head_dim)) * self.head_dim**-0.5
-        head_weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        head_weights = head_logits.float() * self.num_heads**-0.5
         return indexer_ops.select_slots(
             q,
             head_weights,

@@ -11,12 +11,13 @@ from hylo.config import ModelConfig
 from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.host_copy import to_device
-from hylo.layers.linear import Linear
+from hylo.layers.linear import FusedLinear, Linear
 from hylo.ops import kda as kda_ops
 
 
 class KDAAttention(nn.Module):
     """q|k|v projections, one depthwise causal conv over the three, safe-gated delta rule, gated norm.
+    The projections of the layer input run as two GEMMs (`qkvb_proj`, `fg_a_proj`).
 
     `conv_weight [3·H·d, K]` is the checkpoint's q_conv1d, k_conv1d and v_conv1d stacked in that order.
     Under tensor parallelism H is this rank's heads: every per-head tensor (q/k/v, f_b, g_b, b, dt_bias,
@@ -30,18 +31,18 @@ class KDAAttention(nn.Module):
         h = parallel.part(config.linear_num_heads, "linear_num_heads")
         self.layer_idx, self.num_heads, self.head_dim, self.parallel = layer_idx, h, d, parallel
         self.lower_bound, self.eps = config.linear_lower_bound, config.rms_norm_eps
-        self.q_proj = Linear(hidden, h * d)
-        self.k_proj = Linear(hidden, h * d)
-        self.v_proj = Linear(hidden, h * d)
+        # q, k, v, b, f_a and g_a read the same input: two GEMMs, one of the per-head projections (split
+        # by head under tensor parallelism) and one of the replicated low-rank ones
+        self.qkvb_proj = FusedLinear(
+            hidden, (("q_proj", h * d), ("k_proj", h * d), ("v_proj", h * d), ("b_proj", h))
+        )
+        self.fg_a_proj = FusedLinear(hidden, (("f_a_proj", d), ("g_a_proj", d)))
         self.conv_weight = nn.Parameter(
             torch.empty(3 * h * d, config.linear_conv_kernel_dim, dtype=torch.float32)
         )
-        self.f_a_proj = Linear(hidden, d)
         self.f_b_proj = Linear(d, h * d)
         self.dt_bias = nn.Parameter(torch.empty(h * d, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32))
-        self.b_proj = Linear(hidden, h)
-        self.g_a_proj = Linear(hidden, d)
         self.g_b_proj = Linear(d, h * d)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(d))
@@ -53,13 +54,9 @@ class KDAAttention(nn.Module):
         except verify chunks: they run as one block per sequence from the committed state, which stays
         untouched, and leave in `batch.kda_records` what `commit` needs to advance it afterwards."""
         tokens, heads = x.shape[0], (self.num_heads, self.head_dim)
-        qkvfb = (
-            self.q_proj(x),
-            self.k_proj(x),
-            self.v_proj(x),
-            self.f_b_proj(self.f_a_proj(x)),
-            self.b_proj(x),
-        )
+        q, k, v, b = self.qkvb_proj(x)
+        f_a, g_a = self.fg_a_proj(x)
+        qkvfb = (q, k, v, self.f_b_proj(f_a), b)
         if not batch.verify_seqs and batch.snapshot_points:
             o = x.new_empty(tokens, *heads)
             self._advance_in_segments(qkvfb, range(len(batch.extend_lens)), batch, o)
@@ -80,7 +77,7 @@ class KDAAttention(nn.Module):
             elif plan.other_slots.numel():
                 rest = [t[plan.other_tokens] for t in qkvfb]
                 o[plan.other_tokens] = self._advance(rest, plan.other_slots, *plan.other_cu, batch)
-        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, heads)
+        gate = self.g_b_proj(g_a).unflatten(-1, heads)
         o = kda_ops.gated_norm(o, gate, self.o_norm.weight, self.eps)
         return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, -1)))
 

@@ -9,7 +9,7 @@ from hylo.config import ModelConfig
 from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.indexer import Indexer
-from hylo.layers.linear import Linear
+from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.norm import RMSNorm
 from hylo.ops.sparse_mla import sparse_mla
 
@@ -28,24 +28,29 @@ class SparseMLA(nn.Module):
         self.layer_idx, self.num_heads, self.parallel = layer_idx, h, parallel
         self.nope_dim, self.v_dim, self.rank = config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
         self.scale = config.qk_nope_head_dim**-0.5
-        self.q_a_proj = Linear(hidden, config.q_lora_rank)
+        full_indexer = config.indexer_types[layer_idx] == "full"
+        # q_a, kv_a and the indexer's key and head-weight projections read the same input: one GEMM
+        parts = [("q_a_proj", config.q_lora_rank), ("kv_a_proj_with_mqa", self.rank)]
+        if full_indexer:
+            parts += [("indexer.wk", config.index_head_dim), ("indexer.weights_proj", config.index_n_heads)]
+        self.in_proj = FusedLinear(hidden, parts)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.q_b_proj = Linear(config.q_lora_rank, h * self.nope_dim)
-        self.kv_a_proj_with_mqa = Linear(hidden, self.rank)
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
         self.kv_b_proj = Linear(self.rank, h * (self.nope_dim + self.v_dim))
         self.o_proj = Linear(h * self.v_dim, hidden)
-        self.indexer = Indexer(config, layer_idx) if config.indexer_types[layer_idx] == "full" else None
+        self.indexer = Indexer(config, layer_idx) if full_indexer else None
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the output and the rows used (a `shared` layer passes in its predecessor's rows)."""
         latent = batch.tokens.latent[batch.tokens.dsa_index[self.layer_idx]]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        latent[batch.new_slots] = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        q_a, kv_a, *index_parts = self.in_proj(x)
+        q_resid = self.q_a_layernorm(q_a)
+        latent[batch.new_slots] = self.kv_a_layernorm(kv_a)
         if self.indexer is not None:
-            rows = self.indexer(x, q_resid, batch)
+            rows = self.indexer(x, q_resid, batch, *index_parts)
         elif rows is None:
             raise ValueError(f"layer {self.layer_idx} shares rows but no full indexer layer precedes it")
 

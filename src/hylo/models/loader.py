@@ -25,6 +25,7 @@ from tqdm import tqdm
 from hylo.config import ModelConfig
 from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.distributed.sharding import VOCAB, Shard, expert_of, split_dim
+from hylo.layers.linear import FusedLinear
 from hylo.layers.moe import FP8Experts, MoE, local_experts
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.mtp import MTPLayer, mtp_config
@@ -56,6 +57,10 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def _rows(p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return p[lo:hi]
+
+
 def _conv_part(p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return p[lo:hi].unsqueeze(1)
 
@@ -77,9 +82,16 @@ def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
     first_expert, _, inter = local_experts(c, parallel)
     layout: dict[str, Slot] = {}
     tensors = dict(model.named_parameters(remove_duplicate=True)) | dict(model.named_buffers())
+    fused = {f"{name}.weight": (name, m) for name, m in model.named_modules() if isinstance(m, FusedLinear)}
     for name, tensor in tensors.items():
         shape = tuple(tensor.shape)
-        if name.endswith("self_attn.conv_weight"):
+        if name in fused:  # each part's rows from its own checkpoint tensor
+            module_name, module = fused[name]
+            owner = module_name.rpartition(".")[0]
+            for part, (lo, hi) in module.rows().items():
+                view = partial(_rows, lo=lo, hi=hi)
+                layout[f"{owner}.{part}.weight"] = Slot(name, view, (hi - lo, shape[1]))
+        elif name.endswith("self_attn.conv_weight"):
             w = shape[0] // 3
             for i, part in enumerate("qkv"):
                 view = partial(_conv_part, lo=i * w, hi=(i + 1) * w)

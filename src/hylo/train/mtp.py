@@ -63,6 +63,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hylo.config import ModelConfig
+from hylo.layers.linear import unfused_state_dict
 from hylo.layers.moe import FP8Experts
 from hylo.layers.norm import RMSNorm
 from hylo.models.glm5_next import DecoderLayer, Glm5NextForCausalLM
@@ -380,7 +381,7 @@ def init_mtp_layer(target: Glm5NextForCausalLM, seed: int = 0) -> MTPTrainLayer:
     dec = layer.decoder
     with torch.no_grad():
         for name in ("attn_hc", "input_layernorm", "self_attn"):
-            getattr(dec, name).load_state_dict(getattr(attention, name).state_dict())
+            getattr(dec, name).load_state_dict(unfused_state_dict(getattr(attention, name)))
         for name in ("ffn_hc", "post_attention_layernorm"):
             getattr(dec, name).load_state_dict(getattr(mlp, name).state_dict())
         dec.mlp.load_state_dict(_mlp_state(mlp))
