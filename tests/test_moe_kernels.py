@@ -301,3 +301,19 @@ def test_moe_layer_with_fp8_experts_runs_the_dequantised_reference():
     expected = moe(x)
     moe.experts = fp8
     torch.testing.assert_close(moe(x), expected, rtol=0, atol=0)
+
+
+# shared memory per block on Hopper (H100/H200: 227 KiB)
+HOPPER_SHARED_BYTES = 232448
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("pairs", [16, 1 << 16])
+def test_default_tiles_fit_hoppers_shared_memory(element_size, pairs):
+    """The pipelined stages of each unquantised default (a block of x rows and the weight tile(s) per
+    stage: gate and up for gate|up) fit in a Hopper block's shared memory, fp32 included: with the
+    bf16 stages, fp32 gate|up needed 327680 bytes (an H200 refused the launch)."""
+    c = kernels.default_config(pairs, 288, fp8=False, element_size=element_size)
+    gate_up = (c.block_m + 2 * c.gate_up.block_n) * c.gate_up.block_k * c.gate_up.num_stages
+    down = (c.block_m + c.down.block_n) * c.down.block_k * c.down.num_stages
+    assert max(gate_up, down) * element_size <= HOPPER_SHARED_BYTES

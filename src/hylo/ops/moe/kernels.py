@@ -23,7 +23,7 @@ blocks, gave the same bits at 522-594 TFLOP/s against this kernel's 624-653 on t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -61,7 +61,9 @@ class MoeConfig:
     tma: bool = False
 
 
-def default_config(num_pairs: int, num_experts: int, fp8: bool, tma: bool = True) -> MoeConfig:
+def default_config(
+    num_pairs: int, num_experts: int, fp8: bool, tma: bool = True, element_size: int = 2
+) -> MoeConfig:
     """Decode-sized batches (≤ 16 rows per expert on average) take 16-row blocks: the GEMMs stream
     weights. Larger ones take 64-row blocks (half the padding of 128 rows; the FP8 gate|up kernel's
     two accumulators and per-K-step partial products spill registers at 128 rows on H100/H200).
@@ -71,7 +73,13 @@ def default_config(num_pairs: int, num_experts: int, fp8: bool, tma: bool = True
     32/128-wide tiles were all slower); FP8 prefill of 8192 tokens 7.34 ms with 4 gate|up stages,
     within noise of 5 stages (7.33 ms), 3 stages 7.38 ms. Where the weights allow it (`tma`: see
     `MoeConfig.tma`), FP8 prefill runs the TMA kernels, bit for bit the same output: 6.21 ms against
-    7.51 in the same run (S6-10; with 8-warp down tiles 6.34, 128-row blocks 7.16-8.48)."""
+    7.51 in the same run (S6-10; with 8-warp down tiles 6.34, 128-row blocks 7.16-8.48).
+
+    Unquantised weights of `element_size` 4 (fp32) take half the pipeline stages: the bf16 tiles'
+    stages hold twice the bytes, past the H200's 227 KiB of shared memory per block."""
+    if not fp8 and element_size > 2:
+        config = default_config(num_pairs, num_experts, False, tma)
+        return replace(config, gate_up=_half_stages(config.gate_up), down=_half_stages(config.down))
     if num_pairs <= 16 * num_experts:
         return MoeConfig(16, Tiles(128 if fp8 else 64, 128, 4, 4), Tiles(64, 128, 4, 4))
     if fp8 and tma:
@@ -79,6 +87,10 @@ def default_config(num_pairs: int, num_experts: int, fp8: bool, tma: bool = True
     if fp8:
         return MoeConfig(64, Tiles(128, 128, 8, 4), Tiles(256, 128, 8, 3))
     return MoeConfig(64, Tiles(128, 64, 8, 4), Tiles(256, 64, 8, 4))
+
+
+def _half_stages(tiles: Tiles) -> Tiles:
+    return replace(tiles, num_stages=max(1, tiles.num_stages // 2))
 
 
 @triton.jit
@@ -582,7 +594,7 @@ def check_experts(
     tokens, top_k = ids.shape
     num_experts, two_i, hidden = gate_up.shape
     tma = _tma_refusal(hidden, two_i // 2, (gate_up, down)) is None
-    config = config or default_config(tokens * top_k, num_experts, fp8, tma)
+    config = config or default_config(tokens * top_k, num_experts, fp8, tma, x.element_size())
     _check_config(config, hidden, two_i // 2, fp8, (gate_up, down))
     for name, t in (
         ("gate_up", gate_up),
