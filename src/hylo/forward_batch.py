@@ -109,7 +109,7 @@ class ForwardBatch:
     # state pool the snapshots go to; KDA layers advance such sequences in segments ending there
     snapshot_points: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     snapshot_pool: StateCache | None = None
-    # Set in a prefill graph's batch (`PrefillGraphs`): each sequence's new tokens `[B]` (int32,
+    # Set in a prefill graph's batch (`PrefillGraphs`): each sequence's new tokens `[B]` (int64,
     # device); the rest of its `len(input_ids) // B` packed tokens are padding (`uniform_metadata`'s
     # `lengths`), and the host lists are placeholders
     padded_lens: torch.Tensor | None = None

@@ -190,7 +190,7 @@ class PrefillGraphs(DecodeGraphs):
                 seq_slots=[c.scratch_slot],
                 tokens=c.tokens,
                 states=c.states,
-                padded_lens=n.int(),
+                padded_lens=step[2:3],
                 padded_snapshots=step[3 + width :],
                 snapshot_pool=c.snapshots,
                 **meta,
@@ -198,14 +198,14 @@ class PrefillGraphs(DecodeGraphs):
         return static
 
     def _fill_metadata(self, static: ForwardBatch) -> None:
-        inputs = self.step_inputs[static.input_ids.shape[0]]
-        prefix, row, n = inputs[:3, None]
-        c = self.caches
+        """The step's metadata, in place, from the uploaded inputs (the token ids, new-token count and
+        snapshot ids are views of them)."""
         width = static.input_ids.shape[0]
+        prefix, row, n = self.step_inputs[width][:3, None]
+        c = self.caches
         meta = uniform_metadata(prefix, row, width, c.table.table, c.kpool, c.scratch_slot, n)
         for name, value in meta.items():
             getattr(static, name).copy_(value)
-        static.padded_lens.copy_(n)  # (the token ids and snapshot ids are views of the inputs)
         static.logits_index.copy_(n - 1)
 
     def _forward(self, static: ForwardBatch, variant: str = OBSERVE) -> tuple[torch.Tensor, ...]:
@@ -214,6 +214,6 @@ class PrefillGraphs(DecodeGraphs):
             return (self.model(static),)
         logits = self.model(static, self.proposer.capture_layers)
         device = logits.device
-        commit = StepCommit(static.padded_lens, logits.argmax(-1), torch.arange(1, device=device))
+        commit = StepCommit(static.padded_lens.int(), logits.argmax(-1), torch.arange(1, device=device))
         self.proposer.observe(static, commit)
         return (logits,)
