@@ -60,9 +60,9 @@ class Caches:
     """Caches for a handful of sequences, each given pages for up to `per_seq` positions."""
 
     def __init__(self, model, num_seqs: int = 8, per_seq: int = 256, page_size: int = 16):
-        config = model.config
+        config, weight = model.config, model.embed_tokens.weight
         plan = MemoryPlan(num_seqs * per_seq // page_size, page_size, num_seqs, per_seq, 0, 0)
-        self.manager = CacheManager(config, plan, torch.float32, "cpu")
+        self.manager = CacheManager(config, plan, weight.dtype, weight.device)
         for _ in range(num_seqs):
             slot = self.manager.acquire_slot()
             assert self.manager.grow(slot, [], per_seq)

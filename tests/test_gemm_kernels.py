@@ -11,10 +11,11 @@ from interpreter import use_interpreter
 
 use_interpreter()
 
-from hylo.layers.linear import Linear  # noqa: E402
+from hylo.layers.linear import FusedLinear, Linear  # noqa: E402
 from hylo.layers.vocab import VocabHead  # noqa: E402
 from hylo.ops import gemm  # noqa: E402
 from hylo.ops.gemm import kernels, table  # noqa: E402
+from hylo.ops.moe import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
@@ -36,6 +37,56 @@ def test_gemm_matches_torch(m, n, k, config):
     torch.testing.assert_close(out, x @ w.t(), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="K=7"):
         kernels.gemm(x[:, :7], w, config)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [
+        (3, 200, 300, table.GemmConfig(16, 64, 64, 1, 4, 2)),  # ragged N and K blocks, two K tiles a block
+        (21, 136, 256, table.GemmConfig(32, 32, 128, 2, 4, 2)),  # split K at a block boundary
+    ],
+)
+def test_fp8_gemm_matches_the_dequantised_weight(m, n, k, config):
+    """An e4m3 weight with [128, 128] block scales, read as stored: each K tile's partial product
+    times its block's scale equals the product with the dequantised weight (fp32 rounding apart)."""
+    gen = torch.Generator().manual_seed(m * n)
+    x = torch.randn(m, k, generator=gen)
+    w, scale = quantize_fp8_blocks(torch.randn(n, k, generator=gen) * 0.05)
+    expected = x @ dequantize_fp8_blocks(w, scale, torch.float32).t()
+    torch.testing.assert_close(kernels.gemm(x, w, config, scale), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemm.linear(x, w, scale), expected, rtol=1e-6, atol=1e-6)  # CPU reference
+    with pytest.raises(ValueError, match="block_k 256 must divide"):
+        kernels.gemm(x, w, table.GemmConfig(16, 64, 256, 1, 4, 2), scale)
+    with pytest.raises(ValueError, match="scale_inv"):
+        kernels.gemm(x, w, config, scale[:, :1])
+
+
+def test_fp8_fused_parts_start_at_block_boundaries():
+    """A fused projection made FP8 keeps each FP8 part's own block scales (parts start at 128-row
+    boundaries) and computes the unquantised parts from `dense_weight`: every output is its part's
+    product with the dequantised weight."""
+    gen = torch.Generator().manual_seed(3)
+    fused = FusedLinear(96, (("a", 40), ("b", 24), ("c", 200)))
+    fused.to_fp8_(["a", "c"])
+    assert fused.rows() == {"a": ("weight", 0, 40), "b": ("dense_weight", 0, 24), "c": ("weight", 128, 328)}
+    parts = {name: torch.randn(n, 96, generator=gen) * 0.1 for name, n in fused.parts}
+    with torch.no_grad():
+        fused.weight.zero_()
+        for name, (param, lo, hi) in fused.rows().items():
+            if param == "weight":
+                w, scale = quantize_fp8_blocks(parts[name])
+                fused.weight[lo:hi] = w
+                fused.weight_scale_inv[lo // 128 : -(-hi // 128)] = scale
+                parts[name] = dequantize_fp8_blocks(w, scale, torch.float32)
+            else:
+                fused.dense_weight[lo:hi] = parts[name]
+    x = torch.randn(5, 96, generator=gen)
+    for out, (name, _) in zip(fused(x), fused.parts, strict=True):
+        torch.testing.assert_close(out, x @ parts[name].t(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="no parts named"):
+        FusedLinear(96, (("a", 40),)).to_fp8_(["z"])
+    with pytest.raises(ValueError, match="read as a matrix"):
+        Linear(96, 40, quantizable=False).to_fp8_()
 
 
 def test_table_lookup_by_gpu_and_bucket(tmp_path, monkeypatch):

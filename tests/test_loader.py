@@ -244,6 +244,47 @@ def test_fp8_experts_stay_fp8_in_memory(tmp_path):
         load_model(base, dtype=torch.float32, progress=False, fp8_experts=True)
 
 
+def test_fp8_projections_stay_fp8_in_memory(tmp_path):
+    """`fp8_projections` keeps every projection the checkpoint stores block-scaled in e4m3 with its
+    scales, fused parts each from a 128-row boundary and the unquantised indexer head weights in a
+    dense second part; the absorbed kv_b stays in the model dtype. The model computes what the
+    dequantised-at-load model computes, and saving writes the checkpoint's tensors back bit for bit."""
+    config = tiny_text_config(4, 8, linear_head_dim=32)  # q, k, v: 128 rows each, b: 4 (split by head)
+    base = write_hf_checkpoint(tmp_path / "base", config, seed=15, gain=0.3)
+    raw = json.loads((base / "config.json").read_text())
+    save_checkpoint(load(base), tmp_path / "fp8", raw, fp8=True)
+    dequantised = load(tmp_path / "fp8")
+    resident = load_model(tmp_path / "fp8", dtype=torch.float32, progress=False, fp8_projections=True)
+    kda, dsa = resident.layers[0].self_attn, resident.layers[1].self_attn
+    assert kda.qkvb_proj.weight.dtype == kda.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert kda.qkvb_proj.rows() == {
+        "q_proj": ("weight", 0, 128), "k_proj": ("weight", 128, 256),
+        "v_proj": ("weight", 256, 384), "b_proj": ("dense_weight", 0, 4),
+    }  # fmt: skip
+    assert tuple(kda.qkvb_proj.weight_scale_inv.shape) == (3, 1)
+    assert dsa.in_proj.rows()["q_a_proj"] == ("weight", 0, 48)
+    assert not dsa.in_proj.weight[48:128].float().any()  # the rows between parts are zeros
+    assert dsa.in_proj.rows()["indexer.wk"] == ("weight", 256, 272)
+    assert dsa.in_proj.rows()["indexer.weights_proj"] == ("dense_weight", 0, 16)
+    assert dsa.in_proj.dense_weight.dtype == dsa.kv_b_proj.weight.dtype == torch.float32
+    with safe_open(str(tmp_path / "fp8" / WEIGHTS), "pt") as f:
+        key = "model.language_model.layers.0.self_attn.k_proj.weight"
+        k_proj, k_scale = f.get_tensor(key), f.get_tensor(key + "_scale_inv")
+    assert torch.equal(kda.qkvb_proj.weight[128:256].view(torch.uint8), k_proj.view(torch.uint8))
+    assert torch.equal(kda.qkvb_proj.weight_scale_inv[1:2], k_scale)
+    ids = random_prompt(37, 160, seed=9)
+    torch.testing.assert_close(logits(resident, ids), logits(dequantised, ids), rtol=1e-5, atol=1e-5)
+
+    save_checkpoint(resident, tmp_path / "again", raw, fp8=True)
+    again, stored = load_file(tmp_path / "again" / WEIGHTS), load_file(tmp_path / "fp8" / WEIGHTS)
+    assert again.keys() == stored.keys()
+    for name, tensor in stored.items():
+        same = tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
+        held = again[name].view(torch.uint8) if again[name].dtype == torch.float8_e4m3fn else again[name]
+        if "kv_b_proj" not in name:  # kv_b was dequantised at load and is quantised again
+            assert torch.equal(held, same), name
+
+
 def test_dummy_load_needs_only_the_config(tmp_path):
     """`load_format="dummy"` builds a model from config.json alone with seeded random weights (FP8
     experts included), the same on every load, finite logits; a bad load_format names the field."""

@@ -1,15 +1,17 @@
 """Fill the small-M GEMM table (`src/hylo/ops/gemm/tables/<gpu>.json`) for GLM-5.3-Flash's projections.
 
-    python benchmarks/kernels/gemm_tune.py [--out DIR] [--budget-s 300]
+    python benchmarks/kernels/gemm_tune.py [--out DIR] [--budget-s 300] [--fp8]
     python benchmarks/kernels/gemm_tune.py --dry-run   # CPU, Triton interpreter, tiny shapes, fake timers
 
 For every distinct projection shape (N, K) of the model and every M bucket (16, 32, 64 rows), each
 launch configuration is first checked against an fp32 torch product (relative error ≤ 1e-2 in bf16),
-then timed under CUDA-graph replay (median) at the bucket's smallest and largest M next to
-`torch.nn.functional.linear` (cuBLAS) on the same inputs. An entry is written only when its best
-configuration is at least 2% faster than cuBLAS at both ends of the bucket (above run-to-run noise),
-so every entry beats cuBLAS for its shape; the other shapes stay on cuBLAS. Prints the table and
-writes it (with the timings) to --out.
+then timed under CUDA-graph replay (median) at the bucket's smallest and largest M next to what runs
+without an entry on the same inputs: `torch.nn.functional.linear` (cuBLAS) for bf16 weights; with
+`--fp8`, the e4m3 projections of an FP8 checkpoint (`loader.keep_projections_fp8`) against the FP8
+kernel's untuned configuration (`ops.gemm.fp8_fallback_config`). An entry is written only when its
+best configuration is at least 2% faster than that baseline at both ends of the bucket (above
+run-to-run noise); the other shapes keep the baseline. Prints the table and writes it (with the
+timings) to --out, together with the shipped table's entries of the other weight format.
 """
 
 from __future__ import annotations
@@ -40,25 +42,34 @@ from triton.testing import do_bench_cudagraph  # noqa: E402
 from hylo.config import ModelConfig  # noqa: E402
 from hylo.layers.linear import Linear  # noqa: E402
 from hylo.models.glm5_next import Glm5NextForCausalLM  # noqa: E402
+from hylo.models.loader import keep_projections_fp8, stored_block_scaled  # noqa: E402
+from hylo.ops import gemm  # noqa: E402
 from hylo.ops.gemm import kernels, table  # noqa: E402
+from hylo.ops.moe import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
+FP8 = "--fp8" in sys.argv
 MARGIN = 1.02  # an entry must beat cuBLAS by this factor at both ends of its bucket: run-to-run noise is ~1%
 
 
 def model_shapes() -> list[tuple[int, int]]:
-    """Distinct (N, K) of the model's projections and head (hylo `Linear`s), built on the meta device,
-    the most weight bytes per decode step first (the budget may end before the last ones)."""
+    """Distinct (N, K) of the model's projections and head (hylo `Linear`s; with `--fp8` its e4m3
+    ones), built on the meta device, the most weight bytes per decode step first (the budget may end
+    before the last ones)."""
     if DRY:
-        return [(48, 64), (24, 128)]
+        return [(48, 256), (24, 128)]
     with torch.device("meta"):
         model = Glm5NextForCausalLM(ModelConfig.from_dict({}))
-    shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear))
+        if FP8:
+            keep_projections_fp8(model, stored_block_scaled)
+    shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear) and m.fp8 == FP8)
     return sorted(shapes, key=lambda nk: -shapes[nk] * nk[0] * nk[1])
 
 
 def candidates(bucket: int) -> list[table.GemmConfig]:
     grid = itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (4,), (3,))
+    if FP8:  # a K tile must lie inside one scale block; with a byte per weight, deeper pipelines
+        grid = itertools.product((32, 64, 128), (128,), (1, 2, 4, 8), (4,), (3, 5))
     if DRY:
         grid = itertools.product((16,), (32,), (1, 2), (4,), (2,))
     return [table.GemmConfig(bucket, bn, bk, sk, w, st) for bn, bk, sk, w, st in grid]
@@ -74,15 +85,25 @@ def timed(fn) -> float:
 def tune_shape(n: int, k: int, bucket: int, gen: torch.Generator) -> dict | None:
     dtype = torch.float32 if DRY else torch.bfloat16
     weight = torch.randn(n, k, generator=gen).div(k**0.5).to(DEV, dtype)
+    scale = None
+    if FP8:
+        weight, scale = quantize_fp8_blocks(weight)
     low = {16: 1, 32: 17, 64: 33}[bucket]
     xs = {m: torch.randn(m, k, generator=gen).to(DEV, dtype) for m in (low, bucket)}
-    refs = {m: x.float() @ weight.float().t() for m, x in xs.items()}
-    cublas = {m: timed(lambda x=x: F.linear(x, weight)) for m, x in xs.items()}
+    exact = weight.float() if scale is None else dequantize_fp8_blocks(weight, scale, torch.float32)
+    refs = {m: x.float() @ exact.t() for m, x in xs.items()}
+    if FP8:
+        fallback = {m: gemm.fp8_fallback_config(m) for m in xs}
+        baseline = {
+            m: timed(lambda x=x, c=fallback[m]: kernels.gemm(x, weight, c, scale)) for m, x in xs.items()
+        }
+    else:
+        baseline = {m: timed(lambda x=x: F.linear(x, weight)) for m, x in xs.items()}
     best = None
     for config in candidates(bucket):
         try:
             errors = [
-                float((kernels.gemm(x, weight, config).float() - refs[m]).norm() / refs[m].norm())
+                float((kernels.gemm(x, weight, config, scale).float() - refs[m]).norm() / refs[m].norm())
                 for m, x in xs.items()
             ]
         except Exception:  # a tile the GPU cannot hold: not a candidate
@@ -90,19 +111,19 @@ def tune_shape(n: int, k: int, bucket: int, gen: torch.Generator) -> dict | None
         if max(errors) > 1e-2:
             print(f"  rejected {config} (rel. error {max(errors):.2e})")
             continue
-        us = {m: timed(lambda x=x, c=config: kernels.gemm(x, weight, c)) for m, x in xs.items()}
+        us = {m: timed(lambda x=x, c=config: kernels.gemm(x, weight, c, scale)) for m, x in xs.items()}
         if best is None or us[bucket] + us[low] < best[1][bucket] + best[1][low]:
             best = (config, us, max(errors))
     if best is None:
         return None
     config, us, error = best
-    faster = DRY or all(us[m] * MARGIN <= cublas[m] for m in xs)
+    faster = DRY or all(us[m] * MARGIN <= baseline[m] for m in xs)
     return {
         "config": config.__dict__,
         "us": {str(m): round(t, 2) for m, t in us.items()},
-        "cublas_us": {str(m): round(t, 2) for m, t in cublas.items()},
+        ("fallback_us" if FP8 else "cublas_us"): {str(m): round(t, 2) for m, t in baseline.items()},
         "rel_error": error,
-        "beats_cublas": faster,
+        "beats_baseline": faster,
     }
 
 
@@ -113,6 +134,7 @@ def main() -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="CPU, interpreter, tiny shapes (checks the script)"
     )
+    parser.add_argument("--fp8", action="store_true", help="the e4m3 projections of an FP8 checkpoint")
     args = parser.parse_args()
     gpu = "dry-run" if DRY else torch.cuda.get_device_name()
     gen = torch.Generator().manual_seed(0)
@@ -123,11 +145,15 @@ def main() -> None:
             print(f"budget spent: from bucket {bucket}, shape (N={n}, K={k}) on, nothing was tuned")
             break
         result = tune_shape(n, k, bucket, gen)
-        key = table.entry_key(bucket, n, k)
+        key = table.entry_key(bucket, n, k, FP8)
         measured[key] = result
-        if result is not None and result["beats_cublas"]:
+        if result is not None and result["beats_baseline"]:
             entries[key] = result
         print(f"{key:24s} {json.dumps(result)}", flush=True)
+    shipped = table.table_path(gpu)
+    if shipped.exists():  # keep the entries of the other weight format
+        kept = json.loads(shipped.read_text())["entries"]
+        entries |= {key: e for key, e in kept.items() if key.endswith("_fp8") != FP8}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / table.table_path(gpu).name).write_text(json.dumps({"gpu": gpu, "entries": entries}, indent=1))

@@ -190,6 +190,11 @@ class EngineConfig:
     load_format: str = _flag(
         "auto", "auto (the checkpoint's safetensors) or dummy (seeded random weights from config.json alone)"
     )
+    fp8_projections: str = _flag(
+        "auto",
+        "projections an FP8 checkpoint stores block-scaled: auto (kept e4m3 and run as FP8 GEMMs on "
+        "CUDA, dequantised to the model dtype on CPU) or dequantize (the model dtype everywhere)",
+    )
     device: str = _flag("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
     dtype: str = _flag("auto", "bfloat16, float16, float32 or auto (bfloat16 on GPU, float32 on CPU)")
     page_size: int = _flag(64, "tokens per cache page (a multiple of the indexer's k-pool size)")
@@ -301,6 +306,8 @@ class EngineConfig:
         self._check_parallel()
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.fp8_projections not in ("auto", "dequantize"):
+            raise ValueError(f"fp8_projections must be auto or dequantize, got {self.fp8_projections!r}")
         if self.indexer_dtype not in ("auto", "fp8"):
             raise ValueError(f"indexer_dtype must be auto or fp8, got {self.indexer_dtype!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):

@@ -6,6 +6,7 @@
   `A_log`; DSA `q_b_proj`, `kv_b_proj`;
 - row parallel (dim 1): KDA and DSA `o_proj`, dense and shared-expert `down_proj`;
 - column parallel (dim 0): dense and shared-expert `gate_proj`, `up_proj`;
+- the block scales of FP8 projections (`weight_scale_inv`) like their weights, by whole blocks;
 - routed experts with `ep_size == tp_size`: by expert, rank r reads only its experts; with
   `ep_size == 1`: by tensor, `gate_proj`/`up_proj` dim 0 and `down_proj` dim 1 (FP8 scales by block);
 - replicated: everything else (norms, `f_a_proj`, `g_a_proj`, `q_a_proj`, `kv_a_proj_with_mqa`, the
@@ -25,11 +26,13 @@ from hylo.distributed.parallel import Parallel
 VOCAB = "vocab"
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head|shared_head\.head)\.weight$")
 _DIM0 = re.compile(
-    r"\.self_attn\.(q_proj|k_proj|v_proj|f_b_proj|g_b_proj|b_proj|q_b_proj|kv_b_proj)\.weight$"
+    r"\.self_attn\.(q_proj|k_proj|v_proj|f_b_proj|g_b_proj|b_proj|q_b_proj|kv_b_proj)\.weight(_scale_inv)?$"
     r"|\.self_attn\.(q_conv1d\.weight|k_conv1d\.weight|v_conv1d\.weight|dt_bias|A_log)$"
-    r"|\.mlp\.(shared_experts\.)?(gate_proj|up_proj)\.weight$"
+    r"|\.mlp\.(shared_experts\.)?(gate_proj|up_proj)\.weight(_scale_inv)?$"
 )
-_DIM1 = re.compile(r"\.self_attn\.o_proj\.weight$|\.mlp\.(shared_experts\.)?down_proj\.weight$")
+_DIM1 = re.compile(
+    r"\.self_attn\.o_proj\.weight(_scale_inv)?$|\.mlp\.(shared_experts\.)?down_proj\.weight(_scale_inv)?$"
+)
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 
 
@@ -57,6 +60,14 @@ def split_dim(key: str, parallel: Parallel) -> int | str | None:
         if parallel.experts_by_expert:
             return None
         return 1 if expert.group(2) == "down_proj" else 0
+    return projection_split(key)
+
+
+def projection_split(key: str) -> int | str | None:
+    """How tensor parallelism splits the non-expert tensor `key` (a dim, `VOCAB`, or None), whatever
+    the number of ranks."""
+    if _VOCAB.search(key):
+        return VOCAB
     if _DIM0.search(key):
         return 0
     if _DIM1.search(key):

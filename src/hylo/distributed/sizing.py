@@ -3,10 +3,12 @@ each rank holds, what that leaves of a GPU for caches, and the device collective
 
 Weights are counted on the model as `load_model` would build it for an FP8 checkpoint on CUDA: the
 layers built on the meta device with this rank's `Parallel` (no collectives run), the routed experts
-swapped for `FP8Experts` (e4m3 weights, fp32 block scales), then `loader._materialize` picks every
+swapped for `FP8Experts` (e4m3 weights, fp32 block scales) and the projections an FP8 checkpoint stores
+block-scaled made e4m3 (`loader.keep_projections_fp8`), then `loader._materialize` picks every
 tensor's dtype (bf16, except what `transformers` keeps in fp32, and buffers as built). The MTP layer is
 built as `load_mtp_layer(..., random_weights=True)` builds it: the MLP of the target's last layer, no
-embedding or head of its own (it uses the target's), FP8 routed experts like the target's.
+embedding or head of its own (it uses the target's), FP8 routed experts and projections like the
+target's.
 
 Collectives (read from the layers; `tests/test_tp_sizing.py` also counts them in a traced forward):
 
@@ -29,6 +31,7 @@ Besides these, rank 0 broadcasts a 4-integer step header over a gloo (host) grou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -39,7 +42,7 @@ from hylo.layers.moe import FP8Experts, MoE
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
 from hylo.models.glm5_next import Glm5NextForCausalLM
-from hylo.models.loader import _materialize
+from hylo.models.loader import _materialize, keep_projections_fp8, mtp_checkpoint_key, stored_block_scaled
 from hylo.models.mtp import MTPLayer, mtp_config
 
 DTYPE = torch.bfloat16
@@ -99,11 +102,13 @@ def full_config() -> ModelConfig:
 # --- weights ---------------------------------------------------------------------------------------
 
 
-def _fp8_experts(module: torch.nn.Module, config: ModelConfig, parallel: Parallel) -> None:
-    """Swap every MoE's routed experts for FP8 ones before allocation, as `load_model` does."""
+def _fp8_weights(module: torch.nn.Module, config: ModelConfig, parallel: Parallel, key_of=str) -> None:
+    """Swap every MoE's routed experts for FP8 ones and make the projections FP8 before allocation,
+    as `load_model` does for an FP8 checkpoint."""
     for sub in module.modules():
         if isinstance(sub, MoE):
             sub.experts = FP8Experts.empty(config, "meta", parallel)
+    keep_projections_fp8(module, stored_block_scaled, key_of)
 
 
 class _NoInit(TorchFunctionMode):
@@ -123,7 +128,7 @@ def build_target(config: ModelConfig, parallel: Parallel) -> Glm5NextForCausalLM
     """This rank's target on the meta device, in the dtypes `load_model` gives an FP8 checkpoint."""
     with torch.device("meta"), _NoInit():
         model = Glm5NextForCausalLM(config, parallel)
-        _fp8_experts(model, config, parallel)
+        _fp8_weights(model, config, parallel)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
     return _materialize(model, "meta", DTYPE)
@@ -134,7 +139,8 @@ def build_mtp(config: ModelConfig, parallel: Parallel) -> MTPLayer:
     layer_config = mtp_config(config, config.mlp_layer_types[-1])
     with torch.device("meta"), _NoInit():
         layer = MTPLayer(layer_config, False, False, parallel)
-        _fp8_experts(layer, layer_config, parallel)
+        prefix = f"layers.{config.num_hidden_layers}."
+        _fp8_weights(layer, layer_config, parallel, partial(mtp_checkpoint_key, prefix=prefix))
     return _materialize(layer, "meta", DTYPE)
 
 

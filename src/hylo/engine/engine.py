@@ -106,6 +106,7 @@ class Engine:
             self.model = target or load_model(
                 path, self.device, self.dtype, random_weights=dummy, parallel=parallel,
                 progress=None if self.ranks.leader else False,
+                fp8_projections=False if config.fp8_projections == "dequantize" else None,
             )  # fmt: skip
         self.ranks.loaded()
         model_config = self.model.config

@@ -37,7 +37,8 @@ class SparseMLA(nn.Module):
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.q_b_proj = Linear(config.q_lora_rank, h * self.nope_dim)
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
-        self.kv_b_proj = Linear(self.rank, h * (self.nope_dim + self.v_dim))
+        # absorbed into the queries and the output (read as a matrix): kept in the model dtype
+        self.kv_b_proj = Linear(self.rank, h * (self.nope_dim + self.v_dim), quantizable=False)
         self.o_proj = Linear(h * self.v_dim, hidden)
         self.indexer = Indexer(config, layer_idx) if full_indexer else None
 

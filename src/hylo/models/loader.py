@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from hylo.config import ModelConfig
 from hylo.distributed.parallel import SINGLE, Parallel
-from hylo.distributed.sharding import VOCAB, Shard, expert_of, split_dim
-from hylo.layers.linear import FusedLinear
+from hylo.distributed.sharding import VOCAB, Shard, expert_of, projection_split, split_dim
+from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.moe import FP8Experts, MoE, local_experts
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.mtp import MTPLayer, mtp_config
@@ -82,16 +82,14 @@ def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
     first_expert, _, inter = local_experts(c, parallel)
     layout: dict[str, Slot] = {}
     tensors = dict(model.named_parameters(remove_duplicate=True)) | dict(model.named_buffers())
-    fused = {f"{name}.weight": (name, m) for name, m in model.named_modules() if isinstance(m, FusedLinear)}
+    for module_name, module in model.named_modules():
+        if isinstance(module, FusedLinear):  # each part's rows from its own checkpoint tensor
+            layout |= _fused_layout(module_name, module)
+            for param in ("weight", "dense_weight", "weight_scale_inv"):
+                tensors.pop(f"{module_name}.{param}", None)
     for name, tensor in tensors.items():
         shape = tuple(tensor.shape)
-        if name in fused:  # each part's rows from its own checkpoint tensor
-            module_name, module = fused[name]
-            owner = module_name.rpartition(".")[0]
-            for part, (lo, hi) in module.rows().items():
-                view = partial(_rows, lo=lo, hi=hi)
-                layout[f"{owner}.{part}.weight"] = Slot(name, view, (hi - lo, shape[1]))
-        elif name.endswith("self_attn.conv_weight"):
+        if name.endswith("self_attn.conv_weight"):
             w = shape[0] // 3
             for i, part in enumerate("qkv"):
                 view = partial(_conv_part, lo=i * w, hi=(i + 1) * w)
@@ -130,6 +128,21 @@ def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
         layout.pop("lm_head.weight", None)
     if parallel.size > 1:
         layout = {key: _sharded(key, slot, c, parallel) for key, slot in layout.items()}
+    return layout
+
+
+def _fused_layout(module_name: str, module: FusedLinear) -> dict[str, Slot]:
+    """The checkpoint tensors of a `FusedLinear`'s parts: each part's rows of the parameter holding
+    it, and for FP8 parts the rows of block scales that start at the part's 128-row boundary."""
+    owner, k = module_name.rpartition(".")[0], module.in_features
+    layout = {}
+    for part, (param, lo, hi) in module.rows().items():
+        key = f"{owner}.{part}.weight"
+        layout[key] = Slot(f"{module_name}.{param}", partial(_rows, lo=lo, hi=hi), (hi - lo, k))
+        if param == "weight" and module.fp8:
+            blocks = partial(_rows, lo=lo // FP8_BLOCK, hi=-(-hi // FP8_BLOCK))
+            shape = (-(-(hi - lo) // FP8_BLOCK), -(-k // FP8_BLOCK))
+            layout[key + "_scale_inv"] = Slot(f"{module_name}.weight_scale_inv", blocks, shape)
     return layout
 
 
@@ -218,7 +231,8 @@ def load_weights(model: Glm5NextForCausalLM, path: str | Path, progress: bool | 
     tensor parallelism only this rank's parts of them. Returns the bytes read from the files.
 
     Raises `CheckpointError` for a missing, unexpected or mis-shaped tensor (naming it, its file and
-    the expected shape). FP8 weights with a `weight_scale_inv` are dequantised to the parameter dtype.
+    the expected shape). FP8 weights with a `weight_scale_inv` are dequantised to the parameter dtype,
+    except into e4m3 parameters (kept FP8), which take them and their scales as stored.
     """
     num_layers = model.config.num_hidden_layers
 
@@ -342,6 +356,9 @@ def checkpoint_tensors(
     for key, slot in layout.items():
         tensor = slot.view(tensors[slot.param].data).detach().reshape(slot.shape).contiguous().cpu()
         name = key if key.startswith("lm_head.") else f"model.language_model.{key}"
+        if tensor.dtype == torch.float8_e4m3fn:  # kept FP8: written as held, its scales by their own key
+            out[name] = tensor
+            continue
         if fp8 and _quantizable(key, tensor):
             out[name], out[name + "_scale_inv"] = quantize_fp8(tensor)
             continue
@@ -352,7 +369,69 @@ def checkpoint_tensors(
 
 
 def _quantizable(key: str, tensor: torch.Tensor) -> bool:
-    return tensor.dim() == 2 and key.endswith("proj.weight") and "weights_proj" not in key
+    return tensor.dim() == 2 and stored_block_scaled(key)
+
+
+_BLOCK_SCALED = re.compile(r"(_proj|_proj_with_mqa|\.indexer\.wq_b|\.indexer\.wk)\.weight$")
+
+
+def stored_block_scaled(key: str) -> bool:
+    """Whether an FP8 checkpoint (DeepSeek-V3.2's convention, which `save_checkpoint(fp8=True)` follows)
+    stores the projection weight `key` block-scaled: every linear projection but the indexer's head
+    weights (`weights_proj`); not the router, the embedding or the head."""
+    return _BLOCK_SCALED.search(key) is not None and not key.endswith("weights_proj.weight")
+
+
+def fp8_checkpoint_keys(path: str | Path) -> set[str]:
+    """The checkpoint's e4m3 tensors that have a `_scale_inv` beside them, by their names without the
+    text-model prefix (`checkpoint_layout`'s keys); read from the safetensors headers alone."""
+    keys: set[str] = set()
+    for file in _checkpoint_files(Path(path)):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names = set(f.keys())
+                for name in names:
+                    if f.get_slice(name).get_dtype() == "F8_E4M3" and name + "_scale_inv" in names:
+                        keys.add(_strip_prefix(name))
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read safetensors header ({e})") from e
+    return keys
+
+
+def keep_projections_fp8(
+    module: torch.nn.Module, is_fp8: Callable[[str], bool], key_of: Callable[[str], str] = str
+) -> int:
+    """Before allocation (on the meta device): make every quantizable `Linear` of `module` whose
+    checkpoint weight `is_fp8` (by its checkpoint name, `key_of` of its layout key) e4m3 with block
+    scales, and of a `FusedLinear` the parts that are. A weight that tensor parallelism splits stays
+    FP8 only where this rank's part (the whole weight on one rank) is whole [128, 128] blocks along
+    the split, so that every rank keeps its own blocks and the layout is the same at any TP that
+    divides them; the others (KDA's 64-row b_proj) are dequantised at load, as before. Returns the
+    number of projections converted."""
+
+    def fp8(key: str, local_shape: tuple[int, int]) -> bool:
+        key = key_of(key)
+        dim = projection_split(key)
+        return is_fp8(key) and (dim not in (0, 1) or local_shape[dim] % FP8_BLOCK == 0)
+
+    converted = 0
+    for name, sub in list(module.named_modules()):
+        if not isinstance(sub, Linear) or not sub.quantizable:
+            continue
+        if isinstance(sub, FusedLinear):
+            owner = name.rpartition(".")[0]
+            parts = [part for part, n in sub.parts if fp8(f"{owner}.{part}.weight", (n, sub.in_features))]
+            if parts:
+                sub.to_fp8_(parts)
+                converted += len(parts)
+        elif fp8(f"{name}.weight", (sub.out_features, sub.in_features)):
+            sub.to_fp8_()
+            converted += 1
+    return converted
+
+
+def _has_fp8_projections(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, Linear) and m.fp8 for m in model.modules())
 
 
 def load_model(
@@ -363,6 +442,7 @@ def load_model(
     fp8_experts: bool | None = None,
     random_weights: bool = False,
     parallel: Parallel = SINGLE,
+    fp8_projections: bool | None = None,
 ) -> Glm5NextForCausalLM:
     """Build the model from `path/config.json` without initialising weights, then load them. With
     `fp8_experts` (an FP8 checkpoint) the routed experts stay e4m3 with their block scales
@@ -371,14 +451,17 @@ def load_model(
     `random_weights` fills seeded random weights instead of reading any (`load_format="dummy"`: a
     real-size model to benchmark from its config.json alone; under tensor parallelism every rank draws
     the same stream into its own shapes, so they are not TP=1's weights). `parallel`: this rank's share
-    (`hylo.distributed.sharding`); it reads only that part of the checkpoint."""
+    (`hylo.distributed.sharding`); it reads only that part of the checkpoint. With `fp8_projections`
+    (by default on CUDA for an FP8 checkpoint) every projection the checkpoint stores block-scaled stays
+    e4m3 and runs the FP8 GEMMs (`keep_projections_fp8`); for random weights, those an FP8 checkpoint
+    would store so."""
     config = ModelConfig.from_dir(path)
+    on_gpu = torch.device(device).type == "cuda"
+    fp8_checkpoint = (config.quantization_config or {}).get("quant_method") == "fp8"
     if fp8_experts is None:
-        fp8_experts = (
-            torch.device(device).type == "cuda"
-            and (config.quantization_config or {}).get("quant_method") == "fp8"
-            and config.moe_intermediate_size % FP8_BLOCK == 0
-        )
+        fp8_experts = on_gpu and fp8_checkpoint and config.moe_intermediate_size % FP8_BLOCK == 0
+    if fp8_projections is None:
+        fp8_projections = on_gpu and fp8_checkpoint
     with torch.device("meta"):
         model = Glm5NextForCausalLM(config, parallel)
         if fp8_experts:  # swapped before allocation: the bf16 experts never take memory
@@ -387,6 +470,9 @@ def load_model(
                     layer.mlp.experts = FP8Experts.empty(config, "meta", parallel)
         if config.tie_word_embeddings:  # tied before allocation: one tensor, not two
             model.lm_head.weight = model.embed_tokens.weight
+        if fp8_projections:
+            is_fp8 = stored_block_scaled if random_weights else fp8_checkpoint_keys(path).__contains__
+            keep_projections_fp8(model, is_fp8)
     model = _materialize(model, device, dtype)
     if random_weights:
         randomize(model, torch.Generator(device).manual_seed(DUMMY_SEED))
@@ -421,6 +507,9 @@ def load_mtp_layer(
         # FP8 routed experts where the target keeps its own FP8 (an FP8 checkpoint's MTP layer is too)
         if isinstance(layer.decoder.mlp, MoE) and _has_fp8_experts(target):
             layer.decoder.mlp.experts = FP8Experts.empty(layer.config, "meta", target.parallel)
+        if _has_fp8_projections(target):  # and FP8 projections where the target keeps its own
+            is_fp8 = stored_block_scaled if random_weights else fp8_checkpoint_keys(path).__contains__
+            keep_projections_fp8(layer, is_fp8, partial(mtp_checkpoint_key, prefix=prefix))
     weight = target.embed_tokens.weight
     layer = _materialize(layer, weight.device, weight.dtype)
     if random_weights:
@@ -441,7 +530,11 @@ def mtp_layout(layer: torch.nn.Module, num_target_layers: int) -> dict[str, Slot
     target's checkpoint stores it: below `layers.{num_target_layers}.`, the decoder layer's tensors
     without their `decoder.` prefix. `load_mtp_layer` reads this layout and MTP training writes it."""
     prefix = f"layers.{num_target_layers}."
-    return {prefix + key.removeprefix("decoder."): slot for key, slot in checkpoint_layout(layer).items()}
+    return {mtp_checkpoint_key(key, prefix): slot for key, slot in checkpoint_layout(layer).items()}
+
+
+def mtp_checkpoint_key(key: str, prefix: str) -> str:
+    return prefix + key.removeprefix("decoder.")
 
 
 def _has_fp8_experts(model: Glm5NextForCausalLM) -> bool:
@@ -491,7 +584,9 @@ def _materialize(module: ModuleT, device: str | torch.device, dtype: torch.dtype
                     continue
                 if id(meta) not in made:
                     cast = is_param and meta.dtype == torch.float32 and not _stays_fp32(f"{prefix}.{name}")
-                    data = torch.empty(meta.shape, dtype=dtype if cast else meta.dtype, device=device)
+                    # FP8 weights start as zeros: the rows between a fused projection's parts are read
+                    make = torch.zeros if meta.dtype == torch.float8_e4m3fn else torch.empty
+                    data = make(meta.shape, dtype=dtype if cast else meta.dtype, device=device)
                     made[id(meta)] = torch.nn.Parameter(data, meta.requires_grad) if is_param else data
                 table[name] = made[id(meta)]
     return module

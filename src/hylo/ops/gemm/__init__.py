@@ -1,11 +1,18 @@
-"""Linear projections: a tuned Triton GEMM for a few rows on GPUs with a measured table, else torch.
+"""Linear projections: bf16/fp32 weights, or e4m3 weights with per-[128, 128]-block scales.
 
-`linear(x, weight)` is `x @ weightᵀ` over the last dim of x. While a CUDA graph is being captured, when
-the flattened row count is at most 64 and the GPU's table (`table.py`) has an entry for the shape, the
-Triton kernel runs with that entry's configuration; everything else (CPU, prefill, untuned shapes, eager
-launches) is `torch.nn.functional.linear`. The table was tuned under graph replay, where it wins by up to
-28% per GEMM; launched eagerly, Triton's host-side launch cost (about 60 us per split-K GEMM measured in
-an 8-layer decode on the H200) is far above that gain, so eager steps stay on cuBLAS.
+`linear(x, weight, scale_inv)` is `x @ weightᵀ` over the last dim of x (`weight` dequantised by
+`scale_inv` when given). Which implementation runs:
+
+- CPU: torch, the FP8 weight dequantised to x's dtype (the reference).
+- A few rows (at most 64) while a CUDA graph is being captured, for a shape the GPU's table
+  (`table.py`) holds: the Triton kernel with that entry's configuration (`kernels.gemm`). The table
+  was tuned under graph replay, where it wins by up to 28% per GEMM; launched eagerly, Triton's
+  host-side launch cost (about 60 us per split-K GEMM measured in an 8-layer decode on the H200) is
+  far above that gain, so eager bf16 steps stay on cuBLAS.
+- Other bf16 products: `torch.nn.functional.linear` (cuBLAS).
+- Other FP8 products: cuBLAS's block-scaled FP8 matmul (`kernels.scaled_mm`) from `SCALED_MM_MIN_ROWS`
+  rows where it takes the shape (`kernels.scaled_mm_refusal` says why not), else the Triton kernel
+  with `fp8_fallback_config`: an FP8 weight is never widened to a bf16 copy on the GPU.
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from hylo.ops.gemm.table import lookup
+from hylo.ops.gemm.table import GemmConfig, lookup
+from hylo.ops.moe.reference import dequantize_fp8_blocks
 
 __all__ = ["linear"]
+
+SCALED_MM_MIN_ROWS = 65  # below it a product reads the weight once and the w8a16 kernel streams it
 
 
 @cache
@@ -25,13 +35,31 @@ def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda and x.dtype == weight.dtype and torch.cuda.is_current_stream_capturing():
-        rows = x.numel() // x.shape[-1]
-        n, k = weight.shape
-        config = lookup(_gpu_name(x.device.index or 0), rows, n, k)
-        if config is not None:
-            from hylo.ops.gemm.kernels import gemm
+def fp8_fallback_config(rows: int) -> GemmConfig:
+    """The untuned Triton configuration of an FP8 product (row tile by row count, one K split)."""
+    return GemmConfig(16 if rows <= 16 else 32 if rows <= 32 else 64, 64, 128, 1, 4, 3)
 
-            return gemm(x.reshape(rows, k), weight, config).view(*x.shape[:-1], n)
-    return F.linear(x, weight)
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+    n, k = weight.shape
+    rows = x.numel() // x.shape[-1]
+    if not x.is_cuda:
+        if scale_inv is not None:
+            weight = dequantize_fp8_blocks(weight, scale_inv, x.dtype)
+        return F.linear(x, weight)
+    if scale_inv is None and x.dtype != weight.dtype:
+        return F.linear(x, weight)
+    from hylo.ops.gemm import kernels
+
+    flat = x.reshape(rows, k)
+    if torch.cuda.is_current_stream_capturing():
+        config = lookup(_gpu_name(x.device.index or 0), rows, n, k, fp8=scale_inv is not None)
+        if config is not None:
+            return kernels.gemm(flat, weight, config, scale_inv).view(*x.shape[:-1], n)
+    if scale_inv is None:
+        return F.linear(x, weight)
+    if rows >= SCALED_MM_MIN_ROWS and kernels.scaled_mm_refusal(flat, weight) is None:
+        out = kernels.scaled_mm(flat, weight, scale_inv)
+    else:
+        out = kernels.gemm(flat, weight, fp8_fallback_config(rows), scale_inv)
+    return out.view(*x.shape[:-1], n)

@@ -1,23 +1,36 @@
-"""Triton GEMM for a few rows: `x [M, K] @ weight[N, K]ᵀ` with M ≤ 64 (decode, verify).
+"""Triton GEMMs: `x [M, K] @ weight[N, K]ᵀ` for a few rows, and cuBLAS's block-scaled FP8 matmul.
 
-At these sizes the product is bound by reading the weight once, so the work is spread over enough
-programs to keep every SM streaming: N is tiled and, where N alone gives too few tiles, K is split
-across programs whose fp32 partials a second launch sums (deterministic, no atomics).
+`gemm` serves M ≤ 64 (decode, verify). At these sizes the product is bound by reading the weight
+once, so the work is spread over enough programs to keep every SM streaming: N is tiled and, where N
+alone gives too few tiles, K is split across programs whose fp32 partials a second launch sums
+(deterministic, no atomics). An e4m3 weight with per-[128, 128]-block scales is read as it is stored
+(one byte per element) and widened to x's dtype in registers; each K tile lies inside one scale
+block, so the block's scale multiplies the tile's partial product (w8a16: x is not quantised).
+
+`scaled_mm` serves prefill-sized M with FP8 weights: x is quantised per token and 128-channel group
+(`quantize_groups`, as DeepSeek-V3's and HF's FP8 linears do) and cuBLAS multiplies on the FP8
+tensor cores with both block scales (`torch.nn.functional.scaled_mm`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from hylo.ops.gemm.table import GemmConfig
+from hylo.ops.moe.kernels import quantize_groups
+from hylo.ops.moe.reference import FP8_BLOCK
+
+SCALE_BLOCK: tl.constexpr = FP8_BLOCK
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a decode batch
 def _gemm_kernel(
     x_ptr,
     w_ptr,
+    scale_ptr,
     out_ptr,
     M,
     N,
@@ -25,11 +38,13 @@ def _gemm_kernel(
     k_per_split,
     stride_xm,
     stride_wn,
+    stride_sn,
     stride_os,
     stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -42,7 +57,12 @@ def _gemm_kernel(
         k_ok = k[None, :] < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & k_ok)
         w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=(cols[:, None] < N) & k_ok)
-        acc += tl.dot(x, tl.trans(w))
+        if SCALED:  # the tile's [128, 128] block scale of each output column
+            block = (cols // SCALE_BLOCK) * stride_sn + start // SCALE_BLOCK
+            scale = tl.load(scale_ptr + block, mask=cols < N)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype))) * scale[None, :]
+        else:
+            acc += tl.dot(x, tl.trans(w))
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(
         out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :],
@@ -61,13 +81,26 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: t
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Tensor:
-    """`x [M, K] @ weight [N, K]ᵀ` in x's dtype with fp32 accumulation; rows of x and weight contiguous."""
+def gemm(
+    x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, scale_inv: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x [M, K] @ weight [N, K]ᵀ` in x's dtype with fp32 accumulation; rows of x and weight contiguous.
+    With `scale_inv` the weight is e4m3 with per-[128, 128]-block fp32 scales
+    `[ceil(N/128), ceil(K/128)]`, and the config's `block_k` must divide 128."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"gemm: x has K={k} but weight is {tuple(weight.shape)}")
     c = config
+    if scale_inv is not None:
+        blocks = (triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
+        if weight.dtype != torch.float8_e4m3fn or tuple(scale_inv.shape) != blocks:
+            raise ValueError(
+                f"gemm: a scaled weight is float8_e4m3fn with scale_inv {blocks}, got {weight.dtype} "
+                f"with {tuple(scale_inv.shape)}"
+            )
+        if FP8_BLOCK % c.block_k:
+            raise ValueError(f"gemm: block_k {c.block_k} must divide the scale block ({FP8_BLOCK})")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
@@ -75,13 +108,39 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig) -> torch.Ten
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, c.block_n), split_k, triton.cdiv(m, c.block_m))
+    scaled = scale_inv is not None
     _gemm_kernel[grid](
-        x, weight, part, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), m * n, n,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        x, weight, scale_inv if scaled else weight, part, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), scale_inv.stride(0) if scaled else 0, m * n, n,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=scaled,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     if split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split_k, BLOCK=block)
     return out
+
+
+def scaled_mm_refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why `scaled_mm` cannot take this product (None: it can). cuBLAS's block-scaled matmul reads
+    the weight's scales K-block-major in groups of four, so K must be whole groups of 4 × 128."""
+    n, k = weight.shape
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "cuBLAS's block-scaled FP8 matmul runs on Hopper GPUs only"
+    if x.dtype != torch.bfloat16:
+        return f"x is {x.dtype}, the FP8 matmul writes bf16"
+    if k % (4 * FP8_BLOCK) or n % FP8_BLOCK:
+        return f"N={n} must be a multiple of {FP8_BLOCK} and K={k} of {4 * FP8_BLOCK}"
+    return None
+
+
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """`x [M, K] @ weight [N, K]ᵀ` (e4m3 weight, fp32 `scale_inv [N/128, K/128]`) on the FP8 tensor
+    cores, x quantised per token and 128-channel group; bf16 out. Check `scaled_mm_refusal` first."""
+    q, x_scale = quantize_groups(x)
+    return F.scaled_mm(
+        q, weight.t(),
+        x_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,  # cuBLAS reads the scales M-major
+        scale_inv.t(), F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )  # fmt: skip

@@ -1,8 +1,9 @@
 """Measured launch configurations of the small-M GEMM, one JSON table per GPU model.
 
-A table maps `(M bucket, N, K)` to the configuration that beat `torch.matmul` for that shape on that
-GPU; `benchmarks/kernels/gemm_tune.py` writes it after checking the kernel against the reference.
-Shapes without an entry (or GPUs without a table) stay on `torch.matmul`.
+A table maps `(M bucket, N, K, weight format)` to the configuration that beat the alternative for
+that shape on that GPU: cuBLAS for bf16 weights, the untuned Triton configuration for e4m3 ones
+(`_fp8` keys); `benchmarks/kernels/gemm_tune.py` writes it after checking the kernel against the
+reference. Shapes without an entry (or GPUs without a table) take that alternative.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def m_bucket(m: int) -> int | None:
     return next((b for b in M_BUCKETS if m <= b), None)
 
 
-def entry_key(bucket: int, n: int, k: int) -> str:
-    return f"m{bucket}_n{n}_k{k}"
+def entry_key(bucket: int, n: int, k: int, fp8: bool = False) -> str:
+    return f"m{bucket}_n{n}_k{k}" + ("_fp8" if fp8 else "")
 
 
 def table_path(gpu_name: str) -> Path:
@@ -53,6 +54,6 @@ def load_table(gpu_name: str) -> dict[str, GemmConfig]:
     return {key: GemmConfig(**entry["config"]) for key, entry in data["entries"].items()}
 
 
-def lookup(gpu_name: str, m: int, n: int, k: int) -> GemmConfig | None:
+def lookup(gpu_name: str, m: int, n: int, k: int, fp8: bool = False) -> GemmConfig | None:
     bucket = m_bucket(m)
-    return None if bucket is None else load_table(gpu_name).get(entry_key(bucket, n, k))
+    return None if bucket is None else load_table(gpu_name).get(entry_key(bucket, n, k, fp8))
