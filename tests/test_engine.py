@@ -126,7 +126,8 @@ def test_n_logprobs_and_greedy_truncations(checkpoint, prompts):
     )[0]
     assert own.token_ids == greedy.token_ids
     assert [list(e) for e in own.logprobs] == [[t] for t in own.token_ids]
-    for truncation in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+    # top_p=5e-324 rounds to 0 in fp32: the most likely token must still stay
+    for truncation in (dict(top_k=1), dict(top_p=1e-6), dict(top_p=5e-324), dict(min_p=1.0)):
         same = llm.generate(
             prompt_token_ids=[prompts[0]],
             use_tqdm=False,

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import Caches, random_prompt
-from hf_reference import tiny_text_config, write_hf_checkpoint
+from hf_reference import tiny_text_config
 
 from hylo import LLM, SamplingParams
 from hylo.layers.linear import Linear
@@ -27,9 +27,11 @@ CONFIG = tiny_text_config(
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory):
-    base = write_hf_checkpoint(tmp_path_factory.mktemp("base"), CONFIG, seed=21, gain=0.3)
-    raw = json.loads((base / "config.json").read_text())
-    model = load_model(base, dtype=torch.float32, progress=False)
+    """Seeded random weights (`transformers` need not be there), saved block-quantised."""
+    base = tmp_path_factory.mktemp("base")
+    raw = {"model_type": "glm5_next", "text_config": {"model_type": "glm5_next_text", **CONFIG}}
+    (base / "config.json").write_text(json.dumps(raw))
+    model = load_model(base, dtype=torch.float32, progress=False, random_weights=True)
     path = tmp_path_factory.mktemp("fp8")
     save_checkpoint(model, path, raw, fp8=True)
     return path

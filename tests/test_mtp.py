@@ -314,7 +314,7 @@ def test_mtp_layer_loads_flat_fp8_names_and_its_own_embedding(checkpoints, tmp_p
         layer.decoder.mlp.experts.gate_up_proj[3, :32], hf_tensors[LAYER + "mlp.experts.3.gate_proj.weight"]
     )
     fused = layer.decoder.self_attn.in_proj  # the indexer's wk rows in the DSA layer's one GEMM
-    lo, hi = fused.rows()["indexer.wk"]
+    _, lo, hi = fused.rows()["indexer.wk"]
     assert torch.equal(fused.weight[lo:hi], hf_tensors[LAYER + "self_attn.indexer.wk.weight"])
 
 

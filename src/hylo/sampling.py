@@ -277,7 +277,9 @@ def _truncate(probs: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
         top_k, top_p = to_device(ks, device), to_device(ps, device, probs.dtype)
-        drop = (rank >= top_k[:, None]) | (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None])
+        # the most likely token always stays: a top_p below fp32's smallest value rounds to 0 here
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop = (rank >= top_k[:, None]) | ((mass_before >= top_p[:, None]) & (rank > 0))
         probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0))
     if any(r.params.min_p > 0 for r in rows):
         min_p = to_device([r.params.min_p for r in rows], device, probs.dtype)

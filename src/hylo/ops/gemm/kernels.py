@@ -23,7 +23,7 @@ from hylo.ops.gemm.table import GemmConfig
 from hylo.ops.moe.kernels import quantize_groups
 from hylo.ops.moe.reference import FP8_BLOCK
 
-SCALE_BLOCK: tl.constexpr = FP8_BLOCK
+SCALE_BLOCK = tl.constexpr(FP8_BLOCK)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a decode batch
