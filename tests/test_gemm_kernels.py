@@ -119,23 +119,35 @@ def test_linear_layer_keeps_nn_linear_contract():
 
 
 def test_shipped_tables_hold_only_measured_wins_for_model_shapes():
-    """Every table in the package names its GPU, keys shapes of GLM-5.3-Flash's projections, and records
-    that its configuration beat cuBLAS by the tuner's margin at both ends of its bucket."""
+    """Every table in the package names its GPU, keys shapes of GLM-5.3-Flash's projections (bf16, and
+    e4m3 as an FP8 checkpoint keeps them), and records that its configuration beat the baseline
+    (cuBLAS; the untuned FP8 configuration for `_fp8` keys) by the tuner's margin at both ends of its
+    bucket."""
     from hylo.config import ModelConfig
     from hylo.models.glm5_next import Glm5NextForCausalLM
+    from hylo.models.loader import keep_projections_fp8, stored_block_scaled
 
-    with torch.device("meta"):
-        model = Glm5NextForCausalLM(ModelConfig.from_dict({}))
-    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, (Linear, VocabHead))}
-    keys = {table.entry_key(b, n, k) for b in table.M_BUCKETS for n, k in shapes}
+    keys = set()
+    for fp8 in (False, True):
+        with torch.device("meta"):
+            model = Glm5NextForCausalLM(ModelConfig.from_dict({}))
+            if fp8:
+                keep_projections_fp8(model, stored_block_scaled)
+        shapes = {
+            tuple(m.weight.shape)
+            for m in model.modules()
+            if (isinstance(m, VocabHead) and not fp8) or (isinstance(m, Linear) and m.fp8 == fp8)
+        }
+        keys |= {table.entry_key(b, n, k, fp8) for b in table.M_BUCKETS for n, k in shapes}
     paths = sorted(table.TABLES.glob("*.json"))
     assert paths, "no table shipped"
     for path in paths:
         data = json.loads(path.read_text())
         assert table.table_path(data["gpu"]) == path
         assert data["entries"] and set(data["entries"]) <= keys
-        for entry in data["entries"].values():
+        for key, entry in data["entries"].items():
             config = table.GemmConfig(**entry["config"])
             assert config.split_k >= 1 and config.block_m in table.M_BUCKETS
+            baseline = entry["fallback_us" if key.endswith("_fp8") else "cublas_us"]
             for rows, us in entry["us"].items():
-                assert us * 1.02 <= entry["cublas_us"][rows]
+                assert us * 1.02 <= baseline[rows]

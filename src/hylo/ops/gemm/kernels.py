@@ -24,6 +24,7 @@ from hylo.ops.moe.kernels import quantize_groups
 from hylo.ops.moe.reference import FP8_BLOCK
 
 SCALE_BLOCK = tl.constexpr(FP8_BLOCK)
+SCALED_MM_ROW_ALIGN = 16  # rows of x padded to a multiple of this for cuBLAS's block-scaled matmul
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a decode batch
@@ -137,10 +138,16 @@ def scaled_mm_refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]ᵀ` (e4m3 weight, fp32 `scale_inv [N/128, K/128]`) on the FP8 tensor
     cores, x quantised per token and 128-channel group; bf16 out. Check `scaled_mm_refusal` first."""
+    rows = x.shape[0]
+    if rows % SCALED_MM_ROW_ALIGN:  # cuBLAS finds no algorithm for some row counts (1, 90, 150 seen)
+        x = F.pad(x, (0, 0, 0, -rows % SCALED_MM_ROW_ALIGN))
     q, x_scale = quantize_groups(x)
+    m, groups = x_scale.shape
+    m_major = torch.empty_strided((m, groups), (1, m), dtype=x_scale.dtype, device=x.device)
+    m_major.copy_(x_scale)  # cuBLAS reads the activation scales M-major
     return F.scaled_mm(
         q, weight.t(),
-        x_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,  # cuBLAS reads the scales M-major
+        m_major, F.ScalingType.BlockWise1x128,
         scale_inv.t(), F.ScalingType.BlockWise128x128,
         output_dtype=x.dtype,
-    )  # fmt: skip
+    )[:rows]  # fmt: skip
