@@ -52,7 +52,7 @@ def main() -> None:
         filler = [(0, c.scratch_slot, 0)] * (bucket - batch_size)
         rows = [(s.prefix_len, s.table_row, s.token_ids[0]) for s in seqs] + filler
         times["graph upload"] = median_us(
-            lambda r=rows, h=graphs.host_inputs[bucket]: h.copy_(torch.tensor(r).t()), args.repeats
+            lambda r=rows, h=graphs.host_inputs[bucket][0]: h.copy_(torch.tensor(r).t()), args.repeats
         )
         print(f"B={batch_size}: " + ", ".join(f"{name} {us:.0f} us" for name, us in times.items()))
 

@@ -224,6 +224,11 @@ class EngineConfig:
     disable_radix_cache: bool = _flag(
         False, "no prefix cache: every request computes its whole prompt (SGLang's flag name)"
     )
+    disable_overlap_schedule: bool = _flag(
+        False,
+        "run each decode step to its end before scheduling the next (for debugging); by default the "
+        "host schedules and launches step N+1 while the device runs step N (SGLang's flag name)",
+    )
     prefix_snapshot_interval: int = _flag(
         1024,
         "prefix cache: a long prefill keeps a snapshot of the KDA states every this many tokens (a "
@@ -288,7 +293,13 @@ class EngineConfig:
         if not isinstance(self.cuda_graph_max_prefill_tokens, int) or self.cuda_graph_max_prefill_tokens < 0:
             value = self.cuda_graph_max_prefill_tokens
             raise ValueError(f"cuda_graph_max_prefill_tokens must be an int >= 0, got {value!r}")
-        for name in ("disable_cuda_graph", "speculative_adaptive", "disable_radix_cache"):
+        flags = (
+            "disable_cuda_graph",
+            "speculative_adaptive",
+            "disable_radix_cache",
+            "disable_overlap_schedule",
+        )
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not 0 < self.mem_fraction_static <= 1:

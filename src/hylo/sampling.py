@@ -196,10 +196,10 @@ def sample(
         greedy = to_device([r.params.greedy for r in rows], logits.device)
         noise = torch.ones_like(probs)
         shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
-        if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
-                generator=generator
-            )
+        if shared:  # (indexing by the list itself would upload it from pageable memory: a sync)
+            noise[to_device(shared, probs.device, torch.long)] = torch.empty(
+                len(shared), probs.shape[1], device=probs.device
+            ).exponential_(generator=generator)
         for i, r in enumerate(rows):
             if r.generator is not None and not r.params.greedy:
                 noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from tqdm import tqdm
 
-from hylo.engine.request import Request
+from hylo.engine.request import IN_FLIGHT, Request
 from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk, uniform_metadata
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
@@ -155,7 +155,10 @@ class DecodeGraphs:
         """Upload the step's (prefix length, table row, first token) of each sequence, fillers after
         them, and replay (or, uncaptured, call) its bucket's graph of `variant`: (bucket, outputs)."""
         bucket = next(b for b in self.buckets if b >= len(seqs))
-        host = self.host_inputs[bucket]
+        # two pinned mirrors in turn: with overlapped steps the upload of the step before this one may
+        # not have run yet, the one before that has (its tokens were read)
+        self._uploads += 1
+        host = self.host_inputs[bucket][self._uploads % 2]
         assert self.caches.scratch_slot is not None
         filler = [(0, self.caches.scratch_slot, 0)] * (bucket - len(seqs))
         host.copy_(torch.tensor([(s.prefix_len, s.table_row, s.token_ids[0]) for s in seqs] + filler).t())
@@ -175,28 +178,32 @@ class DecodeGraphs:
 
     def _static_batches(self) -> dict[int, ForwardBatch]:
         """One static batch per bucket, its pool table as wide as the request table's, and the step's
-        (prefix length, table row, first token) of each sequence with a pinned mirror."""
+        (prefix length, table row, first token) of each sequence with two pinned mirrors."""
         static = {}
         device = self.caches.table.table.device
         self.step_inputs: dict[int, torch.Tensor] = {}
-        self.host_inputs: dict[int, torch.Tensor] = {}
+        self.host_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._uploads = 0
         for bucket in self.buckets:
             batch = self._build([], bucket)
             full_width = torch.full((bucket, self.pool_width), -1, device=batch.pool_table.device)
             static[bucket] = dataclasses.replace(batch, pool_table=full_width)
             inputs = torch.tensor([[0] * bucket, [self.caches.scratch_slot] * bucket, [0] * bucket])
-            self.host_inputs[bucket] = inputs.pin_memory() if device.type == "cuda" else inputs
+            mirror = inputs.pin_memory if device.type == "cuda" else inputs.clone
+            self.host_inputs[bucket] = (mirror(), mirror())
             self.step_inputs[bucket] = inputs.to(device)
         return static
 
     def _fill_metadata(self, static: ForwardBatch) -> None:
         """The step's batch metadata, in place, from the uploaded inputs and the request table
-        (`uniform_metadata`), and each sequence's first token."""
+        (`uniform_metadata`), and each sequence's first token: `IN_FLIGHT` takes the token its row
+        sampled last (`CacheManager.last_sampled`, an overlapped step's)."""
         prefix, rows, first = self.step_inputs[len(static.extend_lens)]
         c = self.caches
         meta = uniform_metadata(prefix, rows, self.tokens_per_seq, c.table.table, c.kpool, c.scratch_slot)
         for name, value in meta.items():
             getattr(static, name).copy_(value)
+        first = torch.where(first == IN_FLIGHT, c.last_sampled[rows], first)
         static.input_ids.view(len(static.extend_lens), self.tokens_per_seq)[:, 0] = first
 
     def _forward(self, static: ForwardBatch, variant: str = OBSERVE) -> tuple[torch.Tensor, ...]:

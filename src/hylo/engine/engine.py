@@ -18,8 +18,8 @@ from hylo.distributed.launch import Ranks
 from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs, batch_size_buckets
 from hylo.engine.prefill_graph import PrefillGraphs, prefill_graph_refusal
 from hylo.engine.request import Request, Status
-from hylo.engine.runner import ModelRunner
-from hylo.engine.scheduler import Scheduler
+from hylo.engine.runner import ChunkResult, LaunchedStep, ModelRunner
+from hylo.engine.scheduler import ScheduledChunk, Scheduler
 from hylo.memory.manager import (
     PREFIX_SNAPSHOT_SHARE,
     CacheManager,
@@ -179,6 +179,10 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.caches, config.seed, self.proposer, graphs, verifying, prefilling
         )
+        # overlapped steps are plain decode steps of one rank (speculative steps and the ranks of a
+        # tensor-parallel engine, which step by rank 0's published plans, read every step's tokens)
+        self.overlap = not config.disable_overlap_schedule and self.proposer is None and parallel.size == 1
+        self.in_flight: LaunchedStep | None = None
         self.buckets = batch_size_buckets(max_bs)
         # taken last: the allocator's figures include the caches and the captured graphs' pools
         report = memory_report(self.model, self.plan, self.device, load_peak.bytes)
@@ -317,7 +321,8 @@ class Engine:
         request.finish("error")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests to serve, or a step still in flight (whose results the next `step` returns)."""
+        return self.scheduler.has_work() or self.in_flight is not None
 
     @property
     def failure(self) -> str | None:
@@ -334,27 +339,61 @@ class Engine:
         self.ranks.close()
 
     def step(self, plan: StepPlan | None = None) -> list[StepOutput]:
-        """Schedule and run one step. `plan`: a follower rank's, as rank 0 published it; rank 0 (and
-        an engine of one rank) makes its own and publishes it to the others first."""
+        """Run one step and return what it produced. `plan`: a follower rank's, as rank 0 published
+        it; rank 0 (and an engine of one rank) makes its own and publishes it to the others first.
+
+        With the overlap schedule (`overlap`), a plain decode step is launched without waiting for
+        it (`ModelRunner.launch`); before its tokens are read the next step is scheduled and launched
+        behind it where it can be (`Scheduler.schedule_ahead`), so the host's scheduling, batch
+        building and detokenising run while the device computes. A call then returns the outputs of
+        the step launched before, and leaves the one after it in flight (`in_flight`)."""
         self.check_alive()
-        bucket = self._bucket()
-        if plan is None:
-            plan = self.policy.plan(bucket) if self.policy is not None else StepPlan(True, True)
-        if self.ranks.publisher is not None:
-            self.ranks.publisher.step(plan.verify, plan.draft)
-        chunks = self.scheduler.schedule(draft=plan.verify)
-        if not chunks:
-            return []
-        start = time.perf_counter()
-        results = self.runner.step(chunks, draft=plan.draft)
-        if self.policy is not None:
-            self._record(bucket, chunks, results, time.perf_counter() - start)
+        if self.in_flight is None:
+            bucket = self._bucket()
+            if plan is None:
+                plan = self.policy.plan(bucket) if self.policy is not None else StepPlan(True, True)
+            if self.ranks.publisher is not None:
+                self.ranks.publisher.step(plan.verify, plan.draft)
+            chunks = self.scheduler.schedule(draft=plan.verify)
+            if not chunks:
+                return []
+            if not (self.overlap and self.runner.overlaps(chunks)):
+                start = time.perf_counter()
+                results = self.runner.step(chunks, draft=plan.draft)
+                if self.policy is not None:
+                    self._record(bucket, chunks, results, time.perf_counter() - start)
+                return self._apply(chunks, results)
+            self.in_flight = self._launch(chunks)
+        launched = self.in_flight
+        ahead = self.scheduler.schedule_ahead([ch.request for ch in launched.chunks])
+        self.in_flight = self._launch(ahead) if ahead and self.runner.overlaps(ahead) else None
+        return self._apply(launched.chunks, self.runner.collect(launched), launched=True)
+
+    def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
+        launched = self.runner.launch(chunks)
+        for ch in chunks:  # the step's token is computed, its pick on its way
+            ch.request.num_computed += 1
+            ch.request.in_flight += 1
+        return launched
+
+    def _apply(
+        self, chunks: Sequence[ScheduledChunk], results: Sequence[ChunkResult], launched: bool = False
+    ) -> list[StepOutput]:
+        """The requests' bookkeeping after a step: committed positions, picked tokens (finishing
+        those that stop), prompt logprobs, prefix-cache snapshots. A `launched` step's positions
+        are counted already; its requests that ended while it ran (aborted, or stopped by the step
+        before) take nothing from it."""
         outputs = []
         for ch, result in zip(chunks, results, strict=True):
             request = ch.request
+            if launched:
+                if request.status is Status.FINISHED:
+                    continue
+                request.in_flight -= 1
+            else:
+                request.num_computed += result.committed
             if result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs)
-            request.num_computed += result.committed
             if ch.snapshots:
                 self.scheduler.publish(ch)
             request.host_drafts = result.drafts

@@ -12,6 +12,10 @@ import torch
 from hylo.sampling import SamplingParams
 from hylo.tokenizer import IncrementalDetokenizer
 
+# What `Request.tokens` gives for a position whose token is still in flight (sampled on the device,
+# not yet read): never a vocabulary id.
+IN_FLIGHT = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -39,13 +43,20 @@ class Metrics:
 
 @dataclass(eq=False)  # an entity: it equals only itself, so queues find it without comparing fields
 class Request:
-    """One sequence to complete. `num_computed` tokens of `prompt_ids + output_ids` are in the caches;
-    the next forward feeds the rest (all of it after a preemption, which empties the caches).
+    """One sequence to complete. `num_computed` tokens of `prompt_ids + output_ids` and the
+    `in_flight` tokens after them are in the caches, or on their way there; the next forward feeds
+    the rest (all of it after a preemption, which empties the caches).
+
+    `in_flight`: output tokens an overlapped step has sampled on the device that the host has not
+    read yet (`Engine` with the overlap schedule: at most two, one step's and the next's). Their
+    positions follow `output_ids`; a chunk that feeds one reads it from the device
+    (`CacheManager.last_sampled`): `tokens` gives `IN_FLIGHT` there.
 
     Invariant: a RUNNING request holds a slot and pages for at least `num_computed` positions;
     a WAITING or FINISHED one holds neither. With a proposer, positions `deferred_from ..
     num_computed - 1` (fewer than the decode graphs' `deferred_tokens`) are committed but not yet
-    observed.
+    observed. A request with tokens in flight is never preempted (only a step with none in flight
+    is scheduled by `Scheduler.schedule`).
     """
 
     request_id: str
@@ -65,6 +76,7 @@ class Request:
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
     num_computed: int = 0
+    in_flight: int = 0
     # the first committed position the proposer has not observed (its target features wait in the
     # decode graphs' deferred ring, `DecodeGraphs.deferred`); None when it has seen every one
     deferred_from: int | None = None
@@ -82,13 +94,15 @@ class Request:
     @property
     def remaining(self) -> int:
         """Tokens to feed before the next sample."""
-        return self.total_len - self.num_computed
+        return self.total_len + self.in_flight - self.num_computed
 
     def tokens(self, start: int, stop: int) -> list[int]:
-        n = len(self.prompt_ids)
+        """The tokens of positions `start .. stop - 1`, `IN_FLIGHT` for those still in flight."""
+        n, total = len(self.prompt_ids), self.total_len
+        unread = [IN_FLIGHT] * (min(stop, total + self.in_flight) - max(start, total))
         if stop <= n:
             return self.prompt_ids[start:stop]
-        return self.prompt_ids[start:] + self.output_ids[max(0, start - n) : stop - n]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n) : stop - n] + unread
 
     def draft_budget(self, num_draft_tokens: int) -> int:
         """Drafts worth verifying: never past max_tokens or the length limit; none for penalized
@@ -122,8 +136,14 @@ class Request:
         return self.params.raw_argmax and not self.banned_ids()
 
     def banned_ids(self) -> list[int]:
-        """Stop ids may not be sampled before `min_tokens` tokens exist."""
-        return sorted(self.stop_ids) if len(self.output_ids) < self.params.min_tokens else []
+        """Stop ids may not be sampled before `min_tokens` tokens exist (those in flight included)."""
+        return sorted(self.stop_ids) if len(self.output_ids) + self.in_flight < self.params.min_tokens else []
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """The tokens in flight reach `max_tokens` or the length limit: the request ends with them."""
+        produced = len(self.output_ids) + self.in_flight
+        return produced >= self.params.max_tokens or self.total_len + self.in_flight >= self.max_total_len
 
     def append(self, token: int, logprobs: dict[int, float] | None) -> str:
         """Record a sampled token; decide whether the request is finished. Returns the new text that

@@ -10,7 +10,7 @@ import torch
 
 from hylo.engine.cuda_graph import DEFER, DRAFT, OBSERVE, DecodeGraphs, VerifyGraphs
 from hylo.engine.prefill_graph import PrefillGraphs
-from hylo.engine.request import Request
+from hylo.engine.request import IN_FLIGHT, Request
 from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.host_copy import to_device
@@ -35,6 +35,16 @@ class ChunkResult:
     prompt_logprobs: list[dict[int, float]] | None = None
     # a constrained request's drafts for its next step (`Request.host_drafts`), None if none were made
     drafts: list[int] | None = None
+
+
+@dataclass
+class LaunchedStep:
+    """A plain decode step launched on the device (`ModelRunner.launch`) whose picks are on their way
+    to the host (`read`); `ModelRunner.collect` turns them into results. Its chunks' requests already
+    count the step's token as computed and its pick as in flight (`Request.in_flight`)."""
+
+    chunks: list[ScheduledChunk]
+    read: PendingRead
 
 
 class ModelRunner:
@@ -133,6 +143,55 @@ class ModelRunner:
             if snapshots and c.snapshot_features.shape[1]:
                 self._snapshot_features(batch)
         return self._pick(chunks, batch, logits, observed, draft, targets)
+
+    @staticmethod
+    def overlaps(chunks: Sequence[ScheduledChunk]) -> bool:
+        """Whether `launch` takes the step: plain decode chunks (one token each, sampled) of requests
+        whose pick depends on nothing the host would have to read first (no penalties over their
+        output, no grammar), scoring no prompt position."""
+        return all(
+            ch.num_tokens == 1 and ch.samples and not ch.verify and not ch.snapshots
+            and not ch.request.scores_prompt and not ch.request.params.penalized
+            and ch.request.grammar is None
+            for ch in chunks
+        )  # fmt: skip
+
+    def launch(self, chunks: Sequence[ScheduledChunk]) -> LaunchedStep:
+        """Launch a plain decode step (`overlaps`; no proposer) without waiting for it: the forward (a
+        decode-graph replay where it fits), the picks, each row's pick into
+        `CacheManager.last_sampled` (where the next step's in-flight tokens come from) and the copy
+        of the picks to the host. A chunk may feed an in-flight token (`Request.tokens`)."""
+        if self.proposer is not None:
+            raise ValueError("launch: steps with a proposer run through `step`")
+        seqs = [_sequence(ch, False) for ch in chunks]
+        c = self.caches
+        if self.graphs is not None and self.graphs.accepts(seqs):
+            _, logits = self.graphs.run(seqs)
+        else:
+            batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
+            unread = [i for i, s in enumerate(seqs) if s.token_ids[0] == IN_FLIGHT]
+            if unread:  # a decode step's token i is sequence i's
+                rows = [seqs[i].table_row for i in unread]
+                index = to_device([unread, rows], c.last_sampled.device, torch.long)
+                batch.input_ids[index[0]] = c.last_sampled[index[1]]
+            logits = self.model(batch)
+        requests = [ch.request for ch in chunks]
+        rows = [
+            SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids()) for r in requests
+        ]
+        picked = sample(logits, rows, self.generator)
+        c.last_sampled[to_device([r.slot for r in requests], logits.device, torch.long)] = picked.tokens
+        return LaunchedStep(list(chunks), start_read(picked.tokens, *_logprob_tensors(picked)))
+
+    @staticmethod
+    def collect(launched: LaunchedStep) -> list[ChunkResult]:
+        """Wait for a launched step's picks: one result per chunk, as `step` gives them."""
+        tokens, *logprobs = launched.read.wait()
+        results = []
+        for k, ch in enumerate(launched.chunks):
+            token = int(tokens[k])
+            results.append(ChunkResult([token], _entries(ch.request, [token], logprobs, k), 1))
+        return results
 
     def _snapshot_features(self, batch: ForwardBatch) -> None:
         """The features of each snapshot's last token, for a proposer that resumes from them."""
@@ -401,30 +460,56 @@ def _entries(request, tokens: list[int], logprob_host: Sequence, k: int) -> list
     ]
 
 
-# pinned host buffers of the reads, by place in the read, shape and dtype: allocating pinned memory
-# costs more than a step
-_PINNED: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+# pinned host buffers of the reads, by turn, place in the read, shape and dtype: allocating pinned
+# memory costs more than a step. Two turns: an overlapped step's read may still be on its way while
+# the host turns the read before it into Python values.
+_PINNED: dict[tuple[int, int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+_TURNS: list[int] = [0]
+_READ_DONE: dict[tuple[int, torch.device], torch.cuda.Event] = {}
 
 
-def _read(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Host copies of the step's results: one synchronisation for all of them (non-blocking copies
-    into reused pinned buffers on CUDA, then one wait). On CUDA the copies stay valid until the next
-    read: the step turns them into Python values before it returns."""
+@dataclass
+class PendingRead:
+    """Host copies of a step's results on their way (`start_read`); `wait` blocks until they are there.
+    The copies stay valid until the second read after this one starts."""
+
+    copies: list[torch.Tensor | None]
+    done: torch.cuda.Event | None
+
+    def wait(self) -> list[torch.Tensor | None]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.copies
+
+
+def start_read(*tensors: torch.Tensor | None) -> PendingRead:
+    """Start copying the step's results to the host: non-blocking copies into reused pinned buffers
+    and one event after them on CUDA (nothing waits yet), plain copies elsewhere."""
     present = [t for t in tensors if t is not None]
+    done = None
     if present and present[0].is_cuda:
+        _TURNS[0] ^= 1
         copies = []
         for place, t in enumerate(present):
-            key = (place, tuple(t.shape), t.dtype)  # two results of one shape need two buffers
+            key = (_TURNS[0], place, tuple(t.shape), t.dtype)  # two results of one shape: two buffers
             host = _PINNED.get(key)
             if host is None:
                 host = _PINNED[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
             copies.append(host)
-        torch.cuda.current_stream(present[0].device).synchronize()
+        done = _READ_DONE.get((_TURNS[0], present[0].device))
+        if done is None:
+            done = _READ_DONE[_TURNS[0], present[0].device] = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(present[0].device))
     else:
         copies = [t.clone() for t in present]
     it = iter(copies)
-    return [None if t is None else next(it) for t in tensors]
+    return PendingRead([None if t is None else next(it) for t in tensors], done)
+
+
+def _read(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Host copies of the step's results, with one wait for all of them (`start_read`)."""
+    return start_read(*tensors).wait()
 
 
 def _logit_rows(

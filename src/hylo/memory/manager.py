@@ -19,6 +19,10 @@ MAX_SNAPSHOTS = 4096
 PREFIX_SNAPSHOT_SHARE = 0.125
 
 
+# what a request-table row holds beside its token slots: the token it sampled last (`last_sampled`)
+ROW_BYTES = 8
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """How one memory budget is split between token pages and request slots. With `scratch`, one more
@@ -61,11 +65,11 @@ class MemoryPlan:
         """Split one budget between the pools of `specs` by their units: prefix-cache snapshots get
         `snapshot_share` of it (at most `MAX_SNAPSHOTS`); request slots get what
         `max_running_requests` asks, or by default up to half the rest (at most 256); token pages get
-        what remains. A slot also pays for its request-table row. The `scratch` slot and page are paid
-        for first."""
+        what remains. A slot also pays for its request-table row and its `last_sampled` entry. The
+        `scratch` slot and page are paid for first."""
         per_token = bytes_per(specs, Unit.TOKEN)
         max_len = min(context_len, int(budget_bytes // per_token))
-        per_slot = bytes_per(specs, Unit.SLOT) + 4 * max_len
+        per_slot = bytes_per(specs, Unit.SLOT) + ROW_BYTES + 4 * max_len
         per_snapshot = bytes_per(specs, Unit.SNAPSHOT)
         snapshots = (
             min(MAX_SNAPSHOTS, int(budget_bytes * snapshot_share // per_snapshot)) if per_snapshot else 0
@@ -83,7 +87,7 @@ class MemoryPlan:
             )
         # the table rows were paid for at the longest max_len the budget allowed; the pages cap it
         max_len = min(max_len, pages * page_size)
-        per_slot = bytes_per(specs, Unit.SLOT) + 4 * max_len
+        per_slot = bytes_per(specs, Unit.SLOT) + ROW_BYTES + 4 * max_len
         return cls(
             pages, page_size, slots, max_len, per_token, per_slot, scratch, snapshots, int(per_snapshot)
         )
@@ -125,6 +129,10 @@ class CacheManager:
     page is free once nobody references it. `snapshots` (`plan.num_snapshots` KDA state slots) and
     `snapshot_features` (`[num_snapshots, snapshot_feature_dim]`, the proposer's features of a
     snapshot's last token) are the prefix cache's, handed out by `snapshot_ids`.
+
+    Released pages and slots may still be written by a step in flight (the overlap schedule runs one
+    step past a request's end): the device runs steps in order, so whoever takes them next writes
+    after it.
     """
 
     def __init__(
@@ -163,6 +171,9 @@ class CacheManager:
         self.prefix = (
             None if prefix_snapshot_interval is None else PrefixCache(self, prefix_snapshot_interval)
         )
+        # the token each request-table row sampled last in an overlapped step (`Request.in_flight`):
+        # the next step's chunk reads it on the device before the host has seen it
+        self.last_sampled = torch.zeros(self.table.table.shape[0], dtype=torch.long, device=device)
         self.scratch_slot = plan.num_slots if plan.scratch else None
         if self.scratch_slot is not None:
             # every position of the scratch row maps into the scratch page (a padding row's writes

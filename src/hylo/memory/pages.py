@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hylo.host_copy import to_device
+
 
 class FreeList:
     """Hands out integer ids in `[0, size)`; an id is owned by at most one holder until freed."""
@@ -48,4 +50,5 @@ class RequestTable:
         offsets = torch.arange(self.page_size, dtype=torch.int32)
         slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * self.page_size + offsets).flatten()
         start = first_page_index * self.page_size
-        self.table[row, start : start + slots.numel()] = slots.to(self.table.device, non_blocking=True)
+        # from pinned memory: a pageable upload would wait for the steps in flight
+        self.table[row, start : start + slots.numel()] = to_device(slots, self.table.device)

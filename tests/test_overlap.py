@@ -1,0 +1,137 @@
+"""The overlap schedule: step N+1 is scheduled and launched before step N's tokens are read, and the
+outputs are those of the engine that reads every step first (`--disable-overlap-schedule`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hylo import LLM, SamplingParams
+from hylo.engine.request import IN_FLIGHT, Status
+
+PROMPTS = [
+    "Hello, how are you?",
+    "Tell me about the sea.",
+    "What is two plus two?",
+    "Write a short poem about rain.",
+    "Name three colours.",
+    "Why is the sky blue?",
+]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """The demo model (it has a tokenizer: stop strings) with the overlap schedule and without."""
+    return {overlap: LLM(disable_overlap_schedule=not overlap).engine for overlap in (True, False)}
+
+
+def run(engine, script: dict[int, list[tuple]]) -> tuple[dict, int]:
+    """Drive `engine` call by call, adding and aborting requests before the calls `script` names;
+    (what every request produced, how many calls left a step in flight)."""
+    tokenizer = engine.tokenizer
+    created, ahead, call = [], 0, 0
+    start = (engine.caches.num_available_pages, engine.caches.slots.num_free)
+    while script or engine.has_unfinished():
+        for action in script.pop(call, []):
+            if action[0] == "add":
+                _, rid, prompt, params = action
+                created += engine.add_request(rid, tokenizer.encode(prompt), params)
+            else:
+                engine.abort(action[1])
+        engine.step()
+        ahead += engine.in_flight is not None
+        call += 1
+    assert (engine.caches.num_available_pages, engine.caches.slots.num_free) == start
+    return {
+        r.request_id: (r.output_ids, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs) for r in created
+    }, ahead
+
+
+def same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for rid in a:
+        (ids, text, reason, logprobs, prompt_logprobs), other = a[rid], b[rid]
+        assert (ids, text, reason) == other[:3], rid
+        for mine, theirs in ((logprobs, other[3]), (prompt_logprobs, other[4])):
+            assert len(mine) == len(theirs)
+            for entry, ref in zip(mine, theirs, strict=True):
+                assert entry.keys() == ref.keys(), rid
+                assert all(abs(entry[t] - ref[t]) < 1e-4 for t in entry), rid
+
+
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=25, n=2)
+
+
+def greedy(n: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, **kwargs)
+
+
+def test_outputs_match_the_schedule_that_reads_every_step(engines):
+    """Greedy, seeded sampling (top-p, n=2), min_tokens, logprobs, stop ids and strings, requests
+    arriving and aborted mid-run, and a penalised request (its steps read first) give what the
+    engine without the overlap schedule gives; steady decoding keeps a step in flight."""
+    probe, _ = run(engines[False], {0: [("add", "p", PROMPTS[0], greedy(30, ignore_eos=True))]})
+    ids, text = probe["p"][0], probe["p"][1]
+    stop_id, stop_text = ids[9], text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop_id not in ids[:9] and stop_text
+
+    def script() -> dict[int, list[tuple]]:
+        return {
+            0: [
+                ("add", "greedy", PROMPTS[0], greedy(40, ignore_eos=True)),
+                ("add", "stop-id", PROMPTS[0], greedy(40, stop_token_ids=[stop_id], ignore_eos=True)),
+                ("add", "stop-str", PROMPTS[0], greedy(40, stop=[stop_text], ignore_eos=True)),
+                ("add", "seeded", PROMPTS[1], SEEDED),
+                ("add", "min", PROMPTS[2], greedy(12, min_tokens=6, logprobs=2)),
+            ],
+            4: [("add", "late", PROMPTS[3], SamplingParams(temperature=0.7, seed=11, max_tokens=15))],
+            7: [("abort", "greedy")],
+            9: [("add", "scored", PROMPTS[4], greedy(5, prompt_logprobs=1, logprobs=0))],
+            12: [("add", "penalised", PROMPTS[5], greedy(10, repetition_penalty=1.3, ignore_eos=True))],
+        }  # fmt: skip
+
+    overlapped, ahead = run(engines[True], script())
+    reference, never = run(engines[False], script())
+    same(overlapped, reference)
+    assert reference["stop-id"][2] == "stop" and reference["stop-id"][0][-1] == stop_id
+    assert reference["stop-str"][2] == "stop" and stop_text not in reference["stop-str"][1]
+    assert reference["greedy"][2] == "abort" and 0 < len(reference["greedy"][0]) < 40
+    assert never == 0 and ahead > 0
+
+
+def test_the_step_after_runs_on_in_flight_tokens(engines):
+    """After a call in steady decoding the next step is on the device already: its requests count
+    its position as computed and its token as in flight, which their chunks feed from the device."""
+    engine = engines[True]
+    (request,) = engine.add_request("r", engine.tokenizer.encode(PROMPTS[1]), greedy(8, ignore_eos=True))
+    outputs = engine.step()  # the prefill: read at once
+    assert engine.in_flight is None and len(outputs[0].new_token_ids) == 1
+    engine.step()  # the first decode step, then the second behind it
+    assert [ch.request for ch in engine.in_flight.chunks] == [request]
+    assert request.in_flight == 1 and request.remaining == 1
+    assert request.num_computed == request.total_len  # the last token read is fed by the step ahead
+    assert request.tokens(request.total_len - 1, request.total_len + 1)[-1] == IN_FLIGHT
+    while engine.has_unfinished():
+        engine.step()
+    assert request.status is Status.FINISHED and len(request.output_ids) == 8 and request.in_flight == 0
+
+
+def test_no_step_ahead_while_a_waiting_request_could_start(engines):
+    """A waiting request that a free slot could admit makes the engine read first (the step after
+    would admit it); with every slot taken the step after runs ahead without it."""
+    engine = engines[True]
+    for i in range(2):
+        engine.add_request(f"a{i}", engine.tokenizer.encode(PROMPTS[i]), greedy(6, ignore_eos=True))
+    engine.step()
+    engine.step()
+    launched = [ch.request for ch in engine.in_flight.chunks]
+    engine.add_request("w", engine.tokenizer.encode(PROMPTS[2]), greedy(3))
+    assert engine.scheduler.schedule_ahead(launched) is None
+    taken = engine.caches.slots.alloc(engine.caches.slots.num_free)
+    try:
+        ahead = engine.scheduler.schedule_ahead(launched)
+        assert [ch.request for ch in ahead] == launched
+    finally:
+        engine.caches.slots.free(taken)
+    engine.abort("w")
+    while engine.has_unfinished():
+        engine.step()
