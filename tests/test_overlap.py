@@ -4,9 +4,11 @@ outputs are those of the engine that reads every step first (`--disable-overlap-
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hylo import LLM, SamplingParams
 from hylo.engine.request import IN_FLIGHT, Status
+from hylo.sampling import SampleRow, target_distribution
 
 PROMPTS = [
     "Hello, how are you?",
@@ -59,6 +61,9 @@ def same(a: dict, b: dict) -> None:
 
 
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=25, n=2)
+PENALISED = SamplingParams(
+    temperature=0.9, seed=3, max_tokens=20, frequency_penalty=0.8, presence_penalty=0.5, ignore_eos=True
+)
 
 
 def greedy(n: int, **kwargs) -> SamplingParams:
@@ -67,8 +72,9 @@ def greedy(n: int, **kwargs) -> SamplingParams:
 
 def test_outputs_match_the_schedule_that_reads_every_step(engines):
     """Greedy, seeded sampling (top-p, n=2), min_tokens, logprobs, stop ids and strings, requests
-    arriving and aborted mid-run, and a penalised request (its steps read first) give what the
-    engine without the overlap schedule gives; steady decoding keeps a step in flight."""
+    arriving and aborted mid-run, penalised requests (their penalties count the token in flight) and
+    a constrained one (its steps read first: the grammar takes every token on the host) give what
+    the engine without the overlap schedule gives; steady decoding keeps a step in flight."""
     probe, _ = run(engines[False], {0: [("add", "p", PROMPTS[0], greedy(30, ignore_eos=True))]})
     ids, text = probe["p"][0], probe["p"][1]
     stop_id, stop_text = ids[9], text[len(text) // 2 : len(text) // 2 + 3]
@@ -86,7 +92,11 @@ def test_outputs_match_the_schedule_that_reads_every_step(engines):
             4: [("add", "late", PROMPTS[3], SamplingParams(temperature=0.7, seed=11, max_tokens=15))],
             7: [("abort", "greedy")],
             9: [("add", "scored", PROMPTS[4], greedy(5, prompt_logprobs=1, logprobs=0))],
-            12: [("add", "penalised", PROMPTS[5], greedy(10, repetition_penalty=1.3, ignore_eos=True))],
+            12: [
+                ("add", "penalised", PROMPTS[5], greedy(20, repetition_penalty=1.3, ignore_eos=True)),
+                ("add", "frequency", PROMPTS[1], PENALISED),
+            ],
+            16: [("add", "constrained", PROMPTS[2], greedy(12, regex="[a-z ]{4,30}"))],
         }  # fmt: skip
 
     overlapped, ahead = run(engines[True], script())
@@ -135,3 +145,16 @@ def test_no_step_ahead_while_a_waiting_request_could_start(engines):
     engine.abort("w")
     while engine.has_unfinished():
         engine.step()
+
+
+def test_penalties_count_the_token_in_flight():
+    """A row whose last output token is still on the device (`SampleRow.unread`) is penalised as if
+    the host had it, seen before or not."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(
+        temperature=0, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3
+    )
+    for last in (4, 9):  # 4 is in the output already, 9 nowhere
+        read = SampleRow(params, [1, 2], [3, 4, last], None, [])
+        unread = SampleRow(params, [1, 2], [3, 4], None, [], torch.tensor([last]))
+        assert torch.equal(target_distribution(logits, [read])[0], target_distribution(logits, [unread])[0])

@@ -161,6 +161,9 @@ class SampleRow:
     output_ids: Sequence[int]
     generator: torch.Generator | None
     banned_ids: Sequence[int]  # eos/stop ids masked while min_tokens is not reached
+    # the output token after `output_ids` that is still in flight (`[1]` long, on the device; an
+    # overlapped step's), counted in the penalties like the others; None when there is none
+    unread: torch.Tensor | None = None
 
 
 @dataclass
@@ -252,18 +255,27 @@ def target_distribution(
 
 
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
-    """vLLM semantics: repetition over prompt + output, frequency/presence over the output."""
+    """vLLM semantics: repetition over prompt + output, frequency/presence over the output (the
+    token in flight included: `SampleRow.unread`)."""
     p = row.params
     device = logits.device
     if p.repetition_penalty != 1:
         seen = to_device(sorted({*row.prompt_ids, *row.output_ids}), device, torch.long)
-        if seen.numel():
+        if row.unread is not None:  # it may be among them: a mask counts it once
+            mask = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
+            mask[seen] = True
+            mask[row.unread] = True
+            penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits.copy_(torch.where(mask, penalised, logits))
+        elif seen.numel():
             values = logits[seen]
             logits[seen] = torch.where(
                 values > 0, values / p.repetition_penalty, values * p.repetition_penalty
             )
-    if (p.frequency_penalty or p.presence_penalty) and row.output_ids:
+    if (p.frequency_penalty or p.presence_penalty) and (row.output_ids or row.unread is not None):
         ids = to_device(list(row.output_ids), device, torch.long)
+        if row.unread is not None:
+            ids = torch.cat([ids, row.unread])
         counts = torch.bincount(ids, minlength=logits.shape[0]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 

@@ -147,12 +147,11 @@ class ModelRunner:
     @staticmethod
     def overlaps(chunks: Sequence[ScheduledChunk]) -> bool:
         """Whether `launch` takes the step: plain decode chunks (one token each, sampled) of requests
-        whose pick depends on nothing the host would have to read first (no penalties over their
-        output, no grammar), scoring no prompt position."""
+        whose pick depends on nothing the host would have to read first (no grammar, whose matcher
+        takes every token on the host), scoring no prompt position."""
         return all(
             ch.num_tokens == 1 and ch.samples and not ch.verify and not ch.snapshots
-            and not ch.request.scores_prompt and not ch.request.params.penalized
-            and ch.request.grammar is None
+            and not ch.request.scores_prompt and ch.request.grammar is None
             for ch in chunks
         )  # fmt: skip
 
@@ -177,11 +176,20 @@ class ModelRunner:
             logits = self.model(batch)
         requests = [ch.request for ch in chunks]
         rows = [
-            SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids()) for r in requests
+            SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids(), self._unread(r))
+            for r in requests
         ]
         picked = sample(logits, rows, self.generator)
         c.last_sampled[to_device([r.slot for r in requests], logits.device, torch.long)] = picked.tokens
         return LaunchedStep(list(chunks), start_read(picked.tokens, *_logprob_tensors(picked)))
+
+    def _unread(self, request: Request) -> torch.Tensor | None:
+        """A penalised request's output token still in flight (on the device), which its penalties
+        count; None when the host has read them all (or nothing penalises them)."""
+        if not (request.in_flight and request.params.penalized):
+            return None
+        assert request.in_flight == 1 and request.slot is not None  # the step before this one's
+        return self.caches.last_sampled[request.slot : request.slot + 1]
 
     @staticmethod
     def collect(launched: LaunchedStep) -> list[ChunkResult]:

@@ -1,0 +1,129 @@
+"""Where a decode graph replay's time goes, kernel by kernel, beside the bytes each kind of module
+reads: the real-size GLM-5.3-Flash slice (a random FP8 checkpoint, `load_format="dummy"`).
+
+    PYTHONPATH=src python3 benchmarks/device/decode_profile.py [--layers 8] [--buckets 1 8] [--out DIR]
+
+Per bucket: the replay's GPU ms; every kernel's µs per replay and launches per replay (torch.profiler
+over replays); the weight bytes each module kind reads in the step (counting hooks on an eager rerun
+of the same static batch: FP8 and bf16 projections, routed experts (the experts routed to), the
+lm_head, norms and the rest) and its floor at the copy rate measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from spec_e2e import copy_bandwidth, replay_ms, write_target
+
+from hylo import LLM
+from hylo.layers.linear import FusedLinear, Linear
+from hylo.layers.moe import Experts, FP8Experts
+
+
+def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 10) -> list[dict]:
+    """Every kernel of `graph`'s replay: name, µs and launches per replay, by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        total = getattr(e, "device_time_total", None) or e.cuda_time_total
+        rows.append({"kernel": e.key[:120], "us": round(total / reps, 1), "launches": e.count / reps})
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def module_kind(module: torch.nn.Module, name: str) -> str:
+    if isinstance(module, Experts | FP8Experts):
+        return "routed experts"
+    if name.endswith("lm_head"):
+        return "lm_head"
+    if isinstance(module, Linear | FusedLinear):
+        fp8 = getattr(module, "weight_scale_inv", None) is not None
+        return "projections fp8" if fp8 else "projections bf16"
+    if isinstance(module, torch.nn.Embedding) or name.endswith("embed_tokens"):
+        return "embedding"
+    return "other (norms, gates, hyper-connections, ...)"
+
+
+def bytes_by_kind(model: torch.nn.Module, forward) -> dict[str, float]:
+    """Weight bytes one call of `forward` reads, by `module_kind` (as `spec_e2e.weight_bytes_read`)."""
+    from hylo.ops.moe.reference import route
+
+    read: dict[str, float] = defaultdict(float)
+    hooks = []
+
+    def own_bytes(m: torch.nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(False), *m.buffers(False)])
+
+    def hook(kind: str):
+        def on_call(m: torch.nn.Module, args) -> None:
+            if isinstance(m, torch.nn.Embedding):
+                read[kind] += args[0].numel() * m.weight.shape[1] * m.weight.element_size()
+            elif isinstance(m, Experts | FP8Experts):
+                count = int(route(args[0], *args[1])[0].unique().numel())
+                read[kind] += own_bytes(m) * count / m.gate_up_proj.shape[0]
+            else:
+                read[kind] += own_bytes(m)
+
+        return on_call
+
+    for name, m in model.named_modules():
+        if own_bytes(m):
+            hooks.append(m.register_forward_pre_hook(hook(module_kind(m, name))))
+    try:
+        forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return dict(read)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--buckets", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    path = Path(tempfile.mkdtemp())
+    write_target(path, args.layers)
+    llm = LLM(
+        str(path), load_format="dummy", device="cuda", dtype="bfloat16", context_length=4096,
+        max_running_requests=8, cuda_graph_max_bs=8, mem_fraction_static=0.6,
+    )  # fmt: skip
+    graphs = llm.engine.runner.graphs
+    bandwidth = copy_bandwidth()
+    report: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "copy_bytes_per_s": bandwidth}
+    for bucket in args.buckets:
+        with torch.inference_mode():
+            read = bytes_by_kind(graphs.model, lambda b=bucket: graphs._forward(graphs.static[b]))
+        torch.cuda.synchronize()
+        report[f"b{bucket}"] = {
+            "replay_ms": round(replay_ms(graphs, bucket), 3),
+            "floor_ms": round(1e3 * sum(read.values()) / bandwidth, 3),
+            "bytes_by_kind": {
+                k: {"gb": round(v / 1e9, 3), "floor_us": round(1e6 * v / bandwidth, 1)}
+                for k, v in read.items()
+            },
+            "kernels": kernel_table(graphs.graphs[bucket]),
+        }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "decode_profile.json").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
