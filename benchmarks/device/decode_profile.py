@@ -6,18 +6,21 @@ reads: the real-size GLM-5.3-Flash slice (a random FP8 checkpoint, `load_format=
 Per bucket: the replay's GPU ms; every kernel's µs per replay and launches per replay (torch.profiler
 over replays); the weight bytes each module kind reads in the step (counting hooks on an eager rerun
 of the same static batch: FP8 and bf16 projections, routed experts (the experts routed to), the
-lm_head, norms and the rest) and its floor at the copy rate measured here.
+lm_head, norms and the rest) and its floor at the copy rate measured here. Also the TTFT of a fresh
+1024- and 13312-token prompt (median of three), for the prefill side of the same kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from prefix_e2e import VOCAB, serve, ttft
 from spec_e2e import copy_bandwidth, replay_ms, write_target
 
 from hylo import LLM
@@ -99,8 +102,8 @@ def main() -> None:
     path = Path(tempfile.mkdtemp())
     write_target(path, args.layers)
     llm = LLM(
-        str(path), load_format="dummy", device="cuda", dtype="bfloat16", context_length=4096,
-        max_running_requests=8, cuda_graph_max_bs=8, mem_fraction_static=0.6,
+        str(path), load_format="dummy", device="cuda", dtype="bfloat16",
+        max_running_requests=8, cuda_graph_max_bs=8, mem_fraction_static=0.6, context_length=16384,
     )  # fmt: skip
     graphs = llm.engine.runner.graphs
     bandwidth = copy_bandwidth()
@@ -118,6 +121,13 @@ def main() -> None:
             },
             "kernels": kernel_table(graphs.graphs[bucket]),
         }
+    gen = torch.Generator().manual_seed(5)
+    for n in (1024, 13312):
+        times = []
+        for _ in range(4):  # the first compiles what this length needs
+            (request,), _ = serve(llm.engine, [torch.randint(0, VOCAB, (n,), generator=gen).tolist()], 1)
+            times.append(ttft(request) * 1e3)
+        report[f"ttft_{n}_ms"] = round(statistics.median(times[1:]), 2)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hylo.ops.norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -13,5 +15,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,52 @@
+"""RMSNorm: the torch reference and the Triton kernel behind one dispatcher.
+
+CUDA tensors the kernel takes (`refusal` is None) go to `kernels.rms_norm`, one launch in place of
+the reference's eight elementwise and reduction kernels; everything else to `reference.rms_norm`, and
+so does a call that autograd records (training: the kernel has no backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hylo.ops.norm import reference
+
+__all__ = ["refusal", "rms_norm"]
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why `kernels.rms_norm` cannot take this call, or None."""
+    from hylo.ops.norm.kernels import MAX_WIDTH
+
+    if x.device != weight.device:
+        return "x and weight must be on one device"
+    if x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
+        return f"unsupported dtypes {x.dtype}, {weight.dtype} (supported: {KERNEL_DTYPES})"
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or not weight.is_contiguous():
+        return "weight must be one contiguous vector as wide as x's last dimension"
+    if x.shape[-1] > MAX_WIDTH:
+        return f"rows wider than {MAX_WIDTH}"
+    if x.stride(-1) != 1 or (x.dim() > 2 and not _rows_evenly_strided(x)):
+        return "x's rows must have a unit last stride and one row stride"
+    return None
+
+
+def _rows_evenly_strided(x: torch.Tensor) -> bool:
+    """The leading dimensions flatten to rows of one stride without a copy."""
+    try:
+        x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight · x / rms(x)` over the last dimension; see `reference.rms_norm`."""
+    recorded = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if x.is_cuda and not recorded and refusal(x, weight) is None:
+        from hylo.ops.norm import kernels
+
+        return kernels.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)

@@ -1,0 +1,73 @@
+"""The Triton RMSNorm against its torch reference, under the Triton interpreter on the CPU (real shapes
+and bf16 on the GPU: `tests/test_norm_cuda.py`)."""
+
+from __future__ import annotations
+
+from interpreter import use_interpreter
+
+use_interpreter()  # before the kernels are decorated
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hylo.layers.norm import RMSNorm  # noqa: E402
+from hylo.ops.norm import kernels, reference, refusal  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
+
+
+def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest difference in units of the output dtype's last place at the reference's magnitude."""
+    spacing = torch.finfo(ref.dtype).eps * ref.abs().double().clamp_min(torch.finfo(ref.dtype).tiny)
+    return float(((out.double() - ref.double()).abs() / spacing).max())
+
+
+DTYPES = [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float16, torch.float32)]
+
+
+@pytest.mark.parametrize("width", [16, 48, 128])
+@pytest.mark.parametrize(("dtype", "weight_dtype"), DTYPES)
+def test_kernel_matches_the_reference(width, dtype, weight_dtype):
+    """fp32 statistics summed in another order move rsqrt by an ulp of fp32: the row rounded to
+    fp16 then moves by at most one of its ulps, times the weight's rounding (two ulps in all)."""
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(5, 3, width, generator=gen) * 3).to(dtype)
+    weight = torch.randn(width, generator=gen).to(weight_dtype)
+    out, ref = kernels.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert ulps(out, ref) <= (2 if dtype == torch.float16 else 8), (dtype, weight_dtype)
+
+
+def test_kernel_reads_rows_of_a_wider_tensor_in_place():
+    """A fused projection's output split by column views: rows strided by the full width."""
+    gen = torch.Generator().manual_seed(1)
+    fused = torch.randn(7, 96, generator=gen)
+    view = fused[:, 32:80]
+    weight = torch.randn(48, generator=gen)
+    assert refusal(view, weight) is None
+    torch.testing.assert_close(kernels.rms_norm(view, weight, 1e-5), reference.rms_norm(view, weight, 1e-5))
+    assert kernels.rms_norm(fused[:0, :48], weight, 1e-5).shape == (0, 48)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: (torch.randn(4, 8).t(), torch.ones(4)), "unit last stride"),
+        (lambda: (torch.randn(2, 4, 8)[:, :3], torch.ones(8)), "one row stride"),
+        (lambda: (torch.randn(4, 8), torch.ones(4)), "as wide as"),
+        (lambda: (torch.randn(4, 8).to(torch.int32), torch.ones(8)), "unsupported dtypes"),
+        (lambda: (torch.randn(1, 32768), torch.ones(32768)), "wider than"),
+    ],
+)
+def test_refusal_names_why(make, reason):
+    assert reason in refusal(*make())
+
+
+def test_layer_keeps_the_reference_on_the_cpu_and_under_autograd():
+    """The module dispatches: CPU tensors (and a call autograd records) take the reference."""
+    norm = RMSNorm(32, 1e-6)
+    norm.weight.data.normal_()
+    x = torch.randn(3, 32, requires_grad=True)
+    y = norm(x)
+    y.sum().backward()
+    assert torch.equal(y, reference.rms_norm(x, norm.weight, 1e-6)) and x.grad is not None
