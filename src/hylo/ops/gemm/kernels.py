@@ -72,6 +72,72 @@ def _gemm_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["K"])
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_os,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`ROWS` rows of x against an e4m3 weight on the CUDA cores: each [BLOCK_N, BLOCK_K] weight tile
+    is widened to fp32 and reduced against x's rows, each already multiplied by the weight's block
+    scale of its K position (one scale block of N per program: BLOCK_N divides 128)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    n_block = (tl.program_id(0) * BLOCK_N) // SCALE_BLOCK
+    ks = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    lo = split * k_per_split
+    for start in range(lo, lo + k_per_split, BLOCK_K):
+        k = start + ks
+        k_ok = k < K
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=(cols[:, None] < N) & k_ok[None, :])
+        scale = tl.load(scale_ptr + n_block * stride_sn + k // SCALE_BLOCK, mask=k_ok, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=k_ok[None, :], other=0.0)
+        xs = x.to(tl.float32) * scale[None, :]
+        acc += tl.sum(w.to(tl.float32)[None, :, :] * xs[:, None, :], 2)
+    tl.store(
+        out_ptr + split * stride_os + rows[:, None] * N + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=cols[None, :] < N,
+    )
+
+
+def fp8_gemv(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int, block_k: int,
+    split_k: int, num_warps: int,
+) -> torch.Tensor:  # fmt: skip
+    """`x [M, K] @ weight [N, K]ᵀ` for a few rows (M a power of two up to 8; pad below) on the CUDA
+    cores, e4m3 weight with block scales as `gemm` takes them; `block_n` divides 128."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m not in (1, 2, 4, 8) or FP8_BLOCK % block_n:
+        raise ValueError(f"fp8_gemv: {m} rows (1, 2, 4 or 8) and block_n {block_n} (dividing {FP8_BLOCK})")
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, weight, scale_inv, part, n, k, k_per_split, x.stride(0), weight.stride(0), scale_inv.stride(0),
+        m * n, ROWS=m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split_k, BLOCK=block)
+    return out
+
+
 @triton.jit
 def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
