@@ -151,9 +151,9 @@ def main() -> None:
             entries[key] = result
         print(f"{key:24s} {json.dumps(result)}", flush=True)
     shipped = table.table_path(gpu)
-    if shipped.exists():  # keep the entries of the other weight format
+    if shipped.exists():  # keep the entries of the other weight format, and those not measured now
         kept = json.loads(shipped.read_text())["entries"]
-        entries |= {key: e for key, e in kept.items() if key.endswith("_fp8") != FP8}
+        entries |= {key: e for key, e in kept.items() if key.endswith("_fp8") != FP8 or key not in measured}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / table.table_path(gpu).name).write_text(json.dumps({"gpu": gpu, "entries": entries}, indent=1))
