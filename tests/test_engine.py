@@ -11,6 +11,7 @@ from hylo import LLM, SamplingParams
 from hylo.config import ModelConfig
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
+from hylo.sampling import sample
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LENGTHS = [37, 5, 70, 13, 1, 22, 48, 9, 64, 31, 2, 17, 55, 40, 8, 26]
@@ -134,6 +135,33 @@ def test_n_logprobs_and_greedy_truncations(checkpoint, prompts):
             sampling_params=GREEDY.model_copy(update=dict(temperature=1.5, **truncation)),
         )[0]
         assert same.token_ids == greedy.token_ids, truncation
+
+
+def test_parameters_past_fp32_range_sample_from_the_allowed_tokens():
+    """A temperature or repetition penalty beyond fp32's range (valid floats: the schema allows them)
+    is the largest fp32 value there, not inf, whose -inf / inf and 0 · inf made NaN probabilities and
+    token 0 for a constrained request (found by the server fuzz test): the row samples among the
+    tokens its constraint allows; a penalty below fp32's range, not 0, keeps the logits finite."""
+    from hylo.sampling import SampleRow, target_distribution
+
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(2))
+    logits[:, 12] = 0.0  # a zero logit among the seen tokens: 0 · inf
+    allowed = torch.zeros(2, 40, dtype=torch.bool)
+    allowed[:, 10:20] = True
+    rows = [
+        SampleRow(
+            SamplingParams(temperature=1.58e308, top_p=0.6, repetition_penalty=9.2e307),
+            [12, 13],
+            [],
+            None,
+            [],
+        ),
+        SampleRow(SamplingParams(temperature=0.7, repetition_penalty=1e-320), [12, 14], [], None, []),
+    ]
+    _, probs = target_distribution(logits, rows, allowed)
+    assert not probs.isnan().any() and (probs[~allowed] == 0).all() and (probs.sum(-1) > 0).all()
+    picked = sample(logits, rows, torch.Generator().manual_seed(0), allowed).tokens
+    assert all(allowed[i, t] for i, t in enumerate(picked.tolist()))
 
 
 def test_stop_token_ids_and_min_tokens(checkpoint, prompts, reference):

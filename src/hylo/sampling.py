@@ -249,7 +249,9 @@ def target_distribution(
         logits = logits.masked_fill(~allowed, float("-inf"))
         dead = torch.isneginf(logits).all(-1, keepdim=True)
         logits = torch.where(dead & allowed, 0.0, logits)
-    temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
+    # a temperature past the dtype's range would be inf there, and -inf / inf is NaN
+    largest = torch.finfo(logits.dtype).max
+    temps = [1.0 if r.params.greedy else min(r.params.temperature, largest) for r in rows]
     probs = torch.softmax(logits / to_device(temps, logits.device, logits.dtype)[:, None], dim=-1)
     return logits, _truncate(probs, rows)
 
@@ -259,19 +261,19 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     token in flight included: `SampleRow.unread`)."""
     p = row.params
     device = logits.device
-    if p.repetition_penalty != 1:
+    # a penalty outside the dtype's range would be inf or 0 there: 0 · inf and 0 / 0 are NaN
+    penalty = min(max(p.repetition_penalty, torch.finfo(logits.dtype).tiny), torch.finfo(logits.dtype).max)
+    if penalty != 1:
         seen = to_device(sorted({*row.prompt_ids, *row.output_ids}), device, torch.long)
         if row.unread is not None:  # it may be among them: a mask counts it once
             mask = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
             mask[seen] = True
             mask[row.unread] = True
-            penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits.copy_(torch.where(mask, penalised, logits))
         elif seen.numel():
             values = logits[seen]
-            logits[seen] = torch.where(
-                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
-            )
+            logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if (p.frequency_penalty or p.presence_penalty) and (row.output_ids or row.unread is not None):
         ids = to_device(list(row.output_ids), device, torch.long)
         if row.unread is not None:
