@@ -56,7 +56,7 @@ class KDAAttention(nn.Module):
         tokens, heads = x.shape[0], (self.num_heads, self.head_dim)
         q, k, v, b = self.qkvb_proj(x)
         f_a, g_a = self.fg_a_proj(x)
-        qkvfb = (q, k, v, self.f_b_proj(f_a), b)
+        qkvfb = kda_ops.KDAInputs(q, k, v, self.f_b_proj(f_a), b)
         if not batch.verify_seqs and batch.snapshot_points:
             o = x.new_empty(tokens, *heads)
             self._advance_in_segments(qkvfb, range(len(batch.extend_lens)), batch, o)
@@ -65,9 +65,9 @@ class KDAAttention(nn.Module):
         else:
             plan = _verify_plan(batch)
             o = x.new_empty(tokens, *heads)
-            blocks = [t[plan.block_tokens] for t in qkvfb]  # [sequences, T, ...], short blocks padded
+            blocks = qkvfb.rows(plan.block_tokens)  # [sequences, T, ...], short blocks padded
             o_blocks, batch.kda_records[self.layer_idx] = kda_ops.verify(
-                *blocks, *self._params(batch, plan.block_slots), self.lower_bound
+                blocks, self.params, self._slots(batch, plan.block_slots)
             )
             o[plan.verified_tokens] = o_blocks.flatten(0, 1)[plan.verified_positions]
             if batch.snapshot_points:  # prefill chunks beside the blocks leave prefix snapshots
@@ -75,7 +75,7 @@ class KDAAttention(nn.Module):
                 others = [i for i in range(len(batch.extend_lens)) if i not in verify]
                 self._advance_in_segments(qkvfb, others, batch, o)
             elif plan.other_slots.numel():
-                rest = [t[plan.other_tokens] for t in qkvfb]
+                rest = qkvfb.rows(plan.other_tokens)
                 o[plan.other_tokens] = self._advance(rest, plan.other_slots, *plan.other_cu, batch)
         gate = self.g_b_proj(g_a).unflatten(-1, heads)
         o = kda_ops.gated_norm(o, gate, self.o_norm.weight, self.eps)
@@ -86,12 +86,15 @@ class KDAAttention(nn.Module):
         device), from what the verify forward recorded."""
         plan = _verify_plan(batch)
         record = batch.kda_records.pop(self.layer_idx)
-        kda_ops.commit(record, *self._params(batch, plan.block_slots), n_accepted, self.lower_bound)
+        kda_ops.commit(record, self.params, self._slots(batch, plan.block_slots), n_accepted)
 
-    def _params(self, batch: ForwardBatch, slots: torch.Tensor) -> tuple:
+    @property
+    def params(self) -> kda_ops.KDAParams:
+        return kda_ops.KDAParams(self.conv_weight, self.dt_bias, self.A_log, self.lower_bound)
+
+    def _slots(self, batch: ForwardBatch, slots: torch.Tensor) -> kda_ops.KDASlots:
         layer = batch.states.kda_index[self.layer_idx]
-        pools = (batch.states.conv[layer], batch.states.recurrent[layer])
-        return (self.conv_weight, self.dt_bias, self.A_log, *pools, slots)
+        return kda_ops.KDASlots(batch.states.conv[layer], batch.states.recurrent[layer], slots)
 
     def _advance_in_segments(self, qkvfb, seqs, batch: ForwardBatch, o: torch.Tensor) -> None:
         """Advance sequences `seqs` (batch indices) segment by segment, their chunks split at their
@@ -100,24 +103,29 @@ class KDAAttention(nn.Module):
         at a point into those snapshots. Outputs go to `o` at the sequences' packed tokens."""
         layer = batch.states.kda_index[self.layer_idx]
         for index, slots, cu_cpu, cu, snapshot_slots, snapshot_ids in _segment_rounds(batch, tuple(seqs)):
-            o[index] = self._advance([t[index] for t in qkvfb], slots, cu_cpu, cu, batch)
+            o[index] = self._advance(qkvfb.rows(index), slots, cu_cpu, cu, batch)
             if snapshot_ids.numel():
                 pool = batch.snapshot_pool
                 pool.conv[layer, snapshot_ids] = batch.states.conv[layer, snapshot_slots]
                 pool.recurrent[layer, snapshot_ids] = batch.states.recurrent[layer, snapshot_slots]
 
     def _advance(
-        self, qkvfb, slots: torch.Tensor, cu_cpu: list[int] | None, cu: torch.Tensor, batch: ForwardBatch
+        self,
+        qkvfb: kda_ops.KDAInputs,
+        slots: torch.Tensor,
+        cu_cpu: list[int] | None,
+        cu: torch.Tensor,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
         if cu_cpu is not None and cu_cpu[-1] == len(cu_cpu) - 1:  # one token per sequence
-            return kda_ops.decode(*qkvfb, *self._params(batch, slots), self.lower_bound)
+            return kda_ops.decode(qkvfb, self.params, self._slots(batch, slots))
         snapshots = None
         if batch.padded_snapshots is not None:
             layer, pool = batch.states.kda_index[self.layer_idx], batch.snapshot_pool
             snapshots = kda_ops.ChunkSnapshots(
                 batch.padded_snapshots, pool.conv[layer], pool.recurrent[layer]
             )
-        return kda_ops.prefill(*qkvfb, *self._params(batch, slots), cu, cu_cpu, self.lower_bound, snapshots)
+        return kda_ops.prefill(qkvfb, self.params, self._slots(batch, slots), cu, cu_cpu, snapshots)
 
 
 def _cu_seqlens(batch: ForwardBatch) -> tuple[list[int] | None, torch.Tensor]:

@@ -1,0 +1,2 @@
+"""Op families (one folder each: torch reference, Triton kernels, one dispatcher); `dispatch.py` is
+the rule every dispatcher follows."""

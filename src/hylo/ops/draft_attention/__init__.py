@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from hylo.ops.dispatch import use_kernel
 from hylo.ops.draft_attention.reference import (
     paged_draft_attention_reference,
     rotary_tables,
@@ -42,7 +43,7 @@ def paged_draft_attention(
     """Block attention `[R, B, Hq, d]` of the draft block over its paged context and itself; see
     `reference.paged_draft_attention_reference` for the contract."""
     args = (q, k_block, v_block, k_cache, v_cache, req_to_token, rows, ctx_lens)
-    if q.is_cuda and paged_draft_attention_refusal(*args, window) is None:
+    if use_kernel("draft_attention.paged", q, lambda: paged_draft_attention_refusal(*args, window)):
         from hylo.ops.draft_attention import kernels
 
         return kernels.paged_draft_attention(*args, scale, window)
@@ -64,7 +65,7 @@ def store_context_kv(
     """RMSNorm + RoPE the context keys of every draft layer and write keys and values into the caches
     (negative slots skipped); see `reference.store_context_kv_reference` for the contract."""
     tensors = (k_raw, v, k_norm_weight, cos, sin, positions, slots, k_cache, v_cache)
-    if k_raw.is_cuda and store_context_kv_refusal(*tensors) is None:
+    if use_kernel("draft_attention.store_context_kv", k_raw, lambda: store_context_kv_refusal(*tensors)):
         from hylo.ops.draft_attention import kernels
 
         kernels.store_context_kv(k_raw, v, k_norm_weight, eps, cos, sin, positions, slots, k_cache, v_cache)

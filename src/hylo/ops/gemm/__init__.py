@@ -22,6 +22,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from hylo.ops.dispatch import use_kernel
 from hylo.ops.gemm.table import GemmConfig, lookup
 from hylo.ops.moe.reference import dequantize_fp8_blocks
 
@@ -43,7 +44,7 @@ def fp8_fallback_config(rows: int) -> GemmConfig:
 def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
     n, k = weight.shape
     rows = x.numel() // x.shape[-1]
-    if not x.is_cuda:
+    if not use_kernel("gemm.linear", x):
         if scale_inv is not None:
             weight = dequantize_fp8_blocks(weight, scale_inv, x.dtype)
         return F.linear(x, weight)

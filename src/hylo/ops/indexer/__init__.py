@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from hylo.ops.dispatch import use_kernel
 from hylo.ops.indexer import reference
 from hylo.ops.indexer.reference import fp8_row_scale, quantize_fp8_rows, select_rows
 
 __all__ = ["compress_pools", "fp8_row_scale", "quantize_fp8_rows", "select_rows", "select_slots"]
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda
 
 
 def compress_pools(
@@ -29,7 +26,7 @@ def compress_pools(
     pooled_scale: torch.Tensor | None = None,
 ) -> None:
     """Pool compression (see `reference.compress_pools`); FP8 when `pooled` is float8_e4m3fn."""
-    if _use_triton(keys):
+    if use_kernel("indexer.compress_pools", keys):
         from hylo.ops.indexer import kernels
 
         kernels.compress_pools(keys, gates, ape, pools, pooled, pooled_scale)
@@ -56,7 +53,7 @@ def select_slots(
     """Token-cache slots each packed query attends to, `[T, W]`, -1 = empty (see
     `reference.select_slots`). Scoring is FP8 when `pooled` is float8_e4m3fn, else in its dtype."""
     args = (q, head_weights, pooled, pooled_scale, pool_table, req_to_token, token_seq, token_rows, positions)
-    if _use_triton(q):
+    if use_kernel("indexer.select_slots", q):
         from hylo.ops.indexer import kernels
 
         return kernels.select_slots(*args, pad_index, pad_valid, kpool, topk, tail)

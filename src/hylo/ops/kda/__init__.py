@@ -9,8 +9,11 @@ tokens with the safe gate and step by step otherwise. Triton is imported on firs
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from hylo.ops.dispatch import use_kernel
 from hylo.ops.kda import reference
 from hylo.ops.kda.reference import (
     CHUNK_TOKENS,
@@ -25,8 +28,12 @@ from hylo.ops.kda.reference import (
 __all__ = [
     "CHUNK_TOKENS",
     "ChunkSnapshots",
+    "KDAInputs",
+    "KDAParams",
+    "KDASlots",
     "VerifyCache",
     "causal_conv",
+    "chunked_prefill_refusal",
     "commit",
     "commit_steps",
     "decode",
@@ -40,104 +47,126 @@ __all__ = [
 ]
 
 
-def _triton(x: torch.Tensor) -> bool:
-    return x.is_cuda
+@dataclass(frozen=True)
+class KDAInputs:
+    """A layer's projected inputs of a step's tokens: `q`, `k`, `v` `[N, H, d]`, the gate's
+    pre-activation `f` `[N, H, d]` and β's logits `b` `[N, H]`."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    f: torch.Tensor
+    b: torch.Tensor
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.k, self.v, self.f, self.b)
+
+    def rows(self, index: torch.Tensor) -> KDAInputs:
+        """The tokens `index` (any index of the token dimension) of every input."""
+        return KDAInputs(*(t[index] for t in self.tensors))
 
 
-def _chunked(device: torch.device, lower_bound: float | None) -> bool:
-    return device.type == "cuda" and lower_bound is not None and -5.0 <= lower_bound < 0
+@dataclass(frozen=True)
+class KDAParams:
+    """A layer's own parameters: the short convolution's weight, the gate's `dt_bias` and `a_log`,
+    and its lower bound (None: the plain gate; -5 ≤ lower_bound < 0 is the safe gate that the chunked
+    Triton prefill and the one-block verify need)."""
+
+    conv_weight: torch.Tensor
+    dt_bias: torch.Tensor
+    a_log: torch.Tensor
+    lower_bound: float | None
 
 
-def device_offsets_refusal(device: torch.device, lower_bound: float | None) -> str | None:
-    """Why `prefill` with device offsets alone (`cu_seqlens_cpu` None) would read them back on
-    `device`, None when it would not: on CUDA only the chunked Triton kernel takes them as they are
-    (the reference pads on host lengths)."""
-    if device.type == "cuda" and not _chunked(device, lower_bound):
+@dataclass(frozen=True)
+class KDASlots:
+    """The step's sequences in a layer's state pools: `conv_pool` (windows), `state_pool` (fp32 S),
+    and each sequence's slot in them, `slot_ids [B]`."""
+
+    conv_pool: torch.Tensor
+    state_pool: torch.Tensor
+    slot_ids: torch.Tensor
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.conv_pool, self.state_pool, self.slot_ids)
+
+
+def _weights(params: KDAParams) -> tuple[torch.Tensor, ...]:
+    return (params.conv_weight, params.dt_bias, params.a_log)
+
+
+def chunked_prefill_refusal(lower_bound: float | None) -> str | None:
+    """Why the chunked Triton prefill cannot take a layer of this gate, or None."""
+    if lower_bound is None or not -5.0 <= lower_bound < 0:
         return (
             f"the chunked Triton KDA prefill needs the safe gate (-5 <= lower_bound < 0), got {lower_bound}"
         )
     return None
 
 
+def device_offsets_refusal(device: torch.device, lower_bound: float | None) -> str | None:
+    """Why `prefill` with device offsets alone (`cu_seqlens_cpu` None) would read them back on
+    `device`, None when it would not: on CUDA only the chunked Triton kernel takes them as they are
+    (the reference pads on host lengths)."""
+    return chunked_prefill_refusal(lower_bound) if device.type == "cuda" else None
+
+
 def prefill(
-    q,
-    k,
-    v,
-    f,
-    b,
-    conv_weight,
-    dt_bias,
-    a_log,
-    conv_pool,
-    state_pool,
-    slot_ids,
-    cu_seqlens,
-    cu_seqlens_cpu,
-    lower_bound,
+    x: KDAInputs,
+    params: KDAParams,
+    slots: KDASlots,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_cpu: list[int] | None,
     snapshots: ChunkSnapshots | None = None,
-):
+) -> torch.Tensor:
     """Packed varlen prefill (see `reference.prefill`): o `[N, H, d]`; windows and states updated.
     `cu_seqlens_cpu` None: a padded batch described by the device offsets alone
     (`device_offsets_refusal` says where that reads them back); `snapshots` inside the sequences."""
-    args = (
-        q,
-        k,
-        v,
-        f,
-        b,
-        conv_weight,
-        dt_bias,
-        a_log,
-        conv_pool,
-        state_pool,
-        slot_ids,
-        cu_seqlens,
-        cu_seqlens_cpu,
-        lower_bound,
-    )
-    if _chunked(q.device, lower_bound):
+    args = (*x.tensors, *_weights(params), *slots.tensors, cu_seqlens, cu_seqlens_cpu, params.lower_bound)
+    if use_kernel("kda.prefill", x.q, lambda: chunked_prefill_refusal(params.lower_bound)):
         from hylo.ops.kda import chunk
 
         return chunk.prefill(*args, snapshots=snapshots)
     return reference.prefill(*args, snapshots)
 
 
-def decode(q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound):
+def decode(x: KDAInputs, params: KDAParams, slots: KDASlots) -> torch.Tensor:
     """One token per sequence (see `reference.decode`): o `[B, H, d]`; windows and states updated."""
-    args = (q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound)
-    if _triton(q):
+    args = (*x.tensors, *_weights(params), *slots.tensors, params.lower_bound)
+    if use_kernel("kda.decode", x.q):
         from hylo.ops.kda import recurrent
 
         return recurrent.decode(*args)
     return reference.decode(*args)
 
 
-def verify(
-    q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound, step_states=None
-):
-    """T tokens per sequence from the committed state, left untouched (see `reference.verify`)."""
-    args = (q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound)
-    if _triton(q):
+def verify(x: KDAInputs, params: KDAParams, slots: KDASlots, step_states=None):
+    """T tokens per sequence (inputs `[B, T, ...]`) from the committed state, left untouched (see
+    `reference.verify`): (o, the record `commit` takes)."""
+    args = (*x.tensors, *_weights(params), *slots.tensors, params.lower_bound)
+    if use_kernel("kda.verify", x.q):
         from hylo.ops.kda import recurrent
 
         return recurrent.verify(*args, step_states=step_states)
     return reference.verify(*args, step_states=step_states)
 
 
-def commit(cache, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, n_accepted, lower_bound):
+def commit(cache: VerifyCache, params: KDAParams, slots: KDASlots, n_accepted: torch.Tensor) -> None:
     """Replay the first `n_accepted[b]` verified tokens onto the slot (see `reference.commit`)."""
-    args = (cache, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, n_accepted, lower_bound)
-    if _triton(state_pool):
+    args = (cache, *_weights(params), *slots.tensors, n_accepted, params.lower_bound)
+    if use_kernel("kda.commit", slots.state_pool):
         from hylo.ops.kda import recurrent
 
         return recurrent.commit(*args)
     return reference.commit(*args)
 
 
-def commit_steps(cache, step_states, conv_pool, state_pool, slot_ids, n_accepted):
+def commit_steps(cache, step_states, slots: KDASlots, n_accepted: torch.Tensor) -> None:
     """Per-step-state commit: take the state saved after step `n_accepted[b]` (see `reference`)."""
-    args = (cache, step_states, conv_pool, state_pool, slot_ids, n_accepted)
-    if _triton(state_pool):
+    args = (cache, step_states, *slots.tensors, n_accepted)
+    if use_kernel("kda.commit_steps", slots.state_pool):
         from hylo.ops.kda import recurrent
 
         return recurrent.commit_steps(*args)
@@ -146,7 +175,7 @@ def commit_steps(cache, step_states, conv_pool, state_pool, slot_ids, n_accepted
 
 def gated_norm(x, gate, weight, eps):
     """Sigmoid-gated RMSNorm per head (see `reference.gated_rms_norm`)."""
-    if _triton(x):
+    if use_kernel("kda.gated_norm", x):
         from hylo.ops.kda import rmsnorm
 
         return rmsnorm.gated_rms_norm(x, gate, weight, eps)

@@ -9,13 +9,25 @@ from __future__ import annotations
 
 import torch
 
+from hylo.ops.dispatch import use_kernel
 from hylo.ops.mhc import reference
 
-__all__ = ["mhc_post", "mhc_post_pre", "mhc_pre"]
+__all__ = ["mhc_post", "mhc_post_pre", "mhc_pre", "refusal"]
 
 
-def _use_kernels(streams: torch.Tensor) -> bool:
-    return streams.is_cuda
+def refusal(streams: torch.Tensor) -> str | None:
+    """Why the mHC kernels cannot take `streams [T, n, D]`, or None."""
+    from hylo.ops.mhc.kernels import HC_MULT
+
+    if streams.dim() != 3 or streams.shape[1] != HC_MULT:
+        return f"streams {tuple(streams.shape)}: the kernels unroll [tokens, {HC_MULT}, hidden]"
+    if streams.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"unsupported dtype {streams.dtype} (bf16, fp16 or fp32)"
+    return None
+
+
+def _use_kernels(op: str, streams: torch.Tensor) -> bool:
+    return use_kernel(f"mhc.{op}", streams, lambda: refusal(streams))
 
 
 def mhc_pre(
@@ -28,7 +40,7 @@ def mhc_pre(
     sinkhorn_iters: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(post [T, n], comb [T, n, n], block input [T, D]) of `streams [T, n, D]`; see `reference.mhc_pre`."""
-    if _use_kernels(streams):
+    if _use_kernels("pre", streams):
         from hylo.ops.mhc import kernels
 
         return kernels.mhc_pre(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
@@ -39,7 +51,7 @@ def mhc_post(
     out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
     """New streams post ⊗ out + combᵀ @ streams; see `reference.mhc_post`."""
-    if _use_kernels(streams):
+    if _use_kernels("post", streams):
         from hylo.ops.mhc import kernels
 
         return kernels.mhc_post(out, streams, post, comb)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from hylo.ops.dispatch import use_kernel
 from hylo.ops.moe import reference
 from hylo.ops.moe.reference import Routing, dequantize_fp8_blocks, quantize_fp8_blocks, swiglu_clamp
 
@@ -37,7 +38,7 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert ids `[T, k]`, fp32 weights `[T, k]`) of sigmoid group-limited routing, as `reference.route`."""
     args = (x, weight, correction_bias, top_k, n_group, topk_group, normalize, scaling)
-    if x.is_cuda:
+    if use_kernel("moe.route", x):
         from hylo.ops.moe import routing
 
         return routing.route(*args)
@@ -53,7 +54,7 @@ def experts(
     limit: float,
 ) -> torch.Tensor:
     """Σ_k weights[t,k] · expert_{ids[t,k]}(x_t) with gate_up `[E, 2I, D]`, down `[E, D, I]`."""
-    if x.is_cuda:
+    if use_kernel("moe.experts", x):
         from hylo.ops.moe import kernels
 
         return kernels.experts(x, gate_up, down, ids, weights, limit)
@@ -72,7 +73,7 @@ def experts_fp8(
 ) -> torch.Tensor:
     """`experts` with e4m3 weights and fp32 `scale_inv [E, ceil(N/128), ceil(K/128)]`."""
     args = (x, gate_up, gate_up_scale_inv, down, down_scale_inv, ids, weights, limit)
-    if x.is_cuda:
+    if use_kernel("moe.experts_fp8", x):
         from hylo.ops.moe import kernels
 
         return kernels.experts_fp8(*args)
@@ -90,7 +91,7 @@ def routed_experts(
     """`experts(x, gate_up, down, *route(x, *routing), limit)`, or `experts_fp8` with `scales` =
     (gate_up_scale_inv, down_scale_inv). On CUDA, steps of at most `decode.MAX_PAIRS` (token, choice)
     pairs run as three launches (`decode.routed_experts`)."""
-    if x.is_cuda:
+    if use_kernel("moe.routed_experts", x):
         from hylo.ops.moe import decode
 
         if decode.fits(x.shape[0], routing.top_k):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from hylo.ops.dispatch import use_kernel
 from hylo.ops.norm import reference
 
 __all__ = ["refusal", "rms_norm"]
@@ -45,7 +46,7 @@ def _rows_evenly_strided(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight · x / rms(x)` over the last dimension; see `reference.rms_norm`."""
     recorded = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if x.is_cuda and not recorded and refusal(x, weight) is None:
+    if not recorded and use_kernel("norm.rms_norm", x, lambda: refusal(x, weight)):
         from hylo.ops.norm import kernels
 
         return kernels.rms_norm(x, weight, eps)

@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import torch
 
+from hylo.ops.dispatch import use_kernel
 from hylo.ops.sparse_mla import reference
 
-__all__ = ["sparse_mla"]
+__all__ = ["refusal", "sparse_mla"]
+
+
+def refusal(latent: torch.Tensor) -> str | None:
+    """Why `kernels.sparse_mla_fwd` cannot take attention over `latent [S, R]`, or None."""
+    rank = latent.shape[-1]
+    if rank < 16 or rank & (rank - 1):
+        return f"latent rank {rank}: the kernels tile a power-of-two rank >= 16"
+    return None
 
 
 def sparse_mla(
@@ -18,7 +27,7 @@ def sparse_mla(
 ) -> torch.Tensor:
     """Attention of `q_latent [T, H, R]` over the latent rows `rows [T, W]` (cache slots, -1 = empty)
     of `latent [S, R]`; see `reference.sparse_mla`."""
-    if q_latent.is_cuda:
+    if use_kernel("sparse_mla", q_latent, lambda: refusal(latent)):
         from hylo.ops.sparse_mla import kernels
 
         return kernels.sparse_mla_fwd(q_latent, latent, rows, scale)

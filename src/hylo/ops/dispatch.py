@@ -1,0 +1,40 @@
+"""How every op family picks between its Triton kernel and its torch reference: one rule, one spelling.
+
+A call runs the family's Triton kernel when its tensors are on a CUDA device and the kernel's verifier
+(one per kernel, pure torch, returning the first reason it refuses the call or None) has nothing
+against it; otherwise the torch reference runs. Off CUDA that is the design (the references are the
+CPU path). A CUDA call that a verifier refuses is logged once per (op, reason) at INFO, so that a model
+that falls off its kernels says where and why; `refusals()` counts them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger("hylo")
+
+Verifier = Callable[[], str | None]
+_REFUSED: Counter[tuple[str, str]] = Counter()
+
+
+def use_kernel(op: str, tensor: torch.Tensor, verify: Verifier | None = None) -> bool:
+    """Whether the call of `op` whose data is `tensor` runs the Triton kernel: `tensor` is on CUDA and
+    `verify` (asked only then) names no reason against it."""
+    if not tensor.is_cuda:
+        return False
+    reason = None if verify is None else verify()
+    if reason is None:
+        return True
+    if (op, reason) not in _REFUSED:
+        logger.info("%s: the Triton kernel refuses this call (%s); the torch reference runs it", op, reason)
+    _REFUSED[op, reason] += 1
+    return False
+
+
+def refusals() -> dict[tuple[str, str], int]:
+    """How many CUDA calls each (op, reason) sent to the torch reference so far in this process."""
+    return dict(_REFUSED)
