@@ -31,6 +31,7 @@ from hylo.memory.manager import (
 )
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_model
+from hylo.ops.dispatch import model_refusals
 from hylo.sampling import SamplingParams
 from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches
@@ -110,6 +111,13 @@ class Engine:
             )  # fmt: skip
         self.ranks.loaded()
         model_config = self.model.config
+        if self.device.type == "cuda":
+            for op, reason in model_refusals(model_config).items():
+                logger.warning(
+                    "%s: its Triton kernel cannot take this model (%s): it runs the torch reference",
+                    op,
+                    reason,
+                )
         cache_config = parallel.local_config(model_config)  # KDA states hold this rank's heads
         tok_path = Path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = Tokenizer.from_dir(tok_path) if (tok_path / "tokenizer.json").is_file() else None

@@ -12,15 +12,26 @@ import torch
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.mhc import reference
 
-__all__ = ["mhc_post", "mhc_post_pre", "mhc_pre", "refusal"]
+__all__ = ["KERNEL_STREAMS", "mhc_post", "mhc_post_pre", "mhc_pre", "refusal", "streams_refusal"]
+
+
+# the kernels unroll this many residual streams (GLM-5.3-Flash's hc_mult)
+KERNEL_STREAMS = 4
+
+
+def streams_refusal(hc_mult: int) -> str | None:
+    """Why the kernels cannot take a model of `hc_mult` residual streams, or None."""
+    if hc_mult != KERNEL_STREAMS:
+        return f"hc_mult {hc_mult}: the kernels unroll {KERNEL_STREAMS} streams"
+    return None
 
 
 def refusal(streams: torch.Tensor) -> str | None:
     """Why the mHC kernels cannot take `streams [T, n, D]`, or None."""
-    from hylo.ops.mhc.kernels import HC_MULT
-
-    if streams.dim() != 3 or streams.shape[1] != HC_MULT:
-        return f"streams {tuple(streams.shape)}: the kernels unroll [tokens, {HC_MULT}, hidden]"
+    if streams.dim() != 3:
+        return f"streams {tuple(streams.shape)}: the kernels take [tokens, streams, hidden]"
+    if (reason := streams_refusal(streams.shape[1])) is not None:
+        return reason
     if streams.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"unsupported dtype {streams.dtype} (bf16, fp16 or fp32)"
     return None

@@ -12,25 +12,31 @@ import torch
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.norm import reference
 
-__all__ = ["refusal", "rms_norm"]
+__all__ = ["MAX_WIDTH", "refusal", "rms_norm", "width_refusal"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_WIDTH = 16384  # one row per program, in registers; GLM-5.3-Flash's widest norm is 4096
 
 
 def refusal(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why `kernels.rms_norm` cannot take this call, or None."""
-    from hylo.ops.norm.kernels import MAX_WIDTH
-
     if x.device != weight.device:
         return "x and weight must be on one device"
     if x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
         return f"unsupported dtypes {x.dtype}, {weight.dtype} (supported: {KERNEL_DTYPES})"
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or not weight.is_contiguous():
         return "weight must be one contiguous vector as wide as x's last dimension"
-    if x.shape[-1] > MAX_WIDTH:
-        return f"rows wider than {MAX_WIDTH}"
+    if (reason := width_refusal(x.shape[-1])) is not None:
+        return reason
     if x.stride(-1) != 1 or (x.dim() > 2 and not _rows_evenly_strided(x)):
         return "x's rows must have a unit last stride and one row stride"
+    return None
+
+
+def width_refusal(width: int) -> str | None:
+    """Why the kernel cannot take rows of `width`, or None."""
+    if width > MAX_WIDTH:
+        return f"rows of {width}: the kernel holds rows up to {MAX_WIDTH} wide"
     return None
 
 

@@ -7,9 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-# One row per program up to this width, in registers; GLM-5.3-Flash's widest norm is 4096.
-MAX_WIDTH = 16384
-
 
 @triton.jit
 def _rms_norm_kernel(x, w, y, x_row_stride, width, eps, BLOCK: tl.constexpr):

@@ -11,15 +11,19 @@ import torch
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.sparse_mla import reference
 
-__all__ = ["refusal", "sparse_mla"]
+__all__ = ["rank_refusal", "refusal", "sparse_mla"]
+
+
+def rank_refusal(rank: int) -> str | None:
+    """Why the kernels cannot take a latent of rank `rank` (the model's `kv_lora_rank`), or None."""
+    if rank < 16 or rank & (rank - 1):
+        return f"latent rank {rank}: the kernels tile a power-of-two rank >= 16"
+    return None
 
 
 def refusal(latent: torch.Tensor) -> str | None:
     """Why `kernels.sparse_mla_fwd` cannot take attention over `latent [S, R]`, or None."""
-    rank = latent.shape[-1]
-    if rank < 16 or rank & (rank - 1):
-        return f"latent rank {rank}: the kernels tile a power-of-two rank >= 16"
-    return None
+    return rank_refusal(latent.shape[-1])
 
 
 def sparse_mla(
