@@ -16,15 +16,13 @@ class Indexer(nn.Module):
         super().__init__()
         d, h = config.index_head_dim, config.index_n_heads
         self.layer_idx, self.num_heads, self.head_dim = layer_idx, h, d
-        self.kpool, self.topk, self.tail = (
-            config.index_kpool,
-            config.index_topk,
-            config.index_kpool_always_select_tail,
+        self.selection = indexer_ops.Selection(
+            config.index_kpool, config.index_topk, config.index_kpool_always_select_tail
         )
         self.wq_b = Linear(config.q_lora_rank, h * d)
         # wk and weights_proj read the layer input: their rows are in the DSA layer's `in_proj`
         self.k_norm = nn.LayerNorm(d, eps=1e-6)
-        self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, d))
+        self.index_kpool_compress_ape = nn.Parameter(torch.empty(config.index_kpool, d))
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(d, config.hidden_size))
 
     def forward(
@@ -39,29 +37,17 @@ class Indexer(nn.Module):
         and `head_logits` are the layer input's wk and weights_proj projections."""
         cache = batch.tokens
         layer = cache.indexer_index[self.layer_idx]
-        keys, gates, pooled = cache.index_key[layer], cache.index_gate[layer], cache.pooled_key[layer]
-        pooled_scale = None if cache.pooled_key_scale is None else cache.pooled_key_scale[layer]
+        keys, gates = cache.index_key[layer], cache.index_gate[layer]
+        scale = None if cache.pooled_key_scale is None else cache.pooled_key_scale[layer]
+        pooled = indexer_ops.PooledKeys(cache.pooled_key[layer], scale)
         keys[batch.new_slots] = self.k_norm(key)
         gates[batch.new_slots] = x @ self.index_kpool_compress_gate.t()
-        indexer_ops.compress_pools(
-            keys, gates, self.index_kpool_compress_ape, batch.completed_pools, pooled, pooled_scale
-        )
+        indexer_ops.compress_pools(keys, gates, self.index_kpool_compress_ape, batch.completed_pools, pooled)
 
         q = self.wq_b(q_resid).unflatten(-1, (self.num_heads, self.head_dim)) * self.head_dim**-0.5
         head_weights = head_logits.float() * self.num_heads**-0.5
-        return indexer_ops.select_slots(
-            q,
-            head_weights,
-            pooled,
-            pooled_scale,
-            batch.pool_table,
-            batch.req_to_token,
-            batch.token_seq,
-            batch.token_rows,
-            batch.positions,
-            batch.pad_index,
-            batch.pad_valid,
-            self.kpool,
-            self.topk,
-            self.tail,
-        )
+        layout = indexer_ops.SlotLayout(
+            batch.pool_table, batch.req_to_token, batch.token_seq, batch.token_rows, batch.positions,
+            batch.pad_index, batch.pad_valid,
+        )  # fmt: skip
+        return indexer_ops.select_slots(q, head_weights, pooled, layout, self.selection)

@@ -8,53 +8,86 @@ compactly and pad the width to a multiple of 64. Attention treats a row list as 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.indexer import reference
 from hylo.ops.indexer.reference import fp8_row_scale, quantize_fp8_rows, select_rows
 
-__all__ = ["compress_pools", "fp8_row_scale", "quantize_fp8_rows", "select_rows", "select_slots"]
+__all__ = [
+    "PooledKeys",
+    "Selection",
+    "SlotLayout",
+    "compress_pools",
+    "fp8_row_scale",
+    "quantize_fp8_rows",
+    "select_rows",
+    "select_slots",
+]
+
+
+@dataclass(frozen=True)
+class PooledKeys:
+    """A layer's compressed k-pool keys `[pools, d]` (float8_e4m3fn: FP8 scoring, with its per-pool
+    `scale`; else in their dtype, `scale` None)."""
+
+    keys: torch.Tensor
+    scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where a batch's packed tokens sit: `pool_table [B, pools]` (each sequence's pool ids),
+    `req_to_token [rows, max_len]` (positions to token-cache slots), per token its `token_seq` (batch
+    index), `token_rows` (request-table row) and `positions` `[T]`, and `pad_index` / `pad_valid`
+    `[B, max_new]` laying the packed tokens out per sequence (`ForwardBatch` holds them all)."""
+
+    pool_table: torch.Tensor
+    req_to_token: torch.Tensor
+    token_seq: torch.Tensor
+    token_rows: torch.Tensor
+    positions: torch.Tensor
+    pad_index: torch.Tensor
+    pad_valid: torch.Tensor
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.pool_table, self.req_to_token, self.token_seq, self.token_rows, self.positions)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a layer selects: the `topk` best of its `kpool`-token pools, and with `tail` the current
+    sequence's incomplete last pool's tokens too."""
+
+    kpool: int
+    topk: int
+    tail: bool
 
 
 def compress_pools(
-    keys: torch.Tensor,
-    gates: torch.Tensor,
-    ape: torch.Tensor,
-    pools: torch.Tensor,
-    pooled: torch.Tensor,
-    pooled_scale: torch.Tensor | None = None,
+    keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, pools: torch.Tensor, pooled: PooledKeys
 ) -> None:
-    """Pool compression (see `reference.compress_pools`); FP8 when `pooled` is float8_e4m3fn."""
+    """Pool compression of the completed `pools` into `pooled` (see `reference.compress_pools`); FP8
+    when its keys are float8_e4m3fn."""
     if use_kernel("indexer.compress_pools", keys):
         from hylo.ops.indexer import kernels
 
-        kernels.compress_pools(keys, gates, ape, pools, pooled, pooled_scale)
+        kernels.compress_pools(keys, gates, ape, pools, pooled.keys, pooled.scale)
     else:
-        reference.compress_pools(keys, gates, ape, pools, pooled, pooled_scale)
+        reference.compress_pools(keys, gates, ape, pools, pooled.keys, pooled.scale)
 
 
 def select_slots(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    pooled: torch.Tensor,
-    pooled_scale: torch.Tensor | None,
-    pool_table: torch.Tensor,
-    req_to_token: torch.Tensor,
-    token_seq: torch.Tensor,
-    token_rows: torch.Tensor,
-    positions: torch.Tensor,
-    pad_index: torch.Tensor,
-    pad_valid: torch.Tensor,
-    kpool: int,
-    topk: int,
-    tail: bool,
+    q: torch.Tensor, head_weights: torch.Tensor, pooled: PooledKeys, layout: SlotLayout, selection: Selection
 ) -> torch.Tensor:
-    """Token-cache slots each packed query attends to, `[T, W]`, -1 = empty (see
-    `reference.select_slots`). Scoring is FP8 when `pooled` is float8_e4m3fn, else in its dtype."""
-    args = (q, head_weights, pooled, pooled_scale, pool_table, req_to_token, token_seq, token_rows, positions)
+    """Token-cache slots each packed query (`q [T, Hi, d]`, `head_weights [T, Hi]`) attends to, `[T, W]`,
+    -1 = empty (see `reference.select_slots`). Scoring is FP8 when the pooled keys are float8_e4m3fn."""
+    args = (q, head_weights, pooled.keys, pooled.scale, *layout.tensors, layout.pad_index, layout.pad_valid)
     if use_kernel("indexer.select_slots", q):
         from hylo.ops.indexer import kernels
 
-        return kernels.select_slots(*args, pad_index, pad_valid, kpool, topk, tail)
-    return reference.select_slots(*args, pad_index, pad_valid, kpool, topk, tail)
+        return kernels.select_slots(*args, selection.kpool, selection.topk, selection.tail)
+    return reference.select_slots(*args, selection.kpool, selection.topk, selection.tail)
