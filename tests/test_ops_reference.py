@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hylo.ops.indexer import compress_pools, select_rows
+from hylo.ops.indexer import PooledKeys, compress_pools, select_rows
 from hylo.ops.kda import causal_conv, kda_chunked, kda_gate
 from hylo.ops.mhc import mhc_pre
 from hylo.ops.moe import experts, route, swiglu_clamp
@@ -103,7 +103,7 @@ def test_select_rows_matches_brute_force_and_drops_tokens():
     keys, gates = torch.randn(length + 2, d, generator=gen), torch.randn(length + 2, d, generator=gen)
     ape = torch.randn(kpool, d, generator=gen)
     pooled = torch.zeros((length + 2) // kpool, d)
-    compress_pools(keys, gates, ape, torch.arange(length // kpool), pooled)
+    compress_pools(keys, gates, ape, torch.arange(length // kpool), PooledKeys(pooled))
     members = torch.arange(kpool)
     for p in range(length // kpool):
         weights = torch.softmax(gates[p * kpool + members] + ape, dim=0)

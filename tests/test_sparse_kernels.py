@@ -30,6 +30,17 @@ TOL = {"rtol": 5e-3, "atol": 5e-3} if CUDA else {"rtol": 1e-4, "atol": 1e-5}
 cuda_only = pytest.mark.skipif(not CUDA, reason="FP8 and real-shape kernels run on the GPU")
 
 
+def dispatched_select(q, w, pooled, scale, pool_table, req_to_token, token_seq, token_rows, *rest):
+    """The dispatcher's `select_slots` on the kernels' positional arguments."""
+    positions, pad_index, pad_valid, kpool, topk, tail = rest
+    layout = indexer_ops.SlotLayout(
+        pool_table, req_to_token, token_seq, token_rows, positions, pad_index, pad_valid
+    )
+    return indexer_ops.select_slots(
+        q, w, indexer_ops.PooledKeys(pooled, scale), layout, indexer_ops.Selection(kpool, topk, tail)
+    )
+
+
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -227,7 +238,7 @@ def test_topk_kernel_without_tail_and_short_sequences():
     )
     rest = (meta["positions"], meta["pad_index"], meta["pad_valid"], kpool, topk, False)
     expect = iref.select_slots(*args, *rest)
-    got = indexer_ops.select_slots(*args, *rest)  # CPU dispatch: the reference itself
+    got = dispatched_select(*args, *rest)  # CPU dispatch: the reference itself
     assert as_sets(got) == as_sets(expect)
     dev = (*[a.to(DEV) if a is not None else None for a in args], *[a.to(DEV) for a in rest[:3]], *rest[3:])
     got = ik.select_slots(*dev).cpu()
@@ -290,7 +301,9 @@ def test_fp8_reference_path_runs_through_the_cache_layout():
     )
     pooled = torch.zeros(slots // kpool, d, dtype=torch.float8_e4m3fn)
     scale = torch.ones(slots // kpool)
-    indexer_ops.compress_pools(keys, gates, ape, torch.arange(slots // kpool), pooled, scale)
+    indexer_ops.compress_pools(
+        keys, gates, ape, torch.arange(slots // kpool), indexer_ops.PooledKeys(pooled, scale)
+    )
     exact = torch.zeros(slots // kpool, d)
     iref.compress_pools(keys, gates, ape, torch.arange(slots // kpool), exact)
     err = (pooled.float() * scale[:, None] - exact).abs().amax(-1) / exact.abs().amax(-1)
@@ -334,7 +347,7 @@ def test_cuda_indexer_matches_reference(fp8):
     rest = (meta["positions"], meta["pad_index"], meta["pad_valid"], kpool, topk, True)
     expect = iref.select_slots(*args, *rest)
     dev = (*[a.cuda() if a is not None else None for a in args], *[a.cuda() for a in rest[:3]], *rest[3:])
-    got = indexer_ops.select_slots(*dev).cpu()
+    got = dispatched_select(*dev).cpu()
     assert as_sets(got) == as_sets(expect)
 
 
