@@ -14,8 +14,8 @@ from hf_reference import tiny_text_config
 from hylo import LLM, SamplingParams
 from hylo.layers.linear import Linear
 from hylo.models.loader import load_model, save_checkpoint
+from hylo.ops.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from hylo.ops.gemm import SCALED_MM_MIN_ROWS, fp8_fallback_config, kernels
-from hylo.ops.moe import dequantize_fp8_blocks, quantize_fp8_blocks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 GEMMs run on a GPU")
 

@@ -14,8 +14,8 @@ use_interpreter()
 from hylo.layers.linear import FusedLinear, Linear  # noqa: E402
 from hylo.layers.vocab import VocabHead  # noqa: E402
 from hylo.ops import gemm  # noqa: E402
+from hylo.ops.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
 from hylo.ops.gemm import kernels, table  # noqa: E402
-from hylo.ops.moe import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 

@@ -26,9 +26,9 @@ from hylo.models.loader import (
     checkpoint_layout,
     dequantize_fp8,
     load_model,
-    quantize_fp8,
     save_checkpoint,
 )
+from hylo.ops.fp8 import quantize_fp8_blocks
 from hylo.server.api import build_app
 from hylo.server.async_engine import AsyncEngine
 
@@ -152,7 +152,7 @@ def test_fp8_checkpoint_round_trip(tmp_path):
         view = slot.view(params[slot.param].data)
         if _quantizable(key, view.reshape(slot.shape)):
             view.copy_(
-                dequantize_fp8(*quantize_fp8(view.reshape(slot.shape)), torch.float32).view(view.shape)
+                dequantize_fp8(*quantize_fp8_blocks(view.reshape(slot.shape)), torch.float32).view(view.shape)
             )
     ids = random_prompt(41, 160, seed=6)
     exact, got = logits(model, ids), logits(fp8, ids)
@@ -174,7 +174,7 @@ def test_quantize_fp8_blocks():
     """Each block's largest magnitude maps to e4m3's 448; every weight is off by at most half a step
     (2^-4 of itself for normals, 2^-10 of the block scale for subnormals)."""
     w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 200)
-    q, scale = quantize_fp8(w)
+    q, scale = quantize_fp8_blocks(w)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
     assert q.float().abs()[:128, :128].max().item() == 448
     back = dequantize_fp8(q, scale, torch.float32)

@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_moe_kernels import assert_alignment, rel_err  # noqa: E402
 
+from hylo.ops import fp8 as fp8_ops  # noqa: E402
 from hylo.ops.moe import decode, kernels, reference, routing  # noqa: E402
 from hylo.ops.moe.reference import Routing  # noqa: E402
 
@@ -55,7 +56,7 @@ def test_prologue_matches_reference(tokens, hidden, num_experts, top_k, groups, 
     general = routing.align(ids, num_experts, block_m)  # the same blocks; the order inside may differ
     assert torch.equal(layout.block_expert, general.block_expert)
     assert torch.equal(layout.block_rows, general.block_rows)
-    ref_q, ref_scale = reference.quantize_fp8_groups(x)
+    ref_q, ref_scale = fp8_ops.quantize_fp8_groups(x)
     assert torch.equal(q_scale, ref_scale)
     assert torch.equal(q.float(), ref_q.float())
 
@@ -67,7 +68,7 @@ class Experts:
         self.gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden**-0.5
         self.down = torch.randn(num_experts, hidden, inter, generator=g) * inter**-0.5
         (self.gate_up_q, self.gate_up_s), (self.down_q, self.down_s) = (
-            reference.quantize_fp8_blocks(w) for w in (self.gate_up, self.down)
+            fp8_ops.quantize_fp8_blocks(w) for w in (self.gate_up, self.down)
         )
 
 

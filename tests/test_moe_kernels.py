@@ -24,7 +24,8 @@ import torch  # noqa: E402
 
 from hylo.config import ModelConfig  # noqa: E402
 from hylo.layers.moe import FP8Experts, MoE  # noqa: E402
-from hylo.ops import moe as moe_ops  # noqa: E402
+from hylo.ops import fp8 as fp8_ops  # noqa: E402
+from hylo.ops.fp8 import kernels as fp8_kernels  # noqa: E402
 from hylo.ops.moe import kernels, reference, routing  # noqa: E402
 from hylo.ops.moe.kernels import MoeConfig, Tiles  # noqa: E402
 
@@ -157,8 +158,8 @@ def test_quantize_groups_is_torch_rounding():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(19, 200, generator=g) * torch.logspace(-4, 2, 200)
     x[0, :5] = torch.tensor([448.0, 1.0625, 1.1875, 3 * 2.0**-10, 31.9])  # amax 448: scale exactly 1
-    q, scale = kernels.quantize_groups(x)
-    ref_q, ref_scale = reference.quantize_fp8_groups(x)
+    q, scale = fp8_kernels.quantize_groups(x)
+    ref_q, ref_scale = fp8_ops.quantize_fp8_groups(x)
     assert torch.equal(scale, ref_scale)
     assert torch.equal(q.float(), ref_q.float())  # values: the interpreter stores -0 as +0
     assert q[0, :5].float().tolist() == [448.0, 1.0, 1.25, 2 * 2.0**-9, 32.0]
@@ -169,11 +170,11 @@ def emulated_fp8(case: Case, gate_up_q, gate_up_s, down_q, down_s) -> torch.Tens
     SwiGLU output), weights dequantised, fp32 everywhere else."""
 
     def dequantized_groups(a):
-        q, s = reference.quantize_fp8_groups(a)
-        return q.float() * s.repeat_interleave(reference.FP8_BLOCK, 1)[:, : a.shape[1]]
+        q, s = fp8_ops.quantize_fp8_groups(a)
+        return q.float() * s.repeat_interleave(fp8_ops.FP8_BLOCK, 1)[:, : a.shape[1]]
 
-    gate_up = reference.dequantize_fp8_blocks(gate_up_q, gate_up_s, torch.float32)[case.ids]  # [T, k, 2I, D]
-    down = reference.dequantize_fp8_blocks(down_q, down_s, torch.float32)[case.ids]
+    gate_up = fp8_ops.dequantize_fp8_blocks(gate_up_q, gate_up_s, torch.float32)[case.ids]  # [T, k, 2I, D]
+    down = fp8_ops.dequantize_fp8_blocks(down_q, down_s, torch.float32)[case.ids]
     gate, up = torch.einsum("td,tknd->tkn", dequantized_groups(case.x), gate_up).chunk(2, dim=-1)
     h = dequantized_groups(reference.swiglu_clamp(gate, up, LIMIT).flatten(0, 1)).view_as(gate)
     return torch.einsum("tki,tkdi,tk->td", h, down, case.weights)
@@ -191,7 +192,7 @@ def emulated_fp8(case: Case, gate_up_q, gate_up_s, down_q, down_s) -> torch.Tens
 )
 def test_experts_fp8_matches_reference(tokens, hidden, inter, config):
     case = Case(tokens, tokens, hidden, inter, 5, 3, unused=1)
-    quantized = (*reference.quantize_fp8_blocks(case.gate_up), *reference.quantize_fp8_blocks(case.down))
+    quantized = (*fp8_ops.quantize_fp8_blocks(case.gate_up), *fp8_ops.quantize_fp8_blocks(case.down))
     out = kernels.experts_fp8(case.x, *quantized, case.ids, case.weights, LIMIT, config)
     assert out.shape == case.x.shape and out.dtype == case.x.dtype
     assert rel_err(out, emulated_fp8(case, *quantized)) < 1e-5
@@ -214,7 +215,7 @@ def test_tma_kernels_match_the_pointer_kernels(tokens, hidden, inter, config):
     """x gathered into slot order and both GEMMs on TMA descriptors, one weight scale per tile: the
     same products as the pointer kernels, on blocks with padding rows and blocks past the real count."""
     case = Case(tokens + 7, tokens, hidden, inter, 6, 3, unused=1)
-    quantized = (*reference.quantize_fp8_blocks(case.gate_up), *reference.quantize_fp8_blocks(case.down))
+    quantized = (*fp8_ops.quantize_fp8_blocks(case.gate_up), *fp8_ops.quantize_fp8_blocks(case.down))
     args = (case.x, *quantized, case.ids, case.weights, LIMIT)
     out = kernels.experts_fp8(*args, config)
     assert rel_err(out, kernels.experts_fp8(*args, replace(config, tma=False))) < 1e-6
@@ -225,7 +226,7 @@ def test_tma_kernels_match_the_pointer_kernels(tokens, hidden, inter, config):
 @pytest.mark.parametrize(("rows", "groups"), [(32, 1), (8, 2)])  # a program: one group, or both
 def test_gather_rows_puts_each_token_row_in_its_slots(rows, groups):
     case = Case(2, 11, 256, 128, 6, 3, unused=2)
-    q, scale = kernels.quantize_groups(case.x)
+    q, scale = fp8_kernels.quantize_groups(case.x)
     layout = routing.align(case.ids, 6, 16)
     with pytest.raises(ValueError, match="groups 4 must divide"):
         kernels.gather_rows(q, scale, layout, 3, groups=4)
@@ -243,7 +244,7 @@ def test_gather_rows_puts_each_token_row_in_its_slots(rows, groups):
 
 def test_bad_inputs_are_named():
     case = Case(1, 3, 64, 48, 8, 2)
-    gq, gs, dq, ds = (*reference.quantize_fp8_blocks(case.gate_up), *reference.quantize_fp8_blocks(case.down))
+    gq, gs, dq, ds = (*fp8_ops.quantize_fp8_blocks(case.gate_up), *fp8_ops.quantize_fp8_blocks(case.down))
     args = (case.ids, case.weights, LIMIT)
     with pytest.raises(ValueError, match="gate_up_scale_inv"):
         kernels.experts_fp8(case.x, gq, gs[:4], dq, ds, *args)
@@ -259,7 +260,7 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match=r"D 64 and I 48"):  # not multiples of 128
         kernels.experts_fp8(case.x, gq, gs, dq, ds, *args, tma)
     wide = Case(1, 3, 128, 128, 8, 2)
-    wq, ws, vq, vs = (*reference.quantize_fp8_blocks(wide.gate_up), *reference.quantize_fp8_blocks(wide.down))
+    wq, ws, vq, vs = (*fp8_ops.quantize_fp8_blocks(wide.gate_up), *fp8_ops.quantize_fp8_blocks(wide.down))
     strided = torch.cat([vq, vq], dim=1)[:, ::2]  # [E, D, I] rows two apart: a TMA descriptor cannot view it
     with pytest.raises(ValueError, match=r"config\.tma needs down contiguous"):
         kernels.experts_fp8(wide.x, wq, ws, strided, vs, wide.ids, wide.weights, LIMIT, tma)
@@ -292,10 +293,10 @@ def test_moe_layer_with_fp8_experts_runs_the_dequantised_reference():
     x = torch.randn(5, 64)
     fp8 = FP8Experts.from_experts(moe.experts)
     assert fp8.gate_up_proj.dtype == torch.float8_e4m3fn and fp8.down_proj_scale_inv.shape == (8, 1, 1)
-    moe.experts.gate_up_proj.data = moe_ops.dequantize_fp8_blocks(
+    moe.experts.gate_up_proj.data = fp8_ops.dequantize_fp8_blocks(
         fp8.gate_up_proj, fp8.gate_up_proj_scale_inv, torch.float32
     )
-    moe.experts.down_proj.data = moe_ops.dequantize_fp8_blocks(
+    moe.experts.down_proj.data = fp8_ops.dequantize_fp8_blocks(
         fp8.down_proj, fp8.down_proj_scale_inv, torch.float32
     )
     expected = moe(x)

@@ -24,7 +24,8 @@ from hylo.layers.moe import FP8Experts, MoE
 from hylo.memory.manager import weight_bytes
 from hylo.memory.specs import TokenCacheSpec
 from hylo.models.glm5_next import Glm5NextForCausalLM
-from hylo.models.loader import CheckpointError, dequantize_fp8, load_model, load_mtp_layer, quantize_fp8
+from hylo.models.loader import CheckpointError, dequantize_fp8, load_model, load_mtp_layer
+from hylo.ops.fp8 import quantize_fp8_blocks
 from hylo.speculative.mtp import MTPProposer
 from hylo.speculative.proposer import ProposerCaches, StepCommit
 
@@ -294,7 +295,7 @@ def test_mtp_layer_loads_flat_fp8_names_and_its_own_embedding(checkpoints, tmp_p
     """`model.layers.{N}.*` names, an FP8 block-scaled eh_proj, an own embedding and no own head."""
     hf = checkpoints[0]
     extras = mtp_extras(seed=8, own_embedding=True, own_head=False)
-    q, scale = quantize_fp8(extras.pop("eh_proj.weight"))
+    q, scale = quantize_fp8_blocks(extras.pop("eh_proj.weight"))
     flat = f"model.layers.{TARGET_LAYERS}."
     tensors = {flat + k: v for k, v in extras.items()}
     tensors |= {flat + "eh_proj.weight": q, flat + "eh_proj.weight_scale_inv": scale}

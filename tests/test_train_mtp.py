@@ -21,7 +21,8 @@ from hylo.layers.linear import unfused_state_dict
 from hylo.layers.moe import FP8Experts
 from hylo.memory.specs import TokenCacheSpec
 from hylo.memory.state import StateCache
-from hylo.models.loader import CheckpointError, dequantize_fp8, load_model, load_mtp_layer, quantize_fp8
+from hylo.models.loader import CheckpointError, dequantize_fp8, load_model, load_mtp_layer
+from hylo.ops.fp8 import quantize_fp8_blocks
 from hylo.ops.indexer.reference import select_rows
 from hylo.train.mtp import (
     INDEX_FILE,
@@ -279,7 +280,7 @@ def test_export_in_bf16_and_fp8(target, checkpoint):
     tensors = tensors_of(path)
     assert tensors[MTP_PREFIX + "mlp.experts.3.gate_proj.weight"].dtype == torch.float8_e4m3fn
     served = load_mtp_layer(checkpoint, target, progress=False)
-    expected = dequantize_fp8(*quantize_fp8(layer.eh_proj.weight.detach()), torch.float32)
+    expected = dequantize_fp8(*quantize_fp8_blocks(layer.eh_proj.weight.detach()), torch.float32)
     assert torch.equal(served.eh_proj.weight, expected)
 
 

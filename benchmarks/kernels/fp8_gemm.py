@@ -39,8 +39,8 @@ from hylo.layers.linear import Linear  # noqa: E402
 from hylo.models.glm5_next import Glm5NextForCausalLM  # noqa: E402
 from hylo.models.loader import keep_projections_fp8, stored_block_scaled  # noqa: E402
 from hylo.ops import gemm  # noqa: E402
+from hylo.ops.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
 from hylo.ops.gemm import kernels  # noqa: E402
-from hylo.ops.moe import dequantize_fp8_blocks, quantize_fp8_blocks  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
 ROWS = (1, 5) if DRY else (1, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192)

@@ -47,6 +47,8 @@ from harness import RESULTS, bench, bench_graph, rec, section  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
+from hylo.ops import fp8 as fp8_ops  # noqa: E402
+from hylo.ops.fp8 import kernels as fp8_kernels  # noqa: E402
 from hylo.ops.moe import decode as moe_decode  # noqa: E402
 from hylo.ops.moe import kernels, reference, routing  # noqa: E402
 from hylo.ops.moe.kernels import MoeConfig, Tiles  # noqa: E402
@@ -91,8 +93,8 @@ class Model:
                 weight[chunk] = (
                     torch.randn(weight[chunk].shape, device=DEV, dtype=ACT) * weight.shape[2] ** -0.5
                 )
-                q[chunk], s[chunk] = reference.quantize_fp8_blocks(weight[chunk])
-                deq[chunk] = reference.dequantize_fp8_blocks(q[chunk], s[chunk], ACT)
+                q[chunk], s[chunk] = fp8_ops.quantize_fp8_blocks(weight[chunk])
+                deq[chunk] = fp8_ops.dequantize_fp8_blocks(q[chunk], s[chunk], ACT)
             self.fp8[name], self.dequantized[name] = (q, s), deq
 
     def route(self, x):
@@ -187,8 +189,8 @@ def parity(model: Model) -> None:
             f"parity_fp8_vs_bf16_weights_T{tokens}_relerr",
             round(rel_err(out, model.reference(x, ref_ids, ref_weights, False)), 5),
         )
-        q, s = kernels.quantize_groups(x)
-        ref_q, ref_s = reference.quantize_fp8_groups(x)
+        q, s = fp8_kernels.quantize_groups(x)
+        ref_q, ref_s = fp8_ops.quantize_fp8_groups(x)
         rec(
             f"parity_quantize_T{tokens}_equal",
             bool(torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)),
@@ -209,7 +211,7 @@ def fused_parity(model: Model, tokens: int) -> None:
     rec(f"{tag}_route_ids_equal", bool(torch.equal(ids, ref_ids)))
     rec(f"{tag}_route_weights_maxdiff", float((weights - ref_weights).abs().max()))
     # against the general path's kernel: on the GPU the torch reference divides by 448 as a multiply
-    ref_q, ref_s = kernels.quantize_groups(x)
+    ref_q, ref_s = fp8_kernels.quantize_groups(x)
     rec(
         f"{tag}_quantize_equal_general", bool(torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s))
     )
@@ -301,7 +303,7 @@ def decode_launches(model: Model, tokens: int) -> dict[str, object]:
     xs = [batch(tokens, seed=200 * tokens + r) for r in range(ROTATE)]
     routes = [model.route(x) for x in xs]
     config = kernels.default_config(tokens * TOP_K, EXPERTS, True)
-    gemm_inputs = [kernels.quantize_groups(x) for x in xs]
+    gemm_inputs = [fp8_kernels.quantize_groups(x) for x in xs]
     layouts = [routing.align(ids, EXPERTS, config.block_m) for ids, _ in routes]
     (gate_up, gate_up_scale), (down, down_scale) = model.fp8["gate_up"], model.fp8["down"]
 
@@ -323,7 +325,7 @@ def decode_launches(model: Model, tokens: int) -> dict[str, object]:
     return {
         "router_logits": lambda: [routing.router_logits(x, model.router) for x in xs],
         "route": lambda: [model.route(x) for x in xs],
-        "quantize": lambda: [kernels.quantize_groups(x) for x in xs],
+        "quantize": lambda: [fp8_kernels.quantize_groups(x) for x in xs],
         "align": lambda: [routing.align(ids, EXPERTS, config.block_m) for ids, _ in routes],
         "gate_up": gate_up_stage,
         "down": down_stage,
@@ -429,7 +431,7 @@ def sweep_configs(tokens: int, fp8: bool) -> list[MoeConfig]:
         )
     configs = [default]
     # the FP8 gate|up epilogue quantises whole groups: narrower tiles are refused
-    configs += [replace(default, gate_up=t) for t in up if not fp8 or t.block_n % reference.FP8_BLOCK == 0]
+    configs += [replace(default, gate_up=t) for t in up if not fp8 or t.block_n % fp8_ops.FP8_BLOCK == 0]
     configs += [replace(default, down=t) for t in down]
     if default.block_m > 16:
         configs += [replace(default, group_m=g) for g in (4, 16, 32)]
@@ -518,7 +520,7 @@ def _compile(config: MoeConfig) -> None:
         return torch.zeros(shape, device=DEV).to(torch.float8_e4m3fn)
 
     def scale_ones(rows, *dims):
-        return torch.ones(rows, *(-(-d // reference.FP8_BLOCK) for d in dims), device=DEV)
+        return torch.ones(rows, *(-(-d // fp8_ops.FP8_BLOCK) for d in dims), device=DEV)
 
     gate_up, gate_up_scale = fp8_zeros(experts, 2 * INTER, HIDDEN), scale_ones(experts, 2 * INTER, HIDDEN)
     down, down_scale = fp8_zeros(experts, HIDDEN, INTER), scale_ones(experts, HIDDEN, INTER)

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.gemm import linear
-from hylo.ops.moe.reference import FP8_BLOCK
 
 FP8 = torch.float8_e4m3fn
 

@@ -14,7 +14,7 @@ from hylo.config import ModelConfig
 from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.layers.mlp import MLP
 from hylo.ops import moe as moe_ops
-from hylo.ops.moe.reference import FP8_BLOCK
+from hylo.ops.fp8 import FP8_BLOCK, quantize_fp8_blocks
 
 
 class Router(nn.Module):
@@ -100,8 +100,8 @@ class FP8Experts(nn.Module):
     def from_experts(cls, experts: Experts) -> FP8Experts:
         """Block-quantised copy of bf16 experts (tests and benchmarks; checkpoints load FP8 directly)."""
         return cls(
-            *moe_ops.quantize_fp8_blocks(experts.gate_up_proj.detach()),
-            *moe_ops.quantize_fp8_blocks(experts.down_proj.detach()),
+            *quantize_fp8_blocks(experts.gate_up_proj.detach()),
+            *quantize_fp8_blocks(experts.down_proj.detach()),
         )
 
     def forward(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:

@@ -30,8 +30,8 @@ from hylo.layers.moe import FP8Experts, MoE, local_experts
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.mtp import MTPLayer, mtp_config
 from hylo.models.random_init import randomize
+from hylo.ops.fp8 import FP8_BLOCK, quantize_fp8_blocks
 
-FP8_BLOCK = 128
 DUMMY_SEED = 0  # `load_format="dummy"`: the target's weights; its MTP layer's come from DUMMY_SEED + 1
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 _TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -195,19 +195,6 @@ def dequantize_fp8(
     return (weight.float() * scale_inv.float()[rows][:, cols]).to(dtype)
 
 
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled e4m3 of a 2-D weight: (fp8 weight, fp32 `weight_scale_inv`)."""
-    n, k = weight.shape
-    rows, cols = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-    padded = torch.zeros(rows * FP8_BLOCK, cols * FP8_BLOCK, dtype=torch.float32)
-    padded[:n, :k] = weight.float()
-    blocks = padded.view(rows, FP8_BLOCK, cols, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
-    scale = amax / torch.finfo(torch.float8_e4m3fn).max
-    q = (blocks / scale[:, None, :, None]).view_as(padded)[:n, :k].to(torch.float8_e4m3fn)
-    return q, scale
-
-
 def _checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -360,7 +347,7 @@ def checkpoint_tensors(
             out[name] = tensor
             continue
         if fp8 and _quantizable(key, tensor):
-            out[name], out[name + "_scale_inv"] = quantize_fp8(tensor)
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(tensor)
             continue
         if dtype is not None and slot.param in params and tensor.dtype == torch.float32:
             tensor = tensor if _stays_fp32(slot.param) else tensor.to(dtype)

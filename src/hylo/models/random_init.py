@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hylo.layers.moe import FP8_BLOCK
+from hylo.ops.fp8 import FP8_BLOCK
 
 _SLICE_ELEMENTS = 1 << 28
 

@@ -69,7 +69,7 @@ from hylo.layers.norm import RMSNorm
 from hylo.models.glm5_next import DecoderLayer, Glm5NextForCausalLM
 from hylo.models.loader import CheckpointError, checkpoint_layout, checkpoint_tensors, mtp_layout
 from hylo.models.mtp import MTPLayer, mtp_config
-from hylo.ops.moe import dequantize_fp8_blocks
+from hylo.ops.fp8 import dequantize_fp8_blocks
 
 MTP_FILE = "mtp.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from hylo.ops.dispatch import use_kernel
+from hylo.ops.fp8 import dequantize_fp8_blocks
 from hylo.ops.gemm.table import GemmConfig, lookup
-from hylo.ops.moe.reference import dequantize_fp8_blocks
 
 __all__ = ["linear"]
 

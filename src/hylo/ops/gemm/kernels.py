@@ -19,9 +19,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hylo.ops.fp8 import FP8_BLOCK
+from hylo.ops.fp8.kernels import quantize_groups
 from hylo.ops.gemm.table import GemmConfig
-from hylo.ops.moe.kernels import quantize_groups
-from hylo.ops.moe.reference import FP8_BLOCK
 
 SCALE_BLOCK = tl.constexpr(FP8_BLOCK)
 SCALED_MM_ROW_ALIGN = 16  # rows of x padded to a multiple of this for cuBLAS's block-scaled matmul

@@ -12,14 +12,12 @@ import torch
 
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.moe import reference
-from hylo.ops.moe.reference import Routing, dequantize_fp8_blocks, quantize_fp8_blocks, swiglu_clamp
+from hylo.ops.moe.reference import Routing, swiglu_clamp
 
 __all__ = [
     "Routing",
-    "dequantize_fp8_blocks",
     "experts",
     "experts_fp8",
-    "quantize_fp8_blocks",
     "route",
     "routed_experts",
     "swiglu_clamp",

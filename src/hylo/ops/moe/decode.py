@@ -28,9 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.fp8 import FP8_BLOCK
+from hylo.ops.fp8.kernels import quantize_tile
 from hylo.ops.moe import kernels
-from hylo.ops.moe.kernels import MoeConfig, quantize_tile
-from hylo.ops.moe.reference import FP8_BLOCK, Routing
+from hylo.ops.moe.kernels import MoeConfig
+from hylo.ops.moe.reference import Routing
 from hylo.ops.moe.routing import Alignment, check_route, choice_constants, max_blocks, route_tokens
 
 MAX_PAIRS = 64  # (token, choice) pairs of a step on this path: the alignment's [pairs, pairs] fits registers
