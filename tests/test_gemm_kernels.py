@@ -61,6 +61,32 @@ def test_fp8_gemm_matches_the_dequantised_weight(m, n, k, config):
         kernels.gemm(x, w, config, scale[:, :1])
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [
+        (1, 200, 300, table.GemmConfig(16, 64, 64, 1, 4, 2, quant_x=True)),  # ragged N and K, 64-wide groups
+        (19, 136, 256, table.GemmConfig(32, 32, 128, 2, 4, 2, quant_x=True)),  # split K, 128-wide groups
+    ],
+)
+def test_fp8_gemm_with_quantised_activations(m, n, k, config):
+    """`quant_x`: each row's K tile of x becomes e4m3 with scale amax / 448 and meets the e4m3 weight
+    on the FP8 tensor cores: the product with x so quantised and the dequantised weight, to fp32
+    rounding; against the unquantised x within e4m3's rounding of x (2^-4 relative per element)."""
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=gen)
+    w, scale = quantize_fp8_blocks(torch.randn(n, k, generator=gen) * 0.05)
+    exact_w = dequantize_fp8_blocks(w, scale, torch.float32)
+    groups = torch.nn.functional.pad(x, (0, -k % config.block_k)).view(m, -1, config.block_k)
+    x_scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    x_q = ((groups / x_scale).to(torch.float8_e4m3fn).float() * x_scale).flatten(1)[:, :k]
+    got = kernels.gemm(x, w, config, scale)
+    torch.testing.assert_close(got, x_q @ exact_w.t(), rtol=1e-5, atol=1e-5)
+    exact = x @ exact_w.t()
+    assert float((got - exact).norm() / exact.norm()) < 5e-2
+    with pytest.raises(ValueError, match="quant_x"):
+        kernels.gemm(x, exact_w, config)
+
+
 def test_fp8_fused_parts_start_at_block_boundaries():
     """A fused projection made FP8 keeps each FP8 part's own block scales (parts start at 128-row
     boundaries) and computes the unquantised parts from `dense_weight`: every output is its part's

@@ -10,13 +10,17 @@ without an entry on the same inputs: `torch.nn.functional.linear` (cuBLAS) for b
 `--fp8`, the e4m3 projections of an FP8 checkpoint (`loader.keep_projections_fp8`) against the FP8
 kernel's untuned configuration (`ops.gemm.fp8_fallback_config`). An entry is written only when its
 best configuration is at least 2% faster than that baseline at both ends of the bucket (above
-run-to-run noise); the other shapes keep the baseline. Prints the table and writes it (with the
-timings) to --out, together with the shipped table's entries of the other weight format.
+run-to-run noise); the other shapes keep the baseline. With `--fp8-activations` the e4m3 candidates
+also include configurations that quantise x in the kernel (`GemmConfig.quant_x`, checked to 5e-2:
+e4m3's rounding of x), so that a table may choose w8a8 for decode as prefill's cuBLAS path has it.
+Prints the table and writes it (with the timings) to --out, together with the shipped table's entries
+of the other weight format and those it did not measure.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -49,6 +53,10 @@ from hylo.ops.gemm import kernels, table  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
 FP8 = "--fp8" in sys.argv
+# e4m3 weights: also try configurations that quantise the activations (w8a8, `GemmConfig.quant_x`);
+# their error is e4m3's rounding of x, as cuBLAS's block-scaled matmul has it for prefill
+FP8_ACTIVATIONS = "--fp8-activations" in sys.argv
+MAX_ERROR, MAX_ERROR_QUANT_X = 1e-2, 5e-2
 MARGIN = 1.02  # an entry must beat cuBLAS by this factor at both ends of its bucket: run-to-run noise is ~1%
 
 
@@ -72,7 +80,10 @@ def candidates(bucket: int) -> list[table.GemmConfig]:
         grid = itertools.product((32, 64, 128), (128,), (1, 2, 4, 8), (4,), (3, 5))
     if DRY:
         grid = itertools.product((16,), (32,), (1, 2), (4,), (2,))
-    return [table.GemmConfig(bucket, bn, bk, sk, w, st) for bn, bk, sk, w, st in grid]
+    configs = [table.GemmConfig(bucket, bn, bk, sk, w, st) for bn, bk, sk, w, st in grid]
+    if FP8 and FP8_ACTIVATIONS:
+        configs += [dataclasses.replace(c, quant_x=True) for c in configs]
+    return configs
 
 
 def timed(fn) -> float:
@@ -108,7 +119,7 @@ def tune_shape(n: int, k: int, bucket: int, gen: torch.Generator) -> dict | None
             ]
         except Exception:  # a tile the GPU cannot hold: not a candidate
             continue
-        if max(errors) > 1e-2:
+        if max(errors) > (MAX_ERROR_QUANT_X if config.quant_x else MAX_ERROR):
             print(f"  rejected {config} (rel. error {max(errors):.2e})")
             continue
         us = {m: timed(lambda x=x, c=config: kernels.gemm(x, weight, c, scale)) for m, x in xs.items()}
@@ -135,6 +146,10 @@ def main() -> None:
         "--dry-run", action="store_true", help="CPU, interpreter, tiny shapes (checks the script)"
     )
     parser.add_argument("--fp8", action="store_true", help="the e4m3 projections of an FP8 checkpoint")
+    parser.add_argument(
+        "--fp8-activations", action="store_true",
+        help="with --fp8: also try quantising the activations in the kernel (w8a8; e4m3 error on x)",
+    )  # fmt: skip
     args = parser.parse_args()
     gpu = "dry-run" if DRY else torch.cuda.get_device_name()
     gen = torch.Generator().manual_seed(0)

@@ -5,7 +5,9 @@ once, so the work is spread over enough programs to keep every SM streaming: N i
 alone gives too few tiles, K is split across programs whose fp32 partials a second launch sums
 (deterministic, no atomics). An e4m3 weight with per-[128, 128]-block scales is read as it is stored
 (one byte per element) and widened to x's dtype in registers; each K tile lies inside one scale
-block, so the block's scale multiplies the tile's partial product (w8a16: x is not quantised).
+block, so the block's scale multiplies the tile's partial product (w8a16: x is not quantised). With
+`GemmConfig.quant_x` each row's K tile of x is quantised to e4m3 in registers instead and the tile's
+product runs on the FP8 tensor cores, the weight never widened (w8a8, as cuBLAS's block-scaled matmul).
 
 `scaled_mm` serves prefill-sized M with FP8 weights: x is quantised per token and 128-channel group
 (`quantize_groups`, as DeepSeek-V3's and HF's FP8 linears do) and cuBLAS multiplies on the FP8
@@ -20,7 +22,7 @@ import triton
 import triton.language as tl
 
 from hylo.ops.fp8 import FP8_BLOCK
-from hylo.ops.fp8.kernels import quantize_groups
+from hylo.ops.fp8.kernels import group_scale, quantize_groups, round_to_e4m3
 from hylo.ops.gemm.table import GemmConfig
 
 SCALE_BLOCK = tl.constexpr(FP8_BLOCK)
@@ -46,6 +48,7 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALED: tl.constexpr,
+    QUANT_X: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -61,7 +64,14 @@ def _gemm_kernel(
         if SCALED:  # the tile's [128, 128] block scale of each output column
             block = (cols // SCALE_BLOCK) * stride_sn + start // SCALE_BLOCK
             scale = tl.load(scale_ptr + block, mask=cols < N)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype))) * scale[None, :]
+            if QUANT_X:  # each row's K tile as e4m3 with its own scale: an FP8 × FP8 product
+                xf = x.to(tl.float32)
+                x_scale = group_scale(tl.max(tl.abs(xf), axis=1))
+                xq = round_to_e4m3(tl.math.div_rn(xf, tl.broadcast_to(x_scale[:, None], xf.shape)))
+                partial = tl.dot(xq.to(w.dtype), tl.trans(w), out_dtype=tl.float32)
+                acc += partial * scale[None, :] * x_scale[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype))) * scale[None, :]
         else:
             acc += tl.dot(x, tl.trans(w))
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -102,6 +112,8 @@ def gemm(
             )
         if FP8_BLOCK % c.block_k:
             raise ValueError(f"gemm: block_k {c.block_k} must divide the scale block ({FP8_BLOCK})")
+    elif c.quant_x:
+        raise ValueError("gemm: quant_x quantises x for an e4m3 weight; this weight has no scale_inv")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     k_per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
@@ -113,7 +125,7 @@ def gemm(
     _gemm_kernel[grid](
         x, weight, scale_inv if scaled else weight, part, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), scale_inv.stride(0) if scaled else 0, m * n, n,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=scaled,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=scaled, QUANT_X=c.quant_x,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     if split_k > 1:

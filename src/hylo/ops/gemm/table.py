@@ -20,7 +20,9 @@ M_BUCKETS = (16, 32, 64)
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch configuration; `split_k` programs share each output tile's K range."""
+    """One launch configuration; `split_k` programs share each output tile's K range. `quant_x`
+    (e4m3 weights only): the activations are quantised to e4m3 in the kernel and the product runs on
+    the FP8 tensor cores (w8a8, cuBLAS's block-scaled matmul's error) instead of widening the weight."""
 
     block_m: int
     block_n: int
@@ -28,6 +30,7 @@ class GemmConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    quant_x: bool = False
 
 
 def m_bucket(m: int) -> int | None:
