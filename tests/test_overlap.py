@@ -3,6 +3,8 @@ outputs are those of the engine that reads every step first (`--disable-overlap-
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -73,8 +75,8 @@ def greedy(n: int, **kwargs) -> SamplingParams:
 def test_outputs_match_the_schedule_that_reads_every_step(engines):
     """Greedy, seeded sampling (top-p, n=2), min_tokens, logprobs, stop ids and strings, requests
     arriving and aborted mid-run, penalised requests (their penalties count the token in flight) and
-    a constrained one (its steps read first: the grammar takes every token on the host) give what
-    the engine without the overlap schedule gives; steady decoding keeps a step in flight."""
+    a constrained one give what the engine without the overlap schedule gives; steady decoding keeps
+    a step in flight."""
     probe, _ = run(engines[False], {0: [("add", "p", PROMPTS[0], greedy(30, ignore_eos=True))]})
     ids, text = probe["p"][0], probe["p"][1]
     stop_id, stop_text = ids[9], text[len(text) // 2 : len(text) // 2 + 3]
@@ -158,3 +160,36 @@ def test_penalties_count_the_token_in_flight():
         read = SampleRow(params, [1, 2], [3, 4, last], None, [])
         unread = SampleRow(params, [1, 2], [3, 4], None, [], torch.tensor([last]))
         assert torch.equal(target_distribution(logits, [read])[0], target_distribution(logits, [unread])[0])
+
+
+def test_constrained_rows_pick_after_their_grammar_took_the_token_before(engines):
+    """A step of constrained rows runs its forward ahead and picks once the step before has been read
+    and its tokens fed to the grammars (`ModelRunner.sample_launched`): the outputs are the reading
+    engine's and match their constraints."""
+    schema = '{"type": "object", "properties": {"a": {"type": "string"}}}'
+
+    def script() -> dict[int, list[tuple]]:
+        return {
+            0: [
+                ("add", "regex", PROMPTS[2], greedy(12, regex="[a-z ]{4,30}")),
+                (
+                    "add",
+                    "json",
+                    PROMPTS[1],
+                    SamplingParams(max_tokens=20, json_schema=schema, temperature=0.8, seed=4),
+                ),
+            ]
+        }
+
+    deferred = []
+    runner = engines[True].runner
+    sample_launched = runner.sample_launched
+    runner.sample_launched = lambda launched: deferred.append(1) or sample_launched(launched)
+    try:
+        overlapped, ahead = run(engines[True], script())
+    finally:
+        del runner.sample_launched
+    reference, _ = run(engines[False], script())
+    same(overlapped, reference)
+    assert ahead > 5 and len(deferred) >= ahead
+    assert re.fullmatch("[a-z ]{4,30}", reference["regex"][1]) and reference["json"][1].startswith("{")

@@ -374,11 +374,18 @@ class Engine:
             self.in_flight = self._launch(chunks)
         launched = self.in_flight
         ahead = self.scheduler.schedule_ahead([ch.request for ch in launched.chunks])
-        self.in_flight = self._launch(ahead) if ahead and self.runner.overlaps(ahead) else None
-        return self._apply(launched.chunks, self.runner.collect(launched), launched=True)
+        self.in_flight = None
+        if ahead and self.runner.overlaps(ahead):
+            # a constrained row picks once its grammar has taken the token read below
+            constrained = any(ch.request.grammar is not None for ch in ahead)
+            self.in_flight = self._launch(ahead, sample_now=not constrained)
+        outputs = self._apply(launched.chunks, self.runner.collect(launched), launched=True)
+        if self.in_flight is not None and self.in_flight.read is None:
+            self.runner.sample_launched(self.in_flight)
+        return outputs
 
-    def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
-        launched = self.runner.launch(chunks)
+    def _launch(self, chunks: list[ScheduledChunk], sample_now: bool = True) -> LaunchedStep:
+        launched = self.runner.launch(chunks, sample_now)
         for ch in chunks:  # the step's token is computed, its pick on its way
             ch.request.num_computed += 1
             ch.request.in_flight += 1

@@ -135,9 +135,11 @@ class Request:
         """The next pick is the argmax of the model's own logits (`raw_argmax`, no `min_tokens` ban)."""
         return self.params.raw_argmax and not self.banned_ids()
 
-    def banned_ids(self) -> list[int]:
-        """Stop ids may not be sampled before `min_tokens` tokens exist (those in flight included)."""
-        return sorted(self.stop_ids) if len(self.output_ids) + self.in_flight < self.params.min_tokens else []
+    def banned_ids(self, in_flight: int | None = None) -> list[int]:
+        """Stop ids may not be sampled before `min_tokens` tokens exist: `output_ids` and the tokens in
+        flight before this pick (`in_flight`, by default all of this request's)."""
+        produced = len(self.output_ids) + (self.in_flight if in_flight is None else in_flight)
+        return sorted(self.stop_ids) if produced < self.params.min_tokens else []
 
     @property
     def ends_in_flight(self) -> bool:

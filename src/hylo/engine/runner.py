@@ -10,7 +10,7 @@ import torch
 
 from hylo.engine.cuda_graph import DEFER, DRAFT, OBSERVE, DecodeGraphs, VerifyGraphs
 from hylo.engine.prefill_graph import PrefillGraphs
-from hylo.engine.request import IN_FLIGHT, Request
+from hylo.engine.request import IN_FLIGHT, Request, Status
 from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.host_copy import to_device
@@ -41,10 +41,12 @@ class ChunkResult:
 class LaunchedStep:
     """A plain decode step launched on the device (`ModelRunner.launch`) whose picks are on their way
     to the host (`read`); `ModelRunner.collect` turns them into results. Its chunks' requests already
-    count the step's token as computed and its pick as in flight (`Request.in_flight`)."""
+    count the step's token as computed and its pick as in flight (`Request.in_flight`). Launched
+    without its picks, `read` is None and `logits` the forward's until `ModelRunner.sample_launched`."""
 
     chunks: list[ScheduledChunk]
-    read: PendingRead
+    read: PendingRead | None
+    logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -146,20 +148,21 @@ class ModelRunner:
 
     @staticmethod
     def overlaps(chunks: Sequence[ScheduledChunk]) -> bool:
-        """Whether `launch` takes the step: plain decode chunks (one token each, sampled) of requests
-        whose pick depends on nothing the host would have to read first (no grammar, whose matcher
-        takes every token on the host), scoring no prompt position."""
+        """Whether `launch` takes the step: plain decode chunks (one token each, sampled), scoring no
+        prompt position."""
         return all(
             ch.num_tokens == 1 and ch.samples and not ch.verify and not ch.snapshots
-            and not ch.request.scores_prompt and ch.request.grammar is None
+            and not ch.request.scores_prompt
             for ch in chunks
         )  # fmt: skip
 
-    def launch(self, chunks: Sequence[ScheduledChunk]) -> LaunchedStep:
+    def launch(self, chunks: Sequence[ScheduledChunk], sample_now: bool = True) -> LaunchedStep:
         """Launch a plain decode step (`overlaps`; no proposer) without waiting for it: the forward (a
         decode-graph replay where it fits), the picks, each row's pick into
         `CacheManager.last_sampled` (where the next step's in-flight tokens come from) and the copy
-        of the picks to the host. A chunk may feed an in-flight token (`Request.tokens`)."""
+        of the picks to the host. A chunk may feed an in-flight token (`Request.tokens`). Without
+        `sample_now` only the forward is launched: `sample_launched` picks later, once the step before
+        has been applied (a constrained row's grammar must have taken its token first)."""
         if self.proposer is not None:
             raise ValueError("launch: steps with a proposer run through `step`")
         seqs = [_sequence(ch, False) for ch in chunks]
@@ -174,21 +177,44 @@ class ModelRunner:
                 index = to_device([unread, rows], c.last_sampled.device, torch.long)
                 batch.input_ids[index[0]] = c.last_sampled[index[1]]
             logits = self.model(batch)
-        requests = [ch.request for ch in chunks]
-        rows = [
-            SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids(), self._unread(r))
-            for r in requests
-        ]
-        picked = sample(logits, rows, self.generator)
-        c.last_sampled[to_device([r.slot for r in requests], logits.device, torch.long)] = picked.tokens
-        return LaunchedStep(list(chunks), start_read(picked.tokens, *_logprob_tensors(picked)))
+        launched = LaunchedStep(list(chunks), None, logits)
+        if sample_now:
+            self._sample(launched, own_counted=False)
+        return launched
 
-    def _unread(self, request: Request) -> torch.Tensor | None:
-        """A penalised request's output token still in flight (on the device), which its penalties
-        count; None when the host has read them all (or nothing penalises them)."""
-        if not (request.in_flight and request.params.penalized):
+    def sample_launched(self, launched: LaunchedStep) -> None:
+        """The picks of a step launched without them, its requests' bookkeeping counting its token in
+        flight already (`Engine`); rows of requests that ended meanwhile pick unconstrained (dropped)."""
+        self._sample(launched, own_counted=True)
+
+    def _sample(self, launched: LaunchedStep, own_counted: bool) -> None:
+        c, logits = self.caches, launched.logits
+        requests = [ch.request for ch in launched.chunks]
+        rows = []
+        for r in requests:
+            earlier = r.in_flight - own_counted  # in-flight tokens before this step's pick
+            unread = self._unread(r, earlier) if r.status is Status.RUNNING else None
+            rows.append(
+                SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids(earlier), unread)
+            )
+        live = [r.grammar if r.status is Status.RUNNING else None for r in requests]
+        bitmasks = fill_bitmasks(live, logits.shape[-1], logits.device)
+        allowed = None if bitmasks is None else allowed_tokens(bitmasks, logits.shape[-1])
+        picked = sample(logits, rows, self.generator, allowed)
+        held = [i for i, r in enumerate(requests) if r.slot is not None]  # not those that ended meanwhile
+        slots = to_device([requests[i].slot for i in held], logits.device, torch.long)
+        if len(held) == len(requests):
+            c.last_sampled[slots] = picked.tokens
+        else:
+            c.last_sampled[slots] = picked.tokens[to_device(held, logits.device, torch.long)]
+        launched.read, launched.logits = start_read(picked.tokens, *_logprob_tensors(picked)), None
+
+    def _unread(self, request: Request, earlier: int) -> torch.Tensor | None:
+        """A penalised request's output token still in flight before this pick (on the device), which
+        its penalties count; None when the host has read them all (or nothing penalises them)."""
+        if not (earlier and request.params.penalized):
             return None
-        assert request.in_flight == 1 and request.slot is not None  # the step before this one's
+        assert earlier == 1 and request.slot is not None  # the step before this one's
         return self.caches.last_sampled[request.slot : request.slot + 1]
 
     @staticmethod
