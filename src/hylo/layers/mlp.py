@@ -6,15 +6,13 @@ import torch
 from torch import nn
 
 from hylo.distributed.parallel import SINGLE, Parallel
-from hylo.layers.linear import FusedLinear, Linear
+from hylo.layers.linear import Linear
 from hylo.ops.moe import swiglu_clamp
 
 
 class MLP(nn.Module):
-    """Gate and up read the same input: one GEMM (`gate_up_proj`, their checkpoint tensors stacked at
-    load time). Under tensor parallelism gate and up are column parallel, down row parallel.
-    `reduce=False` leaves down's partial sum to the caller (the MoE block reduces it with its routed
-    experts')."""
+    """Under tensor parallelism gate and up are column parallel, down row parallel. `reduce=False`
+    leaves down's partial sum to the caller (the MoE block reduces it with its routed experts')."""
 
     def __init__(
         self,
@@ -26,11 +24,11 @@ class MLP(nn.Module):
     ):
         super().__init__()
         inter = parallel.part(intermediate_size, "the MLP's intermediate size")
-        self.gate_up_proj = FusedLinear(hidden_size, (("gate_proj", inter), ("up_proj", inter)))
+        self.gate_proj = Linear(hidden_size, inter)
+        self.up_proj = Linear(hidden_size, inter)
         self.down_proj = Linear(inter, hidden_size)
         self.swiglu_limit, self.parallel, self.reduce = swiglu_limit, parallel, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)
-        out = self.down_proj(swiglu_clamp(gate, up, self.swiglu_limit))
+        out = self.down_proj(swiglu_clamp(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
         return self.parallel.all_reduce(out) if self.reduce else out
