@@ -263,17 +263,13 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
     device = logits.device
     # a penalty outside the dtype's range would be inf or 0 there: 0 · inf and 0 / 0 are NaN
     penalty = min(max(p.repetition_penalty, torch.finfo(logits.dtype).tiny), torch.finfo(logits.dtype).max)
-    if penalty != 1:
-        seen = to_device(sorted({*row.prompt_ids, *row.output_ids}), device, torch.long)
-        if row.unread is not None:  # it may be among them: a mask counts it once
-            mask = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
-            mask[seen] = True
-            mask[row.unread] = True
-            penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-            logits.copy_(torch.where(mask, penalised, logits))
-        elif seen.numel():
-            values = logits[seen]
-            logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if penalty != 1:  # a mask of the seen ids counts the token in flight once, seen before or not
+        seen = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
+        seen[to_device(sorted({*row.prompt_ids, *row.output_ids}), device, torch.long)] = True
+        if row.unread is not None:
+            seen[row.unread] = True
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
     if (p.frequency_penalty or p.presence_penalty) and (row.output_ids or row.unread is not None):
         ids = to_device(list(row.output_ids), device, torch.long)
         if row.unread is not None:

@@ -171,11 +171,8 @@ class ModelRunner:
             _, logits = self.graphs.run(seqs)
         else:
             batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
-            unread = [i for i, s in enumerate(seqs) if s.token_ids[0] == IN_FLIGHT]
-            if unread:  # a decode step's token i is sequence i's
-                rows = [seqs[i].table_row for i in unread]
-                index = to_device([unread, rows], c.last_sampled.device, torch.long)
-                batch.input_ids[index[0]] = c.last_sampled[index[1]]
+            ids = batch.input_ids  # an in-flight token is its row's last pick, as the decode graphs take it
+            ids.copy_(torch.where(ids == IN_FLIGHT, c.last_sampled[batch.token_rows], ids))
             logits = self.model(batch)
         launched = LaunchedStep(list(chunks), None, logits)
         if sample_now:
