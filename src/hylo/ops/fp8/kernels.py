@@ -32,6 +32,13 @@ def group_scale(amax):
 
 
 @triton.jit
+def quantize_rows(x):
+    """Each row of the fp32 tile `x` as e4m3 values (in fp32, exact to cast) and its fp32 scale."""
+    scale = group_scale(tl.max(tl.abs(x), axis=1))
+    return round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))), scale
+
+
+@triton.jit
 def quantize_tile(
     x_ptr, q_ptr, scale_ptr, rows, group, num_rows, stride_x, stride_q, stride_s, K: tl.constexpr
 ):
@@ -41,8 +48,7 @@ def quantize_tile(
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=ok, other=0.0).to(
         tl.float32
     )
-    scale = group_scale(tl.max(tl.abs(x), axis=1))
-    q = round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))
+    q, scale = quantize_rows(x)
     tl.store(
         q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok
     )

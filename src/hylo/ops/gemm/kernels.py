@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from hylo.ops.fp8 import FP8_BLOCK
-from hylo.ops.fp8.kernels import group_scale, quantize_groups, round_to_e4m3
+from hylo.ops.fp8.kernels import quantize_groups, quantize_rows
 from hylo.ops.gemm.table import GemmConfig
 
 SCALE_BLOCK = tl.constexpr(FP8_BLOCK)
@@ -65,9 +65,7 @@ def _gemm_kernel(
             block = (cols // SCALE_BLOCK) * stride_sn + start // SCALE_BLOCK
             scale = tl.load(scale_ptr + block, mask=cols < N)
             if QUANT_X:  # each row's K tile as e4m3 with its own scale: an FP8 × FP8 product
-                xf = x.to(tl.float32)
-                x_scale = group_scale(tl.max(tl.abs(xf), axis=1))
-                xq = round_to_e4m3(tl.math.div_rn(xf, tl.broadcast_to(x_scale[:, None], xf.shape)))
+                xq, x_scale = quantize_rows(x.to(tl.float32))
                 partial = tl.dot(xq.to(w.dtype), tl.trans(w), out_dtype=tl.float32)
                 acc += partial * scale[None, :] * x_scale[:, None]
             else:

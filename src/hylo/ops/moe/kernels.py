@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hylo.ops.fp8 import FP8_BLOCK
-from hylo.ops.fp8.kernels import group_scale, quantize_groups, round_to_e4m3
+from hylo.ops.fp8.kernels import group_scale, quantize_groups, quantize_rows, round_to_e4m3
 from hylo.ops.moe.routing import Alignment, align
 
 
@@ -397,8 +397,7 @@ def _gate_up_tma_kernel(
         acc_up += tl.dot(a, w_up.T) * (a_scale * up_scale)[:, None]
     gate = tl.minimum(acc_gate, limit)
     h = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit)
-    scale = group_scale(tl.max(tl.abs(h), axis=1))
-    q = round_to_e4m3(tl.math.div_rn(h, tl.broadcast_to(scale[:, None], h.shape)))
+    q, scale = quantize_rows(h)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
     # padding rows stay unset (storing their zeros spilled registers into the loop): the down kernel
