@@ -13,6 +13,7 @@ from test_spec import draft  # noqa: F401 (a fixture: the DFlash draft)
 
 from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig, ModelConfig
+from hylo.layers.kda import KDAAttention
 from hylo.memory.kv import TokenCache
 from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.memory.state import StateCache
@@ -44,10 +45,9 @@ def waves() -> list[list[list[int]]]:
 def make_llm(path, cache: bool, **kwargs) -> LLM:
     kwargs.setdefault("speculative_adaptive", False)
     kwargs.setdefault("max_memory_gb", 0.25)
-    return LLM(
-        str(path), device="cpu", dtype="float32", page_size=PAGE,
-        disable_radix_cache=not cache, prefix_snapshot_interval=INTERVAL, **kwargs,
-    )  # fmt: skip
+    kwargs.setdefault("prefix_snapshot_interval", INTERVAL)
+    kwargs.setdefault("page_size", PAGE)
+    return LLM(str(path), device="cpu", dtype="float32", disable_radix_cache=not cache, **kwargs)
 
 
 def run(llm: LLM, prompt_waves, params) -> tuple[list, dict]:
@@ -110,6 +110,28 @@ def test_outputs_and_logprobs_equal_with_the_cache_on_and_off(target, settings):
     stats = llm.engine.caches.prefix.stats
     # the second wave resumes at 64 (three prompts) and 32 tokens, at least
     assert stats.hit_tokens >= 3 * 64 * params.n + 32
+    assert_all_returned(llm.engine)
+
+
+def test_snapshots_on_kda_chunk_boundaries_are_taken_in_one_call(target, monkeypatch):
+    """With pages of 64 tokens every snapshot falls on a KDA chunk boundary: each layer advances a prefill
+    batch in one call that takes them (never segment by segment), and the hits that resume from
+    them give the uncached outputs."""
+    shared = random_prompt(200, 160, seed=7)
+    prompt_waves = [[shared + random_prompt(9, 160, seed=8), random_prompt(150, 160, seed=9)]]
+    prompt_waves.append(
+        [shared + random_prompt(30, 160, seed=10), shared[:140] + random_prompt(5, 160, seed=11)]
+    )
+    ref, _ = run(make_llm(target, False), prompt_waves, GREEDY)
+
+    def no_segments(*args):
+        raise AssertionError("a batch with snapshots on chunk boundaries advanced in segments")
+
+    monkeypatch.setattr(KDAAttention, "_advance_in_segments", no_segments)
+    llm = make_llm(target, True, prefix_snapshot_interval=64, page_size=64)
+    outs, _ = run(llm, prompt_waves, GREEDY)
+    assert_same(ref, outs)
+    assert llm.engine.caches.prefix.stats.hit_tokens >= 192 + 128
     assert_all_returned(llm.engine)
 
 

@@ -78,6 +78,20 @@ def test_sparse_mla_kernel_matches_reference(kwargs):
         torch.testing.assert_close(out.double(), ref, **TOL)
 
 
+def test_sparse_mla_prefill_stops_at_each_tokens_last_row():
+    """A prefill program walks its list only up to its token's last valid row: lists that end at,
+    just past and inside a block, and a scattered one, give the reference's outputs."""
+    q, latent, rows, scale = *mla_case(5, 16, 32, 200, 70, seed=4), 32**-0.5
+    rows[:4] = -1
+    rows[0, :16] = torch.arange(16)  # ends at a block boundary (block_n 16)
+    rows[1, :17] = torch.arange(20, 37)  # one row into the next block
+    rows[2, :40] = torch.arange(50, 90)  # inside a block
+    rows[3, 3], rows[3, 33] = 5, 9  # scattered, the last in the third block
+    ref = sparse_mla(q.double(), latent.double(), rows, scale)
+    out = sk.sparse_mla_fwd(q, latent, rows, scale, block_h=16, block_n=16, num_splits=1)
+    torch.testing.assert_close(out.double(), ref, **TOL)
+
+
 def test_sparse_mla_decode_fp16_and_dispatch():
     q, latent, rows = mla_case(2, 16, 64, 300, 130, seed=2, dtype=torch.float16)
     ref = sparse_mla(q.double(), latent.double(), rows, 0.125)

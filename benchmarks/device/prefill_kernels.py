@@ -1,8 +1,10 @@
-"""Where a fresh prompt's prefill step goes on the GPU, kernel by kernel, on the real-size slice: one
+"""Where a fresh prompt's prefill goes on the GPU, kernel by kernel, on the real-size slice: one
 request of `--tokens` new tokens (no prefix hit), eager and as a prefill-graph replay, under
-torch.profiler (CUDA activity); the step's wall time beside its GPU-busy time.
+torch.profiler (CUDA activity); the wall time of the steps up to its first token beside their GPU-busy
+time. A prompt longer than the chunked-prefill size takes several steps, all of them counted.
 
     PYTHONPATH=src python3 benchmarks/device/prefill_kernels.py [--layers 8] [--tokens 1024] [--out DIR]
+        [--engines eager,graphs]
 """
 
 from __future__ import annotations
@@ -24,20 +26,24 @@ VOCAB = 150000
 
 
 def prefill_step(engine, tokens: int, gen: torch.Generator, profile: bool) -> tuple[float, dict | None]:
-    """(wall ms of the step that prefills one fresh prompt, {kernel: [GPU µs, launches]} if `profile`)."""
+    """(wall ms of the steps that prefill one fresh prompt up to its first token, {kernel: [GPU µs,
+    launches]} if `profile`)."""
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     engine.add_request(
         f"p-{time.monotonic_ns()}", torch.randint(0, VOCAB, (tokens,), generator=gen).tolist(), params
     )
     torch.cuda.synchronize()
+
+    def first_token() -> float:
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return (time.perf_counter() - start) * 1e3
+
     if not profile:
-        start = time.perf_counter()
-        engine.step()
-        return (time.perf_counter() - start) * 1e3, None
+        return first_token(), None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        engine.step()
-        wall = (time.perf_counter() - start) * 1e3
+        wall = first_token()
     kernels: dict = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -51,15 +57,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--engines", default="eager,graphs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     target, _ = write_slice_with_dflash(Path(tempfile.mkdtemp()), args.layers)
     common = dict(
-        load_format="dummy", device="cuda", dtype="bfloat16", context_length=8192, max_running_requests=8
+        load_format="dummy",
+        device="cuda",
+        dtype="bfloat16",
+        context_length=max(8192, args.tokens + 64),
+        max_running_requests=8,
     )
     eager = LLM(str(target), cuda_graph_max_prefill_tokens=0, mem_fraction_static=0.45, **common)
     graphs = LLM(str(target), target=eager.engine.model, mem_fraction_static=0.85, **common)
     engines = {"eager": eager.engine, "graphs": graphs.engine}
+    engines = {name: engines[name] for name in args.engines.split(",")}
     gen = torch.Generator().manual_seed(5)
     for engine in engines.values():  # warm-up
         prefill_step(engine, args.tokens, gen, False)

@@ -13,6 +13,7 @@ from hylo.forward_batch import ForwardBatch
 from hylo.host_copy import to_device
 from hylo.layers.linear import FusedLinear, Linear
 from hylo.ops import kda as kda_ops
+from hylo.ops.kda.reference import CHUNK_TOKENS
 
 
 class KDAAttention(nn.Module):
@@ -58,8 +59,7 @@ class KDAAttention(nn.Module):
         f_a, g_a = self.fg_a_proj(x)
         qkvfb = kda_ops.KDAInputs(q, k, v, self.f_b_proj(f_a), b)
         if not batch.verify_seqs and batch.snapshot_points:
-            o = x.new_empty(tokens, *heads)
-            self._advance_in_segments(qkvfb, range(len(batch.extend_lens)), batch, o)
+            o = self._advance_taking_snapshots(qkvfb, batch)
         elif not batch.verify_seqs:
             o = self._advance(qkvfb, batch.state_slots, *_cu_seqlens(batch), batch)
         else:
@@ -96,6 +96,23 @@ class KDAAttention(nn.Module):
         layer = batch.states.kda_index[self.layer_idx]
         return kda_ops.KDASlots(batch.states.conv[layer], batch.states.recurrent[layer], slots)
 
+    def _advance_taking_snapshots(self, qkvfb: kda_ops.KDAInputs, batch: ForwardBatch) -> torch.Tensor:
+        """Advance every sequence of a prefill batch that leaves prefix-cache snapshots: in one call
+        whose chunk kernels take those inside the sequences (`_chunk_snapshots`), the windows and states
+        of those at a sequence's end copied from its slot after it; in segments where a snapshot falls
+        off the KDA chunks' boundaries."""
+        plan = _chunk_snapshots(batch, self.lower_bound)
+        if plan is None:
+            o = qkvfb.q.new_empty(qkvfb.q.shape[0], self.num_heads, self.head_dim)
+            self._advance_in_segments(qkvfb, range(len(batch.extend_lens)), batch, o)
+            return o
+        o = self._advance(qkvfb, batch.state_slots, *_cu_seqlens(batch), batch, plan.chunk_ids)
+        if plan.end_ids.numel():
+            layer, pool = batch.states.kda_index[self.layer_idx], batch.snapshot_pool
+            pool.conv[layer, plan.end_ids] = batch.states.conv[layer, plan.end_slots]
+            pool.recurrent[layer, plan.end_ids] = batch.states.recurrent[layer, plan.end_slots]
+        return o
+
     def _advance_in_segments(self, qkvfb, seqs, batch: ForwardBatch, o: torch.Tensor) -> None:
         """Advance sequences `seqs` (batch indices) segment by segment, their chunks split at their
         snapshot points (`ForwardBatch.snapshot_points`): round r advances every sequence's r-th
@@ -116,15 +133,17 @@ class KDAAttention(nn.Module):
         cu_cpu: list[int] | None,
         cu: torch.Tensor,
         batch: ForwardBatch,
+        chunk_snapshots: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`chunk_snapshots`: the snapshot id after each KDA chunk of the call (`ChunkSnapshots`), if
+        not the padded batch's."""
         if cu_cpu is not None and cu_cpu[-1] == len(cu_cpu) - 1:  # one token per sequence
             return kda_ops.decode(qkvfb, self.params, self._slots(batch, slots))
         snapshots = None
-        if batch.padded_snapshots is not None:
+        chunk_ids = batch.padded_snapshots if chunk_snapshots is None else chunk_snapshots
+        if chunk_ids is not None:
             layer, pool = batch.states.kda_index[self.layer_idx], batch.snapshot_pool
-            snapshots = kda_ops.ChunkSnapshots(
-                batch.padded_snapshots, pool.conv[layer], pool.recurrent[layer]
-            )
+            snapshots = kda_ops.ChunkSnapshots(chunk_ids, pool.conv[layer], pool.recurrent[layer])
         return kda_ops.prefill(qkvfb, self.params, self._slots(batch, slots), cu, cu_cpu, snapshots)
 
 
@@ -140,6 +159,55 @@ def _cu_seqlens(batch: ForwardBatch) -> tuple[list[int] | None, torch.Tensor]:
     if cached is None:
         cached = batch.__dict__["_kda_cu_seqlens"] = _offsets(batch.extend_lens, batch.state_slots.device)
     return cached
+
+
+@dataclass(frozen=True)
+class ChunkSnapshotPlan:
+    """A prefill batch's snapshots as one KDA call takes them: `chunk_ids` the snapshot id after each
+    of the call's chunks (`ChunkSnapshots`; None: none inside a sequence), and the (state slot,
+    snapshot id) pairs `end_slots` / `end_ids` of the snapshots at a sequence's end."""
+
+    chunk_ids: torch.Tensor | None
+    end_slots: torch.Tensor
+    end_ids: torch.Tensor
+
+
+def _chunk_snapshots(batch: ForwardBatch, lower_bound: float | None) -> ChunkSnapshotPlan | None:
+    """The batch's snapshots for one KDA call (made once per batch, shared by every KDA layer), or None
+    when the call cannot take them: a snapshot inside a sequence off a multiple of `CHUNK_TOKENS`
+    tokens from the sequence's first new one, or a CUDA layer whose gate the chunked kernels refuse
+    (the reference would read the chunk ids back)."""
+    cache = batch.__dict__
+    if "_kda_chunk_snapshots" not in cache:
+        device = batch.state_slots.device
+        found = None
+        if device.type != "cuda" or kda_ops.chunked_prefill_refusal(lower_bound) is None:
+            found = _chunk_snapshot_ids(batch)
+        if found is None:
+            cache["_kda_chunk_snapshots"] = None
+        else:
+            chunk_ids, ends = found
+            ends_d = to_device(ends, device, torch.long).view(-1, 2)
+            inner = to_device(chunk_ids, device, torch.long) if max(chunk_ids, default=-1) >= 0 else None
+            cache["_kda_chunk_snapshots"] = ChunkSnapshotPlan(inner, ends_d[:, 0], ends_d[:, 1])
+    return cache["_kda_chunk_snapshots"]
+
+
+def _chunk_snapshot_ids(batch: ForwardBatch) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """(snapshot id after each KDA chunk of the batch's sequences, (state slot, snapshot id) of each
+    snapshot at a sequence's end), or None if a snapshot inside a sequence is off a chunk boundary."""
+    chunk_ids, ends = [], []
+    for i, n in enumerate(batch.extend_lens):
+        ids = [-1] * -(-n // CHUNK_TOKENS)
+        for point, sid in batch.snapshot_points.get(i, []):
+            if point == n:
+                ends.append((batch.seq_slots[i], sid))
+            elif 0 < point < n and point % CHUNK_TOKENS == 0:
+                ids[point // CHUNK_TOKENS - 1] = sid
+            else:
+                return None
+        chunk_ids += ids
+    return chunk_ids, ends
 
 
 def _segment_rounds(batch: ForwardBatch, seqs: tuple[int, ...]) -> list[tuple]:

@@ -3,7 +3,10 @@
 One program owns one query token, a block of heads and a contiguous chunk of that token's row list;
 it gathers the chunk's latent rows (slot -1 = empty, never read), runs an online softmax in fp32 and
 either writes the normalised output (one chunk per token: prefill) or a partial output plus its
-log-sum-exp (several chunks per token: decode/verify), which `_merge_kernel` combines. A chunk with
+log-sum-exp (several chunks per token: decode/verify), which `_merge_kernel` combines. A prefill
+program first finds its token's last valid row and walks the list only that far: the GPU indexer
+writes the valid rows first, so a token with fewer rows than the list holds (each token of a prompt
+shorter than the selection) walks only the blocks its rows fill. A chunk with
 no valid row leaves lse = -inf and weighs nothing in the merge. Scores are kept in base 2.
 """
 
@@ -44,6 +47,8 @@ def _sparse_mla_kernel(
     R: tl.constexpr,
     PARTIAL: tl.constexpr,
     SKIP_EMPTY: tl.constexpr,
+    TRIM: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -59,7 +64,15 @@ def _sparse_mla_kernel(
     acc = tl.zeros([BLOCK_H, R], tl.float32)
     # The last chunk may run past `width`: its extra blocks are all empty (skipped or masked).
     lo = split * rows_per_split
-    for start in range(lo, lo + rows_per_split, BLOCK_N):
+    hi = lo + rows_per_split
+    if TRIM:  # stop after the token's last valid row: a short context leaves the rest of its list empty
+        last = tl.full([], 0, tl.int32)
+        for w0 in range(0, width, BLOCK_W):
+            c = w0 + tl.arange(0, BLOCK_W)
+            r = tl.load(rows_ptr + tok * stride_rt + c, mask=c < width, other=-1)
+            last = tl.maximum(last, tl.max(tl.where(r >= 0, c + 1, 0), axis=0))
+        hi = tl.minimum(hi, last)
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         idx = tl.load(rows_ptr + tok * stride_rt + cols, mask=cols < width, other=-1)
         valid = idx >= 0
@@ -194,14 +207,17 @@ def sparse_mla_fwd(
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     grid = (num_tokens, num_splits, head_blocks)
-    common = dict(BLOCK_H=block_h, BLOCK_N=block_n, R=rank, num_warps=num_warps, num_stages=num_stages)
+    common = dict(
+        BLOCK_H=block_h, BLOCK_N=block_n, R=rank, BLOCK_W=min(1024, triton.next_power_of_2(max(width, 1))),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
     if num_splits == 1:
         _sparse_mla_kernel[grid](
             q_latent, latent, rows, out, out,
             num_heads, width, rows_per_split, scale * LOG2E,
             q_latent.stride(0), q_latent.stride(1), latent.stride(0), rows.stride(0),
             out.stride(0), 0, out.stride(1), 0, 0,
-            PARTIAL=False, SKIP_EMPTY=False, **common,
+            PARTIAL=False, SKIP_EMPTY=False, TRIM=True, **common,
         )  # fmt: skip
         return out
     part = torch.empty(num_tokens, num_splits, num_heads, rank, dtype=torch.float32, device=q_latent.device)
@@ -211,7 +227,7 @@ def sparse_mla_fwd(
         num_heads, width, rows_per_split, scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), latent.stride(0), rows.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        PARTIAL=True, SKIP_EMPTY=skip_empty, **common,
+        PARTIAL=True, SKIP_EMPTY=skip_empty, TRIM=False, **common,
     )  # fmt: skip
     block_r = min(rank, 128)
     _merge_kernel[(num_tokens, num_heads, rank // block_r)](
