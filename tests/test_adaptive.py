@@ -61,6 +61,27 @@ def test_policy_measures_both_modes_then_keeps_the_faster():
     assert bad._probe_interval[1] == 8
 
 
+def test_a_lucky_probe_does_not_start_the_back_off_over():
+    """A probe whose block happens to pay is verified on while it pays, but the probe interval goes
+    on doubling until the running mean pays: a mostly wrong draft keeps its long waits."""
+    policy = DraftLengthPolicy(BLOCK, probe_every=8, max_probe_every=64)
+    run_steps(policy, 30, verify_cost=2.5, plain_cost=1.0, committed=1.0)  # two probes: interval 32
+    assert policy._probe_interval[1] == 32
+    verified = []
+    for step in range(200):
+        plan = policy.plan(1)
+        lucky = plan.verify and not verified  # the first probe commits 3 tokens, the rest 1
+        if plan.verify:
+            verified.append(step)
+        policy.record(
+            1, plan.verify, 2.5 if plan.verify else 1.0, (3.0 if lucky else 1.0) if plan.verify else None
+        )
+    # the lucky probe is verified on (two follow-ups, announced before its own result and after
+    # it), then the next probe waits out the doubled interval rather than the first one again
+    assert verified[1] - verified[0] <= 2 and verified[2] - verified[1] == 1
+    assert verified[3] - verified[2] > 32 and policy._probe_interval[1] == 64
+
+
 def test_policy_costs_are_per_bucket_and_robust_to_one_slow_step():
     policy = DraftLengthPolicy(BLOCK)
     for seconds in (5.0, 1.0, 1.0, 1.0):  # a first step that compiled kernels

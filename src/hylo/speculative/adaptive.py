@@ -10,7 +10,8 @@ again (a request entering code, a repetition); each probe after which plain deco
 doubles that interval, up to `max_probe_every` (a probe costs a verify step and the drafting before
 it, for about one token), and verifying winning again resets it. A verify step whose blocks
 committed enough to pay is followed by more verify steps even while the running mean, slow to move,
-still says otherwise.
+still says otherwise; only the mean paying starts the probe interval over, so that a random draft's
+lucky block (two tokens where one is usual) costs one more verify step, not the back-off.
 
 Drafts are made at the end of the step before the one that verifies them, so the policy plans one
 step ahead: `plan` says whether this step verifies (decided a step ago) and whether it must draft
@@ -94,11 +95,12 @@ class DraftLengthPolicy:
             return True
         if plain_cost is None:
             return False
-        # the running mean, or the last verify step when it did better (a probe that paid verifies on)
-        if max(self.mean_committed, self.last_committed or 0.0) * plain_cost > verify_cost:
+        if self.mean_committed * plain_cost > verify_cost:
             self._plain_run[bucket] = 0
             self._probe_interval[bucket] = self.probe_every
             return True
+        if (self.last_committed or 0.0) * plain_cost > verify_cost:
+            return True  # a probe that paid verifies on; the back-off stands until the mean pays too
         run = self._plain_run.get(bucket, 0) + (not verifying_now)
         self._plain_run[bucket] = run
         interval = self._probe_interval.get(bucket, self.probe_every)
