@@ -3,6 +3,7 @@ outputs are those of the engine that reads every step first (`--disable-overlap-
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -10,7 +11,9 @@ import torch
 
 from hylo import LLM, SamplingParams
 from hylo.engine.request import IN_FLIGHT, Status
+from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS
 from hylo.sampling import SampleRow, target_distribution
+from hylo.speculative.adaptive import StepPlan
 
 PROMPTS = [
     "Hello, how are you?",
@@ -28,9 +31,10 @@ def engines():
     return {overlap: LLM(disable_overlap_schedule=not overlap).engine for overlap in (True, False)}
 
 
-def run(engine, script: dict[int, list[tuple]]) -> tuple[dict, int]:
-    """Drive `engine` call by call, adding and aborting requests before the calls `script` names;
-    (what every request produced, how many calls left a step in flight)."""
+def run(engine, script: dict[int, list[tuple]], on_outputs=None) -> tuple[dict, int]:
+    """Drive `engine` call by call, adding and aborting requests before the calls `script` names and
+    handing each call's outputs to `on_outputs`; (what every request produced, how many calls left a
+    step in flight)."""
     tokenizer = engine.tokenizer
     created, ahead, call = [], 0, 0
     start = (engine.caches.num_available_pages, engine.caches.slots.num_free)
@@ -41,7 +45,9 @@ def run(engine, script: dict[int, list[tuple]]) -> tuple[dict, int]:
                 created += engine.add_request(rid, tokenizer.encode(prompt), params)
             else:
                 engine.abort(action[1])
-        engine.step()
+        outputs = engine.step()
+        if on_outputs is not None:
+            on_outputs(outputs)
         ahead += engine.in_flight is not None
         call += 1
     assert (engine.caches.num_available_pages, engine.caches.slots.num_free) == start
@@ -193,3 +199,53 @@ def test_constrained_rows_pick_after_their_grammar_took_the_token_before(engines
     same(overlapped, reference)
     assert ahead > 5 and len(deferred) >= ahead
     assert re.fullmatch("[a-z ]{4,30}", reference["regex"][1]) and reference["json"][1].startswith("{")
+
+
+# a verify step follows a plain step that drafted for it; the plain steps that draft nothing overlap
+SCRIPTED_PLANS = [
+    StepPlan(False, False), StepPlan(False, False), StepPlan(False, False), StepPlan(False, True),
+    StepPlan(True, True), StepPlan(True, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
+@pytest.mark.parametrize("algorithm", ["dflash2", "mtp"])
+def test_speculative_plain_steps_overlap_and_the_drafts_see_every_token(algorithm, graphs):
+    """A speculative engine launches its plain steps that draft nothing ahead of the read before them
+    (the adaptive policy's plain mode), their observes run on the device (an eager step's after its
+    picks, a fixed-shape one's deferred to the ring), and the next drafting step's proposer has seen
+    every token: tokens and accepted drafts equal the engine that reads every step (the demo's trained
+    drafts accept many tokens, so a draft context missing a token would show)."""
+    flags = (
+        dict(speculative_algorithm="MTP", speculative_num_steps=3)
+        if algorithm == "mtp"
+        else dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(DEMO_DRAFTS[algorithm]))
+    )
+    results = {}
+    for overlap in (True, False):
+        llm = LLM(
+            str(DEMO_DIR), device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
+            decode_graphs=graphs, cuda_graph_max_bs=4, max_memory_gb=0.25, **flags,
+        )  # fmt: skip
+        engine, plans = llm.engine, itertools.cycle(SCRIPTED_PLANS)
+        engine.policy.plan = lambda bucket, plans=plans: next(plans)
+        script = {
+            0: [
+                ("add", "greedy", PROMPTS[0], greedy(40, ignore_eos=True)),
+                ("add", "seeded", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=30)),
+            ],
+            5: [("add", "late", PROMPTS[3], greedy(25, ignore_eos=True))],
+        }
+        accepted: dict[str, list[int]] = {}
+
+        def count_accepted(outputs, accepted=accepted):
+            for out in outputs:
+                if out.accepted_drafts is not None:
+                    accepted.setdefault(out.request.request_id, []).append(out.accepted_drafts)
+
+        outputs, ahead = run(engine, script, count_accepted)
+        results[overlap] = outputs, ahead, accepted
+    (overlapped, ahead, accepted), (reference, never, accepted_ref) = results[True], results[False]
+    same(overlapped, reference)
+    assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10
+    assert never == 0 and ahead > 5

@@ -187,10 +187,12 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.caches, config.seed, self.proposer, graphs, verifying, prefilling
         )
-        # overlapped steps are plain decode steps of one rank (speculative steps and the ranks of a
-        # tensor-parallel engine, which step by rank 0's published plans, read every step's tokens)
-        self.overlap = not config.disable_overlap_schedule and self.proposer is None and parallel.size == 1
+        # overlapped steps are plain decode steps of one rank that draft nothing (verify steps, the
+        # plain steps drafting for them and the ranks of a tensor-parallel engine, which step by rank
+        # 0's published plans, read every step's tokens)
+        self.overlap = not config.disable_overlap_schedule and parallel.size == 1
         self.in_flight: LaunchedStep | None = None
+        self._held_plan: StepPlan | None = None  # made for a step ahead that was not launched
         self.buckets = batch_size_buckets(max_bs)
         # taken last: the allocator's figures include the caches and the captured graphs' pools
         report = memory_report(self.model, self.plan, self.device, load_peak.bytes)
@@ -354,35 +356,58 @@ class Engine:
         it (`ModelRunner.launch`); before its tokens are read the next step is scheduled and launched
         behind it where it can be (`Scheduler.schedule_ahead`), so the host's scheduling, batch
         building and detokenising run while the device computes. A call then returns the outputs of
-        the step launched before, and leaves the one after it in flight (`in_flight`)."""
+        the step launched before, and leaves the one after it in flight (`in_flight`). In a speculative
+        engine the steps that overlap are the plain ones that draft nothing (`DraftLengthPolicy`'s
+        choice while verifying does not pay); the plan of a step ahead that cannot be launched is held
+        for the next call."""
         self.check_alive()
         if self.in_flight is None:
             bucket = self._bucket()
             if plan is None:
-                plan = self.policy.plan(bucket) if self.policy is not None else StepPlan(True, True)
+                plan = self._next_plan(bucket)
             if self.ranks.publisher is not None:
                 self.ranks.publisher.step(plan.verify, plan.draft)
             chunks = self.scheduler.schedule(draft=plan.verify)
             if not chunks:
                 return []
-            if not (self.overlap and self.runner.overlaps(chunks)):
+            if not (self._overlaps(plan) and self.runner.overlaps(chunks)):
                 start = time.perf_counter()
                 results = self.runner.step(chunks, draft=plan.draft)
                 if self.policy is not None:
                     self._record(bucket, chunks, results, time.perf_counter() - start)
                 return self._apply(chunks, results)
             self.in_flight = self._launch(chunks)
-        launched = self.in_flight
-        ahead = self.scheduler.schedule_ahead([ch.request for ch in launched.chunks])
-        self.in_flight = None
+        start, bucket = time.perf_counter(), self._bucket()
+        launched, self.in_flight = self.in_flight, None
+        ahead, plan_ahead = None, self._next_plan(bucket)
+        if self._overlaps(plan_ahead):
+            ahead = self.scheduler.schedule_ahead([ch.request for ch in launched.chunks])
         if ahead and self.runner.overlaps(ahead):
             # a constrained row picks once its grammar has taken the token read below
             constrained = any(ch.request.grammar is not None for ch in ahead)
             self.in_flight = self._launch(ahead, sample_now=not constrained)
-        outputs = self._apply(launched.chunks, self.runner.collect(launched), launched=True)
+        elif self.proposer is not None:
+            self._held_plan = plan_ahead  # the next step, scheduled once the tokens are read
+        results = self.runner.collect(launched)
+        outputs = self._apply(launched.chunks, results, launched=True)
+        if self.policy is not None:  # an overlapped step costs the time between two reads
+            self._record(bucket, launched.chunks, results, time.perf_counter() - start)
         if self.in_flight is not None and self.in_flight.read is None:
             self.runner.sample_launched(self.in_flight)
         return outputs
+
+    def _next_plan(self, bucket: int) -> StepPlan:
+        """The plan of the next step: one made for a step ahead that was not launched, else the
+        policy's (every step verifies and drafts without one)."""
+        if self._held_plan is not None:
+            plan, self._held_plan = self._held_plan, None
+            return plan
+        return self.policy.plan(bucket) if self.policy is not None else StepPlan(True, True)
+
+    def _overlaps(self, plan: StepPlan) -> bool:
+        """Whether a step of `plan` may run ahead of the read before it: a plain step drafting nothing
+        (`plan` means nothing to an engine without a proposer)."""
+        return self.overlap and (self.proposer is None or not (plan.verify or plan.draft))
 
     def _launch(self, chunks: list[ScheduledChunk], sample_now: bool = True) -> LaunchedStep:
         launched = self.runner.launch(chunks, sample_now)

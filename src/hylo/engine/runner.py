@@ -47,6 +47,7 @@ class LaunchedStep:
     chunks: list[ScheduledChunk]
     read: PendingRead | None
     logits: torch.Tensor | None = None
+    observing: ForwardBatch | None = None  # an eager step's batch, for the proposer's observe after its picks
 
 
 class ModelRunner:
@@ -146,35 +147,54 @@ class ModelRunner:
                 self._snapshot_features(batch)
         return self._pick(chunks, batch, logits, observed, draft, targets)
 
-    @staticmethod
-    def overlaps(chunks: Sequence[ScheduledChunk]) -> bool:
+    def overlaps(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """Whether `launch` takes the step: plain decode chunks (one token each, sampled), scoring no
-        prompt position."""
-        return all(
+        prompt position. With a proposer, one that observes from device tensors, and the step either a
+        decode-graph replay that defers its observe (room left in the ring) or an eager forward with
+        nothing deferred before it (it observes at once; what waits would need tokens still in flight)."""
+        plain = all(
             ch.num_tokens == 1 and ch.samples and not ch.verify and not ch.snapshots
             and not ch.request.scores_prompt
             for ch in chunks
         )  # fmt: skip
+        if not plain or self.proposer is None:
+            return plain
+        if self.proposer.needs_host:
+            return False
+        requests = [ch.request for ch in chunks]
+        if self.graphs is not None and self.graphs.accepts([_sequence(ch, False) for ch in chunks]):
+            room = self.graphs.deferred_tokens
+            return self.graphs.defers and all(
+                r.deferred_from is None or r.num_computed - r.deferred_from < room for r in requests
+            )
+        return all(r.deferred_from is None for r in requests)
 
     def launch(self, chunks: Sequence[ScheduledChunk], sample_now: bool = True) -> LaunchedStep:
-        """Launch a plain decode step (`overlaps`; no proposer) without waiting for it: the forward (a
-        decode-graph replay where it fits), the picks, each row's pick into
-        `CacheManager.last_sampled` (where the next step's in-flight tokens come from) and the copy
-        of the picks to the host. A chunk may feed an in-flight token (`Request.tokens`). Without
-        `sample_now` only the forward is launched: `sample_launched` picks later, once the step before
-        has been applied (a constrained row's grammar must have taken its token first)."""
-        if self.proposer is not None:
-            raise ValueError("launch: steps with a proposer run through `step`")
+        """Launch a plain decode step (`overlaps`) without waiting for it: the forward (a decode-graph
+        replay where it fits), the picks, each row's pick into `CacheManager.last_sampled` (where the
+        next step's in-flight tokens come from) and the copy of the picks to the host. A chunk may feed
+        an in-flight token (`Request.tokens`). Without `sample_now` only the forward is launched:
+        `sample_launched` picks later, once the step before has been applied (a constrained row's
+        grammar must have taken its token first). With a proposer the step drafts nothing: a replay
+        leaves its observe in the deferred ring, an eager forward's observe runs after its picks."""
+        if not self.overlaps(chunks):
+            raise ValueError("launch: not a step to launch ahead of its read (`overlaps`)")
         seqs = [_sequence(ch, False) for ch in chunks]
-        c = self.caches
+        c, proposer = self.caches, self.proposer
+        observing = None
         if self.graphs is not None and self.graphs.accepts(seqs):
-            _, logits = self.graphs.run(seqs)
+            _, logits = self.graphs.run(seqs, OBSERVE if proposer is None else DEFER)
+            if proposer is not None:
+                for ch in chunks:
+                    r = ch.request
+                    r.deferred_from = r.num_computed if r.deferred_from is None else r.deferred_from
         else:
             batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
             ids = batch.input_ids  # an in-flight token is its row's last pick, as the decode graphs take it
             ids.copy_(torch.where(ids == IN_FLIGHT, c.last_sampled[batch.token_rows], ids))
-            logits = self.model(batch)
-        launched = LaunchedStep(list(chunks), None, logits)
+            logits = self.model(batch, proposer.capture_layers if proposer is not None else ())
+            observing = batch if proposer is not None else None
+        launched = LaunchedStep(list(chunks), None, logits, observing)
         if sample_now:
             self._sample(launched, own_counted=False)
         return launched
@@ -204,6 +224,12 @@ class ModelRunner:
             c.last_sampled[slots] = picked.tokens
         else:
             c.last_sampled[slots] = picked.tokens[to_device(held, logits.device, torch.long)]
+        if launched.observing is not None:  # what `_pick` has the proposer observe of a plain step
+            n = len(requests)
+            counts = torch.ones(n, dtype=torch.int32, device=logits.device)
+            commit = StepCommit(counts, picked.tokens, torch.arange(n, device=logits.device))
+            self.proposer.observe(launched.observing, commit)
+            launched.observing = None
         launched.read, launched.logits = start_read(picked.tokens, *_logprob_tensors(picked)), None
 
     def _unread(self, request: Request, earlier: int) -> torch.Tensor | None:

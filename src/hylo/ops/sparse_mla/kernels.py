@@ -20,6 +20,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# row-list entries a prefill program scans per load for its last valid row: one size for every width, so
+# that a new width compiles no new kernel (a compile inside a CUDA-graph capture fails it)
+ROW_SCAN_BLOCK = 256
 
 
 @triton.jit
@@ -208,7 +211,7 @@ def sparse_mla_fwd(
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     grid = (num_tokens, num_splits, head_blocks)
     common = dict(
-        BLOCK_H=block_h, BLOCK_N=block_n, R=rank, BLOCK_W=min(1024, triton.next_power_of_2(max(width, 1))),
+        BLOCK_H=block_h, BLOCK_N=block_n, R=rank, BLOCK_W=ROW_SCAN_BLOCK,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits == 1:
