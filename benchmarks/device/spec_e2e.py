@@ -253,9 +253,11 @@ def copy_bandwidth() -> float:
 
 def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, list[int]]:
     """(Weight bytes one call of `forward` reads, distinct routed experts per experts call): every
-    call of a module reads its own parameters and buffers once; an embedding reads only its looked-up
-    rows, routed experts only the experts their tokens are routed to (`route` on the call's input)."""
+    call of a module reads its own parameters and buffers once (a vocabulary head's `argmax` too, which
+    bypasses `forward`); an embedding reads only its looked-up rows, routed experts only the experts
+    their tokens are routed to (`route` on the call's input)."""
     from hylo.layers.moe import Experts, FP8Experts
+    from hylo.layers.vocab import VocabHead
     from hylo.ops.moe.reference import route
 
     read, distinct, hooks = [0.0], [], []
@@ -275,17 +277,29 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
         else:
             read[0] += own_bytes(m)
 
-    seen = set()
+    def counting_argmax(head: VocabHead):
+        def argmax(hidden: torch.Tensor) -> torch.Tensor:
+            on_call(head, (hidden,))
+            return VocabHead.argmax(head, hidden)
+
+        return argmax
+
+    seen, heads = set(), []
     for root in modules:
         for m in root.modules():
             if id(m) not in seen and own_bytes(m):
                 seen.add(id(m))
                 hooks.append(m.register_forward_pre_hook(on_call))
+            if isinstance(m, VocabHead) and m not in heads:
+                heads.append(m)
+                m.argmax = counting_argmax(m)
     try:
         forward()
     finally:
         for h in hooks:
             h.remove()
+        for head in heads:
+            del head.argmax
     return read[0], distinct
 
 
