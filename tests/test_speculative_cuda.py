@@ -5,6 +5,7 @@ graph buckets, so that both run the same kernels on the same shapes). Tiny rando
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from hf_reference import tiny_text_config
 
 import hylo.engine.runner as runner_module
 from hylo import LLM, SamplingParams
+from hylo.engine.cuda_graph import DecodeGraphs
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs and the sync debug mode need a GPU"
@@ -137,3 +139,21 @@ def test_one_read_keeps_results_of_one_shape_apart():
     tokens, accepted = torch.tensor([5, 6], device="cuda"), torch.tensor([1, 2], device="cuda")
     got = runner_module._read(tokens, None, accepted)
     assert got[0].tolist() == [5, 6] and got[1] is None and got[2].tolist() == [1, 2]
+
+
+def test_graphs_are_captured_with_the_collector_off(checkpoints, monkeypatch):
+    """Every bucket's capture (decode and verify graphs) runs with the garbage collector off, and the
+    collector is back on afterwards: a collection mid-capture could free an earlier engine's graphs
+    or pinned buffers, whose CUDA calls would invalidate the capture."""
+    target, draft = checkpoints
+    seen, capture = [], DecodeGraphs._capture
+
+    def recorded(self, *args):
+        seen.append((self.kind, gc.isenabled()))
+        return capture(self, *args)
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", recorded)
+    assert gc.isenabled()
+    make_llm(target, "dflash", draft, mem_fraction_static=cache_fraction(2**30))
+    assert {kind for kind, _ in seen} >= {"decode", "verify"}
+    assert not any(enabled for _, enabled in seen) and gc.isenabled()

@@ -15,6 +15,7 @@ replay: the same fixed-shape path, so that it can be checked against the eager o
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -243,10 +244,20 @@ class DecodeGraphs:
             reversed(self.buckets), total=len(self.buckets), desc=f"Capturing {self.kind} CUDA graphs",
             unit="graph",
         )  # fmt: skip
-        with torch.cuda.device(device):
-            for bucket in bar:
-                bar.set_postfix(bucket=bucket)
-                self._capture(bucket, pool, stream)
+        # A garbage collection during a capture can free an earlier engine's graphs or pinned buffers,
+        # and their CUDA calls invalidate the capture (torch >= 2.5 no longer collects before one): the
+        # collector runs once here and stays off until every bucket is captured.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.device(device):
+                for bucket in bar:
+                    bar.set_postfix(bucket=bucket)
+                    self._capture(bucket, pool, stream)
+        finally:
+            if collecting:
+                gc.enable()
         logger.info(
             "captured %d %s CUDA graphs (%s %s) in %.1f s, using %.2f GiB",
             len(self.buckets),
