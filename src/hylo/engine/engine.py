@@ -386,7 +386,7 @@ class Engine:
             # a constrained row picks once its grammar has taken the token read below
             constrained = any(ch.request.grammar is not None for ch in ahead)
             self.in_flight = self._launch(ahead, sample_now=not constrained)
-        elif self.proposer is not None:
+        else:
             self._held_plan = plan_ahead  # the next step, scheduled once the tokens are read
         results = self.runner.collect(launched)
         outputs = self._apply(launched.chunks, results, launched=True)

@@ -97,10 +97,7 @@ class ModelRunner:
         plain_graph = not snapshots and self.graphs is not None and self.graphs.accepts(seqs)
         variant = OBSERVE
         if plain_graph and self.graphs.defers:
-            room = self.graphs.deferred_tokens
-            if not draft and all(
-                r.deferred_from is None or r.num_computed - r.deferred_from < room for r in requests
-            ):
+            if not draft and self._ring_has_room(requests):
                 variant = DEFER  # a plain step that drafts nothing leaves its observe for later
             elif draft and all(r.picks_argmax for r in requests):
                 variant, draft = DRAFT, False  # its graph drafts from the picks: nothing is left to draft
@@ -130,8 +127,7 @@ class ModelRunner:
             batch, logits = self.graphs.run(seqs, variant)
             observed = self.graphs.observes  # or deferred: nothing is left to observe now either
             if variant == DEFER:
-                for r in requests:
-                    r.deferred_from = r.num_computed if r.deferred_from is None else r.deferred_from
+                _mark_deferred(requests)
         elif self.prefill_graphs is not None and self.prefill_graphs.accepts(seqs):
             batch, logits = self.prefill_graphs.run(seqs)  # takes the chunk's snapshots too
             observed = self.prefill_graphs.observes
@@ -163,11 +159,13 @@ class ModelRunner:
             return False
         requests = [ch.request for ch in chunks]
         if self.graphs is not None and self.graphs.accepts([_sequence(ch, False) for ch in chunks]):
-            room = self.graphs.deferred_tokens
-            return self.graphs.defers and all(
-                r.deferred_from is None or r.num_computed - r.deferred_from < room for r in requests
-            )
+            return self.graphs.defers and self._ring_has_room(requests)
         return all(r.deferred_from is None for r in requests)
+
+    def _ring_has_room(self, requests: Sequence[Request]) -> bool:
+        """Whether one more deferred observe of each of `requests` fits the decode graphs' ring."""
+        room = self.graphs.deferred_tokens
+        return all(r.deferred_from is None or r.num_computed - r.deferred_from < room for r in requests)
 
     def launch(self, chunks: Sequence[ScheduledChunk], sample_now: bool = True) -> LaunchedStep:
         """Launch a plain decode step (`overlaps`) without waiting for it: the forward (a decode-graph
@@ -177,17 +175,13 @@ class ModelRunner:
         `sample_launched` picks later, once the step before has been applied (a constrained row's
         grammar must have taken its token first). With a proposer the step drafts nothing: a replay
         leaves its observe in the deferred ring, an eager forward's observe runs after its picks."""
-        if not self.overlaps(chunks):
-            raise ValueError("launch: not a step to launch ahead of its read (`overlaps`)")
         seqs = [_sequence(ch, False) for ch in chunks]
         c, proposer = self.caches, self.proposer
         observing = None
         if self.graphs is not None and self.graphs.accepts(seqs):
             _, logits = self.graphs.run(seqs, OBSERVE if proposer is None else DEFER)
             if proposer is not None:
-                for ch in chunks:
-                    r = ch.request
-                    r.deferred_from = r.num_computed if r.deferred_from is None else r.deferred_from
+                _mark_deferred([ch.request for ch in chunks])
         else:
             batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
             ids = batch.input_ids  # an in-flight token is its row's last pick, as the decode graphs take it
@@ -465,6 +459,14 @@ def _score_prompts(
     logprobs = torch.log_softmax(logits[index[0]].float(), dim=-1)
     top = logprobs.topk(max(ch.request.params.prompt_logprobs for ch in chunks), dim=-1)
     return logprobs.gather(1, index[1][:, None])[:, 0], top.indices, top.values
+
+
+def _mark_deferred(requests: Sequence[Request]) -> None:
+    """A replay left these requests' observe in the deferred ring: their deferred positions start at
+    the first step that did (`Request.deferred_from`)."""
+    for r in requests:
+        if r.deferred_from is None:
+            r.deferred_from = r.num_computed
 
 
 def _sequence(ch: ScheduledChunk, score: bool) -> SequenceChunk:
