@@ -145,6 +145,19 @@ def test_hylo_train_end_to_end_on_a_tiny_config(tmp_path, monkeypatch):
         ours.float(), theirs, atol=1e-3, rtol=0
     )  # the same bf16 weights, fp32 arithmetic
 
+    # `--init-from`: a new schedule from the exported weights (step 0 draws the same batch as the first
+    # run's step 0, so its loss is the trained model's on that batch, not a fresh initialisation's)
+    again = tmp_path / "again"
+    target.train_target(
+        again, TrainSettings(steps=1, lr=1e-6, warmup=0), batch_size=4, seq_len=32, text_config=config,
+        tokenizer=tmp_path, progress=False, init_from=exported,
+    )  # fmt: skip
+    restarted = json.loads((again / "run" / LOSS_LOG).read_text().splitlines()[0])["loss"]
+    assert restarted < 0.8 * losses[0], (restarted, losses)
+    other = target.build_model(config | {"hidden_size": 32}, target.Tokenizer.from_dir(exported), seed=0)
+    with pytest.raises(ValueError, match="not a checkpoint of this target's config"):
+        target.load_weights(other, exported)
+
 
 def test_hylo_train_without_the_reference_implementation_says_what_to_install(tmp_path, monkeypatch, capsys):
     def missing(*args, **kwargs):

@@ -79,6 +79,10 @@ def test_new_draft_config_follows_z_lab_layout():
     assert v2.dflash2 is not None and v2.dflash2.vocab_size == qwen3_8b.vocab_size
     assert (v2.dflash2.conv_kernel_size, v2.dflash2.conv_group_size) == (4, 16)
     assert (v2.dflash2.selector_rank, v2.dflash2.selector_top_k) == (32, 8)
+    chosen = new_draft_config(qwen3_8b, "dflash", mask_token_id=7, num_layers=2, target_layer_ids=[17, 35])
+    assert chosen["dflash_config"]["target_layer_ids"] == [17, 35]
+    with pytest.raises(ValueError, match=r"target_layer_ids \[1, 36\]"):
+        new_draft_config(qwen3_8b, "dflash", mask_token_id=7, target_layer_ids=[1, 36])
     with pytest.raises(ValueError, match="outside the target vocabulary"):
         new_draft_config(qwen3_8b, "dflash", mask_token_id=qwen3_8b.vocab_size)
     with pytest.raises(ValueError, match="conv_kernel_size 4 exceeds block_size 2"):

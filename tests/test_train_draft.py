@@ -48,10 +48,15 @@ def _train(target_dir, prompts, out, algorithm, steps=24, *extra) -> list[float]
 def test_train_draft_learns_and_the_draft_serves_losslessly(target, tmp_path, algorithm):
     target_dir, prompts = target
     extra = () if algorithm == "mtp" else ("--block-size", "4", "--num-layers", "1")
+    if algorithm == "dflash2":  # features from the first and the last target layer
+        extra += ("--target-layers", "0,3")
     losses = _train(target_dir, prompts, tmp_path, algorithm, 30, *extra)
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
     report = json.loads((tmp_path / "training.json").read_text())
     assert report["data"]["prompts"] == 12 and report["data"]["response_tokens"] > 0
+    if algorithm == "dflash2":
+        saved = json.loads((tmp_path / "model" / "config.json").read_text())
+        assert saved["dflash_config"]["target_layer_ids"] == [0, 3]
 
     if algorithm == "mtp":  # the layer goes beside the target's weights
         served = tmp_path / "served"
@@ -104,3 +109,6 @@ def test_train_draft_rejects_a_target_without_a_mask_token_and_bad_data(tmp_path
     args[4] = str(tmp_path / "bad.jsonl")
     assert main(args) == 2
     assert "bad.jsonl, line 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--target-layers", "1,one"])
+    assert "--target-layers: must be comma-separated layer indices" in capsys.readouterr().err

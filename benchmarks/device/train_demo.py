@@ -4,6 +4,13 @@ fallback computes — the function hylo's parity tests hold hylo to. If they dis
 on the fallback.
 
     python3 benchmarks/device/train_demo.py --out $OUT --time-budget 400
+    python3 benchmarks/device/train_demo.py --out $OUT --time-budget 400 --batch-size 256 --lr 2e-3 \
+        --init-from src/hylo/assets/glm5-next-demo --work prepared/
+
+`--init-from` continues from an earlier target's weights with a new schedule (the data, split and
+tokenizer stay the demo's). `--work` may hold the encoded splits made beforehand on another machine
+(`hylo.train.target.prepare`, its `.npz` recompressed with `np.savez_compressed`), so that the GPU
+machine needs no ShareGPT package (its 27 MB wheel does not fit a call's carry beside the tree).
 """
 
 from __future__ import annotations
@@ -67,6 +74,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--init-from", type=Path, default=None)
     parser.add_argument("--work", type=Path, default=Path("/tmp/demo-train"))
     args = parser.parse_args()
     from hylo.train.loop import TrainSettings
@@ -74,9 +83,10 @@ def main() -> None:
 
     started = time.time()
     kernel = kda_kernel()
-    settings = TrainSettings(steps=100_000, lr=args.lr, warmup=100, checkpoint_every=1000,
+    settings = TrainSettings(steps=100_000, lr=args.lr, warmup=args.warmup, checkpoint_every=1000,
                              time_budget_s=args.time_budget)  # fmt: skip
-    report = train_target(args.work, settings, args.batch_size, args.seq_len, device="cuda", tokenizer=DEMO)
+    report = train_target(args.work, settings, args.batch_size, args.seq_len, device="cuda", tokenizer=DEMO,
+                          init_from=args.init_from)  # fmt: skip
     report["kda_kernel"] = kernel
     report["wall_s"] = time.time() - started
     (args.work / "model" / "training.json").write_text(json.dumps(report, indent=2) + "\n")

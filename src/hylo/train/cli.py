@@ -48,6 +48,16 @@ def _add_settings(parser: argparse.ArgumentParser, steps: int, lr: float, batch_
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _layer_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated layer indices, got {text!r}") from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"must be distinct layer indices >= 0, got {text!r}")
+    return ids
+
+
 def _cuda() -> bool:
     import torch
 
@@ -84,6 +94,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--limit", type=_positive(int), default=None, help="read only the first N ShareGPT conversations"
     )
+    parser.add_argument(
+        "--init-from", type=Path, default=None,
+        help="start from this target checkpoint (an earlier run's model/, same config) instead of a new one",
+    )  # fmt: skip
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -91,7 +105,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     report = _reported("train", lambda: train_target(
         args.out, _settings(args), batch_size=args.batch_size, seq_len=args.seq_len, device=args.device,
-        limit=args.limit, tokenizer=args.tokenizer, progress=not args.no_progress,
+        limit=args.limit, tokenizer=args.tokenizer, progress=not args.no_progress, init_from=args.init_from,
     ))  # fmt: skip
     if report is None:
         return 2
@@ -124,6 +138,10 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
         "--intermediate-size", type=_positive(int), default=None, help="draft MLP width (default 3 x hidden)"
     )
     parser.add_argument(
+        "--target-layers", type=_layer_ids, default=None,
+        help="target layers the DFlash draft reads, comma-separated (default: z-lab's spread, one a layer)",
+    )  # fmt: skip
+    parser.add_argument(
         "--init-from", type=Path, default=None, help="start from this DFlash draft's weights (same config)"
     )
 
@@ -138,12 +156,16 @@ def run_train_draft(args: argparse.Namespace) -> int:
             options["num_layers"] = args.num_layers
         if args.intermediate_size is not None:
             options["intermediate_size"] = args.intermediate_size
+        if args.target_layers is not None:
+            options["target_layer_ids"] = args.target_layers
         if args.init_from is not None:
             options["init_from"] = args.init_from
-    elif any(v is not None for v in (args.num_layers, args.intermediate_size, args.init_from)):
+    elif any(
+        v is not None for v in (args.num_layers, args.intermediate_size, args.target_layers, args.init_from)
+    ):
         print(
-            "hylo train-draft: --num-layers, --intermediate-size and --init-from apply to DFlash drafts "
-            "only (the MTP layer has the target's sizes)",
+            "hylo train-draft: --num-layers, --intermediate-size, --target-layers and --init-from apply to "
+            "DFlash drafts only (the MTP layer has the target's sizes)",
             file=sys.stderr,
         )
         return 2

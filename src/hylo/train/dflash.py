@@ -63,6 +63,7 @@ def new_draft_config(
     block_size: int = 8,
     num_layers: int = 2,
     num_features: int | None = None,
+    target_layer_ids: list[int] | None = None,
     head_dim: int | None = None,
     num_attention_heads: int | None = None,
     num_key_value_heads: int | None = None,
@@ -82,6 +83,8 @@ def new_draft_config(
     hidden): head_dim `min(128, hidden/4)`, heads `hidden/head_dim`, a quarter as many KV heads (a
     divisor of the heads), MLP `3·hidden`, one target feature per draft layer (`num_features`), every
     layer full attention. DFlash2: `conv_group_size` defaults to the largest divisor of hidden ≤ 16.
+    `target_layer_ids` overrides z-lab's spread (`build_target_layer_ids`): a shallow target's spread
+    never reaches its last layers, which carry the most about the next tokens.
     """
     if algorithm not in ("dflash", "dflash2"):
         raise ValueError(f"algorithm must be 'dflash' or 'dflash2', got {algorithm!r}")
@@ -100,10 +103,17 @@ def new_draft_config(
         raise ValueError(f"{len(types)} layer_types for {num_layers} layers")
     if "sliding_attention" in types and not sliding_window:
         raise ValueError("sliding_attention layers need a sliding_window")
+    if target_layer_ids is None:
+        target_layer_ids = build_target_layer_ids(target.num_hidden_layers, num_features or num_layers)
+    elif not target_layer_ids or any(not 0 <= i < target.num_hidden_layers for i in target_layer_ids):
+        raise ValueError(
+            f"target_layer_ids {target_layer_ids}: each must be a layer of the target "
+            f"(0..{target.num_hidden_layers - 1})"
+        )
     options: dict = {
         "block_size": block_size,
         "mask_token_id": mask_token_id,
-        "target_layer_ids": build_target_layer_ids(target.num_hidden_layers, num_features or num_layers),
+        "target_layer_ids": list(target_layer_ids),
     }
     if algorithm == "dflash2":
         group = conv_group_size or max(g for g in range(1, 17) if hidden % g == 0)

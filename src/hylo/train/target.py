@@ -153,13 +153,19 @@ def train_target(
     limit: int | None = None,
     tokenizer: Path | None = None,
     progress: bool = True,
+    init_from: Path | None = None,
 ) -> dict:
-    """Train (or resume) the demo target under `out`; returns the model card's figures."""
+    """Train (or resume) the demo target under `out`; returns the model card's figures. `init_from`:
+    a target checkpoint (an earlier `out/model`, same config and vocabulary) the new schedule starts
+    from instead of the seeded initialisation; a resumed run reads its own checkpoint instead."""
     out = Path(out)
     splits = prepare(out, seq_len, limit, tokenizer, progress)
     tokenizer = Tokenizer.from_dir(out)
     config = text_config or DEMO_TEXT_CONFIG
-    model = build_model(config, tokenizer, settings.seed).to(device)
+    model = build_model(config, tokenizer, settings.seed)
+    if init_from is not None:
+        load_weights(model, Path(init_from))
+    model.to(device)
     windows = torch.from_numpy(splits["train"].astype(np.int64))
     if len(windows) < batch_size:
         raise ValueError(f"{len(windows)} training windows of {seq_len} tokens: fewer than one batch")
@@ -185,12 +191,28 @@ def train_target(
         "parameters": sum(p.numel() for p in model.parameters()),
         "settings": asdict(settings)
         | {"batch_size": batch_size, "seq_len": seq_len, "steps_run": len(history)},
+        "init_from": None if init_from is None else str(init_from),
         "train_loss_last_100": float(np.mean([h["loss"] for h in history[-100:]])),
         "held_out_loss": held_out_loss,
         "held_out_perplexity": math.exp(held_out_loss),
     }
     export(model, tokenizer, out, report)
     return report
+
+
+def load_weights(model, directory: Path) -> None:
+    """Copy the HF checkpoint in `directory` (as `export` writes it, read back through
+    `transformers` so its key conversions apply) into `model`. Raises ValueError when it is not a
+    checkpoint of this model's shape."""
+    from transformers import Glm5NextForConditionalGeneration
+
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"--init-from {directory}: no config.json there")
+    saved = Glm5NextForConditionalGeneration.from_pretrained(directory, dtype=torch.float32)
+    try:
+        model.load_state_dict(saved.state_dict())
+    except RuntimeError as e:
+        raise ValueError(f"--init-from {directory}: not a checkpoint of this target's config ({e})") from e
 
 
 @torch.no_grad()
