@@ -112,3 +112,24 @@ def test_train_draft_rejects_a_target_without_a_mask_token_and_bad_data(tmp_path
     with pytest.raises(SystemExit):
         main([*args, "--target-layers", "1,one"])
     assert "--target-layers: must be comma-separated layer indices" in capsys.readouterr().err
+
+
+def test_train_draft_trains_on_answers_cached_beforehand(target, tmp_path, monkeypatch):
+    """Answers written with `write_distill_cache` (as the GPU script does from an earlier run's) are
+    what training reads: no engine is started to generate them."""
+    import hylo
+    from hylo.tokenizer import Tokenizer
+    from hylo.train.draft import training_prompts, write_distill_cache
+
+    target_dir, prompts_file = target
+    prompts = training_prompts(Tokenizer.from_dir(target_dir), prompts_file, 12, 256)
+    answers = [[7 + i % 5] * (3 + i) for i in range(len(prompts))]
+    write_distill_cache(tmp_path, prompts, 12, answers)
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the cached answers should have been used")
+
+    monkeypatch.setattr(hylo, "LLM", no_engine)
+    _train(target_dir, prompts_file, tmp_path, "mtp", 2)
+    report = json.loads((tmp_path / "training.json").read_text())
+    assert report["data"]["response_tokens"] == sum(map(len, answers))

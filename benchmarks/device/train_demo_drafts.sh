@@ -1,14 +1,62 @@
 #!/usr/bin/env bash
-# Train the demo drafts (DFlash, DFlash2, MTP) for the shipped demo target on the lent GPU; results to $OUT.
-set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:src || exit 1; rm -rf /tmp/site/fla /tmp/site/fla_core*; export PYTHONUNBUFFERED=1
-T=src/hylo/assets/glm5-next-demo; D=/tmp/dd; mkdir -p $D
-for a in dflash dflash2 mtp; do
-  mkdir -p $D/$a; [ -f $D/dflash/distill.pt ] && cp $D/dflash/distill.pt $D/$a/ 2>/dev/null
-  extra=""; [ $a != mtp ] && extra="--num-layers 2 --intermediate-size 512"
-  date; timeout 200 python3 -m hylo.cli train-draft --target $T --algorithm $a --out $D/$a --num-prompts 3000 --max-tokens 128 --time-budget 105 --steps 20000 --warmup 50 --batch-size 32 --no-progress $extra 2>&1 | grep -v "Generating\|Warning\|warn(" | tail -15
-done 2>&1 | tee $OUT/train.log
-cp $D/dflash/model/model.safetensors $OUT/dflash_model.safetensors; cp $D/dflash/model/config.json $OUT/dflash_config.json
-cp $D/dflash2/model/model.safetensors $OUT/dflash2_model.safetensors; cp $D/dflash2/model/config.json $OUT/dflash2_config.json
-cp $D/mtp/model/mtp.safetensors $OUT/mtp.safetensors
-for a in dflash dflash2 mtp; do echo "== $a"; cat $D/$a/training.json; done > $OUT/reports.txt
-for a in dflash dflash2 mtp; do sed "s/^/$a /" $D/$a/run/loss.jsonl; done > $OUT/losses.txt
+# Train drafts for the shipped demo target on the lent GPU. The target's greedy answers are generated
+# once (hylo's engine, through `hylo.train.draft.distill`) and shared; then every draft named below
+# trains side by side with `hylo train-draft`. Everything comes back as one file, $OUT/drafts.tgz (a
+# call returns at most 8 files): each draft's model/, training.json, loss log and console log.
+#
+#   benchmarks/device/train_demo_drafts.sh PROMPTS.jsonl NUM_PROMPTS SECONDS NAME:ALGORITHM:STEPS:OPTIONS...
+#
+# PROMPTS.jsonl: `{"messages": [...]}` conversations (the ShareGPT package is too large to carry).
+# SECONDS: when everything must be done, counted from the start (a draft still training then is
+# killed). STEPS: each draft's schedule, fixed: a time budget's fit from the first steps would run
+# while the other drafts still capture features and come out ~3x short (session 20); two drafts side
+# by side took ~6 steps/s on the H200. OPTIONS: extra `train-draft` flags, '+' for ' '.
+# ANSWERS=path/answers.npz (an earlier run's, same prompts) skips the generation. Example (session 20):
+#   benchmarks/device/train_demo_drafts.sh _train/prompts.jsonl 20000 540 \
+#     dflash:dflash:1800:--num-layers+2+--intermediate-size+512+--target-layers+1,3,5+--lr+1.5e-3 ...
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:src || exit 1
+export PYTHONUNBUFFERED=1
+PROMPTS=$1 NUM=$2 DEADLINE=$((SECONDS + $3)); shift 3
+TARGET=src/hylo/assets/glm5-next-demo D=/tmp/drafts MAX_TOKENS=128
+mkdir -p "$D/answers"
+[ -n "$ANSWERS" ] && cp "$ANSWERS" "$D/answers/answers.npz"  # answers.npz of an earlier run
+python3 - "$TARGET" "$PROMPTS" "$NUM" "$D/answers" "$MAX_TOKENS" "${DEVICE:-cuda}" <<'EOF' 2>&1 | grep -v Warning | tee "$D/answers.log" || exit 1
+import sys, time
+from pathlib import Path
+import numpy as np
+import torch
+from hylo.tokenizer import Tokenizer
+from hylo.train.draft import distill, training_prompts, write_distill_cache
+target, prompts_file, count, out, max_tokens, device = sys.argv[1:]
+started = time.perf_counter()
+prompts = training_prompts(Tokenizer.from_dir(target), prompts_file, int(count), 256)
+if Path(out, "answers.npz").is_file():  # an earlier run's answers: no generation
+    saved = np.load(Path(out, "answers.npz"))
+    answers = [a.tolist() for a in np.split(saved["tokens"], np.cumsum(saved["lengths"])[:-1])]
+    assert len(answers) == len(prompts), "the answers are for other prompts"
+    write_distill_cache(Path(out), prompts, int(max_tokens), answers)
+else:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    answers = distill(Path(target), Path(out), prompts, int(max_tokens), device, dtype)
+tokens = sum(map(len, answers))
+print(f"answers: {len(answers)} prompts, {tokens} tokens in {time.perf_counter() - started:.1f} s")
+# the answers compact (the cache holds Python lists), to seed a later run's distill.pt
+np.savez_compressed(
+    Path(out) / "answers.npz", tokens=np.concatenate([np.asarray(a, np.uint16) for a in answers]),
+    lengths=np.array([len(a) for a in answers], np.int32),
+)
+EOF
+for spec in "$@"; do
+  IFS=: read -r name algorithm steps options <<<"$spec"
+  mkdir -p "$D/$name" && cp "$D/answers/distill.pt" "$D/$name/"
+  # shellcheck disable=SC2086
+  (timeout $((DEADLINE - SECONDS)) python3 -m hylo.cli train-draft --target $TARGET --algorithm "$algorithm" \
+     --out "$D/$name" --data "$PROMPTS" --num-prompts "$NUM" --max-tokens $MAX_TOKENS \
+     --steps "$steps" --warmup 50 --checkpoint-every 100000 --no-progress ${options//+/ } \
+     >"$D/$name.log" 2>&1; echo "exit $?" >>"$D/$name.log") &
+done
+wait
+for spec in "$@"; do name=${spec%%:*}; echo "== $name"; tail -3 "$D/$name.log"; done
+tar czf "$OUT/drafts.tgz" -C "$D" --exclude=distill.pt --exclude=checkpoint.pt --exclude='*.partial' .

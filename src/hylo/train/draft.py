@@ -32,7 +32,6 @@ from hylo.train.loop import Trainer, TrainSettings, step_generator
 ALGORITHMS = ("dflash", "dflash2", "mtp")
 DISTILL_CACHE = "distill.pt"
 GENERATION_MEMORY_FRACTION = 0.3
-GENERATION_GRAPH_MAX_BS = 64
 MTP_TRAIN_STEPS = 3  # chained MTP steps the loss trains, as many as the demo serves
 
 
@@ -95,18 +94,26 @@ def distill(
     # A small share of the GPU: the memory training needs next is only given back when the engine goes.
     llm = LLM(
         str(target_dir), device=device, dtype=str(dtype).removeprefix("torch."), disable_radix_cache=True,
-        mem_fraction_static=GENERATION_MEMORY_FRACTION, cuda_graph_max_bs=GENERATION_GRAPH_MAX_BS,
+        mem_fraction_static=GENERATION_MEMORY_FRACTION,
     )  # fmt: skip
     responses = regenerate(llm, prompts, max_tokens)
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {"prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "responses": responses}, cache
-    )
+    write_distill_cache(out, prompts, max_tokens, responses)
     return responses
+
+
+def write_distill_cache(
+    out: Path, prompts: Sequence[Sequence[int]], max_tokens: int, responses: Sequence[Sequence[int]]
+) -> None:
+    """Cache `responses` (the target's answers to `prompts`, at most `max_tokens` each) as `distill`
+    does, so that a run in `out` with the same prompts trains on them instead of generating again."""
+    out.mkdir(parents=True, exist_ok=True)
+    saved = {"prompts": [list(p) for p in prompts], "max_tokens": max_tokens,
+             "responses": [list(r) for r in responses]}  # fmt: skip
+    torch.save(saved, out / DISTILL_CACHE)
 
 
 def train_draft(
