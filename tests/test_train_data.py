@@ -238,3 +238,26 @@ def test_pack_cuts_the_eos_separated_stream() -> None:
     assert windows.tolist() == [[1, 2, 9], [3, 9, 9], [4, 5, 6]]
     assert data.pack([[70000, 1]], length=2, eos=0).dtype == np.int32
     assert data.pack([], length=4, eos=0).shape == (0, 4)
+
+
+def test_prompt_turns_takes_first_turns_first_and_every_later_turn_alone() -> None:
+    def chat(id_: str, *texts: str, system: str | None = None) -> data.Conversation:
+        roles = ("user", "assistant") * len(texts)
+        messages = [{"role": r, "content": t} for r, t in zip(roles, texts, strict=False)]
+        return data.Conversation(
+            id_, tuple(([{"role": "system", "content": system}] if system else []) + messages)
+        )
+
+    conversations = [
+        chat(
+            "a", "What is a prime number?", "A number...", "Give an example please", "7", system="Be brief."
+        ),
+        chat("b", "  What is a prime number?  ", "Again...", "ok", "Fine."),  # a repeat, then a short turn
+        chat("c", "Name three colours.", "Red, green, blue.", "Give an example please", "Red."),
+    ]
+    turns = data.prompt_turns(conversations)
+    assert turns == [
+        ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a prime number?"}),
+        ({"role": "user", "content": "Name three colours."},),
+        ({"role": "user", "content": "Give an example please"},),
+    ]

@@ -6,13 +6,14 @@
 #
 #   benchmarks/device/train_demo_drafts.sh PROMPTS.jsonl NUM_PROMPTS SECONDS NAME:ALGORITHM:STEPS:OPTIONS...
 #
-# PROMPTS.jsonl: `{"messages": [...]}` conversations (the ShareGPT package is too large to carry).
+# PROMPTS.jsonl: `{"messages": [...]}` conversations (the ShareGPT package is too large to carry), as
+# `benchmarks/demo_draft_prompts.py --out PROMPTS.jsonl --count NUM_PROMPTS` writes them on the CPU machine.
 # SECONDS: when everything must be done, counted from the start (a draft still training then is
 # killed). STEPS: each draft's schedule, fixed: a time budget's fit from the first steps would run
 # while the other drafts still capture features and come out ~3x short (session 20); two drafts side
 # by side took ~6 steps/s on the H200. OPTIONS: extra `train-draft` flags, '+' for ' '.
 # ANSWERS=path/answers.npz (an earlier run's, same prompts) skips the generation. Example (session 20):
-#   benchmarks/device/train_demo_drafts.sh _train/prompts.jsonl 20000 540 \
+#   benchmarks/device/train_demo_drafts.sh prompts.jsonl 20000 540 \
 #     dflash:dflash:1800:--num-layers+2+--intermediate-size+512+--target-layers+1,3,5+--lr+1.5e-3 ...
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -121,7 +121,8 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="dflash", help="what to train")
     parser.add_argument(
         "--data", default="sharegpt",
-        help="prompts: 'sharegpt' (the train split) or a JSONL file of {\"messages\": [...]} conversations",
+        help="prompts: 'sharegpt' (the train split's user turns, first turns first) or a JSONL file of "
+        "{\"messages\": [...]} conversations (their first user turns)",
     )  # fmt: skip
     parser.add_argument("--num-prompts", type=_positive(int), default=4000, help="prompts to distil")
     parser.add_argument(

@@ -29,6 +29,7 @@ _ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 _PART_ID = re.compile(r"(.+)_\d+")
 # Conversations rendered and encoded per `encode_batch` call: enough to keep every core busy.
 _ENCODE_CHUNK = 1024
+MIN_PROMPT_CHARS = 8  # shorter user turns say nothing to answer on their own
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,25 @@ def prompt_ids(tokenizer: Tokenizer, conversation: Conversation) -> list[int]:
     first_user = next(i for i, m in enumerate(conversation.messages) if m["role"] == "user")
     messages = list(conversation.messages[: first_user + 1])
     return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def prompt_turns(conversations: Iterable[Conversation]) -> list[tuple[dict, ...]]:
+    """Every user turn of `conversations` as a one-turn chat to answer, for self-distillation: first
+    the first user turns (after their system message, if any), in order, then the later user turns
+    alone, in order (they read as questions without their context). A text already taken (stripped)
+    or shorter than `MIN_PROMPT_CHARS` ("Hello", "go on") is skipped. Later turns give ShareGPT's train
+    split 29.5K prompts against its first turns' 7.8K."""
+    first, later, seen = [], [], set()
+    for conversation in conversations:
+        messages = conversation.messages
+        system = [messages[0]] if messages[0]["role"] == "system" else []
+        users = [m["content"].strip() for m in messages if m["role"] == "user"]
+        for k, text in enumerate(users):
+            if len(text) < MIN_PROMPT_CHARS or text in seen:
+                continue
+            seen.add(text)
+            (later if k else first).append((*(system if not k else []), {"role": "user", "content": text}))
+    return first + later
 
 
 def pack(sequences: Iterable[Sequence[int]], length: int, eos: int) -> np.ndarray:

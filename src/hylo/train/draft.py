@@ -43,10 +43,13 @@ class DraftTargetMismatch(ValueError):
 def training_prompts(
     tokenizer: Tokenizer, source: str | Path, count: int, max_prompt_tokens: int
 ) -> list[list[int]]:
-    """Up to `count` prompts of at most `max_prompt_tokens` tokens: first user turns of ShareGPT's train
-    split (`source == "sharegpt"`), or of a JSONL file of `{"messages": [...]}` conversations."""
+    """Up to `count` prompts of at most `max_prompt_tokens` tokens: the user turns of ShareGPT's train
+    split, first turns first (`source == "sharegpt"`, see `data.prompt_turns`), or the first user turns
+    of a JSONL file of `{"messages": [...]}` conversations."""
     if str(source) == "sharegpt":
-        conversations, _ = data.split(data.load_conversations())
+        train, _ = data.split(data.load_conversations())
+        turns = data.prompt_turns(train)
+        conversations = [data.Conversation(f"sharegpt-turn-{i}", turn) for i, turn in enumerate(turns)]
     else:
         conversations = _jsonl_conversations(Path(source))
     prompts = []
