@@ -11,8 +11,10 @@
 # SECONDS: when everything must be done, counted from the start (a draft still training then is
 # killed). STEPS: each draft's schedule, fixed: a time budget's fit from the first steps would run
 # while the other drafts still capture features and come out ~3x short (session 20); two drafts side
-# by side took ~6 steps/s on the H200. OPTIONS: extra `train-draft` flags, '+' for ' '.
-# ANSWERS=path/answers.npz (an earlier run's, same prompts) skips the generation. Example (session 20):
+# by side took ~7 steps/s each on the H200. OPTIONS: extra `train-draft` flags, '+' for ' '.
+# ANSWERS=path/answers.npz (an earlier run's, same prompts) skips the generation. Carry `.whl/` with the
+# wheels the device README names (transformers==5.23.0, pydantic and its needs, tokenizers; the MTP
+# layer trains through transformers) and the prompts' folder. Example (session 20):
 #   benchmarks/device/train_demo_drafts.sh prompts.jsonl 20000 540 \
 #     dflash:dflash:1800:--num-layers+2+--intermediate-size+512+--target-layers+1,3,5+--lr+1.5e-3 ...
 set -o pipefail
