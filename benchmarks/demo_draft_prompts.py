@@ -1,7 +1,7 @@
-"""Write the draft-training prompts of the demo as JSONL (`{"messages": [...]}` a line): the user turns
-of ShareGPT's train split, first turns first (`hylo.train.data.prompt_turns`), each of at most
-`--max-prompt-tokens` tokens with the demo's chat template. `hylo train-draft --data sharegpt` reads the
-same prompts from the package; the file carries them to a GPU machine that has no room for it.
+"""Write the draft-training prompts of the demo as JSONL (`{"messages": [...]}` a line): what
+`hylo train-draft --data sharegpt` reads from the package (`hylo.train.draft.training_conversations`:
+the user turns of ShareGPT's train split, first turns first, each of at most `--max-prompt-tokens`
+tokens with the demo's chat template); the file carries them to a GPU machine that has no room for it.
 
     python benchmarks/demo_draft_prompts.py --out prompts.jsonl --count 20000
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hylo.models.demo import DEMO_DIR
 from hylo.tokenizer import Tokenizer
-from hylo.train import data
+from hylo.train.draft import training_conversations
 
 
 def main() -> None:
@@ -25,15 +25,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, default=DEMO_DIR)
     args = parser.parse_args()
     tokenizer = Tokenizer.from_dir(args.tokenizer)
-    train, _ = data.split(data.load_conversations())
-    kept = []
-    for i, turn in enumerate(data.prompt_turns(train)):
-        if len(data.prompt_ids(tokenizer, data.Conversation(str(i), turn))) <= args.max_prompt_tokens:
-            kept.append(turn)
-        if len(kept) == args.count:
-            break
+    kept = training_conversations(tokenizer, "sharegpt", args.count, args.max_prompt_tokens)
     with args.out.open("w") as out:
-        out.writelines(json.dumps({"messages": list(turn)}) + "\n" for turn in kept)
+        out.writelines(json.dumps({"messages": list(c.messages)}) + "\n" for c, _ in kept)
     print(f"{len(kept)} prompts to {args.out}")
 
 

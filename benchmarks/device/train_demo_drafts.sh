@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from hylo.tokenizer import Tokenizer
+from hylo.train.data import id_dtype
 from hylo.train.draft import distill, training_prompts, write_distill_cache
 target, prompts_file, count, out, max_tokens, device = sys.argv[1:]
 started = time.perf_counter()
@@ -46,8 +47,9 @@ else:
 tokens = sum(map(len, answers))
 print(f"answers: {len(answers)} prompts, {tokens} tokens in {time.perf_counter() - started:.1f} s")
 # the answers compact (the cache holds Python lists), to seed a later run's distill.pt
+flat = np.concatenate([np.asarray(a, np.int64) for a in answers])
 np.savez_compressed(
-    Path(out) / "answers.npz", tokens=np.concatenate([np.asarray(a, np.uint16) for a in answers]),
+    Path(out) / "answers.npz", tokens=flat.astype(id_dtype(int(flat.max(initial=0)))),
     lengths=np.array([len(a) for a in answers], np.int32),
 )
 EOF

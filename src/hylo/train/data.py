@@ -214,7 +214,10 @@ def prompt_turns(conversations: Iterable[Conversation]) -> list[tuple[dict, ...]
             if len(text) < MIN_PROMPT_CHARS or text in seen:
                 continue
             seen.add(text)
-            (later if k else first).append((*(system if not k else []), {"role": "user", "content": text}))
+            if k == 0:
+                first.append((*system, {"role": "user", "content": text}))
+            else:
+                later.append(({"role": "user", "content": text},))
     return first + later
 
 

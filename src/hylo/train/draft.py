@@ -43,25 +43,33 @@ class DraftTargetMismatch(ValueError):
 def training_prompts(
     tokenizer: Tokenizer, source: str | Path, count: int, max_prompt_tokens: int
 ) -> list[list[int]]:
-    """Up to `count` prompts of at most `max_prompt_tokens` tokens: the user turns of ShareGPT's train
-    split, first turns first (`source == "sharegpt"`, see `data.prompt_turns`), or the first user turns
-    of a JSONL file of `{"messages": [...]}` conversations."""
+    """The prompt ids of `training_conversations`."""
+    return [ids for _, ids in training_conversations(tokenizer, source, count, max_prompt_tokens)]
+
+
+def training_conversations(
+    tokenizer: Tokenizer, source: str | Path, count: int, max_prompt_tokens: int
+) -> list[tuple[data.Conversation, list[int]]]:
+    """Up to `count` (prompt conversation, its prompt ids) of at most `max_prompt_tokens` tokens: the
+    user turns of ShareGPT's train split, first turns first (`source == "sharegpt"`, see
+    `data.prompt_turns`), or the first user turns of a JSONL file of `{"messages": [...]}`
+    conversations."""
     if str(source) == "sharegpt":
         train, _ = data.split(data.load_conversations())
         turns = data.prompt_turns(train)
         conversations = [data.Conversation(f"sharegpt-turn-{i}", turn) for i, turn in enumerate(turns)]
     else:
         conversations = _jsonl_conversations(Path(source))
-    prompts = []
+    kept = []
     for conversation in conversations:
         ids = data.prompt_ids(tokenizer, conversation)
         if len(ids) <= max_prompt_tokens:
-            prompts.append(ids)
-        if len(prompts) == count:
+            kept.append((conversation, ids))
+        if len(kept) == count:
             break
-    if not prompts:
+    if not kept:
         raise ValueError(f"{source}: no prompt of at most {max_prompt_tokens} tokens")
-    return prompts
+    return kept
 
 
 def _jsonl_conversations(path: Path) -> list[data.Conversation]:
