@@ -18,6 +18,7 @@ from hf_reference import tiny_text_config
 import hylo.engine.runner as runner_module
 from hylo import LLM, SamplingParams
 from hylo.engine.cuda_graph import DecodeGraphs
+from hylo.speculative.token_map import save_token_map
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs and the sync debug mode need a GPU"
@@ -34,10 +35,11 @@ SAMPLED = [
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
-    """(a config-only target directory, a DFlash draft for it)."""
+    """(a config-only target directory with a token map of every other id, a DFlash draft for it)."""
     target = tmp_path_factory.mktemp("target")
     text = {"model_type": "glm5_next_text", **tiny_text_config(4, 8)}
     (target / "config.json").write_text(json.dumps({"model_type": "glm5_next", "text_config": text}))
+    save_token_map(torch.arange(0, VOCAB, 2), target / "token_map.pt")
     draft = write_dflash_checkpoint(
         tmp_path_factory.mktemp("draft"), HIDDEN, VOCAB, [0, 2, 4], seed=5, block_size=BLOCK
     )
@@ -62,6 +64,10 @@ def cache_fraction(cache_bytes: float = 4 * 2**30) -> float:
 
 
 def make_llm(path: Path, algorithm: str, draft: Path, **kwargs) -> LLM:
+    """`algorithm` NAME_map: NAME drafting from the target directory's token map."""
+    if algorithm.endswith("_map"):
+        algorithm = algorithm.removesuffix("_map")
+        kwargs["speculative_token_map"] = str(path / "token_map.pt")
     return LLM(
         str(path), device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
         context_length=256, max_running_requests=4, cuda_graph_max_bs=4, speculative_adaptive=False,
@@ -71,7 +77,13 @@ def make_llm(path: Path, algorithm: str, draft: Path, **kwargs) -> LLM:
 
 @pytest.mark.parametrize(
     ("algorithm", "sampling"),
-    [("dflash", "greedy"), ("mtp", "greedy"), ("dflash", "sampled"), ("mtp", "sampled")],
+    [
+        ("dflash", "greedy"),
+        ("mtp", "greedy"),
+        ("dflash", "sampled"),
+        ("mtp", "sampled"),
+        ("mtp_map", "greedy"),
+    ],
 )
 def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sampling, monkeypatch):
     target, draft = checkpoints

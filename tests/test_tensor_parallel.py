@@ -18,6 +18,7 @@ from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS, write_random_model
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import _materialize, checkpoint_layout, load_model, load_weights, save_checkpoint
 from hylo.sampling import SamplingParams
+from hylo.speculative.token_map import save_token_map
 from hylo.tokenizer import Tokenizer
 
 # fp32 sums of a row-parallel projection split in two, against one: a few ulps of the logits
@@ -70,9 +71,10 @@ def test_two_ranks_equal_one_by_expert_and_by_tensor(random_model):
     assert 0.5 * total < one_rank < 0.7 * total
 
 
-def test_two_ranks_speculative_equal_one():
-    """DFlash2 and MTP with 3 steps on the demo model, drafts verified every step: TP=2 commits the
-    tokens TP=1 does (lossless either way) with the same acceptance, so drafts agree across ranks."""
+def test_two_ranks_speculative_equal_one(tmp_path):
+    """DFlash2, MTP with 3 steps and DFlash with a token map on the demo model, drafts verified every
+    step: TP=2 commits the tokens TP=1 does (lossless either way) with the same acceptance, so drafts
+    agree across ranks (the map's tokens lie in both ranks' vocabulary halves)."""
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=1)
     tokenizer = Tokenizer.from_dir(DEMO_DIR)
     chats = ["What is the capital of France?", "Write a short poem about the sea."]
@@ -82,9 +84,21 @@ def test_two_ranks_speculative_equal_one():
         )
         for c in chats
     ]
+    # every token of rank 0's half of the vocabulary (the frequent ones), every other one of rank 1's
+    hot_map = torch.cat(
+        [
+            torch.arange(tokenizer.vocab_size // 2),
+            torch.arange(tokenizer.vocab_size // 2, tokenizer.vocab_size, 2),
+        ]
+    )
     for spec in (
         dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(DEMO_DRAFTS["dflash2"])),
         dict(speculative_algorithm="MTP", speculative_num_steps=3),
+        dict(
+            speculative_algorithm="DFLASH",
+            speculative_draft_model_path=str(DEMO_DRAFTS["dflash"]),
+            speculative_token_map=str(save_token_map(hot_map, tmp_path / "map.pt")),
+        ),
     ):
         spec |= dict(speculative_adaptive=False)
         _, reference = _generate(None, prompts, params, **spec)

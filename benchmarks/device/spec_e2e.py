@@ -41,9 +41,12 @@ import hylo.engine.cuda_graph as cuda_graph
 import hylo.speculative.verify as verify
 from hylo import LLM, SamplingParams
 from hylo.engine.cuda_graph import DEFER, DRAFT, DecodeGraphs, VerifyGraphs
+from hylo.speculative.token_map import save_token_map
 
 PROMPT_LEN = 64
+VOCAB = 154880  # GLM-5.3-Flash's (the config's default)
 # "sampled": always verify, at temperature 1 (the verify graphs with acceptance between their two replays)
+MODES = ("forced", "forced_common", "adaptive", "static", "sampled")
 TEMPERATURE = {
     "plain": 0.0,
     "forced": 0.0,
@@ -75,7 +78,7 @@ DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 128, "selector_rank": 64, "
 
 
 def write_dflash(
-    path: Path, target_layers: list[int], block: int, dflash2: bool = False, hidden=4096, vocab=154880
+    path: Path, target_layers: list[int], block: int, dflash2: bool = False, hidden=4096, vocab=VOCAB
 ) -> None:
     heads, kv_heads, head_dim, inter, layers = 32, 8, 128, 12288, 2
     config = {
@@ -257,7 +260,7 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
     bypasses `forward`); an embedding reads only its looked-up rows, routed experts only the experts
     their tokens are routed to (`route` on the call's input)."""
     from hylo.layers.moe import Experts, FP8Experts
-    from hylo.layers.vocab import VocabHead
+    from hylo.layers.vocab import HotTokenHead, VocabHead
     from hylo.ops.moe.reference import route
 
     read, distinct, hooks = [0.0], [], []
@@ -277,10 +280,10 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
         else:
             read[0] += own_bytes(m)
 
-    def counting_argmax(head: VocabHead):
+    def counting_argmax(head: VocabHead | HotTokenHead):
         def argmax(hidden: torch.Tensor) -> torch.Tensor:
             on_call(head, (hidden,))
-            return VocabHead.argmax(head, hidden)
+            return type(head).argmax(head, hidden)
 
         return argmax
 
@@ -290,7 +293,7 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
             if id(m) not in seen and own_bytes(m):
                 seen.add(id(m))
                 hooks.append(m.register_forward_pre_hook(on_call))
-            if isinstance(m, VocabHead) and m not in heads:
+            if isinstance(m, VocabHead | HotTokenHead) and m not in heads:
                 heads.append(m)
                 m.argmax = counting_argmax(m)
     try:
@@ -309,7 +312,10 @@ def step_floor(graphs: DecodeGraphs, bucket: int, bandwidth: float) -> dict:
     layer): bytes, distinct experts per experts call, and the floor in ms at `bandwidth`."""
     proposer = graphs.proposer
     draft = getattr(proposer, "draft", None) or getattr(proposer, "layer", None)
-    modules = [graphs.model] + ([draft] if draft is not None else [])
+    # the draft's head when it is its own (a token map's rows), not the target's lm_head
+    head = getattr(proposer, "head", None)
+    own_head = [head] if head is not None and all(head is not m for m in graphs.model.modules()) else []
+    modules = [graphs.model] + ([draft] if draft is not None else []) + own_head
     with torch.inference_mode():
         read, distinct = weight_bytes_read(modules, lambda: graphs._warm(graphs.static[bucket]))
     torch.cuda.synchronize()
@@ -328,7 +334,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--mtp-steps", type=int, default=3)
+    # NAME_map: NAME drafting from a token map of --token-map-size ids (SGLang's speculative token map)
     parser.add_argument("--algorithms", default="dflash,dflash2,mtp")
+    parser.add_argument("--token-map-size", type=int, default=32768)
+    parser.add_argument("--modes", default=",".join(MODES))
     # the plain engine's share of the GPU: its weights (the shared target) and its caches
     parser.add_argument("--plain-mem-fraction", type=float, default=0.35)
     parser.add_argument("--out", default=None)
@@ -340,8 +349,11 @@ def main() -> None:
     write_target(root / "target", args.layers)
     algorithms = args.algorithms.split(",")
     for name in ("dflash", "dflash2"):
-        if name in algorithms:
+        if name in algorithms or f"{name}_map" in algorithms:
             write_dflash(root / name, target_layers, args.block, dflash2=name == "dflash2")
+    # any ids serve forced acceptance; natural acceptance of a random draft is about 1 either way
+    token_map = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))[: args.token_map_size]
+    save_token_map(token_map, root / "token_map.pt")
     report: dict = {"layers": args.layers, "gpu": torch.cuda.get_device_name(), "block": args.block}
     max_bs = max(map(int, args.batches.split(",")))
     common = dict(load_format="dummy", device="cuda", dtype="bfloat16", context_length=4096,
@@ -353,16 +365,21 @@ def main() -> None:
     for name in algorithms:
         # each engine's caches get about 6 GiB above what is in use once its own weights are loaded
         free, total = torch.cuda.mem_get_info()
-        own_weights = (8 if name == "mtp" else 1.5) * 2**30  # the MTP layer: FP8 experts, as the target's
+        own_weights = (
+            8 if name.startswith("mtp") else 1.5
+        ) * 2**30  # the MTP layer: FP8 experts, as the target's
         fraction = min(0.95, (total - free + own_weights + 6 * 2**30) / total)
-        if name == "mtp":
+        base = name.removesuffix("_map")
+        if base == "mtp":
             flags = dict(speculative_algorithm="MTP", speculative_num_steps=args.mtp_steps)
         else:
             flags = dict(
                 speculative_algorithm="DFLASH",
-                speculative_draft_model_path=str(root / name),
+                speculative_draft_model_path=str(root / base),
                 speculative_num_draft_tokens=args.block,
             )
+        if name != base:
+            flags["speculative_token_map"] = str(root / "token_map.pt")
         engines[name] = LLM(
             str(root / "target"), target=target, mem_fraction_static=fraction, **flags, **common
         )
@@ -405,9 +422,7 @@ def main() -> None:
         engine.policy = engine.adaptive_policy if mode == "adaptive" else None  # sampled: always verify
         return llm
 
-    modes = [("plain", "plain")] + [
-        (n, m) for n in algorithms for m in ("forced", "forced_common", "adaptive", "static", "sampled")
-    ]
+    modes = [("plain", "plain")] + [(n, m) for n in algorithms for m in args.modes.split(",")]
     gen = torch.Generator().manual_seed(0)
     for bsz in map(int, args.batches.split(",")):
         prompts = [torch.randint(0, 150000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(bsz)]

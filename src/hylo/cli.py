@@ -78,7 +78,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     EngineConfig.add_cli_args(srv.add_argument_group("engine"))
 
-    from hylo.train.cli import add_train_args, add_train_draft_args
+    from hylo.train.cli import add_token_map_args, add_train_args, add_train_draft_args
 
     add_train_args(
         commands.add_parser(
@@ -91,6 +91,13 @@ def _build_parser() -> argparse.ArgumentParser:
         commands.add_parser(
             "train-draft",
             help="train a DFlash/DFlash2 draft or the MTP layer for a target (resumable)",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
+    add_token_map_args(
+        commands.add_parser(
+            "token-map",
+            help="the most frequent tokens of a dataset, for --speculative-token-map",
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
     )
@@ -179,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "serve":
         return _serve(args)
-    if args.command in ("train", "train-draft"):
-        from hylo.train.cli import run_train, run_train_draft
+    if args.command in ("train", "train-draft", "token-map"):
+        from hylo.train.cli import run_token_map, run_train, run_train_draft
 
-        return run_train(args) if args.command == "train" else run_train_draft(args)
+        run = {"train": run_train, "train-draft": run_train_draft, "token-map": run_token_map}
+        return run[args.command](args)
     from hylo.bench.serving import run_from_cli
 
     return run_from_cli(args)

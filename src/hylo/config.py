@@ -252,6 +252,12 @@ class EngineConfig:
     speculative_num_steps: int | None = _flag(
         None, "MTP: chained MTP forwards per verify step, one draft token each (default 1)"
     )
+    speculative_token_map: str | None = _flag(
+        None,
+        "drafts pick only from these token ids (a torch.save'd 1-D tensor, SGLang's format, or a JSON list; "
+        "`hylo token-map` makes one): the draft reads those rows of the vocabulary head instead of all; "
+        "the target verifies every token, so outputs are unchanged",
+    )
     speculative_adaptive: bool = _flag(
         True,
         "per step, verify the drafts or decode plainly, whichever the measured step costs and the running "
@@ -349,6 +355,8 @@ class EngineConfig:
                 "speculative_draft_model_path must not be set with speculative_algorithm MTP: the MTP "
                 "layer is read from the model checkpoint"
             )
+        if self.speculative_token_map is not None and algorithm is None:
+            raise ValueError("speculative_token_map needs a speculative_algorithm (DFLASH or MTP)")
         if self.speculative_num_steps is not None and algorithm != "MTP":
             raise ValueError(
                 f"speculative_num_steps applies to speculative_algorithm MTP only, got {algorithm!r}"

@@ -35,6 +35,7 @@ from hylo.ops.dispatch import model_refusals
 from hylo.sampling import SamplingParams
 from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches
+from hylo.speculative.token_map import load_token_map
 from hylo.structured import Grammars
 from hylo.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -207,18 +208,22 @@ class Engine:
     def _build_proposer(self, model_path: Path, indexer_dtype: torch.dtype | None) -> ProposerBuild | None:
         if self.config.speculative_algorithm is None:
             return None
+        token_map = None
+        if self.config.speculative_token_map is not None:
+            token_map = load_token_map(self.config.speculative_token_map, self.model.config.vocab_size)
         if self.config.speculative_algorithm == "MTP":
             from hylo.speculative.mtp import MTPProposer
 
             return MTPProposer.load(
                 model_path, self.model, self.config.speculative_num_steps or 1, indexer_dtype,
-                random_weights=self.config.load_format == "dummy",
+                random_weights=self.config.load_format == "dummy", token_map=token_map,
             )  # fmt: skip
         from hylo.speculative.dflash import DFlashProposer
 
         return DFlashProposer.load(
-            self.config.speculative_draft_model_path, self.model, self.config.speculative_num_draft_tokens
-        )
+            self.config.speculative_draft_model_path, self.model, self.config.speculative_num_draft_tokens,
+            token_map,
+        )  # fmt: skip
 
     def _budget_bytes(self) -> int:
         """The caches' bytes: on CUDA what `mem_fraction_static` of the GPU leaves beside everything in

@@ -53,8 +53,62 @@ class VocabHead(nn.Module):
             return logits.argmax(-1)
         valid = self.vocab_size - self.lo  # rows past the vocabulary (the last rank's padding) never win
         best, index = logits[..., :valid].float().max(-1)
-        # (logit, id) pairs as fp32: ids below 2^24 are exact
-        pairs = self.parallel.all_gather(torch.stack([best, (index + self.lo).float()], -1))
-        pairs = pairs.unflatten(-1, (self.parallel.size, 2))  # [..., tp, (logit, id)]
-        winner = pairs[..., 0].argmax(-1, keepdim=True)
-        return pairs[..., 1].gather(-1, winner)[..., 0].long()
+        return _best_of_ranks(self.parallel, best, index + self.lo)
+
+    def restricted(self, token_ids: torch.Tensor) -> HotTokenHead:
+        """This head over `token_ids` only (sorted, distinct, inside the vocabulary): see `HotTokenHead`."""
+        return HotTokenHead(self, token_ids)
+
+
+class HotTokenHead(nn.Module):
+    """An output head that only ever picks tokens of a fixed set (a speculative "token map", as SGLang's
+    `--speculative-token-map`): the draft reads `len(token_ids)` rows of the head instead of the whole
+    vocabulary, and the target still verifies every token, so outputs are unchanged; only drafts whose
+    true token lies outside the set are lost.
+
+    `weight` copies this rank's rows of the set (`ids` their global token ids); a rank holding none of
+    them keeps one row that never wins. `argmax` returns global token ids like `VocabHead.argmax`;
+    `forward` the full logits `[..., vocab]` with `-inf` outside the set (what a selector's top-k reads)."""
+
+    def __init__(self, head: VocabHead, token_ids: torch.Tensor):
+        super().__init__()
+        ids = token_ids.to(head.weight.device, torch.long)
+        if ids.ndim != 1 or not ids.numel() or not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("token_ids must be a non-empty sorted 1-D tensor of distinct ids")
+        if int(ids[0]) < 0 or int(ids[-1]) >= head.vocab_size:
+            span = f"{int(ids[0])}..{int(ids[-1])}"
+            raise ValueError(f"token_ids must lie in [0, {head.vocab_size}), got {span}")
+        self.vocab_size, self.lo, self.parallel = head.vocab_size, head.lo, head.parallel
+        self.rows = head.weight.shape[0]
+        local = ids[(ids >= head.lo) & (ids < head.lo + self.rows)]
+        self.empty = not local.numel()  # this rank holds none of the set
+        if self.empty:
+            local = ids.new_tensor([head.lo])
+        self.weight = nn.Parameter(head.weight.detach()[local - head.lo].clone(), requires_grad=False)
+        self.register_buffer("ids", local, persistent=False)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = linear(hidden, self.weight)
+        return torch.full_like(logits, float("-inf")) if self.empty else logits
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._local_logits(hidden)
+        full = logits.new_full((*logits.shape[:-1], self.rows), float("-inf"))
+        full[..., self.ids - self.lo] = logits
+        return self.parallel.all_gather(full)[..., : self.vocab_size]
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._local_logits(hidden)
+        if self.parallel.size == 1:
+            return self.ids[logits.argmax(-1)]
+        best, index = logits.float().max(-1)
+        return _best_of_ranks(self.parallel, best, self.ids[index])
+
+
+def _best_of_ranks(parallel: Parallel, best: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The id of the highest of the ranks' `best` logits (ties to the lowest rank, which holds the
+    lowest ids), from one gather of (logit, id) pairs as fp32 (ids below 2^24 are exact)."""
+    pairs = parallel.all_gather(torch.stack([best, ids.float()], -1))
+    pairs = pairs.unflatten(-1, (parallel.size, 2))  # [..., tp, (logit, id)]
+    winner = pairs[..., 0].argmax(-1, keepdim=True)
+    return pairs[..., 1].gather(-1, winner)[..., 0].long()

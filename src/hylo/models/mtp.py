@@ -44,7 +44,7 @@ from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.linear import Linear
 from hylo.layers.norm import RMSNorm
-from hylo.layers.vocab import VocabEmbedding, VocabHead
+from hylo.layers.vocab import HotTokenHead, VocabEmbedding, VocabHead
 from hylo.models.glm5_next import DecoderLayer, Glm5NextForCausalLM
 from hylo.ops.mhc import mhc_post
 
@@ -99,6 +99,9 @@ class MTPLayer(nn.Module):
     def logits(self, hidden: torch.Tensor, target: Glm5NextForCausalLM) -> torch.Tensor:
         return self.head(target)(self.shared_head.norm(hidden)).float()
 
-    def greedy(self, hidden: torch.Tensor, target: Glm5NextForCausalLM) -> torch.Tensor:
-        """`logits(hidden, target).argmax(-1)`, without the full logits under tensor parallelism."""
-        return self.head(target).argmax(self.shared_head.norm(hidden))
+    def greedy(
+        self, hidden: torch.Tensor, target: Glm5NextForCausalLM, head: VocabHead | HotTokenHead | None = None
+    ) -> torch.Tensor:
+        """`logits(hidden, target).argmax(-1)`, without the full logits under tensor parallelism; with
+        `head` (`self.head(target)` restricted to a token map), the best of its tokens."""
+        return (head or self.head(target)).argmax(self.shared_head.norm(hidden))

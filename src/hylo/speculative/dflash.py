@@ -55,9 +55,12 @@ class DFlashProposer(Proposer):
         target: Glm5NextForCausalLM,
         caches: ProposerCaches,
         block_size: int | None = None,
+        token_map: torch.Tensor | None = None,
     ):
+        """`token_map`: the sorted token ids drafts are picked from (default: the whole vocabulary)."""
         c = draft.config
         self.draft, self.target = draft, target
+        self.head = target.lm_head if token_map is None else target.lm_head.restricted(token_map)
         self.block_size = block_size or c.block_size
         self.num_draft_tokens = self.block_size - 1
         self.capture_layers = c.target_layer_ids
@@ -76,7 +79,11 @@ class DFlashProposer(Proposer):
 
     @classmethod
     def load(
-        cls, path: str | Path, target: Glm5NextForCausalLM, block_size: int | None = None
+        cls,
+        path: str | Path,
+        target: Glm5NextForCausalLM,
+        block_size: int | None = None,
+        token_map: torch.Tensor | None = None,
     ) -> ProposerBuild:
         """The draft at `path`, checked against the target and loaded in its dtype on its device; the
         proposer is built around the draft K/V pool the memory plan allocates."""
@@ -97,6 +104,11 @@ class DFlashProposer(Proposer):
                 f"{path}: DFlash2 vocab_size {c.dflash2.vocab_size} != target vocab_size {t.vocab_size} "
                 "(the selector's codebooks are indexed by the target's token ids)"
             )
+        if c.dflash2 is not None and token_map is not None and token_map.numel() < c.dflash2.selector_top_k:
+            raise ValueError(
+                f"speculative_token_map: {token_map.numel()} tokens, fewer than the DFlash2 draft's "
+                f"selector_top_k ({c.dflash2.selector_top_k}) candidates per row"
+            )
         weight = target.embed_tokens.weight
         with torch.device("meta"):
             draft = DFlashDraftModel(c)
@@ -105,7 +117,9 @@ class DFlashProposer(Proposer):
         draft = draft.eval()
         block = block_size or c.block_size
         return ProposerBuild(
-            [DraftKVSpec(c, weight.dtype)], block - 1, lambda caches: cls(draft, target, caches, block)
+            [DraftKVSpec(c, weight.dtype)],
+            block - 1,
+            lambda caches: cls(draft, target, caches, block, token_map),
         )
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:
@@ -145,4 +159,4 @@ class DFlashProposer(Proposer):
         positions = lengths[:, None] + torch.arange(self.block_size, device=device)
         context = PagedContext(self.k_cache, self.v_cache, self.table, rows, lengths)
         hidden = self.draft.forward_paged(self.target.embed_tokens(block), positions, context)
-        self.drafts[rows] = self.draft.propose(hidden[:, 1:], block[:, 0], self.target.lm_head)
+        self.drafts[rows] = self.draft.propose(hidden[:, 1:], block[:, 0], self.head)

@@ -41,11 +41,15 @@ class MTPProposer(Proposer):
         target: Glm5NextForCausalLM,
         caches: ProposerCaches,
         num_steps: int = 1,
+        token_map: torch.Tensor | None = None,
     ):
-        """`caches.pools[0]`: the MTP layer's `TokenCache` (from `TokenCacheSpec(layer.config, ...)`)."""
+        """`caches.pools[0]`: the MTP layer's `TokenCache` (from `TokenCacheSpec(layer.config, ...)`);
+        `token_map`: the sorted token ids drafts are picked from (default: the whole vocabulary)."""
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.layer, self.target = layer, target
+        head = layer.head(target)
+        self.head = head if token_map is None else head.restricted(token_map)
         self.num_steps = self.num_draft_tokens = num_steps
         self.capture_layers = (target.config.num_hidden_layers - 1,)
         weight = target.embed_tokens.weight
@@ -66,6 +70,7 @@ class MTPProposer(Proposer):
         num_steps: int = 1,
         indexer_dtype: torch.dtype | None = None,
         random_weights: bool = False,
+        token_map: torch.Tensor | None = None,
     ) -> ProposerBuild:
         """The MTP layer of the target checkpoint at `path` (with `random_weights`, built from its
         config alone with the seeded random init, as `load_format="dummy"` asks); the proposer is
@@ -74,7 +79,7 @@ class MTPProposer(Proposer):
         spec = TokenCacheSpec(
             layer.config, target.embed_tokens.weight.dtype, indexer_dtype, name="mtp_tokens"
         )
-        build = lambda caches: cls(layer, target, caches, num_steps)  # noqa: E731
+        build = lambda caches: cls(layer, target, caches, num_steps, token_map)  # noqa: E731
         return ProposerBuild([spec], num_steps, build, snapshot_feature_dim=target.config.hidden_size)
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:
@@ -114,7 +119,7 @@ class MTPProposer(Proposer):
         hidden = self._observe_uniform(batch, counts, commit.anchors)
         self._keep_last_hidden(batch, commit)
         first = hidden[torch.arange(blocks, device=hidden.device), counts]
-        tokens = self.layer.greedy(first, self.target)
+        tokens = self.layer.greedy(first, self.target, self.head)
         rows = batch.state_slots
         self.drafts[rows, 0] = tokens
         lengths = batch.positions[batch.pad_index[:, 0]] + counts
@@ -198,5 +203,5 @@ class MTPProposer(Proposer):
         for step in range(first_step, self.num_steps):
             positions = (lengths - 1 + step).clamp(max=last)
             hidden = self.layer(embed(tokens), hidden, self._uniform(positions, rows, 1))
-            tokens = self.layer.greedy(hidden, self.target)
+            tokens = self.layer.greedy(hidden, self.target, self.head)
             self.drafts[rows, step] = tokens

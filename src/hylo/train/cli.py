@@ -179,3 +179,57 @@ def run_train_draft(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps({"algorithm": report["algorithm"], "last_losses": report["last_losses"]}))
     return 0
+
+
+def add_token_map_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", type=Path, required=True, help="the target model directory (its tokenizer)"
+    )
+    parser.add_argument(
+        "--data", default="sharegpt",
+        help="text to count: 'sharegpt' (the assistant replies of the train split) or a JSONL file of "
+        "{\"messages\": [...]} conversations (every token of each, rendered with the chat template)",
+    )  # fmt: skip
+    parser.add_argument("--size", type=_positive(int), default=32768, help="tokens in the map")
+    parser.add_argument(
+        "--limit", type=_positive(int), default=None, help="read only the first N conversations"
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="the map file: .pt (torch.save, SGLang's format) or .json"
+    )
+
+
+def run_token_map(args: argparse.Namespace) -> int:
+    """The `--size` most frequent tokens of `--data` (the tokenizer's stop tokens always among them), for
+    `--speculative-token-map`."""
+    from hylo.speculative.token_map import hot_tokens, save_token_map
+    from hylo.tokenizer import Tokenizer
+    from hylo.train import data
+    from hylo.train.draft import jsonl_conversations
+
+    def build() -> dict:
+        tokenizer = Tokenizer.from_dir(args.model)
+        if args.size > tokenizer.vocab_size:
+            raise ValueError(f"--size {args.size} exceeds the vocabulary ({tokenizer.vocab_size} tokens)")
+        if args.data == "sharegpt":
+            train, _ = data.split(data.load_conversations(args.limit))
+            encoded = (data.encode_conversation(tokenizer, c) for c in train)
+            sequences = [[t for t, produced in zip(*e, strict=True) if produced] for e in encoded]
+        else:
+            conversations = jsonl_conversations(Path(args.data))[: args.limit]
+            sequences = [
+                tokenizer.encode(tokenizer.apply_chat_template(list(c.messages)), add_special_tokens=False)
+                for c in conversations
+            ]
+        ids = hot_tokens(sequences, args.size, always=tokenizer.eos_token_ids)
+        save_token_map(ids, args.out)
+        kept = set(ids.tolist())
+        total = sum(map(len, sequences))
+        covered = sum(t in kept for seq in sequences for t in seq)
+        return {"tokens": len(ids), "counted": total, "coverage": round(covered / max(1, total), 4)}
+
+    report = _reported("token-map", build)
+    if report is None:
+        return 2
+    print(json.dumps(report | {"out": str(args.out)}))
+    return 0

@@ -59,7 +59,7 @@ def training_conversations(
         turns = data.prompt_turns(train)
         conversations = [data.Conversation(f"sharegpt-turn-{i}", turn) for i, turn in enumerate(turns)]
     else:
-        conversations = _jsonl_conversations(Path(source))
+        conversations = jsonl_conversations(Path(source))
     kept = []
     for conversation in conversations:
         ids = data.prompt_ids(tokenizer, conversation)
@@ -72,7 +72,9 @@ def training_conversations(
     return kept
 
 
-def _jsonl_conversations(path: Path) -> list[data.Conversation]:
+def jsonl_conversations(path: Path) -> list[data.Conversation]:
+    """The `{"messages": [...]}` conversations of a JSONL file, each starting with a system or user
+    message; a `ValueError` names the line that is not one."""
     if not path.is_file():
         raise FileNotFoundError(f"--data {path}: no such file (give 'sharegpt' or a JSONL file)")
     conversations = []
