@@ -86,6 +86,7 @@ class HotTokenHead(nn.Module):
             local = ids.new_tensor([head.lo])
         self.weight = nn.Parameter(head.weight.detach()[local - head.lo].clone(), requires_grad=False)
         self.register_buffer("ids", local, persistent=False)
+        self.register_buffer("local_rows", local - head.lo, persistent=False)  # where forward scatters
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight)
@@ -94,7 +95,7 @@ class HotTokenHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._local_logits(hidden)
         full = logits.new_full((*logits.shape[:-1], self.rows), float("-inf"))
-        full[..., self.ids - self.lo] = logits
+        full[..., self.local_rows] = logits
         return self.parallel.all_gather(full)[..., : self.vocab_size]
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from hylo.forward_batch import ForwardBatch
+from hylo.layers.vocab import HotTokenHead, VocabHead
 from hylo.memory.specs import CacheSpec, Unit
 from hylo.models.dflash import DFlashConfig, DFlashDraftModel, PagedContext
 from hylo.models.glm5_next import Glm5NextForCausalLM
@@ -55,12 +56,13 @@ class DFlashProposer(Proposer):
         target: Glm5NextForCausalLM,
         caches: ProposerCaches,
         block_size: int | None = None,
-        token_map: torch.Tensor | None = None,
+        head: VocabHead | HotTokenHead | None = None,
     ):
-        """`token_map`: the sorted token ids drafts are picked from (default: the whole vocabulary)."""
+        """`head`: what drafts are picked with (default the target's `lm_head`; a token map's
+        `HotTokenHead`)."""
         c = draft.config
         self.draft, self.target = draft, target
-        self.head = target.lm_head if token_map is None else target.lm_head.restricted(token_map)
+        self.head = head or target.lm_head
         self.block_size = block_size or c.block_size
         self.num_draft_tokens = self.block_size - 1
         self.capture_layers = c.target_layer_ids
@@ -116,10 +118,10 @@ class DFlashProposer(Proposer):
         load_flat(draft, path)
         draft = draft.eval()
         block = block_size or c.block_size
+        # made before the memory plan, which then counts its copy of the map's head rows
+        head = None if token_map is None else target.lm_head.restricted(token_map)
         return ProposerBuild(
-            [DraftKVSpec(c, weight.dtype)],
-            block - 1,
-            lambda caches: cls(draft, target, caches, block, token_map),
+            [DraftKVSpec(c, weight.dtype)], block - 1, lambda caches: cls(draft, target, caches, block, head)
         )
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from hylo.forward_batch import ForwardBatch, SequenceChunk
+from hylo.layers.vocab import HotTokenHead, VocabHead
 from hylo.memory.specs import TokenCacheSpec
 from hylo.memory.state import StateCache
 from hylo.models.glm5_next import Glm5NextForCausalLM
@@ -41,15 +42,14 @@ class MTPProposer(Proposer):
         target: Glm5NextForCausalLM,
         caches: ProposerCaches,
         num_steps: int = 1,
-        token_map: torch.Tensor | None = None,
+        head: VocabHead | HotTokenHead | None = None,
     ):
         """`caches.pools[0]`: the MTP layer's `TokenCache` (from `TokenCacheSpec(layer.config, ...)`);
-        `token_map`: the sorted token ids drafts are picked from (default: the whole vocabulary)."""
+        `head`: what drafts are picked with (default the layer's head; a token map's `HotTokenHead`)."""
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.layer, self.target = layer, target
-        head = layer.head(target)
-        self.head = head if token_map is None else head.restricted(token_map)
+        self.head = head or layer.head(target)
         self.num_steps = self.num_draft_tokens = num_steps
         self.capture_layers = (target.config.num_hidden_layers - 1,)
         weight = target.embed_tokens.weight
@@ -76,10 +76,12 @@ class MTPProposer(Proposer):
         config alone with the seeded random init, as `load_format="dummy"` asks); the proposer is
         built around the layer's token cache (pooled keys in `indexer_dtype`) once the plan allocates it."""
         layer = load_mtp_layer(path, target, random_weights=random_weights)
+        # made before the memory plan, which then counts its copy of the map's head rows
+        head = None if token_map is None else layer.head(target).restricted(token_map)
         spec = TokenCacheSpec(
             layer.config, target.embed_tokens.weight.dtype, indexer_dtype, name="mtp_tokens"
         )
-        build = lambda caches: cls(layer, target, caches, num_steps, token_map)  # noqa: E731
+        build = lambda caches: cls(layer, target, caches, num_steps, head)  # noqa: E731
         return ProposerBuild([spec], num_steps, build, snapshot_feature_dim=target.config.hidden_size)
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:
