@@ -393,10 +393,10 @@ class DFlashObjective(nn.Module):
             stats["loss_selector"] = sel.detach()
             loss = loss + sel
         with torch.no_grad():
-            proposals = self._proposals(rows, logits, anchor_tokens)
+            proposals = self.proposals(rows, logits, anchor_tokens)
         return loss, stats | _accuracy(proposals, targets, valid, keep)
 
-    def _proposals(
+    def proposals(
         self, rows: torch.Tensor, logits: torch.Tensor, anchor_tokens: torch.Tensor
     ) -> torch.Tensor:
         """`[S, N, B−1]`: what `DFlashDraftModel.propose` drafts from these rows and logits."""
