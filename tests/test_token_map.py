@@ -155,3 +155,8 @@ def test_token_map_command_writes_a_map_the_engine_reads(tmp_path, capsys):
     assert 0 < report["coverage"] <= 1
     assert main([*command, "--size", "9000"]) == 2
     assert "exceeds the vocabulary" in capsys.readouterr().err
+    # default size: a quarter of the demo's 8192 tokens, from text that holds most of them
+    words = [tokenizer.decode(list(range(i, i + 200))) for i in range(0, 8000, 200)]
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": w}]}) + "\n" for w in words))
+    assert main(command) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == len(load_token_map(out, 8192)) == 2048

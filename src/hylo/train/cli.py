@@ -10,6 +10,8 @@ from pathlib import Path
 
 from hylo.train.loop import TrainSettings
 
+# FR-Spec's and SGLang's usual map for 128K-150K vocabularies
+DEFAULT_TOKEN_MAP_SIZE = 32768
 # The target (and the MTP layer's training forward) train through the reference implementation.
 REFERENCE_NEEDED = (
     "transformers is not installed: training needs transformers==5.23.0 (pip install -e '.[dev]')"
@@ -190,7 +192,10 @@ def add_token_map_args(parser: argparse.ArgumentParser) -> None:
         help="text to count: 'sharegpt' (the assistant replies of the train split) or a JSONL file of "
         "{\"messages\": [...]} conversations (every token of each, rendered with the chat template)",
     )  # fmt: skip
-    parser.add_argument("--size", type=_positive(int), default=32768, help="tokens in the map")
+    parser.add_argument(
+        "--size", type=_positive(int), default=None,
+        help=f"tokens in the map (default: {DEFAULT_TOKEN_MAP_SIZE}, or a quarter of a smaller vocabulary)",
+    )  # fmt: skip
     parser.add_argument(
         "--limit", type=_positive(int), default=None, help="read only the first N conversations"
     )
@@ -209,8 +214,9 @@ def run_token_map(args: argparse.Namespace) -> int:
 
     def build() -> dict:
         tokenizer = Tokenizer.from_dir(args.model)
-        if args.size > tokenizer.vocab_size:
-            raise ValueError(f"--size {args.size} exceeds the vocabulary ({tokenizer.vocab_size} tokens)")
+        size = args.size or min(DEFAULT_TOKEN_MAP_SIZE, tokenizer.vocab_size // 4)
+        if size > tokenizer.vocab_size:
+            raise ValueError(f"--size {size} exceeds the vocabulary ({tokenizer.vocab_size} tokens)")
         if args.data == "sharegpt":
             train, _ = data.split(data.load_conversations(args.limit))
             encoded = (data.encode_conversation(tokenizer, c) for c in train)
@@ -221,7 +227,7 @@ def run_token_map(args: argparse.Namespace) -> int:
                 tokenizer.encode(tokenizer.apply_chat_template(list(c.messages)), add_special_tokens=False)
                 for c in conversations
             ]
-        ids = hot_tokens(sequences, args.size, always=tokenizer.eos_token_ids)
+        ids = hot_tokens(sequences, size, always=tokenizer.eos_token_ids)
         save_token_map(ids, args.out)
         kept = set(ids.tolist())
         total = sum(map(len, sequences))
