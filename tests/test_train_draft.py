@@ -11,6 +11,7 @@ from hf_reference import tiny_text_config, write_hf_checkpoint
 
 from hylo import LLM, SamplingParams
 from hylo.cli import main
+from hylo.speculative.token_map import load_token_map
 from hylo.train import loop
 from hylo.train.bpe import train_tokenizer
 
@@ -48,8 +49,8 @@ def _train(target_dir, prompts, out, algorithm, steps=24, *extra) -> list[float]
 def test_train_draft_learns_and_the_draft_serves_losslessly(target, tmp_path, algorithm):
     target_dir, prompts = target
     extra = () if algorithm == "mtp" else ("--block-size", "4", "--num-layers", "1")
-    if algorithm == "dflash2":  # features from the first and the last target layer
-        extra += ("--target-layers", "0,3")
+    if algorithm == "dflash2":  # features from the first and the last target layer, and a token map
+        extra += ("--target-layers", "0,3", "--token-map-size", "16")
     losses = _train(target_dir, prompts, tmp_path, algorithm, 30, *extra)
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses
     report = json.loads((tmp_path / "training.json").read_text())
@@ -57,6 +58,8 @@ def test_train_draft_learns_and_the_draft_serves_losslessly(target, tmp_path, al
     if algorithm == "dflash2":
         saved = json.loads((tmp_path / "model" / "config.json").read_text())
         assert saved["dflash_config"]["target_layer_ids"] == [0, 3]
+        assert report["token_map"]["tokens"] == 16 and 0 < report["token_map"]["answer_coverage"] <= 1
+        assert len(load_token_map(tmp_path / "model" / "token_map.pt", 300)) == 16
 
     if algorithm == "mtp":  # the layer goes beside the target's weights
         served = tmp_path / "served"
@@ -68,6 +71,8 @@ def test_train_draft_learns_and_the_draft_serves_losslessly(target, tmp_path, al
     else:
         served = target_dir
         options = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(tmp_path / "model")}
+        if algorithm == "dflash2":  # drafts from the map, the tokens still plain decoding's
+            options["speculative_token_map"] = str(tmp_path / "model" / "token_map.pt")
     ids = [[5, 6, 7, 8], [9, 10, 11]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     plain = LLM(str(served), device="cpu", dtype="float32", max_memory_gb=0.1)
@@ -112,6 +117,8 @@ def test_train_draft_rejects_a_target_without_a_mask_token_and_bad_data(tmp_path
     with pytest.raises(SystemExit):
         main([*args, "--target-layers", "1,one"])
     assert "--target-layers: must be comma-separated layer indices" in capsys.readouterr().err
+    assert main([*args, "--token-map-size", "100000"]) == 2  # refused before any answer is generated
+    assert "--token-map-size must be in [1, " in capsys.readouterr().err
 
 
 def test_train_draft_trains_on_answers_cached_beforehand(target, tmp_path, monkeypatch):

@@ -147,6 +147,11 @@ def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--init-from", type=Path, default=None, help="start from this DFlash draft's weights (same config)"
     )
+    parser.add_argument(
+        "--token-map-size", type=_positive(int), default=None,
+        help="also write OUT/model/token_map.pt, the N most frequent tokens of the target's answers "
+        "(for --speculative-token-map)",
+    )  # fmt: skip
 
 
 def run_train_draft(args: argparse.Namespace) -> int:
@@ -176,6 +181,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
         args.target, args.out, args.algorithm, _settings(args), source=args.data,
         num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
         batch_size=args.batch_size, device=args.device, draft_options=options, progress=not args.no_progress,
+        token_map_size=args.token_map_size,
     ))  # fmt: skip
     if report is None:
         return 2

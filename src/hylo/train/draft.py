@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from hylo.models.loader import load_flat, load_model
+from hylo.speculative.token_map import hot_tokens, save_token_map
 from hylo.tokenizer import Tokenizer
 from hylo.train import data
 from hylo.train.distill import DistillSet, build_distill_set, regenerate
@@ -31,6 +32,7 @@ from hylo.train.loop import Trainer, TrainSettings, step_generator
 
 ALGORITHMS = ("dflash", "dflash2", "mtp")
 DISTILL_CACHE = "distill.pt"
+TOKEN_MAP = "token_map.pt"
 GENERATION_MEMORY_FRACTION = 0.3
 MTP_TRAIN_STEPS = 3  # chained MTP steps the loss trains, as many as the demo serves
 
@@ -142,12 +144,19 @@ def train_draft(
     device: str = "cpu",
     draft_options: dict | None = None,
     progress: bool = True,
+    token_map_size: int | None = None,
 ) -> dict:
-    """Train (or resume) a draft of `algorithm` for the target at `target_dir` into `out`."""
+    """Train (or resume) a draft of `algorithm` for the target at `target_dir` into `out`; with
+    `token_map_size`, also `out/model/token_map.pt`: the most frequent tokens of the target's answers
+    (`--speculative-token-map`), as EAGLE-3 drafts get their reduced vocabulary from their data."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     target_dir, out = Path(target_dir), Path(out)
     tokenizer = Tokenizer.from_dir(target_dir)
+    if token_map_size is not None and not 0 < token_map_size <= tokenizer.vocab_size:
+        raise ValueError(
+            f"--token-map-size must be in [1, {tokenizer.vocab_size}] (the vocabulary), got {token_map_size}"
+        )
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     prompts = training_prompts(tokenizer, source, num_prompts, max_prompt_tokens)
     responses = distill(target_dir, out, prompts, max_tokens, device, dtype)
@@ -166,6 +175,13 @@ def train_draft(
     trainer.resume()
     history = trainer.run()
     export(out / "model")
+    token_map = None
+    if token_map_size is not None:
+        ids = hot_tokens(responses, token_map_size, always=tokenizer.eos_token_ids)
+        save_token_map(ids, out / "model" / TOKEN_MAP)
+        kept = set(ids.tolist())
+        covered = sum(t in kept for r in responses for t in r) / max(1, sum(map(len, responses)))
+        token_map = {"file": f"model/{TOKEN_MAP}", "tokens": len(ids), "answer_coverage": round(covered, 4)}
     report = {
         "algorithm": algorithm,
         "target": str(target_dir),
@@ -173,6 +189,7 @@ def train_draft(
                  "response_tokens": int(examples.loss_mask.sum())},
         "settings": asdict(settings) | {"batch_size": batch_size, "steps_run": len(history)},
         "last_losses": [h["loss"] for h in history[-5:]],
+        "token_map": token_map,
     }  # fmt: skip
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
