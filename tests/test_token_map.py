@@ -14,7 +14,7 @@ from hylo.config import EngineConfig
 from hylo.distributed.parallel import Parallel
 from hylo.layers.vocab import VocabHead
 from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS
-from hylo.speculative.token_map import hot_tokens, load_token_map, save_token_map
+from hylo.speculative.token_map import coverage, hot_tokens, load_token_map, save_token_map
 from hylo.tokenizer import Tokenizer
 
 CHATS = ["What is the capital of France?", "Write a short poem about the sea."]
@@ -63,6 +63,8 @@ def test_hot_tokens_are_the_most_frequent_with_the_stop_tokens():
     assert hot_tokens(sequences, 10).tolist() == [2, 5, 7, 9]
     with pytest.raises(ValueError, match="count must be >= 1"):
         hot_tokens(sequences, 0)
+    assert coverage(torch.tensor([2, 7]), sequences) == 7 / 11  # three 2s and four 7s of 11 tokens
+    assert coverage(torch.tensor([2]), []) == 0
 
 
 def test_a_restricted_head_picks_the_best_token_of_the_map():

@@ -62,6 +62,13 @@ def hot_tokens(sequences: Iterable[Sequence[int]], count: int, always: Sequence[
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def coverage(ids: torch.Tensor, sequences: Iterable[Sequence[int]]) -> float:
+    """The share of the tokens of `sequences` that are among `ids` (0 for no tokens)."""
+    kept = set(ids.tolist())
+    counted = [t in kept for seq in sequences for t in seq]
+    return sum(counted) / max(1, len(counted))
+
+
 def save_token_map(ids: torch.Tensor, path: str | Path) -> Path:
     """Write `ids` where `load_token_map` reads them: `.json` as a list, anything else `torch.save`."""
     path = Path(path)

@@ -213,7 +213,7 @@ def add_token_map_args(parser: argparse.ArgumentParser) -> None:
 def run_token_map(args: argparse.Namespace) -> int:
     """The `--size` most frequent tokens of `--data` (the tokenizer's stop tokens always among them), for
     `--speculative-token-map`."""
-    from hylo.speculative.token_map import hot_tokens, save_token_map
+    from hylo.speculative.token_map import coverage, hot_tokens, save_token_map
     from hylo.tokenizer import Tokenizer
     from hylo.train import data
     from hylo.train.draft import jsonl_conversations
@@ -235,10 +235,8 @@ def run_token_map(args: argparse.Namespace) -> int:
             ]
         ids = hot_tokens(sequences, size, always=tokenizer.eos_token_ids)
         save_token_map(ids, args.out)
-        kept = set(ids.tolist())
-        total = sum(map(len, sequences))
-        covered = sum(t in kept for seq in sequences for t in seq)
-        return {"tokens": len(ids), "counted": total, "coverage": round(covered / max(1, total), 4)}
+        counted = sum(map(len, sequences))
+        return {"tokens": len(ids), "counted": counted, "coverage": round(coverage(ids, sequences), 4)}
 
     report = _reported("token-map", build)
     if report is None:

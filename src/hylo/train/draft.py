@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from hylo.models.loader import load_flat, load_model
-from hylo.speculative.token_map import hot_tokens, save_token_map
+from hylo.speculative.token_map import coverage, hot_tokens, save_token_map
 from hylo.tokenizer import Tokenizer
 from hylo.train import data
 from hylo.train.distill import DistillSet, build_distill_set, regenerate
@@ -179,9 +179,8 @@ def train_draft(
     if token_map_size is not None:
         ids = hot_tokens(responses, token_map_size, always=tokenizer.eos_token_ids)
         save_token_map(ids, out / "model" / TOKEN_MAP)
-        kept = set(ids.tolist())
-        covered = sum(t in kept for r in responses for t in r) / max(1, sum(map(len, responses)))
-        token_map = {"file": f"model/{TOKEN_MAP}", "tokens": len(ids), "answer_coverage": round(covered, 4)}
+        share = round(coverage(ids, responses), 4)
+        token_map = {"file": f"model/{TOKEN_MAP}", "tokens": len(ids), "answer_coverage": share}
     report = {
         "algorithm": algorithm,
         "target": str(target_dir),
