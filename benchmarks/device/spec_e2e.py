@@ -312,9 +312,11 @@ def step_floor(graphs: DecodeGraphs, bucket: int, bandwidth: float) -> dict:
     layer): bytes, distinct experts per experts call, and the floor in ms at `bandwidth`."""
     proposer = graphs.proposer
     draft = getattr(proposer, "draft", None) or getattr(proposer, "layer", None)
-    # the draft's head when it is its own (a token map's rows), not the target's lm_head
+    from hylo.layers.vocab import HotTokenHead
+
+    # a token map's head is the draft's own (its rows of the target's head); otherwise the target's
     head = getattr(proposer, "head", None)
-    own_head = [head] if head is not None and all(head is not m for m in graphs.model.modules()) else []
+    own_head = [head] if isinstance(head, HotTokenHead) else []
     modules = [graphs.model] + ([draft] if draft is not None else []) + own_head
     with torch.inference_mode():
         read, distinct = weight_bytes_read(modules, lambda: graphs._warm(graphs.static[bucket]))
@@ -365,9 +367,8 @@ def main() -> None:
     for name in algorithms:
         # each engine's caches get about 6 GiB above what is in use once its own weights are loaded
         free, total = torch.cuda.mem_get_info()
-        own_weights = (
-            8 if name.startswith("mtp") else 1.5
-        ) * 2**30  # the MTP layer: FP8 experts, as the target's
+        # the MTP layer: FP8 experts, as the target's
+        own_weights = (8 if name.startswith("mtp") else 1.5) * 2**30
         fraction = min(0.95, (total - free + own_weights + 6 * 2**30) / total)
         base = name.removesuffix("_map")
         if base == "mtp":

@@ -72,12 +72,13 @@ class HotTokenHead(nn.Module):
 
     def __init__(self, head: VocabHead, token_ids: torch.Tensor):
         super().__init__()
-        ids = token_ids.to(head.weight.device, torch.long)
+        ids = token_ids.long().cpu()  # checked on the host, then moved once
         if ids.ndim != 1 or not ids.numel() or not bool((ids[1:] > ids[:-1]).all()):
             raise ValueError("token_ids must be a non-empty sorted 1-D tensor of distinct ids")
         if int(ids[0]) < 0 or int(ids[-1]) >= head.vocab_size:
             span = f"{int(ids[0])}..{int(ids[-1])}"
             raise ValueError(f"token_ids must lie in [0, {head.vocab_size}), got {span}")
+        ids = ids.to(head.weight.device)
         self.vocab_size, self.lo, self.parallel = head.vocab_size, head.lo, head.parallel
         self.rows = head.weight.shape[0]
         local = ids[(ids >= head.lo) & (ids < head.lo + self.rows)]

@@ -104,4 +104,4 @@ class MTPLayer(nn.Module):
     ) -> torch.Tensor:
         """`logits(hidden, target).argmax(-1)`, without the full logits under tensor parallelism; with
         `head` (`self.head(target)` restricted to a token map), the best of its tokens."""
-        return (head or self.head(target)).argmax(self.shared_head.norm(hidden))
+        return (self.head(target) if head is None else head).argmax(self.shared_head.norm(hidden))

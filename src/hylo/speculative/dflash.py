@@ -62,7 +62,7 @@ class DFlashProposer(Proposer):
         `HotTokenHead`)."""
         c = draft.config
         self.draft, self.target = draft, target
-        self.head = head or target.lm_head
+        self.head = target.lm_head if head is None else head
         self.block_size = block_size or c.block_size
         self.num_draft_tokens = self.block_size - 1
         self.capture_layers = c.target_layer_ids

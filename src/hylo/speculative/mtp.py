@@ -49,7 +49,7 @@ class MTPProposer(Proposer):
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.layer, self.target = layer, target
-        self.head = head or layer.head(target)
+        self.head = layer.head(target) if head is None else head
         self.num_steps = self.num_draft_tokens = num_steps
         self.capture_layers = (target.config.num_hidden_layers - 1,)
         weight = target.embed_tokens.weight
