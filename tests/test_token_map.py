@@ -80,7 +80,9 @@ def test_a_restricted_head_picks_the_best_token_of_the_map():
     assert torch.equal(hot.argmax(hidden), expected)
     logits = hot(hidden)
     assert logits.shape == full.shape
-    assert torch.equal(logits[:, ids], full[:, ids])
+    # the same 16-term fp32 dot products, but BLAS may block a 6-column product and a 50-column one
+    # differently: equal to the last bits, which differ between CPUs (~1e-6 at logits of ~20 here)
+    torch.testing.assert_close(logits[:, ids], full[:, ids], rtol=1e-6, atol=1e-5)
     outside = torch.ones(50, dtype=torch.bool)
     outside[ids] = False
     assert bool(torch.isneginf(logits[:, outside]).all())
