@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from interpreter import use_interpreter
+from interpreter import run_compiled_for_hopper, use_interpreter
 
 use_interpreter()
 
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
         (1, 48, 80, table.GemmConfig(16, 32, 32, 1, 4, 2)),  # ragged N and K tiles
         (5, 40, 96, table.GemmConfig(16, 16, 16, 3, 4, 2)),  # split K, summed by the second launch
         (37, 24, 200, table.GemmConfig(32, 16, 32, 4, 4, 3)),  # several row blocks, last split short
+        (37, 40, 200, table.GemmConfig(16, 16, 32, 4, 4, 3, swap_ab=True)),  # transposed tiles, ragged
     ],
 )
 def test_gemm_matches_torch(m, n, k, config):
@@ -44,6 +45,7 @@ def test_gemm_matches_torch(m, n, k, config):
     [
         (3, 200, 300, table.GemmConfig(16, 64, 64, 1, 4, 2)),  # ragged N and K blocks, two K tiles a block
         (21, 136, 256, table.GemmConfig(32, 32, 128, 2, 4, 2)),  # split K at a block boundary
+        (21, 200, 300, table.GemmConfig(16, 64, 64, 2, 4, 2, swap_ab=True)),  # transposed tiles
     ],
 )
 def test_fp8_gemm_matches_the_dequantised_weight(m, n, k, config):
@@ -66,6 +68,7 @@ def test_fp8_gemm_matches_the_dequantised_weight(m, n, k, config):
     [
         (1, 200, 300, table.GemmConfig(16, 64, 64, 1, 4, 2, quant_x=True)),  # ragged N and K, 64-wide groups
         (19, 136, 256, table.GemmConfig(32, 32, 128, 2, 4, 2, quant_x=True)),  # split K, 128-wide groups
+        (19, 136, 256, table.GemmConfig(16, 64, 128, 2, 4, 2, quant_x=True, swap_ab=True)),  # transposed
     ],
 )
 def test_fp8_gemm_with_quantised_activations(m, n, k, config):
@@ -85,6 +88,31 @@ def test_fp8_gemm_with_quantised_activations(m, n, k, config):
     assert float((got - exact).norm() / exact.norm()) < 5e-2
     with pytest.raises(ValueError, match="quant_x"):
         kernels.gemm(x, exact_w, config)
+
+
+_HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hylo.ops.gemm import kernels
+
+fn = kernels._gemm_kernel
+types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*fp32"}
+for swap in (False, True):  # the decode shape of the FP8 table: 16 rows of x, 64 weight rows, K tiles of 128
+    consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SCALED=True, QUANT_X=False, SWAP_AB=swap)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+    options = {"num_warps": 4, "num_stages": 3}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options).asm["ptx"]
+    print("wgmma.mma_async" in ptx, "mma.sync" in ptx)
+"""
+
+
+def test_transposed_tiles_compile_to_warpgroup_mma_for_hopper():
+    """Why `swap_ab` exists: with 16 rows of x as the MMA's M side the FP8 kernel compiles to `mma.sync`;
+    the transposed tile (64 weight rows as M) compiles to Hopper's warpgroup MMA. Which is faster per
+    shape is measured by `benchmarks/kernels/gemm_tune.py` on the GPU."""
+    assert run_compiled_for_hopper(_HOPPER_COMPILE).split() == ["False", "True", "True", "False"]
 
 
 def test_fp8_fused_parts_start_at_block_boundaries():

@@ -13,6 +13,7 @@ best configuration is at least 2% faster than that baseline at both ends of the 
 run-to-run noise); the other shapes keep the baseline. With `--fp8-activations` the e4m3 candidates
 also include configurations that quantise x in the kernel (`GemmConfig.quant_x`, checked to 5e-2:
 e4m3's rounding of x), so that a table may choose w8a8 for decode as prefill's cuBLAS path has it.
+Every configuration is tried in both orientations of the tile product (`GemmConfig.swap_ab`).
 Prints the table and writes it (with the timings) to --out, together with the shipped table's entries
 of the other weight format and those it did not measure.
 """
@@ -81,6 +82,8 @@ def candidates(bucket: int) -> list[table.GemmConfig]:
     if DRY:
         grid = itertools.product((16,), (32,), (1, 2), (4,), (2,))
     configs = [table.GemmConfig(bucket, bn, bk, sk, w, st) for bn, bk, sk, w, st in grid]
+    # the transposed tile: from 64 weight rows a tile is a warpgroup MMA's M side (Hopper's wgmma)
+    configs += [dataclasses.replace(c, swap_ab=True) for c in configs if DRY or c.block_n >= 64]
     if FP8 and FP8_ACTIVATIONS:
         configs += [dataclasses.replace(c, quant_x=True) for c in configs]
     return configs

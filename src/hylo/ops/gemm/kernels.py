@@ -8,6 +8,10 @@ alone gives too few tiles, K is split across programs whose fp32 partials a seco
 block, so the block's scale multiplies the tile's partial product (w8a16: x is not quantised). With
 `GemmConfig.quant_x` each row's K tile of x is quantised to e4m3 in registers instead and the tile's
 product runs on the FP8 tensor cores, the weight never widened (w8a8, as cuBLAS's block-scaled matmul).
+With `GemmConfig.swap_ab` the kernel computes the transposed tile, `weight tile · x tileᵀ`: the weight's
+`block_n` rows become the MMA's M side, so from 64 of them Hopper's warpgroup MMA takes the widened weight
+from registers, where a 16-row x tile as the M side runs the older `mma.sync` (the small-M trick of
+CUTLASS's FP8 kernels in vLLM and TensorRT-LLM); which orientation is faster per shape is the tuner's call.
 
 `scaled_mm` serves prefill-sized M with FP8 weights: x is quantised per token and 128-channel group
 (`quantize_groups`, as DeepSeek-V3's and HF's FP8 linears do) and cuBLAS multiplies on the FP8
@@ -27,6 +31,29 @@ from hylo.ops.gemm.table import GemmConfig
 
 SCALE_BLOCK = tl.constexpr(FP8_BLOCK)
 SCALED_MM_ROW_ALIGN = 16  # rows of x padded to a multiple of this for cuBLAS's block-scaled matmul
+
+
+@triton.jit
+def _per_row(v, SWAP_AB: tl.constexpr):
+    """A per-row vector (rows of x) broadcast over an output tile, [M, N] or with SWAP_AB [N, M]."""
+    return v[None, :] if SWAP_AB else v[:, None]
+
+
+@triton.jit
+def _per_col(v, SWAP_AB: tl.constexpr):
+    """A per-column vector (rows of the weight) broadcast over an output tile, as `_per_row`."""
+    return v[:, None] if SWAP_AB else v[None, :]
+
+
+@triton.jit
+def _tile_product(x, w, SWAP_AB: tl.constexpr):
+    """`x [BM, BK] · w [BN, BK]ᵀ` in fp32, as `[BM, BN]`, or with SWAP_AB its transpose `[BN, BM]`
+    computed as `w · xᵀ` (the weight tile is then the MMA's A operand)."""
+    if SWAP_AB:
+        product = tl.dot(w, tl.trans(x), out_dtype=tl.float32)
+    else:
+        product = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+    return product
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a decode batch
@@ -49,12 +76,13 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     SCALED: tl.constexpr,
     QUANT_X: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     lo = split * k_per_split
     for start in range(lo, lo + k_per_split, BLOCK_K):
         k = start + ks
@@ -63,18 +91,17 @@ def _gemm_kernel(
         w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=(cols[:, None] < N) & k_ok)
         if SCALED:  # the tile's [128, 128] block scale of each output column
             block = (cols // SCALE_BLOCK) * stride_sn + start // SCALE_BLOCK
-            scale = tl.load(scale_ptr + block, mask=cols < N)
+            scale = _per_col(tl.load(scale_ptr + block, mask=cols < N), SWAP_AB)
             if QUANT_X:  # each row's K tile as e4m3 with its own scale: an FP8 × FP8 product
                 xq, x_scale = quantize_rows(x.to(tl.float32))
-                partial = tl.dot(xq.to(w.dtype), tl.trans(w), out_dtype=tl.float32)
-                acc += partial * scale[None, :] * x_scale[:, None]
+                acc += _tile_product(xq.to(w.dtype), w, SWAP_AB) * scale * _per_row(x_scale, SWAP_AB)
             else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype))) * scale[None, :]
+                acc += _tile_product(x, w.to(x.dtype), SWAP_AB) * scale
         else:
-            acc += tl.dot(x, tl.trans(w))
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
+            acc += _tile_product(x, w, SWAP_AB)
+    mask = _per_row(rows < M, SWAP_AB) & _per_col(cols < N, SWAP_AB)
     tl.store(
-        out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :],
+        out_ptr + split * stride_os + _per_row(rows * stride_om, SWAP_AB) + _per_col(cols, SWAP_AB),
         acc.to(out_ptr.dtype.element_ty),
         mask=mask,
     )
@@ -124,7 +151,7 @@ def gemm(
         x, weight, scale_inv if scaled else weight, part, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), scale_inv.stride(0) if scaled else 0, m * n, n,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=scaled, QUANT_X=c.quant_x,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        SWAP_AB=c.swap_ab, num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     if split_k > 1:
         block = 1024

@@ -22,7 +22,8 @@ M_BUCKETS = (16, 32, 64)
 class GemmConfig:
     """One launch configuration; `split_k` programs share each output tile's K range. `quant_x`
     (e4m3 weights only): the activations are quantised to e4m3 in the kernel and the product runs on
-    the FP8 tensor cores (w8a8, cuBLAS's block-scaled matmul's error) instead of widening the weight."""
+    the FP8 tensor cores (w8a8, cuBLAS's block-scaled matmul's error) instead of widening the weight.
+    `swap_ab`: the kernel computes the transposed tile (weight rows as the MMA's M side; see `kernels`)."""
 
     block_m: int
     block_n: int
@@ -31,6 +32,7 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     quant_x: bool = False
+    swap_ab: bool = False
 
 
 def m_bucket(m: int) -> int | None:
