@@ -1,10 +1,12 @@
 """Host time of a speculative verify step, part by part, measured on the CPU on the embedded demo model.
 
 On a GPU a verify step's forward, acceptance, KDA commit and next drafts are two graph replays
-(`VerifyGraphs`); everything around them is host work that the GPU waits for, since a verify step is
-not overlapped with the step before it (`Engine.step`). Here the fixed-shape verify path runs on the
-CPU with that device work taken out: each bucket's first forward is kept and returned again for
-every later step, and the commit graph does nothing, so a timed step is the host work alone
+(`VerifyGraphs`); everything around them is host work, which the GPU waits for where a verify step is
+not overlapped with the step before it (`--disable-overlap-schedule`, or rows whose acceptance needs
+the host: `ModelRunner.overlaps`), and which runs while the GPU computes the step ahead where it is.
+Here, with the overlap schedule off so that every part runs in turn, the fixed-shape verify path
+runs on the CPU with that device work taken out: each bucket's first forward is kept and returned
+again for every later step, and the commit graph does nothing, so a timed step is the host work alone
 (scheduling, the runner outside the graphs, the graphs' metadata upload, the one read, the requests'
 bookkeeping and detokenising). Acceptance is forced to the whole block (every draft accepted, as the
 "forced" mode of `benchmarks/device/spec_e2e.py`), so every request commits a block a step. The
@@ -80,7 +82,7 @@ def main() -> None:
     demo = default_model_dir()
     llm = LLM(
         str(demo), speculative_algorithm="DFLASH", speculative_draft_model_path=str(demo / "dflash"),
-        speculative_adaptive=False, decode_graphs=True, device="cpu",
+        speculative_adaptive=False, decode_graphs=True, device="cpu", disable_overlap_schedule=True,
     )  # fmt: skip
     block = llm.engine.proposer.num_draft_tokens + 1
     # forced acceptance, as spec_e2e.py's test-only hook: every row keeps all of its drafts

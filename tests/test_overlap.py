@@ -249,3 +249,63 @@ def test_speculative_plain_steps_overlap_and_the_drafts_see_every_token(algorith
     same(overlapped, reference)
     assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10
     assert never == 0 and ahead > 5
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2", "mtp"])
+def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(algorithm):
+    """Verify steps after verify steps are launched before the one ahead is read (the fixed-shape
+    verify path, as the GPU replays it): each block starts where the commit in flight leaves it, on
+    the device. Requests that stop at a stop id or their token limit inside a block, an abort, a late
+    arrival (the step ahead waits for it to start) and a sampled request (its acceptance runs on the
+    host's schedule: those steps read first) give the tokens and accepted drafts of the engine that
+    reads every step; the demo's trained drafts accept many tokens, so a block starting at a wrong
+    position or from a wrong anchor would show."""
+    flags = (
+        dict(speculative_algorithm="MTP", speculative_num_steps=3)
+        if algorithm == "mtp"
+        else dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(DEMO_DRAFTS[algorithm]))
+    )
+    probe = LLM(str(DEMO_DIR), device="cpu", dtype="float32").engine
+    reference_ids, _ = run(probe, {0: [("add", "p", PROMPTS[2], greedy(30, ignore_eos=True))]})
+    stop_id = reference_ids["p"][0][12]
+    results = {}
+    for overlap in (True, False):
+        llm = LLM(
+            str(DEMO_DIR), device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
+            decode_graphs=True, cuda_graph_max_bs=4, max_memory_gb=0.25, speculative_adaptive=False,
+            **flags,
+        )  # fmt: skip
+        engine, launched = llm.engine, []
+
+        def launching(chunks, *rest, launch=engine.runner.launch, launched=launched):
+            launched.append(all(ch.verify and ch.request.verifying for ch in chunks))
+            return launch(chunks, *rest)
+
+        engine.runner.launch = launching
+        script = {
+            0: [
+                ("add", "long", PROMPTS[0], greedy(45, ignore_eos=True)),
+                ("add", "stop-id", PROMPTS[2], greedy(40, stop_token_ids=[stop_id], ignore_eos=True)),
+                ("add", "short", PROMPTS[5], greedy(11, ignore_eos=True)),
+            ],
+            3: [("add", "late", PROMPTS[3], greedy(25, ignore_eos=True))],
+            6: [("abort", "short")],
+            9: [("add", "sampled", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=12))],
+        }
+        accepted: dict[str, list[int]] = {}
+
+        def count_accepted(outputs, accepted=accepted):
+            for out in outputs:
+                if out.accepted_drafts is not None:
+                    accepted.setdefault(out.request.request_id, []).append(out.accepted_drafts)
+
+        outputs, ahead = run(engine, script, count_accepted)
+        results[overlap] = outputs, ahead, accepted, sum(launched)
+    (overlapped, ahead, accepted, after_commit), (reference, never, accepted_ref, none) = (
+        results[True],
+        results[False],
+    )
+    same(overlapped, reference)
+    assert reference["stop-id"][2] == "stop" and reference["stop-id"][0][-1] == stop_id
+    assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10
+    assert never == none == 0 and ahead > 3 and after_commit > 3

@@ -432,17 +432,21 @@ def test_deferred_observes_leave_the_draft_caches_of_observing_every_step(
     assert_fp32_close(proposer.v_cache[:, seen], reference.v_cache[:, seen], terms)
 
 
-def test_verify_graphs_commit_what_plain_decoding_computes(target):
+@pytest.mark.parametrize("overlap", [False, True], ids=["reading", "overlapped"])
+def test_verify_graphs_commit_what_plain_decoding_computes(target, overlap):
     """Greedy speculative steps through the fixed-shape verify batches (CPU: plain calls of the static
     batches, the path CUDA graphs replay) give the plain engine's tokens, with drafts accepted, rejected
     and cut short by the token limit (blocks padded to the graphs' width); every page and slot comes
-    back."""
+    back. With the overlap schedule most verify steps are launched before the one ahead of them is
+    read, their blocks starting where its commit left them on the device (a whole block each: what
+    a request commits past its limit is dropped with it), and the tokens are the same."""
     from hylo.config import EngineConfig
     from hylo.engine.engine import Engine
 
     config = EngineConfig(
         model=str(target), device="cpu", dtype="float32", page_size=16, context_length=96,
         max_memory_gb=0.25, max_running_requests=4, cuda_graph_max_bs=4, speculative_adaptive=False,
+        disable_overlap_schedule=not overlap,
     )  # fmt: skip
     prompts = [random_prompt(n, 160, seed=40 + n) for n in (29, 6, 17)]
     params = [GREEDY.model_copy(update={"max_tokens": n}) for n in (20, 13, 9)]
@@ -474,6 +478,15 @@ def test_verify_graphs_commit_what_plain_decoding_computes(target):
         return step(chunks, draft)
 
     engine.runner.step = counted
+    launch, launched, after_commit = engine.runner.launch, [], []
+
+    def launching(chunks, sample_now=True):
+        launched.append(len(chunks))
+        mixed.append(any(ch.num_tokens == 1 for ch in chunks))
+        after_commit.append(all(ch.request.verifying for ch in chunks))
+        return launch(chunks, sample_now)
+
+    engine.runner.launch = launching
     free = (engine.caches.num_available_pages, engine.caches.slots.num_free)
     got = [
         engine.add_request(str(i), prompt, p)[0]
@@ -483,7 +496,11 @@ def test_verify_graphs_commit_what_plain_decoding_computes(target):
         engine.step()
     assert [r.output_ids for r in got] == [r.output_ids for r in expected]
     # 3 requests verify in the bucket of 4 (a filler block on the scratch slot); a request one token
-    # from its limit verifies a block without drafts beside the others: every verify step replays
-    assert replays.count(3) >= 3 and replays == verify_steps and any(mixed)
+    # from its limit verifies a block without drafts beside the others (read every step: the blocks
+    # launched ahead are whole); every verify step replays
+    assert replays.count(3) >= 3 and sorted(replays) == sorted(verify_steps + launched)
+    assert any(mixed) or overlap
+    assert bool(launched) == overlap and sum(after_commit) >= (3 if overlap else 0)
+    assert all(r.verifying == 0 and r.in_flight == 0 for r in got)
     assert all(r.metrics.spec_accepted_tokens > 0 for r in got)
     assert (engine.caches.num_available_pages, engine.caches.slots.num_free) == free

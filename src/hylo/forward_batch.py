@@ -23,7 +23,10 @@ class SequenceChunk:
     `sample`, the forward returns logits for the chunk's last token; a `score` chunk returns them for
     every token (prompt logprobs). A `verify` chunk (an anchor and its drafts) returns logits for
     every token and leaves the KDA state of its slot untouched: the accepted prefix is committed
-    afterwards (`Glm5NextForCausalLM.commit`).
+    afterwards (`Glm5NextForCausalLM.commit`). An `after_commit` verify chunk starts where the verify
+    step still in flight on its row leaves it: `prefix_len` plus the positions that step commits
+    (`CacheManager.last_committed`, known on the device only), from the anchor it leaves; only the
+    verify graphs, which read both on the device, take one (`Request.verifying`).
     """
 
     token_ids: Sequence[int]
@@ -36,6 +39,7 @@ class SequenceChunk:
     # (tokens of the chunk, snapshot id): copy every KDA layer's state after that many of its tokens
     # into that prefix-cache snapshot (`ForwardBatch.snapshot_points`)
     snapshots: Sequence[tuple[int, int]] = ()
+    after_commit: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,8 @@ class ForwardBatch:
         for i, (e, total) in enumerate(zip(extend, totals, strict=True)):
             if e == 0:
                 raise ValueError(f"sequence {i} has no new tokens")
+            if chunks[i].after_commit:
+                raise ValueError(f"sequence {i} starts after a commit still in flight: a verify graph's")
             if total > req_to_token.shape[1]:
                 raise ValueError(
                     f"sequence {i} reaches position {total}, the table holds {req_to_token.shape[1]}"

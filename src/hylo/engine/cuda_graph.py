@@ -70,6 +70,7 @@ class DecodeGraphs:
     """
 
     tokens_per_seq = 1
+    upload_rows = 3  # what a step uploads of each sequence: prefix length, table row, first token
     kind = "decode"
     bucket_unit = "batch sizes"
     memory_bytes = 0  # what the captured graphs hold, for the start-up memory report
@@ -161,8 +162,8 @@ class DecodeGraphs:
         self._uploads += 1
         host = self.host_inputs[bucket][self._uploads % 2]
         assert self.caches.scratch_slot is not None
-        filler = [(0, self.caches.scratch_slot, 0)] * (bucket - len(seqs))
-        host.copy_(torch.tensor([(s.prefix_len, s.table_row, s.token_ids[0]) for s in seqs] + filler).t())
+        filler = [(0, self.caches.scratch_slot, 0, 0)[: self.upload_rows]] * (bucket - len(seqs))
+        host.copy_(torch.tensor([self._upload(s) for s in seqs] + filler).t())
         self.step_inputs[bucket].copy_(host, non_blocking=True)
         static = self.static[bucket]
         if variant != OBSERVE:
@@ -177,6 +178,10 @@ class DecodeGraphs:
         graph.replay()
         return bucket, self.outputs[bucket]
 
+    def _upload(self, seq: SequenceChunk) -> tuple[int, ...]:
+        """What a step uploads of `seq` (`upload_rows` values)."""
+        return seq.prefix_len, seq.table_row, seq.token_ids[0]
+
     def _static_batches(self) -> dict[int, ForwardBatch]:
         """One static batch per bucket, its pool table as wide as the request table's, and the step's
         (prefix length, table row, first token) of each sequence with two pinned mirrors."""
@@ -189,7 +194,10 @@ class DecodeGraphs:
             batch = self._build([], bucket)
             full_width = torch.full((bucket, self.pool_width), -1, device=batch.pool_table.device)
             static[bucket] = dataclasses.replace(batch, pool_table=full_width)
-            inputs = torch.tensor([[0] * bucket, [self.caches.scratch_slot] * bucket, [0] * bucket])
+            inputs = torch.tensor(
+                [[0] * bucket, [self.caches.scratch_slot] * bucket, [0] * bucket, [0] * bucket]
+            )
+            inputs = inputs[: self.upload_rows].clone()
             mirror = inputs.pin_memory if device.type == "cuda" else inputs.clone
             self.host_inputs[bucket] = (mirror(), mirror())
             self.step_inputs[bucket] = inputs.to(device)
@@ -199,13 +207,18 @@ class DecodeGraphs:
         """The step's batch metadata, in place, from the uploaded inputs and the request table
         (`uniform_metadata`), and each sequence's first token: `IN_FLIGHT` takes the token its row
         sampled last (`CacheManager.last_sampled`, an overlapped step's)."""
-        prefix, rows, first = self.step_inputs[len(static.extend_lens)]
+        inputs = self.step_inputs[len(static.extend_lens)]
+        prefix, rows, first = self._prefix(inputs), inputs[1], inputs[2]
         c = self.caches
         meta = uniform_metadata(prefix, rows, self.tokens_per_seq, c.table.table, c.kpool, c.scratch_slot)
         for name, value in meta.items():
             getattr(static, name).copy_(value)
         first = torch.where(first == IN_FLIGHT, c.last_sampled[rows], first)
         static.input_ids.view(len(static.extend_lens), self.tokens_per_seq)[:, 0] = first
+
+    def _prefix(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Each sequence's prefix length from the step's uploaded inputs."""
+        return inputs[0]
 
     def _forward(self, static: ForwardBatch, variant: str = OBSERVE) -> tuple[torch.Tensor, ...]:
         """What a replay of `variant` computes from the static batch (captured once per bucket and
@@ -313,9 +326,16 @@ class VerifyGraphs(DecodeGraphs):
 
     Steps it does not take (a prefill chunk, more sequences than the largest bucket) run eagerly; a
     shorter block is padded to the width by the runner.
+
+    A block may start after the commit of a verify step still in flight on its row
+    (`SequenceChunk.after_commit`, the overlap schedule): the commit graph leaves each row's committed
+    positions and anchor in `CacheManager.last_committed` and `last_sampled`, and the next step's
+    first graph adds the one to the uploaded prefix length and takes the other as the anchor
+    (`IN_FLIGHT`), so a verify step can be launched before the one ahead of it has been read.
     """
 
     kind = "verify"
+    upload_rows = 4  # and whether the block starts after the commit in flight on its row
 
     def __init__(
         self,
@@ -382,6 +402,12 @@ class VerifyGraphs(DecodeGraphs):
             graph.replay()
         return result
 
+    def _upload(self, seq: SequenceChunk) -> tuple[int, ...]:
+        return (*super()._upload(seq), int(seq.after_commit))
+
+    def _prefix(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs[0] + inputs[3] * self.caches.last_committed[inputs[1]]
+
     def _forward(self, static: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """The first graph: `(logits [B·T, vocab], greedy picks [B, T], committed [B], anchors [B])`."""
         blocks, width = len(static.extend_lens), self.tokens_per_seq
@@ -395,8 +421,11 @@ class VerifyGraphs(DecodeGraphs):
         return logits, target, (accepted + 1).int(), target.gather(1, accepted[:, None])[:, 0]
 
     def _commit(self, static: ForwardBatch, committed: torch.Tensor, anchors: torch.Tensor) -> None:
-        """The second graph: the KDA commit and the proposer's observe and drafts, from the buffers."""
+        """The second graph: the KDA commit and the proposer's observe and drafts, from the buffers,
+        and each row's committed positions and anchor for a block launched behind this step."""
         self.model.commit(static, committed)
+        self.caches.last_committed[static.state_slots] = committed.long()
+        self.caches.last_sampled[static.state_slots] = anchors
         commit = StepCommit(committed, anchors, torch.arange(len(static.extend_lens), device=anchors.device))
         self.proposer.observe_and_propose(static, commit)
 

@@ -188,9 +188,10 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.caches, config.seed, self.proposer, graphs, verifying, prefilling
         )
-        # overlapped steps are plain decode steps of one rank that draft nothing (verify steps, the
-        # plain steps drafting for them and the ranks of a tensor-parallel engine, which step by rank
-        # 0's published plans, read every step's tokens)
+        # overlapped steps are the steps of one rank that are device work to their read: plain decode
+        # steps that draft nothing, and verify steps the verify graphs take with their own acceptance
+        # (the plain steps drafting for a verify step and the ranks of a tensor-parallel engine, which
+        # step by rank 0's published plans, read every step's tokens)
         self.overlap = not config.disable_overlap_schedule and parallel.size == 1
         self.in_flight: LaunchedStep | None = None
         self._held_plan: StepPlan | None = None  # made for a step ahead that was not launched
@@ -363,8 +364,10 @@ class Engine:
         building and detokenising run while the device computes. A call then returns the outputs of
         the step launched before, and leaves the one after it in flight (`in_flight`). In a speculative
         engine the steps that overlap are the plain ones that draft nothing (`DraftLengthPolicy`'s
-        choice while verifying does not pay); the plan of a step ahead that cannot be launched is held
-        for the next call."""
+        choice while verifying does not pay) and verify steps after verify steps whose rows pick their
+        raw argmax on the device (`ModelRunner.overlaps`): the block behind an unread one starts
+        where that one's commit leaves it, on the device. The plan of a step ahead that cannot be
+        launched is held for the next call."""
         self.check_alive()
         if self.in_flight is None:
             bucket = self._bucket()
@@ -386,7 +389,9 @@ class Engine:
         launched, self.in_flight = self.in_flight, None
         ahead, plan_ahead = None, self._next_plan(bucket)
         if self._overlaps(plan_ahead):
-            ahead = self.scheduler.schedule_ahead([ch.request for ch in launched.chunks])
+            requests = [ch.request for ch in launched.chunks]
+            verify = plan_ahead.verify and self.proposer is not None
+            ahead = self.scheduler.schedule_ahead(requests, verify=verify)
         if ahead and self.runner.overlaps(ahead):
             # a constrained row picks once its grammar has taken the token read below
             constrained = any(ch.request.grammar is not None for ch in ahead)
@@ -410,15 +415,21 @@ class Engine:
         return self.policy.plan(bucket) if self.policy is not None else StepPlan(True, True)
 
     def _overlaps(self, plan: StepPlan) -> bool:
-        """Whether a step of `plan` may run ahead of the read before it: a plain step drafting nothing
-        (`plan` means nothing to an engine without a proposer)."""
-        return self.overlap and (self.proposer is None or not (plan.verify or plan.draft))
+        """Whether a step of `plan` may run ahead of the read before it: a plain step drafting nothing,
+        or a verify step where verify graphs exist (`plan` means nothing to an engine without a
+        proposer)."""
+        if not self.overlap or self.proposer is None:
+            return self.overlap
+        return self.runner.verify_graphs is not None if plan.verify else not plan.draft
 
     def _launch(self, chunks: list[ScheduledChunk], sample_now: bool = True) -> LaunchedStep:
         launched = self.runner.launch(chunks, sample_now)
-        for ch in chunks:  # the step's token is computed, its pick on its way
-            ch.request.num_computed += 1
-            ch.request.in_flight += 1
+        for ch in chunks:
+            if ch.verify:  # what it commits is known once read
+                ch.request.verifying += 1
+            else:  # the step's token is computed, its pick on its way
+                ch.request.num_computed += 1
+                ch.request.in_flight += 1
         return launched
 
     def _apply(
@@ -426,16 +437,19 @@ class Engine:
     ) -> list[StepOutput]:
         """The requests' bookkeeping after a step: committed positions, picked tokens (finishing
         those that stop), prompt logprobs, prefix-cache snapshots. A `launched` step's positions
-        are counted already; its requests that ended while it ran (aborted, or stopped by the step
-        before) take nothing from it."""
+        are counted already (a verify step's once read); its requests that ended while it ran
+        (aborted, or stopped by the step before) take nothing from it."""
         outputs = []
         for ch, result in zip(chunks, results, strict=True):
             request = ch.request
             if launched:
+                if ch.verify:
+                    request.verifying -= 1
+                else:
+                    request.in_flight -= 1
                 if request.status is Status.FINISHED:
                     continue
-                request.in_flight -= 1
-            else:
+            if not launched or ch.verify:
                 request.num_computed += result.committed
             if result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs)

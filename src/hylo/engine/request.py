@@ -52,6 +52,12 @@ class Request:
     positions follow `output_ids`; a chunk that feeds one reads it from the device
     (`CacheManager.last_sampled`): `tokens` gives `IN_FLIGHT` there.
 
+    `verifying`: overlapped verify steps launched and not read yet (at most two). How many positions
+    the first of them commits and which tokens it emits are on the device only: until it is read,
+    `num_computed` and `output_ids` stop before its block, and the block launched behind it starts at
+    the device's committed length (`SequenceChunk.after_commit`) from the anchor it left
+    (`CacheManager.last_sampled`).
+
     Invariant: a RUNNING request holds a slot and pages for at least `num_computed` positions;
     a WAITING or FINISHED one holds neither. With a proposer, positions `deferred_from ..
     num_computed - 1` (fewer than the decode graphs' `deferred_tokens`) are committed but not yet
@@ -77,6 +83,7 @@ class Request:
     text: str = ""
     num_computed: int = 0
     in_flight: int = 0
+    verifying: int = 0
     # the first committed position the proposer has not observed (its target features wait in the
     # decode graphs' deferred ring, `DecodeGraphs.deferred`); None when it has seen every one
     deferred_from: int | None = None
@@ -143,9 +150,11 @@ class Request:
 
     @property
     def ends_in_flight(self) -> bool:
-        """The tokens in flight reach `max_tokens` or the length limit: the request ends with them."""
-        produced = len(self.output_ids) + self.in_flight
-        return produced >= self.params.max_tokens or self.total_len + self.in_flight >= self.max_total_len
+        """The tokens in flight reach `max_tokens` or the length limit: the request ends with them (a
+        verify step in flight emits at least one token)."""
+        unread = self.in_flight + self.verifying
+        produced = len(self.output_ids) + unread
+        return produced >= self.params.max_tokens or self.total_len + unread >= self.max_total_len
 
     def append(self, token: int, logprobs: dict[int, float] | None) -> str:
         """Record a sampled token; decide whether the request is finished. Returns the new text that

@@ -39,15 +39,20 @@ class ChunkResult:
 
 @dataclass
 class LaunchedStep:
-    """A plain decode step launched on the device (`ModelRunner.launch`) whose picks are on their way
-    to the host (`read`); `ModelRunner.collect` turns them into results. Its chunks' requests already
-    count the step's token as computed and its pick as in flight (`Request.in_flight`). Launched
-    without its picks, `read` is None and `logits` the forward's until `ModelRunner.sample_launched`."""
+    """A step launched on the device (`ModelRunner.launch`) whose picks are on their way to the host
+    (`read`); `ModelRunner.collect` turns them into results. A plain decode step's requests already
+    count its token as computed and its pick as in flight (`Request.in_flight`); a verify step's count
+    it as verifying (`Request.verifying`). Launched without its picks, `read` is None and `logits` the
+    forward's until `ModelRunner.sample_launched`."""
 
     chunks: list[ScheduledChunk]
     read: PendingRead | None
     logits: torch.Tensor | None = None
     observing: ForwardBatch | None = None  # an eager step's batch, for the proposer's observe after its picks
+
+    @property
+    def verifies(self) -> bool:
+        return self.chunks[0].verify
 
 
 class ModelRunner:
@@ -112,14 +117,7 @@ class ModelRunner:
                 acceptance.accepted, acceptance.emitted, self._constrained_drafts(requests),
                 *_logprob_tensors(acceptance),
             )  # fmt: skip
-            # a block padded past a request's draft budget ends the request this step (greedy rows
-            # verify its placeholder drafts too): its tokens stop at the budget (what the caches hold
-            # past it belongs to nobody once it finishes)
-            kept = [min(int(accepted[i]) + 1, ch.num_tokens) for i, ch in enumerate(chunks)]
-            results = []
-            for i, (ch, n) in enumerate(zip(chunks, kept, strict=True)):
-                tokens = emitted[i, :n].tolist()
-                results.append(ChunkResult(tokens, _entries(ch.request, tokens, logprobs, i), n, n - 1))
+            results = _verify_results(chunks, accepted, emitted, logprobs)
             _give_drafts(results, requests, drafts)
             return results
         observed = False
@@ -147,7 +145,10 @@ class ModelRunner:
         """Whether `launch` takes the step: plain decode chunks (one token each, sampled), scoring no
         prompt position. With a proposer, one that observes from device tensors, and the step either a
         decode-graph replay that defers its observe (room left in the ring) or an eager forward with
-        nothing deferred before it (it observes at once; what waits would need tokens still in flight)."""
+        nothing deferred before it (it observes at once; what waits would need tokens still in flight).
+        Or a verify step the verify graphs take whose acceptance is theirs (`_verify_overlaps`)."""
+        if any(ch.verify for ch in chunks):
+            return self._verify_overlaps(chunks)
         plain = all(
             ch.num_tokens == 1 and ch.samples and not ch.verify and not ch.snapshots
             and not ch.request.scores_prompt
@@ -162,6 +163,23 @@ class ModelRunner:
             return self.graphs.defers and self._ring_has_room(requests)
         return all(r.deferred_from is None for r in requests)
 
+    def _verify_overlaps(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """A verify step that is device work from upload to read: every row picks its raw argmax
+        without logprobs or a grammar (the graphs' own greedy acceptance, no host step between their
+        two replays) and has no observe deferred, and the verify graphs take its blocks."""
+        if self.verify_graphs is None or not all(ch.verify for ch in chunks):
+            return False
+        requests = [ch.request for ch in chunks]
+        on_device = all(
+            r.picks_argmax and r.params.logprobs is None and r.grammar is None and r.deferred_from is None
+            for r in requests
+        )
+        return on_device and self._verify_blocks(chunks) is not None
+
+    def _verify_blocks(self, chunks: Sequence[ScheduledChunk]) -> list[SequenceChunk] | None:
+        """The verify step's blocks at the graphs' width (`_full_blocks`), None where one cannot grow."""
+        return self._full_blocks([_sequence(ch, False) for ch in chunks])
+
     def _ring_has_room(self, requests: Sequence[Request]) -> bool:
         """Whether one more deferred observe of each of `requests` fits the decode graphs' ring."""
         room = self.graphs.deferred_tokens
@@ -174,7 +192,17 @@ class ModelRunner:
         an in-flight token (`Request.tokens`). Without `sample_now` only the forward is launched:
         `sample_launched` picks later, once the step before has been applied (a constrained row's
         grammar must have taken its token first). With a proposer the step drafts nothing: a replay
-        leaves its observe in the deferred ring, an eager forward's observe runs after its picks."""
+        leaves its observe in the deferred ring, an eager forward's observe runs after its picks.
+
+        A verify step (`_verify_overlaps`) replays the verify graphs, its blocks starting after the
+        commit of the verify step ahead of it where that one is unread (`SequenceChunk.after_commit`),
+        and starts the read of its acceptance."""
+        if chunks[0].verify:
+            requests = [ch.request for ch in chunks]
+            blocks = self._verify_blocks(chunks)
+            num_drafts = [ch.num_tokens - 1 for ch in chunks]
+            acceptance = self.verify_graphs.run(blocks, requests, num_drafts, self.generator)
+            return LaunchedStep(list(chunks), start_read(acceptance.accepted, acceptance.emitted))
         seqs = [_sequence(ch, False) for ch in chunks]
         c, proposer = self.caches, self.proposer
         observing = None
@@ -237,6 +265,14 @@ class ModelRunner:
     @staticmethod
     def collect(launched: LaunchedStep) -> list[ChunkResult]:
         """Wait for a launched step's picks: one result per chunk, as `step` gives them."""
+        if launched.verifies:
+            accepted, emitted = launched.read.wait()
+            # a block launched ahead is whole: it keeps what the request's draft budget allows now that
+            # the step before it has been applied, as a block scheduled then would have held
+            widths = [
+                min(ch.num_tokens, 1 + ch.request.draft_budget(ch.num_tokens - 1)) for ch in launched.chunks
+            ]
+            return _verify_results(launched.chunks, accepted, emitted, (None, None, None), widths)
         tokens, *logprobs = launched.read.wait()
         results = []
         for k, ch in enumerate(launched.chunks):
@@ -301,11 +337,12 @@ class ModelRunner:
         if graphs is None or not all(s.verify for s in seqs):
             return None
         width, room = graphs.tokens_per_seq, self.caches.table.table.shape[1]
-        if any(s.prefix_len + width > room or len(s.token_ids) > width for s in seqs):
+        # a block after a commit in flight starts up to a block later
+        if any(s.prefix_len + width * (1 + s.after_commit) > room or len(s.token_ids) > width for s in seqs):
             return None
         return [
             SequenceChunk([*s.token_ids, *[0] * (width - len(s.token_ids))], s.prefix_len, s.table_row,
-                          s.state_slot, True, True)
+                          s.state_slot, True, True, after_commit=s.after_commit)
             for s in seqs
         ]  # fmt: skip
 
@@ -422,6 +459,25 @@ class ModelRunner:
         return results
 
 
+def _verify_results(
+    chunks: Sequence[ScheduledChunk],
+    accepted: torch.Tensor,
+    emitted: torch.Tensor,
+    logprobs: Sequence,
+    widths: Sequence[int] | None = None,
+) -> list[ChunkResult]:
+    """One result per verify chunk from the host copies of its acceptance. A block padded past a
+    request's draft budget (each chunk's `num_tokens`, or `widths`) ends the request this step (greedy
+    rows verify its placeholder drafts too): its tokens stop at the budget (what the caches hold past
+    it belongs to nobody once it finishes)."""
+    results = []
+    for i, ch in enumerate(chunks):
+        n = min(int(accepted[i]) + 1, ch.num_tokens if widths is None else widths[i])
+        tokens = emitted[i, :n].tolist()
+        results.append(ChunkResult(tokens, _entries(ch.request, tokens, logprobs, i), n, n - 1))
+    return results
+
+
 def _give_drafts(results: list[ChunkResult], requests: Sequence[Request], drafts) -> None:
     """Hand the constrained requests' drafts, as read (`_constrained_drafts`), to their results."""
     if drafts is None:
@@ -473,6 +529,10 @@ def _sequence(ch: ScheduledChunk, score: bool) -> SequenceChunk:
     """The chunk's tokens; a verify chunk feeds its anchor and placeholders where its drafts go (the
     drafts themselves are on the device: `_feed_drafts`, or the verify graph)."""
     r = ch.request
+    if ch.verify and r.verifying:  # it starts where the verify step in flight leaves it
+        assert r.verifying == 1, "a block is built with at most the verify step before it unread"
+        tokens = [IN_FLIGHT] + [0] * (ch.num_tokens - 1)
+        return SequenceChunk(tokens, r.num_computed, r.slot, r.slot, True, True, after_commit=True)
     if ch.verify:
         anchor = r.tokens(r.num_computed, r.num_computed + 1)[0]
         return SequenceChunk([anchor] + [0] * (ch.num_tokens - 1), r.num_computed, r.slot, r.slot, True, True)

@@ -107,29 +107,39 @@ class Scheduler:
             budget -= chunks[-1].num_tokens
         return chunks
 
-    def schedule_ahead(self, in_flight: Sequence[Request]) -> list[ScheduledChunk] | None:
+    def schedule_ahead(
+        self, in_flight: Sequence[Request], verify: bool = False
+    ) -> list[ScheduledChunk] | None:
         """The step after one still running on the device whose every chunk decodes a token of
         `in_flight` (the overlap schedule), decided before that step's tokens are read: each of
         those requests decodes its in-flight token, but for those the tokens in flight end
         (`Request.ends_in_flight`). A request that stops at an in-flight token (a stop id or string)
         runs this step for nothing: its result is dropped.
 
+        With `verify`, the step in flight verified a block of every one of `in_flight` and this one
+        verifies the next: a whole block each (the draft budget is not known before the read; what
+        a block commits past `max_tokens` is dropped with the request), its pages backed for the
+        most the step in flight can commit and this block after it.
+
         None where this step could differ from the one `schedule` would make once the tokens are
-        read: a running request not in flight (a prefill goes on), a waiting request that could be
-        admitted, or pages that cannot grow without preempting; the caller then reads first."""
+        read: a running request not in flight (a prefill goes on), one whose step in flight is of
+        the other kind, a waiting request that could be admitted, or pages that cannot grow without
+        preempting; the caller then reads first."""
         live = {r for r in in_flight if r.status is Status.RUNNING}  # not those ended since
-        if set(self.running) != live:
+        if set(self.running) != live or any(bool(r.verifying) != verify for r in live):
             return None
         if self.waiting and self.caches.slots.num_free and len(self.running) < self.max_running:
             return None
         going_on = [r for r in self.running if not r.ends_in_flight]
         if not going_on:
             return None
+        width = 1 + self.num_draft_tokens if verify else 1
         for request in going_on:
             assert request.slot is not None and request.remaining == 1
-            if not self.caches.grow(request.slot, request.pages, self._reserve(request.num_computed + 1)):
+            end = request.num_computed + (2 * width if verify else 1)
+            if not self.caches.grow(request.slot, request.pages, self._reserve(end)):
                 return None  # (the pages it did grow are the next step's anyway)
-        return [ScheduledChunk(request, 1) for request in going_on]
+        return [ScheduledChunk(request, width, verify=verify) for request in going_on]
 
     def _admit(self, request: Request, budget: int, chunks: list[ScheduledChunk]) -> bool:
         """Start `request` (from its cached prefix, if any) with its first chunk appended to `chunks`;

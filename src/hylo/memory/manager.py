@@ -20,7 +20,8 @@ PREFIX_SNAPSHOT_SHARE = 0.125
 
 
 # what a request-table row holds beside its token slots: the token it sampled last (`last_sampled`)
-ROW_BYTES = 8
+# and the positions its last verify step committed (`last_committed`)
+ROW_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,8 @@ class MemoryPlan:
         """Split one budget between the pools of `specs` by their units: prefix-cache snapshots get
         `snapshot_share` of it (at most `MAX_SNAPSHOTS`); request slots get what
         `max_running_requests` asks, or by default up to half the rest (at most 256); token pages get
-        what remains. A slot also pays for its request-table row and its `last_sampled` entry. The
-        `scratch` slot and page are paid for first."""
+        what remains. A slot also pays for its request-table row and its `last_sampled` and
+        `last_committed` entries. The `scratch` slot and page are paid for first."""
         per_token = bytes_per(specs, Unit.TOKEN)
         max_len = min(context_len, int(budget_bytes // per_token))
         per_slot = bytes_per(specs, Unit.SLOT) + ROW_BYTES + 4 * max_len
@@ -171,9 +172,12 @@ class CacheManager:
         self.prefix = (
             None if prefix_snapshot_interval is None else PrefixCache(self, prefix_snapshot_interval)
         )
-        # the token each request-table row sampled last in an overlapped step (`Request.in_flight`):
-        # the next step's chunk reads it on the device before the host has seen it
+        # the token each request-table row sampled last in an overlapped step (`Request.in_flight`), or
+        # the anchor its last verify step left, and the positions that verify step committed
+        # (`Request.verifying`): the next step's chunk reads them on the device before the host has read
+        # them
         self.last_sampled = torch.zeros(self.table.table.shape[0], dtype=torch.long, device=device)
+        self.last_committed = torch.zeros_like(self.last_sampled)
         self.scratch_slot = plan.num_slots if plan.scratch else None
         if self.scratch_slot is not None:
             # every position of the scratch row maps into the scratch page (a padding row's writes
