@@ -18,6 +18,7 @@ from hf_reference import tiny_text_config
 import hylo.engine.runner as runner_module
 from hylo import LLM, SamplingParams
 from hylo.engine.cuda_graph import DecodeGraphs
+from hylo.engine.runner import PendingRead
 from hylo.speculative.token_map import save_token_map
 
 pytestmark = pytest.mark.skipif(
@@ -86,6 +87,8 @@ def make_llm(path: Path, algorithm: str, draft: Path, **kwargs) -> LLM:
     ],
 )
 def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sampling, monkeypatch):
+    """Verify steps, read at once (sampled rows) or overlapped with the next (greedy rows), synchronise
+    only for their one read, replay the graphs and give the eager engine's tokens."""
     target, draft = checkpoints
     graphs = make_llm(target, algorithm, draft, mem_fraction_static=cache_fraction())
     eager = make_llm(
@@ -126,6 +129,38 @@ def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sa
         return results
 
     monkeypatch.setattr(runner, "step", strict_step)
+    wait = PendingRead.wait
+
+    def allowed_wait(self):
+        """An overlapped verify step's one read, out of the sync debug mode's reach."""
+        mode = torch.cuda.get_sync_debug_mode()
+        if mode:
+            reads[-1] += 1
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return wait(self)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    monkeypatch.setattr(PendingRead, "wait", allowed_wait)
+    engine = graphs.engine
+    engine_step = engine.step
+
+    def strict_engine_step(plan=None):
+        """A call that collects an overlapped verify step (greedy rows: launched before the step ahead
+        of it was read) raises on any synchronising call but that step's read."""
+        if engine.in_flight is None or not engine.in_flight.verifies:
+            return engine_step(plan)
+        reads.append(0)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outputs = engine_step(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert reads[-1] == 1
+        return outputs
+
+    monkeypatch.setattr(engine, "step", strict_engine_step)
     monkeypatch.setattr(
         runner.verify_graphs, "run", lambda seqs, *rest: replayed.append(len(seqs)) or run(seqs, *rest)
     )
