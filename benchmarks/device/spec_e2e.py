@@ -14,14 +14,16 @@ table row and position, the same for every algorithm: `common_drafting`), so tha
 verify reads the same experts and the runs compare the drafting itself; "natural" runs keep the
 real acceptance (about 1 for a random draft), with the adaptive draft-length policy on ("adaptive")
 and off ("static"); "sampled" runs are static ones at temperature 1 (rejection sampling between the verify
-step's two graphs). Reports per (algorithm, batch): decode tokens/s per user
-and the ratio to plain graph decode of the same repetition (median of `--reps`), the wall time per
-engine step, the GPU time of one verify-graph replay (CUDA events), the kernels one replay launches and
-the top kernels by GPU time (torch.profiler, `--out`/kernels_*.txt), the synchronising calls per
-step (`torch.cuda.set_sync_debug_mode("warn")`), and the weight-read floor of the last verify step
-(every module's weights once per call, routed experts only those the block's tokens route to, at the
-copy bandwidth measured in the same run), the same floor of a plain decode step, and the forced ratio
-both floors allow (tokens a block × plain floor / verify floor).
+step's two graphs); "forced_reading" runs are forced runs with the overlap schedule off (each verify step
+read before the next is scheduled, as every verify step was before session 22), against which "forced" shows
+what launching greedy verify steps ahead of the read before them gains. Reports per (algorithm, batch):
+decode tokens/s per user and the ratio to plain graph decode of the same repetition (median of `--reps`),
+the wall time per engine step, the GPU time of one verify-graph replay (CUDA events), the kernels one replay
+launches and the top kernels by GPU time (torch.profiler, `--out`/kernels_*.txt), the synchronising calls
+per step (`torch.cuda.set_sync_debug_mode("warn")`), and the weight-read floor of the last verify step
+(every module's weights once per call, routed experts only those the block's tokens route to, at the copy
+bandwidth measured in the same run), the same floor of a plain decode step, and the forced ratio both floors
+allow (tokens a block × plain floor / verify floor).
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ from hylo.speculative.token_map import save_token_map
 PROMPT_LEN = 64
 VOCAB = 154880  # GLM-5.3-Flash's (the config's default)
 # "sampled": always verify, at temperature 1 (the verify graphs with acceptance between their two replays)
-MODES = ("forced", "forced_common", "adaptive", "static", "sampled")
+MODES = ("forced", "forced_common", "adaptive", "static", "sampled", "forced_reading")
 TEMPERATURE = {
     "plain": 0.0,
     "forced": 0.0,
     "forced_common": 0.0,
+    "forced_reading": 0.0,
     "adaptive": 0.0,
     "static": 0.0,
     "sampled": 1.0,
@@ -411,11 +414,11 @@ def main() -> None:
             return plain
         llm = engines[name]
         runner, engine = llm.engine.runner, llm.engine
-        forced = mode in ("forced", "forced_common")
+        forced = mode in ("forced", "forced_common", "forced_reading")
         if name in graphs:
-            runner.verify_graphs = graphs[name][
-                ("natural", "forced", "forced_common").index(mode) if forced else 0
-            ]
+            kind = "forced" if mode == "forced_reading" else mode
+            runner.verify_graphs = graphs[name][GRAPH_SETS.index(kind) if forced else 0]
+        engine.overlap = mode != "forced_reading"
         verify.greedy_accept = accept_everything if forced else real_accept
         use_drafting(llm.engine.proposer, drafting[name] if mode == "forced_common" else None)
         if not hasattr(engine, "adaptive_policy"):
