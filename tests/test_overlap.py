@@ -251,29 +251,33 @@ def test_speculative_plain_steps_overlap_and_the_drafts_see_every_token(algorith
     assert never == 0 and ahead > 5
 
 
+CONTEXT = 40  # "long" below runs into it
+
+
 @pytest.mark.parametrize("algorithm", ["dflash", "dflash2", "mtp"])
-def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(algorithm):
+def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines, algorithm):
     """Verify steps after verify steps are launched before the one ahead is read (the fixed-shape
     verify path, as the GPU replays it): each block starts where the commit in flight leaves it, on
     the device. Requests that stop at a stop id or their token limit inside a block, an abort, a late
-    arrival (the step ahead waits for it to start) and a sampled request (its acceptance runs on the
-    host's schedule: those steps read first) give the tokens and accepted drafts of the engine that
-    reads every step; the demo's trained drafts accept many tokens, so a block starting at a wrong
-    position or from a wrong anchor would show."""
+    arrival (the step ahead waits for it to start), a sampled request (its acceptance runs on the
+    host's schedule: those steps read first) and a request that runs into the context length (near
+    it no block fits after a commit in flight: those steps read first) give the tokens and accepted
+    drafts of the engine that reads every step; the demo's trained drafts accept many tokens, so a
+    block starting at a wrong position or from a wrong anchor would show."""
     flags = (
         dict(speculative_algorithm="MTP", speculative_num_steps=3)
         if algorithm == "mtp"
         else dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(DEMO_DRAFTS[algorithm]))
     )
-    probe = LLM(str(DEMO_DIR), device="cpu", dtype="float32").engine
+    probe = engines[False]
     reference_ids, _ = run(probe, {0: [("add", "p", PROMPTS[2], greedy(30, ignore_eos=True))]})
     stop_id = reference_ids["p"][0][12]
     results = {}
     for overlap in (True, False):
         llm = LLM(
             str(DEMO_DIR), device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
-            decode_graphs=True, cuda_graph_max_bs=4, max_memory_gb=0.25, speculative_adaptive=False,
-            **flags,
+            decode_graphs=True, cuda_graph_max_bs=4, max_memory_gb=0.1, speculative_adaptive=False,
+            context_length=CONTEXT, page_size=16, **flags,
         )  # fmt: skip
         engine, launched = llm.engine, []
 
@@ -290,7 +294,7 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(algorith
             ],
             3: [("add", "late", PROMPTS[3], greedy(25, ignore_eos=True))],
             6: [("abort", "short")],
-            9: [("add", "sampled", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=12))],
+            12: [("add", "sampled", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=12))],
         }
         accepted: dict[str, list[int]] = {}
 
@@ -307,5 +311,7 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(algorith
     )
     same(overlapped, reference)
     assert reference["stop-id"][2] == "stop" and reference["stop-id"][0][-1] == stop_id
+    # "long" runs into the context: near it a block cannot start a block after the commit in flight
+    assert len(probe.tokenizer.encode(PROMPTS[0])) + len(reference["long"][0]) == CONTEXT
     assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10
     assert never == none == 0 and ahead > 3 and after_commit > 3

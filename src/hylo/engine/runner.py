@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -264,15 +264,17 @@ class ModelRunner:
 
     @staticmethod
     def collect(launched: LaunchedStep) -> list[ChunkResult]:
-        """Wait for a launched step's picks: one result per chunk, as `step` gives them."""
+        """Wait for a launched step's picks: one result per chunk, as `step` gives them (a verify
+        step's `chunks` first cut to the blocks the requests' draft budgets allow)."""
         if launched.verifies:
             accepted, emitted = launched.read.wait()
-            # a block launched ahead is whole: it keeps what the request's draft budget allows now that
-            # the step before it has been applied, as a block scheduled then would have held
-            widths = [
-                min(ch.num_tokens, 1 + ch.request.draft_budget(ch.num_tokens - 1)) for ch in launched.chunks
+            # a block launched ahead is whole: it is cut to what the request's draft budget allows now
+            # that the step before it has been applied, the block a step scheduled then would have held
+            launched.chunks = [
+                replace(ch, num_tokens=min(ch.num_tokens, 1 + ch.request.draft_budget(ch.num_tokens - 1)))
+                for ch in launched.chunks
             ]
-            return _verify_results(launched.chunks, accepted, emitted, (None, None, None), widths)
+            return _verify_results(launched.chunks, accepted, emitted, (None, None, None))
         tokens, *logprobs = launched.read.wait()
         results = []
         for k, ch in enumerate(launched.chunks):
@@ -460,19 +462,15 @@ class ModelRunner:
 
 
 def _verify_results(
-    chunks: Sequence[ScheduledChunk],
-    accepted: torch.Tensor,
-    emitted: torch.Tensor,
-    logprobs: Sequence,
-    widths: Sequence[int] | None = None,
+    chunks: Sequence[ScheduledChunk], accepted: torch.Tensor, emitted: torch.Tensor, logprobs: Sequence
 ) -> list[ChunkResult]:
     """One result per verify chunk from the host copies of its acceptance. A block padded past a
-    request's draft budget (each chunk's `num_tokens`, or `widths`) ends the request this step (greedy
-    rows verify its placeholder drafts too): its tokens stop at the budget (what the caches hold past
-    it belongs to nobody once it finishes)."""
+    request's draft budget (its chunk's `num_tokens`) ends the request this step (greedy rows verify
+    its placeholder drafts too): its tokens stop at the budget (what the caches hold past it belongs to
+    nobody once it finishes)."""
     results = []
     for i, ch in enumerate(chunks):
-        n = min(int(accepted[i]) + 1, ch.num_tokens if widths is None else widths[i])
+        n = min(int(accepted[i]) + 1, ch.num_tokens)
         tokens = emitted[i, :n].tolist()
         results.append(ChunkResult(tokens, _entries(ch.request, tokens, logprobs, i), n, n - 1))
     return results
