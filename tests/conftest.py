@@ -96,6 +96,37 @@ def offline(model_dir):
     return LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.25)
 
 
+def counted_read(read, reads: list[int]):
+    """`read` (a step's one device-to-host read: `runner._read` or `PendingRead.wait`) run out of the
+    sync debug mode's reach, each call made while the mode is on (a strict step's) counted in
+    `reads[-1]`."""
+
+    def allowed(*args):
+        mode = torch.cuda.get_sync_debug_mode()
+        if mode:
+            reads[-1] += 1
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return read(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    return allowed
+
+
+def with_one_read(call, reads: list[int], *args):
+    """`call(*args)` raising on any synchronising CUDA call but one read (`counted_read`'s), which it
+    must make."""
+    reads.append(0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = call(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert reads[-1] == 1
+    return result
+
+
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(2, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 

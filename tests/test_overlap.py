@@ -56,6 +56,18 @@ def run(engine, script: dict[int, list[tuple]], on_outputs=None) -> tuple[dict, 
     }, ahead
 
 
+def run_counting_accepted(engine, script: dict[int, list[tuple]]) -> tuple[dict, int, dict[str, list[int]]]:
+    """`run`, and the drafts each verify step of each request accepted, in order."""
+    accepted: dict[str, list[int]] = {}
+
+    def count_accepted(outputs):
+        for out in outputs:
+            if out.accepted_drafts is not None:
+                accepted.setdefault(out.request.request_id, []).append(out.accepted_drafts)
+
+    return (*run(engine, script, count_accepted), accepted)
+
+
 def same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for rid in a:
@@ -236,15 +248,7 @@ def test_speculative_plain_steps_overlap_and_the_drafts_see_every_token(algorith
             ],
             5: [("add", "late", PROMPTS[3], greedy(25, ignore_eos=True))],
         }
-        accepted: dict[str, list[int]] = {}
-
-        def count_accepted(outputs, accepted=accepted):
-            for out in outputs:
-                if out.accepted_drafts is not None:
-                    accepted.setdefault(out.request.request_id, []).append(out.accepted_drafts)
-
-        outputs, ahead = run(engine, script, count_accepted)
-        results[overlap] = outputs, ahead, accepted
+        results[overlap] = run_counting_accepted(engine, script)
     (overlapped, ahead, accepted), (reference, never, accepted_ref) = results[True], results[False]
     same(overlapped, reference)
     assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10
@@ -296,15 +300,7 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
             6: [("abort", "short")],
             12: [("add", "sampled", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=12))],
         }
-        accepted: dict[str, list[int]] = {}
-
-        def count_accepted(outputs, accepted=accepted):
-            for out in outputs:
-                if out.accepted_drafts is not None:
-                    accepted.setdefault(out.request.request_id, []).append(out.accepted_drafts)
-
-        outputs, ahead = run(engine, script, count_accepted)
-        results[overlap] = outputs, ahead, accepted, sum(launched)
+        results[overlap] = (*run_counting_accepted(engine, script), sum(launched))
     (overlapped, ahead, accepted, after_commit), (reference, never, accepted_ref, none) = (
         results[True],
         results[False],

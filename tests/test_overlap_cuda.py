@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompt
+from conftest import counted_read, random_prompt, with_one_read
 from hf_reference import tiny_text_config
 
 from hylo import LLM, SamplingParams
@@ -54,20 +54,7 @@ def test_overlapped_steps_read_once_and_match_the_reading_engine(target, monkeyp
     assert engine.overlap and engine.runner.graphs is not None and not reading.engine.overlap
 
     reads: list[int] = []
-    wait = PendingRead.wait
-
-    def allowed_wait(self):
-        """The step's one read, out of the sync debug mode's reach."""
-        mode = torch.cuda.get_sync_debug_mode()
-        if mode:
-            reads[-1] += 1
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return wait(self)
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
-
-    monkeypatch.setattr(PendingRead, "wait", allowed_wait)
+    monkeypatch.setattr(PendingRead, "wait", counted_read(PendingRead.wait, reads))
     step, replays, ahead = engine.step, [], [0]
     graphs_run = engine.runner.graphs.run
 
@@ -75,14 +62,8 @@ def test_overlapped_steps_read_once_and_match_the_reading_engine(target, monkeyp
         """A call that collects an overlapped step raises on any synchronising call but its read."""
         if engine.in_flight is None:
             return step(plan)
-        reads.append(0)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            outputs = step(plan)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        outputs = with_one_read(step, reads, plan)
         ahead[0] += engine.in_flight is not None
-        assert reads[-1] == 1
         return outputs
 
     monkeypatch.setattr(engine, "step", strict_step)

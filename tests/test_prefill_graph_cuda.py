@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompt
+from conftest import counted_read, random_prompt, with_one_read
 from test_speculative_cuda import VOCAB, cache_fraction, checkpoints, flags  # noqa: F401 (fixture)
 
 import hylo.engine.runner as runner_module
@@ -36,19 +36,7 @@ def test_prefill_steps_read_once_and_match_eager_steps(checkpoints, algorithm, m
     eager = make_llm(target, algorithm, draft, disable_cuda_graph=True, target=graphs.engine.model)
     assert graphs.engine.runner.prefill_graphs is not None and eager.engine.runner.prefill_graphs is None
     reads, replayed = [], []
-    read = runner_module._read
-
-    def allowed_read(*tensors):
-        mode = torch.cuda.get_sync_debug_mode()
-        if mode:
-            reads[-1] += 1
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return read(*tensors)
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
-
-    monkeypatch.setattr(runner_module, "_read", allowed_read)
+    monkeypatch.setattr(runner_module, "_read", counted_read(runner_module._read, reads))
     runner = graphs.engine.runner
     step, run = runner.step, runner.prefill_graphs.run
 
@@ -56,14 +44,7 @@ def test_prefill_steps_read_once_and_match_eager_steps(checkpoints, algorithm, m
         """A prefill step raises on any synchronising call but the read."""
         if not any(ch.num_tokens > 1 and not ch.verify for ch in chunks):
             return step(chunks, draft)
-        reads.append(0)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            results = step(chunks, draft)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert reads[-1] == 1
-        return results
+        return with_one_read(step, reads, chunks, draft)
 
     monkeypatch.setattr(runner, "step", strict_step)
     monkeypatch.setattr(

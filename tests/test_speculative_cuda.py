@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompt
+from conftest import counted_read, random_prompt, with_one_read
 from dflash_reference import write_dflash_checkpoint
 from hf_reference import tiny_text_config
 
@@ -98,20 +98,10 @@ def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sa
     assert graphs.engine.runner.verify_graphs is not None and eager.engine.runner.verify_graphs is None
 
     reads, replayed = [], []
-    read = runner_module._read
-
-    def allowed_read(*tensors):
-        """The step's one read, out of the sync debug mode's reach."""
-        mode = torch.cuda.get_sync_debug_mode()
-        if mode:  # a strict step's (the eager engine's steps read too)
-            reads[-1] += 1
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return read(*tensors)
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
-
-    monkeypatch.setattr(runner_module, "_read", allowed_read)
+    # the one read of a step read at once, and of an overlapped one (counted in strict steps only: the
+    # eager engine's steps read too)
+    monkeypatch.setattr(runner_module, "_read", counted_read(runner_module._read, reads))
+    monkeypatch.setattr(PendingRead, "wait", counted_read(PendingRead.wait, reads))
     runner = graphs.engine.runner
     step, run = runner.step, runner.verify_graphs.run
 
@@ -119,30 +109,9 @@ def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sa
         """A verify step raises on any synchronising call but the read."""
         if not all(ch.verify for ch in chunks):
             return step(chunks, draft)
-        reads.append(0)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            results = step(chunks, draft)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert reads[-1] == 1
-        return results
+        return with_one_read(step, reads, chunks, draft)
 
     monkeypatch.setattr(runner, "step", strict_step)
-    wait = PendingRead.wait
-
-    def allowed_wait(self):
-        """An overlapped verify step's one read, out of the sync debug mode's reach."""
-        mode = torch.cuda.get_sync_debug_mode()
-        if mode:
-            reads[-1] += 1
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return wait(self)
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
-
-    monkeypatch.setattr(PendingRead, "wait", allowed_wait)
     engine = graphs.engine
     engine_step = engine.step
 
@@ -151,14 +120,7 @@ def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sa
         of it was read) raises on any synchronising call but that step's read."""
         if engine.in_flight is None or not engine.in_flight.verifies:
             return engine_step(plan)
-        reads.append(0)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            outputs = engine_step(plan)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert reads[-1] == 1
-        return outputs
+        return with_one_read(engine_step, reads, plan)
 
     monkeypatch.setattr(engine, "step", strict_engine_step)
     monkeypatch.setattr(
