@@ -251,7 +251,11 @@ def test_speculative_plain_steps_overlap_and_the_drafts_see_every_token(algorith
         results[overlap] = run_counting_accepted(engine, script)
     (overlapped, ahead, accepted), (reference, never, accepted_ref) = results[True], results[False]
     same(overlapped, reference)
-    assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10
+    # "late" arrives while the verify step ahead may be on the device already (its rows sample or pick
+    # their argmax from what they know before the read): it then starts a step later than when every
+    # step is read, and its blocks fall elsewhere in the plans' cycle; its tokens are the same
+    late, late_ref = accepted.pop("late"), accepted_ref.pop("late")
+    assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10 and late and late_ref
     assert never == 0 and ahead > 5
 
 
@@ -263,11 +267,12 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
     """Verify steps after verify steps are launched before the one ahead is read (the fixed-shape
     verify path, as the GPU replays it): each block starts where the commit in flight leaves it, on
     the device. Requests that stop at a stop id or their token limit inside a block, an abort, a late
-    arrival (the step ahead waits for it to start), a sampled request (its acceptance runs on the
-    host's schedule: those steps read first) and a request that runs into the context length (near
-    it no block fits after a commit in flight: those steps read first) give the tokens and accepted
-    drafts of the engine that reads every step; the demo's trained drafts accept many tokens, so a
-    block starting at a wrong position or from a wrong anchor would show."""
+    arrival (the step ahead waits for it to start), seeded sampled requests (their acceptance runs
+    between the graphs' replays: launched ahead while their blocks stay clear of their token limit,
+    read first near it) and a request that runs into the context length (near it no block fits after
+    a commit in flight: those steps read first) give the tokens and accepted drafts of the engine
+    that reads every step; the demo's trained drafts accept many tokens, so a block starting at a
+    wrong position or from a wrong anchor would show."""
     flags = (
         dict(speculative_algorithm="MTP", speculative_num_steps=3)
         if algorithm == "mtp"
@@ -286,7 +291,8 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
         engine, launched = llm.engine, []
 
         def launching(chunks, *rest, launch=engine.runner.launch, launched=launched):
-            launched.append(all(ch.verify and ch.request.verifying for ch in chunks))
+            if all(ch.verify and ch.request.verifying for ch in chunks):
+                launched.append(any(not ch.request.params.greedy for ch in chunks))
             return launch(chunks, *rest)
 
         engine.runner.launch = launching
@@ -295,13 +301,14 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
                 ("add", "long", PROMPTS[0], greedy(45, ignore_eos=True)),
                 ("add", "stop-id", PROMPTS[2], greedy(40, stop_token_ids=[stop_id], ignore_eos=True)),
                 ("add", "short", PROMPTS[5], greedy(11, ignore_eos=True)),
+                ("add", "seeded", PROMPTS[4], SamplingParams(temperature=0.8, seed=9, max_tokens=30)),
             ],
             3: [("add", "late", PROMPTS[3], greedy(25, ignore_eos=True))],
             6: [("abort", "short")],
             12: [("add", "sampled", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=12))],
         }
-        results[overlap] = (*run_counting_accepted(engine, script), sum(launched))
-    (overlapped, ahead, accepted, after_commit), (reference, never, accepted_ref, none) = (
+        results[overlap] = (*run_counting_accepted(engine, script), len(launched), sum(launched))
+    (overlapped, ahead, accepted, after_commit, sampled), (reference, never, accepted_ref, *none) = (
         results[True],
         results[False],
     )
@@ -310,4 +317,4 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
     # "long" runs into the context: near it a block cannot start a block after the commit in flight
     assert len(probe.tokenizer.encode(PROMPTS[0])) + len(reference["long"][0]) == CONTEXT
     assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10
-    assert never == none == 0 and ahead > 3 and after_commit > 3
+    assert never == 0 and none == [0, 0] and ahead > 3 and after_commit > 3 and sampled > 0

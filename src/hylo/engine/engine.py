@@ -189,9 +189,9 @@ class Engine:
             self.model, self.caches, config.seed, self.proposer, graphs, verifying, prefilling
         )
         # overlapped steps are the steps of one rank that are device work to their read: plain decode
-        # steps that draft nothing, and verify steps the verify graphs take with their own acceptance
-        # (the plain steps drafting for a verify step and the ranks of a tensor-parallel engine, which
-        # step by rank 0's published plans, read every step's tokens)
+        # steps that draft nothing, and verify steps the verify graphs take whose rows need nothing the
+        # read brings (the plain steps drafting for a verify step and the ranks of a tensor-parallel
+        # engine, which step by rank 0's published plans, read every step's tokens)
         self.overlap = not config.disable_overlap_schedule and parallel.size == 1
         self.in_flight: LaunchedStep | None = None
         self._held_plan: StepPlan | None = None  # made for a step ahead that was not launched
@@ -364,8 +364,8 @@ class Engine:
         building and detokenising run while the device computes. A call then returns the outputs of
         the step launched before, and leaves the one after it in flight (`in_flight`). In a speculative
         engine the steps that overlap are the plain ones that draft nothing (`DraftLengthPolicy`'s
-        choice while verifying does not pay) and verify steps after verify steps whose rows pick their
-        raw argmax on the device (`ModelRunner.overlaps`): the block behind an unread one starts
+        choice while verifying does not pay) and verify steps after verify steps whose rows need
+        nothing from the host's read (`ModelRunner.overlaps`): the block behind an unread one starts
         where that one's commit leaves it, on the device. The plan of a step ahead that cannot be
         launched is held for the next call."""
         self.check_alive()

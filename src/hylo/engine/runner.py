@@ -164,16 +164,19 @@ class ModelRunner:
         return all(r.deferred_from is None for r in requests)
 
     def _verify_overlaps(self, chunks: Sequence[ScheduledChunk]) -> bool:
-        """A verify step that is device work from upload to read: every row picks its raw argmax
-        without logprobs or a grammar (the graphs' own greedy acceptance, no host step between their
-        two replays) and has no observe deferred, and the verify graphs take its blocks."""
+        """A verify step that is device work from upload to read, with the blocks the schedule that
+        reads every step would verify: the verify graphs take its blocks, and every row has no observe
+        deferred, no logprobs or grammar, and either picks its raw argmax (the graphs' own greedy
+        acceptance; a block launched ahead is cut to its draft budget once read) or samples with what
+        it knows before the read (`_samples_ahead`)."""
         if self.verify_graphs is None or not all(ch.verify for ch in chunks):
             return False
-        requests = [ch.request for ch in chunks]
+        width = self.verify_graphs.tokens_per_seq
         on_device = all(
-            r.picks_argmax and r.params.logprobs is None and r.grammar is None and r.deferred_from is None
-            for r in requests
-        )
+            r.params.logprobs is None and r.grammar is None and r.deferred_from is None
+            and (r.picks_argmax or _samples_ahead(r, width))
+            for r in (ch.request for ch in chunks)
+        )  # fmt: skip
         return on_device and self._verify_blocks(chunks) is not None
 
     def _verify_blocks(self, chunks: Sequence[ScheduledChunk]) -> list[SequenceChunk] | None:
@@ -459,6 +462,17 @@ class ModelRunner:
             if draft:
                 proposer.propose(batch, commit)
         return results
+
+
+def _samples_ahead(request: Request, width: int) -> bool:
+    """Whether a sampled row's verify block of `width` may be launched before the step ahead of it is
+    read: its acceptance (`verify.accept`, between the graphs' replays) reads no output token
+    (no penalties), no `min_tokens` ban is left, and its drafts stay clear of the token and length
+    limits even after the most the step ahead can commit (its draft count, and so its draws from its
+    generator, are those of the block the reading schedule would verify)."""
+    left = min(request.params.max_tokens - len(request.output_ids), request.max_total_len - request.total_len)
+    unread = width * request.verifying  # the most the verify step in flight commits
+    return not request.params.penalized and not request.banned_ids() and left - unread >= width
 
 
 def _verify_results(
