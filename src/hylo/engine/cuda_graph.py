@@ -70,7 +70,6 @@ class DecodeGraphs:
     """
 
     tokens_per_seq = 1
-    upload_rows = 3  # what a step uploads of each sequence: prefix length, table row, first token
     kind = "decode"
     bucket_unit = "batch sizes"
     memory_bytes = 0  # what the captured graphs hold, for the start-up memory report
@@ -154,15 +153,15 @@ class DecodeGraphs:
     def _replay(
         self, seqs: Sequence[SequenceChunk], variant: str = OBSERVE
     ) -> tuple[int, tuple[torch.Tensor, ...]]:
-        """Upload the step's (prefix length, table row, first token) of each sequence, fillers after
-        them, and replay (or, uncaptured, call) its bucket's graph of `variant`: (bucket, outputs)."""
+        """Upload the step's inputs of each sequence (`_upload`: prefix length, table row, first token),
+        fillers after them, and replay (or, uncaptured, call) its bucket's graph of `variant`:
+        (bucket, outputs)."""
         bucket = next(b for b in self.buckets if b >= len(seqs))
         # two pinned mirrors in turn: with overlapped steps the upload of the step before this one may
         # not have run yet, the one before that has (its tokens were read)
         self._uploads += 1
         host = self.host_inputs[bucket][self._uploads % 2]
-        assert self.caches.scratch_slot is not None
-        filler = [(0, self.caches.scratch_slot, 0, 0)[: self.upload_rows]] * (bucket - len(seqs))
+        filler = [self._filler()] * (bucket - len(seqs))
         host.copy_(torch.tensor([self._upload(s) for s in seqs] + filler).t())
         self.step_inputs[bucket].copy_(host, non_blocking=True)
         static = self.static[bucket]
@@ -179,12 +178,17 @@ class DecodeGraphs:
         return bucket, self.outputs[bucket]
 
     def _upload(self, seq: SequenceChunk) -> tuple[int, ...]:
-        """What a step uploads of `seq` (`upload_rows` values)."""
+        """What a step uploads of `seq`: its prefix length, table row and first token."""
         return seq.prefix_len, seq.table_row, seq.token_ids[0]
+
+    def _filler(self) -> tuple[int, ...]:
+        """What a step uploads of a filler sequence (the scratch slot's row, at its start)."""
+        assert self.caches.scratch_slot is not None
+        return 0, self.caches.scratch_slot, 0
 
     def _static_batches(self) -> dict[int, ForwardBatch]:
         """One static batch per bucket, its pool table as wide as the request table's, and the step's
-        (prefix length, table row, first token) of each sequence with two pinned mirrors."""
+        inputs of each sequence (`_upload`) with two pinned mirrors."""
         static = {}
         device = self.caches.table.table.device
         self.step_inputs: dict[int, torch.Tensor] = {}
@@ -194,10 +198,7 @@ class DecodeGraphs:
             batch = self._build([], bucket)
             full_width = torch.full((bucket, self.pool_width), -1, device=batch.pool_table.device)
             static[bucket] = dataclasses.replace(batch, pool_table=full_width)
-            inputs = torch.tensor(
-                [[0] * bucket, [self.caches.scratch_slot] * bucket, [0] * bucket, [0] * bucket]
-            )
-            inputs = inputs[: self.upload_rows].clone()
+            inputs = torch.tensor([self._filler()] * bucket).t().contiguous()
             mirror = inputs.pin_memory if device.type == "cuda" else inputs.clone
             self.host_inputs[bucket] = (mirror(), mirror())
             self.step_inputs[bucket] = inputs.to(device)
@@ -335,7 +336,6 @@ class VerifyGraphs(DecodeGraphs):
     """
 
     kind = "verify"
-    upload_rows = 4  # and whether the block starts after the commit in flight on its row
 
     def __init__(
         self,
@@ -403,7 +403,11 @@ class VerifyGraphs(DecodeGraphs):
         return result
 
     def _upload(self, seq: SequenceChunk) -> tuple[int, ...]:
+        """And whether the block starts after the commit in flight on its row."""
         return (*super()._upload(seq), int(seq.after_commit))
+
+    def _filler(self) -> tuple[int, ...]:
+        return (*super()._filler(), 0)
 
     def _prefix(self, inputs: torch.Tensor) -> torch.Tensor:
         return inputs[0] + inputs[3] * self.caches.last_committed[inputs[1]]
