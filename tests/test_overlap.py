@@ -267,12 +267,12 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
     """Verify steps after verify steps are launched before the one ahead is read (the fixed-shape
     verify path, as the GPU replays it): each block starts where the commit in flight leaves it, on
     the device. Requests that stop at a stop id or their token limit inside a block, an abort, a late
-    arrival (the step ahead waits for it to start), seeded sampled requests (their acceptance runs
-    between the graphs' replays: launched ahead while their blocks stay clear of their token limit,
-    read first near it) and a request that runs into the context length (near it no block fits after
-    a commit in flight: those steps read first) give the tokens and accepted drafts of the engine
-    that reads every step; the demo's trained drafts accept many tokens, so a block starting at a
-    wrong position or from a wrong anchor would show."""
+    arrival asking for logprobs (the step ahead waits for it to start), seeded sampled requests (their
+    acceptance runs between the graphs' replays: launched ahead while their blocks stay clear of
+    their token limit, read first near it) and a request that runs into the context length (near it no
+    block fits after a commit in flight: those steps read first) give the tokens, logprobs and
+    accepted drafts of the engine that reads every step; the demo's trained drafts accept many
+    tokens, so a block starting at a wrong position or from a wrong anchor would show."""
     flags = (
         dict(speculative_algorithm="MTP", speculative_num_steps=3)
         if algorithm == "mtp"
@@ -292,7 +292,8 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
 
         def launching(chunks, *rest, launch=engine.runner.launch, launched=launched):
             if all(ch.verify and ch.request.verifying for ch in chunks):
-                launched.append(any(not ch.request.params.greedy for ch in chunks))
+                params = [ch.request.params for ch in chunks]
+                launched.append((any(not p.greedy for p in params), any(p.logprobs for p in params)))
             return launch(chunks, *rest)
 
         engine.runner.launch = launching
@@ -303,12 +304,17 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
                 ("add", "short", PROMPTS[5], greedy(11, ignore_eos=True)),
                 ("add", "seeded", PROMPTS[4], SamplingParams(temperature=0.8, seed=9, max_tokens=30)),
             ],
-            3: [("add", "late", PROMPTS[3], greedy(25, ignore_eos=True))],
+            3: [("add", "late", PROMPTS[3], greedy(25, ignore_eos=True, logprobs=2))],
             6: [("abort", "short")],
             12: [("add", "sampled", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=12))],
         }
-        results[overlap] = (*run_counting_accepted(engine, script), len(launched), sum(launched))
-    (overlapped, ahead, accepted, after_commit, sampled), (reference, never, accepted_ref, *none) = (
+        outputs = run_counting_accepted(engine, script)
+        kinds = [sum(column) for column in zip(*launched, strict=True)] if launched else [0, 0]
+        results[overlap] = (*outputs, len(launched), *kinds)
+    (
+        (overlapped, ahead, accepted, after_commit, sampled, logprobs),
+        (reference, never, accepted_ref, *none),
+    ) = (
         results[True],
         results[False],
     )
@@ -317,4 +323,4 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
     # "long" runs into the context: near it a block cannot start a block after the commit in flight
     assert len(probe.tokenizer.encode(PROMPTS[0])) + len(reference["long"][0]) == CONTEXT
     assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10
-    assert never == 0 and none == [0, 0] and ahead > 3 and after_commit > 3 and sampled > 0
+    assert never == 0 and none == [0, 0, 0] and ahead > 3 and after_commit > 3 and sampled and logprobs

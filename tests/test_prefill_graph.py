@@ -181,6 +181,9 @@ def test_engines_with_prefill_graphs_give_the_eager_outputs(target, draft, setti
     settings = dict(settings)
     if settings.pop("algorithm", None):
         settings.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft))
+        # `run` reads the proposer's drafts after each step: the schedule that reads every step (a
+        # verify step launched ahead would have drafted again by then)
+        settings.update(disable_overlap_schedule=True)
     ref, ref_drafts = run(make_llm(target, **settings), long_waves(), GREEDY)
     llm = make_llm(target, decode_graphs=True, **settings)
     graphs = llm.engine.runner.prefill_graphs

@@ -166,17 +166,15 @@ class ModelRunner:
     def _verify_overlaps(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """A verify step that is device work from upload to read, with the blocks the schedule that
         reads every step would verify: the verify graphs take its blocks, and every row has no observe
-        deferred, no logprobs or grammar, and either picks its raw argmax (the graphs' own greedy
-        acceptance; a block launched ahead is cut to its draft budget once read) or samples with what
-        it knows before the read (`_samples_ahead`)."""
+        deferred and no grammar, and either picks its raw argmax (a block launched ahead is cut to its
+        draft budget once read) or samples with what it knows before the read (`_samples_ahead`)."""
         if self.verify_graphs is None or not all(ch.verify for ch in chunks):
             return False
         width = self.verify_graphs.tokens_per_seq
         on_device = all(
-            r.params.logprobs is None and r.grammar is None and r.deferred_from is None
-            and (r.picks_argmax or _samples_ahead(r, width))
+            r.grammar is None and r.deferred_from is None and (r.picks_argmax or _samples_ahead(r, width))
             for r in (ch.request for ch in chunks)
-        )  # fmt: skip
+        )
         return on_device and self._verify_blocks(chunks) is not None
 
     def _verify_blocks(self, chunks: Sequence[ScheduledChunk]) -> list[SequenceChunk] | None:
@@ -205,7 +203,8 @@ class ModelRunner:
             blocks = self._verify_blocks(chunks)
             num_drafts = [ch.num_tokens - 1 for ch in chunks]
             acceptance = self.verify_graphs.run(blocks, requests, num_drafts, self.generator)
-            return LaunchedStep(list(chunks), start_read(acceptance.accepted, acceptance.emitted))
+            read = start_read(acceptance.accepted, acceptance.emitted, *_logprob_tensors(acceptance))
+            return LaunchedStep(list(chunks), read)
         seqs = [_sequence(ch, False) for ch in chunks]
         c, proposer = self.caches, self.proposer
         observing = None
@@ -270,14 +269,14 @@ class ModelRunner:
         """Wait for a launched step's picks: one result per chunk, as `step` gives them (a verify
         step's `chunks` first cut to the blocks the requests' draft budgets allow)."""
         if launched.verifies:
-            accepted, emitted = launched.read.wait()
+            accepted, emitted, *logprobs = launched.read.wait()
             # a block launched ahead is whole: it is cut to what the request's draft budget allows now
             # that the step before it has been applied, the block a step scheduled then would have held
             launched.chunks = [
                 replace(ch, num_tokens=min(ch.num_tokens, 1 + ch.request.draft_budget(ch.num_tokens - 1)))
                 for ch in launched.chunks
             ]
-            return _verify_results(launched.chunks, accepted, emitted, (None, None, None))
+            return _verify_results(launched.chunks, accepted, emitted, logprobs)
         tokens, *logprobs = launched.read.wait()
         results = []
         for k, ch in enumerate(launched.chunks):
