@@ -428,7 +428,7 @@ class VerifyGraphs(DecodeGraphs):
         """The second graph: the KDA commit and the proposer's observe and drafts, from the buffers,
         and each row's committed positions and anchor for a block launched behind this step."""
         self.model.commit(static, committed)
-        self.caches.last_committed[static.state_slots] = committed.long()
+        self.caches.last_committed[static.state_slots] = committed
         self.caches.last_sampled[static.state_slots] = anchors
         commit = StepCommit(committed, anchors, torch.arange(len(static.extend_lens), device=anchors.device))
         self.proposer.observe_and_propose(static, commit)

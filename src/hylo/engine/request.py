@@ -118,8 +118,13 @@ class Request:
         after the drafts before it)."""
         if self.params.penalized or (self.grammar is not None and self.host_drafts is None):
             return 0
-        room = min(self.params.max_tokens - len(self.output_ids), self.max_total_len - self.total_len) - 1
-        return max(0, min(num_draft_tokens, room))
+        return max(0, min(num_draft_tokens, self.tokens_left - 1))
+
+    @property
+    def tokens_left(self) -> int:
+        """Output tokens before `max_tokens` or the length limit ends the request (tokens in flight
+        not counted)."""
+        return min(self.params.max_tokens - len(self.output_ids), self.max_total_len - self.total_len)
 
     @property
     def scores_prompt(self) -> bool:
@@ -152,9 +157,7 @@ class Request:
     def ends_in_flight(self) -> bool:
         """The tokens in flight reach `max_tokens` or the length limit: the request ends with them (a
         verify step in flight emits at least one token)."""
-        unread = self.in_flight + self.verifying
-        produced = len(self.output_ids) + unread
-        return produced >= self.params.max_tokens or self.total_len + unread >= self.max_total_len
+        return self.tokens_left <= self.in_flight + self.verifying
 
     def append(self, token: int, logprobs: dict[int, float] | None) -> str:
         """Record a sampled token; decide whether the request is finished. Returns the new text that

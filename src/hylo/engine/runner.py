@@ -469,9 +469,8 @@ def _samples_ahead(request: Request, width: int) -> bool:
     (no penalties), no `min_tokens` ban is left, and its drafts stay clear of the token and length
     limits even after the most the step ahead can commit (its draft count, and so its draws from its
     generator, are those of the block the reading schedule would verify)."""
-    left = min(request.params.max_tokens - len(request.output_ids), request.max_total_len - request.total_len)
     unread = width * request.verifying  # the most the verify step in flight commits
-    return not request.params.penalized and not request.banned_ids() and left - unread >= width
+    return not request.params.penalized and not request.banned_ids() and request.tokens_left - unread >= width
 
 
 def _verify_results(
@@ -540,13 +539,13 @@ def _sequence(ch: ScheduledChunk, score: bool) -> SequenceChunk:
     """The chunk's tokens; a verify chunk feeds its anchor and placeholders where its drafts go (the
     drafts themselves are on the device: `_feed_drafts`, or the verify graph)."""
     r = ch.request
-    if ch.verify and r.verifying:  # it starts where the verify step in flight leaves it
-        assert r.verifying == 1, "a block is built with at most the verify step before it unread"
-        tokens = [IN_FLIGHT] + [0] * (ch.num_tokens - 1)
-        return SequenceChunk(tokens, r.num_computed, r.slot, r.slot, True, True, after_commit=True)
     if ch.verify:
-        anchor = r.tokens(r.num_computed, r.num_computed + 1)[0]
-        return SequenceChunk([anchor] + [0] * (ch.num_tokens - 1), r.num_computed, r.slot, r.slot, True, True)
+        # behind a verify step still unread, the block starts where that one's commit leaves it
+        assert r.verifying <= 1, "a block is built with at most the verify step before it unread"
+        after = bool(r.verifying)
+        anchor = IN_FLIGHT if after else r.tokens(r.num_computed, r.num_computed + 1)[0]
+        tokens = [anchor] + [0] * (ch.num_tokens - 1)
+        return SequenceChunk(tokens, r.num_computed, r.slot, r.slot, True, True, after_commit=after)
     tokens = r.tokens(r.num_computed, r.num_computed + ch.num_tokens)
     points = [(position - r.num_computed, sid) for position, sid in ch.snapshots]
     return SequenceChunk(tokens, r.num_computed, r.slot, r.slot, ch.samples, False, score, points)

@@ -21,7 +21,7 @@ PREFIX_SNAPSHOT_SHARE = 0.125
 
 # what a request-table row holds beside its token slots: the token it sampled last (`last_sampled`)
 # and the positions its last verify step committed (`last_committed`)
-ROW_BYTES = 16
+ROW_BYTES = 12
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class CacheManager:
         # (`Request.verifying`): the next step's chunk reads them on the device before the host has read
         # them
         self.last_sampled = torch.zeros(self.table.table.shape[0], dtype=torch.long, device=device)
-        self.last_committed = torch.zeros_like(self.last_sampled)
+        self.last_committed = torch.zeros(self.table.table.shape[0], dtype=torch.int32, device=device)
         self.scratch_slot = plan.num_slots if plan.scratch else None
         if self.scratch_slot is not None:
             # every position of the scratch row maps into the scratch page (a padding row's writes
