@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from hylo.bench.sse import sse_events
+
 # fmt: off
 _WORDS = (
     "time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world",
@@ -104,10 +106,10 @@ async def _one(
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for data in sse_events(response.aiter_bytes()):
+                if data == "[DONE]":
                     continue
-                payload = json.loads(line[6:])
+                payload = json.loads(data)
                 now = time.perf_counter()
                 if payload.get("usage"):
                     result.prompt_tokens = payload["usage"]["prompt_tokens"]
