@@ -12,13 +12,16 @@ Glossary:
 
 Invariant: every collective returns the same bits on every rank (an all-reduce's sum is computed
 once per element and sent to all), so replicated computations stay equal across ranks and every rank
-samples the same tokens from the same logits with the same seeds.
+samples the same tokens from the same logits with the same seeds. The one exception is a rank built
+with `StandInCollectives` (`hylo.distributed.rank_engine`: one rank measured alone on one device),
+whose collectives are recorded and not run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,14 +30,44 @@ from hylo.config import ModelConfig
 
 
 @dataclass(frozen=True)
+class CollectiveCall:
+    """One device collective as a rank issues it: `kind` (all_reduce, all_gather), the shape and dtype
+    of the rank's input, and the bytes of that input."""
+
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(eq=False)
+class StandInCollectives:
+    """A local stand-in for the device collectives of one rank measured alone (no other rank exists):
+    an all-reduce leaves the rank's partial sum as it is, an all-gather writes the rank's part into
+    every rank's place (one copy: the output has the real shape and bytes). Each call is appended to
+    `calls` when it is issued; in a CUDA graph that is once, at capture. The results are not the real
+    engine's, so a rank built on it serves timings, never tokens anyone reads."""
+
+    calls: list[CollectiveCall] = field(default_factory=list)
+
+    def record(self, kind: str, x: torch.Tensor) -> None:
+        self.calls.append(CollectiveCall(kind, tuple(x.shape), x.dtype))
+
+
+@dataclass(frozen=True)
 class Parallel:
     """`group` is the process group of the device collectives (NCCL on GPUs, gloo on CPUs); None for
-    one rank, or for a rank that only builds shapes (`hylo.distributed.sizing`, meta tensors)."""
+    one rank, or for a rank that only builds shapes (`hylo.distributed.sizing`, meta tensors).
+    `stand_in`: the collectives are recorded by it instead of run (`StandInCollectives`)."""
 
     rank: int = 0
     size: int = 1
     ep_size: int = 1
     group: dist.ProcessGroup | None = None
+    stand_in: StandInCollectives | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -80,7 +113,11 @@ class Parallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks in place (nothing for one rank); returns it."""
-        if self.size > 1:
+        if self.size == 1:
+            return x
+        if self.stand_in is not None:
+            self.stand_in.record("all_reduce", x)
+        else:
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -90,7 +127,10 @@ class Parallel:
             return x
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         parts = torch.empty((self.size, *flat.shape), dtype=x.dtype, device=x.device)
-        if x.is_cuda:  # one launch, capturable in a CUDA graph
+        if self.stand_in is not None:
+            self.stand_in.record("all_gather", flat)
+            parts.copy_(flat.expand_as(parts))
+        elif x.is_cuda:  # one launch, capturable in a CUDA graph
             dist.all_gather_into_tensor(parts.view(-1, flat.shape[1]), flat, group=self.group)
         else:
             dist.all_gather(list(parts.unbind(0)), flat, group=self.group)

@@ -30,7 +30,7 @@ from hylo.memory.manager import (
     target_cache_specs,
 )
 from hylo.models.glm5_next import Glm5NextForCausalLM
-from hylo.models.loader import load_model
+from hylo.models.loader import load_model, shard_digest
 from hylo.ops.dispatch import model_refusals
 from hylo.sampling import SamplingParams
 from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
@@ -198,6 +198,7 @@ class Engine:
         self.buckets = batch_size_buckets(max_bs)
         # taken last: the allocator's figures include the caches and the captured graphs' pools
         report = memory_report(self.model, self.plan, self.device, load_peak.bytes)
+        report["weights_shard"] = shard_digest(self.model)  # which part of the checkpoint this rank holds
         rank = f" (rank {parallel.rank} of {parallel.size})" if parallel.size > 1 else ""
         logger.info("memory%s: %s", rank, format_memory_report(report))
         if parallel.size > 1:  # what every rank holds, in rank 0's report too

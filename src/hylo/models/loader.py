@@ -9,6 +9,7 @@ and read on its own by `load_mtp_layer`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -129,6 +130,16 @@ def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
     if parallel.size > 1:
         layout = {key: _sharded(key, slot, c, parallel) for key, slot in layout.items()}
     return layout
+
+
+def shard_digest(model: Glm5NextForCausalLM) -> str:
+    """A digest of this rank's share of the checkpoint (each checkpoint tensor it holds, its on-disk
+    shape and the part of it kept) and of the shapes and dtypes it holds them in: two builds hold the
+    same share of a model alike exactly when their digests are equal (ranks differ by their shards)."""
+    lines = [f"{key} {slot.shape} {slot.shard}" for key, slot in sorted(checkpoint_layout(model).items())]
+    tensors = sorted([*model.named_parameters(), *model.named_buffers()])
+    lines += [f"{name} {tuple(t.shape)} {t.dtype}" for name, t in tensors]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 def _fused_layout(module_name: str, module: FusedLinear) -> dict[str, Slot]:
