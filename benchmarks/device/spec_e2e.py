@@ -81,9 +81,19 @@ DFLASH2 = {"conv_kernel_size": 4, "conv_group_size": 128, "selector_rank": 64, "
 
 
 def write_dflash(
-    path: Path, target_layers: list[int], block: int, dflash2: bool = False, hidden=4096, vocab=VOCAB
+    path: Path,
+    target_layers: list[int],
+    block: int,
+    dflash2: bool = False,
+    hidden=4096,
+    vocab=VOCAB,
+    layers: int = 2,
+    dflash2_config: dict | None = None,
 ) -> None:
-    heads, kv_heads, head_dim, inter, layers = 32, 8, 128, 12288, 2
+    """A random z-lab-format draft of `layers` Qwen3 layers (32 heads, 8 kv heads, head dim 128) tapping
+    `target_layers`; with `dflash2` the DFlash2 keys of `dflash2_config` (default `DFLASH2`)."""
+    heads, kv_heads, head_dim, inter = 32, 8, 128, 12288
+    extra = DFLASH2 | (dflash2_config or {})
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -94,7 +104,7 @@ def write_dflash(
     }  # fmt: skip
     if dflash2:
         config["architectures"] = ["DFlash2DraftModel"]
-        config["dflash_config"] |= DFLASH2
+        config["dflash_config"] |= extra
     (path / "config.json").write_text(json.dumps(config))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -120,9 +130,9 @@ def write_dflash(
         }  # fmt: skip
     if dflash2:
         taps, groups, rank = (
-            DFLASH2["conv_kernel_size"],
-            hidden // DFLASH2["conv_group_size"],
-            DFLASH2["selector_rank"],
+            extra["conv_kernel_size"],
+            hidden // extra["conv_group_size"],
+            extra["selector_rank"],
         )
         for i in range(layers):
             for conv in ("attention_conv", "mlp_conv"):
