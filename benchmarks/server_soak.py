@@ -191,13 +191,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only)")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     parser.add_argument("--concurrency", type=int, default=32, help="clients at once")
-    parser.add_argument("--request-timeout", type=float, default=120.0)
-    parser.add_argument("--recovery-timeout", type=float, default=60.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request may take")
+    parser.add_argument(
+        "--recovery-timeout", type=float, default=60.0, help="seconds to wait for the server to be idle"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the mix of requests")
     args = parser.parse_args()
     if urlsplit(args.base_url).hostname not in LOOPBACK:
         parser.error(f"--base-url must be a loopback address ({', '.join(sorted(LOOPBACK))})")
