@@ -212,7 +212,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=math.inf,
         help="requests per second, Poisson arrivals (inf: all at once)",
     )
-    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)"
+    )
     parser.add_argument(
         "--random-input-len",
         type=int,
@@ -236,7 +238,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "is a directory, else the model a hylo server on this machine reports in /server_info)",
     )
     parser.add_argument(
-        "--sharegpt-output-len", type=int, default=None, help="fixed output length for ShareGPT"
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="fixed output length for ShareGPT (default: the reply's, at 4 characters a token)",
     )
     parser.add_argument(
         "--disable-ignore-eos", action="store_true", help="let requests stop at end-of-sequence"
