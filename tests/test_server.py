@@ -124,6 +124,63 @@ def test_echo_scores_the_prompt_as_offline_prompt_logprobs(client, offline):
     assert first.tokens[: len(ref.prompt_token_ids)] == lp.tokens and first.token_logprobs[0] is None
 
 
+def sse_lines(url: str, path: str, body: dict) -> tuple[bytes, list[dict]]:
+    """A stream's raw bytes, and its JSON events read as a line reader that also breaks lines at
+    U+0085, U+2028 and U+2029 (Python's str.splitlines, JavaScript before ES2019) would read them."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{url}{path}", json=body | {"stream": True}, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        raw = r.read()
+    lines = raw.decode().splitlines()
+    return raw, [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def test_streamed_echo_without_logprobs_begins_with_the_prompt(server):
+    body = {"prompt": "Hello world", "echo": True, "max_tokens": 2, "temperature": 0}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    assert whole.startswith("Hello world") and len(whole) > len("Hello world")
+    for n in (1, 2):
+        _, events = sse_lines(server, "/v1/completions", body | {"n": n})
+        for i in range(n):
+            texts = [c["text"] for e in events for c in e["choices"] if c["index"] == i]
+            assert texts[0].startswith("Hello world") and "".join(texts) == whole
+
+
+def test_streamed_json_escapes_line_separators(server):
+    """U+0085, U+2028 and U+2029 reach the stream (an echoed prompt, a chat reply) escaped: each
+    event stays one line to every line reader, and its JSON reads back the same text."""
+    prompt = "one\u2028two\u2029three\u0085four"
+    raw, events = sse_lines(server, "/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 1})
+    for char in ("\u0085", "\u2028", "\u2029"):
+        assert char.encode() not in raw
+    assert b"\\u2028" in raw and b"\\u2029" in raw and b"\\u0085" in raw
+    assert events[0]["choices"][0]["text"].startswith(prompt)
+
+
+def test_text_offset_is_where_each_token_starts(server):
+    """Echoed prompt and completion, whole and streamed: each token's text at its offset in the
+    choice's text (a token ending inside a UTF-8 character is named by its bytes, and the character's
+    offset is that of its first byte)."""
+    body = {"prompt": "Hello é€ world", "echo": True, "max_tokens": 5, "logprobs": 0, "temperature": 0}
+    body |= {"ignore_eos": True}
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    offsets, tokens = lp["text_offset"], lp["tokens"]
+    assert len(offsets) == len(tokens) > 5 and offsets[0] == 0 and offsets == sorted(offsets)
+    whole = 0
+    for offset, token in zip(offsets, tokens, strict=True):
+        if not token.startswith("bytes:"):
+            assert text[offset : offset + len(token)] == token
+            whole += 1
+    assert whole >= 5
+    assert offsets[tokens.index(" w")] == len("Hello é€")
+    _, events = sse_lines(server, "/v1/completions", body)
+    streamed = [o for e in events if e["choices"] for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == offsets
+    plain = post(server, "/v1/completions", body | {"echo": False}).json()["choices"][0]["logprobs"]
+    assert plain["text_offset"][0] == 0 and len(plain["text_offset"]) == 5
+
+
 def test_completions_match_offline_generate(client, offline):
     out = client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=12, temperature=0)
     (ref,) = offline.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)

@@ -145,6 +145,87 @@ def test_invalid_chat_is_rejected_naming_the_field(server, body, param):
     assert_serving(server)
 
 
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+
+
+def tool(function: dict, **fields) -> dict:
+    return {"chat": {"tools": [{"type": "function", "function": function} | fields]}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "rule"),
+    [
+        # a union field's message is the rule of the member the input's type fits
+        ({"stop": [f"s{i}" for i in range(33)]}, "stop", "at most 32 items"),
+        ({"stop": "s" * 513}, "stop", "at most 512 characters"),
+        ({"stop": ["ok", ""]}, "stop", "at least 1 character"),
+        ({"prompt": []}, "prompt", "at least 1 item"),
+        ({"prompt": [[1], []]}, "prompt", "at least 1 item"),
+        ({"best_of": 0}, "best_of", "greater than or equal to 1"),
+        ({"best_of": 1000}, "best_of", "less than or equal to 128"),
+        ({"n": 3, "best_of": 2}, "best_of", "at least n (3)"),
+        ({"best_of": 2, "stream": True}, "best_of", "must equal n (1) with stream"),
+        (tool({"name": "get weather"}), "tools.0.function.name", "should match pattern"),
+        (tool({"name": "x" * 65}), "tools.0.function.name", "should match pattern"),
+        (tool({"description": "no name"}), "tools.0.function.name", "Field required"),
+        (tool({"name": "f"}, type="retrieval"), "tools.0.type", "Input should be 'function'"),
+        (
+            tool({"name": "f", "parameters": {"type": "string"}}),
+            "tools.0.function.parameters",
+            "type 'object'",
+        ),
+        (tool({"name": "f", "parameters": "{}"}), "tools.0.function.parameters", "valid dictionary"),
+        (
+            tool({"name": "f", "parameters": {"properties": {"a": 1}}}),
+            "tools.0.function.parameters",
+            "schema",
+        ),
+        (tool({"name": "f", "parameters": {"required": "a"}}), "tools.0.function.parameters", "list of"),
+        ({"chat": {"tools": [{"function": {"name": "f"}}]}}, "tools.0.type", "Field required"),
+    ],
+)
+def test_the_message_names_the_rule_that_failed(server, body, param, rule):
+    if "chat" in body:
+        response = post(server, "/v1/chat/completions", CHAT | body["chat"])
+    else:
+        response = post(server, "/v1/completions", {"prompt": "x"} | body)
+    assert rule in assert_error(response, 400, param)["message"]
+
+
+def test_best_of_returns_the_n_best_by_mean_token_logprob(server):
+    """best_of sequences are generated (and counted in usage); the n with the highest mean token
+    logprob come back, best first, with logprobs only when asked for."""
+    body = {"prompt": "Once upon", "max_tokens": 4, "ignore_eos": True, "seed": 5, "logprobs": 0}
+    every = post(server, "/v1/completions", body | {"n": 4}).json()["choices"]
+    ranked = sorted(every, key=lambda c: -sum(c["logprobs"]["token_logprobs"]) / 4)
+    best = post(server, "/v1/completions", body | {"n": 2, "best_of": 4}).json()
+    assert [c["text"] for c in best["choices"]] == [c["text"] for c in ranked[:2]]
+    assert [c["index"] for c in best["choices"]] == [0, 1] and best["usage"]["completion_tokens"] == 16
+    plain = {k: v for k, v in body.items() if k != "logprobs"}
+    (one,) = post(server, "/v1/completions", plain | {"best_of": 4}).json()["choices"]
+    assert one["text"] == ranked[0]["text"] and one["logprobs"] is None
+
+
+def test_token_ids_at_the_vocabulary_size_are_refused(server, model_dir):
+    """Off by one: the last id of the vocabulary is accepted, the vocabulary size is refused, in
+    every field that takes ids."""
+    vocab = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
+    for field, ids in (
+        ("stop_token_ids", lambda t: {"prompt": "x", "stop_token_ids": [t]}),
+        ("logit_bias", lambda t: {"prompt": "x", "logit_bias": {str(t): 1}}),
+        ("prompt", lambda t: {"prompt": [1, t]}),
+        ("prompt", lambda t: {"prompt": [[1], [2, t]]}),
+    ):
+        ok = post(server, "/v1/completions", ids(vocab - 1) | {"max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+        refused = assert_error(post(server, "/v1/completions", ids(vocab) | {"max_tokens": 1}), 400, field)
+        assert f"token id {vocab} is outside the vocabulary [0, {vocab})" in refused["message"]
+    assert (
+        httpx.post(f"{server}/v1/detokenize", json={"tokens": [vocab - 1]}, headers=AUTH).status_code == 200
+    )
+    assert_error(httpx.post(f"{server}/v1/detokenize", json={"tokens": [vocab]}, headers=AUTH), 400, "tokens")
+
+
 def test_completions_and_chat_share_the_max_tokens_rule(server):
     messages = [{"role": "user", "content": "Hi"}]
     for field in ("max_tokens", "max_completion_tokens"):
@@ -180,7 +261,7 @@ def test_lone_surrogates_in_chat_are_rejected_as_json(server):
     parts = '[{"type": "text", "text": "\\ud800"}]'
     assert_error(chat(f'{{"messages": [{{"role": "user", "content": {parts}}}]}}'), 400, "messages.0.content")
     # a surrogate reaching the prompt through the tools the template renders
-    tools = '[{"name": "\\ud800"}]'
+    tools = '[{"type": "function", "function": {"name": "f", "parameters": {"description": "\\ud800"}}}]'
     assert_error(
         chat(f'{{"messages": [{{"role": "user", "content": "x"}}], "tools": {tools}}}'), 400, "messages"
     )

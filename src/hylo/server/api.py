@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from hylo.sampling import SamplingParams
 from hylo.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Handle, QueueFull
 from hylo.server.guard import Guard, error_response
-from hylo.server.logprobs import chat_logprobs, completion_logprobs
+from hylo.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from hylo.server.openapi import describe
 from hylo.server.parsers import THINK_START, ReplyParser, merge_deltas, tool_call_grammar, whole_reply
 from hylo.server.protocol import (
@@ -80,6 +80,7 @@ def build_app(
     core = engine.engine
     tokenizer = core.tokenizer
     vocab = core.model.config.vocab_size
+    special_ids = frozenset(tokenizer.special_ids()) if tokenizer is not None else frozenset()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
@@ -109,8 +110,9 @@ def build_app(
             return error_response(400, f"the body is not valid JSON: {first['ctx']['error']}")
         if first["type"] == "model_attributes_type" and tuple(first["loc"]) == ("body",):
             return error_response(400, "the body must be a JSON object (Content-Type: application/json)")
-        param = _param([err["loc"][1:] if err["loc"][:1] == ("body",) else err["loc"] for err in e.errors()])
-        message = f"{param}: {first['msg']}" if param else first["msg"]
+        errors = [err | {"loc": err["loc"][1:]} if err["loc"][:1] == ("body",) else err for err in e.errors()]
+        param, failed = _failed_rule(errors)
+        message = f"{param}: {failed['msg']}" if param else failed["msg"]
         return error_response(400, message, param=param)
 
     @app.exception_handler(Exception)
@@ -179,10 +181,9 @@ def build_app(
         try:
             return build()
         except ValidationError as e:
-            first = e.errors()[0]
-            param = _param([err["loc"] for err in e.errors()])
+            param, failed = _failed_rule(e.errors())
             param = CONSTRAINT_FIELDS.get(param, param)
-            raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
+            raise APIError(400, f"{param}: {failed['msg']}" if param else failed["msg"], param) from None
 
     def need_tokenizer(param: str) -> None:
         if tokenizer is None:
@@ -222,7 +223,9 @@ def build_app(
             message = str(e).split(":", 1)[-1].strip()
             raise APIError(400, f"{field_name}: {message}", field_name) from None
 
-    def forced_tool_calls(body: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+    def forced_tool_calls(
+        body: ChatCompletionRequest, params: SamplingParams, tools: list[dict[str, Any]] | None
+    ) -> SamplingParams:
         """`tool_choice` `required` or a named function: the reply constrained to tool calls in the
         parser's format (`tool_call_grammar`), or a 400 naming what stands in the way."""
         if tool_call_parser is None:
@@ -234,7 +237,7 @@ def build_app(
             raise APIError(400, message, "tool_choice")
         name = None if body.tool_choice == "required" else body.tool_choice.function.name
         try:
-            grammar = tool_call_grammar(body.tools or [], name)
+            grammar = tool_call_grammar(tools or [], name)
         except ValueError as e:
             field_name = str(e).split(":", 1)[0]
             raise APIError(400, str(e), field_name) from None
@@ -272,8 +275,8 @@ def build_app(
         created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
 
-        # with echo, each choice's first delta (or its collected whole) begins with its prompt
-        n = params.n
+        # the text each prompt's choices echo
+        n = body.n  # choices per prompt: the best n of params.n (best_of) when that is more
         prompt_texts = (
             [] if not body.echo
             else [body.prompt] if isinstance(body.prompt, str)
@@ -281,29 +284,42 @@ def build_app(
             else [tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else "" for ids in prompts]
         )  # fmt: skip
 
+        offsets: dict[int, TextOffsets] = {}  # per choice, across its deltas
+
         def choice(index: int, c: Delta | _Choice) -> dict:
-            """A delta and a collected choice carry the same fields."""
-            ids, entries, text = list(c.token_ids), list(c.logprobs), c.text
-            if body.echo and (isinstance(c, _Choice) or c.prompt_logprobs is not None):
-                prompt = prompts[index // n]
-                text = prompt_texts[index // n] + text
+            """A delta and a collected choice carry the same fields; a choice's first delta (a collected
+            choice's only one) begins with its prompt when echoed."""
+            ids, entries, text, text_offset = list(c.token_ids), list(c.logprobs), c.text, []
+            first = index not in offsets
+            if first:
+                offsets[index] = TextOffsets(tokenizer, special_ids, params.skip_special_tokens)
+            if body.echo and first:
+                prompt, prompt_text = prompts[index // n], prompt_texts[index // n]
+                text = prompt_text + text
                 if body.logprobs is not None:
+                    text_offset = offsets[index].feed(prompt, prompt_text)
                     ids, entries = [*prompt, *ids], [None, *(c.prompt_logprobs or ()), *entries]
-            lp = completion_logprobs(tokenizer, ids, entries) if body.logprobs is not None and ids else None
+            lp = None
+            if body.logprobs is not None:
+                text_offset += offsets[index].feed(c.token_ids)
+                lp = completion_logprobs(tokenizer, ids, entries, text_offset) if ids else None
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
 
-        return await _reply(raw, engine, handles, body, base, choice, choice)
+        return await _reply(
+            raw, engine, handles, body, base, choice, choice, pick=lambda cs: _best(cs, params.n, n)
+        )
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         check_model(body.model)
         need_tokenizer("messages")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        tools = body.tool_dicts
 
         def render() -> tuple[str, list[int]]:
             try:
                 text = tokenizer.apply_chat_template(
-                    messages, body.add_generation_prompt, body.tools, **body.chat_template_kwargs
+                    messages, body.add_generation_prompt, tools, **body.chat_template_kwargs
                 )
             except Exception as e:  # the template is data: whatever it raises is about this input
                 raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
@@ -311,7 +327,7 @@ def build_app(
 
         rendered, ids = await asyncio.to_thread(render)
         prompts = [ids]
-        parse_tools = tool_call_parser is not None and bool(body.tools) and body.tool_choice != "none"
+        parse_tools = tool_call_parser is not None and bool(tools) and body.tool_choice != "none"
         parse_reasoning = reasoning_parser is not None
         parsers: dict[int, ReplyParser] = {}
 
@@ -319,7 +335,7 @@ def build_app(
             """Choice i's parser (a reply opened `<think>` when the prompt ends with it)."""
             if i not in parsers:
                 opened = rendered.rstrip().endswith(THINK_START)
-                parsers[i] = ReplyParser(parse_reasoning, parse_tools, body.tools, opened)
+                parsers[i] = ReplyParser(parse_reasoning, parse_tools, tools, opened)
             return parsers[i]
 
         def finish_reason(i: int, reason: str | None) -> str | None:
@@ -328,7 +344,7 @@ def build_app(
         room = min(core.context_len, core.plan.max_total_num_tokens) - len(prompts[0])
         params = params_of(lambda: body.sampling_params(max(1, room)))
         if body.tool_choice not in (None, "none", "auto"):
-            params = forced_tool_calls(body, params)
+            params = forced_tool_calls(body, params, tools)
         await compiled(params)
         handles = submitted(prompts, params, "messages")
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
@@ -415,6 +431,7 @@ async def _reply(
     final_choice: Callable[[int, _Choice], dict],
     chunk_object: str | None = None,
     first_choices: Sequence[dict] = (),
+    pick: Callable[[list[_Choice]], list[_Choice]] | None = None,
 ) -> Response:
     """SSE chunks (one per delta carrying text, tokens or a finish; usage last when asked; then
     [DONE]) when the body streams, else one JSON response with every choice and the usage. A
@@ -454,11 +471,26 @@ async def _reply(
         return StreamingResponse(events(), media_type="text/event-stream")
     usage = [0, 0]
     choices = await _until_disconnect(raw, _collect(engine, handles, usage))
+    if pick is not None:
+        choices = pick(choices)
     body_json = base | {
         "choices": [final_choice(i, c) for i, c in enumerate(choices)],
         "usage": _usage(*usage),
     }
     return JSONResponse(body_json)
+
+
+def _best(choices: list[_Choice], generated: int, kept: int) -> list[_Choice]:
+    """Of each prompt's `generated` choices (in prompt order), the `kept` with the highest mean token
+    logprob, best first (OpenAI's `best_of`)."""
+    if generated == kept:
+        return choices
+
+    def score(c: _Choice) -> float:
+        return sum(e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True)) / max(1, len(c.token_ids))
+
+    groups = [choices[i : i + generated] for i in range(0, len(choices), generated)]
+    return [c for group in groups for c in sorted(group, key=score, reverse=True)[:kept]]
 
 
 async def _merge(
@@ -530,6 +562,21 @@ async def _until_disconnect(raw: Request, work: Awaitable[list[_Choice]]) -> lis
 CONSTRAINT_FIELDS = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}
 
 
+def _mismatch(error: Mapping[str, Any]) -> bool:
+    """A union member's error for an input of another type than the member's (`string_type`, ...)."""
+    return error["type"].endswith("_type") or error["type"] in ("literal_error", "none_required")
+
+
+def _failed_rule(errors: Sequence[Mapping[str, Any]]) -> tuple[str | None, Mapping[str, Any]]:
+    """The field path and the error that name the rule a body broke. A union field reports one error
+    per member: the rule is that of the member the input's type fits (33 stop strings break the list's
+    length, not "Input should be a valid string"), whose error is the first that is no type mismatch."""
+    field = errors[0]["loc"][:1]
+    same_field = [err for err in errors if err["loc"][:1] == field]
+    failed = next((err for err in same_field if not _mismatch(err)), errors[0])
+    return _param([failed["loc"], *(err["loc"] for err in errors if err is not failed)]), failed
+
+
 def _param(locs: Sequence[Sequence[int | str]]) -> str | None:
     """The field path of the first validation error. A union reports one error per member, each
     under the member's tag (`list[int]`, `function-after[...]`), which is pydantic's, not the
@@ -558,8 +605,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+# Characters JSON allows raw in strings that some line readers (Python's str.splitlines, JavaScript
+# before ES2019) take for line ends; escaped, a chunk stays one line to every reader.
+_LINE_BREAKING = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One event; the JSON is UTF-8, with U+0085, U+2028 and U+2029 escaped (JSON escapes every
+    other line end: CR, LF and the rest of the C0 controls)."""
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKING)}\n\n"
 
 
 def _prefix_cache_info(caches) -> dict[str, Any] | None:

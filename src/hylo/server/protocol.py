@@ -203,10 +203,10 @@ class _Common(BaseModel):
         return value
 
     def _sampling(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None, n: int | None = None
     ) -> SamplingParams:
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            n=n or self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
@@ -252,6 +252,22 @@ class CompletionRequest(_Common):
         16, description="null means 16, OpenAI's default; 0 (with echo) scores the prompt only"
     )
     logprobs: _int(ge=0, le=20) | None = None
+    # after n and stream (in _Common), which its validator reads
+    best_of: _int(ge=1, le=MAX_N) | None = Field(
+        None,
+        description="sequences generated per prompt, of which the n with the highest mean token logprob "
+        "are returned; at least n, and n itself with stream (400 otherwise)",
+    )
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value < n:
+            raise ValueError(f"must be at least n ({n}): the n best of best_of sequences are returned")
+        if value is not None and value != n and info.data.get("stream"):
+            raise ValueError(f"must equal n ({n}) with stream: the best are known once all have finished")
+        return value
 
     @field_validator("max_tokens")
     @classmethod
@@ -263,7 +279,10 @@ class CompletionRequest(_Common):
     def sampling_params(self) -> SamplingParams:
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         scored = self.echo and (self.logprobs is not None or max_tokens == 0)
-        return self._sampling(max_tokens, self.logprobs, (self.logprobs or 0) if scored else None)
+        n = self.best_of or self.n
+        # the best of best_of are ranked by their tokens' logprobs (the sampled token's is always there)
+        logprobs = 0 if self.logprobs is None and n > self.n else self.logprobs
+        return self._sampling(max_tokens, logprobs, (self.logprobs or 0) if scored else None, n)
 
 
 class TextPart(BaseModel):
@@ -318,6 +337,52 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
+# OpenAI's rule for a function's name
+FUNCTION_NAME = "^[a-zA-Z0-9_-]{1,64}$"
+_PARAMETERS_SCHEMA = {
+    "properties": {
+        "type": {"const": "object"},
+        "properties": {"type": "object", "additionalProperties": {"type": ["object", "boolean"]}},
+        "required": {"type": "array", "items": {"type": "string"}},
+    }
+}
+
+
+def _object_schema(value: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters: the JSON schema of an object (`_PARAMETERS_SCHEMA`, OpenAI's rule)."""
+    if value.get("type", "object") != "object":
+        raise ValueError(f"must be the JSON schema of an object (type 'object'), not {value['type']!r}")
+    properties = value.get("properties", {})
+    if not isinstance(properties, dict) or not all(isinstance(p, dict | bool) for p in properties.values()):
+        raise ValueError("properties must map each argument's name to its JSON schema (an object)")
+    required = value.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError("required must be a list of argument names")
+    return value
+
+
+class FunctionDefinition(BaseModel):
+    """Other fields are kept: the chat template renders the tool as it came."""
+
+    model_config = _REQUEST | ConfigDict(extra="allow")
+
+    name: str = Field(pattern=FUNCTION_NAME, description="a-z, A-Z, 0-9, _ and -; at most 64 characters")
+    description: str | None = None
+    parameters: Annotated[dict[str, Any], AfterValidator(_object_schema)] | None = Field(
+        None,
+        description="the JSON schema of the arguments (an object); none means no arguments",
+        json_schema_extra=_PARAMETERS_SCHEMA,
+    )
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _REQUEST | ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: _int(ge=1) | None = Field(None, description="deprecated alias of max_completion_tokens")
@@ -329,7 +394,7 @@ class ChatCompletionRequest(_Common):
         default_factory=dict,
         json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}},
     )
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     # whether a choice can be honoured (a tool of that name, the server's --tool-call-parser) is more
     # than a schema can say: a 400 naming tool_choice says when it cannot
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
@@ -345,6 +410,11 @@ class ChatCompletionRequest(_Common):
         if clash:
             raise ValueError(f"{clash[0]!r} is set by the request itself, not by a template kwarg")
         return value
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as they came (for the chat template and the tool-call parsers)."""
+        return None if self.tools is None else [t.model_dump(exclude_unset=True) for t in self.tools]
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """`max_completion_tokens`, else `max_tokens`, else what room the context leaves."""
@@ -390,7 +460,7 @@ class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int] | None
+    text_offset: list[int]
 
 
 class CompletionChoice(BaseModel):
