@@ -33,7 +33,9 @@ EBNF = 'root ::= "x" ("y" | "z")+ "!"'
 
 
 def assert_matches_schema(text: str) -> None:
+    """`text` is compact JSON (no whitespace outside strings, as the README says) matching SCHEMA."""
     value = json.loads(text)
+    assert text == json.dumps(value, separators=(",", ":"), ensure_ascii=False), text
     assert set(value) == {"answer", "count", "tag"}, value
     assert value["answer"] in ("yes", "no", "maybe") and 0 <= value["count"] <= 99, value
     assert re.fullmatch("[a-z]{1,6}", value["tag"]), value

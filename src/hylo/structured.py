@@ -35,6 +35,16 @@ if TYPE_CHECKING:
 GRAMMAR_CACHE_BYTES = 256 * 2**20
 
 
+# JSON outputs are compact (no whitespace after `,` or `:`; xgrammar's default without free
+# whitespace is `", "` and `": "`): the fewest tokens, and what `json.dumps(separators=COMPACT)` writes.
+COMPACT = (",", ":")
+
+
+def xgrammar_message(exc: Exception) -> str:
+    """The first line of an xgrammar error, without the "[time] source.cc:line: " it starts with."""
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip().splitlines()[0])
+
+
 class GrammarError(ValueError):
     """A constraint that does not compile: the message names the sampling field."""
 
@@ -61,14 +71,12 @@ class Grammars:
         kind, text = params.constraint
         try:
             if kind == "json_schema":
-                return self.compiler.compile_json_schema(text, any_whitespace=False)
+                return self.compiler.compile_json_schema(text, any_whitespace=False, separators=COMPACT)
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             return self.compiler.compile_grammar(text)
         except RuntimeError as exc:  # xgrammar reports a bad constraint as a RuntimeError
-            # its message starts with "[time] source.cc:line: "
-            message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip().splitlines()[0])
-            raise GrammarError(f"{kind}: {message}") from exc
+            raise GrammarError(f"{kind}: {xgrammar_message(exc)}") from exc
 
     @staticmethod
     def matcher(compiled: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:

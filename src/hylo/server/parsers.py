@@ -10,10 +10,12 @@ prompt already opened `<think>`, everything before `</think>`). A tool call is
     ...
     </tool_call>
 
-where a VALUE is the argument's text when the tool's JSON schema declares it a string, else JSON
-(kept as text when it does not parse). One `ReplyParser` serves streams and whole replies: it turns
-text, piece by piece, into OpenAI delta fields, holding back any suffix that might begin a tag and a
-tool call until it closes.
+(GLM-4.7 writes it without the newlines) where a VALUE is the argument's text when the tool's JSON
+schema declares it a string (or an enum or const of strings), else JSON (kept as text when it does
+not parse); whitespace around a key or value is dropped. `tool_call_grammar` builds a grammar of
+exactly these calls from each tool's schema. One `ReplyParser` serves streams and whole replies: it
+turns text, piece by piece, into OpenAI delta fields, holding back any suffix that might begin a tag
+and a tool call until it closes.
 """
 
 from __future__ import annotations
@@ -37,31 +39,76 @@ def _held(text: str, tag: str) -> int:
     return 0
 
 
-def _string_arguments(tools: list[dict[str, Any]] | None, name: str) -> set[str]:
-    """The arguments of tool `name` its schema declares strings."""
+def _is_text(schema: Any) -> bool:
+    """Whether a value of `schema` is written as raw text in a call (a string type, or an enum or
+    const of strings only): the rule of xgrammar's `glm_xml` style, which `tool_call_grammar` uses."""
+    if not isinstance(schema, dict):
+        return False
+    if "const" in schema:
+        return isinstance(schema["const"], str)
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return all(isinstance(v, str) for v in schema["enum"])
+    return schema.get("type") == "string"
+
+
+def _argument(raw: str, schema: Any) -> Any:
+    """An argument's value from its text: the text where `schema` writes it raw (`_is_text`), else
+    its JSON; the text where it is not JSON, or where the schema admits strings but not the JSON's
+    type (`12` of `["string", "null"]` is the text "12": xgrammar writes such a string raw)."""
+    if _is_text(schema):
+        return raw
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    types = _types(schema)
+    return raw if "string" in types and not _json_types(value) & types else value
+
+
+def _types(schema: Any) -> set[str]:
+    """The JSON types a schema names: its `type` (a name or a list) and its `anyOf` / `oneOf`
+    branches' (none where it names none)."""
+    if not isinstance(schema, dict):
+        return set()
+    named = schema.get("type")
+    names = [named] if isinstance(named, str) else named if isinstance(named, list) else []
+    types = {t for t in names if isinstance(t, str)}
+    for branch in [*(schema.get("anyOf") or ()), *(schema.get("oneOf") or ())]:
+        types |= _types(branch)
+    return types
+
+
+def _json_types(value: Any) -> set[str]:
+    """The JSON schema types a parsed JSON value has (an integer is also a number)."""
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int):
+        return {"integer", "number"}
+    return {{float: "number", str: "string", list: "array", dict: "object"}[type(value)]}
+
+
+def _properties(tools: list[dict[str, Any]] | None, name: str) -> dict[str, Any]:
+    """The argument schemas (`parameters.properties`) of the tool called `name`, {} where none."""
     for tool in tools or ():
         function = _function(tool)
         if function.get("name") == name:
-            properties = (function.get("parameters") or {}).get("properties") or {}
-            return {k for k, v in properties.items() if isinstance(v, dict) and v.get("type") == "string"}
-    return set()
+            parameters = function.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, dict) else None
+            return properties if isinstance(properties, dict) else {}
+    return {}
 
 
 def parse_tool_call(body: str, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
     """One call's `{"name", "arguments"}` (arguments as a JSON object string) from the text between
-    its tags."""
+    its tags; values typed by the tool's schema (`_argument`), surrounding whitespace dropped."""
     name = body.split("<arg_key>", 1)[0].strip()
-    strings = _string_arguments(tools, name)
-    arguments: dict[str, Any] = {}
-    for key, raw in _ARGUMENT.findall(body):
-        key, value = key.strip(), raw.strip()
-        if key in strings:
-            arguments[key] = value
-            continue
-        try:
-            arguments[key] = json.loads(value)
-        except ValueError:
-            arguments[key] = value
+    properties = _properties(tools, name)
+    arguments = {
+        key.strip(): _argument(raw.strip(), properties.get(key.strip()))
+        for key, raw in _ARGUMENT.findall(body)
+    }
     return {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
 
 
@@ -71,39 +118,55 @@ def _function(tool: Any) -> dict[str, Any]:
     return function if isinstance(function, dict) else {}
 
 
-def tool_names(tools: list[dict[str, Any]] | None) -> list[str]:
-    """The function names of a request's `tools`, in order (entries without one are skipped)."""
-    names = [_function(tool).get("name") for tool in tools or ()]
-    return [name for name in names if isinstance(name, str) and name]
+# A function without `parameters` (or with null) takes no arguments, as OpenAI reads it.
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def _call_format(name: str, parameters: Any) -> dict[str, Any]:
+    """The xgrammar structural-tag format of one call of `name`: `<tool_call>NAME`, its arguments in
+    the `glm_xml` style of the `parameters` schema, `</tool_call>`. That style writes declared keys
+    in the schema's order, each at most once, the required ones always (a schema without
+    `properties` takes any keys), a string (`_is_text`) raw and any other value as JSON of its
+    schema; at most one whitespace character between parts (a model cannot pad a call forever)."""
+    content = {"type": "json_schema", "json_schema": parameters, "style": "glm_xml", "max_whitespace_cnt": 1}
+    return {"type": "tag", "begin": CALL_START + name, "content": content, "end": CALL_END}
+
+
+def _grammar_text(format_: dict[str, Any], field: str) -> str:
+    """The GBNF text of a structural-tag format, or a ValueError starting with `field`."""
+    import xgrammar
+
+    from hylo.structured import xgrammar_message
+
+    try:
+        return str(xgrammar.Grammar.from_structural_tag({"type": "structural_tag", "format": format_}))
+    except (RuntimeError, ValueError) as exc:  # xgrammar's errors, or its pydantic check of the format
+        raise ValueError(f"{field}: {xgrammar_message(exc)}") from None
 
 
 def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None) -> str:
-    """A GBNF grammar of replies that are only tool calls in this format: one call of `name`, or (None)
-    one or more calls of any of `tools`, each with argument keys from its JSON schema's properties
-    (any key where it declares none) and values free of `<`. `tool_choice` `required` and named
-    functions constrain the reply with it."""
-    rules, calls = [], []
-    for i, tool in enumerate(tools):
+    """A GBNF grammar of replies that are only tool calls in this format, each built from its tool's
+    JSON schema (`_call_format`): exactly one call of `name`, or (None, `tool_choice` `required`) one
+    or more calls of any of `tools`, back to back. A schema xgrammar cannot convert is a ValueError
+    starting with "tools" that names the function."""
+    formats = []
+    for tool in tools:
         function = _function(tool)
         tool_name = function.get("name")
         if not isinstance(tool_name, str) or not tool_name or name not in (None, tool_name):
             continue
         parameters = function.get("parameters")
-        properties = parameters.get("properties") if isinstance(parameters, dict) else None
-        keys = [k for k in properties if k] if isinstance(properties, dict) else []
-        key = " | ".join(json.dumps(k) for k in keys) or "[^<\\n]+"
-        rules += [
-            f'call_{i} ::= "<tool_call>" {json.dumps(tool_name)} "\\n" arg_{i}* "</tool_call>"',
-            f'arg_{i} ::= "<arg_key>" ({key}) "</arg_key>\\n<arg_value>" [^<]* "</arg_value>\\n"',
-        ]
-        calls.append(f"call_{i}")
-    if not calls:
+        format_ = _call_format(tool_name, NO_ARGUMENTS if parameters is None else parameters)
+        grammar = _grammar_text(format_, f"tools: function {tool_name!r} parameters")  # names the tool
+        if name is not None:
+            return grammar
+        formats.append(format_)
+    if not formats:
         raise ValueError(
             f"tool_choice: no tool named {name!r} in tools" if name else "tools: no function names"
         )
-    if name is not None:
-        return "\n".join([f"root ::= {calls[0]}", *rules])
-    return "\n".join(['root ::= call ("\\n" call)*', f"call ::= {' | '.join(calls)}", *rules])
+    calls = {"type": "tags_with_separator", "tags": formats, "separator": "", "at_least_one": True}
+    return _grammar_text(calls, "tools")
 
 
 class ReplyParser:
