@@ -38,7 +38,12 @@ def _trim(_ctx, case):
     body = case.body
     if case.meta is None or not case.meta.generation.mode.is_positive or not isinstance(body, dict):
         return case
-    for key, most in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("n", MAX_N)):
+    for key, most in (
+        ("max_tokens", MAX_TOKENS),
+        ("max_completion_tokens", MAX_TOKENS),
+        ("n", MAX_N),
+        ("best_of", MAX_N),
+    ):
         if _number(body.get(key)) and body[key] > most:  # 5.0 is a JSON integer too
             body[key] = most
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
@@ -52,10 +57,10 @@ def _trim(_ctx, case):
     for key, compiles in (("regex", "[a-z]+"), ("ebnf", 'root ::= "a"+')):
         if isinstance(body.get(key), str):
             body[key] = compiles
-    # and honoured tool choices: `required` or a named function needs the server's --tool-call-parser
-    # and a tool of that name (test_server_robustness.py tests what a 400 says otherwise)
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        body["tool_choice"] = "auto"
+    # best_of is at least n, and n itself with stream (what the field's description says)
+    if _number(body.get("best_of")):
+        n = body["n"] if _number(body.get("n")) else 1
+        body["best_of"] = n if body.get("stream") is True else max(body["best_of"], n)
     json_format = body.get("response_format")
     if isinstance(json_format, dict) and isinstance(json_format.get("json_schema"), dict):
         json_format["json_schema"]["schema"] = {"type": "object"}

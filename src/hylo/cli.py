@@ -116,6 +116,30 @@ def _build_parser() -> argparse.ArgumentParser:
         default=8 * 2**20,
         help="largest request body accepted; larger ones get HTTP 413",
     )
+    srv.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle connection stays open after a response",
+    )
+    srv.add_argument(
+        "--timeout-request-header",
+        type=float,
+        default=10.0,
+        help="seconds a request's headers may take to arrive; then the connection closes (HTTP 408)",
+    )
+    srv.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=30.0,
+        help="seconds a request's body may take to arrive after its headers; slower ones get HTTP 408",
+    )
+    srv.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=2048,
+        help="open connections at most; a request on one more gets HTTP 503",
+    )
     EngineConfig.add_cli_args(srv.add_argument_group("engine"))
 
     from hylo.train.cli import add_token_map_args, add_train_args, add_train_draft_args
@@ -218,6 +242,10 @@ def _serve(args: argparse.Namespace) -> int:
             args.max_request_bytes,
             args.tool_call_parser,
             args.reasoning_parser,
+            args.timeout_keep_alive,
+            args.timeout_request_header,
+            args.timeout_request_body,
+            args.limit_concurrency,
         )
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"hylo: {e}", file=sys.stderr)

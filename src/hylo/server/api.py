@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 
 from hylo.sampling import SamplingParams
 from hylo.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Handle, QueueFull
-from hylo.server.guard import Guard, error_response
+from hylo.server.guard import RETRY_AFTER_S, Guard, error_response
 from hylo.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from hylo.server.openapi import describe
 from hylo.server.parsers import THINK_START, ReplyParser, merge_deltas, tool_call_grammar, whole_reply
@@ -39,9 +39,6 @@ from hylo.server.protocol import (
     TokenizeResponse,
     has_surrogate,
 )
-
-# What a client told to slow down (429) should wait, in seconds.
-RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -72,11 +69,13 @@ def build_app(
     max_request_bytes: int = 8 * 2**20,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    body_timeout: float | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible routes over `engine`; with `tool_call_parser` / `reasoning_parser`
-    (`hylo.server.parsers.PARSERS`) chat replies carry `tool_calls` / `reasoning_content`."""
+    (`hylo.server.parsers.PARSERS`) chat replies carry `tool_calls` / `reasoning_content`. Every GET
+    route answers HEAD too."""
     app = FastAPI(title="hylo", docs_url=None, redoc_url=None)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_request_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_request_bytes, body_timeout=body_timeout)
     core = engine.engine
     tokenizer = core.tokenizer
     vocab = core.model.config.vocab_size
@@ -119,15 +118,21 @@ def build_app(
     async def _bug(_: Request, e: Exception) -> Response:
         return error_response(500, f"internal error ({type(e).__name__})", "internal_server_error")
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if engine.alive else 503)
+    def get(path: str, **kwargs: Any) -> Callable:
+        """A GET route that answers HEAD as well (RFC 9110: HEAD wherever GET is served)."""
+        return app.api_route(path, methods=["GET", "HEAD"], **kwargs)
 
-    @app.get("/metrics")
+    @get("/health")
+    async def health() -> Response:
+        if engine.alive:
+            return Response(status_code=200)
+        return error_response(503, "the engine has stopped", "service_unavailable")
+
+    @get("/metrics")
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/server_info")
+    @get("/server_info")
     async def server_info() -> dict[str, Any]:
         caches, plan = core.caches, core.plan
         return {
@@ -159,11 +164,11 @@ def build_app(
         id=model_name, object="model", created=created_at, owned_by="hylo", max_model_len=core.context_len
     )
 
-    @app.get("/v1/models", response_model=ModelList)
+    @get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         return ModelList(object="list", data=[card])
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    @get("/v1/models/{model_id:path}", response_model=ModelCard)
     async def model(model_id: str) -> ModelCard:
         check_model(model_id)
         return card
@@ -417,7 +422,7 @@ def build_app(
         text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
         return DetokenizeResponse(prompt=text)
 
-    describe(app, vocab, api_key is not None)
+    describe(app, vocab, api_key is not None, tool_call_parser is not None)
     return app
 
 

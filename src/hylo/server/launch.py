@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import threading
 from collections.abc import Callable
@@ -17,8 +18,34 @@ from hylo.distributed.follower import follow
 from hylo.engine.engine import Engine
 from hylo.server.api import build_app
 from hylo.server.async_engine import AsyncEngine
+from hylo.server.guard import GuardedHTTP
 
 logger = logging.getLogger("hylo")
+
+
+# Files the process keeps open besides its connections (checkpoint shards, logs, pipes, the listener).
+_OTHER_FILES = 256
+
+
+def _room_for_connections(connections: int | None) -> None:
+    """The soft limit on open files raised, up to the hard one, so that `connections` sockets fit
+    beside the process's other files; a warning where they cannot."""
+    if connections is None:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + _OTHER_FILES
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    if raised < wanted:
+        logger.warning(
+            "--limit-concurrency %d: the process may open only %d files; connections beyond about %d "
+            "wait until others close",
+            connections,
+            raised,
+            raised - _OTHER_FILES,
+        )
 
 
 # After the graceful-shutdown timeout has aborted the open requests, how long their connections
@@ -64,9 +91,17 @@ def serve(
     max_request_bytes: int = 8 * 2**20,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    timeout_keep_alive: float = 5.0,
+    timeout_request_header: float = 10.0,
+    timeout_request_body: float = 30.0,
+    limit_concurrency: int | None = 2048,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit status 0) or until the engine fails (status 1). On a host
-    other than node 0 (or a `torchrun` rank other than 0) this process's rank follows rank 0 instead."""
+    other than node 0 (or a `torchrun` rank other than 0) this process's rank follows rank 0 instead.
+    A connection idle between requests closes after `timeout_keep_alive` seconds; a request's
+    headers must arrive within `timeout_request_header` seconds, its body within
+    `timeout_request_body` more (else 408, closed); at most `limit_concurrency` connections are open
+    (one more gets a 503)."""
     engine = Engine(config)
     if not engine.ranks.leader:
         follow(engine)
@@ -78,7 +113,15 @@ def serve(
         server.should_exit = True  # read by uvicorn's main loop, which then shuts down
 
     async_engine = AsyncEngine(engine, max_queued_requests, on_fatal)
-    app = build_app(async_engine, name, api_key, max_request_bytes, tool_call_parser, reasoning_parser)
+    app = build_app(
+        async_engine,
+        name,
+        api_key,
+        max_request_bytes,
+        tool_call_parser,
+        reasoning_parser,
+        body_timeout=timeout_request_body,
+    )
     stopped = True
 
     @contextlib.asynccontextmanager
@@ -92,6 +135,7 @@ def serve(
         logger.info("engine stopped")
 
     app.router.lifespan_context = lifespan
+    _room_for_connections(limit_concurrency)
     server = _Server(
         uvicorn.Config(
             app,
@@ -100,6 +144,8 @@ def serve(
             log_level="warning",
             lifespan="on",
             timeout_graceful_shutdown=graceful_shutdown_timeout + _ABORT_GRACE_S,
+            http=GuardedHTTP.with_limits(timeout_request_header, limit_concurrency),
+            timeout_keep_alive=timeout_keep_alive,
         ),
         graceful_shutdown_timeout,
         async_engine.abort_all,

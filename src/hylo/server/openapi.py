@@ -1,6 +1,8 @@
 """`/openapi.json` as the server really behaves: OpenAI-format errors with the statuses each route
-can answer (not FastAPI's 422), token ids bounded by this model's vocabulary, SSE for streams, and
-the bearer key where `--api-key` guards /v1."""
+can answer (not FastAPI's 422), token ids bounded by this model's vocabulary, the tool choices this
+server can honour, SSE for streams, HEAD beside GET, and the bearer key where `--api-key` guards
+/v1. What no JSON schema can state (a regex that compiles, a named tool among `tools`, best_of
+against n) the fields' descriptions say, and the 400 names."""
 
 from __future__ import annotations
 
@@ -9,17 +11,21 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from hylo.server.protocol import TOKEN_ID_MARK, ErrorResponse
+from hylo.server.protocol import CONSTRAINT_GIVEN, TOKEN_ID_MARK, ErrorResponse
 
 _ERRORS = {
     400: "invalid parameter (the message and `param` name it)",
+    401: "missing or wrong API key",
     404: "unknown model",
+    408: "the body did not arrive within --timeout-request-body seconds (the connection closes)",
     413: "body larger than --max-request-bytes",
     429: "waiting queue full (--max-queued-requests); see Retry-After",
     500: "the engine failed while serving this request",
-    503: "the engine has stopped",
+    503: "the engine has stopped, or --limit-concurrency connections are open (see Retry-After)",
 }
-_POST_ERRORS = (400, 404, 413, 429, 500, 503)
+# Any request: its body may be late, the connections full.
+_ANY_ERRORS = (408, 503)
+_POST_ERRORS = (400, 404, 413, 429, 500)
 # One server-sent event: `data` is a JSON chunk, an error object, or the final `[DONE]`.
 _SSE_EVENT = {
     "type": "object",
@@ -28,11 +34,14 @@ _SSE_EVENT = {
 }
 
 
-def describe(app: FastAPI, vocab_size: int, keyed: bool) -> None:
+def describe(app: FastAPI, vocab_size: int, keyed: bool, tool_calls: bool) -> None:
+    """`app.openapi` builds the schema once; `tool_calls`: the server has a --tool-call-parser."""
+
     def build() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version="1", routes=app.routes)
             _patch(schema, vocab_size, keyed)
+            _tool_choices(schema["components"]["schemas"]["ChatCompletionRequest"], tool_calls)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -49,39 +58,60 @@ def _patch(schema: dict[str, Any], vocab_size: int, keyed: bool) -> None:
     _bound_token_ids(schema, vocab_size - 1)
     if keyed:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    for path, item in schema["paths"].items():
-        for method, op in item.items():
-            responses = op["responses"]
-            responses.pop("422", None)
-            codes = _POST_ERRORS if method == "post" else ()
-            if path.startswith("/v1/models/"):
-                codes = (404,)
-            if keyed and path.startswith("/v1"):
-                op["security"] = [{"bearer": []}]
-                codes = (*codes, 401)
-            for code in codes:
-                description = "missing or wrong API key" if code == 401 else _ERRORS[code]
-                responses[str(code)] = {
-                    "description": description,
-                    "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
-                    },
-                }
-            if "429" in responses:
-                responses["429"]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
-            if path in ("/v1/completions", "/v1/chat/completions"):
-                responses["200"]["description"] = "the completion, or with `stream: true` SSE chunks"
-                responses["200"]["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
     paths = schema["paths"]
-    paths["/health"]["get"]["responses"] = {
-        "200": {"description": "the engine is serving"},
-        "503": {"description": "the engine has stopped"},
-    }
+    paths["/health"]["get"]["responses"] = {"200": {"description": "the engine is serving"}}
     paths["/metrics"]["get"]["responses"] = {
         "200": {
             "description": "Prometheus metrics",
             "content": {"text/plain": {"schema": {"type": "string"}}},
         }
+    }
+    for path, item in paths.items():
+        for method, op in item.items():
+            responses = op["responses"]
+            responses.pop("422", None)
+            codes = (*(_POST_ERRORS if method == "post" else ()), *_ANY_ERRORS)
+            if path.startswith("/v1/models/"):
+                codes = (404, *codes)
+            if keyed and path.startswith("/v1"):
+                op["security"] = [{"bearer": []}]
+                codes = (*codes, 401)
+            for code in sorted(codes):
+                responses[str(code)] = {
+                    "description": _ERRORS[code],
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+                    },
+                }
+            for code in ("429", "503"):
+                if code in responses:
+                    responses[code]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
+            if path in ("/v1/completions", "/v1/chat/completions"):
+                responses["200"]["description"] = "the completion, or with `stream: true` SSE chunks"
+                responses["200"]["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
+        if "head" in item:  # GET's answers, without their bodies
+            item["head"]["responses"] = {
+                code: {k: v for k, v in answer.items() if k != "content"}
+                for code, answer in item["get"]["responses"].items()
+            }
+
+
+def _tool_choices(request: dict[str, Any], tool_calls: bool) -> None:
+    """`tool_choice` as this server honours it: without a --tool-call-parser only none or auto; with
+    one, `required` or a named function needs `tools` and excludes the other constraints (that the
+    named function is among `tools` the field's description says)."""
+    choice = request["properties"]["tool_choice"]
+    if not tool_calls:
+        choice["anyOf"] = [{"type": "string", "enum": ["none", "auto"]}, {"type": "null"}]
+        choice["description"] = "none or auto (required or a named function needs --tool-call-parser)"
+        return
+    choice["description"] += "; a named function must be one of tools (400 otherwise)"
+    forced = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+    request["if"] = {"properties": {"tool_choice": forced}, "required": ["tool_choice"]}
+    request["then"] = {
+        "required": ["tools"],
+        "properties": {"tools": {"type": "array", "minItems": 1}},
+        "not": {"anyOf": CONSTRAINT_GIVEN},
     }
 
 

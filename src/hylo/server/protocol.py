@@ -142,6 +142,8 @@ _JSON_FORMAT = _given(
         "properties": {"type": {"enum": ["json_object", "json_schema"]}},
     },
 )
+# a request that gives one of the structured-output constraints
+CONSTRAINT_GIVEN = [_REGEX, _EBNF, _JSON_FORMAT]
 # the schema's form of SamplingParams' one-constraint rule: no two of a JSON format, regex and ebnf
 ONE_CONSTRAINT = {
     "not": {
