@@ -80,11 +80,27 @@ def test_chat_applies_the_template(llm):
         llm.chat([{"role": "user"}], greedy(), use_tqdm=False)
 
 
-def test_eos_stops_generation(llm):
-    eos = llm.tokenizer.eos_token_ids
+# The demo model's end-of-sequence tokens: tokenizer_config.json's eos_token, and the turn ends its
+# generation_config.json lists as eos_token_id (`write_random_model`).
+@pytest.mark.parametrize("name", ["<|endoftext|>", "<|user|>", "<|observation|>"])
+def test_the_models_eos_token_ends_a_request(llm, name):
+    """With no stop_token_ids, the model's end-of-sequence token stops a request where it is picked.
+    A logit bias makes it the greedy pick at every step; `min_tokens` keeps it out of the first three,
+    so the request ends on a decode step, with the token as its last."""
+    eos = llm.tokenizer.token_to_id(name)
+    assert name != "<|endoftext|>" or llm.tokenizer.eos_token == name
+    biased = dict(temperature=0, max_tokens=12, logit_bias={eos: 100.0})
+    (out,) = llm.generate(PROMPT, SamplingParams(**biased, min_tokens=3), use_tqdm=False)
+    assert out.finish_reason == "stop"
+    assert len(out.token_ids) == 4 and out.token_ids[3] == eos and eos not in out.token_ids[:3]
+    # the same picks, end of sequence ignored: the token every step, up to the limit
+    (ignored,) = llm.generate(PROMPT, SamplingParams(**biased, ignore_eos=True), use_tqdm=False)
+    assert ignored.finish_reason == "length" and ignored.token_ids == [eos] * 12
+
+
+def test_stop_token_ids_stop_generation(llm):
     (full,) = llm.generate(PROMPT, greedy(), use_tqdm=False)
-    first = full.token_ids[2]
-    (out,) = llm.generate(
-        PROMPT, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[first]), use_tqdm=False
-    )
-    assert out.finish_reason == "stop" and out.token_ids[-1] in {first, *eos}
+    stop = full.token_ids[2]
+    (out,) = llm.generate(PROMPT, greedy(stop_token_ids=[stop]), use_tqdm=False)
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop) + 1]
