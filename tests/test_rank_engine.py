@@ -92,6 +92,8 @@ def test_a_rank_engine_is_a_real_engines_rank(tp, spec, monkeypatch):
         real_tensors = _tensors(real.model)
         layouts = [r["weights_shard"] for r in real.memory_report["ranks"]]
         real_bytes = [r["weights_bytes"] for r in real.memory_report["ranks"]]
+        model_config = real.model.config  # `close` gives back the model and proposer
+        block = real.proposer.num_draft_tokens + 1 if spec else 1
     finally:
         real.close()
     assert len(set(layouts)) > 1  # the ranks hold different vocabulary rows and experts
@@ -112,10 +114,10 @@ def test_a_rank_engine_is_a_real_engines_rank(tp, spec, monkeypatch):
             engine.close()
     # the steps compared are what they say: one all-reduce of the step's tokens per block and an
     # all-gather of the sampled rows' logits (a verify step's rows: each request's whole block)
-    hidden = real.model.config.hidden_size
+    hidden = model_config.hidden_size
     step = real_steps[1]
     kinds = [c.kind for c in step]
-    rows = len(PROMPTS) * (real.proposer.num_draft_tokens + 1 if spec else 1)
+    rows = len(PROMPTS) * block
     assert CollectiveCall("all_reduce", (rows, hidden), torch.float32) in step
-    assert kinds.count("all_reduce") >= 1 + 2 * real.model.config.num_hidden_layers
+    assert kinds.count("all_reduce") >= 1 + 2 * model_config.num_hidden_layers
     assert "all_gather" in kinds

@@ -77,6 +77,18 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Give back the engine's device memory (caches, graphs, proposer, and the model unless
+        another `LLM` serves it as `target`) and stop its other ranks; `generate` raises afterwards.
+        `with LLM(...) as llm:` closes it on leaving."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Sequence[str] | str | None = None,

@@ -46,6 +46,24 @@ DEFERRED_RING_BYTES = 256 * 2**20
 # for later (`DEFER`), or observe and draft from the greedy picks (`DRAFT`).
 OBSERVE, DEFER, DRAFT = "observe", "defer", "draft"
 
+# Every engine of the process captures (and warms up) its graphs on one stream per device. PyTorch keeps
+# a cuBLAS workspace (32 MiB on Hopper) for each (handle, stream) a matmul ever ran on, for the life of
+# the process (a captured graph bakes in its address), and MoE decode keeps ticket counters per stream
+# (`ops.moe.decode.tickets`): a stream per engine left both behind for every engine closed. Sharing them
+# is safe for the reason the graphs of one engine share a memory pool: graphs replay one at a time, on
+# the current stream.
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every CUDA graph of `device` is warmed up and captured on (made on first use)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
 
 def batch_size_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, then every multiple of 8 below `max_batch_size`, then `max_batch_size` itself."""
@@ -252,7 +270,7 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         device = self.caches.table.table.device
         start, reserved_before = time.perf_counter(), torch.cuda.memory_reserved(device)
-        pool, stream = self.pool or torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+        pool, stream = self.pool or torch.cuda.graph_pool_handle(), capture_stream(device)
         self.pool = pool
         bar = tqdm(
             reversed(self.buckets), total=len(self.buckets), desc=f"Capturing {self.kind} CUDA graphs",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -80,6 +81,7 @@ class Engine:
         rank of a tensor-parallel engine (`hylo.distributed.launch`); by default it is made from
         `config.tp_size`, which makes this process rank 0 and starts the other ranks."""
         self.config = config
+        self.closed = False
         if config.tp_size > 1 and (proposer is not None or target is not None):
             raise ValueError(
                 "tp_size > 1: every rank loads its own shard; a proposer or target cannot be given"
@@ -297,6 +299,8 @@ class Engine:
 
     def validate_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list, or a ValueError naming what is wrong; nothing is queued on error."""
+        if self.closed:
+            raise RuntimeError("the engine is closed")
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
         if not prompt:
@@ -339,7 +343,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Requests to serve, or a step still in flight (whose results the next `step` returns)."""
-        return self.scheduler.has_work() or self.in_flight is not None
+        return not self.closed and (self.scheduler.has_work() or self.in_flight is not None)
 
     @property
     def failure(self) -> str | None:
@@ -347,13 +351,33 @@ class Engine:
         return self.ranks.failure
 
     def check_alive(self) -> None:
-        """Raise when the engine cannot go on (`failure`)."""
+        """Raise when the engine cannot go on (`failure`, or closed)."""
+        if self.closed:
+            raise RuntimeError("the engine is closed")
         if self.failure is not None:
             raise RuntimeError(f"the engine cannot go on: {self.failure}")
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel engine (nothing for one rank)."""
+        """Stop the other ranks of a tensor-parallel engine, end the requests still in it (reason
+        `abort`) and give back every device tensor the engine holds: its caches, proposer, graphs (and
+        their memory pool) and model (an engine serving the same model as `target` keeps that). The
+        engine cannot step afterwards; closing it again does nothing."""
         self.ranks.close()
+        if self.closed:
+            return
+        self.closed = True
+        for request in self.requests.values():
+            if request.status is not Status.FINISHED:
+                request.finish("abort")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no launched step still uses what is released below
+        self.requests, self.in_flight, self._held_plan = {}, None, None
+        self.runner = self.scheduler = self.caches = self.proposer = self.model = self._grammars = None
+        # now, not whenever the collector next runs: the caches hold reference cycles (the prefix
+        # cache points back at its manager)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # to the device, not only to PyTorch's cache
 
     def step(self, plan: StepPlan | None = None) -> list[StepOutput]:
         """Run one step and return what it produced. `plan`: a follower rank's, as rank 0 published
