@@ -97,7 +97,7 @@ def offline(model_dir):
 
 
 def counted_read(read, reads: list[int]):
-    """`read` (a step's one device-to-host read: `runner._read` or `PendingRead.wait`) run out of the
+    """`read` (a step's one device-to-host read: `Reader.read` or `PendingRead.wait`) run out of the
     sync debug mode's reach, each call made while the mode is on (a strict step's) counted in
     `reads[-1]`."""
 

@@ -14,7 +14,7 @@ from conftest import counted_read, random_prompt, with_one_read
 from hf_reference import tiny_text_config
 
 from hylo import LLM, SamplingParams
-from hylo.engine.runner import PendingRead
+from hylo.engine.reader import PendingRead
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the overlap needs a GPU stream")
 

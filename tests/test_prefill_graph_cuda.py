@@ -10,8 +10,8 @@ import torch
 from conftest import counted_read, random_prompt, with_one_read
 from test_speculative_cuda import VOCAB, cache_fraction, checkpoints, flags  # noqa: F401 (fixture)
 
-import hylo.engine.runner as runner_module
 from hylo import LLM, SamplingParams
+from hylo.engine.reader import Reader
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs and the sync debug mode need a GPU"
@@ -36,7 +36,7 @@ def test_prefill_steps_read_once_and_match_eager_steps(checkpoints, algorithm, m
     eager = make_llm(target, algorithm, draft, disable_cuda_graph=True, target=graphs.engine.model)
     assert graphs.engine.runner.prefill_graphs is not None and eager.engine.runner.prefill_graphs is None
     reads, replayed = [], []
-    monkeypatch.setattr(runner_module, "_read", counted_read(runner_module._read, reads))
+    monkeypatch.setattr(Reader, "read", counted_read(Reader.read, reads))
     runner = graphs.engine.runner
     step, run = runner.step, runner.prefill_graphs.run
 

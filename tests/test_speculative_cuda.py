@@ -15,10 +15,9 @@ from conftest import counted_read, random_prompt, with_one_read
 from dflash_reference import write_dflash_checkpoint
 from hf_reference import tiny_text_config
 
-import hylo.engine.runner as runner_module
 from hylo import LLM, SamplingParams
 from hylo.engine.cuda_graph import DecodeGraphs
-from hylo.engine.runner import PendingRead
+from hylo.engine.reader import PendingRead, Reader, StepRead
 from hylo.speculative.token_map import save_token_map
 
 pytestmark = pytest.mark.skipif(
@@ -100,7 +99,7 @@ def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sa
     reads, replayed = [], []
     # the one read of a step read at once, and of an overlapped one (counted in strict steps only: the
     # eager engine's steps read too)
-    monkeypatch.setattr(runner_module, "_read", counted_read(runner_module._read, reads))
+    monkeypatch.setattr(Reader, "read", counted_read(Reader.read, reads))
     monkeypatch.setattr(PendingRead, "wait", counted_read(PendingRead.wait, reads))
     runner = graphs.engine.runner
     step, run = runner.step, runner.verify_graphs.run
@@ -146,8 +145,8 @@ def test_one_read_keeps_results_of_one_shape_apart():
     """A step reads the sampled tokens and a verify step's accepted counts together; of one shape and
     dtype, each still gets its own pinned buffer."""
     tokens, accepted = torch.tensor([5, 6], device="cuda"), torch.tensor([1, 2], device="cuda")
-    got = runner_module._read(tokens, None, accepted)
-    assert got[0].tolist() == [5, 6] and got[1] is None and got[2].tolist() == [1, 2]
+    got = Reader().read(StepRead(tokens=tokens, accepted=accepted))
+    assert got.tokens.tolist() == [5, 6] and got.emitted is None and got.accepted.tolist() == [1, 2]
 
 
 def test_graphs_are_captured_with_the_collector_off(checkpoints, monkeypatch):

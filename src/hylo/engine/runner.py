@@ -10,6 +10,7 @@ import torch
 
 from hylo.engine.cuda_graph import DEFER, DRAFT, OBSERVE, DecodeGraphs, VerifyGraphs
 from hylo.engine.prefill_graph import PrefillGraphs
+from hylo.engine.reader import Logprobs, PendingRead, Reader, StepRead
 from hylo.engine.request import IN_FLIGHT, Request, Status
 from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch, SequenceChunk
@@ -90,6 +91,7 @@ class ModelRunner:
         self.graphs, self.verify_graphs, self.prefill_graphs = graphs, verify_graphs, prefill_graphs
         device = model.embed_tokens.weight.device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.reader = Reader()  # this engine's pinned read buffers (`Engine.close` empties them)
 
     def step(self, chunks: Sequence[ScheduledChunk], draft: bool = True) -> list[ChunkResult]:
         """Run the chunks; one result per chunk. The one device-to-host read is of the picked tokens
@@ -113,12 +115,14 @@ class ModelRunner:
             num_drafts = [ch.num_tokens - 1 for ch in chunks]
             allowed = self._verify_allowed(requests, self.verify_graphs.tokens_per_seq)
             acceptance = self.verify_graphs.run(full, requests, num_drafts, self.generator, allowed)
-            accepted, emitted, drafts, *logprobs = _read(
-                acceptance.accepted, acceptance.emitted, self._constrained_drafts(requests),
-                *_logprob_tensors(acceptance),
+            read = self.reader.read(
+                StepRead(
+                    accepted=acceptance.accepted, emitted=acceptance.emitted,
+                    block_logprobs=Logprobs.of(acceptance), drafts=self._constrained_drafts(requests),
+                )
             )  # fmt: skip
-            results = _verify_results(chunks, accepted, emitted, logprobs)
-            _give_drafts(results, requests, drafts)
+            results = _verify_results(chunks, read)
+            _give_drafts(results, requests, read.drafts)
             return results
         observed = False
         if plain_graph:
@@ -203,7 +207,12 @@ class ModelRunner:
             blocks = self._verify_blocks(chunks)
             num_drafts = [ch.num_tokens - 1 for ch in chunks]
             acceptance = self.verify_graphs.run(blocks, requests, num_drafts, self.generator)
-            read = start_read(acceptance.accepted, acceptance.emitted, *_logprob_tensors(acceptance))
+            read = self.reader.start(
+                StepRead(
+                    accepted=acceptance.accepted, emitted=acceptance.emitted,
+                    block_logprobs=Logprobs.of(acceptance),
+                )
+            )  # fmt: skip
             return LaunchedStep(list(chunks), read)
         seqs = [_sequence(ch, False) for ch in chunks]
         c, proposer = self.caches, self.proposer
@@ -254,7 +263,8 @@ class ModelRunner:
             commit = StepCommit(counts, picked.tokens, torch.arange(n, device=logits.device))
             self.proposer.observe(launched.observing, commit)
             launched.observing = None
-        launched.read, launched.logits = start_read(picked.tokens, *_logprob_tensors(picked)), None
+        read = StepRead(tokens=picked.tokens, token_logprobs=Logprobs.of(picked))
+        launched.read, launched.logits = self.reader.start(read), None
 
     def _unread(self, request: Request, earlier: int) -> torch.Tensor | None:
         """A penalised request's output token still in flight before this pick (on the device), which
@@ -268,20 +278,19 @@ class ModelRunner:
     def collect(launched: LaunchedStep) -> list[ChunkResult]:
         """Wait for a launched step's picks: one result per chunk, as `step` gives them (a verify
         step's `chunks` first cut to the blocks the requests' draft budgets allow)."""
+        read = launched.read.wait()
         if launched.verifies:
-            accepted, emitted, *logprobs = launched.read.wait()
             # a block launched ahead is whole: it is cut to what the request's draft budget allows now
             # that the step before it has been applied, the block a step scheduled then would have held
             launched.chunks = [
                 replace(ch, num_tokens=min(ch.num_tokens, 1 + ch.request.draft_budget(ch.num_tokens - 1)))
                 for ch in launched.chunks
             ]
-            return _verify_results(launched.chunks, accepted, emitted, logprobs)
-        tokens, *logprobs = launched.read.wait()
+            return _verify_results(launched.chunks, read)
         results = []
         for k, ch in enumerate(launched.chunks):
-            token = int(tokens[k])
-            results.append(ChunkResult([token], _entries(ch.request, [token], logprobs, k), 1))
+            token = int(read.tokens[k])
+            results.append(ChunkResult([token], _entries(ch.request, [token], read.token_logprobs, k), 1))
         return results
 
     def _snapshot_features(self, batch: ForwardBatch) -> None:
@@ -421,34 +430,37 @@ class ModelRunner:
             logits, [chunks[i] for i in scoring], [targets[i] for i in scoring], [rows_of[i] for i in scoring]
         )
         requests = [ch.request for ch in chunks]
-        host = _read(
-            picked.tokens if picked else None, *_logprob_tensors(picked),
-            acceptance.accepted if acceptance else None, acceptance.emitted if acceptance else None,
-            *_logprob_tensors(acceptance), *scored,
-            self._constrained_drafts(requests) if draft else None,
+        read = self.reader.read(
+            StepRead(
+                tokens=picked.tokens if picked else None, token_logprobs=Logprobs.of(picked),
+                accepted=acceptance.accepted if acceptance else None,
+                emitted=acceptance.emitted if acceptance else None,
+                block_logprobs=Logprobs.of(acceptance), prompt_logprobs=scored,
+                drafts=self._constrained_drafts(requests) if draft else None,
+            )
         )  # fmt: skip
         results = [ChunkResult([], None, ch.num_tokens) for ch in chunks]
         for k, i in enumerate(plain):
-            token = int(host[0][k])
-            lp = _entries(chunks[i].request, [token], host[1:4], k)
+            token = int(read.tokens[k])
+            lp = _entries(chunks[i].request, [token], read.token_logprobs, k)
             results[i] = ChunkResult([token], lp, chunks[i].num_tokens)
         for k, i in enumerate(verifying):
-            accepted = int(host[4][k])
-            tokens = host[5][k, : accepted + 1].tolist()
+            accepted = int(read.accepted[k])
+            tokens = read.emitted[k, : accepted + 1].tolist()
             results[i] = ChunkResult(
-                tokens, _entries(chunks[i].request, tokens, host[6:9], k), accepted + 1, accepted
+                tokens, _entries(chunks[i].request, tokens, read.block_logprobs, k), accepted + 1, accepted
             )
-        offset = 0
+        offset, prompt = 0, read.prompt_logprobs
         for i in scoring:
             tokens = targets[i][1]
             n = chunks[i].request.params.prompt_logprobs
             results[i].prompt_logprobs = [
-                logprob_entry(t, float(host[9][offset + j]), host[10][offset + j, :n].tolist(),
-                              host[11][offset + j, :n].tolist(), n)
+                logprob_entry(t, float(prompt.chosen[offset + j]), prompt.top_ids[offset + j, :n].tolist(),
+                              prompt.top_values[offset + j, :n].tolist(), n)
                 for j, t in enumerate(tokens)
             ]  # fmt: skip
             offset += len(tokens)
-        _give_drafts(results, requests, host[12])
+        _give_drafts(results, requests, read.drafts)
         if needs_commit and proposer.needs_host:
             offsets = [0, *batch.extend_lens]
             for j in range(1, len(offsets)):
@@ -473,18 +485,16 @@ def _samples_ahead(request: Request, width: int) -> bool:
     return not request.params.penalized and not request.banned_ids() and request.tokens_left - unread >= width
 
 
-def _verify_results(
-    chunks: Sequence[ScheduledChunk], accepted: torch.Tensor, emitted: torch.Tensor, logprobs: Sequence
-) -> list[ChunkResult]:
-    """One result per verify chunk from the host copies of its acceptance. A block padded past a
+def _verify_results(chunks: Sequence[ScheduledChunk], read: StepRead) -> list[ChunkResult]:
+    """One result per verify chunk from the host copies of its acceptance (`read`). A block padded past a
     request's draft budget (its chunk's `num_tokens`) ends the request this step (greedy rows verify
     its placeholder drafts too): its tokens stop at the budget (what the caches hold past it belongs to
     nobody once it finishes)."""
     results = []
     for i, ch in enumerate(chunks):
-        n = min(int(accepted[i]) + 1, ch.num_tokens)
-        tokens = emitted[i, :n].tolist()
-        results.append(ChunkResult(tokens, _entries(ch.request, tokens, logprobs, i), n, n - 1))
+        n = min(int(read.accepted[i]) + 1, ch.num_tokens)
+        tokens = read.emitted[i, :n].tolist()
+        results.append(ChunkResult(tokens, _entries(ch.request, tokens, read.block_logprobs, i), n, n - 1))
     return results
 
 
@@ -509,12 +519,12 @@ def _score_prompts(
     chunks: Sequence[ScheduledChunk],
     targets: Sequence[tuple[int, list[int]]],
     rows_of: Sequence[list[int]],
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(chosen `[N]`, top ids `[N, n]`, top values `[N, n]`) over the prompt positions the chunks
-    score (`targets`: `_prompt_targets` of each), in order, n the largest `prompt_logprobs` asked;
-    nothing is read back."""
+) -> Logprobs | None:
+    """The logprobs (chosen `[N]`, top `[N, n]`) of the prompt positions the chunks score (`targets`:
+    `_prompt_targets` of each), in order, n the largest `prompt_logprobs` asked; nothing is read
+    back. None when no chunk scores."""
     if not chunks:
-        return (None, None, None)
+        return None
     rows, tokens = [], []
     for ch, (first, chunk_tokens), chunk_rows in zip(chunks, targets, rows_of, strict=True):
         lead = first - 1 - ch.request.num_computed  # the logits row of position first - 1
@@ -524,7 +534,7 @@ def _score_prompts(
     index = to_device([rows, tokens], device, torch.long)
     logprobs = torch.log_softmax(logits[index[0]].float(), dim=-1)
     top = logprobs.topk(max(ch.request.params.prompt_logprobs for ch in chunks), dim=-1)
-    return logprobs.gather(1, index[1][:, None])[:, 0], top.indices, top.values
+    return Logprobs(logprobs.gather(1, index[1][:, None])[:, 0], top.indices, top.values)
 
 
 def _mark_deferred(requests: Sequence[Request]) -> None:
@@ -567,18 +577,12 @@ def _feed_drafts(batch: ForwardBatch, chunks: Sequence[ScheduledChunk], drafts: 
         batch.input_ids[index[0]] = drafts[index[1], index[2]]
 
 
-def _logprob_tensors(result) -> tuple:
-    if result is None or result.chosen is None:
-        return (None, None, None)
-    return (result.chosen, result.top_ids, result.top_values)
-
-
-def _entries(request, tokens: list[int], logprob_host: Sequence, k: int) -> list[dict[int, float]] | None:
-    """Host logprob dicts of row `k` of a read (`chosen`, `top_ids`, `top_values`)."""
+def _entries(request, tokens: list[int], logprobs: Logprobs | None, k: int) -> list[dict[int, float]] | None:
+    """Host logprob dicts of row `k` of a read's logprobs (`StepRead.token_logprobs`, `block_logprobs`)."""
     n = request.params.logprobs
-    chosen, top_ids, top_values = logprob_host
-    if n is None or chosen is None:
+    if n is None or logprobs is None:
         return None
+    chosen, top_ids, top_values = logprobs.chosen, logprobs.top_ids, logprobs.top_values
     # row k: one position (a plain sample, `[n]`) or a verify block's positions (`[T, n]`); n may be 0
     chosen, top_ids, top_values = chosen[k].reshape(-1), top_ids[k], top_values[k]
     if top_ids.dim() == 1:
@@ -587,58 +591,6 @@ def _entries(request, tokens: list[int], logprob_host: Sequence, k: int) -> list
         logprob_entry(t, float(chosen[j]), top_ids[j].tolist(), top_values[j].tolist(), n)
         for j, t in enumerate(tokens)
     ]
-
-
-# pinned host buffers of the reads, by turn, place in the read, shape and dtype: allocating pinned
-# memory costs more than a step. Two turns: an overlapped step's read may still be on its way while
-# the host turns the read before it into Python values.
-_PINNED: dict[tuple[int, int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
-_TURNS: list[int] = [0]
-_READ_DONE: dict[tuple[int, torch.device], torch.cuda.Event] = {}
-
-
-@dataclass
-class PendingRead:
-    """Host copies of a step's results on their way (`start_read`); `wait` blocks until they are there.
-    The copies stay valid until the second read after this one starts."""
-
-    copies: list[torch.Tensor | None]
-    done: torch.cuda.Event | None
-
-    def wait(self) -> list[torch.Tensor | None]:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.copies
-
-
-def start_read(*tensors: torch.Tensor | None) -> PendingRead:
-    """Start copying the step's results to the host: non-blocking copies into reused pinned buffers
-    and one event after them on CUDA (nothing waits yet), plain copies elsewhere."""
-    present = [t for t in tensors if t is not None]
-    done = None
-    if present and present[0].is_cuda:
-        _TURNS[0] ^= 1
-        copies = []
-        for place, t in enumerate(present):
-            key = (_TURNS[0], place, tuple(t.shape), t.dtype)  # two results of one shape: two buffers
-            host = _PINNED.get(key)
-            if host is None:
-                host = _PINNED[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            copies.append(host)
-        done = _READ_DONE.get((_TURNS[0], present[0].device))
-        if done is None:
-            done = _READ_DONE[_TURNS[0], present[0].device] = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(present[0].device))
-    else:
-        copies = [t.clone() for t in present]
-    it = iter(copies)
-    return PendingRead([None if t is None else next(it) for t in tensors], done)
-
-
-def _read(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Host copies of the step's results, with one wait for all of them (`start_read`)."""
-    return start_read(*tensors).wait()
 
 
 def _logit_rows(
