@@ -84,7 +84,7 @@ def main() -> None:
         str(demo), speculative_algorithm="DFLASH", speculative_draft_model_path=str(demo / "dflash"),
         speculative_adaptive=False, decode_graphs=True, device="cpu", disable_overlap_schedule=True,
     )  # fmt: skip
-    block = llm.engine.proposer.num_draft_tokens + 1
+    block = llm.engine.proposer.verify_shape.block
     # forced acceptance, as spec_e2e.py's test-only hook: every row keeps all of its drafts
     cuda_graph.greedy_accept = lambda target, drafts, num_drafts: num_drafts.clone()
     without_device_work()

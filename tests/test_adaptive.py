@@ -13,8 +13,9 @@ from test_spec import GREEDY, Oracle, Scripted
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
+from hylo.speculative.verify import VerifyShape
 
-BLOCK = 4
+BLOCK = VerifyShape(4)
 
 
 def run_steps(policy: DraftLengthPolicy, n: int, verify_cost: float, plain_cost: float, committed: float):
@@ -88,7 +89,7 @@ def test_policy_costs_are_per_bucket_and_robust_to_one_slow_step():
         policy.record(8, True, seconds, 2.0)
     assert policy.cost(8, True) == 1.0 and policy.cost(1, True) is None
     with pytest.raises(ValueError, match="block"):
-        DraftLengthPolicy(1)
+        DraftLengthPolicy(VerifyShape(1))
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +127,11 @@ def test_adaptive_engines_are_lossless_and_follow_the_acceptance(target):
     truth = torch.zeros(config.max_running_requests + 1, 96, dtype=torch.long)
     for slot, (prompt, out) in enumerate(zip(prompts, expected, strict=True)):
         truth[slot, : len(prompt) + len(out)] = torch.tensor([*prompt, *out])
-    right = charged(Engine(config, proposer=Oracle(truth, BLOCK - 1)))
+    right = charged(Engine(config, proposer=Oracle(truth, BLOCK.drafts)))
     assert generate(right, prompts) == expected
     assert right.policy.choices["verify"] > 2 * right.policy.choices["plain"]
 
-    always_wrong = Scripted({tuple(p): [0] * 64 for p in prompts}, set(range(64)), BLOCK - 1)
+    always_wrong = Scripted({tuple(p): [0] * 64 for p in prompts}, set(range(64)), BLOCK.drafts)
     wrong = charged(Engine(config, proposer=always_wrong))
     assert generate(wrong, prompts) == expected
     assert wrong.policy.choices["plain"] > 2 * wrong.policy.choices["verify"]

@@ -21,6 +21,7 @@ from hylo.memory.manager import CacheManager, MemoryPlan, target_cache_specs
 from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
 from hylo.speculative.proposer import Proposer
+from hylo.speculative.verify import VerifyShape
 
 PAGE, MAX_LEN, SLOTS = 16, 64, 8
 
@@ -125,7 +126,7 @@ def test_decode_graphs_take_plain_decode_steps_only(model):
             graphs.run(seqs)
 
     class Drafter(Proposer):
-        num_draft_tokens = 2
+        verify_shape = VerifyShape(3)
 
         def propose(self, batch, commit):
             pass

@@ -124,7 +124,7 @@ def mtp_run(request, checkpoints):
         max_running_requests=8, cuda_graph_max_bs=8,
     )  # fmt: skip
     engine, proposer = llm.engine, llm.engine.proposer
-    assert proposer.num_draft_tokens == steps
+    assert proposer.verify_shape.drafts == steps
     proposals, replays = [], []
     propose, observe_and_propose = proposer.propose, proposer.observe_and_propose
     inside = []

@@ -20,6 +20,7 @@ from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
 from hylo.speculative.proposer import Proposer
+from hylo.speculative.verify import VerifyShape
 
 PAGE, MAX_LEN, SLOTS = 16, 96, 4
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
@@ -105,7 +106,7 @@ def test_prefill_graphs_take_one_plain_chunk(model):
             graphs.run(seqs)
 
     class HostDrafter(Proposer):
-        num_draft_tokens = 2
+        verify_shape = VerifyShape(3)
 
         def propose(self, batch, commit):
             pass

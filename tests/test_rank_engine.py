@@ -93,7 +93,7 @@ def test_a_rank_engine_is_a_real_engines_rank(tp, spec, monkeypatch):
         layouts = [r["weights_shard"] for r in real.memory_report["ranks"]]
         real_bytes = [r["weights_bytes"] for r in real.memory_report["ranks"]]
         model_config = real.model.config  # `close` gives back the model and proposer
-        block = real.proposer.num_draft_tokens + 1 if spec else 1
+        block = real.proposer.verify_shape.block if spec else 1
     finally:
         real.close()
     assert len(set(layouts)) > 1  # the ranks hold different vocabulary rows and experts

@@ -16,7 +16,7 @@ from hylo.engine.request import Request
 from hylo.models.dflash import DFlashConfig, DFlashDraftModel
 from hylo.models.loader import load_flat
 from hylo.speculative.proposer import Proposer, write_drafts
-from hylo.speculative.verify import accept
+from hylo.speculative.verify import VerifyShape, accept
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 BLOCK = 4
@@ -39,7 +39,7 @@ class Scripted(Proposer):
     host, after the step's read (`needs_host`), from the tokens the step adds."""
 
     def __init__(self, truth: dict[tuple[int, ...], list[int]], wrong: set[int], k: int):
-        self.truth, self.wrong, self.num_draft_tokens = truth, wrong, k
+        self.truth, self.wrong, self.verify_shape = truth, wrong, VerifyShape(k + 1)
         self.accepted_expected: list[int] = []
 
     def propose(self, batch, commit):
@@ -49,9 +49,9 @@ class Scripted(Proposer):
                 continue
             r = c.request
             n = len(r.output_ids) + len(c.new_tokens)  # the step's tokens are not appended yet
-            truth = self.truth[tuple(r.prompt_ids)][n : n + self.num_draft_tokens]
+            truth = self.truth[tuple(r.prompt_ids)][n : n + self.verify_shape.drafts]
             d = [(t + 1) % 160 if n + j in self.wrong else t for j, t in enumerate(truth)]
-            budget = min(self.num_draft_tokens, r.params.max_tokens - n - 1)
+            budget = min(self.verify_shape.drafts, r.params.max_tokens - n - 1)
             if budget > 0:  # the next step verifies this many of them
                 self.accepted_expected.append(next((j for j in range(budget) if n + j in self.wrong), budget))
             rows.append(r.slot)
@@ -320,13 +320,13 @@ class Oracle(Proposer):
     needs_host = False
 
     def __init__(self, truth: torch.Tensor, k: int):
-        self.truth, self.num_draft_tokens = truth, k
+        self.truth, self.verify_shape = truth, VerifyShape(k + 1)
 
     def propose(self, batch, commit):
         seqs = commit.sampling
         rows = batch.state_slots[seqs]
         after_anchor = batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs] + 1
-        columns = (after_anchor[:, None] + torch.arange(self.num_draft_tokens)).clamp(
+        columns = (after_anchor[:, None] + torch.arange(self.verify_shape.drafts)).clamp(
             max=self.truth.shape[1] - 1
         )
         self.drafts[rows] = self.truth[rows[:, None], columns]

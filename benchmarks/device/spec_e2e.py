@@ -161,7 +161,7 @@ def common_drafting(proposer, stream: torch.Tensor) -> tuple:
     tokens for DFlash and varied ones for DFlash2, which makes their verify forwards read different
     numbers of experts)."""
     propose, observe_and_propose = type(proposer).propose, type(proposer).observe_and_propose
-    after_anchor = torch.arange(proposer.num_draft_tokens, device=stream.device) + 1
+    after_anchor = torch.arange(proposer.verify_shape.drafts, device=stream.device) + 1
 
     def overwrite(rows: torch.Tensor, lengths: torch.Tensor) -> None:
         # offset by the row: the batch's sequences (prompts of one length) verify different tokens

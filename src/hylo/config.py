@@ -246,7 +246,8 @@ class EngineConfig:
     speculative_draft_model_path: str | None = _flag(None, "draft model directory (DFLASH only)")
     speculative_num_draft_tokens: int | None = _flag(
         None,
-        "DFLASH block size: the anchor + drafts verified per step (default: the draft's block_size); "
+        "DFLASH verify block (`VerifyShape.block`): the anchor + drafts verified per step (default: the "
+        "draft's block_size); "
         "with MTP it may only be given as speculative_num_steps + 1",
     )
     speculative_num_steps: int | None = _flag(

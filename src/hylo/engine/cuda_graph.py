@@ -328,7 +328,7 @@ class DecodeGraphs:
 
 class VerifyGraphs(DecodeGraphs):
     """Speculative steps as CUDA-graph replays: every sequence verifies its anchor and all
-    `proposer.num_draft_tokens` drafts (T = drafts + 1 tokens), two graphs per batch-size bucket.
+    drafts of `proposer.verify_shape` (T = its block), two graphs per batch-size bucket.
 
     A step uploads one small tensor (each block's prefix length, request-table row and anchor, from
     pinned memory). The first graph builds the rest of the batch's metadata from it and the request
@@ -368,10 +368,10 @@ class VerifyGraphs(DecodeGraphs):
             raise ValueError(
                 "proposer: a verify graph needs a proposer that drafts from device tensors alone"
             )
-        self.tokens_per_seq = proposer.num_draft_tokens + 1
-        if not 2 <= self.tokens_per_seq <= min(MAX_BLOCK_TOKENS, caches.plan.page_size):
+        self.tokens_per_seq = proposer.verify_shape.block
+        if self.tokens_per_seq > min(MAX_BLOCK_TOKENS, caches.plan.page_size):
             raise ValueError(
-                f"proposer.num_draft_tokens: verify graphs take blocks of 2 to "
+                f"proposer.verify_shape: verify graphs take blocks of 2 to "
                 f"{min(MAX_BLOCK_TOKENS, caches.plan.page_size)} tokens, got {self.tokens_per_seq}"
             )
         self.commits: dict[int, torch.cuda.CUDAGraph] = {}

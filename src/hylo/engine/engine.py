@@ -153,18 +153,19 @@ class Engine:
             config.prefix_snapshot_interval if prefix_cache else None, feature_dim,
         )  # fmt: skip
         self.proposer = None
-        num_drafts = 0
         if build is not None:
             table = self.caches.table.table
-            drafts = torch.zeros(table.shape[0], build.num_draft_tokens, dtype=torch.long, device=self.device)
+            drafts = torch.zeros(
+                table.shape[0], build.verify_shape.drafts, dtype=torch.long, device=self.device
+            )
             pools = [spec.allocate(self.caches.num_token_slots, self.device) for spec in build.specs]
             self.proposer = build.build(ProposerCaches(table, drafts, pools))
-            num_drafts = self.proposer.num_draft_tokens
+        verify_shape = None if self.proposer is None else self.proposer.verify_shape
         # a proposer observes every forward's features: plain decode graphs don't make them, so with
         # one the fixed-shape steps are verify steps, and only for a proposer that drafts on the device
         verify_graphs = decode_graphs and self.proposer is not None and not self.proposer.needs_host
         self.scheduler = Scheduler(
-            self.caches, self.plan.num_slots, config.chunked_prefill_size, num_drafts, self.proposer
+            self.caches, self.plan.num_slots, config.chunked_prefill_size, verify_shape, self.proposer
         )
         self.requests: dict[str, Request] = {}
         graphs = verifying = None
@@ -186,7 +187,7 @@ class Engine:
                 logger.info("prefill chunks run eagerly: %s", refusal)
         self.policy = None  # rank 0's alone: the other ranks step by the plan it publishes
         if self.proposer is not None and config.speculative_adaptive and self.ranks.leader:
-            self.policy = DraftLengthPolicy(self.proposer.num_draft_tokens + 1)
+            self.policy = DraftLengthPolicy(verify_shape)
         self.runner = ModelRunner(
             self.model, self.caches, config.seed, self.proposer, graphs, verifying, prefilling
         )

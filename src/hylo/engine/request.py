@@ -111,14 +111,14 @@ class Request:
             return self.prompt_ids[start:stop]
         return self.prompt_ids[start:] + self.output_ids[max(0, start - n) : stop - n] + unread
 
-    def draft_budget(self, num_draft_tokens: int) -> int:
+    def draft_budget(self, max_drafts: int) -> int:
         """Drafts worth verifying: never past max_tokens or the length limit; none for penalized
         sampling, whose distribution depends on the tokens before it in the block, and none for a
         constrained request whose drafts the host has not seen (its grammar masks each position
         after the drafts before it)."""
         if self.params.penalized or (self.grammar is not None and self.host_drafts is None):
             return 0
-        return max(0, min(num_draft_tokens, self.tokens_left - 1))
+        return max(0, min(max_drafts, self.tokens_left - 1))
 
     @property
     def tokens_left(self) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 
 from hylo.engine.request import Request, Status
 from hylo.memory.manager import CacheManager, copies_last_page
+from hylo.speculative.verify import VerifyShape
 
 # A chunk that scores its prompt (prompt logprobs) returns logits for every token: at most this many
 # tokens a chunk, so that those logits stay bounded ([tokens, vocab] fp32: 0.6 GiB for 155K ids).
@@ -42,13 +43,13 @@ class Scheduler:
     """FCFS with chunked prefill, mixed prefill + decode steps and preemption by recompute.
 
     Each step: every running request whose prompt is done decodes one token (or, with speculation,
-    verifies an anchor and up to `num_draft_tokens` drafts); partially prefilled
+    verifies an anchor and up to `verify_shape.drafts` drafts); partially prefilled
     running requests continue, then waiting requests are admitted in arrival order, while the step's
     prefill budget (`chunked_prefill_size` tokens), the running limit, slots and pages allow. When a
     running request needs a page and none is free, the most recently admitted other request is
     preempted: its caches are released and it returns to the head of the queue, to be recomputed
     from its prompt and the tokens it already generated. With speculation every chunk's pages also
-    cover `num_draft_tokens` positions past it: a proposer drafting at the end of the step may write
+    cover `verify_shape.drafts` positions past it: a proposer drafting at the end of the step may write
     its caches there.
 
     With a prefix cache (`caches.prefix`), an admitted request starts from its deepest cached
@@ -62,13 +63,13 @@ class Scheduler:
         caches: CacheManager,
         max_running: int,
         chunked_prefill_size: int,
-        num_draft_tokens: int = 0,
+        verify_shape: VerifyShape | None = None,
         proposer: Any = None,
     ):
         self.caches = caches
         self.prefix = caches.prefix
         self.proposer = proposer
-        self.num_draft_tokens = num_draft_tokens
+        self.verify_shape = verify_shape  # None: no speculative decoding
         self.max_running = max_running
         self.prefill_budget = chunked_prefill_size
         self.waiting: deque[Request] = deque()
@@ -88,7 +89,7 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier request
-            drafts = request.draft_budget(self.num_draft_tokens) if draft and request.remaining == 1 else 0
+            drafts = request.draft_budget(self._max_drafts) if draft and request.remaining == 1 else 0
             n = 1 + drafts if request.remaining == 1 else self._prefill_tokens(request, budget)
             if n == 0 or not self._grow(request, self._reserve(request.num_computed + n)):
                 continue
@@ -133,7 +134,7 @@ class Scheduler:
         going_on = [r for r in self.running if not r.ends_in_flight]
         if not going_on:
             return None
-        width = 1 + self.num_draft_tokens if verify else 1
+        width = self.verify_shape.block if verify else 1
         for request in going_on:
             assert request.slot is not None and request.remaining == 1
             end = request.num_computed + (2 * width if verify else 1)
@@ -198,9 +199,15 @@ class Scheduler:
             budget = min(budget, MAX_SCORED_CHUNK_TOKENS)
         return min(request.remaining if remaining is None else remaining, budget)
 
+    @property
+    def _max_drafts(self) -> int:
+        """The drafts a verify block holds (0 without speculative decoding): a chunk's pages also back
+        that many positions past it, where a proposer drafting at the end of the step writes."""
+        return 0 if self.verify_shape is None else self.verify_shape.drafts
+
     def _reserve(self, num_tokens: int) -> int:
         """Positions to back for a chunk ending at `num_tokens`: the drafts' lookahead included."""
-        return min(num_tokens + self.num_draft_tokens, self.caches.plan.max_len)
+        return min(num_tokens + self._max_drafts, self.caches.plan.max_len)
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
         """Pages for `num_tokens` positions of `request`, preempting later requests if needed; False

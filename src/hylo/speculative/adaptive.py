@@ -25,6 +25,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from hylo.speculative.verify import VerifyShape
+
 # weight of the newest verify step in the running mean of tokens committed per block
 SMOOTHING = 0.2
 # step times kept per (bucket, mode)
@@ -42,13 +44,13 @@ class StepPlan:
 
 @dataclass
 class DraftLengthPolicy:
-    """Chooses between verifying `block` tokens and plain decoding, per batch bucket (see the module).
+    """Chooses between verifying blocks of `shape` and plain decoding, per batch bucket (see the module).
 
     Invariants: `choices` counts the steps planned in each mode (`verify`, `plain`) since start;
     `mean_committed` is the running mean of tokens committed per verify block (None before the first
     verify step: until then every bucket verifies), `last_committed` the last verify step's."""
 
-    block: int
+    shape: VerifyShape
     probe_every: int = 32
     max_probe_every: int = 512
     mean_committed: float | None = None
@@ -58,12 +60,6 @@ class DraftLengthPolicy:
     _next_verify: dict[int, bool] = field(default_factory=dict)
     _plain_run: dict[int, int] = field(default_factory=dict)
     _probe_interval: dict[int, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.block < 2:
-            raise ValueError(
-                f"block: a verify block holds the anchor and at least one draft, got {self.block}"
-            )
 
     def plan(self, bucket: int) -> StepPlan:
         """The plan of the next step of `bucket` decoding requests."""

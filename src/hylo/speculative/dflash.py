@@ -16,6 +16,7 @@ from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_flat
 from hylo.ops.draft_attention import store_context_kv
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches, StepCommit
+from hylo.speculative.verify import VerifyShape
 
 
 @dataclass
@@ -63,8 +64,7 @@ class DFlashProposer(Proposer):
         c = draft.config
         self.draft, self.target = draft, target
         self.head = target.lm_head if head is None else head
-        self.block_size = block_size or c.block_size
-        self.num_draft_tokens = self.block_size - 1
+        self.verify_shape = VerifyShape(block_size or c.block_size)
         self.capture_layers = c.target_layer_ids
         self.needs_host = False
         self.observes_padded = True  # observe writes `counts` tokens per sequence; propose reads lengths
@@ -72,7 +72,7 @@ class DFlashProposer(Proposer):
         self.k_cache, self.v_cache = kv.k, kv.v
         self.table, self.drafts = caches.req_to_token, caches.drafts
         w = target.embed_tokens.weight
-        self.draft.build_rotary(self.table.shape[1] + self.block_size, w.device)
+        self.draft.build_rotary(self.table.shape[1] + self.verify_shape.block, w.device)
         # every layer's k and v projections stacked into one weight, so that a step's new context K/V
         # is one GEMM and one store launch
         attns = [layer.self_attn for layer in self.draft.layers]
@@ -117,12 +117,11 @@ class DFlashProposer(Proposer):
         draft = draft.to_empty(device=weight.device).to(weight.dtype)
         load_flat(draft, path)
         draft = draft.eval()
-        block = block_size or c.block_size
+        shape = VerifyShape(block_size or c.block_size)
         # made before the memory plan, which then counts its copy of the map's head rows
         head = None if token_map is None else target.lm_head.restricted(token_map)
-        return ProposerBuild(
-            [DraftKVSpec(c, weight.dtype)], block - 1, lambda caches: cls(draft, target, caches, block, head)
-        )
+        build = lambda caches: cls(draft, target, caches, shape.block, head)  # noqa: E731
+        return ProposerBuild([DraftKVSpec(c, weight.dtype)], shape, build)
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:
         for cache in (self.k_cache, self.v_cache):
@@ -156,9 +155,9 @@ class DFlashProposer(Proposer):
         device = self.k_cache.device
         rows = batch.state_slots[seqs]  # a request's table row and state slot share the index
         lengths = batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs]
-        block = torch.full((seqs.shape[0], self.block_size), c.mask_token_id, device=device)
+        block = torch.full((seqs.shape[0], self.verify_shape.block), c.mask_token_id, device=device)
         block[:, 0] = commit.anchors[seqs]
-        positions = lengths[:, None] + torch.arange(self.block_size, device=device)
+        positions = lengths[:, None] + torch.arange(self.verify_shape.block, device=device)
         context = PagedContext(self.k_cache, self.v_cache, self.table, rows, lengths)
         hidden = self.draft.forward_paged(self.target.embed_tokens(block), positions, context)
         self.drafts[rows] = self.draft.propose(hidden[:, 1:], block[:, 0], self.head)

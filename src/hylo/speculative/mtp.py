@@ -15,6 +15,7 @@ from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_mtp_layer
 from hylo.models.mtp import MTPLayer
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches, StepCommit
+from hylo.speculative.verify import VerifyShape
 
 
 class MTPProposer(Proposer):
@@ -50,7 +51,8 @@ class MTPProposer(Proposer):
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.layer, self.target = layer, target
         self.head = layer.head(target) if head is None else head
-        self.num_steps = self.num_draft_tokens = num_steps
+        self.num_steps = num_steps  # one draft each: the verify block is the anchor and num_steps drafts
+        self.verify_shape = VerifyShape(num_steps + 1)
         self.capture_layers = (target.config.num_hidden_layers - 1,)
         weight = target.embed_tokens.weight
         self.dtype, self.device = weight.dtype, weight.device
@@ -82,7 +84,8 @@ class MTPProposer(Proposer):
             layer.config, target.embed_tokens.weight.dtype, indexer_dtype, name="mtp_tokens"
         )
         build = lambda caches: cls(layer, target, caches, num_steps, head)  # noqa: E731
-        return ProposerBuild([spec], num_steps, build, snapshot_feature_dim=target.config.hidden_size)
+        shape = VerifyShape(num_steps + 1)
+        return ProposerBuild([spec], shape, build, snapshot_feature_dim=target.config.hidden_size)
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:
         self.cache.copy_slots(src, dst, n)

@@ -12,6 +12,7 @@ import torch
 from hylo.engine.request import Request
 from hylo.forward_batch import ForwardBatch
 from hylo.memory.specs import CacheSpec
+from hylo.speculative.verify import VerifyShape
 
 
 @dataclass
@@ -51,7 +52,7 @@ class ProposerCaches:
     """What the engine hands a proposer when it builds it: the request table its per-token pools are
     indexed by (`req_to_token [rows, max_len]`), those pools (`pools[i]` allocated from the `i`-th of
     its `ProposerBuild.specs` with one entry per token-cache slot) and the draft rows
-    (`drafts [rows, num_draft_tokens]`, zeros)."""
+    (`drafts [rows, verify_shape.drafts]`, zeros)."""
 
     req_to_token: torch.Tensor
     drafts: torch.Tensor
@@ -66,7 +67,7 @@ class ProposerBuild:
     target features for it (`Proposer.needs_last_features`)."""
 
     specs: list[CacheSpec]
-    num_draft_tokens: int
+    verify_shape: VerifyShape
     build: Callable[[ProposerCaches], Proposer]
     snapshot_feature_dim: int = 0
 
@@ -81,13 +82,14 @@ class ProposerBuild:
             proposer.use_drafts(caches.drafts)
             return proposer
 
-        return cls([], proposer.num_draft_tokens, build)
+        return cls([], proposer.verify_shape, build)
 
 
 class Proposer(ABC):
-    """Drafts up to `num_draft_tokens` tokens per decoding request into `drafts`.
+    """Drafts up to `verify_shape.drafts` tokens per decoding request into `drafts`, for verify
+    blocks of `verify_shape.block` tokens (the anchor and its drafts).
 
-    Drafts are request state: `drafts[row]` (device, `[request-table rows, num_draft_tokens]`) holds
+    Drafts are request state: `drafts[row]` (device, `[request-table rows, verify_shape.drafts]`) holds
     the drafts following the anchor of the request in table row `row`, written at the end of the step
     that picked that anchor and read by the next step's verify; they never visit the host.
 
@@ -99,7 +101,7 @@ class Proposer(ABC):
     tensors alone (so both may run inside a captured CUDA graph).
     """
 
-    num_draft_tokens: int
+    verify_shape: VerifyShape
     capture_layers: tuple[int, ...] = ()
     needs_host: bool = True
     # the observe of a chunk from position S writes the proposer's entry at S - 1 (from the features
@@ -112,8 +114,9 @@ class Proposer(ABC):
     drafts: torch.Tensor
 
     def use_drafts(self, drafts: torch.Tensor) -> None:
-        """Take the engine's draft rows (`[request-table rows, num_draft_tokens]`, `ProposerCaches.drafts`):
-        for a proposer made before the engine (one with no caches of its own, `ProposerBuild.of`)."""
+        """Take the engine's draft rows (`[request-table rows, verify_shape.drafts]`,
+        `ProposerCaches.drafts`): for a proposer made before the engine (one with no caches of its own,
+        `ProposerBuild.of`)."""
         self.drafts = drafts
 
     def copy_tokens(self, src: int, dst: int, n: int) -> None:  # noqa: B027 (optional hook)

@@ -29,6 +29,30 @@ from hylo.sampling import SampleRow, target_distribution
 MAX_BLOCK_TOKENS = 16
 
 
+@dataclass(frozen=True)
+class VerifyShape:
+    """The verify block of an engine's speculative steps: the anchor and `drafts = block - 1` drafts.
+
+    One per engine, declared by its proposer (`Proposer.verify_shape`) and handed as is to the
+    scheduler, the verify graphs and the draft-length policy: the one name for the block width from
+    the command line inwards (`--speculative-num-draft-tokens`, SGLang's flag, is `block`; a DFlash
+    draft's `block_size` too). Invariant: `block >= 2`, the anchor and at least one draft. A chunk may
+    verify fewer drafts than the shape holds (its request's draft budget, `ScheduledChunk.num_tokens`)."""
+
+    block: int
+
+    def __post_init__(self) -> None:
+        if self.block < 2:
+            raise ValueError(
+                f"block: a verify block holds the anchor and at least one draft, got {self.block}"
+            )
+
+    @property
+    def drafts(self) -> int:
+        """The drafts a block holds after its anchor (a proposer's draft rows are this wide)."""
+        return self.block - 1
+
+
 @dataclass
 class Acceptance:
     """Device results for V blocks padded to T tokens. `accepted [V]`: drafts kept; `emitted [V, T]`:
