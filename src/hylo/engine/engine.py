@@ -373,8 +373,8 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no launched step still uses what is released below
         self.requests, self.in_flight, self._held_plan = {}, None, None
-        self.runner = self.scheduler = self.caches = self.proposer = self.model = self._grammars = None
         self.runner.reader.close()
+        self.runner = self.scheduler = self.caches = self.proposer = self.model = self._grammars = None
         # now, not whenever the collector next runs: the caches hold reference cycles (the prefix
         # cache points back at its manager)
         gc.collect()
