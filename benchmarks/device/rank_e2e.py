@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -222,16 +223,21 @@ def main() -> None:
             tp_size=args.tp, ep_size=args.ep, context_length=max(4096, longest + 64), max_running_requests=16,
             cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, **engine_flags(name, root),
         )  # fmt: skip
-        engine = rank_engine(config, args.rank)
-        built_s = time.perf_counter() - start
-        try:
+        engine = None
+        try:  # an engine that fails is reported and the next one still runs
+            engine = rank_engine(config, args.rank)
+            built_s = time.perf_counter() - start
             result = measure_engine(name, engine, args, bandwidth, out)
+            result["build_s"] = round(built_s, 1)
+        except Exception as e:
+            traceback.print_exc()
+            result = {"error": f"{type(e).__name__}: {e}"}
         finally:
-            engine.close()
+            if engine is not None:
+                engine.close()
             del engine
             gc.collect()
             torch.cuda.empty_cache()
-        result["build_s"] = round(built_s, 1)
         report[name] = result
         if out is not None:
             (out / "rank_e2e.json").write_text(json.dumps(report, indent=1))
