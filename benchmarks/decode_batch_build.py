@@ -35,11 +35,11 @@ def main() -> None:
     engine = Engine(EngineConfig(max_running_requests=16), decode_graphs=True)
     graphs, c = engine.runner.graphs, engine.caches
     assert graphs is not None
-    print(f"static pool table: {graphs.pool_width} columns")
+    print(f"static pool table: {graphs.layout.pool_width} columns")
     for batch_size in (1, 8):
         seqs = [SequenceChunk([5], 10 + i, i, i) for i in range(batch_size)]
         bucket = next(b for b in graphs.buckets if b >= batch_size)
-        fixed = FixedShape(bucket, graphs.pool_width, c.scratch_slot)
+        fixed = FixedShape(bucket, graphs.layout.pool_width, c.scratch_slot)
         times = {
             name: median_us(
                 lambda s=seqs, f=shape: ForwardBatch.build(
@@ -52,7 +52,7 @@ def main() -> None:
         filler = [(0, c.scratch_slot, 0)] * (bucket - batch_size)
         rows = [(s.prefix_len, s.table_row, s.token_ids[0]) for s in seqs] + filler
         times["graph upload"] = median_us(
-            lambda r=rows, h=graphs.host_inputs[bucket][0]: h.copy_(torch.tensor(r).t()), args.repeats
+            lambda r=rows, h=graphs.bank.host_inputs[bucket][0]: h.copy_(torch.tensor(r).t()), args.repeats
         )
         print(f"B={batch_size}: " + ", ".join(f"{name} {us:.0f} us" for name, us in times.items()))
 

@@ -25,11 +25,11 @@ import time
 import torch
 
 from hylo import LLM, SamplingParams
-from hylo.engine import cuda_graph
-from hylo.engine.cuda_graph import VerifyGraphs
+from hylo.engine import verify_graph
 from hylo.engine.engine import Engine
 from hylo.engine.runner import ModelRunner
 from hylo.engine.scheduler import Scheduler
+from hylo.engine.verify_graph import VerifyGraphs
 from hylo.models.demo import default_model_dir
 
 PARTS = {  # what is timed: (class, method)
@@ -58,15 +58,15 @@ def timing(times: dict[str, list[float]]) -> None:
 
 def without_device_work() -> None:
     """Each verify graph's first forward, returned again for every later step; no commit."""
-    forward, kept = VerifyGraphs._forward, {}
+    forward, kept = VerifyGraphs._verify, {}
 
-    def kept_forward(graphs: VerifyGraphs, static):
+    def kept_forward(graphs: VerifyGraphs, static, inputs):
         key = (id(graphs), id(static))
         if key not in kept:
-            kept[key] = forward(graphs, static)
+            kept[key] = forward(graphs, static, inputs)
         return kept[key]
 
-    VerifyGraphs._forward = kept_forward
+    VerifyGraphs._verify = kept_forward
     VerifyGraphs._commit = lambda graphs, static, committed, anchors: None
 
 
@@ -86,7 +86,7 @@ def main() -> None:
     )  # fmt: skip
     block = llm.engine.proposer.verify_shape.block
     # forced acceptance, as spec_e2e.py's test-only hook: every row keeps all of its drafts
-    cuda_graph.greedy_accept = lambda target, drafts, num_drafts: num_drafts.clone()
+    verify_graph.greedy_accept = lambda target, drafts, num_drafts: num_drafts.clone()
     without_device_work()
     times: dict[str, list[float]] = collections.defaultdict(list)
     timing(times)

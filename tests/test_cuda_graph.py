@@ -111,7 +111,7 @@ def test_decode_graphs_take_plain_decode_steps_only(model):
         DecodeGraphs(model, caches_for(model, scratch=False), 4, capture=False)
     caches = caches_for(model)
     graphs = DecodeGraphs(model, caches, 3, capture=False)
-    assert graphs.buckets == [1, 2, 3] and not graphs.graphs
+    assert graphs.buckets == [1, 2, 3] and not graphs.bank.graphs
     one = SequenceChunk([5], 3, 0, 0)
     assert graphs.accepts([one] * 3)
     rejected = [
@@ -159,7 +159,7 @@ def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(mo
         expected = model(eager)
         batch, logits = graphs.run(seqs)
         bucket = next(b for b in graphs.buckets if b >= batch_size)
-        assert len(batch.extend_lens) == bucket and batch is graphs.static[bucket]
+        assert len(batch.extend_lens) == bucket and batch is graphs.bank.static[bucket]
         assert_fp32_close(logits, expected, terms, msg=f"step {step}, batch of {batch_size}")
         # the step's pools, then -1: also where an earlier, wider step wrote into the same rows
         static, width = batch.pool_table[:batch_size], eager.pool_table.shape[1]

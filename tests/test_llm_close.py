@@ -64,7 +64,7 @@ def test_close_releases_every_tensor_the_engine_held():
     # what the walk must find: the model's weights, the token caches, the proposer's and the graphs'
     assert all(id(p) in ids for p in engine.model.parameters())
     assert id(engine.caches.tokens.index_key) in ids and id(engine.proposer.drafts) in ids
-    assert engine.runner.graphs is not None and id(engine.runner.graphs.step_inputs[1]) in ids
+    assert engine.runner.graphs is not None and id(engine.runner.graphs.bank.step_inputs[1]) in ids
     refs = [weakref.ref(t) for t in held]
     del held, ids, engine
 

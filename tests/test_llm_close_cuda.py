@@ -32,7 +32,7 @@ def build_run_close(settings: dict) -> None:
         **settings,
     )  # fmt: skip
     engine = llm.engine
-    assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # captured
+    assert engine.runner.graphs is not None and engine.runner.graphs.bank.graphs  # captured
     assert (engine.runner.verify_graphs is not None) == bool(settings)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)

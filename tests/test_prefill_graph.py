@@ -90,7 +90,7 @@ def test_padded_metadata_describes_the_real_tokens(model, prefix, n, width):
 
 def test_prefill_graphs_take_one_plain_chunk(model):
     graphs = PrefillGraphs(model, caches_for(model), 40, capture=False)
-    assert graphs.buckets == [16, 32, 40] and not graphs.graphs
+    assert graphs.buckets == [16, 32, 40] and not graphs.bank.graphs
     assert graphs.accepts([SequenceChunk([1] * 40, 5, 0, 0)])
     assert graphs.accepts([SequenceChunk([1] * 7, 0, 0, 0, sample=False, snapshots=[(7, 0)])])
     rejected = [

@@ -16,7 +16,7 @@ from dflash_reference import write_dflash_checkpoint
 from hf_reference import tiny_text_config
 
 from hylo import LLM, SamplingParams
-from hylo.engine.cuda_graph import DecodeGraphs
+from hylo.engine.graph_bank import GraphBank
 from hylo.engine.reader import PendingRead, Reader, StepRead
 from hylo.speculative.token_map import save_token_map
 
@@ -154,13 +154,13 @@ def test_graphs_are_captured_with_the_collector_off(checkpoints, monkeypatch):
     collector is back on afterwards: a collection mid-capture could free an earlier engine's graphs
     or pinned buffers, whose CUDA calls would invalidate the capture."""
     target, draft = checkpoints
-    seen, capture = [], DecodeGraphs._capture
+    seen, capture = [], GraphBank._capture
 
     def recorded(self, *args):
-        seen.append((self.kind, gc.isenabled()))
+        seen.append((self.shape.kind, gc.isenabled()))
         return capture(self, *args)
 
-    monkeypatch.setattr(DecodeGraphs, "_capture", recorded)
+    monkeypatch.setattr(GraphBank, "_capture", recorded)
     assert gc.isenabled()
     make_llm(target, "dflash", draft, mem_fraction_static=cache_fraction(2**30))
     assert {kind for kind, _ in seen} >= {"decode", "verify"}

@@ -28,6 +28,7 @@ import torch
 import hylo.ops.gemm as gemm_dispatch
 from hylo import LLM, SamplingParams
 from hylo.engine.cuda_graph import DecodeGraphs
+from hylo.engine.graph_bank import GraphBank
 from hylo.ops.gemm import kernels as gemm_kernels
 
 
@@ -38,10 +39,10 @@ def write_config(path: Path, layers: int) -> None:
 
 
 def count_gemms_per_capture(report: dict, label: dict) -> None:
-    """Every later capture records the Triton GEMM launches it captured, by batch size, under the report
-    key `label["key"]`."""
+    """Every later capture of a decode bucket records the Triton GEMM launches it captured, by batch
+    size, under the report key `label["key"]`."""
     calls = {"gemm": 0}
-    triton_gemm, capture = gemm_kernels.gemm, DecodeGraphs._capture
+    triton_gemm, capture = gemm_kernels.gemm, GraphBank._capture
 
     def counted_gemm(*a, **kw):
         calls["gemm"] += 1
@@ -50,10 +51,11 @@ def count_gemms_per_capture(report: dict, label: dict) -> None:
     def counted_capture(self, bucket, *a, **kw):
         before = calls["gemm"]
         capture(self, bucket, *a, **kw)
-        report.setdefault(label["key"], {})[bucket] = calls["gemm"] - before
+        if self.shape.kind == "decode":  # (prefill buckets count tokens)
+            report.setdefault(label["key"], {})[bucket] = calls["gemm"] - before
 
     gemm_kernels.gemm = counted_gemm
-    DecodeGraphs._capture = counted_capture
+    GraphBank._capture = counted_capture
 
 
 def compare(graph_outs, eager_outs) -> dict:
@@ -107,9 +109,9 @@ def main() -> None:
     graph_steps = {"n": 0}
     replay = DecodeGraphs.run
 
-    def counted_run(self, seqs):
+    def counted_run(self, seqs, *variant):
         graph_steps["n"] += 1
-        return replay(self, seqs)
+        return replay(self, seqs, *variant)
 
     DecodeGraphs.run = counted_run
     gen = torch.Generator().manual_seed(0)

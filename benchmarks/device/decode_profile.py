@@ -24,6 +24,7 @@ from prefix_e2e import VOCAB, serve, ttft
 from spec_e2e import copy_bandwidth, replay_ms, write_target
 
 from hylo import LLM
+from hylo.engine.cuda_graph import OBSERVE
 from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.moe import Experts, FP8Experts
 
@@ -110,7 +111,7 @@ def main() -> None:
     report: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "copy_bytes_per_s": bandwidth}
     for bucket in args.buckets:
         with torch.inference_mode():
-            read = bytes_by_kind(graphs.model, lambda b=bucket: graphs._forward(graphs.static[b]))
+            read = bytes_by_kind(graphs.model, lambda b=bucket: graphs.bank.warm(b))
         torch.cuda.synchronize()
         report[f"b{bucket}"] = {
             "replay_ms": round(replay_ms(graphs, bucket), 3),
@@ -119,7 +120,7 @@ def main() -> None:
                 k: {"gb": round(v / 1e9, 3), "floor_us": round(1e6 * v / bandwidth, 1)}
                 for k, v in read.items()
             },
-            "kernels": kernel_table(graphs.graphs[bucket]),
+            "kernels": kernel_table(graphs.bank.graphs[OBSERVE, bucket].graph),
         }
     gen = torch.Generator().manual_seed(5)
     for n in (1024, 13312):

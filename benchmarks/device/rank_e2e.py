@@ -42,10 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import spec_e2e
 
-import hylo.engine.cuda_graph as cuda_graph
+import hylo.engine.verify_graph as verify_graph
 from hylo.config import EngineConfig
 from hylo.distributed.rank_engine import rank_engine
-from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs
+from hylo.engine.cuda_graph import DecodeGraphs
 from hylo.engine.engine import Engine
 from hylo.sampling import SamplingParams
 
@@ -70,7 +70,7 @@ def step_collectives(graphs: DecodeGraphs, bucket: int) -> dict:
     calls = graphs.model.parallel.stand_in.calls
     start = len(calls)
     with torch.inference_mode():
-        graphs._warm(graphs.static[bucket])
+        graphs.bank.warm(bucket)
     torch.cuda.synchronize()
     step = calls[start:]
     out = {}
@@ -159,17 +159,17 @@ def measure_engine(name: str, engine: Engine, args, bandwidth: float, out: Path 
         return result
     natural = runner.verify_graphs
     tokens_per_step = natural.tokens_per_seq
-    real_accept = cuda_graph.greedy_accept
+    real_accept = verify_graph.greedy_accept
     modes = {"forced": spec_e2e.accept_everything}
     modes |= {m: accept_at_most(n - 1) for m, n in SIMULATED.items() if n <= tokens_per_step}
     for mode, hook in modes.items():
-        cuda_graph.greedy_accept = hook  # captured into this mode's graphs
+        verify_graph.greedy_accept = hook  # captured into this mode's graphs
         try:
-            graphs = VerifyGraphs(
-                engine.model, engine.caches, engine.proposer, natural.buckets[-1], True, natural.pool
+            graphs = verify_graph.VerifyGraphs(
+                engine.model, engine.caches, engine.proposer, natural.buckets[-1], True, natural.bank.pool
             )
         finally:
-            cuda_graph.greedy_accept = real_accept
+            verify_graph.greedy_accept = real_accept
         for b in batches:
             bucket = next(x for x in graphs.buckets if x >= b)
             row = measure_step(graphs, bucket, bandwidth, args.reps, out, f"{name}_{mode}_B{b}")

@@ -39,10 +39,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import hylo.engine.cuda_graph as cuda_graph
+import hylo.engine.verify_graph as verify_graph
 import hylo.speculative.verify as verify
 from hylo import LLM, SamplingParams
-from hylo.engine.cuda_graph import DEFER, DRAFT, DecodeGraphs, VerifyGraphs
+from hylo.engine.cuda_graph import DEFER, DRAFT, OBSERVE, DecodeGraphs
+from hylo.engine.verify_graph import COMMIT, VERIFY, VerifyGraphs
 from hylo.speculative.token_map import save_token_map
 
 PROMPT_LEN = 64
@@ -216,9 +217,8 @@ def decode_rate(
 
 def replay_step(graphs: DecodeGraphs, bucket: int) -> None:
     """Replay what a step of `bucket` replays: the decode graph, or a verify step's two graphs."""
-    graphs.graphs[bucket].replay()
-    if isinstance(graphs, VerifyGraphs):
-        graphs.commits[bucket].replay()
+    for name in (VERIFY, COMMIT) if isinstance(graphs, VerifyGraphs) else (OBSERVE,):
+        graphs.bank.graphs[name, bucket].graph.replay()
 
 
 def replay_ms(graphs: DecodeGraphs, bucket: int, reps: int = 50) -> float:
@@ -332,7 +332,7 @@ def step_floor(graphs: DecodeGraphs, bucket: int, bandwidth: float) -> dict:
     own_head = [head] if isinstance(head, HotTokenHead) else []
     modules = [graphs.model] + ([draft] if draft is not None else []) + own_head
     with torch.inference_mode():
-        read, distinct = weight_bytes_read(modules, lambda: graphs._warm(graphs.static[bucket]))
+        read, distinct = weight_bytes_read(modules, lambda: graphs.bank.warm(bucket))
     torch.cuda.synchronize()
     return {
         "weight_gb": round(read / 1e9, 3),
@@ -398,7 +398,7 @@ def main() -> None:
             str(root / "target"), target=target, mem_fraction_static=fraction, **flags, **common
         )
     report["engines_start_s"] = round(time.perf_counter() - start, 1)
-    real_accept = cuda_graph.greedy_accept
+    real_accept = verify_graph.greedy_accept
     stream = torch.randint(
         0, 150000, (4096 + 64,), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
     )
@@ -408,15 +408,16 @@ def main() -> None:
         natural = llm.engine.runner.verify_graphs
         if natural is None:
             continue
-        cuda_graph.greedy_accept = accept_everything  # the forced graphs see this at capture
+        verify_graph.greedy_accept = accept_everything  # the forced graphs see this at capture
         e = llm.engine
-        forced = VerifyGraphs(e.model, e.caches, e.proposer, natural.buckets[-1], True, natural.pool)
+        pool = natural.bank.pool
+        forced = VerifyGraphs(e.model, e.caches, e.proposer, natural.buckets[-1], True, pool)
         use_drafting(e.proposer, drafting[name])  # and the common-stream graphs this
-        forced_common = VerifyGraphs(e.model, e.caches, e.proposer, natural.buckets[-1], True, natural.pool)
+        forced_common = VerifyGraphs(e.model, e.caches, e.proposer, natural.buckets[-1], True, pool)
         use_drafting(e.proposer, None)
         graphs[name] = (natural, forced, forced_common)
-        cuda_graph.greedy_accept = real_accept
-        report[f"{name}_verify_graph_memory_gib"] = round(natural.memory_bytes / 2**30, 2)
+        verify_graph.greedy_accept = real_accept
+        report[f"{name}_verify_graph_memory_gib"] = round(natural.bank.memory_bytes / 2**30, 2)
 
     def setup(name: str, mode: str) -> LLM:
         """The engine of `name` in `mode` (forced / adaptive / static): graphs, acceptance, policy."""
@@ -484,8 +485,8 @@ def main() -> None:
         for name, llm in engines.items():  # a speculative engine's plain steps: deferring, drafting
             decode = llm.engine.runner.graphs
             for variant in (DEFER, DRAFT):
-                if (variant, plain_bucket) in decode.variants:
-                    graph = decode.variants[variant, plain_bucket][0]
+                if (variant, plain_bucket) in decode.bank.graphs:
+                    graph = decode.bank.graphs[variant, plain_bucket].graph
                     row[f"{name}_plain_{variant}_replay_ms"] = round(graph_ms(graph), 3)
         row["plain_decode_floor"] = step_floor(plain_graphs, plain_bucket, bandwidth)
         for name, (_, forced, _) in graphs.items():

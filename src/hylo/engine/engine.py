@@ -16,11 +16,12 @@ from hylo.config import DEFAULT_CUDA_GRAPH_MAX_BS, EngineConfig
 from hylo.distributed import launch
 from hylo.distributed.control import Abort, AddRequest
 from hylo.distributed.launch import Ranks
-from hylo.engine.cuda_graph import DecodeGraphs, VerifyGraphs, batch_size_buckets
+from hylo.engine.cuda_graph import DecodeGraphs, batch_size_buckets
 from hylo.engine.prefill_graph import PrefillGraphs, prefill_graph_refusal
 from hylo.engine.request import Request, Status
 from hylo.engine.runner import ChunkResult, LaunchedStep, ModelRunner
 from hylo.engine.scheduler import ScheduledChunk, Scheduler
+from hylo.engine.verify_graph import VerifyGraphs
 from hylo.memory.manager import (
     PREFIX_SNAPSHOT_SHARE,
     CacheManager,
@@ -174,14 +175,15 @@ class Engine:
         if decode_graphs:
             graphs = DecodeGraphs(self.model, self.caches, max_bs, capture, self.proposer)
         if verify_graphs:
-            verifying = VerifyGraphs(self.model, self.caches, self.proposer, max_bs, capture, graphs.pool)
+            pool = graphs.bank.pool  # the verify and decode graphs never replay at once
+            verifying = VerifyGraphs(self.model, self.caches, self.proposer, max_bs, capture, pool)
         prefilling = None
         if decode_graphs and config.cuda_graph_max_prefill_tokens:
             refusal = prefill_graph_refusal(self.model, self.proposer)
             if refusal is None:
                 prefilling = PrefillGraphs(
                     self.model, self.caches, min(config.cuda_graph_max_prefill_tokens, self.context_len),
-                    capture, self.proposer, graphs.pool,
+                    capture, self.proposer, graphs.bank.pool,
                 )  # fmt: skip
             else:
                 logger.info("prefill chunks run eagerly: %s", refusal)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hylo.engine.cuda_graph import OBSERVE, DecodeGraphs
+from hylo.engine.graph_bank import GraphBank
 from hylo.forward_batch import ForwardBatch, SequenceChunk, uniform_metadata
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
@@ -59,18 +59,92 @@ def prefill_graph_refusal(model: Glm5NextForCausalLM, proposer: Proposer | None)
     return None
 
 
-class PrefillGraphs(DecodeGraphs):
-    """Fixed-shape prefill batches of one sequence padded to the token buckets up to `max_tokens`,
-    captured as CUDA graphs when `capture` (in `pool`, shared with the decode graphs: they never replay
-    at once).
+class PrefillLayout:
+    """The layout of a prefill step (a `graph_bank.BatchLayout`): one sequence of n new tokens padded
+    to the bucket's W. A step uploads `[3 + W + ceil(W / CHUNK_TOKENS)]`: (prefix length, table row,
+    n), the W token ids (past n: whatever an earlier step left, padding nobody reads), and the
+    snapshot id after each KDA chunk (-1: none). The static batch views its token ids, new-token count
+    and snapshot ids in the uploaded inputs; at capture it holds one token at the start of the scratch
+    row.
 
-    Invariants: a static batch points at the scratch slot and at the slot of the last step it ran,
-    nothing else; the batch and logits `run` returns stay valid until the next `run`; its host lists
-    (`extend_lens`, `prefix_lens`, ...) are placeholders.
-    """
+    Invariant: a static batch points at the scratch slot and at the slot of the last step it ran,
+    nothing else; its host lists (`extend_lens`, `prefix_lens`, ...) are placeholders."""
 
-    kind = "prefill"
-    bucket_unit = "tokens"
+    def __init__(self, caches: CacheManager):
+        if caches.scratch_slot is None:
+            raise ValueError(
+                "caches: fixed-shape prefill batches need a scratch slot (MemoryPlan scratch=True)"
+            )
+        self.caches = caches
+
+    def filler_inputs(self, width: int) -> torch.Tensor:
+        inputs = torch.full((3 + width + -(-width // CHUNK_TOKENS),), -1, dtype=torch.long)
+        inputs[: 3 + width] = 0
+        inputs[1:3] = torch.tensor([self.caches.scratch_slot, 1])
+        return inputs
+
+    def static_batch(self, width: int, inputs: torch.Tensor) -> ForwardBatch:
+        c = self.caches
+        device = inputs.device
+        prefix, row, n = inputs[:3, None]
+        meta = uniform_metadata(prefix, row, width, c.table.table, c.kpool, c.scratch_slot, n)
+        packed = torch.arange(width, device=device)
+        return ForwardBatch(
+            input_ids=inputs[3 : 3 + width],
+            token_seq=torch.zeros(width, dtype=torch.long, device=device),
+            req_to_token=c.table.table,
+            pad_index=packed[None].clone(),
+            pad_valid=torch.ones(1, width, dtype=torch.bool, device=device),
+            logits_index=torch.zeros(1, dtype=torch.long, device=device),
+            extend_lens=[width],
+            prefix_lens=[0],
+            verify_seqs=[],
+            seq_rows=[c.scratch_slot],
+            seq_slots=[c.scratch_slot],
+            tokens=c.tokens,
+            states=c.states,
+            padded_lens=inputs[2:3],
+            padded_snapshots=inputs[3 + width :],
+            snapshot_pool=c.snapshots,
+            **meta,
+        )
+
+    def write_inputs(self, width: int, seqs: Sequence[SequenceChunk], host: torch.Tensor) -> None:
+        (s,) = seqs
+        n = len(s.token_ids)
+        host[:3] = torch.tensor([s.prefix_len, s.table_row, n])
+        host[3 : 3 + n] = torch.tensor(s.token_ids)
+        chunk_ids = host[3 + width :]
+        chunk_ids.fill_(-1)
+        for point, sid in s.snapshots:
+            if point < n:
+                chunk_ids[point // CHUNK_TOKENS - 1] = sid
+
+    def fill_metadata(self, static: ForwardBatch, inputs: torch.Tensor) -> None:
+        """The step's metadata, in place, from the uploaded inputs (the token ids, new-token count and
+        snapshot ids are views of them)."""
+        width = static.input_ids.shape[0]
+        prefix, row, n = inputs[:3, None]
+        c = self.caches
+        meta = uniform_metadata(prefix, row, width, c.table.table, c.kpool, c.scratch_slot, n)
+        for name, value in meta.items():
+            getattr(static, name).copy_(value)
+        static.logits_index.copy_(n - 1)
+
+
+# A prefill bucket's one graph.
+PREFILL = "prefill"
+
+
+class PrefillGraphs:
+    """Fixed-shape prefill batches of one sequence padded to the token buckets up to `max_tokens`
+    (`bank`), captured as CUDA graphs when `capture` (in `pool`, shared with the decode graphs: they
+    never replay at once).
+
+    Invariant: the batch and logits `run` returns stay valid until the next `run`."""
+
+    kind, bucket_unit = "prefill", "tokens"
+    bodies = warm_bodies = (PREFILL,)
 
     def __init__(
         self,
@@ -84,15 +158,20 @@ class PrefillGraphs(DecodeGraphs):
         why = prefill_graph_refusal(model, proposer)
         if why is not None:
             raise ValueError(f"prefill graphs: {why}")
-        super().__init__(model, caches, max_tokens, capture, proposer, pool)
-
-    @staticmethod
-    def _bucket_sizes(largest: int) -> list[int]:
-        return prefill_buckets(largest)
+        self.layout = PrefillLayout(caches)
+        self.model, self.caches, self.proposer = model, caches, proposer
+        self.bank = GraphBank(self, prefill_buckets(max_tokens), caches.table.table.device, pool)
+        if capture:
+            self.bank.capture()
 
     @property
-    def defers(self) -> bool:
-        return False  # a prefill step observes
+    def buckets(self) -> list[int]:
+        return self.bank.buckets
+
+    @property
+    def observes(self) -> bool:
+        """The proposer's observe runs inside the replay (nothing is left for the step to observe)."""
+        return self.proposer is not None
 
     def accepts(self, seqs: Sequence[SequenceChunk]) -> bool:
         """One plain chunk of at most the largest bucket's tokens whose snapshots (if any) fall at its
@@ -108,7 +187,7 @@ class PrefillGraphs(DecodeGraphs):
             and all(point == n or (0 < point < n and point % CHUNK_TOKENS == 0) for point, _ in s.snapshots)
         )
 
-    def run(self, seqs: Sequence[SequenceChunk], variant: str = OBSERVE) -> tuple[ForwardBatch, torch.Tensor]:
+    def run(self, seqs: Sequence[SequenceChunk]) -> tuple[ForwardBatch, torch.Tensor]:
         """The step's padded batch (its bucket's static one) and the logits of the chunk's last token,
         `[1, vocab]`; the chunk's snapshots are taken."""
         if not self.accepts(seqs):
@@ -116,33 +195,24 @@ class PrefillGraphs(DecodeGraphs):
                 f"seqs: a prefill graph takes one chunk of 1 to {self.buckets[-1]} tokens that neither "
                 f"verifies nor scores its prompt, its snapshots at its end or at multiples of {CHUNK_TOKENS}"
             )
-        if variant != OBSERVE:
-            raise ValueError(f"variant: a prefill graph runs {OBSERVE} only, got {variant}")
-        bucket, (logits,) = self._replay(seqs)
-        static = self.static[bucket]
+        bucket = self.bank.bucket_for(len(seqs[0].token_ids))
+        self.bank.upload(bucket, seqs)
+        (logits,) = self.bank.replay(bucket, PREFILL)
+        static = self.bank.static[bucket]
         self._snapshot(seqs[0], static)
         return static, logits
 
-    def _replay(
-        self, seqs: Sequence[SequenceChunk], variant: str = OBSERVE
-    ) -> tuple[int, tuple[torch.Tensor, ...]]:
-        (s,) = seqs
-        n = len(s.token_ids)
-        bucket = next(b for b in self.buckets if b >= n)
-        host = self.host_inputs[bucket]
-        host[:3] = torch.tensor([s.prefix_len, s.table_row, n])
-        host[3 : 3 + n] = torch.tensor(s.token_ids)
-        chunk_ids = host[3 + bucket :]
-        chunk_ids.fill_(-1)
-        for point, sid in s.snapshots:
-            if point < n:
-                chunk_ids[point // CHUNK_TOKENS - 1] = sid
-        self.step_inputs[bucket].copy_(host, non_blocking=True)
-        graph = self.graphs.get(bucket)
-        if graph is None:
-            return bucket, self._forward(self.static[bucket])
-        graph.replay()
-        return bucket, self.outputs[bucket]
+    def body(self, name: str, bucket: int) -> tuple[torch.Tensor, ...]:
+        """`(logits [1, vocab],)` of the bucket's static batch; a proposer observes the chunk."""
+        static = self.bank.static[bucket]
+        self.layout.fill_metadata(static, self.bank.step_inputs[bucket])
+        if self.proposer is None:
+            return (self.model(static),)
+        logits = self.model(static, self.proposer.capture_layers)
+        device = logits.device
+        commit = StepCommit(static.padded_lens.int(), logits.argmax(-1), torch.arange(1, device=device))
+        self.proposer.observe(static, commit)
+        return (logits,)
 
     def _snapshot(self, s: SequenceChunk, static: ForwardBatch) -> None:
         """Complete the chunk's snapshots: one at its end takes the slot's KDA state (those inside it
@@ -155,65 +225,3 @@ class PrefillGraphs(DecodeGraphs):
                 c.snapshots.recurrent[:, sid] = c.states.recurrent[:, s.state_slot]
             if c.snapshot_features.shape[1] and static.features is not None:
                 c.snapshot_features[sid] = static.features[point - 1]
-
-    def _static_batches(self) -> dict[int, ForwardBatch]:
-        """One static batch per bucket W (a pool table as wide as the request table's), and the step's
-        inputs with a pinned mirror: (prefix length, table row, new tokens n), the W token ids, and
-        the snapshot id after each of the ceil(W / CHUNK_TOKENS) KDA chunks (-1: none). At capture:
-        one token at the start of the scratch row."""
-        static = {}
-        c = self.caches
-        assert c.scratch_slot is not None
-        device = c.table.table.device
-        self.step_inputs: dict[int, torch.Tensor] = {}
-        self.host_inputs: dict[int, torch.Tensor] = {}
-        for width in self.buckets:
-            inputs = torch.full((3 + width + -(-width // CHUNK_TOKENS),), -1, dtype=torch.long)
-            inputs[: 3 + width] = 0
-            inputs[1:3] = torch.tensor([c.scratch_slot, 1])
-            self.host_inputs[width] = inputs.pin_memory() if device.type == "cuda" else inputs
-            self.step_inputs[width] = step = inputs.to(device)
-            prefix, row, n = step[:3, None]
-            meta = uniform_metadata(prefix, row, width, c.table.table, c.kpool, c.scratch_slot, n)
-            packed = torch.arange(width, device=device)
-            static[width] = ForwardBatch(
-                input_ids=step[3 : 3 + width],
-                token_seq=torch.zeros(width, dtype=torch.long, device=device),
-                req_to_token=c.table.table,
-                pad_index=packed[None].clone(),
-                pad_valid=torch.ones(1, width, dtype=torch.bool, device=device),
-                logits_index=torch.zeros(1, dtype=torch.long, device=device),
-                extend_lens=[width],
-                prefix_lens=[0],
-                verify_seqs=[],
-                seq_rows=[c.scratch_slot],
-                seq_slots=[c.scratch_slot],
-                tokens=c.tokens,
-                states=c.states,
-                padded_lens=step[2:3],
-                padded_snapshots=step[3 + width :],
-                snapshot_pool=c.snapshots,
-                **meta,
-            )
-        return static
-
-    def _fill_metadata(self, static: ForwardBatch) -> None:
-        """The step's metadata, in place, from the uploaded inputs (the token ids, new-token count and
-        snapshot ids are views of them)."""
-        width = static.input_ids.shape[0]
-        prefix, row, n = self.step_inputs[width][:3, None]
-        c = self.caches
-        meta = uniform_metadata(prefix, row, width, c.table.table, c.kpool, c.scratch_slot, n)
-        for name, value in meta.items():
-            getattr(static, name).copy_(value)
-        static.logits_index.copy_(n - 1)
-
-    def _forward(self, static: ForwardBatch, variant: str = OBSERVE) -> tuple[torch.Tensor, ...]:
-        self._fill_metadata(static)
-        if self.proposer is None:
-            return (self.model(static),)
-        logits = self.model(static, self.proposer.capture_layers)
-        device = logits.device
-        commit = StepCommit(static.padded_lens.int(), logits.argmax(-1), torch.arange(1, device=device))
-        self.proposer.observe(static, commit)
-        return (logits,)

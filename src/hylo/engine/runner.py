@@ -8,11 +8,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hylo.engine.cuda_graph import DEFER, DRAFT, OBSERVE, DecodeGraphs, VerifyGraphs
+from hylo.engine.cuda_graph import DEFER, DRAFT, OBSERVE, DecodeGraphs
 from hylo.engine.prefill_graph import PrefillGraphs
 from hylo.engine.reader import Logprobs, PendingRead, Reader, StepRead
 from hylo.engine.request import IN_FLIGHT, Request, Status
 from hylo.engine.scheduler import ScheduledChunk
+from hylo.engine.verify_graph import VerifyGraphs
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.host_copy import to_device
 from hylo.memory.manager import CacheManager
