@@ -159,7 +159,7 @@ def run_every_kth(llm, prompts, params, k: int, defer: bool) -> tuple[list, list
 
     engine = llm.engine
     engine.policy = EveryKth(k)
-    caught_up, catch_up = [], engine.runner._catch_up
+    caught_up, catch_up = [], engine.runner.drafting.catch_up
     never, finish = [], engine.scheduler.finish
 
     def counted(requests):
@@ -173,7 +173,7 @@ def run_every_kth(llm, prompts, params, k: int, defer: bool) -> tuple[list, list
             )
         finish(request)
 
-    engine.runner._catch_up, engine.scheduler.finish = counted, finished
+    engine.runner.drafting.catch_up, engine.scheduler.finish = counted, finished
     defers = DecodeGraphs.defers if defer else property(lambda self: False)
     with mock.patch.object(DecodeGraphs, "defers", defers):
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)

@@ -142,7 +142,7 @@ def test_parameters_past_fp32_range_sample_from_the_allowed_tokens():
     is the largest fp32 value there, not inf, whose -inf / inf and 0 · inf made NaN probabilities and
     token 0 for a constrained request (found by the server fuzz test): the row samples among the
     tokens its constraint allows; a penalty below fp32's range, not 0, keeps the logits finite."""
-    from hylo.sampling import SampleRow, target_distribution
+    from hylo.sampling import SampleRow, SamplingBatch, target_distribution
 
     logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(2))
     logits[:, 12] = 0.0  # a zero logit among the seen tokens: 0 · inf
@@ -160,7 +160,7 @@ def test_parameters_past_fp32_range_sample_from_the_allowed_tokens():
     ]
     _, probs = target_distribution(logits, rows, allowed)
     assert not probs.isnan().any() and (probs[~allowed] == 0).all() and (probs.sum(-1) > 0).all()
-    picked = sample(logits, rows, torch.Generator().manual_seed(0), allowed).tokens
+    picked = sample(logits, SamplingBatch(rows, allowed), torch.Generator().manual_seed(0)).tokens
     assert all(allowed[i, t] for i, t in enumerate(picked.tolist()))
 
 

@@ -13,6 +13,7 @@ from tolerance import assert_fp32_close, draft_accumulation_terms, model_accumul
 
 from hylo import LLM, SamplingParams
 from hylo.engine.request import Request
+from hylo.engine.sampling_batch import verify_batch
 from hylo.models.dflash import DFlashConfig, DFlashDraftModel
 from hylo.models.loader import load_flat
 from hylo.speculative.proposer import Proposer, write_drafts
@@ -224,7 +225,7 @@ def test_rejection_sampler_reproduces_the_target_distribution():
         requests = [Request(str(i), [1], params, frozenset(), 100) for i in range(rows)]
         logits = p.log().expand(rows, 2, vocab).clone()
         drafts = torch.full((rows, 1), draft_token)
-        result = accept(logits, drafts, [1] * rows, requests, gen)
+        result = accept(logits, drafts, verify_batch(requests, [1] * rows, 2, vocab, logits.device), gen)
         first = torch.bincount(result.emitted[:, 0], minlength=vocab).float()
         expected = p * rows
         chi2 = ((first - expected) ** 2 / expected).sum().item()

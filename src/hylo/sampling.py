@@ -1,4 +1,8 @@
-"""Sampling parameters (vLLM conventions) and the batched sampler."""
+"""Sampling parameters (vLLM conventions), a step's sampling batch and the batched sampler.
+
+The sampler reads batch data only (`SamplingBatch`: parameters, generators, banned ids, penalty
+history, grammar masks), never a request: the engine builds the batch once per step
+(`hylo.engine.sampling_batch`), and `speculative.verify.accept` reads the same rows block by block."""
 
 from __future__ import annotations
 
@@ -152,7 +156,7 @@ class SamplingParams(BaseModel):
         return self.greedy and not self.penalized and not self.logit_bias and self.constraint is None
 
 
-@dataclass
+@dataclass(frozen=True)
 class SampleRow:
     """One row of a sampling batch: the request's parameters and what it has seen so far."""
 
@@ -164,6 +168,42 @@ class SampleRow:
     # the output token after `output_ids` that is still in flight (`[1]` long, on the device; an
     # overlapped step's), counted in the penalties like the others; None when there is none
     unread: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """What `sample` reads of one step's sampling rows (vLLM's `SamplingMetadata`): row i of the batch
+    picks from row i of the logits. Built once per step from the scheduled requests
+    (`hylo.engine.sampling_batch`); holds values and device tensors only, so nothing below the engine
+    sees a request.
+
+    Invariants: `allowed` is None (no row constrained) or `[len(rows), vocab]` bool on the logits'
+    device, a row without a grammar allowing everything; a row's `unread` token is counted in its
+    penalties only (its bans are already decided on the host: `SampleRow.banned_ids`)."""
+
+    rows: Sequence[SampleRow]
+    allowed: torch.Tensor | None = None
+
+    @property
+    def picks_argmax(self) -> bool:
+        """Every row picks the argmax of the model's own logits: no grammar, no processing, no ban."""
+        return picks_argmax(self.rows, self.allowed)
+
+    @property
+    def max_logprobs(self) -> int | None:
+        """The most top logprobs a row asks for; None when no row asks for logprobs."""
+        return max_logprobs(self.rows)
+
+
+def picks_argmax(rows: Sequence[SampleRow], allowed: torch.Tensor | None) -> bool:
+    """Whether each of `rows` picks the raw argmax: no mask, no logit processing, no banned id."""
+    return allowed is None and all(r.params.raw_argmax and not r.banned_ids for r in rows)
+
+
+def max_logprobs(rows: Sequence[SampleRow]) -> int | None:
+    """The most top logprobs one of `rows` asks for (0 is an ask: the picked token's own alone)."""
+    wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    return max(wanted) if wanted else None
 
 
 @dataclass
@@ -178,21 +218,16 @@ class Sampled:
     top_values: torch.Tensor | None = None
 
 
-def sample(
-    logits: torch.Tensor,
-    rows: Sequence[SampleRow],
-    generator: torch.Generator | None,
-    allowed: torch.Tensor | None = None,
-) -> Sampled:
-    """Next token per row of `logits [B, V]` (fp32), and logprobs where asked; nothing is read back.
-    `allowed [B, V]` (bool, device): the tokens each row may pick (structured outputs), if any.
+def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None) -> Sampled:
+    """Next token per row of `logits [B, V]` (fp32), one per row of `batch`, and logprobs where asked;
+    nothing is read back. `generator` draws the noise of sampled rows without one of their own.
 
     Logprobs are of the raw model distribution (vLLM's default), the sampled token always included.
     Greedy rows draw no noise. A row with its own generator draws exactly one vector of noise per step
     from it, so a seeded request samples the same tokens whatever else is in the batch.
     """
-    raw = logits
-    if allowed is None and all(r.params.raw_argmax and not r.banned_ids for r in rows):
+    raw, rows, allowed = logits, batch.rows, batch.allowed
+    if batch.picks_argmax:
         sampled = logits.argmax(-1)
     else:
         logits, probs = target_distribution(logits, rows, allowed)
@@ -210,11 +245,11 @@ def sample(
                 )
         # probs / Exp(1) noise is an exponential race: its argmax is a sample from probs.
         sampled = torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1))
-    wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-    if not wanted:
+    top_n = batch.max_logprobs
+    if top_n is None:
         return Sampled(sampled)
     logprobs = torch.log_softmax(raw, dim=-1)
-    top = logprobs.topk(max(wanted), dim=-1)
+    top = logprobs.topk(top_n, dim=-1)
     return Sampled(sampled, logprobs.gather(1, sampled[:, None])[:, 0], top.indices, top.values)
 
 

@@ -17,9 +17,10 @@ from hylo.distributed import launch
 from hylo.distributed.control import Abort, AddRequest
 from hylo.distributed.launch import Ranks
 from hylo.engine.cuda_graph import DecodeGraphs, batch_size_buckets
+from hylo.engine.picking import ChunkResult
 from hylo.engine.prefill_graph import PrefillGraphs, prefill_graph_refusal
 from hylo.engine.request import Request, Status
-from hylo.engine.runner import ChunkResult, LaunchedStep, ModelRunner
+from hylo.engine.runner import LaunchedStep, ModelRunner
 from hylo.engine.scheduler import ScheduledChunk, Scheduler
 from hylo.engine.verify_graph import VerifyGraphs
 from hylo.memory.manager import (

@@ -32,12 +32,11 @@ import torch
 
 from hylo.engine.cuda_graph import UniformBlocks, batch_size_buckets
 from hylo.engine.graph_bank import GraphBank
-from hylo.engine.request import Request
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.speculative.proposer import Proposer, StepCommit
-from hylo.speculative.verify import MAX_BLOCK_TOKENS, Acceptance, accept, greedy_accept
+from hylo.speculative.verify import MAX_BLOCK_TOKENS, Acceptance, VerifyBatch, accept, greedy_accept
 
 # A bucket's two graphs, replayed in this order: the forward and greedy acceptance, then the commit.
 VERIFY, COMMIT = "verify", "commit"
@@ -92,30 +91,26 @@ class VerifyGraphs:
     def run(
         self,
         seqs: Sequence[SequenceChunk],
-        requests: Sequence[Request],
-        num_drafts: Sequence[int],
+        blocks: VerifyBatch,
         generator: torch.Generator | None,
-        allowed: torch.Tensor | None = None,
     ) -> Acceptance:
-        """Verify and commit the blocks of `requests` (`num_drafts[b]` real drafts in block b, the rest
-        padding; `allowed [blocks · T, vocab]`: structured outputs, as `verify.accept` takes it); the
-        acceptance of the step's blocks, in order (with logprobs where asked)."""
-        if not self.accepts(seqs) or len(requests) != len(seqs) or len(num_drafts) != len(seqs):
+        """Verify and commit the blocks `seqs`, as `verify.accept` takes them (`blocks`: one row each,
+        its real drafts, bans and grammar mask); the acceptance of the step's blocks, in order (with
+        logprobs where asked)."""
+        if not self.accepts(seqs) or len(blocks.rows) != len(seqs):
             raise ValueError(
                 f"seqs: a verify graph takes up to {self.buckets[-1]} verify blocks of "
-                f"{self.tokens_per_seq} tokens, with one request and draft count each"
+                f"{self.tokens_per_seq} tokens, with one verify batch row each"
             )
         n, width = len(seqs), self.tokens_per_seq
         bucket = self.bank.bucket_for(n)
         self.bank.upload(bucket, seqs)
         logits, target, committed, anchors = self.bank.replay(bucket, VERIFY)
-        if all(r.picks_argmax and r.params.logprobs is None for r in requests):
+        if blocks.picks_argmax and blocks.max_logprobs is None:
             result = Acceptance(committed[:n] - 1, target[:n])
         else:
             drafts = self.bank.static[bucket].input_ids.view(bucket, width)[:n, 1:]
-            result = accept(
-                logits.view(bucket, width, -1)[:n], drafts, num_drafts, requests, generator, allowed
-            )
+            result = accept(logits.view(bucket, width, -1)[:n], drafts, blocks, generator)
             committed[:n] = result.accepted + 1
             anchors[:n] = result.emitted.gather(1, result.accepted[:, None])[:, 0]
         self.bank.replay(bucket, COMMIT)

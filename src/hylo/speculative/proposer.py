@@ -5,14 +5,25 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from hylo.engine.request import Request
 from hylo.forward_batch import ForwardBatch
 from hylo.memory.specs import CacheSpec
+from hylo.sampling import SamplingParams
 from hylo.speculative.verify import VerifyShape
+
+
+class DraftedSequence(Protocol):
+    """What a host-side proposer reads of a sequence it drafts for (`HostCommit.request`; the engine's
+    `Request` is one): its prompt, the output the host has read (the step's new tokens not appended
+    yet), its sampling parameters and its request-table row, the row of its drafts."""
+
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    params: SamplingParams
+    slot: int | None
 
 
 @dataclass
@@ -22,7 +33,7 @@ class HostCommit:
     offset + count - 1` of the forward; `new_tokens` are what the step adds to the output (empty for a
     prefill chunk that does not sample; the last of them is the next anchor)."""
 
-    request: Request
+    request: DraftedSequence
     start: int
     count: int
     offset: int

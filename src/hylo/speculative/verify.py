@@ -17,13 +17,12 @@ Either way the emitted tokens are distributed exactly as plain sampling would ma
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from hylo.engine.request import Request
 from hylo.host_copy import to_device
-from hylo.sampling import SampleRow, target_distribution
+from hylo.sampling import SampleRow, max_logprobs, picks_argmax, target_distribution
 
 # The KDA verify kernels run one block of at most 16 tokens per sequence (`hylo.ops.kda`).
 MAX_BLOCK_TOKENS = 16
@@ -53,6 +52,44 @@ class VerifyShape:
         return self.block - 1
 
 
+@dataclass(frozen=True)
+class VerifyBatch:
+    """What `accept` reads of V verify blocks (vLLM's `SpecDecodeMetadata` with its sampling rows),
+    built once per step by the engine from its scheduled requests (`verify_batch` in
+    `engine/sampling_batch.py`); it holds no request.
+
+    Invariants: `rows[v]` is block v's sampling row as of its anchor's pick (banned ids those in force
+    then); `num_drafts[v]` its real drafts (positions past them are padding); `banned_picks[v]` how
+    many picks from the block's first its banned ids bind (`min_tokens` not reached before them: 0 or
+    less when none does); `allowed` is None (no block constrained) or `[V·T, vocab]` bool, position i
+    of block v allowing what its grammar allows after the block's drafts before i
+    (`hylo.structured.block_bitmasks`)."""
+
+    rows: Sequence[SampleRow]
+    num_drafts: Sequence[int]
+    banned_picks: Sequence[int]
+    allowed: torch.Tensor | None = None
+
+    @property
+    def picks_argmax(self) -> bool:
+        """Every block's positions pick the argmax of the model's own logits (greedy prefix match)."""
+        return picks_argmax(self.rows, self.allowed)
+
+    @property
+    def max_logprobs(self) -> int | None:
+        """The most top logprobs a block asks for; None when none asks for logprobs."""
+        return max_logprobs(self.rows)
+
+    def position_rows(self, width: int) -> list[SampleRow]:
+        """One row per position of blocks of `width` (block-major): position i is processed as if
+        min(i, drafts) tokens had already been generated, so a `min_tokens` ban moves along the block."""
+        return [
+            row if min(i, n) < banned else replace(row, banned_ids=[])
+            for row, n, banned in zip(self.rows, self.num_drafts, self.banned_picks, strict=True)
+            for i in range(width)
+        ]
+
+
 @dataclass
 class Acceptance:
     """Device results for V blocks padded to T tokens. `accepted [V]`: drafts kept; `emitted [V, T]`:
@@ -76,37 +113,28 @@ def greedy_accept(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
 
 
 def accept(
-    logits: torch.Tensor,
-    drafts: torch.Tensor,
-    num_drafts: Sequence[int],
-    requests: Sequence[Request],
-    generator: torch.Generator | None,
-    allowed: torch.Tensor | None = None,
+    logits: torch.Tensor, drafts: torch.Tensor, blocks: VerifyBatch, generator: torch.Generator | None
 ) -> Acceptance:
-    """`logits [V, T, vocab]` (fp32) at the anchor and each draft of V blocks, `drafts [V, T-1]` on the
-    device, `num_drafts[v]` real drafts in row v (positions past them are padding). Position i's
-    distribution is processed as if i tokens had already been generated (so `min_tokens` bans move
-    along the block); `allowed [V·T, vocab]` (structured outputs) masks it after the block's drafts
-    before i (`hylo.structured.block_bitmasks`), so a draft the grammar refuses is never accepted.
-    Nothing is read back to the host."""
+    """`logits [V, T, vocab]` (fp32) at the anchor and each draft of the V blocks of `blocks`,
+    `drafts [V, T-1]` on the device. Position i's distribution is processed as if i tokens had already
+    been generated (`VerifyBatch.position_rows`) and masked by `blocks.allowed` (structured outputs),
+    so a draft the grammar refuses is never accepted. `generator` draws the noise of sampled blocks
+    without one of their own. Nothing is read back to the host."""
     num_blocks, width, vocab = logits.shape
     assert width <= MAX_BLOCK_TOKENS, f"a verify block holds at most {MAX_BLOCK_TOKENS} tokens, got {width}"
     device = logits.device
-    counts = to_device(list(num_drafts), device)
+    counts = to_device(list(blocks.num_drafts), device)
     steps = torch.arange(width, device=device)
     padded_drafts = torch.cat([drafts, drafts.new_zeros(num_blocks, 1)], 1)
-    plain = allowed is None and all(r.picks_argmax for r in requests)
-    if plain:
+    if blocks.picks_argmax:
         target = logits.argmax(-1)
         accepted = greedy_accept(target, drafts, counts)
         emitted = torch.where(steps[None, :] < accepted[:, None], padded_drafts, target)
-        return _with_logprobs(Acceptance(accepted, emitted), logits, requests)
-
-    rows = [_row(r, min(i, n)) for r, n in zip(requests, num_drafts, strict=True) for i in range(width)]
-    processed, probs = target_distribution(logits.flatten(0, 1), rows, allowed)
+        return _with_logprobs(Acceptance(accepted, emitted), logits, blocks)
+    processed, probs = target_distribution(logits.flatten(0, 1), blocks.position_rows(width), blocks.allowed)
     flat_drafts = padded_drafts.flatten()
-    uniforms, exps = _noise(requests, num_drafts, width, vocab, device, generator)
-    greedy = to_device([r.params.greedy for r in requests], device)[:, None]
+    uniforms, exps = _noise(blocks, width, vocab, device, generator)
+    greedy = to_device([r.params.greedy for r in blocks.rows], device)[:, None]
     target = processed.argmax(-1).view(num_blocks, width)
     draft_probs = probs.gather(1, flat_drafts[:, None])[:, 0]
     sampled_pass = (uniforms < draft_probs).view(num_blocks, width)[:, :-1]
@@ -118,36 +146,31 @@ def accept(
     sampled = torch.where(steps[None, :] < counts[:, None], recovered, bonus)
     picks = torch.where(greedy, target, sampled)
     emitted = torch.where(steps[None, :] < accepted[:, None], padded_drafts, picks)
-    return _with_logprobs(Acceptance(accepted, emitted), logits, requests)
+    return _with_logprobs(Acceptance(accepted, emitted), logits, blocks)
 
 
-def _with_logprobs(result: Acceptance, logits: torch.Tensor, requests: Sequence[Request]) -> Acceptance:
+def _with_logprobs(result: Acceptance, logits: torch.Tensor, blocks: VerifyBatch) -> Acceptance:
     """Top-n logprobs of the raw distribution at every block position, and the emitted tokens' own."""
-    wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
-    if not wanted:
+    top_n = blocks.max_logprobs
+    if top_n is None:
         return result
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     result.chosen = logprobs.gather(2, result.emitted[..., None])[..., 0]
-    top = logprobs.topk(max(wanted), dim=-1)
+    top = logprobs.topk(top_n, dim=-1)
     result.top_ids, result.top_values = top.indices, top.values
     return result
 
 
-def _row(request: Request, ahead: int) -> SampleRow:
-    banned = sorted(request.stop_ids) if len(request.output_ids) + ahead < request.params.min_tokens else []
-    return SampleRow(request.params, request.prompt_ids, request.output_ids, request.generator, banned)
-
-
 def _noise(
-    requests: Sequence[Request], num_drafts: Sequence[int], width: int, vocab: int, device, generator
+    blocks: VerifyBatch, width: int, vocab: int, device, generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniforms for the accept tests and Exp(1) noise for the samples, `num_drafts[v] + 1` of each per
-    block, drawn from each request's own generator when it has one (so a seeded request does not
+    block, drawn from each block's own generator when it has one (so a seeded request does not
     depend on its batch); padding positions get ones (never read)."""
-    uniforms = torch.ones(len(requests), width, device=device)
-    exps = torch.ones(len(requests), width, vocab, device=device)
-    for v, (request, n) in enumerate(zip(requests, num_drafts, strict=True)):
-        gen = request.generator or generator
+    uniforms = torch.ones(len(blocks.rows), width, device=device)
+    exps = torch.ones(len(blocks.rows), width, vocab, device=device)
+    for v, (row, n) in enumerate(zip(blocks.rows, blocks.num_drafts, strict=True)):
+        gen = row.generator or generator
         uniforms[v, : n + 1] = torch.rand(n + 1, device=device, generator=gen)
         exps[v, : n + 1] = torch.empty(n + 1, vocab, device=device).exponential_(generator=gen)
     return uniforms.flatten(), exps.flatten(0, 1)
