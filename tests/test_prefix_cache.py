@@ -91,7 +91,7 @@ def assert_all_returned(engine) -> None:
     assert not engine.has_unfinished()
     assert caches.num_available_pages == caches.pages.size
     caches.prefix.clear()
-    assert caches.pages.num_free == caches.pages.size and not any(caches.page_refs)
+    assert caches.pages.num_free == caches.pages.size and not any(caches.pages.refs)
     assert caches.snapshot_ids.num_free == caches.snapshot_ids.size > 0
 
 
@@ -220,7 +220,7 @@ def test_tree_matches_the_deepest_snapshot_short_of_the_last_token():
     s1, s2 = prefix.alloc_snapshot(), prefix.alloc_snapshot()
     prefix.insert(tokens, pages, 4, s1)
     prefix.insert(tokens, pages, 12, s2)
-    assert prefix.num_nodes == 3 and [caches.page_refs[p] for p in pages] == [2, 2, 2]
+    assert prefix.num_nodes == 3 and [caches.pages.refs[p] for p in pages] == [2, 2, 2]
     assert prefix.match([*tokens, 99]).length == 12 and prefix.match([*tokens, 99]).snapshot == s2
     hit = prefix.match(tokens)  # the last token must be computed: the snapshot at 4
     assert (hit.length, hit.pages, hit.snapshot) == (4, pages[:1], s1)
@@ -229,7 +229,7 @@ def test_tree_matches_the_deepest_snapshot_short_of_the_last_token():
     other = caches.alloc_pages(1)
     s3 = prefix.alloc_snapshot()
     prefix.insert(tokens[:4], other, 4, s3)
-    assert prefix.num_nodes == 3 and caches.snapshot_ids.num_free == 1 and caches.page_refs[other[0]] == 1
+    assert prefix.num_nodes == 3 and caches.snapshot_ids.num_free == 1 and caches.pages.refs[other[0]] == 1
     assert prefix.snapshot_positions(tokens + [99] * 8, 0, 20, 20) == [8, 16]  # 4, 12 exist; 16: the last
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from hylo.config import ModelConfig
-from hylo.memory.pages import FreeList, RequestTable
+from hylo.memory.pages import FreeList, RequestTable, SharedPages
 from hylo.memory.prefix_cache import PrefixCache, PrefixHit
 from hylo.memory.specs import CacheSpec, SnapshotSpec, StateSlotSpec, TokenCacheSpec, Unit, bytes_per
 
@@ -125,7 +125,7 @@ class CacheManager:
     of its row the page `plan.num_pages`: neither is ever handed out, so whatever a padding row
     writes there is nobody's.
 
-    Pages are reference-counted (`page_refs`): a request holds one reference on every page of its
+    Pages are reference-counted (`pages.refs`): a request holds one reference on every page of its
     row, the prefix cache (`prefix`, with `prefix_snapshot_interval`) one on every page it keeps; a
     page is free once nobody references it. `snapshots` (`plan.num_snapshots` KDA state slots) and
     `snapshot_features` (`[num_snapshots, snapshot_feature_dim]`, the proposer's features of a
@@ -164,14 +164,13 @@ class CacheManager:
             plan.num_snapshots, device
         )
         self.table = RequestTable(plan.num_slots + extra, plan.max_len, plan.page_size, device)
-        self.pages = FreeList(plan.num_pages)
-        self.page_refs = [0] * plan.num_pages
+        self.pages = SharedPages(plan.num_pages)
         self.slots = FreeList(plan.num_slots)
         self.snapshots, self.snapshot_features = snapshots.states, snapshots.features
         self.snapshot_ids = FreeList(plan.num_snapshots)
-        self.prefix = (
-            None if prefix_snapshot_interval is None else PrefixCache(self, prefix_snapshot_interval)
-        )
+        self.prefix = None
+        if prefix_snapshot_interval is not None:
+            self.prefix = PrefixCache(self.pages, self.snapshot_ids, plan.page_size, prefix_snapshot_interval)
         # the token each request-table row sampled last in an overlapped step (`Request.in_flight`), or
         # the anchor its last verify step left, and the positions that verify step committed
         # (`Request.verifying`): the next step's chunk reads them on the device before the host has read
@@ -204,12 +203,7 @@ class CacheManager:
 
     def alloc_pages(self, n: int) -> list[int] | None:
         """`n` free pages with one reference each (evicting cached ones if needed), or None."""
-        if not self.make_room(n):
-            return None
-        new = self.pages.alloc(n)
-        for p in new:
-            self.page_refs[p] = 1
-        return new
+        return self.pages.alloc(n) if self.make_room(n) else None
 
     def grow(self, slot: int, pages: list[int], num_tokens: int) -> bool:
         """Back the first `num_tokens` positions of `slot` (appending to `pages`); False, with nothing
@@ -225,17 +219,11 @@ class CacheManager:
         return True
 
     def share(self, pages: list[int]) -> None:
-        for p in pages:
-            self.page_refs[p] += 1
+        self.pages.share(pages)
 
     def unshare(self, pages: list[int]) -> None:
         """Drop one reference on each page; pages nobody references any more are free."""
-        freed = []
-        for p in pages:
-            self.page_refs[p] -= 1
-            if self.page_refs[p] == 0:
-                freed.append(p)
-        self.pages.free(freed)
+        self.pages.unshare(pages)
 
     def copy_page(self, src: int, dst: int) -> None:
         """The target's caches of page `src` into page `dst` (a private copy of a shared page)."""

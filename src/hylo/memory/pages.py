@@ -31,6 +31,36 @@ class FreeList:
         self._free.extend(sorted(ids, reverse=True))
 
 
+class SharedPages(FreeList):
+    """Token pages counted by reference (`refs`): `alloc` hands pages out with one reference each,
+    `share` adds one, `unshare` drops one and frees the pages nobody references any more. A running
+    request holds one reference on every page of its table row, the prefix cache one on every page it
+    keeps."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.refs = [0] * size
+
+    def alloc(self, n: int) -> list[int] | None:
+        taken = super().alloc(n)
+        for p in taken or ():
+            self.refs[p] = 1
+        return taken
+
+    def share(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            self.refs[p] += 1
+
+    def unshare(self, pages: Sequence[int]) -> None:
+        """Drop one reference on each page; pages nobody references any more are free."""
+        freed = []
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                freed.append(p)
+        self.free(freed)
+
+
 class RequestTable:
     """`req_to_token[row, position]` = token-cache slot of that position of the request in `row`.
 

@@ -17,7 +17,7 @@ Glossary:
   it must be computed to give logits); the request shares the path's pages, restores the snapshot
   and computes from there.
 
-Invariants: the tree holds one reference on every node's page (`CacheManager.page_refs`), a running
+Invariants: the tree holds one reference on every node's page (`SharedPages.refs`), a running
 request one on every page of its table row; a page returns to the free list when nobody references
 it. A node's page is never written after it joined the tree (requests write only at positions at or
 past their own computed length, and a hit starts at a page boundary past the shared pages; a
@@ -34,10 +34,8 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from hylo.memory.manager import CacheManager
+from hylo.memory.pages import FreeList, SharedPages
 
 
 @dataclass(eq=False)
@@ -78,19 +76,20 @@ class PrefixStats:
 
 
 class PrefixCache:
-    """The tree of cached pages over `caches` (see the module docstring). A snapshot is taken where a
-    prefill chunk crosses a page boundary that is a multiple of `snapshot_interval` tokens, and at the
-    last page boundary before the end of what the prefill computes (so a prompt sent again, or a
-    conversation's next turn, resumes from its last full page)."""
+    """The tree of cached pages of `page_size` tokens (see the module docstring): it holds references
+    on `pages` and takes its snapshots' ids from `snapshot_ids` (the `CacheManager`'s, which owns the
+    memory behind both). A snapshot is taken where a prefill chunk crosses a page boundary that is a
+    multiple of `snapshot_interval` tokens, and at the last page boundary before the end of what the
+    prefill computes (so a prompt sent again, or a conversation's next turn, resumes from its last full
+    page)."""
 
-    def __init__(self, caches: CacheManager, snapshot_interval: int):
-        page_size = caches.plan.page_size
+    def __init__(self, pages: SharedPages, snapshot_ids: FreeList, page_size: int, snapshot_interval: int):
         if snapshot_interval < page_size or snapshot_interval % page_size:
             raise ValueError(
                 f"prefix_snapshot_interval ({snapshot_interval}) must be a multiple of "
                 f"page_size ({page_size})"
             )
-        self.caches = caches
+        self.pages, self.snapshot_ids = pages, snapshot_ids
         self.page_size = page_size
         self.interval = snapshot_interval
         self.root = PageNode(page=-1, tokens=(), parent=None, depth=0)
@@ -150,7 +149,7 @@ class PrefixCache:
     def alloc_snapshot(self) -> int | None:
         """A free snapshot id, evicting the least recently used snapshot if none is free; None when the
         pool is empty."""
-        got = self.caches.snapshot_ids.alloc(1)
+        got = self.snapshot_ids.alloc(1)
         if got is not None:
             return got[0]
         if not self._snapshot_nodes:
@@ -159,10 +158,10 @@ class PrefixCache:
         self._drop_snapshot(victim)
         self.stats.evicted_snapshots += 1
         self._prune(victim)
-        return self.caches.snapshot_ids.alloc(1)[0]
+        return self.snapshot_ids.alloc(1)[0]
 
     def free_snapshot(self, sid: int) -> None:
-        self.caches.snapshot_ids.free([sid])
+        self.snapshot_ids.free([sid])
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], position: int, snapshot: int) -> None:
         """Publish the first `position` tokens (a page boundary) of a request whose caches hold them in
@@ -174,7 +173,7 @@ class PrefixCache:
             if child is None:
                 child = PageNode(pages[i], key, node, node.depth + 1)
                 node.children[key] = child
-                self.caches.share([pages[i]])
+                self.pages.share([pages[i]])
                 self.num_nodes += 1
             child.last_used = now
             node = child
@@ -187,7 +186,7 @@ class PrefixCache:
     def evict_pages(self, num_pages: int) -> int:
         """Free up to `num_pages` pages by evicting least recently used leaves that only the tree
         references; returns how many were freed."""
-        refs = self.caches.page_refs
+        refs = self.pages.refs
         heap = [(n.last_used, id(n), n) for n in self.nodes() if not n.children and refs[n.page] == 1]
         heapq.heapify(heap)
         freed = 0
@@ -204,7 +203,7 @@ class PrefixCache:
     def num_evictable_pages(self) -> int:
         """Pages `evict_pages` could free now: nodes whose page, and every page below them, only the
         tree references."""
-        refs, evictable = self.caches.page_refs, {}
+        refs, evictable = self.pages.refs, {}
         for node in sorted(self.nodes(), key=lambda n: -n.depth):  # children before their parents
             evictable[node] = refs[node.page] == 1 and all(evictable[c] for c in node.children.values())
         return sum(evictable.values())
@@ -235,7 +234,7 @@ class PrefixCache:
         if node.snapshot is not None:
             self._drop_snapshot(node)
         del node.parent.children[node.tokens]
-        self.caches.unshare([node.page])
+        self.pages.unshare([node.page])
         self.num_nodes -= 1
 
     def _prune(self, node: PageNode) -> None:
