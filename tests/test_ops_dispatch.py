@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from hylo.config import ModelConfig
+from hylo.models.glm5_next import model_refusals
 from hylo.ops import dispatch, mhc, norm, sparse_mla
 from hylo.ops.kda import chunked_prefill_refusal, device_offsets_refusal
 
@@ -41,6 +42,6 @@ def test_verifiers_name_the_reason():
 
 def test_a_model_the_kernels_cannot_take_is_named_at_start_up():
     """Named limits checked on the configuration: which ops would run the torch reference on the GPU."""
-    assert dispatch.model_refusals(ModelConfig.from_dict({})) == {}
+    assert model_refusals(ModelConfig.from_dict({})) == {}
     odd = SimpleNamespace(hc_mult=2, kv_lora_rank=192, linear_lower_bound=None, hidden_size=20480)
-    assert set(dispatch.model_refusals(odd)) == {"mhc", "sparse_mla", "kda.prefill", "norm.rms_norm"}
+    assert set(model_refusals(odd)) == {"mhc", "sparse_mla", "kda.prefill", "norm.rms_norm"}

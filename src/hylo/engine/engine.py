@@ -32,9 +32,8 @@ from hylo.memory.manager import (
     memory_report,
     target_cache_specs,
 )
-from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.models.glm5_next import Glm5NextForCausalLM, model_refusals
 from hylo.models.loader import load_model, shard_digest
-from hylo.ops.dispatch import model_refusals
 from hylo.sampling import SamplingParams
 from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches

@@ -17,7 +17,10 @@ from hylo.layers.moe import MoE
 from hylo.layers.norm import RMSNorm
 from hylo.layers.sparse_mla import SparseMLA
 from hylo.layers.vocab import VocabEmbedding, VocabHead
-from hylo.ops.mhc import mhc_post
+from hylo.ops.kda import chunked_prefill_refusal
+from hylo.ops.mhc import mhc_post, streams_refusal
+from hylo.ops.norm import width_refusal
+from hylo.ops.sparse_mla import rank_refusal
 
 # A block's output and its post/comb weights, not yet mixed into the streams: (out, post, comb).
 PendingPost = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -117,3 +120,16 @@ class Glm5NextForCausalLM(nn.Module):
         for layer in self.layers:
             if layer.is_linear:
                 layer.self_attn.commit(batch, lengths)
+
+
+def model_refusals(config: ModelConfig) -> dict[str, str]:
+    """The kernels that would refuse every call of a model of `config`, by op, with why (each op
+    family's verifier asked about the figure of the model it checks): its layers then run the torch
+    reference on the GPU too (the engine warns at start-up)."""
+    found = {
+        "mhc": streams_refusal(config.hc_mult),
+        "sparse_mla": rank_refusal(config.kv_lora_rank),
+        "kda.prefill": chunked_prefill_refusal(config.linear_lower_bound),
+        "norm.rms_norm": width_refusal(config.hidden_size),
+    }
+    return {op: reason for op, reason in found.items() if reason is not None}

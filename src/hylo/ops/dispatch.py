@@ -38,18 +38,3 @@ def use_kernel(op: str, tensor: torch.Tensor, verify: Verifier | None = None) ->
 def refusals() -> dict[tuple[str, str], int]:
     """How many CUDA calls each (op, reason) sent to the torch reference so far in this process."""
     return dict(_REFUSED)
-
-
-def model_refusals(config) -> dict[str, str]:
-    """The kernels that would refuse every call of a model of `config` (a `ModelConfig`), by op, with
-    why: its layers then run the torch reference on the GPU too (the engine warns at start-up)."""
-    from hylo.ops import mhc, norm, sparse_mla
-    from hylo.ops.kda import chunked_prefill_refusal
-
-    found = {
-        "mhc": mhc.streams_refusal(config.hc_mult),
-        "sparse_mla": sparse_mla.rank_refusal(config.kv_lora_rank),
-        "kda.prefill": chunked_prefill_refusal(config.linear_lower_bound),
-        "norm.rms_norm": norm.width_refusal(config.hidden_size),
-    }
-    return {op: reason for op, reason in found.items() if reason is not None}
