@@ -8,7 +8,7 @@ Assumptions (each stated in the printed table too):
   run one after another (nothing of the collectives overlaps compute), with no host time (hylo's
   steps measured 1.02-1.04× their replays on one GPU, RESULTS S22) and every rank as fast as rank 0;
 - the collectives are those the rank issued (recorded by the stand-in), timed two ways: (a) NCCL's
-  ring latency model plus the ring bandwidth term (`hylo.distributed.sizing`), (b) a one-shot
+  ring latency model plus the ring bandwidth term (`sizing.py`), (b) a one-shot
   all-reduce of the kind vLLM's custom all-reduce and TensorRT-LLM's fused all-reduce use, at the
   latency SGLang measured for it on H100 by message size (`ONE_SHOT_US`), all-gathers on NCCL's model;
 - per-user decode rate = tokens per step / step time; a request's output rate (what the SGLang cookbook
@@ -25,7 +25,7 @@ import json
 import math
 from pathlib import Path
 
-from hylo.distributed import sizing
+import sizing
 
 # One-shot custom all-reduce on H100 (no CUDA graph), µs by message bytes, TP4 and TP8: SGLang PR #2904's
 # table (https://github.com/sgl-project/sglang/pull/2904, 2025-01-15), interpolated in log(bytes). Above its

@@ -1,5 +1,5 @@
 """The TP/EP plan of the full GLM-5.3-Flash text model (45 layers, 288 experts, FP8 routed experts) on
-H200s, computed on the CPU from meta-device shapes (`hylo.distributed.sizing`): the memory each rank
+H200s, computed on the CPU from meta-device shapes (`sizing.py`): the memory each rank
 holds at TP4 and TP8 (experts split by expert and by tensor), and the device collectives of one step
 with the time they imply over NVLink. Prints markdown.
 
@@ -8,7 +8,7 @@ with the time they imply over NVLink. Prints markdown.
 
 from __future__ import annotations
 
-from hylo.distributed import sizing
+import sizing
 
 GiB, MiB = 2**30, 2**20
 SLOTS = 64  # request slots set aside in the token-capacity column

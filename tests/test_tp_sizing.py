@@ -1,14 +1,19 @@
-"""The TP/EP plan of the full model (`hylo.distributed.sizing`), on meta tensors: it fits where it
+"""The TP/EP plan of the full model (`benchmarks/sizing.py`), on meta tensors: it fits where it
 should and not where it cannot, the ranks' shards add up to the one-rank model, and the collectives
 the plan counts are the ones a forward makes."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import sizing
+
 from hylo.config import ModelConfig
-from hylo.distributed import sizing
 from hylo.distributed.parallel import Parallel
 from hylo.distributed.sharding import expert_of
 from hylo.forward_batch import ForwardBatch, SequenceChunk

@@ -26,16 +26,14 @@ from spec_e2e import copy_bandwidth, decode_rate, replay_ms, step_floor, write_t
 
 from hylo import LLM
 from hylo.config import ModelConfig
-from hylo.models.glm5_next import Glm5NextForCausalLM
-from hylo.models.loader import _materialize
+from hylo.models.loader import build_model
 
 PROMPTS = (1024, 8192, 13312)
 
 
 def bf16_slice_bytes(path: Path) -> int:
     """The weights of the slice loaded entirely in bf16 (no FP8 tensor), counted on the meta device."""
-    with torch.device("meta"):
-        model = _materialize(Glm5NextForCausalLM(ModelConfig.from_dir(path)), "meta", torch.bfloat16)
+    model = build_model(ModelConfig.from_dir(path), "meta", torch.bfloat16)
     unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
     return sum(t.numel() * t.element_size() for t in unique)
 

@@ -432,6 +432,32 @@ def _has_fp8_projections(model: torch.nn.Module) -> bool:
     return any(isinstance(m, Linear) and m.fp8 for m in model.modules())
 
 
+def build_model(
+    config: ModelConfig,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    parallel: Parallel = SINGLE,
+    fp8_experts: bool = False,
+    is_fp8: Callable[[str], bool] | None = None,
+) -> Glm5NextForCausalLM:
+    """The model of `config` as `load_model` builds it before reading a weight: built on the meta
+    device as this rank's share (`parallel`), its routed experts `FP8Experts` with `fp8_experts`, every
+    projection whose checkpoint weight `is_fp8` e4m3 (`keep_projections_fp8`), then every tensor given
+    uninitialised storage on `device` in its final dtype (`dtype`, except what is kept in fp32 or FP8).
+    On `device="meta"` it holds no memory: the shapes and dtypes a rank would hold."""
+    with torch.device("meta"):
+        model = Glm5NextForCausalLM(config, parallel)
+        if fp8_experts:  # swapped before allocation: the bf16 experts never take memory
+            for layer in model.layers:
+                if isinstance(layer.mlp, MoE):
+                    layer.mlp.experts = FP8Experts.empty(config, "meta", parallel)
+        if config.tie_word_embeddings:  # tied before allocation: one tensor, not two
+            model.lm_head.weight = model.embed_tokens.weight
+        if is_fp8 is not None:
+            keep_projections_fp8(model, is_fp8)
+    return _materialize(model, device, dtype)
+
+
 def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",
@@ -460,23 +486,40 @@ def load_model(
         fp8_experts = on_gpu and fp8_checkpoint and config.moe_intermediate_size % FP8_BLOCK == 0
     if fp8_projections is None:
         fp8_projections = on_gpu and fp8_checkpoint
-    with torch.device("meta"):
-        model = Glm5NextForCausalLM(config, parallel)
-        if fp8_experts:  # swapped before allocation: the bf16 experts never take memory
-            for layer in model.layers:
-                if isinstance(layer.mlp, MoE):
-                    layer.mlp.experts = FP8Experts.empty(config, "meta", parallel)
-        if config.tie_word_embeddings:  # tied before allocation: one tensor, not two
-            model.lm_head.weight = model.embed_tokens.weight
-        if fp8_projections:
-            is_fp8 = stored_block_scaled if random_weights else fp8_checkpoint_keys(path).__contains__
-            keep_projections_fp8(model, is_fp8)
-    model = _materialize(model, device, dtype)
+    is_fp8 = None
+    if fp8_projections:
+        is_fp8 = stored_block_scaled if random_weights else fp8_checkpoint_keys(path).__contains__
+    model = build_model(config, device, dtype, parallel, fp8_experts, is_fp8)
     if random_weights:
         randomize(model, torch.Generator(device).manual_seed(DUMMY_SEED))
     else:
         load_weights(model, path, progress)
     return model.eval()
+
+
+def build_mtp_layer(
+    target_config: ModelConfig,
+    mlp: str,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    parallel: Parallel = SINGLE,
+    own_embedding: bool = False,
+    own_head: bool = False,
+    fp8_experts: bool = False,
+    is_fp8: Callable[[str], bool] | None = None,
+) -> MTPLayer:
+    """The MTP layer after a target of `target_config` as `load_mtp_layer` builds it before reading a
+    weight (its MLP `mlp`, "dense" or "sparse"; with its own embedding or head where the checkpoint
+    stores them), as `build_model` builds the target: FP8 routed experts with `fp8_experts`, e4m3
+    projections where `is_fp8` (by the checkpoint names under `layers.{num_hidden_layers}.`)."""
+    with torch.device("meta"):
+        layer = MTPLayer(mtp_config(target_config, mlp), own_embedding, own_head, parallel)
+        if fp8_experts and isinstance(layer.decoder.mlp, MoE):
+            layer.decoder.mlp.experts = FP8Experts.empty(layer.config, "meta", parallel)
+        if is_fp8 is not None:
+            prefix = f"layers.{target_config.num_hidden_layers}."
+            keep_projections_fp8(layer, is_fp8, partial(mtp_checkpoint_key, prefix=prefix))
+    return _materialize(layer, device, dtype)
 
 
 def load_mtp_layer(
@@ -500,16 +543,16 @@ def load_mtp_layer(
         names = _mtp_tensor_names(path, n)
         mlp = "sparse" if "mlp.gate.weight" in names else "dense"
         own_embedding, own_head = "embed_tokens.weight" in names, "shared_head.head.weight" in names
-    with torch.device("meta"):
-        layer = MTPLayer(mtp_config(target.config, mlp), own_embedding, own_head, target.parallel)
-        # FP8 routed experts where the target keeps its own FP8 (an FP8 checkpoint's MTP layer is too)
-        if isinstance(layer.decoder.mlp, MoE) and _has_fp8_experts(target):
-            layer.decoder.mlp.experts = FP8Experts.empty(layer.config, "meta", target.parallel)
-        if _has_fp8_projections(target):  # and FP8 projections where the target keeps its own
-            is_fp8 = stored_block_scaled if random_weights else fp8_checkpoint_keys(path).__contains__
-            keep_projections_fp8(layer, is_fp8, partial(mtp_checkpoint_key, prefix=prefix))
+    # FP8 routed experts and projections where the target keeps its own (an FP8 checkpoint's MTP layer
+    # is FP8 too)
+    is_fp8 = None
+    if _has_fp8_projections(target):
+        is_fp8 = stored_block_scaled if random_weights else fp8_checkpoint_keys(path).__contains__
     weight = target.embed_tokens.weight
-    layer = _materialize(layer, weight.device, weight.dtype)
+    layer = build_mtp_layer(
+        target.config, mlp, weight.device, weight.dtype, target.parallel,
+        own_embedding, own_head, _has_fp8_experts(target), is_fp8,
+    )  # fmt: skip
     if random_weights:
         randomize(layer, torch.Generator(weight.device).manual_seed(DUMMY_SEED + 1))
         return layer.eval()

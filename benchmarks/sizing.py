@@ -1,14 +1,16 @@
 """Sizes of a model under tensor and expert parallelism, computed from meta-device shapes: the weights
 each rank holds, what that leaves of a GPU for caches, and the device collectives of one step.
 
-Weights are counted on the model as `load_model` would build it for an FP8 checkpoint on CUDA: the
-layers built on the meta device with this rank's `Parallel` (no collectives run), the routed experts
-swapped for `FP8Experts` (e4m3 weights, fp32 block scales) and the projections an FP8 checkpoint stores
-block-scaled made e4m3 (`loader.keep_projections_fp8`), then `loader._materialize` picks every
-tensor's dtype (bf16, except what `transformers` keeps in fp32, and buffers as built). The MTP layer is
-built as `load_mtp_layer(..., random_weights=True)` builds it: the MLP of the target's last layer, no
-embedding or head of its own (it uses the target's), FP8 routed experts and projections like the
-target's.
+Weights are counted on the model as `load_model` would build it for an FP8 checkpoint on CUDA
+(`loader.build_model` on the meta device): the layers built with this rank's `Parallel` (no
+collectives run), the routed experts `FP8Experts` (e4m3 weights, fp32 block scales), the projections
+an FP8 checkpoint stores block-scaled e4m3, every other tensor in its final dtype (bf16, except what
+`transformers` keeps in fp32, and buffers as built). The MTP layer is built as
+`load_mtp_layer(..., random_weights=True)` builds it (`loader.build_mtp_layer`): the MLP of the
+target's last layer, no embedding or head of its own (it uses the target's), FP8 routed experts and
+projections like the target's.
+
+Used by `tp_plan.py` and `rank_projection.py` beside it, and checked by `tests/test_tp_sizing.py`.
 
 Collectives (read from the layers; `tests/test_tp_sizing.py` also counts them in a traced forward):
 
@@ -25,24 +27,23 @@ Collectives (read from the layers; `tests/test_tp_sizing.py` also counts them in
   block (1 all-gather of `[R·(B−1), 2]`).
 
 Besides these, rank 0 broadcasts a 4-integer step header over a gloo (host) group each step
-(`hylo.distributed.control`); that is not NVLink traffic and is not counted here.
+(`hylo.parallel.control`); that is not NVLink traffic and is not counted here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from hylo.config import ModelConfig
 from hylo.distributed.parallel import Parallel
-from hylo.layers.moe import FP8Experts, MoE
+from hylo.layers.moe import FP8Experts
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
 from hylo.models.glm5_next import Glm5NextForCausalLM
-from hylo.models.loader import _materialize, keep_projections_fp8, mtp_checkpoint_key, stored_block_scaled
+from hylo.models.loader import build_model, build_mtp_layer, stored_block_scaled
 from hylo.models.mtp import MTPLayer, mtp_config
 
 DTYPE = torch.bfloat16
@@ -102,15 +103,6 @@ def full_config() -> ModelConfig:
 # --- weights ---------------------------------------------------------------------------------------
 
 
-def _fp8_weights(module: torch.nn.Module, config: ModelConfig, parallel: Parallel, key_of=str) -> None:
-    """Swap every MoE's routed experts for FP8 ones and make the projections FP8 before allocation,
-    as `load_model` does for an FP8 checkpoint."""
-    for sub in module.modules():
-        if isinstance(sub, MoE):
-            sub.experts = FP8Experts.empty(config, "meta", parallel)
-    keep_projections_fp8(module, stored_block_scaled, key_of)
-
-
 class _NoInit(TorchFunctionMode):
     """Meta tensors hold no values, so `torch.nn.init` is skipped on them (on meta, `nn.Embedding`'s
     `normal_` runs a Python reference that imports `torch._dynamo`: seconds on a small CPU)."""
@@ -126,22 +118,17 @@ class _NoInit(TorchFunctionMode):
 
 def build_target(config: ModelConfig, parallel: Parallel) -> Glm5NextForCausalLM:
     """This rank's target on the meta device, in the dtypes `load_model` gives an FP8 checkpoint."""
-    with torch.device("meta"), _NoInit():
-        model = Glm5NextForCausalLM(config, parallel)
-        _fp8_weights(model, config, parallel)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-    return _materialize(model, "meta", DTYPE)
+    with _NoInit():
+        return build_model(config, "meta", DTYPE, parallel, fp8_experts=True, is_fp8=stored_block_scaled)
 
 
 def build_mtp(config: ModelConfig, parallel: Parallel) -> MTPLayer:
     """This rank's MTP layer on the meta device, as `load_mtp_layer(random_weights=True)` builds it."""
-    layer_config = mtp_config(config, config.mlp_layer_types[-1])
-    with torch.device("meta"), _NoInit():
-        layer = MTPLayer(layer_config, False, False, parallel)
-        prefix = f"layers.{config.num_hidden_layers}."
-        _fp8_weights(layer, layer_config, parallel, partial(mtp_checkpoint_key, prefix=prefix))
-    return _materialize(layer, "meta", DTYPE)
+    mlp = config.mlp_layer_types[-1]
+    with _NoInit():
+        return build_mtp_layer(
+            config, mlp, "meta", DTYPE, parallel, fp8_experts=True, is_fp8=stored_block_scaled
+        )
 
 
 @dataclass(frozen=True)
