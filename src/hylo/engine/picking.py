@@ -107,6 +107,29 @@ def sample_plain(
     return picked
 
 
+def sample_launched(
+    chunks: Sequence[ScheduledChunk],
+    logits: torch.Tensor,
+    generator: torch.Generator,
+    last_sampled: torch.Tensor,
+    counted: bool,
+) -> Sampled:
+    """The picks of a plain decode step launched ahead of its read (`logits [rows, vocab]`, one row a
+    chunk; `counted`: as `sampling_batch` takes it), each written to its request-table row of
+    `last_sampled`, where the next step's in-flight token comes from (not for a request that ended
+    meanwhile and gave its row back: its pick is dropped)."""
+    requests = [ch.request for ch in chunks]
+    batch = sampling_batch(requests, logits.shape[-1], logits.device, last_sampled, counted)
+    picked = sample(logits, batch, generator)
+    held = [i for i, r in enumerate(requests) if r.slot is not None]  # not those that ended meanwhile
+    slots = to_device([requests[i].slot for i in held], logits.device, torch.long)
+    if len(held) == len(requests):
+        last_sampled[slots] = picked.tokens
+    else:
+        last_sampled[slots] = picked.tokens[to_device(held, logits.device, torch.long)]
+    return picked
+
+
 def accept_blocks(
     chunks: Sequence[ScheduledChunk],
     layout: PickLayout,

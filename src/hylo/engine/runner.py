@@ -20,14 +20,11 @@ from hylo.engine.picking import ChunkResult, PickLayout
 from hylo.engine.prefill_graph import PrefillGraphs
 from hylo.engine.reader import Logprobs, PendingRead, Reader, StepRead
 from hylo.engine.request import IN_FLIGHT, Request
-from hylo.engine.sampling_batch import sampling_batch
 from hylo.engine.scheduler import ScheduledChunk
 from hylo.engine.verify_graph import VerifyGraphs
 from hylo.forward_batch import ForwardBatch, SequenceChunk
-from hylo.host_copy import to_device
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import Glm5NextForCausalLM
-from hylo.sampling import sample
 from hylo.speculative.proposer import Proposer
 
 
@@ -230,16 +227,11 @@ class ModelRunner:
         self._sample(launched, own_counted=True)
 
     def _sample(self, launched: LaunchedStep, own_counted: bool) -> None:
-        c, logits = self.caches, launched.logits
-        requests = [ch.request for ch in launched.chunks]
-        rows = sampling_batch(requests, logits.shape[-1], logits.device, c.last_sampled, own_counted)
-        picked = sample(logits, rows, self.generator)
-        held = [i for i, r in enumerate(requests) if r.slot is not None]  # not those that ended meanwhile
-        slots = to_device([requests[i].slot for i in held], logits.device, torch.long)
-        if len(held) == len(requests):
-            c.last_sampled[slots] = picked.tokens
-        else:
-            c.last_sampled[slots] = picked.tokens[to_device(held, logits.device, torch.long)]
+        """The launched step's picks (`picking.sample_launched`), the proposer's observe of an eager
+        forward, and the start of the read."""
+        picked = picking.sample_launched(
+            launched.chunks, launched.logits, self.generator, self.caches.last_sampled, own_counted
+        )
         if launched.observing is not None:  # what `_pick` has the proposer observe of a plain step
             self.drafting.observe_picks(launched.observing, picked.tokens)
             launched.observing = None
