@@ -101,7 +101,7 @@ class DraftDriver:
         targets, rows, columns, offset = [], [], [], 0
         for ch in chunks:
             if ch.verify:
-                n = ch.num_tokens - 1
+                n = ch.num_drafts
                 targets += range(offset + 1, offset + 1 + n)
                 rows += [ch.request.slot] * n
                 columns += range(n)

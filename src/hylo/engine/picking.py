@@ -164,7 +164,7 @@ def accept_blocks(
 def verify_blocks(chunks: Sequence[ScheduledChunk], width: int, model: Glm5NextForCausalLM):
     """What acceptance reads of the verify chunks' blocks of `width` (`verify_batch`), its grammar
     masks over the model's vocabulary on its device."""
-    requests, num_drafts = [ch.request for ch in chunks], [ch.num_tokens - 1 for ch in chunks]
+    requests, num_drafts = [ch.request for ch in chunks], [ch.num_drafts for ch in chunks]
     device = model.embed_tokens.weight.device
     return verify_batch(requests, num_drafts, width, model.config.vocab_size, device)
 

@@ -248,7 +248,7 @@ class ModelRunner:
         # a block launched ahead is whole: it is cut to what the request's draft budget allows now
         # that the step before it has been applied, the block a step scheduled then would have held
         launched.chunks = [
-            replace(ch, num_tokens=min(ch.num_tokens, 1 + ch.request.draft_budget(ch.num_tokens - 1)))
+            replace(ch, num_tokens=min(ch.num_tokens, 1 + ch.request.draft_budget(ch.num_drafts)))
             for ch in launched.chunks
         ]
         return picking.verify_results(launched.chunks, read)

@@ -19,7 +19,7 @@ MAX_SCORED_CHUNK_TOKENS = 1024
 @dataclass(frozen=True)
 class ScheduledChunk:
     """`num_tokens` of the request's uncomputed tokens; a `verify` chunk instead feeds the anchor and
-    its first `num_tokens - 1` drafts (which the proposer keeps on the device; none for a decoding
+    its first `num_drafts` drafts (which the proposer keeps on the device; none for a decoding
     request without a draft budget in a step where others verify: it verifies a block of one token)."""
 
     request: Request
@@ -27,6 +27,11 @@ class ScheduledChunk:
     verify: bool = False
     # prefix-cache snapshots the chunk leaves: (position, snapshot id), the state after position - 1
     snapshots: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_drafts(self) -> int:
+        """The drafts a verify chunk feeds after its anchor (none for any other chunk)."""
+        return self.num_tokens - 1 if self.verify else 0
 
     @property
     def verifies_drafts(self) -> bool:
