@@ -11,12 +11,9 @@ import torch
 
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.mhc import reference
+from hylo.ops.mhc.reference import KERNEL_STREAMS
 
 __all__ = ["KERNEL_STREAMS", "mhc_post", "mhc_post_pre", "mhc_pre", "refusal", "streams_refusal"]
-
-
-# the kernels unroll this many residual streams (GLM-5.3-Flash's hc_mult)
-KERNEL_STREAMS = 4
 
 
 def streams_refusal(hc_mult: int) -> str | None:

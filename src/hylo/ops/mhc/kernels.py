@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from hylo.ops.mhc import KERNEL_STREAMS as HC_MULT
+from hylo.ops.mhc.reference import KERNEL_STREAMS as HC_MULT
 
 N_LOGITS = tl.constexpr(24)  # pre (4) | post (4) | comb (16): the rows of fn
 LOGIT_ROWS = tl.constexpr(32)  # logits padded to a tl.dot size; row 24 carries the sum of squares

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# the Triton kernels unroll this many residual streams (GLM-5.3-Flash's hc_mult); kept here, where the
+# dispatcher and the kernels both read it without importing each other
+KERNEL_STREAMS = 4
+
 
 def mhc_pre(
     streams: torch.Tensor,
