@@ -61,6 +61,26 @@ def test_prologue_matches_reference(tokens, hidden, num_experts, top_k, groups, 
     assert torch.equal(q.float(), ref_q.float())
 
 
+@pytest.mark.parametrize(("tokens", "first_expert", "block_m"), [(1, 8, 16), (5, 4, 16), (8, 0, 4)])
+def test_prologue_places_only_the_weights_experts_pairs(tokens, first_expert, block_m):
+    """A rank of expert parallelism holding experts [first, first + 4) of 12: every token routed over
+    all 12 (the ids are global), only this rank's pairs placed, in the general alignment's blocks."""
+    g = torch.Generator().manual_seed(tokens + first_expert)
+    x = torch.randn(tokens, 64, generator=g)
+    routing_ = random_routing(g, 64, 12, 8 if tokens == 8 else 3)
+    ids, _, layout, _, _ = decode.prologue(
+        x, routing_, block_m, quantize=False, first_expert=first_expert, num_experts=4
+    )
+    assert torch.equal(ids, reference.route(x, *routing_)[0])
+    assert 0 < int(layout.block_rows.sum()) < ids.numel()  # some of the step's pairs are this rank's
+    assert_alignment(layout, ids, 4, block_m, first_expert)
+    general = routing.align(ids, 4, block_m, first_expert)
+    assert torch.equal(layout.block_expert, general.block_expert)
+    assert torch.equal(layout.block_rows, general.block_rows)
+    with pytest.raises(ValueError, match=r"experts \[10, 10 \+ 4\) are not among the router's 12"):
+        decode.prologue(x, routing_, block_m, quantize=False, first_expert=10, num_experts=4)
+
+
 class Experts:
     """Random experts, bf16-style (`gate_up`, `down`) and their block-FP8 quantisation."""
 
@@ -107,6 +127,39 @@ def test_routed_experts_fp8_matches_the_general_path(dtype, tolerance):
     assert (
         rel_err(out, reference.experts(x.float(), experts.gate_up, experts.down, ids, weights, LIMIT)) < 0.1
     )
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_routed_experts_of_one_rank_match_the_general_path(fp8):
+    """Each of three ranks holding 4 of 12 experts: the three-launch step computes only its experts'
+    pairs, as the general path does (same GEMM rows; the combine sums the placed rows, in its own
+    order), and the ranks' outputs add up to the whole step's."""
+    g = torch.Generator().manual_seed(7)
+    tokens, hidden, inter, top_k = 5, 128, 128, 4
+    x = torch.randn(tokens, hidden, generator=g)
+    routing_, experts = random_routing(g, hidden, 12, top_k), Experts(g, hidden, inter, 12)
+    ids, weights = reference.route(x, *routing_)
+    assert len(set((ids // 4).flatten().tolist())) == 3  # every rank has pairs
+    weights_of = (experts.gate_up_q, experts.gate_up_s, experts.down_q, experts.down_s)
+    if not fp8:
+        weights_of = (experts.gate_up, None, experts.down, None)
+
+    def step(first: int | None):
+        mine = slice(first or 0, 12 if first is None else first + 4)
+        gate_up, gate_up_s, down, down_s = (w if w is None else w[mine] for w in weights_of)
+        scales = (gate_up_s, down_s) if fp8 else None
+        out = decode.routed_experts(x, routing_, gate_up, down, LIMIT, scales, first_expert=first)
+        if fp8:
+            general = kernels.experts_fp8(
+                x, gate_up, gate_up_s, down, down_s, ids, weights, LIMIT, first_expert=first
+            )
+        else:
+            general = kernels.experts(x, gate_up, down, ids, weights, LIMIT, first_expert=first)
+            assert rel_err(out, reference.experts(x, gate_up, down, ids, weights, LIMIT, first)) < 2e-6
+        assert rel_err(out, general) < 1e-6
+        return out
+
+    assert rel_err(sum(step(first) for first in (0, 4, 8)), step(None)) < 1e-6
 
 
 def test_tickets_are_left_zero_and_steps_repeat_bitwise():

@@ -96,9 +96,35 @@ def test_align_invariants(tokens, top_k, num_experts, block_m):
     assert_alignment(routing.align(ids, num_experts, block_m), ids, num_experts, block_m)
 
 
-def assert_alignment(layout: routing.Alignment, ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    """`layout` sorts the pairs of `ids` by expert into blocks as `routing.align` promises."""
-    counts = torch.bincount(ids.flatten(), minlength=num_experts)
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "first_expert", "block_m"),
+    # 12 experts, this rank's 4 from `first_expert`: the one-program kernel, then count and place
+    [(1, 4, 4, 16), (7, 3, 0, 16), (13, 4, 8, 4), (90, 3, 4, 16)],
+)
+def test_align_places_only_the_weights_experts_pairs(tokens, top_k, first_expert, block_m):
+    """A rank of expert parallelism: global ids, only the pairs of experts [first, first + 4) placed,
+    as experts 0..3; the others take no row and no block (the bound is a rank's own experts')."""
+    g = torch.Generator().manual_seed(tokens + first_expert)
+    ids = torch.rand(tokens, 12, generator=g).argsort(-1)[:, :top_k]
+    layout = routing.align(ids, 4, block_m, first_expert)
+    assert_alignment(layout, ids, 4, block_m, first_expert)
+    mine = int(((ids >= first_expert) & (ids < first_expert + 4)).sum())
+    assert 0 < mine < ids.numel() and int(layout.block_rows.sum()) == mine
+
+
+def assert_alignment(
+    layout: routing.Alignment,
+    ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    first_expert: int | None = None,
+) -> None:
+    """`layout` sorts the pairs of `ids` by expert into blocks as `routing.align` promises: with
+    `first_expert`, exactly the pairs of the global experts [first_expert, first_expert + num_experts)
+    are placed, as experts 0.., and no other."""
+    local = ids.flatten() - (first_expert or 0)
+    placed = ((local >= 0) & (local < num_experts)).nonzero().squeeze(1)
+    counts = torch.bincount(local[placed], minlength=num_experts)
     bound = routing.max_blocks(ids.numel(), num_experts, block_m)
     assert layout.block_expert.shape == (bound,) and layout.pairs.shape == (bound * block_m,)
     real = int((layout.block_expert >= 0).sum())
@@ -111,8 +137,8 @@ def assert_alignment(layout: routing.Alignment, ids: torch.Tensor, num_experts: 
     assert torch.equal(torch.zeros(num_experts, dtype=torch.long).index_add_(0, experts, rows), counts)
     valid = torch.arange(block_m)[None, :] < rows[:, None]
     pairs = layout.pairs.view(bound, block_m)[:real][valid].long()
-    assert torch.equal(pairs.sort().values, torch.arange(ids.numel())), "every pair exactly once"
-    assert torch.equal(ids.flatten()[pairs], experts[:, None].expand(-1, block_m)[valid])
+    assert torch.equal(pairs.sort().values, placed), "every placed pair exactly once"
+    assert torch.equal(local[pairs], experts[:, None].expand(-1, block_m)[valid])
 
 
 # ---------------------------------------------------------------- grouped GEMMs
@@ -140,6 +166,56 @@ def test_experts_matches_reference(tokens, hidden, inter, num_experts, top_k, co
     out = kernels.experts(case.x, case.gate_up, case.down, case.ids, case.weights, LIMIT, CONFIGS[config])
     assert out.shape == case.x.shape and out.dtype == case.x.dtype
     assert rel_err(out, case.reference()) < 2e-6
+
+
+@pytest.mark.parametrize(
+    ("tokens", "config"),
+    [(5, "default"), (13, "m16-uneven-k"), (40, "default")],  # 40 tokens: the 64-row prefill tiles
+)
+def test_experts_of_one_rank_match_the_reference(tokens, config):
+    """A rank of expert parallelism (global ids, the weights of experts 4..7 of 12): the output of only
+    its experts' pairs, as the reference's; the three ranks' outputs add up to all experts' output."""
+    case = Case(tokens, tokens, 64, 32, 12, 3, unused=0)
+    parts = []
+    for first in (0, 4, 8):
+        mine = slice(first, first + 4)
+        args = (case.x, case.gate_up[mine], case.down[mine], case.ids, case.weights, LIMIT)
+        out = kernels.experts(*args, CONFIGS[config], first_expert=first)
+        assert rel_err(out, reference.experts(*args, first)) < 2e-6
+        parts.append(out)
+    assert rel_err(sum(parts), case.reference()) < 2e-6
+
+
+def test_experts_fp8_of_one_rank_are_the_whole_steps_local_rows():
+    """FP8, a rank holding experts 2..3 of 6: each placed pair's row is the one the whole step computes
+    (same quantisation of x and h), so the output equals the whole step's with the other pairs' routing
+    weights zeroed, up to the combine's summation order."""
+    case = Case(8, 9, 160, 128, 6, 3, unused=0)
+    quantized = (*fp8_ops.quantize_fp8_blocks(case.gate_up), *fp8_ops.quantize_fp8_blocks(case.down))
+    gate_up, gate_up_s, down, down_s = (w[2:4] for w in quantized)
+    out = kernels.experts_fp8(
+        case.x, gate_up, gate_up_s, down, down_s, case.ids, case.weights, LIMIT, first_expert=2
+    )
+    local = (case.ids >= 2) & (case.ids < 4)
+    assert local.any() and not local.all(1).any()
+    whole = kernels.experts_fp8(case.x, *quantized, case.ids, case.weights.where(local, 0), LIMIT)
+    assert rel_err(out, whole) < 1e-6
+    ref = reference.experts_fp8(case.x, gate_up, gate_up_s, down, down_s, case.ids, case.weights, LIMIT, 2)
+    assert rel_err(out, ref) < 0.08
+
+
+def test_combine_sums_only_the_placed_rows():
+    """`kernels.combine`: Σ_k of a token's rows whose expert lies in the span, in fp32 and rounded once;
+    the other rows (unset in a step: NaN here) are never read."""
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 12, (21, 4), generator=g)
+    routed = torch.randn(ids.numel(), 80, generator=g).half()
+    local = ((ids >= 4) & (ids < 8)).flatten()
+    routed[~local] = float("nan")
+    out = kernels.combine(routed, ids, 4, 4)
+    expected = routed.float().where(local[:, None], 0).view(21, 4, 80).sum(1)
+    assert out.dtype == torch.float16 and not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected, rtol=1e-3, atol=1e-3)  # one fp16 rounding
 
 
 def test_experts_half_precision_and_int32_ids():

@@ -2,8 +2,10 @@
 
 Under tensor parallelism the router is replicated (every rank routes every token the same way) and
 the routed experts are split by expert or by tensor (`Parallel.ep_size`); the shared expert is split
-by tensor. Each rank's routed and shared partial sums are added and all-reduced once: the combine is
-one reduction."""
+by tensor. Split by expert, a rank computes only the (token, choice) pairs routed to its own experts
+(`first_expert` of the expert modules, `moe_ops.routed_experts`); split by tensor, every pair on its
+intermediate slice. Each rank's routed and shared partial sums are added and all-reduced once: the
+combine is one reduction."""
 
 from __future__ import annotations
 
@@ -35,26 +37,31 @@ def local_experts(config: ModelConfig, parallel: Parallel) -> tuple[int, int, in
     return 0, e, parallel.part(i, "moe_intermediate_size")
 
 
+def first_local_expert(config: ModelConfig, parallel: Parallel) -> int | None:
+    """The global id of this rank's first routed expert when the experts are split by expert, else None
+    (the rank holds a slice of every expert): the `first_expert` of `moe_ops.routed_experts`."""
+    return local_experts(config, parallel)[0] if parallel.experts_by_expert else None
+
+
 class Experts(nn.Module):
     """Routed expert weights, stacked: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`
-    (this rank's experts and intermediate slice: `local_experts`)."""
+    (this rank's experts and intermediate slice: `local_experts`); `first_expert`: the global id of
+    the first of them, split by expert (`first_local_expert`)."""
 
     def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE):
         super().__init__()
         _, e, i = local_experts(config, parallel)
         d = config.hidden_size
+        self.first_expert = first_local_expert(config, parallel)
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
-        """The routed experts' output for x, routing included (`moe_ops.routed_experts`)."""
-        return moe_ops.routed_experts(x, routing, self.gate_up_proj, self.down_proj, limit)
-
-    def forward_routed(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float
-    ) -> torch.Tensor:
-        """The output for x of the (token, choice) pairs `ids` (local expert ids) with `weights`."""
-        return moe_ops.experts(x, self.gate_up_proj, self.down_proj, ids, weights, limit)
+        """The output for x of the pairs routed to these experts, routing included
+        (`moe_ops.routed_experts`)."""
+        return moe_ops.routed_experts(
+            x, routing, self.gate_up_proj, self.down_proj, limit, first_expert=self.first_expert
+        )
 
 
 class FP8Experts(nn.Module):
@@ -67,8 +74,10 @@ class FP8Experts(nn.Module):
         gate_up_proj_scale_inv: torch.Tensor,
         down_proj: torch.Tensor,
         down_proj_scale_inv: torch.Tensor,
+        first_expert: int | None = None,
     ):
         super().__init__()
+        self.first_expert = first_expert
         self.register_buffer("gate_up_proj", gate_up_proj)
         self.register_buffer("gate_up_proj_scale_inv", gate_up_proj_scale_inv)
         self.register_buffer("down_proj", down_proj)
@@ -94,7 +103,7 @@ class FP8Experts(nn.Module):
             scale = torch.empty(e, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK), dtype=torch.float32, device=device)
             return weight, scale
 
-        return cls(*buffers(2 * i, d), *buffers(d, i))
+        return cls(*buffers(2 * i, d), *buffers(d, i), first_local_expert(config, parallel))
 
     @classmethod
     def from_experts(cls, experts: Experts) -> FP8Experts:
@@ -102,21 +111,15 @@ class FP8Experts(nn.Module):
         return cls(
             *quantize_fp8_blocks(experts.gate_up_proj.detach()),
             *quantize_fp8_blocks(experts.down_proj.detach()),
+            experts.first_expert,
         )
 
     def forward(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
-        """The routed experts' output for x, routing included (`moe_ops.routed_experts`)."""
+        """`Experts.forward` (`moe_ops.routed_experts` with the scales)."""
         scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
-        return moe_ops.routed_experts(x, routing, self.gate_up_proj, self.down_proj, limit, scales)
-
-    def forward_routed(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float
-    ) -> torch.Tensor:
-        """The output for x of the (token, choice) pairs `ids` (local expert ids) with `weights`."""
-        return moe_ops.experts_fp8(
-            x, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv,
-            ids, weights, limit,
-        )  # fmt: skip
+        return moe_ops.routed_experts(
+            x, routing, self.gate_up_proj, self.down_proj, limit, scales, self.first_expert
+        )
 
 
 class MoE(nn.Module):
@@ -125,7 +128,6 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE):
         super().__init__()
         self.config, self.parallel = config, parallel
-        self.first_expert = local_experts(config, parallel)[0]
         self.gate = Router(config)
         self.experts: Experts | FP8Experts = Experts(config, parallel)
         self.shared_experts = MLP(
@@ -134,8 +136,13 @@ class MoE(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parallel.all_reduce(self.routed(x) + self.shared_experts(x))
+
+    @property
+    def routing(self) -> moe_ops.Routing:
+        """The router's tensors and choice rule (replicated: every rank routes every token alike)."""
         c = self.config
-        routing = moe_ops.Routing(
+        return moe_ops.Routing(
             self.gate.weight,
             self.gate.e_score_correction_bias,
             c.num_experts_per_tok,
@@ -144,20 +151,9 @@ class MoE(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
-        if self.parallel.experts_by_expert:
-            routed = self._local_pairs(x, routing)
-        else:
-            routed = self.experts(x, routing, c.swiglu_limit)
-        return self.parallel.all_reduce(routed + self.shared_experts(x))
 
-    def _local_pairs(self, x: torch.Tensor, routing: moe_ops.Routing) -> torch.Tensor:
-        """Experts split by expert: every pair routed to another rank's expert is given weight 0 (and
-        this rank's first expert, so that the kernels see valid ids); it adds nothing here, and the
-        rank that holds its expert adds it in the all-reduce. Those pairs are still computed: a
-        kernel that drops them is left for when expert parallelism runs on GPUs."""
-        ids, weights = moe_ops.route(x, *routing)
-        local = ids - self.first_expert
-        mine = (local >= 0) & (local < self.experts.gate_up_proj.shape[0])
-        return self.experts.forward_routed(
-            x, local.where(mine, 0), weights.where(mine, 0), self.config.swiglu_limit
-        )
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the routed experts' output: every token is routed over all experts;
+        split by expert, only the pairs routed to this rank's experts are computed (the rank holding a
+        pair's expert adds it in the all-reduce)."""
+        return self.experts(x, self.routing, self.config.swiglu_limit)

@@ -4,12 +4,15 @@
    router weight whole: many programs read its 2.4 MB at bandwidth, and every logit is one program's
    dot product, so nothing is reduced across programs), the FP8 quantisation of x (one 128-channel
    group per program), then, in the program that arrives last (an atomic ticket, no waiting), the
-   routing of every token (`routing.route_tokens`) and the expert alignment. The alignment runs in
-   registers: a pair's rank within its expert and its expert's first block come from comparisons of
-   every pair with every other (at most `MAX_PAIRS`² of them), with no atomics or global round trips.
+   routing of every token (`routing.route_tokens`) and the expert alignment (at expert parallelism,
+   of the pairs of the experts the weights hold only: `first_expert`). The alignment reads the ids
+   the routing stored back, one pair a lane, and runs in registers: a pair's rank within its expert
+   and its expert's first block come from comparisons of every pair with every other (at most
+   `MAX_PAIRS`² of them), with no atomics. (Placing from the routing's own `[T, k]` registers,
+   reshaped to one pair a lane, placed some pairs wrongly on an H100 at 64 experts and 64 pairs.)
 2. `kernels.gate_up_stage`, as in the general path.
 3. `kernels.down_combine_stage`: the down GEMM, whose last program of each column tile sums every
-   token's k weighted rows in a fixed order (the combine).
+   token's k weighted rows (its placed ones, at expert parallelism) in a fixed order (the combine).
 
 The ticket counters are zero between launches: the last program of each counter puts it back, so a
 CUDA graph replays the launches as they are. Each CUDA stream gets its own counters (`tickets`), so
@@ -33,7 +36,14 @@ from hylo.ops.fp8.kernels import quantize_tile
 from hylo.ops.moe import kernels
 from hylo.ops.moe.kernels import MoeConfig
 from hylo.ops.moe.reference import Routing
-from hylo.ops.moe.routing import Alignment, check_route, choice_constants, max_blocks, route_tokens
+from hylo.ops.moe.routing import (
+    Alignment,
+    check_route,
+    choice_constants,
+    max_blocks,
+    placed_experts,
+    route_tokens,
+)
 
 MAX_PAIRS = 64  # (token, choice) pairs of a step on this path: the alignment's [pairs, pairs] fits registers
 TICKET_SLOTS = 256  # counters per stream: the down launch takes one per column tile (D / block_n)
@@ -70,30 +80,31 @@ def tickets(device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def _place_pairs(
-    ids,
-    ok,
-    pair,
+    ids_ptr,
+    num_pairs,
     pairs_ptr,
     block_expert_ptr,
     block_rows_ptr,
     num_blocks,
+    first_expert,
+    num_experts,
     PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCKS_PAD: tl.constexpr,
 ):
-    """`routing.align` of the chosen `ids` (`ok`: real choices; `pair`: their pair indices) from
-    registers: a pair's rank is the number of earlier pairs of its expert, its expert's first block
-    the blocks of all smaller chosen experts (counted once, at each expert's first pair)."""
-    expert = tl.reshape(ids.to(tl.int32), [PAIRS])
-    valid = tl.reshape(ok, [PAIRS])
-    pair = tl.reshape(pair, [PAIRS])
-    lane = tl.arange(0, PAIRS)
+    """`routing.align` of the `num_pairs` global ids at `ids_ptr` (this program wrote them: they are
+    read back after a barrier, one pair a lane) from registers, placing only the pairs of experts
+    [first_expert, first_expert + num_experts) (numbered from 0): a pair's rank is the number of
+    earlier pairs of its expert, its expert's first block the blocks of all smaller placed experts
+    (counted once, at each expert's first pair)."""
+    lane = tl.arange(0, PAIRS)  # pair index t·k + j
+    expert, valid = placed_experts(ids_ptr, lane, lane < num_pairs, first_expert, num_experts)
     same = (expert[:, None] == expert[None, :]) & valid[None, :]
     rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
     count = tl.sum(same.to(tl.int32), axis=1)
     blocks = tl.where(valid & (rank == 0), (count + BLOCK_M - 1) // BLOCK_M, 0)
     first_block = tl.sum(tl.where(expert[None, :] < expert[:, None], blocks[None, :], 0), axis=1)
-    tl.store(pairs_ptr + first_block * BLOCK_M + rank, pair, mask=valid)
+    tl.store(pairs_ptr + first_block * BLOCK_M + rank, lane, mask=valid)
     block = rank // BLOCK_M
     # the pairs of one block all write its expert and row count
     tl.store(block_expert_ptr + first_block + block, expert, mask=valid)
@@ -121,6 +132,8 @@ def _prologue_kernel(
     tickets_ptr,
     num_tokens,
     num_blocks,
+    first_expert,
+    num_experts,
     scaling,
     stride_x,
     stride_r,
@@ -158,22 +171,40 @@ def _prologue_kernel(
     if tl.atomic_add(tickets_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         tl.store(tickets_ptr, 0)
         t = tl.arange(0, T_PAD)
-        ids, ok, pair = route_tokens(
+        route_tokens(
             logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t < num_tokens, scaling,
             E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE,
         )  # fmt: skip
+        tl.debug_barrier()  # the ids stored by every thread of this program are read back by others
         _place_pairs(
-            ids,
-            ok,
-            pair,
+            ids_ptr,
+            num_tokens * TOP_K,
             pairs_ptr,
             block_expert_ptr,
             block_rows_ptr,
             num_blocks,
+            first_expert,
+            num_experts,
             T_PAD * K_PAD,
             BLOCK_M,
             BLOCKS_PAD,
         )
+
+
+def _placed_span(first_expert: int | None, num_experts: int | None, all_experts: int) -> tuple[int, int]:
+    """(first global id, count) of the experts the alignment places, out of the router's `all_experts`."""
+    if first_expert is None:
+        if num_experts not in (None, all_experts):
+            raise ValueError(
+                f"MoE decode: {num_experts} experts without first_expert, but the router has {all_experts}"
+            )
+        return 0, all_experts
+    if num_experts is None or not (first_expert >= 0 and first_expert + num_experts <= all_experts):
+        raise ValueError(
+            f"MoE decode: experts [{first_expert}, {first_expert} + {num_experts}) are not among the "
+            f"router's {all_experts}"
+        )
+    return first_expert, num_experts
 
 
 def prologue(
@@ -183,16 +214,21 @@ def prologue(
     quantize: bool,
     block_e: int = 1,
     num_warps: int = 4,
+    first_expert: int | None = None,
+    num_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Alignment, torch.Tensor | None, torch.Tensor | None]:
-    """One launch: (ids `[T, k]`, weights `[T, k]`, alignment into `block_m`-row blocks, and with
+    """One launch: (global ids `[T, k]`, weights `[T, k]`, alignment into `block_m`-row blocks, and with
     `quantize` x as e4m3 `[T, D]` with its fp32 group scales `[T, ceil(D/128)]`, else None, None).
-    `block_e` router rows per program and `num_warps`: the fastest of those timed by
-    `benchmarks/kernels/moe.py --only breakdown` on an H200 at M = 1 and 4."""
+    Every token is routed over all of routing's experts; the alignment places the pairs of the
+    `num_experts` experts from global id `first_expert` (a rank's, split by expert), numbered from 0,
+    or with `first_expert` None every pair. `block_e` router rows per program and `num_warps`: the
+    fastest of those timed by `benchmarks/kernels/moe.py --only breakdown` on an H200 at M = 1 and 4."""
     check_route(
         x, routing.weight, routing.correction_bias, routing.top_k, routing.n_group, routing.topk_group
     )
     tokens, hidden = x.shape
-    num_experts, top_k = routing.weight.shape[0], routing.top_k
+    all_experts, top_k = routing.weight.shape[0], routing.top_k
+    first_expert, num_experts = _placed_span(first_expert, num_experts, all_experts)
     if not fits(tokens, top_k):
         raise ValueError(f"prologue: x has {tokens} tokens, more than {MAX_PAIRS // top_k} at top-{top_k}")
     x, weight = x.contiguous(), routing.weight.contiguous()
@@ -211,12 +247,12 @@ def prologue(
     q_scale = torch.empty(tokens, groups, dtype=torch.float32, device=device) if quantize else None
     if tokens == 0:
         return ids, weights, layout, q, q_scale
-    programs = max(triton.cdiv(num_experts, block_e), groups if quantize else 1)
+    programs = max(triton.cdiv(all_experts, block_e), groups if quantize else 1)
     _prologue_kernel[(programs,)](
         x,
         weight,
         routing.correction_bias.float().contiguous(),
-        torch.empty(tokens, num_experts, dtype=torch.float32, device=device),  # the logits
+        torch.empty(tokens, all_experts, dtype=torch.float32, device=device),  # the logits
         ids,
         weights,
         x if q is None else q,  # read only where QUANTIZE says so
@@ -225,6 +261,8 @@ def prologue(
         tickets(device),
         tokens,
         num_blocks,
+        first_expert,
+        num_experts,
         float(routing.scaling),
         x.stride(0),
         weight.stride(0),
@@ -235,7 +273,7 @@ def prologue(
         QUANTIZE=quantize,
         BLOCK_M=block_m,
         BLOCKS_PAD=triton.next_power_of_2(num_blocks),
-        **choice_constants(num_experts, top_k, routing.n_group, routing.topk_group, routing.normalize),
+        **choice_constants(all_experts, top_k, routing.n_group, routing.topk_group, routing.normalize),
         num_warps=num_warps,
     )
     return ids, weights, layout, q, q_scale
@@ -249,14 +287,20 @@ def routed_experts(
     limit: float,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: MoeConfig | None = None,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """`route` then `kernels.experts` (with `scales` = (gate_up_scale_inv, down_scale_inv):
-    `kernels.experts_fp8`) for at most `MAX_PAIRS` pairs, in three launches (module docstring)."""
+    `kernels.experts_fp8`) for at most `MAX_PAIRS` pairs, in three launches (module docstring).
+    `first_expert`: as in `kernels.experts` (the weights hold global experts from `first_expert` on,
+    and only their pairs are computed); None: the weights hold all of routing's experts."""
     tokens, top_k = x.shape[0], routing.top_k
     gate_up_scale, down_scale = scales if scales is not None else (None, None)
     shape = torch.empty(tokens, top_k, device="meta")  # the ids and weights `prologue` will make
     config = kernels.check_experts(x, gate_up, gate_up_scale, down, down_scale, shape, shape, config)
-    _, weights, layout, q, q_scale = prologue(x, routing, config.block_m, quantize=scales is not None)
+    fp8, local = scales is not None, gate_up.shape[0]
+    ids, weights, layout, q, q_scale = prologue(
+        x, routing, config.block_m, fp8, first_expert=first_expert, num_experts=local
+    )
     if tokens == 0:
         return torch.zeros(0, x.shape[1], dtype=x.dtype, device=x.device)
     activations = x.contiguous() if q is None else q
@@ -264,5 +308,5 @@ def routed_experts(
         activations, q_scale, gate_up, gate_up_scale, layout, top_k, limit, config
     )
     return kernels.down_combine_stage(
-        h, h_scale, down, down_scale, layout, weights, x.dtype, config, tickets(x.device)
+        h, h_scale, down, down_scale, layout, weights, x.dtype, config, tickets(x.device), ids, first_expert
     )

@@ -7,6 +7,12 @@ rows, multiplies each by its routing weight and writes it to its pair's row of a
 summing the k rows of a token (a fixed order) makes the combine deterministic. For a few tokens
 (`decode`), `down_combine_stage` sums them in the down launch itself.
 
+Expert parallelism: the weights hold global experts `[first_expert, first_expert + E)` and the ids
+are global. Only the pairs of those experts are placed (`align`), so the GEMMs compute nothing for the
+others; their rows of the `[T·k, D]` buffer stay unset, and the combine (`combine`, or the one in
+`down_combine_stage`) reads the ids and sums only the placed rows. Without `first_expert` the ids
+index the weights, every pair is placed and the k rows are summed as they are.
+
 FP8: weights stay e4m3 with fp32 `scale_inv [E, ceil(N/128), ceil(K/128)]`; activations are
 quantised per token and group of 128 channels (x by a small kernel, once per token; the SwiGLU
 output in the gate|up epilogue, whose tile holds whole groups). Each 128-deep K step multiplies its
@@ -32,7 +38,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import group_scale, quantize_groups, quantize_rows, round_to_e4m3
-from hylo.ops.moe.routing import Alignment, align
+from hylo.ops.moe.routing import Alignment, align, placed_experts
 
 
 @dataclass(frozen=True)
@@ -279,6 +285,40 @@ def _down_kernel(
 
 
 @triton.jit
+def _sum_pairs(
+    routed_ptr, ids_ptr, t, t_ok, n, stride_r, first_expert,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, N: tl.constexpr, E: tl.constexpr, PARTIAL: tl.constexpr,
+):  # fmt: skip
+    """fp32 `[len(t), len(n)]`: Σ_k of tokens `t`'s rows of `routed [T·k, N]`, in a fixed order. PARTIAL:
+    only the rows of pairs whose global expert (`ids [T, k]`) lies in [first_expert, first_expert + E)
+    (the others were never placed and their rows are unset). The rows are read past this SM's L1
+    (`.cg`): in `_down_combine_kernel` other programs of the launch wrote them."""
+    j = tl.arange(0, K_PAD)
+    pair = t[:, None] * TOP_K + j[None, :]
+    ok = t_ok[:, None] & (j < TOP_K)[None, :]
+    if PARTIAL:
+        _, ok = placed_experts(ids_ptr, pair, ok, first_expert, E)
+    rows = routed_ptr + pair.to(tl.int64)[:, :, None] * stride_r + n[None, None, :]
+    mask = ok[:, :, None] & (n < N)[None, None, :]
+    return tl.sum(tl.load(rows, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32), axis=1)
+
+
+@triton.jit
+def _combine_kernel(
+    routed_ptr, ids_ptr, out_ptr, num_tokens, first_expert, stride_r, stride_o,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, N: tl.constexpr, E: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """`BLOCK_T` tokens × `BLOCK_N` columns of `combine`."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = t < num_tokens
+    total = _sum_pairs(routed_ptr, ids_ptr, t, t_ok, n, stride_r, first_expert, TOP_K, K_PAD, N, E, True)
+    dst = out_ptr + t.to(tl.int64)[:, None] * stride_o + n[None, :]
+    tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (n < N)[None, :])
+
+
+@triton.jit
 def _down_combine_kernel(
     h_ptr,
     h_scale_ptr,
@@ -289,10 +329,12 @@ def _down_combine_kernel(
     block_rows_ptr,
     weights_ptr,
     routed_ptr,
+    ids_ptr,
     out_ptr,
     tickets_ptr,
     num_blocks,
     num_tokens,
+    first_expert,
     stride_h,
     stride_hs,
     stride_we,
@@ -311,10 +353,13 @@ def _down_combine_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     FP8: tl.constexpr,
+    E: tl.constexpr,
+    PARTIAL: tl.constexpr,
 ):
     """`_down_kernel`, then the combine of its column tile by the tile's last program to finish: every
     row block of the tile takes a ticket (empty blocks too), and the last ticket sums each token's k
-    rows in a fixed order and puts the ticket counter back to zero."""
+    rows (PARTIAL: its placed ones, `_sum_pairs`) in a fixed order and puts the ticket counter back to
+    zero."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= 0:
@@ -327,15 +372,13 @@ def _down_combine_kernel(
     if tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == num_blocks - 1:
         tl.store(tickets_ptr + pid_n, 0)
         t = tl.arange(0, T_PAD)
-        j = tl.arange(0, K_PAD)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = ((t < num_tokens)[:, None] & (j < TOP_K)[None, :])[:, :, None] & (n < N)[None, None, :]
-        rows = (t[:, None] * TOP_K + j[None, :]).to(tl.int64)[:, :, None] * stride_r
-        # .cg: rows other SMs wrote in this launch
-        routed = tl.load(routed_ptr + rows + n[None, None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        t_ok = t < num_tokens
+        total = _sum_pairs(
+            routed_ptr, ids_ptr, t, t_ok, n, stride_r, first_expert, TOP_K, K_PAD, N, E, PARTIAL
+        )
         dst = out_ptr + t[:, None].to(tl.int64) * stride_o + n[None, :]
-        out_ok = (t < num_tokens)[:, None] & (n < N)[None, :]
-        tl.store(dst, tl.sum(routed.to(tl.float32), axis=1).to(out_ptr.dtype.element_ty), mask=out_ok)
+        tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (n < N)[None, :])
 
 
 @triton.jit
@@ -559,6 +602,7 @@ def _run(
     weights: torch.Tensor,
     limit: float,
     config: MoeConfig | None,
+    first_expert: int | None,
 ) -> torch.Tensor:
     config = check_experts(x, gate_up, gate_up_scale, down, down_scale, ids, weights, config)
     tokens, top_k = ids.shape
@@ -569,10 +613,28 @@ def _run(
     out_dtype, x_scale = x.dtype, None
     if gate_up_scale is not None:
         x, x_scale = quantize_groups(x)
-    layout = align(ids, num_experts, config.block_m)
+    layout = align(ids, num_experts, config.block_m, first_expert)
     h, h_scale = gate_up_stage(x, x_scale, gate_up, gate_up_scale, layout, top_k, limit, config)
     routed = down_stage(h, h_scale, down, down_scale, layout, weights, out_dtype, config)
-    return routed.view(tokens, top_k, hidden).sum(1)
+    if first_expert is None:  # every row was written
+        return routed.view(tokens, top_k, hidden).sum(1)
+    return combine(routed, ids, first_expert, num_experts)
+
+
+def combine(routed: torch.Tensor, ids: torch.Tensor, first_expert: int, num_experts: int) -> torch.Tensor:
+    """`[T, D]`: Σ_k of each token's rows of `routed [T·k, D]` whose global expert (`ids [T, k]`) lies
+    in `[first_expert, first_expert + num_experts)`, summed in fp32 in a fixed order (the rows of the
+    other pairs are never read: they were not computed). One launch of 8-token × 128-column tiles."""
+    tokens, top_k = ids.shape
+    hidden = routed.shape[1]
+    out = torch.empty(tokens, hidden, dtype=routed.dtype, device=routed.device)
+    block_t, block_n = 8, min(128, triton.next_power_of_2(hidden))
+    _combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_n))](
+        routed, ids.contiguous(), out, tokens, first_expert, routed.stride(0), out.stride(0),
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), N=hidden, E=num_experts, BLOCK_T=block_t,
+        BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
 
 
 def gather_rows(
@@ -791,10 +853,14 @@ def down_combine_stage(
     out_dtype: torch.dtype,
     config: MoeConfig,
     tickets: torch.Tensor,
+    ids: torch.Tensor | None = None,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """`down_stage` and the combine in one launch, for a few tokens: Σ_k of each token's weighted rows
     (each rounded to `out_dtype`, summed in fp32 in a fixed order), `[T, D]`. `tickets`: int32
-    zeros, at least one per column tile of the output, left zero."""
+    zeros, at least one per column tile of the output, left zero. With `first_expert` (the layout
+    placed only the pairs of the weights' experts, `align`), only the rows of the pairs whose global
+    expert id in `ids [T, k]` lies in `[first_expert, first_expert + E)` are summed."""
     if config.tma:
         raise ValueError("down_combine_stage: config.tma has no combining down kernel")
     tokens, top_k = weights.shape
@@ -805,20 +871,27 @@ def down_combine_stage(
             f"down_combine_stage: tickets must be int32 with at least {column_tiles} counters (D {hidden} / "
             f"down.block_n {config.down.block_n}), got {tickets.dtype} {tuple(tickets.shape)}"
         )
+    partial = first_expert is not None
+    if partial and (ids is None or ids.shape != weights.shape):
+        raise ValueError(f"down_combine_stage: first_expert needs the ids [{tokens}, {top_k}] of the pairs")
     programs, arguments = _down_arguments(h, h_scale, down, down_scale, layout, weights, config)
     routed = torch.empty(tokens * top_k, hidden, dtype=out_dtype, device=h.device)
     out = torch.empty(tokens, hidden, dtype=out_dtype, device=h.device)
     _down_combine_kernel[(programs,)](
         **arguments,
         routed_ptr=routed,
+        ids_ptr=ids.contiguous() if partial else layout.pairs,  # read only where PARTIAL says so
         out_ptr=out,
         tickets_ptr=tickets,
         num_tokens=tokens,
+        first_expert=first_expert or 0,
         stride_r=routed.stride(0),
         stride_o=out.stride(0),
         TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k),
         T_PAD=triton.next_power_of_2(tokens),
+        E=down.shape[0],
+        PARTIAL=partial,
     )
     return out
 
@@ -835,9 +908,10 @@ def experts(
     weights: torch.Tensor,
     limit: float,
     config: MoeConfig | None = None,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `reference.experts`; weights in x's dtype."""
-    return _run(x, gate_up, None, down, None, ids, weights, limit, config)
+    """Same contract as `reference.experts` (`first_expert` included); weights in x's dtype."""
+    return _run(x, gate_up, None, down, None, ids, weights, limit, config, first_expert)
 
 
 def experts_fp8(
@@ -850,6 +924,10 @@ def experts_fp8(
     weights: torch.Tensor,
     limit: float,
     config: MoeConfig | None = None,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `reference.experts_fp8`; x is quantised per token and group of 128."""
-    return _run(x, gate_up, gate_up_scale_inv, down, down_scale_inv, ids, weights, limit, config)
+    """Same contract as `reference.experts_fp8` (`first_expert` included); x is quantised per token and
+    group of 128."""
+    return _run(
+        x, gate_up, gate_up_scale_inv, down, down_scale_inv, ids, weights, limit, config, first_expert
+    )

@@ -60,15 +60,25 @@ def experts(
     ids: torch.Tensor,
     weights: torch.Tensor,
     limit: float,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
-    """Σ_k weights[t,k] · expert_{ids[t,k]}(x_t); gate_up `[E, 2I, D]`, down `[E, D, I]`."""
-    flat_ids = ids.flatten()
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    """Σ_k weights[t,k] · expert_{ids[t,k]}(x_t); gate_up `[E, 2I, D]`, down `[E, D, I]`.
+
+    `first_expert`: the global id of the weights' first expert (a rank holding experts
+    `[first_expert, first_expert + E)` of the routing, split by expert); the pairs routed to any other
+    expert add nothing and are never computed. None: the ids index the weights directly."""
+    local = ids - (first_expert or 0)
+    mine = ((local >= 0) & (local < gate_up.shape[0])).flatten()
+    flat_ids = local.flatten()
+    # the pairs of this rank's experts, sorted by expert (the others are left out)
+    order = mine.nonzero().squeeze(1)
+    order = order[flat_ids[order].argsort(stable=True)]
+    counts = torch.bincount(flat_ids[order], minlength=gate_up.shape[0]).tolist()
     token_of = order // ids.shape[1]
     weight_of = weights.flatten()[order]
-    # each (token, choice) pair gets its own row, so results are placed, not accumulated
-    routed = torch.empty(
+    # each (token, choice) pair gets its own row, so results are placed, not accumulated; the rows of
+    # the pairs left out stay zero
+    routed = torch.zeros(
         flat_ids.numel(), x.shape[1], dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device
     )
     start = 0
@@ -92,6 +102,7 @@ def experts_fp8(
     ids: torch.Tensor,
     weights: torch.Tensor,
     limit: float,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """`experts` with block-scaled e4m3 weights (`scale_inv [E, ceil(N/128), ceil(K/128)]`), dequantised
     to x's dtype; activations stay unquantised here."""
@@ -102,4 +113,5 @@ def experts_fp8(
         ids,
         weights,
         limit,
+        first_expert,
     )

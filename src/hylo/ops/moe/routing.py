@@ -5,10 +5,12 @@ of tokens: sigmoid, correction bias, group-limited choice, top-k by repeated arg
 first on ties), normalisation and scaling.
 
 `align`: the (token, choice) pairs sorted by expert, each expert's run padded to the GEMM's
-`block_m`. Counts and offsets live on the device: an atomic increment per pair gives its rank
-within its expert (so the order inside an expert is arbitrary, which changes nothing: every GEMM
-row is computed and written on its own), and per-expert block offsets come from a cumulative sum
-over the counts that every placing program recomputes. The number of blocks is only known on the
+`block_m`; given the global id of the first expert the weights hold, only the pairs of the weights'
+experts are placed (a rank of expert parallelism), numbered from 0. Counts and offsets live on the
+device: an atomic increment per pair gives its rank within its expert (so the order inside an
+expert is arbitrary, which changes nothing: every GEMM row is computed and written on its own), and
+per-expert block offsets come from a cumulative sum over the counts that every placing program
+recomputes. The number of blocks is only known on the
 device, so the arrays are sized by the bound cdiv(T·k, block_m) + min(E, T·k); blocks past the real
 count get expert -1 and their GEMM programs return at once.
 """
@@ -118,14 +120,13 @@ def route_tokens(
     E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr,
     G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
 ):  # fmt: skip
-    """`choose_experts` of tokens `t`, stored at ids / weights `[T, k]`; returns (ids, valid, pair index)."""
+    """`choose_experts` of tokens `t`, stored at ids / weights `[T, k]`."""
     ids, weights, ok = choose_experts(
         logits_ptr, bias_ptr, t, t_ok, scaling, E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE
     )
     pair = t[:, None] * TOP_K + tl.arange(0, K_PAD)[None, :]
     tl.store(ids_ptr + pair, ids, mask=ok)
     tl.store(weights_ptr + pair, weights, mask=ok)
-    return ids, ok, pair
 
 
 @triton.jit
@@ -237,13 +238,23 @@ def route(
 
 
 @triton.jit
-def _count_chunk(ids_ptr, counts_ptr, ranks_ptr, start, num_pairs, CHUNK_SIZE: tl.constexpr):
-    """Each pair's rank within its expert: the old value of its expert's counter."""
+def placed_experts(ids_ptr, i, ok, first_expert, num_experts):
+    """(expert numbered from the weights' first, whether the pair is placed) of pairs `i` (`ok`: real
+    pairs): a pair is placed when its global expert id lies in [first_expert, first_expert +
+    num_experts)."""
+    expert = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32) - first_expert
+    return expert, ok & (expert >= 0) & (expert < num_experts)
+
+
+@triton.jit
+def _count_chunk(
+    ids_ptr, counts_ptr, ranks_ptr, start, num_pairs, first_expert, E: tl.constexpr, CHUNK_SIZE: tl.constexpr
+):
+    """Each placed pair's rank within its expert: the old value of its expert's counter."""
     i = start + tl.arange(0, CHUNK_SIZE)
-    ok = i < num_pairs
-    expert = tl.load(ids_ptr + i, mask=ok, other=0)
-    rank = tl.atomic_add(counts_ptr + expert, 1, mask=ok)
-    tl.store(ranks_ptr + i, rank, mask=ok)
+    expert, placed = placed_experts(ids_ptr, i, i < num_pairs, first_expert, E)
+    rank = tl.atomic_add(counts_ptr + expert, 1, mask=placed)
+    tl.store(ranks_ptr + i, rank, mask=placed)
 
 
 @triton.jit
@@ -269,19 +280,20 @@ def _place_chunk(
     start,
     num_pairs,
     num_blocks,
+    first_expert,
     E: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
 ):
-    """Pairs start..start+CHUNK to their padded rows, and blocks start..start+CHUNK to their expert."""
+    """Placed pairs start..start+CHUNK to their padded rows, and blocks start..start+CHUNK to their
+    expert."""
     e = tl.arange(0, E_PAD)
     i = start + tl.arange(0, CHUNK_SIZE)
-    ok = i < num_pairs
-    expert = tl.load(ids_ptr + i, mask=ok, other=0)
+    expert, placed = placed_experts(ids_ptr, i, i < num_pairs, first_expert, E)
     first_block = tl.sum(tl.where(e[None, :] == expert[:, None], starts[None, :], 0), axis=1)
-    rank = tl.load(ranks_ptr + i, mask=ok, other=0)
-    tl.store(pairs_ptr + first_block * BLOCK_M + rank, i.to(tl.int32), mask=ok)
+    rank = tl.load(ranks_ptr + i, mask=placed, other=0)
+    tl.store(pairs_ptr + first_block * BLOCK_M + rank, i.to(tl.int32), mask=placed)
 
     b = i  # the same chunk indices, now as block numbers
     # the owner of block b is the number of experts whose blocks all end at or before b
@@ -296,8 +308,11 @@ def _place_chunk(
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_pairs, CHUNK_SIZE: tl.constexpr):
-    _count_chunk(ids_ptr, counts_ptr, ranks_ptr, tl.program_id(0) * CHUNK_SIZE, num_pairs, CHUNK_SIZE)
+def _count_kernel(
+    ids_ptr, counts_ptr, ranks_ptr, num_pairs, first_expert, E: tl.constexpr, CHUNK_SIZE: tl.constexpr
+):
+    start = tl.program_id(0) * CHUNK_SIZE
+    _count_chunk(ids_ptr, counts_ptr, ranks_ptr, start, num_pairs, first_expert, E, CHUNK_SIZE)
 
 
 @triton.jit
@@ -310,6 +325,7 @@ def _place_kernel(
     block_rows_ptr,
     num_pairs,
     num_blocks,
+    first_expert,
     E: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -328,6 +344,7 @@ def _place_kernel(
         tl.program_id(0) * CHUNK_SIZE,
         num_pairs,
         num_blocks,
+        first_expert,
         E,
         E_PAD,
         BLOCK_M,
@@ -345,13 +362,14 @@ def _align_small_kernel(
     block_rows_ptr,
     num_pairs,
     num_blocks,
+    first_expert,
     E: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     PAIRS_PAD: tl.constexpr,
     BLOCKS_PAD: tl.constexpr,
 ):
-    """Count and place every pair in one program, with no one-hot reductions: each pair keeps its
+    """Count and place every placed pair in one program, with no one-hot reductions: each pair keeps its
     rank in a register, gathers its expert's first block from `starts` and writes its row, its
     block's expert and row count (the pairs of one block write the same values). Barriers order the
     phases (one CTA sees its own global writes after a barrier)."""
@@ -359,8 +377,7 @@ def _align_small_kernel(
     tl.store(counts_ptr + e, tl.zeros([E_PAD], tl.int32), mask=e < E)
     tl.debug_barrier()
     i = tl.arange(0, PAIRS_PAD)
-    ok = i < num_pairs
-    expert = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+    expert, ok = placed_experts(ids_ptr, i, i < num_pairs, first_expert, E)
     rank = tl.atomic_add(counts_ptr + expert, 1, mask=ok)
     tl.debug_barrier()
     _, starts, ends = _expert_blocks(counts_ptr, E, E_PAD, BLOCK_M)
@@ -378,12 +395,16 @@ def _align_small_kernel(
     tl.store(block_rows_ptr + first_block + block, tl.minimum(count - block * BLOCK_M, BLOCK_M), mask=ok)
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """Sort the pairs of `ids [T, k]` by expert into `block_m`-row blocks (see the module docstring)."""
+def align(ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int | None = None) -> Alignment:
+    """Sort the pairs of `ids [T, k]` by expert into `block_m`-row blocks (see the module docstring).
+    `num_experts` experts are placed: with `first_expert`, the pairs of global experts
+    `[first_expert, first_expert + num_experts)` as experts 0.., the others left out of every block;
+    None: ids in [0, num_experts), every pair placed."""
     if ids.ndim != 2 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"align: ids must be an int32/int64 [T, k] tensor, got {ids.dtype} {tuple(ids.shape)}"
         )
+    first_expert = first_expert or 0
     flat = ids.reshape(-1)
     num_pairs = flat.numel()
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
@@ -403,6 +424,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
             *buffers,
             num_pairs,
             num_blocks,
+            first_expert,
             E=num_experts,
             E_PAD=e_pad,
             BLOCK_M=block_m,
@@ -413,7 +435,9 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     else:
         ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
         counts.zero_()
-        _count_kernel[(triton.cdiv(num_pairs, 256),)](flat, counts, ranks, num_pairs, CHUNK_SIZE=256)
+        _count_kernel[(triton.cdiv(num_pairs, 256),)](
+            flat, counts, ranks, num_pairs, first_expert, E=num_experts, CHUNK_SIZE=256
+        )
         _place_kernel[(triton.cdiv(max(num_pairs, num_blocks), CHUNK),)](
             flat,
             ranks,
@@ -421,6 +445,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
             *buffers,
             num_pairs,
             num_blocks,
+            first_expert,
             E=num_experts,
             E_PAD=e_pad,
             BLOCK_M=block_m,

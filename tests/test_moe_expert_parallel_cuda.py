@@ -1,0 +1,112 @@
+"""A rank of expert parallelism on the GPU: the compiled MoE kernels (the three-launch decode path and
+the general path, bf16 and FP8, TMA included) computing only the pairs of the rank's experts, against
+the torch reference, the whole step and the other ranks. Run this file on its own process (the
+interpreter test modules switch Triton to the interpreter for the whole process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hylo.ops import moe as moe_ops
+from hylo.ops.fp8 import quantize_fp8_blocks
+from hylo.ops.moe import decode, kernels, reference
+from hylo.ops.moe.reference import Routing
+from hylo.ops.moe.routing import align
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on a GPU")
+
+EXPERTS, RANKS, TOP_K, HIDDEN, INTER, LIMIT = 64, 8, 8, 1024, 512, 7.0
+LOCAL = EXPERTS // RANKS
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error; 0 where both are zero (a rank none of whose experts a token chose)."""
+    diff, norm = float((out.double() - ref.double()).norm()), float(ref.double().norm())
+    return diff / norm if norm else diff
+
+
+@pytest.fixture(scope="module")
+def model():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    routing = Routing(
+        (torch.randn(EXPERTS, HIDDEN, generator=gen, device="cuda") * HIDDEN**-0.5).bfloat16(),
+        torch.randn(EXPERTS, generator=gen, device="cuda") * 0.1,
+        TOP_K, 1, 1, True, 2.5,
+    )  # fmt: skip
+    gate_up = (
+        torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen, device="cuda") * HIDDEN**-0.5
+    ).bfloat16()
+    down = (torch.randn(EXPERTS, HIDDEN, INTER, generator=gen, device="cuda") * INTER**-0.5).bfloat16()
+    return routing, gate_up, down, (*quantize_fp8_blocks(gate_up), *quantize_fp8_blocks(down))
+
+
+def rank_weights(model, rank: int | None, fp8: bool):
+    """(gate_up, down, scales, first_expert) of `rank`, or of every expert for None."""
+    _, gate_up, down, (gq, gs, dq, ds) = model
+    mine = slice(None) if rank is None else slice(rank * LOCAL, (rank + 1) * LOCAL)
+    first = None if rank is None else rank * LOCAL
+    if fp8:
+        return gq[mine], dq[mine], (gs[mine], ds[mine]), first
+    return gate_up[mine], down[mine], None, first
+
+
+# 1 and 8 tokens take the three-launch path, 100 the general one with 16-row blocks, 3000 the 64-row
+# blocks (TMA for FP8)
+@pytest.mark.parametrize("tokens", [1, 8, 100, 3000])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_ranks_pairs_only(model, tokens, fp8):
+    routing = model[0]
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    ids, weights = reference.route(x, *routing)
+    parts = []
+    for rank in range(RANKS):
+        gate_up, down, scales, first = rank_weights(model, rank, fp8)
+        with torch.inference_mode():
+            out = moe_ops.routed_experts(x, routing, gate_up, down, LIMIT, scales, first)
+        if fp8:  # the same rows as the whole step's, with the other ranks' pairs weighted 0
+            local = (ids >= first) & (ids < first + LOCAL)
+            whole = kernels.experts_fp8(x, *model[3], ids, weights.where(local, 0), LIMIT)
+            assert rel_err(out, whole) < 1e-2
+            expected = reference.experts_fp8(x.float(), *(w for w in (gate_up, scales[0], down, scales[1])),
+                                             ids, weights, LIMIT, first)  # fmt: skip
+            assert rel_err(out, expected) < 0.08
+        else:
+            expected = reference.experts(x.float(), gate_up.float(), down.float(), ids, weights, LIMIT, first)
+            assert rel_err(out, expected) < 1e-2
+        parts.append(out.float())
+    gate_up, down, scales, _ = rank_weights(model, None, fp8)
+    with torch.inference_mode():
+        whole = moe_ops.routed_experts(x, routing, gate_up, down, LIMIT, scales)
+    assert rel_err(sum(parts), whole) < 1e-2
+
+
+def test_the_decode_path_of_a_rank_replays_in_a_cuda_graph(model):
+    routing = model[0]
+    gate_up, down, scales, first = rank_weights(model, 3, True)
+    x = torch.randn(4, HIDDEN, device="cuda").bfloat16()
+    eager = decode.routed_experts(x, routing, gate_up, down, LIMIT, scales, first_expert=first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode.routed_experts(x, routing, gate_up, down, LIMIT, scales, first_expert=first)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(
+        out, decode.routed_experts(x, routing, gate_up, down, LIMIT, scales, first_expert=first)
+    )
+    assert not torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("first", [None, 0, 24])
+@pytest.mark.parametrize("tokens", [1, 4, 8])
+def test_the_prologue_places_as_align_does(model, tokens, first):
+    """The three-launch path's alignment has the general one's blocks, past the real count too (a block
+    left with a stale expert makes the GEMMs read outside the weights). At 64 experts and 64 pairs,
+    placing from the routing's registers left stale blocks and dropped a rank's pairs."""
+    routing = model[0]
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    local = EXPERTS if first is None else LOCAL
+    ids, _, layout, _, _ = decode.prologue(x, routing, 16, False, first_expert=first, num_experts=local)
+    general = align(ids, local, 16, first)
+    assert torch.equal(layout.block_expert, general.block_expert)
+    assert torch.equal(layout.block_rows, general.block_rows)
