@@ -38,13 +38,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hylo.config import ModelConfig
-from hylo.distributed.parallel import Parallel
 from hylo.layers.moe import FP8Experts
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import build_model, build_mtp_layer, stored_block_scaled
 from hylo.models.mtp import MTPLayer, mtp_config
+from hylo.parallel.layout import Parallel
 
 DTYPE = torch.bfloat16
 

@@ -14,9 +14,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from hylo.config import ModelConfig
-from hylo.distributed.parallel import Parallel
 from hylo.layers.moe import FP8Experts, MoE
 from hylo.ops.moe import reference
+from hylo.parallel.layout import Parallel
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 64, 32, 8, 3, 11
 

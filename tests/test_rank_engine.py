@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 
 from hylo.config import EngineConfig
-from hylo.distributed.parallel import CollectiveCall
+from hylo.distributed.launch import start
 from hylo.distributed.rank_engine import rank_engine
 from hylo.engine.engine import Engine
 from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS
+from hylo.parallel.layout import CollectiveCall
 from hylo.sampling import SamplingParams
 
 PROMPTS = [list(range(10, 30)), [5, 6, 7]]
@@ -85,7 +86,8 @@ def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("spec", [PLAIN, DFLASH], ids=["decode", "verify"])
 def test_a_rank_engine_is_a_real_engines_rank(tp, spec, monkeypatch):
     calls = _recorded(monkeypatch)
-    real = Engine(_config(tp, spec))
+    config = _config(tp, spec)
+    real = Engine(config, ranks=start(config))
     calls.group = real.model.parallel.group
     try:
         real_steps = _step_calls(real, calls)

@@ -12,11 +12,12 @@ from safetensors import safe_open
 
 from hylo import LLM
 from hylo.config import EngineConfig, ModelConfig
-from hylo.distributed.parallel import Parallel
+from hylo.engine.engine import Engine
 from hylo.layers.moe import MoE
 from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS, write_random_model
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import build_model, checkpoint_layout, load_model, load_weights, save_checkpoint
+from hylo.parallel.layout import Parallel
 from hylo.sampling import SamplingParams
 from hylo.speculative.token_map import save_token_map
 from hylo.tokenizer import Tokenizer
@@ -179,3 +180,6 @@ def test_parallel_settings_are_checked(random_model):
         Glm5NextForCausalLM(config, Parallel(0, 3, 1))
     with pytest.raises(ValueError, match=r"n_routed_experts \(16\) must be divisible by tp_size \(3\)"):
         MoE(config, Parallel(0, 3, 3))
+    # the engine runs on the ranks it is given: hylo.distributed.launch starts them, above the engine
+    with pytest.raises(ValueError, match=r"tp_size 2: the engine is given 1 rank\(s\); start them with"):
+        Engine(EngineConfig.from_kwargs(model=str(random_model), device="cpu", tp_size=2))

@@ -11,9 +11,9 @@ import torch
 from hylo import LLM, SamplingParams
 from hylo.cli import main
 from hylo.config import EngineConfig
-from hylo.distributed.parallel import Parallel
 from hylo.layers.vocab import VocabHead
 from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS
+from hylo.parallel.layout import Parallel
 from hylo.speculative.token_map import coverage, hot_tokens, load_token_map, save_token_map
 from hylo.tokenizer import Tokenizer
 

@@ -14,8 +14,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import sizing
 
 from hylo.config import ModelConfig
-from hylo.distributed.parallel import Parallel
-from hylo.distributed.sharding import expert_of
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.memory.specs import TokenCacheSpec
@@ -24,6 +22,8 @@ from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import checkpoint_layout
 from hylo.models.mtp import MTPLayer, mtp_config
 from hylo.models.random_init import randomize
+from hylo.parallel.layout import Parallel
+from hylo.parallel.sharding import expert_of
 
 FULL = sizing.full_config()
 GiB = 2**30
@@ -81,7 +81,7 @@ def test_shards_add_up_to_one_rank(ep):
 def test_split_tensors_are_the_ones_the_checkpoint_table_splits(ep):
     """At full width (4 layers: KDA, DSA with its indexer, dense MLP, MoE; and the MTP layer), the
     tensors whose shapes differ across ranks are exactly those the checkpoint table
-    (`hylo.distributed.sharding`, through `checkpoint_layout`) reads in parts or by expert."""
+    (`hylo.parallel.sharding`, through `checkpoint_layout`) reads in parts or by expert."""
     tp, config = 4, ModelConfig.from_dict({"num_hidden_layers": 4})
     assert config.layer_types[3] != config.layer_types[0] and config.mlp_layer_types[3] == "sparse"
     split, _ = _split_and_replicated(config, tp, ep)

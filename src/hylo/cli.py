@@ -196,12 +196,14 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from hylo.distributed.launch import start
     from hylo.engine.engine import Engine
     from hylo.models.loader import CheckpointError
 
     try:
         params = _sampling_params(args)
-        engine = Engine(EngineConfig.from_cli(args))
+        config = EngineConfig.from_cli(args)
+        engine = Engine(config, ranks=start(config))
         if not engine.ranks.leader:  # another host's (or torchrun's) rank: it follows rank 0
             from hylo.distributed.follower import follow
 

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from hylo.config import EngineConfig
+from hylo.distributed.launch import start
 from hylo.engine.engine import Engine
 from hylo.engine.request import Metrics, Request
 from hylo.sampling import SamplingParams
@@ -70,7 +71,7 @@ class LLM:
         `target` serves an already loaded model of `model` (another `LLM`'s `engine.model`);
         `decode_graphs` as `Engine` takes it (fixed-shape decode and verify steps on the CPU, for tests)."""
         config = EngineConfig.from_kwargs(model=model, **engine_args)
-        self.engine = Engine(config, proposer, decode_graphs, target=target)
+        self.engine = Engine(config, proposer, decode_graphs, target=target, ranks=start(config))
         self._ids = itertools.count()
 
     @property

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hylo.distributed.control import Abort, AddRequest, Kind, receive
 from hylo.engine.engine import Engine
+from hylo.parallel.control import Abort, AddRequest, Kind, receive
 from hylo.speculative.adaptive import StepPlan
 
 

@@ -1,12 +1,14 @@
 """Starting the ranks of one engine and noticing when one of them is lost.
 
-One host: the process that builds the `Engine` is rank 0; it starts ranks 1 .. tp_size-1 as
-`python -m hylo.distributed.worker` processes and serves clients. (Not `multiprocessing`: its spawn
-method re-imports the caller's main module, which breaks any script without a `__main__` guard, and
-fork would copy a parent whose CUDA is already initialised.) Several hosts (`nnodes`): each host runs the same
-command with its `node_rank`; host n's process is rank `n · tp_size/nnodes` and spawns the host's other
-ranks; only host 0 serves. Under `torchrun` no process is spawned: every process is one rank, from
-`RANK`, `WORLD_SIZE`, `LOCAL_RANK` and `MASTER_ADDR`/`MASTER_PORT`.
+`start(config)` returns this process's `Ranks` (`hylo.parallel.ranks`), on which the `Engine` is then
+built: `Engine(config, ranks=start(config))`. One host: the process that calls it is rank 0; it starts
+ranks 1 .. tp_size-1 as `python -m hylo.distributed.worker` processes and serves clients. (Not
+`multiprocessing`: its spawn method re-imports the caller's main module, which breaks any script
+without a `__main__` guard, and fork would copy a parent whose CUDA is already initialised.) Several
+hosts (`nnodes`): each host runs the same command with its `node_rank`; host n's process is rank
+`n · tp_size/nnodes` and spawns the host's other ranks; only host 0 serves. Under `torchrun` no process
+is spawned: every process is one rank, from `RANK`, `WORLD_SIZE`, `LOCAL_RANK` and
+`MASTER_ADDR`/`MASTER_PORT`.
 
 Devices: a rank's device is `cuda:{local rank}` on GPUs (device collectives over NCCL) or the CPU
 (gloo). Host messages (`control`) always go over a gloo group.
@@ -29,116 +31,19 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hylo.config import EngineConfig
-from hylo.distributed.control import Publisher
-from hylo.distributed.parallel import SINGLE, Parallel
+from hylo.parallel.control import Publisher
+from hylo.parallel.layout import Parallel
+from hylo.parallel.ranks import LOAD_TIMEOUT_S, Ranks
 
 logger = logging.getLogger("hylo")
 FAILURE_EXIT_S = 20.0
-# how long ranks wait for each other to start and to finish loading: a large checkpoint takes minutes
-# and ranks finish at different times (a rank that fails to load exits, and the others hear at once)
-LOAD_TIMEOUT_S = 3600.0
 _POLL_S = 0.5
-
-
-@dataclass
-class Ranks:
-    """This process's rank of an engine. `publisher` is rank 0's (None elsewhere); `control` the gloo
-    group of host messages (None for one rank); `workers` the ranks this process spawned."""
-
-    parallel: Parallel = SINGLE
-    device: torch.device | None = None
-    control: dist.ProcessGroup | None = None
-    publisher: Publisher | None = None
-    workers: dict[int, subprocess.Popen] = field(default_factory=dict)
-    failure: str | None = None
-    _closed: bool = False
-
-    @property
-    def leader(self) -> bool:
-        return self.parallel.rank == 0
-
-    def describe(self) -> dict:
-        """For `/server_info`: the split, this rank, the processes this one started, any failure."""
-        p = self.parallel
-        return {
-            "tp_size": p.size,
-            "ep_size": p.ep_size,
-            "rank": p.rank,
-            "worker_pids": {rank: proc.pid for rank, proc in self.workers.items()},
-            "failure": self.failure,
-        }
-
-    def loaded(self) -> None:
-        """Wait until every rank has loaded its shard (up to `LOAD_TIMEOUT_S`, not the collectives'
-        `dist_timeout`)."""
-        if self.control is not None:
-            dist.monitored_barrier(self.control, timeout=timedelta(seconds=LOAD_TIMEOUT_S))
-
-    def min_over_ranks(self, value: int) -> int:
-        """The smallest of every rank's `value` (the cache budget all ranks then share)."""
-        if self.control is None:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
-        return int(t.item())
-
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's `value`, by rank (start-up only: a pickled exchange)."""
-        if self.control is None:
-            return [value]
-        values: list[Any] = [None] * self.parallel.size
-        dist.all_gather_object(values, value, group=self.control)
-        return values
-
-    def close(self) -> None:
-        """Rank 0: tell the other ranks to exit and wait for the spawned ones (then end them)."""
-        if self._closed:
-            return
-        if self.failure is not None:
-            self.abandon()
-        self._closed = True
-        failed = False
-        if self.publisher is not None:
-            try:
-                self.publisher.close()
-            except RuntimeError:
-                failed = True  # a rank is gone: the ones left end on their group's error
-        for proc in self.workers.values():
-            try:
-                proc.wait(timeout=0 if failed else 10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    def discard(self) -> None:
-        """Kill the ranks this process started (an engine that failed to start; this process goes on
-        to report why)."""
-        self._closed = True
-        for proc in self.workers.values():
-            proc.kill()
-
-    def abandon(self, status: int = 1) -> None:
-        """After a failure: kill the ranks this process started and exit with `status` now, without
-        finalisers (a thread may be waiting in a collective that will never complete, and tearing the
-        groups down under it aborts the process). Nothing for an engine of one rank."""
-        if self.control is None and not self.workers:
-            return
-        self._closed = True
-        for proc in self.workers.values():
-            proc.kill()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(status)
 
 
 def torchrun_rank() -> int | None:

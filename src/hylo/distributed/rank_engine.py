@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from hylo.config import EngineConfig
-from hylo.distributed.launch import Ranks
-from hylo.distributed.parallel import Parallel, StandInCollectives
 from hylo.engine.engine import Engine
+from hylo.parallel.layout import Parallel, StandInCollectives
+from hylo.parallel.ranks import Ranks
 
 
 def rank_engine(config: EngineConfig, rank: int) -> Engine:

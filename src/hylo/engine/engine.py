@@ -13,9 +13,6 @@ from pathlib import Path
 import torch
 
 from hylo.config import DEFAULT_CUDA_GRAPH_MAX_BS, EngineConfig
-from hylo.distributed import launch
-from hylo.distributed.control import Abort, AddRequest
-from hylo.distributed.launch import Ranks
 from hylo.engine.cuda_graph import DecodeGraphs, batch_size_buckets
 from hylo.engine.picking import ChunkResult
 from hylo.engine.prefill_graph import PrefillGraphs, prefill_graph_refusal
@@ -34,6 +31,8 @@ from hylo.memory.manager import (
 )
 from hylo.models.glm5_next import Glm5NextForCausalLM, model_refusals
 from hylo.models.loader import load_model, shard_digest
+from hylo.parallel.control import Abort, AddRequest
+from hylo.parallel.ranks import Ranks
 from hylo.sampling import SamplingParams
 from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches
@@ -79,16 +78,21 @@ class Engine:
         `config.cuda_graph_max_prefill_tokens`; on the CPU they run as plain calls (for tests).
         `target`: an already loaded model of `config.model` to serve instead of loading it (several
         engines over one model in one process, as the benchmarks compare them). `ranks`: this process's
-        rank of a tensor-parallel engine (`hylo.distributed.launch`); by default it is made from
-        `config.tp_size`, which makes this process rank 0 and starts the other ranks."""
+        rank of a tensor-parallel engine of `config.tp_size` ranks, as `hylo.distributed.launch.start`
+        returns it (rank 0 there has started the other ranks); by default one rank."""
         self.config = config
         self.closed = False
-        if config.tp_size > 1 and (proposer is not None or target is not None):
-            raise ValueError(
-                "tp_size > 1: every rank loads its own shard; a proposer or target cannot be given"
-            )
-        self.ranks = ranks if ranks is not None else launch.start(config)
+        self.ranks = ranks if ranks is not None else Ranks()
         try:
+            if self.ranks.parallel.size != config.tp_size:
+                raise ValueError(
+                    f"tp_size {config.tp_size}: the engine is given {self.ranks.parallel.size} rank(s); "
+                    "start them with hylo.distributed.launch.start(config)"
+                )
+            if config.tp_size > 1 and (proposer is not None or target is not None):
+                raise ValueError(
+                    "tp_size > 1: every rank loads its own shard; a proposer or target cannot be given"
+                )
             self._start(config, proposer, decode_graphs, target)
         except BaseException:
             self.ranks.discard()  # the other ranks of an engine that cannot start go with it
@@ -377,8 +381,7 @@ class Engine:
         self.requests, self.in_flight, self._held_plan = {}, None, None
         self.runner.reader.close()
         self.runner = self.scheduler = self.caches = self.proposer = self.model = self._grammars = None
-        # now, not whenever the collector next runs: the caches hold reference cycles (the prefix
-        # cache points back at its manager)
+        # now, not whenever the collector next runs: what the engine held may sit in reference cycles
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # to the device, not only to PyTorch's cache

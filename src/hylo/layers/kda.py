@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 from hylo.config import ModelConfig
-from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.host_copy import to_device
 from hylo.layers.linear import FusedLinear, Linear
 from hylo.ops import kda as kda_ops
 from hylo.ops.kda.reference import CHUNK_TOKENS
+from hylo.parallel.layout import SINGLE, Parallel
 
 
 class KDAAttention(nn.Module):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.layers.linear import Linear
 from hylo.ops.moe import swiglu_clamp
+from hylo.parallel.layout import SINGLE, Parallel
 
 
 class MLP(nn.Module):

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from hylo.config import ModelConfig
-from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.layers.mlp import MLP
 from hylo.ops import moe as moe_ops
 from hylo.ops.fp8 import FP8_BLOCK, quantize_fp8_blocks
+from hylo.parallel.layout import SINGLE, Parallel
 
 
 class Router(nn.Module):

@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 from hylo.config import ModelConfig
-from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.indexer import Indexer
 from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.norm import RMSNorm
 from hylo.ops.sparse_mla import sparse_mla
+from hylo.parallel.layout import SINGLE, Parallel
 
 
 class SparseMLA(nn.Module):

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.ops.gemm import linear
+from hylo.parallel.layout import SINGLE, Parallel
 
 
 class VocabEmbedding(nn.Embedding):

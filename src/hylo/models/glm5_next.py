@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from hylo.config import LINEAR, ModelConfig
-from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.kda import KDAAttention
 from hylo.layers.mhc import HyperConnection
@@ -21,6 +20,7 @@ from hylo.ops.kda import chunked_prefill_refusal
 from hylo.ops.mhc import mhc_post, streams_refusal
 from hylo.ops.norm import width_refusal
 from hylo.ops.sparse_mla import rank_refusal
+from hylo.parallel.layout import SINGLE, Parallel
 
 # A block's output and its post/comb weights, not yet mixed into the streams: (out, post, comb).
 PendingPost = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -24,14 +24,14 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hylo.config import ModelConfig
-from hylo.distributed.parallel import SINGLE, Parallel
-from hylo.distributed.sharding import VOCAB, Shard, expert_of, projection_split, split_dim
 from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.moe import FP8Experts, MoE, local_experts
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.mtp import MTPLayer, mtp_config
 from hylo.models.random_init import randomize
 from hylo.ops.fp8 import FP8_BLOCK, quantize_fp8_blocks
+from hylo.parallel.layout import SINGLE, Parallel
+from hylo.parallel.sharding import VOCAB, Shard, expert_of, projection_split, split_dim
 
 DUMMY_SEED = 0  # `load_format="dummy"`: the target's weights; its MTP layer's come from DUMMY_SEED + 1
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
@@ -76,7 +76,7 @@ def _leading_rows(p: torch.Tensor, inner: Callable[[torch.Tensor], torch.Tensor]
 
 def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
     """Checkpoint name (without the `model.language_model.` prefix) -> destination, for every tensor
-    this rank holds (`hylo.distributed.sharding`: other ranks' experts are absent, split tensors come
+    this rank holds (`hylo.parallel.sharding`: other ranks' experts are absent, split tensors come
     with their `Shard`)."""
     c = model.config
     parallel = getattr(model, "parallel", SINGLE)
@@ -475,7 +475,7 @@ def load_model(
     `random_weights` fills seeded random weights instead of reading any (`load_format="dummy"`: a
     real-size model to benchmark from its config.json alone; under tensor parallelism every rank draws
     the same stream into its own shapes, so they are not TP=1's weights). `parallel`: this rank's share
-    (`hylo.distributed.sharding`); it reads only that part of the checkpoint. With `fp8_projections`
+    (`hylo.parallel.sharding`); it reads only that part of the checkpoint. With `fp8_projections`
     (by default on CUDA for an FP8 checkpoint) every projection the checkpoint stores block-scaled stays
     e4m3 and runs the FP8 GEMMs (`keep_projections_fp8`); for random weights, those an FP8 checkpoint
     would store so."""

@@ -40,13 +40,13 @@ import torch
 from torch import nn
 
 from hylo.config import INDEXED, ModelConfig
-from hylo.distributed.parallel import SINGLE, Parallel
 from hylo.forward_batch import ForwardBatch
 from hylo.layers.linear import Linear
 from hylo.layers.norm import RMSNorm
 from hylo.layers.vocab import HotTokenHead, VocabEmbedding, VocabHead
 from hylo.models.glm5_next import DecoderLayer, Glm5NextForCausalLM
 from hylo.ops.mhc import mhc_post
+from hylo.parallel.layout import SINGLE, Parallel
 
 
 def mtp_config(target: ModelConfig, mlp_type: str) -> ModelConfig:

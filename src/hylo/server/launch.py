@@ -15,6 +15,7 @@ import uvicorn
 
 from hylo.config import EngineConfig
 from hylo.distributed.follower import follow
+from hylo.distributed.launch import start
 from hylo.engine.engine import Engine
 from hylo.server.api import build_app
 from hylo.server.async_engine import AsyncEngine
@@ -102,7 +103,7 @@ def serve(
     headers must arrive within `timeout_request_header` seconds, its body within
     `timeout_request_body` more (else 408, closed); at most `limit_concurrency` connections are open
     (one more gets a 503)."""
-    engine = Engine(config)
+    engine = Engine(config, ranks=start(config))
     if not engine.ranks.leader:
         follow(engine)
         return 0

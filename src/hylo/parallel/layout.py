@@ -2,7 +2,7 @@
 
 Glossary:
 - rank / size: this process's index among the `size` ranks that split every layer (tensor parallel,
-  TP). Rank 0 also talks to clients (`hylo.distributed.control`).
+  TP). Rank 0 also talks to clients (`hylo.parallel.control`).
 - ep_size: how the routed experts are split. `ep_size == size`: by expert (rank r holds experts
   `[r·E/size, (r+1)·E/size)`, every rank routes every token and computes only its experts' pairs);
   `ep_size == 1`: by tensor (every rank holds every expert's slice of the intermediate dimension).
@@ -60,7 +60,7 @@ class StandInCollectives:
 @dataclass(frozen=True)
 class Parallel:
     """`group` is the process group of the device collectives (NCCL on GPUs, gloo on CPUs); None for
-    one rank, or for a rank that only builds shapes (`hylo.distributed.sizing`, meta tensors).
+    one rank, or for a rank that only builds shapes (`benchmarks/sizing.py`, meta tensors).
     `stand_in`: the collectives are recorded by it instead of run (`StandInCollectives`)."""
 
     rank: int = 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from hylo.distributed.parallel import Parallel
+from hylo.parallel.layout import Parallel
 
 VOCAB = "vocab"
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head|shared_head\.head)\.weight$")
