@@ -2,6 +2,20 @@
 
 `LLM`, `SamplingParams` and the output types are imported on first use, so kernels and models can
 be imported (e.g. on a bare GPU image) without the serving dependencies.
+
+Layers, top to bottom (a unit is a folder or a top-level module; an import goes down this list, never
+up; each package's docstring says what it owns):
+
+    cli
+    server, llm, bench
+    distributed
+    engine, train
+    speculative
+    models
+    layers
+    parallel, forward_batch, structured
+    memory, sampling
+    ops, config, tokenizer, host_copy
 """
 
 from importlib import import_module

@@ -1,1 +1,4 @@
-"""OpenAI-compatible server."""
+"""OpenAI-compatible server (`hylo serve`) over one engine.
+
+Layer: with `llm` and `bench`, below `cli`, above `distributed` and `engine` (see `hylo`'s docstring).
+"""
