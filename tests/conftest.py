@@ -74,7 +74,7 @@ class Caches:
         m = self.manager
         return model(
             ForwardBatch.build(chunks, m.table.table, m.tokens, m.states, m.kpool, all_logits=all_logits)
-        )
+        ).logits
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from hylo.config import EngineConfig
 from hylo.engine.cuda_graph import DecodeGraphs, batch_size_buckets
 from hylo.engine.engine import Engine
 from hylo.engine.runner import ModelRunner
-from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
+from hylo.forward_batch import FixedShape, ForwardBatch, Packed, SequenceChunk, Uniform
 from hylo.memory.manager import CacheManager, MemoryPlan, target_cache_specs
 from hylo.models.loader import load_model
 from hylo.sampling import SamplingParams
@@ -156,8 +156,9 @@ def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(mo
         tokens = torch.randint(0, model.config.vocab_size, (batch_size,), generator=gen).tolist()
         seqs = [SequenceChunk([t], lengths[i], slots[i], slots[i]) for i, t in enumerate(tokens)]
         eager = build(ref, seqs)
-        expected = model(eager)
-        batch, logits = graphs.run(seqs)
+        expected = model(eager).logits
+        batch, forward = graphs.run(seqs)
+        logits = forward.logits
         bucket = next(b for b in graphs.buckets if b >= batch_size)
         assert len(batch.extend_lens) == bucket and batch is graphs.bank.static[bucket]
         assert_fp32_close(logits, expected, terms, msg=f"step {step}, batch of {batch_size}")
@@ -288,4 +289,4 @@ def test_device_built_batch_is_the_host_built_one(model, num_seqs, width):
     completing = {int(table[s, q * kpool]) // kpool for p, s in zip(prefixes, slots, strict=True)
                   for q in range(p // kpool, (p + width) // kpool)}  # fmt: skip
     assert set(host.completed_pools.tolist()) == completing <= set(expected)
-    assert dev.uniform_width == width and host.uniform_width is None
+    assert dev.layout == Uniform(width) and host.layout == Packed()

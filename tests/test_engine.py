@@ -287,7 +287,7 @@ def test_prompt_logprobs_equal_a_whole_prompt_forward(checkpoint, prompts):
         m = caches.manager
         batch = ForwardBatch.build([caches.chunk(0, prompt, 0)], m.table.table, m.tokens, m.states, m.kpool,
                                    all_logits=True)  # fmt: skip
-        expected = torch.log_softmax(model(batch).float(), dim=-1)[:-1]
+        expected = torch.log_softmax(model(batch).logits.float(), dim=-1)[:-1]
         own = torch.tensor([entry[t] for entry, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)])
         assert_fp32_close(own, expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], terms)
         for q, entry in enumerate(out.prompt_logprobs[1:]):

@@ -185,8 +185,7 @@ class ReferenceMTP:
         caches = Caches(self.target, num_seqs=1, per_seq=64)
         m = caches.manager
         batch = ForwardBatch.build([caches.chunk(0, tokens, 0)], m.table.table, m.tokens, m.states, m.kpool)
-        self.target(batch, capture_layers=(TARGET_LAYERS - 1,))
-        return batch.features
+        return self.target(batch, capture_layers=(TARGET_LAYERS - 1,)).features
 
     def hiddens(self, target_hiddens: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
         """MTP hidden of every pair (target_hiddens[i], next_tokens[i])."""
@@ -366,9 +365,9 @@ def test_mtp_routed_experts_are_fp8_where_the_targets_are(tmp_path):
     )
     batch = ForwardBatch.build([caches.chunk(0, random_prompt(9, VOCAB, 3), 0)], m.table.table, m.tokens,
                                m.states, m.kpool)  # fmt: skip
-    target(batch, capture_layers=proposer.capture_layers)
+    forward = target(batch, capture_layers=proposer.capture_layers)
     counts = torch.tensor([9], dtype=torch.int32)
-    commit = StepCommit(counts, torch.tensor([5]), torch.tensor([0]))
+    commit = StepCommit(counts, torch.tensor([5]), torch.tensor([0]), forward.features)
     proposer.observe_and_propose(batch, commit)
     assert proposer.drafts[0].min() >= 0 and proposer.drafts[0].max() < VOCAB
 

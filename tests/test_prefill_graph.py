@@ -126,13 +126,14 @@ def test_prefill_graphs_run_one_chunk_as_the_eager_forward(model):
 
     def forward(caches, chunk):
         c = caches
-        return model(ForwardBatch.build([chunk], c.table.table, c.tokens, c.states, c.kpool))
+        return model(ForwardBatch.build([chunk], c.table.table, c.tokens, c.states, c.kpool)).logits
 
     for caches in (eager_caches, graph_caches):  # the cached prefix, eagerly
         forward(caches, SequenceChunk(prompt[:20], 0, row, row))
     want = forward(eager_caches, SequenceChunk(prompt[20:], 20, row, row))
     graphs = PrefillGraphs(model, graph_caches, 32, capture=False)
-    batch, got = graphs.run([SequenceChunk(prompt[20:], 20, row, row)])
+    batch, forward = graphs.run([SequenceChunk(prompt[20:], 20, row, row)])
+    got = forward.logits
     assert batch.input_ids.shape[0] == 32 and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # fp32, 32 rows against 25: last bits
     e, g = eager_caches, graph_caches

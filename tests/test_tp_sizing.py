@@ -157,7 +157,7 @@ def test_collectives_are_the_planned_ones(traced):
 
     def forward(chunks):
         m = caches
-        return target(ForwardBatch.build(chunks, m.table.table, m.tokens, m.states, m.kpool))
+        return target(ForwardBatch.build(chunks, m.table.table, m.tokens, m.states, m.kpool)).logits
 
     forward([SequenceChunk(list(range(2, 42)), 0, 0, 0)])  # prefill: 40 tokens, 1 logits row
     assert sorted(traced) == _planned(sizing.target_step(SMALL, tp, 40, 1, itemsize=4))

@@ -86,8 +86,8 @@ def target_hiddens(target, sequences: list[list[int]]) -> list[torch.Tensor]:
     m = caches.manager
     chunks = [caches.chunk(i, s, 0) for i, s in enumerate(sequences)]
     batch = ForwardBatch.build(chunks, m.table.table, m.tokens, m.states, m.kpool)
-    target(batch, capture_layers=(LAYERS - 1,))
-    return list(batch.features.split([len(s) for s in sequences]))
+    features = target(batch, capture_layers=(LAYERS - 1,)).features
+    return list(features.split([len(s) for s in sequences]))
 
 
 @torch.inference_mode()

@@ -1,17 +1,20 @@
 """Metadata of one model forward over a batch of sequences: built once on the CPU (`ForwardBatch.build`),
 or on the device from device lengths alone (`ForwardBatch.uniform`, what a CUDA graph builds inside
-its capture)."""
+its capture). A batch says how its tokens sit (`layout`: `Packed`, `Uniform` or `Padded`) and carries
+the plan its KDA layers walk it by (`kda`, `hylo.kda_plan`); what a forward produces (logits,
+features, KDA verify records) is the model's return value, never written into the batch."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from hylo.kda_plan import KDAPlan
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
-from hylo.ops.kda.reference import VerifyCache
 
 
 @dataclass
@@ -72,15 +75,50 @@ class FixedShape:
         return [*chunks, *[filler] * (self.num_seqs - len(chunks))]
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Sequences of any lengths packed one after another (`ForwardBatch.build` without a fixed shape):
+    the host lists are the step's."""
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Every sequence has `width` new tokens and is past position 0 (fixed-shape decode and verify
+    batches, device-built ones: `ForwardBatch.build` with a `FixedShape`, `ForwardBatch.uniform`):
+    the device tensors describe the step; the host lists may be a capture's placeholders, true for
+    another step than the one replayed."""
+
+    width: int
+
+
+@dataclass(frozen=True)
+class Padded:
+    """One sequence of `lengths [1]` (int64, device) new tokens, the rest of its `len(input_ids)`
+    packed tokens padding (`uniform_metadata`'s `lengths`: a prefill graph's batch, `PrefillGraphs`);
+    its KDA layers leave prefix-cache snapshots inside the chunk at `chunk_snapshots`
+    (`kda.ChunkSnapshots.chunk_ids`, `[chunks]` int64, -1 where none). The host lists are
+    placeholders."""
+
+    lengths: torch.Tensor
+    chunk_snapshots: torch.Tensor
+
+
+# How a batch's tokens sit: what a reader of its host lists or of its shapes branches on.
+TokenLayout = Packed | Uniform | Padded
+
+
 @dataclass
 class ForwardBatch:
-    """Tensors every layer of one forward shares. Tokens are packed sequence after sequence.
+    """Tensors every layer of one forward shares. Tokens are packed sequence after sequence, as
+    `layout` says (`Packed`, `Uniform`, `Padded`).
 
     Invariants: built from CPU-side lengths only (device tensors are only indexed, never read);
     `pad_index[b, t]` is the packed index of sequence b's t-th new token where `pad_valid[b, t]`;
     `pool_table[b, p]` is the pooled-key slot of sequence b's p-th complete pool after this forward
     (-1 past its last complete pool); `completed_pools` lists the pooled-key slots of pools whose
-    last token is in this forward (in a fixed-shape batch, padded with the filler's pool).
+    last token is in this forward (in a fixed-shape batch, padded with the filler's pool); `kda` is
+    made from the batch's own lists and tensors at construction (a `dataclasses.replace` makes a
+    new one).
     """
 
     input_ids: torch.Tensor  # [T]
@@ -102,24 +140,21 @@ class ForwardBatch:
     seq_slots: list[int]  # KDA state slot of each sequence (host copy)
     tokens: TokenCache
     states: StateCache
-    # KDA layer -> what its verify kept for `commit` (the verified tokens' inputs and replay operands)
-    kda_records: dict[int, VerifyCache] = field(default_factory=dict)
-    features: torch.Tensor | None = None  # captured target features, when a forward asks for them
-    # Set when every sequence has this many new tokens and is past position 0 (fixed-shape decode and
-    # verify batches, device-built ones): the device tensors describe the step; the host lists above
-    # may be a capture's placeholders, true for another step than the one replayed.
-    uniform_width: int | None = None
+    layout: TokenLayout
     # sequence index -> its chunk's (tokens, snapshot id) points (`SequenceChunk.snapshots`), and the
-    # state pool the snapshots go to; KDA layers advance such sequences in segments ending there
+    # state pool the KDA layers copy those snapshots into (`KDAPlan.chunk_snapshots`, `segment_rounds`)
     snapshot_points: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     snapshot_pool: StateCache | None = None
-    # Set in a prefill graph's batch (`PrefillGraphs`): each sequence's new tokens `[B]` (int64,
-    # device); the rest of its `len(input_ids) // B` packed tokens are padding (`uniform_metadata`'s
-    # `lengths`), and the host lists are placeholders
-    padded_lens: torch.Tensor | None = None
-    # and where its KDA layers leave prefix-cache snapshots (into `snapshot_pool`) inside the chunk:
-    # `kda.ChunkSnapshots.chunk_ids`, `[chunks]` int64, -1 where none
-    padded_snapshots: torch.Tensor | None = None
+    # how the KDA layers walk the sequences (offsets, verify blocks, snapshot rounds)
+    kda: KDAPlan = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        padded = self.layout if isinstance(self.layout, Padded) else None
+        self.kda = KDAPlan(
+            self.extend_lens, self.verify_seqs, self.seq_slots, self.state_slots, self.snapshot_points,
+            padded_lengths=None if padded is None else padded.lengths,
+            padded_chunk_ids=None if padded is None else padded.chunk_snapshots,
+        )  # fmt: skip
 
     @classmethod
     def build(
@@ -131,93 +166,53 @@ class ForwardBatch:
         kpool: int,
         all_logits: bool = False,
         fixed: FixedShape | None = None,
+        snapshot_pool: StateCache | None = None,
     ) -> ForwardBatch:
-        """Pack `chunks`; logits are returned for every token if `all_logits`, else for the last token
-        of each chunk that samples. With `fixed`, the batch is padded to those shapes."""
+        """Pack `chunks` (`Packed`); logits are returned for every token if `all_logits`, else for the
+        last token of each chunk that samples. With `fixed`, the batch is padded to those shapes
+        (`Uniform`). `snapshot_pool`: where the chunks' prefix-cache snapshots go (needed when a chunk
+        has some)."""
         if fixed is not None:
             chunks = fixed.pad(chunks)
-        if not chunks:
-            raise ValueError("a forward batch needs at least one sequence")
+        _check_chunks(chunks, req_to_token.shape[1])
         device = req_to_token.device
-        extend = [len(c.token_ids) for c in chunks]
-        prefix = [c.prefix_len for c in chunks]
-        totals = [p + e for p, e in zip(prefix, extend, strict=True)]
-        for i, (e, total) in enumerate(zip(extend, totals, strict=True)):
-            if e == 0:
-                raise ValueError(f"sequence {i} has no new tokens")
-            if chunks[i].after_commit:
-                raise ValueError(f"sequence {i} starts after a commit still in flight: a verify graph's")
-            if total > req_to_token.shape[1]:
-                raise ValueError(
-                    f"sequence {i} reaches position {total}, the table holds {req_to_token.shape[1]}"
-                )
-        batch_size, max_new = len(chunks), max(extend)
-        rows = torch.tensor([c.table_row for c in chunks])
-
-        lens = torch.tensor(extend)
-        starts = torch.cumsum(lens, 0) - lens
-        token_seq = torch.repeat_interleave(torch.arange(batch_size), lens)
-        packed = torch.arange(int(lens.sum()))
-        positions = torch.tensor(prefix)[token_seq] + packed - starts[token_seq]
-        steps = torch.arange(max_new)
-        pad_valid = steps[None, :] < lens[:, None]
-        pad_index = torch.where(pad_valid, starts[:, None] + steps[None, :], 0)
-
-        pools_after = torch.tensor(totals) // kpool
-        pool_width = int(pools_after.max())
+        host = _HostPacking.of(chunks, kpool, all_logits)
+        pool_width = int(host.pools_after.max())
         if fixed is not None and not pool_width <= fixed.pool_width <= req_to_token.shape[1] // kpool:
             raise ValueError(
                 f"fixed.pool_width: {fixed.pool_width} pools, a sequence has {pool_width} and the "
                 f"table holds {req_to_token.shape[1] // kpool}"
             )
-        completed = [
-            (c.table_row, p * kpool)
-            for c, before, after in zip(chunks, prefix, totals, strict=True)
-            for p in range(before // kpool, after // kpool)
-        ]
-        if fixed is not None:
-            if len(completed) > fixed.num_completed:
-                raise ValueError(
-                    f"chunks: {len(completed)} pools complete, the fixed shape holds {fixed.num_completed}"
-                )
-            completed += [(fixed.filler_slot, 0)] * (fixed.num_completed - len(completed))
-        done = torch.tensor(completed, dtype=torch.long).view(-1, 2)
-        logits_index = packed if all_logits else torch.cat([
-            torch.arange(start, start + n) if c.verify or c.score else torch.tensor([start + n - 1])
-            for c, start, n in zip(chunks, starts.tolist(), extend, strict=True)
-            if c.sample or c.verify or c.score
-        ] or [torch.zeros(0, dtype=torch.long)])  # fmt: skip
-
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
-        token_rows = dev(rows[token_seq])
-        positions_d = dev(positions)
+        done = torch.tensor(_completed_pools(chunks, kpool, fixed), dtype=torch.long).view(-1, 2)
+        dev = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
+        rows = torch.tensor([c.table_row for c in chunks])
+        token_rows, positions = dev(rows[host.token_seq]), dev(host.positions)
         pool_ids = torch.arange(pool_width, device=device)
-        pool_valid = pool_ids[None, :] < dev(pools_after)[:, None]
+        pool_valid = pool_ids[None, :] < dev(host.pools_after)[:, None]
         table_pools = req_to_token[dev(rows)[:, None], pool_ids[None, :] * kpool].long() // kpool
         return cls(
             input_ids=dev(torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)),
-            positions=positions_d,
-            token_seq=dev(token_seq),
+            positions=positions,
+            token_seq=dev(host.token_seq),
             token_rows=token_rows,
-            new_slots=req_to_token[token_rows, positions_d].long(),
+            new_slots=req_to_token[token_rows, positions].long(),
             req_to_token=req_to_token,
             state_slots=dev(torch.tensor([c.state_slot for c in chunks], dtype=torch.long)),
-            pad_index=dev(pad_index),
-            pad_valid=dev(pad_valid),
+            pad_index=dev(host.pad_index),
+            pad_valid=dev(host.pad_valid),
             pool_table=torch.where(pool_valid, table_pools, -1),
             completed_pools=req_to_token[dev(done[:, 0]), dev(done[:, 1])].long() // kpool,
-            logits_index=dev(logits_index),
-            extend_lens=extend,
-            prefix_lens=prefix,
+            logits_index=dev(host.logits_index),
+            extend_lens=host.extend,
+            prefix_lens=[c.prefix_len for c in chunks],
             verify_seqs=[i for i, c in enumerate(chunks) if c.verify],
             seq_rows=[c.table_row for c in chunks],
             seq_slots=[c.state_slot for c in chunks],
             tokens=tokens,
             states=states,
-            uniform_width=None if fixed is None else fixed.tokens_per_seq,
+            layout=Packed() if fixed is None else Uniform(fixed.tokens_per_seq),
             snapshot_points={i: sorted(c.snapshots) for i, c in enumerate(chunks) if c.snapshots},
+            snapshot_pool=snapshot_pool,
         )
 
     @classmethod
@@ -231,13 +226,13 @@ class ForwardBatch:
         states: StateCache,
         kpool: int,
     ) -> ForwardBatch:
-        """`len(prefix)` sequences of `width` new tokens, sequence b at positions `prefix[b] ..
-        prefix[b] + width - 1` of request-table row (and state slot) `rows[b]`; every tensor made on
-        the device from those two (int64, device) and the table, nothing read back. Logits for every
-        token; `input_ids` are zeros (for layers fed embeddings). The host lists are placeholders, so
-        there are no verify chunks: the batch is for layers that read device tensors only (attention,
-        MLP; not KDA verify). `pool_table` is as wide as the request table; every position must be
-        backed."""
+        """`len(prefix)` sequences of `width` new tokens (`Uniform`), sequence b at positions
+        `prefix[b] .. prefix[b] + width - 1` of request-table row (and state slot) `rows[b]`; every
+        tensor made on the device from those two (int64, device) and the table, nothing read back.
+        Logits for every token; `input_ids` are zeros (for layers fed embeddings). The host lists are
+        placeholders, so there are no verify chunks: the batch is for layers that read device tensors
+        only (attention, MLP; not KDA verify). `pool_table` is as wide as the request table; every
+        position must be backed."""
         b = prefix.shape[0]
         device = req_to_token.device
         meta = uniform_metadata(prefix, rows, width, req_to_token, kpool)
@@ -256,9 +251,81 @@ class ForwardBatch:
             seq_slots=[-1] * b,
             tokens=tokens,
             states=states,
-            uniform_width=width,
+            layout=Uniform(width),
             **meta,
         )
+
+
+def _check_chunks(chunks: Sequence[SequenceChunk], table_len: int) -> None:
+    """Raise unless every chunk has new tokens, fits a request-table row of `table_len` positions and
+    starts where the host knows it (an `after_commit` chunk is a verify graph's)."""
+    if not chunks:
+        raise ValueError("a forward batch needs at least one sequence")
+    for i, c in enumerate(chunks):
+        total = c.prefix_len + len(c.token_ids)
+        if not c.token_ids:
+            raise ValueError(f"sequence {i} has no new tokens")
+        if c.after_commit:
+            raise ValueError(f"sequence {i} starts after a commit still in flight: a verify graph's")
+        if total > table_len:
+            raise ValueError(f"sequence {i} reaches position {total}, the table holds {table_len}")
+
+
+@dataclass(frozen=True)
+class _HostPacking:
+    """Where the chunks' tokens sit, computed on the host (`ForwardBatch.build` uploads it)."""
+
+    extend: list[int]  # new tokens of each chunk
+    token_seq: torch.Tensor  # [T] chunk of each packed token
+    positions: torch.Tensor  # [T]
+    pad_index: torch.Tensor  # [B, max_new]
+    pad_valid: torch.Tensor  # [B, max_new]
+    pools_after: torch.Tensor  # [B] complete pools of each sequence after the forward
+    logits_index: torch.Tensor
+
+    @classmethod
+    def of(cls, chunks: Sequence[SequenceChunk], kpool: int, all_logits: bool) -> _HostPacking:
+        extend = [len(c.token_ids) for c in chunks]
+        prefix = torch.tensor([c.prefix_len for c in chunks])
+        lens = torch.tensor(extend)
+        starts = torch.cumsum(lens, 0) - lens
+        token_seq = torch.repeat_interleave(torch.arange(len(chunks)), lens)
+        packed = torch.arange(int(lens.sum()))
+        steps = torch.arange(max(extend))
+        pad_valid = steps[None, :] < lens[:, None]
+        logits_index = packed if all_logits else torch.cat([
+            torch.arange(start, start + n) if c.verify or c.score else torch.tensor([start + n - 1])
+            for c, start, n in zip(chunks, starts.tolist(), extend, strict=True)
+            if c.sample or c.verify or c.score
+        ] or [torch.zeros(0, dtype=torch.long)])  # fmt: skip
+        return cls(
+            extend=extend,
+            token_seq=token_seq,
+            positions=prefix[token_seq] + packed - starts[token_seq],
+            pad_index=torch.where(pad_valid, starts[:, None] + steps[None, :], 0),
+            pad_valid=pad_valid,
+            pools_after=(prefix + lens) // kpool,
+            logits_index=logits_index,
+        )
+
+
+def _completed_pools(
+    chunks: Sequence[SequenceChunk], kpool: int, fixed: FixedShape | None
+) -> list[tuple[int, int]]:
+    """(request-table row, position) of the first token of each pool whose last token is in `chunks`,
+    padded to `fixed.num_completed` with the filler slot's first pool."""
+    completed = [
+        (c.table_row, p * kpool)
+        for c in chunks
+        for p in range(c.prefix_len // kpool, (c.prefix_len + len(c.token_ids)) // kpool)
+    ]
+    if fixed is None:
+        return completed
+    if len(completed) > fixed.num_completed:
+        raise ValueError(
+            f"chunks: {len(completed)} pools complete, the fixed shape holds {fixed.num_completed}"
+        )
+    return completed + [(fixed.filler_slot, 0)] * (fixed.num_completed - len(completed))
 
 
 def uniform_metadata(

@@ -23,7 +23,7 @@ from hylo.engine.graph_bank import GraphBank
 from hylo.engine.request import IN_FLIGHT
 from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk, uniform_metadata
 from hylo.memory.manager import CacheManager
-from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 from hylo.speculative.proposer import Proposer, StepCommit
 
 # A plain decode step that drafts nothing leaves a device proposer's observe for later: the step's
@@ -111,14 +111,14 @@ class DecodeGraphs:
     graphs when `capture` (into `pool` when given: a CUDA graph memory pool to share, the decode and
     verify graphs never replay at once).
 
-    With a `proposer`, the forward also captures its features (the step's batch returns them) and, for
+    With a `proposer`, the forward also captures its features (the step's output holds them) and, for
     one that drafts from device tensors, its observe runs inside the graph too; each bucket then has
     two more variants: a deferring one, whose step writes the features to the `deferred` ring
     (`[request-table rows, deferred_tokens, features]`) instead of running the observe (for steps that
     draft nothing), and a drafting one, whose step also drafts for the next from each sequence's argmax
     (for steps whose every row picks its raw argmax).
 
-    Invariant: the batch and logits `run` returns stay valid until the next `run`.
+    Invariant: the batch and output `run` returns stay valid until the next `run`.
     """
 
     kind, bucket_unit = "decode", "batch sizes"
@@ -176,13 +176,16 @@ class DecodeGraphs:
             len(s.token_ids) == 1 and s.sample and not s.verify and not s.score for s in seqs
         )
 
-    def run(self, seqs: Sequence[SequenceChunk], variant: str = OBSERVE) -> tuple[ForwardBatch, torch.Tensor]:
-        """The step's padded batch (the bucket's static one) and the logits of its sequences,
-        `[len(seqs), vocab]`, in order. `DEFER` and `DRAFT` only where `defers`: with `DEFER` the
-        step's features go to the deferred ring at each sequence's (table row, position %
-        deferred_tokens) instead of to the proposer's observe (the caller keeps track of what waits
-        there: `Request.deferred_from`); with `DRAFT` the proposer also drafts, anchored on each
-        sequence's argmax (right for raw-argmax rows only: the caller's choice)."""
+    def run(
+        self, seqs: Sequence[SequenceChunk], variant: str = OBSERVE
+    ) -> tuple[ForwardBatch, ForwardOutput]:
+        """The step's padded batch (the bucket's static one) and its forward's output: the logits of
+        its sequences, `[len(seqs), vocab]`, in order, and with a proposer the whole bucket's
+        features. `DEFER` and `DRAFT` only where `defers`: with `DEFER` the step's features go to the
+        deferred ring at each sequence's (table row, position % deferred_tokens) instead of to the
+        proposer's observe (the caller keeps track of what waits there: `Request.deferred_from`);
+        with `DRAFT` the proposer also drafts, anchored on each sequence's argmax (right for
+        raw-argmax rows only: the caller's choice)."""
         if not self.accepts(seqs):
             raise ValueError(
                 f"seqs: a fixed-shape decode takes up to {self.buckets[-1]} sequences of one sampled "
@@ -192,26 +195,28 @@ class DecodeGraphs:
             raise ValueError(f"variant: {variant} needs decode graphs of a device proposer")
         bucket = self.bank.bucket_for(len(seqs))
         self.bank.upload(bucket, seqs)
-        (logits,) = self.bank.replay(bucket, variant)
-        return self.bank.static[bucket], logits[: len(seqs)]
+        logits, *features = self.bank.replay(bucket, variant)
+        return self.bank.static[bucket], ForwardOutput(logits[: len(seqs)], *features)
 
     def body(self, name: str, bucket: int) -> tuple[torch.Tensor, ...]:
-        """What the replay of variant `name` computes: `(logits,)` of the bucket's static batch."""
+        """What the replay of variant `name` computes: `(logits,)` of the bucket's static batch, and
+        its features after them where the forward captures some."""
         static = self.bank.static[bucket]
         self.layout.fill_metadata(static, self.bank.step_inputs[bucket])
         if self.proposer is None:
-            return (self.model(static),)
-        logits = self.model(static, self.proposer.capture_layers)
+            return (self.model(static).logits,)
+        out = self.model(static, self.proposer.capture_layers)
         if name == DEFER:  # filler sequences write the scratch row's ring
-            if static.features is not None:  # (a proposer may read no features)
+            if out.features is not None:  # (a proposer may read no features)
                 ring = static.positions % self.deferred_tokens
-                self.deferred[static.state_slots, ring] = static.features
+                self.deferred[static.state_slots, ring] = out.features
         elif self.observes:
-            device = logits.device
+            device = out.logits.device
             ones = torch.ones(bucket, dtype=torch.int32, device=device)
-            commit = StepCommit(ones, logits.argmax(-1), torch.arange(bucket, device=device))
+            anchors, sampling = out.logits.argmax(-1), torch.arange(bucket, device=device)
+            commit = StepCommit(ones, anchors, sampling, out.features)
             if name == DRAFT:
                 self.proposer.observe_and_propose(static, commit)
             else:
                 self.proposer.observe(static, commit)
-        return (logits,)
+        return (out.logits,) if out.features is None else (out.logits, out.features)

@@ -32,6 +32,7 @@ from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.host_copy import to_device
 from hylo.memory.manager import CacheManager
+from hylo.models.glm5_next import ForwardOutput
 from hylo.speculative.proposer import HostCommit, Proposer, StepCommit
 
 
@@ -87,12 +88,11 @@ class DraftDriver:
         room = self.graphs.deferred_tokens
         ring = [(r.slot, p % room) for r in pending for p in range(r.deferred_from, r.num_computed)]
         index = to_device(ring, device, torch.long)
-        batch.features = self.graphs.deferred[index[:, 0], index[:, 1]]
+        features = self.graphs.deferred[index[:, 0], index[:, 1]]
         counts = to_device([r.num_computed - r.deferred_from for r in pending], device, torch.int32)
         none = torch.zeros(0, dtype=torch.long, device=device)
-        self.proposer.observe(
-            batch, StepCommit(counts, torch.zeros(len(pending), dtype=torch.long, device=device), none)
-        )
+        anchors = torch.zeros(len(pending), dtype=torch.long, device=device)
+        self.proposer.observe(batch, StepCommit(counts, anchors, none, features))
         for r in pending:
             r.deferred_from = None
 
@@ -111,26 +111,30 @@ class DraftDriver:
             index = to_device([targets, rows, columns], device, torch.long)
             batch.input_ids[index[0]] = self.proposer.drafts[index[1], index[2]]
 
-    def observe_picks(self, batch: ForwardBatch, tokens: torch.Tensor) -> None:
-        """The proposer observes an eager plain decode step launched ahead of its read, once its picks
-        (`tokens [rows]`) are made: one committed token and one anchor per row, every row sampling."""
+    def observe_picks(self, batch: ForwardBatch, forward: ForwardOutput, tokens: torch.Tensor) -> None:
+        """The proposer observes an eager plain decode step (`batch`, its `forward`) launched ahead of
+        its read, once its picks (`tokens [rows]`) are made: one committed token and one anchor per
+        row, every row sampling."""
         n = tokens.shape[0]
         counts = torch.ones(n, dtype=torch.int32, device=tokens.device)
-        self.proposer.observe(batch, StepCommit(counts, tokens, torch.arange(n, device=tokens.device)))
+        sampling = torch.arange(n, device=tokens.device)
+        self.proposer.observe(batch, StepCommit(counts, tokens, sampling, forward.features))
 
     def step_commit(
-        self, chunks: Sequence[ScheduledChunk], device: torch.device, observed: bool, draft: bool
+        self, chunks: Sequence[ScheduledChunk], forward: ForwardOutput, observed: bool, draft: bool
     ) -> StepCommit | None:
-        """The commit of a step the runner picks eagerly, for its picks to fill in: every chunk's tokens
-        committed and no anchor yet (the plain picks write their anchors, a verify block its committed
-        count and anchor), its sampling chunks drafting next. None when the proposer needs nothing from
-        the step: its observe ran in its graph and it drafts nothing."""
+        """The commit of a step the runner picks eagerly (`forward`: its forward's output), for its
+        picks to fill in: every chunk's tokens committed and no anchor yet (the plain picks write their
+        anchors, a verify block its committed count and anchor), its sampling chunks drafting next.
+        None when the proposer needs nothing from the step: its observe ran in its graph and it drafts
+        nothing."""
         if not (self.proposer.needs_host or not observed or draft):
             return None
+        device = forward.logits.device
         counts = to_device([ch.num_tokens for ch in chunks], device, torch.int32)
         anchors = torch.zeros(len(chunks), dtype=torch.long, device=device)
         sampling = [i for i, ch in enumerate(chunks) if ch.samples]
-        return StepCommit(counts, anchors, to_device(sampling, device, torch.long))
+        return StepCommit(counts, anchors, to_device(sampling, device, torch.long), forward.features)
 
     def after_picks(self, batch: ForwardBatch, commit: StepCommit, observed: bool, draft: bool) -> None:
         """Before the step's read: a proposer that drafts from device tensors observes what the step
@@ -165,13 +169,14 @@ class DraftDriver:
         if draft:
             self.proposer.propose(batch, commit)
 
-    def keep_snapshot_features(self, batch: ForwardBatch) -> None:
-        """The features of each prefix snapshot's last token the eager `batch` takes, for a proposer
-        that resumes from a snapshot (`Proposer.needs_last_features`, `Proposer.resume`)."""
+    def keep_snapshot_features(self, batch: ForwardBatch, forward: ForwardOutput) -> None:
+        """The features (of `forward`, the eager `batch`'s) of each prefix snapshot's last token the
+        batch takes, for a proposer that resumes from a snapshot (`Proposer.needs_last_features`,
+        `Proposer.resume`)."""
         offsets = [0, *itertools.accumulate(batch.extend_lens)]
         points = [(offsets[i] + k - 1, sid) for i, pts in batch.snapshot_points.items() for k, sid in pts]
-        index = to_device(points, batch.features.device, torch.long)
-        self.caches.snapshot_features[index[:, 1]] = batch.features[index[:, 0]]
+        index = to_device(points, forward.features.device, torch.long)
+        self.caches.snapshot_features[index[:, 1]] = forward.features[index[:, 0]]
 
     def constrained_drafts(self, requests: Sequence[Request]) -> torch.Tensor | None:
         """The drafts just made for the constrained requests (their next verify masks each position

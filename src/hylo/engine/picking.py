@@ -25,7 +25,7 @@ from hylo.engine.sampling_batch import sampling_batch, verify_batch
 from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch
 from hylo.host_copy import to_device
-from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 from hylo.sampling import Sampled, logprob_entry, sample
 from hylo.speculative.proposer import StepCommit
 from hylo.speculative.verify import Acceptance, accept
@@ -134,16 +134,18 @@ def accept_blocks(
     chunks: Sequence[ScheduledChunk],
     layout: PickLayout,
     batch: ForwardBatch,
-    logits: torch.Tensor,
+    forward: ForwardOutput,
     model: Glm5NextForCausalLM,
     generator: torch.Generator,
     commit: StepCommit | None,
 ) -> Acceptance | None:
-    """The acceptance of the verify chunks' blocks (None without any), padded to the widest, and the
-    KDA commit of what each kept; each block's committed count and anchor go to `commit`."""
+    """The acceptance of the verify chunks' blocks (None without any), padded to the widest, from
+    the logits of `forward` (the step's forward of `batch`), and the KDA commit of what each kept;
+    each block's committed count and anchor go to `commit`."""
     verifying = layout.verifying
     if not verifying:
         return None
+    logits = forward.logits
     device = logits.device
     width = max(chunks[i].num_tokens for i in verifying)
     rows_of = layout.rows_of
@@ -153,7 +155,7 @@ def accept_blocks(
     blocks = verify_blocks([chunks[i] for i in verifying], width, model)
     acceptance = accept(logits[index_d], drafts, blocks, generator)
     committed = (acceptance.accepted + 1).int()
-    model.commit(batch, committed)
+    model.commit(batch, forward.kda_records, committed)
     if commit is not None:
         verify_index = to_device(verifying, device, torch.long)
         commit.counts[verify_index] = committed

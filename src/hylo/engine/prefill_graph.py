@@ -6,9 +6,9 @@ pinned memory (the sequence's prefix length, request-table row, n and its tokens
 the batch's metadata from it and the request table on the device (`uniform_metadata` with
 `lengths`): the W - n padding tokens take the last token's position, write the scratch page and
 complete no pool, so that no sequence ever reads them; KDA advances the state by the n real tokens
-alone (device offsets, `ForwardBatch.padded_lens`); the logits are the last real token's. A device
-proposer that takes padded batches (`Proposer.observes_padded`) observes the chunk inside the replay;
-its drafts for the next step come after sampling, eagerly.
+alone (device offsets: the batch's layout is `forward_batch.Padded`); the logits are the last real
+token's. A device proposer that takes padded batches (`Proposer.observes_padded`) observes the chunk
+inside the replay; its drafts for the next step come after sampling, eagerly.
 
 Short prompts are where an eager prefill is host-bound: a few hundred kernel launches for a few
 milliseconds of GPU work (RESULTS.md, S11-2). A chunk the graphs do not take runs eagerly: several
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 import torch
 
 from hylo.engine.graph_bank import GraphBank
-from hylo.forward_batch import ForwardBatch, SequenceChunk, uniform_metadata
+from hylo.forward_batch import ForwardBatch, Padded, SequenceChunk, uniform_metadata
 from hylo.memory.manager import CacheManager
-from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 from hylo.ops import kda as kda_ops
 from hylo.ops.kda import CHUNK_TOKENS
 from hylo.speculative.proposer import Proposer, StepCommit
@@ -63,9 +63,9 @@ class PrefillLayout:
     """The layout of a prefill step (a `graph_bank.BatchLayout`): one sequence of n new tokens padded
     to the bucket's W. A step uploads `[3 + W + ceil(W / CHUNK_TOKENS)]`: (prefix length, table row,
     n), the W token ids (past n: whatever an earlier step left, padding nobody reads), and the
-    snapshot id after each KDA chunk (-1: none). The static batch views its token ids, new-token count
-    and snapshot ids in the uploaded inputs; at capture it holds one token at the start of the scratch
-    row.
+    snapshot id after each KDA chunk (-1: none). The static batch (`Padded`) views its token ids,
+    new-token count and snapshot ids in the uploaded inputs; at capture it holds one token at the start
+    of the scratch row.
 
     Invariant: a static batch points at the scratch slot and at the slot of the last step it ran,
     nothing else; its host lists (`extend_lens`, `prefix_lens`, ...) are placeholders."""
@@ -103,8 +103,7 @@ class PrefillLayout:
             seq_slots=[c.scratch_slot],
             tokens=c.tokens,
             states=c.states,
-            padded_lens=inputs[2:3],
-            padded_snapshots=inputs[3 + width :],
+            layout=Padded(lengths=inputs[2:3], chunk_snapshots=inputs[3 + width :]),
             snapshot_pool=c.snapshots,
             **meta,
         )
@@ -141,7 +140,7 @@ class PrefillGraphs:
     (`bank`), captured as CUDA graphs when `capture` (in `pool`, shared with the decode graphs: they
     never replay at once).
 
-    Invariant: the batch and logits `run` returns stay valid until the next `run`."""
+    Invariant: the batch and output `run` returns stay valid until the next `run`."""
 
     kind, bucket_unit = "prefill", "tokens"
     bodies = warm_bodies = (PREFILL,)
@@ -187,9 +186,10 @@ class PrefillGraphs:
             and all(point == n or (0 < point < n and point % CHUNK_TOKENS == 0) for point, _ in s.snapshots)
         )
 
-    def run(self, seqs: Sequence[SequenceChunk]) -> tuple[ForwardBatch, torch.Tensor]:
-        """The step's padded batch (its bucket's static one) and the logits of the chunk's last token,
-        `[1, vocab]`; the chunk's snapshots are taken."""
+    def run(self, seqs: Sequence[SequenceChunk]) -> tuple[ForwardBatch, ForwardOutput]:
+        """The step's padded batch (its bucket's static one) and its forward's output: the logits of
+        the chunk's last token, `[1, vocab]`, and with a proposer the bucket's features; the chunk's
+        snapshots are taken."""
         if not self.accepts(seqs):
             raise ValueError(
                 f"seqs: a prefill graph takes one chunk of 1 to {self.buckets[-1]} tokens that neither "
@@ -197,31 +197,33 @@ class PrefillGraphs:
             )
         bucket = self.bank.bucket_for(len(seqs[0].token_ids))
         self.bank.upload(bucket, seqs)
-        (logits,) = self.bank.replay(bucket, PREFILL)
-        static = self.bank.static[bucket]
-        self._snapshot(seqs[0], static)
-        return static, logits
+        logits, *features = self.bank.replay(bucket, PREFILL)
+        out = ForwardOutput(logits, *features)
+        self._snapshot(seqs[0], out.features)
+        return self.bank.static[bucket], out
 
     def body(self, name: str, bucket: int) -> tuple[torch.Tensor, ...]:
-        """`(logits [1, vocab],)` of the bucket's static batch; a proposer observes the chunk."""
+        """`(logits [1, vocab],)` of the bucket's static batch, and its features after them where the
+        forward captures some; a proposer observes the chunk."""
         static = self.bank.static[bucket]
         self.layout.fill_metadata(static, self.bank.step_inputs[bucket])
         if self.proposer is None:
-            return (self.model(static),)
-        logits = self.model(static, self.proposer.capture_layers)
-        device = logits.device
-        commit = StepCommit(static.padded_lens.int(), logits.argmax(-1), torch.arange(1, device=device))
+            return (self.model(static).logits,)
+        out = self.model(static, self.proposer.capture_layers)
+        device = out.logits.device
+        lengths, anchors = static.layout.lengths.int(), out.logits.argmax(-1)
+        commit = StepCommit(lengths, anchors, torch.arange(1, device=device), out.features)
         self.proposer.observe(static, commit)
-        return (logits,)
+        return (out.logits,) if out.features is None else (out.logits, out.features)
 
-    def _snapshot(self, s: SequenceChunk, static: ForwardBatch) -> None:
+    def _snapshot(self, s: SequenceChunk, features: torch.Tensor | None) -> None:
         """Complete the chunk's snapshots: one at its end takes the slot's KDA state (those inside it
-        the kernels took); each, the features of its last token, for a proposer that resumes from
-        them."""
+        the kernels took); each, the features of its last token (of the forward's `features`), for a
+        proposer that resumes from them."""
         c = self.caches
         for point, sid in s.snapshots:
             if point == len(s.token_ids):
                 c.snapshots.conv[:, sid] = c.states.conv[:, s.state_slot]
                 c.snapshots.recurrent[:, sid] = c.states.recurrent[:, s.state_slot]
-            if c.snapshot_features.shape[1] and static.features is not None:
-                c.snapshot_features[sid] = static.features[point - 1]
+            if c.snapshot_features.shape[1] and features is not None:
+                c.snapshot_features[sid] = features[point - 1]

@@ -24,7 +24,7 @@ from hylo.engine.scheduler import ScheduledChunk
 from hylo.engine.verify_graph import VerifyGraphs
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
-from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 from hylo.speculative.proposer import Proposer
 
 
@@ -39,7 +39,8 @@ class LaunchedStep:
     chunks: list[ScheduledChunk]
     read: PendingRead | None
     logits: torch.Tensor | None = None
-    observing: ForwardBatch | None = None  # an eager step's batch, for the proposer's observe after its picks
+    # an eager step's batch and forward, for the proposer's observe after its picks
+    observing: tuple[ForwardBatch, ForwardOutput] | None = None
 
     @property
     def verifies(self) -> bool:
@@ -106,16 +107,16 @@ class ModelRunner:
             return results
         observed = False
         if plain_graph:
-            batch, logits = self.graphs.run(seqs, variant)
+            batch, forward = self.graphs.run(seqs, variant)
             observed = self.graphs.observes  # or deferred: nothing is left to observe now either
             if variant == DEFER:
                 self.drafting.mark_deferred(requests)
         elif self.prefill_graphs is not None and self.prefill_graphs.accepts(seqs):
-            batch, logits = self.prefill_graphs.run(seqs)  # takes the chunk's snapshots too
+            batch, forward = self.prefill_graphs.run(seqs)  # takes the chunk's snapshots too
             observed = self.prefill_graphs.observes
         else:
-            batch, logits = self._eager_forward(chunks, seqs, snapshots)
-        return self._pick(chunks, batch, logits, observed, draft, PickLayout.of(chunks, targets))
+            batch, forward = self._eager_forward(chunks, seqs, snapshots)
+        return self._pick(chunks, batch, forward, observed, draft, PickLayout.of(chunks, targets))
 
     def _replay_verify(
         self, chunks: Sequence[ScheduledChunk], blocks: list[SequenceChunk], draft_rows: bool
@@ -132,19 +133,20 @@ class ModelRunner:
 
     def _eager_forward(
         self, chunks: Sequence[ScheduledChunk], seqs: list[SequenceChunk], snapshots: bool
-    ) -> tuple[ForwardBatch, torch.Tensor]:
+    ) -> tuple[ForwardBatch, ForwardOutput]:
         """The step's batch built and run eagerly (a verify chunk's drafts fed from the proposer's
         rows, the features a resuming proposer needs kept with the prefix snapshots)."""
         c = self.caches
-        batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
+        batch = ForwardBatch.build(
+            seqs, c.table.table, c.tokens, c.states, c.kpool, snapshot_pool=c.snapshots
+        )
         if self.drafting is not None:
             self.drafting.feed_drafts(batch, chunks)
         capture = self.drafting.capture_layers if self.drafting is not None else ()
-        batch.snapshot_pool = c.snapshots
-        logits = self.model(batch, capture)
+        forward = self.model(batch, capture)
         if snapshots and c.snapshot_features.shape[1]:
-            self.drafting.keep_snapshot_features(batch)
-        return batch, logits
+            self.drafting.keep_snapshot_features(batch, forward)
+        return batch, forward
 
     def overlaps(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """Whether `launch` takes the step: plain decode chunks (one token each, sampled), scoring no
@@ -207,16 +209,16 @@ class ModelRunner:
         c, drafting = self.caches, self.drafting
         observing = None
         if self.graphs is not None and self.graphs.accepts(seqs):
-            _, logits = self.graphs.run(seqs, OBSERVE if drafting is None else DEFER)
+            _, forward = self.graphs.run(seqs, OBSERVE if drafting is None else DEFER)
             if drafting is not None:
                 drafting.mark_deferred([ch.request for ch in chunks])
         else:
             batch = ForwardBatch.build(seqs, c.table.table, c.tokens, c.states, c.kpool)
             ids = batch.input_ids  # an in-flight token is its row's last pick, as the decode graphs take it
             ids.copy_(torch.where(ids == IN_FLIGHT, c.last_sampled[batch.token_rows], ids))
-            logits = self.model(batch, drafting.capture_layers if drafting is not None else ())
-            observing = batch if drafting is not None else None
-        launched = LaunchedStep(list(chunks), None, logits, observing)
+            forward = self.model(batch, drafting.capture_layers if drafting is not None else ())
+            observing = (batch, forward) if drafting is not None else None
+        launched = LaunchedStep(list(chunks), None, forward.logits, observing)
         if sample_now:
             self._sample(launched, own_counted=False)
         return launched
@@ -233,7 +235,7 @@ class ModelRunner:
             launched.chunks, launched.logits, self.generator, self.caches.last_sampled, own_counted
         )
         if launched.observing is not None:  # what `_pick` has the proposer observe of a plain step
-            self.drafting.observe_picks(launched.observing, picked.tokens)
+            self.drafting.observe_picks(*launched.observing, picked.tokens)
             launched.observing = None
         read = StepRead(tokens=picked.tokens, token_logprobs=Logprobs.of(picked))
         launched.read, launched.logits = self.reader.start(read), None
@@ -274,7 +276,7 @@ class ModelRunner:
         self,
         chunks: Sequence[ScheduledChunk],
         batch: ForwardBatch,
-        logits: torch.Tensor,
+        forward: ForwardOutput,
         observed: bool,
         draft: bool,
         layout: PickLayout,
@@ -282,11 +284,12 @@ class ModelRunner:
         """The picks of an eagerly picked step (`engine/picking.py`), the proposer's commit before the
         read and after it (`DraftDriver`), and the one read."""
         drafting = self.drafting
-        commit = None if drafting is None else drafting.step_commit(chunks, logits.device, observed, draft)
+        logits = forward.logits
+        commit = None if drafting is None else drafting.step_commit(chunks, forward, observed, draft)
         picked = picking.sample_plain(
             chunks, layout, logits, self.generator, self.caches.last_sampled, commit
         )
-        acceptance = picking.accept_blocks(chunks, layout, batch, logits, self.model, self.generator, commit)
+        acceptance = picking.accept_blocks(chunks, layout, batch, forward, self.model, self.generator, commit)
         if commit is not None:
             drafting.after_picks(batch, commit, observed, draft)
         scored = picking.score_prompts(logits, chunks, layout)

@@ -34,7 +34,7 @@ from hylo.engine.cuda_graph import UniformBlocks, batch_size_buckets
 from hylo.engine.graph_bank import GraphBank
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
-from hylo.models.glm5_next import Glm5NextForCausalLM
+from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 from hylo.speculative.proposer import Proposer, StepCommit
 from hylo.speculative.verify import MAX_BLOCK_TOKENS, Acceptance, VerifyBatch, accept, greedy_accept
 
@@ -73,6 +73,9 @@ class VerifyGraphs:
             )
         self.layout = UniformBlocks(caches, self.tokens_per_seq, after_commit=True)
         self.model, self.caches, self.proposer = model, caches, proposer
+        # each bucket's latest verify forward (run or captured): its features and KDA records are what
+        # the commit body reads, and a replay rewrites the same tensors
+        self.verified: dict[int, ForwardOutput] = {}
         device = caches.table.table.device
         self.bank = GraphBank(self, batch_size_buckets(max_batch_size), device, pool)
         if capture:
@@ -117,33 +120,43 @@ class VerifyGraphs:
         return result
 
     def body(self, name: str, bucket: int) -> tuple[torch.Tensor, ...]:
-        """The verify graph's outputs (`_verify`), or the commit of the bucket's latest verify run's
-        `committed` and `anchors` (none)."""
+        """The verify graph's outputs (`_greedy` over `_forward`), or the commit of the bucket's latest
+        verify run's `committed` and `anchors` (none)."""
         static = self.bank.static[bucket]
         if name == COMMIT:
             _, _, committed, anchors = self.bank.outputs[VERIFY, bucket]
-            self._commit(static, committed, anchors)
+            self._commit(static, self.verified[bucket], committed, anchors)
             return ()
-        return self._verify(static, self.bank.step_inputs[bucket])
+        self.verified[bucket] = self._forward(static, self.bank.step_inputs[bucket])
+        return self._greedy(static, self.verified[bucket].logits)
 
-    def _verify(self, static: ForwardBatch, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`(logits [B·T, vocab], greedy picks [B, T], committed [B], anchors [B])` of the static batch,
-        its metadata filled from the uploaded `inputs` and its drafts taken from the proposer's rows."""
+    def _forward(self, static: ForwardBatch, inputs: torch.Tensor) -> ForwardOutput:
+        """The target's forward of the static batch, its metadata filled from the uploaded `inputs`
+        and its drafts taken from the proposer's rows."""
         blocks, width = len(static.extend_lens), self.tokens_per_seq
         self.layout.fill_metadata(static, inputs)
         ids = static.input_ids.view(blocks, width)
         ids[:, 1:] = self.proposer.drafts[static.state_slots]
-        logits = self.model(static, self.proposer.capture_layers)
+        return self.model(static, self.proposer.capture_layers)
+
+    def _greedy(self, static: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`(logits [B·T, vocab], greedy picks [B, T], committed [B], anchors [B])` of the verify
+        forward's `logits`."""
+        blocks, width = len(static.extend_lens), self.tokens_per_seq
+        ids = static.input_ids.view(blocks, width)
         target = logits.argmax(-1).view(blocks, width)
         drafts = torch.full((blocks,), width - 1, device=ids.device)
         accepted = greedy_accept(target, ids[:, 1:], drafts)
         return logits, target, (accepted + 1).int(), target.gather(1, accepted[:, None])[:, 0]
 
-    def _commit(self, static: ForwardBatch, committed: torch.Tensor, anchors: torch.Tensor) -> None:
-        """The KDA commit and the proposer's observe and drafts, from the buffers, and each row's
-        committed positions and anchor for a block launched behind this step."""
-        self.model.commit(static, committed)
+    def _commit(
+        self, static: ForwardBatch, verified: ForwardOutput, committed: torch.Tensor, anchors: torch.Tensor
+    ) -> None:
+        """The KDA commit (of what the `verified` forward kept) and the proposer's observe and drafts,
+        from the buffers, and each row's committed positions and anchor for a block launched behind
+        this step."""
+        self.model.commit(static, verified.kda_records, committed)
         self.caches.last_committed[static.state_slots] = committed
         self.caches.last_sampled[static.state_slots] = anchors
-        commit = StepCommit(committed, anchors, torch.arange(len(static.extend_lens), device=anchors.device))
-        self.proposer.observe_and_propose(static, commit)
+        sampling = torch.arange(len(static.extend_lens), device=anchors.device)
+        self.proposer.observe_and_propose(static, StepCommit(committed, anchors, sampling, verified.features))

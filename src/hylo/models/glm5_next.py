@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -16,7 +18,7 @@ from hylo.layers.moe import MoE
 from hylo.layers.norm import RMSNorm
 from hylo.layers.sparse_mla import SparseMLA
 from hylo.layers.vocab import VocabEmbedding, VocabHead
-from hylo.ops.kda import chunked_prefill_refusal
+from hylo.ops.kda import VerifyCache, chunked_prefill_refusal
 from hylo.ops.mhc import mhc_post, streams_refusal
 from hylo.ops.norm import width_refusal
 from hylo.ops.sparse_mla import rank_refusal
@@ -24,6 +26,33 @@ from hylo.parallel.layout import SINGLE, Parallel
 
 # A block's output and its post/comb weights, not yet mixed into the streams: (out, post, comb).
 PendingPost = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class LayerOutput(NamedTuple):
+    """What a decoder layer hands the next: the streams, the rows a following `shared` DSA layer
+    reuses (None after KDA), the MLP's post, left pending so that it runs fused with the next
+    hyper-connection's pre, and a KDA layer's verify record (`KDAAttention.forward`; None elsewhere
+    and in a batch without verify chunks)."""
+
+    streams: torch.Tensor
+    rows: torch.Tensor | None
+    pending: PendingPost
+    kda_record: VerifyCache | None
+
+
+@dataclass
+class ForwardOutput:
+    """What one forward of the target returns (`Glm5NextForCausalLM.forward`).
+
+    Invariants: `logits [len(batch.logits_index), vocab]` (fp32) are the tokens the batch asks for;
+    `features [T, len(capture_layers)·hidden]` hold, for every packed token, the mean of the residual
+    streams after each captured layer, concatenated (None when the forward captured none);
+    `kda_records` maps each KDA layer's index to what its verify kept for `commit` (empty without
+    verify chunks)."""
+
+    logits: torch.Tensor
+    features: torch.Tensor | None = None
+    kda_records: dict[int, VerifyCache] = field(default_factory=dict)
 
 
 class DecoderLayer(nn.Module):
@@ -51,23 +80,23 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         rows: torch.Tensor | None,
         pending: PendingPost | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, PendingPost]:
-        """Returns the streams, the rows a following `shared` DSA layer reuses (None after KDA) and
-        the MLP's post, left pending so that it runs fused with the next hyper-connection's pre.
-        `pending` is the previous layer's, still to be applied to `streams`."""
+    ) -> LayerOutput:
+        """The layer's streams, rows, pending post and KDA record (`LayerOutput`). `pending` is the
+        previous layer's, still to be applied to `streams`."""
         if pending is None:
             post, comb, x = self.attn_hc.pre(streams)
         else:
             out, post, comb = pending
             streams, post, comb, x = self.attn_hc.post_pre(out, streams, post, comb)
         x = self.input_layernorm(x)
+        record = None
         if self.is_linear:
-            out, rows = self.self_attn(x, batch), None
+            (out, record), rows = self.self_attn(x, batch), None
         else:
             out, rows = self.self_attn(x, batch, rows)
         streams, post, comb, x = self.ffn_hc.post_pre(out, streams, post, comb)
         out = self.mlp(self.post_attention_layernorm(x))
-        return streams, rows, (out, post, comb)
+        return LayerOutput(streams, rows, (out, post, comb), record)
 
 
 class Glm5NextForCausalLM(nn.Module):
@@ -88,38 +117,39 @@ class Glm5NextForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, capture_layers: Sequence[int] = ()) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, capture_layers: Sequence[int] = ()) -> ForwardOutput:
         """Runs the batch's new tokens through every layer, updating the caches; returns the logits
-        `[len(batch.logits_index), vocab]` (fp32) of the tokens the batch asks for. With
-        `capture_layers`, `batch.features` receives, for every token, the mean of the residual
-        streams after each of those layers, concatenated (`[T, len(capture_layers)·hidden]`)."""
+        of the tokens the batch asks for, the features of `capture_layers` and what the KDA layers'
+        verify kept (`ForwardOutput`)."""
         x = self.embed_tokens(batch.input_ids)
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         rows, pending = None, None
-        captured = []
+        captured, records = [], {}
         for i, layer in enumerate(self.layers):
-            streams, rows, pending = layer(streams, batch, rows, pending)
+            streams, rows, pending, record = layer(streams, batch, rows, pending)
+            if record is not None:
+                records[i] = record
             if i in capture_layers or i == len(self.layers) - 1:  # these need the streams complete
                 out, post, comb = pending
                 streams, pending = mhc_post(out, streams, post, comb), None
             if i in capture_layers:
                 captured.append(streams.mean(dim=1))
-        if capture_layers:
-            batch.features = torch.cat(captured, dim=-1)
+        features = torch.cat(captured, dim=-1) if capture_layers else None
         hidden = self.norm(streams[batch.logits_index].mean(dim=1))
-        return self.lm_head(hidden).float()
+        return ForwardOutput(self.lm_head(hidden).float(), features, records)
 
     @torch.inference_mode()
-    def commit(self, batch: ForwardBatch, lengths: torch.Tensor) -> None:
-        """After a forward with verify chunks: advance each verify chunk's KDA state and conv window
-        by its first `lengths[j]` tokens (int32, device: the anchor and the accepted drafts) from what
-        the verify kept, one commit launch per KDA layer. Attention caches need nothing: what lies
-        past a sequence's committed length is never read and is overwritten later."""
+    def commit(self, batch: ForwardBatch, records: dict[int, VerifyCache], lengths: torch.Tensor) -> None:
+        """After a forward of `batch` with verify chunks, whose KDA layers kept `records`
+        (`ForwardOutput.kda_records`): advance each verify chunk's KDA state and conv window by its
+        first `lengths[j]` tokens (int32, device: the anchor and the accepted drafts), one commit launch
+        per KDA layer. Attention caches need nothing: what lies past a sequence's committed length is
+        never read and is overwritten later."""
         if not batch.verify_seqs:
             return
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if layer.is_linear:
-                layer.self_attn.commit(batch, lengths)
+                layer.self_attn.commit(batch, records[i], lengths)
 
 
 def model_refusals(config: ModelConfig) -> dict[str, str]:

@@ -93,8 +93,9 @@ class MTPLayer(nn.Module):
         of `batch.tokens`; `batch.input_ids` is not read."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
-        streams, _, (out, post, comb) = self.decoder(streams, batch, None)
-        return mhc_post(out, streams, post, comb).mean(dim=1)
+        step = self.decoder(streams, batch, None)
+        out, post, comb = step.pending
+        return mhc_post(out, step.streams, post, comb).mean(dim=1)
 
     def logits(self, hidden: torch.Tensor, target: Glm5NextForCausalLM) -> torch.Tensor:
         return self.head(target)(self.shared_head.norm(hidden)).float()

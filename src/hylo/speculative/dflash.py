@@ -131,13 +131,13 @@ class DFlashProposer(Proposer):
     def observe(self, batch: ForwardBatch, commit: StepCommit) -> None:
         """Draft K/V of every committed token of the forward, from its captured target features, in
         one store launch for all layers (the other tokens' slots are -1: not written)."""
-        if batch.features is None:
+        if commit.features is None:
             return
         c = self.draft.config
         packed = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
         within = packed - batch.pad_index[batch.token_seq, 0]
         slots = torch.where(within < commit.counts[batch.token_seq], batch.new_slots, -1)
-        ctx = self.draft.hidden_norm(self.draft.fc(batch.features))
+        ctx = self.draft.hidden_norm(self.draft.fc(commit.features))
         kv = (ctx @ self.kv_weight.t()).view(-1, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
         kv = kv.permute(2, 1, 0, 3, 4)  # [k|v, layer, token, kv heads, d]
         rotary = self.draft.layers[0].self_attn.rotary

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from hylo.forward_batch import ForwardBatch, SequenceChunk
+from hylo.forward_batch import ForwardBatch, SequenceChunk, Uniform
 from hylo.layers.vocab import HotTokenHead, VocabHead
 from hylo.memory.specs import TokenCacheSpec
 from hylo.memory.state import StateCache
@@ -101,12 +101,12 @@ class MTPProposer(Proposer):
     def observe(self, batch: ForwardBatch, commit: StepCommit) -> None:
         """One MTP forward writes the entries of the forward's tokens: for tokens at positions
         `start .. start+n-1`, entries `start-1 .. start+n-2` (none for token 0)."""
-        if batch.features is None:
+        if commit.features is None:
             return
-        if batch.uniform_width is not None:
-            self._observe_uniform(batch)
+        if isinstance(batch.layout, Uniform):
+            self._observe_uniform(batch, batch.layout.width, commit.features)
         else:
-            self._observe_chunks(batch, batch.features)
+            self._observe_chunks(batch, commit.features)
         self._keep_last_hidden(batch, commit)
 
     @torch.inference_mode()
@@ -116,12 +116,12 @@ class MTPProposer(Proposer):
         last committed entry, so the forward takes one more column and the anchor replaces the token
         after the committed ones (that entry and those after it are rewritten before they are read).
         One MTP forward fewer per verify step."""
-        blocks = len(batch.extend_lens)
-        if batch.features is None or batch.uniform_width is None or commit.sampling.shape[0] != blocks:
+        blocks, layout = len(batch.extend_lens), batch.layout
+        if commit.features is None or not isinstance(layout, Uniform) or commit.sampling.shape[0] != blocks:
             super().observe_and_propose(batch, commit)
             return
         counts = commit.counts.long()
-        hidden = self._observe_uniform(batch, counts, commit.anchors)
+        hidden = self._observe_uniform(batch, layout.width, commit.features, counts, commit.anchors)
         self._keep_last_hidden(batch, commit)
         first = hidden[torch.arange(blocks, device=hidden.device), counts]
         tokens = self.layer.greedy(first, self.target, self.head)
@@ -131,14 +131,20 @@ class MTPProposer(Proposer):
         self._chain(rows, lengths, tokens, first, first_step=1)
 
     def _observe_uniform(
-        self, batch: ForwardBatch, counts: torch.Tensor | None = None, anchors: torch.Tensor | None = None
+        self,
+        batch: ForwardBatch,
+        width: int,
+        features: torch.Tensor,
+        counts: torch.Tensor | None = None,
+        anchors: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The entries of a uniform batch's `width` tokens (every sequence past position 0), from
-        device tensors alone; with `anchors`, one more entry per sequence whose token `counts[b]`
-        (0-based in the block) is the anchor. The MTP hiddens, `[B, width (+1), H]`."""
-        width, blocks = batch.uniform_width, len(batch.extend_lens)
+        device tensors alone (`features`: the target's of those tokens); with `anchors`, one more entry
+        per sequence whose token `counts[b]` (0-based in the block) is the anchor. The MTP hiddens,
+        `[B, width (+1), H]`."""
+        blocks = len(batch.extend_lens)
         rows = batch.state_slots
-        features = batch.features.view(blocks, width, -1)
+        features = features.view(blocks, width, -1)
         tokens = batch.input_ids.view(blocks, width)
         if anchors is None:
             hidden = torch.cat([self.last_hidden[rows][:, None], features[:, :-1]], 1)
@@ -153,7 +159,7 @@ class MTPProposer(Proposer):
 
     def _keep_last_hidden(self, batch: ForwardBatch, commit: StepCommit) -> None:
         offsets = batch.pad_index[:, 0]
-        self.last_hidden[batch.state_slots] = batch.features[offsets + commit.counts.long().clamp(min=1) - 1]
+        self.last_hidden[batch.state_slots] = commit.features[offsets + commit.counts.long().clamp(min=1) - 1]
 
     def _observe_chunks(self, batch: ForwardBatch, features: torch.Tensor) -> None:
         """The entries of a batch of chunks of any length (from its host lists): a chunk at position 0

@@ -48,13 +48,16 @@ class StepCommit:
     target's caches (every token of a plain chunk; the anchor and the accepted drafts of a verify
     chunk); `anchors[s]` (int64, device) is the token sequence s picked after them where it samples
     (unspecified elsewhere); `sampling` lists the sequences that sampled: exactly those draft next.
-    `host` is None while the step is still on the device (inside a captured graph) and the host's
-    copy once the step's tokens have been read.
+    `features` are the forward's captured target features of every packed token (the proposer's
+    `capture_layers`: `ForwardOutput.features`), None when it captured none. `host` is None while
+    the step is still on the device (inside a captured graph) and the host's copy once the step's
+    tokens have been read.
     """
 
     counts: torch.Tensor
     anchors: torch.Tensor
     sampling: torch.Tensor  # [S'] int64 device: indices of the sampling sequences
+    features: torch.Tensor | None = None
     host: list[HostCommit] | None = None
 
 
@@ -105,8 +108,8 @@ class Proposer(ABC):
     that picked that anchor and read by the next step's verify; they never visit the host.
 
     Invariants: `observe` sees every token the target commits, in order, with the features of
-    `capture_layers` in `batch.features` (the mean of the residual streams after each of those target
-    layers, concatenated), so a proposer's own caches follow the target's committed length exactly;
+    `capture_layers` in `StepCommit.features` (the mean of the residual streams after each of those
+    target layers, concatenated), so a proposer's own caches follow the target's committed length exactly;
     `propose` then drafts for every sampling sequence of that batch. With `needs_host` the runner calls
     both after the step's read, with `StepCommit.host` set; without it, before the read, from device
     tensors alone (so both may run inside a captured CUDA graph).
@@ -119,7 +122,7 @@ class Proposer(ABC):
     # of S - 1, `resume`): a request resuming from a prefix-cache snapshot at S needs those features
     # and a private copy of the page holding S - 1
     needs_last_features: bool = False
-    # `observe` and `propose` take a padded batch (`ForwardBatch.padded_lens`: a prefill graph's),
+    # `observe` and `propose` take a padded batch (`forward_batch.Padded`: a prefill graph's),
     # reading its device tensors and `StepCommit.counts` alone
     observes_padded: bool = False
     drafts: torch.Tensor

@@ -80,8 +80,8 @@ def capture_features(
             pages.append(held)
             chunks.append(SequenceChunk(list(ids), 0, slot, slot, sample=False))
         batch = ForwardBatch.build(chunks, caches.table.table, caches.tokens, caches.states, caches.kpool)
-        target(batch, capture_layers=tuple(layers))
-        features.extend(batch.features.split([len(ids) for ids in group]))
+        captured = target(batch, capture_layers=tuple(layers)).features
+        features.extend(captured.split([len(ids) for ids in group]))
         for slot, held in zip(slots, pages, strict=True):
             caches.release(slot, held)
     return features

@@ -2,7 +2,7 @@
 
 The function trained is the one `hylo.models.mtp` serves (see its docstring for the math and the
 position convention): entry i pairs the target hidden h_i (the mean of the last target layer's
-streams, `batch.features` of hylo's forward with `capture_layers = (num_hidden_layers - 1,)`) with
+streams, the `features` of hylo's forward with `capture_layers = (num_hidden_layers - 1,)`) with
 token i+1 and predicts token i+2, attending causally, through the DSA indexer's selection, to the
 entries of its sequence.
 
