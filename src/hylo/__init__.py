@@ -13,7 +13,7 @@ up; each package's docstring says what it owns):
     speculative
     models
     layers
-    parallel, forward_batch, structured
+    parallel, forward_batch, kda_plan, structured
     memory, sampling
     ops, config, tokenizer, host_copy
 """
