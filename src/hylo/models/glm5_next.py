@@ -101,7 +101,7 @@ class DecoderLayer(nn.Module):
 
 class Glm5NextForCausalLM(nn.Module):
     """The text model and its head. Caches are owned by the caller and reached through the batch.
-    `parallel`: this rank's share under tensor parallelism (`hylo.distributed`); `config` stays the
+    `parallel`: this rank's share under tensor parallelism (`hylo.parallel.layout`); `config` stays the
     whole model's."""
 
     def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE):
