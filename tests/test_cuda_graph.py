@@ -183,6 +183,21 @@ def test_padded_decode_matches_eager_and_the_scratch_slot_absorbs_the_padding(mo
     assert (fix.tokens.pooled_key[:, :pools] != 0).any()
 
 
+def test_a_verify_graphs_static_batch_plans_its_kda_blocks_on_its_own_slots(model):
+    """A fixed-shape verify batch is `Uniform`, and its KDA plan's blocks read the batch's own state
+    slots tensor, which each step's upload rewrites in place: a replay verifies and commits the
+    step's slots, not the capture's."""
+    caches = caches_for(model)
+    pool_width = caches.table.table.shape[1] // caches.kpool
+    fixed = FixedShape(3, pool_width, caches.scratch_slot, tokens_per_seq=4, kpool=caches.kpool)
+    batch = build(caches, [], fixed=fixed)
+    assert batch.layout == Uniform(4) and batch.verify_seqs == [0, 1, 2]
+    plan = batch.kda.verify()
+    assert plan.block_slots is batch.state_slots and plan.other_slots.numel() == 0
+    batch.state_slots.copy_(torch.tensor([2, 1, 0]))
+    assert batch.kda.verify().block_slots.tolist() == [2, 1, 0]
+
+
 def test_static_pool_table_is_reset_where_a_wider_step_wrote(model):
     """A step's pools fill the first columns of the static pool table and -1 the rest: columns that an
     earlier, wider step wrote into the same rows go back to -1."""

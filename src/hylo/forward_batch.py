@@ -263,7 +263,7 @@ def _check_chunks(chunks: Sequence[SequenceChunk], table_len: int) -> None:
         raise ValueError("a forward batch needs at least one sequence")
     for i, c in enumerate(chunks):
         total = c.prefix_len + len(c.token_ids)
-        if not c.token_ids:
+        if len(c.token_ids) == 0:
             raise ValueError(f"sequence {i} has no new tokens")
         if c.after_commit:
             raise ValueError(f"sequence {i} starts after a commit still in flight: a verify graph's")
