@@ -286,8 +286,11 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
         if isinstance(m, torch.nn.Embedding):
             read[0] += args[0].numel() * m.weight.shape[1] * m.weight.element_size()
         elif isinstance(m, Experts | FP8Experts):
-            ids = route(args[0], *args[1])[0]
-            count = int(ids.unique().numel())
+            ids = route(args[0], *args[1])[0].unique()
+            first = getattr(m, "first_expert", None)  # a rank at EP reads only its own experts
+            if first is not None:
+                ids = ids[(ids >= first) & (ids < first + m.gate_up_proj.shape[0])]
+            count = int(ids.numel())
             distinct.append(count)
             read[0] += own_bytes(m) * count / m.gate_up_proj.shape[0]
         else:
