@@ -170,8 +170,26 @@ class SampleRow:
     unread: torch.Tensor | None = None
 
 
+class RowsOfAStep:
+    """What a step's sampling rows say as a whole, for a batch with `rows` (`SampleRow`s) and an
+    `allowed` grammar mask (None: no row constrained): `SamplingBatch` and the verify batch."""
+
+    rows: Sequence[SampleRow]
+    allowed: torch.Tensor | None
+
+    @property
+    def picks_argmax(self) -> bool:
+        """Every row picks the argmax of the model's own logits: no grammar, no processing, no ban."""
+        return picks_argmax(self.rows, self.allowed)
+
+    @property
+    def max_logprobs(self) -> int | None:
+        """The most top logprobs a row asks for; None when no row asks for logprobs."""
+        return max_logprobs(self.rows)
+
+
 @dataclass(frozen=True)
-class SamplingBatch:
+class SamplingBatch(RowsOfAStep):
     """What `sample` reads of one step's sampling rows (vLLM's `SamplingMetadata`): row i of the batch
     picks from row i of the logits. Built once per step from the scheduled requests
     (`hylo.engine.sampling_batch`); holds values and device tensors only, so nothing below the engine
@@ -183,16 +201,6 @@ class SamplingBatch:
 
     rows: Sequence[SampleRow]
     allowed: torch.Tensor | None = None
-
-    @property
-    def picks_argmax(self) -> bool:
-        """Every row picks the argmax of the model's own logits: no grammar, no processing, no ban."""
-        return picks_argmax(self.rows, self.allowed)
-
-    @property
-    def max_logprobs(self) -> int | None:
-        """The most top logprobs a row asks for; None when no row asks for logprobs."""
-        return max_logprobs(self.rows)
 
 
 def picks_argmax(rows: Sequence[SampleRow], allowed: torch.Tensor | None) -> bool:

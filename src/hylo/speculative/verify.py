@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hylo.host_copy import to_device
-from hylo.sampling import SampleRow, max_logprobs, picks_argmax, target_distribution
+from hylo.sampling import RowsOfAStep, SampleRow, target_distribution
 
 # The KDA verify kernels run one block of at most 16 tokens per sequence (`hylo.ops.kda`).
 MAX_BLOCK_TOKENS = 16
@@ -53,7 +53,7 @@ class VerifyShape:
 
 
 @dataclass(frozen=True)
-class VerifyBatch:
+class VerifyBatch(RowsOfAStep):
     """What `accept` reads of V verify blocks (vLLM's `SpecDecodeMetadata` with its sampling rows),
     built once per step by the engine from its scheduled requests (`verify_batch` in
     `engine/sampling_batch.py`); it holds no request.
@@ -69,16 +69,6 @@ class VerifyBatch:
     num_drafts: Sequence[int]
     banned_picks: Sequence[int]
     allowed: torch.Tensor | None = None
-
-    @property
-    def picks_argmax(self) -> bool:
-        """Every block's positions pick the argmax of the model's own logits (greedy prefix match)."""
-        return picks_argmax(self.rows, self.allowed)
-
-    @property
-    def max_logprobs(self) -> int | None:
-        """The most top logprobs a block asks for; None when none asks for logprobs."""
-        return max_logprobs(self.rows)
 
     def position_rows(self, width: int) -> list[SampleRow]:
         """One row per position of blocks of `width` (block-major): position i is processed as if
