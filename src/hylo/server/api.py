@@ -62,6 +62,24 @@ class _Choice:
     prompt_logprobs: tuple[dict[int, float], ...] | None = None
 
 
+@dataclass
+class ChatRun:
+    """A chat request under way: its sequences' handles (one per prompt, here one), its params, and
+    how its replies are parsed (`parser`)."""
+
+    handles: list[Handle]
+    params: SamplingParams
+    prompt_tokens: int
+    tools: list[dict[str, Any]] | None
+    parse_tools: bool
+    parse_reasoning: bool
+    thinking_open: bool  # the rendered prompt ends with `<think>`: replies begin inside reasoning
+
+    def parser(self) -> ReplyParser:
+        """A fresh parser for one reply (each choice needs its own)."""
+        return ReplyParser(self.parse_reasoning, self.parse_tools, self.tools, self.thinking_open)
+
+
 def build_app(
     engine: AsyncEngine,
     model_name: str,
@@ -314,8 +332,10 @@ def build_app(
             raw, engine, handles, body, base, choice, choice, pick=lambda cs: _best(cs, params.n, n)
         )
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+    async def start_chat(body: ChatCompletionRequest) -> ChatRun:
+        """A chat request rendered by the chat template, its sampling params (`tool_choice`'s grammar
+        included) and its sequences submitted; or an APIError naming the field at fault, before any
+        work. Shared by /v1/chat/completions and /v1/messages (which builds the request it runs)."""
         check_model(body.model)
         need_tokenizer("messages")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -331,27 +351,37 @@ def build_app(
             return text, encode([text], "messages", add_special_tokens=False)[0]
 
         rendered, ids = await asyncio.to_thread(render)
-        prompts = [ids]
-        parse_tools = tool_call_parser is not None and bool(tools) and body.tool_choice != "none"
-        parse_reasoning = reasoning_parser is not None
+        room = min(core.context_len, core.plan.max_total_num_tokens) - len(ids)
+        params = params_of(lambda: body.sampling_params(max(1, room)))
+        if body.tool_choice not in (None, "none", "auto"):
+            params = forced_tool_calls(body, params, tools)
+        await compiled(params)
+        handles = submitted([ids], params, "messages")
+        return ChatRun(
+            handles=handles,
+            params=params,
+            prompt_tokens=len(ids),
+            tools=tools,
+            parse_tools=tool_call_parser is not None and bool(tools) and body.tool_choice != "none",
+            parse_reasoning=reasoning_parser is not None,
+            thinking_open=rendered.rstrip().endswith(THINK_START),
+        )
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+        run = await start_chat(body)
+        params, handles = run.params, run.handles
+        parse_tools, parse_reasoning = run.parse_tools, run.parse_reasoning
         parsers: dict[int, ReplyParser] = {}
 
         def parser(i: int) -> ReplyParser:
-            """Choice i's parser (a reply opened `<think>` when the prompt ends with it)."""
             if i not in parsers:
-                opened = rendered.rstrip().endswith(THINK_START)
-                parsers[i] = ReplyParser(parse_reasoning, parse_tools, tools, opened)
+                parsers[i] = run.parser()
             return parsers[i]
 
         def finish_reason(i: int, reason: str | None) -> str | None:
             return "tool_calls" if reason == "stop" and i in parsers and parsers[i].called else reason
 
-        room = min(core.context_len, core.plan.max_total_num_tokens) - len(prompts[0])
-        params = params_of(lambda: body.sampling_params(max(1, room)))
-        if body.tool_choice not in (None, "none", "auto"):
-            params = forced_tool_calls(body, params, tools)
-        await compiled(params)
-        handles = submitted(prompts, params, "messages")
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
 
@@ -422,6 +452,9 @@ def build_app(
         text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
         return DetokenizeResponse(prompt=text)
 
+    from hylo.server.messages import add_messages_route  # here: that module imports this one
+
+    add_messages_route(app, engine, model_name, start_chat)
     describe(app, vocab, api_key is not None, tool_call_parser is not None)
     return app
 
