@@ -236,7 +236,7 @@ class AnthropicError(BaseModel):
     error: AnthropicErrorDetail
 
 
-class Usage(BaseModel):
+class MessagesUsage(BaseModel):
     input_tokens: int
     output_tokens: int
 
@@ -267,4 +267,4 @@ class MessagesResponse(BaseModel):
     content: list[ResponseTextBlock | ResponseThinkingBlock | ResponseToolUseBlock]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
     stop_sequence: str | None
-    usage: Usage
+    usage: MessagesUsage

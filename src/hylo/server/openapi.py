@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from hylo.server.messages_protocol import AnthropicError
 from hylo.server.protocol import CONSTRAINT_GIVEN, TOKEN_ID_MARK, ErrorResponse
 
 _ERRORS = {
@@ -26,6 +27,13 @@ _ERRORS = {
 # Any request: its body may be late, the connections full.
 _ANY_ERRORS = (408, 503)
 _POST_ERRORS = (400, 404, 413, 429, 500)
+# Where errors take Anthropic's shape (`hylo.server.messages.AnthropicErrors`), not OpenAI's.
+_ANTHROPIC_PATHS = ("/v1/messages",)
+_STREAMING = {
+    "/v1/completions": "the completion, or with `stream: true` SSE chunks",
+    "/v1/chat/completions": "the completion, or with `stream: true` SSE chunks",
+    "/v1/messages": "the message, or with `stream: true` SSE events (Anthropic's, each named by `event`)",
+}
 # One server-sent event: `data` is a JSON chunk, an error object, or the final `[DONE]`.
 _SSE_EVENT = {
     "type": "object",
@@ -42,6 +50,7 @@ def describe(app: FastAPI, vocab_size: int, keyed: bool, tool_calls: bool) -> No
             schema = get_openapi(title=app.title, version="1", routes=app.routes)
             _patch(schema, vocab_size, keyed)
             _tool_choices(schema["components"]["schemas"]["ChatCompletionRequest"], tool_calls)
+            _anthropic_tool_choices(schema["components"]["schemas"], tool_calls)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -55,6 +64,8 @@ def _patch(schema: dict[str, Any], vocab_size: int, keyed: bool) -> None:
         schemas.pop(unused, None)
     schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
     schemas.update(schemas["ErrorResponse"].pop("$defs", {}))
+    schemas["AnthropicError"] = AnthropicError.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schemas["AnthropicError"].pop("$defs", {}))
     _bound_token_ids(schema, vocab_size - 1)
     if keyed:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
@@ -76,18 +87,17 @@ def _patch(schema: dict[str, Any], vocab_size: int, keyed: bool) -> None:
             if keyed and path.startswith("/v1"):
                 op["security"] = [{"bearer": []}]
                 codes = (*codes, 401)
+            error = "AnthropicError" if path in _ANTHROPIC_PATHS else "ErrorResponse"
             for code in sorted(codes):
                 responses[str(code)] = {
                     "description": _ERRORS[code],
-                    "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
-                    },
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}},
                 }
             for code in ("429", "503"):
                 if code in responses:
                     responses[code]["headers"] = {"Retry-After": {"schema": {"type": "integer"}}}
-            if path in ("/v1/completions", "/v1/chat/completions"):
-                responses["200"]["description"] = "the completion, or with `stream: true` SSE chunks"
+            if path in _STREAMING:
+                responses["200"]["description"] = _STREAMING[path]
                 responses["200"]["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
         if "head" in item:  # GET's answers, without their bodies
             item["head"]["responses"] = {
@@ -113,6 +123,23 @@ def _tool_choices(request: dict[str, Any], tool_calls: bool) -> None:
         "properties": {"tools": {"type": "array", "minItems": 1}},
         "not": {"anyOf": CONSTRAINT_GIVEN},
     }
+
+
+def _anthropic_tool_choices(schemas: dict[str, Any], tool_calls: bool) -> None:
+    """/v1/messages' `tool_choice` as this server honours it: without a --tool-call-parser only auto
+    or none; with one, any or tool needs `tools` (that the named tool is among them the `name`
+    field's description says)."""
+    choice = schemas["ToolChoice"]
+    if not tool_calls:
+        choice["properties"]["type"] = {"type": "string", "enum": ["auto", "none"]}
+        choice["description"] = "auto or none (any and tool need --tool-call-parser)"
+        for rule in ("if", "then"):
+            choice.pop(rule)
+        return
+    forced = {"properties": {"type": {"enum": ["any", "tool"]}}, "required": ["type"]}
+    request = schemas["MessagesRequest"]
+    request["if"] = {"properties": {"tool_choice": forced}, "required": ["tool_choice"]}
+    request["then"] = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
 
 
 def _bound_token_ids(node: Any, maximum: int) -> None:
