@@ -148,4 +148,4 @@ def test_errors_are_in_anthropics_shape(client):
                 {"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}
             ],
         )
-    assert "user turn cannot hold a tool_use" in misplaced.value.body["error"]["message"]
+    assert "user turns cannot hold tool_use blocks" in misplaced.value.body["error"]["message"]

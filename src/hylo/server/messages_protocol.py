@@ -66,8 +66,25 @@ ContentBlock = Annotated[
 ]
 
 
+def _blocks_allowed(kinds: tuple[str, ...]) -> dict[str, Any]:
+    """The schema of a turn's content whose blocks are of `kinds`."""
+    blocks = {"type": "array", "items": {"properties": {"type": {"enum": list(kinds)}}}}
+    return {"properties": {"content": {"anyOf": [{"type": "string"}, blocks]}}}
+
+
+# the blocks each role's turn may hold (`InputMessage._blocks_of_role`)
+BLOCKS_OF_ROLE = {"user": ("text", "tool_result"), "assistant": ("text", "thinking", "tool_use")}
+
+
 class InputMessage(BaseModel):
-    model_config = _REQUEST
+    # the schema's form of `_blocks_of_role`
+    model_config = _REQUEST | ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"role": {"const": "user"}}, "required": ["role"]},
+            "then": _blocks_allowed(BLOCKS_OF_ROLE["user"]),
+            "else": _blocks_allowed(BLOCKS_OF_ROLE["assistant"]),
+        }
+    )
 
     role: Literal["user", "assistant"]
     content: Text | Annotated[list[ContentBlock], Field(min_length=1)]
@@ -75,11 +92,11 @@ class InputMessage(BaseModel):
     @model_validator(mode="after")
     def _blocks_of_role(self) -> InputMessage:
         """A user turn holds text and tool_result blocks; an assistant turn text, thinking, tool_use."""
-        allowed = ("text", "tool_result") if self.role == "user" else ("text", "thinking", "tool_use")
+        allowed = BLOCKS_OF_ROLE[self.role]
         for block in self.content if isinstance(self.content, list) else ():
             if block.type not in allowed:
                 raise ValueError(
-                    f"a {self.role} turn cannot hold a {block.type} block (only {', '.join(allowed)})"
+                    f"{self.role} turns cannot hold {block.type} blocks (only {', '.join(allowed)})"
                 )
         return self
 
