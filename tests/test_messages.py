@@ -1,7 +1,7 @@
 """`/v1/messages` driven by the official `anthropic` client against `hylo serve` with the demo model
 (`--tool-call-parser glm45 --reasoning-parser glm45`): create and stream (system, multi-turn), stop
 sequences, a forced tool call whose input validates against its `input_schema`, a `tool_result`
-turn, and errors in Anthropic's shape."""
+turn, and errors in Anthropic's shape. The server is keyed: the client sends its key in `x-api-key`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from test_tool_calls import SCHEMAS, WEATHER, schema_errors
 
 from hylo.models.demo import DEMO_DIR
 
+KEY = "messages-key"
 WEATHER_TOOL = {
     "name": "get_weather",
     "description": WEATHER["function"]["description"],
@@ -27,8 +28,9 @@ TURNS = [
 
 @pytest.fixture(scope="module")
 def client():
-    proc, url = start_server(DEMO_DIR, "--tool-call-parser", "glm45", "--reasoning-parser", "glm45")
-    yield anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    flags = ("--tool-call-parser", "glm45", "--reasoning-parser", "glm45", "--api-key", KEY)
+    proc, url = start_server(DEMO_DIR, *flags)
+    yield anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120)
     stop(proc)
 
 
@@ -123,11 +125,14 @@ def test_a_tool_result_turn_is_answered(client):
 def test_errors_are_in_anthropics_shape(client):
     url = str(client.base_url).rstrip("/")
     body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}]}
-    reply = httpx.post(f"{url}/v1/messages", json=body, timeout=30)
+    reply = httpx.post(f"{url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
     assert reply.status_code == 400, reply.text
     error = reply.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
     assert error["error"]["message"].startswith("max_tokens"), error
+    with pytest.raises(anthropic.AuthenticationError) as unkeyed:
+        client.with_options(api_key="wrong").messages.create(model=NAME, max_tokens=4, messages=TURNS)
+    assert unkeyed.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="other", max_tokens=4, messages=TURNS)
     assert missing.value.body["error"]["type"] == "not_found_error"

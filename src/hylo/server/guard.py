@@ -48,7 +48,9 @@ class Guard:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         guarded = self.api_key is not None and scope["path"].startswith("/v1")
-        if guarded and headers.get("authorization") != f"Bearer {self.api_key}":
+        # the key as a bearer token (OpenAI clients) or in `x-api-key` (Anthropic clients)
+        given = (headers.get("authorization"), headers.get("x-api-key"))
+        if guarded and given[0] != f"Bearer {self.api_key}" and given[1] != self.api_key:
             response = error_response(401, "missing or invalid API key", "authentication_error")
             await response(scope, receive, send)
             return

@@ -68,7 +68,10 @@ def _patch(schema: dict[str, Any], vocab_size: int, keyed: bool) -> None:
     schemas.update(schemas["AnthropicError"].pop("$defs", {}))
     _bound_token_ids(schema, vocab_size - 1)
     if keyed:
-        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},  # Anthropic clients'
+        }
     paths = schema["paths"]
     paths["/health"]["get"]["responses"] = {"200": {"description": "the engine is serving"}}
     paths["/metrics"]["get"]["responses"] = {
@@ -85,7 +88,7 @@ def _patch(schema: dict[str, Any], vocab_size: int, keyed: bool) -> None:
             if path.startswith("/v1/models/"):
                 codes = (404, *codes)
             if keyed and path.startswith("/v1"):
-                op["security"] = [{"bearer": []}]
+                op["security"] = [{"bearer": []}, {"x-api-key": []}]  # either one
                 codes = (*codes, 401)
             error = "AnthropicError" if path in _ANTHROPIC_PATHS else "ErrorResponse"
             for code in sorted(codes):
