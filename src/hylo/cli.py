@@ -87,6 +87,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="model name of the API (default: the directory name)"
     )
     srv.add_argument(
+        "--get-load-format",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="shape of GET /get_load: vllm-router's {load} or sglang-router's list of per-rank loads",
+    )
+    srv.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -248,6 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
             args.timeout_request_header,
             args.timeout_request_body,
             args.limit_concurrency,
+            args.get_load_format,
         )
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"hylo: {e}", file=sys.stderr)

@@ -39,6 +39,7 @@ from hylo.server.protocol import (
     TokenizeResponse,
     has_surrogate,
 )
+from hylo.server.worker_routes import add_worker_routes
 
 
 class APIError(Exception):
@@ -155,6 +156,8 @@ def build_app(
         caches, plan = core.caches, core.plan
         return {
             "model": model_name,
+            "served_model_name": model_name,  # sglang-router registers the worker's model by these
+            "model_path": str(core.config.model or model_name),
             "config": asdict(core.config),
             "context_length": core.context_len,
             "max_total_num_tokens": plan.max_total_num_tokens,
@@ -452,6 +455,7 @@ def build_app(
         text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
         return DetokenizeResponse(prompt=text)
 
+    add_worker_routes(app, engine, model_name)  # what vllm-router and sglang-router call on a worker
     from hylo.server.messages import add_messages_route  # here: that module imports this one
 
     add_messages_route(app, engine, model_name, start_chat)

@@ -9,6 +9,7 @@ the engine stops, every open request fails with an error, and `on_fatal` tells t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -154,6 +155,16 @@ class AsyncEngine:
             if handle.unfinished:
                 self.abort(handle)
 
+    async def call(self, fn: Callable[[Engine], object]) -> object:
+        """`fn(engine)` run on the engine thread between steps (where touching the engine is safe);
+        its result, or what it raised."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailable(self.failure or "the server is shutting down")
+        self._send(("call", fn, future))
+        return await asyncio.wrap_future(future)
+
     def abort(self, handle: Handle) -> None:
         self._send(("abort", handle.request_id))
 
@@ -197,6 +208,12 @@ class AsyncEngine:
                 self._add(*command[1:])
             elif command[0] == "abort":
                 self._abort(command[1])
+            elif command[0] == "call":
+                _, fn, future = command
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:
+                    future.set_exception(e)
             else:
                 for request_id in list(self._streams):
                     self._abort(request_id)

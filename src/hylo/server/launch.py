@@ -96,6 +96,7 @@ def serve(
     timeout_request_header: float = 10.0,
     timeout_request_body: float = 30.0,
     limit_concurrency: int | None = 2048,
+    load_format: str = "vllm",
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit status 0) or until the engine fails (status 1). On a host
     other than node 0 (or a `torchrun` rank other than 0) this process's rank follows rank 0 instead.
@@ -123,6 +124,7 @@ def serve(
         reasoning_parser,
         body_timeout=timeout_request_body,
     )
+    app.state.load_format = load_format  # GET /get_load's shape (hylo.server.worker_routes)
     stopped = True
 
     @contextlib.asynccontextmanager

@@ -18,6 +18,7 @@ _ERRORS = {
     400: "invalid parameter (the message and `param` name it)",
     401: "missing or wrong API key",
     404: "unknown model",
+    409: "requests are running (the prefix cache is flushed only when the server is idle)",
     408: "the body did not arrive within --timeout-request-body seconds (the connection closes)",
     413: "body larger than --max-request-bytes",
     429: "waiting queue full (--max-queued-requests); see Retry-After",
@@ -87,6 +88,8 @@ def _patch(schema: dict[str, Any], vocab_size: int, keyed: bool) -> None:
             codes = (*(_POST_ERRORS if method == "post" else ()), *_ANY_ERRORS)
             if path.startswith("/v1/models/"):
                 codes = (404, *codes)
+            if path == "/flush_cache":
+                codes = (409, *codes)
             if keyed and path.startswith("/v1"):
                 op["security"] = [{"bearer": []}, {"x-api-key": []}]  # either one
                 codes = (*codes, 401)
