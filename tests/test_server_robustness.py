@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import anthropic
 import httpx
 import pytest
 from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP, SCRIPTED_MAX_TOKENS
@@ -556,3 +557,32 @@ def test_tool_choice_required_or_named_constrains_the_reply_to_calls(server):
     both = chat | {"tool_choice": "required", "regex": "a+"}
     assert_error(post(server, "/v1/chat/completions", both), 400, "tool_choice")
     assert_serving(server)
+
+
+def test_messages_carry_thinking_text_and_tool_use_blocks(server):
+    """/v1/messages over the scripted GLM reply, whole and streamed (the anthropic client, the key in
+    x-api-key): a thinking block, a text block, a tool_use block per call (input typed by the schema)
+    in that order, and stop_reason tool_use; streamed, each block's deltas of its own kind."""
+    client = anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0, timeout=120)
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    request = {"model": "demo", "max_tokens": SCRIPTED_MAX_TOKENS, "messages": SCRIPTED_CHAT["messages"],
+               "tools": [tool]}  # fmt: skip
+    reply = client.messages.create(**request)
+    assert [b.type for b in reply.content] == ["thinking", "text", "tool_use", "tool_use"], reply
+    assert (
+        reply.content[0].thinking == "The user asks for weather." and reply.content[1].text == "Checking now."
+    )
+    assert [
+        (b.name, b.input) for b in reply.content[2:]
+    ] == EXPECTED_CALLS and reply.stop_reason == "tool_use"
+    with client.messages.stream(**request) as stream:
+        deltas = [(e.index, e.delta.type) for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert [b.model_dump(exclude={"id"}) for b in final.content] == [
+        b.model_dump(exclude={"id"}) for b in reply.content
+    ]
+    kinds = {"thinking_delta": 0, "text_delta": 1, "input_json_delta": 2}
+    assert {index for index, _ in deltas} == {0, 1, 2, 3} and all(
+        index == kinds[kind] or (kind == "input_json_delta" and index == 3) for index, kind in deltas
+    ), deltas
+    assert final.stop_reason == "tool_use"
