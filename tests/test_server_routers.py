@@ -4,11 +4,17 @@ router's shape, the model and server info they register the model by, /flush_cac
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
-from test_server import NAME, start_server, stop
+from test_server import NAME, free_port, start_server, stop
 
 
 @pytest.fixture(scope="module")
@@ -130,5 +136,132 @@ def test_get_load_in_sglang_routers_shape_with_the_flag(model_dir):
                 if entry["num_reqs"] == 1:
                     break
             assert entry["num_reqs"] == 1 and entry["num_tokens"] > 0, entry
+    finally:
+        stop(proc)
+
+
+# --- the routers themselves (vllm-router, sglang-router: Rust binaries from the test extras) in front
+# of two CPU replicas
+
+
+def _router(binary: str, *args: str) -> tuple[subprocess.Popen, str]:
+    exe = shutil.which(binary) or str(Path(sys.executable).parent / binary)
+    if not Path(exe).exists():
+        pytest.skip(f"{binary} is not installed (pip install -e '.[dev]')")
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, *args, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{binary} exited: {proc.stdout.read()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return proc, url
+        time.sleep(0.2)
+    stop(proc)
+    raise RuntimeError(f"{binary} did not start: {proc.stdout.read()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def replicas(model_dir):
+    procs = [start_server(model_dir, "--context-length", "1024") for _ in range(2)]
+    yield [url for _, url in procs]
+    for proc, _ in procs:
+        stop(proc)
+
+
+def _served(url: str) -> float:
+    """Requests this replica has finished (its `hylo_request_success` counters)."""
+    text = httpx.get(f"{url}/metrics").text
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("hylo_request_success_total")
+    )
+
+
+def test_vllm_router_cache_aware_keeps_each_prefix_on_one_replica(replicas):
+    proc, router = _router("vllm-router", "--worker-urls", *replicas, "--policy", "cache_aware")
+    words = ["story", "water", "time", "book", "night", "game", "river", "stone"]
+    try:
+        for p in range(4):
+            prefix = " ".join(words[(p + i) % len(words)] + str(p) for i in range(120))
+            before = [_served(url) for url in replicas]
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                answers = list(
+                    pool.map(
+                        lambda i, prefix=prefix: httpx.post(
+                            f"{router}/v1/completions",
+                            json={"model": NAME, "prompt": f"{prefix} question {i}", "max_tokens": 1},
+                            timeout=60,
+                        ),
+                        range(6),
+                    )
+                )
+            assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+            landed = [_served(url) - b for url, b in zip(replicas, before, strict=True)]
+            assert sorted(landed) == [0, 6], f"prefix {p} was split across the replicas: {landed}"
+    finally:
+        stop(proc)
+
+
+def test_vllm_router_power_of_two_reads_the_load(replicas):
+    """Replica 0 holds three long streams (sent to it directly): the router's power_of_two sends the
+    next requests to replica 1, whose `/get_load` is lower."""
+    proc, router = _router(
+        "vllm-router",
+        "--worker-urls",
+        *replicas,
+        "--policy",
+        "power_of_two",
+        "--worker-startup-check-interval",
+        "1",
+    )
+    busy, idle = replicas
+    body = {"prompt": "story water time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with contextlib.ExitStack() as streams:
+        try:
+            # each stream's line iterator is kept: a dropped one closes its response (an abort)
+            lines = [
+                streams.enter_context(httpx.stream("POST", f"{busy}/v1/completions", json=body)).iter_lines()
+                for _ in range(3)
+            ]
+            for line in lines:
+                next(line)
+            assert httpx.get(f"{busy}/get_load").json() == {"load": 3}
+            loads = {w["worker"]: w["load"] for w in httpx.get(f"{router}/get_loads").json()["workers"]}
+            assert loads == {busy: 3, idle: 0}  # what the router reads from each worker's /get_load
+            time.sleep(2.5)  # its power_of_two polls them every --worker-startup-check-interval s
+            before = _served(idle)
+            for i in range(4):
+                got = httpx.post(
+                    f"{router}/v1/completions", json={"prompt": f"hello {i}", "max_tokens": 1}, timeout=60
+                )
+                assert got.status_code == 200, got.text
+            assert _served(idle) - before == 4
+        finally:
+            stop(proc)
+
+
+def test_sglang_router_registers_the_served_model_and_both_routers_flush(replicas):
+    proc, router = _router("sglang-router", "launch", "--worker-urls", *replicas, "--policy", "round_robin")
+    try:
+        models = httpx.get(f"{router}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [NAME]
+        got = httpx.post(f"{router}/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 1})
+        assert got.status_code == 200, got.text
+        flushed = httpx.post(f"{router}/flush_cache", timeout=30)
+        assert flushed.status_code // 100 == 2, flushed.text
+    finally:
+        stop(proc)
+    proc, router = _router("vllm-router", "--worker-urls", *replicas, "--policy", "round_robin")
+    try:
+        flushed = httpx.post(f"{router}/flush_cache", timeout=30)
+        assert flushed.status_code // 100 == 2, flushed.text
+        assert all(httpx.get(f"{url}/server_info").json()["prefix_cache"]["pages"] == 0 for url in replicas)
     finally:
         stop(proc)
