@@ -52,6 +52,7 @@ class StepOutput:
     new_token_ids: list[int]
     new_text: str
     accepted_drafts: int | None = None  # set for a verify step
+    num_drafts: int | None = None  # the drafts that verify step checked (accepted_drafts of them kept)
 
     @property
     def finished(self) -> bool:
@@ -512,7 +513,8 @@ class Engine:
                 logger.exception("request %s failed", request.request_id)
                 self._fail(request)
             accepted = result.accepted if ch.verifies_drafts else None
-            outputs.append(StepOutput(request, taken, text, accepted))
+            drafted = ch.num_drafts if ch.verifies_drafts else None
+            outputs.append(StepOutput(request, taken, text, accepted, drafted))
         return outputs
 
     def _bucket(self) -> int:

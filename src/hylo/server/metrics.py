@@ -78,6 +78,39 @@ class ServerMetrics:
             registry=r,
             buckets=tuple(range(1, 33)),
         )
+        # vLLM's spec-decode counters (their meanings; hylo_ names): verify steps with drafts, the
+        # drafts they checked, the drafts accepted, and those accepted at each draft position
+        self.spec_drafts = Counter(
+            "hylo_spec_decode_num_drafts",
+            "Verify steps that checked drafts (one per request per step)",
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "hylo_spec_decode_num_draft_tokens", "Draft tokens checked by verify steps", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "hylo_spec_decode_num_accepted_tokens", "Draft tokens accepted by verify steps", registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "hylo_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft after the anchor)",
+            ["position"],
+            registry=r,
+        )
+        self.drafted_per_pos: list[int] = []  # verify steps whose drafts reached each position
+        self.accepted_per_pos: list[int] = []
+        Gauge(
+            "hylo_spec_decode_mean_acceptance_length",
+            "Tokens committed per verify step so far (accepted drafts + 1; NaN before the first)",
+            registry=r,
+        ).set_function(lambda: self.mean_acceptance_length or float("nan"))
+        rate = Gauge(
+            "hylo_spec_decode_acceptance_rate",
+            "Accepted / checked drafts at each draft position so far",
+            ["position"],
+            registry=r,
+        )
+        self._rate = rate
         policy = engine.policy
         if policy is not None:
             steps = Gauge(
@@ -110,6 +143,27 @@ class ServerMetrics:
                 self.acceptance.observe(out.accepted_drafts + 1)
                 self.verify_steps += 1
                 self.committed_by_verify += out.accepted_drafts + 1
+                if out.num_drafts is not None:
+                    self._on_verify(out.num_drafts, out.accepted_drafts)
+
+    def _on_verify(self, drafted: int, accepted: int) -> None:
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
+        for position in range(len(self.drafted_per_pos), drafted):
+            self.drafted_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+            self._rate.labels(str(position)).set_function(lambda p=position: self.acceptance_rate(p))
+        for position in range(drafted):
+            self.drafted_per_pos[position] += 1
+        for position in range(accepted):
+            self.accepted_per_pos[position] += 1
+            self.spec_accepted_per_pos.labels(str(position)).inc()
+
+    def acceptance_rate(self, position: int) -> float:
+        """Accepted / checked drafts at draft `position` (0 is the first draft after the anchor)."""
+        drafted = self.drafted_per_pos[position]
+        return self.accepted_per_pos[position] / drafted if drafted else float("nan")
 
     @property
     def mean_acceptance_length(self) -> float | None:
