@@ -25,10 +25,10 @@ from collections.abc import Sequence
 
 import torch
 
+from hylo.engine.chunk import ScheduledChunk
 from hylo.engine.cuda_graph import DEFER, DRAFT, OBSERVE, DecodeGraphs
 from hylo.engine.picking import ChunkResult
 from hylo.engine.request import Request
-from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.host_copy import to_device
 from hylo.memory.manager import CacheManager

@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 
 from hylo.config import DEFAULT_CUDA_GRAPH_MAX_BS, EngineConfig
+from hylo.engine.chunk import ScheduledChunk
 from hylo.engine.cuda_graph import DecodeGraphs, batch_size_buckets
 from hylo.engine.picking import ChunkResult
 from hylo.engine.prefill_graph import PrefillGraphs, prefill_graph_refusal
 from hylo.engine.request import Request, Status
 from hylo.engine.runner import LaunchedStep, ModelRunner
-from hylo.engine.scheduler import ScheduledChunk, Scheduler
+from hylo.engine.scheduler import Scheduler
 from hylo.engine.verify_graph import VerifyGraphs
 from hylo.memory.manager import (
     PREFIX_SNAPSHOT_SHARE,

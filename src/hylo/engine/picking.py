@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hylo.engine.chunk import ScheduledChunk
 from hylo.engine.reader import Logprobs, StepRead
 from hylo.engine.request import Request
 from hylo.engine.sampling_batch import sampling_batch, verify_batch
-from hylo.engine.scheduler import ScheduledChunk
 from hylo.forward_batch import ForwardBatch
 from hylo.host_copy import to_device
 from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM

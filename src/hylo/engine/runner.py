@@ -14,13 +14,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from hylo.engine import picking
+from hylo.engine.chunk import ScheduledChunk
 from hylo.engine.cuda_graph import DEFER, OBSERVE, DecodeGraphs
 from hylo.engine.drafting import DraftDriver
 from hylo.engine.picking import ChunkResult, PickLayout
 from hylo.engine.prefill_graph import PrefillGraphs
 from hylo.engine.reader import Logprobs, PendingRead, Reader, StepRead
 from hylo.engine.request import IN_FLIGHT, Request
-from hylo.engine.scheduler import ScheduledChunk
 from hylo.engine.verify_graph import VerifyGraphs
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager

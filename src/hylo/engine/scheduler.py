@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
+from hylo.engine.chunk import ScheduledChunk
 from hylo.engine.request import Request, Status
 from hylo.memory.manager import CacheManager, copies_last_page
 from hylo.speculative.verify import VerifyShape
@@ -14,34 +15,6 @@ from hylo.speculative.verify import VerifyShape
 # A chunk that scores its prompt (prompt logprobs) returns logits for every token: at most this many
 # tokens a chunk, so that those logits stay bounded ([tokens, vocab] fp32: 0.6 GiB for 155K ids).
 MAX_SCORED_CHUNK_TOKENS = 1024
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """`num_tokens` of the request's uncomputed tokens; a `verify` chunk instead feeds the anchor and
-    its first `num_drafts` drafts (which the proposer keeps on the device; none for a decoding
-    request without a draft budget in a step where others verify: it verifies a block of one token)."""
-
-    request: Request
-    num_tokens: int
-    verify: bool = False
-    # prefix-cache snapshots the chunk leaves: (position, snapshot id), the state after position - 1
-    snapshots: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def num_drafts(self) -> int:
-        """The drafts a verify chunk feeds after its anchor (none for any other chunk)."""
-        return self.num_tokens - 1 if self.verify else 0
-
-    @property
-    def verifies_drafts(self) -> bool:
-        """A verify chunk with drafts (a block of one token verifies nothing: it decodes)."""
-        return self.verify and self.num_tokens > 1
-
-    @property
-    def samples(self) -> bool:
-        """The chunk ends at the request's last uncomputed token, so the target picks what follows."""
-        return self.verify or self.num_tokens == self.request.remaining
 
 
 class Scheduler:
