@@ -1,5 +1,5 @@
-"""The GLM chat format's reasoning and tool calls, parsed from generated text (`--reasoning-parser
-glm45`, `--tool-call-parser glm45`, SGLang's names).
+"""The GLM chat format's reasoning and tool calls, parsed from generated text (`--reasoning-parser`
+and `--tool-call-parser` `glm45`, SGLang's name, or `glm47`, the GLM-5.3-Flash vLLM recipe's).
 
 Reasoning is the text inside `<think>` ... `</think>` at the start of a reply (or, when the rendered
 prompt already opened `<think>`, everything before `</think>`). A tool call is
@@ -25,7 +25,9 @@ import re
 import uuid
 from typing import Any
 
-PARSERS = ("glm45",)
+# glm45: SGLang's name; glm47: vLLM's (GLM-4.7 and later write a call without newlines: the name
+# directly followed by `<arg_key>`, whitespace between a key and its value). One parser reads both.
+PARSERS = ("glm45", "glm47")
 THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)

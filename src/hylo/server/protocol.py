@@ -404,6 +404,16 @@ class ChatCompletionRequest(_Common):
         description="none: tool calls stay text; auto (the default with tools): parsed; required or a "
         "named function: the reply is tool calls only (of that function), constrained by a grammar",
     )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None,
+        description="a chat template variable of that name; none also turns thinking off "
+        "(enable_thinking and thinking false) unless chat_template_kwargs sets a switch",
+    )
+
+    @model_validator(mode="after")
+    def _thinking_switches(self) -> ChatCompletionRequest:
+        self.chat_template_kwargs = thinking_kwargs(self.chat_template_kwargs, self.reasoning_effort)
+        return self
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -424,6 +434,22 @@ class ChatCompletionRequest(_Common):
             (v for v in (self.max_completion_tokens, self.max_tokens) if v is not None), default_max_tokens
         )
         return self._sampling(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def thinking_kwargs(kwargs: dict[str, Any], reasoning_effort: str | None = None) -> dict[str, Any]:
+    """Chat template variables with the thinking switches the GLM recipes use made one: GLM's
+    templates read `enable_thinking`, other templates (and SGLang's docs) `thinking`; whichever the
+    request sets (`enable_thinking` first) sets both. `reasoning_effort` becomes a variable too, and
+    `none` turns thinking off where no switch is set."""
+    kwargs = dict(kwargs)
+    switch = kwargs.get("enable_thinking", kwargs.get("thinking"))
+    if reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", reasoning_effort)
+        if switch is None and reasoning_effort == "none":
+            switch = False
+    if switch is not None:
+        kwargs["enable_thinking"] = kwargs["thinking"] = switch
+    return kwargs
 
 
 class TokenizeRequest(BaseModel):

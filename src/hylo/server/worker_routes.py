@@ -25,6 +25,7 @@ from hylo.server.protocol import (
     Text,
     TokenizeResponse,
     Tool,
+    thinking_kwargs,
 )
 
 # `GET /get_load`'s shape: vllm-router reads `{"load": N}`, sglang-router a list of per-DP-rank entries.
@@ -170,7 +171,11 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_f
             need_tokenizer("messages")
             tools = None if body.tools is None else [t.model_dump(exclude_unset=True) for t in body.tools]
             ids = await asyncio.to_thread(
-                template, body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs
+                template,
+                body.messages,
+                body.add_generation_prompt,
+                tools,
+                thinking_kwargs(body.chat_template_kwargs),
             )
             if body.add_special_tokens:
                 ids = tokenizer.encode(tokenizer.decode(ids, False), add_special_tokens=True)
