@@ -62,6 +62,14 @@ def test_render_routes_answer_vllms_token_in_requests(worker):
     assert chat["sampling_params"]["max_tokens"] == 3
     bad = httpx.post(f"{worker}/v1/completions/render", json={"prompt": "a", "temperature": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+    vocab = httpx.post(f"{worker}/v1/completions/render", json={"prompt": [[10**6]]})
+    assert vocab.status_code == 400 and vocab.json()["error"]["param"] == "prompt"
+    assert "outside the vocabulary" in vocab.json()["error"]["message"]
+    stop_ids = httpx.post(
+        f"{worker}/v1/chat/completions/render",
+        json={"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [10**6]},
+    )
+    assert stop_ids.status_code == 400 and stop_ids.json()["error"]["param"] == "stop_token_ids"
 
 
 def test_model_and_server_info_name_the_served_model(worker, model_dir):

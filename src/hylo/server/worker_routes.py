@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hylo.sampling import SamplingParams
 from hylo.server.async_engine import AsyncEngine
 from hylo.server.protocol import (
     _REQUEST,
@@ -35,7 +37,14 @@ LOAD_FORMATS = ("vllm", "sglang")
 class WorkerTokenizeRequest(BaseModel):
     """vLLM's `/tokenize`: a `prompt`, or chat `messages` rendered by the chat template first."""
 
-    model_config = _REQUEST
+    model_config = _REQUEST | ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
 
     model: str | None = None
     prompt: Text | None = None
@@ -154,12 +163,25 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_f
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def sampling(build) -> dict[str, Any]:
+    def sampling(build: Callable[[], SamplingParams]) -> SamplingParams:
         try:
-            return build().model_dump(mode="json", exclude_none=True)
+            return build()
         except ValidationError as e:
             param, failed = _failed_rule(e.errors())
             raise APIError(400, f"{param}: {failed['msg']}" if param else failed["msg"], param) from None
+
+    def rendered(ids: list[int], params: SamplingParams, param: str) -> dict[str, Any]:
+        """`ids` checked as a generation of them would be (token ids, length, the params' ids), or a
+        400 naming the field; then the params as JSON."""
+        try:
+            engine.validate(ids, params)
+        except ValueError as e:
+            message = str(e)
+            field_name = message.split(":", 1)[0]
+            if field_name in ("stop_token_ids", "logit_bias", "stop"):
+                raise APIError(400, message, field_name) from None
+            raise APIError(400, message if param == "prompt" else f"{param}: {message}", param) from None
+        return params.model_dump(mode="json", exclude_none=True)
 
     def room(ids: list[int]) -> int:
         return max(1, min(core.context_len, core.plan.max_total_num_tokens) - len(ids))
@@ -213,7 +235,7 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_f
                 request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                 model=model_name,
                 token_ids=ids,
-                sampling_params=params,
+                sampling_params=rendered(ids, params, "prompt"),
                 stream=body.stream,
             )
             for i, ids in enumerate(prompts)
@@ -231,7 +253,7 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_f
             request_id=f"chatcmpl-{uuid.uuid4().hex}",
             model=model_name,
             token_ids=ids,
-            sampling_params=sampling(lambda: body.sampling_params(room(ids))),
+            sampling_params=rendered(ids, sampling(lambda: body.sampling_params(room(ids))), "messages"),
             stream=body.stream,
         )
 
