@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hylo.config import EngineConfig, ModelConfig
+from hylo.engine.builder import budget_bytes
 from hylo.engine.engine import Engine
 from hylo.layers.moe import FP8Experts, MoE
 from hylo.memory.manager import CacheManager, LoadPeak, weight_bytes
@@ -384,4 +385,5 @@ def test_cuda_budget_counts_freed_blocks_as_free(base):
     free, total = torch.cuda.mem_get_info()
     held = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     assert held >= 2**30
-    assert engine._budget_bytes() >= free - total * (1 - config.mem_fraction_static) + held - 2**20
+    budget = budget_bytes(config, engine.device)
+    assert budget >= free - total * (1 - config.mem_fraction_static) + held - 2**20

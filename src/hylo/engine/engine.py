@@ -8,41 +8,25 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from hylo.config import DEFAULT_CUDA_GRAPH_MAX_BS, EngineConfig
+from hylo.config import EngineConfig
+from hylo.engine.builder import build_engine
 from hylo.engine.chunk import ScheduledChunk
-from hylo.engine.cuda_graph import DecodeGraphs, batch_size_buckets
 from hylo.engine.picking import ChunkResult
-from hylo.engine.prefill_graph import PrefillGraphs, prefill_graph_refusal
 from hylo.engine.request import Request, Status
-from hylo.engine.runner import LaunchedStep, ModelRunner
-from hylo.engine.scheduler import Scheduler
-from hylo.engine.verify_graph import VerifyGraphs
-from hylo.memory.manager import (
-    PREFIX_SNAPSHOT_SHARE,
-    CacheManager,
-    LoadPeak,
-    MemoryPlan,
-    format_memory_report,
-    memory_report,
-    target_cache_specs,
-)
-from hylo.models.glm5_next import Glm5NextForCausalLM, model_refusals
-from hylo.models.loader import load_model, shard_digest
+from hylo.engine.runner import LaunchedStep
+from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.parallel.control import Abort, AddRequest
 from hylo.parallel.ranks import Ranks
 from hylo.sampling import SamplingParams
-from hylo.speculative.adaptive import DraftLengthPolicy, StepPlan
-from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches
-from hylo.speculative.token_map import load_token_map
+from hylo.speculative.adaptive import StepPlan
+from hylo.speculative.proposer import Proposer, ProposerBuild
 from hylo.structured import Grammars
-from hylo.tokenizer import IncrementalDetokenizer, Tokenizer
+from hylo.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("hylo")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -61,7 +45,8 @@ class StepOutput:
 
 
 class Engine:
-    """Loads the model, sizes the caches from one memory budget, and runs the step loop."""
+    """Loads the model, sizes the caches from one memory budget (`engine/builder.py`), and runs the
+    step loop. Safe to use from one thread at a time (`compile_constraint` from any)."""
 
     def __init__(
         self,
@@ -95,165 +80,22 @@ class Engine:
                 raise ValueError(
                     "tp_size > 1: every rank loads its own shard; a proposer or target cannot be given"
                 )
-            self._start(config, proposer, decode_graphs, target)
+            parts = build_engine(config, self.ranks, proposer, decode_graphs, target)
         except BaseException:
             self.ranks.discard()  # the other ranks of an engine that cannot start go with it
             raise
-
-    def _start(
-        self,
-        config: EngineConfig,
-        proposer: Proposer | ProposerBuild | None,
-        decode_graphs: bool | None,
-        target: Glm5NextForCausalLM | None,
-    ) -> None:
-        """Load the model, size and allocate the caches, build the proposer and capture the graphs."""
-        path = Path(config.model) if config.model is not None else _demo_model()
-        self.device, self.dtype = resolve_device(config.device, config.dtype)
-        self.device = self.ranks.device or self.device
-        dummy = config.load_format == "dummy"
-        parallel = self.ranks.parallel
-        with LoadPeak(self.device) as load_peak:
-            self.model = target or load_model(
-                path, self.device, self.dtype, random_weights=dummy, parallel=parallel,
-                progress=None if self.ranks.leader else False,
-                fp8_projections=False if config.fp8_projections == "dequantize" else None,
-            )  # fmt: skip
-        self.ranks.loaded()
-        model_config = self.model.config
-        if self.device.type == "cuda":
-            for op, reason in model_refusals(model_config).items():
-                logger.warning(
-                    "%s: its Triton kernel cannot take this model (%s): it runs the torch reference",
-                    op,
-                    reason,
-                )
-        cache_config = parallel.local_config(model_config)  # KDA states hold this rank's heads
-        tok_path = Path(config.tokenizer) if config.tokenizer else path
-        self.tokenizer = Tokenizer.from_dir(tok_path) if (tok_path / "tokenizer.json").is_file() else None
+        self.device, self.dtype, self.model = parts.device, parts.dtype, parts.model
+        self.tokenizer, self.context_len, self.plan = parts.tokenizer, parts.context_len, parts.plan
+        self.caches, self.proposer, self.runner = parts.caches, parts.proposer, parts.runner
+        self.scheduler, self.policy, self.overlap = parts.scheduler, parts.policy, parts.overlap
+        self.buckets, self.memory_report = parts.buckets, parts.memory_report
         self._grammars = None  # hylo.structured.Grammars, made by the first constrained request
         self._grammars_lock = threading.Lock()
-        self.context_len = config.context_length or model_config.max_position_embeddings
-        indexer_dtype = torch.float8_e4m3fn if config.indexer_dtype == "fp8" else None
-        build = self._build_proposer(path, indexer_dtype) if proposer is None else proposer
-        if isinstance(build, Proposer):
-            build = ProposerBuild.of(build)
-        if decode_graphs is None:
-            decode_graphs = self.device.type == "cuda" and not config.disable_cuda_graph
-        prefix_cache = not config.disable_radix_cache
-        feature_dim = build.snapshot_feature_dim if build is not None else 0
-        target_specs = target_cache_specs(
-            cache_config, self.dtype, indexer_dtype, feature_dim if prefix_cache else None
-        )
-        self.plan = MemoryPlan.from_budget(
-            target_specs + (build.specs if build is not None else []),
-            self.ranks.min_over_ranks(self._budget_bytes()),
-            config.page_size, config.max_running_requests, self.context_len, scratch=decode_graphs,
-            snapshot_share=PREFIX_SNAPSHOT_SHARE if prefix_cache else 0.0,
-        )  # fmt: skip
-        if prefix_cache and self.plan.num_snapshots == 0:
-            logger.warning(
-                "prefix cache: the memory budget holds no KDA state snapshot: nothing will be cached"
-            )
-        self.caches = CacheManager(
-            cache_config, self.plan, self.dtype, self.device, indexer_dtype,
-            config.prefix_snapshot_interval if prefix_cache else None, feature_dim,
-        )  # fmt: skip
-        self.proposer = None
-        if build is not None:
-            table = self.caches.table.table
-            drafts = torch.zeros(
-                table.shape[0], build.verify_shape.drafts, dtype=torch.long, device=self.device
-            )
-            pools = [spec.allocate(self.caches.num_token_slots, self.device) for spec in build.specs]
-            self.proposer = build.build(ProposerCaches(table, drafts, pools))
-        verify_shape = None if self.proposer is None else self.proposer.verify_shape
-        # a proposer observes every forward's features: plain decode graphs don't make them, so with
-        # one the fixed-shape steps are verify steps, and only for a proposer that drafts on the device
-        verify_graphs = decode_graphs and self.proposer is not None and not self.proposer.needs_host
-        self.scheduler = Scheduler(
-            self.caches, self.plan.num_slots, config.chunked_prefill_size, verify_shape, self.proposer
-        )
         self.requests: dict[str, Request] = {}
-        graphs = verifying = None
-        max_bs = min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.plan.num_slots)
-        capture = self.device.type == "cuda"
-        if decode_graphs:
-            graphs = DecodeGraphs(self.model, self.caches, max_bs, capture, self.proposer)
-        if verify_graphs:
-            pool = graphs.bank.pool  # the verify and decode graphs never replay at once
-            verifying = VerifyGraphs(self.model, self.caches, self.proposer, max_bs, capture, pool)
-        prefilling = None
-        if decode_graphs and config.cuda_graph_max_prefill_tokens:
-            refusal = prefill_graph_refusal(self.model, self.proposer)
-            if refusal is None:
-                prefilling = PrefillGraphs(
-                    self.model, self.caches, min(config.cuda_graph_max_prefill_tokens, self.context_len),
-                    capture, self.proposer, graphs.bank.pool,
-                )  # fmt: skip
-            else:
-                logger.info("prefill chunks run eagerly: %s", refusal)
-        self.policy = None  # rank 0's alone: the other ranks step by the plan it publishes
-        if self.proposer is not None and config.speculative_adaptive and self.ranks.leader:
-            self.policy = DraftLengthPolicy(verify_shape)
-        self.runner = ModelRunner(
-            self.model, self.caches, config.seed, self.proposer, graphs, verifying, prefilling
-        )
-        # overlapped steps are the steps of one rank that are device work to their read: plain decode
-        # steps that draft nothing, and verify steps the verify graphs take whose rows need nothing the
-        # read brings (the plain steps drafting for a verify step and the ranks of a tensor-parallel
-        # engine, which step by rank 0's published plans, read every step's tokens)
-        self.overlap = not config.disable_overlap_schedule and parallel.size == 1
         self.in_flight: LaunchedStep | None = None
         self._held_plan: StepPlan | None = None  # made for a step ahead that was not launched
-        self.buckets = batch_size_buckets(max_bs)
-        # taken last: the allocator's figures include the caches and the captured graphs' pools
-        report = memory_report(self.model, self.plan, self.device, load_peak.bytes)
-        report["weights_shard"] = shard_digest(self.model)  # which part of the checkpoint this rank holds
-        rank = f" (rank {parallel.rank} of {parallel.size})" if parallel.size > 1 else ""
-        logger.info("memory%s: %s", rank, format_memory_report(report))
-        if parallel.size > 1:  # what every rank holds, in rank 0's report too
-            report["ranks"] = self.ranks.gather(dict(report))
-        self.memory_report = report
         if self.ranks.publisher is not None:
             self.ranks.publisher.start()
-
-    def _build_proposer(self, model_path: Path, indexer_dtype: torch.dtype | None) -> ProposerBuild | None:
-        if self.config.speculative_algorithm is None:
-            return None
-        token_map = None
-        if self.config.speculative_token_map is not None:
-            token_map = load_token_map(self.config.speculative_token_map, self.model.config.vocab_size)
-        if self.config.speculative_algorithm == "MTP":
-            from hylo.speculative.mtp import MTPProposer
-
-            return MTPProposer.load(
-                model_path, self.model, self.config.speculative_num_steps or 1, indexer_dtype,
-                random_weights=self.config.load_format == "dummy", token_map=token_map,
-            )  # fmt: skip
-        from hylo.speculative.dflash import DFlashProposer
-
-        return DFlashProposer.load(
-            self.config.speculative_draft_model_path, self.model, self.config.speculative_num_draft_tokens,
-            token_map,
-        )  # fmt: skip
-
-    def _budget_bytes(self) -> int:
-        """The caches' bytes: on CUDA what `mem_fraction_static` of the GPU leaves beside everything in
-        use now (weights, CUDA context, other processes)."""
-        if self.device.type == "cuda":
-            # blocks the loading freed stay reserved by PyTorch's cache, and would count as in use
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - self.config.mem_fraction_static))
-            if budget <= 0:
-                raise ValueError(
-                    f"mem_fraction_static={self.config.mem_fraction_static} leaves no memory for caches "
-                    f"after the weights ({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB, "
-                    f"{torch.cuda.memory_allocated(self.device) / 2**30:.1f} GiB of it PyTorch tensors)"
-                )
-            return budget
-        return int(self.config.max_memory_gb * 2**30)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -530,26 +372,3 @@ class Engine:
         verified = [r.committed for ch, r in zip(chunks, results, strict=True) if ch.verifies_drafts]
         mean = sum(verified) / len(verified) if verified else None
         self.policy.record(bucket, bool(verified), seconds, mean)
-
-
-def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device} requested but CUDA is not available")
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, DTYPES[dtype]
-
-
-def _demo_model() -> Path:
-    from hylo.models.demo import default_model_dir
-
-    path = default_model_dir()
-    logger.warning(
-        "no model given: using the embedded demo model at %s (a 7M-parameter GLM-5.3-Flash trained on "
-        "ShareGPT, with DFlash, DFlash2 and MTP drafts; its README.md is the model card)",
-        path,
-    )
-    return path
