@@ -111,7 +111,8 @@ def test_flush_cache_empties_the_prefix_cache_when_idle_and_is_409_while_busy(wo
     done = httpx.post(f"{worker}/v1/completions", json={"prompt": prompt, "max_tokens": 2})
     assert done.status_code == 200 and _prefix_pages(worker) > 0
     with httpx.stream("POST", f"{worker}/v1/completions", json=_long(prompt), timeout=60) as stream:
-        _running(worker, stream.iter_lines(), {"load": 1})
+        lines = stream.iter_lines()  # kept: a dropped line iterator closes the response (an abort)
+        _running(worker, lines, {"load": 1})
         busy = httpx.post(f"{worker}/flush_cache")
         assert busy.status_code == 409 and "running" in busy.json()["error"]["message"]
         assert _prefix_pages(worker) > 0
@@ -128,7 +129,8 @@ def test_get_load_counts_open_requests_in_vllm_routers_shape(worker):
     assert httpx.get(f"{worker}/get_load").json() == {"load": 0}
     prompt = " ".join(["story water"] * 8)
     with httpx.stream("POST", f"{worker}/v1/completions", json=_long(prompt), timeout=60) as stream:
-        _running(worker, stream.iter_lines(), {"load": 1})
+        lines = stream.iter_lines()  # kept: a dropped line iterator closes the response (an abort)
+        _running(worker, lines, {"load": 1})
 
 
 def test_get_load_in_sglang_routers_shape_with_the_flag(model_dir):

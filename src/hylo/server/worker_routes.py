@@ -293,14 +293,15 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_f
     @app.post("/flush_cache", response_model=FlushResponse)
     async def flush_cache() -> FlushResponse:
         """Empty the prefix cache, on the engine thread between steps, when no request is open."""
-        if not await engine.call(flush_prefix_cache):
+        if not await engine.call(lambda core: flush_prefix_cache(core, engine.num_open)):
             raise APIError(409, "requests are running; flush the cache when the server is idle", None)
         return FlushResponse(message="the prefix cache is empty")
 
 
-def flush_prefix_cache(engine) -> bool:
-    """On the engine thread: empty the prefix cache (True), or False while any request is unfinished."""
-    if engine.has_unfinished():
+def flush_prefix_cache(engine, num_open: int) -> bool:
+    """On the engine thread: empty the prefix cache (True), or False while any request is unfinished
+    (in the engine, or `num_open` requests the server has not finished answering)."""
+    if num_open or engine.has_unfinished():
         return False
     prefix = engine.caches.prefix
     if prefix is not None:
