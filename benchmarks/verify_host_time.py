@@ -3,7 +3,7 @@
 On a GPU a verify step's forward, acceptance, KDA commit and next drafts are two graph replays
 (`VerifyGraphs`); everything around them is host work, which the GPU waits for where a verify step is
 not overlapped with the step before it (`--disable-overlap-schedule`, or rows whose acceptance needs
-the host: `ModelRunner.overlaps`), and which runs while the GPU computes the step ahead where it is.
+the host: `InFlightLedger.run_ahead`), and which runs while the GPU computes the step ahead where it is.
 Here, with the overlap schedule off so that every part runs in turn, the fixed-shape verify path
 runs on the CPU with that device work taken out: each bucket's first forward is kept and returned
 again for every later step, and the commit graph does nothing, so a timed step is the host work alone
@@ -35,7 +35,9 @@ from hylo.models.demo import default_model_dir
 PARTS = {  # what is timed: (class, method)
     "engine_step": (Engine, "step"),
     "schedule": (Scheduler, "schedule"),
-    "runner_step": (ModelRunner, "step"),
+    "runner_route": (ModelRunner, "route"),
+    "runner_launch": (ModelRunner, "launch"),
+    "runner_collect": (ModelRunner, "collect"),
     "graphs_run": (VerifyGraphs, "run"),
     "bookkeeping": (Engine, "_apply"),
 }
@@ -104,7 +106,8 @@ def main() -> None:
             llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
             n = len(times["graphs_run"])  # the verify steps: the last n calls of every part
             mean = {part: sum(values[-n:]) / n * 1e3 for part, values in times.items()}
-            outside = mean["runner_step"] - mean["graphs_run"]
+            runner = mean["runner_route"] + mean["runner_launch"] + mean["runner_collect"]
+            outside = runner - mean["graphs_run"]
             parts = ("engine_step", "schedule", "graphs_run", "bookkeeping")
             rows.append((*(mean[p] for p in parts[:2]), outside, *(mean[p] for p in parts[2:])))
         cells = [statistics.median(column) for column in zip(*rows, strict=True)]

@@ -315,15 +315,15 @@ def test_prompt_scoring_chunks_are_capped(checkpoint, prompts, monkeypatch):
     monkeypatch.setattr(scheduler, "MAX_SCORED_CHUNK_TOKENS", 8)
     llm = make_llm(checkpoint, chunked_prefill_size=96, max_memory_gb=0.25)
     sizes: dict[str, list[int]] = {}
-    step = llm.engine.runner.step
+    launch = llm.engine.runner.launch
 
-    def recording(chunks, draft=True):
+    def recording(chunks, *rest):
         for ch in chunks:
             if not ch.request.output_ids:
                 sizes.setdefault(ch.request.request_id, []).append(ch.num_tokens)
-        return step(chunks, draft)
+        return launch(chunks, *rest)
 
-    llm.engine.runner.step = recording
+    llm.engine.runner.launch = recording
     capped = llm.generate(prompt_token_ids=pair, sampling_params=[params, GREEDY], use_tqdm=False)
     scored, plain = (sizes[o.request_id] for o in capped)
     assert max(scored) == 8 and sum(scored) == len(pair[0]) and plain == [len(pair[1])]

@@ -11,6 +11,7 @@ import torch
 
 from hylo import LLM, SamplingParams
 from hylo.engine.request import IN_FLIGHT, Status
+from hylo.engine.route import RunAhead
 from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS
 from hylo.sampling import SampleRow, target_distribution
 from hylo.speculative.adaptive import StepPlan
@@ -153,12 +154,13 @@ def test_no_step_ahead_while_a_waiting_request_could_start(engines):
         engine.add_request(f"a{i}", engine.tokenizer.encode(PROMPTS[i]), greedy(6, ignore_eos=True))
     engine.step()
     engine.step()
-    launched = [ch.request for ch in engine.in_flight.chunks]
+    launched, plan = [ch.request for ch in engine.in_flight.chunks], StepPlan(True, True)
     engine.add_request("w", engine.tokenizer.encode(PROMPTS[2]), greedy(3))
-    assert engine.scheduler.schedule_ahead(launched) is None
+    refusal = engine.scheduler.schedule_ahead(launched, plan)
+    assert isinstance(refusal, RunAhead) and not refusal.ok and "waiting request" in refusal.reason
     taken = engine.caches.slots.alloc(engine.caches.slots.num_free)
     try:
-        ahead = engine.scheduler.schedule_ahead(launched)
+        ahead = engine.scheduler.schedule_ahead(launched, plan)
         assert [ch.request for ch in ahead] == launched
     finally:
         engine.caches.slots.free(taken)

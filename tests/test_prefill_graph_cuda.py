@@ -11,7 +11,7 @@ from conftest import counted_read, random_prompt, with_one_read
 from test_speculative_cuda import VOCAB, cache_fraction, checkpoints, flags  # noqa: F401 (fixture)
 
 from hylo import LLM, SamplingParams
-from hylo.engine.reader import Reader
+from hylo.engine.reader import PendingRead
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs and the sync debug mode need a GPU"
@@ -36,17 +36,31 @@ def test_prefill_steps_read_once_and_match_eager_steps(checkpoints, algorithm, m
     eager = make_llm(target, algorithm, draft, disable_cuda_graph=True, target=graphs.engine.model)
     assert graphs.engine.runner.prefill_graphs is not None and eager.engine.runner.prefill_graphs is None
     reads, replayed = [], []
-    monkeypatch.setattr(Reader, "read", counted_read(Reader.read, reads))
+    monkeypatch.setattr(PendingRead, "wait", counted_read(PendingRead.wait, reads))
     runner = graphs.engine.runner
-    step, run = runner.step, runner.prefill_graphs.run
+    launch, collect, run = runner.launch, runner.collect, runner.prefill_graphs.run
 
-    def strict_step(chunks, draft=True):
-        """A prefill step raises on any synchronising call but the read."""
-        if not any(ch.num_tokens > 1 and not ch.verify for ch in chunks):
-            return step(chunks, draft)
-        return with_one_read(step, reads, chunks, draft)
+    def prefills(chunks) -> bool:
+        return any(ch.num_tokens > 1 and not ch.verify for ch in chunks)
 
-    monkeypatch.setattr(runner, "step", strict_step)
+    def strict_launch(chunks, route):
+        """A prefill step launches without any synchronising call..."""
+        if not prefills(chunks):
+            return launch(chunks, route)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(chunks, route)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    def strict_collect(launched):
+        """...and is collected with no synchronising call but its one read."""
+        if not prefills(launched.chunks):
+            return collect(launched)
+        return with_one_read(collect, reads, launched)
+
+    monkeypatch.setattr(runner, "launch", strict_launch)
+    monkeypatch.setattr(runner, "collect", strict_collect)
     monkeypatch.setattr(
         runner.prefill_graphs, "run", lambda seqs: replayed.append(len(seqs[0].token_ids)) or run(seqs)
     )

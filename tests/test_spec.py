@@ -469,23 +469,19 @@ def test_verify_graphs_commit_what_plain_decoding_computes(target, overlap):
     # plain decode steps replay decode graphs that run the proposer's observe inside
     assert graphs is not None and graphs.buckets == [1, 2, 4] and engine.runner.graphs.observes
     replays, verify_steps, mixed = [], [], []
-    run, step = graphs.run, engine.runner.step
+    run = graphs.run
     graphs.run = lambda seqs, *rest: replays.append(len(seqs)) or run(seqs, *rest)
-
-    def counted(chunks, draft=True):
-        if any(ch.verify for ch in chunks):
-            verify_steps.append(len(chunks))
-            mixed.append(any(ch.num_tokens == 1 for ch in chunks))
-        return step(chunks, draft)
-
-    engine.runner.step = counted
     launch, launched, after_commit = engine.runner.launch, [], []
 
-    def launching(chunks, sample_now=True):
-        launched.append(len(chunks))
-        mixed.append(any(ch.num_tokens == 1 for ch in chunks))
-        after_commit.append(all(ch.request.verifying for ch in chunks))
-        return launch(chunks, sample_now)
+    def launching(chunks, route):
+        if route.ahead:  # launched before the step ahead of it is read
+            launched.append(len(chunks))
+            mixed.append(any(ch.num_tokens == 1 for ch in chunks))
+            after_commit.append(all(ch.request.verifying for ch in chunks))
+        elif any(ch.verify for ch in chunks):  # read at once
+            verify_steps.append(len(chunks))
+            mixed.append(any(ch.num_tokens == 1 for ch in chunks))
+        return launch(chunks, route)
 
     engine.runner.launch = launching
     free = (engine.caches.num_available_pages, engine.caches.slots.num_free)

@@ -99,18 +99,28 @@ def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sa
     reads, replayed = [], []
     # the one read of a step read at once, and of an overlapped one (counted in strict steps only: the
     # eager engine's steps read too)
-    monkeypatch.setattr(Reader, "read", counted_read(Reader.read, reads))
     monkeypatch.setattr(PendingRead, "wait", counted_read(PendingRead.wait, reads))
     runner = graphs.engine.runner
-    step, run = runner.step, runner.verify_graphs.run
+    launch, collect, run = runner.launch, runner.collect, runner.verify_graphs.run
 
-    def strict_step(chunks, draft=True):
-        """A verify step raises on any synchronising call but the read."""
-        if not all(ch.verify for ch in chunks):
-            return step(chunks, draft)
-        return with_one_read(step, reads, chunks, draft)
+    def strict_launch(chunks, route):
+        """A verify step read at once launches without any synchronising call..."""
+        if route.ahead or not all(ch.verify for ch in chunks):
+            return launch(chunks, route)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(chunks, route)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
 
-    monkeypatch.setattr(runner, "step", strict_step)
+    def strict_collect(launched):
+        """...and is collected with no synchronising call but its one read."""
+        if launched.route.ahead or not launched.verifies:
+            return collect(launched)
+        return with_one_read(collect, reads, launched)
+
+    monkeypatch.setattr(runner, "launch", strict_launch)
+    monkeypatch.setattr(runner, "collect", strict_collect)
     engine = graphs.engine
     engine_step = engine.step
 

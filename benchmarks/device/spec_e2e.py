@@ -432,7 +432,7 @@ def main() -> None:
         if name in graphs:
             kind = "forced" if mode == "forced_reading" else mode
             runner.verify_graphs = graphs[name][GRAPH_SETS.index(kind) if forced else 0]
-        engine.overlap = mode != "forced_reading"
+        engine.ledger.overlap = mode != "forced_reading"
         verify.greedy_accept = accept_everything if forced else real_accept
         use_drafting(llm.engine.proposer, drafting[name] if mode == "forced_common" else None)
         if not hasattr(engine, "adaptive_policy"):

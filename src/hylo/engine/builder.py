@@ -45,8 +45,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 @dataclass
 class EngineParts:
     """What `build_engine` makes for one engine; `policy` is rank 0's alone (the other ranks step by
-    the plans it publishes); `overlap`: the overlap schedule is on; `buckets` are the graphs'
-    batch-size buckets."""
+    the plans it publishes); `buckets` are the graphs' batch-size buckets."""
 
     device: torch.device
     dtype: torch.dtype
@@ -59,7 +58,6 @@ class EngineParts:
     runner: ModelRunner
     scheduler: Scheduler
     policy: DraftLengthPolicy | None
-    overlap: bool
     buckets: list[int]
     memory_report: dict[str, Any]
 
@@ -101,19 +99,19 @@ def build_engine(
     graphs = _graphs(config, model, caches, proposer, max_bs, context_len, decode_graphs)
     runner = ModelRunner(model, caches, config.seed, proposer, *graphs)
     verify_shape = None if proposer is None else proposer.verify_shape
-    scheduler = Scheduler(caches, plan.num_slots, config.chunked_prefill_size, verify_shape, proposer)
-    # overlapped steps are the steps of one rank that are device work to their read: plain decode
-    # steps that draft nothing, and verify steps the verify graphs take whose rows need nothing the
-    # read brings (the plain steps drafting for a verify step and the ranks of a tensor-parallel
-    # engine, which step by rank 0's published plans, read every step's tokens)
+    # steps run ahead on one rank only: the ranks of a tensor-parallel engine step by rank 0's plans
     overlap = not config.disable_overlap_schedule and ranks.parallel.size == 1
+    scheduler = Scheduler(
+        caches, plan.num_slots, config.chunked_prefill_size, verify_shape, proposer, overlap,
+        verify_graphs=runner.verify_graphs is not None,
+    )  # fmt: skip
     policy = None
     if proposer is not None and config.speculative_adaptive and ranks.leader:
         policy = DraftLengthPolicy(verify_shape)
     report = _memory_report(model, plan, device, load_peak.bytes, ranks)
     return EngineParts(
         device, dtype, model, tokenizer, context_len, plan, caches, proposer, runner, scheduler, policy,
-        overlap, batch_size_buckets(max_bs), report,
+        batch_size_buckets(max_bs), report,
     )  # fmt: skip
 
 

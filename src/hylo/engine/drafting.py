@@ -1,21 +1,22 @@
-"""The draft driver: every call the runner makes into the proposer, and the request state drafting keeps.
+"""The draft driver: every call the runner makes into the proposer, and the ring state drafting keeps.
 
 `DraftDriver` owns, for one engine with a proposer:
 - the proposer's observe and propose after each step: on the device before the step's read (a
   proposer that drafts from device tensors: `after_picks`), or on the host after it (`needs_host`:
   `after_read`), from the step's `StepCommit` (`step_commit`, which the picks fill in);
 - the deferred ring of the decode graphs: a plain graph step that drafts nothing leaves its observe
-  there (`decode_variant`, `mark_deferred`), and the next step that observes first has the proposer
+  there (`decode_variant`), and the next step that observes first has the proposer
   observe what waits (`catch_up`), so it still sees every committed token in order;
 - the drafts' way into a verify step (`feed_drafts`: the proposer's device rows into an eager batch)
   and back to the host for a constrained request, whose next verify masks each position after the
   drafts before it (`constrained_drafts` with the step's read, `give_drafts` into its results).
 
 Invariants: the proposer observes every committed position exactly once and in order, before any
-step that drafts from it; `Request.deferred_from` is set by `mark_deferred` and cleared by `catch_up`
-alone (and by preemption, which empties the caches); a position waits in the ring only while fewer
-than `DecodeGraphs.deferred_tokens` positions of its request wait (`ring_has_room`, checked before
-each deferring step).
+step that drafts from it; `Request.deferred_from` (where a request's waiting positions start) is
+written by the scheduler's ledger alone, as each step is launched (`InFlightLedger.launched`: set by
+a deferring step, cleared by any other, which catches up first) and on preemption; the driver reads
+it. A position waits in the ring only while fewer than `DecodeGraphs.deferred_tokens` positions of
+its request wait (`ring_has_room`, checked before each deferring step).
 """
 
 from __future__ import annotations
@@ -64,14 +65,6 @@ class DraftDriver:
         room = self.graphs.deferred_tokens
         return all(r.deferred_from is None or r.num_computed - r.deferred_from < room for r in requests)
 
-    @staticmethod
-    def mark_deferred(requests: Sequence[Request]) -> None:
-        """A replay left these requests' observe in the deferred ring: their deferred positions start at
-        the first step that did (`Request.deferred_from`)."""
-        for r in requests:
-            if r.deferred_from is None:
-                r.deferred_from = r.num_computed
-
     def catch_up(self, requests: Sequence[Request]) -> None:
         """The proposer observes the deferred positions of `requests` (`Request.deferred_from ..
         num_computed - 1`, their features from the decode graphs' ring) in one eager batch."""
@@ -93,8 +86,6 @@ class DraftDriver:
         none = torch.zeros(0, dtype=torch.long, device=device)
         anchors = torch.zeros(len(pending), dtype=torch.long, device=device)
         self.proposer.observe(batch, StepCommit(counts, anchors, none, features))
-        for r in pending:
-            r.deferred_from = None
 
     def feed_drafts(self, batch: ForwardBatch, chunks: Sequence[ScheduledChunk]) -> None:
         """Copy each verify chunk's drafts from the proposer's device rows into the batch's input ids."""

@@ -1,4 +1,10 @@
-"""The engine: requests in, tokens out, one scheduled step at a time."""
+"""The engine: requests in, tokens out, one scheduled step at a time.
+
+The step loop (`Engine.step`) reads as schedule-next, launch, settle-previous: one variable
+(`in_flight`) holds the step launched and not yet read. Who owns what is said in the package
+docstring (`hylo.engine`); the engine holds the requests by id, turns what a step read into text and
+finished requests (`StepOutput`), and asks the draft-length policy for each step's plan.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from hylo.engine.builder import build_engine
 from hylo.engine.chunk import ScheduledChunk
 from hylo.engine.picking import ChunkResult
 from hylo.engine.request import Request, Status
+from hylo.engine.route import RunAhead, StepRoute
 from hylo.engine.runner import LaunchedStep
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.parallel.control import Abort, AddRequest
@@ -84,18 +91,29 @@ class Engine:
         except BaseException:
             self.ranks.discard()  # the other ranks of an engine that cannot start go with it
             raise
-        self.device, self.dtype, self.model = parts.device, parts.dtype, parts.model
-        self.tokenizer, self.context_len, self.plan = parts.tokenizer, parts.context_len, parts.plan
-        self.caches, self.proposer, self.runner = parts.caches, parts.proposer, parts.runner
-        self.scheduler, self.policy, self.overlap = parts.scheduler, parts.policy, parts.overlap
-        self.buckets, self.memory_report = parts.buckets, parts.memory_report
+        self.device, self.dtype, self.model, self.tokenizer = (
+            parts.device,
+            parts.dtype,
+            parts.model,
+            parts.tokenizer,
+        )
+        self.context_len, self.plan, self.caches = parts.context_len, parts.plan, parts.caches
+        self.proposer, self.runner, self.scheduler = parts.proposer, parts.runner, parts.scheduler
+        self.ledger = parts.scheduler.ledger  # the scheduler's: what is launched and not yet read
+        self.policy, self.buckets, self.memory_report = parts.policy, parts.buckets, parts.memory_report
         self._grammars = None  # hylo.structured.Grammars, made by the first constrained request
         self._grammars_lock = threading.Lock()
         self.requests: dict[str, Request] = {}
-        self.in_flight: LaunchedStep | None = None
+        self.in_flight: LaunchedStep | None = None  # the step launched and not yet read
+        self.last_run_ahead: RunAhead | None = None  # whether the last step scheduled ran ahead, or why not
         self._held_plan: StepPlan | None = None  # made for a step ahead that was not launched
         if self.ranks.publisher is not None:
             self.ranks.publisher.start()
+
+    @property
+    def overlap(self) -> bool:
+        """Steps may run ahead of the read before them (the overlap schedule; `InFlightLedger`)."""
+        return self.ledger.overlap
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -224,7 +242,8 @@ class Engine:
             torch.cuda.synchronize(self.device)  # no launched step still uses what is released below
         self.requests, self.in_flight, self._held_plan = {}, None, None
         self.runner.reader.close()
-        self.runner = self.scheduler = self.caches = self.proposer = self.model = self._grammars = None
+        self.runner = self.scheduler = self.ledger = self.caches = self.proposer = self.model = None
+        self._grammars = None
         # now, not whenever the collector next runs: what the engine held may sit in reference cycles
         gc.collect()
         if self.device.type == "cuda":
@@ -234,52 +253,70 @@ class Engine:
         """Run one step and return what it produced. `plan`: a follower rank's, as rank 0 published
         it; rank 0 (and an engine of one rank) makes its own and publishes it to the others first.
 
-        With the overlap schedule (`overlap`), a plain decode step is launched without waiting for
-        it (`ModelRunner.launch`); before its tokens are read the next step is scheduled and launched
-        behind it where it can be (`Scheduler.schedule_ahead`), so the host's scheduling, batch
-        building and detokenising run while the device computes. A call then returns the outputs of
-        the step launched before, and leaves the one after it in flight (`in_flight`). In a speculative
-        engine the steps that overlap are the plain ones that draft nothing (`DraftLengthPolicy`'s
-        choice while verifying does not pay) and verify steps after verify steps whose rows need
-        nothing from the host's read (`ModelRunner.overlaps`): the block behind an unread one starts
-        where that one's commit leaves it, on the device. The plan of a step ahead that cannot be
-        launched is held for the next call."""
+        The loop is schedule-next, launch, settle-previous. A step that may run ahead of its read (the
+        overlap schedule: `InFlightLedger.run_ahead` decides, and says why not: `last_run_ahead`) is
+        launched without waiting for it; before its results are read the next step is scheduled and
+        launched behind it where it can be (`Scheduler.schedule_ahead`), so the host's scheduling,
+        batch building and detokenising run while the device computes. A call then returns the
+        outputs of the step launched before, and leaves the one after it in flight (`in_flight`).
+        Any other step is read at once: `_settle(_launch(...))`, the reading schedule. The plan of a
+        step ahead that cannot be launched is held for the next call."""
         self.check_alive()
-        if self.in_flight is None:
+        if self.in_flight is None:  # nothing unread: the step is scheduled from what was read
             bucket = self._bucket()
-            if plan is None:
-                plan = self._next_plan(bucket)
+            plan = plan if plan is not None else self._next_plan(bucket)
             if self.ranks.publisher is not None:
                 self.ranks.publisher.step(plan.verify, plan.draft)
             chunks = self.scheduler.schedule(draft=plan.verify)
             if not chunks:
                 return []
-            if not (self._overlaps(plan) and self.runner.overlaps(chunks)):
-                start = time.perf_counter()
-                results = self.runner.step(chunks, draft=plan.draft)
-                if self.policy is not None:
-                    self._record(bucket, chunks, results, time.perf_counter() - start)
-                return self._apply(chunks, results)
-            self.in_flight = self._launch(chunks)
+            start = time.perf_counter()
+            route = self.runner.route(chunks, plan, self.ledger.run_ahead)
+            self.last_run_ahead = route.run_ahead
+            if not route.ahead:
+                return self._settle(self._launch(chunks, route), bucket, start)
+            self.in_flight = self._launch(chunks, route)
         start, bucket = time.perf_counter(), self._bucket()
-        launched, self.in_flight = self.in_flight, None
-        ahead, plan_ahead = None, self._next_plan(bucket)
-        if self._overlaps(plan_ahead):
-            requests = [ch.request for ch in launched.chunks]
-            verify = plan_ahead.verify and self.proposer is not None
-            ahead = self.scheduler.schedule_ahead(requests, verify=verify)
-        if ahead and self.runner.overlaps(ahead):
-            # a constrained row picks once its grammar has taken the token read below
-            constrained = any(ch.request.grammar is not None for ch in ahead)
-            self.in_flight = self._launch(ahead, sample_now=not constrained)
-        else:
-            self._held_plan = plan_ahead  # the next step, scheduled once the tokens are read
-        results = self.runner.collect(launched)
-        outputs = self._apply(launched.chunks, results, launched=True)
-        if self.policy is not None:  # an overlapped step costs the time between two reads
-            self._record(bucket, launched.chunks, results, time.perf_counter() - start)
-        if self.in_flight is not None and self.in_flight.read is None:
+        behind, self.in_flight = self.in_flight, self._launch_behind(self.in_flight, self._next_plan(bucket))
+        outputs = self._settle(behind, bucket, start)
+        if self.in_flight is not None and self.in_flight.read is None:  # it picks now, after the read
             self.runner.sample_launched(self.in_flight)
+        return outputs
+
+    def _launch_behind(self, behind: LaunchedStep, plan: StepPlan) -> LaunchedStep | None:
+        """The step of `plan` after `behind`, scheduled and launched before `behind` is read where the
+        scheduler can make it (`Scheduler.schedule_ahead`) and the ledger lets it run ahead; else
+        None, and the plan waits for the next call (`last_run_ahead` says why)."""
+        chunks = self.scheduler.schedule_ahead([ch.request for ch in behind.chunks], plan)
+        if isinstance(chunks, RunAhead):  # no step can be made before the read
+            self.last_run_ahead = chunks
+        else:
+            route = self.runner.route(chunks, plan, self.ledger.run_ahead)
+            self.last_run_ahead = route.run_ahead
+            if route.ahead:
+                return self._launch(chunks, route)
+        self._held_plan = plan  # the next step, scheduled once the tokens are read
+        return None
+
+    def _launch(self, chunks: list[ScheduledChunk], route: StepRoute) -> LaunchedStep:
+        """Launch the step on its route (`ModelRunner.launch`) and record it in the ledger."""
+        launched = self.runner.launch(chunks, route)
+        self.ledger.launched(chunks, route)
+        return launched
+
+    def _settle(self, launched: LaunchedStep, bucket: int, start: float) -> list[StepOutput]:
+        """Read a launched step (`ModelRunner.collect`; a verify step that ran ahead first has its
+        blocks cut by the ledger) and apply it; the policy learns what it cost: a step read at once,
+        its launch to its read; a step run ahead, the time between two reads."""
+        ahead = launched.route.ahead
+        if ahead:
+            launched.chunks = self.ledger.cut(launched.chunks)
+        results = self.runner.collect(launched)
+        read_at = time.perf_counter()
+        outputs = self._apply(launched.chunks, results, ahead)
+        if self.policy is not None:
+            seconds = (time.perf_counter() if ahead else read_at) - start
+            self._record(bucket, launched.chunks, results, seconds)
         return outputs
 
     def _next_plan(self, bucket: int) -> StepPlan:
@@ -290,48 +327,23 @@ class Engine:
             return plan
         return self.policy.plan(bucket) if self.policy is not None else StepPlan(True, True)
 
-    def _overlaps(self, plan: StepPlan) -> bool:
-        """Whether a step of `plan` may run ahead of the read before it: a plain step drafting nothing,
-        or a verify step where verify graphs exist (`plan` means nothing to an engine without a
-        proposer)."""
-        if not self.overlap or self.proposer is None:
-            return self.overlap
-        return self.runner.verify_graphs is not None if plan.verify else not plan.draft
-
-    def _launch(self, chunks: list[ScheduledChunk], sample_now: bool = True) -> LaunchedStep:
-        launched = self.runner.launch(chunks, sample_now)
-        for ch in chunks:
-            if ch.verify:  # what it commits is known once read
-                ch.request.verifying += 1
-            else:  # the step's token is computed, its pick on its way
-                ch.request.num_computed += 1
-                ch.request.in_flight += 1
-        return launched
-
     def _apply(
-        self, chunks: Sequence[ScheduledChunk], results: Sequence[ChunkResult], launched: bool = False
+        self, chunks: Sequence[ScheduledChunk], results: Sequence[ChunkResult], ahead: bool
     ) -> list[StepOutput]:
-        """The requests' bookkeeping after a step: committed positions, picked tokens (finishing
-        those that stop), prompt logprobs, prefix-cache snapshots. A `launched` step's positions
-        are counted already (a verify step's once read); its requests that ended while it ran
-        (aborted, or stopped by the step before) take nothing from it."""
+        """The requests' bookkeeping after a step: the ledger records what the read brought
+        (`InFlightLedger.settle`: committed positions, a constrained request's drafts), the scheduler
+        publishes the prefix-cache snapshots it left, then prompt logprobs are kept and the picked
+        tokens appended (finishing those that stop). A step run `ahead` gives nothing to its
+        requests that ended while it ran (aborted, or stopped by the step before)."""
         outputs = []
         for ch, result in zip(chunks, results, strict=True):
             request = ch.request
-            if launched:
-                if ch.verify:
-                    request.verifying -= 1
-                else:
-                    request.in_flight -= 1
-                if request.status is Status.FINISHED:
-                    continue
-            if not launched or ch.verify:
-                request.num_computed += result.committed
+            if not self.ledger.settle(ch, result, ahead):
+                continue
             if result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs)
             if ch.snapshots:
                 self.scheduler.publish(ch)
-            request.host_drafts = result.drafts
             if result.tokens and request.params.max_tokens == 0:  # the prompt is scored: done
                 self.scheduler.finish(request)
                 self.requests.pop(request.request_id, None)
@@ -341,24 +353,28 @@ class Engine:
             if ch.verifies_drafts:
                 request.metrics.spec_verify_steps += 1
                 request.metrics.spec_accepted_tokens += result.accepted
-            if not result.tokens:
-                continue
-            text, taken = "", []
-            try:
-                for k, token in enumerate(result.tokens):
-                    taken.append(token)
-                    text += request.append(token, result.logprobs[k] if result.logprobs else None)
-                    if request.status is Status.FINISHED:
-                        self.scheduler.finish(request)
-                        self.requests.pop(request.request_id, None)
-                        break
-            except Exception:  # this request's bookkeeping failed: it alone ends, the batch goes on
-                logger.exception("request %s failed", request.request_id)
-                self._fail(request)
-            accepted = result.accepted if ch.verifies_drafts else None
-            drafted = ch.num_drafts if ch.verifies_drafts else None
-            outputs.append(StepOutput(request, taken, text, accepted, drafted))
+            if result.tokens:
+                accepted = result.accepted if ch.verifies_drafts else None
+                drafted = ch.num_drafts if ch.verifies_drafts else None
+                outputs.append(StepOutput(request, *self._append(request, result), accepted, drafted))
         return outputs
+
+    def _append(self, request: Request, result: ChunkResult) -> tuple[list[int], str]:
+        """Append the tokens a step read for `request` until one finishes it: (tokens taken, their new
+        final text). A request whose bookkeeping fails ends alone (reason `error`): the batch goes on."""
+        text, taken = "", []
+        try:
+            for k, token in enumerate(result.tokens):
+                taken.append(token)
+                text += request.append(token, result.logprobs[k] if result.logprobs else None)
+                if request.status is Status.FINISHED:
+                    self.scheduler.finish(request)
+                    self.requests.pop(request.request_id, None)
+                    break
+        except Exception:
+            logger.exception("request %s failed", request.request_id)
+            self._fail(request)
+        return taken, text
 
     def _bucket(self) -> int:
         """The batch-size bucket of the running requests (the graphs' buckets)."""

@@ -47,8 +47,13 @@ class Request:
     `in_flight` tokens after them are in the caches, or on their way there; the next forward feeds
     the rest (all of it after a preemption, which empties the caches).
 
-    `in_flight`: output tokens an overlapped step has sampled on the device that the host has not
-    read yet (`Engine` with the overlap schedule: at most two, one step's and the next's). Their
+    Who writes what: the scheduler alone writes the counters `num_computed`, `in_flight`,
+    `verifying`, `deferred_from` and `host_drafts` (its ledger, `InFlightLedger`, as steps are
+    launched and settled; itself on admission and preemption), and `status`, `slot` and `pages`; the
+    engine appends the tokens read (`append`, `finish`). Everything below the scheduler reads them.
+
+    `in_flight`: output tokens a step run ahead has sampled on the device that the host has not
+    read yet (the overlap schedule: at most two, one step's and the next's). Their
     positions follow `output_ids`; a chunk that feeds one reads it from the device
     (`CacheManager.last_sampled`): `tokens` gives `IN_FLIGHT` there.
 
@@ -152,12 +157,6 @@ class Request:
         flight before this pick (`in_flight`, by default all of this request's)."""
         produced = len(self.output_ids) + (self.in_flight if in_flight is None else in_flight)
         return sorted(self.stop_ids) if produced < self.params.min_tokens else []
-
-    @property
-    def ends_in_flight(self) -> bool:
-        """The tokens in flight reach `max_tokens` or the length limit: the request ends with them (a
-        verify step in flight emits at least one token)."""
-        return self.tokens_left <= self.in_flight + self.verifying
 
     def append(self, token: int, logprobs: dict[int, float] | None) -> str:
         """Record a sampled token; decide whether the request is finished. Returns the new text that

@@ -51,7 +51,7 @@ def verify_batch(
     constrained block masks each position after the drafts the host read before it
     (`Request.host_drafts`, `block_bitmasks`). Bans are decided as of the output the host has read:
     right for a verify step scheduled after a read; a block launched behind an unread verify step is
-    launched only for rows whose acceptance reads no output (`ModelRunner._verify_overlaps`)."""
+    launched only for rows whose acceptance reads no output (`InFlightLedger.run_ahead`)."""
     rows = [SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids(0)) for r in requests]
     banned_picks = [r.params.min_tokens - len(r.output_ids) for r in requests]
     bitmasks = block_bitmasks([(r.grammar, r.host_drafts or []) for r in requests], width, vocab, device)

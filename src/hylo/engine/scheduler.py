@@ -8,8 +8,11 @@ from dataclasses import replace
 from typing import Any
 
 from hylo.engine.chunk import ScheduledChunk
+from hylo.engine.ledger import InFlightLedger
 from hylo.engine.request import Request, Status
+from hylo.engine.route import RunAhead
 from hylo.memory.manager import CacheManager, copies_last_page
+from hylo.speculative.adaptive import StepPlan
 from hylo.speculative.verify import VerifyShape
 
 # A chunk that scores its prompt (prompt logprobs) returns logits for every token: at most this many
@@ -43,7 +46,11 @@ class Scheduler:
         chunked_prefill_size: int,
         verify_shape: VerifyShape | None = None,
         proposer: Any = None,
+        overlap: bool = False,
+        verify_graphs: bool = False,
     ):
+        """`overlap`, `verify_graphs`: whether steps may run ahead of the read before them at all, and
+        verify steps as verify-graph replays (`InFlightLedger`)."""
         self.caches = caches
         self.prefix = caches.prefix
         self.proposer = proposer
@@ -53,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.ledger = InFlightLedger(proposer, overlap, verify_graphs)  # what is launched and unread
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -86,38 +94,43 @@ class Scheduler:
             budget -= chunks[-1].num_tokens
         return chunks
 
-    def schedule_ahead(
-        self, in_flight: Sequence[Request], verify: bool = False
-    ) -> list[ScheduledChunk] | None:
+    def schedule_ahead(self, in_flight: Sequence[Request], plan: StepPlan) -> list[ScheduledChunk] | RunAhead:
         """The step after one still running on the device whose every chunk decodes a token of
         `in_flight` (the overlap schedule), decided before that step's tokens are read: each of
-        those requests decodes its in-flight token, but for those the tokens in flight end
-        (`Request.ends_in_flight`). A request that stops at an in-flight token (a stop id or string)
-        runs this step for nothing: its result is dropped.
+        those requests decodes its in-flight token, but for those the tokens in flight end (they reach
+        `max_tokens` or the length limit; a verify step in flight emits at least one token). A
+        request that stops at an in-flight token (a stop id or string) runs this step for nothing:
+        its result is dropped.
 
-        With `verify`, the step in flight verified a block of every one of `in_flight` and this one
-        verifies the next: a whole block each (the draft budget is not known before the read; what
-        a block commits past `max_tokens` is dropped with the request), its pages backed for the
-        most the step in flight can commit and this block after it.
+        With a verify `plan` (and a proposer), the step in flight verified a block of every one of
+        `in_flight` and this one verifies the next: a whole block each (the draft budget is not known
+        before the read; the ledger cuts the blocks once it is: `InFlightLedger.cut`), its pages
+        backed for the most the step in flight can commit and this block after it.
 
-        None where this step could differ from the one `schedule` would make once the tokens are
-        read: a running request not in flight (a prefill goes on), one whose step in flight is of
-        the other kind, a waiting request that could be admitted, or pages that cannot grow without
-        preempting; the caller then reads first."""
+        Refused (why, as a `RunAhead`) where no step of `plan` may run ahead (`InFlightLedger.
+        plan_refusal`, asked before any page is taken) or this step could differ from the one
+        `schedule` would make once the tokens are read; the caller then reads first."""
+        why = self.ledger.plan_refusal(plan)
+        if why is not None:
+            return RunAhead.refused(why)
+        verify = plan.verify and self.proposer is not None
         live = {r for r in in_flight if r.status is Status.RUNNING}  # not those ended since
-        if set(self.running) != live or any(bool(r.verifying) != verify for r in live):
-            return None
+        if set(self.running) != live:
+            return RunAhead.refused("a running request has no token in flight (a prefill goes on)")
+        if any(bool(r.verifying) != verify for r in live):
+            return RunAhead.refused("the step in flight is of the other kind (plain or verify)")
         if self.waiting and self.caches.slots.num_free and len(self.running) < self.max_running:
-            return None
-        going_on = [r for r in self.running if not r.ends_in_flight]
+            return RunAhead.refused("a waiting request could be admitted")
+        going_on = [r for r in self.running if r.tokens_left > r.in_flight + r.verifying]
         if not going_on:
-            return None
+            return RunAhead.refused("every request ends with the tokens in flight")
         width = self.verify_shape.block if verify else 1
         for request in going_on:
             assert request.slot is not None and request.remaining == 1
             end = request.num_computed + (2 * width if verify else 1)
             if not self.caches.grow(request.slot, request.pages, self._reserve(end)):
-                return None  # (the pages it did grow are the next step's anyway)
+                # (the pages it did grow are the next step's anyway)
+                return RunAhead.refused("the pages cannot grow without preempting")
         return [ScheduledChunk(request, width, verify=verify) for request in going_on]
 
     def _admit(self, request: Request, budget: int, chunks: list[ScheduledChunk]) -> bool:
