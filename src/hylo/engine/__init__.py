@@ -14,8 +14,8 @@ Who owns what:
   (a `route.RunAhead`, with its reason when refused);
 - the runner (`runner.py`) launches a step on the route picked for it once (`route.py`: eager, or a
   decode-, verify- or prefill-graph replay) and collects its one read into one result per chunk;
-  what the logits become is `picking.py`'s, over a sampling batch built once per step
-  (`sampling_batch.py`);
+  how a launched step picks is one of a closed set (`launched.py`); what the logits become is
+  `picking.py`'s, over a sampling batch built once per step (`sampling_batch.py`);
 - the draft driver (`drafting.py`) owns every proposer call and the decode graphs' deferred ring;
 - the reader (`reader.py`) owns the pinned buffers of the one device-to-host read per step;
 - the graph bank (`graph_bank.py`) owns captures, replays and their memory pool, composed with a step

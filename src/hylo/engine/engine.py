@@ -20,10 +20,10 @@ import torch
 from hylo.config import EngineConfig
 from hylo.engine.builder import build_engine
 from hylo.engine.chunk import ScheduledChunk
+from hylo.engine.launched import LaunchedStep
 from hylo.engine.picking import ChunkResult
 from hylo.engine.request import Request, Status
 from hylo.engine.route import RunAhead, StepRoute
-from hylo.engine.runner import LaunchedStep
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.parallel.control import Abort, AddRequest
 from hylo.parallel.ranks import Ranks

@@ -1,29 +1,28 @@
 """One step on the device: scheduled chunks -> batch tensors -> model -> picked tokens, read once.
 
 Every step goes launch -> collect (`ModelRunner.launch`, `ModelRunner.collect`): launch runs the step
-on its route (`engine/route.py`: an eager forward, or a decode-, verify- or prefill-graph replay) and
-starts its one read; collect waits for it and makes one result per chunk. The reading schedule is
-`collect(launch(...))`; the overlap schedule launches the next step between the two (`Engine.step`).
-What the logits become is `engine/picking.py`'s (the picks, acceptance and prompt logprobs on the
-device, the results after the read), every proposer call is the draft driver's (`engine/drafting.py`),
-the read the reader's (`engine/reader.py`). The runner writes no request's counters: the scheduler's
-ledger does (`InFlightLedger.launched`, `InFlightLedger.settle`).
+on its route (`engine/route.py`: an eager forward, or a decode-, verify- or prefill-graph replay),
+launches its picks and starts its one read (`engine/launched.py`); collect waits for the read and
+makes one result per chunk. The reading schedule is `collect(launch(...))`; the overlap schedule
+launches the next step between the two (`Engine.step`). What the logits become is
+`engine/picking.py`'s, every proposer call is the draft driver's (`engine/drafting.py`), the read the
+reader's (`engine/reader.py`). The runner writes no request's counters: the scheduler's ledger does
+(`InFlightLedger.launched`, `InFlightLedger.settle`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from hylo.engine import picking
 from hylo.engine.chunk import ScheduledChunk
 from hylo.engine.cuda_graph import DecodeGraphs
 from hylo.engine.drafting import DraftDriver
+from hylo.engine.launched import LaunchedStep, PickParts, PicksAhead, PicksAtOnce, StepPicks, VerifyReplay
 from hylo.engine.picking import ChunkResult
 from hylo.engine.prefill_graph import PrefillGraphs
-from hylo.engine.reader import Logprobs, PendingRead, Reader, StepRead
+from hylo.engine.reader import Reader
 from hylo.engine.request import IN_FLIGHT
 from hylo.engine.route import Decide, Path, StepRoute, pick_route
 from hylo.engine.verify_graph import VerifyGraphs
@@ -31,28 +30,7 @@ from hylo.forward_batch import ForwardBatch
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 from hylo.speculative.adaptive import StepPlan
-from hylo.speculative.proposer import Proposer, StepCommit
-
-
-@dataclass
-class LaunchedStep:
-    """A step launched on the device (`ModelRunner.launch`) whose results are on their way to the host
-    (`read`); `ModelRunner.collect` turns them into one result per chunk. A step run ahead without
-    its picks has `read` None and the forward's `logits` until `ModelRunner.sample_launched` (and,
-    eager with a proposer, the batch and forward the proposer observes after those picks:
-    `observing`).
-    `after_read`: the batch and commit a `needs_host` proposer observes once the step is read."""
-
-    chunks: list[ScheduledChunk]
-    route: StepRoute
-    read: PendingRead | None = None
-    logits: torch.Tensor | None = None
-    observing: tuple[ForwardBatch, ForwardOutput] | None = None
-    after_read: tuple[ForwardBatch, StepCommit] | None = None
-
-    @property
-    def verifies(self) -> bool:
-        return self.chunks[0].verify
+from hylo.speculative.proposer import Proposer
 
 
 class ModelRunner:
@@ -92,6 +70,7 @@ class ModelRunner:
         device = model.embed_tokens.weight.device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.reader = Reader()  # this engine's pinned read buffers (`Engine.close` empties them)
+        self.parts = PickParts(model, self.generator, caches.last_sampled, self.drafting, self.reader)
 
     def route(self, chunks: Sequence[ScheduledChunk], plan: StepPlan, decide: Decide) -> StepRoute:
         """The route of a step of `chunks` and `plan` over this runner's graphs as they are now, run
@@ -100,59 +79,38 @@ class ModelRunner:
 
     def launch(self, chunks: Sequence[ScheduledChunk], route: StepRoute) -> LaunchedStep:
         """Launch the step on its `route` without waiting for it: the proposer's catch-up where the
-        step observes, the forward, the picks (a verify step's acceptance, a scoring chunk's prompt
-        logprobs) and the start of the one read. A step run `route.ahead` may feed in-flight tokens
-        (`Request.tokens`); its picks go to `CacheManager.last_sampled`, where the next step's in-flight
-        tokens come from; one that picks after the read before it (`RunAhead.picks_after_read`: a
-        constrained row's grammar must take the token before first) launches only its forward, and
-        `sample_launched` picks once the step before has been applied."""
+        step observes, the forward, and the step's picks (`engine/launched.py`) with the start of its
+        one read. A step run `route.ahead` may feed in-flight tokens (`Request.tokens`); one whose picks
+        wait for the read before it (`RunAhead.picks_after_read`: a constrained row's grammar must take
+        the token before first) launches only its forward, and `sample_launched` picks once the step
+        before has been applied."""
         if self.drafting is not None and not route.defers:  # this step observes: all before it first
             self.drafting.catch_up([ch.request for ch in chunks])
-        if route.path is Path.VERIFY_GRAPH:  # forward, acceptance, commit and drafts in the replays
-            return LaunchedStep(list(chunks), route, self.reader.start(self._replay_verify(chunks, route)))
-        batch, forward = self._forward(chunks, route)
-        if not route.ahead:
-            return self._pick(chunks, route, batch, forward)
-        eager = route.path is Path.EAGER and self.drafting is not None  # observes after its picks
-        observing = (batch, forward) if eager else None
-        launched = LaunchedStep(list(chunks), route, logits=forward.logits, observing=observing)
+        launched = LaunchedStep(list(chunks), route, self._picks(chunks, route))
         if not route.run_ahead.picks_after_read:
-            self._start_picks(launched, own_counted=False)
+            launched.read = launched.picks.start()
         return launched
 
     def sample_launched(self, launched: LaunchedStep) -> None:
         """The picks of a step launched without them, its requests' bookkeeping counting its token in
         flight already (the scheduler's ledger); rows of requests that ended meanwhile pick
         unconstrained (dropped)."""
-        self._start_picks(launched, own_counted=True)
+        launched.read = launched.picks.start()
 
     def collect(self, launched: LaunchedStep) -> list[ChunkResult]:
         """Wait for a launched step's read: one result per chunk (a verify step launched ahead has had
-        its blocks cut to the requests' draft budgets by the scheduler's ledger: `InFlightLedger.cut`), the
-        constrained requests' next drafts, and a `needs_host` proposer's observe of what was read."""
-        read, chunks, route = launched.read.wait(), launched.chunks, launched.route
-        if route.path is Path.VERIFY_GRAPH:
-            results = picking.verify_results(chunks, read)
-        elif route.ahead:
-            results = picking.launched_results(chunks, read)
-        else:
-            results = picking.step_results(chunks, route.layout, read)
-        DraftDriver.give_drafts(results, [ch.request for ch in chunks], read.drafts)
-        if launched.after_read is not None:
-            batch, commit = launched.after_read
-            self.drafting.after_read(batch, commit, chunks, results, route.draft)
-        return results
+        its blocks cut to the requests' draft budgets by the scheduler's ledger: `InFlightLedger.cut`)."""
+        return launched.picks.results(launched.chunks, launched.read.wait())
 
-    def _replay_verify(self, chunks: Sequence[ScheduledChunk], route: StepRoute) -> StepRead:
-        """The verify graphs' replay of the route's blocks and what its read takes: the acceptance, and
-        for a step read at once the constrained requests' next drafts."""
-        verifying = picking.verify_blocks(chunks, self.verify_graphs.tokens_per_seq, self.model)
-        acceptance = self.verify_graphs.run(route.seqs, verifying, self.generator)
-        drafts = None if route.ahead else self.drafting.constrained_drafts([ch.request for ch in chunks])
-        return StepRead(
-            accepted=acceptance.accepted, emitted=acceptance.emitted, block_logprobs=Logprobs.of(acceptance),
-            drafts=drafts,
-        )  # fmt: skip
+    def _picks(self, chunks: Sequence[ScheduledChunk], route: StepRoute) -> StepPicks:
+        """The step's forward, and how it picks: the verify graphs' replays, or a forward whose picks are
+        read at once or run ahead."""
+        if route.path is Path.VERIFY_GRAPH:  # forward, acceptance, commit and drafts in the replays
+            return VerifyReplay(self.parts, chunks, route, self.verify_graphs)
+        batch, forward = self._forward(chunks, route)
+        if route.ahead:
+            return PicksAhead(self.parts, chunks, route, batch, forward)
+        return PicksAtOnce(self.parts, chunks, route, batch, forward)
 
     def _forward(
         self, chunks: Sequence[ScheduledChunk], route: StepRoute
@@ -178,36 +136,3 @@ class ModelRunner:
         if any(ch.snapshots for ch in chunks) and c.snapshot_features.shape[1]:
             drafting.keep_snapshot_features(batch, forward)
         return batch, forward
-
-    def _start_picks(self, launched: LaunchedStep, own_counted: bool) -> None:
-        """A step run ahead: its picks (`picking.sample_launched`), the proposer's observe of an eager
-        forward, and the start of the read."""
-        picked = picking.sample_launched(
-            launched.chunks, launched.logits, self.generator, self.caches.last_sampled, own_counted
-        )
-        if launched.observing is not None:  # what `_pick` has the proposer observe of a plain step
-            self.drafting.observe_picks(*launched.observing, picked.tokens)
-            launched.observing = None
-        read = StepRead(tokens=picked.tokens, token_logprobs=Logprobs.of(picked))
-        launched.read, launched.logits = self.reader.start(read), None
-
-    def _pick(
-        self, chunks: Sequence[ScheduledChunk], route: StepRoute, batch: ForwardBatch, forward: ForwardOutput
-    ) -> LaunchedStep:
-        """A step read at once: its picks (`engine/picking.py`), the proposer's commit before the read
-        (`DraftDriver`; after it in `collect`), and the start of the read."""
-        drafting, layout, draft, logits = self.drafting, route.layout, route.draft, forward.logits
-        commit = None
-        if drafting is not None:
-            commit = drafting.step_commit(chunks, forward, route.observed, draft)
-        picked = picking.sample_plain(
-            chunks, layout, logits, self.generator, self.caches.last_sampled, commit
-        )
-        acceptance = picking.accept_blocks(chunks, layout, batch, forward, self.model, self.generator, commit)
-        if commit is not None:
-            drafting.after_picks(batch, commit, route.observed, draft)
-        scored = picking.score_prompts(logits, chunks, layout)
-        requests = [ch.request for ch in chunks]
-        drafts = drafting.constrained_drafts(requests) if drafting is not None and draft else None
-        read = self.reader.start(picking.step_read(picked, acceptance, scored, drafts))
-        return LaunchedStep(list(chunks), route, read, after_read=None if commit is None else (batch, commit))
