@@ -148,7 +148,8 @@ def test_the_step_after_runs_on_in_flight_tokens(engines):
 
 def test_no_step_ahead_while_a_waiting_request_could_start(engines):
     """A waiting request that a free slot could admit makes the engine read first (the step after
-    would admit it); with every slot taken the step after runs ahead without it."""
+    would admit it), and the engine says so; with every slot taken the step after runs ahead without
+    it."""
     engine = engines[True]
     for i in range(2):
         engine.add_request(f"a{i}", engine.tokenizer.encode(PROMPTS[i]), greedy(6, ignore_eos=True))
@@ -164,6 +165,9 @@ def test_no_step_ahead_while_a_waiting_request_could_start(engines):
         assert [ch.request for ch in ahead] == launched
     finally:
         engine.caches.slots.free(taken)
+    engine.step()  # the step in flight is read before the next one is scheduled
+    assert engine.in_flight is None and not engine.last_run_ahead.ok
+    assert "waiting request" in engine.last_run_ahead.reason
     engine.abort("w")
     while engine.has_unfinished():
         engine.step()

@@ -91,14 +91,10 @@ class Engine:
         except BaseException:
             self.ranks.discard()  # the other ranks of an engine that cannot start go with it
             raise
-        self.device, self.dtype, self.model, self.tokenizer = (
-            parts.device,
-            parts.dtype,
-            parts.model,
-            parts.tokenizer,
-        )
-        self.context_len, self.plan, self.caches = parts.context_len, parts.plan, parts.caches
-        self.proposer, self.runner, self.scheduler = parts.proposer, parts.runner, parts.scheduler
+        self.device, self.dtype, self.model = parts.device, parts.dtype, parts.model
+        self.tokenizer, self.context_len, self.plan = parts.tokenizer, parts.context_len, parts.plan
+        self.caches, self.proposer = parts.caches, parts.proposer
+        self.runner, self.scheduler = parts.runner, parts.scheduler
         self.ledger = parts.scheduler.ledger  # the scheduler's: what is launched and not yet read
         self.policy, self.buckets, self.memory_report = parts.policy, parts.buckets, parts.memory_report
         self._grammars = None  # hylo.structured.Grammars, made by the first constrained request

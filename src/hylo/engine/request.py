@@ -49,8 +49,9 @@ class Request:
 
     Who writes what: the scheduler alone writes the counters `num_computed`, `in_flight`,
     `verifying`, `deferred_from` and `host_drafts` (its ledger, `InFlightLedger`, as steps are
-    launched and settled; itself on admission and preemption), and `status`, `slot` and `pages`; the
-    engine appends the tokens read (`append`, `finish`). Everything below the scheduler reads them.
+    launched and settled; itself on admission and preemption) and the `slot` and `pages`; the engine
+    appends the tokens read (`append`, which may finish the request) and ends it (`finish`). The
+    runner, the route and everything below them only read a request.
 
     `in_flight`: output tokens a step run ahead has sampled on the device that the host has not
     read yet (the overlap schedule: at most two, one step's and the next's). Their
