@@ -9,8 +9,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +24,7 @@ from hylo.sampling import SamplingParams
 from hylo.server.async_engine import AsyncEngine, Delta, EngineUnavailable, Handle, QueueFull
 from hylo.server.guard import RETRY_AFTER_S, Guard, error_response
 from hylo.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
+from hylo.server.messages import add_messages_route
 from hylo.server.openapi import describe
 from hylo.server.parsers import THINK_START, ReplyParser, merge_deltas, tool_call_grammar, whole_reply
 from hylo.server.protocol import (
@@ -39,46 +40,17 @@ from hylo.server.protocol import (
     TokenizeResponse,
     has_surrogate,
 )
+from hylo.server.runs import (
+    APIError,
+    ChatRun,
+    Choice,
+    RequestFailed,
+    collect,
+    failed_rule,
+    merge,
+    until_disconnect,
+)
 from hylo.server.worker_routes import add_worker_routes
-
-
-class APIError(Exception):
-    def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-class RequestFailed(Exception):
-    """The engine failed one of this request's sequences (finish reason `error`)."""
-
-
-@dataclass
-class _Choice:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_logprobs: tuple[dict[int, float], ...] | None = None
-
-
-@dataclass
-class ChatRun:
-    """A chat request under way: its sequences' handles (one per prompt, here one), its params, and
-    how its replies are parsed (`parser`)."""
-
-    handles: list[Handle]
-    params: SamplingParams
-    prompt_tokens: int
-    tools: list[dict[str, Any]] | None
-    parse_tools: bool
-    parse_reasoning: bool
-    thinking_open: bool  # the rendered prompt ends with `<think>`: replies begin inside reasoning
-
-    def parser(self) -> ReplyParser:
-        """A fresh parser for one reply (each choice needs its own)."""
-        return ReplyParser(self.parse_reasoning, self.parse_tools, self.tools, self.thinking_open)
 
 
 def build_app(
@@ -129,7 +101,7 @@ def build_app(
         if first["type"] == "model_attributes_type" and tuple(first["loc"]) == ("body",):
             return error_response(400, "the body must be a JSON object (Content-Type: application/json)")
         errors = [err | {"loc": err["loc"][1:]} if err["loc"][:1] == ("body",) else err for err in e.errors()]
-        param, failed = _failed_rule(errors)
+        param, failed = failed_rule(errors)
         message = f"{param}: {failed['msg']}" if param else failed["msg"]
         return error_response(400, message, param=param)
 
@@ -207,7 +179,7 @@ def build_app(
         try:
             return build()
         except ValidationError as e:
-            param, failed = _failed_rule(e.errors())
+            param, failed = failed_rule(e.errors())
             param = CONSTRAINT_FIELDS.get(param, param)
             raise APIError(400, f"{param}: {failed['msg']}" if param else failed["msg"], param) from None
 
@@ -312,7 +284,7 @@ def build_app(
 
         offsets: dict[int, TextOffsets] = {}  # per choice, across its deltas
 
-        def choice(index: int, c: Delta | _Choice) -> dict:
+        def choice(index: int, c: Delta | Choice) -> dict:
             """A delta and a collected choice carry the same fields; a choice's first delta (a collected
             choice's only one) begins with its prompt when echoed."""
             ids, entries, text, text_offset = list(c.token_ids), list(c.logprobs), c.text, []
@@ -408,7 +380,7 @@ def build_app(
                 "finish_reason": finish_reason(i, d.finish_reason),
             }
 
-        def final_choice(i: int, c: _Choice) -> dict:
+        def final_choice(i: int, c: Choice) -> dict:
             message = {"role": "assistant", "content": c.text}
             if parse_tools or parse_reasoning:
                 message |= whole_reply(parser(i), c.text)
@@ -456,8 +428,6 @@ def build_app(
         return DetokenizeResponse(prompt=text)
 
     add_worker_routes(app, engine, model_name)  # what vllm-router and sglang-router call on a worker
-    from hylo.server.messages import add_messages_route  # here: that module imports this one
-
     add_messages_route(app, engine, model_name, start_chat)
     describe(app, vocab, api_key is not None, tool_call_parser is not None)
     return app
@@ -470,10 +440,10 @@ async def _reply(
     body: CompletionRequest | ChatCompletionRequest,
     base: dict[str, Any],
     delta_choice: Callable[[int, Delta], dict],
-    final_choice: Callable[[int, _Choice], dict],
+    final_choice: Callable[[int, Choice], dict],
     chunk_object: str | None = None,
     first_choices: Sequence[dict] = (),
-    pick: Callable[[list[_Choice]], list[_Choice]] | None = None,
+    pick: Callable[[list[Choice]], list[Choice]] | None = None,
 ) -> Response:
     """SSE chunks (one per delta carrying text, tokens or a finish; usage last when asked; then
     [DONE]) when the body streams, else one JSON response with every choice and the usage. A
@@ -487,7 +457,7 @@ async def _reply(
             usage = [0, 0]
             so_far: dict[int, tuple[int, int]] = {}  # choice -> (prompt, completion) tokens
             try:
-                async for index, delta in _merge(engine, handles, usage):
+                async for index, delta in merge(engine, handles, usage):
                     so_far[index] = (delta.prompt_tokens, delta.completion_tokens)
                     if delta.text or delta.finish_reason or delta.token_ids:
                         payload = chunk | {"choices": [delta_choice(index, delta)]}
@@ -512,7 +482,7 @@ async def _reply(
 
         return StreamingResponse(events(), media_type="text/event-stream")
     usage = [0, 0]
-    choices = await _until_disconnect(raw, _collect(engine, handles, usage))
+    choices = await until_disconnect(raw, collect(engine, handles, usage))
     if pick is not None:
         choices = pick(choices)
     body_json = base | {
@@ -522,121 +492,21 @@ async def _reply(
     return JSONResponse(body_json)
 
 
-def _best(choices: list[_Choice], generated: int, kept: int) -> list[_Choice]:
+def _best(choices: list[Choice], generated: int, kept: int) -> list[Choice]:
     """Of each prompt's `generated` choices (in prompt order), the `kept` with the highest mean token
     logprob, best first (OpenAI's `best_of`)."""
     if generated == kept:
         return choices
 
-    def score(c: _Choice) -> float:
+    def score(c: Choice) -> float:
         return sum(e[t] for t, e in zip(c.token_ids, c.logprobs, strict=True)) / max(1, len(c.token_ids))
 
     groups = [choices[i : i + generated] for i in range(0, len(choices), generated)]
     return [c for group in groups for c in sorted(group, key=score, reverse=True)[:kept]]
 
 
-async def _merge(
-    engine: AsyncEngine, handles: Sequence[Handle], usage: list[int]
-) -> AsyncIterator[tuple[int, Delta]]:
-    """Deltas of every request's sequences as they come, as (choice index, delta); `usage` collects
-    [prompt tokens, completion tokens]. Closing the iterator early aborts whatever still runs;
-    a failed sequence raises RequestFailed (which closes it)."""
-    merged: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
-
-    async def pump(first_index: int, handle: Handle) -> None:
-        try:
-            async for delta in engine.stream(handle):
-                merged.put_nowait((first_index + delta.index, delta))
-        finally:
-            merged.put_nowait(None)
-
-    tasks = [asyncio.create_task(pump(i * h.unfinished, h)) for i, h in enumerate(handles)]
-    try:
-        for _ in tasks:
-            while (item := await merged.get()) is not None:
-                index, delta = item
-                if delta.finish_reason == "error":
-                    raise RequestFailed(delta.error or "the engine failed while serving this request")
-                if delta.finish_reason is not None:
-                    usage[0] += delta.prompt_tokens
-                    usage[1] += delta.completion_tokens
-                yield index, delta
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for handle in handles:
-            if handle.unfinished:
-                engine.abort(handle)
-
-
-async def _collect(engine: AsyncEngine, handles: Sequence[Handle], usage: list[int]) -> list[_Choice]:
-    choices = [_Choice() for h in handles for _ in range(h.unfinished)]
-    async for index, delta in _merge(engine, handles, usage):
-        c = choices[index]
-        c.text += delta.text
-        c.token_ids.extend(delta.token_ids)
-        c.logprobs.extend(delta.logprobs)
-        c.finish_reason = delta.finish_reason or c.finish_reason
-        if delta.prompt_logprobs is not None:
-            c.prompt_logprobs = delta.prompt_logprobs
-    return choices
-
-
-async def _until_disconnect(raw: Request, work: Awaitable[list[_Choice]]) -> list[_Choice]:
-    """Run `work`, cancelling it (and so aborting its requests) if the client goes away."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise APIError(499, "client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
-
-
 # the request field a SamplingParams constraint comes from
 CONSTRAINT_FIELDS = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}
-
-
-def _mismatch(error: Mapping[str, Any]) -> bool:
-    """A union member's error for an input of another type than the member's (`string_type`, ...)."""
-    return error["type"].endswith("_type") or error["type"] in ("literal_error", "none_required")
-
-
-def _failed_rule(errors: Sequence[Mapping[str, Any]]) -> tuple[str | None, Mapping[str, Any]]:
-    """The field path and the error that name the rule a body broke. A union field reports one error
-    per member: the rule is that of the member the input's type fits (33 stop strings break the list's
-    length, not "Input should be a valid string"), whose error is the first that is no type mismatch."""
-    field = errors[0]["loc"][:1]
-    same_field = [err for err in errors if err["loc"][:1] == field]
-    failed = next((err for err in same_field if not _mismatch(err)), errors[0])
-    return _param([failed["loc"], *(err["loc"] for err in errors if err is not failed)]), failed
-
-
-def _param(locs: Sequence[Sequence[int | str]]) -> str | None:
-    """The field path of the first validation error. A union reports one error per member, each
-    under the member's tag (`list[int]`, `function-after[...]`), which is pydantic's, not the
-    client's: the path is what the first error's siblings share, up to any such tag."""
-    first = locs[0]
-    shared = len(first)
-    for loc in locs[1:]:
-        if loc[:1] == first[:1]:
-            same = 0
-            while same < min(len(first), len(loc)) and first[same] == loc[same]:
-                same += 1
-            shared = min(shared, same)
-    parts = []
-    for part in first[:shared]:
-        if isinstance(part, str) and not (part.isidentifier() or part.isdigit()):
-            break
-        parts.append(str(part))
-    return ".".join(parts) or None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -21,16 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hylo.server.api import (
-    ChatRun,
-    RequestFailed,
-    _collect,
-    _merge,
-    _until_disconnect,
-)
 from hylo.server.async_engine import AsyncEngine
 from hylo.server.messages_protocol import MessagesRequest, MessagesResponse
 from hylo.server.protocol import ChatCompletionRequest
+from hylo.server.runs import ChatRun, RequestFailed, collect, merge, until_disconnect
 
 PATH = "/v1/messages"
 # Anthropic's error type of each status (https://docs.claude.com/en/api/errors); another 4xx is an
@@ -204,7 +198,7 @@ def add_messages_route(
 
         if not body.stream:
             usage = [0, 0]
-            (choice,) = await _until_disconnect(raw, _collect(engine, run.handles, usage))
+            (choice,) = await until_disconnect(raw, collect(engine, run.handles, usage))
             text, stop_sequence = _cut_stop(choice.text, choice.finish_reason, stops)
             for piece in pieces(text, True):
                 blocks.add(piece)
@@ -235,7 +229,7 @@ def add_messages_route(
             usage = [0, 0]
             reason, stop_sequence = None, None
             try:
-                async for _, delta in _merge(engine, run.handles, usage):
+                async for _, delta in merge(engine, run.handles, usage):
                     text = delta.text
                     if delta.finish_reason is not None:
                         reason = delta.finish_reason

@@ -29,6 +29,7 @@ from hylo.server.protocol import (
     Tool,
     thinking_kwargs,
 )
+from hylo.server.runs import APIError, failed_rule
 
 # `GET /get_load`'s shape: vllm-router reads `{"load": N}`, sglang-router a list of per-DP-rank entries.
 LOAD_FORMATS = ("vllm", "sglang")
@@ -130,7 +131,6 @@ _LOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
 def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_format: str = "vllm") -> None:
     """The router-facing routes on `app` (built by `hylo.server.api.build_app`); `load_format` is
     `/get_load`'s shape (LOAD_FORMATS), also settable later as `app.state.load_format`."""
-    from hylo.server.api import APIError, _failed_rule  # api registers these routes: import late
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -167,7 +167,7 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_f
         try:
             return build()
         except ValidationError as e:
-            param, failed = _failed_rule(e.errors())
+            param, failed = failed_rule(e.errors())
             raise APIError(400, f"{param}: {failed['msg']}" if param else failed["msg"], param) from None
 
     def rendered(ids: list[int], params: SamplingParams, param: str) -> dict[str, Any]:
