@@ -59,17 +59,20 @@ def timing(times: dict[str, list[float]]) -> None:
 
 
 def without_device_work() -> None:
-    """Each verify graph's first forward, returned again for every later step; no commit."""
-    forward, kept = VerifyGraphs._verify, {}
+    """Each verify graph's first forward and greedy acceptance, returned again for every later step;
+    no commit."""
+    kept = {}
+    for name in ("_forward", "_greedy"):
+        original = getattr(VerifyGraphs, name)
 
-    def kept_forward(graphs: VerifyGraphs, static, inputs):
-        key = (id(graphs), id(static))
-        if key not in kept:
-            kept[key] = forward(graphs, static, inputs)
-        return kept[key]
+        def kept_part(graphs: VerifyGraphs, static, *rest, _name=name, _original=original):
+            key = (_name, id(graphs), id(static))
+            if key not in kept:
+                kept[key] = _original(graphs, static, *rest)
+            return kept[key]
 
-    VerifyGraphs._verify = kept_forward
-    VerifyGraphs._commit = lambda graphs, static, committed, anchors: None
+        setattr(VerifyGraphs, name, kept_part)
+    VerifyGraphs._commit = lambda graphs, static, verified, committed, anchors: None
 
 
 def main() -> None:
