@@ -45,6 +45,7 @@ from hylo.server.runs import (
     ChatRun,
     Choice,
     RequestFailed,
+    check_prompt,
     collect,
     failed_rule,
     merge,
@@ -252,14 +253,7 @@ def build_app(
                 "n",
             )
         for ids in prompts:
-            try:
-                engine.validate(ids, params)
-            except ValueError as e:
-                message = str(e)
-                field_name = message.split(":", 1)[0]
-                if field_name in ("stop_token_ids", "logit_bias", "stop"):
-                    raise APIError(400, message, field_name) from None
-                raise APIError(400, message if param == "prompt" else f"{param}: {message}", param) from None
+            check_prompt(engine, ids, params, param)
         engine.check_capacity(sequences)
         return [engine.submit(ids, params) for ids in prompts]
 

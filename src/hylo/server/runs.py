@@ -153,3 +153,16 @@ def param_of(locs: Sequence[Sequence[int | str]]) -> str | None:
             break
         parts.append(str(part))
     return ".".join(parts) or None
+
+
+def check_prompt(engine: AsyncEngine, ids: Sequence[int], params: SamplingParams, param: str) -> None:
+    """`ids` and `params` checked as a generation of them would be (token ids, length, the params'
+    ids), or a 400 naming the field: the params' own field, else `param` (where the prompt came from)."""
+    try:
+        engine.validate(ids, params)
+    except ValueError as e:
+        message = str(e)
+        field_name = message.split(":", 1)[0]
+        if field_name in ("stop_token_ids", "logit_bias", "stop"):
+            raise APIError(400, message, field_name) from None
+        raise APIError(400, message if param == "prompt" else f"{param}: {message}", param) from None

@@ -29,7 +29,7 @@ from hylo.server.protocol import (
     Tool,
     thinking_kwargs,
 )
-from hylo.server.runs import APIError, failed_rule
+from hylo.server.runs import APIError, check_prompt, failed_rule
 
 # `GET /get_load`'s shape: vllm-router reads `{"load": N}`, sglang-router a list of per-DP-rank entries.
 LOAD_FORMATS = ("vllm", "sglang")
@@ -173,14 +173,7 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_f
     def rendered(ids: list[int], params: SamplingParams, param: str) -> dict[str, Any]:
         """`ids` checked as a generation of them would be (token ids, length, the params' ids), or a
         400 naming the field; then the params as JSON."""
-        try:
-            engine.validate(ids, params)
-        except ValueError as e:
-            message = str(e)
-            field_name = message.split(":", 1)[0]
-            if field_name in ("stop_token_ids", "logit_bias", "stop"):
-                raise APIError(400, message, field_name) from None
-            raise APIError(400, message if param == "prompt" else f"{param}: {message}", param) from None
+        check_prompt(engine, ids, params, param)
         return params.model_dump(mode="json", exclude_none=True)
 
     def room(ids: list[int]) -> int:
