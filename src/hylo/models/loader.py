@@ -37,6 +37,8 @@ DUMMY_SEED = 0  # `load_format="dummy"`: the target's weights; its MTP layer's c
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 _TEXT_PREFIXES = ("model.language_model.", "model.")
 _SKIPPED = re.compile(r"^(model\.visual\.|visual\.|mtp\.)|\.shared_head\.")
+# An `Experts`/`FP8Experts` tensor, every routed expert stacked: the weights or their block scales
+_STACKED_EXPERTS = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv|)$")
 
 
 class CheckpointError(ValueError):
@@ -74,13 +76,34 @@ def _leading_rows(p: torch.Tensor, inner: Callable[[torch.Tensor], torch.Tensor]
     return inner(p)[:rows]
 
 
+def _expert_layout(
+    name: str, stacked: str, suffix: str, shape: tuple[int, ...], first_expert: int
+) -> dict[str, Slot]:
+    """The per-expert checkpoint tensors of one stacked experts tensor `name` (`...mlp.experts.` +
+    `stacked` + `suffix`; suffix `_scale_inv`: an `FP8Experts`' block scales, laid out as its weights):
+    `gate_up_proj [E, 2I, ...]` holds each expert's gate rows then its up rows, `down_proj [E, ...]`
+    one slice per expert. Expert `e` of the tensor is `first_expert + e` in the checkpoint."""
+    prefix = name.removesuffix(stacked + suffix)
+    if stacked == "down_proj":
+        parts = [("down_proj", 0, None, shape[1:])]
+    else:
+        half = shape[1] // 2
+        parts = [("gate_proj", 0, half, (half, shape[2])), ("up_proj", half, None, (half, shape[2]))]
+    layout: dict[str, Slot] = {}
+    for e in range(shape[0]):
+        for part, lo, hi, part_shape in parts:
+            view = partial(_expert_rows, expert=e, lo=lo, hi=hi)
+            layout[f"{prefix}{first_expert + e}.{part}.weight{suffix}"] = Slot(name, view, part_shape)
+    return layout
+
+
 def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
     """Checkpoint name (without the `model.language_model.` prefix) -> destination, for every tensor
     this rank holds (`hylo.parallel.sharding`: other ranks' experts are absent, split tensors come
     with their `Shard`)."""
     c = model.config
     parallel = getattr(model, "parallel", SINGLE)
-    first_expert, _, inter = local_experts(c, parallel)
+    first_expert = local_experts(c, parallel)[0]
     layout: dict[str, Slot] = {}
     tensors = dict(model.named_parameters(remove_duplicate=True)) | dict(model.named_buffers())
     for module_name, module in model.named_modules():
@@ -97,31 +120,8 @@ def checkpoint_layout(model: Glm5NextForCausalLM | MTPLayer) -> dict[str, Slot]:
                 layout[name.replace("conv_weight", f"{part}_conv1d.weight")] = Slot(
                     name, view, (w, 1, shape[1])
                 )
-        elif name.endswith("mlp.experts.gate_up_proj"):
-            for e in range(shape[0]):
-                base = name.replace("gate_up_proj", f"{first_expert + e}")
-                gate = partial(_expert_rows, expert=e, lo=0, hi=inter)
-                up = partial(_expert_rows, expert=e, lo=inter, hi=None)
-                layout[f"{base}.gate_proj.weight"] = Slot(name, gate, (inter, shape[2]))
-                layout[f"{base}.up_proj.weight"] = Slot(name, up, (inter, shape[2]))
-        elif name.endswith("mlp.experts.down_proj"):
-            for e in range(shape[0]):
-                view = partial(_expert_rows, expert=e, lo=0, hi=None)
-                key = name.replace("down_proj", f"{first_expert + e}.down_proj.weight")
-                layout[key] = Slot(name, view, shape[1:])
-        elif name.endswith("mlp.experts.gate_up_proj_scale_inv"):  # FP8Experts: gate blocks, then up blocks
-            half = shape[1] // 2
-            for e in range(shape[0]):
-                base = name.replace("gate_up_proj_scale_inv", f"{first_expert + e}")
-                gate = partial(_expert_rows, expert=e, lo=0, hi=half)
-                up = partial(_expert_rows, expert=e, lo=half, hi=None)
-                layout[f"{base}.gate_proj.weight_scale_inv"] = Slot(name, gate, (half, shape[2]))
-                layout[f"{base}.up_proj.weight_scale_inv"] = Slot(name, up, (half, shape[2]))
-        elif name.endswith("mlp.experts.down_proj_scale_inv"):
-            for e in range(shape[0]):
-                view = partial(_expert_rows, expert=e, lo=0, hi=None)
-                key = name.replace("down_proj_scale_inv", f"{first_expert + e}.down_proj.weight_scale_inv")
-                layout[key] = Slot(name, view, shape[1:])
+        elif expert_tensor := _STACKED_EXPERTS.search(name):
+            layout |= _expert_layout(name, *expert_tensor.groups(), shape, first_expert)
         else:
             key = re.sub(r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2", name)
             layout[key] = Slot(name, _whole, shape)
