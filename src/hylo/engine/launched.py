@@ -17,7 +17,7 @@ as the scheduler's ledger leaves them (the blocks of a verify step run ahead are
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -31,6 +31,7 @@ from hylo.engine.route import Path, StepRoute
 from hylo.engine.verify_graph import VerifyGraphs
 from hylo.forward_batch import ForwardBatch
 from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
+from hylo.speculative.proposer import StepCommit
 
 
 @dataclass(frozen=True)
@@ -70,19 +71,24 @@ class LaunchedStep:
         return self.chunks[0].verify
 
 
-class PicksAtOnce:
+@dataclass(eq=False)
+class _PicksOfForward:
+    """Picks from the step's own forward of `batch`: `start` drops the forward and keeps of the batch
+    only what the read still needs."""
+
+    parts: PickParts
+    chunks: Sequence[ScheduledChunk]
+    route: StepRoute
+    batch: ForwardBatch | None
+    forward: ForwardOutput | None
+
+
+@dataclass(eq=False)
+class PicksAtOnce(_PicksOfForward):
     """The picks of a step read at once, from its forward of `batch` (see the module)."""
 
-    def __init__(
-        self,
-        parts: PickParts,
-        chunks: Sequence[ScheduledChunk],
-        route: StepRoute,
-        batch: ForwardBatch,
-        forward: ForwardOutput,
-    ):
-        self.parts, self.chunks, self.route, self.batch, self.forward = parts, chunks, route, batch, forward
-        self.commit = None  # what the proposer observes of the step (`DraftDriver.step_commit`)
+    # what the proposer observes of the step (`DraftDriver.step_commit`)
+    commit: StepCommit | None = field(default=None, init=False)
 
     def start(self) -> PendingRead:
         p, chunks, route, batch, forward = self.parts, self.chunks, self.route, self.batch, self.forward
@@ -108,20 +114,10 @@ class PicksAtOnce:
         return results
 
 
-class PicksAhead:
+class PicksAhead(_PicksOfForward):
     """The picks of a plain decode step run ahead, from its forward of `batch` (see the module). They
     count the step's own token in flight (`sampling_batch`'s `counted`) where they wait for the read
     before them: the scheduler's ledger counted it at launch."""
-
-    def __init__(
-        self,
-        parts: PickParts,
-        chunks: Sequence[ScheduledChunk],
-        route: StepRoute,
-        batch: ForwardBatch,
-        forward: ForwardOutput,
-    ):
-        self.parts, self.chunks, self.route, self.batch, self.forward = parts, chunks, route, batch, forward
 
     def start(self) -> PendingRead:
         p, forward = self.parts, self.forward
