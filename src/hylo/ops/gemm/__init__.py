@@ -4,6 +4,10 @@
 `scale_inv` when given). Which implementation runs:
 
 - CPU: torch, the FP8 weight dequantised to x's dtype (the reference).
+- FP8 products of at most 16 rows on a Hopper GPU, captured or eager: the CUDA C++ GEMV
+  (`gemv_cuda`, built at first use) wherever `gemv_cuda.refusal` has nothing against the call (the
+  shape, the GPU, `HYLO_FP8_GEMV=0`, a failed build or check), else the rules below. Its launch is a
+  ctypes call of a few us, assumed cheap enough for eager steps too (measured by the lead, not here).
 - A few rows (at most 64) while a CUDA graph is being captured, for a shape the GPU's table
   (`table.py`) holds: the Triton kernel with that entry's configuration (`kernels.gemm`). The table
   was tuned under graph replay, where it wins by up to 28% per GEMM; launched eagerly, Triton's
@@ -17,6 +21,7 @@
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 
 import torch
@@ -24,9 +29,12 @@ import torch.nn.functional as F
 
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.fp8 import dequantize_fp8_blocks
-from hylo.ops.gemm.table import GemmConfig, lookup
+from hylo.ops.gemm import gemv_cuda
+from hylo.ops.gemm.table import M_BUCKETS, GemmConfig, lookup, table_path
 
 __all__ = ["linear"]
+
+logger = logging.getLogger("hylo")
 
 SCALED_MM_MIN_ROWS = 65  # below it a product reads the weight once and the w8a16 kernel streams it
 
@@ -41,6 +49,26 @@ def fp8_fallback_config(rows: int) -> GemmConfig:
     return GemmConfig(16 if rows <= 16 else 32 if rows <= 32 else 64, 64, 128, 1, 4, 3)
 
 
+_announced = False
+
+
+def _announce_small_m_fp8(device: torch.device) -> None:
+    """Log once per process what the small-M FP8 products run on: the GPU's tuned table or the untuned
+    configuration, and whether the CUDA GEMV is on (building and checking it here if it is not yet)."""
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    name = _gpu_name(device.index or 0)
+    table = table_path(name)
+    tuning = f"tuned table {table.name}" if table.exists() else "no tuned table (untuned configuration)"
+    off = gemv_cuda.device_refusal(device)
+    logger.info(
+        "FP8 GEMMs of up to %d rows on %s: %s; CUDA GEMV for up to %d rows: %s",
+        M_BUCKETS[-1], name, tuning, gemv_cuda.MAX_ROWS, "on" if off is None else f"off ({off})",
+    )  # fmt: skip
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
     n, k = weight.shape
     rows = x.numel() // x.shape[-1]
@@ -53,6 +81,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None
     from hylo.ops.gemm import kernels
 
     flat = x.reshape(rows, k)
+    if scale_inv is not None and rows <= M_BUCKETS[-1]:
+        _announce_small_m_fp8(x.device)
+        if rows <= gemv_cuda.MAX_ROWS and gemv_cuda.takes(flat, weight, scale_inv):
+            return gemv_cuda.gemv(flat, weight, scale_inv).view(*x.shape[:-1], n)
     if torch.cuda.is_current_stream_capturing():
         config = lookup(_gpu_name(x.device.index or 0), rows, n, k, fp8=scale_inv is not None)
         if config is not None:

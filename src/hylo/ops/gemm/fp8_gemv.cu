@@ -1,0 +1,271 @@
+// y[M, N] = x[M, K] · (W[N, K] ⊙ scale)ᵀ for M ≤ 16: bf16 x, e4m3 W with one fp32 scale per [128, 128]
+// block, bf16 y with fp32 accumulation. Hopper (sm_90a); built and loaded by `gemv_cuda.py`.
+//
+// Why tensor cores in a GEMV: at M = 8-16 a CUDA-core GEMV issues M FMAs per weight byte, more than the
+// SM can issue at HBM rate (an H200 streams ~16 weight bytes per SM per clock; 16 FMAs each is twice the
+// FP32 issue rate). So the product runs on `mma.sync.m16n8k16` (bf16 in, fp32 out) with the operands
+// swapped: 16 weight rows are the MMA's M side, the (up to 8) rows of x its N side. The MMA's cost is then
+// independent of M; what is left per weight byte is its conversion to bf16 (a few integer ops, below).
+//
+// Work split. A CTA is 8 warps over 64 weight rows: 4 warps side by side over rows (a 16-row tile each)
+// times 2 over K. A cluster of SPLIT CTAs (1, 2, 4 or 8, along grid y) shares the same 64 rows and splits
+// K further, so that every shape fills the SMs (N = 2048 makes 32 row groups; SPLIT = 8 makes 256 CTAs).
+// Each warp walks a contiguous run of 128-k blocks (the scale block): per block each lane loads 16 bytes
+// from row g and 16 from row g + 8 of its tile at k offsets 16t and 64 + 16t (g = lane / 4, t = lane % 4),
+// so one load instruction reads 64 contiguous bytes of each of 8 rows. Loads run DEPTH blocks ahead in a
+// register ring (memory-level parallelism is what a GEMV's bandwidth is made of: 8 warps × 2 CTAs × DEPTH
+// × 64 bytes a lane is 64-96 KB in flight per SM, above what HBM's latency × bandwidth asks).
+//
+// The MMA's K order is free as long as both operands agree: MMA j (0..3) of half h takes k-slots
+// {2t, 2t+1} ↔ k = 64h + 16t + 4j + {0, 1} and {2t+8, 2t+9} ↔ 64h + 16t + 4j + {2, 3}. Then the A
+// fragment is the lane's own loaded bytes (word j of its 16-byte load) and the B fragment is x[g][64h +
+// 16t + 4j ...], two consecutive bf16 pairs of the lane's own 16-element slice of x: no shuffles.
+// The block's 8 MMAs accumulate a partial that is multiplied by the block's scale once and added to the
+// fp32 accumulator (the scale applied per (row, 128-k block) partial, as DeepSeek-V3's FP8 GEMMs promote).
+// x is read with L1-cached loads: the 4 row warps of a CTA (and CTAs on the same SM) read the same x
+// slice, so x costs L2 about 2·M/64 bytes per weight byte at most. Weight loads bypass L1.
+//
+// The end: each warp writes its partial tile to shared memory; after a cluster barrier, CTA r of the
+// cluster sums rows [r·64/SPLIT, (r+1)·64/SPLIT) over the SPLIT CTAs (distributed shared memory) and the
+// 2 K warps, in a fixed order (deterministic), and writes bf16; a second barrier keeps each CTA's shared
+// memory alive until the others have read it. One launch, no workspace, no atomics.
+//
+// Supported: 1 ≤ M ≤ 16, any N, K a multiple of 16 (16-byte loads; a 128-k block may be partial), rows of
+// x and W 16-byte aligned. `gemv_cuda.refusal` checks these before a call.
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kRowWarps = 4;                     // warps side by side over rows, a 16-row tile each
+constexpr int kSliceWarps = kWarps / kRowWarps;  // warps side by side over K inside a CTA
+constexpr int kTileRows = 16;                    // the MMA's M side
+constexpr int kCtaRows = kRowWarps * kTileRows;
+constexpr int kBlockK = 128;                     // the scale block, one step of a warp
+constexpr int kThreads = kWarps * 32;
+
+// One lane's share of one 128-k block: 16 bytes of rows g and g + 8 at k halves 0 and 1, and the scale.
+struct Step {
+    uint4 w[2][2];  // [row g / g + 8][k half]
+    float scale;
+};
+
+__device__ __forceinline__ uint4 load_streaming(const uint8_t* p) {
+    uint4 v;
+    // weights are read once: keep them out of L1 (x lives there) and let L2 fetch 256-byte runs
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Two e4m3 bytes, each at the top of a 16-bit half ([b1 00 b0 00]), as bf16x2 bits of 2^-120 times their
+// values: e4m3's sign goes to bit 15 and its 4 exponent and 3 mantissa bits to bf16's bits 4..10 (the low
+// exponent bits and the top mantissa bits), so exponent bias 7 reads as 127 and e4m3's subnormals land on
+// bf16's subnormals of the same significand: exact for every byte (NaN 0x7f/0xff aside).
+__device__ __forceinline__ uint32_t spread_e4m3x2_to_scaled_bf16x2(uint32_t spread) {
+    return (spread & 0x80008000u) | ((spread >> 4) & 0x07F007F0u);
+}
+
+// 2^120 as bf16x2: undoes the conversion's 2^-120 exactly (a power of two into the normal range).
+__device__ __forceinline__ uint32_t unscale_bf16x2(uint32_t bits) {
+    const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+    const __nv_bfloat162 two_pow_120 = __halves2bfloat162(__ushort_as_bfloat16(0x7B80), __ushort_as_bfloat16(0x7B80));
+    const __nv_bfloat162 r = __hmul2(v, two_pow_120);
+    return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// Four e4m3 bytes [b3 b2 b1 b0] (k, k+1, k+2, k+3) as two bf16x2: lo = (b0, b1), hi = (b2, b3).
+__device__ __forceinline__ void e4m3x4_to_bf16x2x2(uint32_t q, uint32_t& lo, uint32_t& hi) {
+    lo = unscale_bf16x2(spread_e4m3x2_to_scaled_bf16x2(__byte_perm(q, 0u, 0x1404)));
+    hi = unscale_bf16x2(spread_e4m3x2_to_scaled_bf16x2(__byte_perm(q, 0u, 0x3424)));
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// d += a · b for a 16 x 16 bf16 A (row-major fragment), a 16 x 8 bf16 B (column-major), fp32 d.
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+struct Problem {
+    const __nv_bfloat16* x;
+    int64_t x_stride;  // elements between rows of x
+    const uint8_t* w;  // [N, K] e4m3, rows contiguous
+    const float* scale;
+    int64_t scale_stride;  // elements between rows of scale
+    __nv_bfloat16* out;    // [M, N] contiguous
+    int m, n, k;
+};
+
+// Issue the loads of 128-k block `kb` into `step` (zeros past K).
+__device__ __forceinline__ void load_step(Step& step, const Problem& p, const uint8_t* row_g, const uint8_t* row_g8,
+                                          const float* scale_row, int kb, int t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int k = kb * kBlockK + 64 * h + 16 * t;
+        const bool inside = k < p.k;  // K is a multiple of 16: a 16-byte chunk is all in or all out
+        step.w[0][h] = inside ? load_streaming(row_g + k) : make_uint4(0, 0, 0, 0);
+        step.w[1][h] = inside ? load_streaming(row_g8 + k) : make_uint4(0, 0, 0, 0);
+    }
+    step.scale = __ldg(scale_row + kb);
+}
+
+// acc += scale · (W block kb) · x rows: 8 MMAs per 8 rows of x into a partial, then one scaled add.
+template <int NT>
+__device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& step, const Problem& p, int kb,
+                                              int g, int t) {
+    float part[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int k = kb * kBlockK + 64 * h + 16 * t;
+        uint4 xs[NT][2];  // x[8nt + g][k .. k + 16)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int row = 8 * nt + g;
+            const bool inside = row < p.m && k < p.k;
+            const uint4* src = reinterpret_cast<const uint4*>(p.x + row * p.x_stride + k);
+            xs[nt][0] = inside ? __ldg(src) : make_uint4(0, 0, 0, 0);
+            xs[nt][1] = inside ? __ldg(src + 1) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint32_t g_lo, g_hi, g8_lo, g8_hi;
+            e4m3x4_to_bf16x2x2(word(step.w[0][h], j), g_lo, g_hi);
+            e4m3x4_to_bf16x2x2(word(step.w[1][h], j), g8_lo, g8_hi);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const uint4& xv = xs[nt][j / 2];
+                const int first = 2 * (j % 2);
+                mma_16x8x16(part[nt], g_lo, g8_lo, g_hi, g8_hi, word(xv, first), word(xv, first + 1));
+            }
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = fmaf(part[nt][i], step.scale, acc[nt][i]);
+    }
+}
+
+// NT: tiles of 8 rows of x (1 for M ≤ 8, 2 for M ≤ 16). SPLIT: CTAs of a cluster splitting K.
+// DEPTH: 128-k blocks in flight per warp.
+template <int NT, int SPLIT, int DEPTH>
+__global__ void __launch_bounds__(kThreads, 2) __cluster_dims__(1, SPLIT, 1) fp8_gemv_kernel(Problem p) {
+    __shared__ float partials[kSliceWarps][kCtaRows][8 * NT];
+    cg::cluster_group cluster = cg::this_cluster();
+    const int rank = static_cast<int>(cluster.block_rank());
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int row_warp = warp % kRowWarps, slice_warp = warp / kRowWarps;
+    const int tile_row = blockIdx.x * kCtaRows + row_warp * kTileRows;
+
+    // this warp's contiguous run of 128-k blocks: slice (rank, slice_warp) of SPLIT × kSliceWarps
+    const int kblocks = (p.k + kBlockK - 1) / kBlockK;
+    const int slices = SPLIT * kSliceWarps, slice = rank * kSliceWarps + slice_warp;
+    const int begin = kblocks * slice / slices;
+    const int end = tile_row < p.n ? kblocks * (slice + 1) / slices : begin;  // a tile past N has no work
+
+    // rows past N read row N - 1 (their results are never stored)
+    const uint8_t* row_g = p.w + static_cast<int64_t>(min(tile_row + g, p.n - 1)) * p.k;
+    const uint8_t* row_g8 = p.w + static_cast<int64_t>(min(tile_row + g + 8, p.n - 1)) * p.k;
+    const float* scale_row = p.scale + static_cast<int64_t>(min(tile_row, p.n - 1) / 128) * p.scale_stride;
+
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+
+    Step ring[DEPTH];
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+        if (begin + d < end) load_step(ring[d], p, row_g, row_g8, scale_row, begin + d, t);
+    }
+    for (int kb = begin; kb < end; kb += DEPTH) {
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) {
+            if (kb + d < end) {
+                multiply_step<NT>(acc, ring[d], p, kb + d, g, t);
+                if (kb + d + DEPTH < end) load_step(ring[d], p, row_g, row_g8, scale_row, kb + d + DEPTH, t);
+            }
+        }
+    }
+
+    // fragment layout of the accumulator: [0], [1] are weight row g, x rows 8nt + 2t, +1; [2], [3] row g + 8
+    const int local = row_warp * kTileRows + g;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        partials[slice_warp][local][8 * nt + 2 * t] = acc[nt][0];
+        partials[slice_warp][local][8 * nt + 2 * t + 1] = acc[nt][1];
+        partials[slice_warp][local + 8][8 * nt + 2 * t] = acc[nt][2];
+        partials[slice_warp][local + 8][8 * nt + 2 * t + 1] = acc[nt][3];
+    }
+    cluster.sync();
+
+    constexpr int kRowsPerRank = kCtaRows / SPLIT;
+    for (int e = threadIdx.x; e < kRowsPerRank * 8 * NT; e += kThreads) {
+        const int r = rank * kRowsPerRank + e % kRowsPerRank, m = e / kRowsPerRank;
+        const int n = blockIdx.x * kCtaRows + r;
+        float sum = 0.f;
+#pragma unroll
+        for (int s = 0; s < SPLIT; ++s) {
+            const float* theirs = cluster.map_shared_rank(&partials[0][0][0], s);
+#pragma unroll
+            for (int w = 0; w < kSliceWarps; ++w) sum += theirs[(w * kCtaRows + r) * 8 * NT + m];
+        }
+        if (m < p.m && n < p.n) p.out[static_cast<int64_t>(m) * p.n + n] = __float2bfloat16_rn(sum);
+    }
+    cluster.sync();  // the other CTAs of the cluster may still be reading this CTA's partials
+}
+
+template <int NT, int SPLIT>
+cudaError_t launch(const Problem& p, cudaStream_t stream) {
+    constexpr int depth = NT == 1 ? 3 : 2;  // registers: two CTAs of 256 threads per SM
+    const dim3 grid((p.n + kCtaRows - 1) / kCtaRows, SPLIT);
+    fp8_gemv_kernel<NT, SPLIT, depth><<<grid, kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
+template <int NT>
+cudaError_t launch_split(const Problem& p, int split, cudaStream_t stream) {
+    switch (split) {
+        case 1: return launch<NT, 1>(p, stream);
+        case 2: return launch<NT, 2>(p, stream);
+        case 4: return launch<NT, 4>(p, stream);
+        case 8: return launch<NT, 8>(p, stream);
+        default: return cudaErrorInvalidValue;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 64 weight rows per CTA: `gemv_cuda.split_for` sizes the grid with it.
+int hylo_fp8_gemv_cta_rows() { return kCtaRows; }
+
+// Launch on `stream` (a cudaStream_t; capture-safe: no allocation, no synchronisation). Returns the
+// cudaError_t of the launch (0: launched); unsupported arguments return cudaErrorInvalidValue unlaunched.
+int hylo_fp8_gemv(const void* x, long long x_stride, const void* w, const void* scale, long long scale_stride,
+                  void* out, int m, int n, int k, int split, void* stream) {
+    if (m < 1 || m > 16 || n < 1 || k < 16 || k % 16 || x_stride % 8) return cudaErrorInvalidValue;
+    const Problem p{static_cast<const __nv_bfloat16*>(x), x_stride, static_cast<const uint8_t*>(w),
+                    static_cast<const float*>(scale), scale_stride, static_cast<__nv_bfloat16*>(out), m, n, k};
+    const auto s = static_cast<cudaStream_t>(stream);
+    return m <= 8 ? launch_split<1>(p, split, s) : launch_split<2>(p, split, s);
+}
+
+}  // extern "C"

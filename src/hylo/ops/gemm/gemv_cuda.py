@@ -1,0 +1,239 @@
+"""The FP8 GEMV in CUDA C++: `x [M, K] @ dequant(W)[N, K]ᵀ` for M ≤ 16 on Hopper, near the weight-read floor.
+
+`fp8_gemv.cu` holds the kernel and why it is shaped as it is (tensor-core MMAs with the weight rows as
+the M side, e4m3 widened in registers, 128-k scale blocks applied per partial, K split over the warps of
+a CTA and over the CTAs of a cluster, reduced in shared memory in one launch). Here: when it may run
+(`refusal`), how it is built and loaded, and the launch (`gemv`).
+
+Built at first use on the GPU machine: `cuda_build.build` compiles it for `sm_90a` with the machine's
+nvcc into the kernel cache, and `ctypes` loads it (compilation at most once per process and machine;
+the cache key covers the source, nvcc's version and the arch). Before a GPU's first product the library
+is checked once on that GPU against the float64 product (`_self_check`: every compiled variant, ragged N
+and K, every e4m3 code including subnormals): the kernel was written on a machine without a GPU, so a
+library that fails its check (or does not build, or a non-Hopper GPU) is refused for the whole process
+with one warning, and the caller keeps the Triton kernel. The check needs an eager call: a GPU whose
+first FP8 product comes inside a CUDA graph capture is refused for that call (hylo's engine warms every
+graph up eagerly before capturing it, so its graphs get the kernel).
+
+A call is a ctypes call that launches on `torch.cuda.current_stream()` with raw pointers: nothing is
+allocated but the output and nothing synchronises, so it is capture-safe, and its host cost (a few us
+of Python, below Triton's launcher) is assumed small enough to use eagerly too: the lead measures it.
+`HYLO_FP8_GEMV=0` in the environment turns it off (read at every call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from hylo.ops.fp8 import FP8_BLOCK
+from hylo.ops.gemm import cuda_build
+
+logger = logging.getLogger("hylo")
+
+SOURCE = Path(__file__).with_name("fp8_gemv.cu")
+KERNEL = "the FP8 GEMV kernel"
+SWITCH = "HYLO_FP8_GEMV"
+MAX_ROWS = 16
+CTA_ROWS = 64  # weight rows per CTA (4 warps of a 16-row MMA tile); the library reports its own
+SPLITS = (1, 2, 4, 8)  # CTAs of a cluster that split K (the compiled variants)
+CTAS_PER_SM = 2  # 256 threads at ≤ 128 registers each (the kernel's launch bounds)
+CHECK_ROWS = (3, 13)  # one row count per compiled row tile (8 and 16 rows of x)
+
+_READY: dict[int, ctypes.CDLL] = {}  # device index -> library that passed its check there
+_FAILED: dict[int, str] = {}  # device index -> why the GEMV is off there for this process
+
+
+def hopper_arch(capability: tuple[int, int]) -> str | None:
+    """nvcc's name of the GPU the kernel is built for (Hopper, `sm_90a`: it uses thread-block clusters), else
+    None."""
+    return "sm_90a" if capability[0] == 9 else None
+
+
+def split_for(n: int, k: int, sms: int) -> int:
+    """CTAs per cluster along K: the fewest that give about `CTAS_PER_SM` CTAs on every SM (one full
+    wave), without more K slices (2 warps per CTA) than 128-k blocks."""
+    row_groups, kblocks = -(-n // CTA_ROWS), -(-k // FP8_BLOCK)
+    allowed = [s for s in SPLITS if s == 1 or 2 * s <= kblocks]
+    return next((s for s in allowed if row_groups * s >= 0.9 * CTAS_PER_SM * sms), allowed[-1])
+
+
+@cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@cache
+def load_library(arch: str) -> ctypes.CDLL | str:
+    """The built and loaded library for `arch`, or why there is none (warned once per process)."""
+    try:
+        library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL)))
+    except (cuda_build.BuildError, OSError) as e:
+        return _give_up(f"{KERNEL} is not available: {e}")
+    if library.hylo_fp8_gemv_cta_rows() != CTA_ROWS:
+        return _give_up(
+            f"{KERNEL} tiles {library.hylo_fp8_gemv_cta_rows()} rows per CTA, gemv_cuda {CTA_ROWS}"
+        )
+    library.hylo_fp8_gemv.restype = ctypes.c_int
+    library.hylo_fp8_gemv.argtypes = [
+        ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+    ]  # fmt: skip
+    return library
+
+
+def _give_up(reason: str) -> str:
+    logger.warning("%s; FP8 products of up to %d rows run the Triton kernel", reason, MAX_ROWS)
+    return reason
+
+
+def device_refusal(device: torch.device) -> str | None:
+    """Why the GEMV is off on `device` (None: on), building and checking it there first if need be."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"{SWITCH}=0"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _READY:
+        return None
+    if index in _FAILED:
+        return _FAILED[index]
+    capability = torch.cuda.get_device_capability(index)
+    arch = hopper_arch(capability)
+    if arch is None:
+        return f"{KERNEL} is built for Hopper (sm_90a); GPU {index} is sm_{capability[0]}{capability[1]}"
+    library = load_library(arch)
+    if isinstance(library, str):
+        return library
+    if torch.cuda.is_current_stream_capturing():
+        return f"{KERNEL} is checked on a GPU at its first eager call; GPU {index}'s came inside a capture"
+    failure = _self_check(library, torch.device("cuda", index))
+    if failure is not None:
+        _FAILED[index] = _give_up(f"{KERNEL} failed its check on GPU {index}: {failure}")
+        return _FAILED[index]
+    _READY[index] = library
+    return None
+
+
+def refusal(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> str | None:
+    """Why `gemv` cannot take `x [M, K] @ weight [N, K]ᵀ` with these scales (None: it can)."""
+    if not x.is_cuda:
+        return "x is not on a CUDA device"
+    (m, k), n = x.shape, weight.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        return f"{m} rows of x; the GEMV takes 1 to {MAX_ROWS}"
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
+        return (
+            f"dtypes x {x.dtype}, weight {weight.dtype}, scale {scale_inv.dtype}; it takes bf16, e4m3, fp32"
+        )
+    blocks = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if weight.shape[1] != k or tuple(scale_inv.shape) != blocks or scale_inv.stride(1) != 1:
+        return f"weight {tuple(weight.shape)} with scale {tuple(scale_inv.shape)} for x {tuple(x.shape)}"
+    if k % 16:
+        return f"K={k} is not a multiple of 16 (the kernel reads e4m3 rows 16 bytes at a time)"
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        return "rows of x are not contiguous and 16-byte aligned"
+    if not weight.is_contiguous() or weight.data_ptr() % 16:
+        return "the weight is not contiguous and 16-byte aligned"
+    if x.device.index != torch.cuda.current_device():
+        return f"x is on GPU {x.device.index}, the current device is {torch.cuda.current_device()}"
+    return device_refusal(x.device)
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, split: int | None = None
+) -> torch.Tensor:
+    """`x [M, K] @ dequant(weight)ᵀ` as bf16 `[M, N]`, fp32 accumulation. Safe where `refusal` is None
+    (which also builds and checks the kernel); `split` (one of `SPLITS`) overrides `split_for`."""
+    index = x.device.index
+    library = _READY.get(index)
+    if library is None:
+        raise RuntimeError(f"gemv: {KERNEL} is not checked on GPU {index}; ask refusal() first")
+    return _launch(
+        library, x, weight, scale_inv, split or split_for(weight.shape[0], x.shape[1], _sms(index))
+    )
+
+
+def _launch(library, x, weight, scale_inv, split: int) -> torch.Tensor:
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    error = library.hylo_fp8_gemv(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), scale_inv.data_ptr(), scale_inv.stride(0),
+        out.data_ptr(), m, n, k, split, stream,
+    )  # fmt: skip
+    if error:
+        raise RuntimeError(
+            f"{KERNEL}: launch failed with cudaError {error} (M={m}, N={n}, K={k}, split {split})"
+        )
+    return out
+
+
+def exact_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The e4m3 weight times its block scales in float64 (exact: 4 × 24 significant bits fit in 53)."""
+    n, k = weight.shape
+    scale = scale_inv.double().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return weight.double() * scale
+
+
+def worst_error(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> float:
+    """The largest |out - y| / bound over the outputs, y the float64 product; ≤ 1 is within the GEMV's
+    arithmetic. Bound = 2^-8 |y| (bf16 rounding of the output) + c·2^-22 (|x| @ |W|ᵀ) with
+    c = 128 + ceil(K/128) + 16 additions that round in fp32: 128 in a block's MMA chain (2^-23 each if
+    the tensor core truncates), one scaled add per block and at most 16 in the split-K reduction (2^-24
+    each), times 2 for the fp32 rounding of the bound's own terms."""
+    x64, w64 = x.double(), exact_weight(weight, scale_inv)
+    y = x64 @ w64.t()
+    additions = 128 + -(-x.shape[1] // FP8_BLOCK) + 16
+    bound = 2.0**-8 * y.abs() + additions * 2.0**-22 * (x64.abs() @ w64.abs().t())
+    return float(((out.double() - y).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)).max())
+
+
+def random_e4m3(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight with every code but NaN equally likely (zeros and subnormals included) and block
+    scales spread over 2^-12 .. 2^0: inputs that reach every path of a conversion."""
+    device = generator.device
+    codes = torch.randint(0, 254, (n, k), generator=generator, device=device, dtype=torch.int32)
+    codes = codes + (codes >= 0x7F).int()  # skip 0x7f (NaN): 0..253 -> 0x00..0x7e, 0x80..0xfe (never 0xff)
+    weight = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    blocks = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    scale = torch.exp2(-12 * torch.rand(blocks, generator=generator, device=device))
+    return weight, scale
+
+
+def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
+    """Every compiled variant (row tile × split) against the float64 product, on a ragged problem: N=200
+    (a CTA with one partial tile and three past N), K=1040 (a 16-wide last block; 9 blocks over up to
+    16 K slices, some empty), rows of x strided. The first failure, or None."""
+    generator = torch.Generator(device=device).manual_seed(1234)
+    n, k = 200, 1040
+    weight, scale = random_e4m3(n, k, generator)
+    x_rows = torch.randn(MAX_ROWS, k + 16, generator=generator, device=device).to(torch.bfloat16)
+    for m in CHECK_ROWS:
+        x = x_rows[:m, :k]
+        for split in SPLITS:
+            try:
+                out = _launch(library, x, weight, scale, split)
+                error = worst_error(out, x, weight, scale)
+            except RuntimeError as e:
+                return str(e)
+            if not error <= 1.0:  # NaN fails too
+                return f"M={m}, N={n}, K={k}, split {split}: error {error:.3g}× its bound"
+    return None
+
+
+_REFUSALS_LOGGED: set[str] = set()
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> bool:
+    """The dispatch rule: `linear` runs this FP8 product on the GEMV when `refusal` has nothing against it;
+    otherwise the Triton kernel runs it, and the reason is logged once (INFO) so a model that falls off
+    the GEMV says where and why."""
+    reason = refusal(x, weight, scale_inv)
+    if reason is not None and reason not in _REFUSALS_LOGGED:
+        _REFUSALS_LOGGED.add(reason)
+        logger.info("gemm.linear: the CUDA GEMV refuses a product (%s); the Triton kernel runs it", reason)
+    return reason is None
