@@ -1,0 +1,198 @@
+"""The CUDA GEMV's build and dispatch logic, on the CPU: the cache key, the cached and locked build, the
+fallback (with its reason) when nvcc is missing or fails, the real `fp8_gemv.cu` compiled for sm_90a with
+this machine's nvcc and its C entry points called through ctypes (no GPU needed for either), the grid's
+K split, the error bound the GPU tests use, and the start-up line saying what small-M FP8 GEMMs run on."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import stat
+
+import pytest
+import torch
+
+from hylo.ops import gemm
+from hylo.ops.fp8 import FP8_BLOCK
+from hylo.ops.gemm import cuda_build, gemv_cuda
+
+# the GLM-5.3-Flash FP8 projections (N, K) and TP-rank shards of them (N or K over 4 and 8)
+MODEL_SHAPES = [
+    (24576, 4096), (12288, 4096), (4096, 8192), (4096, 16384), (4096, 12288), (2176, 4096),
+    (2048, 4096), (4096, 2048), (16384, 1536), (4096, 1536), (8192, 128), (256, 4096),
+]  # fmt: skip
+RANK_SHAPES = [
+    (24576 // 8, 4096),
+    (12288 // 8, 4096),
+    (4096, 16384 // 8),
+    (4096, 8192 // 4),
+    (2176 // 8, 4096),
+]
+
+
+def fake_nvcc(directory, body: str) -> str:
+    """An executable `nvcc` in `directory` running the shell `body` (`$@` are nvcc's arguments)."""
+    path = directory / "nvcc"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty kernel cache, and no nvcc but the test's own (PATH holds only `tmp_path/bin`)."""
+    monkeypatch.setenv("HYLO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    (tmp_path / "bin").mkdir()
+    gemv_cuda.load_library.cache_clear()
+    yield tmp_path
+    gemv_cuda.load_library.cache_clear()
+
+
+def test_cache_key_follows_source_toolkit_and_arch():
+    key = cuda_build.cache_key(b"source", "nvcc 13.0", "sm_90a")
+    assert key == cuda_build.cache_key(b"source", "nvcc 13.0", "sm_90a")
+    others = {
+        cuda_build.cache_key(b"source2", "nvcc 13.0", "sm_90a"),
+        cuda_build.cache_key(b"source", "nvcc 12.8", "sm_90a"),
+        cuda_build.cache_key(b"source", "nvcc 13.0", "sm_100a"),
+    }
+    assert key not in others and len(others) == 3
+
+
+def test_cache_dir_follows_hylo_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
+    assert cuda_build.cache_dir() == tmp_path / "kernels"
+    monkeypatch.delenv("HYLO_CACHE")
+    assert cuda_build.cache_dir().parts[-3:] == (".cache", "hylo", "kernels")
+
+
+def test_missing_nvcc_falls_back_with_its_reason(cache, caplog):
+    with pytest.raises(cuda_build.BuildError, match="no nvcc"):
+        cuda_build.build(gemv_cuda.SOURCE, "sm_90a", "a test kernel")
+    with caplog.at_level(logging.WARNING, logger="hylo"):
+        first, second = gemv_cuda.load_library("sm_90a"), gemv_cuda.load_library("sm_90a")
+    assert isinstance(first, str) and "no nvcc" in first and second == first
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "run the Triton kernel" in warnings[0]  # once per process
+
+
+def test_cuda_home_nvcc_is_found(cache, monkeypatch):
+    home = cache / "cuda"
+    (home / "bin").mkdir(parents=True)
+    nvcc = fake_nvcc(home / "bin", "exit 0")
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    assert cuda_build.find_nvcc() == nvcc
+
+
+def test_failed_compile_reports_nvcc_stderr(cache):
+    fake_nvcc(
+        cache / "bin",
+        'case "$1" in --version) echo "fake nvcc 1.0";; *) echo "bad kernel" >&2; exit 2;; esac',
+    )
+    with pytest.raises(cuda_build.BuildError, match="exited with 2: bad kernel"):
+        cuda_build.build(gemv_cuda.SOURCE, "sm_90a", "a test kernel")
+    assert not list((cache / "cache" / "kernels").glob("*.so*"))  # no half-written library left behind
+
+
+def test_build_compiles_once_then_reads_the_cache(cache, caplog):
+    """The fake nvcc writes its output file (after `-o`) and counts its compilations."""
+    calls = cache / "calls"
+    body = (
+        'if [ "$1" = --version ]; then echo "fake nvcc 1.0"; exit 0; fi\n'
+        f'echo x >> {calls}\n'
+        'while [ "$1" != -o ]; do shift; done; echo library > "$2"'
+    )  # fmt: skip
+    fake_nvcc(cache / "bin", body)
+    with caplog.at_level(logging.INFO, logger="hylo"):
+        first = cuda_build.build(gemv_cuda.SOURCE, "sm_90a", "the FP8 GEMV kernel")
+        second = cuda_build.build(gemv_cuda.SOURCE, "sm_90a", "the FP8 GEMV kernel")
+    assert (
+        first == second and first.read_text() == "library\n" and first.parent == cache / "cache" / "kernels"
+    )
+    assert calls.read_text().count("x") == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("building the FP8 GEMV kernel (sm_90a)") for m in messages)
+    assert any(m.startswith("built the FP8 GEMV kernel (sm_90a) in ") for m in messages)
+    other_arch = cuda_build.build(gemv_cuda.SOURCE, "sm_100a", "the FP8 GEMV kernel")
+    assert other_arch != first and calls.read_text().count("x") == 2
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_the_kernel_compiles_for_hopper_and_its_entry_points_load(tmp_path, monkeypatch):
+    """The real source through the real build (about 30 s). The library loads without a GPU (its CUDA
+    runtime is linked in and reaches the driver only at a launch), reports its CTA rows, and refuses
+    arguments it does not support before touching a GPU (cudaErrorInvalidValue = 1)."""
+    monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
+    library = ctypes.CDLL(str(cuda_build.build(gemv_cuda.SOURCE, "sm_90a", "the FP8 GEMV kernel")))
+    assert library.hylo_fp8_gemv_cta_rows() == gemv_cuda.CTA_ROWS
+    launch = library.hylo_fp8_gemv
+    launch.restype = ctypes.c_int
+    for m, k, split in ((17, 4096, 1), (0, 4096, 1), (4, 4100, 1)):
+        assert (
+            launch(None, ctypes.c_longlong(k), None, None, ctypes.c_longlong(1), None, m, 128, k, split, None)
+            == 1
+        )
+
+
+@pytest.mark.parametrize(("n", "k"), MODEL_SHAPES + RANK_SHAPES)
+def test_split_fills_the_gpu_without_idle_k_slices(n, k):
+    """Clusters split K until a wave of 2 CTAs per SM is nearly full (132 SMs), unless the 2 warps per
+    CTA would outnumber the 128-k blocks; the split is one the library compiled."""
+    split = gemv_cuda.split_for(n, k, 132)
+    ctas = -(-n // gemv_cuda.CTA_ROWS) * split
+    kblocks = -(-k // FP8_BLOCK)
+    assert split in gemv_cuda.SPLITS and (split == 1 or 2 * split <= kblocks)
+    assert ctas >= 0.9 * 2 * 132 or split == max(s for s in gemv_cuda.SPLITS if s == 1 or 2 * s <= kblocks)
+    if split > 1:  # the smallest such split: half of it would not fill the wave
+        assert -(-n // gemv_cuda.CTA_ROWS) * split // 2 < 0.9 * 2 * 132
+
+
+def test_error_bound_passes_the_rounded_product_and_fails_a_missing_scale():
+    """`worst_error` (what the GPU tests and the self-check hold the kernel to): the float64 product
+    rounded to bf16 is within it; the same product with one 128-k block's scale left out is not."""
+    gen = torch.Generator().manual_seed(0)
+    weight, scale = gemv_cuda.random_e4m3(200, 1040, gen)
+    codes = weight.view(torch.uint8)
+    subnormal = ((codes & 0x78) == 0) & ((codes & 0x07) != 0)
+    assert not torch.isnan(weight.float()).any() and subnormal.any()
+    x = torch.randn(5, 1040, generator=gen).to(torch.bfloat16)
+    exact = gemv_cuda.exact_weight(weight, scale)
+    assert exact.dtype == torch.float64
+    good = (x.double() @ exact.t()).to(torch.bfloat16)
+    assert gemv_cuda.worst_error(good, x, weight, scale) <= 1.0
+    unscaled = scale.clone()
+    unscaled[1, 3] = 1.0  # one block read without its scale
+    bad = (x.double() @ gemv_cuda.exact_weight(weight, unscaled).t()).to(torch.bfloat16)
+    assert gemv_cuda.worst_error(bad, x, weight, scale) > 1.0
+
+
+def test_refusals_name_their_reason(monkeypatch):
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    weight = torch.zeros(128, 256).to(torch.float8_e4m3fn)
+    scale = torch.ones(1, 2)
+    assert gemv_cuda.refusal(x, weight, scale) == "x is not on a CUDA device"
+    assert not gemv_cuda.takes(x, weight, scale)
+    monkeypatch.setenv(gemv_cuda.SWITCH, "0")
+    assert gemv_cuda.device_refusal(torch.device("cuda", 0)) == "HYLO_FP8_GEMV=0"
+    assert gemv_cuda.hopper_arch((9, 0)) == "sm_90a" and gemv_cuda.hopper_arch((8, 0)) is None
+
+
+@pytest.mark.parametrize(("gpu", "gemv_off", "expected"), [
+    ("NVIDIA H200", None, "tuned table nvidia_h200.json; CUDA GEMV for up to 16 rows: on"),
+    ("NVIDIA B300", "no nvcc", "no tuned table (untuned configuration); CUDA GEMV for up to 16 rows: off ("
+     "no nvcc)"),
+])  # fmt: skip
+def test_first_small_m_fp8_dispatch_says_what_it_runs_on(monkeypatch, caplog, gpu, gemv_off, expected):
+    monkeypatch.setattr(gemm, "_announced", False)
+    monkeypatch.setattr(gemm, "_gpu_name", lambda index: gpu)
+    monkeypatch.setattr(gemv_cuda, "device_refusal", lambda device: gemv_off)
+    with caplog.at_level(logging.INFO, logger="hylo"):
+        gemm._announce_small_m_fp8(torch.device("cuda", 0))
+        gemm._announce_small_m_fp8(torch.device("cuda", 0))
+    lines = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("FP8 GEMMs of up to 64 rows")
+    ]
+    assert lines == [f"FP8 GEMMs of up to 64 rows on {gpu}: {expected}"]
