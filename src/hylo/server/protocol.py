@@ -71,7 +71,21 @@ def _int(**bounds: Any) -> Any:
     return Annotated[int, Field(**bounds), BeforeValidator(_json_int)]
 
 
+def _no_reserved(kwargs: dict[str, Any]) -> dict[str, Any]:
+    clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
+    if clash:
+        raise ValueError(f"{clash[0]!r} is set by the request itself, not by a template kwarg")
+    return kwargs
+
+
 Text = Annotated[str, AfterValidator(_unicode)]
+# A request's `chat_template_kwargs`: extra variables of the chat template, none named as an argument
+# of the template call itself (the schema states it, the validator says which one clashes)
+TemplateKwargs = Annotated[
+    dict[str, Any],
+    Field(json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}}),
+    AfterValidator(_no_reserved),
+]
 TokenId = _int(ge=0, json_schema_extra={TOKEN_ID_MARK: True})
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
@@ -392,10 +406,7 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: _int(ge=0, le=20) | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}},
-    )
+    chat_template_kwargs: TemplateKwargs = Field(default_factory=dict)
     tools: list[Tool] | None = None
     # whether a choice can be honoured (a tool of that name, the server's --tool-call-parser) is more
     # than a schema can say: a 400 naming tool_choice says when it cannot
@@ -414,14 +425,6 @@ class ChatCompletionRequest(_Common):
     def _thinking_switches(self) -> ChatCompletionRequest:
         self.chat_template_kwargs = thinking_kwargs(self.chat_template_kwargs, self.reasoning_effort)
         return self
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _no_reserved(cls, value: dict[str, Any]) -> dict[str, Any]:
-        clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in value]
-        if clash:
-            raise ValueError(f"{clash[0]!r} is set by the request itself, not by a template kwarg")
-        return value
 
     @property
     def tool_dicts(self) -> list[dict[str, Any]] | None:

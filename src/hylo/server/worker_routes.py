@@ -12,18 +12,18 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hylo.sampling import SamplingParams
 from hylo.server.async_engine import AsyncEngine
 from hylo.server.protocol import (
     _REQUEST,
-    RESERVED_TEMPLATE_KWARGS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    TemplateKwargs,
     Text,
     TokenizeResponse,
     Tool,
@@ -54,19 +54,8 @@ class WorkerTokenizeRequest(BaseModel):
         None, description="default: true for a prompt, false for messages (the template adds them)"
     )
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}},
-    )
+    chat_template_kwargs: TemplateKwargs = Field(default_factory=dict)
     tools: list[Tool] | None = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _no_reserved(cls, value: dict[str, Any]) -> dict[str, Any]:
-        clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in value]
-        if clash:
-            raise ValueError(f"{clash[0]!r} is set by the request itself, not by a template kwarg")
-        return value
 
     @model_validator(mode="after")
     def _one_input(self) -> WorkerTokenizeRequest:
