@@ -76,8 +76,9 @@ def gemv_status() -> None:
 
 
 def per_call_us(fn, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Median graph time of `fn(weight, scale)` over every copy in turn, per call."""
-    return bench_graph(lambda: [fn(w, s) for w, s in copies]) / len(copies)
+    """Median graph time of `fn(weight, scale)` over every copy in turn, per call (20 ms of replays a
+    sample: 128 of them fit the script's 3-minute budget)."""
+    return bench_graph(lambda: [fn(w, s) for w, s in copies], rep=20) / len(copies)
 
 
 def measure_shape(n: int, k: int, bandwidth: float, gpu: str) -> list[dict]:

@@ -18,7 +18,8 @@ graph up eagerly before capturing it, so its graphs get the kernel).
 A call is a ctypes call that launches on `torch.cuda.current_stream()` with raw pointers: nothing is
 allocated but the output and nothing synchronises, so it is capture-safe, and its host cost (a few us
 of Python, below Triton's launcher) is assumed small enough to use eagerly too: the lead measures it.
-`HYLO_FP8_GEMV=0` in the environment turns it off (read at every call).
+`HYLO_FP8_GEMV=0` in the environment turns it off (read at every call); a benchmark comparing it with
+the Triton kernel in one process calls `gemv` and `kernels.gemm` directly.
 """
 
 from __future__ import annotations
