@@ -19,6 +19,7 @@ from hylo.server.protocol import (
     Text,
     _int,
     _object_schema,
+    required_with_type,
 )
 
 
@@ -131,9 +132,7 @@ class ToolChoice(BaseModel):
 
     @model_validator(mode="after")
     def _named(self) -> ToolChoice:
-        if self.type == "tool" and self.name is None:
-            raise ValueError("name is required with type tool")
-        return self
+        return required_with_type(self, "tool", "name")
 
     def chat(self) -> str | dict[str, Any]:
         """The chat route's `tool_choice` of the same meaning."""

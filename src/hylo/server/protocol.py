@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -37,6 +37,7 @@ TOKEN_ID_MARK = "x-hylo-token-id"
 TOKEN_ID_KEY = "(0|[1-9][0-9]{0,8})"
 # Arguments of the template call itself; a kwarg of the same name would collide with them.
 RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools")
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 def has_surrogate(text: str) -> bool:
@@ -91,6 +92,14 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
+def required_with_type(model: RequestT, kind: str, field: str) -> RequestT:
+    """`model` where it has its `field` whenever its `type` is `kind` (the rule a schema's if/then on
+    `type` states), else a ValueError naming both."""
+    if model.type == kind and getattr(model, field) is None:
+        raise ValueError(f"{field} is required with type {kind}")
+    return model
+
+
 # Strict: JSON's types as the schema states them (no "1" for 1, no true for 1.0)
 _REQUEST = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -127,9 +136,7 @@ class ResponseFormat(BaseModel):
 
     @model_validator(mode="after")
     def _schema_with_its_type(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("json_schema is required with type json_schema")
-        return self
+        return required_with_type(self, "json_schema", "json_schema")
 
     def constraint(self) -> str | None:
         """The JSON schema (text) the output must match, if any."""
