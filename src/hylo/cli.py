@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from hylo.config import EngineConfig
 from hylo.server.parsers import PARSERS
+from hylo.server.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES
 
 if TYPE_CHECKING:
     from hylo.sampling import SamplingParams
@@ -146,6 +147,18 @@ def _build_parser() -> argparse.ArgumentParser:
         default=2048,
         help="open connections at most; a request on one more gets HTTP 503",
     )
+    srv.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=DEFAULT_MAX_ENTRIES,
+        help="/v1/responses stored (store: true) at most; a new one evicts the oldest",
+    )
+    srv.add_argument(
+        "--responses-store-age",
+        type=float,
+        default=DEFAULT_MAX_AGE_S,
+        help="seconds a stored /v1/responses response is kept (GET, previous_response_id)",
+    )
     EngineConfig.add_cli_args(srv.add_argument_group("engine"))
 
     from hylo.train.cli import add_token_map_args, add_train_args, add_train_draft_args
@@ -255,6 +268,8 @@ def _serve(args: argparse.Namespace) -> int:
             args.timeout_request_body,
             args.limit_concurrency,
             args.get_load_format,
+            args.responses_store_size,
+            args.responses_store_age,
         )
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"hylo: {e}", file=sys.stderr)

@@ -40,6 +40,8 @@ from hylo.server.protocol import (
     TokenizeResponse,
     has_surrogate,
 )
+from hylo.server.responses import add_responses_route
+from hylo.server.responses_store import ResponseStore
 from hylo.server.runs import (
     APIError,
     ChatRun,
@@ -62,10 +64,12 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     body_timeout: float | None = None,
+    responses_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible routes over `engine`; with `tool_call_parser` / `reasoning_parser`
     (`hylo.server.parsers.PARSERS`) chat replies carry `tool_calls` / `reasoning_content`. Every GET
-    route answers HEAD too."""
+    route answers HEAD too. `/v1/responses` keeps what it stores in `responses_store` (default: one
+    of the default bounds)."""
     app = FastAPI(title="hylo", docs_url=None, redoc_url=None)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_request_bytes, body_timeout=body_timeout)
     core = engine.engine
@@ -423,6 +427,8 @@ def build_app(
 
     add_worker_routes(app, engine, model_name)  # what vllm-router and sglang-router call on a worker
     add_messages_route(app, engine, model_name, start_chat)
+    store = ResponseStore() if responses_store is None else responses_store
+    add_responses_route(app, engine, model_name, start_chat, store)
     describe(app, vocab, api_key is not None, tool_call_parser is not None)
     return app
 

@@ -20,6 +20,7 @@ from hylo.engine.engine import Engine
 from hylo.server.api import build_app
 from hylo.server.async_engine import AsyncEngine
 from hylo.server.guard import GuardedHTTP
+from hylo.server.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES, ResponseStore
 
 logger = logging.getLogger("hylo")
 
@@ -97,13 +98,16 @@ def serve(
     timeout_request_body: float = 30.0,
     limit_concurrency: int | None = 2048,
     load_format: str = "vllm",
+    responses_store_size: int = DEFAULT_MAX_ENTRIES,
+    responses_store_age: float = DEFAULT_MAX_AGE_S,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit status 0) or until the engine fails (status 1). On a host
     other than node 0 (or a `torchrun` rank other than 0) this process's rank follows rank 0 instead.
     A connection idle between requests closes after `timeout_keep_alive` seconds; a request's
     headers must arrive within `timeout_request_header` seconds, its body within
     `timeout_request_body` more (else 408, closed); at most `limit_concurrency` connections are open
-    (one more gets a 503)."""
+    (one more gets a 503). `/v1/responses` stores at most `responses_store_size` responses, each
+    for `responses_store_age` seconds."""
     engine = Engine(config, ranks=start(config))
     if not engine.ranks.leader:
         follow(engine)
@@ -123,6 +127,7 @@ def serve(
         tool_call_parser,
         reasoning_parser,
         body_timeout=timeout_request_body,
+        responses_store=ResponseStore(responses_store_size, responses_store_age),
     )
     app.state.load_format = load_format  # GET /get_load's shape (hylo.server.worker_routes)
     stopped = True

@@ -13,11 +13,12 @@ from fastapi.openapi.utils import get_openapi
 
 from hylo.server.messages_protocol import AnthropicError
 from hylo.server.protocol import CONSTRAINT_GIVEN, TOKEN_ID_MARK, ErrorResponse
+from hylo.server.responses_protocol import tool_choice_schema
 
 _ERRORS = {
     400: "invalid parameter (the message and `param` name it)",
     401: "missing or wrong API key",
-    404: "unknown model",
+    404: "unknown model, or no stored response of that id",
     409: "requests are running (the prefix cache is flushed only when the server is idle)",
     408: "the body did not arrive within --timeout-request-body seconds (the connection closes)",
     413: "body larger than --max-request-bytes",
@@ -34,6 +35,7 @@ _STREAMING = {
     "/v1/completions": "the completion, or with `stream: true` SSE chunks",
     "/v1/chat/completions": "the completion, or with `stream: true` SSE chunks",
     "/v1/messages": "the message, or with `stream: true` SSE events (Anthropic's, each named by `event`)",
+    "/v1/responses": "the response, or with `stream: true` SSE events (OpenAI's, each named by `event`)",
 }
 # One server-sent event: `data` is a JSON chunk, an error object, or the final `[DONE]`.
 _SSE_EVENT = {
@@ -52,6 +54,7 @@ def describe(app: FastAPI, vocab_size: int, keyed: bool, tool_calls: bool) -> No
             _patch(schema, vocab_size, keyed)
             _tool_choices(schema["components"]["schemas"]["ChatCompletionRequest"], tool_calls)
             _anthropic_tool_choices(schema["components"]["schemas"], tool_calls)
+            tool_choice_schema(schema["components"]["schemas"], tool_calls)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -86,7 +89,7 @@ def _patch(schema: dict[str, Any], vocab_size: int, keyed: bool) -> None:
             responses = op["responses"]
             responses.pop("422", None)
             codes = (*(_POST_ERRORS if method == "post" else ()), *_ANY_ERRORS)
-            if path.startswith("/v1/models/"):
+            if path.startswith(("/v1/models/", "/v1/responses/")):
                 codes = (404, *codes)
             if path == "/flush_cache":
                 codes = (409, *codes)
