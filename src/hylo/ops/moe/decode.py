@@ -237,8 +237,9 @@ def routed_experts(
         )
     gate_up_scale, down_scale = scales if scales is not None else (None, None)
     shape = torch.empty(tokens, top_k, device="meta")  # the ids and weights `prologue` will make
-    config = kernels.check_experts(x, gate_up, gate_up_scale, down, down_scale, shape, shape, config)
+    kernels.check_weights(x, gate_up, gate_up_scale, down, down_scale, shape, shape)
     fp8, local = scales is not None, gate_up.shape[0]
+    config = kernels.step_config(x, gate_up, down, tokens * top_k, fp8, config)
     ids, weights, layout, q, q_scale = prologue(
         x, routing, config.block_m, fp8, first_expert=first_expert, num_experts=local
     )

@@ -561,23 +561,19 @@ def check_weights(
             )
 
 
-def check_experts(
+def step_config(
     x: torch.Tensor,
     gate_up: torch.Tensor,
-    gate_up_scale: torch.Tensor | None,
     down: torch.Tensor,
-    down_scale: torch.Tensor | None,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
+    num_pairs: int,
+    fp8: bool,
     config: MoeConfig | None,
 ) -> MoeConfig:
-    """The configuration a step runs with (`config` or the default), after `check_weights`."""
-    check_weights(x, gate_up, gate_up_scale, down, down_scale, ids, weights)
-    fp8 = gate_up_scale is not None
-    tokens, top_k = ids.shape
+    """The configuration a step of `num_pairs` pairs runs with (`config` or the default), checked against
+    the weights (after `check_weights`)."""
     num_experts, two_i, hidden = gate_up.shape
     tma = _tma_refusal(hidden, two_i // 2, (gate_up, down)) is None
-    config = config or default_config(tokens * top_k, num_experts, fp8, tma, x.element_size())
+    config = config or default_config(num_pairs, num_experts, fp8, tma, x.element_size())
     _check_config(config, hidden, two_i // 2, fp8, (gate_up, down))
     return config
 
@@ -594,7 +590,8 @@ def _run(
     config: MoeConfig | None,
     first_expert: int | None,
 ) -> torch.Tensor:
-    config = check_experts(x, gate_up, gate_up_scale, down, down_scale, ids, weights, config)
+    check_weights(x, gate_up, gate_up_scale, down, down_scale, ids, weights)
+    config = step_config(x, gate_up, down, ids.numel(), gate_up_scale is not None, config)
     tokens, top_k = ids.shape
     num_experts, _, hidden = gate_up.shape
     if tokens == 0:
