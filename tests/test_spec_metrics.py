@@ -61,8 +61,10 @@ def test_spec_decode_metrics_agree_with_server_info(target, draft):  # noqa: F81
         assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
         tau = m[("hylo_spec_decode_mean_acceptance_length", ())]
         assert math.isclose(tau, 1 + accepted / drafts)
-        assert math.isclose(client.get("/server_info").json()["avg_spec_accept_length"], tau)
+        info = client.get("/server_info").json()
+        assert math.isclose(info["avg_spec_accept_length"], tau)
         rates = [m[("hylo_spec_decode_acceptance_rate", (("position", str(p)),))] for p in range(BLOCK - 1)]
+        assert info["spec_accept_rate_per_pos"] == rates and "spec_adaptive_steps" not in info
         assert math.isclose(rates[0], per_pos[0] / drafts)  # every verify step checks a first draft
         assert all(0 <= r <= 1 for r in rates) and rates[-1] >= per_pos[-1] / drafts
     finally:

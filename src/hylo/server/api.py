@@ -153,9 +153,7 @@ def build_app(
             "prefix_cache": _prefix_cache_info(caches),
             "parallel": core.ranks.describe(),
             "num_open_requests": engine.num_open,
-        } | (
-            {} if (tau := engine.metrics.mean_acceptance_length) is None else {"avg_spec_accept_length": tau}
-        )
+        } | engine.metrics.speculative_info()
 
     created_at = int(time.time())
     card = ModelCard(

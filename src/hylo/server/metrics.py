@@ -111,7 +111,7 @@ class ServerMetrics:
             registry=r,
         )
         self._rate = rate
-        policy = engine.policy
+        policy = self._policy = engine.policy
         if policy is not None:
             steps = Gauge(
                 "hylo_spec_adaptive_steps",
@@ -168,6 +168,21 @@ class ServerMetrics:
     @property
     def mean_acceptance_length(self) -> float | None:
         return self.committed_by_verify / self.verify_steps if self.verify_steps else None
+
+    def speculative_info(self) -> dict:
+        """The acceptance figures of /server_info, empty before the first verify step: SGLang's
+        `avg_spec_accept_length`, the acceptance rate at each draft position (as /metrics'
+        `hylo_spec_decode_acceptance_rate`) and, with the adaptive policy, its planned steps by mode."""
+        tau = self.mean_acceptance_length
+        if tau is None:
+            return {}
+        info = {
+            "avg_spec_accept_length": tau,
+            "spec_accept_rate_per_pos": [self.acceptance_rate(p) for p in range(len(self.drafted_per_pos))],
+        }
+        if self._policy is not None:
+            info["spec_adaptive_steps"] = dict(self._policy.choices)
+        return info
 
     def on_finish(self, request: Request) -> None:
         self._last_token.pop(request.request_id, None)
