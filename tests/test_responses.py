@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from test_server import NAME, start_server, stop
-from test_tool_calls import SCHEMAS, WEATHER, schema_errors
+from test_tool_calls import SCHEMAS, TIME, schema_errors
 
 from hylo.models.demo import DEMO_DIR
 from hylo.server.responses import _Output
@@ -22,7 +22,7 @@ from hylo.server.responses_protocol import ResponsesRequest
 from hylo.server.responses_store import ResponseStore, StoredResponse
 
 STORE_SIZE = 4
-WEATHER_TOOL = {"type": "function", **WEATHER["function"]}
+TIME_TOOL = {"type": "function", **TIME["function"]}  # a short call: one enum argument
 TURNS = [
     {"role": "user", "content": "Hello"},
     {"role": "assistant", "content": [{"type": "output_text", "text": "Hi! How can I help?"}]},
@@ -123,10 +123,10 @@ def test_stream_events_come_in_openais_order(client):
 def test_a_forced_call_is_answered_after_previous_response_id(client):
     with client.responses.stream(
         model=NAME,
-        input="What will the weather be in Paris for the next 3 days?",
-        tools=[WEATHER_TOOL],
-        tool_choice={"type": "function", "name": "get_weather"},
-        max_output_tokens=200,
+        input="What time is it in Paris?",
+        tools=[TIME_TOOL],
+        tool_choice={"type": "function", "name": "get_time"},
+        max_output_tokens=64,  # the call is 38 tokens, and a space between parts at most
     ) as stream:
         kinds = [e.type for e in stream]
         called = stream.get_final_response()
@@ -137,24 +137,26 @@ def test_a_forced_call_is_answered_after_previous_response_id(client):
         "response.output_item.done",
     ], kinds
     (call,) = [item for item in called.output if item.type == "function_call"]
-    assert call.name == "get_weather" and call.call_id
-    assert schema_errors(json.loads(call.arguments), SCHEMAS["get_weather"]) == []
+    assert call.name == "get_time" and call.call_id
+    assert schema_errors(json.loads(call.arguments), SCHEMAS["get_time"]) == []
     answered = client.responses.create(
         model=NAME,
         previous_response_id=called.id,
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C"}],
-        tools=[WEATHER_TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "It is 10:42 CET"}],
+        tools=[TIME_TOOL],
         max_output_tokens=2,
     )
     assert answered.previous_response_id == called.id
     # the question and the call came before the answer: the prompt holds all three
-    assert answered.usage.input_tokens > called.usage.input_tokens + len("Sunny, 24 C") // 4
+    assert answered.usage.input_tokens > called.usage.input_tokens + len("It is 10:42 CET") // 4
 
 
 def test_store_get_delete_and_404s(client, server):
     kept = client.responses.create(model=NAME, input="Hi", max_output_tokens=1)
     unkept = client.responses.create(model=NAME, input="Hi", max_output_tokens=1, store=False)
     assert client.responses.retrieve(kept.id).id == kept.id
+    head = httpx.head(f"{server}/v1/responses/{kept.id}")
+    assert head.status_code == 200 and head.content == b""
     deleted = httpx.delete(f"{server}/v1/responses/{kept.id}")
     assert deleted.json() == {"id": kept.id, "object": "response.deleted", "deleted": True}
     for gone in (kept.id, unkept.id):

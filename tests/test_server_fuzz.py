@@ -41,6 +41,7 @@ def _trim(_ctx, case):
     for key, most in (
         ("max_tokens", MAX_TOKENS),
         ("max_completion_tokens", MAX_TOKENS),
+        ("max_output_tokens", MAX_TOKENS),
         ("n", MAX_N),
         ("best_of", MAX_N),
     ):
@@ -50,6 +51,8 @@ def _trim(_ctx, case):
         body["max_completion_tokens"] = MAX_TOKENS
     if "prompt" in body and body.get("max_tokens") is None:  # completions default to 16
         body["max_tokens"] = MAX_TOKENS
+    if "input" in body and body.get("max_output_tokens") is None:  # responses: what the context leaves
+        body["max_output_tokens"] = MAX_TOKENS
     if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
         body["prompt"] = body["prompt"][:MAX_PROMPTS]
     # whether a constraint compiles is more than the schema can say (a 400 names one that does not,
@@ -64,6 +67,9 @@ def _trim(_ctx, case):
     json_format = body.get("response_format")
     if isinstance(json_format, dict) and isinstance(json_format.get("json_schema"), dict):
         json_format["json_schema"]["schema"] = {"type": "object"}
+    text_format = body["text"].get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(text_format, dict) and isinstance(text_format.get("schema"), dict):  # /v1/responses'
+        text_format["schema"] = {"type": "object"}
     return case
 
 
@@ -106,4 +112,9 @@ def test_openapi_schema_is_the_truth(fuzz_server):
     print(f"schemathesis: {len(tested)} operations in {time.monotonic() - start:.0f} s")
     assert not errors, errors
     assert not failures, "\n".join(sorted(set(failures)))
-    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/tokenize"} <= tested
+    assert {
+        "POST /v1/completions",
+        "POST /v1/chat/completions",
+        "POST /v1/tokenize",
+        "POST /v1/responses",
+    } <= tested
