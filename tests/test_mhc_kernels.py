@@ -28,7 +28,7 @@ from hylo.forward_batch import ForwardBatch  # noqa: E402
 from hylo.models import demo  # noqa: E402
 from hylo.models.glm5_next import Glm5NextForCausalLM  # noqa: E402
 from hylo.models.random_init import randomize  # noqa: E402
-from hylo.ops.mhc import kernels, reference  # noqa: E402
+from hylo.ops.mhc import BlockNorm, HCParams, PendingPost, kernels, reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
@@ -37,7 +37,12 @@ RMS_EPS, HC_EPS, ITERS = 1e-6, 1e-6, 20
 SMALL = kernels.SplitPlan(
     split=32, block_m=16, block_k=16, collapse_tokens=4, collapse_chunk=32, collapse_k=16
 )
-PLANS = {"small": SMALL, "decode": kernels.DECODE_PLAN, "prefill": kernels.PREFILL_PLAN}
+PLANS = {
+    "small": SMALL,
+    "whole rows": dataclasses.replace(SMALL, collapse_chunk=64, collapse_k=64),
+    "decode": kernels.DECODE_PLAN,
+    "prefill": kernels.PREFILL_PLAN,
+}
 
 
 def hc_case(tokens: int, hidden: int, seed: int, dtype=torch.float32, iters: int = ITERS):
@@ -50,7 +55,7 @@ def hc_case(tokens: int, hidden: int, seed: int, dtype=torch.float32, iters: int
     scale = torch.rand(3, generator=g) + 0.5
     post = 2 * torch.rand(tokens, 4, generator=g)
     comb = torch.rand(tokens, 4, 4, generator=g)
-    return streams, out, (fn, base, scale, RMS_EPS, HC_EPS, iters), post, comb
+    return streams, out, HCParams(fn, base, scale, RMS_EPS, HC_EPS, iters), post, comb
 
 
 def assert_pre_close(got, ref, tol):
@@ -75,8 +80,8 @@ FP16 = {"rtol": 2e-3, "atol": 2e-3}  # one fp16 rounding of the block input
 )
 def test_pre_matches_reference(tokens, hidden, plan):
     streams, _, params, _, _ = hc_case(tokens, hidden, seed=tokens)
-    got = kernels.mhc_pre(streams, *params, plan=PLANS[plan])
-    assert_pre_close(got, reference.mhc_pre(streams, *params), FP32)
+    got = kernels.mhc_pre(streams, params, plan=PLANS[plan])
+    assert_pre_close(got, reference.mhc_pre(streams, params), FP32)
 
 
 def test_default_plan_by_token_count():
@@ -87,8 +92,8 @@ def test_default_plan_by_token_count():
 def test_pre_fp16_streams_with_fp32_fn():
     """fn keeps its fp32 precision: projected as two fp16 halves, the logits match to fp32 level."""
     streams, _, params, _, _ = hc_case(9, 64, seed=3, dtype=torch.float16)
-    post, comb, x = kernels.mhc_pre(streams, *params, plan=SMALL)
-    ref_post, ref_comb, ref_x = reference.mhc_pre(streams, *params)
+    post, comb, x = kernels.mhc_pre(streams, params, plan=SMALL)
+    ref_post, ref_comb, ref_x = reference.mhc_pre(streams, params)
     torch.testing.assert_close(post, ref_post, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(comb, ref_comb, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.float(), ref_x.float(), **FP16)
@@ -114,47 +119,114 @@ def test_post_is_the_exact_mix_rounded_once(dtype):
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
     """The dispatcher sends CPU tensors to the kernels (under the interpreter)."""
-    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams: True)
+    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None: True)
     return monkeypatch
 
 
+def block_norm(hidden: int, seed: int, dtype=torch.float32) -> BlockNorm:
+    g = torch.Generator().manual_seed(seed)
+    return BlockNorm((1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype), 1e-5)
+
+
 @pytest.mark.parametrize(("tokens", "prefill_plan_from"), [(1, kernels.PREFILL_PLAN_FROM), (19, 1)])
-def test_post_pre_matches_post_then_pre(kernels_on_cpu, tokens, prefill_plan_from):
-    """The dispatcher's post_pre through the kernels, on the decode plan (1 token) and the prefill plan."""
+def test_enter_matches_reference(kernels_on_cpu, tokens, prefill_plan_from):
+    """The dispatcher's enter through the kernels, on the decode plan (1 token: post and norm fused) and
+    the prefill plan (post and norm launched apart), against post, pre and RMSNorm of the reference."""
     kernels_on_cpu.setattr(kernels, "PREFILL_PLAN_FROM", prefill_plan_from)
     streams, out, params, post, comb = hc_case(tokens, 96, seed=7)
-    new, *got = mhc_ops.mhc_post_pre(out, streams, post, comb, *params)
-    ref_new, *ref = reference.mhc_post_pre(out, streams, post, comb, *params)
-    torch.testing.assert_close(new, ref_new, **FP32)
-    assert_pre_close(got, ref, FP32)
+    pending, norm = PendingPost(out, post, comb), block_norm(96, seed=7)
+    got = mhc_ops.mhc_enter(streams, params, pending, norm)
+    ref = reference.mhc_enter(streams, params, pending, norm)
+    torch.testing.assert_close(got.streams, ref.streams, **FP32)
+    assert_pre_close(got[1:], ref[1:], FP32)
+
+
+@pytest.mark.parametrize(("plan", "hidden"), [("decode", 96), ("whole rows", 48), ("small", 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_enter_is_post_pre_and_norm_launched_apart(plan, hidden, dtype):
+    """The fused launches against post, pre and `ops.norm`'s kernel launched one after another: the new
+    streams, post and comb bit for bit (the same operations in the same order); the normalised input up to
+    the order of its fp32 sum of squares, which moves the statistic by a few fp32 steps (≤ 1e-6 relative)
+    and so a rounding of the fp16 result by at most one step (2^-10 relative). "decode" (one token per
+    finishing program) and "whole rows" (four, rows narrower than the tile) hold whole rows in their
+    finishing programs (norm fused); "small" does not (norm launched after pre)."""
+    fused = PLANS[plan]
+    streams, out, params, post, comb = hc_case(9, hidden, seed=hidden, dtype=dtype)
+    params = dataclasses.replace(params, fn=params.fn.to(dtype))
+    norm = block_norm(hidden, seed=1, dtype=dtype)
+    got = kernels.mhc_enter(streams, params, PendingPost(out, post, comb), norm, plan=fused)
+    new = kernels.mhc_post(out, streams, post, comb)
+    apart = dataclasses.replace(fused, fuse_post=False)
+    assert torch.equal(got.streams, new)
+    assert all(map(torch.equal, got[1:3], kernels.mhc_pre(new, params, plan=apart)[:2]))
+    _, _, x = kernels.mhc_pre(new, params, plan=apart)
+    from hylo.ops.norm import kernels as norm_kernels
+
+    expected = norm_kernels.rms_norm(x, norm.weight, norm.eps)
+    assert got.block_input.dtype == expected.dtype == dtype
+    step = 2**-10 if dtype == torch.float16 else 1e-6
+    torch.testing.assert_close(got.block_input, expected, rtol=step, atol=step)
+
+
+@pytest.mark.parametrize(("plan", "launches"), [("decode", 2), ("small", 3), ("prefill", 4)])
+def test_launches_of_enter(monkeypatch, plan, launches):
+    """Post, pre and the norm: two launches where the plan fuses them all (decode), one more for the norm
+    where the finishing programs hold chunks of rows (small), and one more for post where the plan does
+    not fuse it (prefill). The norm's dispatcher is made to launch its kernel on these CPU tensors."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import hylo.ops.norm as norm_ops
+
+    monkeypatch.setattr(norm_ops, "use_kernel", lambda op, x, verify=None: True)
+    names, run = [], InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    streams, out, params, post, comb = hc_case(1, 512, seed=3)  # wider than the prefill plan's steps
+    kernels.mhc_enter(streams, params, PendingPost(out, post, comb), block_norm(512, 3), plan=PLANS[plan])
+    assert len(names) == launches, names
+
+
+def test_enter_without_pending_or_norm_is_pre():
+    streams, _, params, _, _ = hc_case(5, 64, seed=2)
+    got = kernels.mhc_enter(streams, params, plan=SMALL)
+    assert got.streams is streams or torch.equal(got.streams, streams)
+    assert all(map(torch.equal, got[1:], kernels.mhc_pre(streams, params, plan=SMALL)))
 
 
 def test_repeated_launches_give_the_same_bits():
     """Every finishing program sums the partials in the same order, whatever the plan or the timing:
     a second launch repeats the first bit for bit, and plans with the same projection splits agree."""
     streams, _, params, _, _ = hc_case(17, 64, seed=11, iters=2)
-    first = kernels.mhc_pre(streams, *params, plan=SMALL)
-    second = kernels.mhc_pre(streams, *params, plan=SMALL)
+    first = kernels.mhc_pre(streams, params, plan=SMALL)
+    second = kernels.mhc_pre(streams, params, plan=SMALL)
     assert all(map(torch.equal, first, second))
     # 64 / 32 = the same two splits as SMALL, other token groups and chunks in the finishing launch
     regrouped = dataclasses.replace(SMALL, collapse_tokens=1, collapse_chunk=64, collapse_k=64)
-    assert all(map(torch.equal, first, kernels.mhc_pre(streams, *params, plan=regrouped)))
+    assert all(map(torch.equal, first, kernels.mhc_pre(streams, params, plan=regrouped)))
 
 
 def test_bad_inputs_name_the_tensor():
     streams, out, params, post, comb = hc_case(3, 64, seed=13)
     with pytest.raises(ValueError, match="streams"):
-        kernels.mhc_pre(streams[:, :3], *params)
+        kernels.mhc_pre(streams[:, :3], params)
     with pytest.raises(ValueError, match="fn"):
-        kernels.mhc_pre(streams, params[0][:, :-1], *params[1:])
+        kernels.mhc_pre(streams, dataclasses.replace(params, fn=params.fn[:, :-1]))
     with pytest.raises(ValueError, match="comb"):
         kernels.mhc_post(out, streams, post, comb[:2])
     with pytest.raises(ValueError, match="out"):
         kernels.mhc_post(out.half(), streams, post, comb)
+    with pytest.raises(ValueError, match="out"):
+        kernels.mhc_enter(streams, params, PendingPost(out[:2], post, comb))
+    with pytest.raises(ValueError, match=r"norm\.weight"):
+        kernels.mhc_enter(streams, params, norm=BlockNorm(torch.ones(63), 1e-5))
     with pytest.raises(ValueError, match="block_k"):
-        kernels.mhc_pre(streams, *params, plan=kernels.SplitPlan(split=32, block_k=24))
+        kernels.mhc_pre(streams, params, plan=kernels.SplitPlan(split=32, block_k=24))
     with pytest.raises(ValueError, match="collapse_k"):
-        kernels.mhc_pre(streams, *params, plan=kernels.SplitPlan(collapse_chunk=256, collapse_k=512))
+        kernels.mhc_pre(streams, params, plan=kernels.SplitPlan(collapse_chunk=256, collapse_k=512))
 
 
 @pytest.fixture(scope="module")
@@ -190,14 +262,15 @@ def test_model_with_kernels_matches_reference_path(tiny_model, monkeypatch, pref
         return tiny_model(batch).logits
 
     ref = run()
-    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams: True)
+    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None: True)
     monkeypatch.setattr(kernels, "PREFILL_PLAN_FROM", prefill_plan_from)
     torch.testing.assert_close(run(), ref, rtol=1e-4, atol=1e-4)
 
 
-# Compiles pre's two launches for sm_90 as dependent launches (the interpreter cannot run
-# griddepcontrol) in a fresh interpreter-free process; prints, per kernel, whether a cubin came out and
-# whether the PTX waits on the launch before it and lets the next one start.
+# Compiles the decode plan's two launches (post and norm fused, bf16 as served) for sm_90 as dependent
+# launches (the interpreter cannot run griddepcontrol) in a fresh interpreter-free process; prints, per
+# kernel, whether a cubin came out and whether the PTX waits on the launch before it and lets the next
+# one start.
 _HOPPER_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -205,11 +278,13 @@ from triton.compiler import ASTSource
 from hylo.ops.mhc import kernels
 
 scalars = {"M": "i32", "stride_split": "i32", "stride_token": "i32", "stride_row": "i32", "rms_eps": "fp32",
-           "hc_eps": "fp32", "streams": "*bf16", "fn": "*bf16", "collapsed": "*bf16"}
+           "hc_eps": "fp32", "norm_eps": "fp32", "streams": "*bf16", "fn": "*bf16", "out": "*bf16",
+           "new_streams": "*bf16", "block_input": "*bf16", "norm_weight": "*bf16"}
 shared = dict(D=4096, NS=64, PDL=True)
 for fn, consts in (
-    (kernels._split_project_kernel, dict(SPLIT=64, BM=16, BK=32, SPLIT_FN=False, PRECISION="tf32")),
-    (kernels._finish_collapse_kernel, dict(SS=64, BT=1, CHUNK=4096, CK=4096, ITERS=20)),
+    (kernels._split_project_kernel, dict(SPLIT=64, BM=16, BK=32, SPLIT_FN=False, PRECISION="tf32",
+                                         POST=True)),
+    (kernels._finish_collapse_kernel, dict(SS=64, BT=1, CHUNK=4096, CK=4096, ITERS=20, NORM=True)),
 ):
     consts |= shared
     sig = {n: "constexpr" if n in consts else scalars.get(n, "*fp32") for n in fn.arg_names}

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from hylo.ops.indexer import PooledKeys, compress_pools, select_rows
 from hylo.ops.kda import causal_conv, kda_chunked, kda_gate
-from hylo.ops.mhc import mhc_pre
+from hylo.ops.mhc import HCParams, mhc_pre
 from hylo.ops.moe import experts, route, swiglu_clamp
 
 
@@ -131,12 +131,14 @@ def test_mhc_comb_is_doubly_stochastic():
     streams = torch.randn(5, n, dim, generator=gen)
     post, comb, collapsed = mhc_pre(
         streams,
-        0.1 * torch.randn(24, n * dim, generator=gen),
-        torch.randn(24, generator=gen),
-        torch.rand(3, generator=gen) + 0.5,
-        1e-5,
-        1e-6,
-        20,
+        HCParams(
+            0.1 * torch.randn(24, n * dim, generator=gen),
+            torch.randn(24, generator=gen),
+            torch.rand(3, generator=gen) + 0.5,
+            1e-5,
+            1e-6,
+            20,
+        ),
     )
     torch.testing.assert_close(comb.sum(-2), torch.ones(5, n), atol=1e-5, rtol=0)
     torch.testing.assert_close(comb.sum(-1), torch.ones(5, n), atol=1e-3, rtol=0)

@@ -9,7 +9,9 @@ Shapes follow GLM-5.3-Flash: hidden 4096, 4 streams, 24 projection rows, 20 Sink
 bf16 streams and `fn` (as the engine loads them), fp32 base and scale. Decode sizes (M = 1, 16, 64)
 are timed as CUDA-graph replays, M = 13312 with plain launches. The floor is the bytes each op must
 move (streams, out, block input; `fn` and the weights are left out) at the copy bandwidth measured
-first; for post_pre it is that of a single pass, which hylo's post then pre (two passes) cannot reach.
+first; for post_pre and enter (post_pre with the block's RMSNorm, as a decoder layer runs it) it is that
+of a single pass, which hylo's two passes cannot reach; their *_apart rows time post, pre and the RMSNorm
+kernel as separate launches (the way before the fused decode plan) in the same run.
 Prints a table last and writes `mhc_moe.json` to --out (default $OUT or ./out).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -37,7 +40,7 @@ from harness import RESULTS, bench, bench_graph, rec, section  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from hylo.ops.mhc import kernels, reference  # noqa: E402
+from hylo.ops.mhc import BlockNorm, HCParams, PendingPost, kernels, reference  # noqa: E402
 from hylo.ops.mhc.kernels import DECODE_PLAN, PREFILL_PLAN, SplitPlan  # noqa: E402
 
 HIDDEN, N, ITERS, RMS_EPS, HC_EPS = (64 if DRY else 4096), 4, 20, 1e-6, 1e-6
@@ -63,9 +66,15 @@ def case(tokens: int, seed: int, fn_dtype=None):
     fn = (torch.randn(24, N * HIDDEN, generator=g, device=DEV) * (N * HIDDEN) ** -0.5).to(fn_dtype or DTYPE)
     base = torch.randn(24, generator=g, device=DEV) * 0.5
     scale = torch.rand(3, generator=g, device=DEV) + 0.5
-    params = (fn, base, scale, RMS_EPS, HC_EPS, ITERS)
-    post, comb, _ = reference.mhc_pre(torch.randn_like(streams), *params)
+    params = HCParams(fn, base, scale, RMS_EPS, HC_EPS, ITERS)
+    post, comb, _ = reference.mhc_pre(torch.randn_like(streams), params)
     return streams, out, params, post, comb
+
+
+def block_norm() -> BlockNorm:
+    """A decoder layer's RMSNorm of the block input (bf16 weight, as loaded)."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    return BlockNorm((1 + 0.1 * torch.randn(HIDDEN, generator=g, device=DEV)).to(DTYPE), 1e-5)
 
 
 def stream_bytes(tokens: int, *, streams_read: int, out_read: int, streams_written: int, inputs_written: int):
@@ -98,10 +107,20 @@ def diff(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
     )
 
 
-def hylo_post_pre(out, streams, post, comb, *params, plan: SplitPlan | None = None):
-    """What `hylo.ops.mhc.mhc_post_pre` runs on CUDA: post, then pre of the new streams."""
+def hylo_post_pre(out, streams, post, comb, params, plan: SplitPlan | None = None, norm=None):
+    """What `hylo.ops.mhc.mhc_enter` runs on CUDA: under the decode plan post mixed by pre's projection
+    launch and `norm` (when given) applied by its finishing launch; otherwise as `hylo_apart`."""
+    return kernels.mhc_enter(streams, params, PendingPost(out, post, comb), norm, plan=plan)
+
+
+def hylo_apart(out, streams, post, comb, params, plan: SplitPlan | None = None, norm=None):
+    """Post, pre and the RMSNorm kernel (when `norm`) as launches of their own (before the fused plan)."""
+    from hylo.ops.norm import kernels as norm_kernels
+
+    plan = dataclasses.replace(plan or kernels.default_plan(streams.shape[0]), fuse_post=False)
     new = kernels.mhc_post(out, streams, post, comb)
-    return (new, *kernels.mhc_pre(new, *params, plan=plan))
+    post, comb, x = kernels.mhc_pre(new, params, plan=plan)
+    return new, post, comb, x if norm is None else norm_kernels.rms_norm(x, norm.weight, norm.eps)
 
 
 def parity() -> None:
@@ -109,14 +128,14 @@ def parity() -> None:
         parity_at(tokens)
     for tokens, plan in ((DECODE[-1], PREFILL_PLAN), (PREFILL, DECODE_PLAN)):  # each size on the other plan
         streams, _, params, _, _ = case(tokens, seed=tokens)
-        got = kernels.mhc_pre(streams, *params, plan=plan)
+        got = kernels.mhc_pre(streams, params, plan=plan)
         for part, a, b in zip(
-            ("post", "comb", "input"), got, reference.mhc_pre(streams, *params), strict=True
+            ("post", "comb", "input"), got, reference.mhc_pre(streams, params), strict=True
         ):
             diff(f"parity_pre_M{tokens}_{plan}_{part}", a, b)
     streams, _, params, _, _ = case(64, seed=5, fn_dtype=torch.float32)  # fp32 fn: the split projection
-    _, ref_comb, ref_x = reference.mhc_pre(streams, *params)
-    _, got_comb, got_x = kernels.mhc_pre(streams, *params)
+    _, ref_comb, ref_x = reference.mhc_pre(streams, params)
+    _, got_comb, got_x = kernels.mhc_pre(streams, params)
     diff("parity_pre_fp32fn_M64_comb", got_comb, ref_comb)
     diff("parity_pre_fp32fn_M64_input", got_x, ref_x)
 
@@ -125,8 +144,8 @@ def parity_at(tokens: int) -> None:
     streams, out, params, post, comb = case(tokens, seed=tokens)
     for part, a, b in zip(
         ("post", "comb", "input"),
-        kernels.mhc_pre(streams, *params),
-        reference.mhc_pre(streams, *params),
+        kernels.mhc_pre(streams, params),
+        reference.mhc_pre(streams, params),
         strict=True,
     ):
         diff(f"parity_pre_M{tokens}_{part}", a, b)
@@ -143,23 +162,28 @@ def parity_at(tokens: int) -> None:
             },
         )
     del exact
-    ref = reference.mhc_post_pre(out, streams, post, comb, *params)
-    got = hylo_post_pre(out, streams, post, comb, *params)
-    for part, a, b in zip(("streams", "post", "comb", "input"), got, ref, strict=True):
-        diff(f"parity_post_pre_M{tokens}_{part}_vs_torch", a, b)
+    norm = block_norm()
+    for op, norm_or_none in (("post_pre", None), ("enter", norm)):
+        ref = reference.mhc_enter(streams, params, PendingPost(out, post, comb), norm_or_none)
+        got = hylo_post_pre(out, streams, post, comb, params, norm=norm_or_none)
+        apart = hylo_apart(out, streams, post, comb, params, norm=norm_or_none)
+        for part, a, b, c in zip(("streams", "post", "comb", "input"), got, ref, apart, strict=True):
+            diff(f"parity_{op}_M{tokens}_{part}_vs_torch", a, b)
+            diff(f"parity_{op}_M{tokens}_{part}_vs_apart", a, c)
+    got = hylo_post_pre(out, streams, post, comb, params)
     # the same launches again give the same bits: no program's result depends on another's timing
-    again = hylo_post_pre(out, streams, post, comb, *params)
+    again = hylo_post_pre(out, streams, post, comb, params)
     rec(f"repeat_post_pre_M{tokens}_bitwise_equal", all(map(torch.equal, got, again)))
 
 
 def stress() -> None:
     """Many back-to-back launches of mixed sizes: every result equals the first of its size."""
     cases = {m: case(m, seed=100 + m) for m in ((1, PREFILL) if DRY else (1, 64, 3000))}  # both plans
-    first = {m: hylo_post_pre(out, s, p, c, *prm) for m, (s, out, prm, p, c) in cases.items()}
+    first = {m: hylo_post_pre(out, s, p, c, prm) for m, (s, out, prm, p, c) in cases.items()}
     same = True
     for _ in range(3 if DRY else 50):
         for m, (s, out, prm, p, c) in cases.items():
-            same &= all(map(torch.equal, hylo_post_pre(out, s, p, c, *prm), first[m]))
+            same &= all(map(torch.equal, hylo_post_pre(out, s, p, c, prm), first[m]))
     rec("stress_mixed_sizes_bitwise_equal", bool(same))
 
 
@@ -206,10 +230,10 @@ def kernel_split(tokens: int, plan: SplitPlan) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     streams, _, params, _, _ = case(tokens, seed=7)
-    kernels.mhc_pre(streams, *params, plan=plan)
+    kernels.mhc_pre(streams, params, plan=plan)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            kernels.mhc_pre(streams, *params, plan=plan)
+            kernels.mhc_pre(streams, params, plan=plan)
         torch.cuda.synchronize()
     split = {e.key[:32]: round(e.device_time_total / e.count, 1) for e in prof.key_averages() if e.count >= 5}
     rec(f"sweep_M{tokens}_{plan}_kernels_us", split)
@@ -231,10 +255,10 @@ def sweep_at(tokens: int, plan: SplitPlan) -> float:
     streams, _, params, _, _ = case(tokens, seed=7)
 
     def pre():
-        return kernels.mhc_pre(streams, *params, plan=plan)
+        return kernels.mhc_pre(streams, params, plan=plan)
 
     try:
-        ref = reference.mhc_pre(streams, *params)
+        ref = reference.mhc_pre(streams, params)
         err = max(float((a.double() - b.double()).abs().max()) for a, b in zip(pre(), ref, strict=True))
         t_pre = timed(tokens)(pre)
     except Exception as e:
@@ -246,56 +270,60 @@ def sweep_at(tokens: int, plan: SplitPlan) -> float:
 
 # ---------------------------------------------------------------- timings
 
-OPS = ("pre", "post", "post_pre")
+# post_pre / enter: as `mhc_enter` runs them (enter with the block's RMSNorm, as a decoder layer calls it);
+# *_apart: the same as separate launches (post, pre, RMSNorm kernel), the way before the fused decode plan
+OPS = ("pre", "post", "post_pre", "post_pre_apart", "enter", "enter_apart")
 TIMES: dict[tuple[int, str, str], float] = {}  # (tokens, op, implementation) -> microseconds
 
 
 def floor_us(tokens: int, op: str) -> float:
+    passes = dict(streams_read=1, out_read=1, streams_written=1, inputs_written=1)
     moved = {
         "pre": stream_bytes(tokens, streams_read=1, out_read=0, streams_written=0, inputs_written=1),
         "post": stream_bytes(tokens, streams_read=1, out_read=1, streams_written=1, inputs_written=0),
-        "post_pre": stream_bytes(tokens, streams_read=1, out_read=1, streams_written=1, inputs_written=1),
     }
-    return moved[op] / (RESULTS["copy_TBps"] * 1e12) * 1e6
+    return moved.get(op, stream_bytes(tokens, **passes)) / (RESULTS["copy_TBps"] * 1e12) * 1e6
 
 
-def hylo_impls(tokens: int):
+def hylo_impls(tokens: int, norm: BlockNorm) -> dict:
     regime = "prefill" if tokens == PREFILL else "decode"
     plan = BEST.get(regime, PREFILL_PLAN if regime == "prefill" else DECODE_PLAN)
     rec(f"plan_M{tokens}", str(plan))
+    return {
+        "pre": lambda streams, params: kernels.mhc_pre(streams, params, plan=plan),
+        "post": kernels.mhc_post,
+        "post_pre": lambda *args: hylo_post_pre(*args, plan=plan),
+        "post_pre_apart": lambda *args: hylo_apart(*args, plan=plan),
+        "enter": lambda *args: hylo_post_pre(*args, plan=plan, norm=norm),
+        "enter_apart": lambda *args: hylo_apart(*args, plan=plan, norm=norm),
+    }
 
-    def pre(streams, *params):
-        return kernels.mhc_pre(streams, *params, plan=plan)
 
-    def post_pre(*args):
-        return hylo_post_pre(*args, plan=plan)
+def reference_impls(compiled: bool, norm: BlockNorm) -> dict:
+    def enter(out, streams, post, comb, params, norm=None):
+        return reference.mhc_enter(streams, params, PendingPost(out, post, comb), norm)
 
-    return pre, kernels.mhc_post, post_pre
+    ops = {"pre": reference.mhc_pre, "post": reference.mhc_post, "post_pre": enter}
+    if compiled:  # one compile per shape, as a serving engine with fixed buckets would have
+        ops = {op: torch.compile(fn, dynamic=False) for op, fn in ops.items()}
+    return ops | {"enter": lambda *args: ops["post_pre"](*args, norm=norm)}
 
 
 def timings(name: str) -> None:
-    ops = (reference.mhc_pre, reference.mhc_post, reference.mhc_post_pre)
+    norm = block_norm()  # made once: the timed calls are captured into graphs
     for tokens in (*DECODE, PREFILL):
-        if name == "hylo":
-            impls = hylo_impls(tokens)
-        elif name == "eager":
-            impls = ops
-        else:  # one compile per shape, as a serving engine with fixed buckets would have
-            impls = tuple(torch.compile(op, dynamic=False) for op in ops)
-        timings_at(tokens, name, *impls)
+        impls = hylo_impls(tokens, norm) if name == "hylo" else reference_impls(name == "compile", norm)
+        timings_at(tokens, name, impls)
 
 
-def timings_at(tokens: int, name: str, impl_pre, impl_post, impl_post_pre) -> None:
+def timings_at(tokens: int, name: str, impls: dict) -> None:
     streams, out, params, post, comb = case(tokens, seed=tokens)
     bench_fn = timed(tokens)
-    runs = {
-        "pre": lambda: impl_pre(streams, *params),
-        "post": lambda: impl_post(out, streams, post, comb),
-        "post_pre": lambda: impl_post_pre(out, streams, post, comb, *params),
-    }
-    for op, fn in runs.items():
-        fn()  # compile / load outside the timed region
-        TIMES[tokens, op, name] = bench_fn(fn)
+    args = {"pre": (streams, params), "post": (out, streams, post, comb)}
+    for op, impl in impls.items():
+        run = functools.partial(impl, *args.get(op, (out, streams, post, comb, params)))
+        run()  # compile / load outside the timed region
+        TIMES[tokens, op, name] = bench_fn(run)
         rec(f"time_M{tokens}_{op}_{name}_us", round(TIMES[tokens, op, name], 2))
 
 
@@ -330,7 +358,7 @@ def compile_jobs(with_sweep: bool) -> list[tuple]:
     plans = [DECODE_PLAN, PREFILL_PLAN]
     if with_sweep:
         plans += [p for p in SWEEP_PREFILL + SWEEP_DECODE if p not in plans]
-    jobs = [("pre", plan, False) for plan in plans]
+    jobs = [("pre", plan, False) for plan in plans] + [("enter", plan, False) for plan in plans]
     jobs += [("pre", kernels.default_plan(64), True), ("post", None, False)]
     if with_sweep:
         jobs += [("post", cfg, False) for cfg in SWEEP_POST]
@@ -341,7 +369,10 @@ def compile_one(job: tuple) -> None:
     op, plan, fp32_fn = job
     streams, out, params, post, comb = case(16, seed=0, fn_dtype=torch.float32 if fp32_fn else None)
     if op == "pre":
-        kernels.mhc_pre(streams, *params, plan=plan)
+        kernels.mhc_pre(streams, params, plan=plan)
+    elif op == "enter":  # the fused variants, with and without the norm
+        for norm in (None, block_norm()):
+            kernels.mhc_enter(streams, params, PendingPost(out, post, comb), norm, plan=plan)
     elif plan is None:
         kernels.mhc_post(out, streams, post, comb)
     else:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hylo.config import ModelConfig
-from hylo.ops.mhc import mhc_post_pre, mhc_pre
+from hylo.ops.mhc import BlockEntry, BlockNorm, HCParams, PendingPost, mhc_enter
 
 
 class HyperConnection(nn.Module):
@@ -18,15 +18,13 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
         self.rms_eps, self.hc_eps, self.iters = config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
 
-    def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(post, comb, block input) for `streams [T, n, D]`."""
-        return mhc_pre(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, self.iters)
+    @property
+    def params(self) -> HCParams:
+        return HCParams(self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, self.iters)
 
-    def post_pre(
-        self, out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The previous block's post (its `out`, `post`, `comb`) applied to `streams`, then this
-        connection's pre: (new streams, post, comb, block input)."""
-        return mhc_post_pre(
-            out, streams, post, comb, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps, self.iters
-        )
+    def enter(
+        self, streams: torch.Tensor, pending: PendingPost | None, norm: BlockNorm | None = None
+    ) -> BlockEntry:
+        """The previous block's `pending` post applied to `streams [T, n, D]` (when given), then this
+        connection's pre, then the block's `norm` of the block input (when given)."""
+        return mhc_enter(streams, self.params, pending, norm)

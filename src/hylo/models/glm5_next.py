@@ -19,13 +19,10 @@ from hylo.layers.norm import RMSNorm
 from hylo.layers.sparse_mla import SparseMLA
 from hylo.layers.vocab import VocabEmbedding, VocabHead
 from hylo.ops.kda import VerifyCache, chunked_prefill_refusal
-from hylo.ops.mhc import mhc_post, streams_refusal
+from hylo.ops.mhc import BlockNorm, PendingPost, mhc_post, streams_refusal
 from hylo.ops.norm import width_refusal
 from hylo.ops.sparse_mla import rank_refusal
 from hylo.parallel.layout import SINGLE, Parallel
-
-# A block's output and its post/comb weights, not yet mixed into the streams: (out, post, comb).
-PendingPost = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class LayerOutput(NamedTuple):
@@ -83,20 +80,23 @@ class DecoderLayer(nn.Module):
     ) -> LayerOutput:
         """The layer's streams, rows, pending post and KDA record (`LayerOutput`). `pending` is the
         previous layer's, still to be applied to `streams`."""
-        if pending is None:
-            post, comb, x = self.attn_hc.pre(streams)
-        else:
-            out, post, comb = pending
-            streams, post, comb, x = self.attn_hc.post_pre(out, streams, post, comb)
-        x = self.input_layernorm(x)
+        streams, post, comb, x = self.attn_hc.enter(streams, pending, _block_norm(self.input_layernorm))
         record = None
         if self.is_linear:
             (out, record), rows = self.self_attn(x, batch), None
         else:
             out, rows = self.self_attn(x, batch, rows)
-        streams, post, comb, x = self.ffn_hc.post_pre(out, streams, post, comb)
-        out = self.mlp(self.post_attention_layernorm(x))
-        return LayerOutput(streams, rows, (out, post, comb), record)
+        entry = self.ffn_hc.enter(
+            streams, PendingPost(out, post, comb), _block_norm(self.post_attention_layernorm)
+        )
+        return LayerOutput(
+            entry.streams, rows, PendingPost(self.mlp(entry.block_input), entry.post, entry.comb), record
+        )
+
+
+def _block_norm(norm: RMSNorm) -> BlockNorm:
+    """`norm` as the hyper-connection applies it to the block input it collapses."""
+    return BlockNorm(norm.weight, norm.eps)
 
 
 class Glm5NextForCausalLM(nn.Module):
@@ -130,8 +130,7 @@ class Glm5NextForCausalLM(nn.Module):
             if record is not None:
                 records[i] = record
             if i in capture_layers or i == len(self.layers) - 1:  # these need the streams complete
-                out, post, comb = pending
-                streams, pending = mhc_post(out, streams, post, comb), None
+                streams, pending = mhc_post(pending.out, streams, pending.post, pending.comb), None
             if i in capture_layers:
                 captured.append(streams.mean(dim=1))
         features = torch.cat(captured, dim=-1) if capture_layers else None

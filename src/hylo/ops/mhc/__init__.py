@@ -1,8 +1,8 @@
 """mHC ops: the torch reference and the Triton kernels behind one dispatcher.
 
-CUDA tensors go to `kernels` (pre: two launches; post: one elementwise launch), everything else to
-the reference. `mhc_post_pre` is post then pre on every device: on the H200 a fused launch was never
-faster (10.50 / 14.68 / 990 us against 10.22 / 14.15 / 793 at M = 1 / 64 / 13312).
+CUDA tensors go to `kernels`, everything else to the reference. `mhc_enter` is what a decoder layer
+runs between two blocks (the previous block's post, this block's pre, the block's RMSNorm): two launches
+at decode sizes (see `kernels`); `mhc_post` alone (one elementwise launch) ends the last block.
 """
 
 from __future__ import annotations
@@ -11,9 +11,21 @@ import torch
 
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.mhc import reference
-from hylo.ops.mhc.reference import KERNEL_STREAMS
+from hylo.ops.mhc.reference import KERNEL_STREAMS, BlockEntry, BlockNorm, HCParams, PendingPost
+from hylo.ops.norm import refusal as norm_refusal
 
-__all__ = ["KERNEL_STREAMS", "mhc_post", "mhc_post_pre", "mhc_pre", "refusal", "streams_refusal"]
+__all__ = [
+    "KERNEL_STREAMS",
+    "BlockEntry",
+    "BlockNorm",
+    "HCParams",
+    "PendingPost",
+    "mhc_enter",
+    "mhc_post",
+    "mhc_pre",
+    "refusal",
+    "streams_refusal",
+]
 
 
 def streams_refusal(hc_mult: int) -> str | None:
@@ -23,36 +35,31 @@ def streams_refusal(hc_mult: int) -> str | None:
     return None
 
 
-def refusal(streams: torch.Tensor) -> str | None:
-    """Why the mHC kernels cannot take `streams [T, n, D]`, or None."""
+def refusal(streams: torch.Tensor, norm: BlockNorm | None = None) -> str | None:
+    """Why the mHC kernels cannot take `streams [T, n, D]` (and normalise the block input with `norm`),
+    or None."""
     if streams.dim() != 3:
         return f"streams {tuple(streams.shape)}: the kernels take [tokens, streams, hidden]"
     if (reason := streams_refusal(streams.shape[1])) is not None:
         return reason
     if streams.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"unsupported dtype {streams.dtype} (bf16, fp16 or fp32)"
+    if norm is not None:
+        return norm_refusal(streams[:, 0], norm.weight)
     return None
 
 
-def _use_kernels(op: str, streams: torch.Tensor) -> bool:
-    return use_kernel(f"mhc.{op}", streams, lambda: refusal(streams))
+def _use_kernels(op: str, streams: torch.Tensor, norm: BlockNorm | None = None) -> bool:
+    return use_kernel(f"mhc.{op}", streams, lambda: refusal(streams, norm))
 
 
-def mhc_pre(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    rms_eps: float,
-    hc_eps: float,
-    sinkhorn_iters: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mhc_pre(streams: torch.Tensor, hc: HCParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(post [T, n], comb [T, n, n], block input [T, D]) of `streams [T, n, D]`; see `reference.mhc_pre`."""
     if _use_kernels("pre", streams):
         from hylo.ops.mhc import kernels
 
-        return kernels.mhc_pre(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
-    return reference.mhc_pre(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
+        return kernels.mhc_pre(streams, hc)
+    return reference.mhc_pre(streams, hc)
 
 
 def mhc_post(
@@ -66,18 +73,14 @@ def mhc_post(
     return reference.mhc_post(out, streams, post, comb)
 
 
-def mhc_post_pre(
-    out: torch.Tensor,
-    streams: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    rms_eps: float,
-    hc_eps: float,
-    sinkhorn_iters: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`mhc_post` of one block then `mhc_pre` of the next: (new streams, post, comb, block input)."""
-    streams = mhc_post(out, streams, post, comb)
-    return (streams, *mhc_pre(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters))
+def mhc_enter(
+    streams: torch.Tensor, hc: HCParams, pending: PendingPost | None = None, norm: BlockNorm | None = None
+) -> BlockEntry:
+    """`pending`'s post (when given), `hc`'s pre and the block's `norm` (when given): (new streams, post,
+    comb, block input); see `reference.mhc_enter`. Safe under CUDA-graph capture: fixed shapes, no host
+    reads, allocations by shape only."""
+    if _use_kernels("enter", streams, norm):
+        from hylo.ops.mhc import kernels
+
+        return kernels.mhc_enter(streams, hc, pending, norm)
+    return reference.mhc_enter(streams, hc, pending, norm)

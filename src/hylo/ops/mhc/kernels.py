@@ -16,18 +16,30 @@ dependents of the launch before them (sm_90+), which hides most of the gap betwe
 The projection multiplies in the streams' dtype with fp32 accumulation; an fp32 `fn` is split into
 two halves of the streams' dtype, so the products stay exact.
 
+`mhc_enter` is what a decoder layer needs between two blocks: the previous block's post, this block's
+pre and the block's RMSNorm. Under the decode plan it is the same two launches: the projection programs
+mix the pending post into the dims they project (and store the new streams, which no other program of
+that launch reads), the finishing programs hold whole rows and normalise the block input before storing
+it. Both compute what post, pre and `ops.norm`'s kernel compute one after another, with the same
+roundings: the new streams and pre's results bit for bit, the normalised input up to the order in which
+its fp32 sum of squares is reduced (one last-place step at most). A decode layer's mHC and norms take 4
+launches for the 8 of post, pre (2) and RMSNorm per block. Under the prefill plan (launch counts do not
+matter there; its finishing programs hold chunks of rows) post and RMSNorm stay launches of their own.
+
 H200, GLM-5.3-Flash shapes (hidden 4096, bf16; benchmarks/kernels/mhc_moe.py, CUDA-graph replay up to
 M = 64): pre 5.36 / 5.66 / 6.48 / 278 us and post 1.18 / 1.61 / 2.08 / 245 us at M = 1 / 16 / 64 /
-13312 with the default plans; post then pre 6.98 / 7.46 / 8.79 / 527 us. The projection puts the tokens
-on the rows of its products, so from 64 tokens they run as wgmma (at M = 13312 the projection launch took
-226 us with fn's rows there, 136 us now). Three alternatives measured slower
-and were removed: post fused into the pre's first launch (10.50 / 11.57 / 14.68 / 990 us against post then
-pre at 10.22 / 11.57 / 14.15 / 793 at the time), one launch whose programs own whole tokens (pre 888-1665 us
-at M = 13312), and post then pre in one launch with grid barriers at M ≤ 64 (12.1 / 13.9 / 16.3 us against
-10.3 / 11.8 / 14.3 at the time). At M = 13312 three more (session 7, against 521-528 us): one persistent
-launch handing post+projection and finishing items out by ticket so the finish reads the new streams from
-L2 (1201 us at best), post then pre in L2-sized token chunks (563 us), and post with the projection in one
-pass before the finish (529 us).
+13312 with the default plans; post then pre 6.98 / 7.46 / 8.79 / 527 us (before the fused decode plan).
+The projection puts the tokens on the rows of its products, so from 64 tokens they run as wgmma (at
+M = 13312 the projection launch took 226 us with fn's rows there, 136 us now). Three alternatives measured
+slower and were removed: post fused into the pre's first launch (10.50 / 11.57 / 14.68 / 990 us against
+post then pre at 10.22 / 11.57 / 14.15 / 793 at the time, before the projection's token rows and
+split-major partials; it is back under the decode plan for the launch count and awaits a new
+measurement), one launch whose programs own whole tokens (pre 888-1665 us at M = 13312), and post then
+pre in one launch with grid barriers at M ≤ 64 (12.1 / 13.9 / 16.3 us against 10.3 / 11.8 / 14.3 at the
+time). At M = 13312 three more (session 7, against 521-528 us): one persistent launch handing
+post+projection and finishing items out by ticket so the finish reads the new streams from L2 (1201 us at
+best), post then pre in L2-sized token chunks (563 us), and post with the projection in one pass before
+the finish (529 us).
 """
 
 from __future__ import annotations
@@ -42,6 +54,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from hylo.ops.mhc.reference import KERNEL_STREAMS as HC_MULT
+from hylo.ops.mhc.reference import BlockEntry, BlockNorm, HCParams, PendingPost
+from hylo.ops.norm import rms_norm
 
 N_LOGITS = tl.constexpr(24)  # pre (4) | post (4) | comb (16): the rows of fn
 LOGIT_ROWS = tl.constexpr(32)  # logits padded to a tl.dot size; row 24 carries the sum of squares
@@ -64,8 +78,10 @@ class SplitPlan:
     finish_warps: int = 4  # per finishing program
     split_major: bool = True  # partials stored [split, token, row]; else [token, row, split]
     # both launches start while the one before finishes, and wait for it (programmatic dependent
-    # launch, sm_90 and newer; the streams' producer is not ours, so post never does)
+    # launch, sm_90 and newer; a separate post launch never does: its producer is not ours)
     dependent_launch: bool = True
+    # a pending post is mixed by the projection launch (one launch fewer), else launched before it
+    fuse_post: bool = True
 
 
 # The H200 sweeps' fastest at M = 1 / 16 / 64 (session 6, post then pre under graph replay, 10.2 / 11.8 / 14.2
@@ -89,6 +105,7 @@ PREFILL_PLAN = SplitPlan(
     num_warps=4,
     split_major=False,
     dependent_launch=False,
+    fuse_post=False,
 )
 # Not measured between M = 64 and 13312: from here the prefill plan's projection has 512 programs
 # (~4 per H200 SM), while the decode plan's 64-dim splits multiply its partials 16-fold.
@@ -208,16 +225,25 @@ def _store_row(dst, k: tl.constexpr, a, b, c, d, rmask):
 
 
 @triton.jit
-def _collapse_step(streams, collapsed, rows, rmask, pre0, pre1, pre2, pre3, d, D: tl.constexpr):
-    """Block input Σ_i pre_i·stream_i of the tokens `rows` at dims d."""
+def _collapse(streams, rows, rmask, pre0, pre1, pre2, pre3, d, D: tl.constexpr):
+    """Block input Σ_i pre_i·stream_i (fp32 [BT, CK]) of the tokens `rows` at dims d, and its mask."""
     mask = rmask[:, None] & (d < D)[None, :]
     ptr = streams + rows[:, None].to(tl.int64) * (4 * D) + d[None, :]
     x = pre0[:, None] * tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     x += pre1[:, None] * tl.load(ptr + D, mask=mask, other=0.0).to(tl.float32)
     x += pre2[:, None] * tl.load(ptr + 2 * D, mask=mask, other=0.0).to(tl.float32)
     x += pre3[:, None] * tl.load(ptr + 3 * D, mask=mask, other=0.0).to(tl.float32)
-    out_ptr = collapsed + rows[:, None].to(tl.int64) * D + d[None, :]
-    tl.store(out_ptr, x.to(collapsed.dtype.element_ty), mask=mask)
+    return x, mask
+
+
+@triton.jit
+def _rms_normed(x, mask, weight, d, eps, D: tl.constexpr, DTYPE: tl.constexpr):
+    """RMSNorm of whole rows x (fp32 [BT, ≥ D], rounded to DTYPE as the block input is) with `weight`,
+    in `ops.norm`'s roundings: fp32 statistics, the normalised row rounded to DTYPE, then scaled."""
+    x = x.to(DTYPE).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.load(weight + d, mask=d < D, other=0.0).to(tl.float32)
+    return tl.where(mask, (x * inv[:, None]).to(DTYPE).to(tl.float32) * w[None, :], 0.0)
 
 
 # ---------------------------------------------------------------- kernels
@@ -228,6 +254,10 @@ def _split_project_kernel(
     streams,
     fn,
     partials,
+    out,
+    post,
+    comb,
+    new_streams,
     M,
     stride_split,
     stride_token,
@@ -239,28 +269,51 @@ def _split_project_kernel(
     BK: tl.constexpr,
     SPLIT_FN: tl.constexpr,
     PRECISION: tl.constexpr,
+    POST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Partial logits and sum of squares of tokens `BM·pid(1) + [0, BM)` over dims `SPLIT·pid(0) +
     [0, SPLIT)` of every stream, stored at partials + split·stride_split + token·stride_token +
-    row·stride_row (see `SplitPlan.split_major`)."""
+    row·stride_row (see `SplitPlan.split_major`). With POST the streams projected are the new ones,
+    post·out + combᵀ·streams (the previous block's pending post, as `_post_kernel` mixes them), which this
+    program also stores to `new_streams` at its tokens and dims: no other program reads them."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     split = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     rmask = rows < M
+    dtype = streams.dtype.element_ty
+    if POST:
+        w0, w1, w2, w3 = _mix_weights(post + rows * 4, comb + rows * 16, rmask, dtype)
     acc = tl.zeros((BM, LOGIT_ROWS), tl.float32)  # tokens as the dot's rows: wgmma from 64 tokens
     squares = tl.zeros((BM,), tl.float32)
     for step in range(SPLIT // BK):
         d = split * SPLIT + step * BK + tl.arange(0, BK)
         dmask = d < D
         mask = rmask[:, None] & dmask[None, :]
-        ptr = streams + rows[:, None].to(tl.int64) * (4 * D) + d[None, :]
-        x0 = tl.load(ptr, mask=mask, other=0.0)
-        x1 = tl.load(ptr + D, mask=mask, other=0.0)
-        x2 = tl.load(ptr + 2 * D, mask=mask, other=0.0)
-        x3 = tl.load(ptr + 3 * D, mask=mask, other=0.0)
+        ptr = rows[:, None].to(tl.int64) * (4 * D) + d[None, :]
+        x0 = tl.load(streams + ptr, mask=mask, other=0.0)
+        x1 = tl.load(streams + ptr + D, mask=mask, other=0.0)
+        x2 = tl.load(streams + ptr + 2 * D, mask=mask, other=0.0)
+        x3 = tl.load(streams + ptr + 3 * D, mask=mask, other=0.0)
+        if POST:
+            o = tl.load(out + rows[:, None].to(tl.int64) * D + d[None, :], mask=mask, other=0.0)
+            o, s0, s1, s2, s3 = (
+                o.to(tl.float32),
+                x0.to(tl.float32),
+                x1.to(tl.float32),
+                x2.to(tl.float32),
+                x3.to(tl.float32),
+            )
+            x0 = _expand(o, s0, s1, s2, s3, w0, dtype)
+            x1 = _expand(o, s0, s1, s2, s3, w1, dtype)
+            x2 = _expand(o, s0, s1, s2, s3, w2, dtype)
+            x3 = _expand(o, s0, s1, s2, s3, w3, dtype)
+            tl.store(new_streams + ptr, x0, mask=mask)
+            tl.store(new_streams + ptr + D, x1, mask=mask)
+            tl.store(new_streams + ptr + 2 * D, x2, mask=mask)
+            tl.store(new_streams + ptr + 3 * D, x3, mask=mask)
         acc = _project(acc, x0, fn, 0, d, dmask, D, SPLIT_FN, PRECISION)
         acc = _project(acc, x1, fn, 1, d, dmask, D, SPLIT_FN, PRECISION)
         acc = _project(acc, x2, fn, 2, d, dmask, D, SPLIT_FN, PRECISION)
@@ -284,13 +337,15 @@ def _finish_collapse_kernel(
     scale,
     post_out,
     comb_out,
-    collapsed,
+    block_input,
+    norm_weight,
     M,
     stride_split,
     stride_token,
     stride_row,
     rms_eps,
     hc_eps,
+    norm_eps,
     D: tl.constexpr,
     NS: tl.constexpr,
     SS: tl.constexpr,
@@ -298,11 +353,13 @@ def _finish_collapse_kernel(
     CHUNK: tl.constexpr,
     CK: tl.constexpr,
     ITERS: tl.constexpr,
+    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Tokens `BT·pid(1) + [0, BT)`: sums their partials (every program in the same order, so all
-    derive the same bits), then collapses dims `CHUNK·pid(0) + [0, CHUNK)`, or, as the last program
-    of its tokens, computes their post and comb."""
+    derive the same bits), then collapses dims `CHUNK·pid(0) + [0, CHUNK)` into `block_input`, or, as
+    the last program of its tokens, computes their post and comb. With NORM (one step of CK ≥ D dims:
+    the program holds whole rows) the collapsed rows are normalised with `norm_weight` before the store."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -339,9 +396,13 @@ def _finish_collapse_kernel(
         _store_comb(own, comb_out, rows, rmask, hc_eps, ITERS)
     else:
         pre0, pre1, pre2, pre3 = tl.load(own), tl.load(own + 1), tl.load(own + 2), tl.load(own + 3)
+        dtype = streams.dtype.element_ty
         for step in range(CHUNK // CK):
             d = chunk * CHUNK + step * CK + tl.arange(0, CK)
-            _collapse_step(streams, collapsed, rows, rmask, pre0, pre1, pre2, pre3, d, D)
+            x, mask = _collapse(streams, rows, rmask, pre0, pre1, pre2, pre3, d, D)
+            x = _rms_normed(x, mask, norm_weight, d, norm_eps, D, dtype) if NORM else x.to(dtype)
+            out_ptr = block_input + rows[:, None].to(tl.int64) * D + d[None, :]
+            tl.store(out_ptr, x.to(block_input.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -377,10 +438,13 @@ def _post_kernel(
 # ---------------------------------------------------------------- launchers
 
 
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _check_streams(streams: torch.Tensor) -> tuple[int, int]:
     if streams.dim() != 3 or streams.shape[1] != HC_MULT:
         raise ValueError(f"streams must be [tokens, {HC_MULT}, hidden], got {tuple(streams.shape)}")
-    if streams.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if streams.dtype not in _DTYPES:
         raise ValueError(f"streams must be bf16, fp16 or fp32, got {streams.dtype}")
     return streams.shape[0], streams.shape[2]
 
@@ -425,34 +489,64 @@ def _check_plan(plan: SplitPlan) -> None:
             )
 
 
-def mhc_pre(
+def norm_fusable(plan: SplitPlan, hidden: int) -> bool:
+    """Whether `plan`'s finishing programs hold whole rows of `hidden` dims (one collapse step), so that
+    they can apply the block's RMSNorm before storing the block input."""
+    return plan.collapse_k >= hidden
+
+
+def _check_norm(norm: BlockNorm, hidden: int, streams: torch.Tensor) -> None:
+    _check("norm.weight", norm.weight, (hidden,), streams)
+    if not norm.weight.is_contiguous() or norm.weight.dtype not in _DTYPES:
+        raise ValueError(
+            f"norm.weight must be a contiguous bf16, fp16 or fp32 vector, got {norm.weight.dtype}"
+        )
+
+
+def _check_pending(pending: PendingPost, tokens: int, hidden: int, streams: torch.Tensor) -> None:
+    _check("out", pending.out, (tokens, hidden), streams)
+    _check("post", pending.post, (tokens, HC_MULT), streams)
+    _check("comb", pending.comb, (tokens, HC_MULT, HC_MULT), streams)
+    if pending.out.dtype != streams.dtype:
+        raise ValueError(f"out is {pending.out.dtype}, the streams {streams.dtype}")
+
+
+def mhc_enter(
     streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    rms_eps: float,
-    hc_eps: float,
-    sinkhorn_iters: int,
+    hc: HCParams,
+    pending: PendingPost | None = None,
+    norm: BlockNorm | None = None,
     plan: SplitPlan | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See `reference.mhc_pre`: (post [T, 4], comb [T, 4, 4], block input [T, D])."""
+) -> BlockEntry:
+    """See `reference.mhc_enter`. Two launches where `plan.fuse_post` and `norm_fusable` hold (the
+    decode plan): the first mixes the pending post into the streams it projects, the second normalises
+    the block input it collapses; otherwise a post launch before and an RMSNorm launch after them."""
     tokens, hidden = _check_streams(streams)
     n_proj = (2 + HC_MULT) * HC_MULT
-    _check("fn", fn, (n_proj, HC_MULT * hidden), streams)
-    _check("base", base, (n_proj,), streams)
-    _check("scale", scale, (3,), streams)
-    if sinkhorn_iters < 1:
-        raise ValueError(f"sinkhorn_iters must be ≥ 1, got {sinkhorn_iters}")
+    _check("fn", hc.fn, (n_proj, HC_MULT * hidden), streams)
+    _check("base", hc.base, (n_proj,), streams)
+    _check("scale", hc.scale, (3,), streams)
+    if hc.sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters must be ≥ 1, got {hc.sinkhorn_iters}")
     plan = plan or default_plan(tokens)
     _check_plan(plan)
-    streams, fn = streams.contiguous(), fn.contiguous()
+    if pending is not None:
+        _check_pending(pending, tokens, hidden, streams)
+        if not plan.fuse_post:
+            streams, pending = mhc_post(pending.out, streams, pending.post, pending.comb), None
+    fused_norm = norm if norm is not None and norm_fusable(plan, hidden) else None
+    if fused_norm is not None:
+        _check_norm(fused_norm, hidden, streams)
+    streams, fn = streams.contiguous(), hc.fn.contiguous()
     device, dtype = streams.device, streams.dtype
+    new_streams = streams if pending is None else torch.empty_like(streams)
     post = torch.empty(tokens, HC_MULT, dtype=torch.float32, device=device)
     comb = torch.empty(tokens, HC_MULT, HC_MULT, dtype=torch.float32, device=device)
-    collapsed = torch.empty(tokens, hidden, dtype=dtype, device=device)
+    input_dtype = dtype if fused_norm is None else torch.result_type(fused_norm.weight, streams)
+    block_input = torch.empty(tokens, hidden, dtype=input_dtype, device=device)
     if tokens == 0:
-        return post, comb, collapsed
-    base, scale = base.float().contiguous(), scale.float().contiguous()
+        return BlockEntry(new_streams, post, comb, block_input)
+    base, scale = hc.base.float().contiguous(), hc.scale.float().contiguous()
     n_splits = triton.cdiv(hidden, plan.split)
     if plan.split_major:
         partials = torch.empty(n_splits, tokens, LOGIT_ROWS.value, dtype=torch.float32, device=device)
@@ -460,12 +554,13 @@ def mhc_pre(
     else:
         partials = torch.empty(tokens, LOGIT_ROWS.value, n_splits, dtype=torch.float32, device=device)
         strides = (1, partials.stride(0), partials.stride(1))
+    mix = (streams, streams, streams) if pending is None else _mix_operands(pending)
     dependent = plan.dependent_launch and _dependent_launches(device)
     _split_project_kernel[(n_splits, triton.cdiv(tokens, plan.block_m))](
-        streams, fn, partials, tokens, *strides,
+        streams, fn, partials, *mix, new_streams, tokens, *strides,
         D=hidden, NS=n_splits, SPLIT=plan.split, BM=plan.block_m, BK=plan.block_k,
         SPLIT_FN=fn.element_size() > streams.element_size(),
-        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if dtype == torch.float32 else "tf32", POST=pending is not None,
         PDL=dependent, launch_pdl=dependent, num_warps=plan.num_warps,
     )  # fmt: skip
     # powers of two both: the table tile holds at most TABLE_ELEMENTS
@@ -476,13 +571,30 @@ def mhc_pre(
     grid = (triton.cdiv(hidden, plan.collapse_chunk) + 1, triton.cdiv(tokens, plan.collapse_tokens))
     table_rows = grid[0] * grid[1] * plan.collapse_tokens  # one table per program and token
     tables = torch.empty(table_rows, LOGIT_ROWS.value, dtype=torch.float32, device=device)
+    norm_weight, norm_eps = (base, 0.0) if fused_norm is None else (fused_norm.weight, fused_norm.eps)
     _finish_collapse_kernel[grid](
-        streams, partials, tables, base, scale, post, comb, collapsed, tokens, *strides, rms_eps, hc_eps,
+        new_streams, partials, tables, base, scale, post, comb, block_input, norm_weight, tokens, *strides,
+        hc.rms_eps, hc.hc_eps, norm_eps,
         D=hidden, NS=n_splits, SS=splits_per_step,
-        BT=plan.collapse_tokens, CHUNK=plan.collapse_chunk, CK=plan.collapse_k, ITERS=sinkhorn_iters,
-        PDL=dependent, launch_pdl=dependent, num_warps=plan.finish_warps,
+        BT=plan.collapse_tokens, CHUNK=plan.collapse_chunk, CK=plan.collapse_k, ITERS=hc.sinkhorn_iters,
+        NORM=fused_norm is not None, PDL=dependent, launch_pdl=dependent, num_warps=plan.finish_warps,
     )  # fmt: skip
-    return post, comb, collapsed
+    if norm is not None and fused_norm is None:
+        block_input = rms_norm(block_input, norm.weight, norm.eps)
+    return BlockEntry(new_streams, post, comb, block_input)
+
+
+def _mix_operands(pending: PendingPost) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, post, comb) as `_split_project_kernel` reads them: contiguous, the weights fp32."""
+    return pending.out.contiguous(), pending.post.float().contiguous(), pending.comb.float().contiguous()
+
+
+def mhc_pre(
+    streams: torch.Tensor, hc: HCParams, plan: SplitPlan | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `reference.mhc_pre`: (post [T, 4], comb [T, 4, 4], block input [T, D]), two launches."""
+    _, post, comb, block_input = mhc_enter(streams, hc, plan=plan)
+    return post, comb, block_input
 
 
 def mhc_post(
@@ -501,26 +613,14 @@ def mhc_post(
     tokens, hidden = _check_streams(streams)
     if block_k is None:
         block_k = 64 if tokens < PREFILL_PLAN_FROM else 128
-    _check("out", out, (tokens, hidden), streams)
-    _check("post", post, (tokens, HC_MULT), streams)
-    _check("comb", comb, (tokens, HC_MULT, HC_MULT), streams)
-    if out.dtype != streams.dtype:
-        raise ValueError(f"out is {out.dtype}, the streams {streams.dtype}")
+    _check_pending(PendingPost(out, post, comb), tokens, hidden, streams)
     streams = streams.contiguous()
     new_streams = torch.empty_like(streams)
     if tokens == 0:
         return new_streams
     grid = (triton.cdiv(tokens, block_m), triton.cdiv(hidden, block_k))
+    out, post, comb = _mix_operands(PendingPost(out, post, comb))
     _post_kernel[grid](
-        out.contiguous(),
-        streams,
-        post.float().contiguous(),
-        comb.float().contiguous(),
-        new_streams,
-        tokens,
-        D=hidden,
-        BM=block_m,
-        BK=block_k,
-        num_warps=num_warps,
+        out, streams, post, comb, new_streams, tokens, D=hidden, BM=block_m, BK=block_k, num_warps=num_warps
     )
     return new_streams
