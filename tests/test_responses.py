@@ -212,7 +212,16 @@ def test_the_schema_describes_the_routes(server):
     assert {"post"} <= set(paths["/v1/responses"]) and {"get", "delete"} <= set(
         paths["/v1/responses/{response_id}"]
     )
-    assert "404" in paths["/v1/responses/{response_id}"]["get"]["responses"]
+    stored = paths["/v1/responses/{response_id}"]
+    assert "404" in stored["get"]["responses"] and "404" in stored["delete"]["responses"]
+    deleted = stored["delete"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert deleted == {"$ref": "#/components/schemas/ResponseDeleted"}
+    # one route serves the methods of a stored response: a 405 names them all
+    assert set(httpx.put(f"{server}/v1/responses/x").headers["allow"].split(", ")) == {
+        "GET",
+        "HEAD",
+        "DELETE",
+    }
     assert "text/event-stream" in paths["/v1/responses"]["post"]["responses"]["200"]["content"]
     request = schema["components"]["schemas"]["ResponsesRequest"]
     assert request["properties"]["background"]["description"].startswith("background mode is not supported")

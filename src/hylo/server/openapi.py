@@ -13,7 +13,7 @@ from fastapi.openapi.utils import get_openapi
 
 from hylo.server.messages_protocol import AnthropicError
 from hylo.server.protocol import CONSTRAINT_GIVEN, TOKEN_ID_MARK, ErrorResponse
-from hylo.server.responses_protocol import tool_choice_schema
+from hylo.server.responses_protocol import describe_responses
 
 _ERRORS = {
     400: "invalid parameter (the message and `param` name it)",
@@ -54,7 +54,7 @@ def describe(app: FastAPI, vocab_size: int, keyed: bool, tool_calls: bool) -> No
             _patch(schema, vocab_size, keyed)
             _tool_choices(schema["components"]["schemas"]["ChatCompletionRequest"], tool_calls)
             _anthropic_tool_choices(schema["components"]["schemas"], tool_calls)
-            tool_choice_schema(schema["components"]["schemas"], tool_calls)
+            describe_responses(schema, tool_calls)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -326,12 +326,16 @@ def add_responses_route(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.api_route(PATH + "/{response_id}", methods=["GET", "HEAD"], response_model=ResponseObject)
-    async def retrieve(response_id: str) -> Response:
-        return JSONResponse(stored(response_id, "response_id").response)
-
-    @app.delete(PATH + "/{response_id}", response_model=ResponseDeleted)
-    async def delete(response_id: str) -> Response:
-        stored(response_id, "response_id")
+    # one route for every method, so that a 405 names them all in `Allow` (routes of one path would
+    # each name their own); `describe_responses` gives each method its own answer in the schema
+    @app.api_route(
+        PATH + "/{response_id}",
+        methods=["GET", "HEAD", "DELETE"],
+        response_model=ResponseObject | ResponseDeleted,
+    )
+    async def stored_response(response_id: str, raw: Request) -> Response:
+        found = stored(response_id, "response_id")
+        if raw.method != "DELETE":
+            return JSONResponse(found.response)
         store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

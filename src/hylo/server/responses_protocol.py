@@ -387,11 +387,26 @@ def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def tool_choice_schema(schemas: dict[str, Any], tool_calls: bool) -> None:
-    """/v1/responses' `tool_choice` as this server honours it (`openapi.describe`): without a
-    --tool-call-parser only none or auto; with one, required or a function needs `tools` and no
-    JSON `text.format` (that the named function is among `tools` the field's description says)."""
-    request = schemas["ResponsesRequest"]
+def describe_responses(schema: dict[str, Any], tool_calls: bool) -> None:
+    """The OpenAPI schema of /v1/responses as this server behaves (`openapi.describe`, after the
+    common patches): GET of a stored response answers it, DELETE a `ResponseDeleted` (one route
+    serves both); `tool_choice` as `_tool_choices` says."""
+    stored = schema["paths"]["/v1/responses/{response_id}"]
+    for method, model, description in (
+        ("get", "ResponseObject", "the stored response"),
+        ("delete", "ResponseDeleted", "the response is deleted"),
+    ):
+        answer = stored[method]["responses"]["200"]
+        answer["description"] = description
+        answer["content"]["application/json"]["schema"] = {"$ref": f"#/components/schemas/{model}"}
+    stored["head"]["responses"]["200"]["description"] = "the response is stored"  # GET's, without a body
+    _tool_choices(schema["components"]["schemas"]["ResponsesRequest"], tool_calls)
+
+
+def _tool_choices(request: dict[str, Any], tool_calls: bool) -> None:
+    """/v1/responses' `tool_choice` as this server honours it: without a --tool-call-parser only
+    none or auto; with one, required or a function needs `tools` and no JSON `text.format` (that the
+    named function is among `tools` the field's description says)."""
     choice = request["properties"]["tool_choice"]
     if not tool_calls:
         choice["anyOf"] = [{"type": "string", "enum": ["none", "auto"]}, {"type": "null"}]
