@@ -17,7 +17,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hylo.ops.kda import chunk, recurrent, reference, rmsnorm  # noqa: E402
+from hylo.ops.kda import (  # noqa: E402
+    KDAInputs,
+    KDAParams,
+    KDASlots,
+    OutputNorm,
+    chunk,
+    recurrent,
+    reference,
+    rmsnorm,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # masked-out scores overflow in numpy
@@ -163,17 +172,46 @@ def test_prefill_rejects_first_launch_tiles_it_cannot_take(tuning, message):
         )
 
 
-@pytest.mark.parametrize(("lower_bound", "d"), [(-5.0, 32), (None, 16)])
-def test_decode_matches_reference(lower_bound, d):
+def decode_case(p: Problem, lower_bound, pools, batch: int = 3):
+    """(inputs, params, slots) of a decode step of `batch` sequences over `pools` (conv, state): q, k and v
+    views of one projection's rows, as the layer passes them."""
+    qkvb = p.randn(batch, 3 * p.h * p.d + p.h)
+    q, k, v, b = qkvb.split([p.h * p.d] * 3 + [p.h], dim=-1)
+    x = KDAInputs(q, k, v, p.randn(batch, p.h * p.d), b)
+    slots = KDASlots(*pools, torch.tensor([5, 0, 3][:batch]))
+    return x, KDAParams(*p.params(), lower_bound), slots
+
+
+@pytest.mark.parametrize(
+    ("lower_bound", "d", "with_norm"), [(-5.0, 32, True), (None, 16, False), (None, 16, True)]
+)
+def test_decode_matches_reference(lower_bound, d, with_norm):
+    """Decode's two launches (the step with the conv inside; the window step alone or with the gated
+    output norm) against the reference: o to fp32 rounding (RATIO), windows bit for bit (copies)."""
     p = Problem(2 + d, d=d)
-    q, k, v, f, b = p.inputs(3)
-    slots = torch.tensor([5, 0, 3])
-    conv_ref, state_ref = p.pools()
-    o_ref = reference.decode(q, k, v, f, b, *p.params(), conv_ref, state_ref, slots, lower_bound)
-    conv, state = p.pools()
-    o = recurrent.decode(q, k, v, f, b, *p.params(), conv, state, slots, lower_bound, block_v=16)
+    x, params, ref_slots = decode_case(p, lower_bound, p.pools())
+    norm = OutputNorm(p.randn(3, p.h, d), p.randn(d), 1e-5) if with_norm else None
+    o_ref = reference.decode(x, params, ref_slots, norm)
+    slots = KDASlots(*p.pools(), ref_slots.slot_ids)
+    o = recurrent.decode(x, params, slots, norm, block_v=16)
     assert err(o, o_ref) < RATIO
-    check_pools(conv, state, conv_ref, state_ref, slots.tolist())
+    check_pools(slots.conv_pool, slots.state_pool, ref_slots.conv_pool, ref_slots.state_pool, [5, 0, 3])
+
+
+def test_decode_is_two_launches(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names, run = [], InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    p = Problem(1)
+    x, params, slots = decode_case(p, -5.0, p.pools(), batch=1)
+    recurrent.decode(x, params, slots, OutputNorm(p.randn(1, p.h, p.d), p.randn(p.d), 1e-5))
+    assert names == ["_recurrent_kernel", "_gated_norm_kernel"]
 
 
 @pytest.mark.parametrize(("t", "block_v", "block_k"), [(5, 8, 4), (13, 16, 16)])
@@ -237,10 +275,9 @@ def test_sequential_verify_steps_and_commits():
 
     # the verified outputs are what decoding the tokens one by one gives
     conv_seq, state_seq = p.pools()
+    params, seq_slots = KDAParams(*p.params(), -5.0), KDASlots(conv_seq, state_seq, slots)
     outs = [
-        reference.decode(
-            q[:, i], k[:, i], v[:, i], f[:, i], b[:, i], *p.params(), conv_seq, state_seq, slots, -5.0
-        )
+        reference.decode(KDAInputs(q[:, i], k[:, i], v[:, i], f[:, i], b[:, i]), params, seq_slots)
         for i in range(t)
     ]
     assert err(o, torch.stack(outs, 1)) < RATIO
@@ -278,7 +315,7 @@ def test_gated_norm_matches_reference():
     x = torch.randn(9, 3, 32, generator=gen).half()
     gate = torch.randn(9, 96, generator=gen).half()
     weight = torch.randn(32, generator=gen)
-    y = rmsnorm.gated_rms_norm(x, gate, weight, 1e-5)
+    y = rmsnorm.gated_rms_norm(x, OutputNorm(gate, weight, 1e-5))
     assert (
         y.dtype == x.dtype
         and err(y, reference.gated_rms_norm(x, gate.view(9, 3, 32), weight, 1e-5)) < RATIO_HALF
@@ -416,3 +453,74 @@ def test_prefill_leaves_snapshots_at_chunk_ends():
         )
     untouched = [1, 2, 3, 5, 7]
     assert not snap_conv[untouched].any() and not snap_state[untouched].any()
+
+
+def test_model_decode_step_with_kernels_matches_reference_path(monkeypatch):
+    """A decode step of a KDA layer with its kernels (the output norm inside the decode's second launch)
+    against the reference path, after the same prefill: the logits and the advanced windows and states."""
+    from conftest import Caches
+
+    import hylo.ops.kda as kda_ops
+    from hylo.config import ModelConfig
+    from hylo.forward_batch import ForwardBatch, SequenceChunk
+    from hylo.models import demo
+    from hylo.models.glm5_next import Glm5NextForCausalLM
+    from hylo.models.random_init import randomize
+
+    text = demo._TEXT_CONFIG | dict(
+        vocab_size=96, pad_token_id=0, hidden_size=64, num_hidden_layers=1, layer_types=["linear_attention"],
+        mlp_layer_types=["dense"], indexer_types=["full"], hc_sinkhorn_iters=3,
+    )  # fmt: skip
+    model = Glm5NextForCausalLM(ModelConfig.from_dict({"model_type": "glm5_next", "text_config": text}))
+    randomize(model, torch.Generator().manual_seed(0))
+
+    def prefill_then_decode():
+        caches = Caches(model, num_seqs=2, per_seq=32)
+        m = caches.manager
+        caches.forward(model, [SequenceChunk([3, 4, 5, 6, 7], 0, 0, 0), SequenceChunk([8, 9], 0, 1, 1)])
+        step = [SequenceChunk([10], 5, 0, 0), SequenceChunk([11], 2, 1, 1)]
+        batch = ForwardBatch.build(step, m.table.table, m.tokens, m.states, m.kpool)
+        with monkeypatch.context() as patched:
+            patched.setattr(kda_ops, "use_kernel", lambda op, x, verify=None: op in kernel_ops)
+            logits = model(batch).logits
+        return logits, m.states.conv.clone(), m.states.recurrent.clone()
+
+    kernel_ops = set()
+    ref = prefill_then_decode()
+    kernel_ops, decodes, decode = {"kda.decode"}, [], recurrent.decode
+    monkeypatch.setattr(recurrent, "decode", lambda *args: decodes.append(args[3]) or decode(*args))
+    got = prefill_then_decode()
+    assert len(decodes) == 1 and decodes[0] is not None  # the layer's step ran the kernels, with its norm
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-4)  # fp32 through one layer and the head
+    assert torch.equal(got[1], ref[1])  # windows: copies
+    assert err(got[2], ref[2]) < RATIO
+
+
+# Compiles decode's two launches for sm_90 as the GPU does (bf16 inputs and pools, GLM-5.3-Flash's head
+# size, the window step inside the norm launch) in a fresh interpreter-free process: the interpreter runs
+# their programs one after another and never compiles them.
+_DECODE_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hylo.ops.kda import recurrent, rmsnorm
+
+for fn, consts, fp32 in (
+    (recurrent._recurrent_kernel,
+     dict(T=1, TP=1, H=8, D=128, BV=16, USE_LB=True, WRITE_O=True, STORE_STATE=True, PER_SEQ=False,
+          STEP_STATES=False, CONV=True, W=4),
+     {"dt_bias", "a_log", "state_pool", "steps", "conv_weight"}),
+    (rmsnorm._gated_norm_kernel, dict(D=128, BR=8, H=8, W=4, WP=4, ADVANCE=True), {"w"}),
+):
+    scalars = {n: "i32" for n in fn.arg_names if n.endswith(("_sb", "_st", "stride", "n_rows"))}
+    scalars |= {"scale": "fp32", "lower_bound": "fp32", "eps": "fp32", "slot_ids": "*i64", "n_steps": "*i64"}
+    sig = {n: "constexpr" if n in consts else scalars.get(n, "*fp32" if n in fp32 else "*bf16")
+           for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+    print(len(kernel.asm["cubin"]) > 0)
+"""
+
+
+def test_decode_launches_compile_for_hopper():
+    assert run_compiled_for_hopper(_DECODE_COMPILE).split() == ["True", "True"]

@@ -58,7 +58,12 @@ class KDAAttention(nn.Module):
         q, k, v, b = self.qkvb_proj(x)
         f_a, g_a = self.fg_a_proj(x)
         qkvfb = kda_ops.KDAInputs(q, k, v, self.f_b_proj(f_a), b)
+        norm = kda_ops.OutputNorm(self.g_b_proj(g_a).unflatten(-1, heads), self.o_norm.weight, self.eps)
         plan, record = batch.kda, None
+        if not batch.verify_seqs and not batch.snapshot_points and _single_tokens(plan.offsets()):
+            # a decode step: the output norm runs with the step (two launches in all on CUDA)
+            o = kda_ops.decode(qkvfb, self.params, self._slots(batch, batch.state_slots), norm)
+            return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, -1))), None
         if not batch.verify_seqs and batch.snapshot_points:
             o = self._advance_taking_snapshots(qkvfb, batch)
         elif not batch.verify_seqs:
@@ -76,8 +81,7 @@ class KDAAttention(nn.Module):
             elif verify.other_slots.numel():
                 rest = qkvfb.rows(verify.other_tokens)
                 o[verify.other_tokens] = self._advance(rest, verify.other_slots, verify.other_offsets, batch)
-        gate = self.g_b_proj(g_a).unflatten(-1, heads)
-        o = kda_ops.gated_norm(o, gate, self.o_norm.weight, self.eps)
+        o = kda_ops.gated_norm(o, norm)
         return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, -1))), record
 
     def commit(self, batch: ForwardBatch, record: kda_ops.VerifyCache, n_accepted: torch.Tensor) -> None:
@@ -135,10 +139,16 @@ class KDAAttention(nn.Module):
         """Advance the sequences at `offsets` in state `slots`; `chunk_snapshots`: the snapshot id after
         each KDA chunk of the call (`ChunkSnapshots`, into `batch.snapshot_pool`), None: none."""
         cu_cpu, cu = offsets
-        if cu_cpu is not None and cu_cpu[-1] == len(cu_cpu) - 1:  # one token per sequence
+        if _single_tokens(offsets):
             return kda_ops.decode(qkvfb, self.params, self._slots(batch, slots))
         snapshots = None
         if chunk_snapshots is not None:
             layer, pool = batch.states.kda_index[self.layer_idx], batch.snapshot_pool
             snapshots = kda_ops.ChunkSnapshots(chunk_snapshots, pool.conv[layer], pool.recurrent[layer])
         return kda_ops.prefill(qkvfb, self.params, self._slots(batch, slots), cu, cu_cpu, snapshots)
+
+
+def _single_tokens(offsets: Offsets) -> bool:
+    """Whether the sequences at `offsets` have one token each, as the host offsets say (none: unknown)."""
+    cu_cpu = offsets[0]
+    return cu_cpu is not None and cu_cpu[-1] == len(cu_cpu) - 1

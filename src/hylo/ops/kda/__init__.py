@@ -9,8 +9,6 @@ tokens with the safe gate and step by step otherwise. Triton is imported on firs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from hylo.ops.dispatch import use_kernel
@@ -18,6 +16,10 @@ from hylo.ops.kda import reference
 from hylo.ops.kda.reference import (
     CHUNK_TOKENS,
     ChunkSnapshots,
+    KDAInputs,
+    KDAParams,
+    KDASlots,
+    OutputNorm,
     VerifyCache,
     causal_conv,
     gated_rms_norm,
@@ -31,6 +33,7 @@ __all__ = [
     "KDAInputs",
     "KDAParams",
     "KDASlots",
+    "OutputNorm",
     "VerifyCache",
     "causal_conv",
     "chunked_prefill_refusal",
@@ -45,52 +48,6 @@ __all__ = [
     "prefill",
     "verify",
 ]
-
-
-@dataclass(frozen=True)
-class KDAInputs:
-    """A layer's projected inputs of a step's tokens: `q`, `k`, `v` `[N, H, d]`, the gate's
-    pre-activation `f` `[N, H, d]` and β's logits `b` `[N, H]`."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    f: torch.Tensor
-    b: torch.Tensor
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.q, self.k, self.v, self.f, self.b)
-
-    def rows(self, index: torch.Tensor) -> KDAInputs:
-        """The tokens `index` (any index of the token dimension) of every input."""
-        return KDAInputs(*(t[index] for t in self.tensors))
-
-
-@dataclass(frozen=True)
-class KDAParams:
-    """A layer's own parameters: the short convolution's weight, the gate's `dt_bias` and `a_log`,
-    and its lower bound (None: the plain gate; -5 ≤ lower_bound < 0 is the safe gate that the chunked
-    Triton prefill and the one-block verify need)."""
-
-    conv_weight: torch.Tensor
-    dt_bias: torch.Tensor
-    a_log: torch.Tensor
-    lower_bound: float | None
-
-
-@dataclass(frozen=True)
-class KDASlots:
-    """The step's sequences in a layer's state pools: `conv_pool` (windows), `state_pool` (fp32 S),
-    and each sequence's slot in them, `slot_ids [B]`."""
-
-    conv_pool: torch.Tensor
-    state_pool: torch.Tensor
-    slot_ids: torch.Tensor
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.conv_pool, self.state_pool, self.slot_ids)
 
 
 def _weights(params: KDAParams) -> tuple[torch.Tensor, ...]:
@@ -132,14 +89,15 @@ def prefill(
     return reference.prefill(*args, snapshots)
 
 
-def decode(x: KDAInputs, params: KDAParams, slots: KDASlots) -> torch.Tensor:
-    """One token per sequence (see `reference.decode`): o `[B, H, d]`; windows and states updated."""
-    args = (*x.tensors, *_weights(params), *slots.tensors, params.lower_bound)
+def decode(x: KDAInputs, params: KDAParams, slots: KDASlots, norm: OutputNorm | None = None) -> torch.Tensor:
+    """One token per sequence (see `reference.decode`): o `[B, H, d]`, gated-normalised by `norm` when
+    given; windows and states updated. Two launches on CUDA (`recurrent.decode`). Safe under CUDA-graph
+    capture: fixed shapes, no host reads."""
     if use_kernel("kda.decode", x.q):
         from hylo.ops.kda import recurrent
 
-        return recurrent.decode(*args)
-    return reference.decode(*args)
+        return recurrent.decode(x, params, slots, norm)
+    return reference.decode(x, params, slots, norm)
 
 
 def verify(x: KDAInputs, params: KDAParams, slots: KDASlots, step_states=None):
@@ -173,10 +131,10 @@ def commit_steps(cache, step_states, slots: KDASlots, n_accepted: torch.Tensor) 
     return reference.commit_steps(*args)
 
 
-def gated_norm(x, gate, weight, eps):
-    """Sigmoid-gated RMSNorm per head (see `reference.gated_rms_norm`)."""
+def gated_norm(x: torch.Tensor, norm: OutputNorm) -> torch.Tensor:
+    """Sigmoid-gated RMSNorm per head of `x [N, H, d]` (see `reference.gated_rms_norm`)."""
     if use_kernel("kda.gated_norm", x):
         from hylo.ops.kda import rmsnorm
 
-        return rmsnorm.gated_rms_norm(x, gate, weight, eps)
-    return gated_rms_norm(x, gate, weight, eps)
+        return rmsnorm.gated_rms_norm(x, norm)
+    return gated_rms_norm(x, norm.gate, norm.weight, norm.eps)

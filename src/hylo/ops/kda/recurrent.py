@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hylo.ops.kda.reference import VerifyCache
+from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, OutputNorm, VerifyCache
+from hylo.ops.kda.rmsnorm import WindowStep, gated_rms_norm
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -101,13 +102,29 @@ def _conv_kernel(
 
 
 @triton.jit
+def _conv_token(x, win, win_stride, weight, c, ch, W: tl.constexpr):
+    """SiLU(causal conv) of a sequence's one new token at columns `c` of its input row `x`, continuing
+    from its window `win` (channels `ch` of the window and `weight`): fp32, rounded through x's dtype
+    as the conv kernel stores it, taps summed in that kernel's order."""
+    acc = tl.zeros(c.shape, dtype=tl.float32)
+    for i in tl.static_range(W - 1):
+        acc += tl.load(win + i * win_stride + ch).to(tl.float32) * tl.load(weight + ch * W + i)
+    acc += tl.load(x + c).to(tl.float32) * tl.load(weight + ch * W + W - 1)
+    return (acc * tl.sigmoid(acc)).to(x.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _recurrent_kernel(
     qkv, qkv_sb, qkv_st, f, f_sb, f_st, b, b_sb, b_st, dt_bias, a_log, state_pool, pool_stride, slot_ids,
     n_steps, o, o_sb, o_st, steps, scale, lower_bound,
+    xk, xv, conv_pool, conv_stride, win_stride, conv_weight,
     T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
     USE_LB: tl.constexpr, WRITE_O: tl.constexpr, STORE_STATE: tl.constexpr, PER_SEQ: tl.constexpr,
-    STEP_STATES: tl.constexpr,
+    STEP_STATES: tl.constexpr, CONV: tl.constexpr, W: tl.constexpr,
 ):  # fmt: skip
+    """One (sequence, head, value tile) over its T tokens (module docstring). With CONV (decode, T = 1)
+    `qkv` is the raw q row (k and v rows at `xk`, `xv`, same strides) and the conv runs here from the
+    slot's window, which is only read: whoever launches this advances it afterwards."""
     bi, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bi64 = bi.to(tl.int64)
     slot = tl.load(slot_ids + bi).to(tl.int64)
@@ -121,10 +138,17 @@ def _recurrent_kernel(
     live = rt < T
     if PER_SEQ:
         live = rt < tl.load(n_steps + bi)
-    row = qkv + bi64 * qkv_sb + rt[:, None] * qkv_st + h * D
-    q = tl.load(row + rk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    k = tl.load(row + H * D + rk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    v = tl.load(row + 2 * H * D + rv[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    if CONV:
+        win = conv_pool + slot * conv_stride
+        rows = bi64 * qkv_sb
+        q = _conv_token(qkv + rows, win, win_stride, conv_weight, h * D + rk, h * D + rk, W)[None, :]
+        k = _conv_token(xk + rows, win, win_stride, conv_weight, h * D + rk, (H + h) * D + rk, W)[None, :]
+        v = _conv_token(xv + rows, win, win_stride, conv_weight, h * D + rv, (2 * H + h) * D + rv, W)[None, :]
+    else:
+        row = qkv + bi64 * qkv_sb + rt[:, None] * qkv_st + h * D
+        q = tl.load(row + rk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        k = tl.load(row + H * D + rk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        v = tl.load(row + 2 * H * D + rv[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     x = tl.load(f + bi64 * f_sb + rt[:, None] * f_st + h * D + rk[None, :], mask=live[:, None], other=0.0)
     x = x.to(tl.float32) + tl.load(dt_bias + h * D + rk).to(tl.float32)[None, :]
     rate = tl.exp(tl.load(a_log + h).to(tl.float32))
@@ -353,9 +377,13 @@ def recurrent(
     step_states=None,
     block_v=None,
     num_warps=None,
+    conv: tuple[KDAInputs, KDAParams, KDASlots] | None = None,
 ):
     """The step kernel on conv outputs `qkv [B, T, 3·H·d]`, f `[B, T, H·d]`, b `[B, T, H]`; see the module
-    docstring for the modes. Returns o `[B, T, H, d]` when `write_o`."""
+    docstring for the modes. Returns o `[B, T, H, d]` when `write_o`. With `conv` (decode: T = 1) `qkv`
+    is None and the conv of the raw inputs runs inside, the windows left as they are."""
+    if conv is not None:
+        qkv = conv[0].q[:, None]
     bsz, t, _ = qkv.shape
     h, d = state_pool.shape[1], state_pool.shape[2]
     assert qkv.stride(2) == 1 and f.stride(2) == 1 and state_pool.is_contiguous()
@@ -385,6 +413,7 @@ def recurrent(
         step_states if step_states is not None else state_pool,
         d**-0.5,
         float(lower_bound) if use_lb else 0.0,
+        *_conv_operands(conv, qkv),
         T=t,
         TP=triton.next_power_of_2(t),
         H=h,
@@ -395,9 +424,23 @@ def recurrent(
         STORE_STATE=store_state,
         PER_SEQ=n_steps is not None,
         STEP_STATES=step_states is not None,
+        CONV=conv is not None,
+        W=1 if conv is None else conv[2].conv_pool.shape[1] + 1,
         num_warps=warps,
     )
     return o if write_o else None
+
+
+def _conv_operands(conv: tuple[KDAInputs, KDAParams, KDASlots] | None, qkv: torch.Tensor) -> tuple:
+    """(xk, xv, conv_pool, its slot stride, its row stride, conv_weight) of a decode launch; placeholders
+    the kernel does not read otherwise."""
+    if conv is None:
+        return (qkv, qkv, qkv, 0, 0, qkv)
+    x, params, slots = conv
+    assert x.q.stride() == x.k.stride() == x.v.stride() and x.q.stride(-1) == 1
+    pool = slots.conv_pool
+    assert pool.stride(2) == 1
+    return (x.k, x.v, pool, pool.stride(0), pool.stride(1), params.conv_weight)
 
 
 def _block_rows(t: int) -> int:
@@ -490,11 +533,20 @@ def _chunkable(t: int, lower_bound) -> bool:
     return t <= 16 and lower_bound is not None and -5.0 <= lower_bound < 0
 
 
-def decode(q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound, **kw):
-    """Triton twin of `reference.decode`: one token per sequence, window and state updated in place."""
-    qkv = conv_steps(q[:, None], k[:, None], v[:, None], conv_weight, conv_pool, slot_ids, write_window=True)
-    o = recurrent(qkv, f[:, None], b[:, None], dt_bias, a_log, state_pool, slot_ids, lower_bound, **kw)
-    return o[:, 0]
+def decode(
+    x: KDAInputs, params: KDAParams, slots: KDASlots, norm: OutputNorm | None = None, **kw
+) -> torch.Tensor:
+    """Triton twin of `reference.decode`: one token per sequence, window and state updated in place. Two
+    launches: the step kernel with the conv inside (it reads the windows), then, once every program has
+    read them, the gated output norm that also advances the windows (`norm`), or the window step alone."""
+    f, b = x.f[:, None], x.b[:, None]
+    o = recurrent(None, f, b, params.dt_bias, params.a_log, slots.state_pool, slots.slot_ids,
+                  params.lower_bound, conv=(x, params, slots), **kw)[:, 0]  # fmt: skip
+    if norm is not None:
+        return gated_rms_norm(o, norm, WindowStep(x, slots))
+    conv_steps(x.q[:, None], x.k[:, None], x.v[:, None], None, slots.conv_pool, slots.slot_ids,
+               write_y=False, write_window=True)  # fmt: skip
+    return o
 
 
 def verify(
@@ -570,17 +622,13 @@ def commit(
         n_steps=n_accepted,
         **kw,
     )
-    conv_steps(
-        cache.q,
-        cache.k,
-        cache.v,
-        None,
-        conv_pool,
-        slot_ids,
-        write_y=False,
-        write_window=True,
-        n_keep=n_accepted,
-    )
+    _keep_windows(cache, conv_pool, slot_ids, n_accepted)
+
+
+def _keep_windows(cache: VerifyCache, conv_pool, slot_ids, n_accepted) -> None:
+    """Advance each verified sequence's window by its first `n_accepted[b]` tokens (one launch)."""
+    conv_steps(cache.q, cache.k, cache.v, None, conv_pool, slot_ids,
+               write_y=False, write_window=True, n_keep=n_accepted)  # fmt: skip
 
 
 def commit_steps(cache, step_states, conv_pool, state_pool, slot_ids, n_accepted) -> None:
@@ -599,14 +647,4 @@ def commit_steps(cache, step_states, conv_pool, state_pool, slot_ids, n_accepted
         BLK=blk,
         num_warps=4,
     )
-    conv_steps(
-        cache.q,
-        cache.k,
-        cache.v,
-        None,
-        conv_pool,
-        slot_ids,
-        write_y=False,
-        write_window=True,
-        n_keep=n_accepted,
-    )
+    _keep_windows(cache, conv_pool, slot_ids, n_accepted)

@@ -107,6 +107,62 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 # [slots, H, d, d]` (fp32) are one layer's views of the slot pool, read and written at `slot_ids`.
 
 
+@dataclass(frozen=True)
+class KDAInputs:
+    """A layer's projected inputs of a step's tokens: `q`, `k`, `v` `[N, H, d]`, the gate's
+    pre-activation `f` `[N, H, d]` and β's logits `b` `[N, H]`."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    f: torch.Tensor
+    b: torch.Tensor
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.k, self.v, self.f, self.b)
+
+    def rows(self, index: torch.Tensor) -> KDAInputs:
+        """The tokens `index` (any index of the token dimension) of every input."""
+        return KDAInputs(*(t[index] for t in self.tensors))
+
+
+@dataclass(frozen=True)
+class KDAParams:
+    """A layer's own parameters: the short convolution's weight, the gate's `dt_bias` and `a_log`,
+    and its lower bound (None: the plain gate; -5 ≤ lower_bound < 0 is the safe gate that the chunked
+    Triton prefill and the one-block verify need)."""
+
+    conv_weight: torch.Tensor
+    dt_bias: torch.Tensor
+    a_log: torch.Tensor
+    lower_bound: float | None
+
+
+@dataclass(frozen=True)
+class KDASlots:
+    """The step's sequences in a layer's state pools: `conv_pool` (windows), `state_pool` (fp32 S),
+    and each sequence's slot in them, `slot_ids [B]`."""
+
+    conv_pool: torch.Tensor
+    state_pool: torch.Tensor
+    slot_ids: torch.Tensor
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.conv_pool, self.state_pool, self.slot_ids)
+
+
+@dataclass(frozen=True)
+class OutputNorm:
+    """A layer's output norm: the gate `[N, H, d]` (before its sigmoid), the per-head `weight [d]` and
+    `eps` of `gated_rms_norm`."""
+
+    gate: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
 @dataclass
 class VerifyCache:
     """What `commit` needs from a verify step: its inputs (`[B, T, ...]`) and, from the Triton path,
@@ -238,12 +294,13 @@ def _prefill_in_segments(
     return o
 
 
-def decode(q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, lower_bound):
-    """One token per sequence (`[B, ...]` inputs), state and window updated in place; o `[B, H, d]`."""
-    cu = list(range(q.shape[0] + 1))
-    return prefill(
-        q, k, v, f, b, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, None, cu, lower_bound
-    )
+def decode(x: KDAInputs, params: KDAParams, slots: KDASlots, norm: OutputNorm | None = None) -> torch.Tensor:
+    """One token per sequence (`[B, ...]` inputs), state and window updated in place; o `[B, H, d]`,
+    then `gated_rms_norm` with `norm` when given."""
+    cu = list(range(x.q.shape[0] + 1))
+    weights = (params.conv_weight, params.dt_bias, params.a_log)
+    o = prefill(*x.tensors, *weights, *slots.tensors, None, cu, params.lower_bound)
+    return o if norm is None else gated_rms_norm(o, norm.gate, norm.weight, norm.eps)
 
 
 def verify(

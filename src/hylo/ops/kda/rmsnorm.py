@@ -1,31 +1,87 @@
-"""Triton sigmoid-gated RMSNorm per head: `RMSNorm(x)·w·σ(gate)` in fp32, one pass over x and gate."""
+"""Triton sigmoid-gated RMSNorm per head: `RMSNorm(x)·w·σ(gate)` in fp32, one pass over x and gate; in a
+decode step it also advances the conv windows (`WindowStep`), which the step kernel before it only read."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.kda.reference import KDAInputs, KDASlots, OutputNorm
+
+
+@dataclass(frozen=True)
+class WindowStep:
+    """A decode step's raw inputs `x` (one token per sequence, `[B, H·d]` each) whose window step (every
+    slot's conv window shifted by one, the new input last) runs with the output norm of its sequences."""
+
+    x: KDAInputs
+    slots: KDASlots
+
 
 @triton.jit
-def _gated_norm_kernel(x, gate, w, y, n_rows, eps, D: tl.constexpr, BR: tl.constexpr):
+def _step_window(win, x, ok, win_stride, W: tl.constexpr, WP: tl.constexpr):
+    """Shift the windows at `win` ([BR, D] pointers to their row 0) by one token, `x` ([BR, D] pointers)
+    last: every row is read before any is written."""
+    r = tl.arange(0, WP)[None, :, None]
+    live = ok[:, None, None]
+    old = tl.load(win[:, None, :] + (r + 1) * win_stride, mask=live & (r < W - 2), other=0.0)
+    new = tl.load(x[:, None, :] + r * 0, mask=live & (r == W - 2), other=0.0)
+    tl.debug_barrier()  # the program's threads have read the rows they will overwrite
+    tl.store(win[:, None, :] + r * win_stride, old + new.to(old.dtype), mask=live & (r < W - 1))
+
+
+@triton.jit
+def _gated_norm_kernel(
+    x, gate, w, y, n_rows, eps, xq, xk, xv, x_sb, conv_pool, conv_stride, win_stride, slot_ids,
+    D: tl.constexpr, BR: tl.constexpr, H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+    ADVANCE: tl.constexpr,
+):  # fmt: skip
+    """Rows `BR·pid + [0, BR)` of x (one head of one token each); with ADVANCE, row s·H + h also steps
+    sequence s's window at head h's q, k and v channels (no other program touches them)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, D)
     ok = rows < n_rows
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    xv = tl.load(x + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    xv_ = tl.load(x + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     gv = tl.load(gate + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(xv * xv, 1) / D + eps)
-    out = xv * r[:, None] * tl.load(w + cols).to(tl.float32)[None, :] * tl.sigmoid(gv)
+    r = 1.0 / tl.sqrt(tl.sum(xv_ * xv_, 1) / D + eps)
+    out = xv_ * r[:, None] * tl.load(w + cols).to(tl.float32)[None, :] * tl.sigmoid(gv)
     tl.store(y + offs, out.to(y.dtype.element_ty), mask=ok[:, None])
+    if ADVANCE:
+        seq, head = rows // H, rows % H
+        slot = tl.load(slot_ids + seq, mask=ok, other=0).to(tl.int64)
+        win = conv_pool + slot[:, None] * conv_stride + head[:, None] * D + cols[None, :]
+        src = seq.to(tl.int64)[:, None] * x_sb + head[:, None] * D + cols[None, :]
+        _step_window(win, xq + src, ok, win_stride, W, WP)
+        _step_window(win + H * D, xk + src, ok, win_stride, W, WP)
+        _step_window(win + 2 * H * D, xv + src, ok, win_stride, W, WP)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton twin of `reference.gated_rms_norm` for contiguous `x` and `gate` of the same shape."""
-    d = x.shape[-1]
-    x, gate = x.contiguous(), gate.reshape(x.shape).contiguous()
+def gated_rms_norm(x: torch.Tensor, norm: OutputNorm, window: WindowStep | None = None) -> torch.Tensor:
+    """Triton twin of `reference.gated_rms_norm` for `x [N, H, d]` and a gate of as many elements; with
+    `window` (x is then `[B, H, d]`, a decode step's output) the same launch steps its sequences' conv
+    windows, which must no longer be read by anything launched before it that has not finished (stream
+    order guarantees it)."""
+    d, heads = x.shape[-1], x.shape[-2]
+    x, gate = x.contiguous(), norm.gate.reshape(x.shape).contiguous()
     y = torch.empty_like(x)
     n_rows = x.numel() // d
-    br = max(1, 4096 // d)
-    _gated_norm_kernel[(triton.cdiv(n_rows, br),)](x, gate, weight, y, n_rows, eps, D=d, BR=br, num_warps=4)
+    if window is None:
+        advance, br = (x, x, x, 0, x, 0, 0, x), max(1, 4096 // d)
+        width = 2
+    else:
+        q, pool = window.x.q, window.slots.conv_pool
+        assert q.stride() == window.x.k.stride() == window.x.v.stride() and q.stride(-1) == 1
+        assert pool.stride(2) == 1
+        advance = (q, window.x.k, window.x.v, q.stride(0), pool, pool.stride(0), pool.stride(1))
+        advance += (window.slots.slot_ids,)
+        br, width = max(1, 1024 // d), pool.shape[1] + 1  # more programs: each also moves 9 window rows
+    _gated_norm_kernel[(triton.cdiv(n_rows, br),)](
+        x, gate, norm.weight, y, n_rows, norm.eps, *advance,
+        D=d, BR=br, H=heads, W=width, WP=triton.next_power_of_2(width), ADVANCE=window is not None,
+        num_warps=4,
+    )  # fmt: skip
     return y
