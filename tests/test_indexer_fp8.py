@@ -181,8 +181,14 @@ def check_selection(select, compress, device: str, key_unit: float) -> None:
     rounding = accumulation_slack(case["q"].double().abs(), case["w"].double(), keys.double().abs(), unit)
     assert_consistent(chosen_bf16, scores, rounding, case, "bf16")
     forced = assert_consistent(chosen_fp8, scores, bound, case, "fp8")
-    # not vacuous: the bound decides much of each query's choice, so a wrong score shows
-    assert float(forced.mean()) >= TOPK // KPOOL / 4, forced
+    # not vacuous: the bound decides much of each query's choice, so a wrong score shows. The kernels'
+    # bound is looser (the queries quantised in the kernel, the keys' bf16 rounding, the tensor cores'
+    # accumulation): on the H100 it forced 14.8 of the 64 pools a query takes, the CPU's far more
+    assert float(forced.mean()) >= TOPK // KPOOL / (4 if device == "cpu" else 8), forced
+    # and a planted bug shows: the FP8 scores without their per-pool scales choose outside the bound
+    unscaled = selected_pools(select(dev["q"], dev["w"], fp8, torch.ones_like(scale), *layout, *rest))
+    with pytest.raises(AssertionError, match="fp8 without its scales"):
+        assert_consistent(unscaled, scores, bound, case, "fp8 without its scales")
 
 
 def test_fp8_reference_selects_within_the_e4m3_bound_of_bf16():
