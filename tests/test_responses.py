@@ -17,7 +17,7 @@ from test_server import NAME, start_server, stop
 from test_tool_calls import SCHEMAS, TIME, schema_errors
 
 from hylo.models.demo import DEMO_DIR
-from hylo.server.responses import _Output
+from hylo.server.responses_output import OutputItems
 from hylo.server.responses_protocol import ResponsesRequest
 from hylo.server.responses_store import ResponseStore, StoredResponse
 
@@ -231,7 +231,7 @@ def test_the_schema_describes_the_routes(server):
 
 
 def _pieces_events(pieces, one_call=False, status="completed"):
-    output = _Output(one_call)
+    output = OutputItems(one_call)
     events = [e for piece in pieces for e in output.add(piece)] + output.close(status)
     return output.items, [e["type"] for e in events], events
 

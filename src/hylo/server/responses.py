@@ -16,7 +16,6 @@ or aborted by the server's shutdown), or `response.failed` (the engine failed th
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import time
@@ -29,13 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hylo.server.async_engine import AsyncEngine
 from hylo.server.protocol import ChatCompletionRequest
-from hylo.server.responses_protocol import (
-    INPUT_ITEMS,
-    FunctionToolChoice,
-    ResponseDeleted,
-    ResponseObject,
-    ResponsesRequest,
-)
+from hylo.server.responses_output import OutputItems, ResponseDeleted, ResponseObject, response_usage
+from hylo.server.responses_protocol import INPUT_ITEMS, FunctionToolChoice, ResponsesRequest
 from hylo.server.responses_store import ResponseStore, StoredResponse
 from hylo.server.runs import APIError, ChatRun, RequestFailed, collect, merge, until_disconnect
 
@@ -61,122 +55,6 @@ def _renamed(error: APIError) -> APIError:
     if message.startswith(error.param):
         message = param + message[len(error.param) :]
     return APIError(error.status, message, param, error.kind)
-
-
-class _Output:
-    """One reply's output items, built from the reply parser's pieces (`add`), each call also
-    returning the stream events it makes (without sequence numbers). Invariant: at most one item is
-    open (`open_kind`: a message or reasoning item), always the last of `items`; a function_call item
-    closes as it opens (its arguments come whole). With `one_call`, calls after the first are dropped
-    (`parallel_tool_calls: false`)."""
-
-    def __init__(self, one_call: bool):
-        self.items: list[dict[str, Any]] = []
-        self.open_kind: str | None = None
-        self.one_call = one_call
-        self.num_calls = 0
-
-    def add(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
-        if "tool_calls" in piece:
-            events: list[dict[str, Any]] = []
-            for call in piece["tool_calls"]:
-                if not (self.one_call and self.num_calls):
-                    events += self._call(call)
-            return events
-        kind, text = (
-            ("reasoning", piece["reasoning_content"])
-            if "reasoning_content" in piece
-            else ("message", piece["content"])
-        )
-        if not text:
-            return []
-        events = []
-        if self.open_kind != kind:
-            events += self.close("completed")
-            events += self._open(kind)
-        part = self.items[-1]["content"][0]
-        part["text"] += text
-        delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        events.append(self._of_part({"type": delta, "delta": text}) | self._logprobs(kind))
-        return events
-
-    def close(self, status: str) -> list[dict[str, Any]]:
-        """The open item's closing events, the item marked `status` (none when no item is open)."""
-        if self.open_kind is None:
-            return []
-        kind, self.open_kind = self.open_kind, None
-        item, index = self.items[-1], len(self.items) - 1
-        part = item["content"][0]
-        done = "response.output_text.done" if kind == "message" else "response.reasoning_text.done"
-        item["status"] = status
-        return [
-            self._of_part({"type": done, "text": part["text"]}) | self._logprobs(kind),
-            self._of_part({"type": "response.content_part.done", "part": dict(part)}),
-            {"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)},
-        ]
-
-    def _open(self, kind: str) -> list[dict[str, Any]]:
-        if kind == "message":
-            item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                    "status": "in_progress", "content": []}  # fmt: skip
-            part = {"type": "output_text", "text": "", "annotations": []}
-        else:
-            item = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": "in_progress",
-                    "summary": [], "content": []}  # fmt: skip
-            part = {"type": "reasoning_text", "text": ""}
-        events = [self._added(item)]
-        item["content"].append(part)
-        self.open_kind = kind
-        return [*events, self._of_part({"type": "response.content_part.added", "part": dict(part)})]
-
-    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        events = self.close("completed")
-        self.num_calls += 1
-        function = call["function"]
-        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
-                "call_id": call["id"], "name": function["name"], "arguments": ""}  # fmt: skip
-        events.append(self._added(item))
-        index, arguments = len(self.items) - 1, function["arguments"]
-        item |= {"arguments": arguments, "status": "completed"}
-        of_item = {"item_id": item["id"], "output_index": index}
-        return [
-            *events,
-            {"type": "response.function_call_arguments.delta", "delta": arguments} | of_item,
-            {"type": "response.function_call_arguments.done", "arguments": arguments, "name": item["name"]}
-            | of_item,
-            {"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)},
-        ]
-
-    def _added(self, item: dict[str, Any]) -> dict[str, Any]:
-        self.items.append(item)
-        return {
-            "type": "response.output_item.added",
-            "output_index": len(self.items) - 1,
-            "item": copy.deepcopy(item),
-        }
-
-    def _of_part(self, event: dict[str, Any]) -> dict[str, Any]:
-        """`event` of the open item's one content part."""
-        return event | {
-            "item_id": self.items[-1]["id"],
-            "output_index": len(self.items) - 1,
-            "content_index": 0,
-        }
-
-    @staticmethod
-    def _logprobs(kind: str) -> dict[str, Any]:
-        """Text events carry `logprobs` (none here: /v1/responses does not take top_logprobs)."""
-        return {"logprobs": []} if kind == "message" else {}
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
 
 
 def _envelope(body: ResponsesRequest, model_name: str) -> dict[str, Any]:
@@ -217,7 +95,7 @@ def _envelope(body: ResponsesRequest, model_name: str) -> dict[str, Any]:
 
 
 def _finished(
-    envelope: dict[str, Any], output: _Output, reason: str | None, usage: list[int]
+    envelope: dict[str, Any], output: OutputItems, reason: str | None, usage: list[int]
 ) -> dict[str, Any]:
     status = STATUSES.get(reason or "stop", "completed")
     return envelope | {
@@ -225,7 +103,7 @@ def _finished(
         "completed_at": int(time.time()) if status == "completed" else None,
         "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
         "output": output.items,
-        "usage": _usage(*usage),
+        "usage": response_usage(*usage),
     }
 
 
@@ -271,7 +149,7 @@ def add_responses_route(
             run = await start_chat(ChatCompletionRequest.model_validate(body.chat_request(earlier)))
         except APIError as e:
             raise _renamed(e) from None
-        parser, output = run.parser(), _Output(one_call=not body.parallel_tool_calls)
+        parser, output = run.parser(), OutputItems(one_call=not body.parallel_tool_calls)
         envelope = _envelope(body, model_name)
 
         def pieces(text: str, finished: bool) -> list[dict[str, Any]]:
