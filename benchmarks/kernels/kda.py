@@ -30,7 +30,16 @@ if "hylo" not in sys.modules:
     _pkg = types.ModuleType("hylo")
     _pkg.__path__ = [str(_src)]
     sys.modules["hylo"] = _pkg
-from hylo.ops.kda import chunk, recurrent, reference, rmsnorm  # noqa: E402
+from hylo.ops.kda import (  # noqa: E402
+    KDAInputs,
+    KDAParams,
+    KDASlots,
+    OutputNorm,
+    chunk,
+    recurrent,
+    reference,
+    rmsnorm,
+)
 
 H, D, W, LB = 64, 128, 4, -5.0
 DEV = "cuda"
@@ -218,6 +227,11 @@ def parity(fla_chunk, fla_rec) -> None:
     parity_steps()
 
 
+def decode_operands(one, lay, conv, state, slots) -> tuple[KDAInputs, KDAParams, KDASlots]:
+    """A decode step's typed operands from its inputs `one` (q, k, v, f, b of one token per sequence)."""
+    return KDAInputs(*one), KDAParams(*lay.params(), LB), KDASlots(conv, state, slots)
+
+
 def parity_steps() -> None:
     """Decode, verify (block and sequential kernels) and both commits against the fp32 reference, with
     random slots and random accepted counts (0 and T included); then the gated norm."""
@@ -226,11 +240,11 @@ def parity_steps() -> None:
     q, k, v, f, b = lay.inputs(bsz, t)
     slots = torch.randperm(8, device=DEV)
     c_ref, s_ref = lay.pools()
-    o_ref = reference.decode(
-        q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], *lay.params(), c_ref, s_ref, slots, LB
-    )
+    one = [x[:, 0] for x in (q, k, v, f, b)]
+    norm = OutputNorm(torch.randn_like(q[:, 0]).view(bsz, H, D), torch.randn(D, device=DEV), 1e-5)
+    o_ref = reference.decode(*decode_operands(one, lay, c_ref, s_ref, slots), norm)
     c, s = lay.pools()
-    o = recurrent.decode(q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], *lay.params(), c, s, slots, LB)
+    o = recurrent.decode(*decode_operands(one, lay, c, s, slots), norm)
     rec("parity_decode_o", err(o, o_ref))
     rec("parity_decode_state", err(s, s_ref))
     rec("parity_decode_window_exact", bool(torch.equal(c, c_ref)))
@@ -281,7 +295,7 @@ def parity_steps() -> None:
     rec(
         "parity_norm",
         err(
-            rmsnorm.gated_rms_norm(x, gate, wn, 1e-5),
+            rmsnorm.gated_rms_norm(x, OutputNorm(gate, wn, 1e-5)),
             reference.gated_rms_norm(x, gate.view(-1, H, D), wn, 1e-5),
         ),
     )
@@ -467,7 +481,12 @@ def time_steps(fla_rec, ceiling: float, quick: bool) -> None:
         one = [x[:, 0] for x in (q, k, v, f, b)]
         rec(
             f"decode_B{bsz}_hylo_with_conv_us",
-            bench(lambda: recurrent.decode(*one, *lay.params(), conv, state, slots, LB), graph=True),
+            bench(lambda: recurrent.decode(*decode_operands(one, lay, conv, state, slots)), graph=True),
+        )
+        norm = OutputNorm(torch.randn_like(one[0]).view(bsz, H, D), torch.randn(D, device=DEV), 1e-5)
+        rec(  # the decode of a layer: the step with its conv, then the output norm with the window step
+            f"decode_B{bsz}_hylo_with_conv_norm_us",
+            bench(lambda: recurrent.decode(*decode_operands(one, lay, conv, state, slots), norm), graph=True),
         )
         fla_timing(fla_rec, f"decode_B{bsz}", qkv, f, b, lay)
 
@@ -573,7 +592,7 @@ def time_layer_sweep(bsz: int, lay: Layer, slots: torch.Tensor, t: int) -> None:
     rec(f"decode_B{bsz}_layers_TBps", 2 * state_bytes / decode / 1e6)
     rec(
         f"decode_B{bsz}_layers_with_conv_us",
-        sweep(lambda conv, state: recurrent.decode(*one, *lay.params(), conv, state, slots, LB)),
+        sweep(lambda conv, state: recurrent.decode(*decode_operands(one, lay, conv, state, slots))),
     )
     q, k, v, f, b = lay.inputs(bsz, t)
     qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, pools[0][0], slots)
