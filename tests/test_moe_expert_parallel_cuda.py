@@ -1,8 +1,7 @@
-"""A rank of expert parallelism on the GPU: the compiled MoE kernels (the two-launch step of a few
-tokens, the three-launch one and the general path, bf16 and FP8, TMA included) computing only the pairs
-of the rank's experts, against the torch reference, the whole step and the other ranks. Run this file
-on its own process (the interpreter test modules switch Triton to the interpreter for the whole
-process)."""
+"""A rank of expert parallelism on the GPU: the compiled MoE kernels (the three-launch decode path and
+the general path, bf16 and FP8, TMA included) computing only the pairs of the rank's experts, against
+the torch reference, the whole step and the other ranks. Run this file on its own process (the
+interpreter test modules switch Triton to the interpreter for the whole process)."""
 
 from __future__ import annotations
 
@@ -52,8 +51,8 @@ def rank_weights(model, rank: int | None, fp8: bool):
     return gate_up[mine], down[mine], None, first
 
 
-# 1 and 8 tokens take the two-launch path (the dispatcher's), 100 the general one with 16-row blocks,
-# 3000 the 64-row blocks (TMA for FP8)
+# 1 and 8 tokens take the three-launch path, 100 the general one with 16-row blocks, 3000 the 64-row
+# blocks (TMA for FP8)
 @pytest.mark.parametrize("tokens", [1, 8, 100, 3000])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_a_ranks_pairs_only(model, tokens, fp8):

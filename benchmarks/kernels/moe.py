@@ -11,19 +11,15 @@ SwiGLU limit 10 (the shared expert is not part of the step). Decode steps (M = 1
 CUDA-graph replays that cycle through 4 batches routed to different experts, so weights come from
 HBM, not L2; their floor is (distinct experts × 3·I·D bytes + scales) / copy bandwidth, the copy
 bandwidth counting read + write bytes of a 1 GiB device copy. Prefill is M = 8192 tokens.
-Steps of at most `fused.MAX_PAIRS` (token, choice) pairs (M = 1, 4, 16) run by default as the two
-launches of `hylo.ops.moe.fused` (the routing prologue of `hylo.ops.moe.decode`, then one experts kernel
-with the combine); the general path (router GEMM, routing, x quantisation, alignment, the two GEMMs,
-combine) is timed beside them as `*_general_*`, the three launches of `decode` (prologue, gate|up, down
-with the combine) in the `two_launch` and `breakdown` sections. `--sweep` times candidate tile
-configurations (checked for parity first); the `breakdown` section (`--only breakdown`) times each
-launch of an FP8 decode step on its own, both paths, and the prologue's variants, and lists the kernels
-of an FP8 prefill step (torch.profiler). `--only two_launch` times the FP8 step of 1-64 tokens on the
-two-launch path against the three-launch one (up to `decode.MAX_PAIRS` pairs), the general path and the
-floor, and writes `moe_two_launch.md` to --out. `--only prefill_sweep` times the FP8 prefill step in each
-of `PREFILL_VARIANTS` (compiled first in parallel processes) against the FP8 matmul ceiling measured
-after the compiles, with each variant's output against the default's and its per-kernel times. Prints a
-table last and writes `moe.json` to
+Steps of at most `moe_decode.MAX_PAIRS` (token, choice) pairs (M = 1, 4) run by default as the three
+launches of `hylo.ops.moe.decode` (fused routing prologue, gate|up, down with the combine); the
+general path (router GEMM, routing, x quantisation, alignment, the two GEMMs, combine) is timed beside
+them as `*_general_*`. `--sweep` times candidate tile configurations (checked for parity first); the
+`breakdown` section (`--only breakdown`) times each launch of an FP8 decode step on its own, both
+paths, and the prologue's variants, and lists the kernels of an FP8 prefill step (torch.profiler).
+`--only prefill_sweep` times the FP8 prefill step in each of `PREFILL_VARIANTS` (compiled first in
+parallel processes) against the FP8 matmul ceiling measured after the compiles, with each variant's
+output against the default's and its per-kernel times. Prints a table last and writes `moe.json` to
 --out (default $OUT or ./out).
 """
 
@@ -54,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from hylo.ops import fp8 as fp8_ops  # noqa: E402
 from hylo.ops.fp8 import kernels as fp8_kernels  # noqa: E402
 from hylo.ops.moe import decode as moe_decode  # noqa: E402
-from hylo.ops.moe import fused, kernels, reference, routing  # noqa: E402
+from hylo.ops.moe import kernels, reference, routing  # noqa: E402
 from hylo.ops.moe.kernels import MoeConfig, Tiles  # noqa: E402
 from hylo.ops.moe.reference import Routing  # noqa: E402
 
@@ -65,8 +61,6 @@ HIDDEN, INTER, EXPERTS, TOP_K = (128, 128, 16, 4) if DRY else (4096, 2048, 288, 
 LIMIT, SCALING = 10.0, 2.5
 DECODE_TOKENS = (1, 4, 16)
 FUSED_TOKENS = tuple(t for t in DECODE_TOKENS if moe_decode.fits(t, TOP_K))
-TWO_LAUNCH_TOKENS = (1, 4, 16) if DRY else (1, 4, 8, 16, 32, 64)
-OUT_DIR = [Path(os.environ.get("OUT", "out"))]  # --out
 PREFILL_TOKENS = 48 if DRY else 8192
 ROTATE = 4  # decode batches per timed call, each routed to its own experts
 START = time.time()
@@ -117,20 +111,13 @@ class Model:
         """The general path: routing, then the experts."""
         return self.experts(x, *self.route(x), fp8, config)
 
-    def three_launch_step(self, x, fp8: bool):
-        """The three-launch path (`moe_decode.routed_experts`)."""
+    def fused_step(self, x, fp8: bool):
+        """The decode path (`moe_decode.routed_experts`)."""
         if fp8:
             (gate_up, gate_up_scale), (down, down_scale) = self.fp8["gate_up"], self.fp8["down"]
             scales = (gate_up_scale, down_scale)
             return moe_decode.routed_experts(x, self.routing, gate_up, down, LIMIT, scales)
         return moe_decode.routed_experts(x, self.routing, self.gate_up, self.down, LIMIT)
-
-    def two_launch_step(self, x, fp8: bool):
-        """The two-launch path (`fused.routed_experts`)."""
-        if fp8:
-            (gate_up, gate_up_scale), (down, down_scale) = self.fp8["gate_up"], self.fp8["down"]
-            return fused.routed_experts(x, self.routing, gate_up, down, LIMIT, (gate_up_scale, down_scale))
-        return fused.routed_experts(x, self.routing, self.gate_up, self.down, LIMIT)
 
     def reference(self, x, ids, weights, fp8: bool):
         gate_up, down = (
@@ -236,20 +223,20 @@ def fused_parity(model: Model, tokens: int) -> None:
     )
     for fp8 in (False, True):
         kind = "fp8" if fp8 else "bf16"
-        out = model.three_launch_step(x, fp8)
+        out = model.fused_step(x, fp8)
         rec(f"{tag}_{kind}_relerr_vs_general", round(rel_err(out, model.experts(x, ids, weights, fp8)), 6))
         rec(
             f"{tag}_{kind}_relerr_vs_reference",
             round(rel_err(out, model.reference(x, ref_ids, ref_weights, fp8)), 5),
         )
-        rec(f"{tag}_{kind}_repeats_bitwise", bool(torch.equal(out, model.three_launch_step(x, fp8))))
+        rec(f"{tag}_{kind}_repeats_bitwise", bool(torch.equal(out, model.fused_step(x, fp8))))
 
 
 # ---------------------------------------------------------------- timings
 
 
 def decode(model: Model) -> None:
-    """`step`: the default path of the step's size (the two-launch path up to `fused.MAX_PAIRS` pairs),
+    """`step`: the default path of the step's size (the decode path up to `moe_decode.MAX_PAIRS` pairs),
     `general_step`: the general path, `experts`: the general path's experts without the routing."""
     bandwidth = RESULTS["copy_TBps"] * 1e12
     for tokens in DECODE_TOKENS:
@@ -264,16 +251,16 @@ def decode(model: Model) -> None:
                 for x in xs:
                     model.step(x, fp8)
 
-            def two_launch_step(fp8=fp8, xs=xs):
+            def fused_step(fp8=fp8, xs=xs):
                 for x in xs:
-                    model.two_launch_step(x, fp8)
+                    model.fused_step(x, fp8)
 
             def experts_only(fp8=fp8, xs=xs, routes=routes):
                 for x, (ids, weights) in zip(xs, routes, strict=True):
                     model.experts(x, ids, weights, fp8)
 
             variants = {"general_step": general_step, "experts": experts_only}
-            variants["step"] = two_launch_step if fused.fits(tokens, TOP_K, HIDDEN) else general_step
+            variants["step"] = fused_step if tokens in FUSED_TOKENS else general_step
             for name, fn in variants.items():
                 t = bench_graph(fn) / ROTATE
                 rec(f"{tag}_{name}_us", round(t, 2))
@@ -285,50 +272,6 @@ def decode(model: Model) -> None:
                 bench(lambda xs=xs, ids=ids, weights=weights: model.reference(xs[0], ids, weights, False)), 1
             ),
         )
-
-
-def two_launch(model: Model) -> None:
-    """FP8 (the checkpoints' format) steps of `TWO_LAUNCH_TOKENS` tokens: the two-launch path against the
-    three-launch one (where it runs: at most `moe_decode.MAX_PAIRS` pairs), the general path and the floor
-    (the distinct experts' bytes at the copy rate of this run), CUDA-graph medians over ROTATE batches.
-    First its output against the general path's on the same batch (same quantisation: fp32 order and
-    the general path's per-row bf16 rounding only) and against itself (bitwise). Writes
-    `moe_two_launch.md` to --out."""
-    bandwidth = RESULTS["copy_TBps"] * 1e12
-    lines = [
-        "| T | distinct experts | floor us | two-launch us (% of floor) | three-launch us | general us |",
-        "|---|---|---|---|---|---|",
-    ]
-    for tokens in TWO_LAUNCH_TOKENS:
-        tag = f"two_launch_T{tokens}_fp8"
-        xs = [batch(tokens, seed=500 * tokens + r) for r in range(ROTATE)]
-        routes = [model.route(x) for x in xs]
-        out = model.two_launch_step(xs[0], True)
-        rec(f"{tag}_relerr_vs_general", round(rel_err(out, model.step(xs[0], True)), 6))
-        rec(f"{tag}_repeats_bitwise", bool(torch.equal(out, model.two_launch_step(xs[0], True))))
-        distinct = sum(int(ids.unique().numel()) for ids, _ in routes) / ROTATE
-        floor_us = sum(model.bytes_read(ids, True) for ids, _ in routes) / bandwidth * 1e6 / ROTATE
-        rec(f"{tag}_distinct_experts", distinct)
-        rec(f"{tag}_floor_us", round(floor_us, 2))
-        variants = {
-            "two_launch": lambda xs=xs: [model.two_launch_step(x, True) for x in xs],
-            "general": lambda xs=xs: [model.step(x, True) for x in xs],
-        }
-        if moe_decode.fits(tokens, TOP_K):
-            variants["three_launch"] = lambda xs=xs: [model.three_launch_step(x, True) for x in xs]
-        times = {}
-        for name, fn in variants.items():
-            times[name] = round(bench_graph(fn) / ROTATE, 2)
-            rec(f"{tag}_{name}_us", times[name])
-            rec(f"{tag}_{name}_pct_of_floor", round(100 * floor_us / times[name], 1))
-        pct = RESULTS[f"{tag}_two_launch_pct_of_floor"]
-        lines.append(
-            f"| {tokens} | {distinct:g} | {floor_us:.1f} | {times['two_launch']} ({pct}%) | "
-            f"{times.get('three_launch', '—')} | {times['general']} |"
-        )
-    table_md = "\n".join([f"copy rate {RESULTS['copy_TBps']} TB/s, {RESULTS.get('gpu', DEV)}", "", *lines])
-    print(table_md)
-    (OUT_DIR[0] / "moe_two_launch.md").write_text(table_md + "\n")
 
 
 def prefill(model: Model) -> None:
@@ -715,11 +658,11 @@ def main() -> None:
     chosen = args.only.split(",") if args.only else [*DEFAULT_SECTIONS, *(["sweep"] if args.sweep else [])]
     if unknown := set(chosen) - set(SECTIONS):
         parser.error(f"unknown sections {sorted(unknown)}")
-    if {"decode", "prefill", "two_launch"} & set(chosen) and "ceilings" not in chosen:
+    if {"decode", "prefill"} & set(chosen) and "ceilings" not in chosen:
         chosen.insert(0, "ceilings")  # their percentages divide by the ceilings
     if "prefill_sweep" in chosen and not DRY:
         WARM.append(warm_prefill_variants())  # compiles while the model is built
-    out = OUT_DIR[0] = Path(args.out)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not DRY:
         rec("gpu", torch.cuda.get_device_name())
@@ -746,13 +689,12 @@ SECTIONS = {
     "ceilings": ceilings,
     "parity": parity,
     "decode": decode,
-    "two_launch": two_launch,
     "prefill": prefill,
     "breakdown": breakdown,
     "sweep": sweep,
     "prefill_sweep": prefill_sweep,
 }
-DEFAULT_SECTIONS = ("ceilings", "parity", "decode", "two_launch", "prefill")
+DEFAULT_SECTIONS = ("ceilings", "parity", "decode", "prefill")
 
 if __name__ == "__main__":
     main()

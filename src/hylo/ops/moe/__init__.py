@@ -3,7 +3,7 @@
 CUDA tensors go to the Triton routing kernel and grouped GEMMs (`routing`, `kernels`), everything
 else to the reference. `experts_fp8` takes e4m3 weights with per-[128, 128]-block fp32 `scale_inv`.
 `routed_experts` is route then experts in one call, so that steps of a few tokens can take the
-two-launch path of `fused`.
+three-launch path of `decode`.
 
 Expert parallelism (`first_expert`): the expert ops take global expert ids and the global id of the
 first expert their weights hold; a pair routed to an expert outside `[first_expert, first_expert + E)`
@@ -98,14 +98,13 @@ def routed_experts(
     """`experts(x, gate_up, down, *route(x, *routing), limit, first_expert)`, or `experts_fp8` with
     `scales` = (gate_up_scale_inv, down_scale_inv). Every token is routed over all of the router's
     experts; with `first_expert`, only the pairs of the weights' experts are computed. On CUDA, steps
-    of at most `fused.MAX_PAIRS` (token, choice) pairs (64 tokens at top-8: decode batches, verify
-    blocks) run as two launches that read each distinct expert once (`fused.routed_experts`), with or
-    without `first_expert`; larger steps take the general path (routing, alignment, grouped GEMMs)."""
+    of at most `decode.MAX_PAIRS` (token, choice) pairs run as three launches (`decode.routed_experts`),
+    with or without `first_expert`."""
     if use_kernel("moe.routed_experts", x):
-        from hylo.ops.moe import fused
+        from hylo.ops.moe import decode
 
-        if fused.fits(x.shape[0], routing.top_k, x.shape[1]):
-            return fused.routed_experts(x, routing, gate_up, down, limit, scales, first_expert)
+        if decode.fits(x.shape[0], routing.top_k):
+            return decode.routed_experts(x, routing, gate_up, down, limit, scales, first_expert=first_expert)
     ids, weights = route(x, *routing)
     if scales is None:
         return experts(x, gate_up, down, ids, weights, limit, first_expert)

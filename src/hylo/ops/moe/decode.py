@@ -1,4 +1,4 @@
-"""The prologue of the MoE step of a few tokens (decode, short verify), and the three-launch step.
+"""The MoE step of a few tokens (decode, short verify) in three launches instead of seven.
 
 1. `prologue`: the router logits, split over the experts (each program reads `block_e` rows of the
    router weight whole: many programs read its 2.4 MB at bandwidth, and every logit is one program's
@@ -6,17 +6,13 @@
    group per program), then, in the program that arrives last (an atomic ticket, no waiting), the
    routing of every token (`routing.route_tokens`) and the expert alignment (at expert parallelism,
    of the pairs of the experts the weights hold only: `first_expert`). The alignment reads the ids
-   the routing stored back, one pair a lane (`routing.align_in_program`: a pair's rank within its
-   expert from an atomic on the expert's count). (Placing from the routing's own `[T, k]` registers,
-   reshaped to one pair a lane, placed some pairs wrongly on an H100 at 64 experts and 64 pairs; ranks
-   from comparing every pair with every other held `[pairs, pairs]` lanes, too many past 64 pairs.)
-   The two-launch step (`fused`) follows it with one experts kernel.
+   the routing stored back, one pair a lane, and runs in registers: a pair's rank within its expert
+   and its expert's first block come from comparisons of every pair with every other (at most
+   `MAX_PAIRS`² of them), with no atomics. (Placing from the routing's own `[T, k]` registers,
+   reshaped to one pair a lane, placed some pairs wrongly on an H100 at 64 experts and 64 pairs.)
 2. `kernels.gate_up_stage`, as in the general path.
 3. `kernels.down_combine_stage`: the down GEMM, whose last program of each column tile sums every
    token's k weighted rows (its placed ones, at expert parallelism) in a fixed order (the combine).
-
-The three-launch step (`routed_experts`) is what `benchmarks/kernels/moe.py` times the two-launch step
-against in the same run; the dispatcher (`hylo.ops.moe.routed_experts`) takes the two-launch step.
 
 The ticket counters are zero between launches: the last program of each counter puts it back, so a
 CUDA graph replays the launches as they are. Each CUDA stream gets its own counters (`tickets`), so
@@ -42,18 +38,15 @@ from hylo.ops.moe.kernels import MoeConfig
 from hylo.ops.moe.reference import Routing
 from hylo.ops.moe.routing import (
     Alignment,
-    ChoiceRule,
-    align_in_program,
     check_route,
+    choice_constants,
     max_blocks,
+    placed_experts,
     route_tokens,
 )
 
-MAX_PAIRS = 64  # (token, choice) pairs of a three-launch step: its combine sums [T, k, block_n] tiles
-PROLOGUE_PAIRS = 512  # pairs the prologue routes and places: its last program holds [T, E] and [T·k] tiles
-# counters per stream: the three-launch down takes one per column tile (D / block_n), the two-launch
-# experts kernel one per token and column tile (`fused`)
-TICKET_SLOTS = 4096
+MAX_PAIRS = 64  # (token, choice) pairs of a step on this path: the alignment's [pairs, pairs] fits registers
+TICKET_SLOTS = 256  # counters per stream: the down launch takes one per column tile (D / block_n)
 _SPARE_STREAMS = 8  # counter sets made at once, so a stream first seen during a graph capture finds one
 _TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _SPARE: dict[torch.device, list[torch.Tensor]] = {}
@@ -86,22 +79,90 @@ def tickets(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def _place_pairs(
+    ids_ptr,
+    num_pairs,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    num_blocks,
+    first_expert,
+    num_experts,
+    PAIRS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
+):
+    """`routing.align` of the `num_pairs` global ids at `ids_ptr` (this program wrote them: they are
+    read back after a barrier, one pair a lane) from registers, placing only the pairs of experts
+    [first_expert, first_expert + num_experts) (numbered from 0): a pair's rank is the number of
+    earlier pairs of its expert, its expert's first block the blocks of all smaller placed experts
+    (counted once, at each expert's first pair)."""
+    lane = tl.arange(0, PAIRS)  # pair index t·k + j
+    expert, valid = placed_experts(ids_ptr, lane, lane < num_pairs, first_expert, num_experts)
+    same = (expert[:, None] == expert[None, :]) & valid[None, :]
+    rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
+    count = tl.sum(same.to(tl.int32), axis=1)
+    blocks = tl.where(valid & (rank == 0), (count + BLOCK_M - 1) // BLOCK_M, 0)
+    first_block = tl.sum(tl.where(expert[None, :] < expert[:, None], blocks[None, :], 0), axis=1)
+    tl.store(pairs_ptr + first_block * BLOCK_M + rank, lane, mask=valid)
+    block = rank // BLOCK_M
+    # the pairs of one block all write its expert and row count
+    tl.store(block_expert_ptr + first_block + block, expert, mask=valid)
+    rows = tl.minimum(count - block * BLOCK_M, BLOCK_M)
+    tl.store(block_rows_ptr + first_block + block, rows, mask=valid)
+    b = tl.arange(0, BLOCKS_PAD)
+    unused = (b >= tl.sum(blocks, axis=0)) & (b < num_blocks)
+    tl.store(block_expert_ptr + b, tl.full([BLOCKS_PAD], -1, tl.int32), mask=unused)
+    tl.store(block_rows_ptr + b, tl.zeros([BLOCKS_PAD], tl.int32), mask=unused)
+
+
+@triton.jit
 def _prologue_kernel(
-    x_ptr, router_ptr, bias_ptr, logits_ptr, ids_ptr, weights_ptr, q_ptr, q_scale_ptr, layout: Alignment,
-    scratch_ptr, tickets_ptr, num_tokens, num_blocks, first_expert, num_experts, scaling, stride_x, stride_r,
-    rule: ChoiceRule, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_E: tl.constexpr, T_PAD: tl.constexpr,
-    QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_PAD: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    router_ptr,
+    bias_ptr,
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    q_ptr,
+    q_scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    tickets_ptr,
+    num_tokens,
+    num_blocks,
+    first_expert,
+    num_experts,
+    scaling,
+    stride_x,
+    stride_r,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    T_PAD: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
     pid = tl.program_id(0)
     e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_ok = e < rule.E
+    e_ok = e < E
     d = tl.arange(0, D_PAD)
     w_rows = router_ptr + e[:, None].to(tl.int64) * stride_r + d[None, :]
     w = tl.load(w_rows, mask=e_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
     for token in tl.static_range(T_PAD):
         real = token < num_tokens
         x = tl.load(x_ptr + token * stride_x + d, mask=(d < D) & real, other=0.0).to(tl.float32)
-        tl.store(logits_ptr + token * rule.E + e, tl.sum(w * x[None, :], axis=1), mask=e_ok & real)
+        tl.store(logits_ptr + token * E + e, tl.sum(w * x[None, :], axis=1), mask=e_ok & real)
     if QUANTIZE:  # noqa: SIM102 (a constexpr test: the kernel compiles without the branch)
         if pid < tl.cdiv(D, 128):
             tokens = tl.arange(0, T_PAD)
@@ -110,12 +171,24 @@ def _prologue_kernel(
     if tl.atomic_add(tickets_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         tl.store(tickets_ptr, 0)
         t = tl.arange(0, T_PAD)
-        route_tokens(logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t < num_tokens, scaling, rule)
-        tl.debug_barrier()  # the ids stored by every thread of this program are read back by others
-        align_in_program(
-            ids_ptr, scratch_ptr, layout, num_tokens * rule.TOP_K, num_blocks, first_expert, num_experts,
-            rule.E_PAD, BLOCK_M, T_PAD * rule.K_PAD, BLOCKS_PAD,
+        route_tokens(
+            logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t < num_tokens, scaling,
+            E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE,
         )  # fmt: skip
+        tl.debug_barrier()  # the ids stored by every thread of this program are read back by others
+        _place_pairs(
+            ids_ptr,
+            num_tokens * TOP_K,
+            pairs_ptr,
+            block_expert_ptr,
+            block_rows_ptr,
+            num_blocks,
+            first_expert,
+            num_experts,
+            T_PAD * K_PAD,
+            BLOCK_M,
+            BLOCKS_PAD,
+        )
 
 
 def _placed_span(first_expert: int | None, num_experts: int | None, all_experts: int) -> tuple[int, int]:
@@ -140,37 +213,29 @@ def prologue(
     block_m: int,
     quantize: bool,
     block_e: int = 1,
-    num_warps: int | None = None,
+    num_warps: int = 4,
     first_expert: int | None = None,
     num_experts: int | None = None,
-    num_blocks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Alignment, torch.Tensor | None, torch.Tensor | None]:
     """One launch: (global ids `[T, k]`, weights `[T, k]`, alignment into `block_m`-row blocks, and with
-    `quantize` x as e4m3 `[T, D]` with its fp32 group scales `[T, ceil(D/128)]`, else None, None), for at
-    most `PROLOGUE_PAIRS` pairs. Every token is routed over all of routing's experts; the alignment places
-    the pairs of the `num_experts` experts from global id `first_expert` (a rank's, split by expert),
-    numbered from 0, or with `first_expert` None every pair. `num_blocks`: the alignment's blocks, at
-    least as many as the pairs fill (None: `routing.max_blocks`' bound); with `block_m` ≥ T every placed
-    expert fills one block (a token chooses an expert once), so min(E, T·k) blocks hold them all, block
-    b the b-th placed expert in id order. `block_e` router rows per program and `num_warps` (None: 4
-    up to 8 tokens, 8 above, where the last program routes [T, E] tiles): the fastest of those timed by
-    `benchmarks/kernels/moe.py --only breakdown` on an H200 at M = 1 and 4."""
+    `quantize` x as e4m3 `[T, D]` with its fp32 group scales `[T, ceil(D/128)]`, else None, None).
+    Every token is routed over all of routing's experts; the alignment places the pairs of the
+    `num_experts` experts from global id `first_expert` (a rank's, split by expert), numbered from 0,
+    or with `first_expert` None every pair. `block_e` router rows per program and `num_warps`: the
+    fastest of those timed by `benchmarks/kernels/moe.py --only breakdown` on an H200 at M = 1 and 4."""
     check_route(
         x, routing.weight, routing.correction_bias, routing.top_k, routing.n_group, routing.topk_group
     )
     tokens, hidden = x.shape
     all_experts, top_k = routing.weight.shape[0], routing.top_k
     first_expert, num_experts = _placed_span(first_expert, num_experts, all_experts)
-    pairs = tokens * top_k
-    if pairs > PROLOGUE_PAIRS:
-        raise ValueError(
-            f"prologue: x has {tokens} tokens, more than {PROLOGUE_PAIRS // top_k} at top-{top_k}"
-        )
+    if not fits(tokens, top_k):
+        raise ValueError(f"prologue: x has {tokens} tokens, more than {MAX_PAIRS // top_k} at top-{top_k}")
     x, weight = x.contiguous(), routing.weight.contiguous()
     device = x.device
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
-    num_blocks = num_blocks or max_blocks(pairs, num_experts, block_m)
+    num_blocks = max_blocks(tokens * top_k, num_experts, block_m)
     layout = Alignment(
         torch.empty(num_blocks * block_m, dtype=torch.int32, device=device),
         torch.empty(num_blocks, dtype=torch.int32, device=device),
@@ -183,7 +248,6 @@ def prologue(
     if tokens == 0:
         return ids, weights, layout, q, q_scale
     programs = max(triton.cdiv(all_experts, block_e), groups if quantize else 1)
-    token_pad = triton.next_power_of_2(tokens)
     _prologue_kernel[(programs,)](
         x,
         weight,
@@ -193,8 +257,7 @@ def prologue(
         weights,
         x if q is None else q,  # read only where QUANTIZE says so
         weights if q_scale is None else q_scale,
-        layout,
-        torch.empty(2 * num_experts, dtype=torch.int32, device=device),  # the alignment's counts, starts
+        *layout[:3],
         tickets(device),
         tokens,
         num_blocks,
@@ -203,15 +266,15 @@ def prologue(
         float(routing.scaling),
         x.stride(0),
         weight.stride(0),
-        ChoiceRule.of(all_experts, top_k, routing.n_group, routing.topk_group, routing.normalize),
         D=hidden,
         D_PAD=triton.next_power_of_2(hidden),
         BLOCK_E=block_e,
-        T_PAD=token_pad,
+        T_PAD=triton.next_power_of_2(tokens),
         QUANTIZE=quantize,
         BLOCK_M=block_m,
         BLOCKS_PAD=triton.next_power_of_2(num_blocks),
-        num_warps=num_warps or (4 if token_pad <= 8 else 8),
+        **choice_constants(all_experts, top_k, routing.n_group, routing.topk_group, routing.normalize),
+        num_warps=num_warps,
     )
     return ids, weights, layout, q, q_scale
 
@@ -231,15 +294,10 @@ def routed_experts(
     `first_expert`: as in `kernels.experts` (the weights hold global experts from `first_expert` on,
     and only their pairs are computed); None: the weights hold all of routing's experts."""
     tokens, top_k = x.shape[0], routing.top_k
-    if not fits(tokens, top_k):
-        raise ValueError(
-            f"routed_experts: x has {tokens} tokens, more than {MAX_PAIRS // top_k} at top-{top_k}"
-        )
     gate_up_scale, down_scale = scales if scales is not None else (None, None)
     shape = torch.empty(tokens, top_k, device="meta")  # the ids and weights `prologue` will make
-    kernels.check_weights(x, gate_up, gate_up_scale, down, down_scale, shape, shape)
+    config = kernels.check_experts(x, gate_up, gate_up_scale, down, down_scale, shape, shape, config)
     fp8, local = scales is not None, gate_up.shape[0]
-    config = kernels.step_config(x, gate_up, down, tokens * top_k, fp8, config)
     ids, weights, layout, q, q_scale = prologue(
         x, routing, config.block_m, fp8, first_expert=first_expert, num_experts=local
     )

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import torch
 import triton
@@ -101,40 +100,6 @@ def _half_stages(tiles: Tiles) -> Tiles:
     return replace(tiles, num_stages=max(1, tiles.num_stages // 2))
 
 
-class Rows(NamedTuple):
-    """A GEMM's activation rows as a kernel takes them (one argument): `data [rows, K]` (K contiguous)
-    and, FP8, their fp32 group scales `scale [rows, ceil(K/128)]`; unquantised, `scale` is `data`,
-    never read (the kernels' FP8 flag says so)."""
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    stride: int
-    scale_stride: int
-
-    @classmethod
-    def of(cls, data: torch.Tensor, scale: torch.Tensor | None) -> Rows:
-        scale = data if scale is None else scale
-        return cls(data, scale, data.stride(0), scale.stride(0))
-
-
-class ExpertMatrix(NamedTuple):
-    """One weight of every expert, `w [E, N, K]` (K contiguous), as a kernel takes it (one argument):
-    FP8, with its fp32 block scales `scale [E, ceil(N/128), ceil(K/128)]`; unquantised, `scale` is `w`,
-    never read."""
-
-    w: torch.Tensor
-    scale: torch.Tensor
-    stride_e: int
-    stride_n: int
-    scale_stride_e: int
-    scale_stride_n: int
-
-    @classmethod
-    def of(cls, w: torch.Tensor, scale: torch.Tensor | None) -> ExpertMatrix:
-        scale = w if scale is None else scale
-        return cls(w, scale, w.stride(0), w.stride(1), scale.stride(0), scale.stride(1))
-
-
 @triton.jit
 def _load_rows(rows, cols, row_ok, K: tl.constexpr):
     """The `[rows, cols]` tile of a row-major matrix (zeros outside)."""
@@ -190,64 +155,68 @@ def _expert_product(
 
 
 @triton.jit
-def swiglu_tile(
-    x_rows, x_scales, gate_up: ExpertMatrix, expert, pid_n, row_ok, limit,
-    N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gate_up_kernel(
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    h_ptr,
+    h_scale_ptr,
+    num_blocks,
+    limit,
+    stride_x,
+    stride_xs,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_h,
+    stride_hs,
+    TOP_K: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     FP8: tl.constexpr,
-):  # fmt: skip
-    """(fp32 SiLU(min(gate, L))·clamp(up, ±L) `[BLOCK_M, BLOCK_N]`, the columns' mask) of rows `x_rows`
-    (row pointers; FP8: their group scales from `x_scales`) for columns pid_n·BLOCK_N.. of `expert`'s
-    intermediate size N (gate rows [0, N) of `gate_up`, up rows [N, 2N))."""
+    QUANT_GROUP: tl.constexpr,
+):
+    pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    slot, row_ok = _block_slots(pid_m, block_rows_ptr, BLOCK_M)
+    token = tl.load(pairs_ptr + slot, mask=row_ok, other=0) // TOP_K
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
     # one [K, 2·BLOCK_N] weight tile per step, gate rows then the matching up rows: one dot (and for
     # FP8 one wait for its result before the scales apply) instead of two
     j = tl.arange(0, 2 * BLOCK_N)
     w_row = pid_n * BLOCK_N + j % BLOCK_N + (j // BLOCK_N) * N
     w_row_ok = pid_n * BLOCK_N + j % BLOCK_N < N
-    w_cols = gate_up.w + expert.to(tl.int64) * gate_up.stride_e + w_row[None, :] * gate_up.stride_n
-    w_scales = gate_up.scale + expert * gate_up.scale_stride_e + (w_row // 128) * gate_up.scale_stride_n
+    x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + w_row[None, :] * stride_wn
+    a_scales = x_scale_ptr + token * stride_xs
+    w_scales = w_scale_ptr + expert * stride_wse + (w_row // 128) * stride_wsn
     acc = _expert_product(
-        x_rows, x_scales, w_cols, w_scales, row_ok, w_row_ok, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP8
+        x_rows, a_scales, w_cols, w_scales, row_ok, w_row_ok, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP8
     )
     acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
     gate = tl.minimum(acc_gate, limit)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit), n < N
-
-
-@triton.jit
-def quantize_swiglu(h, n_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT_GROUP: tl.constexpr):
-    """(h on the e4m3 grid, fp32, `[BLOCK_M, BLOCK_N]`; its scales `[BLOCK_M, BLOCK_N / QUANT_GROUP]`):
-    `h` quantised per row and group of QUANT_GROUP columns, the columns outside `n_ok` counted as 0."""
-    grouped = tl.reshape(tl.where(n_ok[None, :], h, 0.0), [BLOCK_M, BLOCK_N // QUANT_GROUP, QUANT_GROUP])
-    scale = group_scale(tl.max(tl.abs(grouped), axis=2))
-    q = round_to_e4m3(tl.math.div_rn(grouped, tl.broadcast_to(scale[:, :, None], grouped.shape)))
-    return tl.reshape(q, [BLOCK_M, BLOCK_N]), scale
-
-
-@triton.jit
-def _gate_up_kernel(
-    x: Rows, gate_up: ExpertMatrix, layout: Alignment, h_ptr, h_scale_ptr, num_blocks, limit, stride_h,
-    stride_hs, TOP_K: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FP8: tl.constexpr,
-    QUANT_GROUP: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
-    expert = tl.load(layout.block_expert + pid_m)
-    if expert < 0:
-        return
-    slot, row_ok = _block_slots(pid_m, layout.block_rows, BLOCK_M)
-    token = tl.load(layout.pairs + slot, mask=row_ok, other=0) // TOP_K
-    x_rows = x.data + token.to(tl.int64)[:, None] * x.stride
-    h, n_ok = swiglu_tile(
-        x_rows, x.scale + token * x.scale_stride, gate_up, expert, pid_n, row_ok, limit,
-        N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
-    )  # fmt: skip
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit)
     h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
     out_ok = row_ok[:, None] & n_ok[None, :]
     if FP8:
-        q, scale = quantize_swiglu(h, n_ok, BLOCK_M, BLOCK_N, QUANT_GROUP)
-        tl.store(h_rows + n[None, :], q.to(h_ptr.dtype.element_ty), mask=out_ok)
+        grouped = tl.reshape(tl.where(n_ok[None, :], h, 0.0), [BLOCK_M, BLOCK_N // QUANT_GROUP, QUANT_GROUP])
+        scale = group_scale(tl.max(tl.abs(grouped), axis=2))
+        q = round_to_e4m3(tl.math.div_rn(grouped, tl.broadcast_to(scale[:, :, None], grouped.shape)))
+        tl.store(
+            h_rows + n[None, :], tl.reshape(q, [BLOCK_M, BLOCK_N]).to(h_ptr.dtype.element_ty), mask=out_ok
+        )
         group = (pid_n * BLOCK_N) // 128 + tl.arange(0, BLOCK_N // QUANT_GROUP)
         group_ok = row_ok[:, None] & (group < tl.cdiv(N, 128))[None, :]  # a tile may reach past I
         tl.store(h_scale_ptr + slot[:, None] * stride_hs + group[None, :], scale, mask=group_ok)
@@ -257,20 +226,21 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_rows(
-    h: Rows, down: ExpertMatrix, layout: Alignment, weights_ptr, out_ptr, pid_m, pid_n, expert, stride_o,
+    h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pairs_ptr, block_rows_ptr, weights_ptr, out_ptr,
+    pid_m, pid_n, expert, stride_h, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_o,
     N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr,
 ):  # fmt: skip
     """Row block `pid_m` (of `expert`) times its column tile `pid_n`, weighted, to each pair's row."""
-    slot, row_ok = _block_slots(pid_m, layout.block_rows, BLOCK_M)
+    slot, row_ok = _block_slots(pid_m, block_rows_ptr, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    h_rows = h.data + slot.to(tl.int64)[:, None] * h.stride
-    w_cols = down.w + expert.to(tl.int64) * down.stride_e + n[None, :] * down.stride_n
-    a_scales = h.scale + slot * h.scale_stride
-    w_scales = down.scale + expert * down.scale_stride_e + (n // 128) * down.scale_stride_n
+    h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn
+    a_scales = h_scale_ptr + slot * stride_hs
+    w_scales = w_scale_ptr + expert * stride_wse + (n // 128) * stride_wsn
     acc = _expert_product(h_rows, a_scales, w_cols, w_scales, row_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
-    pair = tl.load(layout.pairs + slot, mask=row_ok, other=0)
+    pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
     acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -278,16 +248,38 @@ def _down_rows(
 
 @triton.jit
 def _down_kernel(
-    h: Rows, down: ExpertMatrix, layout: Alignment, weights_ptr, out_ptr, num_blocks, stride_o,
-    N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FP8: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    h_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    weights_ptr,
+    out_ptr,
+    num_blocks,
+    stride_h,
+    stride_hs,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_o,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr,
+):
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
-    expert = tl.load(layout.block_expert + pid_m)
+    expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     _down_rows(
-        h, down, layout, weights_ptr, out_ptr, pid_m, pid_n, expert, stride_o,
+        h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pairs_ptr, block_rows_ptr, weights_ptr, out_ptr,
+        pid_m, pid_n, expert, stride_h, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_o,
         N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
     )  # fmt: skip
 
@@ -328,21 +320,52 @@ def _combine_kernel(
 
 @triton.jit
 def _down_combine_kernel(
-    h: Rows, down: ExpertMatrix, layout: Alignment, weights_ptr, routed_ptr, ids_ptr, out_ptr, tickets_ptr,
-    num_blocks, num_tokens, first_expert, stride_r, stride_o,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FP8: tl.constexpr, E: tl.constexpr, PARTIAL: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    h_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    weights_ptr,
+    routed_ptr,
+    ids_ptr,
+    out_ptr,
+    tickets_ptr,
+    num_blocks,
+    num_tokens,
+    first_expert,
+    stride_h,
+    stride_hs,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_r,
+    stride_o,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    T_PAD: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    FP8: tl.constexpr,
+    E: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
     """`_down_kernel`, then the combine of its column tile by the tile's last program to finish: every
     row block of the tile takes a ticket (empty blocks too), and the last ticket sums each token's k
     rows (PARTIAL: its placed ones, `_sum_pairs`) in a fixed order and puts the ticket counter back to
     zero."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
-    expert = tl.load(layout.block_expert + pid_m)
+    expert = tl.load(block_expert_ptr + pid_m)
     if expert >= 0:
         _down_rows(
-            h, down, layout, weights_ptr, routed_ptr, pid_m, pid_n, expert, stride_r,
+            h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pairs_ptr, block_rows_ptr, weights_ptr, routed_ptr,
+            pid_m, pid_n, expert, stride_h, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_r,
             N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
         )  # fmt: skip
     tl.debug_barrier()  # all of this program's rows are stored before its ticket releases them
@@ -528,7 +551,7 @@ def _check_tma_config(
         )
 
 
-def check_weights(
+def check_experts(
     x: torch.Tensor,
     gate_up: torch.Tensor,
     gate_up_scale: torch.Tensor | None,
@@ -536,11 +559,13 @@ def check_weights(
     down_scale: torch.Tensor | None,
     ids: torch.Tensor,
     weights: torch.Tensor,
-) -> None:
-    """ValueError naming any argument of a step that does not fit: FP8 when the scales are given, else
-    weights in x's dtype; weights and scales contiguous in their last dimension."""
+    config: MoeConfig | None,
+) -> MoeConfig:
+    """The configuration a step runs with (`config` or the default), after a ValueError naming any
+    argument that does not fit: FP8 when the scales are given, else weights in x's dtype."""
     _check(x, gate_up, down, ids, weights)
-    if gate_up_scale is not None:
+    fp8 = gate_up_scale is not None
+    if fp8:
         if down_scale is None:
             raise ValueError("experts_fp8: down_scale_inv is missing")
         _check_scale("gate_up", gate_up_scale, gate_up)
@@ -549,6 +574,11 @@ def check_weights(
         raise ValueError(
             f"experts: gate_up {gate_up.dtype} and down {down.dtype} must be x's dtype {x.dtype}"
         )
+    tokens, top_k = ids.shape
+    num_experts, two_i, hidden = gate_up.shape
+    tma = _tma_refusal(hidden, two_i // 2, (gate_up, down)) is None
+    config = config or default_config(tokens * top_k, num_experts, fp8, tma, x.element_size())
+    _check_config(config, hidden, two_i // 2, fp8, (gate_up, down))
     for name, t in (
         ("gate_up", gate_up),
         ("down", down),
@@ -559,22 +589,6 @@ def check_weights(
             raise ValueError(
                 f"experts: {name} must be contiguous in its last dimension, strides {t.stride()}"
             )
-
-
-def step_config(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    num_pairs: int,
-    fp8: bool,
-    config: MoeConfig | None,
-) -> MoeConfig:
-    """The configuration a step of `num_pairs` pairs runs with (`config` or the default), checked against
-    the weights (after `check_weights`)."""
-    num_experts, two_i, hidden = gate_up.shape
-    tma = _tma_refusal(hidden, two_i // 2, (gate_up, down)) is None
-    config = config or default_config(num_pairs, num_experts, fp8, tma, x.element_size())
-    _check_config(config, hidden, two_i // 2, fp8, (gate_up, down))
     return config
 
 
@@ -590,8 +604,7 @@ def _run(
     config: MoeConfig | None,
     first_expert: int | None,
 ) -> torch.Tensor:
-    check_weights(x, gate_up, gate_up_scale, down, down_scale, ids, weights)
-    config = step_config(x, gate_up, down, ids.numel(), gate_up_scale is not None, config)
+    config = check_experts(x, gate_up, gate_up_scale, down, down_scale, ids, weights, config)
     tokens, top_k = ids.shape
     num_experts, _, hidden = gate_up.shape
     if tokens == 0:
@@ -699,13 +712,21 @@ def gate_up_stage(
         )
         return h, h_scale
     _gate_up_kernel[(programs,)](
-        Rows.of(x, x_scale),
-        ExpertMatrix.of(gate_up, gate_up_scale),
-        layout,
+        x,
+        _or(x_scale, x),  # the kernel reads a scale argument only where its flags say so
+        gate_up,
+        _or(gate_up_scale, gate_up),
+        *layout[:3],
         h,
-        _or(h_scale, h),  # the kernel reads a scale argument only where its flags say so
+        _or(h_scale, h),
         num_blocks,
         float(limit),
+        x.stride(0),
+        _or(x_scale, x).stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        _or(gate_up_scale, gate_up).stride(0),
+        _or(gate_up_scale, gate_up).stride(1),
         h.stride(0),
         _or(h_scale, h).stride(0),
         TOP_K=top_k,
@@ -746,12 +767,23 @@ def _down_arguments(
     num_blocks = layout.block_expert.numel()
     hidden = down.shape[1]
     dn = config.down
+    scale, w_scale = _or(h_scale, h), _or(down_scale, down)
     arguments = {
-        "h": Rows.of(h, h_scale),
-        "down": ExpertMatrix.of(down, down_scale),
-        "layout": layout,
+        "h_ptr": h,
+        "h_scale_ptr": scale,
+        "w_ptr": down,
+        "w_scale_ptr": w_scale,
+        "pairs_ptr": layout.pairs,
+        "block_expert_ptr": layout.block_expert,
+        "block_rows_ptr": layout.block_rows,
         "weights_ptr": weights.float().contiguous(),
         "num_blocks": num_blocks,
+        "stride_h": h.stride(0),
+        "stride_hs": scale.stride(0),
+        "stride_we": down.stride(0),
+        "stride_wn": down.stride(1),
+        "stride_wse": w_scale.stride(0),
+        "stride_wsn": w_scale.stride(1),
         "FP8": fp8,
         **_tile_arguments(config, dn, hidden, h.shape[1]),
     }

@@ -40,27 +40,6 @@ class Alignment(NamedTuple):
     block_m: int
 
 
-class ChoiceRule(NamedTuple):
-    """The compile-time shape of a routing choice, as `choose_experts` takes it (one kernel argument,
-    every field a `tl.constexpr`): E experts padded to E_PAD lanes, TOP_K choices padded to K_PAD,
-    N_GROUP groups (padded to G_PAD) of which the best TOPK_GROUP are kept, NORMALIZE the weights."""
-
-    E: tl.constexpr
-    E_PAD: tl.constexpr
-    TOP_K: tl.constexpr
-    K_PAD: tl.constexpr
-    N_GROUP: tl.constexpr
-    G_PAD: tl.constexpr
-    TOPK_GROUP: tl.constexpr
-    NORMALIZE: tl.constexpr
-
-    @classmethod
-    def of(cls, num_experts: int, top_k: int, n_group: int, topk_group: int, normalize: bool) -> ChoiceRule:
-        pad = triton.next_power_of_2
-        values = (num_experts, pad(num_experts), top_k, pad(top_k), n_group, pad(n_group), topk_group)
-        return cls(*(tl.constexpr(v) for v in (*values, normalize)))
-
-
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound of Σ_e cdiv(count_e, block_m): at most min(E, pairs) experts have a partial block."""
     return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
@@ -70,73 +49,109 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def choose_experts(logits_ptr, bias_ptr, t, t_ok, scaling, rule: ChoiceRule):
-    """(ids int64, weights fp32, valid) `[len(t), rule.K_PAD]` of tokens `t` from their fp32 logits
-    `[T, rule.E]`: the routing of `reference.route`. The logits are read past this SM's L1 (`.cg`): the
+def choose_experts(
+    logits_ptr,
+    bias_ptr,
+    t,
+    t_ok,
+    scaling,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
+    """(ids int64, weights fp32, valid) `[len(t), K_PAD]` of tokens `t` from their fp32 logits
+    `[T, E]`: the routing of `reference.route`. The logits are read past this SM's L1 (`.cg`): the
     decode prologue reads logits that other programs of its launch wrote."""
-    e = tl.arange(0, rule.E_PAD)
-    e_ok = e < rule.E
-    rows = logits_ptr + t[:, None] * rule.E
+    e = tl.arange(0, E_PAD)
+    e_ok = e < E
+    rows = logits_ptr + t[:, None] * E
     logits = tl.load(rows + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0, cache_modifier=".cg")
     biased = tl.sigmoid(logits) + tl.load(bias_ptr + e, mask=e_ok, other=0.0)[None, :]
     biased = tl.where(e_ok[None, :], biased, float("-inf"))
-    if rule.N_GROUP > 1:
-        group_of = e // (rule.E // rule.N_GROUP)
-        g = tl.arange(0, rule.G_PAD)
-        strength = tl.full([t.shape[0], rule.G_PAD], float("-inf"), tl.float32)
-        for group in tl.static_range(rule.N_GROUP):
+    if N_GROUP > 1:
+        group_of = e // (E // N_GROUP)
+        g = tl.arange(0, G_PAD)
+        strength = tl.full([t.shape[0], G_PAD], float("-inf"), tl.float32)
+        for group in tl.static_range(N_GROUP):
             members = tl.where((group_of == group)[None, :], biased, float("-inf"))
             first = tl.argmax(members, axis=1)
             second = tl.max(tl.where(e[None, :] == first[:, None], float("-inf"), members), axis=1)
             top_two = tl.max(members, axis=1) + second
             strength = tl.where(g[None, :] == group, top_two[:, None], strength)
-        keep = tl.zeros([t.shape[0], rule.E_PAD], tl.int1)
-        for _ in tl.static_range(rule.TOPK_GROUP):
+        keep = tl.zeros([t.shape[0], E_PAD], tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
             best = tl.argmax(strength, axis=1)
             keep = keep | (group_of[None, :] == best[:, None])
             strength = tl.where(g[None, :] == best[:, None], float("-inf"), strength)
         biased = tl.where(keep, biased, float("-inf"))
-    j = tl.arange(0, rule.K_PAD)
+    j = tl.arange(0, K_PAD)
     if t.shape[0] == 1:
         # one token (decode): one bitonic top-k of (score, lowest index first) keys. On an H200 it
         # takes one program 2.3 us against 3.4 for TOP_K arg-max reductions, which win from 4 tokens
         # (5.0 against 5.6 us).
         bits = biased.to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-integer order of the floats
-        # lanes counted from the last, tensor first (the interpreter keeps constexpr - tensor a constexpr)
-        keys = ordered.to(tl.int64) * 4294967296 + (-e + (rule.E_PAD - 1))[None, :]
-        ids = (-(tl.topk(keys, rule.K_PAD) & 0xFFFFFFFF) + (rule.E_PAD - 1)).to(tl.int64)
+        keys = ordered.to(tl.int64) * 4294967296 + (E_PAD - 1 - e)[None, :]
+        ids = (E_PAD - 1 - (tl.topk(keys, K_PAD) & 0xFFFFFFFF)).to(tl.int64)
     else:
-        ids = tl.zeros([t.shape[0], rule.K_PAD], tl.int64)
-        for choice in tl.static_range(rule.TOP_K):
+        ids = tl.zeros([t.shape[0], K_PAD], tl.int64)
+        for choice in tl.static_range(TOP_K):
             pick = tl.argmax(biased, axis=1)
             ids = tl.where(j[None, :] == choice, pick.to(tl.int64)[:, None], ids)
             biased = tl.where(e[None, :] == pick[:, None], float("-inf"), biased)
-    ok = t_ok[:, None] & (j < rule.TOP_K)[None, :]
+    ok = t_ok[:, None] & (j < TOP_K)[None, :]
     # the chosen scores gathered from the logits (cached) rather than reduced out of the one-hot
     # choice: one load instead of one cross-warp reduction per choice
     chosen = tl.load(rows + ids, mask=ok, other=0.0, cache_modifier=".cg")
     weights = tl.where(ok, tl.sigmoid(chosen), 0.0)  # the padding choices stay out of the sum
-    if rule.NORMALIZE:
+    if NORMALIZE:
         weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     return ids, weights * scaling, ok
 
 
 @triton.jit
-def route_tokens(logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t_ok, scaling, rule: ChoiceRule):
+def route_tokens(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t_ok, scaling,
+    E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, NORMALIZE: tl.constexpr,
+):  # fmt: skip
     """`choose_experts` of tokens `t`, stored at ids / weights `[T, k]`."""
-    ids, weights, ok = choose_experts(logits_ptr, bias_ptr, t, t_ok, scaling, rule)
-    pair = t[:, None] * rule.TOP_K + tl.arange(0, rule.K_PAD)[None, :]
+    ids, weights, ok = choose_experts(
+        logits_ptr, bias_ptr, t, t_ok, scaling, E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE
+    )
+    pair = t[:, None] * TOP_K + tl.arange(0, K_PAD)[None, :]
     tl.store(ids_ptr + pair, ids, mask=ok)
     tl.store(weights_ptr + pair, weights, mask=ok)
 
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr, num_tokens, scaling, rule: ChoiceRule, BLOCK_T: tl.constexpr
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    weights_ptr,
+    num_tokens,
+    scaling,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    route_tokens(logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t < num_tokens, scaling, rule)
+    route_tokens(
+        logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t < num_tokens, scaling,
+        E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE,
+    )  # fmt: skip
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -170,6 +185,22 @@ def check_route(
         raise ValueError(f"route: top_k {top_k} exceeds the experts of {topk_group} groups")
 
 
+def choice_constants(
+    num_experts: int, top_k: int, n_group: int, topk_group: int, normalize: bool
+) -> dict[str, int | bool]:
+    """The compile-time arguments of `choose_experts`."""
+    return {
+        "E": num_experts,
+        "E_PAD": triton.next_power_of_2(num_experts),
+        "TOP_K": top_k,
+        "K_PAD": triton.next_power_of_2(top_k),
+        "N_GROUP": n_group,
+        "G_PAD": triton.next_power_of_2(n_group),
+        "TOPK_GROUP": topk_group,
+        "NORMALIZE": normalize,
+    }
+
+
 def route(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -197,7 +228,7 @@ def route(
         weights,
         tokens,
         float(scaling),
-        ChoiceRule.of(num_experts, top_k, n_group, topk_group, normalize),
+        **choice_constants(num_experts, top_k, n_group, topk_group, normalize),
         BLOCK_T=block_t,
     )
     return ids, weights
@@ -322,52 +353,46 @@ def _place_kernel(
 
 
 @triton.jit
-def align_in_program(
-    ids_ptr, scratch_ptr, layout: Alignment, num_pairs, num_blocks, first_expert, num_experts,
-    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr,
-):  # fmt: skip
-    """`align` of the `num_pairs` global ids at `ids_ptr` by one program into `layout` (blocks of BLOCK_M
-    rows), placing the pairs of experts [first_expert, first_expert + num_experts) as experts 0..; the
-    blocks from the real count up to `num_blocks` get expert -1. `scratch_ptr`: 2·num_experts int32
-    (each expert's count, then its first block), any values (zeroed here).
-
-    With no one-hot reductions: each pair keeps its rank (an atomic on its expert's count, so the order
-    of the pairs inside an expert is arbitrary) in a register, gathers its expert's first block and
-    writes its row, its block's expert and row count (the pairs of one block write the same values).
-    Barriers order the phases (one CTA sees its own global writes after a barrier)."""
-    counts_ptr, starts_ptr = scratch_ptr, scratch_ptr + num_experts
+def _align_small_kernel(
+    ids_ptr,
+    counts_ptr,
+    starts_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    num_pairs,
+    num_blocks,
+    first_expert,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PAIRS_PAD: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
+):
+    """Count and place every placed pair in one program, with no one-hot reductions: each pair keeps its
+    rank in a register, gathers its expert's first block from `starts` and writes its row, its
+    block's expert and row count (the pairs of one block write the same values). Barriers order the
+    phases (one CTA sees its own global writes after a barrier)."""
     e = tl.arange(0, E_PAD)
-    tl.store(counts_ptr + e, tl.zeros([E_PAD], tl.int32), mask=e < num_experts)
+    tl.store(counts_ptr + e, tl.zeros([E_PAD], tl.int32), mask=e < E)
     tl.debug_barrier()
     i = tl.arange(0, PAIRS_PAD)
-    expert, ok = placed_experts(ids_ptr, i, i < num_pairs, first_expert, num_experts)
+    expert, ok = placed_experts(ids_ptr, i, i < num_pairs, first_expert, E)
     rank = tl.atomic_add(counts_ptr + expert, 1, mask=ok)
     tl.debug_barrier()
-    _, starts, ends = _expert_blocks(counts_ptr, num_experts, E_PAD, BLOCK_M)
-    tl.store(starts_ptr + e, starts, mask=e < num_experts)
+    _, starts, ends = _expert_blocks(counts_ptr, E, E_PAD, BLOCK_M)
+    tl.store(starts_ptr + e, starts, mask=e < E)
     b = tl.arange(0, BLOCKS_PAD)
     unused = (b >= tl.max(ends, axis=0)) & (b < num_blocks)
-    tl.store(layout.block_expert + b, tl.full([BLOCKS_PAD], -1, tl.int32), mask=unused)
-    tl.store(layout.block_rows + b, tl.zeros([BLOCKS_PAD], tl.int32), mask=unused)
+    tl.store(block_expert_ptr + b, tl.full([BLOCKS_PAD], -1, tl.int32), mask=unused)
+    tl.store(block_rows_ptr + b, tl.zeros([BLOCKS_PAD], tl.int32), mask=unused)
     tl.debug_barrier()
     first_block = tl.load(starts_ptr + expert, mask=ok, other=0)
     count = tl.load(counts_ptr + expert, mask=ok, other=0)
-    tl.store(layout.pairs + first_block * BLOCK_M + rank, i, mask=ok)
+    tl.store(pairs_ptr + first_block * BLOCK_M + rank, i, mask=ok)
     block = rank // BLOCK_M
-    tl.store(layout.block_expert + first_block + block, expert, mask=ok)
-    tl.store(layout.block_rows + first_block + block, tl.minimum(count - block * BLOCK_M, BLOCK_M), mask=ok)
-
-
-@triton.jit
-def _align_small_kernel(
-    ids_ptr, scratch_ptr, layout: Alignment, num_pairs, num_blocks, first_expert,
-    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS_PAD: tl.constexpr,
-    BLOCKS_PAD: tl.constexpr,
-):  # fmt: skip
-    align_in_program(
-        ids_ptr, scratch_ptr, layout, num_pairs, num_blocks, first_expert, E,
-        E_PAD, BLOCK_M, PAIRS_PAD, BLOCKS_PAD,
-    )  # fmt: skip
+    tl.store(block_expert_ptr + first_block + block, expert, mask=ok)
+    tl.store(block_rows_ptr + first_block + block, tl.minimum(count - block * BLOCK_M, BLOCK_M), mask=ok)
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int | None = None) -> Alignment:
@@ -384,17 +409,19 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int |
     num_pairs = flat.numel()
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
     device = ids.device
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     block_rows = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    layout = Alignment(pairs, block_expert, block_rows, block_m)
+    buffers = (pairs, block_expert, block_rows)
     e_pad = triton.next_power_of_2(num_experts)
     if num_pairs <= SMALL_PAIRS:
         bucket = triton.next_power_of_2(num_pairs)  # vectors sized per power of two: few compiled variants
         _align_small_kernel[(1,)](
             flat,
-            torch.empty(2 * num_experts, dtype=torch.int32, device=device),  # counts, first blocks
-            layout,
+            counts,
+            torch.empty(num_experts, dtype=torch.int32, device=device),  # each expert's first block
+            *buffers,
             num_pairs,
             num_blocks,
             first_expert,
@@ -406,8 +433,8 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int |
             num_warps=4,
         )
     else:
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
         ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+        counts.zero_()
         _count_kernel[(triton.cdiv(num_pairs, 256),)](
             flat, counts, ranks, num_pairs, first_expert, E=num_experts, CHUNK_SIZE=256
         )
@@ -415,7 +442,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int |
             flat,
             ranks,
             counts,
-            *layout[:3],
+            *buffers,
             num_pairs,
             num_blocks,
             first_expert,
@@ -425,4 +452,4 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int |
             CHUNK_SIZE=CHUNK,
             num_warps=8,
         )
-    return layout
+    return Alignment(pairs, block_expert, block_rows, block_m)
