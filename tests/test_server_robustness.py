@@ -294,13 +294,16 @@ def test_body_size_is_capped_with_413(server):
 
 
 def test_a_long_prompt_does_not_stall_other_connections(server):
-    """Defect 6: tokenising ~3 MB took seconds on the event loop, /health included."""
+    """Defect 6: tokenising ~3 MB took seconds on the event loop, /health included. On the loop, a
+    /health probe waits for the whole tokenisation; off it, for a small part of it. The bound is
+    relative to the long request's own time, so a loaded machine slows both sides alike."""
     result: dict[str, httpx.Response] = {}
     worker = threading.Thread(
         target=lambda: result.setdefault(
             "r", post(server, "/v1/completions", {"prompt": "story water " * 250_000})
         )
     )
+    began = time.perf_counter()
     worker.start()
     worst = 0.0
     while worker.is_alive():
@@ -309,8 +312,9 @@ def test_a_long_prompt_does_not_stall_other_connections(server):
         worst = max(worst, time.perf_counter() - start)
         time.sleep(0.05)
     worker.join()
+    took = time.perf_counter() - began
     assert_error(result["r"], 400, "prompt")  # longer than the context, found out off the loop
-    assert worst < 1.0, f"/health took {worst:.2f} s while a long prompt was tokenised"
+    assert worst < took / 3, f"/health took {worst:.2f} s while a long prompt was tokenised for {took:.2f} s"
 
 
 def test_non_streaming_request_is_aborted_when_its_client_leaves(server):
