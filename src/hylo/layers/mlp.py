@@ -5,14 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hylo.layers.linear import Linear
-from hylo.ops.moe import swiglu_clamp
+from hylo.layers.linear import FusedLinear, Linear
+from hylo.ops.activation import swiglu_clamp
 from hylo.parallel.layout import SINGLE, Parallel
 
 
 class MLP(nn.Module):
     """Under tensor parallelism gate and up are column parallel, down row parallel. `reduce=False`
-    leaves down's partial sum to the caller (the MoE block reduces it with its routed experts')."""
+    leaves down's partial sum to the caller (the MoE block reduces it with its routed experts').
+
+    gate and up read the same input: one GEMM (`gate_up_proj`, a `FusedLinear` whose parts keep the
+    checkpoint names `gate_proj` and `up_proj`), and the activation reads its two column halves in
+    place (`ops.activation.swiglu_clamp`, one launch on the GPU)."""
 
     def __init__(
         self,
@@ -24,11 +28,11 @@ class MLP(nn.Module):
     ):
         super().__init__()
         inter = parallel.part(intermediate_size, "the MLP's intermediate size")
-        self.gate_proj = Linear(hidden_size, inter)
-        self.up_proj = Linear(hidden_size, inter)
+        self.gate_up_proj = FusedLinear(hidden_size, [("gate_proj", inter), ("up_proj", inter)])
         self.down_proj = Linear(inter, hidden_size)
         self.swiglu_limit, self.parallel, self.reduce = swiglu_limit, parallel, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(swiglu_clamp(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        gate, up = self.gate_up_proj(x)
+        out = self.down_proj(swiglu_clamp(gate, up, self.swiglu_limit))
         return self.parallel.all_reduce(out) if self.reduce else out
