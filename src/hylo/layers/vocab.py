@@ -16,7 +16,9 @@ class VocabEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, parallel: Parallel = SINGLE):
         self.lo, hi = parallel.vocab_span(vocab_size)
-        super().__init__(hi - self.lo, hidden_size)
+        # uninitialised: the loader fills it; nn.Embedding's normal_ under the meta-device context goes
+        # through torch._refs, whose first call imports torch._dynamo (seconds at every start-up)
+        super().__init__(hi - self.lo, hidden_size, _weight=torch.empty(hi - self.lo, hidden_size))
         self.parallel = parallel
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
