@@ -94,6 +94,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="shape of GET /get_load: vllm-router's {load} or sglang-router's list of per-rank loads",
     )
     srv.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish the prefix cache's pages as vLLM KV events on a ZMQ PUB socket bound here (port 0: "
+        "a free one, shown by GET /kv_event_sources), for vllm-router's kv_aware policy; needs the "
+        "kv-events extra",
+    )
+    srv.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -270,6 +278,7 @@ def _serve(args: argparse.Namespace) -> int:
             args.get_load_format,
             args.responses_store_size,
             args.responses_store_age,
+            args.kv_events_endpoint,
         )
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"hylo: {e}", file=sys.stderr)

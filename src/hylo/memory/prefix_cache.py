@@ -34,6 +34,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hylo.memory.pages import FreeList, SharedPages
 
@@ -59,6 +60,20 @@ class PrefixHit:
     length: int
 
 
+class PrefixListener(Protocol):
+    """Told of every change to the tree's pages, on the thread that makes it (the engine's), while the
+    change is made: it must only record what it is told (`hylo.server.kv_events` publishes them)."""
+
+    def stored(self, node: PageNode) -> None:
+        """`node` joined the tree; its parent is the root or a node `stored` before."""
+
+    def removed(self, node: PageNode) -> None:
+        """`node` left the tree; its children (if it had any) were `removed` before."""
+
+    def cleared(self) -> None:
+        """Every node left the tree at once (`clear`), with no `removed` for them."""
+
+
 @dataclass
 class PrefixStats:
     """Counters since start-up: `query_tokens` of the requests admitted, `hit_tokens` of them found in
@@ -81,7 +96,7 @@ class PrefixCache:
     memory behind both). A snapshot is taken where a prefill chunk crosses a page boundary that is a
     multiple of `snapshot_interval` tokens, and at the last page boundary before the end of what the
     prefill computes (so a prompt sent again, or a conversation's next turn, resumes from its last full
-    page)."""
+    page). A `listener` (PrefixListener), when set, is told of every page joining or leaving the tree."""
 
     def __init__(self, pages: SharedPages, snapshot_ids: FreeList, page_size: int, snapshot_interval: int):
         if snapshot_interval < page_size or snapshot_interval % page_size:
@@ -97,6 +112,7 @@ class PrefixCache:
         self.stats = PrefixStats()
         self._clock = itertools.count(1)
         self._snapshot_nodes: dict[int, PageNode] = {}  # snapshot id -> the node that holds it
+        self.listener: PrefixListener | None = None
 
     @property
     def num_snapshots(self) -> int:
@@ -175,6 +191,8 @@ class PrefixCache:
                 node.children[key] = child
                 self.pages.share([pages[i]])
                 self.num_nodes += 1
+                if self.listener is not None:
+                    self.listener.stored(child)
             child.last_used = now
             node = child
         if node.snapshot is None:
@@ -214,7 +232,9 @@ class PrefixCache:
             if node.snapshot is not None:
                 self._drop_snapshot(node)
         for node in sorted(self.nodes(), key=lambda n: -n.depth):
-            self._remove(node)
+            self._remove(node, announce=False)
+        if self.listener is not None:
+            self.listener.cleared()
 
     def nodes(self):
         stack = list(self.root.children.values())
@@ -228,14 +248,17 @@ class PrefixCache:
         self.free_snapshot(node.snapshot)
         node.snapshot = None
 
-    def _remove(self, node: PageNode) -> None:
-        """Unlink a leaf, free its snapshot and drop the tree's reference on its page."""
+    def _remove(self, node: PageNode, announce: bool = True) -> None:
+        """Unlink a leaf, free its snapshot and drop the tree's reference on its page; tell the
+        listener unless `announce` is False (`clear` tells it once for all)."""
         assert not node.children
         if node.snapshot is not None:
             self._drop_snapshot(node)
         del node.parent.children[node.tokens]
         self.pages.unshare([node.page])
         self.num_nodes -= 1
+        if announce and self.listener is not None:
+            self.listener.removed(node)
 
     def _prune(self, node: PageNode) -> None:
         """Remove leaves without a snapshot from `node` upwards: nobody can resume inside them."""

@@ -151,6 +151,7 @@ def build_app(
             "num_waiting": engine.num_waiting,
             "memory": core.memory_report,
             "prefix_cache": _prefix_cache_info(caches),
+            "kv_block_size": plan.page_size,  # tokens a KV event's block holds (vLLM routers read it)
             "parallel": core.ranks.describe(),
             "num_open_requests": engine.num_open,
         } | engine.metrics.speculative_info()

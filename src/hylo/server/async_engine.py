@@ -84,6 +84,9 @@ class AsyncEngine:
         self.metrics = ServerMetrics(engine)
         self.failure: str | None = None
         self._on_fatal = on_fatal
+        # called on the engine thread after each step, and after commands run while idle (what they
+        # changed is then whole), e.g. KVEventPublisher.publish; what it raises is logged, not fatal
+        self.between_steps: Callable[[], None] | None = None
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -181,9 +184,12 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self.engine.check_alive()  # a rank is lost: also while nothing runs
                 self._drain_commands()
-                if self.engine.has_unfinished():
+                stepping = self.engine.has_unfinished()
+                if stepping:
                     self._publish_step(self.engine.step())
-                else:
+                if self.between_steps is not None:
+                    self._between_steps()
+                if not stepping:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
         except Exception as e:
@@ -197,6 +203,12 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self._abort(request_id)
         self._close("the server is shutting down")
+
+    def _between_steps(self) -> None:
+        try:
+            self.between_steps()
+        except Exception:
+            logger.exception("between steps: %s failed", self.between_steps)
 
     def _drain_commands(self) -> None:
         while True:

@@ -20,6 +20,7 @@ from hylo.engine.engine import Engine
 from hylo.server.api import build_app
 from hylo.server.async_engine import AsyncEngine
 from hylo.server.guard import GuardedHTTP
+from hylo.server.kv_events import KVEventPublisher
 from hylo.server.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES, ResponseStore
 
 logger = logging.getLogger("hylo")
@@ -100,6 +101,7 @@ def serve(
     load_format: str = "vllm",
     responses_store_size: int = DEFAULT_MAX_ENTRIES,
     responses_store_age: float = DEFAULT_MAX_AGE_S,
+    kv_events_endpoint: str | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit status 0) or until the engine fails (status 1). On a host
     other than node 0 (or a `torchrun` rank other than 0) this process's rank follows rank 0 instead.
@@ -107,11 +109,21 @@ def serve(
     headers must arrive within `timeout_request_header` seconds, its body within
     `timeout_request_body` more (else 408, closed); at most `limit_concurrency` connections are open
     (one more gets a 503). `/v1/responses` stores at most `responses_store_size` responses, each
-    for `responses_store_age` seconds."""
+    for `responses_store_age` seconds. With `kv_events_endpoint` the prefix cache's pages are published
+    there as vLLM KV events (`hylo.server.kv_events`)."""
+    if kv_events_endpoint is not None and config.disable_radix_cache:
+        raise ValueError(
+            "--kv-events-endpoint publishes the prefix cache's pages: drop --disable-radix-cache"
+        )
     engine = Engine(config, ranks=start(config))
     if not engine.ranks.leader:
         follow(engine)
         return 0
+    try:
+        kv_events = None if kv_events_endpoint is None else KVEventPublisher(kv_events_endpoint)
+    except ValueError:
+        engine.close()
+        raise
     name = served_model_name or (Path(config.model).name if config.model else "hylo-demo")
     server: _Server | None = None
 
@@ -130,6 +142,11 @@ def serve(
         responses_store=ResponseStore(responses_store_size, responses_store_age),
     )
     app.state.load_format = load_format  # GET /get_load's shape (hylo.server.worker_routes)
+    app.state.kv_events = kv_events  # GET /kv_event_sources (hylo.server.worker_routes)
+    if kv_events is not None:
+        # vLLM's tier names: GPU is device memory; a CPU engine's pages are in host memory
+        kv_events.attach(engine.caches.prefix, "GPU" if engine.device.type == "cuda" else "CPU")
+        async_engine.between_steps = kv_events.publish
     stopped = True
 
     @contextlib.asynccontextmanager
@@ -140,6 +157,8 @@ def serve(
         stopped = await asyncio.to_thread(async_engine.shutdown, _ABORT_GRACE_S)
         if not stopped:
             logger.error("the engine thread did not stop (a step that never returns); exiting anyway")
+        if kv_events is not None and stopped:  # a stuck engine thread may still use the socket
+            kv_events.close()
         logger.info("engine stopped")
 
     app.router.lifespan_context = lifespan
@@ -160,8 +179,9 @@ def serve(
     )
     # The key itself is never printed: ready lines end up in shared logs.
     auth = " -H 'Authorization: Bearer <your --api-key>'" if api_key else ""
+    events = "" if kv_events is None else f", KV events on {kv_events.endpoint}"
     server.ready_line = (
-        f"hylo: ready, serving {name!r} on http://{host}:{port}\n"
+        f"hylo: ready, serving {name!r} on http://{host}:{port}{events}\n"
         f"  curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
         f"""-d '{{"model": "{name}", "prompt": "Hello", "max_tokens": 16}}'"""
     )

@@ -1,7 +1,8 @@
 """The routes the routers users scale out with call on a worker (vllm-router, sglang-router): tokenize
 and detokenize (a prompt or chat messages), render (a request's prompt token ids, for cache-aware
-routing), load (for power-of-two), model and server info (the model id they register), and flushing
-the prefix cache. Each answers in the shape the router reads (vLLM's or SGLang's)."""
+routing), load (for power-of-two), model and server info (the model id they register), flushing
+the prefix cache, and where the KV events are published (`hylo.server.kv_events`). Each answers in
+the shape the router reads (vLLM's or SGLang's)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,12 @@ class SglangLoad(BaseModel):
     num_tokens: int = Field(description="tokens the cache holds for running requests")
 
 
+class KVEventSource(BaseModel):
+    endpoint: str = Field(description="the ZMQ PUB socket's bound address")
+    replay_endpoint: None = Field(description="no replay: a subscriber that misses batches sees the gap")
+    topic: str
+
+
 class FlushResponse(BaseModel):
     message: str
 
@@ -119,11 +126,13 @@ _LOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_format: str = "vllm") -> None:
     """The router-facing routes on `app` (built by `hylo.server.api.build_app`); `load_format` is
-    `/get_load`'s shape (LOAD_FORMATS), also settable later as `app.state.load_format`."""
+    `/get_load`'s shape (LOAD_FORMATS), also settable later as `app.state.load_format`;
+    `app.state.kv_events` is the server's `KVEventPublisher`, or None (the default) where it has none."""
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     app.state.load_format = load_format
+    app.state.kv_events = None
     core = engine.engine
     tokenizer = core.tokenizer
     vocab = core.model.config.vocab_size
@@ -271,6 +280,13 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_f
         """`/server_info` under SGLang's name."""
         (server_info,) = [r.endpoint for r in app.routes if getattr(r, "path", None) == "/server_info"]
         return await server_info()
+
+    @app.api_route("/kv_event_sources", methods=["GET", "HEAD"], response_model=dict[str, KVEventSource])
+    async def kv_event_sources(request: Request) -> dict[str, Any]:
+        """Where this server publishes its KV events, keyed by data-parallel rank (vLLM's shape); empty
+        without `--kv-events-endpoint`."""
+        publisher = request.app.state.kv_events
+        return {} if publisher is None else publisher.describe()
 
     @app.post("/flush_cache", response_model=FlushResponse)
     async def flush_cache() -> FlushResponse:
