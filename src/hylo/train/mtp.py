@@ -398,8 +398,9 @@ def init_mtp_layer(target: Glm5NextForCausalLM, seed: int = 0) -> MTPTrainLayer:
 
 
 def _mlp_state(layer: DecoderLayer) -> dict[str, torch.Tensor]:
-    """The MLP's state dict with FP8 routed experts dequantised to fp32 (`Experts`' names)."""
-    state = layer.mlp.state_dict()
+    """The MLP's state dict with its fused projections under their parts' names (`unfused_state_dict`)
+    and FP8 routed experts dequantised to fp32 (`Experts`' names)."""
+    state = unfused_state_dict(layer.mlp)
     experts = getattr(layer.mlp, "experts", None)
     if isinstance(experts, FP8Experts):
         for name in ("gate_up_proj", "down_proj"):
