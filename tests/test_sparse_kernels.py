@@ -260,6 +260,74 @@ def test_topk_kernel_without_tail_and_short_sequences():
     assert as_sets(got)[0] == frozenset()  # position 0 without a tail attends to nothing
 
 
+def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest difference in units of the dtype's last place at the reference's magnitude."""
+    spacing = torch.finfo(ref.dtype).eps * ref.abs().double().clamp_min(torch.finfo(ref.dtype).tiny)
+    return float(((out.double() - ref.double()).abs() / spacing).max())
+
+
+def store_case(dtype, seed, tokens=5, d=32, slots=40):
+    """Keys and gate scores as column views of one wider projection, a key norm, caches of `slots`
+    rows holding other tokens' rows, and distinct slots to write."""
+    g = gen(seed)
+    product = (torch.randn(tokens, 3 * d + 8, generator=g) * 4 + 1).to(dtype)
+    key, gate_scores = product[:, 8 : 8 + d], product[:, 8 + 2 * d :]
+    norm = indexer_ops.KeyNorm(
+        (torch.randn(d, generator=g) * 0.5 + 1).to(dtype), (torch.randn(d, generator=g) * 0.1).to(dtype), 1e-6
+    )
+    cache = indexer_ops.TokenKeys(*(torch.randn(2, slots, d, generator=g).to(dtype)))
+    new_slots = torch.randperm(slots, generator=g)[:tokens]
+    return key, gate_scores, norm, cache, new_slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_store_tokens_kernel_matches_reference(dtype):
+    """The LayerNorm statistics are fp32 sums in another order: they move the fp32 output by a few ulps
+    of the row's scale (d of them at most, the mean's cancellation), which the rounding to a 16-bit
+    dtype turns into at most one of its ulps. Gate scores are copied bit for bit; other rows untouched."""
+    key, gate_scores, norm, cache, slots = store_case(dtype, seed=11)
+    expect = indexer_ops.TokenKeys(cache.keys.clone(), cache.gates.clone())
+    iref.store_tokens(key, gate_scores, norm, expect, slots)
+    assert indexer_ops.store_refusal(key, gate_scores, norm, cache, slots) is None
+    dev = lambda t: t.to(DEV)  # noqa: E731
+    got = indexer_ops.TokenKeys(dev(cache.keys.clone()), dev(cache.gates.clone()))
+    norm_dev = indexer_ops.KeyNorm(dev(norm.weight), dev(norm.bias), norm.eps)
+    ik.store_tokens(dev(key), dev(gate_scores), norm_dev, got, dev(slots.int()))
+    assert torch.equal(got.gates.cpu(), expect.gates)
+    untouched = torch.ones(len(cache.keys), dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(got.keys.cpu()[untouched], expect.keys[untouched])
+    new, ref = got.keys.cpu()[slots], expect.keys[slots]
+    if dtype == torch.float32:
+        torch.testing.assert_close(new, ref, rtol=0, atol=key.shape[1] * 1.2e-7 * float(ref.abs().max()))
+    else:
+        assert ulps(new, ref) <= 1, dtype
+    assert not torch.equal(ref, cache.keys[slots])  # the case really writes new rows
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda c: {**c, "key": c["key"][:, :24]}, "[T, d] alike"),
+        (lambda c: {**c, "key": c["key"][:, :24], "gate_scores": c["gate_scores"][:, :24]}, "power-of-two"),
+        (
+            lambda c: {**c, "cache": indexer_ops.TokenKeys(c["cache"].keys[:, :16], c["cache"].gates)},
+            "[S, 32]",
+        ),
+        (lambda c: {**c, "key": c["key"].t().contiguous().t()}, "unit last stride"),
+        (
+            lambda c: {**c, "norm": indexer_ops.KeyNorm(c["norm"].weight[:16], c["norm"].bias, 1e-6)},
+            "[32] vec",
+        ),
+        (lambda c: {**c, "slots": c["slots"].float()}, "int32 or int64"),
+    ],
+)
+def test_store_refusal_names_why(change, reason):
+    key, gate_scores, norm, cache, slots = store_case(torch.float32, seed=12)
+    call = change({"key": key, "gate_scores": gate_scores, "norm": norm, "cache": cache, "slots": slots})
+    assert reason in indexer_ops.store_refusal(**call)
+
+
 # ---------------------------------------------------------------- FP8 (reference on the CPU)
 
 

@@ -40,14 +40,17 @@ class Indexer(nn.Module):
         keys, gates = cache.index_key[layer], cache.index_gate[layer]
         scale = None if cache.pooled_key_scale is None else cache.pooled_key_scale[layer]
         pooled = indexer_ops.PooledKeys(cache.pooled_key[layer], scale)
-        keys[batch.new_slots] = self.k_norm(key)
-        gates[batch.new_slots] = x @ self.index_kpool_compress_gate.t()
+        gate_scores = x @ self.index_kpool_compress_gate.t()
+        norm = indexer_ops.KeyNorm(self.k_norm.weight, self.k_norm.bias, self.k_norm.eps)
+        token_keys = indexer_ops.TokenKeys(keys, gates)
+        indexer_ops.store_tokens(key, gate_scores, norm, token_keys, batch.new_slots)
         indexer_ops.compress_pools(keys, gates, self.index_kpool_compress_ape, batch.completed_pools, pooled)
 
-        q = self.wq_b(q_resid).unflatten(-1, (self.num_heads, self.head_dim)) * self.head_dim**-0.5
-        head_weights = head_logits.float() * self.num_heads**-0.5
+        # HF scales the scores by d^-1/2 and the head weights by Hi^-1/2: constant positive factors of
+        # every score, which change no choice of pools, so the projections go in as they are
+        q = self.wq_b(q_resid).unflatten(-1, (self.num_heads, self.head_dim))
         layout = indexer_ops.SlotLayout(
             batch.pool_table, batch.req_to_token, batch.token_seq, batch.token_rows, batch.positions,
             batch.pad_index, batch.pad_valid,
         )  # fmt: skip
-        return indexer_ops.select_slots(q, head_weights, pooled, layout, self.selection)
+        return indexer_ops.select_slots(q, head_logits, pooled, layout, self.selection)

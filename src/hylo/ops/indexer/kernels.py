@@ -1,5 +1,6 @@
-"""Triton kernels of the DSA k-pool indexer: pool compression, pool scoring (bf16 or FP8 e4m3 with
-per-row power-of-two scales) and top-k selection that writes token-cache slots directly.
+"""Triton kernels of the DSA k-pool indexer: the new tokens' key norm and cache stores, pool
+compression, pool scoring (bf16 or FP8 e4m3 with per-row power-of-two scales) and top-k selection
+that writes token-cache slots directly.
 
 Selection is exact: a radix search (2 bits a pass) finds the k-th largest score of each query's
 visible pools (its sortable int32 key), every pool above it is taken, and pools equal to it are
@@ -14,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.indexer.reference import KeyNorm, TokenKeys
+
 FP8_MAX = 448.0
 # Largest pool count one top-k program holds in registers; longer rows are searched tile by tile.
 MAX_TOPK_TILE = 8192
@@ -26,6 +29,38 @@ def _pow2_scale(amax):
     exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     scale = (exponent << 23).to(tl.float32, bitcast=True)
     return tl.where(amax > 0, scale, 1.0)
+
+
+@triton.jit
+def _store_tokens_kernel(
+    key_ptr,
+    gate_ptr,
+    weight_ptr,
+    bias_ptr,
+    slots_ptr,
+    keys_ptr,
+    gates_ptr,
+    stride_key,
+    stride_gate,
+    stride_keys,
+    stride_gates,
+    eps,
+    D: tl.constexpr,
+):
+    """One token: LayerNorm of its key (fp32 statistics and affine, the output rounded to the key's
+    dtype, as torch's) into `keys[slot]`, its gate scores copied into `gates[slot]`."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    d = tl.arange(0, D)
+    x = tl.load(key_ptr + t * stride_key + d).to(tl.float32)
+    mean = tl.sum(x, 0) / D
+    centred = x - mean
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 0) / D + eps)
+    y = centred * rstd * tl.load(weight_ptr + d).to(tl.float32) + tl.load(bias_ptr + d).to(tl.float32)
+    y = y.to(key_ptr.dtype.element_ty)
+    tl.store(keys_ptr + slot * stride_keys + d, y.to(keys_ptr.dtype.element_ty))
+    gate = tl.load(gate_ptr + t * stride_gate + d)
+    tl.store(gates_ptr + slot * stride_gates + d, gate.to(gates_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -271,6 +306,23 @@ def _topk_kernel(
 
 def _is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == torch.float8_e4m3fn
+
+
+def store_tokens(
+    key: torch.Tensor, gate_scores: torch.Tensor, norm: KeyNorm, cache: TokenKeys, slots: torch.Tensor
+) -> None:
+    """Same contract as `reference.store_tokens`, one launch (one program per token) for its
+    LayerNorm and two scattered stores; `key` and `gate_scores` may be column views of a wider
+    product (rows strided, unit last stride). The width must be a power of two (128 in GLM-5.3-Flash):
+    `store_refusal` says which calls it takes."""
+    tokens, dim = key.shape
+    if tokens == 0:
+        return
+    _store_tokens_kernel[(tokens,)](
+        key, gate_scores, norm.weight, norm.bias, slots, cache.keys, cache.gates,
+        key.stride(0), gate_scores.stride(0), cache.keys.stride(0), cache.gates.stride(0), norm.eps,
+        D=dim, num_warps=1,
+    )  # fmt: skip
 
 
 def compress_pools(

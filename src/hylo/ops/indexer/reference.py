@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -20,6 +23,34 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (last dim) FP8 e4m3: `(x_q, scale)` with `x ~= x_q.float() * scale[..., None]`."""
     scale = fp8_row_scale(x.float().abs().amax(-1))
     return (x.float() / scale[..., None]).to(FP8), scale
+
+
+@dataclass(frozen=True)
+class KeyNorm:
+    """The indexer's key LayerNorm (`k_norm`): `weight`, `bias` `[d]` and `eps`."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
+class TokenKeys:
+    """A layer's per-token indexer caches: LayerNorm'd keys and gate scores, `[S, d]` each, by slot."""
+
+    keys: torch.Tensor
+    gates: torch.Tensor
+
+
+def store_tokens(
+    key: torch.Tensor, gate_scores: torch.Tensor, norm: KeyNorm, cache: TokenKeys, slots: torch.Tensor
+) -> None:
+    """Write each new token's LayerNorm'd key (`key [T, d]`, the `wk` projection) and its gate scores
+    (`[T, d]`) into the caches at `slots [T]` (HF's `k_norm`: torch's LayerNorm, statistics in fp32,
+    the output in the key's dtype, stored in the cache's). Tokens sharing a slot (the padding of a
+    fixed-shape step) leave one of their rows there."""
+    cache.keys[slots] = F.layer_norm(key, (key.shape[-1],), norm.weight, norm.bias, norm.eps)
+    cache.gates[slots] = gate_scores
 
 
 def compress_pools(
@@ -64,7 +95,7 @@ def select_rows(
 ) -> torch.Tensor:
     """Positions each query attends to, `[B, T, topk + (kpool-1 if tail)]`, -1 for empty entries.
 
-    q `[B, T, Hi, d]` (already scaled by d^-1/2); head_weights `[B, T, Hi]`; pooled `[S/kpool, d]`;
+    q `[B, T, Hi, d]`; head_weights `[B, T, Hi]`; pooled `[S/kpool, d]`;
     pool_table `[B, P]` pooled-key slots of each sequence's complete pools (-1 beyond);
     positions `[B, T]`. A pool is a candidate for the query at position p when its last token is
     at or before p; the score is Σ_h w_h·ReLU(q_h·k_pool); the top `topk/kpool` candidates (ties
