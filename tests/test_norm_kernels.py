@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from hylo.layers.norm import RMSNorm  # noqa: E402
-from hylo.ops.norm import kernels, reference, refusal  # noqa: E402
+from hylo.ops.norm import NormRows, RowStore, kernels, pair_refusal, reference, refusal  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
@@ -71,3 +71,59 @@ def test_layer_keeps_the_reference_on_the_cpu_and_under_autograd():
     y = norm(x)
     y.sum().backward()
     assert torch.equal(y, reference.rms_norm(x, norm.weight, 1e-6)) and x.grad is not None
+
+
+def pair_case(dtype, weight_dtype, seed, tokens=5, widths=(48, 16), slots=12):
+    """Two row sets as column views of one fused product (as a DSA layer's q_a and kv_a), a cache of
+    `slots` rows in the second norm's dtype holding other rows, and distinct slots to write."""
+    gen = torch.Generator().manual_seed(seed)
+    product = (torch.randn(tokens, sum(widths) + 8, generator=gen) * 3).to(dtype)
+    x1, x2 = product[:, : widths[0]], product[:, widths[0] : widths[0] + widths[1]]
+    first, second = (
+        NormRows(x, torch.randn(x.shape[1], generator=gen).to(weight_dtype), 1e-5) for x in (x1, x2)
+    )
+    cache = torch.randn(slots, widths[1], generator=gen).to(torch.result_type(second.weight, x2))
+    return first, second, RowStore(cache, torch.randperm(slots, generator=gen)[:tokens])
+
+
+@pytest.mark.parametrize(("dtype", "weight_dtype"), DTYPES)
+def test_pair_kernel_matches_the_reference(dtype, weight_dtype):
+    """Each row set as `rms_norm` (the same two ulps); the stored rows land in their slots only."""
+    first, second, store = pair_case(dtype, weight_dtype, seed=3)
+    assert pair_refusal(first, second, store) is None
+    expect = RowStore(store.out.clone(), store.index)
+    ref = reference.rms_norm_pair(first, second, expect)
+    got = RowStore(store.out.clone(), store.index.int())
+    out = kernels.rms_norm_pair(first, second, got)
+    bound = 2 if dtype == torch.float16 else 8
+    assert out.dtype == ref.dtype and out.shape == ref.shape and ulps(out, ref) <= bound
+    written = torch.zeros(len(store.out), dtype=torch.bool)
+    written[store.index] = True
+    assert torch.equal(got.out[~written], store.out[~written])
+    assert ulps(got.out[written], expect.out[written]) <= bound
+    assert not torch.equal(expect.out[written], store.out[written])  # the case really writes rows
+
+
+def test_pair_reference_is_two_norms_and_a_store():
+    first, second, store = pair_case(torch.float32, torch.float32, seed=4)
+    expect = store.out.clone()
+    expect[store.index] = reference.rms_norm(second.x, second.weight, second.eps)
+    out = reference.rms_norm_pair(first, second, store)
+    assert torch.equal(out, reference.rms_norm(first.x, first.weight, first.eps)) and torch.equal(
+        store.out, expect
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda f, s, st: (NormRows(f.x[None], f.weight, 1e-5), s, st), "first rows must be [T, w]"),
+        (lambda f, s, st: (f, NormRows(s.x, s.weight[:8], 1e-5), st), "second rows: weight must be"),
+        (lambda f, s, st: (f, NormRows(s.x[:3], s.weight, 1e-5), st), "one row per token"),
+        (lambda f, s, st: (f, s, RowStore(st.out, st.index.float())), "int32 or int64"),
+        (lambda f, s, st: (f, s, RowStore(st.out[:, :8], st.index)), "[S, 16]"),
+        (lambda f, s, st: (f, s, RowStore(st.out.half(), st.index)), "does not cast"),
+    ],
+)
+def test_pair_refusal_names_why(change, reason):
+    assert reason in pair_refusal(*change(*pair_case(torch.float32, torch.float32, seed=5)))

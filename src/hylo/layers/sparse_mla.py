@@ -10,6 +10,7 @@ from hylo.forward_batch import ForwardBatch
 from hylo.layers.indexer import Indexer
 from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.norm import RMSNorm
+from hylo.ops.norm import NormRows, RowStore, rms_norm_pair
 from hylo.ops.sparse_mla import sparse_mla
 from hylo.parallel.layout import SINGLE, Parallel
 
@@ -48,8 +49,12 @@ class SparseMLA(nn.Module):
         """Returns the output and the rows used (a `shared` layer passes in its predecessor's rows)."""
         latent = batch.tokens.latent[batch.tokens.dsa_index[self.layer_idx]]
         q_a, kv_a, *index_parts = self.in_proj(x)
-        q_resid = self.q_a_layernorm(q_a)
-        latent[batch.new_slots] = self.kv_a_layernorm(kv_a)
+        # q_a's norm, and kv_a's written straight into the latent cache: one launch on the GPU
+        q_resid = rms_norm_pair(
+            _rows(q_a, self.q_a_layernorm),
+            _rows(kv_a, self.kv_a_layernorm),
+            RowStore(latent, batch.new_slots),
+        )
         if self.indexer is not None:
             rows = self.indexer(x, q_resid, batch, *index_parts)
         elif rows is None:
@@ -61,3 +66,7 @@ class SparseMLA(nn.Module):
         out_latent = sparse_mla(torch.einsum("thd,hdr->thr", q, w_uk), latent, rows, self.scale)
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
         return self.parallel.all_reduce(self.o_proj(out.flatten(1))), rows
+
+
+def _rows(x: torch.Tensor, norm: RMSNorm) -> NormRows:
+    return NormRows(x, norm.weight, norm.eps)

@@ -2,7 +2,9 @@
 
 CUDA tensors the kernel takes (`refusal` is None) go to `kernels.rms_norm`, one launch in place of
 the reference's eight elementwise and reduction kernels; everything else to `reference.rms_norm`, and
-so does a call that autograd records (training: the kernel has no backward).
+so does a call that autograd records (training: the kernel has no backward). `rms_norm_pair` (two
+norms of the same tokens, the second written into a cache by slot: a DSA layer's q_a and kv_a
+latent) is one launch where `pair_refusal` is None, in place of two norms and the cache store.
 """
 
 from __future__ import annotations
@@ -11,8 +13,18 @@ import torch
 
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.norm import reference
+from hylo.ops.norm.reference import NormRows, RowStore
 
-__all__ = ["MAX_WIDTH", "refusal", "rms_norm", "width_refusal"]
+__all__ = [
+    "MAX_WIDTH",
+    "NormRows",
+    "RowStore",
+    "pair_refusal",
+    "refusal",
+    "rms_norm",
+    "rms_norm_pair",
+    "width_refusal",
+]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 16384  # one row per program, in registers; GLM-5.3-Flash's widest norm is 4096
@@ -57,3 +69,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
         return kernels.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
+
+
+def pair_refusal(first: NormRows, second: NormRows, store: RowStore) -> str | None:
+    """Why `kernels.rms_norm_pair` cannot take this call, or None."""
+    for name, rows in (("first", first), ("second", second)):
+        if rows.x.dim() != 2:
+            return f"the {name} rows must be [T, w]"
+        if (reason := refusal(rows.x, rows.weight)) is not None:
+            return f"the {name} rows: {reason}"
+    if second.x.shape[0] != first.x.shape[0] or store.index.shape != (first.x.shape[0],):
+        return "both row sets and the store's index must have one row per token"
+    if store.index.dtype not in (torch.int32, torch.int64):
+        return f"the store's index must be int32 or int64, got {store.index.dtype}"
+    if store.out.dim() != 2 or store.out.shape[1] != second.x.shape[1] or store.out.stride(1) != 1:
+        return f"the store must be [S, {second.x.shape[1]}] with a unit last stride"
+    normed = torch.result_type(second.weight, second.x)
+    if store.out.dtype != normed:
+        return f"the store is {store.out.dtype}, the second norm gives {normed}: the kernel does not cast"
+    return None
+
+
+def rms_norm_pair(first: NormRows, second: NormRows, store: RowStore) -> torch.Tensor:
+    """`first`'s RMSNorm returned, `second`'s written into `store`; see `reference.rms_norm_pair`."""
+    tensors = (first.x, first.weight, second.x, second.weight)
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not recorded and use_kernel("norm.rms_norm_pair", first.x, lambda: pair_refusal(first, second, store)):
+        from hylo.ops.norm import kernels
+
+        return kernels.rms_norm_pair(first, second, store)
+    return reference.rms_norm_pair(first, second, store)

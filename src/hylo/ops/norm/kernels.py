@@ -7,17 +7,60 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.norm.reference import NormRows, RowStore
+
+
+@triton.jit
+def _rms_norm_row(x, w, y, width, eps, BLOCK: tl.constexpr):
+    """One row at `x` normalised into `y`: fp32 statistics, the normalised row rounded to x's dtype,
+    then scaled by the weight in fp32 and rounded to y's."""
+    cols = tl.arange(0, BLOCK)
+    ok = cols < width
+    xv = tl.load(x + cols, mask=ok, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / width + eps)
+    normed = (xv * inv).to(x.dtype.element_ty).to(tl.float32)
+    out = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32) * normed
+    tl.store(y + cols, out.to(y.dtype.element_ty), mask=ok)
+
 
 @triton.jit
 def _rms_norm_kernel(x, w, y, x_row_stride, width, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < width
-    xv = tl.load(x + row * x_row_stride + cols, mask=ok, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / width + eps)
-    normed = (xv * inv).to(x.dtype.element_ty).to(tl.float32)
-    out = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32) * normed
-    tl.store(y + row * width + cols, out.to(y.dtype.element_ty), mask=ok)
+    _rms_norm_row(x + row * x_row_stride, w, y + row * width, width, eps, BLOCK)
+
+
+@triton.jit
+def _rms_norm_pair_kernel(
+    x1, w1, y1, x1_row_stride, width1, eps1,
+    x2, w2, out2, index2, x2_row_stride, out2_row_stride, width2, eps2,
+    BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
+):  # fmt: skip
+    """Program (t, 0) normalises the first rows' row t into y1; program (t, 1) the second's into
+    out2[index2[t]]."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rms_norm_row(x1 + row * x1_row_stride, w1, y1 + row * width1, width1, eps1, BLOCK1)
+    else:
+        slot = tl.load(index2 + row).to(tl.int64)
+        _rms_norm_row(x2 + row * x2_row_stride, w2, out2 + slot * out2_row_stride, width2, eps2, BLOCK2)
+
+
+def rms_norm_pair(first: NormRows, second: NormRows, store: RowStore) -> torch.Tensor:
+    """Triton twin of `reference.rms_norm_pair` in one launch, for 2-D row sets with a unit last stride
+    (column views of one fused projection are read in place); `pair_refusal` says which calls it
+    takes."""
+    tokens, width1 = first.x.shape
+    y1 = torch.empty(first.x.shape, dtype=torch.result_type(first.weight, first.x), device=first.x.device)
+    if tokens:
+        width2 = second.x.shape[1]
+        _rms_norm_pair_kernel[(tokens, 2)](
+            first.x, first.weight, y1, first.x.stride(0), width1, first.eps,
+            second.x, second.weight, store.out, store.index, second.x.stride(0), store.out.stride(0),
+            width2, second.eps,
+            BLOCK1=triton.next_power_of_2(width1), BLOCK2=triton.next_power_of_2(width2),
+            num_warps=min(16, max(1, triton.next_power_of_2(max(width1, width2)) // 512)),
+        )  # fmt: skip
+    return y1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -10,3 +12,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     scaled by `weight` in the promoted dtype (HF's order of operations)."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class NormRows:
+    """Rows `x [T, w]` to normalise with an RMSNorm's `weight [w]` and `eps`."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
+class RowStore:
+    """Where rows go: row t into `out[index[t]]` (a cache written by slot, `out [S, w]`, `index [T]`)."""
+
+    out: torch.Tensor
+    index: torch.Tensor
+
+
+def rms_norm_pair(first: NormRows, second: NormRows, store: RowStore) -> torch.Tensor:
+    """Two RMSNorms of the same tokens' rows: returns `first`'s (`rms_norm`), and writes `second`'s into
+    `store` (in its dtype). Tokens sharing a slot (the padding of a fixed-shape step) leave one of
+    their rows there."""
+    store.out[store.index] = rms_norm(second.x, second.weight, second.eps)
+    return rms_norm(first.x, first.weight, first.eps)
