@@ -1,5 +1,5 @@
 """The Triton clamped SwiGLU against its torch reference, under the Triton interpreter on the CPU, and
-the MLP that runs it (bf16 at real shapes on the GPU: `tests/test_activation_cuda.py`)."""
+the MLP that runs it (bf16 at real shapes on the GPU: `tests/test_fused_decode_kernels_cuda.py`)."""
 
 from __future__ import annotations
 
