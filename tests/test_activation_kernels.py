@@ -3,7 +3,7 @@ the MLP that runs it (bf16 at real shapes on the GPU: `tests/test_fused_decode_k
 
 from __future__ import annotations
 
-from interpreter import use_interpreter
+from interpreter import run_compiled_for_hopper, use_interpreter
 
 use_interpreter()  # before the kernels are decorated
 
@@ -118,3 +118,31 @@ def test_dispatch_sends_cuda_calls_to_the_kernel_unless_autograd_records(monkeyp
     gate.requires_grad_(True)
     activation.swiglu_clamp(gate, up, LIMIT).sum().backward()
     assert len(calls) == 1 and gate.grad is not None
+
+
+_HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hylo.ops.activation.kernels import _swiglu_clamp_kernel
+from hylo.ops.indexer.kernels import _store_tokens_kernel
+from hylo.ops.norm.kernels import _rms_norm_pair_kernel
+
+def compile(fn, consts, kinds):
+    sig = {n: "constexpr" if n in consts else kinds.get(n, "*bf16") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+    return len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0
+
+ints = ("row_stride", "width", "stride_key", "stride_gate", "stride_keys", "stride_gates", "x1_row_stride",
+        "width1", "x2_row_stride", "out2_row_stride", "width2")
+kinds = {n: "i32" for n in ints} | {n: "fp32" for n in ("limit", "eps", "eps1", "eps2")}
+print(compile(_swiglu_clamp_kernel, {"BLOCK": 1024}, kinds),
+      compile(_store_tokens_kernel, {"D": 128}, kinds | {"slots_ptr": "*i64"}),
+      compile(_rms_norm_pair_kernel, {"BLOCK1": 2048, "BLOCK2": 512}, kinds | {"index2": "*i64"}))
+"""
+
+
+def test_the_decode_step_kernels_compile_for_hopper():
+    """This module's kernel and the two others fused for the decode step (the indexer's stores, the
+    q_a/kv_a norm pair) compile for sm_90 in bf16, as the GPU builds them (no GPU needed)."""
+    assert run_compiled_for_hopper(_HOPPER_COMPILE).split() == ["True"] * 3
