@@ -1,8 +1,16 @@
 """Sampling parameters (vLLM conventions), a step's sampling batch and the batched sampler.
 
-The sampler reads batch data only (`SamplingBatch`: parameters, generators, banned ids, penalty
-history, grammar masks), never a request: the engine builds the batch once per step
-(`hylo.engine.sampling_batch`), and `speculative.verify.accept` reads the same rows block by block."""
+The sampler reads batch data only (`SamplingBatch`: parameters, seeds, banned ids, penalty history,
+grammar masks), never a request: the engine builds the batch once per step
+(`hylo.engine.sampling_batch`), and `speculative.verify.accept` reads the same rows block by block.
+
+Seeded picks (`pick`): a sampled row's token is the Gumbel-max of its processed distribution p with
+the noise of its (seed, position) (`hylo.sampling_noise`): argmax_t log p(t) + G(t), G(t) = -log E(t)
+standard Gumbel, E(t) Exp(1); computed as argmax_t p(t) / E(t), the same argmax (an exponential
+race: P(argmax = t) = p(t) exactly). Every request has a seed (its own, or one the engine drew at its
+arrival) and the noise of an output position is a function of (seed, position) alone, so the token a
+request picks at a position depends on p and nothing else: not on its batch, not on how many picks
+came before, not on whether a plain step or a verify step made it (`speculative.verify`)."""
 
 from __future__ import annotations
 
@@ -15,11 +23,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hylo.host_copy import to_device
+from hylo.sampling_noise import as_int64, exponential_noise
 
 # Below this temperature sampling is greedy (vLLM's threshold): dividing logits by a tinier one
 # overflows to inf and the softmax to NaN.
 GREEDY_BELOW = 1e-5
-# A seed feeds torch.Generator.manual_seed, which takes [-2**63, 2**64); sequence i uses seed + i.
+# A seed is any integer in [-2**63, 2**64) (the noise reads it mod 2**64); sequence i uses seed + i.
 SEED_MIN, SEED_END = -(2**63), 2**64
 MAX_N = 128
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 32, 512
@@ -163,7 +172,7 @@ class SampleRow:
     params: SamplingParams
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
-    generator: torch.Generator | None
+    seed: int  # the request's sampling seed (its own, or drawn at its arrival): its picks' noise
     banned_ids: Sequence[int]  # eos/stop ids masked while min_tokens is not reached
     # the output token after `output_ids` that is still in flight (`[1]` long, on the device; an
     # overlapped step's), counted in the penalties like the others; None when there is none
@@ -226,39 +235,41 @@ class Sampled:
     top_values: torch.Tensor | None = None
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None) -> Sampled:
+def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) -> Sampled:
     """Next token per row of `logits [B, V]` (fp32), one per row of `batch`, and logprobs where asked;
-    nothing is read back. `generator` draws the noise of sampled rows without one of their own.
+    nothing is read back. `positions [B]` (int64, on the logits' device): where in its sequence each
+    row's pick goes, the counter of its noise (`pick`).
 
     Logprobs are of the raw model distribution (vLLM's default), the sampled token always included.
-    Greedy rows draw no noise. A row with its own generator draws exactly one vector of noise per step
-    from it, so a seeded request samples the same tokens whatever else is in the batch.
     """
     raw, rows, allowed = logits, batch.rows, batch.allowed
     if batch.picks_argmax:
         sampled = logits.argmax(-1)
     else:
-        logits, probs = target_distribution(logits, rows, allowed)
-        greedy = to_device([r.params.greedy for r in rows], logits.device)
-        noise = torch.ones_like(probs)
-        shared = [i for i, r in enumerate(rows) if r.generator is None and not r.params.greedy]
-        if shared:  # (indexing by the list itself would upload it from pageable memory: a sync)
-            noise[to_device(shared, probs.device, torch.long)] = torch.empty(
-                len(shared), probs.shape[1], device=probs.device
-            ).exponential_(generator=generator)
-        for i, r in enumerate(rows):
-            if r.generator is not None and not r.params.greedy:
-                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(
-                    generator=r.generator
-                )
-        # probs / Exp(1) noise is an exponential race: its argmax is a sample from probs.
-        sampled = torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1))
+        sampled = pick(*target_distribution(logits, rows, allowed), rows, positions)
     top_n = batch.max_logprobs
     if top_n is None:
         return Sampled(sampled)
     logprobs = torch.log_softmax(raw, dim=-1)
     top = logprobs.topk(top_n, dim=-1)
     return Sampled(sampled, logprobs.gather(1, sampled[:, None])[:, 0], top.indices, top.values)
+
+
+def pick(
+    processed: torch.Tensor, probs: torch.Tensor, rows: Sequence[SampleRow], positions: torch.Tensor
+) -> torch.Tensor:
+    """Each row's token from its processed logits and distribution (`target_distribution`): a greedy
+    row's argmax of `processed`, a sampled row's Gumbel-max of `probs` with the noise of (its seed,
+    `positions[i]`), an exact sample of it (see the module). Greedy rows alone draw no noise."""
+    device = processed.device
+    if all(r.params.greedy for r in rows):
+        return processed.argmax(-1)
+    seeds = to_device([as_int64(r.seed) for r in rows], device, torch.long)
+    noisy = (probs / exponential_noise(seeds, positions, probs.shape[1])).argmax(-1)
+    if not any(r.params.greedy for r in rows):
+        return noisy
+    greedy = to_device([r.params.greedy for r in rows], device)
+    return torch.where(greedy, processed.argmax(-1), noisy)
 
 
 def logprob_entry(

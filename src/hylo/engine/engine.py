@@ -146,13 +146,11 @@ class Engine:
         created = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            seed = self.runner.draw_seed() if params.seed is None else params.seed + i
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens)
-            request = Request(rid, prompt, params, stop_ids, self.context_len, detok, generator)
+            request = Request(rid, prompt, params, stop_ids, self.context_len, detok, seed)
             if compiled is not None:
                 request.grammar = Grammars.matcher(compiled)
             self.requests[rid] = request

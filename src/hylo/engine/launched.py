@@ -37,11 +37,10 @@ from hylo.speculative.proposer import StepCommit
 @dataclass(frozen=True)
 class PickParts:
     """What every step's picks use, one set per runner (`ModelRunner.parts`): the model (its vocabulary
-    and KDA commit), the runner's generator, the rows' last picks (`CacheManager.last_sampled`), the
-    draft driver (None without a proposer) and the engine's reader."""
+    and KDA commit), the rows' last picks (`CacheManager.last_sampled`), the draft driver (None
+    without a proposer) and the engine's reader."""
 
     model: Glm5NextForCausalLM
-    generator: torch.Generator
     last_sampled: torch.Tensor
     drafting: DraftDriver | None
     reader: Reader
@@ -95,8 +94,8 @@ class PicksAtOnce(_PicksOfForward):
         drafting, layout, draft, logits = p.drafting, route.layout, route.draft, forward.logits
         if drafting is not None:
             self.commit = drafting.step_commit(chunks, forward, route.observed, draft)
-        picked = picking.sample_plain(chunks, layout, logits, p.generator, p.last_sampled, self.commit)
-        acceptance = picking.accept_blocks(chunks, layout, batch, forward, p.model, p.generator, self.commit)
+        picked = picking.sample_plain(chunks, layout, batch, logits, p.last_sampled, self.commit)
+        acceptance = picking.accept_blocks(chunks, layout, batch, forward, p.model, self.commit)
         if self.commit is not None:
             drafting.after_picks(batch, self.commit, route.observed, draft)
         scored = picking.score_prompts(logits, chunks, layout)
@@ -122,7 +121,7 @@ class PicksAhead(_PicksOfForward):
     def start(self) -> PendingRead:
         p, forward = self.parts, self.forward
         counted = self.route.run_ahead.picks_after_read
-        picked = picking.sample_launched(self.chunks, forward.logits, p.generator, p.last_sampled, counted)
+        picked = picking.sample_launched(self.chunks, self.batch, forward.logits, p.last_sampled, counted)
         if p.drafting is not None and self.route.path is Path.EAGER:  # it observes after its picks
             p.drafting.observe_picks(self.batch, forward, picked.tokens)
         self.batch = self.forward = None
@@ -144,7 +143,7 @@ class VerifyReplay:
     def start(self) -> PendingRead:
         p, chunks, requests = self.parts, self.chunks, [ch.request for ch in self.chunks]
         verifying = picking.verify_blocks(chunks, self.graphs.tokens_per_seq, p.model)
-        acceptance = self.graphs.run(self.route.seqs, verifying, p.generator)
+        acceptance = self.graphs.run(self.route.seqs, verifying)
         logprobs = Logprobs.of(acceptance)
         read = StepRead(accepted=acceptance.accepted, emitted=acceptance.emitted, block_logprobs=logprobs)
         read.drafts = None if self.route.ahead else p.drafting.constrained_drafts(requests)

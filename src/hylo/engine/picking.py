@@ -82,24 +82,35 @@ def prompt_targets(chunk: ScheduledChunk) -> tuple[int, list[int]]:
     return chunk.request.prompt_targets(chunk.request.num_computed, chunk.num_tokens)
 
 
+def pick_positions(batch: ForwardBatch, rows: int) -> torch.Tensor:
+    """Where in its sequence the pick after each of the first `rows` logits rows of `batch`'s forward
+    goes (the position after that row's token): the counter of its seeded noise (`sampling.pick`)."""
+    return batch.positions[batch.logits_index[:rows]] + 1
+
+
 def sample_plain(
     chunks: Sequence[ScheduledChunk],
     layout: PickLayout,
+    forward_batch: ForwardBatch,
     logits: torch.Tensor,
-    generator: torch.Generator,
     last_sampled: torch.Tensor,
     commit: StepCommit | None,
 ) -> Sampled | None:
     """The picks of the plain sampling chunks (None without any), each from its chunk's last row (a
-    scoring chunk's last row samples); they are their rows' anchors in `commit`."""
+    scoring chunk's last row samples) of `logits`, the forward of `forward_batch`; they are their
+    rows' anchors in `commit`."""
     plain = layout.plain
     if not plain:
         return None
     device = logits.device
     batch = sampling_batch([chunks[i].request for i in plain], logits.shape[-1], device, last_sampled)
+    positions = pick_positions(forward_batch, logits.shape[0])
     picked_rows = [layout.rows_of[i][-1] for i in plain]
-    leading = picked_rows == list(range(len(picked_rows)))  # a decode step: no index upload
-    picked = sample(logits[: len(plain)] if leading else logits[picked_rows], batch, generator)
+    if picked_rows == list(range(len(picked_rows))):  # a decode step: no index upload
+        picked = sample(logits[: len(plain)], batch, positions[: len(plain)])
+    else:
+        rows = to_device(picked_rows, device, torch.long)
+        picked = sample(logits[rows], batch, positions[rows])
     if commit is not None and plain == list(range(len(plain))):
         commit.anchors[: len(plain)] = picked.tokens
     elif commit is not None:  # (indexing by a list would upload it from pageable memory)
@@ -109,18 +120,19 @@ def sample_plain(
 
 def sample_launched(
     chunks: Sequence[ScheduledChunk],
+    forward_batch: ForwardBatch,
     logits: torch.Tensor,
-    generator: torch.Generator,
     last_sampled: torch.Tensor,
     counted: bool,
 ) -> Sampled:
-    """The picks of a plain decode step launched ahead of its read (`logits [rows, vocab]`, one row a
-    chunk; `counted`: as `sampling_batch` takes it), each written to its request-table row of
+    """The picks of a plain decode step launched ahead of its read (`logits [rows, vocab]` of the
+    forward of `forward_batch`, one row a chunk; `counted`: as `sampling_batch` takes it), each
+    written to its request-table row of
     `last_sampled`, where the next step's in-flight token comes from (not for a request that ended
     meanwhile and gave its row back: its pick is dropped)."""
     requests = [ch.request for ch in chunks]
     batch = sampling_batch(requests, logits.shape[-1], logits.device, last_sampled, counted)
-    picked = sample(logits, batch, generator)
+    picked = sample(logits, batch, pick_positions(forward_batch, logits.shape[0]))
     held = [i for i, r in enumerate(requests) if r.slot is not None]  # not those that ended meanwhile
     slots = to_device([requests[i].slot for i in held], logits.device, torch.long)
     if len(held) == len(requests):
@@ -136,7 +148,6 @@ def accept_blocks(
     batch: ForwardBatch,
     forward: ForwardOutput,
     model: Glm5NextForCausalLM,
-    generator: torch.Generator,
     commit: StepCommit | None,
 ) -> Acceptance | None:
     """The acceptance of the verify chunks' blocks (None without any), padded to the widest, from
@@ -153,7 +164,8 @@ def accept_blocks(
     index_d = to_device(index, device, torch.long)
     drafts = batch.input_ids[index_d[:, 1:]]
     blocks = verify_blocks([chunks[i] for i in verifying], width, model)
-    acceptance = accept(logits[index_d], drafts, blocks, generator)
+    positions = pick_positions(batch, logits.shape[0])[index_d]
+    acceptance = accept(logits[index_d], drafts, blocks, positions)
     committed = (acceptance.accepted + 1).int()
     model.commit(batch, forward.kda_records, committed)
     if commit is not None:

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from hylo.sampling import SamplingParams
 from hylo.tokenizer import IncrementalDetokenizer
 
@@ -77,7 +75,8 @@ class Request:
     stop_ids: frozenset[int]
     max_total_len: int
     detokenizer: IncrementalDetokenizer | None = None
-    generator: torch.Generator | None = None
+    # the sampling seed: `params.seed` (+ i for sequence i of n), else drawn by the engine at arrival
+    seed: int = 0
     # with a structured-output constraint: its xgrammar matcher, fed every output token (`append`)
     grammar: Any = None
     # a constrained request's drafts after its last token, as the last step read them (None: none)

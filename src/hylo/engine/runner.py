@@ -12,6 +12,7 @@ reader's (`engine/reader.py`). The runner writes no request's counters: the sche
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +30,7 @@ from hylo.engine.verify_graph import VerifyGraphs
 from hylo.forward_batch import ForwardBatch
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
+from hylo.sampling import SEED_END
 from hylo.speculative.adaptive import StepPlan
 from hylo.speculative.proposer import Proposer
 
@@ -67,10 +69,15 @@ class ModelRunner:
         self.model, self.caches, self.proposer = model, caches, proposer
         self.graphs, self.verify_graphs, self.prefill_graphs = graphs, verify_graphs, prefill_graphs
         self.drafting = None if proposer is None else DraftDriver(proposer, caches, graphs)
-        device = model.embed_tokens.weight.device
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._seeds = random.Random(seed)  # the seeds of requests without one (`draw_seed`)
         self.reader = Reader()  # this engine's pinned read buffers (`Engine.close` empties them)
-        self.parts = PickParts(model, self.generator, caches.last_sampled, self.drafting, self.reader)
+        self.parts = PickParts(model, caches.last_sampled, self.drafting, self.reader)
+
+    def draw_seed(self) -> int:
+        """The sampling seed of a request that brings none, drawn at its arrival: the runner's `seed`
+        and the arrival order decide it (every rank of a tensor-parallel engine adds the same
+        requests in the same order, so they draw the same seeds)."""
+        return self._seeds.randrange(SEED_END)
 
     def route(self, chunks: Sequence[ScheduledChunk], plan: StepPlan, decide: Decide) -> StepRoute:
         """The route of a step of `chunks` and `plan` over this runner's graphs as they are now, run

@@ -4,7 +4,7 @@ batch data `hylo.sampling.sample` and `speculative.verify.accept` read (they nev
 Built once per step, when the step samples: a step launched before the one ahead of it is read
 samples after that one has been applied (`ModelRunner.sample_launched`), so its batch is built then,
 from the requests' counters and grammars as they are at that point. What a row reads of its request
-(output ids, generator, grammar) is read here and nowhere below.
+(output ids, seed, grammar) is read here and nowhere below.
 """
 
 from __future__ import annotations
@@ -36,9 +36,7 @@ def sampling_batch(
         live = r.status is Status.RUNNING
         earlier = r.in_flight - counted  # in-flight tokens before this pick
         unread = _unread(r, earlier, last_sampled) if live else None
-        rows.append(
-            SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids(earlier), unread)
-        )
+        rows.append(SampleRow(r.params, r.prompt_ids, r.output_ids, r.seed, r.banned_ids(earlier), unread))
         grammars.append(r.grammar if live else None)
     bitmasks = fill_bitmasks(grammars, vocab, device)
     return SamplingBatch(rows, None if bitmasks is None else allowed_tokens(bitmasks, vocab))
@@ -52,7 +50,7 @@ def verify_batch(
     (`Request.host_drafts`, `block_bitmasks`). Bans are decided as of the output the host has read:
     right for a verify step scheduled after a read; a block launched behind an unread verify step is
     launched only for rows whose acceptance reads no output (`InFlightLedger.run_ahead`)."""
-    rows = [SampleRow(r.params, r.prompt_ids, r.output_ids, r.generator, r.banned_ids(0)) for r in requests]
+    rows = [SampleRow(r.params, r.prompt_ids, r.output_ids, r.seed, r.banned_ids(0)) for r in requests]
     banned_picks = [r.params.min_tokens - len(r.output_ids) for r in requests]
     bitmasks = block_bitmasks([(r.grammar, r.host_drafts or []) for r in requests], width, vocab, device)
     allowed = None if bitmasks is None else allowed_tokens(bitmasks, vocab)

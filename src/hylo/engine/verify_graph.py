@@ -10,9 +10,9 @@ target's forward (with the proposer's features) and greedy acceptance into stati
 proposer's observe and its drafts for the next step. A step whose every row is a raw-argmax greedy
 row without logprobs replays both back to back; any other step (sampled, penalised, logit-biased,
 logprob or `min_tokens`-banned rows) runs `verify.accept` on the verify graph's logits between the
-two replays, exactly as an eager step would (same arguments, same generators), and overwrites the
-buffers' rows of its blocks. Filler sequences verify T tokens at the start of the scratch slot's row
-and keep their greedy commit.
+two replays, exactly as an eager step would (same arguments, the noise of the same positions: the
+static batch's), and overwrites the buffers' rows of its blocks. Filler sequences verify T tokens at
+the start of the scratch slot's row and keep their greedy commit.
 
 Steps it does not take (a prefill chunk, more sequences than the largest bucket) run eagerly; a
 shorter block is padded to the width by the runner.
@@ -91,12 +91,7 @@ class VerifyGraphs:
             len(s.token_ids) == self.tokens_per_seq and s.verify for s in seqs
         )
 
-    def run(
-        self,
-        seqs: Sequence[SequenceChunk],
-        blocks: VerifyBatch,
-        generator: torch.Generator | None,
-    ) -> Acceptance:
+    def run(self, seqs: Sequence[SequenceChunk], blocks: VerifyBatch) -> Acceptance:
         """Verify and commit the blocks `seqs`, as `verify.accept` takes them (`blocks`: one row each,
         its real drafts, bans and grammar mask); the acceptance of the step's blocks, in order (with
         logprobs where asked)."""
@@ -112,8 +107,10 @@ class VerifyGraphs:
         if blocks.picks_argmax and blocks.max_logprobs is None:
             result = Acceptance(committed[:n] - 1, target[:n])
         else:
-            drafts = self.bank.static[bucket].input_ids.view(bucket, width)[:n, 1:]
-            result = accept(logits.view(bucket, width, -1)[:n], drafts, blocks, generator)
+            static = self.bank.static[bucket]
+            drafts = static.input_ids.view(bucket, width)[:n, 1:]
+            picked_at = static.positions.view(bucket, width)[:n] + 1  # each pick follows its token
+            result = accept(logits.view(bucket, width, -1)[:n], drafts, blocks, picked_at)
             committed[:n] = result.accepted + 1
             anchors[:n] = result.emitted.gather(1, result.accepted[:, None])[:, 0]
         self.bank.replay(bucket, COMMIT)

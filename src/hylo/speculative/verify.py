@@ -1,17 +1,43 @@
-"""Accepting draft tokens on the device: greedy prefix match, or lossless rejection sampling.
+"""Accepting draft tokens on the device: one rule for greedy and sampled rows, which commits exactly the
+tokens plain decoding would pick.
 
 Glossary (one verify block = the anchor followed by its drafts, `T` tokens at most):
 - anchor: the request's last token, picked by the previous step and not yet fed to the target.
 - draft j: the proposer's guess for the token after draft j−1 (after the anchor for j = 0).
-- accepted: how many drafts the target keeps, from the first: a greedy row keeps drafts equal to its
-  argmax; a sampled row keeps draft x with probability p(x) under its processed distribution p.
-- recovered token: what replaces the first rejected draft (greedy: the argmax; sampled: a sample from
-  p with the draft removed and renormalised).
-- bonus token: what follows when every draft is accepted (greedy: the argmax; sampled: a sample of p).
-- emitted: the accepted drafts, then the recovered or bonus token: `accepted + 1` tokens, the block's
-  new output; `committed = accepted + 1` block tokens (the anchor and the accepted drafts) enter the
+- pick i: what the target picks after block tokens 0..i, from its processed distribution p_i there
+  (`hylo.sampling.pick`): a greedy row's argmax, a sampled row's Gumbel-max argmax_t p_i(t) / E(t)
+  with the noise E of (the request's seed, the position the pick takes in the sequence). It is the
+  rule, and the noise, that plain decoding uses at that position.
+- accepted: how many drafts the target keeps: the longest prefix of the real drafts equal to the
+  picks (draft j kept iff pick j is draft j and drafts 0..j−1 were kept).
+- emitted: picks 0..accepted: the accepted drafts (equal to their picks), then the pick after them,
+  which replaces the first rejected draft (the recovered token) or follows the last draft (the bonus
+  token); `committed = accepted + 1` block tokens (the anchor and the accepted drafts) enter the
   target's caches.
-Either way the emitted tokens are distributed exactly as plain sampling would make them.
+
+Why a verify step commits plain decoding's tokens, whatever the schedule. Write y_k for the token
+plain decoding picks at output position k: y_k = pick(p_k(· | y_<k), E_k), E_k the noise of
+(seed, k). Take a block whose anchor is the last committed token, after committed y_<k, and show by
+induction on i that an emitted pick i is y_{k+i}. The target's logits at block position i are
+computed causally from y_<k and drafts 0..i−1 alone. Pick i is emitted only if drafts 0..i−1 were
+accepted, i.e. draft j equals pick j = y_{k+j} (induction) for j < i: the target conditioned on
+y_<k+i, so (with the `min_tokens` bans of `VerifyBatch.position_rows` and the grammar masks after the
+drafts before i, as plain decoding has them there) its distribution is p_{k+i}(· | y_<k+i), its noise
+E_{k+i}, and pick i is y_{k+i}. So the committed tokens are a function of the seed and the model
+alone: the same with speculation on or off, whichever steps the draft-length policy made verify
+steps, with the overlap schedule or not, in any batch. (Requests with penalties verify no drafts:
+their p_{k+i} counts the tokens before i as output, which position_rows does not do.) Their law is
+plain sampling's: the noises of distinct positions are independent and Gumbel-max is exact, so y_k
+is a sample of p_k given y_<k.
+
+Acceptance. A draft d fixed by the committed prefix is accepted with probability P(pick = d) = p(d),
+the standard rejection rule's min(1, p(d) / q(d)) for a one-hot q on d, and on rejection the pick is
+distributed as p without d, renormalised (the rule's residual max(0, p − q), normalised). The drafts
+of every hylo proposer are fixed by the committed prefix: DFlash's are the target head's argmax,
+DFlash2's the candidate selector's greedy path (an argmax of unary plus pairwise scores whatever the
+request's temperature), MTP's each chained step's argmax. Were a draft sampled, d ~ q with noise of
+its own, the emitted tokens would still be the y_k above (no draft enters them); a draft would be
+accepted with probability Σ_x q(x) p(x), where the rejection rule reaches Σ_x min(p(x), q(x)).
 """
 
 from __future__ import annotations
@@ -22,7 +48,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hylo.host_copy import to_device
-from hylo.sampling import RowsOfAStep, SampleRow, target_distribution
+from hylo.sampling import RowsOfAStep, SampleRow, pick, target_distribution
 
 # The KDA verify kernels run one block of at most 16 tokens per sequence (`hylo.ops.kda`).
 MAX_BLOCK_TOKENS = 16
@@ -95,48 +121,32 @@ class Acceptance:
 
 
 def greedy_accept(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-    """Drafts kept per row: the longest prefix of `drafts [V, T-1]` equal to the target's argmax
-    `target [V, T]`, among the first `num_drafts [V]`."""
+    """Drafts kept per row: the longest prefix of `drafts [V, T-1]` equal to the target's picks
+    `target [V, T]` (argmax or seeded: `accept`), among the first `num_drafts [V]`."""
     steps = torch.arange(drafts.shape[1], device=drafts.device)
     keep = (target[:, :-1] == drafts) & (steps[None, :] < num_drafts[:, None])
     return keep.int().cumprod(1).sum(1)
 
 
 def accept(
-    logits: torch.Tensor, drafts: torch.Tensor, blocks: VerifyBatch, generator: torch.Generator | None
+    logits: torch.Tensor, drafts: torch.Tensor, blocks: VerifyBatch, positions: torch.Tensor
 ) -> Acceptance:
     """`logits [V, T, vocab]` (fp32) at the anchor and each draft of the V blocks of `blocks`,
-    `drafts [V, T-1]` on the device. Position i's distribution is processed as if i tokens had already
-    been generated (`VerifyBatch.position_rows`) and masked by `blocks.allowed` (structured outputs),
-    so a draft the grammar refuses is never accepted. `generator` draws the noise of sampled blocks
-    without one of their own. Nothing is read back to the host."""
-    num_blocks, width, vocab = logits.shape
+    `drafts [V, T-1]` and `positions [V, T]` (int64: where in its sequence each position's pick goes,
+    the token after the anchor or draft there) on the device. Position i's distribution is processed
+    as if i tokens had already been generated (`VerifyBatch.position_rows`) and masked by
+    `blocks.allowed` (structured outputs), so a draft the grammar refuses is never accepted. Nothing
+    is read back to the host."""
+    num_blocks, width, _ = logits.shape
     assert width <= MAX_BLOCK_TOKENS, f"a verify block holds at most {MAX_BLOCK_TOKENS} tokens, got {width}"
-    device = logits.device
-    counts = to_device(list(blocks.num_drafts), device)
-    steps = torch.arange(width, device=device)
-    padded_drafts = torch.cat([drafts, drafts.new_zeros(num_blocks, 1)], 1)
+    counts = to_device(list(blocks.num_drafts), logits.device)
     if blocks.picks_argmax:
-        target = logits.argmax(-1)
-        accepted = greedy_accept(target, drafts, counts)
-        emitted = torch.where(steps[None, :] < accepted[:, None], padded_drafts, target)
-        return _with_logprobs(Acceptance(accepted, emitted), logits, blocks)
-    processed, probs = target_distribution(logits.flatten(0, 1), blocks.position_rows(width), blocks.allowed)
-    flat_drafts = padded_drafts.flatten()
-    uniforms, exps = _noise(blocks, width, vocab, device, generator)
-    greedy = to_device([r.params.greedy for r in blocks.rows], device)[:, None]
-    target = processed.argmax(-1).view(num_blocks, width)
-    draft_probs = probs.gather(1, flat_drafts[:, None])[:, 0]
-    sampled_pass = (uniforms < draft_probs).view(num_blocks, width)[:, :-1]
-    passes = torch.where(greedy, target[:, :-1] == drafts, sampled_pass)
-    valid = steps[None, :-1] < counts[:, None]
-    accepted = (passes & valid).int().cumprod(1).sum(1)
-    bonus = (probs / exps).argmax(-1).view(num_blocks, width)  # a sample from p (exponential race)
-    recovered = (probs.scatter(1, flat_drafts[:, None], 0.0) / exps).argmax(-1).view(num_blocks, width)
-    sampled = torch.where(steps[None, :] < counts[:, None], recovered, bonus)
-    picks = torch.where(greedy, target, sampled)
-    emitted = torch.where(steps[None, :] < accepted[:, None], padded_drafts, picks)
-    return _with_logprobs(Acceptance(accepted, emitted), logits, blocks)
+        picks = logits.argmax(-1)
+    else:
+        rows = blocks.position_rows(width)
+        processed, probs = target_distribution(logits.flatten(0, 1), rows, blocks.allowed)
+        picks = pick(processed, probs, rows, positions.flatten()).view(num_blocks, width)
+    return _with_logprobs(Acceptance(greedy_accept(picks, drafts, counts), picks), logits, blocks)
 
 
 def _with_logprobs(result: Acceptance, logits: torch.Tensor, blocks: VerifyBatch) -> Acceptance:
@@ -149,18 +159,3 @@ def _with_logprobs(result: Acceptance, logits: torch.Tensor, blocks: VerifyBatch
     top = logprobs.topk(top_n, dim=-1)
     result.top_ids, result.top_values = top.indices, top.values
     return result
-
-
-def _noise(
-    blocks: VerifyBatch, width: int, vocab: int, device, generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniforms for the accept tests and Exp(1) noise for the samples, `num_drafts[v] + 1` of each per
-    block, drawn from each block's own generator when it has one (so a seeded request does not
-    depend on its batch); padding positions get ones (never read)."""
-    uniforms = torch.ones(len(blocks.rows), width, device=device)
-    exps = torch.ones(len(blocks.rows), width, vocab, device=device)
-    for v, (row, n) in enumerate(zip(blocks.rows, blocks.num_drafts, strict=True)):
-        gen = row.generator or generator
-        uniforms[v, : n + 1] = torch.rand(n + 1, device=device, generator=gen)
-        exps[v, : n + 1] = torch.empty(n + 1, vocab, device=device).exponential_(generator=gen)
-    return uniforms.flatten(), exps.flatten(0, 1)
