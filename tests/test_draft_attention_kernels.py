@@ -20,6 +20,11 @@ from hylo.models.dflash import DFlashConfig, DraftAttention, rope  # noqa: E402
 from hylo.ops import draft_attention as ops  # noqa: E402
 from hylo.ops.draft_attention import kernels  # noqa: E402
 from hylo.ops.draft_attention.reference import (  # noqa: E402
+    ContextTable,
+    ContextTokens,
+    DraftBlock,
+    KeyTransform,
+    KVCache,
     paged_draft_attention_reference,
     rotary_tables,
     store_context_kv_reference,
@@ -61,10 +66,15 @@ def paged_case(ctx_lens, block, num_kv_heads, group, head_dim, dtype, seed, max_
     return (*floats, table.to(DEV), rows.to(DEV), lens.to(DEV))
 
 
+def paged(case):
+    """The typed operands (block, cache, table) of a `paged_case`, sharing its tensors."""
+    return DraftBlock(*case[:3]), KVCache(*case[3:5]), ContextTable(*case[5:])
+
+
 def reference64(case, scale, window):
     """The reference on fp64 copies of the float inputs: the target every kernel result is held to."""
     floats, ints = case[:5], case[5:]
-    return paged_draft_attention_reference(*(t.double() for t in floats), *ints, scale, window)
+    return paged_draft_attention_reference(*paged([*(t.double() for t in floats), *ints]), scale, window)
 
 
 # ---------------------------------------------------------------- paged draft attention
@@ -89,7 +99,7 @@ def test_paged_draft_attention_kernel_matches_reference(
     scale = 32**-0.5
     expected = reference64(case, scale, window)
     out = kernels.paged_draft_attention(
-        *case, scale, window, num_splits=num_splits, block_n=BLOCK_N, merge_block_d=merge_block_d
+        *paged(case), scale, window, num_splits=num_splits, block_n=BLOCK_N, merge_block_d=merge_block_d
     )
     assert out.shape == case[0].shape and out.dtype == dtype
     torch.testing.assert_close(out.double(), expected, **TOL[dtype])
@@ -99,7 +109,7 @@ def test_paged_draft_attention_int64_tables_and_lengths():
     q, kb, vb, kc, vc, table, rows, lens = paged_case([9, 0, 40], 4, 1, 4, 16, torch.float32, seed=7)
     expected = reference64((q, kb, vb, kc, vc, table, rows, lens), 0.3, 30)
     out = kernels.paged_draft_attention(
-        q, kb, vb, kc, vc, table.long(), rows, lens.int(), 0.3, 30, num_splits=2, block_n=BLOCK_N
+        *paged((q, kb, vb, kc, vc, table.long(), rows, lens.int())), 0.3, 30, num_splits=2, block_n=BLOCK_N
     )
     torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
 
@@ -137,8 +147,9 @@ def test_paged_reference_matches_draft_attention_forward():
                      positions, c.rope_theta)  # fmt: skip
             k_block, v_block = attn.key_value(x, positions)
             out = paged_draft_attention_reference(
-                q, k_block, v_block, k_cache, v_cache, table, rows, lens, c.head_dim**-0.5, attn.window
-            )
+                DraftBlock(q, k_block, v_block), KVCache(k_cache, v_cache), ContextTable(table, rows, lens),
+                c.head_dim**-0.5, attn.window,
+            )  # fmt: skip
             expected = attn(x, positions, ctx_k, ctx_v, ctx_pos, ctx_valid)
             torch.testing.assert_close(attn.o_proj(out.flatten(-2)), expected, rtol=1e-5, atol=1e-5)
 
@@ -160,14 +171,22 @@ def store_case(num_layers, num_tokens, num_kv_heads, head_dim, dtype, seed, num_
     return (*floats, 1e-6, cos, sin, positions.to(DEV), slots.to(DEV), *caches)
 
 
+def stored(args, k_cache=None, v_cache=None):
+    """The typed operands (tokens, keys, cache) of a `store_case`, sharing its tensors; the cache
+    `k_cache`, `v_cache` instead of its own where given."""
+    k_raw, v, weight, eps, cos, sin, positions, slots = args[:8]
+    cache = KVCache(args[8], args[9]) if k_cache is None else KVCache(k_cache, v_cache)
+    return ContextTokens(k_raw, v, positions, slots), KeyTransform(weight, eps, cos, sin), cache
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_kv_heads", [2, 3])  # 3: a padded head tile
 def test_store_context_kv_kernel_matches_reference(dtype, num_kv_heads):
     args = store_case(2, 9, num_kv_heads, 32, dtype, seed=num_kv_heads)
     slots, k_before, v_before = args[7], args[8].clone(), args[9].clone()
     expected_k, expected_v = k_before.clone(), v_before.clone()
-    store_context_kv_reference(*args[:8], expected_k, expected_v)
-    kernels.store_context_kv(*args)
+    store_context_kv_reference(*stored(args, expected_k, expected_v))
+    kernels.store_context_kv(*stored(args))
     k_cache, v_cache = args[8], args[9]
     assert torch.equal(v_cache, expected_v)
     # Keys differ from torch by fp32 rounding of the mean square's summation order only: nothing in
@@ -202,7 +221,9 @@ def test_store_reference_matches_draft_attention_key_value():
         weight = torch.stack([attn.k_norm.weight for attn in layers])
         cos, sin = rotary_tables(32, c.head_dim, c.rope_theta)
         store_context_kv_reference(
-            k_raw, v, weight, c.rms_norm_eps, cos, sin, positions, slots, k_cache, v_cache
+            ContextTokens(k_raw, v, positions, slots),
+            KeyTransform(weight, c.rms_norm_eps, cos, sin),
+            KVCache(k_cache, v_cache),
         )
         kept = slots >= 0
         for layer, attn in enumerate(layers):
@@ -220,12 +241,12 @@ def on_cpu(args):
 
 def test_dispatch_sends_cpu_calls_to_the_references():
     case = on_cpu(paged_case([3, 20], 4, 2, 2, 16, torch.float32, seed=3))
-    out = ops.paged_draft_attention(*case, 0.25, 8)
-    torch.testing.assert_close(out, paged_draft_attention_reference(*case, 0.25, 8), rtol=0, atol=0)
+    out = ops.paged_draft_attention(*paged(case), 0.25, 8)
+    torch.testing.assert_close(out, paged_draft_attention_reference(*paged(case), 0.25, 8), rtol=0, atol=0)
     args = on_cpu(store_case(2, 5, 2, 16, torch.float32, seed=4))
     expected_k, expected_v = args[8].clone(), args[9].clone()
-    store_context_kv_reference(*args[:8], expected_k, expected_v)
-    ops.store_context_kv(*args)
+    store_context_kv_reference(*stored(args, expected_k, expected_v))
+    ops.store_context_kv(*stored(args))
     assert torch.equal(args[8], expected_k) and torch.equal(args[9], expected_v)
 
 
@@ -239,28 +260,31 @@ def test_dispatch_sends_cuda_calls_to_the_kernels(monkeypatch):
         monkeypatch.setattr(
             kernels, name, lambda *a, kernel=kernel, name=name: calls.append(name) or kernel(*a)
         )
-    ops.paged_draft_attention(*case, 0.25, 8)
-    ops.store_context_kv(*args)
+    ops.paged_draft_attention(*paged(case), 0.25, 8)
+    ops.store_context_kv(*stored(args))
     assert calls == ["paged_draft_attention", "store_context_kv"]
 
 
 def test_refusals_name_the_reason():
     case = paged_case([3], 4, 2, 2, 16, torch.float32, seed=5)
     q, kb, vb, kc, vc, table, rows, lens = case
-    assert ops.paged_draft_attention_refusal(*case, None) is None
+    assert ops.paged_draft_attention_refusal(*paged(case), None) is None
     odd = paged_case([3], 4, 2, 2, 24, torch.float32, seed=5)
-    assert "power of two" in ops.paged_draft_attention_refusal(*odd, None)
-    assert "share one dtype" in ops.paged_draft_attention_refusal(q.half(), *case[1:], None)
-    assert "window" in ops.paged_draft_attention_refusal(*case, 0)
+    assert "power of two" in ops.paged_draft_attention_refusal(*paged(odd), None)
+    assert "share one dtype" in ops.paged_draft_attention_refusal(*paged((q.half(), *case[1:])), None)
+    assert "window" in ops.paged_draft_attention_refusal(*paged(case), 0)
     wide = paged_case([3], 16, 1, 16, 16, torch.float32, seed=5)  # 16 rows x 16 heads
-    assert "rows" in ops.paged_draft_attention_refusal(*wide, None)
+    assert "rows" in ops.paged_draft_attention_refusal(*paged(wide), None)
     strided = kc.transpose(1, 2).contiguous().transpose(1, 2)
-    assert "contiguous" in ops.paged_draft_attention_refusal(q, kb, vb, strided, vc, table, rows, lens, None)
+    assert "contiguous" in ops.paged_draft_attention_refusal(
+        *paged((q, kb, vb, strided, vc, table, rows, lens)), None
+    )
     with pytest.raises(ValueError, match="power of two"):
-        kernels.paged_draft_attention(*odd, 0.25)
+        kernels.paged_draft_attention(*paged(odd), 0.25)
     args = store_case(1, 4, 2, 16, torch.float32, seed=6)
-    assert ops.store_context_kv_refusal(*args[:3], *args[4:]) is None
-    assert "k_norm_weight" in ops.store_context_kv_refusal(args[0], args[1], args[2].half(), *args[4:])
+    assert ops.store_context_kv_refusal(*stored(args)) is None
+    half_weight = (*args[:2], args[2].half(), *args[3:])
+    assert "k_norm_weight" in ops.store_context_kv_refusal(*stored(half_weight))
 
 
 # ---------------------------------------------------------------- sm_90 compile (no GPU needed)
@@ -318,7 +342,7 @@ def test_kernels_compile_for_hopper_without_spills():
 def test_paged_draft_attention_bf16_real_shape(window):
     case = paged_case([0, 1000, 4099], 8, 8, 4, 128, torch.bfloat16, seed=8, max_len=4200)
     expected = reference64(case, 128**-0.5, window)
-    out = kernels.paged_draft_attention(*case, 128**-0.5, window)
+    out = kernels.paged_draft_attention(*paged(case), 128**-0.5, window)
     assert float((out.double() - expected).norm() / expected.norm()) < 1e-2
 
 
@@ -326,10 +350,10 @@ def test_paged_draft_attention_bf16_real_shape(window):
 def test_paged_draft_attention_cuda_graph_replays_new_lengths():
     """Captured once, the launch pair stays right when the lengths and the table change on the device."""
     case = list(paged_case([10, 300, 77], 8, 2, 4, 64, torch.float16, seed=9, max_len=400))
-    kernels.paged_draft_attention(*case, 0.125, 100)  # compile outside the capture
+    kernels.paged_draft_attention(*paged(case), 0.125, 100)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kernels.paged_draft_attention(*case, 0.125, 100)
+        out = kernels.paged_draft_attention(*paged(case), 0.125, 100)
     for lens, seed in (([0, 399, 64], 10), ([250, 1, 300], 11)):
         fresh = paged_case(lens, 8, 2, 4, 64, torch.float16, seed=seed, max_len=400)
         for static, new in zip(case, fresh, strict=True):

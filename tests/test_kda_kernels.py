@@ -65,8 +65,8 @@ class Problem:
         hd = self.h * self.d
         return [self.randn(*lead, hd) for _ in range(4)] + [self.randn(*lead, self.h)]
 
-    def params(self):
-        return self.conv_weight, self.dt_bias, self.a_log
+    def params(self, lower_bound: float | None = -5.0) -> KDAParams:
+        return KDAParams(self.conv_weight, self.dt_bias, self.a_log, lower_bound)
 
     def pools(self):
         return self.conv_pool.clone(), self.state_pool.clone()
@@ -99,13 +99,13 @@ def test_prefill_matches_reference(lens, dtype, d, seed, tuning):
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    q, k, v, f, b = p.inputs(cu[-1])
+    x = KDAInputs(*p.inputs(cu[-1]))
     slots = torch.randperm(7, generator=p.gen)[: len(lens)]
     conv_ref, state_ref = p.pools()
-    o_ref = reference.prefill(q, k, v, f, b, *p.params(), conv_ref, state_ref, slots, None, cu, -5.0)
+    o_ref = reference.prefill(x, p.params(), KDASlots(conv_ref, state_ref, slots), None, cu)
     conv, state = p.pools()
     cu_dev = torch.tensor(cu, dtype=torch.int32)
-    o = chunk.prefill(q, k, v, f, b, *p.params(), conv, state, slots, cu_dev, cu, -5.0, **tuning)
+    o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), cu_dev, cu, **tuning)
     ratio = RATIO if dtype == torch.float32 else RATIO_HALF
     assert o.dtype == dtype and err(o, o_ref) < ratio
     check_pools(conv, state, conv_ref, state_ref, slots.tolist(), ratio)
@@ -152,24 +152,9 @@ def test_first_launch_fast_sigmoid_compiles_for_hopper():
 )
 def test_prefill_rejects_first_launch_tiles_it_cannot_take(tuning, message):
     p = Problem(7)
-    q, k, v, f, b = p.inputs(5)
-    conv, state = p.pools()
+    slots = KDASlots(*p.pools(), torch.tensor([0]))
     with pytest.raises(ValueError, match=message):
-        chunk.prefill(
-            q,
-            k,
-            v,
-            f,
-            b,
-            *p.params(),
-            conv,
-            state,
-            torch.tensor([0]),
-            torch.tensor([0, 5]),
-            [0, 5],
-            -5.0,
-            **tuning,
-        )
+        chunk.prefill(KDAInputs(*p.inputs(5)), p.params(), slots, torch.tensor([0, 5]), [0, 5], **tuning)
 
 
 def decode_case(p: Problem, lower_bound, pools, batch: int = 3):
@@ -179,7 +164,7 @@ def decode_case(p: Problem, lower_bound, pools, batch: int = 3):
     q, k, v, b = qkvb.split([p.h * p.d] * 3 + [p.h], dim=-1)
     x = KDAInputs(q, k, v, p.randn(batch, p.h * p.d), b)
     slots = KDASlots(*pools, torch.tensor([5, 0, 3][:batch]))
-    return x, KDAParams(*p.params(), lower_bound), slots
+    return x, p.params(lower_bound), slots
 
 
 @pytest.mark.parametrize(
@@ -220,38 +205,38 @@ def test_block_verify_and_commit_match_reference(t, block_v, block_k):
     of any accepted prefix (0 and T included) from its replay operands gives the reference's state and
     window, and a request that accepts nothing keeps its slot bit-for-bit."""
     p = Problem(10 + t)
-    q, k, v, f, b = p.inputs(4, t)
+    x = KDAInputs(*p.inputs(4, t))
     slots = torch.tensor([6, 1, 2, 4])
     n_acc = torch.tensor([1, t, 0, 3])
     conv_ref, state_ref = p.pools()
-    o_ref, cache_ref = reference.verify(q, k, v, f, b, *p.params(), conv_ref, state_ref, slots, -5.0)
-    reference.commit(cache_ref, *p.params(), conv_ref, state_ref, slots, n_acc, -5.0)
+    ref_slots = KDASlots(conv_ref, state_ref, slots)
+    o_ref, cache_ref = reference.verify(x, p.params(), ref_slots)
+    reference.commit(cache_ref, p.params(), ref_slots, n_acc)
     conv, state = p.pools()
-    o, cache = recurrent.verify(q, k, v, f, b, *p.params(), conv, state, slots, -5.0, block_v=block_v)
+    o, cache = recurrent.verify(x, p.params(), KDASlots(conv, state, slots), block_v=block_v)
     assert isinstance(cache, recurrent.ReplayCache) and err(o, o_ref) < RATIO
     assert torch.equal(conv, p.conv_pool) and torch.equal(state, p.state_pool)
-    recurrent.commit(cache, *p.params(), conv, state, slots, n_acc, -5.0, block_k=block_k)
+    recurrent.commit(cache, p.params(), KDASlots(conv, state, slots), n_acc, block_k=block_k)
     check_pools(conv, state, conv_ref, state_ref, [6, 1, 4])
     assert torch.equal(conv[2], p.conv_pool[2]) and torch.equal(state[2], p.state_pool[2])
 
 
 def test_block_commit_rejects_a_row_block_that_does_not_divide_the_head():
     p = Problem(6)
-    q, k, v, _, _ = p.inputs(1, 2)
-    replay = p.randn(3, 1, 2, p.h, p.d, dtype=torch.float32)
-    conv, state = p.pools()
+    cache = recurrent.ReplayCache(
+        KDAInputs(*p.inputs(1, 2)), replay=p.randn(3, 1, 2, p.h, p.d, dtype=torch.float32)
+    )
+    slots = KDASlots(*p.pools(), torch.tensor([0]))
     with pytest.raises(ValueError, match="block_k=3 must divide the head size 16"):
-        recurrent.block_commit(
-            replay, q, k, v, conv, state, torch.tensor([0]), torch.tensor([2]), -5.0, block_k=3
-        )
+        recurrent.block_commit(cache, p.params(), slots, torch.tensor([2]), block_k=3)
 
 
 def test_block_verify_rejects_long_blocks():
     p = Problem(5)
-    qkv = p.randn(1, 17, 3 * p.h * p.d)
-    f, b = p.randn(1, 17, p.h * p.d), p.randn(1, 17, p.h)
+    x = KDAInputs(*p.inputs(1, 17))
+    qkv = torch.cat([x.q, x.k, x.v], -1)
     with pytest.raises(ValueError, match="T ≤ 16"):
-        recurrent.block_verify(qkv, f, b, p.dt_bias, p.a_log, p.state_pool, torch.tensor([0]), -5.0)
+        recurrent.block_verify(qkv, x, p.params(), KDASlots(*p.pools(), torch.tensor([0])))
 
 
 def test_sequential_verify_steps_and_commits():
@@ -259,54 +244,50 @@ def test_sequential_verify_steps_and_commits():
     its commits (copy of a saved state, sequential replay) against the reference."""
     p = Problem(3)
     t = 4
-    q, k, v, f, b = p.inputs(4, t)
+    x = KDAInputs(*p.inputs(4, t))
     slots = torch.tensor([6, 1, 2, 4])
     n_acc = torch.tensor([1, 4, 0, 3])
     conv0, state0 = p.pools()
     steps_ref = torch.empty(4, t, p.h, p.d, p.d)
-    o_ref, cache_ref = reference.verify(
-        q, k, v, f, b, *p.params(), conv0, state0, slots, -5.0, step_states=steps_ref
-    )
+    o_ref, cache_ref = reference.verify(x, p.params(), KDASlots(conv0, state0, slots), step_states=steps_ref)
     conv, state = p.pools()
     steps = torch.full_like(steps_ref, float("nan"))
-    o, cache = recurrent.verify(q, k, v, f, b, *p.params(), conv, state, slots, -5.0, step_states=steps)
+    o, cache = recurrent.verify(x, p.params(), KDASlots(conv, state, slots), step_states=steps)
     assert err(o, o_ref) < RATIO and err(steps, steps_ref) < RATIO
     assert torch.equal(conv, p.conv_pool) and torch.equal(state, p.state_pool)
 
     # the verified outputs are what decoding the tokens one by one gives
     conv_seq, state_seq = p.pools()
-    params, seq_slots = KDAParams(*p.params(), -5.0), KDASlots(conv_seq, state_seq, slots)
-    outs = [
-        reference.decode(KDAInputs(q[:, i], k[:, i], v[:, i], f[:, i], b[:, i]), params, seq_slots)
-        for i in range(t)
-    ]
+    seq_slots = KDASlots(conv_seq, state_seq, slots)
+    outs = [reference.decode(x.rows((slice(None), i)), p.params(), seq_slots) for i in range(t)]
     assert err(o, torch.stack(outs, 1)) < RATIO
 
-    reference.commit(cache_ref, *p.params(), conv0, state0, slots, n_acc, -5.0)
+    reference.commit(cache_ref, p.params(), KDASlots(conv0, state0, slots), n_acc)
     replay_conv, replay_state = p.pools()
-    recurrent.commit(cache, *p.params(), replay_conv, replay_state, slots, n_acc, -5.0, block_v=8)
+    recurrent.commit(cache, p.params(), KDASlots(replay_conv, replay_state, slots), n_acc, block_v=8)
     check_pools(replay_conv, replay_state, conv0, state0, [6, 1, 4])
 
     step_conv, step_state = p.pools()
-    recurrent.commit_steps(cache, steps, step_conv, step_state, slots, n_acc)
+    recurrent.commit_steps(cache, steps, KDASlots(step_conv, step_state, slots), n_acc)
     check_pools(step_conv, step_state, conv0, state0, [6, 1, 4])
     ref_conv, ref_state = p.pools()
-    reference.commit_steps(cache_ref, steps_ref, ref_conv, ref_state, slots, n_acc)
+    reference.commit_steps(cache_ref, steps_ref, KDASlots(ref_conv, ref_state, slots), n_acc)
     check_pools(ref_conv, ref_state, conv0, state0, [6, 1, 4])
 
 
 def test_conv_steps_window_paths():
     p = Problem(4, dtype=torch.float16)
-    q, k, v, _, _ = p.inputs(3, 5)
+    inputs = KDAInputs(*p.inputs(3, 5))
     slots = torch.tensor([2, 0, 5])
-    x = torch.cat([q, k, v], -1)
+    x = torch.cat([inputs.q, inputs.k, inputs.v], -1)
     y_ref, win_ref = reference.causal_conv(x, p.conv_pool[slots], p.conv_weight, torch.tensor([5, 2, 0]))
     conv = p.conv_pool.clone()
-    y = recurrent.conv_steps(q, k, v, p.conv_weight, conv, slots)
+    y = recurrent.conv_steps(inputs, p.conv_weight, KDASlots(conv, p.state_pool, slots))
     assert err(y, y_ref) < RATIO_HALF and torch.equal(conv, p.conv_pool)
     recurrent.conv_steps(
-        q, k, v, None, conv, slots, write_y=False, write_window=True, n_keep=torch.tensor([5, 2, 0])
-    )
+        inputs, None, KDASlots(conv, p.state_pool, slots), write_y=False, write_window=True,
+        n_keep=torch.tensor([5, 2, 0]),
+    )  # fmt: skip
     assert torch.equal(conv[slots], win_ref)
 
 
@@ -350,15 +331,15 @@ def test_reference_prefill_matches_naive_per_sequence():
     p = Problem(6)
     lens = [5, 1, 40]
     cu = [0, 5, 6, 46]
-    q, k, v, f, b = p.inputs(cu[-1])
+    x = KDAInputs(*p.inputs(cu[-1]))
     slots = torch.tensor([3, 6, 0])
     conv, state = p.pools()
-    o = reference.prefill(q, k, v, f, b, *p.params(), conv, state, slots, None, cu, -5.0)
+    o = reference.prefill(x, p.params(), KDASlots(conv, state, slots), None, cu)
     for i, (s0, n) in enumerate(zip(cu[:-1], lens, strict=True)):
-        part = [t[s0 : s0 + n] for t in (q, k, v, f, b)]
         o_n, s_n, w_n = naive_sequence(
-            *part, *p.params(), p.conv_pool[slots[i]], p.state_pool[slots[i]], -5.0
-        )
+            *x.rows(slice(s0, s0 + n)).tensors, p.conv_weight, p.dt_bias, p.a_log, p.conv_pool[slots[i]],
+            p.state_pool[slots[i]], -5.0,
+        )  # fmt: skip
         torch.testing.assert_close(o[s0 : s0 + n], o_n, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(state[slots[i]], s_n, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(conv[slots[i]], w_n)
@@ -371,23 +352,19 @@ def test_prefill_of_a_padded_batch_from_device_offsets(n, width):
     sequence's change nothing: outputs, window and state equal the call on the n tokens alone (the
     same kernels: exactly), padding outputs are zeros; so does the reference."""
     p = Problem(11 + n, d=16)
-    q, k, v, f, b = p.inputs(width)
+    x = KDAInputs(*p.inputs(width))
     slots = torch.tensor([3])
     cu_dev = torch.tensor([0, n], dtype=torch.int32)
     conv_ref, state_ref = p.pools()
-    o_ref = chunk.prefill(
-        *(t[:n] for t in (q, k, v, f, b)), *p.params(), conv_ref, state_ref, slots, cu_dev, [0, n], -5.0
-    )
+    o_ref = chunk.prefill(x.rows(slice(n)), p.params(), KDASlots(conv_ref, state_ref, slots), cu_dev, [0, n])
     conv, state = p.pools()
-    o = chunk.prefill(q, k, v, f, b, *p.params(), conv, state, slots, cu_dev, None, -5.0)
+    o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), cu_dev, None)
     assert o.shape[0] == width and torch.equal(o[:n], o_ref) and not o[n:].any()
     assert torch.equal(conv, conv_ref) and torch.equal(state, state_ref)
     conv_r, state_r = p.pools()
-    o_r = reference.prefill(q, k, v, f, b, *p.params(), conv_r, state_r, slots, cu_dev, None, -5.0)
+    o_r = reference.prefill(x, p.params(), KDASlots(conv_r, state_r, slots), cu_dev, None)
     conv_e, state_e = p.pools()
-    o_e = reference.prefill(
-        *(t[:n] for t in (q, k, v, f, b)), *p.params(), conv_e, state_e, slots, None, [0, n], -5.0
-    )
+    o_e = reference.prefill(x.rows(slice(n)), p.params(), KDASlots(conv_e, state_e, slots), None, [0, n])
     # (elementwise ops over more rows may take other vector paths: last bits)
     assert err(o_r[:n], o_e) < RATIO and not o_r[n:].any()
     assert torch.equal(conv_r, conv_e) and err(state_r, state_e) < RATIO
@@ -414,7 +391,7 @@ def test_prefill_leaves_snapshots_at_chunk_ends():
     without snapshots."""
     p = Problem(5, d=16)
     cu = [0, 200, 330]  # sequences of 200 and 130 tokens
-    q, k, v, f, b = p.inputs(cu[-1])
+    x = KDAInputs(*p.inputs(cu[-1]))
     slots = torch.tensor([2, 5])
     chunk_ids = torch.tensor([4, -1, 0, -1, -1, 6, -1])  # 4 + 3 chunks
     cu_dev = torch.tensor(cu, dtype=torch.int32)
@@ -425,29 +402,29 @@ def test_prefill_leaves_snapshots_at_chunk_ends():
     snap_conv, snap_state = pools(8)
     snaps = reference.ChunkSnapshots(chunk_ids, snap_conv, snap_state)
     conv, state = p.pools()
-    o = chunk.prefill(q, k, v, f, b, *p.params(), conv, state, slots, cu_dev, cu, -5.0, snapshots=snaps)
+    o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), cu_dev, cu, snapshots=snaps)
     conv_ref, state_ref = p.pools()
-    o_ref = chunk.prefill(q, k, v, f, b, *p.params(), conv_ref, state_ref, slots, cu_dev, cu, -5.0)
+    o_ref = chunk.prefill(x, p.params(), KDASlots(conv_ref, state_ref, slots), cu_dev, cu)
     assert torch.equal(o, o_ref) and torch.equal(conv, conv_ref) and torch.equal(state, state_ref)
 
     ref_conv, ref_state = pools(8)
     conv_r, state_r = p.pools()
     o_r = reference.prefill(
-        q, k, v, f, b, *p.params(), conv_r, state_r, slots, cu_dev, None, -5.0,
+        x, p.params(), KDASlots(conv_r, state_r, slots), cu_dev, None,
         reference.ChunkSnapshots(chunk_ids, ref_conv, ref_state),
     )  # fmt: skip
     assert err(o, o_r) < RATIO and torch.equal(conv_r, conv) and err(state_r, state) < RATIO
     for sid, seq, tokens in [(4, 0, 64), (0, 0, 192), (6, 1, 128)]:
         lo, slot = cu[seq], slots[seq : seq + 1]
-        part = [t[lo : lo + tokens] for t in (q, k, v, f, b)]
+        part = x.rows(slice(lo, lo + tokens))
         one_conv, one_state = p.pools()
-        reference.prefill(*part, *p.params(), one_conv, one_state, slot, None, [0, tokens], -5.0)
+        reference.prefill(part, p.params(), KDASlots(one_conv, one_state, slot), None, [0, tokens])
         assert torch.equal(ref_conv[sid], one_conv[slot[0]]) and torch.equal(
             ref_state[sid], one_state[slot[0]]
         )
         one_conv, one_state = p.pools()
         one_cu = torch.tensor([0, tokens], dtype=torch.int32)
-        chunk.prefill(*part, *p.params(), one_conv, one_state, slot, one_cu, [0, tokens], -5.0)
+        chunk.prefill(part, p.params(), KDASlots(one_conv, one_state, slot), one_cu, [0, tokens])
         assert torch.equal(snap_conv[sid], one_conv[slot[0]]) and torch.equal(
             snap_state[sid], one_state[slot[0]]
         )

@@ -37,6 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from hylo.ops.draft_attention import kernels as K  # noqa: E402
 from hylo.ops.draft_attention.reference import (  # noqa: E402
+    ContextTable,
+    ContextTokens,
+    DraftBlock,
+    KeyTransform,
+    KVCache,
     paged_draft_attention_reference,
     rotary_tables,
     store_context_kv_reference,
@@ -87,6 +92,11 @@ def paged_case(num_requests: int, ctx_len: int, gen: torch.Generator):
     return [q, k_block, v_block, k_cache, v_cache, table, rows, ctx_lens]
 
 
+def paged(case):
+    """The typed operands (block, cache, table) of a `paged_case`, sharing its tensors."""
+    return DraftBlock(*case[:3]), KVCache(*case[3:5]), ContextTable(*case[5:])
+
+
 def context_bytes(ctx_lens: torch.Tensor, window: int | None) -> int:
     """K and V bytes of the context keys some block row can see."""
     lens = ctx_lens.long().cpu()
@@ -100,8 +110,8 @@ def attention_parity() -> None:
     for window in (None, WINDOW):
         case = paged_case(4, CONTEXTS[-1], gen)
         case[7] = torch.tensor([0, 1, CONTEXTS[0] + 5, CONTEXTS[-1]], dtype=torch.int32, device=DEV)
-        out = K.paged_draft_attention(*case, SCALE, window)
-        ref = paged_draft_attention_reference(*case, SCALE, window)
+        out = K.paged_draft_attention(*paged(case), SCALE, window)
+        ref = paged_draft_attention_reference(*paged(case), SCALE, window)
         rec(f"parity_attention_window{window}_rel_err", f"{rel_err(out, ref):.2e}")
         rec(
             f"parity_attention_window{window}_max_abs",
@@ -113,13 +123,13 @@ def attention_graph_replay() -> None:
     """Capture once, then change the lengths on the device and replay: the result follows them."""
     gen = torch.Generator(DEV).manual_seed(1)
     case = paged_case(8, CONTEXTS[1], gen)
-    K.paged_draft_attention(*case, SCALE, WINDOW)  # compile outside the capture
+    K.paged_draft_attention(*paged(case), SCALE, WINDOW)  # compile outside the capture
     if DRY:  # no graphs on the CPU: one eager call stands in for the replay
-        replay = lambda: K.paged_draft_attention(*case, SCALE, WINDOW)  # noqa: E731
+        replay = lambda: K.paged_draft_attention(*paged(case), SCALE, WINDOW)  # noqa: E731
     else:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = K.paged_draft_attention(*case, SCALE, WINDOW)
+            out = K.paged_draft_attention(*paged(case), SCALE, WINDOW)
 
         def replay():
             graph.replay()
@@ -131,7 +141,7 @@ def attention_graph_replay() -> None:
         lens[trial] = 0
         case[7].copy_(lens)
         got = replay()
-        worst = max(worst, rel_err(got, paged_draft_attention_reference(*case, SCALE, WINDOW)))
+        worst = max(worst, rel_err(got, paged_draft_attention_reference(*paged(case), SCALE, WINDOW)))
     rec("parity_graph_replay_new_lengths_rel_err", f"{worst:.2e}")
 
 
@@ -146,13 +156,15 @@ def attention_timings(quick: bool) -> None:
         splits = K.default_num_splits(
             num_requests, KV_HEADS, case[5].shape[1], window, K.CONTEXT_TILES["block_n"], DEV
         )
-        out = K.paged_draft_attention(*case, SCALE, window)
-        ref = paged_draft_attention_reference(*case, SCALE, window)
+        out = K.paged_draft_attention(*paged(case), SCALE, window)
+        ref = paged_draft_attention_reference(*paged(case), SCALE, window)
         floor = context_bytes(case[7], window) / HBM_BYTES_PER_S * 1e6
-        kernel = bench(lambda case=case, window=window: K.paged_draft_attention(*case, SCALE, window))
-        graph = bench_graph(lambda case=case, window=window: K.paged_draft_attention(*case, SCALE, window))
+        ops = paged(case)  # built once: the eager timings hold the launches alone
+        kernel = bench(lambda ops=ops, window=window: K.paged_draft_attention(*ops, SCALE, window))
+        graph = bench_graph(lambda ops=ops, window=window: K.paged_draft_attention(*ops, SCALE, window))
         reference = bench(
-            lambda case=case, window=window: paged_draft_attention_reference(*case, SCALE, window), rep=30
+            lambda ops=ops, window=window: paged_draft_attention_reference(*ops, SCALE, window),
+            rep=30,
         )
         best, best_cfg = graph, f"default {K.CONTEXT_TILES} splits {splits}"
         for block_n, warps, stages in [] if quick else SWEEP:
@@ -160,7 +172,7 @@ def attention_timings(quick: bool) -> None:
             for num_splits in sorted({max(1, cfg_splits // 2), cfg_splits, 2 * cfg_splits, 4 * cfg_splits}):
                 tiles = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=num_splits)
                 t = bench_graph(lambda case=case, window=window, tiles=tiles: K.paged_draft_attention(
-                    *case, SCALE, window, **tiles))  # fmt: skip
+                    *paged(case), SCALE, window, **tiles))  # fmt: skip
                 if t < best:
                     best, best_cfg = t, str(tiles)
         row = {
@@ -188,13 +200,21 @@ def store_case(num_tokens: int, gen: torch.Generator):
     return [k_raw, v, weight, 1e-6, cos, sin, positions, slots, k_cache, v_cache]
 
 
+def stored(args, k_cache=None, v_cache=None):
+    """The typed operands (tokens, keys, cache) of a `store_case`, sharing its tensors; the cache
+    `k_cache`, `v_cache` instead of its own where given."""
+    k_raw, v, weight, eps, cos, sin, positions, slots = args[:8]
+    cache = KVCache(args[8], args[9]) if k_cache is None else KVCache(k_cache, v_cache)
+    return ContextTokens(k_raw, v, positions, slots), KeyTransform(weight, eps, cos, sin), cache
+
+
 def store_bench() -> None:
     gen = torch.Generator(DEV).manual_seed(3)
     for num_tokens in STORE_TOKENS:
         args = store_case(num_tokens, gen)
         expected = [args[8].clone(), args[9].clone()]
-        store_context_kv_reference(*args[:8], *expected)
-        K.store_context_kv(*args)
+        store_context_kv_reference(*stored(args, *expected))
+        K.store_context_kv(*stored(args))
         untouched = torch.ones(args[8].shape[1], dtype=torch.bool, device=DEV)
         untouched[args[7][args[7] >= 0]] = False
         name = f"store_L{DRAFT_LAYERS}_N{num_tokens}"
@@ -206,8 +226,9 @@ def store_bench() -> None:
             4 * DRAFT_LAYERS * kept * KV_HEADS * HEAD_DIM * torch.finfo(DTYPE).bits // 8
         )  # k, v in and out
         floor = moved / HBM_BYTES_PER_S * 1e6
-        kernel = bench_graph(lambda args=args: K.store_context_kv(*args))
-        reference = bench(lambda args=args: store_context_kv_reference(*args))
+        ops = stored(args)
+        kernel = bench_graph(lambda ops=ops: K.store_context_kv(*ops))
+        reference = bench(lambda ops=ops: store_context_kv_reference(*ops))
         row = {"shape": name, "graph_us": round(kernel, 1), "reference_us": round(reference, 1),
                "floor_us": round(floor, 2), "floor_pct": round(100 * floor / kernel, 1)}  # fmt: skip
         ROWS.append(row)

@@ -93,8 +93,8 @@ class Layer:
         r = [torch.randn(*lead, HD, device=DEV, generator=self.gen).bfloat16() for _ in range(4)]
         return [*r, torch.randn(*lead, H, device=DEV, generator=self.gen).bfloat16()]
 
-    def params(self):
-        return self.conv_weight, self.dt_bias, self.a_log
+    def params(self) -> KDAParams:
+        return KDAParams(self.conv_weight, self.dt_bias, self.a_log, LB)
 
     def pools(self):
         return self.conv_pool.clone(), self.state_pool.clone()
@@ -136,18 +136,8 @@ def _warm_one(job: tuple[dict, int]) -> str:
     t0 = time.time()
     lay = Layer(slots=n_seq, seed=0)
     cu, cu_d = offsets([70] * n_seq)
-    conv, state = lay.pools()
-    chunk.prefill(
-        *lay.inputs(cu[-1]),
-        *lay.params(),
-        conv,
-        state,
-        torch.arange(n_seq, device=DEV),
-        cu_d,
-        cu,
-        LB,
-        **tuning,
-    )
+    slots = KDASlots(*lay.pools(), torch.arange(n_seq, device=DEV))
+    chunk.prefill(KDAInputs(*lay.inputs(cu[-1])), lay.params(), slots, cu_d, cu, **tuning)
     if DEV == "cuda":
         torch.cuda.synchronize()
     return f"{tuning} x{n_seq}: {time.time() - t0:.0f}s"
@@ -174,14 +164,15 @@ def parity_prefill(fla_chunk, variants: dict[str, dict]) -> None:
     lay = Layer(slots=8, seed=1)
     lens = [L(1500), 1, 3, L(2600)]
     cu, cu_d = offsets(lens)
-    q, k, v, f, b = lay.inputs(cu[-1])
+    x = KDAInputs(*lay.inputs(cu[-1]))
+    q, k, v, f, b = x.tensors
     slots = torch.tensor([5, 0, 7, 2], device=DEV)
     c_ref, s_ref = lay.pools()
-    o_ref = reference.prefill(q, k, v, f, b, *lay.params(), c_ref, s_ref, slots, None, cu, LB)
+    o_ref = reference.prefill(x, lay.params(), KDASlots(c_ref, s_ref, slots), None, cu)
     for name, tuning in {"": {}, **variants}.items():
         tag = f"parity_prefill{'_' + name if name else ''}"
         c, s = lay.pools()
-        o = chunk.prefill(q, k, v, f, b, *lay.params(), c, s, slots, cu_d, cu, LB, **tuning)
+        o = chunk.prefill(x, lay.params(), KDASlots(c, s, slots), cu_d, cu, **tuning)
         rec(f"{tag}_o", err(o, o_ref))
         rec(f"{tag}_state", err(s[slots], s_ref[slots]))
         if not name:
@@ -214,9 +205,9 @@ def parity_prefill(fla_chunk, variants: dict[str, dict]) -> None:
         )
         c1, s1 = lay.pools()
         cu1, cu1_d = offsets([cu[-1]])
-        o1 = chunk.prefill(q, k, v, f, b, *lay.params(), c1, s1, slots[:1], cu1_d, cu1, LB)
+        o1 = chunk.prefill(x, lay.params(), KDASlots(c1, s1, slots[:1]), cu1_d, cu1)
         c2, s2 = lay.pools()
-        o1_ref = reference.prefill(q, k, v, f, b, *lay.params(), c2, s2, slots[:1], None, cu1, LB)
+        o1_ref = reference.prefill(x, lay.params(), KDASlots(c2, s2, slots[:1]), None, cu1)
         rec("parity_prefill_fla_vs_ref_o", err(o_f[0], o1_ref))
         rec("parity_prefill_hylo_vs_ref_o_same_input", err(o1, o1_ref))
         rec("parity_prefill_fla_vs_ref_state", err(s_f[0], s2[slots[0]]))
@@ -229,7 +220,7 @@ def parity(fla_chunk, fla_rec) -> None:
 
 def decode_operands(one, lay, conv, state, slots) -> tuple[KDAInputs, KDAParams, KDASlots]:
     """A decode step's typed operands from its inputs `one` (q, k, v, f, b of one token per sequence)."""
-    return KDAInputs(*one), KDAParams(*lay.params(), LB), KDASlots(conv, state, slots)
+    return KDAInputs(*one), lay.params(), KDASlots(conv, state, slots)
 
 
 def parity_steps() -> None:
@@ -237,11 +228,11 @@ def parity_steps() -> None:
     random slots and random accepted counts (0 and T included); then the gated norm."""
     lay = Layer(slots=8, seed=1)
     bsz, t = 8, 8
-    q, k, v, f, b = lay.inputs(bsz, t)
+    x = KDAInputs(*lay.inputs(bsz, t))
     slots = torch.randperm(8, device=DEV)
     c_ref, s_ref = lay.pools()
-    one = [x[:, 0] for x in (q, k, v, f, b)]
-    norm = OutputNorm(torch.randn_like(q[:, 0]).view(bsz, H, D), torch.randn(D, device=DEV), 1e-5)
+    one = [part[:, 0] for part in x.tensors]
+    norm = OutputNorm(torch.randn_like(x.q[:, 0]).view(bsz, H, D), torch.randn(D, device=DEV), 1e-5)
     o_ref = reference.decode(*decode_operands(one, lay, c_ref, s_ref, slots), norm)
     c, s = lay.pools()
     o = recurrent.decode(*decode_operands(one, lay, c, s, slots), norm)
@@ -252,51 +243,49 @@ def parity_steps() -> None:
     n_acc = torch.tensor([0, 8, 3, 1, 8, 5, 2, 7], device=DEV)
     steps_ref = torch.empty(bsz, t, H, D, D, device=DEV)
     c0, s0 = lay.pools()
-    o_ref, cache_ref = reference.verify(
-        q, k, v, f, b, *lay.params(), c0, s0, slots, LB, step_states=steps_ref
-    )
-    reference.commit(cache_ref, *lay.params(), c0, s0, slots, n_acc, LB)
+    o_ref, cache_ref = reference.verify(x, lay.params(), KDASlots(c0, s0, slots), step_states=steps_ref)
+    reference.commit(cache_ref, lay.params(), KDASlots(c0, s0, slots), n_acc)
     c, s = lay.pools()
     steps = torch.empty_like(steps_ref)
-    o, seq_cache = recurrent.verify(q, k, v, f, b, *lay.params(), c, s, slots, LB, step_states=steps)
+    o, seq_cache = recurrent.verify(x, lay.params(), KDASlots(c, s, slots), step_states=steps)
     rec("parity_verify_sequential_o", err(o, o_ref))
     rec("parity_verify_step_states", err(steps, steps_ref))
-    o, cache = recurrent.verify(q, k, v, f, b, *lay.params(), c, s, slots, LB)
+    o, cache = recurrent.verify(x, lay.params(), KDASlots(c, s, slots))
     rec("parity_verify_o", err(o, o_ref))
     rec(
         "parity_verify_pools_untouched",
         bool(torch.equal(c, lay.conv_pool) and torch.equal(s, lay.state_pool)),
     )
-    recurrent.commit(cache, *lay.params(), c, s, slots, n_acc, LB)
+    recurrent.commit(cache, lay.params(), KDASlots(c, s, slots), n_acc)
     rec("parity_commit_state", err(s, s0))
     rec("parity_commit_window_exact", bool(torch.equal(c, c0)))
     rec("parity_commit_rejected_untouched", bool(torch.equal(s[slots[0]], lay.state_pool[slots[0]])))
     c, s = lay.pools()
-    recurrent.commit(seq_cache, *lay.params(), c, s, slots, n_acc, LB)
+    recurrent.commit(seq_cache, lay.params(), KDASlots(c, s, slots), n_acc)
     rec("parity_commit_sequential_state", err(s, s0))
     c, s = lay.pools()
-    recurrent.commit_steps(seq_cache, steps, c, s, slots, n_acc)
+    recurrent.commit_steps(seq_cache, steps, KDASlots(c, s, slots), n_acc)
     rec("parity_commit_steps_state", err(s, s0))
     for t in (16, 4, 1):  # other block lengths
-        q, k, v, f, b = lay.inputs(bsz, t)
+        x = KDAInputs(*lay.inputs(bsz, t))
         n_acc = torch.randint(0, t + 1, (bsz,), device=DEV)
         c0, s0 = lay.pools()
-        o_ref, cache_ref = reference.verify(q, k, v, f, b, *lay.params(), c0, s0, slots, LB)
-        reference.commit(cache_ref, *lay.params(), c0, s0, slots, n_acc, LB)
+        o_ref, cache_ref = reference.verify(x, lay.params(), KDASlots(c0, s0, slots))
+        reference.commit(cache_ref, lay.params(), KDASlots(c0, s0, slots), n_acc)
         c, s = lay.pools()
-        o, cache = recurrent.verify(q, k, v, f, b, *lay.params(), c, s, slots, LB)
-        recurrent.commit(cache, *lay.params(), c, s, slots, n_acc, LB)
+        o, cache = recurrent.verify(x, lay.params(), KDASlots(c, s, slots))
+        recurrent.commit(cache, lay.params(), KDASlots(c, s, slots), n_acc)
         rec(f"parity_verify_T{t}_o", err(o, o_ref))
         rec(f"parity_commit_T{t}_state", err(s, s0))
         rec(f"parity_commit_T{t}_window_exact", bool(torch.equal(c, c0)))
-    x = torch.randn(L(4096), H, D, device=DEV).bfloat16()
+    o = torch.randn(L(4096), H, D, device=DEV).bfloat16()
     gate = torch.randn(L(4096), HD, device=DEV).bfloat16()
     wn = torch.randn(D, device=DEV)
     rec(
         "parity_norm",
         err(
-            rmsnorm.gated_rms_norm(x, OutputNorm(gate, wn, 1e-5)),
-            reference.gated_rms_norm(x, gate.view(-1, H, D), wn, 1e-5),
+            rmsnorm.gated_rms_norm(o, OutputNorm(gate, wn, 1e-5)),
+            reference.gated_rms_norm(o, gate.view(-1, H, D), wn, 1e-5),
         ),
     )
 
@@ -387,10 +376,10 @@ def time_prefill(fla_chunk, quick: bool, skip_fla: bool = False) -> None:
         lens = [L(n) for n in lens]
         lay = Layer(slots=4, seed=2)
         cu, cu_d = offsets(lens)
-        q, k, v, f, b = inputs[name] = lay.inputs(cu[-1])
-        slots = torch.arange(len(lens), device=DEV)
-        conv, state = lay.pools()
-        args = (q, k, v, f, b, *lay.params(), conv, state, slots, cu_d, cu, LB)
+        x = KDAInputs(*lay.inputs(cu[-1]))
+        inputs[name] = x.tensors
+        slots = KDASlots(*lay.pools(), torch.arange(len(lens), device=DEV))
+        args = (x, lay.params(), slots, cu_d, cu)
         rec(f"prefill_{name}_hylo_us", bench(lambda a=args: chunk.prefill(*a), graph=False))
         for var, tuning in {} if quick else PREFILL_VARIANTS.items():
             rec(
@@ -402,24 +391,23 @@ def time_prefill(fla_chunk, quick: bool, skip_fla: bool = False) -> None:
             kernel_times(lambda a=args, t=tuning: chunk.prefill(*a, **t), f"prefill_{name}_{var}")
         if len(lens) > 1:
             continue
-        pargs = (q, k, v, f, b, *lay.params(), conv, slots, cu_d, cu, LB, H)
-        bufs = chunk.prep(*pargs)
-        o = torch.empty(cu[-1], H, D, dtype=q.dtype, device=DEV)
-        rec(f"prefill_{name}_hylo_prep_us", bench(lambda: chunk.prep(*pargs), graph=False))
+        bufs = chunk.prep(*args)
+        o = torch.empty(cu[-1], H, D, dtype=x.q.dtype, device=DEV)
+        rec(f"prefill_{name}_hylo_prep_us", bench(lambda a=args: chunk.prep(*a), graph=False))
         rec(
             f"prefill_{name}_hylo_recur_us",
-            bench(lambda: chunk.recur(bufs, o, state, slots, cu_d), graph=False),
+            bench(lambda: chunk.recur(bufs, o, slots, cu_d), graph=False),
         )
         for var, tuning in {} if quick else PREFILL_VARIANTS.items():
             if set(tuning) <= chunk.PREP_KEYS:
                 rec(
                     f"prefill_{name}_prep_{var}_us",
-                    bench(lambda t=tuning: chunk.prep(*pargs, **t), graph=False),
+                    bench(lambda a=args, t=tuning: chunk.prep(*a, **t), graph=False),
                 )
         for var, tuning in {} if quick else RECUR_VARIANTS.items():
             rec(
                 f"prefill_{name}_recur_{var}_us",
-                bench(lambda t=tuning: chunk.recur(bufs, o, state, slots, cu_d, **t), graph=False),
+                bench(lambda t=tuning: chunk.recur(bufs, o, slots, cu_d, **t), graph=False),
             )
         torch.cuda.empty_cache()
     kernel_registers()
@@ -467,18 +455,18 @@ def time_steps(fla_rec, ceiling: float, quick: bool) -> None:
         lay = Layer(slots=bsz, seed=3)
         slots = torch.randperm(bsz, device=DEV)
         conv, state = lay.pools()
+        pools, params = KDASlots(conv, state, slots), lay.params()
         state_bytes = bsz * H * D * D * 4
         n_all = torch.full((bsz,), t, device=DEV, dtype=torch.int32)
-        dt, al = lay.dt_bias, lay.a_log
-        q, k, v, f, b = lay.inputs(bsz, 1)
-        qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, conv, slots)
+        x = KDAInputs(*lay.inputs(bsz, 1))
+        qkv = recurrent.conv_steps(x, lay.conv_weight, pools)
         rec(
             f"decode_B{bsz}_hylo_us",
-            bench(lambda: recurrent.recurrent(qkv, f, b, dt, al, state, slots, LB), graph=True),
+            bench(lambda: recurrent.recurrent(qkv, x, params, pools), graph=True),
         )
         rec(f"decode_B{bsz}_hylo_TBps", 2 * state_bytes / RES[f"decode_B{bsz}_hylo_us"] / 1e6)
         rec(f"decode_B{bsz}_hylo_frac_ceiling", RES[f"decode_B{bsz}_hylo_TBps"] / ceiling)
-        one = [x[:, 0] for x in (q, k, v, f, b)]
+        one = [part[:, 0] for part in x.tensors]
         rec(
             f"decode_B{bsz}_hylo_with_conv_us",
             bench(lambda: recurrent.decode(*decode_operands(one, lay, conv, state, slots)), graph=True),
@@ -488,38 +476,34 @@ def time_steps(fla_rec, ceiling: float, quick: bool) -> None:
             f"decode_B{bsz}_hylo_with_conv_norm_us",
             bench(lambda: recurrent.decode(*decode_operands(one, lay, conv, state, slots), norm), graph=True),
         )
-        fla_timing(fla_rec, f"decode_B{bsz}", qkv, f, b, lay)
+        fla_timing(fla_rec, f"decode_B{bsz}", qkv, x, lay)
 
-        q, k, v, f, b = lay.inputs(bsz, t)
-        qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, conv, slots)
+        x = KDAInputs(*lay.inputs(bsz, t))
+        qkv = recurrent.conv_steps(x, lay.conv_weight, pools)
         rec(
             f"verify_B{bsz}_hylo_us",
-            bench(lambda: recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB), graph=True),
+            bench(lambda: recurrent.block_verify(qkv, x, params, pools), graph=True),
         )
         for name, launch in {} if quick else VERIFY_LAUNCH.items():
             rec(
                 f"verify_B{bsz}_{name}_us",
-                bench(
-                    lambda: recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB, **launch), graph=True
-                ),
+                bench(lambda: recurrent.block_verify(qkv, x, params, pools, **launch), graph=True),
             )
         rec(
             f"verify_B{bsz}_hylo_with_conv_us",
-            bench(lambda: recurrent.verify(q, k, v, f, b, *lay.params(), conv, state, slots, LB), graph=True),
+            bench(lambda: recurrent.verify(x, params, pools), graph=True),
         )
-        fla_timing(fla_rec, f"verify_B{bsz}", qkv, f, b, lay)
-        _, replay = recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB)
+        fla_timing(fla_rec, f"verify_B{bsz}", qkv, x, lay)
+        _, replay = recurrent.block_verify(qkv, x, params, pools)
+        verified = recurrent.ReplayCache(x, replay=replay)
         rec(
             f"commit8_B{bsz}_hylo_us",
-            bench(lambda: recurrent.block_commit(replay, q, k, v, conv, state, slots, n_all, LB), graph=True),
+            bench(lambda: recurrent.block_commit(verified, params, pools, n_all), graph=True),
         )
         for name, launch in {} if quick else COMMIT_LAUNCH.items():
             rec(
                 f"commit8_B{bsz}_{name}_us",
-                bench(
-                    lambda: recurrent.block_commit(replay, q, k, v, conv, state, slots, n_all, LB, **launch),
-                    graph=True,
-                ),
+                bench(lambda: recurrent.block_commit(verified, params, pools, n_all, **launch), graph=True),
             )
         rec(f"commit8_B{bsz}_TBps", 2 * state_bytes / RES[f"commit8_B{bsz}_hylo_us"] / 1e6)
         if bsz <= 32:
@@ -527,38 +511,32 @@ def time_steps(fla_rec, ceiling: float, quick: bool) -> None:
             rec(
                 f"verify_steps_B{bsz}_hylo_us",
                 bench(
-                    lambda: recurrent.recurrent(
-                        qkv, f, b, dt, al, state, slots, LB, store_state=False, step_states=steps
-                    ),
+                    lambda: recurrent.recurrent(qkv, x, params, pools, store_state=False, step_states=steps),
                     graph=True,
                 ),
             )
-            cache = reference.VerifyCache(q, k, v, f, b, qkv)
+            cache = reference.VerifyCache(x, qkv)
             rec(
                 f"commit_steps_B{bsz}_hylo_us",
-                bench(lambda: recurrent.commit_steps(cache, steps, conv, state, slots, n_all), graph=True),
+                bench(lambda: recurrent.commit_steps(cache, steps, pools, n_all), graph=True),
             )
             del steps
         if bsz in (8, 32):  # a DFlash-sized block of 16 tokens
-            q, k, v, f, b = lay.inputs(bsz, 16)
-            qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, conv, slots)
+            x = KDAInputs(*lay.inputs(bsz, 16))
+            qkv = recurrent.conv_steps(x, lay.conv_weight, pools)
             for name, launch in {"": {}, **({} if quick else VERIFY_LAUNCH)}.items():
                 rec(
                     f"verify16_B{bsz}{'_' + name if name else '_hylo'}_us",
-                    bench(
-                        lambda: recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB, **launch),
-                        graph=True,
-                    ),
+                    bench(lambda: recurrent.block_verify(qkv, x, params, pools, **launch), graph=True),
                 )
-            _, replay = recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB)
+            _, replay = recurrent.block_verify(qkv, x, params, pools)
+            verified = recurrent.ReplayCache(x, replay=replay)
             n16 = torch.full((bsz,), 16, device=DEV, dtype=torch.int32)
             rec(
                 f"commit16_B{bsz}_hylo_us",
-                bench(
-                    lambda: recurrent.block_commit(replay, q, k, v, conv, state, slots, n16, LB), graph=True
-                ),
+                bench(lambda: recurrent.block_commit(verified, params, pools, n16), graph=True),
             )
-            fla_timing(fla_rec, f"verify16_B{bsz}", qkv, f, b, lay)
+            fla_timing(fla_rec, f"verify16_B{bsz}", qkv, x, lay)
         if fla_rec is not None:
             rec(f"decode_B{bsz}_ratio_fla", RES[f"decode_B{bsz}_hylo_us"] / RES[f"decode_B{bsz}_fla_us"])
             rec(f"verify_B{bsz}_ratio_fla", RES[f"verify_B{bsz}_hylo_us"] / RES[f"verify_B{bsz}_fla_us"])
@@ -578,41 +556,43 @@ def time_layer_sweep(bsz: int, lay: Layer, slots: torch.Tensor, t: int) -> None:
     state_bytes = bsz * H * D * D * 4
     layers = min(34, max(2, -(-(256 << 20) // state_bytes)))
     pools = [lay.pools() for _ in range(layers)]
-    dt, al = lay.dt_bias, lay.a_log
+    params = lay.params()
     n_all = torch.full((bsz,), t, device=DEV, dtype=torch.int32)
 
     def sweep(fn) -> float:
-        return bench(lambda: [fn(conv, state) for conv, state in pools], graph=True) / layers
+        return bench(lambda: [fn(KDASlots(conv, state, slots)) for conv, state in pools], graph=True) / layers
 
-    q, k, v, f, b = lay.inputs(bsz, 1)
-    qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, pools[0][0], slots)
-    one = [x[:, 0] for x in (q, k, v, f, b)]
-    decode = sweep(lambda conv, state: recurrent.recurrent(qkv, f, b, dt, al, state, slots, LB))
+    x = KDAInputs(*lay.inputs(bsz, 1))
+    qkv = recurrent.conv_steps(x, lay.conv_weight, KDASlots(*pools[0], slots))
+    one = KDAInputs(*(part[:, 0] for part in x.tensors))
+    decode = sweep(lambda layer: recurrent.recurrent(qkv, x, params, layer))
     rec(f"decode_B{bsz}_layers_us", decode)
     rec(f"decode_B{bsz}_layers_TBps", 2 * state_bytes / decode / 1e6)
     rec(
         f"decode_B{bsz}_layers_with_conv_us",
-        sweep(lambda conv, state: recurrent.decode(*decode_operands(one, lay, conv, state, slots))),
+        sweep(lambda layer: recurrent.decode(one, params, layer)),
     )
-    q, k, v, f, b = lay.inputs(bsz, t)
-    qkv = recurrent.conv_steps(q, k, v, lay.conv_weight, pools[0][0], slots)
+    x = KDAInputs(*lay.inputs(bsz, t))
+    qkv = recurrent.conv_steps(x, lay.conv_weight, KDASlots(*pools[0], slots))
     rec(
         f"verify_B{bsz}_layers_us",
-        sweep(lambda conv, state: recurrent.block_verify(qkv, f, b, dt, al, state, slots, LB)),
+        sweep(lambda layer: recurrent.block_verify(qkv, x, params, layer)),
     )
-    _, replay = recurrent.block_verify(qkv, f, b, dt, al, pools[0][1], slots, LB)
-    commit = sweep(lambda conv, state: recurrent.block_commit(replay, q, k, v, conv, state, slots, n_all, LB))
+    _, replay = recurrent.block_verify(qkv, x, params, KDASlots(*pools[0], slots))
+    verified = recurrent.ReplayCache(x, replay=replay)
+    commit = sweep(lambda layer: recurrent.block_commit(verified, params, layer, n_all))
     rec(f"commit8_B{bsz}_layers_us", commit)
     rec(f"commit8_B{bsz}_layers_ratio_decode", commit / decode)
     rec(f"layers_B{bsz}", layers)
 
 
-def fla_timing(fla_rec, tag: str, qkv, f, b, lay: Layer) -> None:
-    """FLA's fused_recurrent_kda (gate, β and L2 norm in-kernel, safe gate) on the same conv outputs."""
+def fla_timing(fla_rec, tag: str, qkv, x: KDAInputs, lay: Layer) -> None:
+    """FLA's fused_recurrent_kda (gate, β and L2 norm in-kernel, safe gate) on the same conv outputs and
+    the gates of `x`."""
     if fla_rec is None:
         return
-    qq, kk, vv = (x.unflatten(-1, (H, D)).contiguous() for x in qkv.chunk(3, -1))
-    ff = f.unflatten(-1, (H, D))
+    qq, kk, vv = (part.unflatten(-1, (H, D)).contiguous() for part in qkv.chunk(3, -1))
+    ff, b = x.f.unflatten(-1, (H, D)), x.b
     h0 = lay.state_pool.clone()
     kw = dict(
         A_log=lay.a_log,

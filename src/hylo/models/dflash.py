@@ -43,7 +43,7 @@ from torch import nn
 
 from hylo.layers.norm import RMSNorm
 from hylo.layers.vocab import VocabHead
-from hylo.ops.draft_attention import paged_draft_attention, rotary_tables
+from hylo.ops.draft_attention import ContextTable, DraftBlock, KVCache, paged_draft_attention, rotary_tables
 from hylo.ops.draft_attention.reference import inverse_frequencies
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
@@ -260,8 +260,8 @@ class DraftAttention(nn.Module):
         q = self.query(x, positions)
         k_blk, v_blk = self.key_value(x, positions)
         out = paged_draft_attention(
-            q, k_blk, v_blk, context.k_cache[layer], context.v_cache[layer], context.req_to_token,
-            context.rows, context.lengths, c.head_dim**-0.5, self.window,
+            DraftBlock(q, k_blk, v_blk), KVCache(context.k_cache[layer], context.v_cache[layer]),
+            ContextTable(context.req_to_token, context.rows, context.lengths), c.head_dim**-0.5, self.window,
         )  # fmt: skip
         return self.o_proj(out.flatten(-2))
 

@@ -14,7 +14,7 @@ from hylo.memory.specs import CacheSpec, Unit
 from hylo.models.dflash import DFlashConfig, DFlashDraftModel, PagedContext
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_flat
-from hylo.ops.draft_attention import store_context_kv
+from hylo.ops.draft_attention import ContextTokens, KeyTransform, KVCache, store_context_kv
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches, StepCommit
 from hylo.speculative.verify import VerifyShape
 
@@ -142,9 +142,10 @@ class DFlashProposer(Proposer):
         kv = kv.permute(2, 1, 0, 3, 4)  # [k|v, layer, token, kv heads, d]
         rotary = self.draft.layers[0].self_attn.rotary
         store_context_kv(
-            kv[0], kv[1], self.k_norm_weight, c.rms_norm_eps, rotary.cos, rotary.sin, batch.positions, slots,
-            self.k_cache, self.v_cache,
-        )  # fmt: skip
+            ContextTokens(kv[0], kv[1], batch.positions, slots),
+            KeyTransform(self.k_norm_weight, c.rms_norm_eps, rotary.cos, rotary.sin),
+            KVCache(self.k_cache, self.v_cache),
+        )
 
     @torch.inference_mode()
     def propose(self, batch: ForwardBatch, commit: StepCommit) -> None:

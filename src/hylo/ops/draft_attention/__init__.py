@@ -11,6 +11,11 @@ import torch
 
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.draft_attention.reference import (
+    ContextTable,
+    ContextTokens,
+    DraftBlock,
+    KeyTransform,
+    KVCache,
     paged_draft_attention_reference,
     rotary_tables,
     store_context_kv_reference,
@@ -18,6 +23,11 @@ from hylo.ops.draft_attention.reference import (
 from hylo.ops.draft_attention.support import paged_draft_attention_refusal, store_context_kv_refusal
 
 __all__ = [
+    "ContextTable",
+    "ContextTokens",
+    "DraftBlock",
+    "KVCache",
+    "KeyTransform",
     "paged_draft_attention",
     "paged_draft_attention_reference",
     "paged_draft_attention_refusal",
@@ -29,45 +39,30 @@ __all__ = [
 
 
 def paged_draft_attention(
-    q: torch.Tensor,
-    k_block: torch.Tensor,
-    v_block: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    ctx_lens: torch.Tensor,
-    scale: float,
-    window: int | None = None,
+    block: DraftBlock, cache: KVCache, table: ContextTable, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """Block attention `[R, B, Hq, d]` of the draft block over its paged context and itself; see
-    `reference.paged_draft_attention_reference` for the contract."""
-    args = (q, k_block, v_block, k_cache, v_cache, req_to_token, rows, ctx_lens)
-    if use_kernel("draft_attention.paged", q, lambda: paged_draft_attention_refusal(*args, window)):
+    """Block attention `[R, B, Hq, d]` of the draft `block` over its context, one layer's `cache` read at
+    the slots `table` gives, and itself; see `reference.paged_draft_attention_reference` for the
+    contract."""
+    if use_kernel(
+        "draft_attention.paged", block.q, lambda: paged_draft_attention_refusal(block, cache, table, window)
+    ):
         from hylo.ops.draft_attention import kernels
 
-        return kernels.paged_draft_attention(*args, scale, window)
-    return paged_draft_attention_reference(*args, scale, window)
+        return kernels.paged_draft_attention(block, cache, table, scale, window)
+    return paged_draft_attention_reference(block, cache, table, scale, window)
 
 
-def store_context_kv(
-    k_raw: torch.Tensor,
-    v: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-) -> None:
+def store_context_kv(tokens: ContextTokens, keys: KeyTransform, cache: KVCache) -> None:
     """RMSNorm + RoPE the context keys of every draft layer and write keys and values into the caches
     (negative slots skipped); see `reference.store_context_kv_reference` for the contract."""
-    tensors = (k_raw, v, k_norm_weight, cos, sin, positions, slots, k_cache, v_cache)
-    if use_kernel("draft_attention.store_context_kv", k_raw, lambda: store_context_kv_refusal(*tensors)):
+    if use_kernel(
+        "draft_attention.store_context_kv",
+        tokens.k_raw,
+        lambda: store_context_kv_refusal(tokens, keys, cache),
+    ):
         from hylo.ops.draft_attention import kernels
 
-        kernels.store_context_kv(k_raw, v, k_norm_weight, eps, cos, sin, positions, slots, k_cache, v_cache)
+        kernels.store_context_kv(tokens, keys, cache)
         return
-    store_context_kv_reference(k_raw, v, k_norm_weight, eps, cos, sin, positions, slots, k_cache, v_cache)
+    store_context_kv_reference(tokens, keys, cache)

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.draft_attention.reference import ContextTable, ContextTokens, DraftBlock, KeyTransform, KVCache
 from hylo.ops.draft_attention.support import paged_draft_attention_refusal, store_context_kv_refusal
 
 LOG2E = 1.4426950408889634
@@ -208,34 +209,21 @@ def default_num_splits(
 
 
 def paged_draft_attention(
-    q: torch.Tensor,
-    k_block: torch.Tensor,
-    v_block: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    ctx_lens: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-    *,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    merge_block_d: int | None = None,
-) -> torch.Tensor:
+    block: DraftBlock, cache: KVCache, table: ContextTable, scale: float, window: int | None = None, *,
+    num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, merge_block_d: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Triton `paged_draft_attention_reference` (same arguments and result), CUDA-graph safe: no
     host read of device data, grids and buffers fixed by the shapes and `num_splits` (by default
     `default_num_splits`); tiles default to `CONTEXT_TILES`, the merge's head_dim slice to 32.
     Requires `ctx_lens[r] <= req_to_token.shape[1]` (the table is not bounds-checked on the device).
     Raises ValueError for a call `paged_draft_attention_refusal` refuses."""
-    refusal = paged_draft_attention_refusal(
-        q, k_block, v_block, k_cache, v_cache, req_to_token, rows, ctx_lens, window
-    )
+    refusal = paged_draft_attention_refusal(block, cache, table, window)
     if refusal is not None:
         raise ValueError(f"paged_draft_attention kernel: {refusal}")
-    num_requests, block, num_heads, head_dim = q.shape
+    q, k_block, v_block, k_cache, v_cache = block.q, block.k, block.v, cache.k, cache.v
+    req_to_token, rows, ctx_lens = table.req_to_token, table.rows, table.ctx_lens
+    num_requests, block_size, num_heads, head_dim = q.shape
     merge_block_d = merge_block_d or min(head_dim, 32)
     if merge_block_d & (merge_block_d - 1) or not 16 <= merge_block_d <= head_dim:
         raise ValueError(f"merge_block_d must be a power of two in [16, head_dim], got {merge_block_d}")
@@ -251,14 +239,16 @@ def paged_draft_attention(
         num_splits = default_num_splits(
             num_requests, num_kv_heads, req_to_token.shape[1], window, block_n, q.device
         )
-    block_m = max(16, triton.next_power_of_2(block * group))
+    block_m = max(16, triton.next_power_of_2(block_size * group))
     part = torch.empty(
         num_requests, num_kv_heads, num_splits, block_m, head_dim, dtype=torch.float32, device=q.device
     )
     lse = torch.empty(num_requests, num_kv_heads, num_splits, block_m, dtype=torch.float32, device=q.device)
     scale_log2 = scale * LOG2E
     window_arg = 0 if window is None else window
-    common = dict(BLOCK=block, GROUP=group, BLOCK_M=block_m, HEAD_DIM=head_dim, HAS_WINDOW=window is not None)
+    common = dict(
+        BLOCK=block_size, GROUP=group, BLOCK_M=block_m, HEAD_DIM=head_dim, HAS_WINDOW=window is not None
+    )
     _context_split_kernel[(num_requests, num_kv_heads, num_splits)](
         q, k_cache, v_cache, req_to_token, rows, ctx_lens, part, lse,
         scale_log2, window_arg, num_splits,
@@ -278,7 +268,7 @@ def paged_draft_attention(
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
         lse.stride(0), lse.stride(1), lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_J=max(16, triton.next_power_of_2(block)), BLOCK_D=merge_block_d, num_warps=4, **common,
+        BLOCK_J=max(16, triton.next_power_of_2(block_size)), BLOCK_D=merge_block_d, num_warps=4, **common,
     )  # fmt: skip
     return out
 
@@ -327,24 +317,17 @@ def _store_context_kv_kernel(
         tl.store(v_out + half * HALF, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_context_kv(
-    k_raw: torch.Tensor,
-    v: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-) -> None:
+def store_context_kv(tokens: ContextTokens, keys: KeyTransform, cache: KVCache) -> None:
     """Triton `store_context_kv_reference` (same arguments, caches written in place): one launch over
     (token, layer), all kv heads of a token per program. Raises ValueError for a call
     `store_context_kv_refusal` refuses."""
-    refusal = store_context_kv_refusal(k_raw, v, k_norm_weight, cos, sin, positions, slots, k_cache, v_cache)
+    refusal = store_context_kv_refusal(tokens, keys, cache)
     if refusal is not None:
         raise ValueError(f"store_context_kv kernel: {refusal}")
+    k_raw, v, positions, slots = tokens.k_raw, tokens.v, tokens.positions, tokens.slots
+    k_norm_weight, eps, cos, sin, k_cache, v_cache = (
+        keys.k_norm_weight, keys.eps, keys.cos, keys.sin, cache.k, cache.v
+    )  # fmt: skip
     num_layers, num_tokens, num_heads, head_dim = k_raw.shape
     if num_tokens == 0:
         return

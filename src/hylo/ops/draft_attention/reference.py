@@ -8,29 +8,76 @@ sliding-window rule `key_pos > q_pos - window`, with fp32 scores and softmax.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def paged_draft_attention_reference(
-    q: torch.Tensor,
-    k_block: torch.Tensor,
-    v_block: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    ctx_lens: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Block attention of `q [R, B, Hq, d]` over each request's context and its own block.
+@dataclass(frozen=True)
+class DraftBlock:
+    """The draft block of R requests: queries `q [R, B, Hq, d]` and the block's own keys and values
+    `k, v [R, B, Hkv, d]`, at positions L_r .. L_r + B - 1 after each request's context."""
 
-    Request r's context is positions 0 .. L_r - 1 (`L_r = ctx_lens[r]`), whose K/V live in
-    `k_cache/v_cache [num_slots, Hkv, d]` at slots `req_to_token[rows[r], :L_r]`; its block keys and
-    values are `k_block/v_block [R, B, Hkv, d]` at positions L_r + b. Query head h reads kv head
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Draft keys and values by token slot: one layer's `k, v [num_slots, Hkv, d]` where attention reads
+    them, every layer's `[Lyr, num_slots, Hkv, d]` where the store writes them."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ContextTable:
+    """Where each request's committed context lies: request r's positions 0 .. L_r - 1
+    (`L_r = ctx_lens[r]`) at token slots `req_to_token[rows[r], :L_r]`."""
+
+    req_to_token: torch.Tensor
+    rows: torch.Tensor
+    ctx_lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ContextTokens:
+    """Context tokens to store: every draft layer's raw keys and values `k_raw, v [Lyr, N, Hkv, d]`
+    (k_proj / v_proj outputs) of tokens at `positions [N]`, going to token `slots [N]` (a negative slot
+    skips its token: the cache rows of rejected tokens are left as they were)."""
+
+    k_raw: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class KeyTransform:
+    """What makes a stored key of a raw one: RMSNorm with every layer's `k_norm_weight [Lyr, d]` and
+    `eps`, then the rotary embedding from the fp32 tables `cos, sin [max_pos, d // 2]`."""
+
+    k_norm_weight: torch.Tensor
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def paged_draft_attention_reference(
+    block: DraftBlock, cache: KVCache, table: ContextTable, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """Block attention of `block.q [R, B, Hq, d]` over each request's context and its own block.
+
+    Request r's context K/V live in one layer's `cache [num_slots, Hkv, d]` at the slots `table` gives;
+    its block keys and values at positions L_r + b are the block's. Query head h reads kv head
     `h // (Hq // Hkv)`. Returns `[R, B, Hq, d]` in q's dtype. Reads `ctx_lens` on the host.
     """
-    num_requests, block, num_heads, _ = q.shape
+    q, k_block, v_block = block.q, block.k, block.v
+    k_cache, v_cache = cache.k, cache.v
+    req_to_token, rows, ctx_lens = table.req_to_token, table.rows, table.ctx_lens
+    num_requests, block_size, num_heads, _ = q.shape
     group = num_heads // k_cache.shape[1]
     longest = int(ctx_lens.max()) if num_requests else 0  # the one host read
     ctx_pos = torch.arange(longest, device=q.device).expand(num_requests, -1)
@@ -38,7 +85,7 @@ def paged_draft_attention_reference(
     slots = torch.where(ctx_valid, req_to_token[rows[:, None], ctx_pos].long(), 0)
     keys = torch.cat([k_cache[slots], k_block], 1).repeat_interleave(group, 2)  # [R, L + B, Hq, d]
     values = torch.cat([v_cache[slots], v_block], 1).repeat_interleave(group, 2)
-    q_pos = ctx_lens[:, None] + torch.arange(block, device=q.device)  # [R, B]
+    q_pos = ctx_lens[:, None] + torch.arange(block_size, device=q.device)  # [R, B]
     key_pos = torch.cat([ctx_pos, q_pos], 1)  # [R, L + B]
     allowed = torch.cat([ctx_valid, torch.ones_like(q_pos, dtype=torch.bool)], 1)[:, None, :]
     if window is not None:
@@ -85,28 +132,15 @@ def normed_rotated_keys(
     return (normed.float() * cos_full + rotated.float() * sin_full).to(normed.dtype)
 
 
-def store_context_kv_reference(
-    k_raw: torch.Tensor,
-    v: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-) -> None:
-    """Write every draft layer's context keys and values into its cache, in place.
-
-    `k_raw, v [Lyr, N, Hkv, d]` (k_proj / v_proj outputs), `k_norm_weight [Lyr, d]`, rotary tables
-    `cos, sin [max_pos, d // 2]`, `positions [N]`, `slots [N]` (a negative slot skips its row: the
-    cache rows of rejected tokens are left as they were), caches `[Lyr, num_slots, Hkv, d]`.
-    Every position is below `cos.shape[0]`; the kept slots are distinct.
-    """
-    kept = slots >= 0
-    positions, slots = positions[kept], slots[kept]
-    for layer in range(k_raw.shape[0]):
-        keys = normed_rotated_keys(k_raw[layer, kept], k_norm_weight[layer], eps, cos, sin, positions)
-        k_cache[layer, slots] = keys.to(k_cache.dtype)
-        v_cache[layer, slots] = v[layer, kept].to(v_cache.dtype)
+def store_context_kv_reference(tokens: ContextTokens, keys: KeyTransform, cache: KVCache) -> None:
+    """Write every draft layer's context keys (transformed by `keys`) and values of `tokens` into its
+    `cache [Lyr, num_slots, Hkv, d]`, in place. Every position is below `keys.cos.shape[0]`; the kept
+    slots are distinct."""
+    kept = tokens.slots >= 0
+    positions, slots = tokens.positions[kept], tokens.slots[kept]
+    for layer in range(tokens.k_raw.shape[0]):
+        rotated = normed_rotated_keys(
+            tokens.k_raw[layer, kept], keys.k_norm_weight[layer], keys.eps, keys.cos, keys.sin, positions
+        )
+        cache.k[layer, slots] = rotated.to(cache.k.dtype)
+        cache.v[layer, slots] = tokens.v[layer, kept].to(cache.v.dtype)

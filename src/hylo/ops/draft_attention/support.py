@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from hylo.ops.draft_attention.reference import ContextTable, ContextTokens, DraftBlock, KeyTransform, KVCache
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # B * (Hq / Hkv) query rows are one tile's M dimension; past 128 the fp32 accumulator spills.
 MAX_QUERY_ROWS = 128
@@ -20,17 +22,11 @@ def _unit_last_stride(named: dict[str, torch.Tensor]) -> str | None:
 
 
 def paged_draft_attention_refusal(
-    q: torch.Tensor,
-    k_block: torch.Tensor,
-    v_block: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    ctx_lens: torch.Tensor,
-    window: int | None,
+    block: DraftBlock, cache: KVCache, table: ContextTable, window: int | None
 ) -> str | None:
     """Why `kernels.paged_draft_attention` cannot take this call, or None."""
+    q, k_block, v_block, k_cache, v_cache = block.q, block.k, block.v, cache.k, cache.v
+    req_to_token, rows, ctx_lens = table.req_to_token, table.rows, table.ctx_lens
     tensors = {"q": q, "k_block": k_block, "v_block": v_block, "k_cache": k_cache, "v_cache": v_cache}
     if len({t.device for t in (*tensors.values(), req_to_token, rows, ctx_lens)}) > 1:
         return "all tensors must be on one device"
@@ -40,15 +36,15 @@ def paged_draft_attention_refusal(
         return f"unsupported dtype {q.dtype} (supported: {KERNEL_DTYPES})"
     if any(t.dtype != q.dtype for t in tensors.values()):
         return "q, k_block, v_block, k_cache and v_cache must share one dtype"
-    num_requests, block, num_heads, head_dim = q.shape
+    num_requests, block_size, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= MAX_HEAD_DIM:
         return f"head_dim must be a power of two in [16, {MAX_HEAD_DIM}], got {head_dim}"
     if num_heads % num_kv_heads:
         return f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads"
-    if block * (num_heads // num_kv_heads) > MAX_QUERY_ROWS:
-        return f"block size x GQA group = {block * num_heads // num_kv_heads} > {MAX_QUERY_ROWS} rows"
-    if k_block.shape != v_block.shape or k_block.shape != (num_requests, block, num_kv_heads, head_dim):
+    if block_size * (num_heads // num_kv_heads) > MAX_QUERY_ROWS:
+        return f"block size x GQA group = {block_size * num_heads // num_kv_heads} > {MAX_QUERY_ROWS} rows"
+    if k_block.shape != v_block.shape or k_block.shape != (num_requests, block_size, num_kv_heads, head_dim):
         return "k_block and v_block must be [R, B, Hkv, d] with q's R, B, d"
     if v_cache.shape != k_cache.shape or k_cache.shape[2] != head_dim:
         return "k_cache and v_cache must be [num_slots, Hkv, d] with q's d"
@@ -63,18 +59,10 @@ def paged_draft_attention_refusal(
     return _unit_last_stride({**tensors, "req_to_token": req_to_token})
 
 
-def store_context_kv_refusal(
-    k_raw: torch.Tensor,
-    v: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-) -> str | None:
+def store_context_kv_refusal(tokens: ContextTokens, keys: KeyTransform, cache: KVCache) -> str | None:
     """Why `kernels.store_context_kv` cannot take this call, or None."""
+    k_raw, v, positions, slots = tokens.k_raw, tokens.v, tokens.positions, tokens.slots
+    k_norm_weight, cos, sin, k_cache, v_cache = keys.k_norm_weight, keys.cos, keys.sin, cache.k, cache.v
     tensors = {"k_raw": k_raw, "v": v, "k_norm_weight": k_norm_weight, "cos": cos, "sin": sin}
     tensors.update(k_cache=k_cache, v_cache=v_cache)
     if len({t.device for t in (*tensors.values(), positions, slots)}) > 1:

@@ -50,10 +50,6 @@ __all__ = [
 ]
 
 
-def _weights(params: KDAParams) -> tuple[torch.Tensor, ...]:
-    return (params.conv_weight, params.dt_bias, params.a_log)
-
-
 def chunked_prefill_refusal(lower_bound: float | None) -> str | None:
     """Why the chunked Triton prefill cannot take a layer of this gate, or None."""
     if lower_bound is None or not -5.0 <= lower_bound < 0:
@@ -81,12 +77,12 @@ def prefill(
     """Packed varlen prefill (see `reference.prefill`): o `[N, H, d]`; windows and states updated.
     `cu_seqlens_cpu` None: a padded batch described by the device offsets alone
     (`device_offsets_refusal` says where that reads them back); `snapshots` inside the sequences."""
-    args = (*x.tensors, *_weights(params), *slots.tensors, cu_seqlens, cu_seqlens_cpu, params.lower_bound)
+    args = (x, params, slots, cu_seqlens, cu_seqlens_cpu, snapshots)
     if use_kernel("kda.prefill", x.q, lambda: chunked_prefill_refusal(params.lower_bound)):
         from hylo.ops.kda import chunk
 
-        return chunk.prefill(*args, snapshots=snapshots)
-    return reference.prefill(*args, snapshots)
+        return chunk.prefill(*args)
+    return reference.prefill(*args)
 
 
 def decode(x: KDAInputs, params: KDAParams, slots: KDASlots, norm: OutputNorm | None = None) -> torch.Tensor:
@@ -100,35 +96,36 @@ def decode(x: KDAInputs, params: KDAParams, slots: KDASlots, norm: OutputNorm | 
     return reference.decode(x, params, slots, norm)
 
 
-def verify(x: KDAInputs, params: KDAParams, slots: KDASlots, step_states=None):
+def verify(
+    x: KDAInputs, params: KDAParams, slots: KDASlots, step_states: torch.Tensor | None = None
+) -> tuple[torch.Tensor, VerifyCache]:
     """T tokens per sequence (inputs `[B, T, ...]`) from the committed state, left untouched (see
     `reference.verify`): (o, the record `commit` takes)."""
-    args = (*x.tensors, *_weights(params), *slots.tensors, params.lower_bound)
     if use_kernel("kda.verify", x.q):
         from hylo.ops.kda import recurrent
 
-        return recurrent.verify(*args, step_states=step_states)
-    return reference.verify(*args, step_states=step_states)
+        return recurrent.verify(x, params, slots, step_states)
+    return reference.verify(x, params, slots, step_states)
 
 
 def commit(cache: VerifyCache, params: KDAParams, slots: KDASlots, n_accepted: torch.Tensor) -> None:
     """Replay the first `n_accepted[b]` verified tokens onto the slot (see `reference.commit`)."""
-    args = (cache, *_weights(params), *slots.tensors, n_accepted, params.lower_bound)
     if use_kernel("kda.commit", slots.state_pool):
         from hylo.ops.kda import recurrent
 
-        return recurrent.commit(*args)
-    return reference.commit(*args)
+        return recurrent.commit(cache, params, slots, n_accepted)
+    return reference.commit(cache, params, slots, n_accepted)
 
 
-def commit_steps(cache, step_states, slots: KDASlots, n_accepted: torch.Tensor) -> None:
+def commit_steps(
+    cache: VerifyCache, step_states: torch.Tensor, slots: KDASlots, n_accepted: torch.Tensor
+) -> None:
     """Per-step-state commit: take the state saved after step `n_accepted[b]` (see `reference`)."""
-    args = (cache, step_states, *slots.tensors, n_accepted)
     if use_kernel("kda.commit_steps", slots.state_pool):
         from hylo.ops.kda import recurrent
 
-        return recurrent.commit_steps(*args)
-    return reference.commit_steps(*args)
+        return recurrent.commit_steps(cache, step_states, slots, n_accepted)
+    return reference.commit_steps(cache, step_states, slots, n_accepted)
 
 
 def gated_norm(x: torch.Tensor, norm: OutputNorm) -> torch.Tensor:

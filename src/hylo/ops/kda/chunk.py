@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hylo.ops.kda.reference import CHUNK_TOKENS, ChunkSnapshots
+from hylo.ops.kda.reference import CHUNK_TOKENS, ChunkSnapshots, KDAInputs, KDAParams, KDASlots
 
 BT = CHUNK_TOKENS  # chunk length
 BC = 16  # sub-block of rows in the Gram pass
@@ -649,77 +649,43 @@ PREP_KEYS = frozenset(
 
 
 def prefill(
-    q,
-    k,
-    v,
-    f,
-    b,
-    conv_weight,
-    dt_bias,
-    a_log,
-    conv_pool,
-    state_pool,
-    slot_ids,
-    cu_seqlens,
-    cu_seqlens_cpu,
-    lower_bound: float,
-    snapshots: ChunkSnapshots | None = None,
-    **tuning,
+    x: KDAInputs, params: KDAParams, slots: KDASlots, cu_seqlens, cu_seqlens_cpu, snapshots=None, **tuning
 ) -> torch.Tensor:
     """Triton twin of `reference.prefill` (see there for the arguments, `cu_seqlens_cpu` None and
     `snapshots` included: nothing is read back); returns o `[N, H, d]`.
 
     Needs the safe gate with -5 ≤ lower_bound < 0. `tuning` goes to `prep` (its keyword arguments) and
     `recur` (the rest)."""
-    h, d = state_pool.shape[1:3]
+    h, d = slots.state_pool.shape[1:3]
     bufs = prep(
-        q,
-        k,
-        v,
-        f,
-        b,
-        conv_weight,
-        dt_bias,
-        a_log,
-        conv_pool,
-        slot_ids,
+        x,
+        params,
+        slots,
         cu_seqlens,
         cu_seqlens_cpu,
-        lower_bound,
-        h,
         **{key: val for key, val in tuning.items() if key in PREP_KEYS},
     )
     # a padded batch's tokens past its last sequence are never written by `recur`
     make = torch.empty if cu_seqlens_cpu is not None else torch.zeros
-    o = make(q.shape[0], h, d, dtype=q.dtype, device=q.device)
+    o = make(x.q.shape[0], h, d, dtype=x.q.dtype, device=x.q.device)
     recur(
         bufs,
         o,
-        state_pool,
-        slot_ids,
+        slots,
         cu_seqlens,
         snapshots,
-        (q, k, v),
+        x,
         **{key: val for key, val in tuning.items() if key not in PREP_KEYS},
     )
     return o
 
 
 def prep(
-    q,
-    k,
-    v,
-    f,
-    b,
-    conv_weight,
-    dt_bias,
-    a_log,
-    conv_pool,
-    slot_ids,
-    cu_seqlens,
-    cu_seqlens_cpu,
-    lower_bound,
-    h: int,
+    x: KDAInputs,
+    params: KDAParams,
+    slots: KDASlots,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_cpu: list[int] | None,
     *,
     conv_rows: int = 16,
     gate_cols: int = 32,
@@ -745,10 +711,13 @@ def prep(
     fastest on the H200 (first launch at T=13312: 975 us; chunk order with 4 warps 1179 us before the
     fast sigmoid; 8-row or 32/64-row conv blocks, 16/64/128-column gate blocks, 1, 4 or 8 warps, the gate's
     cumulative sum as a triangular tl.dot, and the conv taps shifted out of one tile by tl.dot were all
-    slower: benchmarks/RESULTS.md, session 5)."""
+    slower: benchmarks/RESULTS.md, session 5). Reads the slots' windows, not their states."""
+    q, k, v, f, b = x.tensors
+    conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
+    h = slots.state_pool.shape[1]
     d = q.shape[1] // h
     n_seq = slot_ids.shape[0]
-    width = conv_weight.shape[1]
+    width = params.conv_weight.shape[1]
     if not -5.0 <= lower_bound < 0:
         raise ValueError(f"the chunked Triton path needs -5 <= lower_bound < 0, got {lower_bound}")
     if conv_rows not in (8, 16, 32, 64) or conv_rows < width - 1:
@@ -777,12 +746,12 @@ def prep(
         v,
         f,
         b,
-        conv_weight,
+        params.conv_weight,
         conv_pool,
         conv_pool.stride(0),
         slot_ids,
-        dt_bias,
-        a_log,
+        params.dt_bias,
+        params.a_log,
         cu_seqlens,
         n_seq,
         y,
@@ -841,18 +810,18 @@ def prep(
 def recur(
     bufs,
     o,
-    state_pool,
-    slot_ids,
+    slots: KDASlots,
     cu_seqlens,
     snapshots: ChunkSnapshots | None = None,
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    inputs: KDAInputs | None = None,
     *,
     block_v: int = 64,
     stages: int = 3,
     warps: int = 4,
 ) -> None:
     """The sequential launch: δ = u − wS, o = q̄S + Aδ per chunk into o `[N, H, d]`, S carried through the
-    slot; `snapshots` taken after their chunks (windows from `inputs`, the pre-conv q, k, v)."""
+    slots' states; `snapshots` taken after their chunks (windows from `inputs`' pre-conv q, k, v)."""
+    state_pool, slot_ids = slots.state_pool, slots.slot_ids
     h, d = state_pool.shape[1], state_pool.shape[2]
     assert state_pool.is_contiguous()
     n_seq = slot_ids.shape[0]
@@ -862,10 +831,13 @@ def recur(
         width, x_stride, win_stride = 2, 0, 0
     else:
         assert inputs is not None
-        x = inputs
         snap = (snapshots.chunk_ids, snapshots.state, snapshots.state.stride(0), snapshots.conv,
-                snapshots.conv.stride(0), *x)  # fmt: skip
-        width, x_stride, win_stride = snapshots.conv.shape[1] + 1, x[0].stride(0), snapshots.conv.stride(1)
+                snapshots.conv.stride(0), inputs.q, inputs.k, inputs.v)  # fmt: skip
+        width, x_stride, win_stride = (
+            snapshots.conv.shape[1] + 1,
+            inputs.q.stride(0),
+            snapshots.conv.stride(1),
+        )
     # value tiles of a head next to each other in launch order: they read the same w, q̄, k̄ and A, which
     # then come from L2 once; with the sequence first, a batch larger than one wave read them twice
     _recur_kernel[(d // bv, h, n_seq)](

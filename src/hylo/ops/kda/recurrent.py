@@ -331,9 +331,12 @@ def _take_step_kernel(
         tl.store(state_pool + slot * pool_stride + h * DD + offs, tl.load(src))
 
 
-def conv_steps(q, k, v, conv_weight, conv_pool, slot_ids, *, write_y=True, write_window=False, n_keep=None):
-    """SiLU(causal conv) of `[B, T, H·d]` q|k|v continuing from the slot windows. Returns y `[B, T, 3·H·d]`
-    (when `write_y`); with `write_window` the window advances by T tokens, or by `n_keep[b]`."""
+def conv_steps(x: KDAInputs, conv_weight, slots: KDASlots, *, write_y=True, write_window=False, n_keep=None):
+    """SiLU(causal conv) of `[B, T, H·d]` q|k|v of `x` continuing from the slot windows. Returns y
+    `[B, T, 3·H·d]` (when `write_y`; `conv_weight` is read only then); with `write_window` the window
+    advances by T tokens, or by `n_keep[b]`."""
+    q, k, v = x.q, x.k, x.v
+    conv_pool, slot_ids = slots.conv_pool, slots.slot_ids
     bsz, t, hd = q.shape
     assert q.stride() == k.stride() == v.stride() and q.stride(2) == 1 and conv_pool.stride(2) == 1
     y = torch.empty(bsz, t, 3 * hd, dtype=q.dtype, device=q.device) if write_y else q
@@ -362,28 +365,17 @@ def _block_v(bsz: int, h: int, d: int, t: int) -> tuple[int, int]:
 
 
 def recurrent(
-    qkv,
-    f,
-    b,
-    dt_bias,
-    a_log,
-    state_pool,
-    slot_ids,
-    lower_bound,
-    *,
-    write_o=True,
-    store_state=True,
-    n_steps=None,
-    step_states=None,
-    block_v=None,
-    num_warps=None,
-    conv: tuple[KDAInputs, KDAParams, KDASlots] | None = None,
-):
-    """The step kernel on conv outputs `qkv [B, T, 3·H·d]`, f `[B, T, H·d]`, b `[B, T, H]`; see the module
-    docstring for the modes. Returns o `[B, T, H, d]` when `write_o`. With `conv` (decode: T = 1) `qkv`
-    is None and the conv of the raw inputs runs inside, the windows left as they are."""
-    if conv is not None:
-        qkv = conv[0].q[:, None]
+    qkv, x: KDAInputs, params: KDAParams, slots: KDASlots, *, write_o=True, store_state=True, n_steps=None,
+    step_states=None, block_v=None, num_warps=None, conv=False,
+):  # fmt: skip
+    """The step kernel on conv outputs `qkv [B, T, 3·H·d]` with the gates of `x` (f `[B, T, H·d]`, b
+    `[B, T, H]`); see the module docstring for the modes. Returns o `[B, T, H, d]` when `write_o`. With
+    `conv` (decode: T = 1) `qkv` is None and the conv of x's raw q, k, v runs inside, the windows left as
+    they are; otherwise neither the windows nor the conv weight are read."""
+    if conv:
+        qkv = x.q
+    f, b = x.f, x.b
+    state_pool, slot_ids, lower_bound = slots.state_pool, slots.slot_ids, params.lower_bound
     bsz, t, _ = qkv.shape
     h, d = state_pool.shape[1], state_pool.shape[2]
     assert qkv.stride(2) == 1 and f.stride(2) == 1 and state_pool.is_contiguous()
@@ -392,51 +384,21 @@ def recurrent(
     bv, warps = block_v or bv, num_warps or warps
     use_lb = lower_bound is not None
     _recurrent_kernel[(bsz, h, d // bv)](
-        qkv,
-        qkv.stride(0),
-        qkv.stride(1),
-        f,
-        f.stride(0),
-        f.stride(1),
-        b,
-        b.stride(0),
-        b.stride(1),
-        dt_bias,
-        a_log,
-        state_pool,
-        state_pool.stride(0),
-        slot_ids,
-        n_steps if n_steps is not None else slot_ids,
-        o,
-        o.stride(0),
-        o.stride(1) if write_o else 0,
-        step_states if step_states is not None else state_pool,
-        d**-0.5,
+        qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), b, b.stride(0), b.stride(1),
+        params.dt_bias, params.a_log, state_pool, state_pool.stride(0), slot_ids,
+        n_steps if n_steps is not None else slot_ids, o, o.stride(0), o.stride(1) if write_o else 0,
+        step_states if step_states is not None else state_pool, d**-0.5,
         float(lower_bound) if use_lb else 0.0,
-        *_conv_operands(conv, qkv),
-        T=t,
-        TP=triton.next_power_of_2(t),
-        H=h,
-        D=d,
-        BV=bv,
-        USE_LB=use_lb,
-        WRITE_O=write_o,
-        STORE_STATE=store_state,
-        PER_SEQ=n_steps is not None,
-        STEP_STATES=step_states is not None,
-        CONV=conv is not None,
-        W=1 if conv is None else conv[2].conv_pool.shape[1] + 1,
-        num_warps=warps,
-    )
+        *(_conv_operands(x, params, slots) if conv else (qkv, qkv, qkv, 0, 0, qkv)),  # unread without CONV
+        T=t, TP=triton.next_power_of_2(t), H=h, D=d, BV=bv, USE_LB=use_lb, WRITE_O=write_o,
+        STORE_STATE=store_state, PER_SEQ=n_steps is not None, STEP_STATES=step_states is not None, CONV=conv,
+        W=slots.conv_pool.shape[1] + 1 if conv else 1, num_warps=warps,
+    )  # fmt: skip
     return o if write_o else None
 
 
-def _conv_operands(conv: tuple[KDAInputs, KDAParams, KDASlots] | None, qkv: torch.Tensor) -> tuple:
-    """(xk, xv, conv_pool, its slot stride, its row stride, conv_weight) of a decode launch; placeholders
-    the kernel does not read otherwise."""
-    if conv is None:
-        return (qkv, qkv, qkv, 0, 0, qkv)
-    x, params, slots = conv
+def _conv_operands(x: KDAInputs, params: KDAParams, slots: KDASlots) -> tuple:
+    """(xk, xv, conv_pool, its slot stride, its row stride, conv_weight) of a decode launch."""
     assert x.q.stride() == x.k.stride() == x.v.stride() and x.q.stride(-1) == 1
     pool = slots.conv_pool
     assert pool.stride(2) == 1
@@ -464,22 +426,13 @@ def _verify_launch(bsz: int, h: int, d: int, t: int) -> tuple[int, int, int]:
 
 
 def block_verify(
-    qkv,
-    f,
-    b,
-    dt_bias,
-    a_log,
-    state_pool,
-    slot_ids,
-    lower_bound,
-    *,
-    block_v=None,
-    num_warps=None,
-    key_chunk=None,
+    qkv, x: KDAInputs, params: KDAParams, slots: KDASlots, *, block_v=None, num_warps=None, key_chunk=None
 ):
-    """Verify of T ≤ 16 tokens per request as one chunk (safe gate) on conv outputs `qkv [B, T, 3·H·d]`,
-    one launch, pools untouched. Returns o `[B, T, H, d]` and the replay operands `[3, B, T, H, d]` fp32
-    that `block_commit` needs for any accepted prefix."""
+    """Verify of T ≤ 16 tokens per request as one chunk (safe gate) on conv outputs `qkv [B, T, 3·H·d]`
+    with the gates of `x`, one launch, pools untouched. Returns o `[B, T, H, d]` and the replay operands
+    `[3, B, T, H, d]` fp32 that `block_commit` needs for any accepted prefix."""
+    f, b = x.f, x.b
+    state_pool, slot_ids, lower_bound = slots.state_pool, slots.slot_ids, params.lower_bound
     bsz, t, _ = qkv.shape
     h, d = state_pool.shape[1], state_pool.shape[2]
     if not _chunkable(t, lower_bound):
@@ -493,7 +446,7 @@ def block_verify(
     bv, warps, dc = block_v or bv, num_warps or warps, key_chunk or dc
     _block_verify_kernel[(bsz, h, d // bv)](
         qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), b, b.stride(0), b.stride(1),
-        dt_bias, a_log, state_pool, state_pool.stride(0), slot_ids, o, o.stride(0), o.stride(1),
+        params.dt_bias, params.a_log, state_pool, state_pool.stride(0), slot_ids, o, o.stride(0), o.stride(1),
         replay, replay.stride(0), d**-0.5, float(lower_bound), _anchor(lower_bound, t),
         T=t, TP=_block_rows(t), FACTORS=max(1, (t - 1).bit_length()), H=h, D=d, DC=dc, BV=bv,
         PREC="ieee" if _INTERPRET else "tf32", num_warps=warps,
@@ -508,11 +461,13 @@ def _commit_rows(bsz: int, h: int, d: int) -> int:
 
 
 def block_commit(
-    replay, q, k, v, conv_pool, state_pool, slot_ids, n_accepted, lower_bound, *, block_k=None, num_warps=None
+    cache: ReplayCache, params: KDAParams, slots: KDASlots, n_accepted, *, block_k=None, num_warps=None
 ):
-    """Commit the first n_accepted[b] tokens of a `block_verify` onto the slot states (from its replay
-    operands, no recomputation) and windows (from the raw q|k|v `[B, T, H·d]`), one launch. `block_k` rows
-    of S per program."""
+    """Commit the first n_accepted[b] tokens of a `block_verify` onto the slot states (from the replay
+    operands in `cache`, no recomputation) and windows (from its raw q|k|v `[B, T, H·d]`), one launch.
+    `block_k` rows of S per program; the conv weight is not read."""
+    replay, q, k, v = cache.replay, cache.x.q, cache.x.k, cache.x.v
+    conv_pool, state_pool, slot_ids = slots.tensors
     _, bsz, t, h, d = replay.shape
     assert q.stride() == k.stride() == v.stride() and q.stride(2) == 1 and conv_pool.stride(2) == 1
     bk, warps = block_k or _commit_rows(bsz, h, d), num_warps or 4
@@ -523,7 +478,7 @@ def block_commit(
     _block_commit_kernel[(d // bk + 1, bsz, h)](
         replay, replay.stride(0), state_pool, state_pool.stride(0), slot_ids, n_accepted, q, k, v,
         q.stride(0), q.stride(1), conv_pool, conv_pool.stride(0), conv_pool.stride(1),
-        _anchor(lower_bound, t),
+        _anchor(params.lower_bound, t),
         T=t, TP=max(16, triton.next_power_of_2(t)), H=h, D=d, BK=bk, W=width,
         WP=triton.next_power_of_2(width - 1), PREC="ieee" if _INTERPRET else "tf32x3", num_warps=warps,
     )  # fmt: skip
@@ -539,112 +494,59 @@ def decode(
     """Triton twin of `reference.decode`: one token per sequence, window and state updated in place. Two
     launches: the step kernel with the conv inside (it reads the windows), then, once every program has
     read them, the gated output norm that also advances the windows (`norm`), or the window step alone."""
-    f, b = x.f[:, None], x.b[:, None]
-    o = recurrent(None, f, b, params.dt_bias, params.a_log, slots.state_pool, slots.slot_ids,
-                  params.lower_bound, conv=(x, params, slots), **kw)[:, 0]  # fmt: skip
+    steps = KDAInputs(*(t[:, None] for t in x.tensors))  # each sequence a block of one token
+    o = recurrent(None, steps, params, slots, conv=True, **kw)[:, 0]
     if norm is not None:
         return gated_rms_norm(o, norm, WindowStep(x, slots))
-    conv_steps(x.q[:, None], x.k[:, None], x.v[:, None], None, slots.conv_pool, slots.slot_ids,
-               write_y=False, write_window=True)  # fmt: skip
+    conv_steps(steps, None, slots, write_y=False, write_window=True)
     return o
 
 
 def verify(
-    q,
-    k,
-    v,
-    f,
-    b,
-    conv_weight,
-    dt_bias,
-    a_log,
-    conv_pool,
-    state_pool,
-    slot_ids,
-    lower_bound,
-    step_states=None,
-    **kw,
-):
+    x: KDAInputs, params: KDAParams, slots: KDASlots, step_states=None, **kw
+) -> tuple[torch.Tensor, VerifyCache]:
     """Triton twin of `reference.verify`: one conv launch and one launch for all T tokens (the block
     kernel; the sequential one for other gates or when `step_states` are wanted)."""
-    qkv = conv_steps(q, k, v, conv_weight, conv_pool, slot_ids)
-    if step_states is None and _chunkable(q.shape[1], lower_bound):
-        o, replay = block_verify(qkv, f, b, dt_bias, a_log, state_pool, slot_ids, lower_bound, **kw)
-        return o, ReplayCache(q, k, v, f, b, replay=replay)
-    o = recurrent(
-        qkv,
-        f,
-        b,
-        dt_bias,
-        a_log,
-        state_pool,
-        slot_ids,
-        lower_bound,
-        store_state=False,
-        step_states=step_states,
-        **kw,
-    )
-    return o, VerifyCache(q, k, v, f, b, qkv)
+    qkv = conv_steps(x, params.conv_weight, slots)
+    if step_states is None and _chunkable(x.q.shape[1], params.lower_bound):
+        o, replay = block_verify(qkv, x, params, slots, **kw)
+        return o, ReplayCache(x, replay=replay)
+    o = recurrent(qkv, x, params, slots, store_state=False, step_states=step_states, **kw)
+    return o, VerifyCache(x, qkv)
 
 
-def commit(
-    cache, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, n_accepted, lower_bound, **kw
-):
+def commit(cache: VerifyCache, params: KDAParams, slots: KDASlots, n_accepted, **kw) -> None:
     """Triton twin of `reference.commit`, one launch after a block verify (state and window from its
     replay operands); otherwise the sequential kernel's replay plus a window launch."""
     if isinstance(cache, ReplayCache):
-        block_commit(
-            cache.replay,
-            cache.q,
-            cache.k,
-            cache.v,
-            conv_pool,
-            state_pool,
-            slot_ids,
-            n_accepted,
-            lower_bound,
-            **kw,
-        )
+        block_commit(cache, params, slots, n_accepted, **kw)
         return
     qkv = cache.qkv
     if qkv is None:
-        qkv = conv_steps(cache.q, cache.k, cache.v, conv_weight, conv_pool, slot_ids)
-    recurrent(
-        qkv,
-        cache.f,
-        cache.b,
-        dt_bias,
-        a_log,
-        state_pool,
-        slot_ids,
-        lower_bound,
-        write_o=False,
-        n_steps=n_accepted,
-        **kw,
-    )
-    _keep_windows(cache, conv_pool, slot_ids, n_accepted)
+        qkv = conv_steps(cache.x, params.conv_weight, slots)
+    recurrent(qkv, cache.x, params, slots, write_o=False, n_steps=n_accepted, **kw)
+    _keep_windows(cache, slots, n_accepted)
 
 
-def _keep_windows(cache: VerifyCache, conv_pool, slot_ids, n_accepted) -> None:
+def _keep_windows(cache: VerifyCache, slots: KDASlots, n_accepted) -> None:
     """Advance each verified sequence's window by its first `n_accepted[b]` tokens (one launch)."""
-    conv_steps(cache.q, cache.k, cache.v, None, conv_pool, slot_ids,
-               write_y=False, write_window=True, n_keep=n_accepted)  # fmt: skip
+    conv_steps(cache.x, None, slots, write_y=False, write_window=True, n_keep=n_accepted)
 
 
-def commit_steps(cache, step_states, conv_pool, state_pool, slot_ids, n_accepted) -> None:
+def commit_steps(cache: VerifyCache, step_states, slots: KDASlots, n_accepted) -> None:
     """Triton twin of `reference.commit_steps`: copy the saved state of step n_accepted[b]."""
     bsz, t, h, d, _ = step_states.shape
     blk = min(4096, d * d)
     _take_step_kernel[(bsz, h, d * d // blk)](
         step_states,
         t,
-        state_pool,
-        state_pool.stride(0),
-        slot_ids,
+        slots.state_pool,
+        slots.state_pool.stride(0),
+        slots.slot_ids,
         n_accepted,
         H=h,
         DD=d * d,
         BLK=blk,
         num_warps=4,
     )
-    _keep_windows(cache, conv_pool, slot_ids, n_accepted)
+    _keep_windows(cache, slots, n_accepted)

@@ -165,14 +165,10 @@ class OutputNorm:
 
 @dataclass
 class VerifyCache:
-    """What `commit` needs from a verify step: its inputs (`[B, T, ...]`) and, from the Triton path,
+    """What `commit` needs from a verify step: its inputs `x` (`[B, T, ...]`) and, from the Triton path,
     the conv output `qkv [B, T, 3·H·d]` so the replay need not recompute it."""
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    f: torch.Tensor
-    b: torch.Tensor
+    x: KDAInputs
     qkv: torch.Tensor | None = None
 
 
@@ -203,20 +199,11 @@ class ChunkSnapshots:
 
 
 def prefill(
-    q,
-    k,
-    v,
-    f,
-    b,
-    conv_weight,
-    dt_bias,
-    a_log,
-    conv_pool,
-    state_pool,
-    slot_ids,
-    cu_seqlens,
-    cu_seqlens_cpu,
-    lower_bound,
+    x: KDAInputs,
+    params: KDAParams,
+    slots: KDASlots,
+    cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: list[int] | None,
     snapshots: ChunkSnapshots | None = None,
 ) -> torch.Tensor:
     """Conv + SiLU, gate, β, L2-normalised chunked delta rule over packed sequences; the slot windows
@@ -228,49 +215,37 @@ def prefill(
     if cu_seqlens_cpu is None:
         cu_seqlens_cpu = cu_seqlens.tolist()
     if snapshots is not None:
-        args = (conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, cu_seqlens_cpu, lower_bound)
-        return _prefill_in_segments(q, k, v, f, b, *args, snapshots)
-    heads = state_pool.shape[1:3]
+        return _prefill_in_segments(x, params, slots, cu_seqlens_cpu, snapshots)
+    conv_pool, state_pool, slot_ids = slots.tensors
+    heads = tuple(state_pool.shape[1:3])
     lengths = [e - s for s, e in itertools.pairwise(cu_seqlens_cpu)]
-    index, valid = _pad_plan(lengths, q.device)
+    index, valid = _pad_plan(lengths, x.q.device)
 
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        return x[index] * valid.view(*valid.shape, *([1] * (x.dim() - 1)))
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return t[index] * valid.view(*valid.shape, *([1] * (t.dim() - 1)))
 
     y, window = causal_conv(
-        pad(torch.cat([q, k, v], -1)),
+        pad(torch.cat([x.q, x.k, x.v], -1)),
         conv_pool[slot_ids],
-        conv_weight,
-        torch.tensor(lengths, device=q.device),
+        params.conv_weight,
+        torch.tensor(lengths, device=x.q.device),
     )
     conv_pool[slot_ids] = window.to(conv_pool.dtype)
-    qq, kk, vv = (t.unflatten(-1, tuple(heads)) for t in y.chunk(3, dim=-1))
-    g = kda_gate(f.unflatten(-1, tuple(heads)), dt_bias, a_log, lower_bound)
-    o, final = kda_chunked(qq, kk, vv, pad(g), pad(torch.sigmoid(b)), state_pool[slot_ids])
+    qq, kk, vv = (t.unflatten(-1, heads) for t in y.chunk(3, dim=-1))
+    g = kda_gate(x.f.unflatten(-1, heads), params.dt_bias, params.a_log, params.lower_bound)
+    o, final = kda_chunked(qq, kk, vv, pad(g), pad(torch.sigmoid(x.b)), state_pool[slot_ids])
     state_pool[slot_ids] = final
-    return torch.nn.functional.pad(o[valid], (0, 0, 0, 0, 0, q.shape[0] - cu_seqlens_cpu[-1]))
+    return torch.nn.functional.pad(o[valid], (0, 0, 0, 0, 0, x.q.shape[0] - cu_seqlens_cpu[-1]))
 
 
 def _prefill_in_segments(
-    q,
-    k,
-    v,
-    f,
-    b,
-    conv_weight,
-    dt_bias,
-    a_log,
-    conv_pool,
-    state_pool,
-    slot_ids,
-    cu_cpu,
-    lower_bound,
-    snapshots,
+    x: KDAInputs, params: KDAParams, slots: KDASlots, cu_cpu: list[int], snapshots: ChunkSnapshots
 ) -> torch.Tensor:
     """`prefill` with `snapshots`: every sequence cut at its snapshot chunks' ends, segment by segment,
     the slot's window and state copied into the snapshot after each cut."""
     ids = snapshots.chunk_ids.tolist()
-    o = q.new_zeros(q.shape[0], *state_pool.shape[1:3])
+    conv_pool, state_pool, slot_ids = slots.tensors
+    o = x.q.new_zeros(x.q.shape[0], *state_pool.shape[1:3])
     first_chunk = 0
     for i, (lo, hi) in enumerate(itertools.pairwise(cu_cpu)):
         chunks = -(-(hi - lo) // CHUNK_TOKENS)
@@ -284,9 +259,8 @@ def _prefill_in_segments(
         for start, stop in itertools.pairwise(bounds):
             part = slice(lo + start, lo + stop)
             o[part] = prefill(
-                q[part], k[part], v[part], f[part], b[part], conv_weight, dt_bias, a_log, conv_pool,
-                state_pool, slot, None, [0, stop - start], lower_bound,
-            )  # fmt: skip
+                x.rows(part), params, KDASlots(conv_pool, state_pool, slot), None, [0, stop - start]
+            )
             if stop in cuts:
                 snapshots.conv[cuts[stop]] = conv_pool[slot[0]]
                 snapshots.state[cuts[stop]] = state_pool[slot[0]]
@@ -297,68 +271,53 @@ def _prefill_in_segments(
 def decode(x: KDAInputs, params: KDAParams, slots: KDASlots, norm: OutputNorm | None = None) -> torch.Tensor:
     """One token per sequence (`[B, ...]` inputs), state and window updated in place; o `[B, H, d]`,
     then `gated_rms_norm` with `norm` when given."""
-    cu = list(range(x.q.shape[0] + 1))
-    weights = (params.conv_weight, params.dt_bias, params.a_log)
-    o = prefill(*x.tensors, *weights, *slots.tensors, None, cu, params.lower_bound)
+    o = prefill(x, params, slots, None, list(range(x.q.shape[0] + 1)))
     return o if norm is None else gated_rms_norm(o, norm.gate, norm.weight, norm.eps)
 
 
 def verify(
-    q,
-    k,
-    v,
-    f,
-    b,
-    conv_weight,
-    dt_bias,
-    a_log,
-    conv_pool,
-    state_pool,
-    slot_ids,
-    lower_bound,
-    step_states: torch.Tensor | None = None,
+    x: KDAInputs, params: KDAParams, slots: KDASlots, step_states: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, VerifyCache]:
-    """T = k+1 tokens per sequence (`[B, T, ...]`): outputs for every position from the committed
+    """T = k+1 tokens per sequence (`[B, T, ...]` inputs): outputs for every position from the committed
     window and state, which stay untouched. With `step_states [B, T, H, d, d]` (fp32) the state after
     each step is written there too. Returns o `[B, T, H, d]` and the cache `commit` replays from."""
-    bsz, t = q.shape[:2]
+    conv_pool, state_pool, slot_ids = slots.tensors
+    bsz, t = x.q.shape[:2]
     heads = tuple(state_pool.shape[1:3])
-    full = torch.full((bsz,), t, device=q.device)
-    y, _ = causal_conv(torch.cat([q, k, v], -1), conv_pool[slot_ids], conv_weight, full)
-    qq, kk, vv = (x.unflatten(-1, heads) for x in y.chunk(3, dim=-1))
-    g = kda_gate(f.unflatten(-1, heads), dt_bias, a_log, lower_bound)
-    beta = torch.sigmoid(b)
+    full = torch.full((bsz,), t, device=x.q.device)
+    y, _ = causal_conv(torch.cat([x.q, x.k, x.v], -1), conv_pool[slot_ids], params.conv_weight, full)
+    qq, kk, vv = (part.unflatten(-1, heads) for part in y.chunk(3, dim=-1))
+    g = kda_gate(x.f.unflatten(-1, heads), params.dt_bias, params.a_log, params.lower_bound)
+    beta = torch.sigmoid(x.b)
     o, _ = kda_chunked(qq, kk, vv, g, beta, state_pool[slot_ids])
     if step_states is not None:
         for n in range(1, t + 1):
             _, s = kda_chunked(qq[:, :n], kk[:, :n], vv[:, :n], g[:, :n], beta[:, :n], state_pool[slot_ids])
             step_states[:, n - 1] = s
-    return o, VerifyCache(q, k, v, f, b)
+    return o, VerifyCache(x)
 
 
-def commit(
-    cache: VerifyCache, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids, n_accepted, lower_bound
-) -> None:
+def commit(cache: VerifyCache, params: KDAParams, slots: KDASlots, n_accepted: torch.Tensor) -> None:
     """Advance each sequence's window and state by its first `n_accepted[b]` verified tokens (0..T)."""
     keep = n_accepted.tolist()
     rows = [i for i, n in enumerate(keep) if n > 0]
     if not rows:
         return
-    lens = [keep[i] for i in rows]
-    parts = [
-        torch.cat([x[i, : keep[i]] for i in rows]) for x in (cache.q, cache.k, cache.v, cache.f, cache.b)
-    ]
+    accepted = KDAInputs(*(torch.cat([t[i, : keep[i]] for i in rows]) for t in cache.x.tensors))
     cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    prefill(*parts, conv_weight, dt_bias, a_log, conv_pool, state_pool, slot_ids[rows], None, cu, lower_bound)
+    for i in rows:
+        cu.append(cu[-1] + keep[i])
+    prefill(accepted, params, KDASlots(slots.conv_pool, slots.state_pool, slots.slot_ids[rows]), None, cu)
 
 
-def commit_steps(cache: VerifyCache, step_states, conv_pool, state_pool, slot_ids, n_accepted) -> None:
+def commit_steps(
+    cache: VerifyCache, step_states: torch.Tensor, slots: KDASlots, n_accepted: torch.Tensor
+) -> None:
     """The per-step-state alternative: copy the state saved after step n_accepted[b] into the slot."""
-    keep = n_accepted.tolist()
-    for i, n in enumerate(keep):
+    conv_pool, state_pool, slot_ids = slots.tensors
+    x = cache.x
+    for i, n in enumerate(n_accepted.tolist()):
         if n > 0:
             state_pool[slot_ids[i]] = step_states[i, n - 1]
-            z = torch.cat([conv_pool[slot_ids[i]], torch.cat([cache.q, cache.k, cache.v], -1)[i, :n]])
+            z = torch.cat([conv_pool[slot_ids[i]], torch.cat([x.q, x.k, x.v], -1)[i, :n]])
             conv_pool[slot_ids[i]] = z[-conv_pool.shape[1] :]
