@@ -1,11 +1,14 @@
 """The routes vllm-router and sglang-router call on a worker (issue 43, item 1), in the shapes they
 read: /tokenize and /detokenize (a prompt or chat messages), the render routes, /get_load in each
-router's shape, the model and server info they register the model by, /flush_cache."""
+router's shape, the model and server info they register the model by, /flush_cache, the KV events of
+vllm-router's kv_aware policy; then the routers themselves in front of two replicas, one of which is
+killed last."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import shutil
 import subprocess
 import sys
@@ -13,7 +16,9 @@ import time
 from pathlib import Path
 
 import httpx
+import msgpack
 import pytest
+import zmq
 from test_server import NAME, free_port, start_server, stop
 
 
@@ -179,11 +184,20 @@ def _router(binary: str, *args: str) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.fixture(scope="module")
-def replicas(model_dir):
-    procs = [start_server(model_dir, "--context-length", "1024") for _ in range(2)]
-    yield [url for _, url in procs]
+def replica_processes(model_dir):
+    """Two replicas, each publishing its KV events on a port of its choosing (see /kv_event_sources)."""
+    procs = [
+        start_server(model_dir, "--context-length", "1024", "--kv-events-endpoint", "tcp://127.0.0.1:0")
+        for _ in range(2)
+    ]
+    yield procs
     for proc, _ in procs:
         stop(proc)
+
+
+@pytest.fixture(scope="module")
+def replicas(replica_processes):
+    return [url for _, url in replica_processes]
 
 
 def _served(url: str) -> float:
@@ -215,6 +229,84 @@ def test_vllm_router_cache_aware_keeps_each_prefix_on_one_replica(replicas):
             assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
             landed = [_served(url) - b for url, b in zip(replicas, before, strict=True)]
             assert sorted(landed) == [0, 6], f"prefix {p} was split across the replicas: {landed}"
+    finally:
+        stop(proc)
+
+
+def _kv_endpoint(url: str) -> str:
+    (source,) = httpx.get(f"{url}/kv_event_sources").json().values()
+    assert source["topic"] == "" and source["replay_endpoint"] is None
+    return source["endpoint"]
+
+
+def test_kv_events_reach_a_subscriber_in_vllms_wire_format(replicas):
+    """A prompt's full pages but the last token's are announced in one BlockStored chain (the prefix
+    cache keeps them once the prefill ends); /flush_cache's AllBlocksCleared follows in the next batch."""
+    url = replicas[0]
+    info = httpx.get(f"{url}/server_info").json()
+    assert info["kv_block_size"] == info["config"]["page_size"] == 16
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.LINGER, 0)
+    subscriber.setsockopt(zmq.RCVTIMEO, 10_000)
+    subscriber.connect(_kv_endpoint(url))
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        time.sleep(0.5)  # ZMQ drops what is published before the subscription reaches the publisher
+        prompt = " ".join(["lamp", "harbor", "violet"] * 30)
+        ids = httpx.post(f"{url}/v1/tokenize", json={"prompt": prompt}).json()["tokens"]
+        done = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+        assert done.status_code == 200
+        topic, seq, payload = subscriber.recv_multipart()
+        ts, events, rank = msgpack.unpackb(payload)
+        assert topic == b"" and rank == 0 and abs(ts - time.time()) < 60
+        (stored,) = [e for e in events if e["type"] == "BlockStored"]
+        cached = (len(ids) - 1) // 16 * 16  # the last token is always computed: it gives the logits
+        assert stored["parent_block_hash"] is None and stored["token_ids"] == ids[:cached]
+        assert len(stored["block_hashes"]) == cached // 16 and stored["block_size"] == 16
+        assert stored["medium"] == "CPU"
+        assert httpx.post(f"{url}/flush_cache").status_code == 200
+        topic, next_seq, payload = subscriber.recv_multipart()
+        assert int.from_bytes(next_seq, "big") == int.from_bytes(seq, "big") + 1
+        assert msgpack.unpackb(payload)[1] == [{"type": "AllBlocksCleared"}]
+    finally:
+        subscriber.close()
+
+
+def test_vllm_router_kv_aware_sends_a_prefix_to_the_replica_holding_it(replicas):
+    """Each prefix is computed on one replica (sent to it directly, alternately to each); the router,
+    subscribed to both replicas' KV events (vllm-router 0.1.17 subscribes to an HTTP worker's events
+    only from static sources), then sends every request sharing the prefix to that replica."""
+    sources = [arg for url in replicas for arg in ("--kv-event-source", f"{url}={_kv_endpoint(url)}")]
+    proc, router = _router(
+        "vllm-router",
+        "--worker-urls",
+        *replicas,
+        "--policy",
+        "kv_aware",
+        "--kv-event-model",
+        NAME,
+        "--kv-event-block-size",
+        "16",
+        *sources,
+    )
+    words = ["amber", "cedar", "delta", "ember", "fjord", "grove", "haven", "ivory"]
+    try:
+        time.sleep(0.5)  # the router's subscriptions reach the replicas' publishers
+        for p, holder in enumerate([1, 0, 1, 0]):  # a fallback that prefers one replica fails half
+            prefix = " ".join(words[(p + i) % len(words)] + str(p) for i in range(60))
+            warm = httpx.post(f"{replicas[holder]}/v1/completions", json={"prompt": prefix, "max_tokens": 1})
+            assert warm.status_code == 200
+            time.sleep(0.3)  # the batch reaches the router (sent within the step, read every 10 ms)
+            before = [_served(url) for url in replicas]
+            for i in range(2):
+                got = httpx.post(
+                    f"{router}/v1/completions",
+                    json={"model": NAME, "prompt": f"{prefix} question {i}", "max_tokens": 1},
+                    timeout=60,
+                )
+                assert got.status_code == 200, got.text
+            landed = [_served(url) - b for url, b in zip(replicas, before, strict=True)]
+            assert landed[holder] == 2, f"prefix {p}, computed on replica {holder}, landed {landed}"
     finally:
         stop(proc)
 
@@ -273,5 +365,76 @@ def test_sglang_router_registers_the_served_model_and_both_routers_flush(replica
         flushed = httpx.post(f"{router}/flush_cache", timeout=30)
         assert flushed.status_code // 100 == 2, flushed.text
         assert all(httpx.get(f"{url}/server_info").json()["prefix_cache"]["pages"] == 0 for url in replicas)
+    finally:
+        stop(proc)
+
+
+def _finished(lines) -> bool:
+    """Read a stream to its end: True if it finished (its last chunk with finish reason `length`, then
+    `[DONE]`), False if it was cut short (the connection broken, or closed before `[DONE]`)."""
+    seen = []
+    with contextlib.suppress(httpx.HTTPError):
+        seen.extend(line.removeprefix("data: ") for line in lines if line)
+    if len(seen) < 2 or seen[-1] != "[DONE]":
+        return False
+    return json.loads(seen[-2])["choices"][0]["finish_reason"] == "length"
+
+
+def _health(router: str) -> dict[str, bool]:
+    return {w["url"]: w["is_healthy"] for w in httpx.get(f"{router}/workers").json()["workers"]}
+
+
+def test_vllm_router_keeps_serving_when_a_replica_is_killed_mid_run(replica_processes):
+    """Last in the file: it SIGKILLs replica 1 of the module's pair. Four streams through the router
+    (round robin: two on each replica) are running; after the kill, the router's health check (every
+    second here, two failures mark a worker unhealthy: its --health-* flags) reports the victim
+    unhealthy in `/workers` within seconds; new requests all go to the survivor and succeed; the
+    survivor's two streams finish, the victim's two end cut short."""
+    (_, survivor), (victim_proc, victim) = replica_processes
+    proc, router = _router(
+        "vllm-router",
+        "--worker-urls",
+        survivor,
+        victim,
+        "--policy",
+        "round_robin",
+        "--health-check-interval-secs",
+        "1",
+        "--health-failure-threshold",
+        "2",
+        "--health-check-timeout-secs",
+        "1",
+    )
+    # long enough to outlast opening the four and reading the loads (a few steps), short enough that
+    # the survivor's two finish soon after
+    body = {"prompt": "story water time", "max_tokens": 64, "ignore_eos": True, "stream": True}
+    try:
+        with contextlib.ExitStack() as streams:
+            lines = [
+                streams.enter_context(
+                    httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60)
+                ).iter_lines()
+                for _ in range(4)
+            ]
+            for line in lines:
+                next(line)  # every stream is running (kept: a dropped iterator aborts its request)
+            loads = [httpx.get(f"{url}/get_load").json()["load"] for url in (survivor, victim)]
+            assert loads == [2, 2], loads
+            before = _served(survivor)
+            victim_proc.kill()
+            killed = time.monotonic()
+            while _health(router)[victim] and time.monotonic() - killed < 15:
+                time.sleep(0.1)
+            marked = time.monotonic() - killed
+            assert _health(router) == {survivor: True, victim: False}, f"{marked:.1f} s after the kill"
+            print(f"vllm-router marked the killed replica unhealthy {marked:.1f} s after the kill")
+            for i in range(4):
+                got = httpx.post(
+                    f"{router}/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 1}, timeout=60
+                )
+                assert got.status_code == 200, got.text
+            finished = [_finished(line) for line in lines]
+        assert sorted(finished) == [False, False, True, True], finished
+        assert _served(survivor) - before == 4 + 2  # the new requests and its own two streams
     finally:
         stop(proc)
