@@ -19,7 +19,7 @@ from test_moe_kernels import assert_alignment, rel_err  # noqa: E402
 
 from hylo.ops import fp8 as fp8_ops  # noqa: E402
 from hylo.ops.moe import decode, kernels, reference, routing  # noqa: E402
-from hylo.ops.moe.reference import Routing  # noqa: E402
+from hylo.ops.moe.reference import ExpertWeights, Routing  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
@@ -47,11 +47,11 @@ def test_prologue_matches_reference(tokens, hidden, num_experts, top_k, groups, 
     routing_ = random_routing(g, hidden, num_experts, top_k, *groups)._replace(normalize=normalize)
     routing_ = routing_._replace(weight=routing_.weight.to(dtype))
     ids, weights, layout, q, q_scale = decode.prologue(x, routing_, block_m, quantize=True)
-    ref_ids, ref_weights = reference.route(x, *routing_)
+    ref_ids, ref_weights = reference.route(x, routing_)
     assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
     if groups[0] > 1:  # the data makes the group limit matter: without it the choice differs
-        assert not torch.equal(reference.route(x, *routing_._replace(n_group=1, topk_group=1))[0], ref_ids)
+        assert not torch.equal(reference.route(x, routing_._replace(n_group=1, topk_group=1))[0], ref_ids)
     assert_alignment(layout, ids, num_experts, block_m)
     general = routing.align(ids, num_experts, block_m)  # the same blocks; the order inside may differ
     assert torch.equal(layout.block_expert, general.block_expert)
@@ -71,7 +71,7 @@ def test_prologue_places_only_the_weights_experts_pairs(tokens, first_expert, bl
     ids, _, layout, _, _ = decode.prologue(
         x, routing_, block_m, quantize=False, first_expert=first_expert, num_experts=4
     )
-    assert torch.equal(ids, reference.route(x, *routing_)[0])
+    assert torch.equal(ids, reference.route(x, routing_)[0])
     assert 0 < int(layout.block_rows.sum()) < ids.numel()  # some of the step's pairs are this rank's
     assert_alignment(layout, ids, 4, block_m, first_expert)
     general = routing.align(ids, 4, block_m, first_expert)
@@ -90,6 +90,8 @@ class Experts:
         (self.gate_up_q, self.gate_up_s), (self.down_q, self.down_s) = (
             fp8_ops.quantize_fp8_blocks(w) for w in (self.gate_up, self.down)
         )
+        self.plain = ExpertWeights(self.gate_up, self.down)
+        self.fp8 = ExpertWeights(self.gate_up_q, self.down_q, (self.gate_up_s, self.down_s))
 
 
 @pytest.mark.parametrize(
@@ -99,34 +101,29 @@ def test_routed_experts_matches_the_general_path(tokens, hidden, inter, num_expe
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g)
     routing_, experts = random_routing(g, hidden, num_experts, top_k), Experts(g, hidden, inter, num_experts)
-    out = decode.routed_experts(x, routing_, experts.gate_up, experts.down, LIMIT)
-    ids, weights = reference.route(x, *routing_)
+    out = decode.routed_experts(x, routing_, experts.plain, LIMIT)
+    choices = reference.route(x, routing_)
     assert out.shape == x.shape and out.dtype == x.dtype
-    assert rel_err(out, kernels.experts(x, experts.gate_up, experts.down, ids, weights, LIMIT)) < 1e-6
-    assert rel_err(out, reference.experts(x, experts.gate_up, experts.down, ids, weights, LIMIT)) < 2e-6
+    assert rel_err(out, kernels.experts(x, experts.plain, choices, LIMIT)) < 1e-6
+    assert rel_err(out, reference.experts(x, experts.plain, choices, LIMIT)) < 2e-6
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 4e-3)])
 def test_routed_experts_fp8_matches_the_general_path(dtype, tolerance):
-    """Same quantisation and GEMMs as `kernels.experts_fp8`; only the combine's summation order
+    """Same quantisation and GEMMs as `kernels.experts` with FP8 weights; only the combine's summation order
     differs (bf16: each row is rounded before the sum, as in the general path)."""
     g = torch.Generator().manual_seed(3)
     tokens, hidden, inter, num_experts, top_k = 4, 160, 128, 6, 3
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     routing_, experts = random_routing(g, hidden, num_experts, top_k), Experts(g, hidden, inter, num_experts)
     routing_ = routing_._replace(weight=routing_.weight.to(dtype))
-    scales = (experts.gate_up_s, experts.down_s)
-    out = decode.routed_experts(x, routing_, experts.gate_up_q, experts.down_q, LIMIT, scales)
-    ids, weights = reference.route(x, *routing_)
-    general = kernels.experts_fp8(
-        x, experts.gate_up_q, experts.gate_up_s, experts.down_q, experts.down_s, ids, weights, LIMIT
-    )
+    out = decode.routed_experts(x, routing_, experts.fp8, LIMIT)
+    choices = reference.route(x, routing_)
+    general = kernels.experts(x, experts.fp8, choices, LIMIT)
     assert out.dtype == dtype
     assert rel_err(out, general) < tolerance
     # e4m3 activations: a few percent from the bf16 reference on the original weights
-    assert (
-        rel_err(out, reference.experts(x.float(), experts.gate_up, experts.down, ids, weights, LIMIT)) < 0.1
-    )
+    assert rel_err(out, reference.experts(x.float(), experts.plain, choices, LIMIT)) < 0.1
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
@@ -138,24 +135,18 @@ def test_routed_experts_of_one_rank_match_the_general_path(fp8):
     tokens, hidden, inter, top_k = 5, 128, 128, 4
     x = torch.randn(tokens, hidden, generator=g)
     routing_, experts = random_routing(g, hidden, 12, top_k), Experts(g, hidden, inter, 12)
-    ids, weights = reference.route(x, *routing_)
-    assert len(set((ids // 4).flatten().tolist())) == 3  # every rank has pairs
-    weights_of = (experts.gate_up_q, experts.gate_up_s, experts.down_q, experts.down_s)
-    if not fp8:
-        weights_of = (experts.gate_up, None, experts.down, None)
+    choices = reference.route(x, routing_)
+    assert len(set((choices.ids // 4).flatten().tolist())) == 3  # every rank has pairs
+    whole = experts.fp8 if fp8 else experts.plain
 
     def step(first: int | None):
         mine = slice(first or 0, 12 if first is None else first + 4)
-        gate_up, gate_up_s, down, down_s = (w if w is None else w[mine] for w in weights_of)
-        scales = (gate_up_s, down_s) if fp8 else None
-        out = decode.routed_experts(x, routing_, gate_up, down, LIMIT, scales, first_expert=first)
-        if fp8:
-            general = kernels.experts_fp8(
-                x, gate_up, gate_up_s, down, down_s, ids, weights, LIMIT, first_expert=first
-            )
-        else:
-            general = kernels.experts(x, gate_up, down, ids, weights, LIMIT, first_expert=first)
-            assert rel_err(out, reference.experts(x, gate_up, down, ids, weights, LIMIT, first)) < 2e-6
+        scales = None if whole.scales is None else tuple(s[mine] for s in whole.scales)
+        w = ExpertWeights(whole.gate_up[mine], whole.down[mine], scales)
+        out = decode.routed_experts(x, routing_, w, LIMIT, first_expert=first)
+        general = kernels.experts(x, w, choices, LIMIT, first_expert=first)
+        if not fp8:
+            assert rel_err(out, reference.experts(x, w, choices, LIMIT, first)) < 2e-6
         assert rel_err(out, general) < 1e-6
         return out
 
@@ -168,10 +159,9 @@ def test_tickets_are_left_zero_and_steps_repeat_bitwise():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 64, generator=g)
     routing_, experts = random_routing(g, 64, 8, 2), Experts(g, 64, 32, 8)
-    scales = (experts.gate_up_s, experts.down_s)
-    first = decode.routed_experts(x, routing_, experts.gate_up_q, experts.down_q, LIMIT, scales)
+    first = decode.routed_experts(x, routing_, experts.fp8, LIMIT)
     assert not decode.tickets(x.device).any()
-    again = decode.routed_experts(x, routing_, experts.gate_up_q, experts.down_q, LIMIT, scales)
+    again = decode.routed_experts(x, routing_, experts.fp8, LIMIT)
     assert torch.equal(first, again)
 
 
@@ -179,12 +169,12 @@ def test_bad_inputs_are_named():
     g = torch.Generator().manual_seed(6)
     routing_, experts = random_routing(g, 64, 8, 4), Experts(g, 64, 32, 8)
     with pytest.raises(ValueError, match="x has 17 tokens"):
-        decode.routed_experts(torch.randn(17, 64), routing_, experts.gate_up, experts.down, LIMIT)
+        decode.routed_experts(torch.randn(17, 64), routing_, experts.plain, LIMIT)
     with pytest.raises(ValueError, match="correction_bias"):
         decode.prologue(torch.randn(2, 64), routing_._replace(correction_bias=torch.zeros(7)), 16, True)
     with pytest.raises(ValueError, match="gate_up_scale_inv"):
-        scales = (experts.gate_up_s[:3], experts.down_s)
-        decode.routed_experts(torch.randn(2, 64), routing_, experts.gate_up_q, experts.down_q, LIMIT, scales)
+        cut = experts.fp8._replace(scales=(experts.gate_up_s[:3], experts.down_s))
+        decode.routed_experts(torch.randn(2, 64), routing_, cut, LIMIT)
     x = torch.randn(2, 64)
     ids, weights, layout, *_ = decode.prologue(x, routing_, 16, quantize=False)
     config = kernels.default_config(ids.numel(), 8, fp8=False)

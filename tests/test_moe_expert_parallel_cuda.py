@@ -11,7 +11,7 @@ import torch
 from hylo.ops import moe as moe_ops
 from hylo.ops.fp8 import quantize_fp8_blocks
 from hylo.ops.moe import decode, kernels, reference
-from hylo.ops.moe.reference import Routing
+from hylo.ops.moe.reference import Choices, ExpertWeights, Routing
 from hylo.ops.moe.routing import align
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on a GPU")
@@ -58,7 +58,8 @@ def rank_weights(model, rank: int | None, fp8: bool):
 def test_a_ranks_pairs_only(model, tokens, fp8):
     routing = model[0]
     x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
-    ids, weights = reference.route(x, *routing)
+    choices = reference.route(x, routing)
+    ids, weights = choices
     parts = []
     for rank in range(RANKS):
         gate_up, down, scales, first = rank_weights(model, rank, fp8)
@@ -66,13 +67,18 @@ def test_a_ranks_pairs_only(model, tokens, fp8):
             out = moe_ops.routed_experts(x, routing, gate_up, down, LIMIT, scales, first)
         if fp8:  # the same rows as the whole step's, with the other ranks' pairs weighted 0
             local = (ids >= first) & (ids < first + LOCAL)
-            whole = kernels.experts_fp8(x, *model[3], ids, weights.where(local, 0), LIMIT)
+            gq, gs, dq, ds = model[3]
+            whole = kernels.experts(
+                x, ExpertWeights(gq, dq, (gs, ds)), Choices(ids, weights.where(local, 0)), LIMIT
+            )
             assert rel_err(out, whole) < 1e-2
-            expected = reference.experts_fp8(x.float(), *(w for w in (gate_up, scales[0], down, scales[1])),
-                                             ids, weights, LIMIT, first)  # fmt: skip
+            expected = reference.experts(
+                x.float(), ExpertWeights(gate_up, down, scales), choices, LIMIT, first
+            )
             assert rel_err(out, expected) < 0.08
         else:
-            expected = reference.experts(x.float(), gate_up.float(), down.float(), ids, weights, LIMIT, first)
+            plain = ExpertWeights(gate_up.float(), down.float())
+            expected = reference.experts(x.float(), plain, choices, LIMIT, first)
             assert rel_err(out, expected) < 1e-2
         parts.append(out.float())
     gate_up, down, scales, _ = rank_weights(model, None, fp8)
@@ -84,16 +90,15 @@ def test_a_ranks_pairs_only(model, tokens, fp8):
 def test_the_decode_path_of_a_rank_replays_in_a_cuda_graph(model):
     routing = model[0]
     gate_up, down, scales, first = rank_weights(model, 3, True)
+    w = ExpertWeights(gate_up, down, scales)
     x = torch.randn(4, HIDDEN, device="cuda").bfloat16()
-    eager = decode.routed_experts(x, routing, gate_up, down, LIMIT, scales, first_expert=first)
+    eager = decode.routed_experts(x, routing, w, LIMIT, first_expert=first)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode.routed_experts(x, routing, gate_up, down, LIMIT, scales, first_expert=first)
+        out = decode.routed_experts(x, routing, w, LIMIT, first_expert=first)
     x.copy_(torch.randn_like(x))
     graph.replay()
-    torch.testing.assert_close(
-        out, decode.routed_experts(x, routing, gate_up, down, LIMIT, scales, first_expert=first)
-    )
+    torch.testing.assert_close(out, decode.routed_experts(x, routing, w, LIMIT, first_expert=first))
     assert not torch.equal(out, eager)
 
 

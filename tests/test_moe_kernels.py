@@ -28,6 +28,7 @@ from hylo.ops import fp8 as fp8_ops  # noqa: E402
 from hylo.ops.fp8 import kernels as fp8_kernels  # noqa: E402
 from hylo.ops.moe import kernels, reference, routing  # noqa: E402
 from hylo.ops.moe.kernels import MoeConfig, Tiles  # noqa: E402
+from hylo.ops.moe.reference import Choices, ExpertWeights, Routing  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
@@ -50,8 +51,21 @@ class Case:
         self.ids = torch.rand(tokens, used, generator=g).argsort(-1)[:, :top_k]
         self.weights = torch.rand(tokens, top_k, generator=g) + 0.1
 
+    @property
+    def experts(self) -> ExpertWeights:
+        return ExpertWeights(self.gate_up, self.down)
+
+    @property
+    def choices(self) -> Choices:
+        return Choices(self.ids, self.weights)
+
     def reference(self):
-        return reference.experts(self.x, self.gate_up, self.down, self.ids, self.weights, LIMIT)
+        return reference.experts(self.x, self.experts, self.choices, LIMIT)
+
+
+def fp8_experts(gate_up, gate_up_scale, down, down_scale) -> ExpertWeights:
+    """FP8 experts from `quantize_fp8_blocks` of gate_up and of down, in that order."""
+    return ExpertWeights(gate_up, down, (gate_up_scale, down_scale))
 
 
 # ---------------------------------------------------------------- routing
@@ -71,13 +85,13 @@ def test_route_matches_reference(tokens, num_experts, top_k, n_group, topk_group
     x = torch.randn(tokens, 32, generator=g)
     weight = torch.randn(num_experts, 32, generator=g)
     bias = torch.randn(num_experts, generator=g) * 0.3  # large enough to change the choice
-    args = (x, weight, bias, top_k, n_group, topk_group, normalize, 2.5)
-    ids, weights = routing.route(*args)
-    ref_ids, ref_weights = reference.route(*args)
+    router = Routing(weight, bias, top_k, n_group, topk_group, normalize, 2.5)
+    ids, weights = routing.route(x, router)
+    ref_ids, ref_weights = reference.route(x, router)
     assert ids.dtype == ref_ids.dtype and torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
     if n_group > 1:  # the data makes the group limit matter: without it the choice differs
-        free_ids, _ = reference.route(x, weight, bias, top_k, 1, 1, normalize, 2.5)
+        free_ids, _ = reference.route(x, router._replace(n_group=1, topk_group=1))
         assert not torch.equal(free_ids, ref_ids)
 
 
@@ -163,7 +177,7 @@ CONFIGS = {
 )
 def test_experts_matches_reference(tokens, hidden, inter, num_experts, top_k, config):
     case = Case(tokens + hidden, tokens, hidden, inter, num_experts, top_k)
-    out = kernels.experts(case.x, case.gate_up, case.down, case.ids, case.weights, LIMIT, CONFIGS[config])
+    out = kernels.experts(case.x, case.experts, case.choices, LIMIT, CONFIGS[config])
     assert out.shape == case.x.shape and out.dtype == case.x.dtype
     assert rel_err(out, case.reference()) < 2e-6
 
@@ -179,7 +193,7 @@ def test_experts_of_one_rank_match_the_reference(tokens, config):
     parts = []
     for first in (0, 4, 8):
         mine = slice(first, first + 4)
-        args = (case.x, case.gate_up[mine], case.down[mine], case.ids, case.weights, LIMIT)
+        args = (case.x, ExpertWeights(case.gate_up[mine], case.down[mine]), case.choices, LIMIT)
         out = kernels.experts(*args, CONFIGS[config], first_expert=first)
         assert rel_err(out, reference.experts(*args, first)) < 2e-6
         parts.append(out)
@@ -192,15 +206,15 @@ def test_experts_fp8_of_one_rank_are_the_whole_steps_local_rows():
     weights zeroed, up to the combine's summation order."""
     case = Case(8, 9, 160, 128, 6, 3, unused=0)
     quantized = (*fp8_ops.quantize_fp8_blocks(case.gate_up), *fp8_ops.quantize_fp8_blocks(case.down))
-    gate_up, gate_up_s, down, down_s = (w[2:4] for w in quantized)
-    out = kernels.experts_fp8(
-        case.x, gate_up, gate_up_s, down, down_s, case.ids, case.weights, LIMIT, first_expert=2
-    )
+    rank = fp8_experts(*(w[2:4] for w in quantized))
+    out = kernels.experts(case.x, rank, case.choices, LIMIT, first_expert=2)
     local = (case.ids >= 2) & (case.ids < 4)
     assert local.any() and not local.all(1).any()
-    whole = kernels.experts_fp8(case.x, *quantized, case.ids, case.weights.where(local, 0), LIMIT)
+    whole = kernels.experts(
+        case.x, fp8_experts(*quantized), Choices(case.ids, case.weights.where(local, 0)), LIMIT
+    )
     assert rel_err(out, whole) < 1e-6
-    ref = reference.experts_fp8(case.x, gate_up, gate_up_s, down, down_s, case.ids, case.weights, LIMIT, 2)
+    ref = reference.experts(case.x, rank, case.choices, LIMIT, 2)
     assert rel_err(out, ref) < 0.08
 
 
@@ -220,9 +234,9 @@ def test_combine_sums_only_the_placed_rows():
 
 def test_experts_half_precision_and_int32_ids():
     case = Case(5, 40, 64, 32, 16, 4, unused=5, dtype=torch.float16)
-    out = kernels.experts(case.x, case.gate_up, case.down, case.ids.int(), case.weights, LIMIT)
+    out = kernels.experts(case.x, case.experts, Choices(case.ids.int(), case.weights), LIMIT)
     ref = reference.experts(
-        *(t.float() for t in (case.x, case.gate_up, case.down)), case.ids, case.weights, LIMIT
+        case.x.float(), ExpertWeights(case.gate_up.float(), case.down.float()), case.choices, LIMIT
     )
     assert out.dtype == torch.float16
     assert rel_err(out, ref) < 5e-3
@@ -269,11 +283,11 @@ def emulated_fp8(case: Case, gate_up_q, gate_up_s, down_q, down_s) -> torch.Tens
 def test_experts_fp8_matches_reference(tokens, hidden, inter, config):
     case = Case(tokens, tokens, hidden, inter, 5, 3, unused=1)
     quantized = (*fp8_ops.quantize_fp8_blocks(case.gate_up), *fp8_ops.quantize_fp8_blocks(case.down))
-    out = kernels.experts_fp8(case.x, *quantized, case.ids, case.weights, LIMIT, config)
+    out = kernels.experts(case.x, fp8_experts(*quantized), case.choices, LIMIT, config)
     assert out.shape == case.x.shape and out.dtype == case.x.dtype
     assert rel_err(out, emulated_fp8(case, *quantized)) < 1e-5
     # e4m3 keeps 3 mantissa bits: a few percent from x, the weights and the SwiGLU output together
-    err = rel_err(out, reference.experts_fp8(case.x, *quantized, case.ids, case.weights, LIMIT))
+    err = rel_err(out, reference.experts(case.x, fp8_experts(*quantized), case.choices, LIMIT))
     assert err < 0.08
     assert rel_err(out, case.reference()) < 0.1
 
@@ -292,9 +306,9 @@ def test_tma_kernels_match_the_pointer_kernels(tokens, hidden, inter, config):
     same products as the pointer kernels, on blocks with padding rows and blocks past the real count."""
     case = Case(tokens + 7, tokens, hidden, inter, 6, 3, unused=1)
     quantized = (*fp8_ops.quantize_fp8_blocks(case.gate_up), *fp8_ops.quantize_fp8_blocks(case.down))
-    args = (case.x, *quantized, case.ids, case.weights, LIMIT)
-    out = kernels.experts_fp8(*args, config)
-    assert rel_err(out, kernels.experts_fp8(*args, replace(config, tma=False))) < 1e-6
+    args = (case.x, fp8_experts(*quantized), case.choices, LIMIT)
+    out = kernels.experts(*args, config)
+    assert rel_err(out, kernels.experts(*args, replace(config, tma=False))) < 1e-6
     # torch sums in another order: an e4m3 rounding of h may flip
     assert rel_err(out, emulated_fp8(case, *quantized)) < 1e-3
 
@@ -321,29 +335,32 @@ def test_gather_rows_puts_each_token_row_in_its_slots(rows, groups):
 def test_bad_inputs_are_named():
     case = Case(1, 3, 64, 48, 8, 2)
     gq, gs, dq, ds = (*fp8_ops.quantize_fp8_blocks(case.gate_up), *fp8_ops.quantize_fp8_blocks(case.down))
-    args = (case.ids, case.weights, LIMIT)
+    args = (case.choices, LIMIT)
     with pytest.raises(ValueError, match="gate_up_scale_inv"):
-        kernels.experts_fp8(case.x, gq, gs[:4], dq, ds, *args)
+        kernels.experts(case.x, fp8_experts(gq, gs[:4], dq, ds), *args)
     with pytest.raises(ValueError, match="down must be float8"):
-        kernels.experts_fp8(case.x, gq, gs, case.down, ds, *args)
+        kernels.experts(case.x, fp8_experts(gq, gs, case.down, ds), *args)
     with pytest.raises(ValueError, match=r"gate_up\.block_n"):
-        kernels.experts_fp8(
-            case.x, gq, gs, dq, ds, *args, MoeConfig(16, Tiles(32, 128, 4, 1), Tiles(32, 128, 4, 1))
+        kernels.experts(
+            case.x,
+            fp8_experts(gq, gs, dq, ds),
+            *args,
+            MoeConfig(16, Tiles(32, 128, 4, 1), Tiles(32, 128, 4, 1)),
         )
     tma = MoeConfig(16, Tiles(128, 128, 4, 1), Tiles(128, 128, 4, 1), tma=True)
     with pytest.raises(ValueError, match=r"config\.tma applies to FP8"):
-        kernels.experts(case.x, case.gate_up, case.down, *args, tma)
+        kernels.experts(case.x, case.experts, *args, tma)
     with pytest.raises(ValueError, match=r"D 64 and I 48"):  # not multiples of 128
-        kernels.experts_fp8(case.x, gq, gs, dq, ds, *args, tma)
+        kernels.experts(case.x, fp8_experts(gq, gs, dq, ds), *args, tma)
     wide = Case(1, 3, 128, 128, 8, 2)
     wq, ws, vq, vs = (*fp8_ops.quantize_fp8_blocks(wide.gate_up), *fp8_ops.quantize_fp8_blocks(wide.down))
     strided = torch.cat([vq, vq], dim=1)[:, ::2]  # [E, D, I] rows two apart: a TMA descriptor cannot view it
     with pytest.raises(ValueError, match=r"config\.tma needs down contiguous"):
-        kernels.experts_fp8(wide.x, wq, ws, strided, vs, wide.ids, wide.weights, LIMIT, tma)
+        kernels.experts(wide.x, fp8_experts(wq, ws, strided, vs), wide.choices, LIMIT, tma)
     with pytest.raises(ValueError, match="down"):
-        kernels.experts(case.x, case.gate_up, case.down[:, :, :5], *args)
+        kernels.experts(case.x, ExpertWeights(case.gate_up, case.down[:, :, :5]), *args)
     with pytest.raises(ValueError, match="ids"):
-        kernels.experts(case.x, case.gate_up, case.down, case.ids[:1], case.weights, LIMIT)
+        kernels.experts(case.x, case.experts, Choices(case.ids[:1], case.weights), LIMIT)
 
 
 # ---------------------------------------------------------------- layer

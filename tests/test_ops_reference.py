@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hylo.ops.indexer import PooledKeys, compress_pools, select_rows
 from hylo.ops.kda import causal_conv, kda_chunked, kda_gate
 from hylo.ops.mhc import HCParams, mhc_pre
-from hylo.ops.moe import experts, route, swiglu_clamp
+from hylo.ops.moe import Choices, ExpertWeights, Routing, experts, route, swiglu_clamp
 
 
 def naive_kda(q, k, v, g, beta, state):
@@ -150,10 +150,10 @@ def test_routing_and_experts_match_per_token_loop():
     tokens, dim, n_exp, inter, top_k, n_group, topk_group = 9, 6, 8, 5, 3, 4, 2
     x = torch.randn(tokens, dim, generator=gen)
     router, bias = torch.randn(n_exp, dim, generator=gen), torch.randn(n_exp, generator=gen) * 0.3
-    ids, weights = route(x, router, bias, top_k, n_group, topk_group, True, 2.5)
+    ids, weights = route(x, Routing(router, bias, top_k, n_group, topk_group, True, 2.5))
     gate_up = torch.randn(n_exp, 2 * inter, dim, generator=gen)
     down = torch.randn(n_exp, dim, inter, generator=gen)
-    out = experts(x, gate_up, down, ids, weights, limit=1.5)
+    out = experts(x, ExpertWeights(gate_up, down), Choices(ids, weights), limit=1.5)
     for t in range(tokens):
         scores = torch.sigmoid(router @ x[t])
         biased = scores + bias

@@ -52,7 +52,7 @@ from hylo.ops.fp8 import kernels as fp8_kernels  # noqa: E402
 from hylo.ops.moe import decode as moe_decode  # noqa: E402
 from hylo.ops.moe import kernels, reference, routing  # noqa: E402
 from hylo.ops.moe.kernels import MoeConfig, Tiles  # noqa: E402
-from hylo.ops.moe.reference import Routing  # noqa: E402
+from hylo.ops.moe.reference import Choices, ExpertWeights, Routing  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
 # the interpreter's bf16 dot is wrong: the dry run's "bf16" path runs on fp32
@@ -98,14 +98,17 @@ class Model:
             self.fp8[name], self.dequantized[name] = (q, s), deq
 
     def route(self, x):
-        return routing.route(x, *self.routing)
+        return routing.route(x, self.routing)
+
+    def expert_weights(self, fp8: bool) -> ExpertWeights:
+        """The experts' weights as the kernels take them: bf16, or e4m3 with their block scales."""
+        if fp8:
+            (gate_up, gate_up_scale), (down, down_scale) = self.fp8["gate_up"], self.fp8["down"]
+            return ExpertWeights(gate_up, down, (gate_up_scale, down_scale))
+        return ExpertWeights(self.gate_up, self.down)
 
     def experts(self, x, ids, weights, fp8: bool, config: MoeConfig | None = None):
-        if fp8:
-            return kernels.experts_fp8(
-                x, *self.fp8["gate_up"], *self.fp8["down"], ids, weights, LIMIT, config
-            )
-        return kernels.experts(x, self.gate_up, self.down, ids, weights, LIMIT, config)
+        return kernels.experts(x, self.expert_weights(fp8), Choices(ids, weights), LIMIT, config)
 
     def step(self, x, fp8: bool, config: MoeConfig | None = None):
         """The general path: routing, then the experts."""
@@ -113,17 +116,13 @@ class Model:
 
     def fused_step(self, x, fp8: bool):
         """The decode path (`moe_decode.routed_experts`)."""
-        if fp8:
-            (gate_up, gate_up_scale), (down, down_scale) = self.fp8["gate_up"], self.fp8["down"]
-            scales = (gate_up_scale, down_scale)
-            return moe_decode.routed_experts(x, self.routing, gate_up, down, LIMIT, scales)
-        return moe_decode.routed_experts(x, self.routing, self.gate_up, self.down, LIMIT)
+        return moe_decode.routed_experts(x, self.routing, self.expert_weights(fp8), LIMIT)
 
     def reference(self, x, ids, weights, fp8: bool):
         gate_up, down = (
             (self.dequantized["gate_up"], self.dequantized["down"]) if fp8 else (self.gate_up, self.down)
         )
-        return reference.experts(x, gate_up, down, ids, weights, LIMIT)
+        return reference.experts(x, ExpertWeights(gate_up, down), Choices(ids, weights), LIMIT)
 
     def bytes_read(self, ids: torch.Tensor, fp8: bool) -> int:
         """Weight bytes of the distinct experts `ids` names (+ their scales for FP8)."""
@@ -172,7 +171,7 @@ def parity(model: Model) -> None:
     for tokens in (1, 16, 300, PREFILL_TOKENS):
         x = batch(tokens, seed=tokens)
         ids, weights = model.route(x)
-        ref_ids, ref_weights = reference.route(x, model.router, model.bias, TOP_K, 1, 1, True, SCALING)
+        ref_ids, ref_weights = reference.route(x, model.routing)
         same = ids == ref_ids
         rec(f"parity_route_T{tokens}_ids_equal_share", round(float(same.float().mean()), 5))
         rows = same.all(-1)  # tokens whose choice agrees (near-ties may flip with the summation order)
@@ -207,7 +206,7 @@ def fused_parity(model: Model, tokens: int) -> None:
     x = batch(tokens, seed=1000 + tokens)
     config = kernels.default_config(tokens * TOP_K, EXPERTS, True)
     ids, weights, layout, q, s = moe_decode.prologue(x, model.routing, config.block_m, quantize=True)
-    ref_ids, ref_weights = reference.route(x, *model.routing)
+    ref_ids, ref_weights = reference.route(x, model.routing)
     rec(f"{tag}_route_ids_equal", bool(torch.equal(ids, ref_ids)))
     rec(f"{tag}_route_weights_maxdiff", float((weights - ref_weights).abs().max()))
     # against the general path's kernel: on the GPU the torch reference divides by 448 as a multiply

@@ -35,7 +35,7 @@ from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import quantize_tile
 from hylo.ops.moe import kernels
 from hylo.ops.moe.kernels import MoeConfig
-from hylo.ops.moe.reference import Routing
+from hylo.ops.moe.reference import Choices, ExpertWeights, Routing
 from hylo.ops.moe.routing import (
     Alignment,
     check_route,
@@ -223,9 +223,7 @@ def prologue(
     `num_experts` experts from global id `first_expert` (a rank's, split by expert), numbered from 0,
     or with `first_expert` None every pair. `block_e` router rows per program and `num_warps`: the
     fastest of those timed by `benchmarks/kernels/moe.py --only breakdown` on an H200 at M = 1 and 4."""
-    check_route(
-        x, routing.weight, routing.correction_bias, routing.top_k, routing.n_group, routing.topk_group
-    )
+    check_route(x, routing)
     tokens, hidden = x.shape
     all_experts, top_k = routing.weight.shape[0], routing.top_k
     first_expert, num_experts = _placed_span(first_expert, num_experts, all_experts)
@@ -282,22 +280,20 @@ def prologue(
 def routed_experts(
     x: torch.Tensor,
     routing: Routing,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    w: ExpertWeights,
     limit: float,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: MoeConfig | None = None,
     first_expert: int | None = None,
 ) -> torch.Tensor:
-    """`route` then `kernels.experts` (with `scales` = (gate_up_scale_inv, down_scale_inv):
-    `kernels.experts_fp8`) for at most `MAX_PAIRS` pairs, in three launches (module docstring).
-    `first_expert`: as in `kernels.experts` (the weights hold global experts from `first_expert` on,
-    and only their pairs are computed); None: the weights hold all of routing's experts."""
+    """`route` then `kernels.experts` for at most `MAX_PAIRS` pairs, in three launches (module
+    docstring). `first_expert`: as in `kernels.experts` (the weights hold global experts from
+    `first_expert` on, and only their pairs are computed); None: the weights hold all of routing's
+    experts."""
     tokens, top_k = x.shape[0], routing.top_k
-    gate_up_scale, down_scale = scales if scales is not None else (None, None)
+    gate_up_scale, down_scale = w.scales or (None, None)
     shape = torch.empty(tokens, top_k, device="meta")  # the ids and weights `prologue` will make
-    config = kernels.check_experts(x, gate_up, gate_up_scale, down, down_scale, shape, shape, config)
-    fp8, local = scales is not None, gate_up.shape[0]
+    config = kernels.check_experts(x, w, Choices(shape, shape), config)
+    fp8, local = w.scales is not None, w.gate_up.shape[0]
     ids, weights, layout, q, q_scale = prologue(
         x, routing, config.block_m, fp8, first_expert=first_expert, num_experts=local
     )
@@ -305,8 +301,8 @@ def routed_experts(
         return torch.zeros(0, x.shape[1], dtype=x.dtype, device=x.device)
     activations = x.contiguous() if q is None else q
     h, h_scale = kernels.gate_up_stage(
-        activations, q_scale, gate_up, gate_up_scale, layout, top_k, limit, config
+        activations, q_scale, w.gate_up, gate_up_scale, layout, top_k, limit, config
     )
     return kernels.down_combine_stage(
-        h, h_scale, down, down_scale, layout, weights, x.dtype, config, tickets(x.device), ids, first_expert
+        h, h_scale, w.down, down_scale, layout, weights, x.dtype, config, tickets(x.device), ids, first_expert
     )

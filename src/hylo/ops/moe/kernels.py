@@ -38,6 +38,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import group_scale, quantize_groups, quantize_rows, round_to_e4m3
+from hylo.ops.moe.reference import Choices, ExpertWeights
 from hylo.ops.moe.routing import Alignment, align, placed_experts
 
 
@@ -551,30 +552,21 @@ def _check_tma_config(
         )
 
 
-def check_experts(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    gate_up_scale: torch.Tensor | None,
-    down: torch.Tensor,
-    down_scale: torch.Tensor | None,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    config: MoeConfig | None,
-) -> MoeConfig:
+def check_experts(x: torch.Tensor, w: ExpertWeights, choices: Choices, config: MoeConfig | None) -> MoeConfig:
     """The configuration a step runs with (`config` or the default), after a ValueError naming any
     argument that does not fit: FP8 when the scales are given, else weights in x's dtype."""
-    _check(x, gate_up, down, ids, weights)
-    fp8 = gate_up_scale is not None
+    gate_up, down = w.gate_up, w.down
+    gate_up_scale, down_scale = w.scales or (None, None)
+    _check(x, gate_up, down, *choices)
+    fp8 = w.scales is not None
     if fp8:
-        if down_scale is None:
-            raise ValueError("experts_fp8: down_scale_inv is missing")
         _check_scale("gate_up", gate_up_scale, gate_up)
         _check_scale("down", down_scale, down)
     elif gate_up.dtype != x.dtype or down.dtype != x.dtype:
         raise ValueError(
             f"experts: gate_up {gate_up.dtype} and down {down.dtype} must be x's dtype {x.dtype}"
         )
-    tokens, top_k = ids.shape
+    tokens, top_k = choices.ids.shape
     num_experts, two_i, hidden = gate_up.shape
     tma = _tma_refusal(hidden, two_i // 2, (gate_up, down)) is None
     config = config or default_config(tokens * top_k, num_experts, fp8, tma, x.element_size())
@@ -594,19 +586,17 @@ def check_experts(
 
 def _run(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    gate_up_scale: torch.Tensor | None,
-    down: torch.Tensor,
-    down_scale: torch.Tensor | None,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
+    w: ExpertWeights,
+    choices: Choices,
     limit: float,
     config: MoeConfig | None,
     first_expert: int | None,
 ) -> torch.Tensor:
-    config = check_experts(x, gate_up, gate_up_scale, down, down_scale, ids, weights, config)
+    config = check_experts(x, w, choices, config)
+    ids, weights = choices
+    gate_up_scale, down_scale = w.scales or (None, None)
     tokens, top_k = ids.shape
-    num_experts, _, hidden = gate_up.shape
+    num_experts, _, hidden = w.gate_up.shape
     if tokens == 0:
         return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
     x = x.contiguous()
@@ -614,8 +604,8 @@ def _run(
     if gate_up_scale is not None:
         x, x_scale = quantize_groups(x)
     layout = align(ids, num_experts, config.block_m, first_expert)
-    h, h_scale = gate_up_stage(x, x_scale, gate_up, gate_up_scale, layout, top_k, limit, config)
-    routed = down_stage(h, h_scale, down, down_scale, layout, weights, out_dtype, config)
+    h, h_scale = gate_up_stage(x, x_scale, w.gate_up, gate_up_scale, layout, top_k, limit, config)
+    routed = down_stage(h, h_scale, w.down, down_scale, layout, weights, out_dtype, config)
     if first_expert is None:  # every row was written
         return routed.view(tokens, top_k, hidden).sum(1)
     return combine(routed, ids, first_expert, num_experts)
@@ -901,33 +891,9 @@ def _or(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
 
 
 def experts(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    limit: float,
-    config: MoeConfig | None = None,
-    first_expert: int | None = None,
-) -> torch.Tensor:
-    """Same contract as `reference.experts` (`first_expert` included); weights in x's dtype."""
-    return _run(x, gate_up, None, down, None, ids, weights, limit, config, first_expert)
-
-
-def experts_fp8(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    gate_up_scale_inv: torch.Tensor,
-    down: torch.Tensor,
-    down_scale_inv: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    limit: float,
-    config: MoeConfig | None = None,
-    first_expert: int | None = None,
-) -> torch.Tensor:
-    """Same contract as `reference.experts_fp8` (`first_expert` included); x is quantised per token and
-    group of 128."""
-    return _run(
-        x, gate_up, gate_up_scale_inv, down, down_scale_inv, ids, weights, limit, config, first_expert
-    )
+    x: torch.Tensor, w: ExpertWeights, choices: Choices, limit: float,
+    config: MoeConfig | None = None, first_expert: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Same contract as `reference.experts` (`first_expert` included); FP8 weights (`w.scales`) take x
+    quantised per token and group of 128, others must be in x's dtype."""
+    return _run(x, w, choices, limit, config, first_expert)

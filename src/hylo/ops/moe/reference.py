@@ -11,7 +11,7 @@ from hylo.ops.fp8 import dequantize_fp8_blocks
 
 
 class Routing(NamedTuple):
-    """A router's tensors and choice rule, in `route`'s argument order (`route(x, *routing)`)."""
+    """A router's tensors and choice rule, as `route(x, routing)` takes them."""
 
     weight: torch.Tensor
     correction_bias: torch.Tensor
@@ -22,30 +22,38 @@ class Routing(NamedTuple):
     scaling: float
 
 
-def route(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    correction_bias: torch.Tensor,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    normalize: bool,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+class Choices(NamedTuple):
+    """What routing chose for each token: expert `ids [T, k]` (global ids) and their fp32 `weights [T, k]`."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+
+class ExpertWeights(NamedTuple):
+    """Every expert's weights, gate_up `[E, 2I, D]` and down `[E, D, I]`: in x's dtype with `scales`
+    None, or e4m3 with `scales` = (gate_up_scale_inv, down_scale_inv), fp32 `[E, ceil(N/128), ceil(K/128)]`
+    per [128, 128] block."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def route(x: torch.Tensor, routing: Routing) -> Choices:
     """Sigmoid scores; choice by score + correction bias within the best `topk_group` groups (a
     group's strength is the sum of its top two biased scores); weights are the unbiased scores of
-    the chosen experts, normalised if asked, times `scaling`. Returns (ids `[T, k]`, weights fp32)."""
-    scores = torch.sigmoid(x.float() @ weight.float().t())
-    biased = scores + correction_bias.float()
-    groups = biased.view(x.shape[0], n_group, -1)
-    best_groups = groups.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+    the chosen experts, normalised if asked, times `scaling`."""
+    scores = torch.sigmoid(x.float() @ routing.weight.float().t())
+    biased = scores + routing.correction_bias.float()
+    groups = biased.view(x.shape[0], routing.n_group, -1)
+    best_groups = groups.topk(2, dim=-1).values.sum(-1).topk(routing.topk_group, dim=-1).indices
     keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
     biased = groups.masked_fill(~keep[..., None], float("-inf")).flatten(1)
-    ids = biased.topk(top_k, dim=-1).indices
+    ids = biased.topk(routing.top_k, dim=-1).indices
     weights = scores.gather(1, ids)
-    if normalize:
+    if routing.normalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids, weights * scaling
+    return Choices(ids, weights * routing.scaling)
 
 
 def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -54,19 +62,19 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
 
 
 def experts(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    limit: float,
-    first_expert: int | None = None,
+    x: torch.Tensor, w: ExpertWeights, choices: Choices, limit: float, first_expert: int | None = None
 ) -> torch.Tensor:
-    """Σ_k weights[t,k] · expert_{ids[t,k]}(x_t); gate_up `[E, 2I, D]`, down `[E, D, I]`.
+    """Σ_k weights[t,k] · expert_{ids[t,k]}(x_t) for `choices` (ids, weights). FP8 weights (`w.scales`)
+    are dequantised to x's dtype; activations stay unquantised here.
 
     `first_expert`: the global id of the weights' first expert (a rank holding experts
     `[first_expert, first_expert + E)` of the routing, split by expert); the pairs routed to any other
     expert add nothing and are never computed. None: the ids index the weights directly."""
+    gate_up, down = w.gate_up, w.down
+    if w.scales is not None:
+        gate_up = dequantize_fp8_blocks(gate_up, w.scales[0], x.dtype)
+        down = dequantize_fp8_blocks(down, w.scales[1], x.dtype)
+    ids, weights = choices
     local = ids - (first_expert or 0)
     mine = ((local >= 0) & (local < gate_up.shape[0])).flatten()
     flat_ids = local.flatten()
@@ -91,27 +99,3 @@ def experts(
         routed[order[start : start + count]] = y
         start += count
     return routed.view(*ids.shape, -1).to(x.dtype).sum(1)
-
-
-def experts_fp8(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    gate_up_scale_inv: torch.Tensor,
-    down: torch.Tensor,
-    down_scale_inv: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    limit: float,
-    first_expert: int | None = None,
-) -> torch.Tensor:
-    """`experts` with block-scaled e4m3 weights (`scale_inv [E, ceil(N/128), ceil(K/128)]`), dequantised
-    to x's dtype; activations stay unquantised here."""
-    return experts(
-        x,
-        dequantize_fp8_blocks(gate_up, gate_up_scale_inv, x.dtype),
-        dequantize_fp8_blocks(down, down_scale_inv, x.dtype),
-        ids,
-        weights,
-        limit,
-        first_expert,
-    )

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.moe.reference import Choices, Routing
+
 # Up to this many pairs (decode and verify batches) one program counts and places them, one launch
 # instead of a fill and two launches, holding every pair and block in one vector.
 SMALL_PAIRS = 256
@@ -161,22 +163,17 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.float() @ weight.float().t()
 
 
-def check_route(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    correction_bias: torch.Tensor,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-) -> None:
+def check_route(x: torch.Tensor, routing: Routing) -> None:
     """ValueError naming the argument that does not fit `route`'s contract."""
+    weight, bias, top_k = routing.weight, routing.correction_bias, routing.top_k
+    n_group, topk_group = routing.n_group, routing.topk_group
     num_experts = weight.shape[0]
     if x.ndim != 2 or weight.ndim != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(
             f"route: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [T, D] and [E, D]"
         )
-    if correction_bias.shape != (num_experts,):
-        raise ValueError(f"route: correction_bias {tuple(correction_bias.shape)} must be [{num_experts}]")
+    if bias.shape != (num_experts,):
+        raise ValueError(f"route: correction_bias {tuple(bias.shape)} must be [{num_experts}]")
     if num_experts % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(
             f"route: n_group {n_group} / topk_group {topk_group} do not split {num_experts} experts"
@@ -201,37 +198,28 @@ def choice_constants(
     }
 
 
-def route(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    correction_bias: torch.Tensor,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    normalize: bool,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `reference.route`: (ids int64 `[T, k]`, weights fp32 `[T, k]`)."""
-    check_route(x, weight, correction_bias, top_k, n_group, topk_group)
-    num_experts = weight.shape[0]
-    logits = router_logits(x, weight)
+def route(x: torch.Tensor, routing: Routing) -> Choices:
+    """Same contract as `reference.route`: ids int64 `[T, k]`, weights fp32 `[T, k]`."""
+    check_route(x, routing)
+    num_experts, top_k = routing.weight.shape[0], routing.top_k
+    logits = router_logits(x, routing.weight)
     tokens = x.shape[0]
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
     if tokens == 0:
-        return ids, weights
+        return Choices(ids, weights)
     block_t = 4 if num_experts > 128 else 16
     _route_kernel[(triton.cdiv(tokens, block_t),)](
         logits,
-        correction_bias.float().contiguous(),
+        routing.correction_bias.float().contiguous(),
         ids,
         weights,
         tokens,
-        float(scaling),
-        **choice_constants(num_experts, top_k, n_group, topk_group, normalize),
+        float(routing.scaling),
+        **choice_constants(num_experts, top_k, routing.n_group, routing.topk_group, routing.normalize),
         BLOCK_T=block_t,
     )
-    return ids, weights
+    return Choices(ids, weights)
 
 
 # ---------------------------------------------------------------- permutation
