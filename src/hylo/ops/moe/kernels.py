@@ -501,10 +501,10 @@ def _check_scale(name: str, scale: torch.Tensor, weight: torch.Tensor) -> None:
     e, n, k = weight.shape
     expected = (e, triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
     if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"experts_fp8: {name} must be float8_e4m3fn, got {weight.dtype}")
+        raise ValueError(f"experts (FP8): {name} must be float8_e4m3fn, got {weight.dtype}")
     if scale.shape != expected or scale.dtype != torch.float32:
         raise ValueError(
-            f"experts_fp8: {name}_scale_inv must be fp32 {expected}, got {scale.dtype} {tuple(scale.shape)}"
+            f"experts (FP8): {name}_scale_inv must be fp32 {expected}, got {scale.dtype} {tuple(scale.shape)}"
         )
 
 
@@ -513,13 +513,13 @@ def _check_config(
 ) -> None:
     for name, tiles in (("gate_up", config.gate_up), ("down", config.down)):
         if fp8 and FP8_BLOCK % tiles.block_k:
-            raise ValueError(f"experts_fp8: {name}.block_k {tiles.block_k} must divide {FP8_BLOCK}")
+            raise ValueError(f"experts (FP8): {name}.block_k {tiles.block_k} must divide {FP8_BLOCK}")
     if config.tma:
         _check_tma_config(config, hidden, intermediate, fp8, weights)
     block_n = config.gate_up.block_n
     if fp8 and block_n % FP8_BLOCK and block_n < intermediate:
         raise ValueError(
-            f"experts_fp8: gate_up.block_n {block_n} must be a multiple of {FP8_BLOCK} or cover I = "
+            f"experts (FP8): gate_up.block_n {block_n} must be a multiple of {FP8_BLOCK} or cover I = "
             f"{intermediate}: its epilogue quantises whole groups of {FP8_BLOCK}"
         )
 
@@ -541,14 +541,14 @@ def _check_tma_config(
         raise ValueError("experts: config.tma applies to FP8 weights only")
     refusal = _tma_refusal(hidden, intermediate, weights)
     if refusal:
-        raise ValueError(f"experts_fp8: config.tma needs {refusal}")
+        raise ValueError(f"experts (FP8): config.tma needs {refusal}")
     if config.gate_up.block_n != FP8_BLOCK:
         raise ValueError(
-            f"experts_fp8: config.tma needs gate_up.block_n = {FP8_BLOCK}, got {config.gate_up.block_n}"
+            f"experts (FP8): config.tma needs gate_up.block_n = {FP8_BLOCK}, got {config.gate_up.block_n}"
         )
     if FP8_BLOCK % config.down.block_n:
         raise ValueError(
-            f"experts_fp8: config.tma needs down.block_n to divide {FP8_BLOCK}, got {config.down.block_n}"
+            f"experts (FP8): config.tma needs down.block_n to divide {FP8_BLOCK}, got {config.down.block_n}"
         )
 
 
