@@ -15,7 +15,7 @@ up; each package's docstring says what it owns):
     layers
     parallel, forward_batch, kda_plan, structured
     memory, sampling
-    ops, config, tokenizer, host_copy
+    ops, config, tokenizer, host_copy, sampling_noise
 """
 
 from importlib import import_module
