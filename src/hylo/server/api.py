@@ -6,7 +6,6 @@ raised it: validation, routing (404/405), the body guard (401/413), the engine, 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -51,6 +50,7 @@ from hylo.server.runs import (
     collect,
     failed_rule,
     merge,
+    sse,
     until_disconnect,
 )
 from hylo.server.worker_routes import add_worker_routes
@@ -452,7 +452,7 @@ async def _reply(
 
         async def events() -> AsyncIterator[str]:
             for c in first_choices:
-                yield _sse(chunk | {"choices": [c]})
+                yield sse(chunk | {"choices": [c]})
             usage = [0, 0]
             so_far: dict[int, tuple[int, int]] = {}  # choice -> (prompt, completion) tokens
             try:
@@ -462,9 +462,9 @@ async def _reply(
                         payload = chunk | {"choices": [delta_choice(index, delta)]}
                         if body.continuous_usage:
                             payload["usage"] = _usage(*map(sum, zip(*so_far.values(), strict=True)))
-                        yield _sse(payload)
+                        yield sse(payload)
             except RequestFailed as e:
-                yield _sse(
+                yield sse(
                     {
                         "error": {
                             "message": str(e),
@@ -476,7 +476,7 @@ async def _reply(
                 )
             else:
                 if body.include_usage:
-                    yield _sse(chunk | {"choices": [], "usage": _usage(*usage)})
+                    yield sse(chunk | {"choices": [], "usage": _usage(*usage)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -514,17 +514,6 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-# Characters JSON allows raw in strings that some line readers (Python's str.splitlines, JavaScript
-# before ES2019) take for line ends; escaped, a chunk stays one line to every reader.
-_LINE_BREAKING = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    """One event; the JSON is UTF-8, with U+0085, U+2028 and U+2029 escaped (JSON escapes every
-    other line end: CR, LF and the rest of the C0 controls)."""
-    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKING)}\n\n"
 
 
 def _prefix_cache_info(caches) -> dict[str, Any] | None:

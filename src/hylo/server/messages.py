@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hylo.server.async_engine import AsyncEngine
 from hylo.server.messages_protocol import MessagesRequest, MessagesResponse
 from hylo.server.protocol import ChatCompletionRequest
-from hylo.server.runs import ChatRun, RequestFailed, collect, merge, until_disconnect
+from hylo.server.runs import ChatRun, RequestFailed, collect, merge, sse, until_disconnect
 
 PATH = "/v1/messages"
 # Anthropic's error type of each status (https://docs.claude.com/en/api/errors); another 4xx is an
@@ -172,10 +172,6 @@ def _stop_reason(reason: str | None, stop_sequence: str | None, called: bool) ->
     return STOP_REASONS.get(reason or "stop", "end_turn")
 
 
-def _event(name: str, payload: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
 def add_messages_route(
     app: FastAPI,
     engine: AsyncEngine,
@@ -225,7 +221,7 @@ def add_messages_route(
                 "stop_sequence": None,
                 "usage": {"input_tokens": run.prompt_tokens, "output_tokens": 0},
             }
-            yield _event("message_start", {"type": "message_start", "message": start})
+            yield sse({"type": "message_start", "message": start}, "message_start")
             usage = [0, 0]
             reason, stop_sequence = None, None
             try:
@@ -236,20 +232,20 @@ def add_messages_route(
                         text, stop_sequence = _cut_stop(text, reason, stops)
                     for piece in pieces(text, reason is not None):
                         for name, payload in blocks.add(piece):
-                            yield _event(name, payload)
+                            yield sse(payload, name)
             except RequestFailed as e:
-                yield _event("error", anthropic_error(500, str(e)))
+                yield sse(anthropic_error(500, str(e)), "error")
                 return
             for name, payload in blocks.close():
-                yield _event(name, payload)
+                yield sse(payload, name)
             stop = {
                 "stop_reason": _stop_reason(reason, stop_sequence, blocks.called),
                 "stop_sequence": stop_sequence,
             }
-            yield _event(
-                "message_delta",
+            yield sse(
                 {"type": "message_delta", "delta": stop, "usage": {"output_tokens": usage[1]}},
+                "message_delta",
             )
-            yield _event("message_stop", {"type": "message_stop"})
+            yield sse({"type": "message_stop"}, "message_stop")
 
         return StreamingResponse(events(), media_type="text/event-stream")

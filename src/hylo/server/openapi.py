@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from hylo.server.messages_protocol import AnthropicError
-from hylo.server.protocol import CONSTRAINT_GIVEN, TOKEN_ID_MARK, ErrorResponse
+from hylo.server.protocol import CONSTRAINT_GIVEN, TOKEN_ID_MARK, ErrorResponse, describe_tool_choice
 from hylo.server.responses_protocol import describe_responses
 
 _ERRORS = {
@@ -52,7 +52,12 @@ def describe(app: FastAPI, vocab_size: int, keyed: bool, tool_calls: bool) -> No
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version="1", routes=app.routes)
             _patch(schema, vocab_size, keyed)
-            _tool_choices(schema["components"]["schemas"]["ChatCompletionRequest"], tool_calls)
+            chat = schema["components"]["schemas"]["ChatCompletionRequest"]
+            describe_tool_choice(chat, tool_calls, {"anyOf": CONSTRAINT_GIVEN})
+            if tool_calls:
+                chat["properties"]["tool_choice"]["description"] += (
+                    "; a named function must be one of tools (400 otherwise)"
+                )
             _anthropic_tool_choices(schema["components"]["schemas"], tool_calls)
             describe_responses(schema, tool_calls)
             app.openapi_schema = schema
@@ -113,25 +118,6 @@ def _patch(schema: dict[str, Any], vocab_size: int, keyed: bool) -> None:
                 code: {k: v for k, v in answer.items() if k != "content"}
                 for code, answer in item["get"]["responses"].items()
             }
-
-
-def _tool_choices(request: dict[str, Any], tool_calls: bool) -> None:
-    """`tool_choice` as this server honours it: without a --tool-call-parser only none or auto; with
-    one, `required` or a named function needs `tools` and excludes the other constraints (that the
-    named function is among `tools` the field's description says)."""
-    choice = request["properties"]["tool_choice"]
-    if not tool_calls:
-        choice["anyOf"] = [{"type": "string", "enum": ["none", "auto"]}, {"type": "null"}]
-        choice["description"] = "none or auto (required or a named function needs --tool-call-parser)"
-        return
-    choice["description"] += "; a named function must be one of tools (400 otherwise)"
-    forced = {"anyOf": [{"const": "required"}, {"type": "object"}]}
-    request["if"] = {"properties": {"tool_choice": forced}, "required": ["tool_choice"]}
-    request["then"] = {
-        "required": ["tools"],
-        "properties": {"tools": {"type": "array", "minItems": 1}},
-        "not": {"anyOf": CONSTRAINT_GIVEN},
-    }
 
 
 def _anthropic_tool_choices(schemas: dict[str, Any], tool_calls: bool) -> None:

@@ -165,6 +165,28 @@ _JSON_FORMAT = _given(
 )
 # a request that gives one of the structured-output constraints
 CONSTRAINT_GIVEN = [_REGEX, _EBNF, _JSON_FORMAT]
+
+
+def describe_tool_choice(request: dict[str, Any], tool_calls: bool, excluded: dict[str, Any]) -> None:
+    """`tool_choice` in a request's JSON schema (chat's, the Responses API's) as this server honours it:
+    without a --tool-call-parser (`tool_calls` False) only none or auto; with one, `required` or a
+    named function needs `tools`, and the request must not match `excluded` (the output constraints
+    a forced call cannot share the reply with). That a named function is among `tools` the schema
+    cannot say: the field's description does, and the 400 names it."""
+    choice = request["properties"]["tool_choice"]
+    if not tool_calls:
+        choice["anyOf"] = [{"type": "string", "enum": ["none", "auto"]}, {"type": "null"}]
+        choice["description"] = "none or auto (required or a named function needs --tool-call-parser)"
+        return
+    forced = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+    request["if"] = {"properties": {"tool_choice": forced}, "required": ["tool_choice"]}
+    request["then"] = {
+        "required": ["tools"],
+        "properties": {"tools": {"type": "array", "minItems": 1}},
+        "not": excluded,
+    }
+
+
 # the schema's form of SamplingParams' one-constraint rule: no two of a JSON format, regex and ebnf
 ONE_CONSTRAINT = {
     "not": {
@@ -384,10 +406,11 @@ def _object_schema(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
-class FunctionDefinition(BaseModel):
-    """Other fields are kept: the chat template renders the tool as it came."""
+class FunctionSpec(BaseModel):
+    """A function the model may call, as OpenAI defines one: chat's `tools[].function`, the Responses
+    API's function tool."""
 
-    model_config = _REQUEST | ConfigDict(extra="allow")
+    model_config = _REQUEST
 
     name: str = Field(pattern=FUNCTION_NAME, description="a-z, A-Z, 0-9, _ and -; at most 64 characters")
     description: str | None = None
@@ -397,6 +420,12 @@ class FunctionDefinition(BaseModel):
         json_schema_extra=_PARAMETERS_SCHEMA,
     )
     strict: bool | None = None
+
+
+class FunctionDefinition(FunctionSpec):
+    """Other fields are kept: the chat template renders the tool as it came."""
+
+    model_config = _REQUEST | ConfigDict(extra="allow")
 
 
 class Tool(BaseModel):

@@ -17,7 +17,6 @@ or aborted by the server's shutdown), or `response.failed` (the engine failed th
 from __future__ import annotations
 
 import itertools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,7 +30,7 @@ from hylo.server.protocol import ChatCompletionRequest
 from hylo.server.responses_output import OutputItems, ResponseDeleted, ResponseObject, response_usage
 from hylo.server.responses_protocol import INPUT_ITEMS, FunctionToolChoice, ResponsesRequest
 from hylo.server.responses_store import ResponseStore, StoredResponse
-from hylo.server.runs import APIError, ChatRun, RequestFailed, collect, merge, until_disconnect
+from hylo.server.runs import APIError, ChatRun, RequestFailed, collect, merge, sse, until_disconnect
 
 PATH = "/v1/responses"
 # a field of the chat request a Responses request runs as -> the Responses field it comes from (the
@@ -112,12 +111,6 @@ def _item_status(reason: str | None) -> str:
     return "incomplete" if reason in ("length", "abort") else "completed"
 
 
-def _sse(event: dict[str, Any]) -> str:
-    """One named event. The JSON is ASCII (every other character escaped), so no reader can take a
-    character of it for a line end (U+2028 and the like)."""
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-
 def add_responses_route(
     app: FastAPI,
     engine: AsyncEngine,
@@ -174,18 +167,18 @@ def add_responses_route(
         async def events() -> AsyncIterator[str]:
             numbers = itertools.count()
 
-            def sse(event: dict[str, Any]) -> str:
-                return _sse(event | {"sequence_number": next(numbers)})
+            def numbered(event: dict[str, Any]) -> str:
+                return sse(event | {"sequence_number": next(numbers)}, event["type"])
 
-            yield sse({"type": "response.created", "response": envelope})
-            yield sse({"type": "response.in_progress", "response": envelope})
+            yield numbered({"type": "response.created", "response": envelope})
+            yield numbered({"type": "response.in_progress", "response": envelope})
             usage, reason = [0, 0], None
             try:
                 async for _, delta in merge(engine, run.handles, usage):
                     reason = delta.finish_reason or reason
                     for piece in pieces(delta.text, delta.finish_reason is not None):
                         for event in output.add(piece):
-                            yield sse(event)
+                            yield numbered(event)
             except RequestFailed as e:
                 failed = _finished(envelope, output, None, usage)
                 failed |= {
@@ -193,14 +186,14 @@ def add_responses_route(
                     "completed_at": None,
                     "error": {"code": "server_error", "message": str(e)},
                 }
-                yield sse({"type": "response.failed", "response": failed})
+                yield numbered({"type": "response.failed", "response": failed})
                 return
             for event in output.close(_item_status(reason)):
-                yield sse(event)
+                yield numbered(event)
             response = _finished(envelope, output, reason, usage)
             keep(response)
             ending = "response.completed" if response["status"] == "completed" else "response.incomplete"
-            yield sse({"type": ending, "response": response})
+            yield numbered({"type": ending, "response": response})
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

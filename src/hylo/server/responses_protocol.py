@@ -28,15 +28,14 @@ from pydantic import (
 
 from hylo.sampling import MAX_STOP_STRINGS
 from hylo.server.protocol import (
-    _PARAMETERS_SCHEMA,
     _REQUEST,
-    FUNCTION_NAME,
     JSON_SAFE_INT,
+    FunctionSpec,
     Penalty,
     StopString,
     Text,
     _int,
-    _object_schema,
+    describe_tool_choice,
 )
 
 
@@ -145,18 +144,8 @@ def _renders_something(items: list[Any]) -> list[Any]:
     return items
 
 
-class FunctionTool(BaseModel):
-    model_config = _REQUEST
-
+class FunctionTool(FunctionSpec):
     type: Literal["function"]
-    name: str = Field(pattern=FUNCTION_NAME, description="a-z, A-Z, 0-9, _ and -; at most 64 characters")
-    description: str | None = None
-    parameters: Annotated[dict[str, Any], AfterValidator(_object_schema)] | None = Field(
-        None,
-        description="the JSON schema of the arguments (an object); none means no arguments",
-        json_schema_extra=_PARAMETERS_SCHEMA,
-    )
-    strict: bool | None = None
 
 
 class FunctionToolChoice(BaseModel):
@@ -387,10 +376,29 @@ def chat_messages(items: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+# a request whose `text.format` asks for JSON output
+_JSON_OUTPUT = {
+    "required": ["text"],
+    "properties": {
+        "text": {
+            "type": "object",
+            "required": ["format"],
+            "properties": {
+                "format": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+                }
+            },
+        }
+    },
+}
+
+
 def describe_responses(schema: dict[str, Any], tool_calls: bool) -> None:
     """The OpenAPI schema of /v1/responses as this server behaves (`openapi.describe`, after the
     common patches): GET of a stored response answers it, DELETE a `ResponseDeleted` (one route
-    serves both); `tool_choice` as `_tool_choices` says."""
+    serves both); `tool_choice` as `protocol.describe_tool_choice` says."""
     stored = schema["paths"]["/v1/responses/{response_id}"]
     for method, model, description in (
         ("get", "ResponseObject", "the stored response"),
@@ -400,38 +408,5 @@ def describe_responses(schema: dict[str, Any], tool_calls: bool) -> None:
         answer["description"] = description
         answer["content"]["application/json"]["schema"] = {"$ref": f"#/components/schemas/{model}"}
     stored["head"]["responses"]["200"]["description"] = "the response is stored"  # GET's, without a body
-    _tool_choices(schema["components"]["schemas"]["ResponsesRequest"], tool_calls)
-
-
-def _tool_choices(request: dict[str, Any], tool_calls: bool) -> None:
-    """/v1/responses' `tool_choice` as this server honours it: without a --tool-call-parser only
-    none or auto; with one, required or a function needs `tools` and no JSON `text.format` (that the
-    named function is among `tools` the field's description says)."""
-    choice = request["properties"]["tool_choice"]
-    if not tool_calls:
-        choice["anyOf"] = [{"type": "string", "enum": ["none", "auto"]}, {"type": "null"}]
-        choice["description"] = "none or auto (required or a function needs --tool-call-parser)"
-        return
-    forced = {"anyOf": [{"const": "required"}, {"type": "object"}]}
-    json_format = {
-        "required": ["text"],
-        "properties": {
-            "text": {
-                "type": "object",
-                "required": ["format"],
-                "properties": {
-                    "format": {
-                        "type": "object",
-                        "required": ["type"],
-                        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
-                    }
-                },
-            }
-        },
-    }
-    request["if"] = {"properties": {"tool_choice": forced}, "required": ["tool_choice"]}
-    request["then"] = {
-        "required": ["tools"],
-        "properties": {"tools": {"type": "array", "minItems": 1}},
-        "not": json_format,
-    }
+    # no JSON output format beside a forced call
+    describe_tool_choice(schema["components"]["schemas"]["ResponsesRequest"], tool_calls, _JSON_OUTPUT)

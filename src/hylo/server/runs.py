@@ -1,10 +1,12 @@
 """What a request under way is on the server side, shared by every route that runs one (the OpenAI
-routes in `api`, `/v1/messages`, the router-facing routes): its error, its sequences' deltas merged and
-collected, its run until the client leaves, and the rule a 400 names."""
+routes in `api`, `/v1/messages`, `/v1/responses`, the router-facing routes): its error, its sequences'
+deltas merged and collected, its run until the client leaves, its stream's events, and the rule a 400
+names."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +16,18 @@ from fastapi import Request
 from hylo.sampling import SamplingParams
 from hylo.server.async_engine import AsyncEngine, Delta, Handle
 from hylo.server.parsers import ReplyParser
+
+# Characters JSON allows raw in strings that some line readers (Python's str.splitlines, JavaScript
+# before ES2019) take for line ends; escaped, an event's data stays one line to every reader.
+_LINE_BREAKING = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse(payload: dict[str, Any], event: str | None = None) -> str:
+    """One server-sent event carrying `payload`, named `event` if given; the JSON is UTF-8, with U+0085,
+    U+2028 and U+2029 escaped (JSON escapes every other line end: CR, LF and the rest of the C0
+    controls)."""
+    name = "" if event is None else f"event: {event}\n"
+    return f"{name}data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKING)}\n\n"
 
 
 class APIError(Exception):
