@@ -260,7 +260,7 @@ def pick(
 ) -> torch.Tensor:
     """Each row's token from its processed logits and distribution (`target_distribution`): a greedy
     row's argmax of `processed`, a sampled row's Gumbel-max of `probs` with the noise of (its seed,
-    `positions[i]`), an exact sample of it (see the module). Greedy rows alone draw no noise."""
+    `positions[i]`), an exact sample of it (see the module). A batch of greedy rows draws no noise."""
     device = processed.device
     if all(r.params.greedy for r in rows):
         return processed.argmax(-1)
