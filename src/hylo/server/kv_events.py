@@ -24,8 +24,8 @@ pyzmq and msgpack come with the `kv-events` extra (`pip install 'hylo[kv-events]
 from __future__ import annotations
 
 import hashlib
+import struct
 import time
-from array import array
 from typing import Any
 
 from hylo.memory.prefix_cache import PageNode, PrefixCache
@@ -42,7 +42,8 @@ class PageEvents:
 
     def stored(self, node: PageNode) -> None:
         parent = self._hashes.get(node.parent)  # None under the root
-        digest = hashlib.sha256((parent or b"") + array("q", node.tokens).tobytes()).digest()
+        tokens = struct.pack(f"<{len(node.tokens)}q", *node.tokens)  # the same bytes on any machine
+        digest = hashlib.sha256((parent or b"") + tokens).digest()
         self._hashes[node] = digest
         last = self._pending[-1] if self._pending else None
         if last is not None and last["type"] == "BlockStored" and last["block_hashes"][-1] == parent:
@@ -112,7 +113,9 @@ class KVEventPublisher:
 
     def attach(self, prefix: PrefixCache, medium: str) -> None:
         """Publish `prefix`'s changes from now on, its blocks in tier `medium` (vLLM's names: `GPU`,
-        `CPU`); call before the engine thread starts."""
+        `CPU`); call before the engine thread starts, while the cache is empty (every page it will hold
+        is then announced, with its parent before it)."""
+        assert prefix.num_nodes == 0, "KV events start with an empty prefix cache"
         self.events = PageEvents(prefix.page_size, medium)
         prefix.listener = self.events
 
