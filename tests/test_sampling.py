@@ -244,3 +244,17 @@ def test_greedy_prefix_stops_at_each_rows_real_drafts():
     drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 9, 7], [5, 6, 7], [4, 6, 7]])
     counts = torch.tensor([3, 1, 3, 0, 2])
     assert greedy_accept(target, drafts, counts).tolist() == [3, 1, 1, 0, 0]
+
+
+def test_picks_in_chunks_of_rows_are_the_picks_of_one_pass(monkeypatch):
+    """The noise is drawn in chunks of rows to bound its temporaries; a row's pick does not depend on
+    the chunk it falls in (each row's noise is a function of its own seed and position)."""
+    from hylo import sampling
+
+    gen = torch.Generator().manual_seed(5)
+    probs = torch.softmax(torch.randn(37, 50, generator=gen), -1)
+    seeds = torch.randint(-(2**62), 2**62, (37,), generator=gen)
+    positions = torch.randint(0, 1000, (37,), generator=gen)
+    whole = sampling._noisy_argmax(probs, seeds, positions)
+    monkeypatch.setattr(sampling, "NOISE_CHUNK_BYTES", 8 * 50 * 5)  # chunks of 5 rows, the last of 2
+    assert torch.equal(sampling._noisy_argmax(probs, seeds, positions), whole)

@@ -255,6 +255,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor) 
     return Sampled(sampled, logprobs.gather(1, sampled[:, None])[:, 0], top.indices, top.values)
 
 
+# The noise's int64 temporaries are 8 bytes per (row, token): a verify step of 64 blocks of 16 rows at
+# a 154,880-token vocabulary would hold ~1.3 GB in each, outside the memory plan. Rows go through in
+# chunks whose temporaries stay within this (54 rows at that vocabulary: one chunk for decode steps).
+NOISE_CHUNK_BYTES = 64 << 20
+
+
+def _noisy_argmax(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """argmax of probs / E row by row, E the noise of (seeds[i], positions[i]), in chunks of rows."""
+    rows = max(1, NOISE_CHUNK_BYTES // (8 * probs.shape[1]))
+    chunks = zip(probs.split(rows), seeds.split(rows), positions.split(rows), strict=True)
+    picks = [(p / exponential_noise(s, q, p.shape[1])).argmax(-1) for p, s, q in chunks]
+    return picks[0] if len(picks) == 1 else torch.cat(picks)
+
+
 def pick(
     processed: torch.Tensor, probs: torch.Tensor, rows: Sequence[SampleRow], positions: torch.Tensor
 ) -> torch.Tensor:
@@ -265,7 +279,7 @@ def pick(
     if all(r.params.greedy for r in rows):
         return processed.argmax(-1)
     seeds = to_device([as_int64(r.seed) for r in rows], device, torch.long)
-    noisy = (probs / exponential_noise(seeds, positions, probs.shape[1])).argmax(-1)
+    noisy = _noisy_argmax(probs, seeds, positions)
     if not any(r.params.greedy for r in rows):
         return noisy
     greedy = to_device([r.params.greedy for r in rows], device)
