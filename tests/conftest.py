@@ -114,17 +114,40 @@ def counted_read(read, reads: list[int]):
     return allowed
 
 
+def without_sync(call, *args):
+    """`call(*args)` raising on any synchronising CUDA call."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return call(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def with_one_read(call, reads: list[int], *args):
     """`call(*args)` raising on any synchronising CUDA call but one read (`counted_read`'s), which it
     must make."""
     reads.append(0)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        result = call(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    result = without_sync(call, *args)
     assert reads[-1] == 1
     return result
+
+
+def strict_steps(monkeypatch, runner, reads: list[int], launches_strictly, collects_strictly) -> None:
+    """`runner`'s steps that `launches_strictly(chunks, route)` picks launch without any synchronising
+    call, and the launched steps `collects_strictly(launched)` picks are collected with none but their
+    one read (counted in `reads`); every other step runs as it would."""
+    launch, collect = runner.launch, runner.collect
+
+    def strict_launch(chunks, route):
+        return (
+            without_sync(launch, chunks, route) if launches_strictly(chunks, route) else launch(chunks, route)
+        )
+
+    def strict_collect(launched):
+        return with_one_read(collect, reads, launched) if collects_strictly(launched) else collect(launched)
+
+    monkeypatch.setattr(runner, "launch", strict_launch)
+    monkeypatch.setattr(runner, "collect", strict_collect)
 
 
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:

@@ -8,23 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_server_robustness import WEATHER
 
 from hylo.cli import _build_parser
 from hylo.server.parsers import PARSERS, ReplyParser, merge_deltas, whole_reply
 from hylo.server.protocol import ChatCompletionRequest
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            },
-        },
-    }
-]
+TOOLS = [WEATHER]
 
 
 def test_both_recipe_names_are_accepted_by_the_cli():

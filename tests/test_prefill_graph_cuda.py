@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import counted_read, random_prompt, with_one_read
+from conftest import counted_read, random_prompt, strict_steps
 from test_speculative_cuda import VOCAB, cache_fraction, checkpoints, flags  # noqa: F401 (fixture)
 
 from hylo import LLM, SamplingParams
@@ -38,29 +38,19 @@ def test_prefill_steps_read_once_and_match_eager_steps(checkpoints, algorithm, m
     reads, replayed = [], []
     monkeypatch.setattr(PendingRead, "wait", counted_read(PendingRead.wait, reads))
     runner = graphs.engine.runner
-    launch, collect, run = runner.launch, runner.collect, runner.prefill_graphs.run
+    run = runner.prefill_graphs.run
 
     def prefills(chunks) -> bool:
         return any(ch.num_tokens > 1 and not ch.verify for ch in chunks)
 
-    def strict_launch(chunks, route):
-        """A prefill step launches without any synchronising call..."""
-        if not prefills(chunks):
-            return launch(chunks, route)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(chunks, route)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-
-    def strict_collect(launched):
-        """...and is collected with no synchronising call but its one read."""
-        if not prefills(launched.chunks):
-            return collect(launched)
-        return with_one_read(collect, reads, launched)
-
-    monkeypatch.setattr(runner, "launch", strict_launch)
-    monkeypatch.setattr(runner, "collect", strict_collect)
+    # a prefill step launches without any synchronising call and is collected with none but its read
+    strict_steps(
+        monkeypatch,
+        runner,
+        reads,
+        lambda chunks, route: prefills(chunks),
+        lambda launched: prefills(launched.chunks),
+    )
     monkeypatch.setattr(
         runner.prefill_graphs, "run", lambda seqs: replayed.append(len(seqs[0].token_ids)) or run(seqs)
     )

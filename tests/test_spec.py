@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -213,7 +214,9 @@ def test_dflash_draft_forward_matches_plain_reimplementation(draft):
     assert_fp32_close(got, expected, draft_accumulation_terms(c))
 
 
-def test_server_reports_acceptance_length(target, draft):
+@contextlib.contextmanager
+def dflash_server(target, draft):
+    """A TestClient of the server app over a DFlash engine (static draft length) of the tiny target."""
     from fastapi.testclient import TestClient
 
     from hylo.config import EngineConfig
@@ -234,14 +237,18 @@ def test_server_reports_acceptance_length(target, draft):
     engine = AsyncEngine(Engine(config))
     engine.start()
     try:
-        client = TestClient(build_app(engine, "tiny"))
+        yield TestClient(build_app(engine, "tiny"))
+    finally:
+        engine.shutdown()
+
+
+def test_server_reports_acceptance_length(target, draft):
+    with dflash_server(target, draft) as client:
         body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         assert client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 12
         tau = client.get("/server_info").json()["avg_spec_accept_length"]
         assert 1 <= tau <= BLOCK
         assert "hylo_spec_acceptance_length_bucket" in client.get("/metrics").text
-    finally:
-        engine.shutdown()
 
 
 class ModeChain(Proposer):

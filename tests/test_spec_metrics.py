@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from prometheus_client.parser import text_string_to_metric_families
-from test_spec import BLOCK, draft, target  # noqa: F401 (fixtures)
+from test_spec import BLOCK, dflash_server, draft, target  # noqa: F401 (fixtures)
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -20,27 +20,7 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_spec_decode_metrics_agree_with_server_info(target, draft):  # noqa: F811
-    from fastapi.testclient import TestClient
-
-    from hylo.config import EngineConfig
-    from hylo.engine.engine import Engine
-    from hylo.server.api import build_app
-    from hylo.server.async_engine import AsyncEngine
-
-    config = EngineConfig(
-        model=str(target),
-        device="cpu",
-        dtype="float32",
-        page_size=16,
-        max_memory_gb=0.25,
-        speculative_adaptive=False,
-        speculative_algorithm="DFLASH",
-        speculative_draft_model_path=str(draft),
-    )
-    engine = AsyncEngine(Engine(config))
-    engine.start()
-    try:
-        client = TestClient(build_app(engine, "tiny"))
+    with dflash_server(target, draft) as client:
         before = _samples(client.get("/metrics").text)
         assert before[("hylo_spec_decode_num_drafts_total", ())] == 0
         assert math.isnan(before[("hylo_spec_decode_mean_acceptance_length", ())])
@@ -67,5 +47,3 @@ def test_spec_decode_metrics_agree_with_server_info(target, draft):  # noqa: F81
         assert info["spec_accept_rate_per_pos"] == rates and "spec_adaptive_steps" not in info
         assert math.isclose(rates[0], per_pos[0] / drafts)  # every verify step checks a first draft
         assert all(0 <= r <= 1 for r in rates) and rates[-1] >= per_pos[-1] / drafts
-    finally:
-        engine.shutdown()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import counted_read, random_prompt, with_one_read
+from conftest import counted_read, random_prompt, strict_steps, with_one_read
 from dflash_reference import write_dflash_checkpoint
 from hf_reference import tiny_text_config
 
@@ -101,26 +101,14 @@ def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sa
     # eager engine's steps read too)
     monkeypatch.setattr(PendingRead, "wait", counted_read(PendingRead.wait, reads))
     runner = graphs.engine.runner
-    launch, collect, run = runner.launch, runner.collect, runner.verify_graphs.run
-
-    def strict_launch(chunks, route):
-        """A verify step read at once launches without any synchronising call..."""
-        if route.ahead or not all(ch.verify for ch in chunks):
-            return launch(chunks, route)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(chunks, route)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-
-    def strict_collect(launched):
-        """...and is collected with no synchronising call but its one read."""
-        if launched.route.ahead or not launched.verifies:
-            return collect(launched)
-        return with_one_read(collect, reads, launched)
-
-    monkeypatch.setattr(runner, "launch", strict_launch)
-    monkeypatch.setattr(runner, "collect", strict_collect)
+    run = runner.verify_graphs.run
+    # a verify step read at once launches without any synchronising call and is collected with none
+    # but its one read
+    strict_steps(
+        monkeypatch, runner, reads,
+        lambda chunks, route: not route.ahead and all(ch.verify for ch in chunks),
+        lambda launched: not launched.route.ahead and launched.verifies,
+    )  # fmt: skip
     engine = graphs.engine
     engine_step = engine.step
 
