@@ -21,20 +21,28 @@ Verifier = Callable[[], str | None]
 _REFUSED: Counter[tuple[str, str]] = Counter()
 
 
-def use_kernel(op: str, tensor: torch.Tensor, verify: Verifier | None = None) -> bool:
-    """Whether the call of `op` whose data is `tensor` runs the Triton kernel: `tensor` is on CUDA and
-    `verify` (asked only then) names no reason against it."""
+def use_kernel(
+    op: str,
+    tensor: torch.Tensor,
+    verify: Verifier | None = None,
+    *,
+    kernel: str = "the Triton kernel",
+    fallback: str = "the torch reference",
+) -> bool:
+    """Whether the call of `op` whose data is `tensor` runs `kernel`: `tensor` is on CUDA and `verify`
+    (asked only then) names no reason against it. `fallback` (what runs otherwise) only names it in the
+    log: an op whose fallback is another kernel (the CUDA GEMV's is Triton's) says so."""
     if not tensor.is_cuda:
         return False
     reason = None if verify is None else verify()
     if reason is None:
         return True
     if (op, reason) not in _REFUSED:
-        logger.info("%s: the Triton kernel refuses this call (%s); the torch reference runs it", op, reason)
+        logger.info("%s: %s refuses this call (%s); %s runs it", op, kernel, reason, fallback)
     _REFUSED[op, reason] += 1
     return False
 
 
 def refusals() -> dict[tuple[str, str], int]:
-    """How many CUDA calls each (op, reason) sent to the torch reference so far in this process."""
+    """How many CUDA calls each (op, reason) sent to the fallback so far in this process."""
     return dict(_REFUSED)

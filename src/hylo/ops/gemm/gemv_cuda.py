@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from hylo.ops.dispatch import use_kernel
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.gemm import cuda_build
 
@@ -226,15 +227,13 @@ def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
     return None
 
 
-_REFUSALS_LOGGED: set[str] = set()
-
-
 def takes(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> bool:
-    """The dispatch rule: `linear` runs this FP8 product on the GEMV when `refusal` has nothing against it;
-    otherwise the Triton kernel runs it, and the reason is logged once (INFO) so a model that falls off
-    the GEMV says where and why."""
-    reason = refusal(x, weight, scale_inv)
-    if reason is not None and reason not in _REFUSALS_LOGGED:
-        _REFUSALS_LOGGED.add(reason)
-        logger.info("gemm.linear: the CUDA GEMV refuses a product (%s); the Triton kernel runs it", reason)
-    return reason is None
+    """The dispatch rule: `linear` runs this FP8 product on the GEMV when `refusal` has nothing against
+    it; otherwise the Triton kernel runs it (`hylo.ops.dispatch` logs each reason once)."""
+    return use_kernel(
+        "gemm.fp8_gemv",
+        x,
+        lambda: refusal(x, weight, scale_inv),
+        kernel="the CUDA GEMV",
+        fallback="the Triton kernel",
+    )
