@@ -186,7 +186,7 @@ def test_refusals_name_their_reason(monkeypatch):
      "no nvcc)"),
 ])  # fmt: skip
 def test_first_small_m_fp8_dispatch_says_what_it_runs_on(monkeypatch, caplog, gpu, gemv_off, expected):
-    monkeypatch.setattr(gemm, "_announced", False)
+    gemm._announce_small_m_fp8.cache_clear()  # a fresh process
     monkeypatch.setattr(gemm, "_gpu_name", lambda index: gpu)
     monkeypatch.setattr(gemv_cuda, "device_refusal", lambda device: gemv_off)
     with caplog.at_level(logging.INFO, logger="hylo"):

@@ -49,16 +49,10 @@ def fp8_fallback_config(rows: int) -> GemmConfig:
     return GemmConfig(16 if rows <= 16 else 32 if rows <= 32 else 64, 64, 128, 1, 4, 3)
 
 
-_announced = False
-
-
+@cache
 def _announce_small_m_fp8(device: torch.device) -> None:
-    """Log once per process what the small-M FP8 products run on: the GPU's tuned table or the untuned
+    """Log once per device what the small-M FP8 products run on: the GPU's tuned table or the untuned
     configuration, and whether the CUDA GEMV is on (building and checking it here if it is not yet)."""
-    global _announced
-    if _announced:
-        return
-    _announced = True
     name = _gpu_name(device.index or 0)
     table = table_path(name)
     tuning = f"tuned table {table.name}" if table.exists() else "no tuned table (untuned configuration)"
