@@ -44,9 +44,9 @@ def models(tmp_path_factory):
     return target, draft
 
 
-def make_llm(target, **kwargs) -> LLM:
+def make_llm(path, **kwargs) -> LLM:
     return LLM(
-        str(target), device="cuda", dtype="float32", load_format="dummy", page_size=16, context_length=256,
+        str(path), device="cuda", dtype="float32", load_format="dummy", page_size=16, context_length=256,
         max_running_requests=8, cuda_graph_max_bs=8, mem_fraction_static=cache_fraction(), **kwargs,
     )  # fmt: skip
 
@@ -63,10 +63,10 @@ def seeded_tokens(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
 
 @pytest.mark.parametrize("algorithm", ["dflash", "mtp"])
 def test_seeded_sampling_through_the_graphs_gives_plain_decodings_tokens(models, algorithm):
-    target, draft = models
-    plain = make_llm(target)
+    path, draft = models
+    plain = make_llm(path)
     spec = make_llm(
-        target, target=plain.engine.model, **{**flags(algorithm, draft), "speculative_adaptive": True}
+        path, target=plain.engine.model, **{**flags(algorithm, draft), "speculative_adaptive": True}
     )
     assert spec.engine.runner.verify_graphs is not None and plain.engine.runner.graphs is not None
     replayed, run = [], spec.engine.runner.verify_graphs.run
