@@ -48,6 +48,9 @@ def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 10) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+OTHER = "other (norms, gates, hyper-connections, ...)"  # every module no other kind names
+
+
 def module_kind(module: torch.nn.Module, name: str) -> str:
     if isinstance(module, Experts | FP8Experts):
         return "routed experts"
@@ -58,7 +61,7 @@ def module_kind(module: torch.nn.Module, name: str) -> str:
         return "projections fp8" if fp8 else "projections bf16"
     if isinstance(module, torch.nn.Embedding) or name.endswith("embed_tokens"):
         return "embedding"
-    return "other (norms, gates, hyper-connections, ...)"
+    return OTHER
 
 
 def bytes_by_kind(model: torch.nn.Module, forward) -> dict[str, float]:
@@ -76,7 +79,11 @@ def bytes_by_kind(model: torch.nn.Module, forward) -> dict[str, float]:
             if isinstance(m, torch.nn.Embedding):
                 read[kind] += args[0].numel() * m.weight.shape[1] * m.weight.element_size()
             elif isinstance(m, Experts | FP8Experts):
-                count = int(route(args[0], *args[1])[0].unique().numel())
+                routing = args[1]  # the router has no forward of its own: its tensors are read here
+                read[OTHER] += sum(
+                    t.numel() * t.element_size() for t in (routing.weight, routing.correction_bias)
+                )
+                count = int(route(args[0], routing).ids.unique().numel())
                 read[kind] += own_bytes(m) * count / m.gate_up_proj.shape[0]
             else:
                 read[kind] += own_bytes(m)

@@ -271,7 +271,7 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
     """(Weight bytes one call of `forward` reads, distinct routed experts per experts call): every
     call of a module reads its own parameters and buffers once (a vocabulary head's `argmax` too, which
     bypasses `forward`); an embedding reads only its looked-up rows, routed experts only the experts
-    their tokens are routed to (`route` on the call's input)."""
+    their tokens are routed to (`route` on the call's input), plus the router's tensors they are given."""
     from hylo.layers.moe import Experts, FP8Experts
     from hylo.layers.vocab import HotTokenHead, VocabHead
     from hylo.ops.moe.reference import route
@@ -286,7 +286,9 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
         if isinstance(m, torch.nn.Embedding):
             read[0] += args[0].numel() * m.weight.shape[1] * m.weight.element_size()
         elif isinstance(m, Experts | FP8Experts):
-            ids = route(args[0], *args[1])[0].unique()
+            routing = args[1]  # the router has no forward of its own: its tensors are read here
+            read[0] += sum(t.numel() * t.element_size() for t in (routing.weight, routing.correction_bias))
+            ids = route(args[0], routing).ids.unique()
             first = getattr(m, "first_expert", None)  # a rank at EP reads only its own experts
             if first is not None:
                 ids = ids[(ids >= first) & (ids < first + m.gate_up_proj.shape[0])]
