@@ -1,8 +1,14 @@
 """Seeded sampling on the GPU: the counter-based noise is the CPU's (int64 wrapping arithmetic on CUDA
 too), and seeded sampled requests give plain decoding's tokens under DFlash and MTP speculation with
-the adaptive policy, through the decode and verify CUDA graphs, alone and in a batch. fp32 weights:
-the plain and verify forwards then agree to ~1e-6, so a pick's Gumbel-max flips between them with a
-probability of that order (bf16's ~1e-2 would flip a few tokens in a hundred)."""
+the adaptive policy, through the decode and verify CUDA graphs, alone and in a batch.
+
+fp32 weights, but not fp32-exact forwards: Triton's fp32 dots run in TF32 (inputs rounded to 2^-11
+relative) in some kernels, and the verify forward's multi-token kernels are not the decode step's, so
+the two forwards' logits differ by ~1e-3. A pick then flips between them only where two tokens' noisy
+scores lie that close (on an H100: one of the six DFlash outputs, at its 18th token). The test allows
+one such flip and checks that it is one: at the first token where a speculative output leaves plain
+decoding's, the two tokens' noisy scores under the plain engine must be within `NEAR_TIE`, where a
+wrong noise (another position's, another seed's) would put them a Gumbel spread apart (~1.3)."""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from hf_reference import tiny_text_config
 from test_sampling_schedule import OTHERS, PROMPTS, SEEDED
 from test_speculative_cuda import BLOCK, HIDDEN, VOCAB, cache_fraction, flags
 
-from hylo import LLM
+from hylo import LLM, SamplingParams
 from hylo.sampling_noise import as_int64, exponential_noise, mix64
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -61,6 +67,30 @@ def seeded_tokens(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
     return alone, [o.token_ids for o in batched[len(OTHERS) :]]
 
 
+# |log score difference| that TF32 rounding can explain: logits here are O(1-10) and differ by ~1e-3
+# relative between the forwards, times 1/T = 1.25; 0.05 leaves a margin of 4x over ~1e-2.
+NEAR_TIE = 0.05
+
+
+def raw_logprob(llm: LLM, prefix: list[int], token: int) -> float:
+    """log p(token | prefix) of `llm`'s raw distribution (scored as a prompt)."""
+    score = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    (scored,) = llm.generate(prompt_token_ids=[[*prefix, token]], sampling_params=score, use_tqdm=False)
+    return scored.prompt_logprobs[-1][token]
+
+
+def noisy_score_gap(
+    llm: LLM, prompt: list[int], params: SamplingParams, output: list[int], k: int, other: int
+) -> float:
+    """log(p(a)/E(a)) - log(p(b)/E(b)) at output position k under `llm`, a = output[k] (its pick) and
+    b = `other`: the Gumbel-max margin by which a won (`hylo.sampling`), with p the tempered
+    distribution (both tokens in its top-p nucleus) and E the noise of (seed, len(prompt) + k)."""
+    prefix, a = prompt + output[:k], output[k]
+    noise = exponential_noise(torch.tensor([as_int64(params.seed)]), torch.tensor([len(prefix)]), VOCAB)[0]
+    tempered = (raw_logprob(llm, prefix, a) - raw_logprob(llm, prefix, other)) / params.temperature
+    return tempered - float(noise[a].log()) + float(noise[other].log())
+
+
 @pytest.mark.parametrize("algorithm", ["dflash", "mtp"])
 def test_seeded_sampling_through_the_graphs_gives_plain_decodings_tokens(models, algorithm):
     path, draft = models
@@ -74,6 +104,14 @@ def test_seeded_sampling_through_the_graphs_gives_plain_decodings_tokens(models,
     expected_alone, expected_batched = seeded_tokens(plain)
     assert expected_alone == expected_batched
     got_alone, got_batched = seeded_tokens(spec)
-    assert got_alone == expected_alone
-    assert got_batched == expected_alone
     assert replayed, "no verify step went through the graphs"
+    flips = []
+    for got in (got_alone, got_batched):
+        for prompt, params, want, out in zip(PROMPTS, SEEDED, expected_alone, got, strict=True):
+            assert len(out) == len(want)
+            k = next((i for i, (a, b) in enumerate(zip(want, out, strict=True)) if a != b), None)
+            if k is not None:
+                flips.append(noisy_score_gap(plain, prompt, params, want, k, out[k]))
+    # >= 0: plain decoding picked its token by that margin (a check of the margin's computation)
+    assert all(0 <= gap < NEAR_TIE for gap in flips), flips
+    assert len(flips) <= 1, f"{len(flips)} of {2 * len(PROMPTS)} outputs left plain decoding's: {flips}"
