@@ -10,16 +10,17 @@ The prompts are the first user turns of held-out ShareGPT conversations (`hylo.t
 demo model and its drafts never trained on them), chat-templated, at most `--max-prompt-tokens` long;
 `--write-prompts` makes the file on a machine with the packaged dataset (the GPU machine has none).
 
-Every engine is built first and shares nothing but the process. A concurrency c runs a closed loop:
-c requests in flight, the next prompt submitted as one finishes, until `--requests-per-stream` × c
-prompts are done (greedy, `--max-tokens` new tokens each, stopping at EOS as a user's would). Each
-(engine, c) runs once unmeasured (the first run of a shape compiles kernels), then `--reps` times
-interleaved engine by engine. Reported per (engine, c): output tokens/s (median), the ratio to plain
-decoding of the same repetition (median of the per-repetition ratios), the mean acceptance τ (tokens a
-verify step commits per request, bonus included) and, with the policy on, its verify/plain choices and
-its per-bucket step costs. `--profile`: per engine, the kernels of a c = 1 run's steps (torch.profiler):
-kernels per step and GPU µs per step by kernel, to `DIR/kernels_<engine>.txt`. Without a GPU the
-engines run on the CPU (a dry run of the script: its figures mean nothing).
+Every engine is built first and shares nothing but the process. A concurrency c runs a closed loop: c
+requests in flight, the next prompt submitted as one finishes, until `--requests-per-stream` × c prompts
+(at least `--min-requests`) are done (greedy, `--max-tokens` new tokens each, stopping at EOS as a
+user's would). Each (engine, c) runs once unmeasured (the first run of a shape compiles kernels), then
+`--reps` times interleaved engine by engine. Reported per (engine, c): output tokens/s (median), the
+ratio to plain decoding of the same repetition (median of the per-repetition ratios), the mean
+acceptance τ (tokens a verify step commits per request, bonus included) and, with the policy on, its
+verify/plain choices and its per-bucket step costs. `--profile`: per engine, the kernels of a c = 1
+run's steps (torch.profiler): kernels per step and GPU µs per step by kernel, to
+`DIR/kernels_<engine>.txt`. Without a GPU the engines run on the CPU (a dry run of the script: its
+figures mean nothing).
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def main() -> None:
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--requests-per-stream", type=int, default=2, help="prompts per in-flight stream")
+    parser.add_argument("--min-requests", type=int, default=16, help="prompts per run at least")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="kernel tables of a c = 1 run per engine")
     parser.add_argument("--out", type=Path, default=None)
@@ -178,7 +180,8 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     for c in concurrencies:
-        batch = [prompts[i % len(prompts)] for i in range(args.requests_per_stream * c)]
+        count = max(args.requests_per_stream * c, args.min_requests)
+        batch = [prompts[i % len(prompts)] for i in range(count)]
         for eng in engines.values():
             closed_loop(eng, batch, c, params)  # compiles what this shape needs
         runs: dict[str, list[dict]] = {name: [] for name in engines}
