@@ -200,7 +200,7 @@ def main() -> None:
             }
             report["runs"][f"{name}@c{c}"] = row
             print(f"c={c:3d} {name:18s} {json.dumps(row)}", flush=True)
-        if args.profile and args.out and c == concurrencies[0]:  # warm now; the runs after may time out
+        if args.profile and args.out and c == concurrencies[0] and torch.cuda.is_available():  # warm now
             report["profiles"] = {
                 name: kernel_profile(eng, prompts[0], params, args.out / f"kernels_{name}.txt")
                 for name, eng in engines.items()
