@@ -132,7 +132,7 @@ def kernel_profile(eng: Engine, prompt: list[int], params: SamplingParams, path:
         del eng.step
     rows, launches, busy = [], 0, 0.0
     for e in prof.key_averages():
-        total = getattr(e, "device_time_total", None) or e.cuda_time_total
+        total = e.device_time_total
         if total <= 0 or e.key.startswith("Memcpy") or e.key.startswith("Memset"):
             continue
         launches += e.count
