@@ -15,6 +15,7 @@ import torch
 from hylo.kda_plan import KDAPlan
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
+from hylo.ops.kda import CHUNK_TOKENS
 
 
 @dataclass
@@ -96,11 +97,14 @@ class Padded:
     """One sequence of `lengths [1]` (int64, device) new tokens, the rest of its `len(input_ids)`
     packed tokens padding (`uniform_metadata`'s `lengths`: a prefill graph's batch, `PrefillGraphs`);
     its KDA layers leave prefix-cache snapshots inside the chunk at `chunk_snapshots`
-    (`kda.ChunkSnapshots.chunk_ids`, `[chunks]` int64, -1 where none). The host lists are
-    placeholders."""
+    (`kda.ChunkSnapshots.chunk_ids`, `[chunks]` int64, -1 where none). The padding writes the first
+    slot of request-table row `filler_row`, a row nobody owns (the scratch slot), the same for every
+    step, so that a reader may build a padded batch of its own over the same tokens (a proposer's).
+    The host lists are placeholders."""
 
     lengths: torch.Tensor
     chunk_snapshots: torch.Tensor
+    filler_row: int
 
 
 # How a batch's tokens sit: what a reader of its host lists or of its shapes branches on.
@@ -225,6 +229,8 @@ class ForwardBatch:
         tokens: TokenCache,
         states: StateCache,
         kpool: int,
+        lengths: torch.Tensor | None = None,
+        filler_row: int | None = None,
     ) -> ForwardBatch:
         """`len(prefix)` sequences of `width` new tokens (`Uniform`), sequence b at positions
         `prefix[b] .. prefix[b] + width - 1` of request-table row (and state slot) `rows[b]`; every
@@ -232,10 +238,18 @@ class ForwardBatch:
         Logits for every token; `input_ids` are zeros (for layers fed embeddings). The host lists are
         placeholders, so there are no verify chunks: the batch is for layers that read device tensors
         only (attention, MLP; not KDA verify). `pool_table` is as wide as the request table; every
-        position must be backed."""
+        position must be backed.
+
+        With `lengths [1]` (int64, device, 1 <= lengths[0] <= width) and `filler_row`, one sequence of
+        `lengths[0]` new tokens padded to `width` (`Padded`, no prefix-cache snapshot): its padding
+        writes `filler_row`'s first slot (`uniform_metadata`)."""
         b = prefix.shape[0]
         device = req_to_token.device
-        meta = uniform_metadata(prefix, rows, width, req_to_token, kpool)
+        meta = uniform_metadata(prefix, rows, width, req_to_token, kpool, filler_row, lengths)
+        layout: TokenLayout = Uniform(width)
+        if lengths is not None:
+            no_snapshots = torch.full((-(-width // CHUNK_TOKENS),), -1, dtype=torch.long, device=device)
+            layout = Padded(lengths, no_snapshots, filler_row)
         packed = torch.arange(b * width, device=device)
         return cls(
             input_ids=torch.zeros(b * width, dtype=torch.long, device=device),
@@ -251,7 +265,7 @@ class ForwardBatch:
             seq_slots=[-1] * b,
             tokens=tokens,
             states=states,
-            layout=Uniform(width),
+            layout=layout,
             **meta,
         )
 

@@ -103,7 +103,9 @@ class PrefillLayout:
             seq_slots=[c.scratch_slot],
             tokens=c.tokens,
             states=c.states,
-            layout=Padded(lengths=inputs[2:3], chunk_snapshots=inputs[3 + width :]),
+            layout=Padded(
+                lengths=inputs[2:3], chunk_snapshots=inputs[3 + width :], filler_row=c.scratch_slot
+            ),
             snapshot_pool=c.snapshots,
             **meta,
         )

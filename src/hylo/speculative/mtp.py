@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from hylo.forward_batch import ForwardBatch, SequenceChunk, Uniform
+from hylo.forward_batch import ForwardBatch, Padded, SequenceChunk, Uniform
 from hylo.layers.vocab import HotTokenHead, VocabHead
 from hylo.memory.specs import TokenCacheSpec
 from hylo.memory.state import StateCache
@@ -23,7 +23,8 @@ class MTPProposer(Proposer):
     indexed by the target's request table, with the entry for (h_i, token i+1) at position i (see
     `hylo.models.mtp`). `last_hidden[row]` keeps the target hidden of each request's last committed
     token, which pairs with the next token to arrive. Everything runs from device tensors (a verify
-    graph captures the observe and the `num_steps` chained drafting forwards).
+    graph captures the observe and the `num_steps` chained drafting forwards, a prefill graph the
+    observe of its padded chunk).
 
     Invariant: after `observe`, a request with n committed tokens has correct entries at positions
     0 .. n-2 (after `observe_and_propose`, 0 .. n-1). Observe writes an entry for every token of the
@@ -36,6 +37,9 @@ class MTPProposer(Proposer):
 
     needs_host = False
     needs_last_features = True
+    # a prefill graph's chunk is observed in a padded MTP batch of its width (`_observe_padded`);
+    # `_keep_last_hidden` and `propose` read its first token's position and `counts` alone
+    observes_padded = True
 
     def __init__(
         self,
@@ -93,18 +97,29 @@ class MTPProposer(Proposer):
     def resume(self, row: int, features: torch.Tensor) -> None:
         self.last_hidden[row] = features
 
-    def _uniform(self, prefix: torch.Tensor, rows: torch.Tensor, width: int) -> ForwardBatch:
+    def _uniform(
+        self,
+        prefix: torch.Tensor,
+        rows: torch.Tensor,
+        width: int,
+        lengths: torch.Tensor | None = None,
+        filler_row: int | None = None,
+    ) -> ForwardBatch:
         kpool = self.layer.config.index_kpool
-        return ForwardBatch.uniform(prefix, rows, width, self.table, self.cache, self.states, kpool)
+        table, cache, states = self.table, self.cache, self.states
+        return ForwardBatch.uniform(prefix, rows, width, table, cache, states, kpool, lengths, filler_row)
 
     @torch.inference_mode()
     def observe(self, batch: ForwardBatch, commit: StepCommit) -> None:
         """One MTP forward writes the entries of the forward's tokens: for tokens at positions
-        `start .. start+n-1`, entries `start-1 .. start+n-2` (none for token 0)."""
+        `start .. start+n-1`, entries `start-1 .. start+n-2` (none for token 0; a padded chunk of
+        token 0 alone writes a wrong one at 0, see `_observe_padded`)."""
         if commit.features is None:
             return
         if isinstance(batch.layout, Uniform):
             self._observe_uniform(batch, batch.layout.width, commit.features)
+        elif isinstance(batch.layout, Padded):
+            self._observe_padded(batch, batch.layout, commit.features)
         else:
             self._observe_chunks(batch, commit.features)
         self._keep_last_hidden(batch, commit)
@@ -156,6 +171,27 @@ class MTPProposer(Proposer):
         embeds = self.layer.embedding(self.target)(tokens.flatten())
         out = self.layer(embeds, hidden.flatten(0, 1), self._uniform(prefix, rows, tokens.shape[1]))
         return out.view(blocks, tokens.shape[1], -1)
+
+    def _observe_padded(self, batch: ForwardBatch, layout: Padded, features: torch.Tensor) -> None:
+        """The entries of a padded chunk (a prefill graph's: n = `layout.lengths[0]` tokens from position
+        S of table row `rows[0]`, then padding) from device tensors alone, in a padded MTP batch of the
+        same width: the entry at S - 1 + j pairs the hidden of token S - 1 + j (for j = 0,
+        `last_hidden[row]`) with token S + j. At S = 0 token 0 has no entry, so the MTP batch starts one
+        token later, at position 0, with n - 1 entries; with n = 1 it still writes one, at position 0,
+        from a padding token: an entry at n - 1 (= 0), which the invariant lets be wrong."""
+        width = batch.input_ids.shape[0]
+        rows = batch.state_slots
+        start = batch.positions[batch.pad_index[:, 0]]
+        at_zero = (start == 0).long()
+        # MTP entry k takes target token k + at_zero and the hidden before it (`last_hidden` first)
+        shift = torch.arange(width, device=start.device) + at_zero
+        hidden = torch.cat([self.last_hidden[rows], features])[shift]
+        tokens = batch.input_ids[shift.clamp(max=width - 1)]  # past the chunk: padding
+        lengths = (layout.lengths - at_zero).clamp(min=1)
+        embeds = self.layer.embedding(self.target)(tokens)
+        self.layer(
+            embeds, hidden, self._uniform(start - 1 + at_zero, rows, width, lengths, layout.filler_row)
+        )
 
     def _keep_last_hidden(self, batch: ForwardBatch, commit: StepCommit) -> None:
         offsets = batch.pad_index[:, 0]
