@@ -180,3 +180,35 @@ def reference_dflash2(
         previous = candidates[max(range(len(candidates)), key=lambda j: scores[j])]
         drafts.append(previous)
     return hidden, drafts
+
+
+def per_tap_block_conv(x: torch.Tensor, base: torch.Tensor, deltas: torch.Tensor, group: int) -> torch.Tensor:
+    """`GroupedBlockConv.convolve` one tap at a time (its form before the windowed contraction): blocks
+    `x [R, B, H]`, kernel `base [taps, H]` + `deltas [R, B, taps, G]`; tap t adds row i − t, zeros
+    before the block start."""
+    rows = x.unflatten(-1, (-1, group))
+    kernel = base.unflatten(-1, (-1, group)) + deltas[..., None]
+    out = kernel[:, :, 0] * rows
+    for tap in range(1, min(base.shape[0], x.shape[1])):
+        earlier = torch.nn.functional.pad(rows[:, :-tap], (0, 0, 0, 0, tap, 0))
+        out = out + kernel[:, :, tap] * earlier
+    return out.flatten(-2)
+
+
+def sequential_selector_path(
+    selector, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:
+    """`CandidateSelector.forward` walked row by row (its form before the batched scores): each row's
+    pair scores against the token chosen in the row before, then its argmax."""
+    unary, candidates = logits.topk(selector.top_k, dim=-1)
+    folded = (
+        selector.successor_codebook[candidates].float()
+        * selector.hidden_projection(hidden).float()[:, :, None]
+    )
+    previous, path = anchors, []
+    for row in range(hidden.shape[1]):
+        pair = torch.einsum("rkd,rd->rk", folded[:, row], selector.predecessor_codebook[previous].float())
+        choice = (unary[:, row] + pair).argmax(-1, keepdim=True)
+        previous = candidates[:, row].gather(-1, choice)[:, 0]
+        path.append(previous)
+    return torch.stack(path, 1)

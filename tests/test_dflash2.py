@@ -8,12 +8,17 @@ import json
 import pytest
 import torch
 from conftest import random_prompt
-from dflash_reference import reference_dflash2, write_dflash_checkpoint
+from dflash_reference import (
+    per_tap_block_conv,
+    reference_dflash2,
+    sequential_selector_path,
+    write_dflash_checkpoint,
+)
 from hf_reference import tiny_text_config, write_hf_checkpoint
 from tolerance import assert_fp32_close, draft_accumulation_terms
 
 from hylo import LLM, SamplingParams
-from hylo.models.dflash import DFlashConfig, DFlashDraftModel
+from hylo.models.dflash import CandidateSelector, DFlashConfig, DFlashDraftModel, GroupedBlockConv
 from hylo.models.loader import load_flat
 
 HIDDEN, VOCAB, BLOCK = 64, 160, 4
@@ -85,6 +90,88 @@ def test_draft_forward_and_selector_match_the_plain_reimplementation(draft):
     # The selector's pairwise term decides somewhere: plain argmax would propose other tokens.
     with torch.no_grad():
         assert not torch.equal(drafts, model.logits(hidden[:, 1:], head).argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("rows", "block", "taps"),
+    [(1, 8, 4), (3, 8, 4), (2, 3, 4), (2, 1, 3), (2, 5, 1), (2, 4, 4)],
+    ids=["demo-R1", "demo-R3", "block-shorter-than-taps", "one-row", "one-tap", "block-equals-taps"],
+)
+def test_block_conv_equals_the_per_tap_loop(rows, block, taps):
+    """The windowed contraction against the tap-by-tap loop, forward and gradients. Both form the same
+    products; only the order of each output's `taps`-term sum differs (and, in the gradients, the
+    order of the sums over rows and over a group's channels), so K is the longest of those sums."""
+    group, gen = 16, torch.Generator().manual_seed(100 * rows + 10 * block + taps)
+    conv = GroupedBlockConv(HIDDEN, taps, group)
+    with torch.no_grad():
+        conv.base_kernel.copy_(torch.randn(conv.base_kernel.shape, generator=gen))
+    x = torch.randn(rows, block, HIDDEN, generator=gen, requires_grad=True)
+    deltas = torch.randn(rows, block, taps, HIDDEN // group, generator=gen, requires_grad=True)
+    terms = max(taps, group, rows * block)
+    for side in (0, 1):
+        out = conv.convolve(x, deltas, side)
+        expected = per_tap_block_conv(x, conv.base_kernel[side], deltas, group)
+        assert_fp32_close(out, expected, terms, f"side {side}")
+        upstream = torch.randn(out.shape, generator=gen)
+        inputs = (x, deltas, conv.base_kernel)
+        grads = torch.autograd.grad(out, inputs, upstream)
+        expected_grads = torch.autograd.grad(expected, inputs, upstream)
+        for name, got, want in zip(("x", "deltas", "base_kernel"), grads, expected_grads, strict=True):
+            assert_fp32_close(got, want, terms, f"side {side}, grad of {name}")
+
+
+def _random_selector(top_k: int, gen: torch.Generator, integers: bool) -> CandidateSelector:
+    """Random weights; `integers`: each in {-1, 0, 1}, mostly 0, so that (with integer hidden states
+    and logits) every score is a small integer, exact in fp32 in any summation order, and exact ties
+    are common."""
+    selector = CandidateSelector(HIDDEN, VOCAB, OPTIONS["selector_rank"], top_k)
+    with torch.no_grad():
+        for weight in selector.parameters():
+            if integers:  # a quarter non-zero: pair terms of a few units, like the logits' spread
+                nonzero = torch.rand(weight.shape, generator=gen) < 0.25
+                weight.copy_(torch.randint(-1, 2, weight.shape, generator=gen) * nonzero)
+            else:
+                weight.copy_(torch.randn(weight.shape, generator=gen) * weight.shape[-1] ** -0.5)
+    return selector
+
+
+def _tied_rows(selector, hidden, logits, anchors, path) -> int:
+    """How many rows of `path` were chosen among several candidates of exactly the best score."""
+    unary, candidates = logits.topk(selector.top_k, dim=-1)
+    previous = torch.cat([anchors[:, None], path[:, :-1]], 1)
+    pair = torch.einsum(
+        "rpd,rpd,rpkd->rpk", selector.predecessor_codebook[previous], selector.hidden_projection(hidden),
+        selector.successor_codebook[candidates],
+    )  # fmt: skip
+    scores = unary + pair
+    return int(((scores == scores.amax(-1, keepdim=True)).sum(-1) > 1).sum())
+
+
+@pytest.mark.parametrize(
+    ("rows", "drafted", "top_k"),
+    [(1, 7, 8), (8, 7, 8), (3, 1, 4), (4, 2, 5), (2, 3, 6), (5, 8, 3), (3, 13, 6)],
+)
+@pytest.mark.parametrize("integers", [False, True], ids=["random", "exact-ties"])
+def test_selector_path_equals_the_sequential_walk(rows, drafted, top_k, integers):
+    """The batched scores and composed path against the row-by-row walk. With random fp32 weights the
+    pair scores differ only in summation order (a tie to the last bit is vanishingly unlikely); with
+    integer weights, hidden states and logits every score is exact, so the exact ties must resolve
+    alike (to the first of the tied candidates in `topk` order)."""
+    gen = torch.Generator().manual_seed(1000 * rows + 10 * drafted + top_k)
+    selector = _random_selector(top_k, gen, integers)
+    if integers:
+        hidden = torch.randint(-1, 2, (rows, drafted, HIDDEN), generator=gen).float()
+        logits = torch.randint(0, 4, (rows, drafted, VOCAB), generator=gen).float()
+    else:
+        hidden = torch.randn(rows, drafted, HIDDEN, generator=gen)
+        logits = torch.randn(rows, drafted, VOCAB, generator=gen)
+    anchors = torch.randint(0, VOCAB, (rows,), generator=gen)
+    with torch.no_grad():
+        path = selector(hidden, logits, anchors)
+        expected = sequential_selector_path(selector, hidden, logits, anchors)
+        ties = _tied_rows(selector, hidden, logits, anchors, expected)
+    assert torch.equal(path, expected)
+    assert (ties > 0) == integers, f"{ties} rows chose among tied candidates"
 
 
 def test_dflash2_greedy_is_lossless_on_a_batch_of_16(tmp_path, draft):

@@ -287,15 +287,19 @@ class GroupedBlockConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden_size, 2 * taps * (hidden_size // group_size), bias=False)
 
     def convolve(self, x: torch.Tensor, deltas: torch.Tensor, side: int) -> torch.Tensor:
-        """Rows `x [R, B, H]` (one block per leading index) with per-row group deltas `[R, B, taps, G]`."""
+        """Rows `x [R, B, H]` (one block per leading index) with per-row group deltas `[R, B, taps, G]`.
+
+        Five tensor ops whatever `taps` (pad, kernel add, flip, multiply, sum), differentiable in `x`,
+        `deltas` and `base_kernel`. Safe for any B >= 1: when B < taps, the taps that reach past the
+        block start read only zeros."""
         rows = x.unflatten(-1, (-1, self.group_size))
         kernel = self.base_kernel[side].unflatten(-1, (-1, self.group_size)) + deltas[..., None]
-        out = kernel[:, :, 0] * rows
         # A tap reaching before the block start reads zeros: the conv never crosses into the context.
-        for tap in range(1, min(self.taps, x.shape[1])):
-            earlier = F.pad(rows[:, :-tap], (0, 0, 0, 0, tap, 0))
-            out = out + kernel[:, :, tap] * earlier
-        return out.flatten(-2)
+        padded = F.pad(rows, (0, 0, 0, 0, self.taps - 1, 0))
+        # Window i holds padded rows i .. i + taps − 1, i.e. block rows i − taps + 1 .. i: its entry j is
+        # tap taps − 1 − j, hence the kernel's taps reversed.
+        windows = padded.unfold(1, self.taps, 1)
+        return (kernel.flip(2).movedim(2, -1) * windows).sum(-1).flatten(-2)
 
     def forward(self, h: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """`sublayer` applied between the input-side and the output-side conv of the normed input `h`."""
@@ -315,20 +319,47 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
 
     def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """Tokens `[R, P]` for drafted rows `hidden [R, P, H]` with fp32 `logits [R, P, V]` after
-        `anchors [R]`."""
+        """Tokens `[R, P]` for drafted rows `hidden [R, P, H]` (P >= 1) with fp32 `logits [R, P, V]`
+        after `anchors [R]`.
+
+        The path is sequential but its scores are not: one batched matmul scores every (previous
+        candidate, next candidate) pair of every row, one argmax gives each row's best next candidate
+        after each possible previous one, and `follow_greedy_path` walks the path through those maps, so
+        the launches do not grow with P. Exact ties go to the first (highest-ranked by `topk`) candidate,
+        as argmax picks the first maximum; the pair term is a rank-r sum whose order is the matmul's, so
+        a tie exact in one summation order may be broken by the last bit in another."""
         unary, candidates = logits.topk(self.top_k, dim=-1)
         # Only the predecessor depends on earlier choices: fold the row and successor factors first.
         folded = (
             self.successor_codebook[candidates].float() * self.hidden_projection(hidden).float()[:, :, None]
         )
-        previous, path = anchors, []
-        for row in range(hidden.shape[1]):
-            pair = torch.einsum("rkd,rd->rk", folded[:, row], self.predecessor_codebook[previous].float())
-            choice = (unary[:, row] + pair).argmax(-1, keepdim=True)
-            previous = candidates[:, row].gather(-1, choice)[:, 0]
-            path.append(previous)
-        return torch.stack(path, 1)
+        # Row p's possible predecessors are row p − 1's candidates; row 0's is the anchor (k copies).
+        previous = torch.cat([anchors[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], 1)
+        pair = self.predecessor_codebook[previous].float() @ folded.transpose(-1, -2)
+        best_next = (pair + unary[:, :, None]).argmax(-1)
+        return candidates.gather(-1, follow_greedy_path(best_next)[..., None])[..., 0]
+
+
+def follow_greedy_path(best_next: torch.Tensor) -> torch.Tensor:
+    """The candidate index `[R, P]` the greedy path takes in each row, from `best_next [R, P, k]`: row
+    p's best candidate after candidate j of row p − 1 (row 0's after the anchor: its k predecessor
+    copies are one token, so column 0 is read and f_0 below is constant by construction).
+
+    Row p's choice is (f_p ∘ … ∘ f_1 ∘ f_0)(·) with f_p(j) = best_next[:, p, j]. All P prefixes come
+    from a scan of function composition, one gather per round, ceil(log2 P) rounds, after one cat:
+    with the caller's gather of the tokens, 2 + ceil(log2 P) launches (5 at P = 7), never more than
+    the row-by-row walk's P + 1 (P − 1 gathers, a stack, the token gather) and fewer from P = 4 on."""
+    rows, k = best_next.shape[1:]
+    # The scan drops `stride` rows at the front each round, Σ strides = 2^rounds − 1 in all; rows in
+    # front of row 0 may be anything valid, since the constant f_0 absorbs what is composed before it:
+    # copies of f_0 itself.
+    dropped = (1 << (rows - 1).bit_length()) - 1
+    maps = torch.cat([best_next[:, :1, :1].expand(-1, dropped + 1, k), best_next[:, 1:]], 1)
+    stride = 1
+    while stride < rows:
+        maps = maps[:, stride:].gather(-1, maps[:, :-stride])  # maps[q] <- maps[q + stride] ∘ maps[q]
+        stride *= 2
+    return maps[..., 0]
 
 
 class DraftLayer(nn.Module):
