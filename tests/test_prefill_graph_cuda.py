@@ -1,7 +1,8 @@
 """Prefill chunks as CUDA-graph replays on the GPU: a replayed prefill step synchronises only for the
 one read of its token, and gives the eager engine's tokens and logprobs (prompts as long as the
-buckets, so that both run the same kernels on the same shapes), with and without DFlash, prefix-cache
-snapshots inside the chunk included. Tiny random-weight target (`load_format="dummy"`)."""
+buckets, so that both run the same kernels on the same shapes), with and without DFlash or MTP (whose
+proposer observes the chunk inside the replay), prefix-cache snapshots inside the chunk included. Tiny
+random-weight target (`load_format="dummy"`)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def make_llm(path, algorithm: str | None, draft, **kwargs) -> LLM:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("algorithm", [None, "dflash"])
+@pytest.mark.parametrize("algorithm", [None, "dflash", "mtp"])
 def test_prefill_steps_read_once_and_match_eager_steps(checkpoints, algorithm, monkeypatch):  # noqa: F811
     target, draft = checkpoints
     graphs = make_llm(target, algorithm, draft)
