@@ -15,6 +15,7 @@ import torch
 from hylo.kda_plan import KDAPlan
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
+from hylo.ops.batch_metadata import uniform_metadata
 from hylo.ops.kda import CHUNK_TOKENS
 
 
@@ -109,6 +110,8 @@ class Padded:
 
 # How a batch's tokens sit: what a reader of its host lists or of its shapes branches on.
 TokenLayout = Packed | Uniform | Padded
+# The fields `uniform_metadata` computes on the device from the request table.
+UNIFORM_METADATA = ("positions", "token_rows", "new_slots", "state_slots", "completed_pools", "pool_table")
 
 
 @dataclass
@@ -159,6 +162,11 @@ class ForwardBatch:
             padded_lengths=None if padded is None else padded.lengths,
             padded_chunk_ids=None if padded is None else padded.chunk_snapshots,
         )  # fmt: skip
+
+    def metadata_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors `uniform_metadata` computes, by name: a fixed-shape batch's are rewritten in place
+        each step (`uniform_metadata(..., out=batch.metadata_tensors())`)."""
+        return {name: getattr(self, name) for name in UNIFORM_METADATA}
 
     @classmethod
     def build(
@@ -340,62 +348,3 @@ def _completed_pools(
             f"chunks: {len(completed)} pools complete, the fixed shape holds {fixed.num_completed}"
         )
     return completed + [(fixed.filler_slot, 0)] * (fixed.num_completed - len(completed))
-
-
-def uniform_metadata(
-    prefix: torch.Tensor,
-    rows: torch.Tensor,
-    width: int,
-    req_to_token: torch.Tensor,
-    kpool: int,
-    filler_row: int | None = None,
-    lengths: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """On the device, what `ForwardBatch.build` computes for sequences of `width` tokens at device
-    prefix lengths `prefix [B]` in table rows `rows [B]`: `positions`, `token_rows`, `new_slots`,
-    `state_slots`, `completed_pools` (`B · ceil(width / kpool)` entries) and a `pool_table` as wide as
-    the table.
-
-    `completed_pools` lists, per sequence, the pools its tokens may complete; a listed pool that does
-    not complete is replaced by the first pool of `filler_row` (a row nobody owns: a fixed-shape
-    batch's scratch slot) or, without one, by the sequence's pool at `prefix`, which is incomplete
-    before this forward, is masked out of `pool_table` until some forward completes it, and is
-    recompressed by that forward: whatever this one writes to its pooled slot is never read. (When
-    that pool does complete here, both entries compute the same key from the same entries.)
-
-    With `lengths [B]` (device, 1 <= lengths[b] <= width) sequence b has that many new tokens and the
-    rest of its width is padding: a padding token takes the position of the sequence's last token and
-    writes the first slot of `filler_row` (required), so that no sequence ever reads it; the pools
-    follow the real lengths."""
-    device = req_to_token.device
-    steps = torch.arange(width, device=device)
-    positions = prefix[:, None] + steps
-    end = prefix + width if lengths is None else prefix + lengths
-    pools_after = end // kpool
-    candidates = prefix[:, None] // kpool + torch.arange(-(-width // kpool), device=device)
-    completes = candidates < pools_after[:, None]
-    if filler_row is None:
-        pool_rows, candidates = rows[:, None], torch.where(completes, candidates, prefix[:, None] // kpool)
-    else:
-        pool_rows = torch.where(completes, rows[:, None], filler_row)
-        candidates = torch.where(completes, candidates, 0)
-    completed = req_to_token[pool_rows, candidates * kpool].long() // kpool
-    columns = torch.arange(req_to_token.shape[1] // kpool, device=device)
-    pool_slots = req_to_token[rows[:, None], columns[None, :] * kpool].long() // kpool
-    if lengths is None:
-        new_slots = req_to_token[rows[:, None], positions]
-    else:
-        if filler_row is None:
-            raise ValueError("lengths: padding tokens write the filler row, and none was given")
-        positions = torch.minimum(positions, end[:, None] - 1)
-        real = steps[None, :] < lengths[:, None]
-        new_slots = torch.where(real, req_to_token[rows[:, None], positions], req_to_token[filler_row, 0])
-    return {
-        "positions": positions.flatten(),
-        # a copy: with one sequence an expanded flatten is a stride-0 view, and kernels index rows densely
-        "token_rows": rows.repeat_interleave(width),
-        "new_slots": new_slots.long().flatten(),
-        "state_slots": rows,
-        "completed_pools": completed.flatten(),
-        "pool_table": torch.where(columns[None, :] < pools_after[:, None], pool_slots, -1),
-    }

@@ -21,9 +21,10 @@ import torch
 
 from hylo.engine.graph_bank import GraphBank
 from hylo.engine.request import IN_FLIGHT
-from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk, uniform_metadata
+from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
+from hylo.ops.batch_metadata import uniform_metadata
 from hylo.speculative.proposer import Proposer, StepCommit
 
 # A plain decode step that drafts nothing leaves a device proposer's observe for later: the step's
@@ -99,9 +100,9 @@ class UniformBlocks:
         prefix, rows, first = inputs[0], inputs[1], inputs[2]
         if self.after_commit:
             prefix = prefix + inputs[3] * c.last_committed[rows]
-        meta = uniform_metadata(prefix, rows, self.width, c.table.table, c.kpool, c.scratch_slot)
-        for name, value in meta.items():
-            getattr(static, name).copy_(value)
+        uniform_metadata(
+            prefix, rows, self.width, c.table.table, c.kpool, c.scratch_slot, out=static.metadata_tensors()
+        )
         first = torch.where(first == IN_FLIGHT, c.last_sampled[rows], first)
         static.input_ids.view(len(static.extend_lens), self.width)[:, 0] = first
 

@@ -24,10 +24,11 @@ from collections.abc import Sequence
 import torch
 
 from hylo.engine.graph_bank import GraphBank
-from hylo.forward_batch import ForwardBatch, Padded, SequenceChunk, uniform_metadata
+from hylo.forward_batch import ForwardBatch, Padded, SequenceChunk
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 from hylo.ops import kda as kda_ops
+from hylo.ops.batch_metadata import uniform_metadata
 from hylo.ops.kda import CHUNK_TOKENS
 from hylo.speculative.proposer import Proposer, StepCommit
 
@@ -127,9 +128,8 @@ class PrefillLayout:
         width = static.input_ids.shape[0]
         prefix, row, n = inputs[:3, None]
         c = self.caches
-        meta = uniform_metadata(prefix, row, width, c.table.table, c.kpool, c.scratch_slot, n)
-        for name, value in meta.items():
-            getattr(static, name).copy_(value)
+        out = static.metadata_tensors()
+        uniform_metadata(prefix, row, width, c.table.table, c.kpool, c.scratch_slot, n, out=out)
         static.logits_index.copy_(n - 1)
 
 

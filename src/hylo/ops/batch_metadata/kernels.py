@@ -1,0 +1,94 @@
+"""Triton batch metadata: one launch for the ~25 small kernels of `reference.uniform_metadata` (a
+fixed-shape step builds it once per forward: the target's, and each draft forward's). One program per
+sequence writes its tokens' positions, rows and cache slots, its completable pools and its row of the
+pool table, reading the request table directly. Integer arithmetic only: the results are the
+reference's exactly."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_TOKENS = 64  # tokens of a sequence per loop step (a decode or verify row is one step)
+BLOCK_POOLS = 256  # pool-table columns per loop step
+
+
+@triton.jit
+def _uniform_metadata_kernel(
+    prefix, rows, lengths, table, table_stride,
+    positions, token_rows, new_slots, state_slots, completed, pool_table,
+    width, kpool, candidates, pool_columns, filler_row,
+    HAS_LENGTHS: tl.constexpr, HAS_FILLER: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+    BLOCK_POOLS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    start = tl.load(prefix + b).to(tl.int64)
+    row = tl.load(rows + b).to(tl.int64)
+    count = width
+    if HAS_LENGTHS:
+        count = tl.load(lengths + b).to(tl.int64)
+    end = start + count
+    pools_after = end // kpool
+    tl.store(state_slots + b, row)
+    filler_slot = 0
+    if HAS_FILLER:
+        filler_slot = tl.load(table + filler_row * table_stride).to(tl.int64)
+    for w0 in range(0, width, BLOCK_TOKENS):
+        t = w0 + tl.arange(0, BLOCK_TOKENS)
+        inside = t < width
+        position = start + t
+        if HAS_LENGTHS:
+            position = tl.minimum(position, end - 1)
+        slot = tl.load(table + row * table_stride + position, mask=inside, other=0).to(tl.int64)
+        if HAS_LENGTHS:
+            slot = tl.where(t < count, slot, filler_slot)
+        tl.store(positions + b * width + t, position, mask=inside)
+        tl.store(token_rows + b * width + t, tl.zeros_like(t).to(tl.int64) + row, mask=inside)
+        tl.store(new_slots + b * width + t, slot, mask=inside)
+    first_pool = start // kpool
+    for c0 in range(0, candidates, BLOCK_POOLS):
+        c = c0 + tl.arange(0, BLOCK_POOLS)
+        inside = c < candidates
+        pool = first_pool + c
+        completes = pool < pools_after
+        pool_row = tl.zeros_like(c).to(tl.int64) + row
+        if HAS_FILLER:
+            pool_row = tl.where(completes, pool_row, filler_row)
+            pool = tl.where(completes, pool, 0)
+        else:
+            pool = tl.where(completes, pool, first_pool)
+        entry = tl.load(table + pool_row * table_stride + pool * kpool, mask=inside, other=0).to(tl.int64)
+        tl.store(completed + b * candidates + c, entry // kpool, mask=inside)
+    for q0 in range(0, pool_columns, BLOCK_POOLS):
+        q = q0 + tl.arange(0, BLOCK_POOLS)
+        inside = q < pool_columns
+        entry = tl.load(table + row * table_stride + q * kpool, mask=inside, other=0).to(tl.int64)
+        tl.store(
+            pool_table + b * pool_columns + q, tl.where(q < pools_after, entry // kpool, -1), mask=inside
+        )
+
+
+def uniform_metadata(
+    prefix: torch.Tensor,
+    rows: torch.Tensor,
+    width: int,
+    req_to_token: torch.Tensor,
+    kpool: int,
+    filler_row: int | None,
+    lengths: torch.Tensor | None,
+    out: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Triton twin of `reference.uniform_metadata` for the calls `refusal` takes, written into `out`
+    (every name the reference returns, int64, contiguous, of the reference's sizes); returns `out`."""
+    sequences = prefix.shape[0]
+    pool_columns = req_to_token.shape[1] // kpool
+    _uniform_metadata_kernel[(sequences,)](
+        prefix, rows, lengths if lengths is not None else prefix, req_to_token, req_to_token.stride(0),
+        out["positions"], out["token_rows"], out["new_slots"], out["state_slots"], out["completed_pools"],
+        out["pool_table"], width, kpool, -(-width // kpool), pool_columns,
+        filler_row if filler_row is not None else 0,
+        HAS_LENGTHS=lengths is not None, HAS_FILLER=filler_row is not None, BLOCK_TOKENS=BLOCK_TOKENS,
+        BLOCK_POOLS=BLOCK_POOLS, num_warps=4,
+    )  # fmt: skip
+    return out
