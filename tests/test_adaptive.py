@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -135,3 +136,31 @@ def test_adaptive_engines_are_lossless_and_follow_the_acceptance(target):
     wrong = charged(Engine(config, proposer=always_wrong))
     assert generate(wrong, prompts) == expected
     assert wrong.policy.choices["plain"] > 2 * wrong.policy.choices["verify"]
+
+
+def test_step_costs_count_the_time_between_steps_and_not_the_idle_time(target):
+    """The policy is charged the wall time from one step's results to the next's, the caller's work
+    between `step` calls included (each call here waits `GAP` first: every decode step is charged
+    more than it), while the time an engine spends with nothing to run is charged to no step (a
+    request arriving `IDLE` after the last one finished)."""
+    GAP, IDLE = 0.05, 1.0
+    config = EngineConfig(
+        model=str(target), device="cpu", dtype="float32", page_size=16, context_length=96,
+        max_memory_gb=0.25, max_running_requests=4,
+    )  # fmt: skip
+    prompts = [random_prompt(n, 160, seed=80 + n) for n in (11, 7)]
+    engine = Engine(config, proposer=Scripted({tuple(p): [0] * 64 for p in prompts}, set(), BLOCK.drafts))
+    charged = []
+    record = engine.policy.record
+    engine.policy.record = lambda bucket, verify, seconds, committed: (
+        charged.append(seconds) or record(bucket, verify, seconds, committed)
+    )
+    for i, prompt in enumerate(prompts):
+        if i:
+            time.sleep(IDLE)  # nothing to run: the previous request finished
+        engine.add_request(str(i), prompt, GREEDY.model_copy(update={"max_tokens": 6}))
+        while engine.has_unfinished():
+            time.sleep(GAP)
+            engine.step()
+    assert len(charged) >= 2 * 4  # each request's decode steps after its prefill
+    assert all(GAP <= s < IDLE for s in charged), charged

@@ -103,6 +103,8 @@ class Engine:
         self.in_flight: LaunchedStep | None = None  # the step launched and not yet read
         self.last_run_ahead: RunAhead | None = None  # whether the last step scheduled ran ahead, or why not
         self._held_plan: StepPlan | None = None  # made for a step ahead that was not launched
+        # when the last step's results were applied; None while the engine has had nothing to run since
+        self._last_settled: float | None = None
         if self.ranks.publisher is not None:
             self.ranks.publisher.start()
 
@@ -300,17 +302,20 @@ class Engine:
 
     def _settle(self, launched: LaunchedStep, bucket: int, start: float) -> list[StepOutput]:
         """Read a launched step (`ModelRunner.collect`; a verify step that ran ahead first has its
-        blocks cut by the ledger) and apply it; the policy learns what it cost: a step read at once,
-        its launch to its read; a step run ahead, the time between two reads."""
+        blocks cut by the ledger) and apply it; the policy learns what it cost: the wall time since
+        the step before it was applied, everything between included (scheduling, launching, the
+        read, the bookkeeping, the caller's own work between calls: what a step costs the requests'
+        throughput, in either mode), or since `start` after a time with nothing to run."""
         ahead = launched.route.ahead
         if ahead:
             launched.chunks = self.ledger.cut(launched.chunks)
         results = self.runner.collect(launched)
-        read_at = time.perf_counter()
         outputs = self._apply(launched.chunks, results, ahead)
+        now = time.perf_counter()
         if self.policy is not None:
-            seconds = (time.perf_counter() if ahead else read_at) - start
-            self._record(bucket, launched.chunks, results, seconds)
+            since = start if self._last_settled is None else self._last_settled
+            self._record(bucket, launched.chunks, results, now - since)
+        self._last_settled = now if self.has_unfinished() else None
         return outputs
 
     def _next_plan(self, bucket: int) -> StepPlan:
