@@ -19,8 +19,9 @@ reference (github.com/z-lab/dflash, `dflash/model.py`: `GroupedDynamicCausalConv
   start read zeros, and the context (target features) is never convolved.
 - Proposals: the head's logits are scaled by `output_multiplier`, then soft-capped
   (`cap · tanh(logits / cap)`) when `final_logit_softcapping` is set and positive. The
-  `selector_top_k` best tokens per drafted row are candidates; the path is chosen greedily from the
-  first drafted row on, scoring candidate c after predecessor p as
+  `selector_top_k` best tokens per drafted row are candidates (serving takes them from the head's
+  own output, both transforms being increasing: `DFlashDraftModel.top_candidates`); the path is
+  chosen greedily from the first drafted row on, scoring candidate c after predecessor p as
   `logit(c) + Σ_r pred_codebook[p, r] · hidden_projection(h_row)[r] · succ_codebook[c, r]`, where
   the first predecessor is the anchor token and `h_row` is the draft's final (normed) hidden state.
 
@@ -320,15 +321,24 @@ class CandidateSelector(nn.Module):
 
     def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Tokens `[R, P]` for drafted rows `hidden [R, P, H]` (P >= 1) with fp32 `logits [R, P, V]`
-        after `anchors [R]`.
+        after `anchors [R]`: `choose` over each row's `top_k` tokens of `logits`, in `topk` order. The
+        form for callers that hold the whole logits anyway (training); serving takes the candidates
+        without them (`DFlashDraftModel.top_candidates`)."""
+        return self.choose(hidden, *logits.topk(self.top_k, dim=-1), anchors)
+
+    def choose(
+        self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor
+    ) -> torch.Tensor:
+        """Tokens `[R, P]` for drafted rows `hidden [R, P, H]` (P >= 1) with `candidates [R, P, k]`
+        (token ids) and their fp32 logits `unary [R, P, k]`, after `anchors [R]`; each row's candidates
+        in non-increasing order of `unary`, as `topk` returns them.
 
         The path is sequential but its scores are not: one batched matmul scores every (previous
         candidate, next candidate) pair of every row, one argmax gives each row's best next candidate
         after each possible previous one, and `follow_greedy_path` walks the path through those maps, so
-        the launches do not grow with P. Exact ties go to the first (highest-ranked by `topk`) candidate,
-        as argmax picks the first maximum; the pair term is a rank-r sum whose order is the matmul's, so
+        the launches do not grow with P. Exact ties go to the first (highest-ranked) candidate, as
+        argmax picks the first maximum; the pair term is a rank-r sum whose order is the matmul's, so
         a tie exact in one summation order may be broken by the last bit in another."""
-        unary, candidates = logits.topk(self.top_k, dim=-1)
         # Only the predecessor depends on earlier choices: fold the row and successor factors first.
         folded = (
             self.successor_codebook[candidates].float() * self.hidden_projection(hidden).float()[:, :, None]
@@ -448,16 +458,51 @@ class DFlashDraftModel(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """DFlash2's fp32 proposal logits: the head's, scaled by `output_multiplier` and soft-capped."""
+        """DFlash2's fp32 proposal logits `[..., V]`: the head's, scaled by `output_multiplier` and
+        soft-capped. Every row over the whole vocabulary: for training, whose loss reads them all."""
+        return self.scale_and_cap(lm_head(hidden).float())
+
+    def scale_and_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 head `logits` scaled by `output_multiplier`, then soft-capped (`cap · tanh(x / cap)`).
+        Elementwise and non-decreasing (a positive scale, then an increasing function, each rounded
+        monotonically), and equal inputs give equal outputs: what `top_candidates` relies on."""
         v2 = self.config.dflash2
-        logits = lm_head(hidden).float() * v2.output_multiplier
+        if v2.output_multiplier != 1.0:  # x · 1 == x exactly: skipping it saves a launch, changes no bit
+            logits = logits * v2.output_multiplier
         if v2.final_logit_softcapping is not None:
             logits = v2.final_logit_softcapping * torch.tanh(logits / v2.final_logit_softcapping)
         return logits
+
+    def top_candidates(self, hidden: torch.Tensor, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp32 logits `[..., k]`, token ids `[..., k]`): `self.logits(hidden, lm_head).topk(k)` without
+        the fp32 `[..., V]` tensor: the top-k of the head's own output (bf16 on the GPU), then only the k
+        kept values cast, scaled and capped. Safe for any head whose output is `[..., V]` logits, -inf
+        for tokens it excludes (`HotTokenHead`, whose ids are then global token ids, not map indices).
+
+        Same candidates, same order: `scale_and_cap` after the exact cast is non-decreasing and maps
+        equal values to equal values, so where it keeps distinct head values distinct both tensors have
+        one order pattern (which entries are <, =, >), and `topk`'s choice and tie order depend only on
+        that pattern and the positions (CPU: a comparison sort of (value, index) pairs; CUDA: a radix
+        select on order-preserving keys, then a sort by value). Ties stay ties, resolved alike, and the
+        kept values are `logits`' own (up to the last bit of tanh: the CPU's vectorised and scalar forms
+        may differ). A positive scale keeps distinct bf16 values distinct (neighbours differ by a
+        relative 2^-8, fp32 rounds by at most 2^-24, barring overflow); fp32 head values (CPU) can merge
+        in the rounding of the scale, and either can merge where tanh saturates (|x / cap| beyond ~7
+        for bf16 inputs; from ~9 fp32 tanh is ±1).
+
+        Where values merge, `logits` sees a tie and `topk` breaks it by its tie order; here the higher
+        head value ranks first. The token at the k-th place, or the order of candidates with equal capped
+        logits, may then differ: both are valid top-k orders of the capped logits, the draft scores the
+        tied tokens alike, and the target verifies every draft, so outputs cannot change (only, rarely,
+        which draft is proposed). One such case improves: a head's -inf (outside a token map) capped to
+        -cap could tie with map tokens saturated at -cap and become a candidate; here it never does
+        while the map holds k tokens (the proposer checks it)."""
+        raw, candidates = lm_head(hidden).topk(self.config.dflash2.selector_top_k, dim=-1)
+        return self.scale_and_cap(raw.float()), candidates
 
     def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: VocabHead) -> torch.Tensor:
         """Draft tokens `[R, B−1]` from the drafted rows' hidden states `[R, B−1, H]`: the head's
         argmax for DFlash, the candidate selector's path after `anchors [R]` for DFlash2."""
         if self.config.dflash2 is None:
             return lm_head.argmax(hidden)
-        return self.candidate_selector(hidden, self.logits(hidden, lm_head), anchors)
+        return self.candidate_selector.choose(hidden, *self.top_candidates(hidden, lm_head), anchors)
