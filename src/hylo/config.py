@@ -221,6 +221,11 @@ class EngineConfig:
         "longest prefill chunk of a step that prefills one request alone run as a CUDA-graph replay "
         "(token buckets from 16 up to it); 0: every prefill runs eagerly",
     )
+    skip_warmup: bool = _flag(
+        False,
+        "start without warming up: on CUDA the engine runs one eager step of each shape class before it is "
+        "ready, so that no request pays for compiling kernels (SGLang's --skip-server-warmup)",
+    )
     disable_radix_cache: bool = _flag(
         False, "no prefix cache: every request computes its whole prompt (SGLang's flag name)"
     )
@@ -302,6 +307,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_prefill_tokens must be an int >= 0, got {value!r}")
         flags = (
             "disable_cuda_graph",
+            "skip_warmup",
             "speculative_adaptive",
             "disable_radix_cache",
             "disable_overlap_schedule",

@@ -21,5 +21,6 @@ Who owns what:
 - the graph bank (`graph_bank.py`) owns captures, replays and their memory pool, composed with a step
   shape (`cuda_graph.py`: decode, `verify_graph.py`, `prefill_graph.py`);
 - the engine (`engine.py`) owns the requests by id and the step loop (schedule-next, launch,
-  settle-previous); `builder.py` builds its parts once.
+  settle-previous); `builder.py` builds its parts once, and `warmup.py` runs one eager step of each
+  shape class in the scratch slot before the engine is ready (kernels compiled at start-up).
 """

@@ -1,9 +1,11 @@
 """Building one engine's parts, in the order their memory is taken: the model, the proposer's weights,
-the caches sized from one memory budget with the proposer's, the graphs, the runner and scheduler, and
-the memory report (taken last, so the allocator's figures include caches and graph pools).
+the caches sized from one memory budget with the proposer's, the graphs, the runner and scheduler, the
+warm-up of the eager paths (`engine/warmup.py`: kernels compiled before the engine is ready), and the
+memory report (taken last, so the allocator's figures include caches, graph pools and the warm-up's
+cached blocks; its line ends with the warm-up's seconds).
 
 `build_engine` is called once, by `Engine.__init__`, which owns what it returns; nothing here runs a
-step.
+request's step (the warm-up's steps are its own, in the scratch slot).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hylo.engine.prefill_graph import PrefillGraphs, prefill_graph_refusal
 from hylo.engine.runner import ModelRunner
 from hylo.engine.scheduler import Scheduler
 from hylo.engine.verify_graph import VerifyGraphs
+from hylo.engine.warmup import WarmupShapes, warm_up, warmup_refusal, warmup_steps
 from hylo.memory.manager import (
     PREFIX_SNAPSHOT_SHARE,
     CacheManager,
@@ -70,8 +73,9 @@ def build_engine(
     target: Glm5NextForCausalLM | None,
 ) -> EngineParts:
     """Load the model (or serve `target`), build the proposer (`proposer`, or the one the config
-    names), size and allocate the caches, capture the graphs (`decode_graphs`: see `Engine`) and make
-    the runner, the scheduler and the draft-length policy of this rank."""
+    names), size and allocate the caches, capture the graphs (`decode_graphs`: see `Engine`), make
+    the runner, the scheduler and the draft-length policy of this rank, and warm the eager paths up
+    (`warmup_refusal` says when not)."""
     path = Path(config.model) if config.model is not None else _demo_model()
     device, dtype = resolve_device(config.device, config.dtype)
     device = ranks.device or device
@@ -93,7 +97,10 @@ def build_engine(
     if decode_graphs is None:
         decode_graphs = device.type == "cuda" and not config.disable_cuda_graph
     types = (device, dtype, indexer_dtype)
-    plan, caches = _caches(config, ranks, model, types, context_len, build, decode_graphs)
+    no_warmup = warmup_refusal(config.skip_warmup, device)
+    # the graphs' filler rows and the warm-up's sequences live in the scratch slot
+    scratch = decode_graphs or no_warmup is None
+    plan, caches = _caches(config, ranks, model, types, context_len, build, scratch)
     proposer = None if build is None else _attach(build, caches, device)
     max_bs = min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, plan.num_slots)
     graphs = _graphs(config, model, caches, proposer, max_bs, context_len, decode_graphs)
@@ -108,7 +115,8 @@ def build_engine(
     policy = None
     if proposer is not None and config.speculative_adaptive and ranks.leader:
         policy = DraftLengthPolicy(verify_shape)
-    report = _memory_report(model, plan, device, load_peak.bytes, ranks)
+    warmup = _warm_up(config, model, plan, caches, runner) if no_warmup is None else no_warmup
+    report = _memory_report(model, plan, device, load_peak.bytes, ranks, warmup)
     return EngineParts(
         device, dtype, model, tokenizer, context_len, plan, caches, proposer, runner, scheduler, policy,
         batch_size_buckets(max_bs), report,
@@ -252,16 +260,45 @@ def _graphs(
     return graphs, verifying, prefilling
 
 
+def _warm_up(
+    config: EngineConfig,
+    model: Glm5NextForCausalLM,
+    plan: MemoryPlan,
+    caches: CacheManager,
+    runner: ModelRunner,
+) -> float:
+    """The warm-up's seconds, its steps run (`engine/warmup.py`) and logged."""
+    shapes = WarmupShapes.of(config.chunked_prefill_size, plan, caches, runner.proposer)
+    steps = warmup_steps(shapes)
+    seconds = warm_up(runner, caches, steps, model.config.vocab_size)
+    longest = max(c.prefix + c.tokens for step in steps for c in step.chunks)
+    most = max(len(step.chunks) for step in steps)
+    logger.info(
+        "warm-up: %d eager steps (chunks up to %d tokens, contexts up to %d, up to %d sequences a step) "
+        "in %.1f s", len(steps), shapes.longest_chunk, longest, most, seconds,
+    )  # fmt: skip
+    return seconds
+
+
 def _memory_report(
-    model: Glm5NextForCausalLM, plan: MemoryPlan, device: torch.device, load_peak: int, ranks: Ranks
+    model: Glm5NextForCausalLM,
+    plan: MemoryPlan,
+    device: torch.device,
+    load_peak: int,
+    ranks: Ranks,
+    warmup: float | str,
 ) -> dict[str, Any]:
-    """The memory report, logged: where the weights, caches and graph pools went; on a tensor-parallel
-    engine with every rank's report in rank 0's."""
+    """The memory report, logged with the warm-up's seconds (`warmup`; why there was none when a
+    string): where the weights, caches and graph pools went; on a tensor-parallel engine with every
+    rank's report in rank 0's."""
     report = memory_report(model, plan, device, load_peak)
     report["weights_shard"] = shard_digest(model)  # which part of the checkpoint this rank holds
     parallel = ranks.parallel
     rank = f" (rank {parallel.rank} of {parallel.size})" if parallel.size > 1 else ""
-    logger.info("memory%s: %s", rank, format_memory_report(report))
+    warmed = isinstance(warmup, float)
+    line = f"warm-up {warmup:.1f} s" if warmed else f"warm-up skipped ({warmup})"
+    logger.info("memory%s: %s; %s", rank, format_memory_report(report), line)
+    report["warmup_seconds"] = warmup if warmed else None
     if parallel.size > 1:  # what every rank holds, in rank 0's report too
         report["ranks"] = ranks.gather(dict(report))
     return report
