@@ -182,7 +182,7 @@ def warmup_steps(shapes: WarmupShapes) -> list[WarmupStep]:
         ),
         *_snapshot_steps(shapes),
     ]
-    return [step for step in steps if all(c.prefix + c.tokens <= shapes.room for c in step.chunks)]
+    return [step for step in steps if all(0 <= c.prefix <= shapes.room - c.tokens for c in step.chunks)]
 
 
 def _token_steps(shapes: WarmupShapes) -> list[WarmupStep]:
