@@ -234,6 +234,12 @@ class EngineConfig:
         "run each decode step to its end before scheduling the next (for debugging); by default the "
         "host schedules and launches step N+1 while the device runs step N (SGLang's flag name)",
     )
+    disable_mixed_steps: bool = _flag(
+        False,
+        "a step with prefill work (a prompt going on, a request that can start) runs only that, and the "
+        "decoding requests go on in the next step, which the decode or verify graphs replay; by default "
+        "prefill chunks join the decoding rows in one eagerly run step",
+    )
     prefix_snapshot_interval: int = _flag(
         1024,
         "prefix cache: a long prefill keeps a snapshot of the KDA states every this many tokens (a "
@@ -311,6 +317,7 @@ class EngineConfig:
             "speculative_adaptive",
             "disable_radix_cache",
             "disable_overlap_schedule",
+            "disable_mixed_steps",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):

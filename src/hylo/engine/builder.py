@@ -110,7 +110,7 @@ def build_engine(
     overlap = not config.disable_overlap_schedule and ranks.parallel.size == 1
     scheduler = Scheduler(
         caches, plan.num_slots, config.chunked_prefill_size, verify_shape, proposer, overlap,
-        verify_graphs=runner.verify_graphs is not None,
+        verify_graphs=runner.verify_graphs is not None, mixed_steps=not config.disable_mixed_steps,
     )  # fmt: skip
     policy = None
     if proposer is not None and config.speculative_adaptive and ranks.leader:

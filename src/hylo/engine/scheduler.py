@@ -48,9 +48,14 @@ class Scheduler:
         proposer: Any = None,
         overlap: bool = False,
         verify_graphs: bool = False,
+        mixed_steps: bool = True,
     ):
         """`overlap`, `verify_graphs`: whether steps may run ahead of the read before them at all, and
-        verify steps as verify-graph replays (`InFlightLedger`)."""
+        verify steps as verify-graph replays (`InFlightLedger`). `mixed_steps`: whether a step may
+        hold prefill chunks beside decode or verify rows; without, a step with prefill work to do
+        (a prompt going on, a waiting request that can start) runs only that, and the decoding
+        requests go on in the next step, whose rows the decode or verify graphs can replay (a mixed
+        step runs eagerly)."""
         self.caches = caches
         self.prefix = caches.prefix
         self.proposer = proposer
@@ -60,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.mixed_steps = mixed_steps
         self.ledger = InFlightLedger(proposer, overlap, verify_graphs)  # what is launched and unread
 
     def add(self, request: Request) -> None:
@@ -69,12 +75,27 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, draft: bool = True) -> list[ScheduledChunk]:
-        """The next step's chunks; without `draft` decoding requests decode one token plainly."""
+        """The next step's chunks; without `draft` decoding requests decode one token plainly. Without
+        `mixed_steps`, only prefill chunks while any can be scheduled (see `__init__`)."""
+        if not self.mixed_steps and self._has_prefill_work():
+            chunks = self._schedule(draft, decode=False)
+            if chunks:
+                return chunks  # else nothing could start (no pages): the decoding requests go on
+        return self._schedule(draft, decode=True)
+
+    def _has_prefill_work(self) -> bool:
+        admissible = self.waiting and len(self.running) < self.max_running and self.caches.slots.num_free
+        return bool(admissible) or any(r.remaining > 1 for r in self.running if r.status is Status.RUNNING)
+
+    def _schedule(self, draft: bool, decode: bool) -> list[ScheduledChunk]:
+        """`schedule`'s chunks, the decoding requests' rows among them only with `decode`."""
         chunks: list[ScheduledChunk] = []
         budget = self.prefill_budget
         for request in list(self.running):
             if request.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier request
+            if request.remaining == 1 and not decode:
+                continue
             drafts = request.draft_budget(self._max_drafts) if draft and request.remaining == 1 else 0
             n = 1 + drafts if request.remaining == 1 else self._prefill_tokens(request, budget)
             if n == 0 or not self._grow(request, self._reserve(request.num_computed + n)):
