@@ -60,17 +60,24 @@ def write_prompts(model: Path, path: Path, count: int, max_tokens: int) -> None:
     print(f"{len(kept)} held-out prompts of <= {max_tokens} tokens -> {path}")
 
 
-def engine_names(algorithms: list[str]) -> list[str]:
-    return ["plain"] + [f"{a}-{policy}" for a in algorithms for policy in ("adaptive", "verify")]
+UNMIXED = "+unmixed"  # an engine name's suffix: built with `disable_mixed_steps`
+
+
+def engine_names(algorithms: list[str], unmixed: bool) -> list[str]:
+    names = ["plain"] + [f"{a}-{policy}" for a in algorithms for policy in ("adaptive", "verify")]
+    return names + [name + UNMIXED for name in names] if unmixed else names
 
 
 def build(model: Path, name: str, max_batch: int) -> Engine:
     """`name`: plain, or `<algorithm>-adaptive` / `<algorithm>-verify` (the policy off: every decode
-    step verifies). Caches of about `CACHE_BYTES` beside what the process already holds."""
+    step verifies), `UNMIXED` after it for an engine whose steps do not mix prefill chunks with decode
+    rows. Caches of about `CACHE_BYTES` beside what the process already holds."""
     options: dict = {}
+    if name.endswith(UNMIXED):
+        name, options = name.removesuffix(UNMIXED), {"disable_mixed_steps": True}
     if name != "plain":
         algorithm, policy = name.rsplit("-", 1)
-        options = dict(ALGORITHMS[algorithm])
+        options |= ALGORITHMS[algorithm]
         if "speculative_draft_model_path" in options:
             options["speculative_draft_model_path"] = str(model / options["speculative_draft_model_path"])
         options["speculative_adaptive"] = policy == "adaptive"
@@ -164,6 +171,7 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2, help="prompts per in-flight stream")
     parser.add_argument("--min-requests", type=int, default=16, help="prompts per run at least")
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--unmixed", action="store_true", help="also every engine with --disable-mixed-steps")
     parser.add_argument("--profile", action="store_true", help="kernel tables of a c = 1 run per engine")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -172,7 +180,7 @@ def main() -> None:
         return
     prompts = json.loads(args.prompts.read_text())
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    names = engine_names(args.algorithms.split(","))
+    names = engine_names(args.algorithms.split(","), args.unmixed)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     engines = {name: build(args.model, name, max(concurrencies)) for name in names}
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU dry run)"
@@ -204,7 +212,7 @@ def main() -> None:
             report["profiles"] = {
                 name: kernel_profile(eng, prompts[0], params, args.out / f"kernels_{name}.txt")
                 for name, eng in engines.items()
-                if not name.endswith("-adaptive")
+                if "-adaptive" not in name
             }
             print(json.dumps(report["profiles"]), flush=True)
         # the policies' choices and costs so far (cumulative over the concurrencies run)
