@@ -8,8 +8,10 @@ Each variant is one child process whose `TRITON_CACHE_DIR` and `HYLO_CACHE` are 
 its own (Triton's kernels and hylo's CUDA C++ libraries both compile again): `warm-up` (the default
 engine), `no warm-up` (`--skip-warmup`, the baseline: kernels compile at first use), and `restart`
 (the default engine again over the `warm-up` child's caches: what a restart on the same machine
-pays). A child reports its start-up seconds (the `LLM(...)` call: load, graphs, warm-up) and the
-warm-up's own seconds, then, in this order, each as a first request and then repeated with other
+pays). `--variants` picks some (in order) and `--cache-root` keeps the caches where a later command
+finds them: `--variants warm-up --cache-root D`, then `--variants restart --cache-root D`. A child
+reports its start-up seconds (the `LLM(...)` call: load, graphs, warm-up) and the warm-up's own
+seconds, then, in this order, each as a first request and then repeated with other
 random tokens of the same lengths:
 - a batch of `--batch` short prompts (lengths 32-256, seeded) decoding `--decode` tokens each,
   submitted at once: output tokens/s;
@@ -133,6 +135,10 @@ def main() -> None:
     )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--decode", type=int, default=64, help="tokens each prompt of the batch decodes")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="which variants to run, in order")
+    parser.add_argument(
+        "--cache-root", default=None, help="where the variants' compile caches go (default: a new temp dir)"
+    )
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -146,9 +152,9 @@ def main() -> None:
     passed = ["--layers", str(args.layers), "--prompt-lens", ",".join(map(str, args.prompt_lens))]
     passed += ["--batch", str(args.batch), "--decode", str(args.decode)]
     passed += ["--demo"] * args.demo + ["--dry-run"] * args.dry_run
-    root = Path(tempfile.mkdtemp(prefix="cold_start_"))
+    root = Path(args.cache_root) if args.cache_root else Path(tempfile.mkdtemp(prefix="cold_start_"))
     report = {"gpu": None if args.dry_run else torch.cuda.get_device_name(), "argv": passed}
-    for name in VARIANTS:
+    for name in args.variants.split(","):
         caches = root / ("warm-up" if name == "restart" else name.replace(" ", "-"))
         report[name] = run_variant(name, caches, passed)
     text = json.dumps(report, indent=1)
