@@ -100,6 +100,7 @@ def main() -> None:
     llm = LLM(
         str(model), load_format="dummy", device="cuda", dtype="bfloat16", context_length=4096,
         max_running_requests=args.max_running, cuda_graph_max_bs=args.max_running, mem_fraction_static=0.8,
+        skip_warmup=True,
     )  # fmt: skip
     report["engine_start_s"] = round(time.perf_counter() - start, 1)
     runner = llm.engine.runner

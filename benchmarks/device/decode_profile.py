@@ -112,6 +112,7 @@ def main() -> None:
     llm = LLM(
         str(path), load_format="dummy", device="cuda", dtype="bfloat16",
         max_running_requests=8, cuda_graph_max_bs=8, mem_fraction_static=0.6, context_length=16384,
+        skip_warmup=True,
     )  # fmt: skip
     graphs = llm.engine.runner.graphs
     bandwidth = copy_bandwidth()

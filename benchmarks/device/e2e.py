@@ -103,7 +103,7 @@ def main() -> None:
     fp8_weight_bytes = 41e9 * args.layers / 8  # the slice's FP8 weights (S15-3), for the cache budget
     llm = LLM(
         str(path), load_format="dummy", device="cuda", dtype="bfloat16", context_length=16384,
-        max_running_requests=8, cuda_graph_max_bs=8,
+        max_running_requests=8, cuda_graph_max_bs=8, skip_warmup=True,
         mem_fraction_static=(total - free + fp8_weight_bytes + CACHE_BYTES) / total,
     )  # fmt: skip
     model, with_fla = hf_model(path, args.layers)

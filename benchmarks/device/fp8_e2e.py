@@ -62,6 +62,7 @@ def main() -> None:
     target = Path(tempfile.mkdtemp())
     write_target(target, args.layers)
     common = dict(
+        skip_warmup=True,  # the script warms what it measures; see cold_start.py for the start-up warm-up
         load_format="dummy", device="cuda", dtype="bfloat16", context_length=16384, max_running_requests=8,
         cuda_graph_max_bs=8,
     )  # fmt: skip

@@ -62,6 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     target, _ = write_slice_with_dflash(Path(tempfile.mkdtemp()), args.layers)
     common = dict(
+        skip_warmup=True,
         load_format="dummy",
         device="cuda",
         dtype="bfloat16",

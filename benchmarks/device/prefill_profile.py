@@ -67,6 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     target, draft = write_slice_with_dflash(Path(tempfile.mkdtemp()), args.layers)
     common = dict(
+        skip_warmup=True,  # the script warms what it measures; see cold_start.py for the start-up warm-up
         load_format="dummy", device="cuda", dtype="bfloat16", context_length=8192, max_running_requests=8,
         cuda_graph_max_bs=8,
     )  # fmt: skip

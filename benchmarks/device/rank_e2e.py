@@ -221,7 +221,8 @@ def main() -> None:
         config = EngineConfig.from_kwargs(
             model=str(root / "target"), load_format="dummy", device="cuda", dtype="bfloat16",
             tp_size=args.tp, ep_size=args.ep, context_length=max(4096, longest + 64), max_running_requests=16,
-            cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, **engine_flags(name, root),
+            cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, skip_warmup=True,
+            **engine_flags(name, root),
         )  # fmt: skip
         engine = None
         try:  # an engine that fails is reported and the next one still runs

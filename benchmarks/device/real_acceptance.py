@@ -87,7 +87,9 @@ def build(model: Path, name: str, max_batch: int) -> Engine:
         options["cuda_graph_max_bs"] = max_batch
     else:
         options |= {"device": "cpu", "max_memory_gb": CACHE_BYTES / 2**30}
-    config = EngineConfig.from_kwargs(model=str(model), max_running_requests=max_batch, **options)
+    config = EngineConfig.from_kwargs(
+        model=str(model), max_running_requests=max_batch, skip_warmup=True, **options
+    )
     return Engine(config)
 
 

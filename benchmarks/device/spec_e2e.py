@@ -376,7 +376,7 @@ def main() -> None:
     save_token_map(token_map, root / "token_map.pt")
     report: dict = {"layers": args.layers, "gpu": torch.cuda.get_device_name(), "block": args.block}
     max_bs = max(map(int, args.batches.split(",")))
-    common = dict(load_format="dummy", device="cuda", dtype="bfloat16", context_length=4096,
+    common = dict(skip_warmup=True, load_format="dummy", device="cuda", dtype="bfloat16", context_length=4096,
                   max_running_requests=32, cuda_graph_max_bs=max_bs)  # fmt: skip
     start = time.perf_counter()
     plain = LLM(str(root / "target"), mem_fraction_static=args.plain_mem_fraction, **common)

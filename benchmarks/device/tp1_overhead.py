@@ -53,7 +53,7 @@ def main() -> None:
         start = time.perf_counter()
         llm = LLM(
             tmp, load_format="dummy", device="cuda", dtype="bfloat16", context_length=2048,
-            max_running_requests=8, cuda_graph_max_bs=8, mem_fraction_static=0.8,
+            max_running_requests=8, cuda_graph_max_bs=8, mem_fraction_static=0.8, skip_warmup=True,
         )  # fmt: skip
         report = {
             "label": args.label,
