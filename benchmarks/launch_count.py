@@ -1,6 +1,12 @@
 """Kernel launches of one decode step, layer by layer, counted on the CPU (no GPU needed).
 
     .venv/bin/python benchmarks/launch_count.py [--layers 8] [--batch 1] [--by-op]
+    .venv/bin/python benchmarks/launch_count.py --engine plain,dflash,dflash2,mtp3
+
+`--engine`: one whole engine step of the shipped demo model instead (a decode step of one request,
+or a verify step with its drafting for the next, through the fixed-shape graph paths run uncaptured,
+adaptive policy off), split into the target's layers, the rest of the target, the draft model (or
+MTP layer) and what runs outside every module (batch metadata, sampling, acceptance, commits).
 
 A small GLM-5.3-Flash of the real layer order (`ModelConfig.from_dict` defaults: KDA where idx % 4 != 3,
 dense MLPs in layers 0-2, MoE after; the demo's widths, parameters in bf16 but those the loader keeps
@@ -246,13 +252,73 @@ def report(launches: Launches, model, by_op: bool) -> None:
         print(f"host reads (not capturable): {dict(launches.host_reads)}")
 
 
+ENGINE_ALGORITHMS = {
+    "plain": {},
+    "dflash": {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": "dflash"},
+    "dflash2": {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": "dflash2"},
+    "mtp3": {"speculative_algorithm": "MTP", "speculative_num_steps": 3},
+}
+
+
+def engine_step_launches(algorithm: str, warm_steps: int = 3) -> Launches:
+    """Launches of one engine step of the demo model (see the module) after `warm_steps` steps of a
+    40-token prompt; module paths start with "target" or "draft", "" outside both."""
+    from hylo.config import EngineConfig
+    from hylo.engine.engine import Engine
+    from hylo.models.demo import default_model_dir
+    from hylo.sampling import SamplingParams
+
+    model = default_model_dir()
+    options = dict(ENGINE_ALGORITHMS[algorithm])
+    if "speculative_draft_model_path" in options:
+        options["speculative_draft_model_path"] = str(model / options["speculative_draft_model_path"])
+    if options:
+        options["speculative_adaptive"] = False
+    config = EngineConfig.from_kwargs(model=str(model), device="cpu", dtype="float32", **options)
+    engine = Engine(config, decode_graphs=True)
+    prompt = torch.randint(2, 8000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(warm_steps):
+        engine.step()
+    modules = torch.nn.ModuleDict({"target": engine.model})
+    proposer = engine.proposer
+    draft = getattr(proposer, "draft", None) or getattr(proposer, "layer", None)
+    if draft is not None:
+        modules["draft"] = draft
+    launches = Launches()
+    with kernels_dispatched_as_on_cuda(), counting(modules, launches):
+        engine.step()
+    engine.close()
+    return launches
+
+
+def engine_report(algorithm: str, launches: Launches) -> None:
+    layers = sum(n for (path, _, _), n in launches.counts.items() if _under(path, "target.layers"))
+    parts = {
+        "target layers": layers,
+        "target, outside its layers": launches.total("target") - layers,
+        "draft": launches.total("draft"),
+        "outside every module": launches.total() - launches.total("target") - launches.total("draft"),
+    }
+    print(
+        f"{algorithm}: {launches.total()} launches a step ({', '.join(f'{k} {v}' for k, v in parts.items())})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--by-op", action="store_true", help="list each layer's launches by module and op")
+    parser.add_argument(
+        "--engine", default=None, help=f"count engine steps instead: some of {list(ENGINE_ALGORITHMS)}"
+    )
     args = parser.parse_args()
+    if args.engine:
+        for algorithm in args.engine.split(","):
+            engine_report(algorithm, engine_step_launches(algorithm))
+        return
     launches, model = decode_step_launches(args.layers, args.batch, getattr(torch, args.dtype))
     report(launches, model, args.by_op)
 
