@@ -1,6 +1,7 @@
 """Steps without mixing (`disable_mixed_steps`): a step with prefill work runs only prefill chunks, the
 decoding requests go on in the next, which the decode or verify graphs replay; the tokens are the
-mixing engine's. Requests arrive while others decode (16 prompts, 4 running at most)."""
+mixing engine's. Requests arrive while others decode (8 prompts of different output lengths, 4
+running at most)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from test_mtp import checkpoints  # noqa: F401 (a fixture: a target with an MTP 
 
 from hylo.engine.route import Path
 
+# fixed-shape paths as on a GPU (uncaptured on the CPU), their buckets no wider than these prompts need
+SMALL = dict(
+    max_running_requests=4, decode_graphs=True, context_length=128, cuda_graph_max_prefill_tokens=128
+)
 MTP = {"speculative_algorithm": "MTP", "speculative_num_steps": 3, "speculative_adaptive": False}
 
 
@@ -31,7 +36,7 @@ def steps_of(llm) -> tuple[list[tuple[int, int]], list[Path]]:
 
 def lengths(count: int) -> list[int]:
     """Output lengths that differ, so that requests end, and others start, while some decode."""
-    return [6 + 3 * (i % 6) for i in range(count)]
+    return [4 + 2 * (i % 5) for i in range(count)]
 
 
 def generate(llm, token_ids) -> list[list[int]]:
@@ -47,7 +52,7 @@ def test_unmixed_steps_give_the_same_tokens_and_replay_the_decode_graphs(
     reference,  # noqa: F811
     mixed,
 ):
-    llm = make_llm(checkpoint, max_running_requests=4, decode_graphs=True, disable_mixed_steps=not mixed)
+    llm = make_llm(checkpoint, **SMALL, disable_mixed_steps=not mixed)
     kinds, routes = steps_of(llm)
     assert generate(llm, prompts) == [
         out[:n] for out, n in zip(reference, lengths(len(prompts)), strict=True)
@@ -66,7 +71,7 @@ def test_unmixed_steps_under_mtp_give_plain_decodings_tokens(
     prompts,  # noqa: F811
 ):
     target = str(checkpoints[1])
-    kwargs = dict(max_running_requests=4, decode_graphs=True, context_length=128)
+    kwargs = SMALL
     expected = generate(make_llm(target, **kwargs), prompts[:8])
     llm = make_llm(target, **kwargs, **MTP, disable_mixed_steps=True)
     kinds, routes = steps_of(llm)
