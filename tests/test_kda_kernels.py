@@ -390,6 +390,10 @@ def test_prefill_leaves_snapshots_at_chunk_ends():
     that prefix alone ends with, and the kernel's outputs, windows and states are those of the call
     without snapshots."""
     p = Problem(5, d=16)
+    # Snapshots are `recur`'s work; the first launch (`prep`) only feeds it, and its tilings agree
+    # (test_prefill_matches_reference). Every kernel call here takes its coarsest legal tiling, 64-row conv
+    # blocks: a third of the programs the interpreter runs one by one (32 s -> ~14 s on the CPU).
+    tiles = dict(conv_rows=64)
     cu = [0, 200, 330]  # sequences of 200 and 130 tokens
     x = KDAInputs(*p.inputs(cu[-1]))
     slots = torch.tensor([2, 5])
@@ -402,9 +406,9 @@ def test_prefill_leaves_snapshots_at_chunk_ends():
     snap_conv, snap_state = pools(8)
     snaps = reference.ChunkSnapshots(chunk_ids, snap_conv, snap_state)
     conv, state = p.pools()
-    o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), cu_dev, cu, snapshots=snaps)
+    o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), cu_dev, cu, snapshots=snaps, **tiles)
     conv_ref, state_ref = p.pools()
-    o_ref = chunk.prefill(x, p.params(), KDASlots(conv_ref, state_ref, slots), cu_dev, cu)
+    o_ref = chunk.prefill(x, p.params(), KDASlots(conv_ref, state_ref, slots), cu_dev, cu, **tiles)
     assert torch.equal(o, o_ref) and torch.equal(conv, conv_ref) and torch.equal(state, state_ref)
 
     ref_conv, ref_state = pools(8)
@@ -424,7 +428,7 @@ def test_prefill_leaves_snapshots_at_chunk_ends():
         )
         one_conv, one_state = p.pools()
         one_cu = torch.tensor([0, tokens], dtype=torch.int32)
-        chunk.prefill(part, p.params(), KDASlots(one_conv, one_state, slot), one_cu, [0, tokens])
+        chunk.prefill(part, p.params(), KDASlots(one_conv, one_state, slot), one_cu, [0, tokens], **tiles)
         assert torch.equal(snap_conv[sid], one_conv[slot[0]]) and torch.equal(
             snap_state[sid], one_state[slot[0]]
         )
