@@ -118,6 +118,14 @@ def _run(prompts, **options):
     return [o.token_ids for o in outputs], sum(o.metrics.spec_accepted_tokens for o in outputs)
 
 
+@pytest.fixture(scope="module")
+def plain_run() -> tuple[list[list[int]], list[list[int]]]:
+    """(the chat prompts, plain decoding's tokens of them): the same engine, options and prompts in every
+    parametrisation below, so decoded once per module."""
+    prompts = _chat_prompts()
+    return prompts, _run(prompts)[0]
+
+
 @pytest.mark.parametrize(
     "spec",
     [
@@ -126,12 +134,11 @@ def _run(prompts, **options):
     ],
     ids=["mtp3", "dflash2"],  # the head's argmax, and its logits (DFlash2's selector reads their top-k)
 )
-def test_drafts_come_from_the_map_and_outputs_stay_plain(tmp_path, spec):
+def test_drafts_come_from_the_map_and_outputs_stay_plain(tmp_path, spec, plain_run):
     """On the demo model: a map of the whole vocabulary drafts exactly what no map does (same accepted
     drafts); a map of every token but those plain decoding emits can never be right (nothing accepted);
     either way the tokens are plain decoding's."""
-    prompts = _chat_prompts()
-    plain, _ = _run(prompts)
+    prompts, plain = plain_run
     unrestricted, accepted = _run(prompts, **spec)
     assert unrestricted == plain and accepted > 0
     vocab = json.loads((DEMO_DIR / "config.json").read_text())["text_config"]["vocab_size"]
