@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,19 @@ from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.models.loader import load_model
 
 TRITON_LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a GPU machine, refuse a run that collected the CPU interpreter's kernel tests beside CUDA
+    tests: those modules set TRITON_INTERPRET at import (`interpreter.use_interpreter`), which makes
+    every Triton kernel of the process an interpreted one, so the CUDA tests would fail for nothing."""
+    cuda_files = sorted({item.path.name for item in items if item.path.name.endswith("_cuda.py")})
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1" and cuda_files:
+        raise pytest.UsageError(
+            f"CUDA test files ({', '.join(cuda_files[:3])}, ...) were collected with interpreter test "
+            "modules (TRITON_INTERPRET=1 is set at their import): run CUDA test files in their own processes"
+        )
+
 
 # name -> (kpool, index_topk, layer mix, overrides)
 PARITY_CONFIGS = {
