@@ -69,6 +69,10 @@ def test_steps_cover_every_class_of_a_gpu_engine():
     assert sum(s.path == "prompt logprobs" for s in steps) == 1
     plain = warmup_steps(WarmupShapes(8192, 131072, 256, 4, None, False))
     assert not any(c.kind == VERIFY or c.snapshots for s in plain for c in s.chunks)
+    assert any(s.path == "mixed" for s in plain)
+    unmixed = warmup_steps(WarmupShapes(8192, 131072, 256, 4, 4, True, mixed=False))
+    assert not any(s.path.startswith("mixed") for s in unmixed)  # --disable-mixed-steps never runs them
+    assert [s for s in steps if not s.path.startswith("mixed")] == unmixed
 
 
 def test_skip_warmup_is_a_flag():

@@ -268,7 +268,9 @@ def _warm_up(
     runner: ModelRunner,
 ) -> float:
     """The warm-up's seconds, its steps run (`engine/warmup.py`) and logged."""
-    shapes = WarmupShapes.of(config.chunked_prefill_size, plan, caches, runner.proposer)
+    shapes = WarmupShapes.of(
+        config.chunked_prefill_size, plan, caches, runner.proposer, mixed=not config.disable_mixed_steps
+    )
     steps = warmup_steps(shapes)
     seconds = warm_up(runner, caches, steps, model.config.vocab_size)
     longest = max(c.prefix + c.tokens for step in steps for c in step.chunks)

@@ -119,7 +119,8 @@ class WarmupStep:
 class WarmupShapes:
     """The engine's limits the warm-up's shapes follow: the longest prefill chunk
     (`chunked_prefill_size`), the request table's length, the running-request limit, the k-pool size,
-    the verify block (None without a proposer) and whether prefix-cache snapshots are taken."""
+    the verify block (None without a proposer), whether prefix-cache snapshots are taken and whether a
+    step may mix prefill chunks with decode or verify rows (`disable_mixed_steps` off)."""
 
     longest_chunk: int
     max_len: int
@@ -127,16 +128,22 @@ class WarmupShapes:
     kpool: int
     verify_block: int | None
     snapshots: bool
+    mixed: bool = True
 
     @classmethod
     def of(
-        cls, chunked_prefill_size: int, plan: MemoryPlan, caches: CacheManager, proposer: Proposer | None
+        cls,
+        chunked_prefill_size: int,
+        plan: MemoryPlan,
+        caches: CacheManager,
+        proposer: Proposer | None,
+        mixed: bool = True,
     ) -> WarmupShapes:
         """The shapes of an engine of `plan` with these caches and proposer."""
         return cls(
             min(chunked_prefill_size, plan.max_len), plan.max_len, plan.num_slots, caches.kpool,
             None if proposer is None else proposer.verify_shape.block,
-            caches.prefix is not None and plan.num_snapshots > 0,
+            caches.prefix is not None and plan.num_snapshots > 0, mixed,
         )  # fmt: skip
 
     @property
@@ -207,7 +214,8 @@ def _context_steps(shapes: WarmupShapes) -> list[WarmupStep]:
 
 
 def _batch_steps(shapes: WarmupShapes, seqs: int) -> list[WarmupStep]:
-    """The steps of `seqs` sequences: decode rows, short prefills, mixed steps, verify blocks."""
+    """The steps of `seqs` sequences: decode rows, short prefills, mixed steps (where the engine mixes),
+    verify blocks."""
     short, block = shapes.short, shapes.verify_block
     each = max(1, min(short, shapes.longest_chunk // seqs))  # the prefills share one chunk's budget
     rows = seqs - 1
@@ -215,13 +223,14 @@ def _batch_steps(shapes: WarmupShapes, seqs: int) -> list[WarmupStep]:
         WarmupStep("decode batch", (WarmupChunk(DECODE, short, 1),) * seqs),
         WarmupStep("prefill batch", (WarmupChunk(LAST, 0, each),) * seqs),
     ]
-    if rows:
+    mixes = rows and shapes.mixed
+    if mixes:
         steps.append(
             WarmupStep("mixed", (WarmupChunk(LAST, 0, short), *(WarmupChunk(DECODE, short, 1),) * rows))
         )
     if block:
         steps.append(WarmupStep("verify batch", (WarmupChunk(VERIFY, short, block),) * seqs))
-        if rows:
+        if mixes:
             verify = (WarmupChunk(VERIFY, short, block),) * rows
             steps.append(WarmupStep("mixed verify", (WarmupChunk(LAST, 0, short), *verify)))
     return steps
