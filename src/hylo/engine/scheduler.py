@@ -77,15 +77,11 @@ class Scheduler:
     def schedule(self, draft: bool = True) -> list[ScheduledChunk]:
         """The next step's chunks; without `draft` decoding requests decode one token plainly. Without
         `mixed_steps`, only prefill chunks while any can be scheduled (see `__init__`)."""
-        if not self.mixed_steps and self._has_prefill_work():
+        if not self.mixed_steps:
             chunks = self._schedule(draft, decode=False)
             if chunks:
-                return chunks  # else nothing could start (no pages): the decoding requests go on
+                return chunks  # else no prompt goes on and none could start: the decoding requests go on
         return self._schedule(draft, decode=True)
-
-    def _has_prefill_work(self) -> bool:
-        admissible = self.waiting and len(self.running) < self.max_running and self.caches.slots.num_free
-        return bool(admissible) or any(r.remaining > 1 for r in self.running if r.status is Status.RUNNING)
 
     def _schedule(self, draft: bool, decode: bool) -> list[ScheduledChunk]:
         """`schedule`'s chunks, the decoding requests' rows among them only with `decode`."""
