@@ -15,6 +15,7 @@ import torch
 from hylo.kda_plan import KDAPlan
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
+from hylo.ops import batch_metadata
 from hylo.ops.batch_metadata import uniform_metadata
 from hylo.ops.kda import CHUNK_TOKENS
 
@@ -110,8 +111,6 @@ class Padded:
 
 # How a batch's tokens sit: what a reader of its host lists or of its shapes branches on.
 TokenLayout = Packed | Uniform | Padded
-# The fields `uniform_metadata` computes on the device from the request table.
-UNIFORM_METADATA = ("positions", "token_rows", "new_slots", "state_slots", "completed_pools", "pool_table")
 
 
 @dataclass
@@ -166,7 +165,7 @@ class ForwardBatch:
     def metadata_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors `uniform_metadata` computes, by name: a fixed-shape batch's are rewritten in place
         each step (`uniform_metadata(..., out=batch.metadata_tensors())`)."""
-        return {name: getattr(self, name) for name in UNIFORM_METADATA}
+        return {name: getattr(self, name) for name in batch_metadata.FIELDS}
 
     @classmethod
     def build(

@@ -13,13 +13,15 @@ import torch
 from hylo.ops.batch_metadata import reference
 from hylo.ops.dispatch import use_kernel
 
-__all__ = ["output_sizes", "refusal", "uniform_metadata"]
+__all__ = ["FIELDS", "output_sizes", "refusal", "uniform_metadata"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+# what `uniform_metadata` returns, by name: the `ForwardBatch` fields of the same names
+FIELDS = ("positions", "token_rows", "new_slots", "state_slots", "completed_pools", "pool_table")
 
 
 def output_sizes(sequences: int, width: int, req_to_token: torch.Tensor, kpool: int) -> dict[str, tuple]:
-    """The shape of each tensor `uniform_metadata` returns."""
+    """The shape of each tensor `uniform_metadata` returns (the `FIELDS`, in their order)."""
     tokens = sequences * width
     return {
         "positions": (tokens,),
