@@ -1,4 +1,4 @@
-"""The batch-metadata kernel on the GPU at an engine's sizes (a request table of 64 rows of 8192
+"""The batch-metadata kernel on the GPU at an engine's sizes (a request table of 128 rows of 8192
 positions; decode, verify and padded prefill widths), against the reference, and replayed from a CUDA
 graph with new inputs (the decode, verify and prefill graphs rebuild their metadata inside the replay)."""
 
@@ -12,7 +12,7 @@ from hylo.ops.batch_metadata import output_sizes, reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
-PAGE, KPOOL, ROWS, COLUMNS = 64, 4, 64, 8192
+PAGE, KPOOL, ROWS, COLUMNS = 64, 4, 128, 8192  # the last row is the filler row: 127 for sequences
 
 
 def request_table() -> torch.Tensor:
