@@ -1,7 +1,8 @@
 """Steps without mixing (`disable_mixed_steps`): a step with prefill work runs only prefill chunks, the
 decoding requests go on in the next, which the decode or verify graphs replay; the tokens are the
-mixing engine's. Requests arrive while others decode (8 prompts of different output lengths, 4
-running at most)."""
+mixing engine's; while few prompts have prefill work, a step prefills one of them in the prefill
+graphs. Requests arrive while others decode (8 prompts of different output lengths, 4 running at
+most)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,32 @@ from test_engine import GREEDY, checkpoint, make_llm, prompts, reference  # noqa
 from test_mtp import checkpoints  # noqa: F401 (a fixture: a target with an MTP layer)
 
 from hylo.engine.route import Path
+from hylo.engine.scheduler import ONE_PROMPT_STEPS_UP_TO
 
-# fixed-shape paths as on a GPU (uncaptured on the CPU), their buckets no wider than these prompts need
+# fixed-shape paths as on a GPU (uncaptured on the CPU), their buckets no wider than these prompts need;
+# no prefix cache: its snapshots at these 16-token pages' boundaries, off the KDA chunks' (64 tokens),
+# would send prompts to eager steps (at the default 64-token pages the prefill graphs take them)
 SMALL = dict(
-    max_running_requests=4, decode_graphs=True, context_length=128, cuda_graph_max_prefill_tokens=128
+    max_running_requests=4,
+    decode_graphs=True,
+    context_length=128,
+    cuda_graph_max_prefill_tokens=128,
+    disable_radix_cache=True,
 )
 MTP = {"speculative_algorithm": "MTP", "speculative_num_steps": 3, "speculative_adaptive": False}
 
 
-def steps_of(llm) -> tuple[list[tuple[int, int]], list[Path]]:
-    """Record each step as (prefill chunks, decode or verify rows) and the route it took."""
+def steps_of(llm, prompts_with_work: list[int] | None = None) -> tuple[list[tuple[int, int]], list[Path]]:
+    """Record each step as (prefill chunks, decode or verify rows) and the route it took, and in
+    `prompts_with_work` the prompts that had prefill work when it was scheduled."""
     engine, kinds, routes = llm.engine, [], []
     route = engine.runner.route
 
     def routed(chunks, *args, **kwargs):
         decoding = sum(ch.request.remaining == 1 for ch in chunks)
         kinds.append((len(chunks) - decoding, decoding))
+        if prompts_with_work is not None:  # (no prompt goes on unscheduled in an unmixed step)
+            prompts_with_work.append(len(chunks) - decoding + len(engine.scheduler.waiting))
         picked = route(chunks, *args, **kwargs)
         routes.append(picked.path)
         return picked
@@ -53,7 +64,8 @@ def test_unmixed_steps_give_the_same_tokens_and_replay_the_decode_graphs(
     mixed,
 ):
     llm = make_llm(checkpoint, **SMALL, disable_mixed_steps=not mixed)
-    kinds, routes = steps_of(llm)
+    with_work = []
+    kinds, routes = steps_of(llm, with_work)
     assert generate(llm, prompts) == [
         out[:n] for out, n in zip(reference, lengths(len(prompts)), strict=True)
     ]
@@ -64,6 +76,15 @@ def test_unmixed_steps_give_the_same_tokens_and_replay_the_decode_graphs(
     else:
         assert mixed_steps == 0
         assert Path.EAGER not in decoding_only  # every decode step replays the decode graphs
+        # while at most ONE_PROMPT_STEPS_UP_TO prompts have prefill work, a step prefills one of them
+        # in the prefill graphs; the burst of 16 arrivals shares eager steps
+        few = [
+            (prefill, path)
+            for (prefill, decoding), path, n in zip(kinds, routes, with_work, strict=True)
+            if prefill and n <= ONE_PROMPT_STEPS_UP_TO
+        ]
+        assert len(few) >= ONE_PROMPT_STEPS_UP_TO and all(step == (1, Path.PREFILL_GRAPH) for step in few)
+        assert kinds[0] == (4, 0) and routes[0] is Path.EAGER
 
 
 def test_unmixed_steps_under_mtp_give_plain_decodings_tokens(
@@ -77,4 +98,5 @@ def test_unmixed_steps_under_mtp_give_plain_decodings_tokens(
     kinds, routes = steps_of(llm)
     assert generate(llm, prompts[:8]) == expected
     assert not any(prefill and decoding for prefill, decoding in kinds)
-    assert Path.VERIFY_GRAPH in routes
+    # arrivals replay the prefill graphs, which draft nothing: their first block is the anchor alone
+    assert Path.VERIFY_GRAPH in routes and Path.PREFILL_GRAPH in routes

@@ -204,8 +204,10 @@ def test_engines_with_prefill_graphs_give_the_eager_outputs(target, draft, setti
     outs, drafts = run(llm, long_waves(), GREEDY)
     assert_same(ref, outs)
     if "speculative_algorithm" in settings:
+        # the drafts after every later step (a prefill graph's replay drafts nothing: the next step
+        # verifies the anchor alone, and the eager engine drafts after its prefill)
         common = drafts.keys() & ref_drafts.keys()
-        assert len(common) >= 20 and {k: drafts[k] for k in common} == {k: ref_drafts[k] for k in common}
+        assert len(common) >= 15 and {k: drafts[k] for k in common} == {k: ref_drafts[k] for k in common}
     if "chunked_prefill_size" in settings:  # snapshots off the KDA chunks' boundaries: eager
         assert runs and not all(decisions)
     else:  # (a run checks its chunk again)

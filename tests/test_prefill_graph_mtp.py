@@ -127,27 +127,26 @@ def make_llm(path, prefill_graphs: bool, adaptive: bool) -> LLM:
 
 
 def recording_first_entries(llm: LLM) -> dict[tuple[int, ...], dict[str, torch.Tensor]]:
-    """Record, by prompt, each request's MTP entries 0 .. n-2 (and the pooled keys they complete) when
-    it first drafts after its prefill (n = its prompt's length, at least 2)."""
+    """Record, by prompt, each request's MTP entries 0 .. n-2 (and the pooled keys they complete) once
+    its prefill is done (n = its prompt's length, at least 2): after the step that read its first
+    token, the entries its prompt's observes wrote, which no later step rewrites."""
     engine, recorded = llm.engine, {}
-    proposer = engine.proposer
-    propose, table, kpool = proposer.propose, engine.caches.table.table, proposer.layer.config.index_kpool
+    proposer, step = engine.proposer, engine.step
+    table, kpool = engine.caches.table.table, proposer.layer.config.index_kpool
 
-    def recording(batch, commit):
-        running = {r.slot: r for r in engine.requests.values()}
-        seqs = commit.sampling
-        rows = batch.state_slots[seqs].tolist()
-        lengths = (batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs]).tolist()
-        for row, n in zip(rows, lengths, strict=True):
-            prompt = tuple(running[row].prompt_ids)
-            if n == len(prompt) >= 2 and prompt not in recorded:
-                slots = table[row, : n - 1].long()
-                pools = table[row, : (n - 1) // kpool * kpool : kpool].long() // kpool
+    def recording():
+        outputs = step()
+        for out in outputs:
+            r, n = out.request, len(out.request.prompt_ids)
+            prompt = tuple(r.prompt_ids)
+            if len(r.output_ids) == 1 and n >= 2 and prompt not in recorded and r.slot is not None:
+                slots = table[r.slot, : n - 1].long()
+                pools = table[r.slot, : (n - 1) // kpool * kpool : kpool].long() // kpool
                 entries = {name: getattr(proposer.cache, name)[:, slots].clone() for name in ENTRIES}
                 recorded[prompt] = entries | {"pooled_key": proposer.cache.pooled_key[:, pools].clone()}
-        propose(batch, commit)
+        return outputs
 
-    proposer.propose = recording
+    engine.step = recording
     return recorded
 
 
@@ -178,8 +177,13 @@ def test_mtp_engines_with_prefill_graphs_give_the_eager_outputs(checkpoints, ada
     assert runs == [5, 32, 32, 16, 10], runs
     assert engine.caches.prefix.stats.hit_tokens == 64
     if not adaptive:
-        common = drafts.keys() & ref_drafts.keys()
-        assert len(common) >= 12 and {k: drafts[k] for k in common} == {k: ref_drafts[k] for k in common}
+        # a prompt the graphs prefilled gets its first drafts from the step after it (its first
+        # token's decode step: the replay drafts nothing, `Request.undrafted`), the eager engine's
+        # from its first verify block, whose one MTP forward also writes placeholder entries past
+        # the anchor (rewritten before they are read, `observe_and_propose`): those first drafts
+        # differ; from the next verify step on both engines draft alike
+        common = {k for k in drafts.keys() & ref_drafts.keys() if len(k[1]) > 2}
+        assert len(common) >= 9 and {k: drafts[k] for k in common} == {k: ref_drafts[k] for k in common}
         assert got_entries.keys() == want_entries.keys() and len(got_entries) == 3
         terms = model_accumulation_terms(engine.model.config)
         terms += model_accumulation_terms(engine.proposer.layer.config)

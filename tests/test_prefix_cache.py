@@ -61,7 +61,8 @@ def run(llm: LLM, prompt_waves, params) -> tuple[list, dict]:
         proposer = engine.proposer
         for out in outputs:
             r = out.request
-            if proposer is not None and out.new_token_ids and not out.finished:
+            # (none after a prefill-graph replay: `Request.undrafted`)
+            if proposer is not None and out.new_token_ids and not out.finished and not r.undrafted:
                 drafts[(tuple(r.prompt_ids), tuple(r.output_ids))] = proposer.drafts[r.slot].tolist()
         return outputs
 

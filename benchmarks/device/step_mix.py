@@ -5,15 +5,16 @@
 
 A step is one `Engine.step` call; its kind is the paths it launched (`Path`: eager, decode graph,
 verify graph, prefill graph) and whether it carried prompt tokens (`+prefill`) or rows that decode or
-verify (`+decode`). Per engine and kind: steps, wall ms in total and per step, prompt tokens and decode
-rows per step. The second of two identical runs is reported (the first compiles). On the CPU the figures
-mean nothing (a dry run).
+verify (`+decode`). Per engine and kind: steps, wall ms in total, per step, median and most, prompt
+tokens and decode rows per step. The second of two identical runs is reported (the first compiles). On
+the CPU the figures mean nothing (a dry run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -27,7 +28,7 @@ from hylo.sampling import SamplingParams
 
 def classify(eng, prompts, concurrency, params) -> dict:
     """One closed loop with every step timed and classified."""
-    kinds: dict[str, list] = defaultdict(lambda: [0, 0.0, 0, 0])
+    kinds: dict[str, list] = defaultdict(lambda: [0, 0.0, 0, 0, []])
     launched: list = []
     launch, step = eng.runner.launch, eng.step
 
@@ -51,6 +52,7 @@ def classify(eng, prompts, concurrency, params) -> dict:
         entry[1] += seconds
         entry[2] += prompt_tokens
         entry[3] += rows
+        entry[4].append(seconds)
         return out
 
     eng.runner.launch, eng.step = recording_launch, timed_step
@@ -60,8 +62,9 @@ def classify(eng, prompts, concurrency, params) -> dict:
         del eng.runner.launch, eng.step
     table = {
         kind: {"steps": n, "ms": round(1e3 * s, 1), "ms_per_step": round(1e3 * s / n, 3),
+               "median_ms": round(1e3 * statistics.median(each), 3), "max_ms": round(1e3 * max(each), 3),
                "prompt_tokens_per_step": round(t / n, 1), "rows_per_step": round(r / n, 1)}
-        for kind, (n, s, t, r) in sorted(kinds.items(), key=lambda kv: -kv[1][1])
+        for kind, (n, s, t, r, each) in sorted(kinds.items(), key=lambda kv: -kv[1][1])
     }  # fmt: skip
     return {"tok_s": round(result["tokens"] / result["seconds"], 1), "seconds": round(result["seconds"], 3),
             "kinds": table}  # fmt: skip

@@ -3,7 +3,7 @@
 With the overlap schedule a step may be launched before the step ahead of it is read: it runs ahead.
 `InFlightLedger.run_ahead` alone decides whether a step may, and says why not, as `ops/dispatch`
 names a kernel's refusal. The ledger is also the one writer of a request's in-flight counters
-(`Request.in_flight`, `verifying`, `num_computed`, `deferred_from`, `host_drafts`; the scheduler
+(`Request.in_flight`, `verifying`, `num_computed`, `deferred_from`, `host_drafts`, `undrafted`; the scheduler
 itself resets them when it admits or preempts a request): `launched` records a launched step,
 `cut` trims the blocks of a verify step launched ahead to the draft budgets known once the step
 before it is settled, and `settle` records what a step's read brought.
@@ -43,7 +43,7 @@ class InFlightLedger:
         if why is None and any(ch.verify for ch in chunks):
             why = self._verify_refusal(chunks, route)
         elif why is None:
-            why = self._plain_refusal(chunks, route)
+            why = self._plain_refusal(chunks, route, plan.draft)
         if why is not None:
             return RunAhead.refused(why)
         constrained = any(ch.request.grammar is not None and ch.request.in_flight for ch in chunks)
@@ -60,15 +60,18 @@ class InFlightLedger:
             return "a plain step that drafts: the verify step after it needs its read"
         return None
 
-    def _plain_refusal(self, chunks: Sequence[ScheduledChunk], route: StepRoute) -> str | None:
+    def _plain_refusal(self, chunks: Sequence[ScheduledChunk], route: StepRoute, draft: bool) -> str | None:
         """Why a step of no verify block may not run ahead (None: it may). Every chunk must decode one
-        sampled token; with a proposer, one that observes on the device, and the step either a
+        sampled token; with a proposer, one that observes on the device, no request's first drafts to
+        make (`draft`, a request `undrafted`: a step ahead drafts nothing), and the step either a
         decode-graph replay that defers that observe (room left in the ring) or an eager forward with
         nothing deferred before it (it observes at once; what waits would need tokens in flight)."""
         if not all(_plain_decode(ch) for ch in chunks):
             return "not a plain decode step (a prefill chunk, snapshots or prompt scoring)"
         if self.proposer is None:
             return None
+        if draft and any(ch.request.undrafted for ch in chunks):
+            return "a request's first drafts to make (its prompt ended in a prefill-graph replay)"
         if self.proposer.needs_host:
             return "the proposer observes on the host, from the read"
         if route.path is Path.DECODE_GRAPH:
@@ -99,9 +102,12 @@ class InFlightLedger:
         leaves its positions waiting in the ring (`Request.deferred_from`), any other step with a
         proposer has it observe all that waited (`DraftDriver.catch_up`). A step run ahead counts at
         once what it computes: a plain step's token as computed and its pick as in flight, a verify
-        step's block as verifying (what it commits is known once read)."""
+        step's block as verifying (what it commits is known once read). A prefill-graph replay drafts
+        nothing (`route._on_path`): its requests' next blocks hold their anchors alone; any other step
+        drafts where the next step verifies (the policy plans a drafting step before a verify step)."""
         for ch in chunks:
             r = ch.request
+            r.undrafted = route.path is Path.PREFILL_GRAPH
             if route.defers and r.deferred_from is None:
                 r.deferred_from = r.num_computed  # its observes wait in the ring from here
             elif not route.defers and self.proposer is not None:

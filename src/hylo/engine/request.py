@@ -46,7 +46,7 @@ class Request:
     the rest (all of it after a preemption, which empties the caches).
 
     Who writes what: the scheduler alone writes the counters `num_computed`, `in_flight`,
-    `verifying`, `deferred_from` and `host_drafts` (its ledger, `InFlightLedger`, as steps are
+    `verifying`, `deferred_from`, `host_drafts` and `undrafted` (its ledger, `InFlightLedger`, as steps are
     launched and settled; itself on admission and preemption) and the `slot` and `pages`; the engine
     appends the tokens read (`append`, which may finish the request) and ends it (`finish`). The
     runner, the route and everything below them only read a request.
@@ -81,6 +81,9 @@ class Request:
     grammar: Any = None
     # a constrained request's drafts after its last token, as the last step read them (None: none)
     host_drafts: list[int] | None = None
+    # the proposer drafted nothing after the request's last step (a prefill-graph replay, which
+    # leaves the first drafts to the step after it): its next block holds its anchor alone
+    undrafted: bool = False
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # with `params.prompt_logprobs`: entry j is prompt position j + 1's (position 0 has none)
@@ -120,8 +123,8 @@ class Request:
         """Drafts worth verifying: never past max_tokens or the length limit; none for penalized
         sampling, whose distribution depends on the tokens before it in the block, and none for a
         constrained request whose drafts the host has not seen (its grammar masks each position
-        after the drafts before it)."""
-        if self.params.penalized or (self.grammar is not None and self.host_drafts is None):
+        after the drafts before it), none when the proposer drafted nothing after the last step."""
+        if self.undrafted or self.params.penalized or (self.grammar is not None and self.host_drafts is None):
             return 0
         return max(0, min(max_drafts, self.tokens_left - 1))
 

@@ -107,7 +107,8 @@ def pick_route(chunks: Sequence[ScheduledChunk], plan: StepPlan, paths: Paths, d
     snapshots, prompt scoring, mixed steps, batches past the largest bucket) runs eagerly; each graph
     is asked once. The step runs ahead where the ledger lets it (`decide`, asked on the route it takes
     ahead: drafting nothing, a decode-graph replay deferring its observe where the ring has room);
-    refused, it is read at once, its proposer drafting after it as `plan` says."""
+    refused, it is read at once, its proposer drafting after it as `plan` says (never after a prefill
+    graph's replay: the request's next block is its anchor alone, `Request.undrafted`)."""
     targets = [prompt_targets(ch) for ch in chunks]  # prompt positions each chunk scores
     seqs = [_sequence(ch, bool(scored)) for ch, (_, scored) in zip(chunks, targets, strict=True)]
     path, seqs = _path(chunks, seqs, paths)
@@ -145,7 +146,9 @@ def _on_path(
     if path is Path.VERIFY_GRAPH:
         return StepRoute(path, seqs, draft=True)
     if path is Path.PREFILL_GRAPH:
-        return StepRoute(path, seqs, draft=draft, observed=paths.prefill_graphs.observes)
+        # no drafting after the replay: an eager propose for one request costs a few replays (RESULTS
+        # S26-2), and the step after it verifies the request's anchor alone and drafts in its graph
+        return StepRoute(path, seqs, observed=paths.prefill_graphs.observes)
     if path is Path.EAGER:
         return StepRoute(path, seqs, draft=draft)
     graphs, variant = paths.graphs, OBSERVE

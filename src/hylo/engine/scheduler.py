@@ -15,6 +15,11 @@ from hylo.memory.manager import CacheManager, copies_last_page
 from hylo.speculative.adaptive import StepPlan
 from hylo.speculative.verify import VerifyShape
 
+# Without mixed steps, while at most this many prompts have prefill work a step prefills one of them in
+# a chunk the prefill graphs take: a replay costs a fraction of an eager step's host work (about a
+# fifth on the demo model, RESULTS S26-2), so a few replays beat one eager step; more prompts than
+# this (a burst of arrivals) share one eager step.
+ONE_PROMPT_STEPS_UP_TO = 4
 # A chunk that scores its prompt (prompt logprobs) returns logits for every token: at most this many
 # tokens a chunk, so that those logits stay bounded ([tokens, vocab] fp32: 0.6 GiB for 155K ids).
 MAX_SCORED_CHUNK_TOKENS = 1024
@@ -49,13 +54,15 @@ class Scheduler:
         overlap: bool = False,
         verify_graphs: bool = False,
         mixed_steps: bool = True,
+        graph_prefill_tokens: int = 0,
     ):
         """`overlap`, `verify_graphs`: whether steps may run ahead of the read before them at all, and
         verify steps as verify-graph replays (`InFlightLedger`). `mixed_steps`: whether a step may
         hold prefill chunks beside decode or verify rows; without, a step with prefill work to do
         (a prompt going on, a waiting request that can start) runs only that, and the decoding
         requests go on in the next step, whose rows the decode or verify graphs can replay (a mixed
-        step runs eagerly)."""
+        step runs eagerly). `graph_prefill_tokens`: the longest chunk of one prompt the prefill graphs
+        take (0: none)."""
         self.caches = caches
         self.prefix = caches.prefix
         self.proposer = proposer
@@ -66,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.mixed_steps = mixed_steps
+        self.graph_prefill_tokens = graph_prefill_tokens
         self.ledger = InFlightLedger(proposer, overlap, verify_graphs)  # what is launched and unread
 
     def add(self, request: Request) -> None:
@@ -76,21 +84,32 @@ class Scheduler:
 
     def schedule(self, draft: bool = True) -> list[ScheduledChunk]:
         """The next step's chunks; without `draft` decoding requests decode one token plainly. Without
-        `mixed_steps`, only prefill chunks while any can be scheduled (see `__init__`)."""
+        `mixed_steps`, only prefill chunks while any can be scheduled (see `__init__`): one prompt's
+        chunk of at most `graph_prefill_tokens` while at most `ONE_PROMPT_STEPS_UP_TO` prompts have
+        prefill work (a prefill graph replays it), all that fit the budget otherwise."""
         if not self.mixed_steps:
-            chunks = self._schedule(draft, decode=False)
+            prompts = sum(r.remaining > 1 for r in self.running) + len(self.waiting)
+            if self.graph_prefill_tokens and prompts <= ONE_PROMPT_STEPS_UP_TO:
+                chunks = self._schedule(draft, False, min(self.prefill_budget, self.graph_prefill_tokens), 1)
+            else:
+                chunks = self._schedule(draft, False, self.prefill_budget)
             if chunks:
                 return chunks  # else no prompt goes on and none could start: the decoding requests go on
-        return self._schedule(draft, decode=True)
+        return self._schedule(draft, True, self.prefill_budget)
 
-    def _schedule(self, draft: bool, decode: bool) -> list[ScheduledChunk]:
-        """`schedule`'s chunks, the decoding requests' rows among them only with `decode`."""
+    def _schedule(
+        self, draft: bool, decode: bool, budget: int, prompts: int | None = None
+    ) -> list[ScheduledChunk]:
+        """`schedule`'s chunks, the decoding requests' rows among them only with `decode`; prefill
+        chunks of at most `budget` tokens in all and, without `decode`, of at most `prompts` requests
+        (None: any)."""
+        assert prompts is None or not decode, "a prompt limit counts a step of prefill chunks alone"
         chunks: list[ScheduledChunk] = []
-        budget = self.prefill_budget
+        room = (lambda: True) if prompts is None else (lambda: len(chunks) < prompts)
         for request in list(self.running):
             if request.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier request
-            if request.remaining == 1 and not decode:
+            if (request.remaining == 1 and not decode) or (request.remaining > 1 and not room()):
                 continue
             drafts = request.draft_budget(self._max_drafts) if draft and request.remaining == 1 else 0
             n = 1 + drafts if request.remaining == 1 else self._prefill_tokens(request, budget)
@@ -105,7 +124,7 @@ class Scheduler:
             # the one-token decode rows of a verify step verify a block without drafts: every row of
             # the step is then a verify block, which the verify graphs take
             chunks = [replace(ch, verify=True) if _one_token_decode(ch) else ch for ch in chunks]
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running and room():
             if not self._admit(self.waiting[0], budget, chunks):
                 break
             budget -= chunks[-1].num_tokens
