@@ -19,7 +19,11 @@ LENGTHS = [37, 5, 70, 13, 1, 22, 48, 9, 64, 31, 2, 17, 55, 40, 8, 26]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_hf_checkpoint(tmp_path_factory.mktemp("engine"), tiny_text_config(4, 8), seed=3)
+    # 3 Sinkhorn iterations of the mHC weights (the real model's 20 are checked op by op in
+    # test_mhc_kernels, and the model's at the default in test_hf_parity): that loop was ~20% of each
+    # CPU step here, and batching, chunking and preemption do not depend on its length
+    config = tiny_text_config(4, 8, hc_sinkhorn_iters=3)
+    return write_hf_checkpoint(tmp_path_factory.mktemp("engine"), config, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +32,9 @@ def prompts():
 
 
 def make_llm(checkpoint, **kwargs) -> LLM:
+    # a 0.25 GB cache (room for every prompt here at once) unless a test sets its own: the default plan's
+    # ~2 GB of pools took ~1 s to allocate per engine
+    kwargs.setdefault("max_memory_gb", 0.25)
     return LLM(model=str(checkpoint), device="cpu", dtype="float32", page_size=16, **kwargs)
 
 
@@ -268,7 +275,7 @@ def test_prompt_logprobs_equal_a_whole_prompt_forward(checkpoint, prompts):
     from hylo.forward_batch import ForwardBatch
     from hylo.models.loader import load_model
 
-    llm = make_llm(checkpoint, chunked_prefill_size=7, max_memory_gb=0.25)
+    llm = make_llm(checkpoint, chunked_prefill_size=7)
     scored = prompts[:6]
     params = [
         SamplingParams(temperature=0, max_tokens=0 if i % 2 else 5, ignore_eos=True, prompt_logprobs=3)
@@ -309,11 +316,11 @@ def test_prompt_scoring_chunks_are_capped(checkpoint, prompts, monkeypatch):
 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
     pair = [prompts[2], prompts[8]]  # 70 and 64 tokens
-    uncapped = make_llm(checkpoint, chunked_prefill_size=96, max_memory_gb=0.25).generate(
+    uncapped = make_llm(checkpoint, chunked_prefill_size=96).generate(
         prompt_token_ids=pair, sampling_params=[params, GREEDY], use_tqdm=False
     )
     monkeypatch.setattr(scheduler, "MAX_SCORED_CHUNK_TOKENS", 8)
-    llm = make_llm(checkpoint, chunked_prefill_size=96, max_memory_gb=0.25)
+    llm = make_llm(checkpoint, chunked_prefill_size=96)
     sizes: dict[str, list[int]] = {}
     launch = llm.engine.runner.launch
 
