@@ -36,6 +36,9 @@ def random_model(tmp_path_factory):
 
 
 def _generate(model, prompts, params, **engine_args):
+    engine_args.setdefault(
+        "max_memory_gb", 0.25
+    )  # the default plan's ~2 GB of pools: ~1 s an engine and rank
     llm = LLM(None if model is None else str(model), device="cpu", **engine_args)
     try:
         return llm, llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
