@@ -36,9 +36,8 @@ def random_model(tmp_path_factory):
 
 
 def _generate(model, prompts, params, **engine_args):
-    engine_args.setdefault(
-        "max_memory_gb", 0.25
-    )  # the default plan's ~2 GB of pools: ~1 s an engine and rank
+    # a 0.25 GB cache: the default plan's ~2 GB of pools took ~1 s an engine and a rank to allocate
+    engine_args.setdefault("max_memory_gb", 0.25)
     llm = LLM(None if model is None else str(model), device="cpu", **engine_args)
     try:
         return llm, llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
