@@ -44,7 +44,7 @@ def test_prefill_logits_match_hf(models, length):
 def test_greedy_generation_matches_hf(models, tiny_checkpoint):
     model, hf = models
     prompts = [random_prompt(n, model.config.vocab_size, seed=100 + n) for n in PROMPT_LENS]
-    llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=16)
+    llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=16, max_memory_gb=0.25)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ours = [
         o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)

@@ -29,7 +29,11 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def engines():
     """The demo model (it has a tokenizer: stop strings) with the overlap schedule and without."""
-    return {overlap: LLM(disable_overlap_schedule=not overlap).engine for overlap in (True, False)}
+    # a 0.25 GB cache (the default plan's pools took ~1 s an engine to allocate): room for every script here
+    return {
+        overlap: LLM(disable_overlap_schedule=not overlap, max_memory_gb=0.25).engine
+        for overlap in (True, False)
+    }
 
 
 def run(engine, script: dict[int, list[tuple]], on_outputs=None) -> tuple[dict, int]:
