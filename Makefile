@@ -20,9 +20,10 @@ serve: $(STAMP)
 	$(VENV)/bin/hylo serve --host 127.0.0.1 --port 8000
 
 # Two workers, one file each at a time (module fixtures are built once), one thread each: the tests
-# are mostly small-op Python overhead, which two processes overlap on a 2-core machine.
+# are mostly small-op Python overhead, which two processes overlap on a 2-core machine. Files go out in
+# collection order, which puts the longest first (tests/conftest.py), so both workers finish together.
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks

@@ -18,10 +18,48 @@ from hylo.models.loader import load_model
 TRITON_LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl"}
 
 
+# The longest test files on the CPU, longest first: seconds each took alone on the 2-core machine
+# (S26, with other work running beside: rough). `make test` hands whole files to its two workers in
+# collection order (--dist loadfile --no-loadscope-reorder; xdist's own reorder puts files with few
+# tests last, so the one-test fuzz file ran alone at the end): these go first, and the short files
+# after them even out the two workers' ends.
+LONGEST_FILES_FIRST = (
+    "test_server_robustness.py",  # 164
+    "test_kda_kernels.py",  # 164
+    "test_server_fuzz.py",  # 95
+    "test_server.py",  # 91
+    "test_mhc_kernels.py",  # 87
+    "test_engine.py",  # 85
+    "test_spec.py",  # 83
+    "test_overlap.py",  # 78
+    "test_server_routers.py",  # 74
+    "test_sparse_kernels.py",  # 68
+    "test_tensor_parallel.py",  # 67
+    "test_tool_calls.py",  # 67
+    "test_train.py",  # 64
+    "test_prefix_cache.py",  # 62
+    "test_tensor_parallel_server.py",  # 62
+    "test_structured.py",  # 58
+    "test_sampling_schedule.py",  # 57
+    "test_text_output.py",  # 56
+    "test_moe_decode.py",  # 55
+    "test_mtp.py",  # 54
+    "test_rank_engine.py",  # 53
+    "test_hf_parity.py",  # 49
+    "test_train_draft.py",  # 47
+    "test_responses.py",  # 42
+    "test_cli_and_demo.py",  # 39
+)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's grouping by fixtures, which the stable sort keeps
 def pytest_collection_modifyitems(config, items):
-    """On a GPU machine, refuse a run that collected the CPU interpreter's kernel tests beside CUDA
-    tests: those modules set TRITON_INTERPRET at import (`interpreter.use_interpreter`), which makes
-    every Triton kernel of the process an interpreted one, so the CUDA tests would fail for nothing."""
+    """Orders the longest files first (`LONGEST_FILES_FIRST`; the rest keep their order). On a GPU
+    machine, refuses a run that collected the CPU interpreter's kernel tests beside CUDA tests: those
+    modules set TRITON_INTERPRET at import (`interpreter.use_interpreter`), which makes every Triton
+    kernel of the process an interpreted one, so the CUDA tests would fail for nothing."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     cuda_files = sorted({item.path.name for item in items if item.path.name.endswith("_cuda.py")})
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1" and cuda_files:
         raise pytest.UsageError(
