@@ -1,8 +1,8 @@
-"""Steps without mixing (`disable_mixed_steps`): a step with prefill work runs only prefill chunks, the
-decoding requests go on in the next, which the decode or verify graphs replay; the tokens are the
-mixing engine's; while few prompts have prefill work, a step prefills one of them in the prefill
-graphs. Requests arrive while others decode (8 prompts of different output lengths, 4 running at
-most)."""
+"""Steps without mixing (`mixed_steps` off; auto: off with speculative decoding): a step with prefill
+work runs only prefill chunks, the decoding requests go on in the next, which the decode or verify
+graphs replay; the tokens are the mixing engine's; while few prompts have prefill work, a step
+prefills one of them in the prefill graphs. Requests arrive while others decode (8 prompts of
+different output lengths, 4 running at most)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_unmixed_steps_give_the_same_tokens_and_replay_the_decode_graphs(
     reference,  # noqa: F811
     mixed,
 ):
-    llm = make_llm(checkpoint, **SMALL, disable_mixed_steps=not mixed)
+    llm = make_llm(checkpoint, **SMALL, mixed_steps="on" if mixed else "off")
     with_work = []
     kinds, routes = steps_of(llm, with_work)
     assert generate(llm, prompts) == [
@@ -94,9 +94,19 @@ def test_unmixed_steps_under_mtp_give_plain_decodings_tokens(
     target = str(checkpoints[1])
     kwargs = SMALL
     expected = generate(make_llm(target, **kwargs), prompts[:8])
-    llm = make_llm(target, **kwargs, **MTP, disable_mixed_steps=True)
+    llm = make_llm(target, **kwargs, **MTP)  # mixed_steps auto: off with speculation
     kinds, routes = steps_of(llm)
     assert generate(llm, prompts[:8]) == expected
     assert not any(prefill and decoding for prefill, decoding in kinds)
     # arrivals replay the prefill graphs, which draft nothing: their first block is the anchor alone
     assert Path.VERIFY_GRAPH in routes and Path.PREFILL_GRAPH in routes
+
+
+def test_mixed_steps_auto_is_on_without_speculation_and_off_with_it(checkpoints):  # noqa: F811
+    target = str(checkpoints[1])
+    assert make_llm(target, **SMALL).engine.scheduler.mixed_steps
+    assert not make_llm(target, **SMALL, **MTP).engine.scheduler.mixed_steps
+    assert make_llm(target, **SMALL, **MTP, mixed_steps="on").engine.scheduler.mixed_steps
+    assert not make_llm(target, **SMALL, mixed_steps="off").engine.scheduler.mixed_steps
+    with pytest.raises(ValueError, match="mixed_steps must be auto, on or off"):
+        make_llm(target, **SMALL, mixed_steps="sometimes")

@@ -38,7 +38,10 @@ def make_llm(path, **kwargs) -> LLM:
 
 def engine_steps(engine) -> list[warmup.WarmupStep]:
     """The steps the builder would warm `engine` up with."""
-    shapes = WarmupShapes.of(engine.config.chunked_prefill_size, engine.plan, engine.caches, engine.proposer)
+    config, mixed = engine.config, engine.scheduler.mixed_steps
+    shapes = WarmupShapes.of(
+        config.chunked_prefill_size, engine.plan, engine.caches, engine.proposer, mixed=mixed
+    )
     return warmup_steps(shapes)
 
 
@@ -71,7 +74,7 @@ def test_steps_cover_every_class_of_a_gpu_engine():
     assert not any(c.kind == VERIFY or c.snapshots for s in plain for c in s.chunks)
     assert any(s.path == "mixed" for s in plain)
     unmixed = warmup_steps(WarmupShapes(8192, 131072, 256, 4, 4, True, mixed=False))
-    assert not any(s.path.startswith("mixed") for s in unmixed)  # --disable-mixed-steps never runs them
+    assert not any(s.path.startswith("mixed") for s in unmixed)  # --mixed-steps off never runs them
     assert [s for s in steps if not s.path.startswith("mixed")] == unmixed
 
 
@@ -208,10 +211,10 @@ def test_warmup_runs_each_step_eagerly_in_the_scratch_slot_with_the_proposer(war
         rows_of = {LAST: 1, DECODE: 1, MIDDLE: 0}
         assert logits == sum(c.tokens if c.kind in (VERIFY, SCORE) else rows_of[c.kind] for c in chunks), step
     assert calls == ["observe", "propose"] * len(steps)
-    paths = {s.path for s in steps}
+    paths = {s.path for s in steps}  # (no mixed steps: a speculative engine does not mix by default)
     assert paths == {
-        "prefill", "long context", "long decode", "long verify", "decode batch", "prefill batch", "mixed",
-        "verify batch", "mixed verify", "prompt logprobs", "snapshots on KDA chunk boundaries",
+        "prefill", "long context", "long decode", "long verify", "decode batch", "prefill batch",
+        "verify batch", "prompt logprobs", "snapshots on KDA chunk boundaries",
         "snapshot off a KDA chunk boundary",
     }  # fmt: skip
     assert max(c.tokens for s in steps for c in s.chunks) == CHUNK

@@ -10,17 +10,17 @@ The prompts are the first user turns of held-out ShareGPT conversations (`hylo.t
 demo model and its drafts never trained on them), chat-templated, at most `--max-prompt-tokens` long;
 `--write-prompts` makes the file on a machine with the packaged dataset (the GPU machine has none).
 
-Every engine is built first and shares nothing but the process. A concurrency c runs a closed loop: c
-requests in flight, the next prompt submitted as one finishes, until `--requests-per-stream` × c prompts
-(at least `--min-requests`) are done (greedy, `--max-tokens` new tokens each, stopping at EOS as a
-user's would). Each (engine, c) runs once unmeasured (the first run of a shape compiles kernels), then
-`--reps` times interleaved engine by engine. Reported per (engine, c): output tokens/s (median), the
-ratio to plain decoding of the same repetition (median of the per-repetition ratios), the mean
-acceptance τ (tokens a verify step commits per request, bonus included) and, with the policy on, its
-verify/plain choices and its per-bucket step costs. `--profile`: per engine, the kernels of a c = 1
-run's steps (torch.profiler): kernels per step and GPU µs per step by kernel, to
-`DIR/kernels_<engine>.txt`. Without a GPU the engines run on the CPU (a dry run of the script: its
-figures mean nothing).
+Every engine is built first (with its start-up warm-up, as served; `--skip-warmup`: without) and shares
+nothing but the process. A concurrency c runs a closed loop: c requests in flight, the next prompt
+submitted as one finishes, until `--requests-per-stream` × c prompts (at least `--min-requests`) are
+done (greedy, `--max-tokens` new tokens each, stopping at EOS as a user's would). Each (engine, c) runs
+once unmeasured (the first run of a shape compiles kernels), then `--reps` times interleaved engine by
+engine. Reported per (engine, c): output tokens/s (median), the ratio to plain decoding of the same
+repetition (median of the per-repetition ratios), the mean acceptance τ (tokens a verify step commits
+per request, bonus included) and, with the policy on, its verify/plain choices and its per-bucket step
+costs. `--profile`: per engine, the kernels of a c = 1 run's steps (torch.profiler): kernels per step
+and GPU µs per step by kernel, to `DIR/kernels_<engine>.txt`. Without a GPU the engines run on the CPU
+(a dry run of the script: its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -60,21 +60,25 @@ def write_prompts(model: Path, path: Path, count: int, max_tokens: int) -> None:
     print(f"{len(kept)} held-out prompts of <= {max_tokens} tokens -> {path}")
 
 
-UNMIXED = "+unmixed"  # an engine name's suffix: built with `disable_mixed_steps`
+# an engine name's suffix: built with `mixed_steps` on or off (without one: auto)
+MIXING = {"+mixed": "on", "+unmixed": "off"}
 
 
-def engine_names(algorithms: list[str], unmixed: bool) -> list[str]:
+def engine_names(algorithms: list[str], mixing: bool) -> list[str]:
     names = ["plain"] + [f"{a}-{policy}" for a in algorithms for policy in ("adaptive", "verify")]
-    return names + [name + UNMIXED for name in names] if unmixed else names
+    return names + [name + suffix for suffix in MIXING for name in names] if mixing else names
 
 
-def build(model: Path, name: str, max_batch: int) -> Engine:
+def build(model: Path, name: str, max_batch: int, warmup: bool = True) -> Engine:
     """`name`: plain, or `<algorithm>-adaptive` / `<algorithm>-verify` (the policy off: every decode
-    step verifies), `UNMIXED` after it for an engine whose steps do not mix prefill chunks with decode
-    rows. Caches of about `CACHE_BYTES` beside what the process already holds."""
+    step verifies), a `MIXING` suffix after it for an engine whose steps mix prefill chunks with
+    decode rows (`+mixed`) or do not (`+unmixed`). Caches of about `CACHE_BYTES` beside what the
+    process already holds. `warmup`: the engine's start-up warm-up (as served): without it eager
+    steps of shapes the unmeasured run did not meet compile inside measured runs (RESULTS S26-2)."""
     options: dict = {}
-    if name.endswith(UNMIXED):
-        name, options = name.removesuffix(UNMIXED), {"disable_mixed_steps": True}
+    for suffix, setting in MIXING.items():
+        if name.endswith(suffix):
+            name, options = name.removesuffix(suffix), {"mixed_steps": setting}
     if name != "plain":
         algorithm, policy = name.rsplit("-", 1)
         options |= ALGORITHMS[algorithm]
@@ -88,7 +92,7 @@ def build(model: Path, name: str, max_batch: int) -> Engine:
     else:
         options |= {"device": "cpu", "max_memory_gb": CACHE_BYTES / 2**30}
     config = EngineConfig.from_kwargs(
-        model=str(model), max_running_requests=max_batch, skip_warmup=True, **options
+        model=str(model), max_running_requests=max_batch, skip_warmup=not warmup, **options
     )
     return Engine(config)
 
@@ -173,7 +177,10 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2, help="prompts per in-flight stream")
     parser.add_argument("--min-requests", type=int, default=16, help="prompts per run at least")
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--unmixed", action="store_true", help="also every engine with --disable-mixed-steps")
+    parser.add_argument(
+        "--mixing", action="store_true", help="also every engine with --mixed-steps on and with it off"
+    )
+    parser.add_argument("--skip-warmup", action="store_true", help="engines without the start-up warm-up")
     parser.add_argument("--profile", action="store_true", help="kernel tables of a c = 1 run per engine")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -182,9 +189,9 @@ def main() -> None:
         return
     prompts = json.loads(args.prompts.read_text())
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    names = engine_names(args.algorithms.split(","), args.unmixed)
+    names = engine_names(args.algorithms.split(","), args.mixing)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    engines = {name: build(args.model, name, max(concurrencies)) for name in names}
+    engines = {name: build(args.model, name, max(concurrencies), not args.skip_warmup) for name in names}
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU dry run)"
     report: dict = {"gpu": gpu, "prompts": len(prompts), "runs": {}}
     if args.out:

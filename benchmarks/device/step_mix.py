@@ -73,7 +73,7 @@ def classify(eng, prompts, concurrency, params) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--engines", default="plain,dflash-verify,mtp3-verify,plain+unmixed,dflash-verify+unmixed"
+        "--engines", default="plain,dflash-verify,mtp3-verify,plain+unmixed,dflash-verify+mixed"
     )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)

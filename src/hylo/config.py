@@ -234,11 +234,13 @@ class EngineConfig:
         "run each decode step to its end before scheduling the next (for debugging); by default the "
         "host schedules and launches step N+1 while the device runs step N (SGLang's flag name)",
     )
-    disable_mixed_steps: bool = _flag(
-        False,
-        "a step with prefill work (a prompt going on, a request that can start) runs only that, and the "
-        "decoding requests go on in the next step, which the decode or verify graphs replay; by default "
-        "prefill chunks join the decoding rows in one eagerly run step",
+    mixed_steps: str = _flag(
+        "auto",
+        "whether a step with prefill work (a prompt going on, a request that can start) also runs the "
+        "decoding requests: on (prefill chunks join the decoding rows in one eagerly run step), off (it "
+        "runs only prefill, one prompt's chunk in the prefill graphs while few prompts wait, and the "
+        "decoding requests go on in the next step as a graph replay) or auto (on without speculative "
+        "decoding, off with it: measured in RESULTS S26)",
     )
     prefix_snapshot_interval: int = _flag(
         1024,
@@ -317,7 +319,6 @@ class EngineConfig:
             "speculative_adaptive",
             "disable_radix_cache",
             "disable_overlap_schedule",
-            "disable_mixed_steps",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):
@@ -337,6 +338,8 @@ class EngineConfig:
         self._check_parallel()
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.mixed_steps not in ("auto", "on", "off"):
+            raise ValueError(f"mixed_steps must be auto, on or off, got {self.mixed_steps!r}")
         if self.fp8_projections not in ("auto", "dequantize"):
             raise ValueError(f"fp8_projections must be auto or dequantize, got {self.fp8_projections!r}")
         if self.indexer_dtype not in ("auto", "fp8"):

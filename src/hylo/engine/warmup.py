@@ -120,7 +120,7 @@ class WarmupShapes:
     """The engine's limits the warm-up's shapes follow: the longest prefill chunk
     (`chunked_prefill_size`), the request table's length, the running-request limit, the k-pool size,
     the verify block (None without a proposer), whether prefix-cache snapshots are taken and whether a
-    step may mix prefill chunks with decode or verify rows (`disable_mixed_steps` off)."""
+    step may mix prefill chunks with decode or verify rows (`builder.mixes_steps`)."""
 
     longest_chunk: int
     max_len: int
