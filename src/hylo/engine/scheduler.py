@@ -85,12 +85,13 @@ class Scheduler:
     def schedule(self, draft: bool = True) -> list[ScheduledChunk]:
         """The next step's chunks; without `draft` decoding requests decode one token plainly. Without
         `mixed_steps`, only prefill chunks while any can be scheduled (see `__init__`): one prompt's
-        chunk of at most `graph_prefill_tokens` while at most `ONE_PROMPT_STEPS_UP_TO` prompts have
-        prefill work (a prefill graph replays it), all that fit the budget otherwise."""
+        chunk while at most `ONE_PROMPT_STEPS_UP_TO` prompts have prefill work (a prefill graph replays
+        it where it takes it: up to `graph_prefill_tokens`; a longer chunk runs eagerly, as it did),
+        all that fit the budget otherwise."""
         if not self.mixed_steps:
             prompts = sum(r.remaining > 1 for r in self.running) + len(self.waiting)
             if self.graph_prefill_tokens and prompts <= ONE_PROMPT_STEPS_UP_TO:
-                chunks = self._schedule(draft, False, min(self.prefill_budget, self.graph_prefill_tokens), 1)
+                chunks = self._schedule(draft, False, self.prefill_budget, 1)
             else:
                 chunks = self._schedule(draft, False, self.prefill_budget)
             if chunks:
