@@ -14,7 +14,9 @@ from test_prefix_cache import assert_all_returned, run
 from tolerance import assert_fp32_close, model_accumulation_terms
 
 from hylo import LLM, SamplingParams
+from hylo.engine.cuda_graph import DRAFT
 from hylo.engine.prefill_graph import PrefillGraphs, prefill_graph_refusal
+from hylo.engine.route import Path
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.models.loader import load_model
@@ -191,3 +193,36 @@ def test_mtp_engines_with_prefill_graphs_give_the_eager_outputs(checkpoints, ada
             for name, got in entries.items():
                 assert_fp32_close(got, want_entries[prompt][name], terms, f"{len(prompt)} tokens: {name}")
     assert_all_returned(engine)
+
+
+def test_a_prompt_prefilled_in_the_graphs_decodes_its_anchor_and_drafts_then_verifies_full_blocks(
+    checkpoints,  # noqa: F811
+):
+    """A prefill-graph replay drafts nothing (`Request.undrafted`): the request's next step decodes its
+    anchor alone, read at once and drafting (not launched ahead with a deferred observe, which would
+    leave its first verify block with another request's drafts), and its next verifies a full block."""
+    llm = make_llm(checkpoints[1], True, False)
+    engine, launched = llm.engine, []
+    launch = engine.runner.launch
+
+    def recording(chunks, route):
+        launched.append((route, [(ch.request.request_id, ch.num_tokens, ch.verify) for ch in chunks]))
+        return launch(chunks, route)
+
+    engine.runner.launch = recording
+    llm.generate(prompt_token_ids=waves()[0][1:], sampling_params=GREEDY, use_tqdm=False)
+    by_request: dict[str, list] = {}
+    for route, chunks in launched:
+        for rid, n, verify in chunks:
+            by_request.setdefault(rid, []).append((route, n, verify))
+    checked = 0
+    for steps in by_request.values():
+        for k, (route, _, _) in enumerate(steps[:-2]):
+            if route.path is not Path.PREFILL_GRAPH or steps[k + 1][0].path is Path.PREFILL_GRAPH:
+                continue  # (a prompt's middle chunk)
+            (after, n, verify), (then, m, verifies) = steps[k + 1], steps[k + 2]
+            assert (n, verify) == (1, False) and not after.ahead
+            assert after.draft or after.variant == DRAFT
+            assert verifies and m == 1 + STEPS and then.path is Path.VERIFY_GRAPH
+            checked += 1
+    assert checked == 2  # the 5-token prompt and the 80-token one (three chunks)
