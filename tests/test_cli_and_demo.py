@@ -8,7 +8,7 @@ import sys
 import torch
 from conftest import Caches
 
-from hylo import LLM, SamplingParams
+from hylo import LLM, SamplingParams, cli
 from hylo.config import EngineConfig
 from hylo.engine.engine import Engine
 from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS, default_model_dir, write_random_model
@@ -122,12 +122,22 @@ def test_generate_streams_text_from_the_demo_model():
     assert out.stdout == expected.text + "\n"
 
 
-def test_generate_rejects_bad_input(tmp_path):
-    missing = run_hylo("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
-    assert missing.returncode == 2 and "config.json not found" in missing.stderr
-    bad = run_hylo("generate", "--prompt", "x", "--top-p", "0")
-    assert bad.returncode == 2 and "top_p" in bad.stderr
-    bad_engine = run_hylo("generate", "--prompt", "x", "--page-size", "6")
-    assert bad_engine.returncode == 2 and "page_size" in bad_engine.stderr
-    no_prompt = run_hylo("generate")
-    assert no_prompt.returncode == 2 and "--prompt" in no_prompt.stderr
+def test_generate_rejects_bad_input(tmp_path, capsys):
+    """In this process (`cli.main`, what `python -m hylo.cli` runs): a subprocess each would spend
+    seconds importing torch only to be refused. The entry point itself is run by
+    test_generate_streams_text_from_the_demo_model."""
+
+    def refusal(*args: str) -> str:
+        """generate's stderr, once it has exited with status 2 (argparse exits; `main` returns)."""
+        capsys.readouterr()
+        try:
+            status = cli.main(["generate", *args])
+        except SystemExit as e:
+            status = e.code
+        assert status == 2
+        return capsys.readouterr().err
+
+    assert "config.json not found" in refusal("--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert "top_p" in refusal("--prompt", "x", "--top-p", "0")
+    assert "page_size" in refusal("--prompt", "x", "--page-size", "6")
+    assert "--prompt" in refusal()
