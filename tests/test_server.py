@@ -430,27 +430,39 @@ def test_bench_serve_writes_every_metric(server, tmp_path):
 
 
 def test_queue_limit_and_graceful_sigterm(model_dir):
+    """One request runs, one waits, the others are refused at once with 429. SIGTERM while the
+    first still streams and the second still waits: both complete, then the process exits cleanly."""
     proc, url = start_server(model_dir, "--max-running-requests", "1", "--max-queued-requests", "1")
-    try:
-        long = {"prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=120) as first:
-            lines = first.iter_lines()
-            next(lines)
+    long = {"prompt": "Once", "max_tokens": 60, "ignore_eos": True, "stream": True}
 
-            async def burst() -> list[httpx.Response]:
-                async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-                    return await asyncio.gather(
-                        *(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}) for _ in range(4))
-                    )
-
-            responses = asyncio.run(burst())
-            statuses = [r.status_code for r in responses]
-            assert 429 in statuses and 200 in statuses
-            # a client told to slow down is told for how long (issue 21, defect 9)
-            assert all(r.headers["retry-after"] == "1" for r in responses if r.status_code == 429)
-            # SIGTERM while the long stream runs: it still completes, then the process exits cleanly
+    async def scenario() -> tuple[list[httpx.Response], httpx.Response, list[dict]]:
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=120) as c,
+            c.stream("POST", "/v1/completions", json=long) as first,
+        ):
+            lines = first.aiter_lines()
+            await anext(lines)
+            burst = [
+                asyncio.create_task(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
+                for _ in range(4)
+            ]
+            refused: list[httpx.Response] = []
+            waiting = set(burst)
+            while len(refused) < 3:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                refused += [task.result() for task in done]
+            # the one left waits for the long stream: both are open when the signal comes
+            (queued,) = waiting
             proc.send_signal(signal.SIGTERM)
-            rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+            rest = [json.loads(x[6:]) async for x in lines if x.startswith("data: {")]
+            return refused, await queued, rest
+
+    try:
+        refused, queued, rest = asyncio.run(scenario())
+        assert [r.status_code for r in refused] == [429] * 3
+        # a client told to slow down is told for how long (issue 21, defect 9)
+        assert all(r.headers["retry-after"] == "1" for r in refused)
+        assert queued.status_code == 200 and queued.json()["usage"]["completion_tokens"] == 2
         assert rest[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
     finally:
