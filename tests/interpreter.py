@@ -2,6 +2,10 @@
 
 Triton 3.6's interpreter reads loop bounds computed from program ids or arguments with `int()` of a
 one-element numpy array, which numpy >= 2.3 refuses; the patch reads the single element instead.
+
+It also re-patches triton.language at every device-function call, in every program of a launch
+(about a fifth of a KDA prefill's time here), although the launch has patched the same modules already
+and restores them only when it ends: such a call, whose modules the launch has patched, skips it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,39 @@ def use_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patch_with_index
+    _patch_language_once_per_launch(interpreter)
     interpreter._hylo_index_patch = True
+
+
+def _patch_language_once_per_launch(interpreter) -> None:
+    """`interpreter._patch_lang(fn)` patches the language modules `fn`'s globals name (a scope the
+    launch restores at its end). Within one launch (`GridExecutor.__call__`, which patches first), a
+    device function's call patches only modules the launch has not patched yet; a launch inside a
+    launch does not occur. Safe because the patches depend on the modules alone, not on `fn`."""
+    import inspect
+
+    patch_lang, run_grid = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    language = (interpreter.tl, interpreter.tl.core)
+    patched: set[int] | None = None  # ids of the modules the running launch has patched; None: none runs
+
+    def patch_once(fn):
+        needed = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in language}
+        if patched is not None and needed and needed <= patched:
+            return interpreter._LangPatchScope()  # nothing to patch, nothing to restore
+        if patched is not None:
+            patched.update(needed)
+        return patch_lang(fn)
+
+    def launch(self, *args, **kwargs):
+        nonlocal patched
+        patched = set()
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            patched = None
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch
 
 
 def run_compiled_for_hopper(script: str) -> str:
