@@ -85,7 +85,8 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
     [
         ([70, 1, 2, 130], torch.float32, 16, 0, {}),
         ([64, 3, 65], torch.float16, 32, 1, {}),
-        ([2, 129, 9], torch.float32, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=4, conv_order="chunk")),
+        # a 65-token sequence spans a chunk boundary as 129 did (a full non-first chunk: the rows above)
+        ([2, 65, 9], torch.float32, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=4, conv_order="chunk")),
         ([70, 2, 131], torch.float32, 32, 3, dict(conv_rows=32, gate_cols=16, conv_warps=1)),
     ],
 )
