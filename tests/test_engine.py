@@ -55,21 +55,28 @@ def test_batch_of_16_matches_hf_generate(checkpoint, prompts, reference):
         assert ours == ref[0, len(prompt) :].tolist()
 
 
+# Prompts of 37, 70, 1, 64 and 17 tokens: for the settings that cost a CPU step per token (one token of
+# prefill a step, one request at a time) the boundaries they meet are those all 16 meet (chunks that end
+# mid-page, on a page end, a one-token prompt, requests that wait for the one running), in a third of the
+# steps (21 s -> 8 s here, alone).
+FEW = [0, 2, 4, 8, 11]
+
+
 @pytest.mark.parametrize(
-    "settings",
+    ("settings", "which"),
     [
-        dict(chunked_prefill_size=1),
-        dict(chunked_prefill_size=7),
-        dict(chunked_prefill_size=64),
-        dict(max_running_requests=1),
-        dict(max_running_requests=16),
+        (dict(chunked_prefill_size=1), FEW),
+        (dict(chunked_prefill_size=7), range(len(LENGTHS))),
+        (dict(chunked_prefill_size=64), range(len(LENGTHS))),
+        (dict(max_running_requests=1), FEW),
+        (dict(max_running_requests=16), range(len(LENGTHS))),
     ],
 )
-def test_outputs_do_not_depend_on_chunking_or_concurrency(checkpoint, prompts, reference, settings):
+def test_outputs_do_not_depend_on_chunking_or_concurrency(checkpoint, prompts, reference, settings, which):
     outs = make_llm(checkpoint, **settings).generate(
-        prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False
+        prompt_token_ids=[prompts[i] for i in which], sampling_params=GREEDY, use_tqdm=False
     )
-    assert [o.token_ids for o in outs] == reference
+    assert [o.token_ids for o in outs] == [reference[i] for i in which]
     assert all(o.finish_reason == "length" for o in outs)
 
 
