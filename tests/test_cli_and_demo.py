@@ -141,3 +141,11 @@ def test_generate_rejects_bad_input(tmp_path, capsys):
     assert "top_p" in refusal("--prompt", "x", "--top-p", "0")
     assert "page_size" in refusal("--prompt", "x", "--page-size", "6")
     assert "--prompt" in refusal()
+
+
+def test_building_the_command_lines_imports_no_torch():
+    """`hylo <command> --help` and argument errors answer without importing torch (~2.5 s): every
+    parser, `train` and `train-draft`'s included, is built from torch-free modules."""
+    probe = "import sys; from hylo import cli; cli._build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

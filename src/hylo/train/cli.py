@@ -7,8 +7,12 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hylo.train.loop import TrainSettings
+from hylo.train import DRAFT_ALGORITHMS
+
+if TYPE_CHECKING:
+    from hylo.train.loop import TrainSettings
 
 # FR-Spec's and SGLang's usual map for 128K-150K vocabularies
 DEFAULT_TOKEN_MAP_SIZE = 32768
@@ -46,7 +50,9 @@ def _add_settings(parser: argparse.ArgumentParser, steps: int, lr: float, batch_
         "--checkpoint-every", type=_positive(int), default=500, help="steps between checkpoints"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the batches")
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device to train on")
+    parser.add_argument(
+        "--device", type=_device, default="auto", help="torch device to train on (auto: cuda when available)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -60,13 +66,19 @@ def _layer_ids(text: str) -> list[int]:
     return ids
 
 
-def _cuda() -> bool:
+def _device(text: str) -> str:
+    """`--device`'s value, auto resolved at parsing (torch is imported only then: building the
+    parsers imports none)."""
+    if text != "auto":
+        return text
     import torch
 
-    return torch.cuda.is_available()
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _settings(args: argparse.Namespace) -> TrainSettings:
+    from hylo.train.loop import TrainSettings  # (torch: not for building the parsers)
+
     return TrainSettings(
         steps=args.steps, lr=args.lr, warmup=args.warmup, checkpoint_every=args.checkpoint_every,
         seed=args.seed, time_budget_s=args.time_budget,
@@ -116,11 +128,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def add_train_draft_args(parser: argparse.ArgumentParser) -> None:
-    from hylo.train.draft import ALGORITHMS
-
     _add_settings(parser, steps=3000, lr=1e-3, batch_size=32)
     parser.add_argument("--target", type=Path, required=True, help="the target model directory")
-    parser.add_argument("--algorithm", choices=ALGORITHMS, default="dflash", help="what to train")
+    parser.add_argument("--algorithm", choices=DRAFT_ALGORITHMS, default="dflash", help="what to train")
     parser.add_argument(
         "--data", default="sharegpt",
         help="prompts: 'sharegpt' (the train split's user turns, first turns first) or a JSONL file of "

@@ -26,11 +26,10 @@ import torch
 from hylo.models.loader import load_flat, load_model
 from hylo.speculative.token_map import coverage, hot_tokens, save_token_map
 from hylo.tokenizer import Tokenizer
-from hylo.train import data
+from hylo.train import DRAFT_ALGORITHMS, data
 from hylo.train.distill import DistillSet, build_distill_set, regenerate
 from hylo.train.loop import Trainer, TrainSettings, step_generator
 
-ALGORITHMS = ("dflash", "dflash2", "mtp")
 DISTILL_CACHE = "distill.pt"
 TOKEN_MAP = "token_map.pt"
 GENERATION_MEMORY_FRACTION = 0.3
@@ -149,8 +148,8 @@ def train_draft(
     """Train (or resume) a draft of `algorithm` for the target at `target_dir` into `out`; with
     `token_map_size`, also `out/model/token_map.pt`: the most frequent tokens of the target's answers
     (`--speculative-token-map`), as EAGLE-3 drafts get their reduced vocabulary from their data."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if algorithm not in DRAFT_ALGORITHMS:
+        raise ValueError(f"--algorithm must be one of {', '.join(DRAFT_ALGORITHMS)}, got {algorithm!r}")
     target_dir, out = Path(target_dir), Path(out)
     tokenizer = Tokenizer.from_dir(target_dir)
     if token_map_size is not None and not 0 < token_map_size <= tokenizer.vocab_size:
