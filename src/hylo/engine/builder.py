@@ -114,7 +114,7 @@ def build_engine(
     scheduler = Scheduler(
         caches, plan.num_slots, config.chunked_prefill_size, verify_shape, proposer, overlap,
         verify_graphs=runner.verify_graphs is not None, mixed_steps=mixed,
-        graph_prefill_tokens=0 if runner.prefill_graphs is None else runner.prefill_graphs.buckets[-1],
+        prefill_graphs=runner.prefill_graphs is not None,
     )  # fmt: skip
     policy = None
     if proposer is not None and config.speculative_adaptive and ranks.leader:

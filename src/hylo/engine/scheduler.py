@@ -54,15 +54,15 @@ class Scheduler:
         overlap: bool = False,
         verify_graphs: bool = False,
         mixed_steps: bool = True,
-        graph_prefill_tokens: int = 0,
+        prefill_graphs: bool = False,
     ):
         """`overlap`, `verify_graphs`: whether steps may run ahead of the read before them at all, and
         verify steps as verify-graph replays (`InFlightLedger`). `mixed_steps`: whether a step may
         hold prefill chunks beside decode or verify rows; without, a step with prefill work to do
         (a prompt going on, a waiting request that can start) runs only that, and the decoding
         requests go on in the next step, whose rows the decode or verify graphs can replay (a mixed
-        step runs eagerly). `graph_prefill_tokens`: the longest chunk of one prompt the prefill graphs
-        take (0: none)."""
+        step runs eagerly). `prefill_graphs`: the engine replays one prompt's short chunks in prefill
+        graphs."""
         self.caches = caches
         self.prefix = caches.prefix
         self.proposer = proposer
@@ -73,7 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.mixed_steps = mixed_steps
-        self.graph_prefill_tokens = graph_prefill_tokens
+        self.prefill_graphs = prefill_graphs
         self.ledger = InFlightLedger(proposer, overlap, verify_graphs)  # what is launched and unread
 
     def add(self, request: Request) -> None:
@@ -85,27 +85,23 @@ class Scheduler:
     def schedule(self, draft: bool = True) -> list[ScheduledChunk]:
         """The next step's chunks; without `draft` decoding requests decode one token plainly. Without
         `mixed_steps`, only prefill chunks while any can be scheduled (see `__init__`): one prompt's
-        chunk while at most `ONE_PROMPT_STEPS_UP_TO` prompts have prefill work (a prefill graph replays
-        it where it takes it: up to `graph_prefill_tokens`; a longer chunk runs eagerly, as it did),
-        all that fit the budget otherwise."""
+        chunk while at most `ONE_PROMPT_STEPS_UP_TO` prompts have prefill work (with `prefill_graphs`:
+        a prefill graph replays it where it takes it; a longer chunk runs eagerly), all that fit the
+        budget otherwise."""
         if not self.mixed_steps:
             prompts = sum(r.remaining > 1 for r in self.running) + len(self.waiting)
-            if self.graph_prefill_tokens and prompts <= ONE_PROMPT_STEPS_UP_TO:
-                chunks = self._schedule(draft, False, self.prefill_budget, 1)
-            else:
-                chunks = self._schedule(draft, False, self.prefill_budget)
+            one = self.prefill_graphs and prompts <= ONE_PROMPT_STEPS_UP_TO
+            chunks = self._schedule(draft, decode=False, prompts=1 if one else None)
             if chunks:
                 return chunks  # else no prompt goes on and none could start: the decoding requests go on
-        return self._schedule(draft, True, self.prefill_budget)
+        return self._schedule(draft, decode=True)
 
-    def _schedule(
-        self, draft: bool, decode: bool, budget: int, prompts: int | None = None
-    ) -> list[ScheduledChunk]:
-        """`schedule`'s chunks, the decoding requests' rows among them only with `decode`; prefill
-        chunks of at most `budget` tokens in all and, without `decode`, of at most `prompts` requests
-        (None: any)."""
+    def _schedule(self, draft: bool, decode: bool, prompts: int | None = None) -> list[ScheduledChunk]:
+        """`schedule`'s chunks, the decoding requests' rows among them only with `decode`; without
+        `decode`, prefill chunks of at most `prompts` requests (None: any)."""
         assert prompts is None or not decode, "a prompt limit counts a step of prefill chunks alone"
         chunks: list[ScheduledChunk] = []
+        budget = self.prefill_budget
         room = (lambda: True) if prompts is None else (lambda: len(chunks) < prompts)
         for request in list(self.running):
             if request.status is not Status.RUNNING:
