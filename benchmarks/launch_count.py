@@ -292,7 +292,7 @@ def engine_step_launches(algorithm: str, warm_steps: int = 3) -> Launches:
     return launches
 
 
-def engine_report(algorithm: str, launches: Launches) -> None:
+def engine_report(algorithm: str, launches: Launches, by_op: bool = False) -> None:
     layers = sum(n for (path, _, _), n in launches.counts.items() if _under(path, "target.layers"))
     parts = {
         "target layers": layers,
@@ -303,6 +303,13 @@ def engine_report(algorithm: str, launches: Launches) -> None:
     print(
         f"{algorithm}: {launches.total()} launches a step ({', '.join(f'{k} {v}' for k, v in parts.items())})"
     )
+    if by_op:  # what runs outside the target's layers, by module path and op
+        rows = Counter()
+        for (path, kind, name), count in launches.counts.items():
+            if not _under(path, "target.layers"):
+                rows[path or "(outside every module)", kind, name] += count
+        for (path, kind, name), count in sorted(rows.items()):
+            print(f"    {count:3d}  {kind:6s} {name:32s} {path}")
 
 
 def main() -> None:
@@ -310,14 +317,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--by-op", action="store_true", help="list each layer's launches by module and op")
+    parser.add_argument(
+        "--by-op", action="store_true", help="each layer's launches by module and op (--engine: all but the layers')"
+    )
     parser.add_argument(
         "--engine", default=None, help=f"count engine steps instead: some of {list(ENGINE_ALGORITHMS)}"
     )
     args = parser.parse_args()
     if args.engine:
         for algorithm in args.engine.split(","):
-            engine_report(algorithm, engine_step_launches(algorithm))
+            engine_report(algorithm, engine_step_launches(algorithm), args.by_op)
         return
     launches, model = decode_step_launches(args.layers, args.batch, getattr(torch, args.dtype))
     report(launches, model, args.by_op)

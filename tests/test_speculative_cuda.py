@@ -64,14 +64,17 @@ def cache_fraction(cache_bytes: float = 4 * 2**30) -> float:
 
 
 def make_llm(path: Path, algorithm: str, draft: Path, **kwargs) -> LLM:
-    """`algorithm` NAME_map: NAME drafting from the target directory's token map."""
+    """`algorithm` NAME_map: NAME drafting from the target directory's token map. No prefill graphs:
+    a prompt they take drafts nothing and decodes its anchor alone next (`Request.undrafted`), a step
+    the eager engine does not run, and bf16 forwards of other shapes part by an ulp and then by a
+    greedy near-tie (tests/test_prefill_graph_cuda.py compares that path with eager steps)."""
     if algorithm.endswith("_map"):
         algorithm = algorithm.removesuffix("_map")
         kwargs["speculative_token_map"] = str(path / "token_map.pt")
     return LLM(
         str(path), device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
         context_length=256, max_running_requests=4, cuda_graph_max_bs=4, speculative_adaptive=False,
-        **flags(algorithm, draft), **kwargs,
+        cuda_graph_max_prefill_tokens=0, **flags(algorithm, draft), **kwargs,
     )  # fmt: skip
 
 
