@@ -251,20 +251,18 @@ class ForwardBatch:
         `lengths[0]` new tokens padded to `width` (`Padded`, no prefix-cache snapshot): its padding
         writes `filler_row`'s first slot (`uniform_metadata`)."""
         b = prefix.shape[0]
-        device = req_to_token.device
+        const = _uniform_constants(b, width, req_to_token.device)
         meta = uniform_metadata(prefix, rows, width, req_to_token, kpool, filler_row, lengths)
         layout: TokenLayout = Uniform(width)
         if lengths is not None:
-            no_snapshots = torch.full((-(-width // CHUNK_TOKENS),), -1, dtype=torch.long, device=device)
-            layout = Padded(lengths, no_snapshots, filler_row)
-        packed = torch.arange(b * width, device=device)
+            layout = Padded(lengths, const.no_snapshots, filler_row)
         return cls(
-            input_ids=torch.zeros(b * width, dtype=torch.long, device=device),
-            token_seq=packed // width,
+            input_ids=const.input_ids,
+            token_seq=const.token_seq,
             req_to_token=req_to_token,
-            pad_index=packed.view(b, width),
-            pad_valid=torch.ones(b, width, dtype=torch.bool, device=device),
-            logits_index=packed,
+            pad_index=const.packed.view(b, width),
+            pad_valid=const.pad_valid,
+            logits_index=const.packed,
             extend_lens=[width] * b,
             prefix_lens=[0] * b,
             verify_seqs=[],
@@ -275,6 +273,44 @@ class ForwardBatch:
             layout=layout,
             **meta,
         )
+
+
+@dataclass(frozen=True)
+class _UniformConstants:
+    """The tensors of a uniform batch that depend on its shape alone (`ForwardBatch.uniform`)."""
+
+    input_ids: torch.Tensor  # [B·width] zeros
+    packed: torch.Tensor  # [B·width] 0 .. B·width - 1
+    token_seq: torch.Tensor  # [B·width] packed // width
+    pad_valid: torch.Tensor  # [B, width] True
+    no_snapshots: torch.Tensor  # [ceil(width / CHUNK_TOKENS)] -1
+
+
+# (B, width, device) -> its constants: a handful of small shapes per engine (graph buckets and widths)
+_uniform_constants_made: dict[tuple[int, int, torch.device], _UniformConstants] = {}
+
+
+def _uniform_constants(b: int, width: int, device: torch.device) -> _UniformConstants:
+    """The constants of a (B, width) uniform batch, made once per shape and device (an MTP verify
+    step builds three uniform batches: 12 launches a step fewer). Nothing writes them: a uniform
+    batch's layers read no `input_ids` and its index tensors only. Inside a CUDA graph's capture a
+    missing shape is made for that batch alone, not kept: its kernels would only run at replay. The
+    graphs' warm-up runs every shape eagerly before capturing it, so captures find theirs made."""
+    key = (b, width, device)
+    made = _uniform_constants_made.get(key)
+    if made is not None:
+        return made
+    packed = torch.arange(b * width, device=device)
+    made = _UniformConstants(
+        input_ids=torch.zeros(b * width, dtype=torch.long, device=device),
+        packed=packed,
+        token_seq=packed // width,
+        pad_valid=torch.ones(b, width, dtype=torch.bool, device=device),
+        no_snapshots=torch.full((-(-width // CHUNK_TOKENS),), -1, dtype=torch.long, device=device),
+    )
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _uniform_constants_made[key] = made
+    return made
 
 
 def _check_chunks(chunks: Sequence[SequenceChunk], table_len: int) -> None:

@@ -136,14 +136,14 @@ class MTPProposer(Proposer):
             super().observe_and_propose(batch, commit)
             return
         counts = commit.counts.long()
-        hidden = self._observe_uniform(batch, layout.width, commit.features, counts, commit.anchors)
+        starts = batch.positions[batch.pad_index[:, 0]]
+        hidden = self._observe_uniform(batch, layout.width, commit.features, counts, commit.anchors, starts)
         self._keep_last_hidden(batch, commit)
         first = hidden[torch.arange(blocks, device=hidden.device), counts]
         tokens = self.layer.greedy(first, self.target, self.head)
         rows = batch.state_slots
         self.drafts[rows, 0] = tokens
-        lengths = batch.positions[batch.pad_index[:, 0]] + counts
-        self._chain(rows, lengths, tokens, first, first_step=1)
+        self._chain(rows, starts + counts, tokens, first, first_step=1)
 
     def _observe_uniform(
         self,
@@ -152,11 +152,12 @@ class MTPProposer(Proposer):
         features: torch.Tensor,
         counts: torch.Tensor | None = None,
         anchors: torch.Tensor | None = None,
+        starts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The entries of a uniform batch's `width` tokens (every sequence past position 0), from
         device tensors alone (`features`: the target's of those tokens); with `anchors`, one more entry
-        per sequence whose token `counts[b]` (0-based in the block) is the anchor. The MTP hiddens,
-        `[B, width (+1), H]`."""
+        per sequence whose token `counts[b]` (0-based in the block) is the anchor. `starts`: each
+        sequence's first position, where the caller has it. The MTP hiddens, `[B, width (+1), H]`."""
         blocks = len(batch.extend_lens)
         rows = batch.state_slots
         features = features.view(blocks, width, -1)
@@ -167,7 +168,9 @@ class MTPProposer(Proposer):
             hidden = torch.cat([self.last_hidden[rows][:, None], features], 1)
             tokens = torch.cat([tokens, tokens[:, -1:]], 1).scatter(1, counts[:, None], anchors[:, None])
         # a filler sequence starts at position 0 of the scratch row: its entries go there too
-        prefix = (batch.positions[batch.pad_index[:, 0]] - 1).clamp(min=0)
+        if starts is None:
+            starts = batch.positions[batch.pad_index[:, 0]]
+        prefix = (starts - 1).clamp(min=0)
         embeds = self.layer.embedding(self.target)(tokens.flatten())
         out = self.layer(embeds, hidden.flatten(0, 1), self._uniform(prefix, rows, tokens.shape[1]))
         return out.view(blocks, tokens.shape[1], -1)
