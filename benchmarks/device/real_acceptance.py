@@ -18,9 +18,10 @@ once unmeasured (the first run of a shape compiles kernels), then `--reps` times
 engine. Reported per (engine, c): output tokens/s (median), the ratio to plain decoding of the same
 repetition (median of the per-repetition ratios), the mean acceptance τ (tokens a verify step commits
 per request, bonus included) and, with the policy on, its verify/plain choices and its per-bucket step
-costs. `--profile`: per engine, the kernels of a c = 1 run's steps (torch.profiler): kernels per step
-and GPU µs per step by kernel, to `DIR/kernels_<engine>.txt`. Without a GPU the engines run on the CPU
-(a dry run of the script: its figures mean nothing).
+costs, each repetition's rate, and the calls whose step could not run ahead (the overlap schedule) by
+the ledger's reason. `--profile`: per engine, the kernels of a c = 1 run's steps (torch.profiler):
+kernels per step and GPU µs per step by kernel, to `DIR/kernels_<engine>.txt`. Without a GPU the
+engines run on the CPU (a dry run of the script: its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ def build(model: Path, name: str, max_batch: int, warmup: bool = True) -> Engine
 
 
 def closed_loop(eng: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams) -> dict:
-    """Run `prompts` with `concurrency` in flight; tokens, seconds and τ of every verify block."""
-    queue, in_flight, tokens, taus = list(prompts), 0, 0, []
+    """Run `prompts` with `concurrency` in flight; tokens, seconds, τ of every verify block, and the
+    calls whose step (or the one launched behind it) could not run ahead, by the ledger's reason."""
+    queue, in_flight, tokens, taus, refusals = list(prompts), 0, 0, [], Counter()
     started = time.perf_counter()
     while queue or in_flight:
         while queue and in_flight < concurrency:
@@ -110,9 +112,11 @@ def closed_loop(eng: Engine, prompts: list[list[int]], concurrency: int, params:
             if out.accepted_drafts is not None:
                 taus.append(out.accepted_drafts + 1)
             in_flight -= out.finished
+        if eng.last_run_ahead is not None and not eng.last_run_ahead.ok:
+            refusals[eng.last_run_ahead.reason] += 1
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return {"tokens": tokens, "seconds": time.perf_counter() - started, "taus": taus}
+    return {"tokens": tokens, "seconds": time.perf_counter() - started, "taus": taus, "refusals": refusals}
 
 
 def policy_report(eng: Engine) -> dict | None:
@@ -209,9 +213,12 @@ def main() -> None:
             rates = [r["tokens"] / r["seconds"] for r in results]
             plain = [r["tokens"] / r["seconds"] for r in runs["plain"]]
             taus = [t for r in results for t in r["taus"]]
+            refusals = sum((r["refusals"] for r in results), Counter())
             row = {
                 "tokens_per_s": round(statistics.median(rates), 1),
                 "over_plain": round(statistics.median(a / b for a, b in zip(rates, plain, strict=True)), 3),
+                "rates": [round(r) for r in rates],
+                "not_ahead": dict(refusals.most_common(4)),
                 "mean_tau": round(statistics.fmean(taus), 3) if taus else None,
                 "tau_histogram": dict(sorted(Counter(taus).items())),
             }
