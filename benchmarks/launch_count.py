@@ -318,7 +318,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument(
-        "--by-op", action="store_true", help="each layer's launches by module and op (--engine: all but the layers')"
+        "--by-op", action="store_true", help="launches by module and op (--engine: outside the layers)"
     )
     parser.add_argument(
         "--engine", default=None, help=f"count engine steps instead: some of {list(ENGINE_ALGORITHMS)}"

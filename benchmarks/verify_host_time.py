@@ -75,6 +75,13 @@ def without_device_work() -> None:
     VerifyGraphs._commit = lambda graphs, static, verified, committed, anchors: None
 
 
+def accept_everything(picks, drafts, num_drafts=None):
+    """Forced acceptance (in place of `accepted_prefix`, as spec_e2e.py's hook): every row keeps all of
+    its drafts."""
+    accepted = torch.full((picks.shape[0],), drafts.shape[1], device=picks.device)
+    return accepted, (accepted + 1).int(), picks[:, -1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -90,8 +97,7 @@ def main() -> None:
         speculative_adaptive=False, decode_graphs=True, device="cpu", disable_overlap_schedule=True,
     )  # fmt: skip
     block = llm.engine.proposer.verify_shape.block
-    # forced acceptance, as spec_e2e.py's test-only hook: every row keeps all of its drafts
-    verify_graph.greedy_accept = lambda target, drafts, num_drafts: num_drafts.clone()
+    verify_graph.accepted_prefix = accept_everything
     without_device_work()
     times: dict[str, list[float]] = collections.defaultdict(list)
     timing(times)

@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from hylo.ops.acceptance import accepted_prefix
 from hylo.sampling import SampleRow, SamplingBatch, SamplingParams, sample
 from hylo.sampling_noise import (
     GAMMA,
@@ -27,7 +28,7 @@ from hylo.sampling_noise import (
     exponential_noise,
     mix64,
 )
-from hylo.speculative.verify import VerifyBatch, accept, greedy_accept
+from hylo.speculative.verify import VerifyBatch, accept
 
 ALPHA = 1e-6
 Z_BOUND = float(torch.special.ndtri(torch.tensor(1 - ALPHA / 2, dtype=torch.float64)))  # 4.89
@@ -243,7 +244,9 @@ def test_greedy_prefix_stops_at_each_rows_real_drafts():
     target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
     drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 9, 7], [5, 6, 7], [4, 6, 7]])
     counts = torch.tensor([3, 1, 3, 0, 2])
-    assert greedy_accept(target, drafts, counts).tolist() == [3, 1, 1, 0, 0]
+    accepted, committed, anchors = accepted_prefix(target, drafts, counts)
+    assert accepted.tolist() == [3, 1, 1, 0, 0] and committed.tolist() == [4, 2, 2, 1, 1]
+    assert anchors.tolist() == [8, 6, 6, 5, 5]  # the pick after the last kept draft
 
 
 def test_picks_in_chunks_of_rows_are_the_picks_of_one_pass(monkeypatch):

@@ -55,15 +55,6 @@ BLOCK = 8
 SIMULATED = {"sim3": 3, "sim4": 4, "sim6": 6}  # tokens per step: drafts accepted + the bonus token
 
 
-def accept_at_most(drafts_accepted: int):
-    """An acceptance hook: every row accepts `drafts_accepted` drafts (or all it has, if fewer)."""
-
-    def accept(target, drafts, num_drafts):
-        return num_drafts.clamp(max=drafts_accepted)
-
-    return accept
-
-
 def step_collectives(graphs: DecodeGraphs, bucket: int) -> dict:
     """The collectives of one step through `bucket`'s graphs, as the stand-in records them in one eager
     run of what the bucket captures: by kind, the count, the bytes of the rank's inputs, the shapes."""
@@ -159,17 +150,17 @@ def measure_engine(name: str, engine: Engine, args, bandwidth: float, out: Path 
         return result
     natural = runner.verify_graphs
     tokens_per_step = natural.tokens_per_seq
-    real_accept = verify_graph.greedy_accept
+    real_accept = verify_graph.accepted_prefix
     modes = {"forced": spec_e2e.accept_everything}
-    modes |= {m: accept_at_most(n - 1) for m, n in SIMULATED.items() if n <= tokens_per_step}
+    modes |= {m: spec_e2e.accept_at_most(n - 1) for m, n in SIMULATED.items() if n <= tokens_per_step}
     for mode, hook in modes.items():
-        verify_graph.greedy_accept = hook  # captured into this mode's graphs
+        verify_graph.accepted_prefix = hook  # captured into this mode's graphs
         try:
             graphs = verify_graph.VerifyGraphs(
                 engine.model, engine.caches, engine.proposer, natural.buckets[-1], True, natural.bank.pool
             )
         finally:
-            verify_graph.greedy_accept = real_accept
+            verify_graph.accepted_prefix = real_accept
         for b in batches:
             bucket = next(x for x in graphs.buckets if x >= b)
             row = measure_step(graphs, bucket, bandwidth, args.reps, out, f"{name}_{mode}_B{b}")

@@ -147,8 +147,21 @@ def write_dflash(
     save_file(tensors, str(path / "model.safetensors"))
 
 
-def accept_everything(target, drafts, num_drafts):
-    return num_drafts.clone()
+def accept_everything(picks, drafts, num_drafts=None):
+    """An acceptance hook (in place of `accepted_prefix`): every row keeps all of its drafts."""
+    return accept_at_most(drafts.shape[1])(picks, drafts, num_drafts)
+
+
+def accept_at_most(drafts_accepted: int):
+    """An acceptance hook (in place of `accepted_prefix`): every row keeps `drafts_accepted` drafts
+    (or all it has, if fewer)."""
+
+    def accept(picks, drafts, num_drafts=None):
+        every = torch.full((picks.shape[0],), drafts.shape[1], device=picks.device)
+        accepted = (every if num_drafts is None else num_drafts.long()).clamp(max=drafts_accepted)
+        return accepted, (accepted + 1).int(), picks.gather(1, accepted[:, None])[:, 0]
+
+    return accept
 
 
 GRAPH_SETS = ("natural", "forced", "forced_common")
@@ -403,7 +416,7 @@ def main() -> None:
             str(root / "target"), target=target, mem_fraction_static=fraction, **flags, **common
         )
     report["engines_start_s"] = round(time.perf_counter() - start, 1)
-    real_accept = verify_graph.greedy_accept
+    real_accept = verify_graph.accepted_prefix
     stream = torch.randint(
         0, 150000, (4096 + 64,), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
     )
@@ -413,7 +426,7 @@ def main() -> None:
         natural = llm.engine.runner.verify_graphs
         if natural is None:
             continue
-        verify_graph.greedy_accept = accept_everything  # the forced graphs see this at capture
+        verify_graph.accepted_prefix = accept_everything  # the forced graphs see this at capture
         e = llm.engine
         pool = natural.bank.pool
         forced = VerifyGraphs(e.model, e.caches, e.proposer, natural.buckets[-1], True, pool)
@@ -421,7 +434,7 @@ def main() -> None:
         forced_common = VerifyGraphs(e.model, e.caches, e.proposer, natural.buckets[-1], True, pool)
         use_drafting(e.proposer, None)
         graphs[name] = (natural, forced, forced_common)
-        verify_graph.greedy_accept = real_accept
+        verify_graph.accepted_prefix = real_accept
         report[f"{name}_verify_graph_memory_gib"] = round(natural.bank.memory_bytes / 2**30, 2)
 
     def setup(name: str, mode: str) -> LLM:
@@ -435,7 +448,7 @@ def main() -> None:
             kind = "forced" if mode == "forced_reading" else mode
             runner.verify_graphs = graphs[name][GRAPH_SETS.index(kind) if forced else 0]
         engine.ledger.overlap = mode != "forced_reading"
-        verify.greedy_accept = accept_everything if forced else real_accept
+        verify.accepted_prefix = accept_everything if forced else real_accept
         use_drafting(llm.engine.proposer, drafting[name] if mode == "forced_common" else None)
         if not hasattr(engine, "adaptive_policy"):
             engine.adaptive_policy = engine.policy
@@ -454,7 +467,7 @@ def main() -> None:
             for name, mode in modes:
                 rate = decode_rate(setup(name, mode), prompts, args.tokens, TEMPERATURE[mode])
                 runs[f"{name}_{mode}"].append(rate)
-        verify.greedy_accept = real_accept
+        verify.accepted_prefix = real_accept
         row = {}
         for key, values in runs.items():
             row[f"{key}_tok_s_per_user"] = round(statistics.median(v[0] for v in values), 1)

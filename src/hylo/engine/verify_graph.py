@@ -35,8 +35,9 @@ from hylo.engine.graph_bank import GraphBank
 from hylo.forward_batch import ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
+from hylo.ops.acceptance import accepted_prefix
 from hylo.speculative.proposer import Proposer, StepCommit
-from hylo.speculative.verify import MAX_BLOCK_TOKENS, Acceptance, VerifyBatch, accept, greedy_accept
+from hylo.speculative.verify import MAX_BLOCK_TOKENS, Acceptance, VerifyBatch, accept
 
 # A bucket's two graphs, replayed in this order: the forward and greedy acceptance, then the commit.
 VERIFY, COMMIT = "verify", "commit"
@@ -142,9 +143,8 @@ class VerifyGraphs:
         blocks, width = len(static.extend_lens), self.tokens_per_seq
         ids = static.input_ids.view(blocks, width)
         target = logits.argmax(-1).view(blocks, width)
-        drafts = torch.full((blocks,), width - 1, device=ids.device)
-        accepted = greedy_accept(target, ids[:, 1:], drafts)
-        return logits, target, (accepted + 1).int(), target.gather(1, accepted[:, None])[:, 0]
+        _, committed, anchors = accepted_prefix(target, ids[:, 1:])
+        return logits, target, committed, anchors
 
     def _commit(
         self, static: ForwardBatch, verified: ForwardOutput, committed: torch.Tensor, anchors: torch.Tensor

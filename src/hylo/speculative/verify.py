@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hylo.host_copy import to_device
+from hylo.ops.acceptance import accepted_prefix
 from hylo.sampling import RowsOfAStep, SampleRow, pick, target_distribution
 
 # The KDA verify kernels run one block of at most 16 tokens per sequence (`hylo.ops.kda`).
@@ -120,14 +121,6 @@ class Acceptance:
     top_values: torch.Tensor | None = None
 
 
-def greedy_accept(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-    """Drafts kept per row: the longest prefix of `drafts [V, T-1]` equal to the target's picks
-    `target [V, T]` (argmax or seeded: `accept`), among the first `num_drafts [V]`."""
-    steps = torch.arange(drafts.shape[1], device=drafts.device)
-    keep = (target[:, :-1] == drafts) & (steps[None, :] < num_drafts[:, None])
-    return keep.int().cumprod(1).sum(1)
-
-
 def accept(
     logits: torch.Tensor, drafts: torch.Tensor, blocks: VerifyBatch, positions: torch.Tensor
 ) -> Acceptance:
@@ -146,7 +139,7 @@ def accept(
         rows = blocks.position_rows(width)
         processed, probs = target_distribution(logits.flatten(0, 1), rows, blocks.allowed)
         picks = pick(processed, probs, rows, positions.flatten()).view(num_blocks, width)
-    return _with_logprobs(Acceptance(greedy_accept(picks, drafts, counts), picks), logits, blocks)
+    return _with_logprobs(Acceptance(accepted_prefix(picks, drafts, counts)[0], picks), logits, blocks)
 
 
 def _with_logprobs(result: Acceptance, logits: torch.Tensor, blocks: VerifyBatch) -> Acceptance:
