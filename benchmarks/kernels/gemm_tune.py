@@ -13,7 +13,8 @@ best configuration is at least 2% faster than that baseline at both ends of the 
 run-to-run noise); the other shapes keep the baseline. With `--fp8-activations` the e4m3 candidates
 also include configurations that quantise x in the kernel (`GemmConfig.quant_x`, checked to 5e-2:
 e4m3's rounding of x), so that a table may choose w8a8 for decode as prefill's cuBLAS path has it.
-Every configuration is tried in both orientations of the tile product (`GemmConfig.swap_ab`).
+Every configuration is tried in both orientations of the tile product (`GemmConfig.swap_ab`). `--buckets`
+chooses the M buckets and their order (on Hopper the CUDA GEMV takes FP8 products of <= 16 rows).
 Prints the table and writes it (with the timings) to --out, together with the shipped table's entries
 of the other weight format and those it did not measure.
 """
@@ -150,6 +151,10 @@ def main() -> None:
     )
     parser.add_argument("--fp8", action="store_true", help="the e4m3 projections of an FP8 checkpoint")
     parser.add_argument(
+        "--buckets", default=",".join(map(str, table.M_BUCKETS)),
+        help="M buckets to tune, in this order (FP8 products of <= 16 rows run the CUDA GEMV on Hopper)",
+    )  # fmt: skip
+    parser.add_argument(
         "--fp8-activations", action="store_true",
         help="with --fp8: also try quantising the activations in the kernel (w8a8; e4m3 error on x)",
     )  # fmt: skip
@@ -158,7 +163,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     deadline = time.time() + args.budget_s
     entries, measured = {}, {}
-    for bucket, (n, k) in itertools.product(table.M_BUCKETS, model_shapes()):
+    buckets = [int(b) for b in args.buckets.split(",")]
+    if not set(buckets) <= set(table.M_BUCKETS):
+        parser.error(f"--buckets: each must be one of {table.M_BUCKETS}, got {args.buckets}")
+    for bucket, (n, k) in itertools.product(buckets, model_shapes()):
         if time.time() > deadline:
             print(f"budget spent: from bucket {bucket}, shape (N={n}, K={k}) on, nothing was tuned")
             break
