@@ -323,7 +323,7 @@ rows = dict(BLOCK=8, GROUP=4, BLOCK_M=32, HEAD_DIM=128, HAS_WINDOW=True)
 tiles = K.CONTEXT_TILES
 print(spill_bytes(K._context_split_kernel, {**rows, "BLOCK_N": tiles["block_n"]}, tiles["num_warps"],
                   tiles["num_stages"]),
-      spill_bytes(K._block_merge_kernel, {**rows, "BLOCK_J": 16, "BLOCK_D": 32}, 4),
+      spill_bytes(K._block_merge_kernel, {**rows, "BLOCK_J": 16, "BLOCK_N": tiles["block_n"], "BLOCK_D": 32}, 4),
       spill_bytes(K._store_context_kv_kernel, {"BLOCK_H": 8, "HALF": 64}, 4))
 """
 

@@ -12,9 +12,10 @@ CUDA graph and replayed with other context lengths:
    log-sum-exp (base 2; -inf when its share is empty or entirely outside the window) to fp32
    buffers `[R, Hkv, num_splits, BLOCK_M, d]` and `[R, Hkv, num_splits, BLOCK_M]`.
 2. `_block_merge_kernel`, grid (R, Hkv, d / BLOCK_D). Attends the same M rows over the block's own
-   B keys, then folds the splits' partials into that by log-sum-exp and writes the output, each
-   program for one slice of head_dim (the partials of a long context are read by several programs
-   rather than streamed through one). Every query row sees at least its own block key, so the merged
+   B keys, then folds the partials of the splits that own tiles (read from the context length as the
+   first kernel shares them) into that by log-sum-exp and writes the output, each program for one
+   slice of head_dim (the partials of a long context are read by several programs rather than
+   streamed through one). Every query row sees at least its own block key, so the merged
    denominator is never zero.
 
 Scores, softmax statistics and accumulators are fp32, kept in base 2 (the scale is multiplied by
@@ -132,7 +133,7 @@ def _context_split_kernel(
 
 @triton.jit
 def _block_merge_kernel(
-    q_ptr, k_block_ptr, v_block_ptr, part_ptr, lse_ptr, out_ptr,
+    q_ptr, k_block_ptr, v_block_ptr, part_ptr, lse_ptr, out_ptr, ctx_lens_ptr,
     scale_log2, window, num_splits,
     stride_qr, stride_qb, stride_qh,
     stride_kr, stride_kb, stride_kh, stride_vr, stride_vb, stride_vh,
@@ -140,10 +141,20 @@ def _block_merge_kernel(
     stride_lr, stride_lk, stride_ls,
     stride_or, stride_ob, stride_oh,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
+    # The splits that own context tiles, as `_context_split_kernel` shares them out: the others wrote
+    # lse = -inf, which folds in as nothing (a short context leaves most of the splits empty, and a
+    # serial fold over all of them was most of this kernel's time)
+    ctx_len = tl.load(ctx_lens_ptr + req).to(tl.int32)
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(ctx_len - window + 1, 0)
+    num_tiles = tl.cdiv(ctx_len - first, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    used_splits = tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1))
     # Scores need all of head_dim; the values, partials and output only this program's BLOCK_D slice.
     out_dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     q, block_row, head, row_ok = _query_rows(
@@ -175,7 +186,7 @@ def _block_merge_kernel(
     m = tl.arange(0, BLOCK_M)
     part = part_ptr + req * stride_pr + kv * stride_pk + m[:, None] * stride_pm + out_dims[None, :]
     lse = lse_ptr + req * stride_lr + kv * stride_lk + m
-    for split in range(num_splits):
+    for split in range(used_splits):
         lse_s = tl.load(lse + split * stride_ls)
         o_s = tl.load(part + split * stride_ps)
         m_new = tl.maximum(m_i, lse_s)
@@ -260,7 +271,7 @@ def paged_draft_attention(
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
     _block_merge_kernel[(num_requests, num_kv_heads, head_dim // merge_block_d)](
-        q, k_block, v_block, part, lse, out,
+        q, k_block, v_block, part, lse, out, ctx_lens,
         scale_log2, window_arg, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_block.stride(0), k_block.stride(1), k_block.stride(2),
@@ -268,7 +279,8 @@ def paged_draft_attention(
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
         lse.stride(0), lse.stride(1), lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_J=max(16, triton.next_power_of_2(block_size)), BLOCK_D=merge_block_d, num_warps=4, **common,
+        BLOCK_J=max(16, triton.next_power_of_2(block_size)), BLOCK_N=block_n, BLOCK_D=merge_block_d,
+        num_warps=4, **common,
     )  # fmt: skip
     return out
 
