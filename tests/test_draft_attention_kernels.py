@@ -16,7 +16,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     use_interpreter()  # before the kernels are decorated
 
-from hylo.models.dflash import DFlashConfig, DraftAttention, rope  # noqa: E402
+from hylo.models.dflash import DFlashConfig, DraftAttention, RotaryTable, rope  # noqa: E402
 from hylo.ops import draft_attention as ops  # noqa: E402
 from hylo.ops.draft_attention import kernels  # noqa: E402
 from hylo.ops.draft_attention.reference import (  # noqa: E402
@@ -25,6 +25,7 @@ from hylo.ops.draft_attention.reference import (  # noqa: E402
     DraftBlock,
     KeyTransform,
     KVCache,
+    normed_rotated_reference,
     paged_draft_attention_reference,
     rotary_tables,
     store_context_kv_reference,
@@ -232,6 +233,41 @@ def test_store_reference_matches_draft_attention_key_value():
             torch.testing.assert_close(v_cache[layer, slots[kept]], values[kept], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads", [4, 3])  # 3: a padded head tile
+def test_normed_rotated_kernel_matches_reference(dtype, num_heads):
+    """A draft block's queries or keys normed and rotated in one launch: the reference's values (the
+    same tolerance as the store's keys: the mean square's summation order alone)."""
+    args = store_case(1, 11, num_heads, 32, dtype, seed=10 + num_heads)
+    x, weight, eps, cos, sin, positions = args[0][0], args[2][0], *args[3:7]
+    expected = normed_rotated_reference(x, weight, eps, cos, sin, positions)
+    got = kernels.normed_rotated(x, weight, eps, cos, sin, positions)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, expected, rtol=1e-3 if dtype == torch.float16 else 1e-6, atol=1e-6)
+
+
+def test_draft_queries_and_keys_through_the_table_equal_rope_of_the_norm():
+    """`DraftAttention.query` / `key_value` with the rotary table built (the fused op) give what the
+    norm and `rope` give without it."""
+    c = DFlashConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, rms_norm_eps=1e-6, rope_theta=10000.0, block_size=4, mask_token_id=0,
+        target_layer_ids=(0,), layer_types=("full_attention",), sliding_window=None,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    attn = DraftAttention(c, sliding=False).eval()
+    x = torch.randn(3, 4, c.hidden_size)
+    positions = torch.tensor([[0, 1, 2, 3], [17, 18, 19, 20], [5, 6, 7, 8]])
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.weight.uniform_(0.5, 1.5)
+        plain = attn.query(x, positions), *attn.key_value(x, positions)
+        attn.rotary = RotaryTable(*rotary_tables(32, c.head_dim, c.rope_theta))
+        fused = attn.query(x, positions), *attn.key_value(x, positions)
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------- dispatch and refusals
 
 
@@ -323,15 +359,17 @@ rows = dict(BLOCK=8, GROUP=4, BLOCK_M=32, HEAD_DIM=128, HAS_WINDOW=True)
 tiles = K.CONTEXT_TILES
 print(spill_bytes(K._context_split_kernel, {**rows, "BLOCK_N": tiles["block_n"]}, tiles["num_warps"],
                   tiles["num_stages"]),
-      spill_bytes(K._block_merge_kernel, {**rows, "BLOCK_J": 16, "BLOCK_N": tiles["block_n"], "BLOCK_D": 32}, 4),
-      spill_bytes(K._store_context_kv_kernel, {"BLOCK_H": 8, "HALF": 64}, 4))
+      spill_bytes(K._block_merge_kernel, {**rows, "BLOCK_J": 16, "BLOCK_N": tiles["block_n"],
+                                          "BLOCK_D": 32}, 4),
+      spill_bytes(K._store_context_kv_kernel, {"BLOCK_H": 8, "HALF": 64}, 4),
+      spill_bytes(K._normed_rotated_kernel, {"BLOCK_H": 32, "HALF": 64}, 4))
 """
 
 
 def test_kernels_compile_for_hopper_without_spills():
     """bf16 at the real shape (B = 8, Hq 32 over Hkv 8, d = 128), which the interpreter cannot check:
     the three kernels compile for sm_90 and keep everything in registers at the default tiles."""
-    assert run_compiled_for_hopper(_HOPPER_COMPILE).split() == ["0", "0", "0"]
+    assert run_compiled_for_hopper(_HOPPER_COMPILE).split() == ["0", "0", "0", "0"]
 
 
 # ---------------------------------------------------------------- GPU only

@@ -16,11 +16,16 @@ from hylo.ops.draft_attention.reference import (
     DraftBlock,
     KeyTransform,
     KVCache,
+    normed_rotated_reference,
     paged_draft_attention_reference,
     rotary_tables,
     store_context_kv_reference,
 )
-from hylo.ops.draft_attention.support import paged_draft_attention_refusal, store_context_kv_refusal
+from hylo.ops.draft_attention.support import (
+    normed_rotated_refusal,
+    paged_draft_attention_refusal,
+    store_context_kv_refusal,
+)
 
 __all__ = [
     "ContextTable",
@@ -28,6 +33,9 @@ __all__ = [
     "DraftBlock",
     "KVCache",
     "KeyTransform",
+    "normed_rotated",
+    "normed_rotated_reference",
+    "normed_rotated_refusal",
     "paged_draft_attention",
     "paged_draft_attention_reference",
     "paged_draft_attention_refusal",
@@ -66,3 +74,18 @@ def store_context_kv(tokens: ContextTokens, keys: KeyTransform, cache: KVCache) 
         kernels.store_context_kv(tokens, keys, cache)
         return
     store_context_kv_reference(tokens, keys, cache)
+
+
+def normed_rotated(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """RMSNorm (`weight`, `eps`) then rotary embedding (`cos`/`sin` table rows at `positions [N]`) of a
+    draft layer's queries or keys `x [N, H, d]`; see `reference.normed_rotated_reference` for the contract."""
+    if use_kernel(
+        "draft_attention.normed_rotated", x, lambda: normed_rotated_refusal(x, weight, cos, sin, positions)
+    ):
+        from hylo.ops.draft_attention import kernels
+
+        return kernels.normed_rotated(x, weight, eps, cos, sin, positions)
+    return normed_rotated_reference(x, weight, eps, cos, sin, positions)

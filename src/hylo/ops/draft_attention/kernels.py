@@ -34,7 +34,11 @@ import triton
 import triton.language as tl
 
 from hylo.ops.draft_attention.reference import ContextTable, ContextTokens, DraftBlock, KeyTransform, KVCache
-from hylo.ops.draft_attention.support import paged_draft_attention_refusal, store_context_kv_refusal
+from hylo.ops.draft_attention.support import (
+    normed_rotated_refusal,
+    paged_draft_attention_refusal,
+    store_context_kv_refusal,
+)
 
 LOG2E = 1.4426950408889634
 # Context-split tiles: on sm_90 at B = 8, group 4, d = 128 in bf16 these compile without spills (the
@@ -286,6 +290,70 @@ def paged_draft_attention(
 
 
 @triton.jit
+def _norm_rope(x, mask, weight, cos, sin, eps, HALF: tl.constexpr):
+    """`reference.normed_rotated_reference` of the rows at `x` (pointers `[rows, HALF]` to the first halves of
+    head vectors, `mask`ed), with the weight and this position's cos / sin rows at `weight`, `cos`,
+    `sin`: (first halves, second halves) in x's dtype."""
+    lo = tl.arange(0, HALF)
+    x_lo = tl.load(x, mask=mask, other=0.0)
+    x_hi = tl.load(x + HALF, mask=mask, other=0.0)
+    dtype = x_lo.dtype
+    # RMSNorm as hylo.layers.norm: normalise in fp32, round to the input dtype, then scale by the
+    # weight (a product of two 16-bit floats is exact in fp32, so one rounding matches torch's).
+    x_lo, x_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
+    mean_sq = (tl.sum(x_lo * x_lo, axis=1) + tl.sum(x_hi * x_hi, axis=1)) / (2 * HALF)
+    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)[:, None]
+    w_lo = tl.load(weight + lo).to(tl.float32)[None, :]
+    w_hi = tl.load(weight + HALF + lo).to(tl.float32)[None, :]
+    n_lo = ((x_lo * rstd).to(dtype).to(tl.float32) * w_lo).to(dtype).to(tl.float32)
+    n_hi = ((x_hi * rstd).to(dtype).to(tl.float32) * w_hi).to(dtype).to(tl.float32)
+    c = tl.load(cos + lo)[None, :]
+    s = tl.load(sin + lo)[None, :]
+    return (n_lo * c - n_hi * s).to(dtype), (n_hi * c + n_lo * s).to(dtype)
+
+
+@triton.jit
+def _normed_rotated_kernel(
+    x_ptr, weight_ptr, cos_ptr, sin_ptr, positions_ptr, out_ptr, eps, num_heads,
+    stride_xn, stride_xh, stride_on, stride_oh, stride_cos, stride_sin,
+    BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    lo = tl.arange(0, HALF)
+    mask = (heads < num_heads)[:, None]
+    x = x_ptr + tok * stride_xn + heads[:, None] * stride_xh + lo[None, :]
+    out_lo, out_hi = _norm_rope(
+        x, mask, weight_ptr, cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin, eps, HALF
+    )
+    out = out_ptr + tok * stride_on + heads[:, None] * stride_oh + lo[None, :]
+    tl.store(out, out_lo, mask=mask)
+    tl.store(out + HALF, out_hi, mask=mask)
+
+
+def normed_rotated(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Triton `reference.normed_rotated_reference` (same arguments and result): one launch, all heads
+    of a token per program. Raises ValueError for a call `normed_rotated_refusal` refuses."""
+    refusal = normed_rotated_refusal(x, weight, cos, sin, positions)
+    if refusal is not None:
+        raise ValueError(f"normed_rotated kernel: {refusal}")
+    num_tokens, num_heads, head_dim = x.shape
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    _normed_rotated_kernel[(num_tokens,)](
+        x, weight, cos, sin, positions, out, eps, num_heads,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
+        BLOCK_H=triton.next_power_of_2(num_heads), HALF=head_dim // 2, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _store_context_kv_kernel(
     k_raw_ptr, v_ptr, weight_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
     eps, num_heads,
@@ -302,23 +370,10 @@ def _store_context_kv_kernel(
     lo = tl.arange(0, HALF)
     mask = (heads < num_heads)[:, None] & (slot >= 0)
     x = k_raw_ptr + layer * stride_xl + tok * stride_xn + heads[:, None] * stride_xh + lo[None, :]
-    x_lo = tl.load(x, mask=mask, other=0.0)
-    x_hi = tl.load(x + HALF, mask=mask, other=0.0)
-    dtype = x_lo.dtype
-    # RMSNorm as hylo.layers.norm: normalise in fp32, round to the input dtype, then scale by the
-    # weight (a product of two 16-bit floats is exact in fp32, so one rounding matches torch's).
-    x_lo, x_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
-    mean_sq = (tl.sum(x_lo * x_lo, axis=1) + tl.sum(x_hi * x_hi, axis=1)) / (2 * HALF)
-    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)[:, None]
-    w = weight_ptr + layer * stride_wl + lo
-    w_lo = tl.load(w).to(tl.float32)[None, :]
-    w_hi = tl.load(w + HALF).to(tl.float32)[None, :]
-    n_lo = ((x_lo * rstd).to(dtype).to(tl.float32) * w_lo).to(dtype).to(tl.float32)
-    n_hi = ((x_hi * rstd).to(dtype).to(tl.float32) * w_hi).to(dtype).to(tl.float32)
-    cos = tl.load(cos_ptr + pos * stride_cos + lo)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_sin + lo)[None, :]
-    k_lo = (n_lo * cos - n_hi * sin).to(dtype)
-    k_hi = (n_hi * cos + n_lo * sin).to(dtype)
+    k_lo, k_hi = _norm_rope(
+        x, mask, weight_ptr + layer * stride_wl, cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin,
+        eps, HALF,
+    )  # fmt: skip
     k_out = k_cache_ptr + layer * stride_kcl + slot * stride_kcs + heads[:, None] * stride_kch + lo[None, :]
     tl.store(k_out, k_lo.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(k_out + HALF, k_hi.to(k_cache_ptr.dtype.element_ty), mask=mask)

@@ -113,7 +113,7 @@ def rotary_tables(
     return angles.cos(), angles.sin()
 
 
-def normed_rotated_keys(
+def normed_rotated_reference(
     k_raw: torch.Tensor,
     k_norm_weight: torch.Tensor,
     eps: float,
@@ -121,8 +121,9 @@ def normed_rotated_keys(
     sin: torch.Tensor,
     positions: torch.Tensor,
 ) -> torch.Tensor:
-    """`rope(RMSNorm(k_raw))` of `k_raw [N, Hkv, d]` at `positions [N]`, as `DraftAttention.key_value`:
-    normalise in fp32, round to k_raw's dtype, scale by the weight, rotate in fp32, round again."""
+    """`rope(RMSNorm(k_raw))` of `k_raw [N, H, d]` (a draft layer's keys or queries) at `positions [N]`,
+    as `DraftAttention.key_value` and `query`: normalise in fp32, round to k_raw's dtype, scale by the
+    weight, rotate in fp32 with the `cos`/`sin [max_pos, d/2]` table, round again."""
     xf = k_raw.float()
     normed = k_norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(k_raw.dtype)
     cos_full = torch.cat([cos[positions], cos[positions]], -1)[:, None, :]
@@ -139,7 +140,7 @@ def store_context_kv_reference(tokens: ContextTokens, keys: KeyTransform, cache:
     kept = tokens.slots >= 0
     positions, slots = tokens.positions[kept], tokens.slots[kept]
     for layer in range(tokens.k_raw.shape[0]):
-        rotated = normed_rotated_keys(
+        rotated = normed_rotated_reference(
             tokens.k_raw[layer, kept], keys.k_norm_weight[layer], keys.eps, keys.cos, keys.sin, positions
         )
         cache.k[layer, slots] = rotated.to(cache.k.dtype)

@@ -88,3 +88,28 @@ def store_context_kv_refusal(tokens: ContextTokens, keys: KeyTransform, cache: K
     if positions.dtype not in (torch.int32, torch.int64) or slots.dtype not in (torch.int32, torch.int64):
         return "positions and slots must be int32/int64"
     return _unit_last_stride(tensors)
+
+
+def normed_rotated_refusal(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> str | None:
+    """Why `kernels.normed_rotated` cannot take this call, or None."""
+    tensors = {"x": x, "weight": weight, "cos": cos, "sin": sin}
+    if len({t.device for t in (*tensors.values(), positions)}) > 1:
+        return "all tensors must be on one device"
+    if x.dim() != 3:
+        return "x must be [N, H, d]"
+    head_dim = x.shape[-1]
+    if x.dtype not in KERNEL_DTYPES:
+        return f"unsupported dtype {x.dtype} (supported: {KERNEL_DTYPES})"
+    if weight.dtype != x.dtype or weight.shape != (head_dim,):
+        return "weight must be [d] in x's dtype"
+    if head_dim & (head_dim - 1) or head_dim < 2:
+        return f"head_dim must be a power of two, got {head_dim}"
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape[-1] * 2 != head_dim:
+        return "cos and sin must be fp32 [max_pos, d // 2]"
+    if positions.shape != (x.shape[0],) or positions.dtype not in (torch.int32, torch.int64):
+        return "positions must be int32/int64 [N]"
+    if x.shape[0] > 1 and positions.stride(0) != 1:
+        return "positions must be contiguous"
+    return _unit_last_stride(tensors)
