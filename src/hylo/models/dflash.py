@@ -44,6 +44,7 @@ from torch import nn
 
 from hylo.layers.norm import RMSNorm
 from hylo.layers.vocab import VocabHead
+from hylo.ops.block_conv import grouped_block_conv
 from hylo.ops.draft_attention import (
     ContextTable,
     DraftBlock,
@@ -308,19 +309,11 @@ class GroupedBlockConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden_size, 2 * taps * (hidden_size // group_size), bias=False)
 
     def convolve(self, x: torch.Tensor, deltas: torch.Tensor, side: int) -> torch.Tensor:
-        """Rows `x [R, B, H]` (one block per leading index) with per-row group deltas `[R, B, taps, G]`.
-
-        Five tensor ops whatever `taps` (pad, kernel add, flip, multiply, sum), differentiable in `x`,
-        `deltas` and `base_kernel`. Safe for any B >= 1: when B < taps, the taps that reach past the
-        block start read only zeros."""
-        rows = x.unflatten(-1, (-1, self.group_size))
-        kernel = self.base_kernel[side].unflatten(-1, (-1, self.group_size)) + deltas[..., None]
-        # A tap reaching before the block start reads zeros: the conv never crosses into the context.
-        padded = F.pad(rows, (0, 0, 0, 0, self.taps - 1, 0))
-        # Window i holds padded rows i .. i + taps − 1, i.e. block rows i − taps + 1 .. i: its entry j is
-        # tap taps − 1 − j, hence the kernel's taps reversed.
-        windows = padded.unfold(1, self.taps, 1)
-        return (kernel.flip(2).movedim(2, -1) * windows).sum(-1).flatten(-2)
+        """Rows `x [R, B, H]` (one block per leading index) with per-row group deltas `[R, B, taps, G]`
+        (`ops.block_conv.grouped_block_conv`: one launch on the GPU when no gradient is recorded,
+        else five differentiable tensor ops). Safe for any B >= 1: when B < taps, the taps that reach
+        past the block start read only zeros."""
+        return grouped_block_conv(x, self.base_kernel[side], deltas, self.group_size)
 
     def forward(self, h: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """`sublayer` applied between the input-side and the output-side conv of the normed input `h`."""
