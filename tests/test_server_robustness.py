@@ -21,6 +21,7 @@ import pytest
 from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP, SCRIPTED_MAX_TOKENS
 from test_server import free_port, wait_idle, wait_ready
 
+from hylo.cli import main
 from hylo.sampling import SamplingParams
 from hylo.tokenizer import Tokenizer
 
@@ -85,6 +86,14 @@ def assert_error(response: httpx.Response, status: int, param: str | None) -> di
 def metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def wait_running(url: str) -> None:
+    """Returns once a request runs in the engine (`/server_info`)."""
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{url}/server_info", headers=AUTH).json()["num_running"] == 0:
+        assert time.monotonic() < deadline, "no request started running"
+        time.sleep(0.05)
 
 
 def assert_serving(url: str) -> None:
@@ -370,7 +379,7 @@ def test_an_engine_that_cannot_continue_fails_everything_and_exits(model_dir):
             target=lambda: result.setdefault("e", stream_events(url, "/v1/completions", normal))
         )
         worker.start()
-        time.sleep(1.0)
+        wait_running(url)
         fatal = post(url, "/v1/completions", {"prompt": [*POISON_STEP, 1], "max_tokens": 4})
         assert fatal.status_code in (500, 503) and fatal.json()["error"]["code"] == fatal.status_code
         worker.join(timeout=30)
@@ -385,7 +394,7 @@ def test_an_engine_that_cannot_continue_fails_everything_and_exits(model_dir):
 
 def test_sigterm_aborts_open_requests_after_the_shutdown_timeout(model_dir):
     """Defect 3: a stream that would run for minutes ends with `abort` once the timeout passes."""
-    proc, url = launch(model_dir, "--api-key", KEY, "--graceful-shutdown-timeout", "2")
+    proc, url = launch(model_dir, "--api-key", KEY, "--graceful-shutdown-timeout", "1")
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
@@ -402,8 +411,24 @@ def test_sigterm_aborts_open_requests_after_the_shutdown_timeout(model_dir):
         proc.kill()
 
 
+# Seconds the server may take, beyond a timer, to act on it and log so (an idle process on a loaded
+# machine); less than the default grace (3 s) minus the short one these tests pass, so that a grace
+# which did not reach a wait shows.
+TIMER_MARGIN_S = 2.0
+
+
 def test_sigterm_with_a_stuck_engine_still_exits(model_dir):
-    proc, url = launch(model_dir, "--graceful-shutdown-timeout", "1")
+    """A step that never returns: SIGTERM still ends the process, with status 1. The stuck request's
+    connection is cancelled `--shutdown-abort-grace` after the graceful-shutdown timeout (uvicorn's
+    "Cancel" line), then the engine thread is waited for as long again (the "did not stop" line).
+    Both waits take at least the grace, and each less than the default grace would."""
+    graceful, grace = 1.0, 0.5
+    proc, url = launch(
+        model_dir, "--graceful-shutdown-timeout", str(graceful), "--shutdown-abort-grace", str(grace)
+    )
+    lines: list[tuple[float, str]] = []  # (when it arrived, the line)
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout))
+    reader.start()
     try:
         threading.Thread(
             target=lambda: httpx.post(
@@ -411,13 +436,27 @@ def test_sigterm_with_a_stuck_engine_still_exits(model_dir):
             ),
             daemon=True,
         ).start()
-        time.sleep(1.5)  # the step now sleeps for an hour
+        wait_running(url)  # admitted: the step that admitted it now sleeps for an hour
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 1  # the engine thread never stopped
         assert time.monotonic() - start < 15
+        reader.join(timeout=30)
+        cancelled = next(t for t, line in lines if "timeout graceful shutdown exceeded" in line)
+        left = next(t for t, line in lines if "the engine thread did not stop" in line)
+        assert left - start >= graceful + 2 * grace
+        assert cancelled - start < graceful + grace + TIMER_MARGIN_S
+        assert left - cancelled < grace + TIMER_MARGIN_S
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize("grace", ["0", "-1", "nan", "inf"])
+def test_an_abort_grace_that_is_not_a_positive_number_is_refused(tmp_path, grace, capsys):
+    # refused before the model loads: a server that took the grace would stop at the missing model
+    args = ["serve", "--model", str(tmp_path), "--device", "cpu", "--shutdown-abort-grace", grace]
+    assert main(args) == 2
+    assert "--shutdown-abort-grace must be a positive number of seconds" in capsys.readouterr().err
 
 
 def test_tiny_temperature_is_greedy(server):

@@ -126,6 +126,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="seconds SIGTERM waits for open requests before aborting them",
     )
     srv.add_argument(
+        "--shutdown-abort-grace",
+        type=float,
+        default=3.0,
+        help="seconds the aborted requests then get to send their last chunks, and the engine thread "
+        "as long again to stop, before the server exits without them (a stuck engine: status 1)",
+    )
+    srv.add_argument(
         "--max-request-bytes",
         type=int,
         default=8 * 2**20,
@@ -279,6 +286,7 @@ def _serve(args: argparse.Namespace) -> int:
             args.responses_store_size,
             args.responses_store_age,
             args.kv_events_endpoint,
+            args.shutdown_abort_grace,
         )
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"hylo: {e}", file=sys.stderr)

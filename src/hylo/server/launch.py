@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import resource
 import signal
 import threading
@@ -49,11 +50,6 @@ def _room_for_connections(connections: int | None) -> None:
             raised,
             raised - _OTHER_FILES,
         )
-
-
-# After the graceful-shutdown timeout has aborted the open requests, how long their connections
-# get to send the last chunks before uvicorn cancels them (for an engine too stuck to abort).
-_ABORT_GRACE_S = 3.0
 
 
 class _Server(uvicorn.Server):
@@ -102,6 +98,7 @@ def serve(
     responses_store_size: int = DEFAULT_MAX_ENTRIES,
     responses_store_age: float = DEFAULT_MAX_AGE_S,
     kv_events_endpoint: str | None = None,
+    abort_grace: float = 3.0,
 ) -> int:
     """Serve until SIGTERM/SIGINT (exit status 0) or until the engine fails (status 1). On a host
     other than node 0 (or a `torchrun` rank other than 0) this process's rank follows rank 0 instead.
@@ -110,7 +107,11 @@ def serve(
     `timeout_request_body` more (else 408, closed); at most `limit_concurrency` connections are open
     (one more gets a 503). `/v1/responses` stores at most `responses_store_size` responses, each
     for `responses_store_age` seconds. With `kv_events_endpoint` the prefix cache's pages are published
-    there as vLLM KV events (`hylo.server.kv_events`)."""
+    there as vLLM KV events (`hylo.server.kv_events`). After SIGTERM's `graceful_shutdown_timeout` has
+    aborted the open requests, their connections get `abort_grace` seconds to send their last chunks,
+    then the engine thread as long again to stop (a stuck one is left behind: exit status 1)."""
+    if not 0 < abort_grace < math.inf:
+        raise ValueError(f"--shutdown-abort-grace must be a positive number of seconds, not {abort_grace}")
     if kv_events_endpoint is not None and config.disable_radix_cache:
         raise ValueError(
             "--kv-events-endpoint publishes the prefix cache's pages: drop --disable-radix-cache"
@@ -154,7 +155,7 @@ def serve(
         nonlocal stopped
         async_engine.start()
         yield
-        stopped = await asyncio.to_thread(async_engine.shutdown, _ABORT_GRACE_S)
+        stopped = await asyncio.to_thread(async_engine.shutdown, abort_grace)
         if not stopped:
             logger.error("the engine thread did not stop (a step that never returns); exiting anyway")
         if kv_events is not None and stopped:  # a stuck engine thread may still use the socket
@@ -170,7 +171,7 @@ def serve(
             port=port,
             log_level="warning",
             lifespan="on",
-            timeout_graceful_shutdown=graceful_shutdown_timeout + _ABORT_GRACE_S,
+            timeout_graceful_shutdown=graceful_shutdown_timeout + abort_grace,
             http=GuardedHTTP.with_limits(timeout_request_header, limit_concurrency),
             timeout_keep_alive=timeout_keep_alive,
         ),
