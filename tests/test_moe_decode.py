@@ -9,7 +9,7 @@ bf16 `tl.dot` is wrong); the FP8 experts run on e4m3 with bf16 or fp32 activatio
 
 from __future__ import annotations
 
-from interpreter import use_interpreter
+from interpreter import run_compiled_for_hopper, use_interpreter
 
 use_interpreter()  # before the kernels are decorated
 
@@ -153,6 +153,23 @@ def test_routed_experts_of_one_rank_match_the_general_path(fp8):
     assert rel_err(sum(step(first) for first in (0, 4, 8)), step(None)) < 1e-6
 
 
+def test_the_addend_joins_the_combine_as_an_add_after_it():
+    """The shared expert's output added in the combine: bit for bit the step's output plus it (the sum
+    rounded to the dtype first, then the add rounded), on the FP8 and the plain path. fp32 only: the
+    interpreter rounds fp32 to bf16 otherwise than the GPU and torch (which round to nearest even)."""
+    g = torch.Generator().manual_seed(8)
+    tokens, hidden = 3, 160
+    x = torch.randn(tokens, hidden, generator=g)
+    routing_, experts = random_routing(g, hidden, 6, 3), Experts(g, hidden, 64, 6)
+    addend = torch.randn(tokens, hidden, generator=g)
+    for w in (experts.fp8, experts.plain):
+        alone = decode.routed_experts(x, routing_, w, LIMIT)
+        joined = decode.routed_experts(x, routing_, w, LIMIT, addend=addend)
+        assert torch.equal(joined, alone + addend)
+    with pytest.raises(ValueError, match="addend must be"):
+        decode.routed_experts(x, routing_, experts.fp8, LIMIT, addend=addend[:, :-1])
+
+
 def test_tickets_are_left_zero_and_steps_repeat_bitwise():
     """Every launch puts its ticket counters back to zero, so the next launch (or graph replay) finds
     them ready; the fixed-order combine makes two steps bitwise equal."""
@@ -183,3 +200,27 @@ def test_bad_inputs_are_named():
         kernels.down_combine_stage(
             h, None, experts.down, None, layout, weights, x.dtype, config, torch.zeros(0, dtype=torch.int32)
         )
+
+
+_HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hylo.ops.moe.kernels import _down_combine_kernel as fn
+
+consts = {"TOP_K": 8, "K_PAD": 8, "T_PAD": 16, "N": 4096, "K": 2048, "BLOCK_M": 16, "BLOCK_N": 64,
+          "BLOCK_K": 128, "GROUP_M": 8, "FP8": True, "E": 288, "PARTIAL": False, "ADD": True}
+kinds = {"h_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "h_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
+         "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "block_rows_ptr": "*i32", "weights_ptr": "*fp32",
+         "routed_ptr": "*bf16", "ids_ptr": "*i32", "addend_ptr": "*bf16", "out_ptr": "*bf16",
+         "tickets_ptr": "*i32"}
+sig = {n: "constexpr" if n in consts else kinds.get(n, "i32") for n in fn.arg_names}
+src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0)
+"""
+
+
+def test_the_combining_down_kernel_compiles_for_hopper_with_an_addend():
+    """bf16 output and addend, FP8 weights, as the GPU builds it (no GPU needed): the interpreter does not
+    check Triton's typing rules, nor its rounding of fp32 to bf16 (see the addend test)."""
+    assert run_compiled_for_hopper(_HOPPER_COMPILE).split() == ["True"]

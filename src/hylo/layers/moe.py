@@ -56,11 +56,19 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
-    def forward(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
-        """The output for x of the pairs routed to these experts, routing included
-        (`moe_ops.routed_experts`)."""
+    def forward(
+        self, x: torch.Tensor, routing: moe_ops.Routing, limit: float, addend: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The output for x of the pairs routed to these experts, routing included, plus `addend` where
+        given (`moe_ops.routed_experts`)."""
         return moe_ops.routed_experts(
-            x, routing, self.gate_up_proj, self.down_proj, limit, first_expert=self.first_expert
+            x,
+            routing,
+            self.gate_up_proj,
+            self.down_proj,
+            limit,
+            first_expert=self.first_expert,
+            addend=addend,
         )
 
 
@@ -114,11 +122,13 @@ class FP8Experts(nn.Module):
             experts.first_expert,
         )
 
-    def forward(self, x: torch.Tensor, routing: moe_ops.Routing, limit: float) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, routing: moe_ops.Routing, limit: float, addend: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`Experts.forward` (`moe_ops.routed_experts` with the scales)."""
         scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
         return moe_ops.routed_experts(
-            x, routing, self.gate_up_proj, self.down_proj, limit, scales, self.first_expert
+            x, routing, self.gate_up_proj, self.down_proj, limit, scales, self.first_expert, addend
         )
 
 
@@ -136,7 +146,9 @@ class MoE(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(self.routed(x) + self.shared_experts(x))
+        # the shared expert's output joins the routed sum inside its combine (a decode step: one launch
+        # fewer), as the add after it would
+        return self.parallel.all_reduce(self.routed(x, addend=self.shared_experts(x)))
 
     @property
     def routing(self) -> moe_ops.Routing:
@@ -152,8 +164,8 @@ class MoE(nn.Module):
             c.routed_scaling_factor,
         )
 
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the routed experts' output: every token is routed over all experts;
-        split by expert, only the pairs routed to this rank's experts are computed (the rank holding a
-        pair's expert adds it in the all-reduce)."""
-        return self.experts(x, self.routing, self.config.swiglu_limit)
+    def routed(self, x: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of the routed experts' output (plus `addend` where given): every token is
+        routed over all experts; split by expert, only the pairs routed to this rank's experts are
+        computed (the rank holding a pair's expert adds it in the all-reduce)."""
+        return self.experts(x, self.routing, self.config.swiglu_limit, addend)

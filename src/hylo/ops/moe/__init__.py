@@ -60,16 +60,19 @@ def routed_experts(
     limit: float,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     first_expert: int | None = None,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`experts(x, ExpertWeights(gate_up, down, scales), route(x, routing), limit, first_expert)`: FP8
-    with `scales` = (gate_up_scale_inv, down_scale_inv). Every token is routed over all of the router's
-    experts; with `first_expert`, only the pairs of the weights' experts are computed. On CUDA, steps
-    of at most `decode.MAX_PAIRS` (token, choice) pairs run as three launches (`decode.routed_experts`),
-    with or without `first_expert`."""
+    """`experts(x, ExpertWeights(gate_up, down, scales), route(x, routing), limit, first_expert)`, plus
+    `addend` (`[T, D]` in x's dtype: the shared expert's output) where given: FP8 with `scales` =
+    (gate_up_scale_inv, down_scale_inv). Every token is routed over all of the router's experts; with
+    `first_expert`, only the pairs of the weights' experts are computed. On CUDA, steps of at most
+    `decode.MAX_PAIRS` (token, choice) pairs run as three launches (`decode.routed_experts`), with or
+    without `first_expert`, the addend added in the last of them."""
     w = ExpertWeights(gate_up, down, scales)
     if use_kernel("moe.routed_experts", x):
         from hylo.ops.moe import decode
 
         if decode.fits(x.shape[0], routing.top_k):
-            return decode.routed_experts(x, routing, w, limit, first_expert=first_expert)
-    return experts(x, w, route(x, routing), limit, first_expert)
+            return decode.routed_experts(x, routing, w, limit, first_expert=first_expert, addend=addend)
+    out = experts(x, w, route(x, routing), limit, first_expert)
+    return out if addend is None else out + addend

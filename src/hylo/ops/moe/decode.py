@@ -284,11 +284,12 @@ def routed_experts(
     limit: float,
     config: MoeConfig | None = None,
     first_expert: int | None = None,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`route` then `kernels.experts` for at most `MAX_PAIRS` pairs, in three launches (module
     docstring). `first_expert`: as in `kernels.experts` (the weights hold global experts from
     `first_expert` on, and only their pairs are computed); None: the weights hold all of routing's
-    experts."""
+    experts. `addend [T, D]` (x's dtype): added to the result in the combine (`down_combine_stage`)."""
     tokens, top_k = x.shape[0], routing.top_k
     gate_up_scale, down_scale = w.scales or (None, None)
     shape = torch.empty(tokens, top_k, device="meta")  # the ids and weights `prologue` will make
@@ -298,11 +299,12 @@ def routed_experts(
         x, routing, config.block_m, fp8, first_expert=first_expert, num_experts=local
     )
     if tokens == 0:
-        return torch.zeros(0, x.shape[1], dtype=x.dtype, device=x.device)
+        return torch.zeros(0, x.shape[1], dtype=x.dtype, device=x.device) if addend is None else addend
     activations = x.contiguous() if q is None else q
     h, h_scale = kernels.gate_up_stage(
         activations, q_scale, w.gate_up, gate_up_scale, layout, top_k, limit, config
     )
     return kernels.down_combine_stage(
-        h, h_scale, w.down, down_scale, layout, weights, x.dtype, config, tickets(x.device), ids, first_expert
-    )
+        h, h_scale, w.down, down_scale, layout, weights, x.dtype, config, tickets(x.device), ids,
+        first_expert, addend,
+    )  # fmt: skip

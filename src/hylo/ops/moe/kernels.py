@@ -331,6 +331,7 @@ def _down_combine_kernel(
     weights_ptr,
     routed_ptr,
     ids_ptr,
+    addend_ptr,
     out_ptr,
     tickets_ptr,
     num_blocks,
@@ -343,6 +344,7 @@ def _down_combine_kernel(
     stride_wse,
     stride_wsn,
     stride_r,
+    stride_a,
     stride_o,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
@@ -356,11 +358,13 @@ def _down_combine_kernel(
     FP8: tl.constexpr,
     E: tl.constexpr,
     PARTIAL: tl.constexpr,
+    ADD: tl.constexpr,
 ):
     """`_down_kernel`, then the combine of its column tile by the tile's last program to finish: every
     row block of the tile takes a ticket (empty blocks too), and the last ticket sums each token's k
-    rows (PARTIAL: its placed ones, `_sum_pairs`) in a fixed order and puts the ticket counter back to
-    zero."""
+    rows (PARTIAL: its placed ones, `_sum_pairs`) in a fixed order, rounds the sum to the output dtype
+    (ADD: then adds the addend's row and rounds again, as a separate add of the two would) and puts
+    the ticket counter back to zero."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= 0:
@@ -378,8 +382,14 @@ def _down_combine_kernel(
         total = _sum_pairs(
             routed_ptr, ids_ptr, t, t_ok, n, stride_r, first_expert, TOP_K, K_PAD, N, E, PARTIAL
         )
-        dst = out_ptr + t[:, None].to(tl.int64) * stride_o + n[None, :]
-        tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (n < N)[None, :])
+        inside = t_ok[:, None] & (n < N)[None, :]
+        result = total.to(out_ptr.dtype.element_ty)
+        if ADD:
+            addend = tl.load(
+                addend_ptr + t[:, None].to(tl.int64) * stride_a + n[None, :], mask=inside, other=0.0
+            )
+            result = (result.to(tl.float32) + addend.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t[:, None].to(tl.int64) * stride_o + n[None, :], result, mask=inside)
 
 
 @triton.jit
@@ -845,12 +855,15 @@ def down_combine_stage(
     tickets: torch.Tensor,
     ids: torch.Tensor | None = None,
     first_expert: int | None = None,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`down_stage` and the combine in one launch, for a few tokens: Σ_k of each token's weighted rows
     (each rounded to `out_dtype`, summed in fp32 in a fixed order), `[T, D]`. `tickets`: int32
     zeros, at least one per column tile of the output, left zero. With `first_expert` (the layout
     placed only the pairs of the weights' experts, `align`), only the rows of the pairs whose global
-    expert id in `ids [T, k]` lies in `[first_expert, first_expert + E)` are summed."""
+    expert id in `ids [T, k]` lies in `[first_expert, first_expert + E)` are summed. With `addend`
+    (`[T, D]` in `out_dtype`, unit last stride: the shared expert's output), the result is the sum
+    plus it, bit for bit what adding the two afterwards gives, without that launch."""
     if config.tma:
         raise ValueError("down_combine_stage: config.tma has no combining down kernel")
     tokens, top_k = weights.shape
@@ -864,6 +877,13 @@ def down_combine_stage(
     partial = first_expert is not None
     if partial and (ids is None or ids.shape != weights.shape):
         raise ValueError(f"down_combine_stage: first_expert needs the ids [{tokens}, {top_k}] of the pairs")
+    if addend is not None and (
+        addend.shape != (tokens, hidden) or addend.dtype != out_dtype or addend.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"down_combine_stage: addend must be [{tokens}, {hidden}] {out_dtype} with a unit last stride, "
+            f"got {addend.dtype} {tuple(addend.shape)}"
+        )
     programs, arguments = _down_arguments(h, h_scale, down, down_scale, layout, weights, config)
     routed = torch.empty(tokens * top_k, hidden, dtype=out_dtype, device=h.device)
     out = torch.empty(tokens, hidden, dtype=out_dtype, device=h.device)
@@ -871,6 +891,8 @@ def down_combine_stage(
         **arguments,
         routed_ptr=routed,
         ids_ptr=ids.contiguous() if partial else layout.pairs,  # read only where PARTIAL says so
+        addend_ptr=out if addend is None else addend,  # read only where ADD says so
+        stride_a=0 if addend is None else addend.stride(0),
         out_ptr=out,
         tickets_ptr=tickets,
         num_tokens=tokens,
@@ -882,6 +904,7 @@ def down_combine_stage(
         T_PAD=triton.next_power_of_2(tokens),
         E=down.shape[0],
         PARTIAL=partial,
+        ADD=addend is not None,
     )
     return out
 
