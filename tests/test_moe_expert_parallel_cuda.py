@@ -115,3 +115,19 @@ def test_the_prologue_places_as_align_does(model, tokens, first):
     general = align(ids, local, 16, first)
     assert torch.equal(layout.block_expert, general.block_expert)
     assert torch.equal(layout.block_rows, general.block_rows)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 100])  # the three-launch path, then the general one
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_the_shared_experts_addend_is_the_add_after_the_step(model, tokens, fp8):
+    """bf16 on the GPU: the addend the three-launch step adds in its combine (the shared expert's
+    output) gives bit for bit the step's output plus it, rounded to nearest even as torch's add is; a
+    rank's step too. (The CPU test runs fp32: the interpreter rounds to bf16 otherwise.)"""
+    routing = model[0]
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    addend = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    for rank in (None, 3):
+        gate_up, down, scales, first = rank_weights(model, rank, fp8)
+        alone = moe_ops.routed_experts(x, routing, gate_up, down, LIMIT, scales, first)
+        joined = moe_ops.routed_experts(x, routing, gate_up, down, LIMIT, scales, first, addend)
+        assert torch.equal(joined, alone + addend), (rank, tokens)
