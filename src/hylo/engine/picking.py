@@ -166,12 +166,11 @@ def accept_blocks(
     blocks = verify_blocks([chunks[i] for i in verifying], width, model)
     positions = pick_positions(batch, logits.shape[0])[index_d]
     acceptance = accept(logits[index_d], drafts, blocks, positions)
-    committed = (acceptance.accepted + 1).int()
-    model.commit(batch, forward.kda_records, committed)
+    model.commit(batch, forward.kda_records, acceptance.committed)
     if commit is not None:
         verify_index = to_device(verifying, device, torch.long)
-        commit.counts[verify_index] = committed
-        commit.anchors[verify_index] = acceptance.emitted.gather(1, acceptance.accepted[:, None])[:, 0]
+        commit.counts[verify_index] = acceptance.committed
+        commit.anchors[verify_index] = acceptance.anchors
     return acceptance
 
 

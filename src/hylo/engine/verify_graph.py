@@ -106,14 +106,14 @@ class VerifyGraphs:
         self.bank.upload(bucket, seqs)
         logits, target, committed, anchors = self.bank.replay(bucket, VERIFY)
         if blocks.picks_argmax and blocks.max_logprobs is None:
-            result = Acceptance(committed[:n] - 1, target[:n])
+            result = Acceptance(committed[:n] - 1, target[:n], committed[:n], anchors[:n])
         else:
             static = self.bank.static[bucket]
             drafts = static.input_ids.view(bucket, width)[:n, 1:]
             picked_at = static.positions.view(bucket, width)[:n] + 1  # each pick follows its token
             result = accept(logits.view(bucket, width, -1)[:n], drafts, blocks, picked_at)
-            committed[:n] = result.accepted + 1
-            anchors[:n] = result.emitted.gather(1, result.accepted[:, None])[:, 0]
+            committed[:n] = result.committed
+            anchors[:n] = result.anchors
         self.bank.replay(bucket, COMMIT)
         return result
 

@@ -110,12 +110,16 @@ class VerifyBatch(RowsOfAStep):
 @dataclass
 class Acceptance:
     """Device results for V blocks padded to T tokens. `accepted [V]`: drafts kept; `emitted [V, T]`:
-    the first `accepted[v] + 1` entries of row v are its emitted tokens (the rest is unspecified).
-    With logprobs asked for: `chosen [V, T]` the emitted tokens' logprobs and `top_ids`/`top_values`
-    `[V, T, n]` the top-n of the raw distribution at each position."""
+    the first `accepted[v] + 1` entries of row v are its emitted tokens (the rest is unspecified);
+    `committed [V]` (int32): accepted + 1, the block tokens that enter the caches; `anchors [V]`: the
+    last emitted token, the next block's anchor. With logprobs asked for: `chosen [V, T]` the emitted
+    tokens' logprobs and `top_ids`/`top_values` `[V, T, n]` the top-n of the raw distribution at each
+    position."""
 
     accepted: torch.Tensor
     emitted: torch.Tensor
+    committed: torch.Tensor
+    anchors: torch.Tensor
     chosen: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
@@ -139,7 +143,8 @@ def accept(
         rows = blocks.position_rows(width)
         processed, probs = target_distribution(logits.flatten(0, 1), rows, blocks.allowed)
         picks = pick(processed, probs, rows, positions.flatten()).view(num_blocks, width)
-    return _with_logprobs(Acceptance(accepted_prefix(picks, drafts, counts)[0], picks), logits, blocks)
+    accepted, committed, anchors = accepted_prefix(picks, drafts, counts)
+    return _with_logprobs(Acceptance(accepted, picks, committed, anchors), logits, blocks)
 
 
 def _with_logprobs(result: Acceptance, logits: torch.Tensor, blocks: VerifyBatch) -> Acceptance:
