@@ -14,6 +14,18 @@ MAX_QUERY_ROWS = 128
 MAX_HEAD_DIM = 256
 
 
+def _norm_rope_refusal(dtype: torch.dtype, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """What the RMSNorm + rotary kernels (`kernels._norm_rope`) need of the rows' dtype, width and the
+    rotary tables, or None."""
+    if dtype not in KERNEL_DTYPES:
+        return f"unsupported dtype {dtype} (supported: {KERNEL_DTYPES})"
+    if head_dim & (head_dim - 1) or head_dim < 2:
+        return f"head_dim must be a power of two, got {head_dim}"
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape[-1] * 2 != head_dim:
+        return "cos and sin must be fp32 [max_pos, d // 2]"
+    return None
+
+
 def _unit_last_stride(named: dict[str, torch.Tensor]) -> str | None:
     for name, t in named.items():
         if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -70,15 +82,11 @@ def store_context_kv_refusal(tokens: ContextTokens, keys: KeyTransform, cache: K
     if k_raw.dim() != 4 or v.shape != k_raw.shape:
         return "k_raw and v must both be [Lyr, N, Hkv, d]"
     num_layers, num_tokens, _, head_dim = k_raw.shape
-    if k_raw.dtype not in KERNEL_DTYPES:
-        return f"unsupported dtype {k_raw.dtype} (supported: {KERNEL_DTYPES})"
     # RMSNorm multiplies in the promoted dtype; the kernel rounds the product to k_raw's dtype.
     if k_norm_weight.dtype != k_raw.dtype or k_norm_weight.shape != (num_layers, head_dim):
         return "k_norm_weight must be [Lyr, d] in k_raw's dtype"
-    if head_dim & (head_dim - 1) or head_dim < 2:
-        return f"head_dim must be a power of two, got {head_dim}"
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape[-1] * 2 != head_dim:
-        return "cos and sin must be fp32 [max_pos, d // 2]"
+    if (reason := _norm_rope_refusal(k_raw.dtype, head_dim, cos, sin)) is not None:
+        return reason
     if k_cache.dim() != 4 or k_cache.shape[0] != num_layers or k_cache.shape[2:] != k_raw.shape[2:]:
         return "k_cache must be [Lyr, num_slots, Hkv, d] with k_raw's Lyr, Hkv, d"
     if v_cache.shape != k_cache.shape:
@@ -100,14 +108,10 @@ def normed_rotated_refusal(
     if x.dim() != 3:
         return "x must be [N, H, d]"
     head_dim = x.shape[-1]
-    if x.dtype not in KERNEL_DTYPES:
-        return f"unsupported dtype {x.dtype} (supported: {KERNEL_DTYPES})"
     if weight.dtype != x.dtype or weight.shape != (head_dim,):
         return "weight must be [d] in x's dtype"
-    if head_dim & (head_dim - 1) or head_dim < 2:
-        return f"head_dim must be a power of two, got {head_dim}"
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.shape[-1] * 2 != head_dim:
-        return "cos and sin must be fp32 [max_pos, d // 2]"
+    if (reason := _norm_rope_refusal(x.dtype, head_dim, cos, sin)) is not None:
+        return reason
     if positions.shape != (x.shape[0],) or positions.dtype not in (torch.int32, torch.int64):
         return "positions must be int32/int64 [N]"
     if x.shape[0] > 1 and positions.stride(0) != 1:
