@@ -57,13 +57,17 @@ class KDAAttention(nn.Module):
         tokens, heads = x.shape[0], (self.num_heads, self.head_dim)
         q, k, v, b = self.qkvb_proj(x)
         f_a, g_a = self.fg_a_proj(x)
-        qkvfb = kda_ops.KDAInputs(q, k, v, self.f_b_proj(f_a), b)
-        norm = kda_ops.OutputNorm(self.g_b_proj(g_a).unflatten(-1, heads), self.o_norm.weight, self.eps)
         plan, record = batch.kda, None
         if not batch.verify_seqs and not batch.snapshot_points and _single_tokens(plan.offsets()):
-            # a decode step: the output norm runs with the step (two launches in all on CUDA)
-            o = kda_ops.decode(qkvfb, self.params, self._slots(batch, batch.state_slots), norm)
+            # a decode step: f_b and g_b are multiplied inside the step and the output norm, which runs
+            # with the step (two launches in all on CUDA)
+            f, gate = _low_rank(f_a, self.f_b_proj), _low_rank(g_a, self.g_b_proj)
+            step = kda_ops.KDAInputs(q, k, v, f, b)
+            norm = kda_ops.OutputNorm(gate, self.o_norm.weight, self.eps)
+            o = kda_ops.decode(step, self.params, self._slots(batch, batch.state_slots), norm)
             return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, -1))), None
+        qkvfb = kda_ops.KDAInputs(q, k, v, self.f_b_proj(f_a), b)
+        norm = kda_ops.OutputNorm(self.g_b_proj(g_a).unflatten(-1, heads), self.o_norm.weight, self.eps)
         if not batch.verify_seqs and batch.snapshot_points:
             o = self._advance_taking_snapshots(qkvfb, batch)
         elif not batch.verify_seqs:
@@ -146,6 +150,11 @@ class KDAAttention(nn.Module):
             layer, pool = batch.states.kda_index[self.layer_idx], batch.snapshot_pool
             snapshots = kda_ops.ChunkSnapshots(chunk_snapshots, pool.conv[layer], pool.recurrent[layer])
         return kda_ops.prefill(qkvfb, self.params, self._slots(batch, slots), cu, cu_cpu, snapshots)
+
+
+def _low_rank(a: torch.Tensor, projection: Linear) -> kda_ops.LowRank:
+    """`projection(a)` as factors, for a kernel that multiplies them as it reads them."""
+    return kda_ops.LowRank(a, projection.weight, projection.weight_scale_inv)
 
 
 def _single_tokens(offsets: Offsets) -> bool:

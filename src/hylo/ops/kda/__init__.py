@@ -19,6 +19,7 @@ from hylo.ops.kda.reference import (
     KDAInputs,
     KDAParams,
     KDASlots,
+    LowRank,
     OutputNorm,
     VerifyCache,
     causal_conv,
@@ -33,6 +34,7 @@ __all__ = [
     "KDAInputs",
     "KDAParams",
     "KDASlots",
+    "LowRank",
     "OutputNorm",
     "VerifyCache",
     "causal_conv",
@@ -87,8 +89,9 @@ def prefill(
 
 def decode(x: KDAInputs, params: KDAParams, slots: KDASlots, norm: OutputNorm | None = None) -> torch.Tensor:
     """One token per sequence (see `reference.decode`): o `[B, H, d]`, gated-normalised by `norm` when
-    given; windows and states updated. Two launches on CUDA (`recurrent.decode`). Safe under CUDA-graph
-    capture: fixed shapes, no host reads."""
+    given; windows and states updated. The gate's f and the norm's gate may come as `LowRank` factors,
+    multiplied inside the launches that read them. Two launches on CUDA (`recurrent.decode`). Safe under
+    CUDA-graph capture: fixed shapes, no host reads."""
     if use_kernel("kda.decode", x.q):
         from hylo.ops.kda import recurrent
 
@@ -134,4 +137,4 @@ def gated_norm(x: torch.Tensor, norm: OutputNorm) -> torch.Tensor:
         from hylo.ops.kda import rmsnorm
 
         return rmsnorm.gated_rms_norm(x, norm)
-    return gated_rms_norm(x, norm.gate, norm.weight, norm.eps)
+    return gated_rms_norm(x, reference.dense(norm.gate).reshape(x.shape), norm.weight, norm.eps)

@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, OutputNorm, VerifyCache
+from hylo.ops.kda import low_rank
+from hylo.ops.kda.low_rank import low_rank_rows
+from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm, VerifyCache
 from hylo.ops.kda.rmsnorm import WindowStep, gated_rms_norm
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -117,14 +119,17 @@ def _conv_token(x, win, win_stride, weight, c, ch, W: tl.constexpr):
 def _recurrent_kernel(
     qkv, qkv_sb, qkv_st, f, f_sb, f_st, b, b_sb, b_st, dt_bias, a_log, state_pool, pool_stride, slot_ids,
     n_steps, o, o_sb, o_st, steps, scale, lower_bound,
-    xk, xv, conv_pool, conv_stride, win_stride, conv_weight,
+    xk, xv, conv_pool, conv_stride, win_stride, conv_weight, f_w, f_scale, f_scale_stride,
     T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
     USE_LB: tl.constexpr, WRITE_O: tl.constexpr, STORE_STATE: tl.constexpr, PER_SEQ: tl.constexpr,
-    STEP_STATES: tl.constexpr, CONV: tl.constexpr, W: tl.constexpr,
+    STEP_STATES: tl.constexpr, CONV: tl.constexpr, W: tl.constexpr, F_RANK: tl.constexpr,
+    F_STEP: tl.constexpr, F_FP8: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, head, value tile) over its T tokens (module docstring). With CONV (decode, T = 1)
     `qkv` is the raw q row (k and v rows at `xk`, `xv`, same strides) and the conv runs here from the
-    slot's window, which is only read: whoever launches this advances it afterwards."""
+    slot's window, which is only read: whoever launches this advances it afterwards. With F_RANK > 0
+    (decode) `f` is the low-rank factor a `[B, F_RANK]` of the gate, whose head rows this program
+    computes with the projection `f_w` (`low_rank.low_rank_rows`)."""
     bi, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bi64 = bi.to(tl.int64)
     slot = tl.load(slot_ids + bi).to(tl.int64)
@@ -149,7 +154,13 @@ def _recurrent_kernel(
         q = tl.load(row + rk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         k = tl.load(row + H * D + rk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         v = tl.load(row + 2 * H * D + rv[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    x = tl.load(f + bi64 * f_sb + rt[:, None] * f_st + h * D + rk[None, :], mask=live[:, None], other=0.0)
+    if F_RANK > 0:
+        x = low_rank_rows(
+            f + bi64 * f_sb + rt * 0, f_w, f_scale, f_scale_stride, h * D + rk[None, :] + rt[:, None] * 0,
+            live, F_RANK, F_STEP, F_FP8,
+        )  # fmt: skip
+    else:
+        x = tl.load(f + bi64 * f_sb + rt[:, None] * f_st + h * D + rk[None, :], mask=live[:, None], other=0.0)
     x = x.to(tl.float32) + tl.load(dt_bias + h * D + rk).to(tl.float32)[None, :]
     rate = tl.exp(tl.load(a_log + h).to(tl.float32))
     if USE_LB:
@@ -374,27 +385,44 @@ def recurrent(
     they are; otherwise neither the windows nor the conv weight are read."""
     if conv:
         qkv = x.q
-    f, b = x.f, x.b
+    b = x.b
     state_pool, slot_ids, lower_bound = slots.state_pool, slots.slot_ids, params.lower_bound
     bsz, t, _ = qkv.shape
     h, d = state_pool.shape[1], state_pool.shape[2]
-    assert qkv.stride(2) == 1 and f.stride(2) == 1 and state_pool.is_contiguous()
+    assert qkv.stride(2) == 1 and state_pool.is_contiguous()
+    if isinstance(x.f, LowRank) and not (conv and t == 1):
+        raise ValueError("recurrent: a LowRank gate is taken by the decode launch only (conv, T = 1)")
+    f, f_factors, f_constants = _gate_operands(x.f, h, d)
     o = torch.empty(bsz, t, h, d, dtype=qkv.dtype, device=qkv.device) if write_o else qkv
     bv, warps = _block_v(bsz, h, d, t)
     bv, warps = block_v or bv, num_warps or warps
     use_lb = lower_bound is not None
     _recurrent_kernel[(bsz, h, d // bv)](
-        qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), b, b.stride(0), b.stride(1),
+        qkv, qkv.stride(0), qkv.stride(1), *f, b, b.stride(0), b.stride(1),
         params.dt_bias, params.a_log, state_pool, state_pool.stride(0), slot_ids,
         n_steps if n_steps is not None else slot_ids, o, o.stride(0), o.stride(1) if write_o else 0,
         step_states if step_states is not None else state_pool, d**-0.5,
         float(lower_bound) if use_lb else 0.0,
         *(_conv_operands(x, params, slots) if conv else (qkv, qkv, qkv, 0, 0, qkv)),  # unread without CONV
+        *f_factors,
         T=t, TP=triton.next_power_of_2(t), H=h, D=d, BV=bv, USE_LB=use_lb, WRITE_O=write_o,
         STORE_STATE=store_state, PER_SEQ=n_steps is not None, STEP_STATES=step_states is not None, CONV=conv,
-        W=slots.conv_pool.shape[1] + 1 if conv else 1, num_warps=warps,
+        W=slots.conv_pool.shape[1] + 1 if conv else 1, **f_constants, num_warps=warps,
     )  # fmt: skip
     return o if write_o else None
+
+
+def _gate_operands(f: torch.Tensor | LowRank, heads: int, head_dim: int) -> tuple[tuple, tuple, dict]:
+    """The step kernel's gate arguments: (f or its factor a with two strides, the projection's (W, its
+    scales, their row stride), the constexprs F_RANK, F_STEP, F_FP8). A dense f `[B, T, H·d]` leaves the
+    projection's arguments unread."""
+    if not isinstance(f, LowRank):
+        assert f.stride(2) == 1
+        return (f, f.stride(0), f.stride(1)), (f, f, 0), dict(F_RANK=0, F_STEP=1, F_FP8=False)
+    a, a_stride, w, scale, scale_stride = low_rank.operands(f, heads, head_dim)
+    rank = a.shape[1]
+    constants = dict(F_RANK=rank, F_STEP=low_rank.rank_step(rank), F_FP8=f.scale_inv is not None)
+    return (a, a_stride, 0), (w, scale, scale_stride), constants
 
 
 def _conv_operands(x: KDAInputs, params: KDAParams, slots: KDASlots) -> tuple:
@@ -494,7 +522,8 @@ def decode(
     """Triton twin of `reference.decode`: one token per sequence, window and state updated in place. Two
     launches: the step kernel with the conv inside (it reads the windows), then, once every program has
     read them, the gated output norm that also advances the windows (`norm`), or the window step alone."""
-    steps = KDAInputs(*(t[:, None] for t in x.tensors))  # each sequence a block of one token
+    f = x.f if isinstance(x.f, LowRank) else x.f[:, None]  # each sequence a block of one token
+    steps = KDAInputs(x.q[:, None], x.k[:, None], x.v[:, None], f, x.b[:, None])
     o = recurrent(None, steps, params, slots, conv=True, **kw)[:, 0]
     if norm is not None:
         return gated_rms_norm(o, norm, WindowStep(x, slots))

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hylo.ops.fp8 import dequantize_fp8_blocks
+
 
 def causal_conv(
     x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor
@@ -110,12 +112,13 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 @dataclass(frozen=True)
 class KDAInputs:
     """A layer's projected inputs of a step's tokens: `q`, `k`, `v` `[N, H, d]`, the gate's
-    pre-activation `f` `[N, H, d]` and β's logits `b` `[N, H]`."""
+    pre-activation `f` `[N, H, d]` (a decode step's may be `LowRank`, which `decode` alone takes) and
+    β's logits `b` `[N, H]`."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    f: torch.Tensor
+    f: torch.Tensor | LowRank
     b: torch.Tensor
 
     @property
@@ -155,12 +158,38 @@ class KDASlots:
 
 @dataclass(frozen=True)
 class OutputNorm:
-    """A layer's output norm: the gate `[N, H, d]` (before its sigmoid), the per-head `weight [d]` and
-    `eps` of `gated_rms_norm`."""
+    """A layer's output norm: the gate `[N, H, d]` (before its sigmoid; a decode step may give it as
+    `LowRank` factors, `[N, H·d]` once computed), the per-head `weight [d]` and `eps` of
+    `gated_rms_norm`."""
 
-    gate: torch.Tensor
+    gate: torch.Tensor | LowRank
     weight: torch.Tensor
     eps: float
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """A per-head input `[N, H·d]` given by its factors, not yet multiplied: the input `a [N, r]` and the
+    projection `weight [H·d, r]`, e4m3 with per-[128, 128]-block `scale_inv` or in a's dtype (None), as
+    `ops.gemm.linear(a, weight, scale_inv)` would compute it. A decode step hands the gate's f and the
+    output norm's gate so: the kernels that read them compute their heads' rows from the factors, in
+    place of two projection launches (`dense` is what the references read)."""
+
+    a: torch.Tensor
+    weight: torch.Tensor
+    scale_inv: torch.Tensor | None = None
+
+    def dense(self) -> torch.Tensor:
+        """`a @ weightᵀ` in a's dtype, the weight dequantised to it first (`ops.gemm`'s reference)."""
+        weight = self.weight
+        if self.scale_inv is not None:
+            weight = dequantize_fp8_blocks(weight, self.scale_inv, self.a.dtype)
+        return F.linear(self.a, weight)
+
+
+def dense(x: torch.Tensor | LowRank) -> torch.Tensor:
+    """x, multiplied out where it is `LowRank`."""
+    return x.dense() if isinstance(x, LowRank) else x
 
 
 @dataclass
@@ -269,10 +298,13 @@ def _prefill_in_segments(
 
 
 def decode(x: KDAInputs, params: KDAParams, slots: KDASlots, norm: OutputNorm | None = None) -> torch.Tensor:
-    """One token per sequence (`[B, ...]` inputs), state and window updated in place; o `[B, H, d]`,
-    then `gated_rms_norm` with `norm` when given."""
+    """One token per sequence (`[B, ...]` inputs; f and the norm's gate may be `LowRank`), state and
+    window updated in place; o `[B, H, d]`, then `gated_rms_norm` with `norm` when given."""
+    x = KDAInputs(x.q, x.k, x.v, dense(x.f), x.b)
     o = prefill(x, params, slots, None, list(range(x.q.shape[0] + 1)))
-    return o if norm is None else gated_rms_norm(o, norm.gate, norm.weight, norm.eps)
+    if norm is None:
+        return o
+    return gated_rms_norm(o, dense(norm.gate).reshape(o.shape), norm.weight, norm.eps)
 
 
 def verify(

@@ -9,7 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hylo.ops.kda.reference import KDAInputs, KDASlots, OutputNorm
+from hylo.ops.kda import low_rank
+from hylo.ops.kda.low_rank import low_rank_rows
+from hylo.ops.kda.reference import KDAInputs, KDASlots, LowRank, OutputNorm
 
 
 @dataclass(frozen=True)
@@ -35,18 +37,27 @@ def _step_window(win, x, ok, win_stride, W: tl.constexpr, WP: tl.constexpr):
 
 @triton.jit
 def _gated_norm_kernel(
-    x, gate, w, y, n_rows, eps, xq, xk, xv, x_sb, conv_pool, conv_stride, win_stride, slot_ids,
+    x, gate, gate_sb, w, y, n_rows, eps, xq, xk, xv, x_sb, conv_pool, conv_stride, win_stride, slot_ids,
+    g_w, g_scale, g_scale_stride,
     D: tl.constexpr, BR: tl.constexpr, H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-    ADVANCE: tl.constexpr,
+    ADVANCE: tl.constexpr, G_RANK: tl.constexpr, G_STEP: tl.constexpr, G_FP8: tl.constexpr,
 ):  # fmt: skip
     """Rows `BR·pid + [0, BR)` of x (one head of one token each); with ADVANCE, row s·H + h also steps
-    sequence s's window at head h's q, k and v channels (no other program touches them)."""
+    sequence s's window at head h's q, k and v channels (no other program touches them). With G_RANK >
+    0 `gate` is the low-rank factor a `[tokens, G_RANK]` (row stride `gate_sb`) of the gate, whose rows
+    the program computes with the projection `g_w` (`low_rank.low_rank_rows`)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, D)
     ok = rows < n_rows
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     xv_ = tl.load(x + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-    gv = tl.load(gate + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    if G_RANK > 0:
+        token, head = rows // H, rows % H
+        a_rows = gate + token.to(tl.int64) * gate_sb
+        g_rows = head[:, None] * D + cols[None, :]
+        gv = low_rank_rows(a_rows, g_w, g_scale, g_scale_stride, g_rows, ok, G_RANK, G_STEP, G_FP8)
+    else:
+        gv = tl.load(gate + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(xv_ * xv_, 1) / D + eps)
     out = xv_ * r[:, None] * tl.load(w + cols).to(tl.float32)[None, :] * tl.sigmoid(gv)
     tl.store(y + offs, out.to(y.dtype.element_ty), mask=ok[:, None])
@@ -66,7 +77,7 @@ def gated_rms_norm(x: torch.Tensor, norm: OutputNorm, window: WindowStep | None 
     windows, which must no longer be read by anything launched before it that has not finished (stream
     order guarantees it)."""
     d, heads = x.shape[-1], x.shape[-2]
-    x, gate = x.contiguous(), norm.gate.reshape(x.shape).contiguous()
+    x = x.contiguous()
     y = torch.empty_like(x)
     n_rows = x.numel() // d
     if window is None:
@@ -79,9 +90,20 @@ def gated_rms_norm(x: torch.Tensor, norm: OutputNorm, window: WindowStep | None 
         advance = (q, window.x.k, window.x.v, q.stride(0), pool, pool.stride(0), pool.stride(1))
         advance += (window.slots.slot_ids,)
         br, width = max(1, 1024 // d), pool.shape[1] + 1  # more programs: each also moves 9 window rows
+    if isinstance(norm.gate, LowRank):
+        a, a_stride, *factors = low_rank.operands(norm.gate, heads, d)
+        if x.dim() != 3 or a.shape[0] != x.shape[0]:
+            raise ValueError(f"gated_rms_norm: a LowRank gate needs x [tokens, H, d], got {tuple(x.shape)}")
+        rank = a.shape[1]
+        gate = (a, a_stride)
+        constants = dict(G_RANK=rank, G_STEP=low_rank.rank_step(rank), G_FP8=norm.gate.scale_inv is not None)
+        br = 1  # one head's [d, r] slice of the projection per program: all programs share the read
+    else:
+        gate, factors = (norm.gate.reshape(x.shape).contiguous(), 0), (x, x, 0)
+        constants = dict(G_RANK=0, G_STEP=1, G_FP8=False)
     _gated_norm_kernel[(triton.cdiv(n_rows, br),)](
-        x, gate, norm.weight, y, n_rows, norm.eps, *advance,
+        x, *gate, norm.weight, y, n_rows, norm.eps, *advance, *factors,
         D=d, BR=br, H=heads, W=width, WP=triton.next_power_of_2(width), ADVANCE=window is not None,
-        num_warps=4,
+        **constants, num_warps=4,
     )  # fmt: skip
     return y

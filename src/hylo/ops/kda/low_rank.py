@@ -1,0 +1,85 @@
+"""The rows of a `LowRank` input that a KDA decode kernel reads, computed by that kernel from the factors.
+
+A decode step's gate pre-activation f and output-norm gate are `a [B, r] @ W[H·d, r]ᵀ` with r = d (the
+layer's f_a|g_a and its per-head f_b, g_b). Each program of the step kernel and of the output norm reads
+one head's d rows of such a product for one token: it computes them from the token's `a` row and the
+head's [d, r] slice of W (e4m3 widened with its block scale, or as stored), accumulated in fp32 and
+rounded to a's dtype as the projection's output is. Every head's slice is read by the programs of that
+head only, so the weight is read once per token from memory (the value tiles of a head share it
+through L2), as a projection launch would read it, and the two launches are gone.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hylo.ops.fp8 import FP8_BLOCK
+from hylo.ops.kda.reference import LowRank
+
+RANK_STEP = 32  # columns of W per inner step at most: a [rows, d, RANK_STEP] fp32 tile stays in registers
+
+
+def rank_step(rank: int) -> int:
+    """Columns of W per inner step of `low_rank_rows` for a factor of `rank` columns."""
+    return min(RANK_STEP, triton.next_power_of_2(rank))
+
+
+@triton.jit
+def low_rank_rows(
+    a_rows,
+    w_ptr,
+    w_scale_ptr,
+    w_scale_stride,
+    w_rows,
+    ok,
+    R: tl.constexpr,
+    RB: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """fp32 `[BR, C]`: row i is `Σ_j a_rows[i][j] · W[w_rows[i, c], j]` over the R columns of W (`[·, R]`,
+    contiguous), rounded to a's dtype. `a_rows` are `[BR]` pointers to rows of a, `w_rows` `[BR, C]` row
+    indices of W; rows where `ok` is false give 0. With FP8, W is e4m3 scaled per [128, 128] block by
+    the fp32 `scale_inv` at `w_scale_ptr` (row stride `w_scale_stride`)."""
+    acc = tl.zeros(w_rows.shape, tl.float32)
+    rows = w_rows.to(tl.int64)[:, :, None]
+    for j0 in tl.static_range(0, R, RB):
+        j = j0 + tl.arange(0, RB)
+        live = j < R
+        a = tl.load(a_rows[:, None] + j[None, :], mask=ok[:, None] & live[None, :], other=0.0).to(tl.float32)
+        both = ok[:, None, None] & live[None, None, :]
+        w = tl.load(w_ptr + rows * R + j[None, None, :], mask=both, other=0.0).to(tl.float32)
+        if FP8:
+            block = (rows // 128) * w_scale_stride + (j // 128)[None, None, :]
+            w = w * tl.load(w_scale_ptr + block, mask=both, other=0.0)
+        acc += tl.sum(w * a[:, None, :], 2)
+    return acc.to(a_rows.dtype.element_ty).to(tl.float32)
+
+
+def operands(
+    x: LowRank, heads: int, head_dim: int
+) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, int]:
+    """(a, a's row stride, W, its scales or W itself, the scales' row stride) of a launch that reads `x`
+    as `[B, heads·head_dim]`, after a ValueError naming what does not fit."""
+    a, w, scale = x.a, x.weight, x.scale_inv
+    rank = a.shape[-1]
+    if a.dim() != 2 or a.stride(-1) != 1:
+        raise ValueError(
+            f"LowRank: a must be [B, r] with unit column stride, got {tuple(a.shape)} {a.stride()}"
+        )
+    if tuple(w.shape) != (heads * head_dim, rank) or not w.is_contiguous():
+        raise ValueError(
+            f"LowRank: weight must be a contiguous [{heads * head_dim}, {rank}], got {tuple(w.shape)}"
+        )
+    if scale is None:
+        if w.dtype != a.dtype:
+            raise ValueError(f"LowRank: an unscaled weight must be a's dtype {a.dtype}, got {w.dtype}")
+        return a, a.stride(0), w, w, 0
+    blocks = (triton.cdiv(w.shape[0], FP8_BLOCK), triton.cdiv(rank, FP8_BLOCK))
+    if w.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or tuple(scale.shape) != blocks:
+        raise ValueError(
+            f"LowRank: a scaled weight must be float8_e4m3fn with fp32 scale_inv {blocks}, got {w.dtype} "
+            f"and {scale.dtype} {tuple(scale.shape)}"
+        )
+    return a, a.stride(0), w, scale, scale.stride(0)

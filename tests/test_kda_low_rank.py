@@ -1,0 +1,185 @@
+"""A KDA decode step whose gate f and output-norm gate come as `LowRank` factors (the layer's f_a, g_a and
+its f_b, g_b projections), multiplied inside the step kernel and the output norm, against the reference
+(`reference.decode`, which multiplies them out first), under the Triton interpreter.
+
+Errors are rms(out - ref) / rms(ref), as in test_kda_kernels.py: fp32 factors (weights in fp32, or e4m3
+with block scales, widened exactly to fp32 on both sides) differ from the reference only in the order of
+fp32 sums: ≤ 3e-6. fp16 factors: the product is rounded to fp16 on both sides from sums that differ in
+their last fp32 bits, so a few gate entries differ by one fp16 step (2^-11 relative), which moves o by
+far less than the 5e-3 bound FLA uses for half precision.
+"""
+
+from __future__ import annotations
+
+from interpreter import run_compiled_for_hopper, use_interpreter
+
+use_interpreter()  # before the kernels are decorated
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hylo.ops.fp8 import quantize_fp8_blocks  # noqa: E402
+from hylo.ops.kda import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm, recurrent, reference  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("strict_launch_arguments"),
+]
+
+RATIO = 3e-6
+RATIO_HALF = 5e-3
+
+
+def err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+
+
+class Step:
+    """A decode step of `batch` sequences (slots 5, 0, 3) of a layer of `h` heads of size d, whose gate and
+    norm gate are rank-`rank` factors; `fp8`: the projections e4m3 with block scales (N = h·d spans
+    several 128-row blocks when h·d > 128)."""
+
+    def __init__(self, seed: int, dtype, fp8: bool, h: int = 3, d: int = 64, rank: int = 48, batch: int = 3):
+        gen = torch.Generator().manual_seed(seed)
+        self.randn = lambda *shape, dtype=dtype: torch.randn(*shape, generator=gen).to(dtype)
+        self.h, self.d, self.batch = h, d, batch
+        hd = h * d
+        self.params = KDAParams(
+            self.randn(3 * hd, 4, dtype=torch.float32) * 0.5,
+            self.randn(hd, dtype=torch.float32),
+            self.randn(h, dtype=torch.float32) * 0.5,
+            -5.0,
+        )
+        self.conv_pool = self.randn(7, 3, 3 * hd)
+        self.state_pool = self.randn(7, h, d, d, dtype=torch.float32) * 0.3
+        qkvb = self.randn(batch, 3 * hd + h)
+        self.q, self.k, self.v, self.b = qkvb.split([hd] * 3 + [h], dim=-1)
+        # f_a | g_a of one projection, as the layer's fg_a_proj gives them: views with its row stride
+        self.f_a, self.g_a = self.randn(batch, 2 * rank).split([rank, rank], dim=-1)
+        self.f = self.factor(self.f_a, fp8, scale=rank**-0.5)
+        self.gate = self.factor(self.g_a, fp8, scale=rank**-0.5)
+        self.norm_weight = self.randn(d)
+
+    def factor(self, a: torch.Tensor, fp8: bool, scale: float) -> LowRank:
+        weight = self.randn(self.h * self.d, a.shape[1], dtype=torch.float32) * scale
+        if fp8:
+            return LowRank(a, *quantize_fp8_blocks(weight))
+        return LowRank(a, weight.to(a.dtype))
+
+    def run(self, decode, dense: bool):
+        """(o, conv pool, state pool) after `decode` of this step, with the factors multiplied out first
+        when `dense`."""
+        f, gate = (self.f.dense(), self.gate.dense().view(self.batch, self.h, self.d)) if dense else (
+            self.f, self.gate)  # fmt: skip
+        slots = KDASlots(
+            self.conv_pool.clone(), self.state_pool.clone(), torch.tensor([5, 0, 3][: self.batch])
+        )
+        x = KDAInputs(self.q, self.k, self.v, f, self.b)
+        o = decode(x, self.params, slots, OutputNorm(gate, self.norm_weight, 1e-5))
+        return o, slots.conv_pool, slots.state_pool
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fp8", "h", "d", "bound"),
+    [
+        (torch.float32, False, 3, 64, RATIO),  # rank 48: one full and one masked inner step of 32 columns
+        (torch.float32, True, 3, 64, RATIO),  # 192 rows: two scale blocks along N
+        (torch.float16, False, 2, 32, RATIO_HALF),
+    ],
+)
+def test_low_rank_decode_matches_reference(dtype, fp8, h, d, bound):
+    step = Step(11 + h, dtype, fp8, h=h, d=d)
+    o_ref, conv_ref, state_ref = step.run(reference.decode, dense=False)
+    o, conv, state = step.run(recurrent.decode, dense=False)
+    assert err(o, o_ref) < bound
+    assert err(state, state_ref) < bound
+    assert torch.equal(conv, conv_ref)  # the windows are copies
+    # the factors multiplied out before the kernels give the same step
+    o_dense, _, _ = step.run(recurrent.decode, dense=True)
+    assert err(o, o_dense) < bound
+
+
+def test_low_rank_decode_uses_each_head_rows():
+    """Rows of the projections swapped between heads change only those heads' outputs: each program
+    reads its own head's rows of f_b and g_b (a kernel reading head 0's rows for all would pass a test
+    whose heads happened to share weights)."""
+    step = Step(5, torch.float32, False)
+    o, _, _ = step.run(recurrent.decode, dense=False)
+    d = step.d
+    w = step.gate.weight.clone()
+    w[:d], w[d : 2 * d] = step.gate.weight[d : 2 * d], step.gate.weight[:d]
+    step.gate = LowRank(step.gate.a, w)
+    swapped, _, _ = step.run(recurrent.decode, dense=False)
+    assert torch.equal(swapped[:, 2], o[:, 2])
+    assert not torch.allclose(swapped[:, :2], o[:, :2])
+    o_ref, _, _ = step.run(reference.decode, dense=False)
+    assert err(swapped, o_ref) < RATIO
+
+
+def test_low_rank_decode_is_two_launches(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names, run = [], InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    Step(1, torch.float32, True, batch=1).run(recurrent.decode, dense=False)
+    assert names == ["_recurrent_kernel", "_gated_norm_kernel"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda f: LowRank(f.a, f.weight[:-1]), r"weight must be a contiguous \[192, 48\]"),
+        (lambda f: LowRank(f.a, f.weight.half()), "unscaled weight must be a's dtype"),
+        (lambda f: LowRank(f.a, f.weight, torch.ones(1, 1)), "scaled weight must be float8_e4m3fn"),
+    ],
+)
+def test_low_rank_decode_refuses_factors_that_do_not_fit(change, message):
+    step = Step(2, torch.float32, False)
+    step.f = change(step.f)
+    with pytest.raises(ValueError, match=message):
+        step.run(recurrent.decode, dense=False)
+
+
+def test_low_rank_gate_outside_decode_is_refused():
+    step = Step(3, torch.float32, False)
+    x = KDAInputs(*(t[:, None] for t in (step.q, step.k, step.v)), step.f, step.b[:, None])
+    slots = KDASlots(step.conv_pool, step.state_pool, torch.tensor([5, 0, 3]))
+    qkv = torch.cat([step.q, step.k, step.v], dim=-1)[:, None]  # stands in for the conv output
+    with pytest.raises(ValueError, match="decode launch only"):
+        recurrent.recurrent(qkv, x, step.params, slots)
+
+
+_LOW_RANK_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hylo.ops.kda import recurrent, rmsnorm
+
+for fn, consts, fp32, fp8 in (
+    (recurrent._recurrent_kernel,
+     dict(T=1, TP=1, H=8, D=128, BV=16, USE_LB=True, WRITE_O=True, STORE_STATE=True, PER_SEQ=False,
+          STEP_STATES=False, CONV=True, W=4, F_RANK=128, F_STEP=32, F_FP8=True),
+     {"dt_bias", "a_log", "state_pool", "steps", "conv_weight", "f_scale"}, {"f_w"}),
+    (rmsnorm._gated_norm_kernel,
+     dict(D=128, BR=1, H=8, W=4, WP=4, ADVANCE=True, G_RANK=128, G_STEP=32, G_FP8=True),
+     {"w", "g_scale"}, {"g_w"}),
+):
+    scalars = {n: "i32" for n in fn.arg_names if n.endswith(("_sb", "_st", "stride", "n_rows"))}
+    scalars |= {"scale": "fp32", "lower_bound": "fp32", "eps": "fp32", "slot_ids": "*i64", "n_steps": "*i64"}
+    sig = {n: "constexpr" if n in consts else scalars.get(n, "*fp32" if n in fp32 else
+           "*fp8e4nv" if n in fp8 else "*bf16") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+    print(len(kernel.asm["cubin"]) > 0)
+"""
+
+
+def test_low_rank_decode_launches_compile_for_hopper():
+    """Both launches with FP8 factors at the real head size compile for sm_90 (no GPU needed)."""
+    assert run_compiled_for_hopper(_LOW_RANK_COMPILE).split() == ["True", "True"]
