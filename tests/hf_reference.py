@@ -25,6 +25,13 @@ LAYER_MIXES = {
         indexer_types=["full"] * 4,
         mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
     ),
+    # 3 layers, one of each kind "shared" has (KDA, DSA with a full indexer, DSA reusing it through a
+    # shared indexer; dense and MoE MLPs): for engine tests whose time is in the forwards
+    "each-kind": dict(
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+        indexer_types=["full", "full", "shared"],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+    ),
 }
 
 
