@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from hylo.ops.topk import top_k
+
 
 def write_dflash_checkpoint(
     path: Path,
@@ -200,7 +202,7 @@ def sequential_selector_path(
 ) -> torch.Tensor:
     """`CandidateSelector.forward` walked row by row (its form before the batched scores): each row's
     pair scores against the token chosen in the row before, then its argmax."""
-    unary, candidates = logits.topk(selector.top_k, dim=-1)
+    unary, candidates = top_k(logits, selector.top_k)
     folded = (
         selector.successor_codebook[candidates].float()
         * selector.hidden_projection(hidden).float()[:, :, None]

@@ -22,6 +22,7 @@ from hylo import LLM, SamplingParams
 from hylo.layers.vocab import VocabHead
 from hylo.models.dflash import CandidateSelector, DFlashConfig, DFlashDraftModel, GroupedBlockConv
 from hylo.models.loader import load_flat
+from hylo.ops.topk import top_k
 
 HIDDEN, VOCAB, BLOCK = 64, 160, 4
 OPTIONS = {
@@ -139,7 +140,7 @@ def _random_selector(top_k: int, gen: torch.Generator, integers: bool) -> Candid
 
 def _tied_rows(selector, hidden, logits, anchors, path) -> int:
     """How many rows of `path` were chosen among several candidates of exactly the best score."""
-    unary, candidates = logits.topk(selector.top_k, dim=-1)
+    unary, candidates = top_k(logits, selector.top_k)
     previous = torch.cat([anchors[:, None], path[:, :-1]], 1)
     pair = torch.einsum(
         "rpd,rpd,rpkd->rpk", selector.predecessor_codebook[previous], selector.hidden_projection(hidden),
@@ -158,7 +159,7 @@ def test_selector_path_equals_the_sequential_walk(rows, drafted, top_k, integers
     """The batched scores and composed path against the row-by-row walk. With random fp32 weights the
     pair scores differ only in summation order (a tie to the last bit is vanishingly unlikely); with
     integer weights, hidden states and logits every score is exact, so the exact ties must resolve
-    alike (to the first of the tied candidates in `topk` order)."""
+    alike (to the first of the tied candidates in `ops.topk` order)."""
     gen = torch.Generator().manual_seed(1000 * rows + 10 * drafted + top_k)
     selector = _random_selector(top_k, gen, integers)
     if integers:
@@ -261,8 +262,8 @@ def test_candidates_from_the_raw_head_equal_the_capped_logits_top_k(draft, dtype
     hidden, anchors = _rows_inputs(gen, integers=False)
     raw = _distinct_raw(dtype, gen)
     logits = _capped_logits(raw, multiplier, cap)
-    expected = logits.topk(TOP_K)
-    assert (logits.topk(TOP_K + 1).values.diff(dim=-1) < 0).all(), "the test wants no ties in the top k + 1"
+    expected = top_k(logits, TOP_K)
+    assert (top_k(logits, TOP_K + 1).values.diff(dim=-1) < 0).all(), "the test wants no ties in the top k + 1"
     with torch.no_grad():
         unary, candidates = model.top_candidates(hidden, _GivenHead(raw))
         drafts = model.propose(hidden, anchors, _GivenHead(raw))
@@ -276,8 +277,8 @@ def test_candidates_from_the_raw_head_equal_the_capped_logits_top_k(draft, dtype
 def test_exact_ties_keep_the_capped_logits_top_k_order(draft, dtype):
     """Integer head values in 0..3 (exact in bf16), integer selector weights and hidden states: many
     candidates tie in their logit, and the selector's total ties among them often enough that the
-    draft is the first tied candidate in `topk` order. Equal head values are equal after the transforms
-    and no two distinct ones merge (|x / cap| <= 0.84), so `topk` on either tensor must order them
+    draft is the first tied candidate in `ops.topk` order. Equal head values are equal after the transforms
+    and no two distinct ones merge (|x / cap| <= 0.84), so `top_k` on either tensor must order them
     alike: the candidates in the same order and the same drafts. Reversing the order of equal
     candidates, or any other tie rule, changes them."""
     multiplier, cap = 0.7, 2.5
@@ -291,7 +292,7 @@ def test_exact_ties_keep_the_capped_logits_top_k_order(draft, dtype):
         drafts = model.propose(hidden, anchors, _GivenHead(raw))
         composed = model.candidate_selector(hidden, logits, anchors)
         ties = _tied_rows(model.candidate_selector, hidden, logits, anchors, composed)
-    assert torch.equal(candidates, logits.topk(TOP_K).indices)
+    assert torch.equal(candidates, top_k(logits, TOP_K).indices)
     _assert_kept_values(unary, candidates, logits, cap)
     assert torch.equal(drafts, composed)
     assert ties > 0, "no draft was chosen among tied candidates: the test would not see a wrong order"
@@ -308,7 +309,7 @@ def test_a_saturating_cap(draft, dtype, saturated):
       candidates may differ, which the selector cannot see (its random pair terms never tie): the same
       drafts;
     - across the k-th place, the raw top-k keeps the k highest head values, a valid top-k of the capped
-      logits (every kept value is cap) that may differ from the one `topk` picks among the tied: drafts
+      logits (every kept value is cap) that may differ from the one `top_k` picks among the tied: drafts
       may then differ, which is lossless since the target verifies them."""
     multiplier, cap = 0.7, 2.5
     gen = torch.Generator().manual_seed(29)
@@ -324,11 +325,11 @@ def test_a_saturating_cap(draft, dtype, saturated):
     with torch.no_grad():
         unary, candidates = model.top_candidates(hidden, _GivenHead(raw))
         drafts = model.propose(hidden, anchors, _GivenHead(raw))
-    assert torch.equal(candidates, raw.float().topk(TOP_K).indices)  # the highest head values first
+    assert torch.equal(candidates, top_k(raw.float(), TOP_K).indices)  # the highest head values first
     _assert_kept_values(unary, candidates, logits, cap)
-    torch.testing.assert_close(unary, logits.topk(TOP_K).values, rtol=0, atol=_transform_rounding(cap))
+    torch.testing.assert_close(unary, top_k(logits, TOP_K).values, rtol=0, atol=_transform_rounding(cap))
     if saturated < TOP_K:
-        expected = logits.topk(TOP_K).indices
+        expected = top_k(logits, TOP_K).indices
         assert torch.equal(candidates.sort(-1).values, expected.sort(-1).values)
         assert torch.equal(drafts, model.candidate_selector(hidden, logits, anchors))
 
@@ -354,10 +355,10 @@ def test_a_token_map_head_with_a_saturating_cap_keeps_its_candidates_in_the_map(
         logits = _capped_logits(hot(hidden), multiplier, cap)
         unary, candidates = model.top_candidates(hidden, hot)
         drafts = model.propose(hidden, anchors, hot)
-    assert not torch.isin(logits.topk(TOP_K).indices, token_map).all(), "the capped top-k stayed in the map"
+    assert not torch.isin(top_k(logits, TOP_K).indices, token_map).all(), "the capped top-k stayed in the map"
     assert torch.isin(candidates, token_map).all() and torch.isin(drafts, token_map).all()
     best = head.weight.data[:, 0].masked_fill(~torch.isin(torch.arange(VOCAB), token_map), float("-inf"))
-    assert torch.equal(candidates, best.topk(TOP_K).indices.expand_as(candidates))
+    assert torch.equal(candidates, top_k(best, TOP_K).indices.expand_as(candidates))
     _assert_kept_values(unary, candidates, logits, cap)
 
 
@@ -384,9 +385,9 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("vocab", [8192, 154880], ids=["demo-vocab", "glm-vocab"])
 def test_topk_orders_bf16_ties_as_their_fp32_transforms(device, vocab):
-    """The tie argument at serving sizes, on the CPU and on the GPU (whose `topk`, a radix select then a
-    sort of the k kept, is not the CPU's): bf16 head values with many exact ties (multiples of 1/4 in
-    -8..8), capped without merging (|x / cap| <= 0.19), k = 8 as the demo's: `topk` on the bf16 values
+    """The tie argument at serving sizes, on the CPU and on the GPU (where `ops.topk.top_k` is the Triton
+    kernel, on the CPU the reference): bf16 head values with many exact ties (multiples of 1/4 in
+    -8..8), capped without merging (|x / cap| <= 0.19), k = 8 as the demo's: `top_k` on the bf16 values
     and on their fp32 transforms keeps the same indices in the same order, and the kept values
     transformed are the transforms' top-k values (bit for bit on CUDA, one result per input value;
     within the tanh bound on the CPU)."""
@@ -394,8 +395,8 @@ def test_topk_orders_bf16_ties_as_their_fp32_transforms(device, vocab):
     gen = torch.Generator(device=device).manual_seed(41)
     raw = (torch.randint(-32, 33, (4, 7, vocab), generator=gen, device=device) / 4).bfloat16()
     logits = _capped_logits(raw, multiplier, cap)
-    values, indices = raw.topk(k)
-    expected = logits.topk(k)
+    values, indices = top_k(raw, k)
+    expected = top_k(logits, k)
     assert torch.equal(indices, expected.indices)
     tolerance = 0.0 if device == "cuda" else _transform_rounding(cap)
     torch.testing.assert_close(

@@ -7,6 +7,8 @@ has them):
 - KDA decode with the gate's f_b and the output norm's g_b multiplied inside the step and the norm
   (`ops.kda.LowRank`) against the two projections launched first (`ops.gemm.linear`: the FP8 GEMV or
   cuBLAS), at batch 1 and 8, 64 heads (TP1) and 8 (a TP8 rank).
+- DFlash2's candidates, the top 8 of the draft head's bf16 rows: `ops.topk.top_k` (one launch) against
+  `torch.topk`, 7 and 112 rows (c = 1 and 16, blocks of 8) of the demo's 8192 and GLM's 154880 tokens.
 
 Each pair is timed `--reps` times interleaved (old, new, old, new, ...); the table shows every median.
 
@@ -30,6 +32,7 @@ from hylo.ops.gemm import linear
 from hylo.ops.kda import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm, decode
 from hylo.ops.mhc import BlockNorm, HCParams, PendingPost
 from hylo.ops.mhc import kernels as mhc_kernels
+from hylo.ops.topk import kernels as topk_kernels
 
 HIDDEN, D = 4096, 128
 
@@ -83,6 +86,12 @@ def kda_pair(batch: int, heads: int, fp8: bool):
     return projected, fused
 
 
+def topk_pair(rows: int, vocab: int):
+    """(torch.topk, the Triton top-k) of the 8 best of `rows` bf16 rows."""
+    x = randn(rows, vocab)
+    return (lambda: x.topk(8)), (lambda: topk_kernels.top_k(x, 8))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -97,6 +106,8 @@ def main() -> None:
             for fp8 in (True, False):
                 name = f"KDA decode, B={batch}, {heads} heads, {'FP8' if fp8 else 'bf16'} f_b/g_b"
                 cases[name] = kda_pair(batch, heads, fp8)
+    for rows_, vocab in ((7, 8192), (112, 8192), (7, 154880)):
+        cases[f"top-8 of {rows_} x {vocab} bf16"] = topk_pair(rows_, vocab)
     rows = {}
     for name, (old, new) in cases.items():
         times = {"old": [], "new": []}

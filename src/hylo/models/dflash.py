@@ -44,6 +44,7 @@ from torch import nn
 
 from hylo.layers.norm import RMSNorm
 from hylo.layers.vocab import VocabHead
+from hylo.ops import topk as topk_ops
 from hylo.ops.block_conv import grouped_block_conv
 from hylo.ops.draft_attention import (
     ContextTable,
@@ -334,10 +335,10 @@ class CandidateSelector(nn.Module):
 
     def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Tokens `[R, P]` for drafted rows `hidden [R, P, H]` (P >= 1) with fp32 `logits [R, P, V]`
-        after `anchors [R]`: `choose` over each row's `top_k` tokens of `logits`, in `topk` order. The
+        after `anchors [R]`: `choose` over each row's `top_k` tokens of `logits`, in `ops.topk` order. The
         form for callers that hold the whole logits anyway (training); serving takes the candidates
         without them (`DFlashDraftModel.top_candidates`)."""
-        return self.choose(hidden, *logits.topk(self.top_k, dim=-1), anchors)
+        return self.choose(hidden, *topk_ops.top_k(logits, self.top_k), anchors)
 
     def choose(
         self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor
@@ -487,30 +488,30 @@ class DFlashDraftModel(nn.Module):
         return logits
 
     def top_candidates(self, hidden: torch.Tensor, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp32 logits `[..., k]`, token ids `[..., k]`): `self.logits(hidden, lm_head).topk(k)` without
-        the fp32 `[..., V]` tensor: the top-k of the head's own output (bf16 on the GPU), then only the k
-        kept values cast, scaled and capped. Safe for any head whose output is `[..., V]` logits, -inf
-        for tokens it excludes (`HotTokenHead`, whose ids are then global token ids, not map indices).
+        """(fp32 logits `[..., k]`, token ids `[..., k]`): the top-k of `self.logits(hidden, lm_head)`
+        without the fp32 `[..., V]` tensor: the top-k of the head's own output (bf16 on the GPU;
+        `ops.topk.top_k`, one launch on CUDA), then only the k kept values cast, scaled and capped. Safe
+        for any head whose output is `[..., V]` logits, -inf for tokens it excludes (`HotTokenHead`,
+        whose ids are then global token ids, not map indices).
 
         Same candidates, same order: `scale_and_cap` after the exact cast is non-decreasing and maps
         equal values to equal values, so where it keeps distinct head values distinct both tensors have
-        one order pattern (which entries are <, =, >), and `topk`'s choice and tie order depend only on
-        that pattern and the positions (CPU: a comparison sort of (value, index) pairs; CUDA: a radix
-        select on order-preserving keys, then a sort by value). Ties stay ties, resolved alike, and the
-        kept values are `logits`' own (up to the last bit of tanh: the CPU's vectorised and scalar forms
-        may differ). A positive scale keeps distinct bf16 values distinct (neighbours differ by a
-        relative 2^-8, fp32 rounds by at most 2^-24, barring overflow); fp32 head values (CPU) can merge
-        in the rounding of the scale, and either can merge where tanh saturates (|x / cap| beyond ~7
-        for bf16 inputs; from ~9 fp32 tanh is ±1).
+        one order pattern (which entries are <, =, >), and `top_k`'s choice and order depend only on that
+        pattern and the positions (by value, equal values by index, on every device). Ties stay ties,
+        resolved alike, and the kept values are `logits`' own (up to the last bit of tanh: the CPU's
+        vectorised and scalar forms may differ). A positive scale keeps distinct bf16 values distinct
+        (neighbours differ by a relative 2^-8, fp32 rounds by at most 2^-24, barring overflow); fp32 head
+        values (CPU) can merge in the rounding of the scale, and either can merge where tanh saturates
+        (|x / cap| beyond ~7 for bf16 inputs; from ~9 fp32 tanh is ±1).
 
-        Where values merge, `logits` sees a tie and `topk` breaks it by its tie order; here the higher
+        Where values merge, `logits` sees a tie and `top_k` breaks it by index; here the higher
         head value ranks first. The token at the k-th place, or the order of candidates with equal capped
         logits, may then differ: both are valid top-k orders of the capped logits, the draft scores the
         tied tokens alike, and the target verifies every draft, so outputs cannot change (only, rarely,
         which draft is proposed). One such case improves: a head's -inf (outside a token map) capped to
         -cap could tie with map tokens saturated at -cap and become a candidate; here it never does
         while the map holds k tokens (the proposer checks it)."""
-        raw, candidates = lm_head(hidden).topk(self.config.dflash2.selector_top_k, dim=-1)
+        raw, candidates = topk_ops.top_k(lm_head(hidden), self.config.dflash2.selector_top_k)
         return self.scale_and_cap(raw.float()), candidates
 
     def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: VocabHead) -> torch.Tensor:
