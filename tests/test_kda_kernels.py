@@ -80,14 +80,26 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
     assert err(state[touched], state_ref[touched]) < ratio
 
 
+# The interpreter runs the first launch's (chunk, head, sub-tile) programs one by one, so a case costs about
+# its chunks × its sub-tiles (3·64/conv_rows + d/gate_cols); each case keeps only the sequences its tiling
+# needs. Every case has a sequence shorter than the window (W - 1 = 3), whose window mixes old rows and new
+# inputs, and one that ends inside a later chunk (masked rows past its end); a full chunk after the first
+# runs the same row-block code as the first chunk's later blocks (same masks, another base), so one case
+# holds it.
 @pytest.mark.parametrize(
     ("lens", "dtype", "d", "seed", "tuning"),
     [
-        ([70, 1, 2, 130], torch.float32, 16, 0, {}),
-        ([64, 3, 65], torch.float16, 32, 1, {}),
-        # a 65-token sequence spans a chunk boundary as 129 did (a full non-first chunk: the rows above)
-        ([2, 65, 9], torch.float32, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=4, conv_order="chunk")),
-        ([70, 2, 131], torch.float32, 32, 3, dict(conv_rows=32, gate_cols=16, conv_warps=1)),
+        # default tiles, fp32, one gate block: length 1 (two old window rows), 2, and 70 (6 rows in chunk 1)
+        ([70, 1, 2], torch.float32, 16, 0, {}),
+        # default tiles, fp16, d = 32: a length of W - 1, one token past a chunk (a sequence of exactly one
+        # chunk: test_prefill_of_a_padded_batch_from_device_offsets)
+        ([3, 65], torch.float16, 32, 1, {}),
+        # 8-row conv blocks, four gate column blocks (one writes β), chunk order: 65 fills all eight row
+        # blocks of chunk 0, then one live row in chunk 1 (a ragged first block reading back a chunk)
+        ([2, 65], torch.float32, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=4, conv_order="chunk")),
+        # 32-row conv blocks, two gate blocks of d = 32, one warp: three chunks (a full one after the first,
+        # state carried twice), three rows in the last
+        ([2, 131], torch.float32, 32, 3, dict(conv_rows=32, gate_cols=16, conv_warps=1)),
     ],
 )
 def test_prefill_matches_reference(lens, dtype, d, seed, tuning):
@@ -135,10 +147,17 @@ print(len(kernel.asm["cubin"]) > 0, "rcp.approx.ftz.f32" in ptx, ptx.count("div.
 """
 
 
-def test_first_launch_fast_sigmoid_compiles_for_hopper():
+@pytest.fixture(scope="module")
+def hopper_compiles() -> list[str]:
+    """Stdout lines of `_HOPPER_COMPILE` (one) then `_DECODE_COMPILE` (two), run in one process: each such
+    process starts torch and Triton anew, which takes seconds of the CPU's time."""
+    return run_compiled_for_hopper(_HOPPER_COMPILE + _DECODE_COMPILE).splitlines()
+
+
+def test_first_launch_fast_sigmoid_compiles_for_hopper(hopper_compiles):
     """The GPU-only fast sigmoid: ptxas takes its inline PTX, and the conv and gate tiles lose their fp32
     divisions (17 remain, for the per-row norms and β; with tl.sigmoid there these settings compile to 81)."""
-    compiled, has_fast_reciprocal, divisions = run_compiled_for_hopper(_HOPPER_COMPILE).split()
+    compiled, has_fast_reciprocal, divisions = hopper_compiles[0].split()
     assert compiled == has_fast_reciprocal == "True"
     assert int(divisions) < 32
 
@@ -354,13 +373,17 @@ def test_prefill_of_a_padded_batch_from_device_offsets(n, width):
     sequence's change nothing: outputs, window and state equal the call on the n tokens alone (the
     same kernels: exactly), padding outputs are zeros; so does the reference."""
     p = Problem(11 + n, d=16)
+    # A chunk past the sequence is told apart in `_locate` and masked by its row count, the same for every
+    # row block: the coarsest conv tiling (64 rows, a third of the default's programs) checks it.
+    tiles = dict(conv_rows=64)
     x = KDAInputs(*p.inputs(width))
     slots = torch.tensor([3])
     cu_dev = torch.tensor([0, n], dtype=torch.int32)
     conv_ref, state_ref = p.pools()
-    o_ref = chunk.prefill(x.rows(slice(n)), p.params(), KDASlots(conv_ref, state_ref, slots), cu_dev, [0, n])
+    alone = KDASlots(conv_ref, state_ref, slots)
+    o_ref = chunk.prefill(x.rows(slice(n)), p.params(), alone, cu_dev, [0, n], **tiles)
     conv, state = p.pools()
-    o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), cu_dev, None)
+    o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), cu_dev, None, **tiles)
     assert o.shape[0] == width and torch.equal(o[:n], o_ref) and not o[n:].any()
     assert torch.equal(conv, conv_ref) and torch.equal(state, state_ref)
     conv_r, state_r = p.pools()
@@ -387,19 +410,20 @@ def test_device_offsets_are_refused_where_they_would_be_read_back():
 
 
 def test_prefill_leaves_snapshots_at_chunk_ends():
-    """Snapshots after chunks 0 and 2 of the first sequence and chunk 1 of the second (packed chunks
-    0, 2 and 5): kernel and reference each leave exactly the window and state their own prefill of
-    that prefix alone ends with, and the kernel's outputs, windows and states are those of the call
-    without snapshots."""
+    """Snapshots after chunk 0 of the first sequence and chunks 0 and 1 of the second (packed chunks
+    0, 2 and 3: at a sequence's first chunk, after a later one, past another sequence's chunks), none after
+    either sequence's last, partial chunk: kernel and reference each leave exactly the window and state
+    their own prefill of that prefix alone ends with, and the kernel's outputs, windows and states are
+    those of the call without snapshots."""
     p = Problem(5, d=16)
     # Snapshots are `recur`'s work; the first launch (`prep`) only feeds it, and its tilings agree
     # (test_prefill_matches_reference). Every kernel call here takes its coarsest legal tiling, 64-row conv
     # blocks: a third of the programs the interpreter runs one by one (32 s -> ~14 s on the CPU).
     tiles = dict(conv_rows=64)
-    cu = [0, 200, 330]  # sequences of 200 and 130 tokens
+    cu = [0, 70, 200]  # sequences of 70 and 130 tokens
     x = KDAInputs(*p.inputs(cu[-1]))
     slots = torch.tensor([2, 5])
-    chunk_ids = torch.tensor([4, -1, 0, -1, -1, 6, -1])  # 4 + 3 chunks
+    chunk_ids = torch.tensor([4, -1, 0, 6, -1])  # 2 + 3 chunks
     cu_dev = torch.tensor(cu, dtype=torch.int32)
 
     def pools(n):
@@ -420,7 +444,7 @@ def test_prefill_leaves_snapshots_at_chunk_ends():
         reference.ChunkSnapshots(chunk_ids, ref_conv, ref_state),
     )  # fmt: skip
     assert err(o, o_r) < RATIO and torch.equal(conv_r, conv) and err(state_r, state) < RATIO
-    for sid, seq, tokens in [(4, 0, 64), (0, 0, 192), (6, 1, 128)]:
+    for sid, seq, tokens in [(4, 0, 64), (0, 1, 64), (6, 1, 128)]:
         lo, slot = cu[seq], slots[seq : seq + 1]
         part = x.rows(slice(lo, lo + tokens))
         one_conv, one_state = p.pools()
@@ -506,5 +530,5 @@ for fn, consts, fp32 in (
 """
 
 
-def test_decode_launches_compile_for_hopper():
-    assert run_compiled_for_hopper(_DECODE_COMPILE).split() == ["True", "True"]
+def test_decode_launches_compile_for_hopper(hopper_compiles):
+    assert hopper_compiles[1:] == ["True", "True"]
