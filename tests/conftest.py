@@ -140,6 +140,39 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
+# The random test model cut from 8 layers to 3 that keep one of each kind it has (KDA, DSA with a full
+# indexer, DSA reusing it through a shared indexer; a dense MLP and MoE)
+SHALLOW_LAYERS = {
+    "num_hidden_layers": 3,
+    "layer_types": ["linear_attention", "indexed_attention", "indexed_attention"],
+    "indexer_types": ["full", "full", "shared"],
+    "mlp_layer_types": ["dense", "sparse", "sparse"],
+}
+
+
+@pytest.fixture(scope="module")
+def shallow_model_dir(tmp_path_factory) -> Path:
+    """The random test model's tokenizer and config (`write_random_model`) with `SHALLOW_LAYERS` and
+    seeded random weights of that depth, written once per module: for tests of what does not depend on
+    the depth (a server's API, routing), whose steps cost ~35-40% of the 8-layer model's."""
+    import json
+
+    from hylo.config import ModelConfig
+    from hylo.models.demo import write_random_model
+    from hylo.models.glm5_next import Glm5NextForCausalLM
+    from hylo.models.loader import save_checkpoint
+    from hylo.models.random_init import randomize
+
+    path = tmp_path_factory.mktemp("shallow")
+    write_random_model(path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["text_config"] |= SHALLOW_LAYERS
+    model = Glm5NextForCausalLM(ModelConfig.from_dict(raw))
+    randomize(model, torch.Generator().manual_seed(0))
+    save_checkpoint(model, path, raw)
+    return path
+
+
 @pytest.fixture(scope="module")
 def offline(model_dir):
     """The offline `LLM` of the random test model on the CPU."""
