@@ -20,6 +20,11 @@ from hylo import SamplingParams
 
 KEY = "test-key"
 NAME = "demo"
+# One client for this module's plain requests: `httpx.get` and `httpx.post` build a client a call,
+# whose SSL context alone costs ~50 ms of CPU. (Its connections stay open: the helpers other modules
+# import poll with clients of their own, closed on return, so no idle connection is left on their
+# servers, e.g. one counted against --limit-concurrency.)
+HTTP = httpx.Client(timeout=60)
 
 
 def free_port() -> int:
@@ -32,15 +37,16 @@ def wait_ready(proc: subprocess.Popen, port: int) -> str:
     """The server's URL once its /health answers 200; the server's output in the error if it exits."""
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        time.sleep(0.2)
+    with httpx.Client(timeout=1) as client:  # one for the polls (see `HTTP`)
+        while time.time() < deadline:
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stdout.read()}")
+            time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not become ready")
 
@@ -80,6 +86,14 @@ def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model_dir(shallow_model_dir):
+    """This module's servers and offline engine (conftest `offline`) run the 3-layer cut of the random
+    test model (conftest `shallow_model_dir`): the API does not depend on the depth, and each step costs
+    ~40% of the 8-layer model's."""
+    return shallow_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +142,7 @@ def sse_lines(url: str, path: str, body: dict) -> tuple[bytes, list[dict]]:
     """A stream's raw bytes, and its JSON events read as a line reader that also breaks lines at
     U+0085, U+2028 and U+2029 (Python's str.splitlines, JavaScript before ES2019) would read them."""
     headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.stream("POST", f"{url}{path}", json=body | {"stream": True}, headers=headers, timeout=60) as r:
+    with HTTP.stream("POST", f"{url}{path}", json=body | {"stream": True}, headers=headers, timeout=60) as r:
         assert r.status_code == 200, r.read()
         raw = r.read()
     lines = raw.decode().splitlines()
@@ -280,7 +294,7 @@ def test_n_seed_and_logprobs(client):
 
 def post(url: str, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
+    return HTTP.post(f"{url}{path}", json=body, headers=headers)
 
 
 @pytest.mark.parametrize(
@@ -312,45 +326,46 @@ def test_auth(server):
     assert post(server, "/v1/completions", {"prompt": "x"}, key=None).status_code == 401
     bad = post(server, "/v1/completions", {"prompt": "x"}, key="wrong")
     assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
-    assert httpx.get(f"{server}/v1/models").status_code == 401
-    models = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert HTTP.get(f"{server}/v1/models").status_code == 401
+    models = HTTP.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert models["data"][0]["id"] == NAME and models["data"][0]["max_model_len"] == 512
-    assert httpx.get(f"{server}/health").status_code == 200
+    assert HTTP.get(f"{server}/health").status_code == 200
 
 
 def wait_idle(url: str) -> dict:
     deadline = time.time() + 30
-    while time.time() < deadline:
-        info = httpx.get(f"{url}/server_info").json()
-        if (
-            info["num_running"] == 0
-            and info["num_waiting"] == 0
-            and info["available_pages"] == info["total_pages"]
-        ):
-            return info
-        time.sleep(0.1)
+    with httpx.Client() as client:  # one for the polls (see `HTTP`)
+        while time.time() < deadline:
+            info = client.get(f"{url}/server_info").json()
+            if (
+                info["num_running"] == 0
+                and info["num_waiting"] == 0
+                and info["available_pages"] == info["total_pages"]
+            ):
+                return info
+            time.sleep(0.1)
     raise AssertionError(f"server never went idle: {info}")
 
 
 def test_disconnect_mid_stream_frees_resources(server):
     wait_idle(server)
     body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True}
-    with httpx.stream(
+    with HTTP.stream(
         "POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
     ) as response:
         lines = response.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
-        info = httpx.get(f"{server}/server_info").json()
+        info = HTTP.get(f"{server}/server_info").json()
         assert info["num_running"] == 1 and info["free_slots"] == info["total_slots"] - 1
     info = wait_idle(server)
     assert info["free_slots"] == info["total_slots"]
-    metrics = httpx.get(f"{server}/metrics").text
+    metrics = HTTP.get(f"{server}/metrics").text
     assert 'hylo_request_success_total{finish_reason="abort"}' in metrics
 
 
 def test_metrics_expose_serving_figures(server):
-    text = httpx.get(f"{server}/metrics").text
+    text = HTTP.get(f"{server}/metrics").text
     for name in (
         "hylo_num_requests_running",
         "hylo_num_requests_waiting",
@@ -374,7 +389,7 @@ def test_prefix_cache_figures_in_metrics_and_server_info(server):
     after = wait_idle(server)["prefix_cache"]
     assert after["hit_tokens"] >= before["hit_tokens"] + 16 and after["snapshots"] >= 1
     assert after["max_snapshots"] > 0 and after["tokens"] == 16 * after["pages"] > 0
-    metrics = httpx.get(f"{server}/metrics").text
+    metrics = HTTP.get(f"{server}/metrics").text
     assert f"hylo_prefix_cache_hit_tokens {float(after['hit_tokens'])}" in metrics
     for name in ("hit_rate", "snapshots", "pages", "evicted_pages", "evicted_snapshots", "query_tokens"):
         assert f"hylo_prefix_cache_{name} " in metrics, name
@@ -480,9 +495,9 @@ def test_tokenize_detokenize_and_model_card(server, offline):
     bad = post(server, "/v1/detokenize", {"tokens": [100000]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     headers = {"Authorization": f"Bearer {KEY}"}
-    card = httpx.get(f"{server}/v1/models/{NAME}", headers=headers).json()
+    card = HTTP.get(f"{server}/v1/models/{NAME}", headers=headers).json()
     assert card["id"] == NAME and card["object"] == "model" and card["max_model_len"] == 512
-    missing = httpx.get(f"{server}/v1/models/other", headers=headers)
+    missing = HTTP.get(f"{server}/v1/models/other", headers=headers)
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
 
 
@@ -516,7 +531,7 @@ def test_continuous_usage_stats(server):
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     headers = {"Authorization": f"Bearer {KEY}"}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=60) as r:
+    with HTTP.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=60) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
     assert counts == sorted(counts) and counts[-1] == 12
