@@ -19,90 +19,91 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from test_server import NAME, free_port, start_server, stop
+from test_server import HTTP, NAME, free_port, start_server, stop
+
+CONTEXT = 1024  # the replicas' (the router tests' prompts take up to ~620 tokens)
 
 
 @pytest.fixture(scope="module")
-def worker(model_dir):
-    proc, url = start_server(model_dir, "--context-length", "512")
-    yield url
-    stop(proc)
+def worker(replicas):
+    """The first of the module's two replicas (below): the worker routes need no server of their own."""
+    return replicas[0]
 
 
 def test_tokenize_a_prompt_or_chat_messages_as_vllm_does(worker):
-    v1 = httpx.post(f"{worker}/v1/tokenize", json={"prompt": "story water time"}).json()
-    got = httpx.post(f"{worker}/tokenize", json={"model": NAME, "prompt": "story water time"})
+    v1 = HTTP.post(f"{worker}/v1/tokenize", json={"prompt": "story water time"}).json()
+    got = HTTP.post(f"{worker}/tokenize", json={"model": NAME, "prompt": "story water time"})
     assert got.status_code == 200
     assert got.json() == v1 and v1["count"] == len(v1["tokens"]) > 0
     messages = [{"role": "user", "content": "story water time"}]
-    chat = httpx.post(f"{worker}/tokenize", json={"messages": messages}).json()
-    rendered = httpx.post(f"{worker}/v1/chat/completions/render", json={"messages": messages}).json()
+    chat = HTTP.post(f"{worker}/tokenize", json={"messages": messages}).json()
+    rendered = HTTP.post(f"{worker}/v1/chat/completions/render", json={"messages": messages}).json()
     assert chat["tokens"] == rendered["token_ids"] and len(chat["tokens"]) > len(v1["tokens"])
-    back = httpx.post(f"{worker}/detokenize", json={"tokens": v1["tokens"]})
+    back = HTTP.post(f"{worker}/detokenize", json={"tokens": v1["tokens"]})
     assert back.status_code == 200 and "story water time" in back.json()["prompt"]
-    both = httpx.post(f"{worker}/tokenize", json={"prompt": "a", "messages": messages})
+    both = HTTP.post(f"{worker}/tokenize", json={"prompt": "a", "messages": messages})
     assert both.status_code == 400 and "exactly one of prompt and messages" in both.json()["error"]["message"]
-    wrong = httpx.post(f"{worker}/tokenize", json={"model": "other", "prompt": "a"})
+    wrong = HTTP.post(f"{worker}/tokenize", json={"model": "other", "prompt": "a"})
     assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model"
 
 
 def test_render_routes_answer_vllms_token_in_requests(worker):
     prompts = ["story water", "time book night"]
-    got = httpx.post(
+    got = HTTP.post(
         f"{worker}/v1/completions/render", json={"model": NAME, "prompt": prompts, "temperature": 0.5}
     )
     assert got.status_code == 200
     items = got.json()
     assert isinstance(items, list) and len(items) == 2
     for item, prompt in zip(items, prompts, strict=True):
-        ids = httpx.post(f"{worker}/v1/tokenize", json={"prompt": prompt}).json()["tokens"]
+        ids = HTTP.post(f"{worker}/v1/tokenize", json={"prompt": prompt}).json()["tokens"]
         assert item["token_ids"] == ids
         assert item["model"] == NAME and item["request_id"].startswith("cmpl-")
         assert item["sampling_params"]["temperature"] == 0.5 and item["stream"] is False
-    chat = httpx.post(
+    chat = HTTP.post(
         f"{worker}/v1/chat/completions/render",
         json={"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_completion_tokens": 3},
     ).json()
     assert isinstance(chat, dict) and chat["token_ids"] and chat["stream"] is True
     assert chat["sampling_params"]["max_tokens"] == 3
-    bad = httpx.post(f"{worker}/v1/completions/render", json={"prompt": "a", "temperature": -1})
+    bad = HTTP.post(f"{worker}/v1/completions/render", json={"prompt": "a", "temperature": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
-    vocab = httpx.post(f"{worker}/v1/completions/render", json={"prompt": [[10**6]]})
+    vocab = HTTP.post(f"{worker}/v1/completions/render", json={"prompt": [[10**6]]})
     assert vocab.status_code == 400 and vocab.json()["error"]["param"] == "prompt"
     assert "outside the vocabulary" in vocab.json()["error"]["message"]
-    stop_ids = httpx.post(
+    stop_ids = HTTP.post(
         f"{worker}/v1/chat/completions/render",
         json={"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [10**6]},
     )
     assert stop_ids.status_code == 400 and stop_ids.json()["error"]["param"] == "stop_token_ids"
 
 
-def test_model_and_server_info_name_the_served_model(worker, model_dir):
+def test_model_and_server_info_name_the_served_model(worker, shallow_model_dir):
     for path in ("/model_info", "/get_model_info"):
-        info = httpx.get(f"{worker}{path}").json()
-        assert info["served_model_name"] == NAME and info["model_path"] == str(model_dir)
-        assert info["is_generation"] is True and info["max_model_len"] == 512
+        info = HTTP.get(f"{worker}{path}").json()
+        assert info["served_model_name"] == NAME and info["model_path"] == str(shallow_model_dir)
+        assert info["is_generation"] is True and info["max_model_len"] == CONTEXT
     for path in ("/server_info", "/get_server_info"):
-        info = httpx.get(f"{worker}{path}").json()
-        assert info["served_model_name"] == NAME and info["model_path"] == str(model_dir)
+        info = HTTP.get(f"{worker}{path}").json()
+        assert info["served_model_name"] == NAME and info["model_path"] == str(shallow_model_dir)
         assert info["max_running_requests"] > 0
 
 
 def _wait_idle(worker: str) -> None:
     deadline = time.monotonic() + 10
-    while httpx.get(f"{worker}/get_load").json()["load"] and time.monotonic() < deadline:
+    while HTTP.get(f"{worker}/get_load").json()["load"] and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
 def _prefix_pages(worker: str) -> int:
-    return httpx.get(f"{worker}/server_info").json()["prefix_cache"]["pages"]
+    return HTTP.get(f"{worker}/server_info").json()["prefix_cache"]["pages"]
 
 
 def _running(worker: str, lines, load: object) -> None:
     """Read a stream's events until `/get_load` answers `load` (its request is running)."""
     for _ in range(20):
         next(lines)
-        if httpx.get(f"{worker}/get_load").json() == load:
+        if HTTP.get(f"{worker}/get_load").json() == load:
             return
     raise AssertionError(f"/get_load never answered {load} while a request streamed")
 
@@ -113,41 +114,42 @@ def _long(prompt: str) -> dict:
 
 def test_flush_cache_empties_the_prefix_cache_when_idle_and_is_409_while_busy(worker):
     prompt = " ".join(["story water time book night game"] * 12)
-    done = httpx.post(f"{worker}/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    done = HTTP.post(f"{worker}/v1/completions", json={"prompt": prompt, "max_tokens": 2})
     assert done.status_code == 200 and _prefix_pages(worker) > 0
-    with httpx.stream("POST", f"{worker}/v1/completions", json=_long(prompt), timeout=60) as stream:
+    with HTTP.stream("POST", f"{worker}/v1/completions", json=_long(prompt), timeout=60) as stream:
         lines = stream.iter_lines()  # kept: a dropped line iterator closes the response (an abort)
         _running(worker, lines, {"load": 1})
-        busy = httpx.post(f"{worker}/flush_cache")
+        busy = HTTP.post(f"{worker}/flush_cache")
         assert busy.status_code == 409 and "running" in busy.json()["error"]["message"]
         assert _prefix_pages(worker) > 0
     _wait_idle(worker)  # the stream closed: the request is aborted within a step or two
-    flushed = httpx.post(f"{worker}/flush_cache")
+    flushed = HTTP.post(f"{worker}/flush_cache")
     assert flushed.status_code == 200, flushed.text
     assert _prefix_pages(worker) == 0
-    again = httpx.post(f"{worker}/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    again = HTTP.post(f"{worker}/v1/completions", json={"prompt": prompt, "max_tokens": 2})
     assert again.status_code == 200 and _prefix_pages(worker) > 0
 
 
 def test_get_load_counts_open_requests_in_vllm_routers_shape(worker):
     _wait_idle(worker)
-    assert httpx.get(f"{worker}/get_load").json() == {"load": 0}
+    assert HTTP.get(f"{worker}/get_load").json() == {"load": 0}
     prompt = " ".join(["story water"] * 8)
-    with httpx.stream("POST", f"{worker}/v1/completions", json=_long(prompt), timeout=60) as stream:
+    with HTTP.stream("POST", f"{worker}/v1/completions", json=_long(prompt), timeout=60) as stream:
         lines = stream.iter_lines()  # kept: a dropped line iterator closes the response (an abort)
         _running(worker, lines, {"load": 1})
+    _wait_idle(worker)  # the worker is a replica of the router tests, which count what each finished
 
 
-def test_get_load_in_sglang_routers_shape_with_the_flag(model_dir):
-    proc, url = start_server(model_dir, "--get-load-format", "sglang")
+def test_get_load_in_sglang_routers_shape_with_the_flag(shallow_model_dir):
+    proc, url = start_server(shallow_model_dir, "--get-load-format", "sglang")
     try:
         idle = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
-        assert httpx.get(f"{url}/get_load").json() == [idle]
-        with httpx.stream("POST", f"{url}/v1/completions", json=_long("story water time"), timeout=60) as s:
+        assert HTTP.get(f"{url}/get_load").json() == [idle]
+        with HTTP.stream("POST", f"{url}/v1/completions", json=_long("story water time"), timeout=60) as s:
             lines = s.iter_lines()
             for _ in range(20):
                 next(lines)
-                (entry,) = httpx.get(f"{url}/get_load").json()
+                (entry,) = HTTP.get(f"{url}/get_load").json()
                 if entry["num_reqs"] == 1:
                     break
             assert entry["num_reqs"] == 1 and entry["num_tokens"] > 0, entry
@@ -176,7 +178,7 @@ def _router(binary: str, *args: str) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             raise RuntimeError(f"{binary} exited: {proc.stdout.read()[-3000:]}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+            if HTTP.get(f"{url}/v1/models", timeout=2).status_code == 200:
                 return proc, url
         time.sleep(0.2)
     stop(proc)
@@ -184,12 +186,13 @@ def _router(binary: str, *args: str) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.fixture(scope="module")
-def replica_processes(model_dir):
-    """Two replicas, each publishing its KV events on a port of its choosing (see /kv_event_sources)."""
-    procs = [
-        start_server(model_dir, "--context-length", "1024", "--kv-events-endpoint", "tcp://127.0.0.1:0")
-        for _ in range(2)
-    ]
+def replica_processes(shallow_model_dir):
+    """Two replicas, each publishing its KV events on a port of its choosing (see /kv_event_sources).
+    They serve the 3-layer cut of the random test model (conftest `shallow_model_dir`): routing does
+    not depend on the depth, and their prefills (the cache-aware test's 24 of ~620 tokens) cost ~35%
+    of the 8-layer model's."""
+    flags = ("--context-length", str(CONTEXT), "--kv-events-endpoint", "tcp://127.0.0.1:0")
+    procs = [start_server(shallow_model_dir, *flags) for _ in range(2)]
     yield procs
     for proc, _ in procs:
         stop(proc)
@@ -202,7 +205,7 @@ def replicas(replica_processes):
 
 def _served(url: str) -> float:
     """Requests this replica has finished (its `hylo_request_success` counters)."""
-    text = httpx.get(f"{url}/metrics").text
+    text = HTTP.get(f"{url}/metrics").text
     return sum(
         float(line.split()[-1]) for line in text.splitlines() if line.startswith("hylo_request_success_total")
     )
@@ -218,7 +221,7 @@ def test_vllm_router_cache_aware_keeps_each_prefix_on_one_replica(replicas):
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 answers = list(
                     pool.map(
-                        lambda i, prefix=prefix: httpx.post(
+                        lambda i, prefix=prefix: HTTP.post(
                             f"{router}/v1/completions",
                             json={"model": NAME, "prompt": f"{prefix} question {i}", "max_tokens": 1},
                             timeout=60,
@@ -234,7 +237,7 @@ def test_vllm_router_cache_aware_keeps_each_prefix_on_one_replica(replicas):
 
 
 def _kv_endpoint(url: str) -> str:
-    (source,) = httpx.get(f"{url}/kv_event_sources").json().values()
+    (source,) = HTTP.get(f"{url}/kv_event_sources").json().values()
     assert source["topic"] == "" and source["replay_endpoint"] is None
     return source["endpoint"]
 
@@ -243,7 +246,7 @@ def test_kv_events_reach_a_subscriber_in_vllms_wire_format(replicas):
     """A prompt's full pages but the last token's are announced in one BlockStored chain (the prefix
     cache keeps them once the prefill ends); /flush_cache's AllBlocksCleared follows in the next batch."""
     url = replicas[0]
-    info = httpx.get(f"{url}/server_info").json()
+    info = HTTP.get(f"{url}/server_info").json()
     assert info["kv_block_size"] == info["config"]["page_size"] == 16
     subscriber = zmq.Context.instance().socket(zmq.SUB)
     subscriber.setsockopt(zmq.LINGER, 0)
@@ -253,8 +256,8 @@ def test_kv_events_reach_a_subscriber_in_vllms_wire_format(replicas):
     try:
         time.sleep(0.5)  # ZMQ drops what is published before the subscription reaches the publisher
         prompt = " ".join(["lamp", "harbor", "violet"] * 30)
-        ids = httpx.post(f"{url}/v1/tokenize", json={"prompt": prompt}).json()["tokens"]
-        done = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+        ids = HTTP.post(f"{url}/v1/tokenize", json={"prompt": prompt}).json()["tokens"]
+        done = HTTP.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
         assert done.status_code == 200
         topic, seq, payload = subscriber.recv_multipart()
         ts, events, rank = msgpack.unpackb(payload)
@@ -264,7 +267,7 @@ def test_kv_events_reach_a_subscriber_in_vllms_wire_format(replicas):
         assert stored["parent_block_hash"] is None and stored["token_ids"] == ids[:cached]
         assert len(stored["block_hashes"]) == cached // 16 and stored["block_size"] == 16
         assert stored["medium"] == "CPU"
-        assert httpx.post(f"{url}/flush_cache").status_code == 200
+        assert HTTP.post(f"{url}/flush_cache").status_code == 200
         topic, next_seq, payload = subscriber.recv_multipart()
         assert int.from_bytes(next_seq, "big") == int.from_bytes(seq, "big") + 1
         assert msgpack.unpackb(payload)[1] == [{"type": "AllBlocksCleared"}]
@@ -294,12 +297,12 @@ def test_vllm_router_kv_aware_sends_a_prefix_to_the_replica_holding_it(replicas)
         time.sleep(0.5)  # the router's subscriptions reach the replicas' publishers
         for p, holder in enumerate([1, 0, 1, 0]):  # a fallback that prefers one replica fails half
             prefix = " ".join(words[(p + i) % len(words)] + str(p) for i in range(60))
-            warm = httpx.post(f"{replicas[holder]}/v1/completions", json={"prompt": prefix, "max_tokens": 1})
+            warm = HTTP.post(f"{replicas[holder]}/v1/completions", json={"prompt": prefix, "max_tokens": 1})
             assert warm.status_code == 200
             time.sleep(0.3)  # the batch reaches the router (sent within the step, read every 10 ms)
             before = [_served(url) for url in replicas]
             for i in range(2):
-                got = httpx.post(
+                got = HTTP.post(
                     f"{router}/v1/completions",
                     json={"model": NAME, "prompt": f"{prefix} question {i}", "max_tokens": 1},
                     timeout=60,
@@ -329,18 +332,18 @@ def test_vllm_router_power_of_two_reads_the_load(replicas):
         try:
             # each stream's line iterator is kept: a dropped one closes its response (an abort)
             lines = [
-                streams.enter_context(httpx.stream("POST", f"{busy}/v1/completions", json=body)).iter_lines()
+                streams.enter_context(HTTP.stream("POST", f"{busy}/v1/completions", json=body)).iter_lines()
                 for _ in range(3)
             ]
             for line in lines:
                 next(line)
-            assert httpx.get(f"{busy}/get_load").json() == {"load": 3}
-            loads = {w["worker"]: w["load"] for w in httpx.get(f"{router}/get_loads").json()["workers"]}
+            assert HTTP.get(f"{busy}/get_load").json() == {"load": 3}
+            loads = {w["worker"]: w["load"] for w in HTTP.get(f"{router}/get_loads").json()["workers"]}
             assert loads == {busy: 3, idle: 0}  # what the router reads from each worker's /get_load
             time.sleep(2.5)  # its power_of_two polls them every --worker-startup-check-interval s
             before = _served(idle)
             for i in range(4):
-                got = httpx.post(
+                got = HTTP.post(
                     f"{router}/v1/completions", json={"prompt": f"hello {i}", "max_tokens": 1}, timeout=60
                 )
                 assert got.status_code == 200, got.text
@@ -352,19 +355,19 @@ def test_vllm_router_power_of_two_reads_the_load(replicas):
 def test_sglang_router_registers_the_served_model_and_both_routers_flush(replicas):
     proc, router = _router("sglang-router", "launch", "--worker-urls", *replicas, "--policy", "round_robin")
     try:
-        models = httpx.get(f"{router}/v1/models").json()
+        models = HTTP.get(f"{router}/v1/models").json()
         assert [m["id"] for m in models["data"]] == [NAME]
-        got = httpx.post(f"{router}/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 1})
+        got = HTTP.post(f"{router}/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 1})
         assert got.status_code == 200, got.text
-        flushed = httpx.post(f"{router}/flush_cache", timeout=30)
+        flushed = HTTP.post(f"{router}/flush_cache", timeout=30)
         assert flushed.status_code // 100 == 2, flushed.text
     finally:
         stop(proc)
     proc, router = _router("vllm-router", "--worker-urls", *replicas, "--policy", "round_robin")
     try:
-        flushed = httpx.post(f"{router}/flush_cache", timeout=30)
+        flushed = HTTP.post(f"{router}/flush_cache", timeout=30)
         assert flushed.status_code // 100 == 2, flushed.text
-        assert all(httpx.get(f"{url}/server_info").json()["prefix_cache"]["pages"] == 0 for url in replicas)
+        assert all(HTTP.get(f"{url}/server_info").json()["prefix_cache"]["pages"] == 0 for url in replicas)
     finally:
         stop(proc)
 
@@ -381,7 +384,7 @@ def _finished(lines) -> bool:
 
 
 def _health(router: str) -> dict[str, bool]:
-    return {w["url"]: w["is_healthy"] for w in httpx.get(f"{router}/workers").json()["workers"]}
+    return {w["url"]: w["is_healthy"] for w in HTTP.get(f"{router}/workers").json()["workers"]}
 
 
 def test_vllm_router_keeps_serving_when_a_replica_is_killed_mid_run(replica_processes):
@@ -412,13 +415,13 @@ def test_vllm_router_keeps_serving_when_a_replica_is_killed_mid_run(replica_proc
         with contextlib.ExitStack() as streams:
             lines = [
                 streams.enter_context(
-                    httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60)
+                    HTTP.stream("POST", f"{router}/v1/completions", json=body, timeout=60)
                 ).iter_lines()
                 for _ in range(4)
             ]
             for line in lines:
                 next(line)  # every stream is running (kept: a dropped iterator aborts its request)
-            loads = [httpx.get(f"{url}/get_load").json()["load"] for url in (survivor, victim)]
+            loads = [HTTP.get(f"{url}/get_load").json()["load"] for url in (survivor, victim)]
             assert loads == [2, 2], loads
             before = _served(survivor)
             victim_proc.kill()
@@ -429,7 +432,7 @@ def test_vllm_router_keeps_serving_when_a_replica_is_killed_mid_run(replica_proc
             assert _health(router) == {survivor: True, victim: False}, f"{marked:.1f} s after the kill"
             print(f"vllm-router marked the killed replica unhealthy {marked:.1f} s after the kill")
             for i in range(4):
-                got = httpx.post(
+                got = HTTP.post(
                     f"{router}/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 1}, timeout=60
                 )
                 assert got.status_code == 200, got.text
