@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from test_server import NAME, free_port, start_server
+from test_server import HTTP, NAME, free_port, start_server
 
 # a lost rank is noticed within a second (`launch._POLL_S`) or at the next collective's timeout; the
 # issue's bound is 60 s
@@ -21,12 +21,20 @@ EXIT_WITHIN_S = 60
 DIST_TIMEOUT_S = 3
 
 
+@pytest.fixture(scope="module")
+def model_dir(shallow_model_dir):
+    """The servers, commands and offline engine (conftest `offline`) here run the 3-layer cut of the
+    random test model (conftest `shallow_model_dir`: every layer kind, each split across the ranks):
+    what a lost rank does to the server does not depend on the depth."""
+    return shallow_model_dir
+
+
 def launch(model, *flags: str) -> tuple[subprocess.Popen, str]:
     return start_server(model, "--tp-size", "2", "--dist-timeout", str(DIST_TIMEOUT_S), *flags)
 
 
 def worker_pid(url: str) -> int:
-    parallel = httpx.get(f"{url}/server_info").json()["parallel"]
+    parallel = HTTP.get(f"{url}/server_info").json()["parallel"]
     assert parallel["tp_size"] == 2 and parallel["ep_size"] == 2
     (pid,) = parallel["worker_pids"].values()
     return pid
@@ -44,7 +52,7 @@ def gone(pid: int) -> bool:
 
 def complete(url: str, max_tokens: int) -> httpx.Response:
     body = {"model": NAME, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    return HTTP.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
 def test_answers_like_one_rank_and_sigterm_stops_every_rank(model_dir, offline):
