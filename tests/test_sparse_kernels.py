@@ -62,17 +62,19 @@ def mla_case(tokens, heads, rank, slots, width, seed, dtype=torch.float32):
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "row_dtypes"),
     [
-        {"num_splits": 1},  # prefill: one pass per token
-        {"num_splits": 3, "block_n": 16},  # decode: chunks merged by log-sum-exp
-        {},  # automatic split
+        ({"num_splits": 1}, (torch.int32, torch.int64)),  # prefill: one pass per token
+        ({"num_splits": 3, "block_n": 16}, (torch.int32,)),  # decode: chunks merged by log-sum-exp
+        ({}, (torch.int32,)),  # automatic split
     ],
 )
-def test_sparse_mla_kernel_matches_reference(kwargs):
+def test_sparse_mla_kernel_matches_reference(kwargs, row_dtypes):
+    """int32 rows as the indexer selects them; int64 rows (another specialisation of the same loads, which
+    the merge never reads) in one case."""
     q, latent, rows, scale = *mla_case(3, 20, 32, 200, 70, seed=1), 32**-0.5
     ref = sparse_mla(q.double(), latent.double(), rows, scale)
-    for r in (rows, rows.int()):
+    for r in (rows.to(dtype) for dtype in row_dtypes):
         out = sk.sparse_mla_fwd(q, latent, r, scale, block_h=16, **kwargs)
         assert out.shape == q.shape and out.dtype == q.dtype
         torch.testing.assert_close(out.double(), ref, **TOL)
@@ -208,7 +210,10 @@ def test_topk_kernel_selects_reference_rows(kpool, max_tile, monkeypatch):
     """Integer inputs make scores exact, so ties (ReLU'd zeros and equal sums) hit the tie rule."""
     monkeypatch.setattr(ik, "MAX_TOPK_TILE", max_tile)
     topk, heads, d = 8 * kpool, 4, 16
-    lengths = [5, 2, 40] if max_tile > 32 else [3, 1, 6]  # the tiled search is slow to interpret
+    # One program per token, each a 16-pass search: the one-tile cases' third sequence is 17 tokens, every
+    # position in a pool of 16 and more than one of 4 (the tail's lengths), pools becoming visible as it
+    # goes; the tiled search is slower still to interpret.
+    lengths = [5, 2, 17] if max_tile > 32 else [3, 1, 6]
     q, w, pooled, meta = indexer_case(lengths, [300, 20, 200], kpool, heads, d, seed=5 + kpool, integer=True)
     args = (
         q,
