@@ -32,21 +32,26 @@ def random_routing(g: torch.Generator, hidden: int, num_experts: int, top_k: int
     return Routing(weight, bias, top_k, n_group, topk_group, True, 2.5)
 
 
+# The interpreter runs the prologue's programs one by one, one per `block_e` router rows: the first three
+# cases take the default single row; GLM-5.3-Flash's 288 experts take 64 rows a program (5 programs instead
+# of 288), the last holding experts 256..287 and 32 masked rows.
 @pytest.mark.parametrize(
-    ("tokens", "hidden", "num_experts", "top_k", "groups", "normalize", "block_m", "dtype"),
+    ("tokens", "hidden", "num_experts", "top_k", "groups", "normalize", "block_m", "dtype", "block_e"),
     [
-        (1, 256, 16, 4, (4, 2), True, 16, torch.float32),  # group-limited, two channel groups
-        (5, 96, 12, 3, (1, 1), False, 16, torch.float32),  # top-3 pads to 4, D a partial group
-        (8, 64, 20, 8, (1, 1), True, 4, torch.float32),  # 64 pairs, experts shared by tokens: 1-2 blocks
-        (2, 128, 288, 8, (1, 1), True, 16, torch.bfloat16),  # GLM-5.3-Flash's 288 experts, bf16 router
+        (1, 256, 16, 4, (4, 2), True, 16, torch.float32, 1),  # group-limited, two channel groups
+        (5, 96, 12, 3, (1, 1), False, 16, torch.float32, 1),  # top-3 pads to 4, D a partial group
+        (8, 64, 20, 8, (1, 1), True, 4, torch.float32, 1),  # 64 pairs, experts shared by tokens: 1-2 blocks
+        (2, 128, 288, 8, (1, 1), True, 16, torch.bfloat16, 64),  # 288 experts pad to 512 lanes, bf16 router
     ],
 )
-def test_prologue_matches_reference(tokens, hidden, num_experts, top_k, groups, normalize, block_m, dtype):
+def test_prologue_matches_reference(
+    tokens, hidden, num_experts, top_k, groups, normalize, block_m, dtype, block_e
+):
     g = torch.Generator().manual_seed(tokens * hidden + num_experts)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     routing_ = random_routing(g, hidden, num_experts, top_k, *groups)._replace(normalize=normalize)
     routing_ = routing_._replace(weight=routing_.weight.to(dtype))
-    ids, weights, layout, q, q_scale = decode.prologue(x, routing_, block_m, quantize=True)
+    ids, weights, layout, q, q_scale = decode.prologue(x, routing_, block_m, quantize=True, block_e=block_e)
     ref_ids, ref_weights = reference.route(x, routing_)
     assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
