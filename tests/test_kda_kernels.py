@@ -82,10 +82,12 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
 
 # The interpreter runs the first launch's (chunk, head, sub-tile) programs one by one, so a case costs about
 # its chunks × its sub-tiles (3·64/conv_rows + d/gate_cols); each case keeps only the sequences its tiling
-# needs. Every case has a sequence shorter than the window (W - 1 = 3), whose window mixes old rows and new
-# inputs, and one that ends inside a later chunk (masked rows past its end); a full chunk after the first
-# runs the same row-block code as the first chunk's later blocks (same masks, another base), so one case
-# holds it.
+# needs. Every case has a sequence ending inside a later chunk (rows masked past its end, taps reading back
+# across the chunk boundary). The window paths do not depend on the tiling (the row block at a sequence's
+# start reads and rewrites it whatever its rows): sequences shorter than the window (W - 1 = 3), whose new
+# window mixes old rows and new inputs, are in the default-tile and 32-row cases. A full chunk after the
+# first runs the row-block code of the first chunk's later blocks (same masks, another base): the 32-row
+# case holds one.
 @pytest.mark.parametrize(
     ("lens", "dtype", "d", "seed", "tuning"),
     [
@@ -95,8 +97,9 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
         # chunk: test_prefill_of_a_padded_batch_from_device_offsets)
         ([3, 65], torch.float16, 32, 1, {}),
         # 8-row conv blocks, four gate column blocks (one writes β), chunk order: 65 fills all eight row
-        # blocks of chunk 0, then one live row in chunk 1 (a ragged first block reading back a chunk)
-        ([2, 65], torch.float32, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=4, conv_order="chunk")),
+        # blocks of chunk 0, then one live row in chunk 1 (a ragged first block reading back a chunk); no
+        # short sequence (the 8-row block at a sequence start reads and rewrites the window as the others)
+        ([65], torch.float32, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=4, conv_order="chunk")),
         # 32-row conv blocks, two gate blocks of d = 32, one warp: three chunks (a full one after the first,
         # state carried twice), three rows in the last
         ([2, 131], torch.float32, 32, 3, dict(conv_rows=32, gate_cols=16, conv_warps=1)),
@@ -409,12 +412,12 @@ def test_device_offsets_are_refused_where_they_would_be_read_back():
     )
 
 
-def test_prefill_leaves_snapshots_at_chunk_ends():
+def test_prefill_leaves_snapshots_at_chunk_ends(monkeypatch):
     """Snapshots after chunk 0 of the first sequence and chunks 0 and 1 of the second (packed chunks
     0, 2 and 3: at a sequence's first chunk, after a later one, past another sequence's chunks), none after
     either sequence's last, partial chunk: kernel and reference each leave exactly the window and state
-    their own prefill of that prefix alone ends with, and the kernel's outputs, windows and states are
-    those of the call without snapshots."""
+    their own prefill of that prefix alone ends with, and the kernel's outputs and states are those of
+    the call without snapshots."""
     p = Problem(5, d=16)
     # Snapshots are `recur`'s work; the first launch (`prep`) only feeds it, and its tilings agree
     # (test_prefill_matches_reference). Every kernel call here takes its coarsest legal tiling, 64-row conv
@@ -431,11 +434,17 @@ def test_prefill_leaves_snapshots_at_chunk_ends():
 
     snap_conv, snap_state = pools(8)
     snaps = reference.ChunkSnapshots(chunk_ids, snap_conv, snap_state)
-    conv, state = p.pools()
-    o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), cu_dev, cu, snapshots=snaps, **tiles)
-    conv_ref, state_ref = p.pools()
-    o_ref = chunk.prefill(x, p.params(), KDASlots(conv_ref, state_ref, slots), cu_dev, cu, **tiles)
-    assert torch.equal(o, o_ref) and torch.equal(conv, conv_ref) and torch.equal(state, state_ref)
+    # `prep` never sees the snapshots (and alone writes the windows): the call without them is `recur` again
+    # on the buffers this call's `prep` returned
+    prep, preps = chunk.prep, []
+    with monkeypatch.context() as spied:
+        spied.setattr(chunk, "prep", lambda *args, **kwargs: preps.append(prep(*args, **kwargs)) or preps[-1])
+        conv, state = p.pools()
+        o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), cu_dev, cu, snapshots=snaps, **tiles)
+    _, state_ref = p.pools()
+    o_ref = torch.empty_like(o)
+    chunk.recur(preps[0], o_ref, KDASlots(conv, state_ref, slots), cu_dev)
+    assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
 
     ref_conv, ref_state = pools(8)
     conv_r, state_r = p.pools()
