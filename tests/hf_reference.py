@@ -25,12 +25,14 @@ LAYER_MIXES = {
         indexer_types=["full"] * 4,
         mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
     ),
-    # 3 layers, one of each kind "shared" has (KDA, DSA with a full indexer, DSA reusing it through a
-    # shared indexer; dense and MoE MLPs): for engine tests whose time is in the forwards
+    # 4 layers with every kind "shared" has (KDA, DSA with a full indexer, DSA reusing it through a
+    # shared indexer; dense and MoE MLPs) and two KDA layers, whose state slots the engine resets and
+    # copies for every KDA layer at once (a fault that touched only the first passes one KDA layer):
+    # for engine tests whose time is in the forwards
     "each-kind": dict(
-        layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
-        indexer_types=["full", "full", "shared"],
-        mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
     ),
 }
 

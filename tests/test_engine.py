@@ -19,11 +19,10 @@ LENGTHS = [37, 5, 70, 13, 1, 22, 48, 9, 64, 31, 2, 17, 55, 40, 8, 26]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    # 3 layers, one of each kind (KDA, DSA with a full indexer, DSA reusing it through a shared one;
-    # dense and MoE MLPs), and 3 Sinkhorn iterations of the mHC weights (the real model's 20 are checked
-    # op by op in test_mhc_kernels, and the model's at the default in test_hf_parity): each CPU step
-    # here is its layers' forwards, and batching, chunking and preemption depend on neither the depth
-    # nor that loop's length
+    # The 4-layer mix with every kind (hf_reference 'each-kind') and 3 Sinkhorn iterations of the mHC
+    # weights (the real model's 20 are checked op by op in test_mhc_kernels, and the model's at the
+    # default in test_hf_parity): each CPU step here is its layers' forwards, and batching, chunking and
+    # preemption depend on neither the depth nor that loop's length
     config = tiny_text_config(4, 8, "each-kind", hc_sinkhorn_iters=3)
     return write_hf_checkpoint(tmp_path_factory.mktemp("engine"), config, seed=3)
 

@@ -290,8 +290,8 @@ def test_sampling_is_lossless_end_to_end(tmp_path):
     from test_sampling import ALPHA, Z_BOUND, chi_square_p_value, reference_distribution
 
     vocab, runs, prompt = 16, 6000, [3, 5, 7, 9, 11]
-    # 3 layers, one of each kind (6 layers' forwards of 6000 requests were half of this test's time);
-    # seed 4: seeds 2 and 3 put a top-p boundary within rounding of 0.9, which the reference refuses
+    # the 4-layer mix with every kind (6 layers' forwards of 6000 requests were half of this test's
+    # time); seed 4: seeds 2 and 3 put a top-p boundary within rounding of 0.9, which the reference refuses
     config = tiny_text_config(4, 8, "each-kind", vocab_size=vocab)
     target = write_hf_checkpoint(tmp_path / "t", config, seed=4)
     proposer = ModeChain()
