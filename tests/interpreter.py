@@ -61,16 +61,49 @@ def _patch_language_once_per_launch(interpreter) -> None:
     interpreter.GridExecutor.__call__ = launch
 
 
+# The compile checks' process: one per test process, started at its first check and kept, so that each
+# check after the first pays for its compilation only, not for importing torch, Triton and hylo again
+# (3-5 s each). It runs each script in a fresh namespace with its stdout captured, and answers one JSON
+# line per script.
+_COMPILER_LOOP = r"""
+import contextlib, io, json, sys, traceback
+for line in sys.stdin:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(json.loads(line), "<compile check>", "exec"), {"__name__": "__compile_check__"})
+        reply = {"stdout": out.getvalue()}
+    except BaseException:
+        reply = {"stdout": out.getvalue(), "error": traceback.format_exc()}
+    sys.__stdout__.write(json.dumps(reply) + "\n")
+    sys.__stdout__.flush()
+"""
+_compiler = None
+
+
 def run_compiled_for_hopper(script: str) -> str:
-    """Stdout of `script`, run in a fresh process without the interpreter, so that it can compile
-    kernels for sm_90 as the GPU would (no GPU needed); fails the test with its stderr otherwise."""
+    """Stdout of `script`, run in a process without the interpreter, so that it can compile kernels for
+    sm_90 as the GPU would (no GPU needed); fails the test with its traceback otherwise. The process is
+    shared by the test process's checks (`_COMPILER_LOOP`); scripts must not depend on running first."""
+    import atexit
+    import json
     import subprocess
     import sys
     from pathlib import Path
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
-    command = [sys.executable, "-c", script]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    global _compiler
+    if _compiler is None or _compiler.poll() is not None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
+        _compiler = subprocess.Popen(
+            [sys.executable, "-c", _COMPILER_LOOP], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        atexit.register(_compiler.communicate)  # end of input: it exits, and is waited for
+    _compiler.stdin.write(json.dumps(script) + "\n")
+    _compiler.stdin.flush()
+    line = _compiler.stdout.readline()
+    assert line, f"the compile process exited with {_compiler.wait()}"
+    reply = json.loads(line)
+    assert "error" not in reply, reply["error"][-2000:]
+    return reply["stdout"]
