@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from hylo.layers.norm import RMSNorm  # noqa: E402
-from hylo.ops.norm import NormRows, RowStore, kernels, pair_refusal, reference, refusal  # noqa: E402
+from hylo.ops.norm import NormRows, RowStore, cat_refusal, kernels, pair_refusal, reference, refusal  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
@@ -127,3 +127,29 @@ def test_pair_reference_is_two_norms_and_a_store():
 )
 def test_pair_refusal_names_why(change, reason):
     assert reason in pair_refusal(*change(*pair_case(torch.float32, torch.float32, seed=5)))
+
+
+@pytest.mark.parametrize(("dtype", "weight_dtype"), DTYPES)
+def test_cat_kernel_matches_the_reference(dtype, weight_dtype):
+    """An MTP layer's enorm and hnorm side by side: each half as `rms_norm` (the same two ulps), the
+    first rows strided views of a wider tensor, the halves of different widths (masked row tiles)."""
+    first, second, _ = pair_case(dtype, weight_dtype, seed=6, widths=(48, 40))
+    assert cat_refusal(first, second) is None
+    out, ref = kernels.rms_norm_cat(first, second), reference.rms_norm_cat(first, second)
+    assert out.dtype == ref.dtype and out.shape == ref.shape == (5, 88)
+    assert ulps(out, ref) <= (2 if dtype == torch.float16 else 8)
+    assert torch.equal(ref[:, 48:], reference.rms_norm(second.x, second.weight, second.eps))
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda f, s: (NormRows(f.x[None], f.weight, 1e-5), s), "first rows must be [T, w]"),
+        (lambda f, s: (f, NormRows(s.x[:3], s.weight, 1e-5)), "one row per token"),
+        (lambda f, s: (f, NormRows(s.x, s.weight.double(), 1e-5)), "second rows: unsupported dtypes"),
+        (lambda f, s: (f, NormRows(s.x.half(), s.weight.half(), 1e-5)), "one dtype"),
+    ],
+)
+def test_cat_refusal_names_why(change, reason):
+    first, second, _ = pair_case(torch.float32, torch.float32, seed=7)
+    assert reason in cat_refusal(*change(first, second))

@@ -46,6 +46,7 @@ from hylo.layers.norm import RMSNorm
 from hylo.layers.vocab import HotTokenHead, VocabEmbedding, VocabHead
 from hylo.models.glm5_next import DecoderLayer, Glm5NextForCausalLM
 from hylo.ops.mhc import mhc_post
+from hylo.ops.norm import NormRows, rms_norm_cat
 from hylo.parallel.layout import SINGLE, Parallel
 
 
@@ -91,7 +92,11 @@ class MTPLayer(nn.Module):
         """MTP hiddens `[T, H]` of the packed entries (`embeds`: the tokens' embeddings, `hidden`: the
         target or previous-step hiddens paired with them). Writes the entries' K/V at `batch.new_slots`
         of `batch.tokens`; `batch.input_ids` is not read."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        normed = rms_norm_cat(
+            NormRows(embeds, self.enorm.weight, self.enorm.eps),
+            NormRows(hidden, self.hnorm.weight, self.hnorm.eps),
+        )  # enorm and hnorm side by side: one launch on CUDA
+        x = self.eh_proj(normed)
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         step = self.decoder(streams, batch, None)
         out, post, comb = step.pending

@@ -4,7 +4,9 @@ CUDA tensors the kernel takes (`refusal` is None) go to `kernels.rms_norm`, one 
 the reference's eight elementwise and reduction kernels; everything else to `reference.rms_norm`, and
 so does a call that autograd records (training: the kernel has no backward). `rms_norm_pair` (two
 norms of the same tokens, the second written into a cache by slot: a DSA layer's q_a and kv_a
-latent) is one launch where `pair_refusal` is None, in place of two norms and the cache store.
+latent) is one launch where `pair_refusal` is None, in place of two norms and the cache store;
+`rms_norm_cat` (two norms of the same tokens side by side: an MTP layer's enorm and hnorm) one launch
+where `cat_refusal` is None, in place of two norms and the concatenation.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ __all__ = [
     "MAX_WIDTH",
     "NormRows",
     "RowStore",
+    "cat_refusal",
     "pair_refusal",
     "refusal",
     "rms_norm",
+    "rms_norm_cat",
     "rms_norm_pair",
     "width_refusal",
 ]
@@ -99,3 +103,28 @@ def rms_norm_pair(first: NormRows, second: NormRows, store: RowStore) -> torch.T
 
         return kernels.rms_norm_pair(first, second, store)
     return reference.rms_norm_pair(first, second, store)
+
+
+def cat_refusal(first: NormRows, second: NormRows) -> str | None:
+    """Why `kernels.rms_norm_cat` cannot take this call, or None."""
+    for name, rows in (("first", first), ("second", second)):
+        if rows.x.dim() != 2:
+            return f"the {name} rows must be [T, w]"
+        if (reason := refusal(rows.x, rows.weight)) is not None:
+            return f"the {name} rows: {reason}"
+    if second.x.shape[0] != first.x.shape[0] or second.x.device != first.x.device:
+        return "both row sets must have one row per token, on one device"
+    if torch.result_type(first.weight, first.x) != torch.result_type(second.weight, second.x):
+        return "both norms must give one dtype (the kernel does not cast)"
+    return None
+
+
+def rms_norm_cat(first: NormRows, second: NormRows) -> torch.Tensor:
+    """`[T, w1 + w2]`: `first`'s and `second`'s RMSNorms side by side; see `reference.rms_norm_cat`."""
+    tensors = (first.x, first.weight, second.x, second.weight)
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not recorded and use_kernel("norm.rms_norm_cat", first.x, lambda: cat_refusal(first, second)):
+        from hylo.ops.norm import kernels
+
+        return kernels.rms_norm_cat(first, second)
+    return reference.rms_norm_cat(first, second)

@@ -77,3 +77,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             rows, weight, y, rows.stride(0), width, eps, BLOCK=block, num_warps=warps
         )
     return y
+
+
+@triton.jit
+def _rms_norm_cat_kernel(
+    x1, w1, x1_row_stride, width1, eps1, x2, w2, x2_row_stride, width2, eps2, y,
+    BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
+):  # fmt: skip
+    """Program (t, 0) normalises the first rows' row t into y[t, :width1], program (t, 1) the second's
+    into y[t, width1:]."""
+    row = tl.program_id(0).to(tl.int64)
+    out = y + row * (width1 + width2)
+    if tl.program_id(1) == 0:
+        _rms_norm_row(x1 + row * x1_row_stride, w1, out, width1, eps1, BLOCK1)
+    else:
+        _rms_norm_row(x2 + row * x2_row_stride, w2, out + width1, width2, eps2, BLOCK2)
+
+
+def rms_norm_cat(first: NormRows, second: NormRows) -> torch.Tensor:
+    """Triton twin of `reference.rms_norm_cat` in one launch (no concatenation afterwards), for 2-D row
+    sets with a unit last stride; `cat_refusal` says which calls it takes."""
+    tokens, width1 = first.x.shape
+    width2 = second.x.shape[1]
+    y = torch.empty(
+        tokens, width1 + width2, dtype=torch.result_type(first.weight, first.x), device=first.x.device
+    )
+    if tokens:
+        _rms_norm_cat_kernel[(tokens, 2)](
+            first.x, first.weight, first.x.stride(0), width1, first.eps,
+            second.x, second.weight, second.x.stride(0), width2, second.eps, y,
+            BLOCK1=triton.next_power_of_2(width1), BLOCK2=triton.next_power_of_2(width2),
+            num_warps=min(16, max(1, triton.next_power_of_2(max(width1, width2)) // 512)),
+        )  # fmt: skip
+    return y

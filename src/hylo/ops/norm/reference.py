@@ -37,3 +37,11 @@ def rms_norm_pair(first: NormRows, second: NormRows, store: RowStore) -> torch.T
     their rows there."""
     store.out[store.index] = rms_norm(second.x, second.weight, second.eps)
     return rms_norm(first.x, first.weight, first.eps)
+
+
+def rms_norm_cat(first: NormRows, second: NormRows) -> torch.Tensor:
+    """`[T, w1 + w2]`: the RMSNorms of two row sets of the same tokens side by side (`rms_norm` of each,
+    concatenated along the last dimension), as an MTP layer feeds its projection."""
+    return torch.cat(
+        [rms_norm(first.x, first.weight, first.eps), rms_norm(second.x, second.weight, second.eps)], dim=-1
+    )
