@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import random_prompt
 from hf_reference import tiny_text_config, write_hf_checkpoint
-from test_mtp import checkpoints  # noqa: F401 (a fixture: the MTP target)
+from test_mtp import LAYER, MTP_LAYER_KIND, TARGET_LAYERS, mtp_extras, target_dir
 from test_spec import draft  # noqa: F401 (a fixture: the DFlash draft)
 
 from hylo import LLM, SamplingParams
@@ -22,9 +22,26 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 PAGE, INTERVAL = 16, 32
 
 
+# 3 Sinkhorn iterations of the targets' mHC weights (the model's 20 are checked in test_mhc_kernels and
+# test_hf_parity): that loop was ~20% of each CPU step, and what a hit resumes from does not depend on it
+SINKHORN_ITERS = 3
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return write_hf_checkpoint(tmp_path_factory.mktemp("prefix"), tiny_text_config(4, 8), seed=23)
+    config = tiny_text_config(4, 8, hc_sinkhorn_iters=SINKHORN_ITERS)
+    return write_hf_checkpoint(tmp_path_factory.mktemp("prefix"), config, seed=23)
+
+
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory):
+    """test_mtp's target with an MTP layer (`test_mtp.checkpoints`), at `SINKHORN_ITERS`."""
+    root = tmp_path_factory.mktemp("mtp")
+    config = tiny_text_config(4, 8, num_hidden_layers=TARGET_LAYERS + 1, hc_sinkhorn_iters=SINKHORN_ITERS)
+    for key, kind in MTP_LAYER_KIND.items():
+        config[key] = [*config[key], kind]
+    hf = write_hf_checkpoint(root / "hf", config, seed=31)
+    return target_dir(hf, root / "target", {LAYER + k: v for k, v in mtp_extras(seed=7).items()})
 
 
 def waves() -> list[list[list[int]]]:
@@ -137,13 +154,13 @@ def test_snapshots_on_kda_chunk_boundaries_are_taken_in_one_call(target, monkeyp
 
 
 @pytest.mark.parametrize("algorithm", ["DFLASH", "MTP"])
-def test_speculative_decoding_resumes_with_the_proposers_caches(target, draft, checkpoints, algorithm):  # noqa: F811
+def test_speculative_decoding_resumes_with_the_proposers_caches(target, draft, mtp_target, algorithm):  # noqa: F811
     """A hit shares the proposer's caches with the target's: the drafts after every token equal those
     of a run without the cache (MTP: the entry before the resumed position is the request's own)."""
     if algorithm == "DFLASH":
         path, kwargs = target, dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft))
     else:
-        path, kwargs = checkpoints[1], dict(speculative_algorithm="MTP", speculative_num_steps=2)
+        path, kwargs = mtp_target, dict(speculative_algorithm="MTP", speculative_num_steps=2)
     # prefills of 24 tokens a step: chunks that leave snapshots run beside verify blocks
     kwargs["chunked_prefill_size"] = 24
     ref, ref_drafts = run(make_llm(path, False, **kwargs), waves(), GREEDY)
