@@ -29,6 +29,10 @@ KEY = "robust-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FAULTY = str(Path(__file__).with_name("faulty_server.py"))
 MAX_BODY = 4_000_000
+# One client for this module's requests (as test_server's `HTTP`): `httpx.post` and `httpx.get` build a
+# client a call, whose SSL context alone costs ~50 ms of CPU, and this module makes well over a hundred. Its
+# default timeout is httpx's own; the calls that set one keep it.
+HTTP = httpx.Client(timeout=5)
 
 
 def launch(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
@@ -38,6 +42,14 @@ def launch(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     cmd += ["--served-model-name", "demo", "--device", "cpu", "--page-size", "16", "--max-memory-gb", "0.25"]
     proc = subprocess.Popen([*cmd, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, wait_ready(proc, port)
+
+
+@pytest.fixture(scope="module")
+def model_dir(shallow_model_dir):
+    """This module's servers run the 3-layer cut of the random test model (conftest `shallow_model_dir`,
+    the same tokenizer and vocabulary): what a request may do to a server does not depend on the depth,
+    and each step costs ~40% of the 8-layer model's."""
+    return shallow_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +65,19 @@ def server(model_dir):
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json=body, headers=AUTH, timeout=120)
+    return HTTP.post(f"{url}{path}", json=body, headers=AUTH, timeout=120)
 
 
 def post_raw(url: str, path: str, raw: str) -> httpx.Response:
     """A body httpx's JSON encoder would refuse (lone surrogates, NaN)."""
     headers = AUTH | {"content-type": "application/json"}
-    return httpx.post(f"{url}{path}", content=raw.encode(), headers=headers, timeout=60)
+    return HTTP.post(f"{url}{path}", content=raw.encode(), headers=headers, timeout=60)
 
 
 def stream_events(url: str, path: str, body: dict) -> list[dict | str]:
     """Every SSE event of a streaming request: parsed JSON, or the literal `[DONE]`."""
     events: list[dict | str] = []
-    with httpx.stream("POST", f"{url}{path}", json=body | {"stream": True}, headers=AUTH, timeout=120) as r:
+    with HTTP.stream("POST", f"{url}{path}", json=body | {"stream": True}, headers=AUTH, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -84,14 +96,14 @@ def assert_error(response: httpx.Response, status: int, param: str | None) -> di
 
 
 def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
+    text = HTTP.get(f"{url}/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def wait_running(url: str) -> None:
     """Returns once a request runs in the engine (`/server_info`)."""
     deadline = time.monotonic() + 60
-    while httpx.get(f"{url}/server_info", headers=AUTH).json()["num_running"] == 0:
+    while HTTP.get(f"{url}/server_info", headers=AUTH).json()["num_running"] == 0:
         assert time.monotonic() < deadline, "no request started running"
         time.sleep(0.05)
 
@@ -99,7 +111,7 @@ def wait_running(url: str) -> None:
 def assert_serving(url: str) -> None:
     ok = post(url, "/v1/completions", {"prompt": "ok", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert HTTP.get(f"{url}/health").status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -230,10 +242,8 @@ def test_token_ids_at_the_vocabulary_size_are_refused(server, model_dir):
         assert ok.status_code == 200, ok.text
         refused = assert_error(post(server, "/v1/completions", ids(vocab) | {"max_tokens": 1}), 400, field)
         assert f"token id {vocab} is outside the vocabulary [0, {vocab})" in refused["message"]
-    assert (
-        httpx.post(f"{server}/v1/detokenize", json={"tokens": [vocab - 1]}, headers=AUTH).status_code == 200
-    )
-    assert_error(httpx.post(f"{server}/v1/detokenize", json={"tokens": [vocab]}, headers=AUTH), 400, "tokens")
+    assert HTTP.post(f"{server}/v1/detokenize", json={"tokens": [vocab - 1]}, headers=AUTH).status_code == 200
+    assert_error(HTTP.post(f"{server}/v1/detokenize", json={"tokens": [vocab]}, headers=AUTH), 400, "tokens")
 
 
 def test_completions_and_chat_share_the_max_tokens_rule(server):
@@ -278,14 +288,14 @@ def test_lone_surrogates_in_chat_are_rejected_as_json(server):
 
 
 def test_every_error_is_openai_json(server):
-    assert_error(httpx.get(f"{server}/v1/nope", headers=AUTH), 404, None)
-    assert_error(httpx.get(f"{server}/v1/completions", headers=AUTH), 405, None)
+    assert_error(HTTP.get(f"{server}/v1/nope", headers=AUTH), 404, None)
+    assert_error(HTTP.get(f"{server}/v1/completions", headers=AUTH), 405, None)
     headers = AUTH | {"content-type": "application/json"}
     for raw in (b'{"prompt": "\xff"}', b"\xff\xfe{", b"{not json", b"[1, 2]"):
-        assert_error(httpx.post(f"{server}/v1/completions", content=raw, headers=headers), 400, None)
-    plain = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "x"}', headers=AUTH)
+        assert_error(HTTP.post(f"{server}/v1/completions", content=raw, headers=headers), 400, None)
+    plain = HTTP.post(f"{server}/v1/completions", content=b'{"prompt": "x"}', headers=AUTH)
     assert "JSON object" in assert_error(plain, 400, None)["message"]
-    assert_error(httpx.post(f"{server}/v1/completions", json={"prompt": "x"}), 401, None)
+    assert_error(HTTP.post(f"{server}/v1/completions", json={"prompt": "x"}), 401, None)
     assert_serving(server)
 
 
@@ -297,7 +307,7 @@ def test_body_size_is_capped_with_413(server):
         for _ in range(5):
             yield b" " * (MAX_BODY // 4)
 
-    chunked = httpx.post(f"{server}/v1/completions", content=chunks(), headers=AUTH, timeout=60)
+    chunked = HTTP.post(f"{server}/v1/completions", content=chunks(), headers=AUTH, timeout=60)
     assert_error(chunked, 413, None)
     assert_serving(server)
 
@@ -318,7 +328,7 @@ def test_a_long_prompt_does_not_stall_other_connections(server):
     worst = 0.0
     while worker.is_alive():
         start = time.perf_counter()
-        assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+        assert HTTP.get(f"{server}/health", timeout=10).status_code == 200
         worst = max(worst, time.perf_counter() - start)
         time.sleep(0.05)
     worker.join()
@@ -334,7 +344,7 @@ def test_non_streaming_request_is_aborted_when_its_client_leaves(server):
     generated = metric(server, "hylo_generation_tokens_total")
     body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=1.5)
+        HTTP.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=1.5)
     info = wait_idle(server)
     assert info["free_slots"] == info["total_slots"]
     assert metric(server, 'hylo_request_success_total{finish_reason="abort"}') == aborted + 1
@@ -397,7 +407,7 @@ def test_sigterm_aborts_open_requests_after_the_shutdown_timeout(model_dir):
     proc, url = launch(model_dir, "--api-key", KEY, "--graceful-shutdown-timeout", "1")
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        with HTTP.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
             lines = r.iter_lines()
             next(lines)
             start = time.monotonic()
@@ -431,9 +441,7 @@ def test_sigterm_with_a_stuck_engine_still_exits(model_dir):
     reader.start()
     try:
         threading.Thread(
-            target=lambda: httpx.post(
-                f"{url}/v1/completions", json={"prompt": [*POISON_HANG, 1]}, timeout=60
-            ),
+            target=lambda: HTTP.post(f"{url}/v1/completions", json={"prompt": [*POISON_HANG, 1]}, timeout=60),
             daemon=True,
         ).start()
         wait_running(url)  # admitted: the step that admitted it now sleeps for an hour
@@ -543,7 +551,7 @@ def test_reasoning_and_tool_calls_are_parsed(server):
     assert calls == EXPECTED_CALLS and choice["finish_reason"] == "tool_calls"
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in message["tool_calls"])
 
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=SCRIPTED_CHAT | {"stream": True},
+    with HTTP.stream("POST", f"{server}/v1/chat/completions", json=SCRIPTED_CHAT | {"stream": True},
                       headers=AUTH, timeout=120) as r:  # fmt: skip
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     deltas = [e["choices"][0] for e in events if e["choices"]]
