@@ -14,7 +14,7 @@ from hylo import LLM
 from hylo.config import EngineConfig, ModelConfig
 from hylo.engine.engine import Engine
 from hylo.layers.moe import MoE
-from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS, write_random_model
+from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import build_model, checkpoint_layout, load_model, load_weights, save_checkpoint
 from hylo.parallel.layout import Parallel
@@ -29,10 +29,10 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22], list(range(40, 110))]
 
 
 @pytest.fixture(scope="module")
-def random_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tp-model")
-    write_random_model(path)
-    return path
+def random_model(shallow_model_dir):
+    """The 3-layer cut of the random test model (conftest `shallow_model_dir`): a layer of each kind,
+    each split across the ranks as every layer of its kind is."""
+    return shallow_model_dir
 
 
 def _generate(model, prompts, params, **engine_args):
