@@ -42,6 +42,9 @@ def test_prefill_logits_match_hf(models, length):
 
 
 def test_greedy_generation_matches_hf(models, tiny_checkpoint):
+    """The engine's greedy tokens (a batched prefill, then decode steps) are HF's greedy tokens: each is
+    HF's argmax at its position given the prompt and the tokens before it. One HF forward over the whole
+    sequence gives every position's logits (the model is causal), where `generate` ran a forward a token."""
     model, hf = models
     prompts = [random_prompt(n, model.config.vocab_size, seed=100 + n) for n in PROMPT_LENS]
     llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=16, max_memory_gb=0.25)
@@ -50,8 +53,10 @@ def test_greedy_generation_matches_hf(models, tiny_checkpoint):
         o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     ]
     for prompt, tokens in zip(prompts, ours, strict=True):
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0)
-        assert tokens == ref[0, len(prompt) :].tolist()
+        assert len(tokens) == 32
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        assert tokens == ref.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64])
