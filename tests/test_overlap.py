@@ -230,45 +230,60 @@ SCRIPTED_PLANS = [
 ]  # fmt: skip
 
 
+def flags_of(algorithm: str) -> dict:
+    """The engine flags that speculate with `algorithm` (dflash, dflash2, mtp) on the demo model."""
+    if algorithm == "mtp":
+        return dict(speculative_algorithm="MTP", speculative_num_steps=3)
+    return dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(DEMO_DRAFTS[algorithm]))
+
+
+def run_scripted_plans(algorithm: str, overlap: bool, graphs: bool) -> tuple[dict, int, dict[str, list[int]]]:
+    """`run_counting_accepted` of a demo engine speculating with `algorithm` whose decode steps follow
+    `SCRIPTED_PLANS`, on a script of three requests."""
+    llm = LLM(
+        str(DEMO_DIR), device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
+        decode_graphs=graphs, cuda_graph_max_bs=4, max_memory_gb=0.25, mixed_steps="on",
+        **flags_of(algorithm),
+    )  # fmt: skip
+    # (mixed steps: "late"'s prefill joins a step of the others, whose steps then follow the scripted
+    # plans alike in both engines; unmixed, its prefill-only step falls a step later with the overlap
+    # schedule and shifts the others' blocks in the plans' cycle)
+    engine, plans = llm.engine, itertools.cycle(SCRIPTED_PLANS)
+    engine.policy.plan = lambda bucket: next(plans)
+    script = {
+        0: [
+            ("add", "greedy", PROMPTS[0], greedy(40, ignore_eos=True)),
+            ("add", "seeded", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=30)),
+        ],
+        5: [("add", "late", PROMPTS[3], greedy(25, ignore_eos=True))],
+    }
+    return run_counting_accepted(engine, script)
+
+
+@pytest.fixture(scope="module", params=["dflash2", "mtp"])
+def reading_scripted_plans(request) -> tuple[str, tuple[dict, int, dict[str, list[int]]]]:
+    """(the algorithm, `run_scripted_plans` of the eager engine that reads every step): the reference of
+    both the eager and the fixed-shape overlapped runs (the fixed-shape path computes what the eager
+    one does: test_spec's verify-graph tests; one reading run for both)."""
+    return request.param, run_scripted_plans(request.param, overlap=False, graphs=False)
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
-@pytest.mark.parametrize("algorithm", ["dflash2", "mtp"])
-def test_speculative_plain_steps_overlap_and_the_drafts_see_every_token(algorithm, graphs):
+def test_speculative_plain_steps_overlap_and_the_drafts_see_every_token(reading_scripted_plans, graphs):
     """A speculative engine launches its plain steps that draft nothing ahead of the read before them
     (the adaptive policy's plain mode), their observes run on the device (an eager step's after its
     picks, a fixed-shape one's deferred to the ring), and the next drafting step's proposer has seen
     every token: tokens and accepted drafts equal the engine that reads every step (the demo's trained
     drafts accept many tokens, so a draft context missing a token would show)."""
-    flags = (
-        dict(speculative_algorithm="MTP", speculative_num_steps=3)
-        if algorithm == "mtp"
-        else dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(DEMO_DRAFTS[algorithm]))
-    )
-    results = {}
-    for overlap in (True, False):
-        llm = LLM(
-            str(DEMO_DIR), device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
-            decode_graphs=graphs, cuda_graph_max_bs=4, max_memory_gb=0.25, mixed_steps="on", **flags,
-        )  # fmt: skip
-        # (mixed steps: "late"'s prefill joins a step of the others, whose steps then follow the
-        # scripted plans alike in both engines; unmixed, its prefill-only step falls a step later
-        # with the overlap schedule and shifts the others' blocks in the plans' cycle)
-        engine, plans = llm.engine, itertools.cycle(SCRIPTED_PLANS)
-        engine.policy.plan = lambda bucket, plans=plans: next(plans)
-        script = {
-            0: [
-                ("add", "greedy", PROMPTS[0], greedy(40, ignore_eos=True)),
-                ("add", "seeded", PROMPTS[1], SamplingParams(temperature=0.8, seed=5, max_tokens=30)),
-            ],
-            5: [("add", "late", PROMPTS[3], greedy(25, ignore_eos=True))],
-        }
-        results[overlap] = run_counting_accepted(engine, script)
-    (overlapped, ahead, accepted), (reference, never, accepted_ref) = results[True], results[False]
+    algorithm, (reference, never, accepted_ref) = reading_scripted_plans
+    overlapped, ahead, accepted = run_scripted_plans(algorithm, overlap=True, graphs=graphs)
     same(overlapped, reference)
     # "late" arrives while the verify step ahead may be on the device already (its rows sample or pick
     # their argmax from what they know before the read): it then starts a step later than when every
     # step is read, and its blocks fall elsewhere in the plans' cycle; its tokens are the same
-    late, late_ref = accepted.pop("late"), accepted_ref.pop("late")
-    assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10 and late and late_ref
+    late, late_ref = accepted.pop("late"), accepted_ref["late"]  # (the fixture's dict is shared)
+    others_ref = {rid: counts for rid, counts in accepted_ref.items() if rid != "late"}
+    assert accepted == others_ref and sum(map(sum, accepted.values())) > 10 and late and late_ref
     assert never == 0 and ahead > 5
 
 
@@ -286,11 +301,6 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
     block fits after a commit in flight: those steps read first) give the tokens, logprobs and
     accepted drafts of the engine that reads every step; the demo's trained drafts accept many
     tokens, so a block starting at a wrong position or from a wrong anchor would show."""
-    flags = (
-        dict(speculative_algorithm="MTP", speculative_num_steps=3)
-        if algorithm == "mtp"
-        else dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(DEMO_DRAFTS[algorithm]))
-    )
     probe = engines[False]
     reference_ids, _ = run(probe, {0: [("add", "p", PROMPTS[2], greedy(30, ignore_eos=True))]})
     stop_id = reference_ids["p"][0][12]
@@ -299,7 +309,7 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
         llm = LLM(
             str(DEMO_DIR), device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
             decode_graphs=True, cuda_graph_max_bs=4, max_memory_gb=0.1, speculative_adaptive=False,
-            context_length=CONTEXT, page_size=16, **flags,
+            context_length=CONTEXT, page_size=16, **flags_of(algorithm),
         )  # fmt: skip
         engine, launched = llm.engine, []
 
