@@ -5,20 +5,28 @@ from __future__ import annotations
 import pytest
 
 from hylo import LLM, SamplingParams
-from hylo.models.demo import write_random_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo")
-    write_random_model(path)
-    return LLM(str(path), device="cpu", page_size=16)
+def llm(shallow_model_dir):
+    """The 3-layer cut of the random test model (conftest `shallow_model_dir`): the tokenizer's, the
+    detokenizer's and the stops' behaviour does not depend on the depth, and each step costs ~40% of
+    the 8-layer model's."""
+    return LLM(str(shallow_model_dir), device="cpu", page_size=16)
 
 
 def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(**({"temperature": 0, "max_tokens": 40, "ignore_eos": True} | kwargs))
+
+
+@pytest.fixture(scope="module")
+def full(llm):
+    """PROMPT's greedy output without stops, which the stop tests cut (computed once: greedy decoding of
+    the same prompt gives the same tokens every time, which the tests below assert)."""
+    (out,) = llm.generate(PROMPT, greedy(), use_tqdm=False)
+    return out
 
 
 def straddling_stop(llm, token_ids) -> tuple[str, str]:
@@ -35,8 +43,7 @@ def straddling_stop(llm, token_ids) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_stop_string_across_token_boundary_cuts_exactly(llm, include):
-    (full,) = llm.generate(PROMPT, greedy(), use_tqdm=False)
+def test_stop_string_across_token_boundary_cuts_exactly(llm, full, include):
     text, stop = straddling_stop(llm, full.token_ids)
     (out,) = llm.generate(PROMPT, greedy(stop=[stop], include_stop_str_in_output=include), use_tqdm=False)
     cut = text.index(stop) + (len(stop) if include else 0)
@@ -46,8 +53,7 @@ def test_stop_string_across_token_boundary_cuts_exactly(llm, include):
     assert llm.tokenizer.decode(out.token_ids).startswith(text[: text.index(stop) + len(stop)])
 
 
-def test_streamed_text_never_leaks_a_stop_string(llm):
-    (full,) = llm.generate(PROMPT, greedy(), use_tqdm=False)
+def test_streamed_text_never_leaks_a_stop_string(llm, full):
     text, stop = straddling_stop(llm, full.token_ids)
     engine = llm.engine
     engine.add_request("s", llm.tokenizer.encode(PROMPT), greedy(stop=[stop, "never-appears"]))
@@ -98,8 +104,7 @@ def test_the_models_eos_token_ends_a_request(llm, name):
     assert ignored.finish_reason == "length" and ignored.token_ids == [eos] * 12
 
 
-def test_stop_token_ids_stop_generation(llm):
-    (full,) = llm.generate(PROMPT, greedy(), use_tqdm=False)
+def test_stop_token_ids_stop_generation(llm, full):
     stop = full.token_ids[2]
     (out,) = llm.generate(PROMPT, greedy(stop_token_ids=[stop]), use_tqdm=False)
     assert out.finish_reason == "stop"
