@@ -78,11 +78,14 @@ def test_close_releases_every_tensor_the_engine_held():
     llm.close()  # a second close does nothing
 
 
-def test_close_keeps_a_model_another_llm_serves(model_dir):
+def test_close_keeps_a_model_another_llm_serves(shallow_model_dir):
     """Two `LLM`s over one loaded model (`target`): closing the first (`with` closes it on leaving)
-    frees its caches but not the weights the second serves, which generates as before."""
-    with LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.1) as first:
-        second = LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.1, target=first.engine.model)
+    frees its caches but not the weights the second serves, which generates as before. (The 3-layer
+    cut of the random test model, conftest `shallow_model_dir`: what is kept does not depend on the
+    depth.)"""
+    path = str(shallow_model_dir)
+    with LLM(path, device="cpu", page_size=16, max_memory_gb=0.1) as first:
+        second = LLM(path, device="cpu", page_size=16, max_memory_gb=0.1, target=first.engine.model)
         expected = [o.token_ids for o in first.generate(PROMPTS, GREEDY, use_tqdm=False)]
         caches = [weakref.ref(t) for t in reachable_tensors(first.engine.caches)]
         weights = [weakref.ref(p) for p in first.engine.model.parameters()]
