@@ -1,4 +1,5 @@
-"""`/v1/responses` driven by the official `openai` client against `hylo serve` with the demo model
+"""`/v1/responses` driven by the official `openai` client against `hylo serve` with the 3-layer cut of
+the random test model (conftest `shallow_model_dir`: the API does not depend on the model's text)
 (`--tool-call-parser glm45 --reasoning-parser glm45`, a store of STORE_SIZE responses): create (text
 input, message input with instructions, a json_schema format), stream (OpenAI's event order, the
 text equal to its deltas), a forced function call answered by a `function_call_output` after
@@ -16,7 +17,6 @@ import pytest
 from test_server import NAME, start_server, stop
 from test_tool_calls import SCHEMAS, TIME, schema_errors
 
-from hylo.models.demo import DEMO_DIR
 from hylo.server.responses_output import OutputItems
 from hylo.server.responses_protocol import ResponsesRequest
 from hylo.server.responses_store import ResponseStore, StoredResponse
@@ -31,9 +31,9 @@ TURNS = [
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(shallow_model_dir):
     flags = ("--tool-call-parser", "glm45", "--reasoning-parser", "glm45")
-    proc, url = start_server(DEMO_DIR, *flags, "--responses-store-size", str(STORE_SIZE))
+    proc, url = start_server(shallow_model_dir, *flags, "--responses-store-size", str(STORE_SIZE))
     yield url
     stop(proc)
 
@@ -126,7 +126,7 @@ def test_a_forced_call_is_answered_after_previous_response_id(client):
         input="What time is it in Paris?",
         tools=[TIME_TOOL],
         tool_choice={"type": "function", "name": "get_time"},
-        max_output_tokens=96,  # the greedy answer with its call is 65 tokens (the call alone 38)
+        max_output_tokens=96,  # the greedy reply, its call included, is 77 tokens
         temperature=0,
     ) as stream:
         kinds = [e.type for e in stream]
