@@ -2,7 +2,7 @@
 runs them eagerly in the scratch slot and leaves every cache, the prefix cache and the sampling seeds as
 it found them, the builder runs it where kernels compile unless `--skip-warmup`, and an engine that
 warmed up serves the tokens of one that did not. The CPU compiles nothing, so the engines here warm
-up only where the tests say so (`compiles_kernels` patched); the tiny MTP target of `test_mtp` keeps
+up only where the tests say so (`compiles_kernels` patched); a tiny MTP target (`mtp_checkpoint`) keeps
 each warm-up to a few seconds."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 from conftest import random_prompt
-from test_mtp import VOCAB, checkpoints  # noqa: F401 (a fixture: the target with an MTP layer)
+from mtp_checkpoint import write_mtp_target
+from test_mtp import VOCAB
 
 from hylo import LLM, SamplingParams
 from hylo.config import EngineConfig
@@ -26,12 +27,23 @@ from hylo.ops.kda import CHUNK_TOKENS
 PAGE, CONTEXT, CHUNK, RUNNING, STEPS = 16, 256, 80, 3, 2
 
 
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A target with an MTP layer over the 4-layer tiny mix with one layer of each kind (hf_reference
+    'each-kind'; test_mtp's has 6) and 3 Sinkhorn iterations of its mHC weights (the model's 20 are
+    checked in test_mhc_kernels and test_hf_parity; the loop was ~1/3 of each CPU forward here): the
+    warm-up's steps and what it leaves depend on neither."""
+    return write_mtp_target(tmp_path_factory.mktemp("mtp"), "each-kind", hc_sinkhorn_iters=3)
+
+
 def make_llm(path, **kwargs) -> LLM:
     """MTP-2 with the prefix cache (snapshots every 32 tokens), prefill chunks of at most `CHUNK`
-    tokens, `RUNNING` requests at once."""
+    tokens, `RUNNING` requests at once. A 20 MB cache budget still holds ~28k tokens of pages and ~200
+    snapshots, far beyond `RUNNING` sequences of `CONTEXT` (0.25 GB's pools cost every engine time to
+    fill with zeros, and the warm-up test to clone and compare)."""
     return LLM(
         str(path), device="cpu", dtype="float32", page_size=PAGE, prefix_snapshot_interval=32,
-        context_length=CONTEXT, max_memory_gb=0.25, max_running_requests=RUNNING, chunked_prefill_size=CHUNK,
+        context_length=CONTEXT, max_memory_gb=0.02, max_running_requests=RUNNING, chunked_prefill_size=CHUNK,
         speculative_algorithm="MTP", speculative_num_steps=STEPS, speculative_adaptive=False, **kwargs,
     )  # fmt: skip
 
@@ -137,12 +149,12 @@ def _nodes(prefix):
 
 
 @pytest.fixture(scope="module")
-def warmed(checkpoints):  # noqa: F811
+def warmed(target):
     """An engine with the decode, verify and prefill graphs (plain calls on the CPU) that has served two
     prompts sharing a prefix (its prefix cache holds pages and snapshots), warmed up by hand with every
     target forward, proposer call and graph run recorded: (engine, steps, cache state before, after,
     forward batches, proposer calls, graph runs)."""
-    llm = make_llm(checkpoints[1], decode_graphs=True, cuda_graph_max_prefill_tokens=32)
+    llm = make_llm(target, decode_graphs=True, cuda_graph_max_prefill_tokens=32)
     shared = random_prompt(70, VOCAB, seed=700)
     prompts = [shared + random_prompt(9, VOCAB, seed=701), shared + random_prompt(12, VOCAB, seed=702)]
     greedy = SamplingParams(temperature=0, max_tokens=5)
@@ -234,7 +246,7 @@ def counting_forwards(monkeypatch) -> list[int]:
 
 
 def test_the_builder_warms_up_unless_skipped_and_the_tokens_are_the_same(
-    checkpoints,  # noqa: F811
+    target,
     monkeypatch,
     caplog,
 ):
@@ -243,12 +255,12 @@ def test_the_builder_warms_up_unless_skipped_and_the_tokens_are_the_same(
     say why. Both engines (no graphs: nothing reads the scratch slot) give the same tokens, logprobs and
     prompt logprobs for greedy, seeded and scoring requests and a prefix-cache hit."""
     with caplog.at_level(logging.INFO, logger="hylo"):
-        make_llm(checkpoints[1])
+        make_llm(target)
         monkeypatch.setattr(warmup, "compiles_kernels", lambda device: True)
         counted = counting_forwards(monkeypatch)
-        skipped = make_llm(checkpoints[1], skip_warmup=True)
+        skipped = make_llm(target, skip_warmup=True)
         assert counted == []
-        warmed = make_llm(checkpoints[1])
+        warmed = make_llm(target)
     steps = engine_steps(warmed.engine)
     assert counted == [sum(c.tokens for c in s.chunks) for s in steps]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: ")]
