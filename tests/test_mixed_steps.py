@@ -7,8 +7,8 @@ different output lengths, 4 running at most)."""
 from __future__ import annotations
 
 import pytest
+from mtp_checkpoint import write_mtp_target
 from test_engine import GREEDY, checkpoint, make_llm, prompts, reference  # noqa: F401 (fixtures)
-from test_mtp import checkpoints  # noqa: F401 (a fixture: a target with an MTP layer)
 
 from hylo.engine.route import Path
 from hylo.engine.scheduler import ONE_PROMPT_STEPS_UP_TO
@@ -24,6 +24,13 @@ SMALL = dict(
     disable_radix_cache=True,
 )
 MTP = {"speculative_algorithm": "MTP", "speculative_num_steps": 3, "speculative_adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory):
+    """A target with an MTP layer over the tiny mix test_engine's `checkpoint` has (one layer of each
+    kind, 3 Sinkhorn iterations): which steps mix and which graphs replay does not depend on the depth."""
+    return write_mtp_target(tmp_path_factory.mktemp("mtp"), "each-kind", hc_sinkhorn_iters=3)
 
 
 def steps_of(llm, prompts_with_work: list[int] | None = None) -> tuple[list[tuple[int, int]], list[Path]]:
@@ -88,10 +95,10 @@ def test_unmixed_steps_give_the_same_tokens_and_replay_the_decode_graphs(
 
 
 def test_unmixed_steps_under_mtp_give_plain_decodings_tokens(
-    checkpoints,  # noqa: F811
+    mtp_target,
     prompts,  # noqa: F811
 ):
-    target = str(checkpoints[1])
+    target = str(mtp_target)
     kwargs = SMALL
     expected = generate(make_llm(target, **kwargs), prompts[:8])
     llm = make_llm(target, **kwargs, **MTP)  # mixed_steps auto: off with speculation
@@ -102,8 +109,8 @@ def test_unmixed_steps_under_mtp_give_plain_decodings_tokens(
     assert Path.VERIFY_GRAPH in routes and Path.PREFILL_GRAPH in routes
 
 
-def test_mixed_steps_auto_is_on_without_speculation_and_off_with_it(checkpoints):  # noqa: F811
-    target = str(checkpoints[1])
+def test_mixed_steps_auto_is_on_without_speculation_and_off_with_it(mtp_target):
+    target = str(mtp_target)
     assert make_llm(target, **SMALL).engine.scheduler.mixed_steps
     assert not make_llm(target, **SMALL, **MTP).engine.scheduler.mixed_steps
     assert make_llm(target, **SMALL, **MTP, mixed_steps="on").engine.scheduler.mixed_steps
