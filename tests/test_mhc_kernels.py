@@ -173,14 +173,11 @@ def test_fused_enter_is_post_pre_and_norm_launched_apart(plan, hidden, dtype):
     torch.testing.assert_close(got.block_input, expected, rtol=step, atol=step)
 
 
-@pytest.mark.parametrize(
-    ("plan", "tokens", "launches"), [("decode", 1, 1), ("decode", 2, 2), ("small", 1, 3), ("prefill", 1, 4)]
-)
-def test_launches_of_enter(monkeypatch, plan, tokens, launches):
-    """Post, pre and the norm: one launch for one token on the decode plan (the projection's last program
-    finishes), two where the plan fuses them all (decode, more tokens), one more for the norm where the
-    finishing programs hold chunks of rows (small), and one more for post where the plan does not fuse it
-    (prefill). The norm's dispatcher is made to launch its kernel on these CPU tensors."""
+@pytest.mark.parametrize(("plan", "launches"), [("decode", 2), ("small", 3), ("prefill", 4)])
+def test_launches_of_enter(monkeypatch, plan, launches):
+    """Post, pre and the norm: two launches where the plan fuses them all (decode), one more for the norm
+    where the finishing programs hold chunks of rows (small), and one more for post where the plan does
+    not fuse it (prefill). The norm's dispatcher is made to launch its kernel on these CPU tensors."""
     from triton.runtime.interpreter import InterpretedFunction
 
     import hylo.ops.norm as norm_ops
@@ -194,7 +191,7 @@ def test_launches_of_enter(monkeypatch, plan, tokens, launches):
 
     monkeypatch.setattr(InterpretedFunction, "run", counted)
     # wider than the prefill plan's steps; two Sinkhorn iterations (the launches do not depend on them)
-    streams, out, params, post, comb = hc_case(tokens, 512, seed=3, iters=2)
+    streams, out, params, post, comb = hc_case(1, 512, seed=3, iters=2)
     kernels.mhc_enter(streams, params, PendingPost(out, post, comb), block_norm(512, 3), plan=PLANS[plan])
     assert len(names) == launches, names
 
@@ -276,8 +273,7 @@ def test_model_with_kernels_matches_reference_path(tiny_model, monkeypatch, pref
     torch.testing.assert_close(run(), ref, rtol=1e-4, atol=1e-4)
 
 
-# Compiles the decode plan's launches (post and norm fused, the first finishing by ticket as for one
-# token, bf16 as served) for sm_90 as dependent
+# Compiles the decode plan's two launches (post and norm fused, bf16 as served) for sm_90 as dependent
 # launches (the interpreter cannot run griddepcontrol) in a fresh interpreter-free process; prints, per
 # kernel, whether a cubin came out and whether the PTX waits on the launch before it and lets the next
 # one start.
@@ -289,13 +285,11 @@ from hylo.ops.mhc import kernels
 
 scalars = {"M": "i32", "stride_split": "i32", "stride_token": "i32", "stride_row": "i32", "rms_eps": "fp32",
            "hc_eps": "fp32", "norm_eps": "fp32", "streams": "*bf16", "fn": "*bf16", "out": "*bf16",
-           "new_streams": "*bf16", "block_input": "*bf16", "norm_weight": "*bf16",
-           "finish": ("*i32", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*bf16", "*bf16"),
-           "finish_eps": ("fp32", "fp32", "fp32")}
+           "new_streams": "*bf16", "block_input": "*bf16", "norm_weight": "*bf16"}
 shared = dict(D=4096, NS=64, PDL=True)
 for fn, consts in (
     (kernels._split_project_kernel, dict(SPLIT=64, BM=16, BK=32, SPLIT_FN=False, PRECISION="tf32",
-                                         POST=True, FINISH=True, SS=64, CK=4096, ITERS=20, NORM=True)),
+                                         POST=True)),
     (kernels._finish_collapse_kernel, dict(SS=64, BT=1, CHUNK=4096, CK=4096, ITERS=20, NORM=True)),
 ):
     consts |= shared

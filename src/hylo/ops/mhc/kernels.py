@@ -56,15 +56,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from hylo.ops.mhc.reference import KERNEL_STREAMS as HC_MULT
 from hylo.ops.mhc.reference import BlockEntry, BlockNorm, HCParams, PendingPost
 from hylo.ops.norm import rms_norm
-from hylo.ops.tickets import TICKET_SLOTS, tickets
 
 N_LOGITS = tl.constexpr(24)  # pre (4) | post (4) | comb (16): the rows of fn
 LOGIT_ROWS = tl.constexpr(32)  # logits padded to a tl.dot size; row 24 carries the sum of squares
 SUMSQ_ROW = tl.constexpr(24)
 TABLE_ELEMENTS = 2048  # largest [32, tokens, splits] tile a finishing program sums at once
-# widest rows the projection launch's last program collapses whole (`SplitPlan.one_launch_tokens`): with
-# two warps a [1, 4096] fp32 row is 64 registers a thread
-ONE_LAUNCH_MAX_HIDDEN = 4096
 
 
 @dataclass(frozen=True)
@@ -86,16 +82,13 @@ class SplitPlan:
     dependent_launch: bool = True
     # a pending post is mixed by the projection launch (one launch fewer), else launched before it
     fuse_post: bool = True
-    # up to this many tokens the projection launch's last program finishes (`_split_project_kernel`'s
-    # FINISH): one launch in all, the finishing work serial in one program (0: never)
-    one_launch_tokens: int = 0
 
 
 # The H200 sweeps' fastest at M = 1 / 16 / 64 (session 6, post then pre under graph replay, 10.2 / 11.8 / 14.2
 # us before): two-warp projections (-0.5 to -1.2 us), split-major partials (each projection program's
 # stores contiguous: -1.3 us at M = 64), dependent launches (-0.6 to -0.9 us; post as one too made M = 64
 # 5 us slower), whole-chunk collapse steps (-0.3 us).
-DECODE_PLAN = SplitPlan(one_launch_tokens=1)
+DECODE_PLAN = SplitPlan()
 # The H200 sweep's fastest pre at M = 13312 (365 us when the projection's products had fn's rows as their
 # rows, 226 us of them; with 16-token blocks 550: each program reads fn's 24 × 4·split slice once per token
 # block, so small blocks read fn three times as often as the streams; blocks of 32 / 128 tokens or 128
@@ -269,8 +262,6 @@ def _split_project_kernel(
     stride_split,
     stride_token,
     stride_row,
-    finish,
-    finish_eps,
     D: tl.constexpr,
     NS: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -280,24 +271,12 @@ def _split_project_kernel(
     PRECISION: tl.constexpr,
     POST: tl.constexpr,
     PDL: tl.constexpr,
-    FINISH: tl.constexpr,
-    SS: tl.constexpr,
-    CK: tl.constexpr,
-    ITERS: tl.constexpr,
-    NORM: tl.constexpr,
 ):
     """Partial logits and sum of squares of tokens `BM·pid(1) + [0, BM)` over dims `SPLIT·pid(0) +
     [0, SPLIT)` of every stream, stored at partials + split·stride_split + token·stride_token +
     row·stride_row (see `SplitPlan.split_major`). With POST the streams projected are the new ones,
     post·out + combᵀ·streams (the previous block's pending post, as `_post_kernel` mixes them), which this
-    program also stores to `new_streams` at its tokens and dims.
-
-    With FINISH (`SplitPlan.one_launch_tokens`) the last program of a token block to finish (a ticket,
-    `ops.tickets`) then does the finishing launch's work for the block's tokens, one after another: both
-    `_finish` chunks of each (the collapse of whole rows of CK ≥ D dims, normalised with NORM, and post
-    and comb), reading the partials and new streams every program of the block stored. `finish` holds
-    (tickets, tables, base, scale, post_out, comb_out, block_input, norm_weight), `finish_eps` (rms_eps,
-    hc_eps, norm_eps), as `_finish_collapse_kernel` takes them; without FINISH they are not read."""
+    program also stores to `new_streams` at its tokens and dims: no other program reads them."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -347,37 +326,45 @@ def _split_project_kernel(
         partials + split * stride_split + rows[:, None].to(tl.int64) * stride_token + r[None, :] * stride_row
     )
     tl.store(ptr, acc, mask=rmask[:, None] & (r <= SUMSQ_ROW)[None, :])
-    if FINISH:
-        tl.debug_barrier()  # this program's partials and new streams are stored before its ticket
-        block = tl.program_id(1)
-        if tl.atomic_add(finish[0] + block, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.store(finish[0] + block, 0)
-            one = tl.arange(0, 1)
-            for t in range(BM):
-                row = block * BM + t
-                if row < M:
-                    for chunk in tl.static_range(2):  # the whole row (CK ≥ D), then post and comb
-                        own = finish[1] + (2 * row + chunk + one) * LOGIT_ROWS
-                        _finish(
-                            new_streams, partials, own, finish[2], finish[3], finish[4], finish[5],
-                            finish[6], finish[7], M, stride_split, stride_token, stride_row,
-                            finish_eps[0], finish_eps[1], finish_eps[2], chunk, row + one,
-                            D, NS, SS, CK, CK, ITERS, NORM,
-                        )  # fmt: skip
 
 
-@triton.jit
-def _finish(
-    streams, partials, own, base, scale, post_out, comb_out, block_input, norm_weight, M,
-    stride_split, stride_token, stride_row, rms_eps, hc_eps, norm_eps, chunk, rows,
-    D: tl.constexpr, NS: tl.constexpr, SS: tl.constexpr, CHUNK: tl.constexpr, CK: tl.constexpr,
-    ITERS: tl.constexpr, NORM: tl.constexpr,
-):  # fmt: skip
-    """The finishing work of tokens `rows` ([BT]) for chunk `chunk`: sums their partials (every caller in
-    the same order, so all derive the same bits), then collapses dims `CHUNK·chunk + [0, CHUNK)` into
-    `block_input`, or, for the chunk past the last (the weights chunk), computes their post and comb.
-    `own` ([BT] pointers) is scratch for the caller's tables. With NORM (one step of CK ≥ D dims: whole
-    rows) the collapsed rows are normalised with `norm_weight` before the store."""
+@triton.jit(do_not_specialize=["M"])
+def _finish_collapse_kernel(
+    streams,
+    partials,
+    tables,
+    base,
+    scale,
+    post_out,
+    comb_out,
+    block_input,
+    norm_weight,
+    M,
+    stride_split,
+    stride_token,
+    stride_row,
+    rms_eps,
+    hc_eps,
+    norm_eps,
+    D: tl.constexpr,
+    NS: tl.constexpr,
+    SS: tl.constexpr,
+    BT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CK: tl.constexpr,
+    ITERS: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Tokens `BT·pid(1) + [0, BT)`: sums their partials (every program in the same order, so all
+    derive the same bits), then collapses dims `CHUNK·pid(0) + [0, CHUNK)` into `block_input`, or, as
+    the last program of its tokens, computes their post and comb. With NORM (one step of CK ≥ D dims:
+    the program holds whole rows) the collapsed rows are normalised with `norm_weight` before the store."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    chunk = tl.program_id(0)
+    rows = tl.program_id(1) * BT + tl.arange(0, BT)
     rmask = rows < M
     r = tl.arange(0, LOGIT_ROWS)
     weights_program = chunk == (D + CHUNK - 1) // CHUNK
@@ -386,8 +373,8 @@ def _finish(
     base_row = tl.load(base + r, mask=r < N_LOGITS, other=0.0)
     scale_row = tl.load(scale + (r >= 4).to(tl.int32) + (r >= 8).to(tl.int32))  # pre | post | comb
     row_ptr = partials + rows[None, :, None].to(tl.int64) * stride_token + r[:, None, None] * stride_row
-    sums = tl.zeros((LOGIT_ROWS, rows.shape[0], SS), tl.float32)  # reduced after the loop: Triton 3.6
-    for first in range(0, NS, SS):  # fails to compile a reduction inside it whose result has several uses
+    sums = tl.zeros((LOGIT_ROWS, BT, SS), tl.float32)  # reduced after the loop: Triton 3.6 fails to
+    for first in range(0, NS, SS):  # compile a reduction inside it whose result has several uses
         s = first + tl.arange(0, SS)
         mask = wanted[:, None, None] & rmask[None, :, None] & (s < NS)[None, None, :]
         sums += tl.load(row_ptr + s[None, None, :].to(tl.int64) * stride_split, mask=mask, other=0.0)
@@ -402,6 +389,7 @@ def _finish(
         z = tl.sigmoid(z) + hc_eps  # rows 0-3: pre
     # The rows are needed as [BT] vectors: reading them back from memory takes one barrier, while
     # extracting each from the register tile is a cross-warp reduction with barriers of its own.
+    own = tables + ((chunk * tl.num_programs(1) + tl.program_id(1)) * BT + tl.arange(0, BT)) * LOGIT_ROWS
     tl.store(own[None, :] + r[:, None], z)
     tl.debug_barrier()
     if weights_program:
@@ -415,27 +403,6 @@ def _finish(
             x = _rms_normed(x, mask, norm_weight, d, norm_eps, D, dtype) if NORM else x.to(dtype)
             out_ptr = block_input + rows[:, None].to(tl.int64) * D + d[None, :]
             tl.store(out_ptr, x.to(block_input.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _finish_collapse_kernel(
-    streams, partials, tables, base, scale, post_out, comb_out, block_input, norm_weight, M,
-    stride_split, stride_token, stride_row, rms_eps, hc_eps, norm_eps,
-    D: tl.constexpr, NS: tl.constexpr, SS: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr,
-    CK: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """`_finish` of tokens `BT·pid(1) + [0, BT)` and chunk `pid(0)` (the last chunk: post and comb)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    chunk = tl.program_id(0)
-    rows = tl.program_id(1) * BT + tl.arange(0, BT)
-    own = tables + ((chunk * tl.num_programs(1) + tl.program_id(1)) * BT + tl.arange(0, BT)) * LOGIT_ROWS
-    _finish(
-        streams, partials, own, base, scale, post_out, comb_out, block_input, norm_weight, M,
-        stride_split, stride_token, stride_row, rms_eps, hc_eps, norm_eps, chunk, rows,
-        D, NS, SS, CHUNK, CK, ITERS, NORM,
-    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -515,11 +482,6 @@ def _check_plan(plan: SplitPlan) -> None:
         value = getattr(plan, field)
         if value < least or value & (value - 1):
             raise ValueError(f"plan.{field} must be a power of two ≥ {least}, got {value}")
-    if not 0 <= plan.one_launch_tokens <= plan.block_m * TICKET_SLOTS:
-        raise ValueError(
-            f"plan.one_launch_tokens must be within [0, {plan.block_m * TICKET_SLOTS}] (a ticket counter "
-            f"per block of {plan.block_m} tokens), got {plan.one_launch_tokens}"
-        )
     for inner, outer in (("block_k", "split"), ("collapse_k", "collapse_chunk")):
         if getattr(plan, inner) > getattr(plan, outer):
             raise ValueError(
@@ -558,9 +520,7 @@ def mhc_enter(
 ) -> BlockEntry:
     """See `reference.mhc_enter`. Two launches where `plan.fuse_post` and `norm_fusable` hold (the
     decode plan): the first mixes the pending post into the streams it projects, the second normalises
-    the block input it collapses; otherwise a post launch before and an RMSNorm launch after them. Up to
-    `plan.one_launch_tokens` tokens (the decode plan: one) the first launch's last program does the
-    second's work: one launch (the norm always with it)."""
+    the block input it collapses; otherwise a post launch before and an RMSNorm launch after them."""
     tokens, hidden = _check_streams(streams)
     n_proj = (2 + HC_MULT) * HC_MULT
     _check("fn", hc.fn, (n_proj, HC_MULT * hidden), streams)
@@ -574,8 +534,7 @@ def mhc_enter(
         _check_pending(pending, tokens, hidden, streams)
         if not plan.fuse_post:
             streams, pending = mhc_post(pending.out, streams, pending.post, pending.comb), None
-    one_launch = tokens <= plan.one_launch_tokens and hidden <= ONE_LAUNCH_MAX_HIDDEN
-    fused_norm = norm if norm is not None and (one_launch or norm_fusable(plan, hidden)) else None
+    fused_norm = norm if norm is not None and norm_fusable(plan, hidden) else None
     if fused_norm is not None:
         _check_norm(fused_norm, hidden, streams)
     streams, fn = streams.contiguous(), hc.fn.contiguous()
@@ -597,37 +556,29 @@ def mhc_enter(
         strides = (1, partials.stride(0), partials.stride(1))
     mix = (streams, streams, streams) if pending is None else _mix_operands(pending)
     dependent = plan.dependent_launch and _dependent_launches(device)
-    norm_weight, norm_eps = (base, 0.0) if fused_norm is None else (fused_norm.weight, fused_norm.eps)
-    eps = (hc.rms_eps, hc.hc_eps, norm_eps)
-    collapse_tokens = 1 if one_launch else plan.collapse_tokens
-    # powers of two both: the table tile holds at most TABLE_ELEMENTS
-    splits_per_step = min(
-        triton.next_power_of_2(n_splits), max(1, TABLE_ELEMENTS // (LOGIT_ROWS.value * collapse_tokens))
-    )
-    # one program per chunk and one for post and comb (in one launch: both, one after the other)
-    grid = (triton.cdiv(hidden, plan.collapse_chunk) + 1, triton.cdiv(tokens, plan.collapse_tokens))
-    table_rows = (
-        2 * tokens if one_launch else grid[0] * grid[1] * plan.collapse_tokens
-    )  # one per chunk, token
-    tables = torch.empty(table_rows, LOGIT_ROWS.value, dtype=torch.float32, device=device)
-    counters = tickets(device) if one_launch else partials  # the finishing operands are unread without FINISH
-    finish = (counters, tables, base, scale, post, comb, block_input, norm_weight)
     _split_project_kernel[(n_splits, triton.cdiv(tokens, plan.block_m))](
-        streams, fn, partials, *mix, new_streams, tokens, *strides, finish, eps,
+        streams, fn, partials, *mix, new_streams, tokens, *strides,
         D=hidden, NS=n_splits, SPLIT=plan.split, BM=plan.block_m, BK=plan.block_k,
         SPLIT_FN=fn.element_size() > streams.element_size(),
         PRECISION="ieee" if dtype == torch.float32 else "tf32", POST=pending is not None,
-        PDL=dependent, launch_pdl=dependent, FINISH=one_launch, SS=splits_per_step,
-        CK=triton.next_power_of_2(hidden), ITERS=hc.sinkhorn_iters, NORM=fused_norm is not None,
-        num_warps=plan.num_warps,
+        PDL=dependent, launch_pdl=dependent, num_warps=plan.num_warps,
     )  # fmt: skip
-    if not one_launch:
-        _finish_collapse_kernel[grid](
-            new_streams, partials, tables, base, scale, post, comb, block_input, norm_weight, tokens,
-            *strides, *eps, D=hidden, NS=n_splits, SS=splits_per_step, BT=plan.collapse_tokens,
-            CHUNK=plan.collapse_chunk, CK=plan.collapse_k, ITERS=hc.sinkhorn_iters,
-            NORM=fused_norm is not None, PDL=dependent, launch_pdl=dependent, num_warps=plan.finish_warps,
-        )  # fmt: skip
+    # powers of two both: the table tile holds at most TABLE_ELEMENTS
+    splits_per_step = min(
+        triton.next_power_of_2(n_splits), max(1, TABLE_ELEMENTS // (LOGIT_ROWS.value * plan.collapse_tokens))
+    )
+    # one program per chunk and one for post and comb
+    grid = (triton.cdiv(hidden, plan.collapse_chunk) + 1, triton.cdiv(tokens, plan.collapse_tokens))
+    table_rows = grid[0] * grid[1] * plan.collapse_tokens  # one table per program and token
+    tables = torch.empty(table_rows, LOGIT_ROWS.value, dtype=torch.float32, device=device)
+    norm_weight, norm_eps = (base, 0.0) if fused_norm is None else (fused_norm.weight, fused_norm.eps)
+    _finish_collapse_kernel[grid](
+        new_streams, partials, tables, base, scale, post, comb, block_input, norm_weight, tokens, *strides,
+        hc.rms_eps, hc.hc_eps, norm_eps,
+        D=hidden, NS=n_splits, SS=splits_per_step,
+        BT=plan.collapse_tokens, CHUNK=plan.collapse_chunk, CK=plan.collapse_k, ITERS=hc.sinkhorn_iters,
+        NORM=fused_norm is not None, PDL=dependent, launch_pdl=dependent, num_warps=plan.finish_warps,
+    )  # fmt: skip
     if norm is not None and fused_norm is None:
         block_input = rms_norm(block_input, norm.weight, norm.eps)
     return BlockEntry(new_streams, post, comb, block_input)

@@ -14,8 +14,9 @@
 3. `kernels.down_combine_stage`: the down GEMM, whose last program of each column tile sums every
    token's k weighted rows (its placed ones, at expert parallelism) in a fixed order (the combine).
 
-The ticket counters (`ops.tickets`) are zero between launches: the last program of each counter puts it
-back, so a CUDA graph replays the launches as they are.
+The ticket counters are zero between launches: the last program of each counter puts it back, so a
+CUDA graph replays the launches as they are. Each CUDA stream gets its own counters (`tickets`), so
+launches on different streams never share one; launches of one stream run one after another.
 
 H200, GLM-5.3-Flash shapes, FP8 experts, graph replays (`benchmarks/kernels/moe.py`): one token
 65.4 us against 82.1 for the general path (prologue 4.7 us where the router GEMM, routing kernel, x
@@ -43,14 +44,38 @@ from hylo.ops.moe.routing import (
     placed_experts,
     route_tokens,
 )
-from hylo.ops.tickets import tickets
 
 MAX_PAIRS = 64  # (token, choice) pairs of a step on this path: the alignment's [pairs, pairs] fits registers
+TICKET_SLOTS = 256  # counters per stream: the down launch takes one per column tile (D / block_n)
+_SPARE_STREAMS = 8  # counter sets made at once, so a stream first seen during a graph capture finds one
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_SPARE: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def fits(tokens: int, top_k: int) -> bool:
     """Whether a step of `tokens` tokens takes this path."""
     return tokens * top_k <= MAX_PAIRS
+
+
+def tickets(device: torch.device) -> torch.Tensor:
+    """The int32 ticket counters of the current stream of `device`, zero between launches. Counter
+    sets are zeroed outside graph captures, a few at a time, and never freed: a captured graph keeps
+    using the set of the stream it was captured on."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _TICKETS:
+        spare = _SPARE.setdefault(device, [])
+        if not spare:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # zeros made inside a capture would only be written when the graph replays
+                raise RuntimeError(
+                    "MoE decode: run one step on this device before capturing a CUDA graph, "
+                    "so its ticket counters are zeroed outside the capture"
+                )
+            sets = torch.zeros(_SPARE_STREAMS, TICKET_SLOTS, dtype=torch.int32, device=device)
+            spare.extend(sets.unbind())
+        _TICKETS[key] = spare.pop()
+    return _TICKETS[key]
 
 
 @triton.jit
