@@ -183,3 +183,24 @@ for fn, consts, fp32, fp8 in (
 def test_low_rank_decode_launches_compile_for_hopper():
     """Both launches with FP8 factors at the real head size compile for sm_90 (no GPU needed)."""
     assert run_compiled_for_hopper(_LOW_RANK_COMPILE).split() == ["True", "True"]
+
+
+def test_many_head_rows_multiply_the_factors_out_first(monkeypatch):
+    """Beyond `LOW_RANK_MAX_HEAD_ROWS` (sequence, head) pairs the step takes the projections' products
+    (`ops.gemm.linear`, here the CPU's torch) and the kernels read them dense: the same step."""
+    monkeypatch.setattr(recurrent, "LOW_RANK_MAX_HEAD_ROWS", 3)  # 3 sequences x 3 heads = 9 > 3
+    step = Step(8, torch.float32, True)
+    o_ref, conv_ref, state_ref = step.run(reference.decode, dense=False)
+    o, conv, state = step.run(recurrent.decode, dense=False)
+    assert err(o, o_ref) < RATIO and err(state, state_ref) < RATIO and torch.equal(conv, conv_ref)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen, run = [], InterpretedFunction.run
+
+    def recorded(self, *args, **kwargs):
+        seen.append((self.fn.__name__, kwargs.get("F_RANK", kwargs.get("G_RANK"))))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recorded)
+    step.run(recurrent.decode, dense=False)
+    assert seen == [("_recurrent_kernel", 0), ("_gated_norm_kernel", 0)]  # both read dense gates

@@ -28,12 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.gemm import linear
 from hylo.ops.kda import low_rank
 from hylo.ops.kda.low_rank import low_rank_rows
 from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm, VerifyCache
 from hylo.ops.kda.rmsnorm import WindowStep, gated_rms_norm
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# (sequence, head) pairs of a decode step up to which its LowRank gates are multiplied in its two launches:
+# each program recomputes its head's rows, which paid at B x H = 64 on the H200 (B = 1 at 64 heads: 0.87x
+# the projections then the step with FP8 weights, 0.97x bf16; B = 8 at 8 heads 0.85x / 0.91x) and lost at
+# 512 (B = 8 at 64 heads: 1.43x / 1.24x), RESULTS S28-2
+LOW_RANK_MAX_HEAD_ROWS = 64
 
 
 @dataclass
@@ -521,7 +527,11 @@ def decode(
 ) -> torch.Tensor:
     """Triton twin of `reference.decode`: one token per sequence, window and state updated in place. Two
     launches: the step kernel with the conv inside (it reads the windows), then, once every program has
-    read them, the gated output norm that also advances the windows (`norm`), or the window step alone."""
+    read them, the gated output norm that also advances the windows (`norm`), or the window step alone.
+    `LowRank` gates are multiplied inside those launches up to `LOW_RANK_MAX_HEAD_ROWS` (sequence, head)
+    pairs, beyond it by the projection launches first."""
+    if x.q.shape[0] * slots.state_pool.shape[1] > LOW_RANK_MAX_HEAD_ROWS:
+        x, norm = _multiplied_out(x, norm)
     f = x.f if isinstance(x.f, LowRank) else x.f[:, None]  # each sequence a block of one token
     steps = KDAInputs(x.q[:, None], x.k[:, None], x.v[:, None], f, x.b[:, None])
     o = recurrent(None, steps, params, slots, conv=True, **kw)[:, 0]
@@ -529,6 +539,16 @@ def decode(
         return gated_rms_norm(o, norm, WindowStep(x, slots))
     conv_steps(steps, None, slots, write_y=False, write_window=True)
     return o
+
+
+def _multiplied_out(x: KDAInputs, norm: OutputNorm | None) -> tuple[KDAInputs, OutputNorm | None]:
+    """x and norm with their `LowRank` gates multiplied out by `ops.gemm.linear` (the projection launches)."""
+    if isinstance(x.f, LowRank):
+        x = KDAInputs(x.q, x.k, x.v, linear(x.f.a, x.f.weight, x.f.scale_inv), x.b)
+    if norm is not None and isinstance(norm.gate, LowRank):
+        gate = norm.gate
+        norm = OutputNorm(linear(gate.a, gate.weight, gate.scale_inv), norm.weight, norm.eps)
+    return x, norm
 
 
 def verify(
