@@ -261,3 +261,24 @@ def test_picks_in_chunks_of_rows_are_the_picks_of_one_pass(monkeypatch):
     whole = sampling._noisy_argmax(probs, seeds, positions)
     monkeypatch.setattr(sampling, "NOISE_CHUNK_BYTES", 8 * 50 * 5)  # chunks of 5 rows, the last of 2
     assert torch.equal(sampling._noisy_argmax(probs, seeds, positions), whole)
+
+
+def test_allowed_tokens_near_the_lowest_logit_keep_their_probability():
+    """A huge repetition penalty can leave a constrained row's only allowed tokens finite but near fp32's
+    lowest value; a temperature below 1 then divided them to -inf (every logit -inf: NaN probabilities
+    and token 0, a token the grammar forbids, found by test_structured on a 3-layer model). The row must
+    put its mass on its allowed tokens: all of it on the larger of two whose logits lie ten fp32 steps
+    (2e32) apart there."""
+    from hylo.sampling import target_distribution
+
+    lowest = torch.finfo(torch.float32).min
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(3))
+    logits[0, 7], logits[0, 9] = lowest * 0.9, lowest * 0.9 + 2e32  # / 0.7: below fp32's lowest
+    allowed = torch.zeros(2, 30, dtype=torch.bool)
+    allowed[0, [7, 9]] = True
+    allowed[1] = True
+    rows = [SampleRow(SamplingParams(temperature=0.7), [], [], 0, []) for _ in range(2)]
+    _, probs = target_distribution(logits, rows, allowed)
+    assert not probs.isnan().any() and (probs[~allowed] == 0).all()
+    assert probs[0, 9] == 1.0
+    assert torch.allclose(probs[1], torch.softmax(logits[1] / 0.7, -1))

@@ -320,7 +320,11 @@ def target_distribution(
     # a temperature past the dtype's range would be inf there, and -inf / inf is NaN
     largest = torch.finfo(logits.dtype).max
     temps = [1.0 if r.params.greedy else min(r.params.temperature, largest) for r in rows]
-    probs = torch.softmax(logits / to_device(temps, logits.device, logits.dtype)[:, None], dim=-1)
+    # softmax does not see a shift: with each row's largest logit at 0 before the temperature divides,
+    # finite logits near the dtype's lowest (a huge penalty on a constrained row's only allowed tokens)
+    # are not divided to -inf (a row of -inf alone is NaN)
+    shifted = logits - logits.amax(-1, keepdim=True).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    probs = torch.softmax(shifted / to_device(temps, logits.device, logits.dtype)[:, None], dim=-1)
     return logits, _truncate(probs, rows)
 
 
