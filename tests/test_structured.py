@@ -14,7 +14,6 @@ from test_server import KEY, server  # noqa: F401 (a fixture)
 from test_spec import Oracle
 
 from hylo import LLM, SamplingParams
-from hylo.models.demo import write_random_model
 from hylo.structured import allowed_tokens, bitmask_words
 
 # every string and number bounded: any path through the grammar ends within a few dozen tokens
@@ -192,18 +191,6 @@ def test_server_rejects_bad_constraints_naming_the_field(server, body, param):  
     assert post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
-@pytest.fixture(scope="module")
-def deep_offline(tmp_path_factory):
-    """The offline `LLM` of the 8-layer random test model, as before the module's cut, for the test
-    below: on the 3-layer cut its huge penalty leaves the only allowed token ("b") a finite logit near
-    float32's lowest, which the temperature (0.7) divides past it to -inf, and the request fails ("token
-    0 breaks the request's ebnf constraint"): a fault of sampling's rule for rows left nothing
-    (`target_distribution` tests for them before the temperature), to be fixed there, not hidden here."""
-    path = tmp_path_factory.mktemp("demo")
-    write_random_model(path)
-    return LLM(str(path), device="cpu", page_size=16, max_memory_gb=0.25)
-
-
 @pytest.mark.parametrize(
     "extra",
     [
@@ -212,7 +199,10 @@ def deep_offline(tmp_path_factory):
     ],
     ids=["min-tokens", "huge-penalty"],
 )
-def test_the_constraint_wins_over_what_would_leave_it_nothing(deep_offline, extra):
+def test_the_constraint_wins_over_what_would_leave_it_nothing(offline, extra):
+    """On this module's 3-layer model the huge penalty leaves the only allowed token ("b") a finite logit
+    near float32's lowest, which the temperature (0.7) once divided to -inf (every logit -inf: token 0
+    against the grammar); sampling now shifts each row's largest logit to 0 first."""
     params = SamplingParams(temperature=0.7, seed=5, max_tokens=30, ebnf='root ::= "ab"', **extra)
-    out = deep_offline.generate(["ab ab ab"], params, use_tqdm=False)[0]
+    out = offline.generate(["ab ab ab"], params, use_tqdm=False)[0]
     assert out.text == "ab" and out.finish_reason == "stop", out
