@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 from conftest import EveryKth, random_prompt
 from dflash_reference import write_dflash_checkpoint
-from hf_reference import tiny_text_config, write_hf_checkpoint
-from test_mtp import LAYER, MTP_LAYER_KIND, TARGET_LAYERS, mtp_extras, target_dir
+from mtp_checkpoint import write_mtp_target
 
 from hylo import LLM, SamplingParams
 from hylo.speculative.proposer import Proposer, write_drafts
@@ -52,18 +51,15 @@ class KnownContinuations(Proposer):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """(a 6-layer target with an MTP layer, a DFlash draft for it, a DFlash2 draft for it)."""
+    """(a target with an MTP layer over the 4-layer mix of every layer kind, a DFlash draft for it, a
+    DFlash2 draft for it). Which steps verify and which noise a position reads do not depend on the depth;
+    3 Sinkhorn iterations of the mHC weights (the model's 20 are checked in test_mhc_kernels and
+    test_hf_parity): that loop was ~20% of each CPU step."""
     root = tmp_path_factory.mktemp("schedule")
-    # 3 Sinkhorn iterations of the mHC weights (the model's 20 are checked in test_mhc_kernels and
-    # test_hf_parity): that loop was ~20% of each CPU step, and which steps verify does not depend on it
-    config = tiny_text_config(4, 8, num_hidden_layers=TARGET_LAYERS + 1, hc_sinkhorn_iters=3)
-    for key, kind in MTP_LAYER_KIND.items():
-        config[key] = [*config[key], kind]
-    hf = write_hf_checkpoint(root / "hf", config, seed=31)
-    target = target_dir(hf, root / "target", {LAYER + k: v for k, v in mtp_extras(seed=7).items()})
-    dflash = write_dflash_checkpoint(root / "dflash", HIDDEN, VOCAB, [0, 2, 4], seed=5, block_size=BLOCK)
+    target = write_mtp_target(root, "each-kind", hc_sinkhorn_iters=3)
+    dflash = write_dflash_checkpoint(root / "dflash", HIDDEN, VOCAB, [0, 1, 2], seed=5, block_size=BLOCK)
     dflash2 = write_dflash_checkpoint(
-        root / "dflash2", HIDDEN, VOCAB, [0, 2, 4], seed=9, block_size=BLOCK, dflash2=DFLASH2
+        root / "dflash2", HIDDEN, VOCAB, [0, 1, 2], seed=9, block_size=BLOCK, dflash2=DFLASH2
     )
     return target, dflash, dflash2
 
