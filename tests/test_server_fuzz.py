@@ -5,21 +5,13 @@ nothing may answer a 5xx."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 import schemathesis
-import torch
 from schemathesis.engine import Status, events
 from schemathesis.engine import from_schema as engine_for
 from test_server import start_server, stop
-
-from hylo.config import ModelConfig
-from hylo.models.demo import write_random_model
-from hylo.models.glm5_next import Glm5NextForCausalLM
-from hylo.models.loader import save_checkpoint
-from hylo.models.random_init import randomize
 
 KEY = "fuzz-key"
 # Per operation, in the fuzzing phase. Every operation also gets the coverage phase (~3400 requests: each
@@ -30,30 +22,9 @@ EXAMPLES = 10
 MAX_TOKENS, MAX_N, MAX_PROMPTS = 2, 2, 2
 
 
-# The random test model cut from 8 layers to 3 that keep one of each kind it has (KDA, DSA with a full
-# indexer, DSA reusing it through a shared indexer; a dense MLP and MoE): the API's contract does not
-# depend on the depth, and each engine step costs ~40% of the 8-layer one (a 2-token chat request
-# 43 ms instead of 118 ms here), for the ~300 schema-valid requests that generate.
-SHALLOW_LAYERS = {
-    "num_hidden_layers": 3,
-    "layer_types": ["linear_attention", "indexed_attention", "indexed_attention"],
-    "indexer_types": ["full", "full", "shared"],
-    "mlp_layer_types": ["dense", "sparse", "sparse"],
-}
-
-
-@pytest.fixture(scope="module")
-def shallow_model_dir(tmp_path_factory):
-    """The random test model's tokenizer and config (`write_random_model`), with `SHALLOW_LAYERS` and
-    seeded random weights of that depth."""
-    path = tmp_path_factory.mktemp("shallow")
-    write_random_model(path)
-    raw = json.loads((path / "config.json").read_text())
-    raw["text_config"] |= SHALLOW_LAYERS
-    model = Glm5NextForCausalLM(ModelConfig.from_dict(raw))
-    randomize(model, torch.Generator().manual_seed(0))
-    save_checkpoint(model, path, raw)
-    return path
+# The server runs conftest's `shallow_model_dir` (the random test model cut to 3 layers, one of each kind):
+# the API's contract does not depend on the depth, and each engine step costs ~40% of the 8-layer one (a
+# 2-token chat request 43 ms instead of 118 ms here), for the ~300 schema-valid requests that generate.
 
 
 @pytest.fixture(scope="module")
