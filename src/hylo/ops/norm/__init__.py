@@ -75,15 +75,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return reference.rms_norm(x, weight, eps)
 
 
-def pair_refusal(first: NormRows, second: NormRows, store: RowStore) -> str | None:
-    """Why `kernels.rms_norm_pair` cannot take this call, or None."""
+def _row_sets_refusal(first: NormRows, second: NormRows) -> str | None:
+    """What the two-norm kernels (`rms_norm_pair`, `rms_norm_cat`) need of their row sets, or None: each
+    one `rms_norm` takes, `[T, w]`, both of the same tokens on one device."""
     for name, rows in (("first", first), ("second", second)):
         if rows.x.dim() != 2:
             return f"the {name} rows must be [T, w]"
         if (reason := refusal(rows.x, rows.weight)) is not None:
             return f"the {name} rows: {reason}"
-    if second.x.shape[0] != first.x.shape[0] or store.index.shape != (first.x.shape[0],):
-        return "both row sets and the store's index must have one row per token"
+    if second.x.shape[0] != first.x.shape[0] or second.x.device != first.x.device:
+        return "both row sets must have one row per token, on one device"
+    return None
+
+
+def pair_refusal(first: NormRows, second: NormRows, store: RowStore) -> str | None:
+    """Why `kernels.rms_norm_pair` cannot take this call, or None."""
+    if (reason := _row_sets_refusal(first, second)) is not None:
+        return reason
+    if store.index.shape != (first.x.shape[0],):
+        return "the store's index must have one row per token"
     if store.index.dtype not in (torch.int32, torch.int64):
         return f"the store's index must be int32 or int64, got {store.index.dtype}"
     if store.out.dim() != 2 or store.out.shape[1] != second.x.shape[1] or store.out.stride(1) != 1:
@@ -107,13 +117,8 @@ def rms_norm_pair(first: NormRows, second: NormRows, store: RowStore) -> torch.T
 
 def cat_refusal(first: NormRows, second: NormRows) -> str | None:
     """Why `kernels.rms_norm_cat` cannot take this call, or None."""
-    for name, rows in (("first", first), ("second", second)):
-        if rows.x.dim() != 2:
-            return f"the {name} rows must be [T, w]"
-        if (reason := refusal(rows.x, rows.weight)) is not None:
-            return f"the {name} rows: {reason}"
-    if second.x.shape[0] != first.x.shape[0] or second.x.device != first.x.device:
-        return "both row sets must have one row per token, on one device"
+    if (reason := _row_sets_refusal(first, second)) is not None:
+        return reason
     if torch.result_type(first.weight, first.x) != torch.result_type(second.weight, second.x):
         return "both norms must give one dtype (the kernel does not cast)"
     return None
