@@ -6,10 +6,13 @@ one head's d rows of such a product for one token: it computes them from the tok
 head's [d, r] slice of W (e4m3 widened with its block scale, or as stored), accumulated in fp32 and
 rounded to a's dtype as the projection's output is. Every head's slice is read by the programs of that
 head only, so the weight is read once per token from memory (the value tiles of a head share it
-through L2), as a projection launch would read it, and the two launches are gone.
+through L2), as a projection launch would read it, and the two launches are gone. The value tiles'
+recomputation of their head's rows pays only while the step is small (`recurrent.LOW_RANK_MAX_HEAD_ROWS`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -19,11 +22,6 @@ from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.kda.reference import LowRank
 
 RANK_STEP = 32  # columns of W per inner step at most: a [rows, d, RANK_STEP] fp32 tile stays in registers
-
-
-def rank_step(rank: int) -> int:
-    """Columns of W per inner step of `low_rank_rows` for a factor of `rank` columns."""
-    return min(RANK_STEP, triton.next_power_of_2(rank))
 
 
 @triton.jit
@@ -57,11 +55,22 @@ def low_rank_rows(
     return acc.to(a_rows.dtype.element_ty).to(tl.float32)
 
 
-def operands(
-    x: LowRank, heads: int, head_dim: int
-) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, int]:
-    """(a, a's row stride, W, its scales or W itself, the scales' row stride) of a launch that reads `x`
-    as `[B, heads·head_dim]`, after a ValueError naming what does not fit."""
+class Operands(NamedTuple):
+    """What a launch takes of a `LowRank` input: the factor a and its row stride, the projection's
+    (W, its scales or W itself, the scales' row stride), and the constexprs of `low_rank_rows` (the
+    rank R, its inner step RB, whether W is FP8)."""
+
+    a: torch.Tensor
+    a_stride: int
+    factors: tuple[torch.Tensor, torch.Tensor, int]
+    rank: int
+    step: int
+    fp8: bool
+
+
+def operands(x: LowRank, heads: int, head_dim: int) -> Operands:
+    """The launch operands of `x` read as `[B, heads·head_dim]`, after a ValueError naming what does not
+    fit."""
     a, w, scale = x.a, x.weight, x.scale_inv
     rank = a.shape[-1]
     if a.dim() != 2 or a.stride(-1) != 1:
@@ -72,14 +81,15 @@ def operands(
         raise ValueError(
             f"LowRank: weight must be a contiguous [{heads * head_dim}, {rank}], got {tuple(w.shape)}"
         )
+    step = min(RANK_STEP, triton.next_power_of_2(rank))
     if scale is None:
         if w.dtype != a.dtype:
             raise ValueError(f"LowRank: an unscaled weight must be a's dtype {a.dtype}, got {w.dtype}")
-        return a, a.stride(0), w, w, 0
+        return Operands(a, a.stride(0), (w, w, 0), rank, step, False)
     blocks = (triton.cdiv(w.shape[0], FP8_BLOCK), triton.cdiv(rank, FP8_BLOCK))
     if w.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or tuple(scale.shape) != blocks:
         raise ValueError(
             f"LowRank: a scaled weight must be float8_e4m3fn with fp32 scale_inv {blocks}, got {w.dtype} "
             f"and {scale.dtype} {tuple(scale.shape)}"
         )
-    return a, a.stride(0), w, scale, scale.stride(0)
+    return Operands(a, a.stride(0), (w, scale, scale.stride(0)), rank, step, True)

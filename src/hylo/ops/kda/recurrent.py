@@ -425,10 +425,9 @@ def _gate_operands(f: torch.Tensor | LowRank, heads: int, head_dim: int) -> tupl
     if not isinstance(f, LowRank):
         assert f.stride(2) == 1
         return (f, f.stride(0), f.stride(1)), (f, f, 0), dict(F_RANK=0, F_STEP=1, F_FP8=False)
-    a, a_stride, w, scale, scale_stride = low_rank.operands(f, heads, head_dim)
-    rank = a.shape[1]
-    constants = dict(F_RANK=rank, F_STEP=low_rank.rank_step(rank), F_FP8=f.scale_inv is not None)
-    return (a, a_stride, 0), (w, scale, scale_stride), constants
+    factor = low_rank.operands(f, heads, head_dim)
+    constants = dict(F_RANK=factor.rank, F_STEP=factor.step, F_FP8=factor.fp8)
+    return (factor.a, factor.a_stride, 0), factor.factors, constants
 
 
 def _conv_operands(x: KDAInputs, params: KDAParams, slots: KDASlots) -> tuple:

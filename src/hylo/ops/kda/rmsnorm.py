@@ -91,12 +91,11 @@ def gated_rms_norm(x: torch.Tensor, norm: OutputNorm, window: WindowStep | None 
         advance += (window.slots.slot_ids,)
         br, width = max(1, 1024 // d), pool.shape[1] + 1  # more programs: each also moves 9 window rows
     if isinstance(norm.gate, LowRank):
-        a, a_stride, *factors = low_rank.operands(norm.gate, heads, d)
-        if x.dim() != 3 or a.shape[0] != x.shape[0]:
+        factor = low_rank.operands(norm.gate, heads, d)
+        if x.dim() != 3 or factor.a.shape[0] != x.shape[0]:
             raise ValueError(f"gated_rms_norm: a LowRank gate needs x [tokens, H, d], got {tuple(x.shape)}")
-        rank = a.shape[1]
-        gate = (a, a_stride)
-        constants = dict(G_RANK=rank, G_STEP=low_rank.rank_step(rank), G_FP8=norm.gate.scale_inv is not None)
+        gate, factors = (factor.a, factor.a_stride), factor.factors
+        constants = dict(G_RANK=factor.rank, G_STEP=factor.step, G_FP8=factor.fp8)
         br = 1  # one head's [d, r] slice of the projection per program: all programs share the read
     else:
         gate, factors = (norm.gate.reshape(x.shape).contiguous(), 0), (x, x, 0)
