@@ -172,8 +172,11 @@ def _project(acc, x, fn, stream: tl.constexpr, d, dmask, D: tl.constexpr, SPLIT_
 
 @triton.jit
 def _normalized(a, b, c, d, eps):
-    total = a + b + c + d + eps
-    return a / total, b / total, c / total, d / total
+    """(a, b, c, d) / (a + b + c + d + eps) as one IEEE division and four products: within 1.5 ulp of
+    the reference's four divisions. The Sinkhorn loop runs 160 of these per token in one program's
+    serial chain, and a GPU divides by a software sequence, so one division instead of four shortens it."""
+    inverse = 1.0 / (a + b + c + d + eps)
+    return a * inverse, b * inverse, c * inverse, d * inverse
 
 
 @triton.jit
@@ -184,8 +187,8 @@ def _softmax_row(z, k: tl.constexpr, hc_eps):
     z0, z1, z2, z3 = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
     top = tl.maximum(tl.maximum(z0, z1), tl.maximum(z2, z3))
     e0, e1, e2, e3 = tl.exp(z0 - top), tl.exp(z1 - top), tl.exp(z2 - top), tl.exp(z3 - top)
-    total = e0 + e1 + e2 + e3
-    return e0 / total + hc_eps, e1 / total + hc_eps, e2 / total + hc_eps, e3 / total + hc_eps
+    inverse = 1.0 / (e0 + e1 + e2 + e3)
+    return e0 * inverse + hc_eps, e1 * inverse + hc_eps, e2 * inverse + hc_eps, e3 * inverse + hc_eps
 
 
 @triton.jit
