@@ -14,6 +14,7 @@ from hylo.memory.state import StateCache
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_mtp_layer
 from hylo.models.mtp import MTPLayer
+from hylo.ops.mtp_inputs import block_inputs
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches, StepCommit
 from hylo.speculative.verify import VerifyShape
 
@@ -135,45 +136,31 @@ class MTPProposer(Proposer):
         if commit.features is None or not isinstance(layout, Uniform) or commit.sampling.shape[0] != blocks:
             super().observe_and_propose(batch, commit)
             return
-        counts = commit.counts.long()
-        starts = batch.positions[batch.pad_index[:, 0]]
-        hidden = self._observe_uniform(batch, layout.width, commit.features, counts, commit.anchors, starts)
-        self._keep_last_hidden(batch, commit)
-        first = hidden[torch.arange(blocks, device=hidden.device), counts]
+        rows, width = batch.state_slots, layout.width
+        inputs = block_inputs(
+            self.last_hidden, rows, commit.features, batch.input_ids, batch.positions, batch.pad_index,
+            commit.counts, commit.anchors, width, self.num_steps - 1, self.table.shape[1] - 1,
+        )  # fmt: skip
+        embeds = self.layer.embedding(self.target)(inputs.tokens)
+        hidden = self.layer(
+            embeds, inputs.hidden.flatten(0, 1), self._uniform(inputs.prefix, rows, width + 1)
+        )
+        first = hidden.index_select(0, inputs.first)
         tokens = self.layer.greedy(first, self.target, self.head)
-        rows = batch.state_slots
         self.drafts[rows, 0] = tokens
-        self._chain(rows, starts + counts, tokens, first, first_step=1)
+        self._chain(rows, inputs.chain, tokens, first, first_step=1)
 
-    def _observe_uniform(
-        self,
-        batch: ForwardBatch,
-        width: int,
-        features: torch.Tensor,
-        counts: torch.Tensor | None = None,
-        anchors: torch.Tensor | None = None,
-        starts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def _observe_uniform(self, batch: ForwardBatch, width: int, features: torch.Tensor) -> None:
         """The entries of a uniform batch's `width` tokens (every sequence past position 0), from
-        device tensors alone (`features`: the target's of those tokens); with `anchors`, one more entry
-        per sequence whose token `counts[b]` (0-based in the block) is the anchor. `starts`: each
-        sequence's first position, where the caller has it. The MTP hiddens, `[B, width (+1), H]`."""
+        device tensors alone (`features`: the target's of those tokens)."""
         blocks = len(batch.extend_lens)
         rows = batch.state_slots
         features = features.view(blocks, width, -1)
-        tokens = batch.input_ids.view(blocks, width)
-        if anchors is None:
-            hidden = torch.cat([self.last_hidden[rows][:, None], features[:, :-1]], 1)
-        else:
-            hidden = torch.cat([self.last_hidden[rows][:, None], features], 1)
-            tokens = torch.cat([tokens, tokens[:, -1:]], 1).scatter(1, counts[:, None], anchors[:, None])
+        hidden = torch.cat([self.last_hidden[rows][:, None], features[:, :-1]], 1)
         # a filler sequence starts at position 0 of the scratch row: its entries go there too
-        if starts is None:
-            starts = batch.positions[batch.pad_index[:, 0]]
-        prefix = (starts - 1).clamp(min=0)
-        embeds = self.layer.embedding(self.target)(tokens.flatten())
-        out = self.layer(embeds, hidden.flatten(0, 1), self._uniform(prefix, rows, tokens.shape[1]))
-        return out.view(blocks, tokens.shape[1], -1)
+        prefix = (batch.positions[batch.pad_index[:, 0]] - 1).clamp(min=0)
+        embeds = self.layer.embedding(self.target)(batch.input_ids)
+        self.layer(embeds, hidden.flatten(0, 1), self._uniform(prefix, rows, width))
 
     def _observe_padded(self, batch: ForwardBatch, layout: Padded, features: torch.Tensor) -> None:
         """The entries of a padded chunk (a prefill graph's: n = `layout.lengths[0]` tokens from position
@@ -237,21 +224,23 @@ class MTPProposer(Proposer):
             return
         rows = batch.state_slots[seqs]
         lengths = batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs].long()
-        self._chain(rows, lengths, commit.anchors[seqs], self.last_hidden[rows], first_step=0)
+        steps = torch.arange(self.num_steps, device=lengths.device)
+        positions = (lengths - 1 + steps[:, None]).clamp(max=self.table.shape[1] - 1)
+        self._chain(rows, positions, commit.anchors[seqs], self.last_hidden[rows], first_step=0)
 
     def _chain(
         self,
         rows: torch.Tensor,
-        lengths: torch.Tensor,
+        positions: torch.Tensor,
         tokens: torch.Tensor,
         hidden: torch.Tensor,
         first_step: int,
     ) -> None:
-        """Draft steps `first_step ..` from step `first_step`'s input token and hidden."""
-        last = self.table.shape[1] - 1  # drafts past the table's end are never verified
+        """Draft steps `first_step ..` from step `first_step`'s input token and hidden; `positions [S, B]`:
+        row s the positions of step `first_step + s` (clamped to the table's end: drafts past it are
+        never verified)."""
         embed = self.layer.embedding(self.target)
         for step in range(first_step, self.num_steps):
-            positions = (lengths - 1 + step).clamp(max=last)
-            hidden = self.layer(embed(tokens), hidden, self._uniform(positions, rows, 1))
+            hidden = self.layer(embed(tokens), hidden, self._uniform(positions[step - first_step], rows, 1))
             tokens = self.layer.greedy(hidden, self.target, self.head)
             self.drafts[rows, step] = tokens

@@ -1,0 +1,110 @@
+"""The Triton kernel of an MTP verify block's inputs (`ops.mtp_inputs.block_inputs`) against its torch
+reference, under the Triton interpreter on the CPU. It only moves values: equal, not close."""
+
+from __future__ import annotations
+
+from interpreter import run_compiled_for_hopper, use_interpreter
+
+use_interpreter()  # before the kernels are decorated
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hylo.ops.mtp_inputs import kernels, reference, refusal  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
+
+
+def verify_batch(blocks: int, width: int, hidden: int, seed: int, dtype=torch.bfloat16):
+    """A uniform verify batch as `MTPProposer.observe_and_propose` sees it: features (a strided view
+    of a wider capture), table rows in random order, counts from 1 to width (sequence 0 commits all,
+    so its anchor lands in the extra column), sequence 1 at position 0 (prefix clamped) when there is one."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = blocks * width
+    last_hidden = torch.randn(blocks + 5, hidden, generator=gen).to(dtype)
+    rows = torch.randperm(blocks + 5, generator=gen)[:blocks]
+    features = torch.randn(tokens, hidden + 8, generator=gen).to(dtype)[:, :hidden]
+    input_ids = torch.randint(0, 1000, (tokens,), generator=gen)
+    starts = torch.randint(0, 40, (blocks,), generator=gen)
+    if blocks > 1:
+        starts[1] = 0
+    positions = (starts[:, None] + torch.arange(width)).flatten()
+    pad_index = torch.arange(tokens).view(blocks, width)
+    counts = torch.randint(1, width + 1, (blocks,), generator=gen).int()
+    counts[0] = width
+    anchors = torch.randint(1000, 2000, (blocks,), generator=gen)
+    return last_hidden, rows, features, input_ids, positions, pad_index, counts, anchors
+
+
+def assert_same(got, want, got_last, want_last):
+    for name, a, b in zip(reference.BlockInputs._fields, got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), name
+    assert torch.equal(got_last, want_last), "last_hidden"
+
+
+@pytest.mark.parametrize(
+    ("blocks", "width", "hidden", "chain_steps", "block_h"),
+    [(1, 2, 64, 0, 64), (3, 4, 48, 2, 64), (4, 4, 80, 4, 32), (2, 8, 40, 1, 16)],
+)
+def test_kernel_equals_the_reference(monkeypatch, blocks, width, hidden, chain_steps, block_h):
+    """Hidden sizes off a power of two (masked tails) and, with a small BLOCK_H, several steps a row;
+    `last` below some chained positions (clamped)."""
+    monkeypatch.setattr(kernels, "BLOCK_H", block_h)
+    args = verify_batch(blocks, width, hidden, seed=blocks * width + hidden)
+    last = 40
+    assert refusal(*args, width) is None
+    ours, theirs = args[0].clone(), args[0].clone()
+    got = kernels.block_inputs(ours, *args[1:], width, chain_steps, last)
+    want = reference.block_inputs(theirs, *args[1:], width, chain_steps, last)
+    assert_same(got, want, ours, theirs)
+    assert not torch.equal(ours, args[0]), "the committed rows' hiddens were not stored"
+
+
+def test_the_reference_is_what_the_proposer_fed_its_layer():
+    """The reference's columns, spelled out for one sequence: old hidden then the features; tokens with
+    the anchor after the committed ones; the new last hidden is the last committed token's feature."""
+    args = verify_batch(3, 4, 8, 0)
+    last_hidden, rows, features, input_ids, positions, _, counts, anchors = args
+    counts[2] = 2
+    old = last_hidden.clone()
+    got = reference.block_inputs(*args, 4, 2, 1000)
+    b, start = 2, positions[8]
+    assert torch.equal(got.hidden[b, 0], old[rows[b]])
+    assert torch.equal(got.hidden[b, 1:], features[8:12])
+    ids = input_ids.tolist()
+    assert got.tokens.view(3, 5)[b].tolist() == [ids[8], ids[9], anchors[b].item(), ids[11], ids[11]]
+    assert torch.equal(last_hidden[rows[b]], features[9])
+    assert got.first[b].item() == 2 * 5 + 2 and got.prefix[b].item() == start - 1
+    assert got.chain[:, b].tolist() == [start + 2, start + 3]
+    assert got.prefix[1].item() == 0  # sequence 1 starts at position 0
+
+
+def test_refusals_name_what_the_kernel_cannot_take():
+    args = verify_batch(3, 4, 16, 1)
+    assert "H" in refusal(*args[:2], args[2].t(), *args[3:], 4)
+    assert "dtype" in refusal(args[0].float(), *args[1:], 4)
+    assert "contiguous" in refusal(*args[:7], torch.zeros(3, 2, dtype=torch.long)[:, 0], 4)
+    assert "int64" in refusal(*args[:3], args[3].int(), *args[4:], 4)
+    assert "empty" in refusal(args[0], args[1][:0], args[2][:0], *args[3:], 4)
+    assert refusal(*args, 4) is None
+
+
+_HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hylo.ops.mtp_inputs.kernels import _block_inputs_kernel as fn
+
+consts = {"W": 4, "H": 6144, "BH": 2048, "CHAIN": 2}
+kinds = {"last_hidden": "*bf16", "features": "*bf16", "hidden_out": "*bf16", "counts": "*i32",
+         "blocks": "i32", "last": "i32", "stride_last": "i64", "stride_features": "i64", "stride_pad": "i64"}
+sig = {n: "constexpr" if n in consts else kinds.get(n, "*i64") for n in fn.arg_names}
+src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0)
+"""
+
+
+def test_the_kernel_compiles_for_hopper():
+    """As the GPU builds it (no GPU needed): the interpreter does not check Triton's typing rules."""
+    assert run_compiled_for_hopper(_HOPPER_COMPILE).split() == ["True"]
