@@ -81,15 +81,19 @@ class Step:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "fp8", "h", "d", "bound"),
+    ("dtype", "fp8", "h", "d", "batch", "bound"),
     [
-        (torch.float32, False, 3, 64, RATIO),  # rank 48: one full and one masked inner step of 32 columns
-        (torch.float32, True, 3, 64, RATIO),  # 192 rows: two scale blocks along N
-        (torch.float16, False, 2, 32, RATIO_HALF),
+        # rank 48: one full and one masked inner step of 32 columns; two value tiles of 16 per head
+        (torch.float32, False, 3, 32, 3, RATIO),
+        # 192 rows: two scale blocks along N (head 2 in the second); four value tiles per head
+        (torch.float32, True, 3, 64, 2, RATIO),
+        (torch.float16, False, 2, 32, 3, RATIO_HALF),
     ],
 )
-def test_low_rank_decode_matches_reference(dtype, fp8, h, d, bound):
-    step = Step(11 + h, dtype, fp8, h=h, d=d)
+def test_low_rank_decode_matches_reference(dtype, fp8, h, d, batch, bound):
+    """The interpreter runs the step's batch x heads x value tiles programs one by one: each case keeps the
+    fewest that still hold what it checks (several sequences, heads and value tiles in every case)."""
+    step = Step(11 + h, dtype, fp8, h=h, d=d, batch=batch)
     o_ref, conv_ref, state_ref = step.run(reference.decode, dense=False)
     o, conv, state = step.run(recurrent.decode, dense=False)
     assert err(o, o_ref) < bound
@@ -104,7 +108,7 @@ def test_low_rank_decode_uses_each_head_rows():
     """Rows of the projections swapped between heads change only those heads' outputs: each program
     reads its own head's rows of f_b and g_b (a kernel reading head 0's rows for all would pass a test
     whose heads happened to share weights)."""
-    step = Step(5, torch.float32, False)
+    step = Step(5, torch.float32, False, d=32, batch=2)
     o, _, _ = step.run(recurrent.decode, dense=False)
     d = step.d
     w = step.gate.weight.clone()
@@ -127,7 +131,7 @@ def test_low_rank_decode_is_two_launches(monkeypatch):
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", counted)
-    Step(1, torch.float32, True, batch=1).run(recurrent.decode, dense=False)
+    Step(1, torch.float32, True, d=32, batch=1).run(recurrent.decode, dense=False)
     assert names == ["_recurrent_kernel", "_gated_norm_kernel"]
 
 
@@ -188,8 +192,8 @@ def test_low_rank_decode_launches_compile_for_hopper():
 def test_many_head_rows_multiply_the_factors_out_first(monkeypatch):
     """Beyond `LOW_RANK_MAX_HEAD_ROWS` (sequence, head) pairs the step takes the projections' products
     (`ops.gemm.linear`, here the CPU's torch) and the kernels read them dense: the same step."""
-    monkeypatch.setattr(recurrent, "LOW_RANK_MAX_HEAD_ROWS", 3)  # 3 sequences x 3 heads = 9 > 3
-    step = Step(8, torch.float32, True)
+    monkeypatch.setattr(recurrent, "LOW_RANK_MAX_HEAD_ROWS", 3)  # 2 sequences x 2 heads = 4 > 3
+    step = Step(8, torch.float32, True, h=2, d=32, batch=2)
     o_ref, conv_ref, state_ref = step.run(reference.decode, dense=False)
     o, conv, state = step.run(recurrent.decode, dense=False)
     assert err(o, o_ref) < RATIO and err(state, state_ref) < RATIO and torch.equal(conv, conv_ref)
