@@ -19,7 +19,7 @@ from hylo.layers.norm import RMSNorm
 from hylo.layers.sparse_mla import SparseMLA
 from hylo.layers.vocab import VocabEmbedding, VocabHead
 from hylo.ops.kda import VerifyCache, chunked_prefill_refusal
-from hylo.ops.mhc import BlockNorm, PendingPost, mhc_post, streams_refusal
+from hylo.ops.mhc import BlockNorm, PendingPost, mhc_post, mhc_post_mean, streams_refusal
 from hylo.ops.norm import width_refusal
 from hylo.ops.sparse_mla import rank_refusal
 from hylo.parallel.layout import SINGLE, Parallel
@@ -125,16 +125,22 @@ class Glm5NextForCausalLM(nn.Module):
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         rows, pending = None, None
         captured, records = [], {}
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             streams, rows, pending, record = layer(streams, batch, rows, pending)
             if record is not None:
                 records[i] = record
-            if i in capture_layers or i == len(self.layers) - 1:  # these need the streams complete
+            if i == last:  # only the streams' mean is read after the last layer
+                mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb)
+            elif i in capture_layers:  # these need the streams complete
                 streams, pending = mhc_post(pending.out, streams, pending.post, pending.comb), None
+                mean = streams.mean(dim=1)
             if i in capture_layers:
-                captured.append(streams.mean(dim=1))
-        features = torch.cat(captured, dim=-1) if capture_layers else None
-        hidden = self.norm(streams[batch.logits_index].mean(dim=1))
+                captured.append(mean)
+        features = None
+        if capture_layers:
+            features = captured[0] if len(captured) == 1 else torch.cat(captured, dim=-1)
+        hidden = self.norm(mean[batch.logits_index])
         return ForwardOutput(self.lm_head(hidden).float(), features, records)
 
     @torch.inference_mode()

@@ -45,7 +45,7 @@ from hylo.layers.linear import Linear
 from hylo.layers.norm import RMSNorm
 from hylo.layers.vocab import HotTokenHead, VocabEmbedding, VocabHead
 from hylo.models.glm5_next import DecoderLayer, Glm5NextForCausalLM
-from hylo.ops.mhc import mhc_post
+from hylo.ops.mhc import mhc_post_mean
 from hylo.ops.norm import NormRows, rms_norm_cat
 from hylo.parallel.layout import SINGLE, Parallel
 
@@ -100,7 +100,7 @@ class MTPLayer(nn.Module):
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         step = self.decoder(streams, batch, None)
         out, post, comb = step.pending
-        return mhc_post(out, step.streams, post, comb).mean(dim=1)
+        return mhc_post_mean(out, step.streams, post, comb)
 
     def logits(self, hidden: torch.Tensor, target: Glm5NextForCausalLM) -> torch.Tensor:
         return self.head(target)(self.shared_head.norm(hidden)).float()

@@ -2,7 +2,8 @@
 
 CUDA tensors go to `kernels`, everything else to the reference. `mhc_enter` is what a decoder layer
 runs between two blocks (the previous block's post, this block's pre, the block's RMSNorm): two launches
-at decode sizes (see `kernels`); `mhc_post` alone (one elementwise launch) ends the last block.
+at decode sizes (see `kernels`); `mhc_post` alone (one elementwise launch) ends the last block, or
+`mhc_post_mean` (the same launch, storing the streams' mean) where only the mean is read after it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "PendingPost",
     "mhc_enter",
     "mhc_post",
+    "mhc_post_mean",
     "mhc_pre",
     "refusal",
     "streams_refusal",
@@ -71,6 +73,17 @@ def mhc_post(
 
         return kernels.mhc_post(out, streams, post, comb)
     return reference.mhc_post(out, streams, post, comb)
+
+
+def mhc_post_mean(
+    out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """The new streams' mean `[T, D]`; see `reference.mhc_post_mean`."""
+    if _use_kernels("post_mean", streams):
+        from hylo.ops.mhc import kernels
+
+        return kernels.mhc_post_mean(out, streams, post, comb)
+    return reference.mhc_post_mean(out, streams, post, comb)
 
 
 def mhc_enter(

@@ -438,6 +438,40 @@ def _post_kernel(
     tl.store(new_streams + ptr + 3 * D, _expand(o, s0, s1, s2, s3, w3, dtype), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _post_mean_kernel(
+    out,
+    streams,
+    post,
+    comb,
+    mean,
+    M,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """`_post_kernel`'s new streams, each rounded to the streams' dtype as it stores them, summed in
+    fp32 in stream order and divided by 4 (torch's mean of the stored streams), one row per token."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    d = tl.program_id(1) * BK + tl.arange(0, BK)
+    rmask = rows < M
+    mask = rmask[:, None] & (d < D)[None, :]
+    ptr = rows[:, None].to(tl.int64) * (4 * D) + d[None, :]
+    out_ptr = rows[:, None].to(tl.int64) * D + d[None, :]
+    o = tl.load(out + out_ptr, mask=mask, other=0.0).to(tl.float32)
+    s0 = tl.load(streams + ptr, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(streams + ptr + D, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(streams + ptr + 2 * D, mask=mask, other=0.0).to(tl.float32)
+    s3 = tl.load(streams + ptr + 3 * D, mask=mask, other=0.0).to(tl.float32)
+    dtype = streams.dtype.element_ty
+    w0, w1, w2, w3 = _mix_weights(post + rows * 4, comb + rows * 16, rmask, dtype)
+    total = _expand(o, s0, s1, s2, s3, w0, dtype).to(tl.float32)
+    total += _expand(o, s0, s1, s2, s3, w1, dtype).to(tl.float32)
+    total += _expand(o, s0, s1, s2, s3, w2, dtype).to(tl.float32)
+    total += _expand(o, s0, s1, s2, s3, w3, dtype).to(tl.float32)
+    tl.store(mean + out_ptr, (total / 4).to(dtype), mask=mask)
+
+
 # ---------------------------------------------------------------- launchers
 
 
@@ -613,17 +647,43 @@ def mhc_post(
     tiles measured fastest on the H200: 64 dims below `PREFILL_PLAN_FROM` tokens (M = 1 / 16 / 64: 1.65
     / 1.86 / 2.32 us; 128 dims 1.85 / 2.15 / 2.49), else 128 (M = 13312: 251 us; block_m=32,
     block_k=64: 284 us)."""
+    new_streams = torch.empty(streams.shape, dtype=streams.dtype, device=streams.device)
+    _launch_post(
+        _post_kernel, PendingPost(out, post, comb), streams, new_streams, block_m, block_k, num_warps
+    )
+    return new_streams
+
+
+def mhc_post_mean(
+    out: torch.Tensor,
+    streams: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    block_m: int = 16,
+    block_k: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """See `reference.mhc_post_mean`: the new streams' mean `[T, D]` in one launch, `mhc_post`'s tiles
+    (equal to the reference where the fp32 sum of the four rounded streams is exact: always unless
+    their magnitudes differ by more than 2^16 in bf16)."""
+    mean = torch.empty(streams.shape[0], streams.shape[2], dtype=streams.dtype, device=streams.device)
+    _launch_post(_post_mean_kernel, PendingPost(out, post, comb), streams, mean, block_m, block_k, num_warps)
+    return mean
+
+
+def _launch_post(
+    kernel, pending: PendingPost, streams: torch.Tensor, result: torch.Tensor, block_m, block_k, num_warps
+) -> None:
+    """`kernel` (`_post_kernel` or `_post_mean_kernel`) over `streams` and `pending`, into `result`."""
     tokens, hidden = _check_streams(streams)
     if block_k is None:
         block_k = 64 if tokens < PREFILL_PLAN_FROM else 128
-    _check_pending(PendingPost(out, post, comb), tokens, hidden, streams)
-    streams = streams.contiguous()
-    new_streams = torch.empty_like(streams)
+    _check_pending(pending, tokens, hidden, streams)
     if tokens == 0:
-        return new_streams
+        return
     grid = (triton.cdiv(tokens, block_m), triton.cdiv(hidden, block_k))
-    out, post, comb = _mix_operands(PendingPost(out, post, comb))
-    _post_kernel[grid](
-        out, streams, post, comb, new_streams, tokens, D=hidden, BM=block_m, BK=block_k, num_warps=num_warps
-    )
-    return new_streams
+    out, post, comb = _mix_operands(pending)
+    kernel[grid](
+        out, streams.contiguous(), post, comb, result, tokens, D=hidden, BM=block_m, BK=block_k,
+        num_warps=num_warps,
+    )  # fmt: skip

@@ -88,6 +88,13 @@ def mhc_post(
     return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
 
 
+def mhc_post_mean(
+    out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """The mean over the new streams of `mhc_post` (`[T, D]`): what a model reads after its last block."""
+    return mhc_post(out, streams, post, comb).mean(dim=1)
+
+
 def mhc_enter(
     streams: torch.Tensor, hc: HCParams, pending: PendingPost | None = None, norm: BlockNorm | None = None
 ) -> BlockEntry:

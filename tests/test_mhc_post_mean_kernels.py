@@ -1,0 +1,48 @@
+"""mHC's `mhc_post_mean` kernel (the last block's post and the streams' mean in one launch) under the
+Triton interpreter on the CPU: the mean of the streams `mhc_post`'s kernel stores, bit for bit (fp32
+and fp16; the interpreter's bf16 casts truncate, see test_mhc_kernels), and the reference's within
+the post's rounding."""
+
+from __future__ import annotations
+
+from interpreter import use_interpreter
+
+use_interpreter()  # before the kernels are decorated
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import hylo.ops.mhc as mhc_ops  # noqa: E402
+from hylo.ops.mhc import kernels, reference  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
+
+
+def post_case(tokens: int, hidden: int, seed: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    streams = torch.randn(tokens, 4, hidden, generator=g).to(dtype)
+    out = torch.randn(tokens, hidden, generator=g).to(dtype)
+    return out, streams, 2 * torch.rand(tokens, 4, generator=g), torch.rand(tokens, 4, 4, generator=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("tokens", "hidden", "block_k"), [(1, 64, 64), (19, 96, 64), (5, 40, 16)])
+def test_post_mean_is_the_mean_of_the_posted_streams(dtype, tokens, hidden, block_k):
+    """Several token blocks and hidden tiles, hidden sizes the tiles do not divide; fp32 sums of four
+    values in stream order, as torch's mean of the stored streams sums them on the CPU."""
+    case = post_case(tokens, hidden, seed=tokens + hidden, dtype=dtype)
+    got = kernels.mhc_post_mean(*case, block_k=block_k)
+    posted = kernels.mhc_post(*case, block_k=block_k)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    assert torch.equal(got, posted.mean(dim=1))
+    # against the reference: the post's streams differ by a rounding of each (the kernel rounds once)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-3, "atol": 2e-3}
+    torch.testing.assert_close(got, reference.mhc_post_mean(*case), **tol)
+
+
+def test_the_dispatcher_sends_cuda_calls_to_the_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None: calls.append(op) or True)
+    case = post_case(3, 64, seed=1, dtype=torch.float32)
+    assert torch.equal(mhc_ops.mhc_post_mean(*case), kernels.mhc_post_mean(*case))
+    assert calls == ["post_mean"]
