@@ -56,6 +56,9 @@ class VerifyPlan:
     other_tokens: torch.Tensor  # packed tokens of the other sequences
     other_slots: torch.Tensor
     other_offsets: Offsets
+    # the blocks are the batch's packed tokens in order (blocks of one width and nothing else): token
+    # t of block j is packed token j·T + t, so the blocks are views of the packed tensors
+    whole_batch: bool = False
 
 
 class KDAPlan:
@@ -188,7 +191,9 @@ class KDAPlan:
             tokens = torch.arange(len(lens), device=device)[:, None] * width
             blocks = tokens + torch.arange(width, device=device)
             flat, empty = blocks.flatten(), torch.zeros(0, dtype=torch.long, device=device)
-            return VerifyPlan(blocks, self.state_slots, flat, flat, empty, empty, _offsets([], device))
+            return VerifyPlan(
+                blocks, self.state_slots, flat, flat, empty, empty, _offsets([], device), whole_batch=True
+            )
         blocks, verified, positions = [], [], []
         for row, i in enumerate(self.verify_seqs):
             lo, n = offsets[i], lens[i]

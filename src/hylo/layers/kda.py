@@ -74,9 +74,14 @@ class KDAAttention(nn.Module):
             o = self._advance(qkvfb, batch.state_slots, plan.offsets(), batch, plan.padded_chunk_ids)
         else:
             verify = plan.verify()
+            width, slots = verify.block_tokens.shape[1], self._slots(batch, verify.block_slots)
+            if verify.whole_batch:  # a verify graph's batch: no gather in, no scatter out
+                o_blocks, record = kda_ops.verify(qkvfb.blocks(width), self.params, slots)
+                o = o_blocks.flatten(0, 1)
+                return self._finish(o, norm, tokens), record
             o = x.new_empty(tokens, *heads)
             blocks = qkvfb.rows(verify.block_tokens)  # [sequences, T, ...], short blocks padded
-            o_blocks, record = kda_ops.verify(blocks, self.params, self._slots(batch, verify.block_slots))
+            o_blocks, record = kda_ops.verify(blocks, self.params, slots)
             o[verify.verified_tokens] = o_blocks.flatten(0, 1)[verify.verified_positions]
             if batch.snapshot_points:  # prefill chunks beside the blocks leave prefix snapshots
                 verifying = set(batch.verify_seqs)
@@ -85,8 +90,12 @@ class KDAAttention(nn.Module):
             elif verify.other_slots.numel():
                 rest = qkvfb.rows(verify.other_tokens)
                 o[verify.other_tokens] = self._advance(rest, verify.other_slots, verify.other_offsets, batch)
+        return self._finish(o, norm, tokens), record
+
+    def _finish(self, o: torch.Tensor, norm: kda_ops.OutputNorm, tokens: int) -> torch.Tensor:
+        """The gated output norm and the output projection of the heads' outputs `o [T, H, d]`."""
         o = kda_ops.gated_norm(o, norm)
-        return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, -1))), record
+        return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, -1)))
 
     def commit(self, batch: ForwardBatch, record: kda_ops.VerifyCache, n_accepted: torch.Tensor) -> None:
         """Advance each verify chunk's window and state by its first `n_accepted[j]` tokens (int32,

@@ -129,6 +129,10 @@ class KDAInputs:
         """The tokens `index` (any index of the token dimension) of every input."""
         return KDAInputs(*(t[index] for t in self.tensors))
 
+    def blocks(self, width: int) -> KDAInputs:
+        """Every input's packed tokens as `[tokens / width, width, ...]` blocks, viewed (no copy)."""
+        return KDAInputs(*(t.unflatten(0, (-1, width)) for t in self.tensors))
+
 
 @dataclass(frozen=True)
 class KDAParams:
