@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from follower_pool import FollowerPool
 from safetensors import safe_open
 
 from hylo import LLM
@@ -35,6 +36,16 @@ def random_model(shallow_model_dir):
     return shallow_model_dir
 
 
+@pytest.fixture(scope="module")
+def pooled_ranks():
+    """Rank 1 of every TP=2 engine here runs in one process, started once (tests/follower_pool.py), as
+    a spawned worker would: a worker's start-up (~4 s of CPU importing torch and hylo) cost more than
+    the small engine it served. The real worker processes are test_tensor_parallel_server's."""
+    with FollowerPool(1) as pool, pytest.MonkeyPatch.context() as monkeypatch:
+        pool.patch(monkeypatch)
+        yield
+
+
 def _generate(model, prompts, params, **engine_args):
     # a 0.25 GB cache: the default plan's ~2 GB of pools took ~1 s an engine and a rank to allocate
     engine_args.setdefault("max_memory_gb", 0.25)
@@ -54,6 +65,7 @@ def _assert_same(reference, outputs):
                 assert lp[token] == pytest.approx(value, abs=LOGPROB_TOLERANCE)
 
 
+@pytest.mark.usefixtures("pooled_ranks")
 def test_two_ranks_equal_one_by_expert_and_by_tensor(random_model):
     """Greedy tokens and top logprobs of TP=2 (experts split by expert, then by tensor) equal TP=1's,
     over chunked prefill (a 70-token prompt in 32-token chunks) and a prefix-cache hit."""
@@ -74,6 +86,7 @@ def test_two_ranks_equal_one_by_expert_and_by_tensor(random_model):
     assert 0.5 * total < one_rank < 0.7 * total
 
 
+@pytest.mark.usefixtures("pooled_ranks")
 def test_two_ranks_speculative_equal_one(tmp_path):
     """DFlash2, MTP with 3 steps and DFlash with a token map on the demo model, drafts verified every
     step: TP=2 commits the tokens TP=1 does (lossless either way) with the same acceptance, so drafts
