@@ -28,7 +28,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return write_hf_checkpoint(tmp_path_factory.mktemp("prefill-graphs"), tiny_text_config(4, 8), seed=29)
+    # the 4-layer mix of every layer kind (two KDA layers) and 3 Sinkhorn iterations of the mHC weights
+    # (the model's 20 are checked in test_mhc_kernels and test_hf_parity): what a padded chunk writes
+    # and where its padding goes depend on neither the depth nor that loop
+    config = tiny_text_config(4, 8, "each-kind", hc_sinkhorn_iters=3)
+    return write_hf_checkpoint(tmp_path_factory.mktemp("prefill-graphs"), config, seed=29)
 
 
 @pytest.fixture(scope="module")
