@@ -69,17 +69,17 @@ FP16 = {"rtol": 2e-3, "atol": 2e-3}  # one fp16 rounding of the block input
 
 
 # The Sinkhorn loop is the costliest part of a finishing program under the interpreter, and the decode plan
-# runs one per token: its 21-token case takes two iterations (the loop body still runs), its one-token case
-# the real twenty.
+# runs one per token: its 17-token case takes two iterations (the loop body still runs), its one-token case
+# the real twenty. 17 tokens: the fewest that fill a 16-token block and start another.
 @pytest.mark.parametrize(
     ("tokens", "hidden", "plan", "iters"),
     [
         (1, 64, "small", ITERS),  # decode: one token
         # two token blocks, the last partial; splits and chunks that do not divide hidden
-        (21, 96, "small", ITERS),
+        (17, 96, "small", ITERS),
         (1, 64, "decode", ITERS),
-        (21, 96, "decode", 2),  # two projection token blocks, 21 one-token finishing programs
-        (21, 96, "prefill", ITERS),  # four tokens per finishing program, the last group partial
+        (17, 96, "decode", 2),  # two projection token blocks, 17 one-token finishing programs
+        (17, 96, "prefill", ITERS),  # four tokens per finishing program, the last group partial
     ],
 )
 def test_pre_matches_reference(tokens, hidden, plan, iters):
@@ -95,7 +95,8 @@ def test_default_plan_by_token_count():
 
 def test_pre_fp16_streams_with_fp32_fn():
     """fn keeps its fp32 precision: projected as two fp16 halves, the logits match to fp32 level."""
-    streams, _, params, _, _ = hc_case(9, 64, seed=3, dtype=torch.float16)
+    # two finishing token groups, the last partial; two Sinkhorn iterations (the loop is not what is checked)
+    streams, _, params, _, _ = hc_case(5, 64, seed=3, dtype=torch.float16, iters=2)
     post, comb, x = kernels.mhc_pre(streams, params, plan=SMALL)
     ref_post, ref_comb, ref_x = reference.mhc_pre(streams, params)
     torch.testing.assert_close(post, ref_post, rtol=1e-5, atol=1e-5)
@@ -156,7 +157,7 @@ def test_fused_enter_is_post_pre_and_norm_launched_apart(plan, hidden, dtype):
     finishing programs (norm fused); "small" does not (norm launched after pre). Two Sinkhorn iterations:
     both sides run the same loop (against the reference: test_pre_matches_reference)."""
     fused = PLANS[plan]
-    streams, out, params, post, comb = hc_case(9, hidden, seed=hidden, dtype=dtype, iters=2)
+    streams, out, params, post, comb = hc_case(5, hidden, seed=hidden, dtype=dtype, iters=2)
     params = dataclasses.replace(params, fn=params.fn.to(dtype))
     norm = block_norm(hidden, seed=1, dtype=dtype)
     got = kernels.mhc_enter(streams, params, PendingPost(out, post, comb), norm, plan=fused)
@@ -173,8 +174,13 @@ def test_fused_enter_is_post_pre_and_norm_launched_apart(plan, hidden, dtype):
     torch.testing.assert_close(got.block_input, expected, rtol=step, atol=step)
 
 
-@pytest.mark.parametrize(("plan", "launches"), [("decode", 2), ("small", 3), ("prefill", 4)])
-def test_launches_of_enter(monkeypatch, plan, launches):
+# hidden 512 is wider than the prefill plan's finishing steps (256 dims: its rows would fit one, and the norm
+# would be fused); the other plans take 64 (the small plan's 16-dim steps still chunk it, the decode plan's
+# hold it whole): the launches depend on those comparisons alone, the interpreter's time on the programs.
+@pytest.mark.parametrize(
+    ("plan", "hidden", "launches"), [("decode", 64, 2), ("small", 64, 3), ("prefill", 512, 4)]
+)
+def test_launches_of_enter(monkeypatch, plan, hidden, launches):
     """Post, pre and the norm: two launches where the plan fuses them all (decode), one more for the norm
     where the finishing programs hold chunks of rows (small), and one more for post where the plan does
     not fuse it (prefill). The norm's dispatcher is made to launch its kernel on these CPU tensors."""
@@ -190,9 +196,10 @@ def test_launches_of_enter(monkeypatch, plan, launches):
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", counted)
-    # wider than the prefill plan's steps; two Sinkhorn iterations (the launches do not depend on them)
-    streams, out, params, post, comb = hc_case(1, 512, seed=3, iters=2)
-    kernels.mhc_enter(streams, params, PendingPost(out, post, comb), block_norm(512, 3), plan=PLANS[plan])
+    # two Sinkhorn iterations (the launches do not depend on them)
+    streams, out, params, post, comb = hc_case(1, hidden, seed=3, iters=2)
+    norm = block_norm(hidden, 3)
+    kernels.mhc_enter(streams, params, PendingPost(out, post, comb), norm, plan=PLANS[plan])
     assert len(names) == launches, names
 
 
@@ -205,8 +212,9 @@ def test_enter_without_pending_or_norm_is_pre():
 
 def test_repeated_launches_give_the_same_bits():
     """Every finishing program sums the partials in the same order, whatever the plan or the timing:
-    a second launch repeats the first bit for bit, and plans with the same projection splits agree."""
-    streams, _, params, _, _ = hc_case(17, 64, seed=11, iters=2)
+    a second launch repeats the first bit for bit, and plans with the same projection splits agree.
+    Five tokens: two token groups of four under SMALL, five of one regrouped."""
+    streams, _, params, _, _ = hc_case(5, 64, seed=11, iters=2)
     first = kernels.mhc_pre(streams, params, plan=SMALL)
     second = kernels.mhc_pre(streams, params, plan=SMALL)
     assert all(map(torch.equal, first, second))
@@ -237,15 +245,18 @@ def test_bad_inputs_name_the_tensor():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    """Two layers (KDA, DSA) at hidden 64 with random weights in trained-model ranges."""
+    """One layer at hidden 64 with random weights in trained-model ranges: its two hyper-connections are
+    the model's mHC paths (the first entered without a pending post, the second with the attention's, the
+    last post as the streams' mean); a second layer would enter as the second does, at the interpreter's
+    cost of a layer's programs."""
     text = demo._TEXT_CONFIG | dict(
         vocab_size=96,
         pad_token_id=0,
         hidden_size=64,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "indexed_attention"],
-        mlp_layer_types=["dense", "sparse"],
-        indexer_types=["full"] * 2,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        mlp_layer_types=["dense"],
+        indexer_types=["full"],
         hc_sinkhorn_iters=3,  # the interpreter is slow; 20 iterations are checked op by op above
     )
     model = Glm5NextForCausalLM(ModelConfig.from_dict({"model_type": "glm5_next", "text_config": text}))
@@ -256,7 +267,8 @@ def tiny_model():
 @pytest.mark.parametrize("prefill_plan_from", [kernels.PREFILL_PLAN_FROM, 1])
 def test_model_with_kernels_matches_reference_path(tiny_model, monkeypatch, prefill_plan_from):
     """The model with the kernels (19 tokens on the decode plan, then on the prefill plan) against the
-    reference path."""
+    reference path. 19 tokens: the decode plan's projection mixes the pending post into two token blocks
+    (the only test where a second block does)."""
     ids = random_prompt(19, tiny_model.config.vocab_size, seed=19)
 
     def run():
