@@ -172,9 +172,10 @@ def _project(acc, x, fn, stream: tl.constexpr, d, dmask, D: tl.constexpr, SPLIT_
 
 @triton.jit
 def _normalized(a, b, c, d, eps):
-    """(a, b, c, d) / (a + b + c + d + eps) as one IEEE division and four products: within 1.5 ulp of
-    the reference's four divisions. The Sinkhorn loop runs 160 of these per token in one program's
-    serial chain, and a GPU divides by a software sequence, so one division instead of four shortens it."""
+    """(a, b, c, d) / (a + b + c + d + eps) as one division and four products (Triton's fp32 division
+    is PTX div.full, within 2 ulp; with the product, within 3 ulp of the reference's IEEE divisions).
+    The Sinkhorn loop runs 160 of these per token in one program's serial chain: the sm_90 build of
+    the finishing kernel has 20 divisions where four a row had 68."""
     inverse = 1.0 / (a + b + c + d + eps)
     return a * inverse, b * inverse, c * inverse, d * inverse
 
