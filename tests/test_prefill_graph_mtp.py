@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompt
-from test_mtp import VOCAB, checkpoints  # noqa: F401 (a fixture: the target with an MTP layer)
+from mtp_checkpoint import write_mtp_target
+from test_mtp import VOCAB
 from test_prefix_cache import assert_all_returned, run
 from tolerance import assert_fp32_close, model_accumulation_terms
 
@@ -29,8 +30,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def target(checkpoints):  # noqa: F811
-    return load_model(checkpoints[1], dtype=torch.float32, progress=False)
+def target_dir(tmp_path_factory):
+    """A target with an MTP layer (test_mtp's kind) over the 4-layer mix of every layer kind (two KDA
+    layers; test_mtp's own has 6) and 3 Sinkhorn iterations of its mHC weights (the model's 20 are
+    checked in test_mhc_kernels and test_hf_parity): what a padded observe writes and which chunks the
+    graphs take depend on neither."""
+    return write_mtp_target(tmp_path_factory.mktemp("mtp"), "each-kind", hc_sinkhorn_iters=3)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_model(target_dir, dtype=torch.float32, progress=False)
 
 
 def mtp_parts(path, target) -> tuple[CacheManager, MTPProposer]:
@@ -63,14 +73,14 @@ CASES = [(1, [1], 0), (5, [5], 0), (70, [32, 32, 6], 0), (33, [13], 20)]
 
 
 @pytest.mark.parametrize(("length", "chunks", "cached"), CASES, ids=["1", "5", "32+32+6", "20-cached+13"])
-def test_padded_observe_writes_the_eager_observes_mtp_entries(checkpoints, target, length, chunks, cached):  # noqa: F811
+def test_padded_observe_writes_the_eager_observes_mtp_entries(target_dir, target, length, chunks, cached):
     """Chunks through the prefill graphs (the proposer observing inside) against eager steps: the MTP
     entries at positions 0 .. n-2 of the request's row (n = its committed tokens), the k-pools they
     complete and `last_hidden` agree, and the graphs wrote no other slot than the row's position n-1 and
     the scratch page. A cached prefix is prefilled eagerly in both, then `last_hidden` is dropped and
     restored by `resume` from the prefix's last features, as a prefix-cache hit does."""
     prompt = random_prompt(length, VOCAB, seed=500 + length)
-    (eager_caches, eager), (graph_caches, proposer) = (mtp_parts(checkpoints[1], target) for _ in range(2))
+    (eager_caches, eager), (graph_caches, proposer) = (mtp_parts(target_dir, target) for _ in range(2))
     assert prefill_graph_refusal(target, proposer) is None
     graphs = PrefillGraphs(target, graph_caches, 32, capture=False, proposer=proposer)
     assert graphs.observes
@@ -153,13 +163,13 @@ def recording_first_entries(llm: LLM) -> dict[tuple[int, ...], dict[str, torch.T
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["verify-always", "adaptive"])
-def test_mtp_engines_with_prefill_graphs_give_the_eager_outputs(checkpoints, adaptive):  # noqa: F811
+def test_mtp_engines_with_prefill_graphs_give_the_eager_outputs(target_dir, adaptive):
     """The prefill graphs take every MTP prefill chunk of more than one token (the prefix-cache hit's
     included, resumed at 64), the tokens are the eager engine's, and with every step verifying the
     drafts and the MTP entries each request has when it first drafts are the eager engine's too (the
     adaptive policy times its steps: its choices, and so its drafts, vary from run to run)."""
-    eager = make_llm(checkpoints[1], False, adaptive)
-    llm = make_llm(checkpoints[1], True, adaptive)
+    eager = make_llm(target_dir, False, adaptive)
+    llm = make_llm(target_dir, True, adaptive)
     engine = llm.engine
     assert eager.engine.runner.prefill_graphs is None
     assert prefill_graph_refusal(engine.model, engine.proposer) is None
@@ -196,12 +206,12 @@ def test_mtp_engines_with_prefill_graphs_give_the_eager_outputs(checkpoints, ada
 
 
 def test_a_prompt_prefilled_in_the_graphs_decodes_its_anchor_and_drafts_then_verifies_full_blocks(
-    checkpoints,  # noqa: F811
+    target_dir,
 ):
     """A prefill-graph replay drafts nothing (`Request.undrafted`): the request's next step decodes its
     anchor alone, read at once and drafting (not launched ahead with a deferred observe, which would
     leave its first verify block with another request's drafts), and its next verifies a full block."""
-    llm = make_llm(checkpoints[1], True, False)
+    llm = make_llm(target_dir, True, False)
     engine, launched = llm.engine, []
     launch = engine.runner.launch
 
