@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from follower_pool import FollowerPool
 
 from hylo.config import EngineConfig
 from hylo.distributed.launch import start
@@ -36,6 +37,17 @@ def _config(tp: int, spec: dict) -> EngineConfig:
         max_memory_gb=0.05,
         **spec,
     )
+
+
+@pytest.fixture(scope="module")
+def pooled_ranks():
+    """The real engines' other ranks run in three processes, each started once (tests/follower_pool.py),
+    as spawned workers would: the TP2 case's rank 1 serves the TP4 case's rank 1 too, one start-up
+    (~4.5 s of CPU importing torch and hylo) fewer. The real worker processes are
+    test_tensor_parallel_server's."""
+    with FollowerPool(3) as pool, pytest.MonkeyPatch.context() as monkeypatch:
+        pool.patch(monkeypatch)
+        yield
 
 
 def _step_calls(engine: Engine, calls: list[CollectiveCall]) -> list[list[CollectiveCall]]:
@@ -86,7 +98,8 @@ def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # depend on the size alone (the draft's own weights are not split), the steps' collectives on the kind
 # of step, the size changing only their shapes (the drafts go through the target's vocabulary-split
 # head, as sampling does), which each case compares. A real engine's other ranks are processes of their
-# own (~4 s of imports each): a case costs a process per rank.
+# own (`pooled_ranks`).
+@pytest.mark.usefixtures("pooled_ranks")
 @pytest.mark.parametrize(("tp", "spec"), [(2, PLAIN), (4, DFLASH)], ids=["decode-tp2", "verify-tp4"])
 def test_a_rank_engine_is_a_real_engines_rank(tp, spec, monkeypatch):
     calls = _recorded(monkeypatch)
