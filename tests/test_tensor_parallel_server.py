@@ -55,6 +55,15 @@ def complete(url: str, max_tokens: int) -> httpx.Response:
     return HTTP.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
+def wait_running(url: str) -> None:
+    """Until the server's engine holds a running request (its /metrics gauge)."""
+    deadline = time.time() + 60
+    with httpx.Client(timeout=5) as client:  # not `HTTP`, which the request's thread is using
+        while "hylo_num_requests_running 1.0" not in client.get(f"{url}/metrics").text:
+            assert time.time() < deadline, "the request never ran"
+            time.sleep(0.05)
+
+
 def test_answers_like_one_rank_and_sigterm_stops_every_rank(model_dir, offline):
     from hylo.sampling import SamplingParams
 
@@ -87,7 +96,7 @@ def test_a_lost_rank_ends_the_server_with_an_error(model_dir, fault):
         result = {}
         request = threading.Thread(target=lambda: result.update(r=complete(url, 400)))
         request.start()
-        time.sleep(1.0)
+        wait_running(url)
         os.kill(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         status = proc.wait(timeout=EXIT_WITHIN_S)
         request.join(timeout=30)
