@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hylo import LLM, SamplingParams
+from hylo.engine.engine import Engine
 from hylo.engine.request import IN_FLIGHT, Status
 from hylo.engine.route import RunAhead
 from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS
@@ -27,11 +28,26 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def engines():
-    """The demo model (it has a tokenizer: stop strings) with the overlap schedule and without."""
+def engines(shallow_model_dir):
+    """The 3-layer cut of the random test model (conftest `shallow_model_dir`: a tokenizer, so stop
+    strings and grammars; a layer of each kind) with the overlap schedule and without: which steps run
+    ahead and what they read depend on no trained weight (the speculative tests below take the demo
+    model, whose trained drafts are accepted)."""
+    return schedules(str(shallow_model_dir))
+
+
+@pytest.fixture(scope="module")
+def demo_engines():
+    """The demo model with the overlap schedule and without: trained weights, whose constrained replies
+    run long enough to keep steps in flight (a random model's grammars end in a few tokens)."""
+    return schedules(None)
+
+
+def schedules(model: str | None) -> dict[bool, Engine]:
+    """Engines of `model` (None: the demo) with the overlap schedule (True) and without (False)."""
     # a 0.25 GB cache (the default plan's pools took ~1 s an engine to allocate): room for every script here
     return {
-        overlap: LLM(disable_overlap_schedule=not overlap, max_memory_gb=0.25).engine
+        overlap: LLM(model, disable_overlap_schedule=not overlap, max_memory_gb=0.25).engine
         for overlap in (True, False)
     }
 
@@ -190,7 +206,7 @@ def test_penalties_count_the_token_in_flight():
         assert torch.equal(target_distribution(logits, [read])[0], target_distribution(logits, [unread])[0])
 
 
-def test_constrained_rows_pick_after_their_grammar_took_the_token_before(engines):
+def test_constrained_rows_pick_after_their_grammar_took_the_token_before(demo_engines):
     """A step of constrained rows runs its forward ahead and picks once the step before has been read
     and its tokens fed to the grammars (`ModelRunner.sample_launched`): the outputs are the reading
     engine's and match their constraints."""
@@ -210,14 +226,14 @@ def test_constrained_rows_pick_after_their_grammar_took_the_token_before(engines
         }
 
     deferred = []
-    runner = engines[True].runner
+    runner = demo_engines[True].runner
     sample_launched = runner.sample_launched
     runner.sample_launched = lambda launched: deferred.append(1) or sample_launched(launched)
     try:
-        overlapped, ahead = run(engines[True], script())
+        overlapped, ahead = run(demo_engines[True], script())
     finally:
         del runner.sample_launched
-    reference, _ = run(engines[False], script())
+    reference, _ = run(demo_engines[False], script())
     same(overlapped, reference)
     assert ahead > 5 and len(deferred) >= ahead
     assert re.fullmatch("[a-z ]{4,30}", reference["regex"][1]) and reference["json"][1].startswith("{")
@@ -290,8 +306,16 @@ def test_speculative_plain_steps_overlap_and_the_drafts_see_every_token(reading_
 CONTEXT = 40  # "long" below runs into it
 
 
+@pytest.fixture(scope="module")
+def verify_stop_id(demo_engines) -> int:
+    """The 13th token of the demo's greedy reply to PROMPTS[2]: the verify test's "stop-id" request
+    (greedy on that prompt) meets it inside a block."""
+    probe, _ = run(demo_engines[False], {0: [("add", "p", PROMPTS[2], greedy(13, ignore_eos=True))]})
+    return probe["p"][0][12]
+
+
 @pytest.mark.parametrize("algorithm", ["dflash", "dflash2", "mtp"])
-def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines, algorithm):
+def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(verify_stop_id, algorithm):
     """Verify steps after verify steps are launched before the one ahead is read (the fixed-shape
     verify path, as the GPU replays it): each block starts where the commit in flight leaves it, on
     the device. Requests that stop at a stop id or their token limit inside a block, an abort, a late
@@ -301,10 +325,7 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
     block fits after a commit in flight: those steps read first) give the tokens, logprobs and
     accepted drafts of the engine that reads every step; the demo's trained drafts accept many
     tokens, so a block starting at a wrong position or from a wrong anchor would show."""
-    probe = engines[False]
-    reference_ids, _ = run(probe, {0: [("add", "p", PROMPTS[2], greedy(30, ignore_eos=True))]})
-    stop_id = reference_ids["p"][0][12]
-    results = {}
+    stop_id, results = verify_stop_id, {}
     for overlap in (True, False):
         llm = LLM(
             str(DEMO_DIR), device="cpu", dtype="float32", disable_overlap_schedule=not overlap,
@@ -325,7 +346,7 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
                 ("add", "long", PROMPTS[0], greedy(45, ignore_eos=True)),
                 ("add", "stop-id", PROMPTS[2], greedy(40, stop_token_ids=[stop_id], ignore_eos=True)),
                 ("add", "short", PROMPTS[5], greedy(11, ignore_eos=True)),
-                ("add", "seeded", PROMPTS[4], SamplingParams(temperature=0.8, seed=9, max_tokens=30)),
+                ("add", "seeded", PROMPTS[4], SamplingParams(temperature=0.8, seed=9, max_tokens=22)),
             ],
             3: [("add", "late", PROMPTS[3], greedy(25, ignore_eos=True, logprobs=2))],
             6: [("abort", "short")],
@@ -344,6 +365,6 @@ def test_verify_steps_overlap_and_give_the_tokens_of_reading_every_step(engines,
     same(overlapped, reference)
     assert reference["stop-id"][2] == "stop" and reference["stop-id"][0][-1] == stop_id
     # "long" runs into the context: near it a block cannot start a block after the commit in flight
-    assert len(probe.tokenizer.encode(PROMPTS[0])) + len(reference["long"][0]) == CONTEXT
+    assert len(llm.tokenizer.encode(PROMPTS[0])) + len(reference["long"][0]) == CONTEXT
     assert accepted == accepted_ref and sum(map(sum, accepted.values())) > 10
     assert never == 0 and none == [0, 0, 0] and ahead > 3 and after_commit > 3 and sampled and logprobs
