@@ -81,37 +81,39 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
 
 
 # The interpreter runs the first launch's (chunk, head, sub-tile) programs one by one, so a case costs about
-# its chunks × its sub-tiles (3·64/conv_rows + d/gate_cols); each case keeps only the sequences its tiling
-# needs. Every case has a sequence ending inside a later chunk (rows masked past its end, taps reading back
-# across the chunk boundary). The window paths do not depend on the tiling (the row block at a sequence's
-# start reads and rewrites it whatever its rows): sequences shorter than the window (W - 1 = 3), whose new
-# window mixes old rows and new inputs, are in the default-tile and 32-row cases. A full chunk after the
-# first runs the row-block code of the first chunk's later blocks (same masks, another base): the 32-row
-# case holds one.
+# its chunks × its heads × its sub-tiles (3·64/conv_rows + d/gate_cols); each case keeps only the sequences
+# its tiling needs. Every case has a sequence ending inside a later chunk (rows masked past its end, taps
+# reading back across the chunk boundary). The window paths do not depend on the tiling (the row block at a
+# sequence's start reads and rewrites it whatever its rows): sequences shorter than the window (W - 1 = 3),
+# whose new window mixes old rows and new inputs, are in the default-tile and 32-row cases. A full chunk
+# after the first runs the row-block code of the first chunk's later blocks (same masks, another base): the
+# 32-row case holds one. Two heads wherever the tiling orders the programs differently (the default
+# head-first order at d = 16, chunk order, 32-row head-first at d = 32); the fp16 case, on the default
+# tiling of the first, takes one.
 @pytest.mark.parametrize(
-    ("lens", "dtype", "d", "seed", "tuning"),
+    ("lens", "dtype", "h", "d", "seed", "tuning"),
     [
-        # default tiles, fp32, one gate block: length 1 (two old window rows), 2, and 70 (6 rows in chunk 1)
-        ([70, 1, 2], torch.float32, 16, 0, {}),
+        # default tiles, fp32, one gate block: length 1 (two old window rows) and 70 (6 rows in chunk 1)
+        ([70, 1], torch.float32, 2, 16, 0, {}),
         # default tiles, fp16, d = 32: a length of W - 1, one token past a chunk (a sequence of exactly one
         # chunk: test_prefill_of_a_padded_batch_from_device_offsets)
-        ([3, 65], torch.float16, 32, 1, {}),
+        ([3, 65], torch.float16, 1, 32, 1, {}),
         # 8-row conv blocks, four gate column blocks (one writes β), chunk order: 65 fills all eight row
         # blocks of chunk 0, then one live row in chunk 1 (a ragged first block reading back a chunk); no
         # short sequence (the 8-row block at a sequence start reads and rewrites the window as the others)
-        ([65], torch.float32, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=4, conv_order="chunk")),
+        ([65], torch.float32, 2, 16, 2, dict(conv_rows=8, gate_cols=4, conv_warps=4, conv_order="chunk")),
         # 32-row conv blocks, two gate blocks of d = 32, one warp: three chunks (a full one after the first,
         # state carried twice), three rows in the last
-        ([2, 131], torch.float32, 32, 3, dict(conv_rows=32, gate_cols=16, conv_warps=1)),
+        ([2, 131], torch.float32, 2, 32, 3, dict(conv_rows=32, gate_cols=16, conv_warps=1)),
     ],
 )
-def test_prefill_matches_reference(lens, dtype, d, seed, tuning):
+def test_prefill_matches_reference(lens, dtype, h, d, seed, tuning):
     """Varlen prefill into random slots: short sequences whose conv reads the old window, chunk-spanning
     ones, and (d = 32) Gram sums over more than one column block; the first launch in its default tiles
     and in narrower ones (8-row conv blocks, so a chunk's first block holds only 8 rows, and the gate in
     four column blocks of which one also writes β, launched chunk after chunk), and 32-row conv blocks with
     one warp."""
-    p = Problem(seed, d=d, dtype=dtype)
+    p = Problem(seed, h=h, d=d, dtype=dtype)
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
