@@ -182,6 +182,8 @@ def test_refusals_name_their_reason(monkeypatch):
 
 @pytest.mark.parametrize(("gpu", "gemv_off", "expected"), [
     ("NVIDIA H200", None, "tuned table nvidia_h200.json; CUDA GEMV for up to 16 rows: on"),
+    ("NVIDIA H100 80GB HBM3", None,
+     "tuned table nvidia_h100_80gb_hbm3.json; CUDA GEMV for up to 16 rows: on"),
     ("NVIDIA B300", "no nvcc", "no tuned table (untuned configuration); CUDA GEMV for up to 16 rows: off ("
      "no nvcc)"),
 ])  # fmt: skip
