@@ -22,11 +22,43 @@ import zmq
 from test_server import HTTP, NAME, free_port, start_server, stop
 
 CONTEXT = 1024  # the replicas' (the router tests' prompts take up to ~620 tokens)
+REPLICA_FLAGS = ("--context-length", str(CONTEXT), "--kv-events-endpoint", "tcp://127.0.0.1:0")
+SGLANG_LOAD = 2  # the index in `servers` of the one answering /get_load in sglang-router's shape
+
+
+@pytest.fixture(scope="module")
+def servers(shallow_model_dir):
+    """The module's three servers, started at once (a start is ~4 s of CPU, mostly imports, and the
+    three overlap): two replicas, each publishing its KV events on a port of its choosing (see
+    /kv_event_sources), and one with `--get-load-format sglang`. They serve the 3-layer cut of the
+    random test model (conftest `shallow_model_dir`): routing does not depend on the depth, and their
+    prefills (the cache-aware test's 24 of ~620 tokens) cost ~35% of the 8-layer model's."""
+    flag_sets = [REPLICA_FLAGS, REPLICA_FLAGS, ("--get-load-format", "sglang")]
+    with concurrent.futures.ThreadPoolExecutor(len(flag_sets)) as pool:
+        starts = [pool.submit(start_server, shallow_model_dir, *flags) for flags in flag_sets]
+    started = [start.result() for start in starts if start.exception() is None]
+    try:
+        for start in starts:
+            start.result()  # raises the first failed start's error, once the others are stopped
+        yield started
+    finally:
+        for proc, _ in started:
+            stop(proc)
+
+
+@pytest.fixture(scope="module")
+def replica_processes(servers):
+    return servers[:2]
+
+
+@pytest.fixture(scope="module")
+def replicas(replica_processes):
+    return [url for _, url in replica_processes]
 
 
 @pytest.fixture(scope="module")
 def worker(replicas):
-    """The first of the module's two replicas (below): the worker routes need no server of their own."""
+    """The first of the module's two replicas: the worker routes need no server of their own."""
     return replicas[0]
 
 
@@ -140,21 +172,18 @@ def test_get_load_counts_open_requests_in_vllm_routers_shape(worker):
     _wait_idle(worker)  # the worker is a replica of the router tests, which count what each finished
 
 
-def test_get_load_in_sglang_routers_shape_with_the_flag(shallow_model_dir):
-    proc, url = start_server(shallow_model_dir, "--get-load-format", "sglang")
-    try:
-        idle = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
-        assert HTTP.get(f"{url}/get_load").json() == [idle]
-        with HTTP.stream("POST", f"{url}/v1/completions", json=_long("story water time"), timeout=60) as s:
-            lines = s.iter_lines()
-            for _ in range(20):
-                next(lines)
-                (entry,) = HTTP.get(f"{url}/get_load").json()
-                if entry["num_reqs"] == 1:
-                    break
-            assert entry["num_reqs"] == 1 and entry["num_tokens"] > 0, entry
-    finally:
-        stop(proc)
+def test_get_load_in_sglang_routers_shape_with_the_flag(servers):
+    url = servers[SGLANG_LOAD][1]
+    idle = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    assert HTTP.get(f"{url}/get_load").json() == [idle]
+    with HTTP.stream("POST", f"{url}/v1/completions", json=_long("story water time"), timeout=60) as s:
+        lines = s.iter_lines()
+        for _ in range(20):
+            next(lines)
+            (entry,) = HTTP.get(f"{url}/get_load").json()
+            if entry["num_reqs"] == 1:
+                break
+        assert entry["num_reqs"] == 1 and entry["num_tokens"] > 0, entry
 
 
 # --- the routers themselves (vllm-router, sglang-router: Rust binaries from the test extras) in front
@@ -166,8 +195,11 @@ def _router(binary: str, *args: str) -> tuple[subprocess.Popen, str]:
     if not Path(exe).exists():
         pytest.skip(f"{binary} is not installed (pip install -e '.[dev]')")
     port = free_port()
+    # each its own metrics port: both routers' default is 29000, and the module's round-robin router
+    # runs beside the others
+    metrics = ("--prometheus-port", str(free_port()))
     proc = subprocess.Popen(
-        [exe, *args, "--host", "127.0.0.1", "--port", str(port)],
+        [exe, *args, "--host", "127.0.0.1", "--port", str(port), *metrics],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -183,24 +215,6 @@ def _router(binary: str, *args: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
     stop(proc)
     raise RuntimeError(f"{binary} did not start: {proc.stdout.read()[-3000:]}")
-
-
-@pytest.fixture(scope="module")
-def replica_processes(shallow_model_dir):
-    """Two replicas, each publishing its KV events on a port of its choosing (see /kv_event_sources).
-    They serve the 3-layer cut of the random test model (conftest `shallow_model_dir`): routing does
-    not depend on the depth, and their prefills (the cache-aware test's 24 of ~620 tokens) cost ~35%
-    of the 8-layer model's."""
-    flags = ("--context-length", str(CONTEXT), "--kv-events-endpoint", "tcp://127.0.0.1:0")
-    procs = [start_server(shallow_model_dir, *flags) for _ in range(2)]
-    yield procs
-    for proc, _ in procs:
-        stop(proc)
-
-
-@pytest.fixture(scope="module")
-def replicas(replica_processes):
-    return [url for _, url in replica_processes]
 
 
 def _served(url: str) -> float:
@@ -352,7 +366,28 @@ def test_vllm_router_power_of_two_reads_the_load(replicas):
             stop(proc)
 
 
-def test_sglang_router_registers_the_served_model_and_both_routers_flush(replicas):
+@pytest.fixture(scope="module")
+def round_robin_router(replicas):
+    """vllm-router round robin over both replicas, checking their health every second (two failures
+    mark a worker unhealthy: its --health-* flags): the flush and the killed-replica tests share it."""
+    proc, router = _router(
+        "vllm-router",
+        "--worker-urls",
+        *replicas,
+        "--policy",
+        "round_robin",
+        "--health-check-interval-secs",
+        "1",
+        "--health-failure-threshold",
+        "2",
+        "--health-check-timeout-secs",
+        "1",
+    )
+    yield router
+    stop(proc)
+
+
+def test_sglang_router_registers_the_served_model_and_both_routers_flush(replicas, round_robin_router):
     proc, router = _router("sglang-router", "launch", "--worker-urls", *replicas, "--policy", "round_robin")
     try:
         models = HTTP.get(f"{router}/v1/models").json()
@@ -363,13 +398,9 @@ def test_sglang_router_registers_the_served_model_and_both_routers_flush(replica
         assert flushed.status_code // 100 == 2, flushed.text
     finally:
         stop(proc)
-    proc, router = _router("vllm-router", "--worker-urls", *replicas, "--policy", "round_robin")
-    try:
-        flushed = HTTP.post(f"{router}/flush_cache", timeout=30)
-        assert flushed.status_code // 100 == 2, flushed.text
-        assert all(HTTP.get(f"{url}/server_info").json()["prefix_cache"]["pages"] == 0 for url in replicas)
-    finally:
-        stop(proc)
+    flushed = HTTP.post(f"{round_robin_router}/flush_cache", timeout=30)
+    assert flushed.status_code // 100 == 2, flushed.text
+    assert all(HTTP.get(f"{url}/server_info").json()["prefix_cache"]["pages"] == 0 for url in replicas)
 
 
 def _finished(lines) -> bool:
@@ -387,57 +418,41 @@ def _health(router: str) -> dict[str, bool]:
     return {w["url"]: w["is_healthy"] for w in HTTP.get(f"{router}/workers").json()["workers"]}
 
 
-def test_vllm_router_keeps_serving_when_a_replica_is_killed_mid_run(replica_processes):
-    """Last in the file: it SIGKILLs replica 1 of the module's pair. Four streams through the router
-    (round robin: two on each replica) are running; after the kill, the router's health check (every
-    second here, two failures mark a worker unhealthy: its --health-* flags) reports the victim
-    unhealthy in `/workers` within seconds; new requests all go to the survivor and succeed; the
-    survivor's two streams finish, the victim's two end cut short."""
+def test_vllm_router_keeps_serving_when_a_replica_is_killed_mid_run(replica_processes, round_robin_router):
+    """Last in the file: it SIGKILLs replica 1 of the module's pair. Four streams through the module's
+    round-robin router (two on each replica) are running; after the kill, the router's health check
+    (every second, two failures mark a worker unhealthy) reports the victim unhealthy in `/workers`
+    within seconds; new requests all go to the survivor and succeed; the survivor's two streams
+    finish, the victim's two end cut short."""
     (_, survivor), (victim_proc, victim) = replica_processes
-    proc, router = _router(
-        "vllm-router",
-        "--worker-urls",
-        survivor,
-        victim,
-        "--policy",
-        "round_robin",
-        "--health-check-interval-secs",
-        "1",
-        "--health-failure-threshold",
-        "2",
-        "--health-check-timeout-secs",
-        "1",
-    )
+    router = round_robin_router
     # long enough to outlast opening the four and reading the loads (a few steps), short enough that
     # the survivor's two finish soon after
     body = {"prompt": "story water time", "max_tokens": 64, "ignore_eos": True, "stream": True}
-    try:
-        with contextlib.ExitStack() as streams:
-            lines = [
-                streams.enter_context(
-                    HTTP.stream("POST", f"{router}/v1/completions", json=body, timeout=60)
-                ).iter_lines()
-                for _ in range(4)
-            ]
-            for line in lines:
-                next(line)  # every stream is running (kept: a dropped iterator aborts its request)
-            loads = [HTTP.get(f"{url}/get_load").json()["load"] for url in (survivor, victim)]
-            assert loads == [2, 2], loads
-            before = _served(survivor)
-            victim_proc.kill()
-            killed = time.monotonic()
-            while _health(router)[victim] and time.monotonic() - killed < 15:
-                time.sleep(0.1)
-            marked = time.monotonic() - killed
-            assert _health(router) == {survivor: True, victim: False}, f"{marked:.1f} s after the kill"
-            print(f"vllm-router marked the killed replica unhealthy {marked:.1f} s after the kill")
-            for i in range(4):
-                got = HTTP.post(
-                    f"{router}/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 1}, timeout=60
-                )
-                assert got.status_code == 200, got.text
-            finished = [_finished(line) for line in lines]
-        assert sorted(finished) == [False, False, True, True], finished
-        assert _served(survivor) - before == 4 + 2  # the new requests and its own two streams
-    finally:
-        stop(proc)
+    with contextlib.ExitStack() as streams:
+        lines = [
+            streams.enter_context(
+                HTTP.stream("POST", f"{router}/v1/completions", json=body, timeout=60)
+            ).iter_lines()
+            for _ in range(4)
+        ]
+        for line in lines:
+            next(line)  # every stream is running (kept: a dropped iterator aborts its request)
+        loads = [HTTP.get(f"{url}/get_load").json()["load"] for url in (survivor, victim)]
+        assert loads == [2, 2], loads
+        before = _served(survivor)
+        victim_proc.kill()
+        killed = time.monotonic()
+        while _health(router)[victim] and time.monotonic() - killed < 15:
+            time.sleep(0.1)
+        marked = time.monotonic() - killed
+        assert _health(router) == {survivor: True, victim: False}, f"{marked:.1f} s after the kill"
+        print(f"vllm-router marked the killed replica unhealthy {marked:.1f} s after the kill")
+        for i in range(4):
+            got = HTTP.post(
+                f"{router}/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 1}, timeout=60
+            )
+            assert got.status_code == 200, got.text
+        finished = [_finished(line) for line in lines]
+    assert sorted(finished) == [False, False, True, True], finished
+    assert _served(survivor) - before == 4 + 2  # the new requests and its own two streams
