@@ -8,6 +8,7 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
+from hylo.bench.options import add_cli_args as add_bench_args
 from hylo.config import EngineConfig
 from hylo.server.parsers import PARSERS
 from hylo.server.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES
@@ -202,8 +203,6 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
-    from hylo.bench.serving import add_cli_args as add_bench_args
-
     add_bench_args(
         bench_kinds.add_parser(
             "serve",
