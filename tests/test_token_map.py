@@ -18,7 +18,7 @@ from hylo.speculative.token_map import coverage, hot_tokens, load_token_map, sav
 from hylo.tokenizer import Tokenizer
 
 CHATS = ["What is the capital of France?", "Write a short poem about the sea."]
-GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.mark.parametrize(
