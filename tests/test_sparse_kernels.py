@@ -210,10 +210,12 @@ def test_topk_kernel_selects_reference_rows(kpool, max_tile, monkeypatch):
     """Integer inputs make scores exact, so ties (ReLU'd zeros and equal sums) hit the tie rule."""
     monkeypatch.setattr(ik, "MAX_TOPK_TILE", max_tile)
     topk, heads, d = 8 * kpool, 4, 16
-    # One program per token, each a 16-pass search: the one-tile cases' third sequence is 17 tokens, every
-    # position in a pool of 16 and more than one of 4 (the tail's lengths), pools becoming visible as it
-    # goes; the tiled search is slower still to interpret.
-    lengths = [5, 2, 17] if max_tile > 32 else [3, 1, 6]
+    # One program per token, each a 16-pass search (a take-all token, the second sequence's, skips it): the
+    # third sequence holds every position in a pool (the tail's lengths) and pools becoming visible as it
+    # goes, 17 tokens for pools of 16, 9 for pools of 4 (two pools completed). The tiled search passes over
+    # every tile of the visible pools, slower still to interpret: one token over three tiles of 32 (75
+    # visible pools, the last tile partial), four over two (50 and 51 pools, every tail length).
+    lengths = ([5, 2, 17] if kpool == 16 else [5, 2, 9]) if max_tile > 32 else [1, 1, 4]
     q, w, pooled, meta = indexer_case(lengths, [300, 20, 200], kpool, heads, d, seed=5 + kpool, integer=True)
     args = (
         q,
