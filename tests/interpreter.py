@@ -3,6 +3,10 @@
 Triton 3.6's interpreter reads loop bounds computed from program ids or arguments with `int()` of a
 one-element numpy array, which numpy >= 2.3 refuses; the patch reads the single element instead.
 
+Its builder checks every 32-bit integer add and multiply for overflow, which compiled kernels do only in
+debug builds; at test shapes no index comes near 2^31, and the check took about a fifth of a KDA decode's
+time here, so it is off (as on the GPU).
+
 It also re-patches triton.language at every device-function call, in every program of a launch
 (about a fifth of a KDA prefill's time here), although the launch has patched the same modules already
 and restores them only when it ends: such a call, whose modules the launch has patched, skips it.
@@ -10,6 +14,7 @@ and restores them only when it ends: such a call, whose modules the launch has p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 
@@ -26,6 +31,8 @@ def use_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patch_with_index
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
     _patch_language_once_per_launch(interpreter)
     interpreter._hylo_index_patch = True
 
