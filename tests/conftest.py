@@ -18,37 +18,37 @@ from hylo.models.loader import load_model
 TRITON_LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl"}
 
 
-# The longest test files on the CPU, longest first: seconds each took alone on the 2-core machine
-# (S26, with other work running beside: rough). `make test` hands whole files to its two workers in
+# The longest test files on the CPU, longest first: the sum of each file's test times in a `make test`
+# run on the 2-core machine (RESULTS S29-5: rough). `make test` hands whole files to its two workers in
 # collection order (--dist loadfile --no-loadscope-reorder; xdist's own reorder puts files with few
 # tests last, so the one-test fuzz file ran alone at the end): these go first, and the short files
 # after them even out the two workers' ends.
 LONGEST_FILES_FIRST = (
-    "test_server_robustness.py",  # 164
-    "test_kda_kernels.py",  # 164
-    "test_server_fuzz.py",  # 95
-    "test_server.py",  # 91
-    "test_mhc_kernels.py",  # 87
-    "test_engine.py",  # 85
-    "test_spec.py",  # 83
-    "test_overlap.py",  # 78
-    "test_server_routers.py",  # 74
-    "test_sparse_kernels.py",  # 68
-    "test_tensor_parallel.py",  # 67
-    "test_tool_calls.py",  # 67
-    "test_train.py",  # 64
-    "test_prefix_cache.py",  # 62
-    "test_tensor_parallel_server.py",  # 62
-    "test_structured.py",  # 58
-    "test_sampling_schedule.py",  # 57
-    "test_text_output.py",  # 56
-    "test_moe_decode.py",  # 55
-    "test_mtp.py",  # 54
-    "test_rank_engine.py",  # 53
-    "test_hf_parity.py",  # 49
-    "test_train_draft.py",  # 47
-    "test_responses.py",  # 42
-    "test_cli_and_demo.py",  # 39
+    "test_server_fuzz.py",  # 78
+    "test_server_robustness.py",  # 63
+    "test_kda_kernels.py",  # 48
+    "test_tensor_parallel_server.py",  # 47
+    "test_overlap.py",  # 41
+    "test_prefix_cache.py",  # 36
+    "test_train_draft.py",  # 32
+    "test_engine.py",  # 30
+    "test_spec.py",  # 29
+    "test_mhc_kernels.py",  # 27
+    "test_hf_parity.py",  # 27
+    "test_tensor_parallel.py",  # 26
+    "test_server_routers.py",  # 26
+    "test_sampling_schedule.py",  # 24
+    "test_server.py",  # 19
+    "test_cli_and_demo.py",  # 18
+    "test_mtp.py",  # 18
+    "test_rank_engine.py",  # 18
+    "test_tool_calls.py",  # 17
+    "test_train.py",  # 16
+    "test_moe_decode.py",  # 14
+    "test_structured.py",  # 13
+    "test_moe_kernels.py",  # 13
+    "test_responses.py",  # 13
+    "test_token_map.py",  # 12
 )
 
 
