@@ -5,6 +5,7 @@ the same tokens with it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -196,6 +197,57 @@ def test_a_verify_graphs_static_batch_plans_its_kda_blocks_on_its_own_slots(mode
     assert plan.block_slots is batch.state_slots and plan.other_slots.numel() == 0
     batch.state_slots.copy_(torch.tensor([2, 1, 0]))
     assert batch.kda.verify().block_slots.tolist() == [2, 1, 0]
+
+
+def test_a_verify_graphs_kda_layer_reads_its_blocks_as_views(model, monkeypatch):
+    """A fixed-shape verify batch's blocks are its packed tokens in order (`VerifyPlan.whole_batch`):
+    the KDA layer verifies views of its projections and returns the blocks' outputs as they are, no
+    gather or scatter of tokens around the verify op, with the outputs of the general path (gathers
+    by the block tables) up to the order of fp32 sums."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import hylo.layers.kda as kda_layer
+
+    class IndexOps(TorchDispatchMode):
+        """Index ops the layer runs itself (the verify op's own, the reference's slot reads, are not its)."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen, self.inside_verify = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.inside_verify and func.__name__.split(".")[0] in ("index", "index_put_"):
+                self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    index_ops, verify = IndexOps(), kda_layer.kda_ops.verify
+
+    def counted_verify(*args, **kwargs):
+        index_ops.inside_verify += 1
+        try:
+            return verify(*args, **kwargs)
+        finally:
+            index_ops.inside_verify -= 1
+
+    monkeypatch.setattr(kda_layer.kda_ops, "verify", counted_verify)
+    caches = caches_for(model)
+    pool_width = caches.table.table.shape[1] // caches.kpool
+    fixed = FixedShape(3, pool_width, caches.scratch_slot, tokens_per_seq=4, kpool=caches.kpool)
+    batch = build(caches, [], fixed=fixed)
+    batch.state_slots.copy_(torch.tensor(admit(caches, 3)))
+    assert batch.kda.verify().whole_batch
+    kda = next(layer.self_attn for layer in model.layers if layer.is_linear)
+    x = torch.randn(12, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), index_ops:
+        out, _ = kda(x, batch)
+    assert index_ops.seen == []
+    batch.kda._verify = dataclasses.replace(batch.kda.verify(), whole_batch=False)
+    with torch.inference_mode(), index_ops:
+        gathered, _ = kda(x, batch)
+    assert len(index_ops.seen) == 7  # the general path: five inputs and the outputs gathered, one scatter
+    # the CPU reference's products over strided views and over gathered copies may sum in other orders:
+    # one layer's reductions over its widest input (the hidden size)
+    assert_fp32_close(out, gathered, model.config.hidden_size, msg="views against gathers")
 
 
 def test_static_pool_table_is_reset_where_a_wider_step_wrote(model):
