@@ -10,14 +10,15 @@ use_interpreter()  # before the kernels are decorated
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from hylo.ops.mtp_inputs import kernels, reference, refusal  # noqa: E402
+from hylo.ops.mtp_inputs import VerifiedBlocks, kernels, reference, refusal  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
 
 def verify_batch(blocks: int, width: int, hidden: int, seed: int, dtype=torch.bfloat16):
-    """A uniform verify batch as `MTPProposer.observe_and_propose` sees it: features (a strided view
-    of a wider capture), table rows in random order, counts from 1 to width (sequence 0 commits all,
+    """(the verified blocks, last_hidden, rows) of a uniform verify batch as
+    `MTPProposer.observe_and_propose` sees it: features (a strided view of a wider capture), table rows
+    in random order, counts from 1 to width (sequence 0 commits all,
     so its anchor lands in the extra column), sequence 1 at position 0 (prefix clamped) when there is one."""
     gen = torch.Generator().manual_seed(seed)
     tokens = blocks * width
@@ -33,7 +34,7 @@ def verify_batch(blocks: int, width: int, hidden: int, seed: int, dtype=torch.bf
     counts = torch.randint(1, width + 1, (blocks,), generator=gen).int()
     counts[0] = width
     anchors = torch.randint(1000, 2000, (blocks,), generator=gen)
-    return last_hidden, rows, features, input_ids, positions, pad_index, counts, anchors
+    return VerifiedBlocks(features, input_ids, positions, pad_index, counts, anchors), last_hidden, rows
 
 
 def assert_same(got, want, got_last, want_last):
@@ -51,24 +52,24 @@ def test_kernel_equals_the_reference(monkeypatch, blocks, width, hidden, chain_s
     """Hidden sizes off a power of two (masked tails) and, with a small BLOCK_H, several steps a row;
     `last` below some chained positions (clamped)."""
     monkeypatch.setattr(kernels, "BLOCK_H", block_h)
-    args = verify_batch(blocks, width, hidden, seed=blocks * width + hidden)
+    verified, last_hidden, rows = verify_batch(blocks, width, hidden, seed=blocks * width + hidden)
     last = 40
-    assert refusal(*args, width) is None
-    ours, theirs = args[0].clone(), args[0].clone()
-    got = kernels.block_inputs(ours, *args[1:], width, chain_steps, last)
-    want = reference.block_inputs(theirs, *args[1:], width, chain_steps, last)
+    assert refusal(verified, last_hidden, rows) is None
+    ours, theirs = last_hidden.clone(), last_hidden.clone()
+    got = kernels.block_inputs(verified, ours, rows, chain_steps, last)
+    want = reference.block_inputs(verified, theirs, rows, chain_steps, last)
     assert_same(got, want, ours, theirs)
-    assert not torch.equal(ours, args[0]), "the committed rows' hiddens were not stored"
+    assert not torch.equal(ours, last_hidden), "the committed rows' hiddens were not stored"
 
 
 def test_the_reference_is_what_the_proposer_fed_its_layer():
     """The reference's columns, spelled out for one sequence: old hidden then the features; tokens with
     the anchor after the committed ones; the new last hidden is the last committed token's feature."""
-    args = verify_batch(3, 4, 8, 0)
-    last_hidden, rows, features, input_ids, positions, _, counts, anchors = args
+    verified, last_hidden, rows = verify_batch(3, 4, 8, 0)
+    features, input_ids, positions, _, counts, anchors = verified
     counts[2] = 2
     old = last_hidden.clone()
-    got = reference.block_inputs(*args, 4, 2, 1000)
+    got = reference.block_inputs(verified, last_hidden, rows, 2, 1000)
     b, start = 2, positions[8]
     assert torch.equal(got.hidden[b, 0], old[rows[b]])
     assert torch.equal(got.hidden[b, 1:], features[8:12])
@@ -81,13 +82,15 @@ def test_the_reference_is_what_the_proposer_fed_its_layer():
 
 
 def test_refusals_name_what_the_kernel_cannot_take():
-    args = verify_batch(3, 4, 16, 1)
-    assert "H" in refusal(*args[:2], args[2].t(), *args[3:], 4)
-    assert "dtype" in refusal(args[0].float(), *args[1:], 4)
-    assert "contiguous" in refusal(*args[:7], torch.zeros(3, 2, dtype=torch.long)[:, 0], 4)
-    assert "int64" in refusal(*args[:3], args[3].int(), *args[4:], 4)
-    assert "empty" in refusal(args[0], args[1][:0], args[2][:0], *args[3:], 4)
-    assert refusal(*args, 4) is None
+    verified, last_hidden, rows = verify_batch(3, 4, 16, 1)
+    assert "H" in refusal(verified._replace(features=verified.features.t()), last_hidden, rows)
+    assert "dtype" in refusal(verified, last_hidden.float(), rows)
+    strided = torch.zeros(3, 2, dtype=torch.long)[:, 0]
+    assert "contiguous" in refusal(verified._replace(anchors=strided), last_hidden, rows)
+    assert "int64" in refusal(verified._replace(input_ids=verified.input_ids.int()), last_hidden, rows)
+    empty = verified._replace(features=verified.features[:0], pad_index=verified.pad_index[:0])
+    assert "empty" in refusal(empty, last_hidden, rows[:0])
+    assert refusal(verified, last_hidden, rows) is None
 
 
 _HOPPER_COMPILE = """

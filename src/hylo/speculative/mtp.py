@@ -14,7 +14,7 @@ from hylo.memory.state import StateCache
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_mtp_layer
 from hylo.models.mtp import MTPLayer
-from hylo.ops.mtp_inputs import block_inputs
+from hylo.ops.mtp_inputs import VerifiedBlocks, block_inputs
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches, StepCommit
 from hylo.speculative.verify import VerifyShape
 
@@ -137,10 +137,10 @@ class MTPProposer(Proposer):
             super().observe_and_propose(batch, commit)
             return
         rows, width = batch.state_slots, layout.width
-        inputs = block_inputs(
-            self.last_hidden, rows, commit.features, batch.input_ids, batch.positions, batch.pad_index,
-            commit.counts, commit.anchors, width, self.num_steps - 1, self.table.shape[1] - 1,
-        )  # fmt: skip
+        verified = VerifiedBlocks(
+            commit.features, batch.input_ids, batch.positions, batch.pad_index, commit.counts, commit.anchors
+        )
+        inputs = block_inputs(verified, self.last_hidden, rows, self.num_steps - 1, self.table.shape[1] - 1)
         embeds = self.layer.embedding(self.target)(inputs.tokens)
         hidden = self.layer(
             embeds, inputs.hidden.flatten(0, 1), self._uniform(inputs.prefix, rows, width + 1)

@@ -9,28 +9,21 @@ import torch
 
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.mtp_inputs import reference
-from hylo.ops.mtp_inputs.reference import BlockInputs
+from hylo.ops.mtp_inputs.reference import BlockInputs, VerifiedBlocks
 
-__all__ = ["BlockInputs", "block_inputs", "refusal"]
+__all__ = ["BlockInputs", "VerifiedBlocks", "block_inputs", "refusal"]
 
 _INDEX_TYPES = (torch.int32, torch.int64)
 
 
-def refusal(
-    last_hidden: torch.Tensor,
-    rows: torch.Tensor,
-    features: torch.Tensor,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    pad_index: torch.Tensor,
-    counts: torch.Tensor,
-    anchors: torch.Tensor,
-    width: int,
-) -> str | None:
+def refusal(verified: VerifiedBlocks, last_hidden: torch.Tensor, rows: torch.Tensor) -> str | None:
     """Why `kernels.block_inputs` cannot take this call, or None."""
-    blocks = rows.shape[0]
+    features, input_ids, positions, pad_index, counts, anchors = verified
+    blocks, width = rows.shape[0], verified.width
     if blocks == 0 or width < 1:
         return "an empty batch"
+    if pad_index.dim() != 2 or pad_index.shape[0] != blocks:
+        return "pad_index must be [B, width]"
     if features.dim() != 2 or features.shape[0] != blocks * width or features.stride(1) != 1:
         return "features must be [B·width, H] with a unit last stride"
     if last_hidden.dim() != 2 or last_hidden.shape[1] != features.shape[1] or last_hidden.stride(1) != 1:
@@ -43,37 +36,23 @@ def refusal(
         blocks > 1 and any(t.stride(0) != 1 for t in (rows, counts, anchors))
     ):
         return "input_ids, positions, rows, counts and anchors must be contiguous"
-    if pad_index.dim() != 2 or pad_index.shape[0] != blocks:
-        return "pad_index must be [B, width]"
     if counts.shape != (blocks,) or anchors.shape != (blocks,):
         return "counts and anchors must be one per sequence"
     if any(t.dtype not in _INDEX_TYPES for t in (rows, positions, pad_index, counts)):
         return "rows, positions, pad_index and counts must be int32 or int64"
     if input_ids.dtype != torch.int64 or anchors.dtype != torch.int64:
         return "input_ids and anchors must be int64"
-    tensors = (last_hidden, rows, input_ids, positions, pad_index, counts, anchors)
-    if any(t.device != features.device for t in tensors):
+    if any(t.device != features.device for t in (last_hidden, rows, *verified)):
         return "every tensor must be on the features' device"
     return None
 
 
 def block_inputs(
-    last_hidden: torch.Tensor,
-    rows: torch.Tensor,
-    features: torch.Tensor,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    pad_index: torch.Tensor,
-    counts: torch.Tensor,
-    anchors: torch.Tensor,
-    width: int,
-    chain_steps: int,
-    last: int,
+    verified: VerifiedBlocks, last_hidden: torch.Tensor, rows: torch.Tensor, chain_steps: int, last: int
 ) -> BlockInputs:
     """`reference.block_inputs` (see it for the contract)."""
-    args = (last_hidden, rows, features, input_ids, positions, pad_index, counts, anchors, width)
-    if use_kernel("mtp_inputs.block_inputs", features, lambda: refusal(*args)):
+    if use_kernel("mtp_inputs.block_inputs", verified.features, lambda: refusal(verified, last_hidden, rows)):
         from hylo.ops.mtp_inputs import kernels
 
-        return kernels.block_inputs(*args, chain_steps, last)
-    return reference.block_inputs(*args, chain_steps, last)
+        return kernels.block_inputs(verified, last_hidden, rows, chain_steps, last)
+    return reference.block_inputs(verified, last_hidden, rows, chain_steps, last)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hylo.ops.mtp_inputs.reference import BlockInputs
+from hylo.ops.mtp_inputs.reference import BlockInputs, VerifiedBlocks
 
 # hidden elements one program moves per step
 BLOCK_H = 2048
@@ -73,20 +73,11 @@ def _block_inputs_kernel(
 
 
 def block_inputs(
-    last_hidden: torch.Tensor,
-    rows: torch.Tensor,
-    features: torch.Tensor,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    pad_index: torch.Tensor,
-    counts: torch.Tensor,
-    anchors: torch.Tensor,
-    width: int,
-    chain_steps: int,
-    last: int,
+    verified: VerifiedBlocks, last_hidden: torch.Tensor, rows: torch.Tensor, chain_steps: int, last: int
 ) -> BlockInputs:
     """Same contract as `reference.block_inputs`, one launch (calls `refusal` in the package lets through)."""
-    blocks, hidden_size = rows.shape[0], features.shape[1]
+    features, input_ids, positions, pad_index, counts, anchors = verified
+    blocks, width, hidden_size = rows.shape[0], verified.width, features.shape[1]
     device = features.device
     hidden = torch.empty(blocks, width + 1, hidden_size, dtype=features.dtype, device=device)
     tokens = torch.empty(blocks * (width + 1), dtype=input_ids.dtype, device=device)

@@ -8,6 +8,24 @@ from typing import NamedTuple
 import torch
 
 
+class VerifiedBlocks(NamedTuple):
+    """A uniform verify batch of B sequences of W tokens after the target's forward, as the MTP proposer
+    reads it: `features [B·W, H]` (the target's captured features), `input_ids [B·W]`, `positions [B·W]`
+    and `pad_index [B, W]` the batch's; `counts [B]` how many of each block's tokens were committed,
+    `anchors [B]` the token picked after them."""
+
+    features: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    pad_index: torch.Tensor
+    counts: torch.Tensor
+    anchors: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.pad_index.shape[1]
+
+
 class BlockInputs(NamedTuple):
     """An MTP forward over each sequence's verify block plus one column (see `block_inputs`).
 
@@ -26,25 +44,14 @@ class BlockInputs(NamedTuple):
 
 
 def block_inputs(
-    last_hidden: torch.Tensor,
-    rows: torch.Tensor,
-    features: torch.Tensor,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    pad_index: torch.Tensor,
-    counts: torch.Tensor,
-    anchors: torch.Tensor,
-    width: int,
-    chain_steps: int,
-    last: int,
+    verified: VerifiedBlocks, last_hidden: torch.Tensor, rows: torch.Tensor, chain_steps: int, last: int
 ) -> BlockInputs:
-    """The inputs of an MTP forward over a uniform verify batch of B sequences of `width` tokens
-    (`features [B·width, H]`, `input_ids [B·width]`, `positions [B·width]` and `pad_index [B, width]`
-    the batch's; `rows [B]` the sequences' table rows; `counts [B]` how many of each block's tokens
-    were committed, `anchors [B]` the token picked after them). Also sets `last_hidden[rows[b]]` to the
-    feature of sequence b's last committed token (the first token's when none was), after reading the
-    old rows into `hidden[:, 0]`."""
-    blocks = rows.shape[0]
+    """The inputs of an MTP forward over the `verified` blocks of the sequences at table rows `rows [B]`,
+    with `chain_steps` chained steps after it (positions at most `last`). Also sets `last_hidden[rows[b]]`
+    to the feature of sequence b's last committed token (the first token's when none was), after reading
+    the old rows into `hidden[:, 0]`."""
+    features, input_ids, positions, pad_index, counts, anchors = verified
+    blocks, width = rows.shape[0], verified.width
     counts = counts.long()
     offsets = pad_index[:, 0]
     starts = positions[offsets]
