@@ -74,9 +74,10 @@ class KDAAttention(nn.Module):
             o = self._advance(qkvfb, batch.state_slots, plan.offsets(), batch, plan.padded_chunk_ids)
         else:
             verify = plan.verify()
-            width, slots = verify.block_tokens.shape[1], self._slots(batch, verify.block_slots)
+            slots = self._slots(batch, verify.block_slots)
             if verify.whole_batch:  # a verify graph's batch: no gather in, no scatter out
-                o_blocks, record = kda_ops.verify(qkvfb.blocks(width), self.params, slots)
+                blocks = qkvfb.blocks(verify.block_tokens.shape[1])
+                o_blocks, record = kda_ops.verify(blocks, self.params, slots)
                 o = o_blocks.flatten(0, 1)
                 return self._finish(o, norm, tokens), record
             o = x.new_empty(tokens, *heads)

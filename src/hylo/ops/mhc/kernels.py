@@ -409,18 +409,10 @@ def _finish_collapse_kernel(
             tl.store(out_ptr, x.to(block_input.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _post_kernel(
-    out,
-    streams,
-    post,
-    comb,
-    new_streams,
-    M,
-    D: tl.constexpr,
-    BM: tl.constexpr,
-    BK: tl.constexpr,
-):
+@triton.jit
+def _posted(out, streams, post, comb, M, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """This program's tokens `rows` and dims `d` (`BM·pid(0)`, `BK·pid(1)` on), their mask, and the four new
+    streams post·out + combᵀ·streams there, each rounded to the streams' dtype."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     d = tl.program_id(1) * BK + tl.arange(0, BK)
     rmask = rows < M
@@ -433,10 +425,31 @@ def _post_kernel(
     s3 = tl.load(streams + ptr + 3 * D, mask=mask, other=0.0).to(tl.float32)
     dtype = streams.dtype.element_ty
     w0, w1, w2, w3 = _mix_weights(post + rows * 4, comb + rows * 16, rmask, dtype)
-    tl.store(new_streams + ptr, _expand(o, s0, s1, s2, s3, w0, dtype), mask=mask)
-    tl.store(new_streams + ptr + D, _expand(o, s0, s1, s2, s3, w1, dtype), mask=mask)
-    tl.store(new_streams + ptr + 2 * D, _expand(o, s0, s1, s2, s3, w2, dtype), mask=mask)
-    tl.store(new_streams + ptr + 3 * D, _expand(o, s0, s1, s2, s3, w3, dtype), mask=mask)
+    n0 = _expand(o, s0, s1, s2, s3, w0, dtype)
+    n1 = _expand(o, s0, s1, s2, s3, w1, dtype)
+    n2 = _expand(o, s0, s1, s2, s3, w2, dtype)
+    n3 = _expand(o, s0, s1, s2, s3, w3, dtype)
+    return rows, d, mask, n0, n1, n2, n3
+
+
+@triton.jit(do_not_specialize=["M"])
+def _post_kernel(
+    out,
+    streams,
+    post,
+    comb,
+    new_streams,
+    M,
+    D: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+):
+    rows, d, mask, n0, n1, n2, n3 = _posted(out, streams, post, comb, M, D, BM, BK)
+    ptr = new_streams + rows[:, None].to(tl.int64) * (4 * D) + d[None, :]
+    tl.store(ptr, n0, mask=mask)
+    tl.store(ptr + D, n1, mask=mask)
+    tl.store(ptr + 2 * D, n2, mask=mask)
+    tl.store(ptr + 3 * D, n3, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -451,26 +464,11 @@ def _post_mean_kernel(
     BM: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """`_post_kernel`'s new streams, each rounded to the streams' dtype as it stores them, summed in
-    fp32 in stream order and divided by 4 (torch's mean of the stored streams), one row per token."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    d = tl.program_id(1) * BK + tl.arange(0, BK)
-    rmask = rows < M
-    mask = rmask[:, None] & (d < D)[None, :]
-    ptr = rows[:, None].to(tl.int64) * (4 * D) + d[None, :]
-    out_ptr = rows[:, None].to(tl.int64) * D + d[None, :]
-    o = tl.load(out + out_ptr, mask=mask, other=0.0).to(tl.float32)
-    s0 = tl.load(streams + ptr, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(streams + ptr + D, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(streams + ptr + 2 * D, mask=mask, other=0.0).to(tl.float32)
-    s3 = tl.load(streams + ptr + 3 * D, mask=mask, other=0.0).to(tl.float32)
-    dtype = streams.dtype.element_ty
-    w0, w1, w2, w3 = _mix_weights(post + rows * 4, comb + rows * 16, rmask, dtype)
-    total = _expand(o, s0, s1, s2, s3, w0, dtype).to(tl.float32)
-    total += _expand(o, s0, s1, s2, s3, w1, dtype).to(tl.float32)
-    total += _expand(o, s0, s1, s2, s3, w2, dtype).to(tl.float32)
-    total += _expand(o, s0, s1, s2, s3, w3, dtype).to(tl.float32)
-    tl.store(mean + out_ptr, (total / 4).to(dtype), mask=mask)
+    """`_post_kernel`'s new streams, as it stores them, summed in fp32 in stream order and divided by 4
+    (torch's mean of the stored streams), one row per token."""
+    rows, d, mask, n0, n1, n2, n3 = _posted(out, streams, post, comb, M, D, BM, BK)
+    total = n0.to(tl.float32) + n1.to(tl.float32) + n2.to(tl.float32) + n3.to(tl.float32)
+    tl.store(mean + rows[:, None].to(tl.int64) * D + d[None, :], (total / 4).to(n0.dtype), mask=mask)
 
 
 # ---------------------------------------------------------------- launchers
