@@ -184,7 +184,7 @@ def test_refusals_name_their_reason(monkeypatch):
     ("NVIDIA H200", None, "tuned table nvidia_h200.json; CUDA GEMV for up to 16 rows: on"),
     ("NVIDIA H100 80GB HBM3", None,
      "tuned table nvidia_h100_80gb_hbm3.json; CUDA GEMV for up to 16 rows: on"),
-    ("NVIDIA B300", "no nvcc", "no tuned table (untuned configuration); CUDA GEMV for up to 16 rows: off ("
+    ("NVIDIA B300", "no nvcc", "no tuned table (heuristic configurations); CUDA GEMV for up to 16 rows: off ("
      "no nvcc)"),
 ])  # fmt: skip
 def test_first_small_m_fp8_dispatch_says_what_it_runs_on(monkeypatch, caplog, gpu, gemv_off, expected):

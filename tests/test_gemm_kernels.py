@@ -164,6 +164,24 @@ def test_table_lookup_by_gpu_and_bucket(tmp_path, monkeypatch):
         table.load_table.cache_clear()
 
 
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "tile_m", "tile_n", "split"),
+    [
+        (1, 4096, 16384, 16, 64, 8),  # 64 output tiles on 132 SMs: K split 8 ways (512 programs)
+        (17, 4096, 2048, 32, 64, 4),  # the split stops at 512 of K a program
+        (33, 4096, 1536, 64, 64, 2),
+        (64, 16384, 1536, 64, 64, 1),  # 256 tiles: every SM has one, K whole
+        (8, 256, 4096, 16, 32, 8),  # under 1024 columns the tiles are 32 wide
+        (90, 4096, 4096, 64, 64, 4),  # two row tiles: 128 tiles, at most four programs an SM
+        (16, 8192, 128, 16, 64, 1),  # one K block
+    ],
+)
+def test_heuristic_config_spreads_a_small_m_product_over_the_sms(rows, n, k, tile_m, tile_n, split):
+    config = table.heuristic_config(rows, n, k, sm_count=132)
+    assert (config.block_m, config.block_n, config.split_k) == (tile_m, tile_n, split)
+    assert config.block_k == 128 and not (config.swap_ab or config.quant_x)
+
+
 def test_linear_layer_keeps_nn_linear_contract():
     layer = Linear(24, 40)
     assert set(layer.state_dict()) == {"weight"}

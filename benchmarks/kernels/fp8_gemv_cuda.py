@@ -97,7 +97,7 @@ def measure_shape(n: int, k: int, bandwidth: float, gpu: str) -> list[dict]:
             "n": n, "k": k, "m": m, "split": gemv_cuda.split_for(n, k, sms()), "copies": count,
             "floor_us": round(moved / bandwidth * 1e6, 2), "triton_config": "table" if config else "fallback",
         }  # fmt: skip
-        config = config or gemm.fp8_fallback_config(m)
+        config = config or gemm.fp8_fallback_config(m, n, k, x.device)
         ways = {"triton": lambda w, s, x=x, c=config: kernels.gemm(x, w, c, s)}
         refused = RESULTS.get("gemv_off", "its status is unknown") or gemv_cuda.refusal(x, weight, scale)
         if refused is None:

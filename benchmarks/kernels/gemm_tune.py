@@ -1,6 +1,7 @@
 """Fill the small-M GEMM table (`src/hylo/ops/gemm/tables/<gpu>.json`) for GLM-5.3-Flash's projections.
 
     python benchmarks/kernels/gemm_tune.py [--out DIR] [--budget-s 300] [--fp8]
+    python benchmarks/kernels/gemm_tune.py --check [--fp8]   # the table hidden: the heuristic's cost
     python benchmarks/kernels/gemm_tune.py --dry-run   # CPU, Triton interpreter, tiny shapes, fake timers
 
 For every distinct projection shape (N, K) of the model and every M bucket (16, 32, 64 rows), each
@@ -8,7 +9,7 @@ launch configuration is first checked against an fp32 torch product (relative er
 then timed under CUDA-graph replay (median) at the bucket's smallest and largest M next to what runs
 without an entry on the same inputs: `torch.nn.functional.linear` (cuBLAS) for bf16 weights; with
 `--fp8`, the e4m3 projections of an FP8 checkpoint (`loader.keep_projections_fp8`) against the FP8
-kernel's untuned configuration (`ops.gemm.fp8_fallback_config`). An entry is written only when its
+kernel's configuration without an entry (`ops.gemm.fp8_fallback_config`, the heuristic). An entry is written only when its
 best configuration is at least 2% faster than that baseline at both ends of the bucket (above
 run-to-run noise); the other shapes keep the baseline. With `--fp8-activations` the e4m3 candidates
 also include configurations that quantise x in the kernel (`GemmConfig.quant_x`, checked to 5e-2:
@@ -16,7 +17,10 @@ e4m3's rounding of x), so that a table may choose w8a8 for decode as prefill's c
 Every configuration is tried in both orientations of the tile product (`GemmConfig.swap_ab`). `--buckets`
 chooses the M buckets and their order (on Hopper the CUDA GEMV takes FP8 products of <= 16 rows).
 Prints the table and writes it (with the timings) to --out, together with the shipped table's entries
-of the other weight format and those it did not measure.
+of the other weight format and those it did not measure; every candidate's timings go to
+`gemm_tune_all[_fp8].json`. `--check` tunes nothing: it times `table.heuristic_config` (what a GPU
+without a table runs) against the shipped table's entries, and for bf16 against cuBLAS (issue 44's
+"within 1.2x of the tuned table with the table hidden").
 """
 
 from __future__ import annotations
@@ -90,6 +94,11 @@ def candidates(bucket: int) -> list[table.GemmConfig]:
     return configs
 
 
+def config_name(c: table.GemmConfig) -> str:
+    flags = "_qx" * c.quant_x + "_swap" * c.swap_ab
+    return f"bm{c.block_m}_bn{c.block_n}_bk{c.block_k}_sk{c.split_k}_w{c.num_warps}_s{c.num_stages}{flags}"
+
+
 def timed(fn) -> float:
     if DRY:
         fn()
@@ -97,7 +106,40 @@ def timed(fn) -> float:
     return do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
 
 
-def tune_shape(n: int, k: int, bucket: int, gen: torch.Generator) -> dict | None:
+@dataclasses.dataclass
+class Operands:
+    """One shape's weight (e4m3 with its scales under `--fp8`) and x at the bucket's two ends, with
+    their fp32 products (the reference)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    xs: dict[int, torch.Tensor]
+    refs: dict[int, torch.Tensor]
+
+    def error(self, config: table.GemmConfig) -> float:
+        return max(
+            float((kernels.gemm(x, self.weight, config, self.scale).float() - self.refs[m]).norm())
+            / float(self.refs[m].norm())
+            for m, x in self.xs.items()
+        )
+
+    def time(self, config_of) -> dict[int, float]:
+        """Median µs at each end of the bucket of the Triton kernel with `config_of(m)`."""
+        us = {}
+        for m, x in self.xs.items():
+            config = config_of(m)
+            us[m] = timed(lambda x=x, c=config: kernels.gemm(x, self.weight, c, self.scale))
+        return us
+
+    def baseline(self) -> dict[int, float]:
+        """What runs without a table entry: cuBLAS for bf16, `fp8_fallback_config` for e4m3."""
+        if self.scale is None:
+            return {m: timed(lambda x=x: F.linear(x, self.weight)) for m, x in self.xs.items()}
+        n, k = self.weight.shape
+        return self.time(lambda m: gemm.fp8_fallback_config(m, n, k, self.weight.device))
+
+
+def operands(n: int, k: int, bucket: int, gen: torch.Generator) -> Operands:
     dtype = torch.float32 if DRY else torch.bfloat16
     weight = torch.randn(n, k, generator=gen).div(k**0.5).to(DEV, dtype)
     scale = None
@@ -106,39 +148,71 @@ def tune_shape(n: int, k: int, bucket: int, gen: torch.Generator) -> dict | None
     low = {16: 1, 32: 17, 64: 33}[bucket]
     xs = {m: torch.randn(m, k, generator=gen).to(DEV, dtype) for m in (low, bucket)}
     exact = weight.float() if scale is None else dequantize_fp8_blocks(weight, scale, torch.float32)
-    refs = {m: x.float() @ exact.t() for m, x in xs.items()}
-    if FP8:
-        fallback = {m: gemm.fp8_fallback_config(m) for m in xs}
-        baseline = {
-            m: timed(lambda x=x, c=fallback[m]: kernels.gemm(x, weight, c, scale)) for m, x in xs.items()
-        }
-    else:
-        baseline = {m: timed(lambda x=x: F.linear(x, weight)) for m, x in xs.items()}
-    best = None
+    return Operands(weight, scale, xs, {m: x.float() @ exact.t() for m, x in xs.items()})
+
+
+def rounded(us: dict[int, float]) -> dict[str, float]:
+    return {str(m): round(t, 2) for m, t in us.items()}
+
+
+def tune_shape(n: int, k: int, bucket: int, gen: torch.Generator) -> dict | None:
+    ops = operands(n, k, bucket, gen)
+    xs, baseline = ops.xs, ops.baseline()
+    best, tried = None, {}
     for config in candidates(bucket):
         try:
-            errors = [
-                float((kernels.gemm(x, weight, config, scale).float() - refs[m]).norm() / refs[m].norm())
-                for m, x in xs.items()
-            ]
+            error = ops.error(config)
         except Exception:  # a tile the GPU cannot hold: not a candidate
             continue
-        if max(errors) > (MAX_ERROR_QUANT_X if config.quant_x else MAX_ERROR):
-            print(f"  rejected {config} (rel. error {max(errors):.2e})")
+        if error > (MAX_ERROR_QUANT_X if config.quant_x else MAX_ERROR):
+            print(f"  rejected {config} (rel. error {error:.2e})")
             continue
-        us = {m: timed(lambda x=x, c=config: kernels.gemm(x, weight, c, scale)) for m, x in xs.items()}
-        if best is None or us[bucket] + us[low] < best[1][bucket] + best[1][low]:
-            best = (config, us, max(errors))
+        us = ops.time(lambda m, c=config: c)
+        tried[config_name(config)] = rounded(us)
+        low, high = xs
+        if best is None or us[high] + us[low] < best[1][high] + best[1][low]:
+            best = (config, us, error)
     if best is None:
         return None
     config, us, error = best
     faster = DRY or all(us[m] * MARGIN <= baseline[m] for m in xs)
     return {
         "config": config.__dict__,
-        "us": {str(m): round(t, 2) for m, t in us.items()},
-        ("fallback_us" if FP8 else "cublas_us"): {str(m): round(t, 2) for m, t in baseline.items()},
+        "us": rounded(us),
+        ("fallback_us" if FP8 else "cublas_us"): rounded(baseline),
         "rel_error": error,
         "beats_baseline": faster,
+        "tried": tried,
+    }
+
+
+def check_shape(n: int, k: int, bucket: int, gen: torch.Generator, gpu: str) -> dict:
+    """The GPU's table hidden, as on a GPU without one: the heuristic configuration
+    (`table.heuristic_config`, checked against the reference) beside the table's entry for the shape,
+    for bf16 weights cuBLAS, and three neighbours of the heuristic; median µs at the bucket's two ends."""
+    ops = operands(n, k, bucket, gen)
+    sms = 1 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
+    heuristic = {m: table.heuristic_config(m, n, k, sms) for m in ops.xs}
+    error = max(ops.error(c) for c in heuristic.values())
+    if error > MAX_ERROR:
+        raise AssertionError(f"(N={n}, K={k}) heuristic {heuristic}: rel. error {error:.2e}")
+    us = {"heuristic": rounded(ops.time(heuristic.__getitem__))}
+    # its neighbours, to see which way a miss leans: the other tile orientation, half and twice the split
+    for name, change in {
+        "swap_ab": lambda c: dataclasses.replace(c, swap_ab=True),
+        "half_split": lambda c: dataclasses.replace(c, split_k=max(1, c.split_k // 2)),
+        "twice_split": lambda c: dataclasses.replace(c, split_k=c.split_k * 2),
+    }.items():
+        us[name] = rounded(ops.time(lambda m, change=change: change(heuristic[m])))
+    entry = table.lookup(gpu, bucket, n, k, FP8)
+    if entry is not None:
+        us["tuned"] = rounded(ops.time(lambda m: entry))
+    if not FP8:
+        us["cublas"] = rounded(ops.baseline())
+    return {
+        "heuristic": [heuristic[m].__dict__ for m in ops.xs],
+        "entry": None if entry is None else entry.__dict__,
+        "us": us,
     }
 
 
@@ -158,14 +232,21 @@ def main() -> None:
         "--fp8-activations", action="store_true",
         help="with --fp8: also try quantising the activations in the kernel (w8a8; e4m3 error on x)",
     )  # fmt: skip
+    parser.add_argument(
+        "--check", action="store_true",
+        help="tune nothing: time the heuristic configuration against the shipped table's entries",
+    )  # fmt: skip
     args = parser.parse_args()
     gpu = "dry-run" if DRY else torch.cuda.get_device_name()
     gen = torch.Generator().manual_seed(0)
-    deadline = time.time() + args.budget_s
-    entries, measured = {}, {}
     buckets = [int(b) for b in args.buckets.split(",")]
     if not set(buckets) <= set(table.M_BUCKETS):
         parser.error(f"--buckets: each must be one of {table.M_BUCKETS}, got {args.buckets}")
+    if args.check:
+        check(gpu, buckets, gen, Path(args.out))
+        return
+    deadline = time.time() + args.budget_s
+    entries, measured = {}, {}
     for bucket, (n, k) in itertools.product(buckets, model_shapes()):
         if time.time() > deadline:
             print(f"budget spent: from bucket {bucket}, shape (N={n}, K={k}) on, nothing was tuned")
@@ -174,8 +255,9 @@ def main() -> None:
         key = table.entry_key(bucket, n, k, FP8)
         measured[key] = result
         if result is not None and result["beats_baseline"]:
-            entries[key] = result
-        print(f"{key:24s} {json.dumps(result)}", flush=True)
+            entries[key] = {name: value for name, value in result.items() if name != "tried"}
+        shown = None if result is None else {name: v for name, v in result.items() if name != "tried"}
+        print(f"{key:24s} {json.dumps(shown)}", flush=True)
     shipped = table.table_path(gpu)
     if shipped.exists():  # keep the entries of the other weight format, and those not measured now
         kept = json.loads(shipped.read_text())["entries"]
@@ -183,8 +265,33 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / table.table_path(gpu).name).write_text(json.dumps({"gpu": gpu, "entries": entries}, indent=1))
-    (out / "gemm_tune_all.json").write_text(json.dumps({"gpu": gpu, "measured": measured}, indent=1))
+    (out / f"gemm_tune_all{'_fp8' * FP8}.json").write_text(
+        json.dumps({"gpu": gpu, "measured": measured}, indent=1)
+    )
     print(f"\n{len(entries)} of {len(measured)} (shape, bucket) entries beat cuBLAS on {gpu}")
+
+
+def check(gpu: str, buckets: list[int], gen: torch.Generator, out: Path) -> None:
+    """`--check`: each shape and bucket's heuristic time over its tuned entry's (what hiding the table
+    costs) and, for bf16, over cuBLAS's; the worst of each at the end."""
+    results, worst = {}, {}
+    for bucket, (n, k) in itertools.product(buckets, model_shapes()):
+        key = table.entry_key(bucket, n, k, FP8)
+        result = results[key] = check_shape(n, k, bucket, gen, gpu)
+        us = result["us"]
+        ratios = {
+            f"heuristic/{other}": max(us["heuristic"][m] / us[other][m] for m in us["heuristic"])
+            for other in ("tuned", "cublas")
+            if other in us
+        }
+        result["ratios"] = {name: round(r, 3) for name, r in ratios.items()}
+        for name, r in ratios.items():
+            if r > worst.get(name, (0, None))[0]:
+                worst[name] = (round(r, 3), key)
+        print(f"{key:24s} {json.dumps(us)} {json.dumps(result['ratios'])}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"gemm_check{'_fp8' * FP8}.json").write_text(json.dumps({"gpu": gpu, "shapes": results}, indent=1))
+    print(f"\n{gpu}: worst ratios (slower end of each bucket): {json.dumps(worst)}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@
 - Other bf16 products: `torch.nn.functional.linear` (cuBLAS).
 - Other FP8 products: cuBLAS's block-scaled FP8 matmul (`kernels.scaled_mm`) from `SCALED_MM_MIN_ROWS`
   rows where it takes the shape (`kernels.scaled_mm_refusal` says why not), else the Triton kernel
-  with `fp8_fallback_config`: an FP8 weight is never widened to a bf16 copy on the GPU.
+  with `fp8_fallback_config` (`table.heuristic_config`: K split where N gives the SMs too few tiles):
+  an FP8 weight is never widened to a bf16 copy on the GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.fp8 import dequantize_fp8_blocks
 from hylo.ops.gemm import gemv_cuda
-from hylo.ops.gemm.table import M_BUCKETS, GemmConfig, lookup, table_path
+from hylo.ops.gemm.table import M_BUCKETS, GemmConfig, heuristic_config, lookup, table_path
 
 __all__ = ["linear"]
 
@@ -44,18 +45,28 @@ def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def fp8_fallback_config(rows: int) -> GemmConfig:
-    """The untuned Triton configuration of an FP8 product (row tile by row count, one K split)."""
-    return GemmConfig(16 if rows <= 16 else 32 if rows <= 32 else 64, 64, 128, 1, 4, 3)
+@cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+INTERPRETER_SMS = 132  # the SM count a CPU (Triton's interpreter) plans for: a Hopper's
+
+
+def fp8_fallback_config(rows: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """The Triton configuration of an FP8 product of `rows` rows that the GPU's table has no entry for
+    (`table.heuristic_config` for the device's SM count)."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
+    return heuristic_config(rows, n, k, sms)
 
 
 @cache
 def _announce_small_m_fp8(device: torch.device) -> None:
-    """Log once per device what the small-M FP8 products run on: the GPU's tuned table or the untuned
-    configuration, and whether the CUDA GEMV is on (building and checking it here if it is not yet)."""
+    """Log once per device what the small-M FP8 products run on: the GPU's tuned table or the heuristic
+    configurations, and whether the CUDA GEMV is on (building and checking it here if it is not yet)."""
     name = _gpu_name(device.index or 0)
     table = table_path(name)
-    tuning = f"tuned table {table.name}" if table.exists() else "no tuned table (untuned configuration)"
+    tuning = f"tuned table {table.name}" if table.exists() else "no tuned table (heuristic configurations)"
     off = gemv_cuda.device_refusal(device)
     logger.info(
         "FP8 GEMMs of up to %d rows on %s: %s; CUDA GEMV for up to %d rows: %s",
@@ -88,5 +99,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None
     if rows >= SCALED_MM_MIN_ROWS and kernels.scaled_mm_refusal(flat, weight) is None:
         out = kernels.scaled_mm(flat, weight, scale_inv)
     else:
-        out = kernels.gemm(flat, weight, fp8_fallback_config(rows), scale_inv)
+        out = kernels.gemm(flat, weight, fp8_fallback_config(rows, n, k, x.device), scale_inv)
     return out.view(*x.shape[:-1], n)

@@ -1,9 +1,9 @@
 """Measured launch configurations of the small-M GEMM, one JSON table per GPU model.
 
 A table maps `(M bucket, N, K, weight format)` to the configuration that beat the alternative for
-that shape on that GPU: cuBLAS for bf16 weights, the untuned Triton configuration for e4m3 ones
-(`_fp8` keys); `benchmarks/kernels/gemm_tune.py` writes it after checking the kernel against the
-reference. Shapes without an entry (or GPUs without a table) take that alternative.
+that shape on that GPU: cuBLAS for bf16 weights, `heuristic_config` for e4m3 ones (`_fp8` keys);
+`benchmarks/kernels/gemm_tune.py` writes it after checking the kernel against the reference. Shapes
+without an entry (or GPUs without a table) take that alternative.
 """
 
 from __future__ import annotations
@@ -38,6 +38,31 @@ class GemmConfig:
 def m_bucket(m: int) -> int | None:
     """The smallest bucket holding `m` rows, None above the small-M range."""
     return next((b for b in M_BUCKETS if m <= b), None)
+
+
+SPLIT_MIN_K = 512  # K per split program: below it the partials' extra write and sum outweigh the split
+MAX_SPLIT_K = 8
+
+
+def heuristic_config(rows: int, n: int, k: int, sm_count: int) -> GemmConfig:
+    """The configuration of an `x [rows, K] @ weight [N, K]ᵀ` product no table entry names, by the rules
+    the tuned H100 and H200 tables follow. Rows of a few are bound by reading the weight once, so the
+    work is spread until every SM streams: the row tile is the M bucket (64 above the small-M range),
+    output tiles 64 wide (32 under 1024 columns), and where those tiles are fewer than the SMs, K is
+    split in the largest power of two up to `MAX_SPLIT_K` that keeps at most four programs an SM and
+    at least `SPLIT_MIN_K` of K a program. `block_k` 128 lies inside one FP8 scale block."""
+    block_m = m_bucket(rows) or M_BUCKETS[-1]
+    block_n = 32 if n < 1024 else 64
+    tiles = -(-n // block_n) * -(-rows // block_m)
+    split = 1
+    while (
+        tiles < sm_count
+        and split < MAX_SPLIT_K
+        and tiles * split * 2 <= 4 * sm_count
+        and k // (split * 2) >= SPLIT_MIN_K
+    ):
+        split *= 2
+    return GemmConfig(block_m, block_n, 128, split, 4, 3)
 
 
 def entry_key(bucket: int, n: int, k: int, fp8: bool = False) -> str:
