@@ -20,27 +20,27 @@ class Indexer(nn.Module):
             config.index_kpool, config.index_topk, config.index_kpool_always_select_tail
         )
         self.wq_b = Linear(config.q_lora_rank, h * d)
-        # wk and weights_proj read the layer input: their rows are in the DSA layer's `in_proj`
+        # wk, weights_proj and index_kpool_compress_gate read the layer input: their rows are in the
+        # DSA layer's `in_proj`
         self.k_norm = nn.LayerNorm(d, eps=1e-6)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(config.index_kpool, d))
-        self.index_kpool_compress_gate = nn.Parameter(torch.empty(d, config.hidden_size))
 
     def forward(
         self,
-        x: torch.Tensor,
         q_resid: torch.Tensor,
         batch: ForwardBatch,
         key: torch.Tensor,
         head_logits: torch.Tensor,
+        gate_scores: torch.Tensor,
     ) -> torch.Tensor:
-        """Token-cache slots of the rows each query attends to, `[T, W]`, -1 for empty entries. `key`
-        and `head_logits` are the layer input's wk and weights_proj projections."""
+        """Token-cache slots of the rows each query attends to, `[T, W]`, -1 for empty entries. `key`,
+        `head_logits` and `gate_scores` are the layer input's wk, weights_proj and k-pool compress gate
+        projections."""
         cache = batch.tokens
         layer = cache.indexer_index[self.layer_idx]
         keys, gates = cache.index_key[layer], cache.index_gate[layer]
         scale = None if cache.pooled_key_scale is None else cache.pooled_key_scale[layer]
         pooled = indexer_ops.PooledKeys(cache.pooled_key[layer], scale)
-        gate_scores = x @ self.index_kpool_compress_gate.t()
         norm = indexer_ops.KeyNorm(self.k_norm.weight, self.k_norm.bias, self.k_norm.eps)
         token_keys = indexer_ops.TokenKeys(keys, gates)
         indexer_ops.store_tokens(key, gate_scores, norm, token_keys, batch.new_slots)

@@ -3,7 +3,7 @@ or, as FP8 checkpoints store them, in e4m3 with per-[128, 128]-block scales."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import nn
@@ -56,18 +56,25 @@ class FusedLinear(Linear):
     order, and `forward` returns each part's output as a view of the one product.
 
     `parts` are (checkpoint name relative to the owning module, output features): the loader fills
-    each part's rows from the checkpoint tensor `{owner}.{name}.weight` (`loader.checkpoint_layout`),
-    and saving writes them back under those names, so checkpoints keep the projections apart. The
-    views share the product's row stride (kernels that read them take strides).
+    each part's rows from the checkpoint tensor `checkpoint_keys` names (`loader.checkpoint_layout`),
+    `{owner}.{name}.weight`, or `{owner}.{name}` for the parts in `bare` (a weight the checkpoint
+    stores as a bare parameter, as the indexer's `index_kpool_compress_gate`), and saving writes them
+    back under those names, so checkpoints keep the projections apart. The views share the product's
+    row stride (kernels that read them take strides).
 
     `to_fp8_(names)` makes the named parts e4m3: each starts at a 128-row boundary of `weight` (so it
     keeps its own block scales; the rows between parts hold zeros) and the parts left out move to
     `dense_weight` in the model dtype, a second GEMM (a checkpoint may keep a small part unquantised,
     as DeepSeek-V3.2's keep the indexer's weights_proj)."""
 
-    def __init__(self, in_features: int, parts: Sequence[tuple[str, int]]):
+    def __init__(self, in_features: int, parts: Sequence[tuple[str, int]], bare: Collection[str] = ()):
         self.parts = tuple(parts)
         self.sizes = tuple(n for _, n in self.parts)
+        self.bare = frozenset(bare)
+        if not self.bare <= {name for name, _ in self.parts}:
+            raise ValueError(
+                f"bare parts {sorted(self.bare)} are not all in {[name for name, _ in self.parts]}"
+            )
         super().__init__(in_features, sum(self.sizes))
         self.register_parameter("dense_weight", None)
         self._placement, lo = {}, 0
@@ -78,6 +85,14 @@ class FusedLinear(Linear):
     def rows(self) -> dict[str, tuple[str, int, int]]:
         """Each part's name -> (the parameter holding it, its first row, its end row)."""
         return dict(self._placement)
+
+    def checkpoint_keys(self, module_name: str) -> dict[str, str]:
+        """Each part's name -> the checkpoint tensor holding its weight, for this module named
+        `module_name` in its model (the parts are named relative to the module holding this one);
+        an FP8 part's block scales are that name + `_scale_inv`."""
+        owner = module_name.rpartition(".")[0]
+        prefix = f"{owner}." if owner else ""
+        return {name: prefix + (name if name in self.bare else f"{name}.weight") for name, _ in self.parts}
 
     def to_fp8_(self, names: Sequence[str] | None = None) -> None:
         names = {name for name, _ in self.parts} if names is None else set(names)
@@ -108,16 +123,16 @@ class FusedLinear(Linear):
 
 def unfused_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """`module.state_dict()` with every `FusedLinear`'s tensors replaced by its parts under their own
-    names (`{owner}.{part}.weight`, and `.weight_scale_inv` for FP8 parts; views of the rows): the
+    names (`FusedLinear.checkpoint_keys`, and `_scale_inv` for FP8 parts; views of the rows): the
     layout of modules that keep the projections apart (`transformers`')."""
     state = module.state_dict()
     for name, sub in module.named_modules():
         if isinstance(sub, FusedLinear):
             tensors = {param: state.pop(f"{name}.{param}", None) for param in ("weight", "dense_weight")}
             scale = state.pop(f"{name}.weight_scale_inv", None)
-            owner = name.rpartition(".")[0]
+            keys = sub.checkpoint_keys(name)
             for part, (param, lo, hi) in sub.rows().items():
-                key = f"{owner}.{part}.weight".lstrip(".")
+                key = keys[part]
                 state[key] = tensors[param][lo:hi]
                 if param == "weight" and scale is not None:
                     state[key + "_scale_inv"] = scale[lo // FP8_BLOCK : _blocks(hi)]

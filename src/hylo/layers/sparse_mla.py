@@ -14,6 +14,9 @@ from hylo.ops.norm import NormRows, RowStore, rms_norm_pair
 from hylo.ops.sparse_mla import sparse_mla
 from hylo.parallel.layout import SINGLE, Parallel
 
+# the indexer's k-pool gate, a bare parameter `[index_head_dim, hidden]` in checkpoints (no `.weight`)
+_GATE = "indexer.index_kpool_compress_gate"
+
 
 class SparseMLA(nn.Module):
     """Only the latent `c = RMSNorm(kv_a x)` is cached. kv_b is absorbed: q_lat = q·W_UK per head,
@@ -30,11 +33,13 @@ class SparseMLA(nn.Module):
         self.nope_dim, self.v_dim, self.rank = config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
         self.scale = config.qk_nope_head_dim**-0.5
         full_indexer = config.indexer_types[layer_idx] == "full"
-        # q_a, kv_a and the indexer's key and head-weight projections read the same input: one GEMM
+        # q_a, kv_a and the indexer's key, head-weight and k-pool gate projections read the same
+        # input: one GEMM (in an FP8 checkpoint two: weights_proj and the gate are stored unquantised)
         parts = [("q_a_proj", config.q_lora_rank), ("kv_a_proj_with_mqa", self.rank)]
         if full_indexer:
-            parts += [("indexer.wk", config.index_head_dim), ("indexer.weights_proj", config.index_n_heads)]
-        self.in_proj = FusedLinear(hidden, parts)
+            d = config.index_head_dim
+            parts += [("indexer.wk", d), ("indexer.weights_proj", config.index_n_heads), (_GATE, d)]
+        self.in_proj = FusedLinear(hidden, parts, bare=[_GATE] if full_indexer else ())
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.q_b_proj = Linear(config.q_lora_rank, h * self.nope_dim)
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
@@ -56,7 +61,7 @@ class SparseMLA(nn.Module):
             RowStore(latent, batch.new_slots),
         )
         if self.indexer is not None:
-            rows = self.indexer(x, q_resid, batch, *index_parts)
+            rows = self.indexer(q_resid, batch, *index_parts)
         elif rows is None:
             raise ValueError(f"layer {self.layer_idx} shares rows but no full indexer layer precedes it")
 

@@ -145,10 +145,10 @@ def shard_digest(model: Glm5NextForCausalLM) -> str:
 def _fused_layout(module_name: str, module: FusedLinear) -> dict[str, Slot]:
     """The checkpoint tensors of a `FusedLinear`'s parts: each part's rows of the parameter holding
     it, and for FP8 parts the rows of block scales that start at the part's 128-row boundary."""
-    owner, k = module_name.rpartition(".")[0], module.in_features
+    k, keys = module.in_features, module.checkpoint_keys(module_name)
     layout = {}
     for part, (param, lo, hi) in module.rows().items():
-        key = f"{owner}.{part}.weight"
+        key = keys[part]
         layout[key] = Slot(f"{module_name}.{param}", partial(_rows, lo=lo, hi=hi), (hi - lo, k))
         if param == "weight" and module.fp8:
             blocks = partial(_rows, lo=lo // FP8_BLOCK, hi=-(-hi // FP8_BLOCK))
@@ -376,7 +376,8 @@ _BLOCK_SCALED = re.compile(r"(_proj|_proj_with_mqa|\.indexer\.wq_b|\.indexer\.wk
 def stored_block_scaled(key: str) -> bool:
     """Whether an FP8 checkpoint (DeepSeek-V3.2's convention, which `save_checkpoint(fp8=True)` follows)
     stores the projection weight `key` block-scaled: every linear projection but the indexer's head
-    weights (`weights_proj`); not the router, the embedding or the head."""
+    weights (`weights_proj`); not the indexer's compress gate (a bare parameter), the router, the
+    embedding or the head."""
     return _BLOCK_SCALED.search(key) is not None and not key.endswith("weights_proj.weight")
 
 
@@ -417,8 +418,8 @@ def keep_projections_fp8(
         if not isinstance(sub, Linear) or not sub.quantizable:
             continue
         if isinstance(sub, FusedLinear):
-            owner = name.rpartition(".")[0]
-            parts = [part for part, n in sub.parts if fp8(f"{owner}.{part}.weight", (n, sub.in_features))]
+            keys = sub.checkpoint_keys(name)
+            parts = [part for part, n in sub.parts if fp8(keys[part], (n, sub.in_features))]
             if parts:
                 sub.to_fp8_(parts)
                 converted += len(parts)
