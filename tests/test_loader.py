@@ -286,6 +286,30 @@ def test_fp8_projections_stay_fp8_in_memory(tmp_path):
             assert torch.equal(held, same), name
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_compress_gate_is_a_part_of_the_dsa_in_proj(base, tmp_path, fp8):
+    """The indexer's k-pool compress gate reads the layer input as q_a, kv_a, wk and weights_proj do:
+    its rows are the last part of the DSA layer's `in_proj` (their one GEMM; in an FP8 model the dense
+    GEMM beside the unquantised weights_proj), not a parameter of its own. Checkpoints keep it as the
+    bare parameter `...indexer.index_kpool_compress_gate`: loading fills the rows from it, and a
+    save -> load -> save round trip writes it back bit for bit."""
+    raw = json.loads((base / "config.json").read_text())
+    save_checkpoint(load_model(base, progress=False), tmp_path / "stored", raw, fp8=fp8)
+    model = load_model(tmp_path / "stored", progress=False, fp8_projections=fp8)
+    in_proj = model.layers[1].self_attn.in_proj
+    assert not [name for name, _ in model.named_parameters() if name.endswith("compress_gate")]
+    param, lo, hi = in_proj.rows()["indexer.index_kpool_compress_gate"]
+    assert param == ("dense_weight" if fp8 else "weight") and hi == getattr(in_proj, param).shape[0]
+    key = "model.language_model.layers.1.self_attn.indexer.index_kpool_compress_gate"
+    stored = load_file(tmp_path / "stored" / WEIGHTS)
+    assert stored[key].dtype == torch.bfloat16 and stored[key].shape == (hi - lo, in_proj.in_features)
+    assert torch.equal(getattr(in_proj, param)[lo:hi], stored[key])
+
+    save_checkpoint(model, tmp_path / "again", raw, fp8=fp8)
+    again = load_file(tmp_path / "again" / WEIGHTS)
+    assert again.keys() == stored.keys() and torch.equal(again[key], stored[key])
+
+
 def test_dummy_load_needs_only_the_config(tmp_path):
     """`load_format="dummy"` builds a model from config.json alone with seeded random weights (FP8
     experts included), the same on every load, finite logits; a bad load_format names the field."""
