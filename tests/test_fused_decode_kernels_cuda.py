@@ -55,8 +55,8 @@ def test_swiglu_clamp_bf16(width, rows):
 
 @pytest.mark.parametrize("tokens", [1, 8, 4096])
 def test_q_a_and_kv_a_norms_with_the_latent_store_bf16(tokens):
-    """A DSA layer's in_proj product (q_a 1536 | kv_a 512 | indexer 128 + 32) and a latent cache."""
-    product = randn(tokens, 1536 + 512 + 160, seed=tokens, scale=4.0)
+    """A DSA layer's in_proj product (q_a 1536 | kv_a 512 | indexer 128 + 32 + 128) and a latent cache."""
+    product = randn(tokens, 1536 + 512 + 288, seed=tokens, scale=4.0)
     weights = [1 + 0.1 * randn(n, seed=n).float() for n in (1536, 512)]
     first = norm.NormRows(product[:, :1536], weights[0].bfloat16(), 1e-5)
     second = norm.NormRows(product[:, 1536:2048], weights[1].bfloat16(), 1e-5)
@@ -75,9 +75,10 @@ def test_q_a_and_kv_a_norms_with_the_latent_store_bf16(tokens):
 
 @pytest.mark.parametrize("tokens", [1, 8, 4096])
 def test_indexer_store_tokens_bf16(tokens):
-    """The key LayerNorm (d = 128) from the in_proj product's indexer columns into the token caches."""
-    product = randn(tokens, 2048 + 128 + 32, seed=tokens + 1, scale=3.0)
-    key, gate_scores = product[:, 2048:2176], randn(tokens, 128, seed=tokens + 2)
+    """The key LayerNorm (d = 128) and the k-pool gate scores from the in_proj product's indexer columns
+    (wk 128 | weights_proj 32 | compress gate 128) into the token caches."""
+    product = randn(tokens, 2048 + 128 + 32 + 128, seed=tokens + 1, scale=3.0)
+    key, gate_scores = product[:, 2048:2176], product[:, 2208:]
     k_norm = indexer.KeyNorm(1 + 0.1 * randn(128, seed=3), 0.1 * randn(128, seed=4), 1e-6)
     slots = torch.randperm(2 * tokens, device="cuda")[:tokens]
     caches = randn(2, 2 * tokens, 128, seed=5)
