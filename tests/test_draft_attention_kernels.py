@@ -16,7 +16,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     use_interpreter()  # before the kernels are decorated
 
-from hylo.models.dflash import DFlashConfig, DraftAttention, RotaryTable, rope  # noqa: E402
+from hylo.models.dflash import DFlashConfig, DraftAttention, RotaryTable  # noqa: E402
 from hylo.ops import draft_attention as ops  # noqa: E402
 from hylo.ops.draft_attention import kernels  # noqa: E402
 from hylo.ops.draft_attention.reference import (  # noqa: E402
@@ -144,9 +144,7 @@ def test_paged_reference_matches_draft_attention_forward():
             for r, length in enumerate(lens.tolist()):
                 slots = table[rows[r], :length].long()
                 k_cache[slots], v_cache[slots] = ctx_k[r, :length], ctx_v[r, :length]
-            q = rope(attn.q_norm(attn.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim))),
-                     positions, c.rope_theta)  # fmt: skip
-            k_block, v_block = attn.key_value(x, positions)
+            q, k_block, v_block = attn.project(x, positions)
             out = paged_draft_attention_reference(
                 DraftBlock(q, k_block, v_block), KVCache(k_cache, v_cache), ContextTable(table, rows, lens),
                 c.head_dim**-0.5, attn.window,
@@ -216,9 +214,8 @@ def test_store_reference_matches_draft_attention_key_value():
     with torch.no_grad():
         for attn in layers:
             attn.k_norm.weight.uniform_(0.5, 1.5)
-        heads = (c.num_key_value_heads, c.head_dim)
-        k_raw = torch.stack([attn.k_proj(ctx).unflatten(-1, heads) for attn in layers])
-        v = torch.stack([attn.v_proj(ctx).unflatten(-1, heads) for attn in layers])
+        heads = (2, c.num_key_value_heads, c.head_dim)
+        k_raw, v = torch.stack([(ctx @ attn.kv_weight.T).unflatten(-1, heads) for attn in layers]).unbind(2)
         weight = torch.stack([attn.k_norm.weight for attn in layers])
         cos, sin = rotary_tables(32, c.head_dim, c.rope_theta)
         store_context_kv_reference(
@@ -247,7 +244,7 @@ def test_normed_rotated_kernel_matches_reference(dtype, num_heads):
 
 
 def test_draft_queries_and_keys_through_the_table_equal_rope_of_the_norm():
-    """`DraftAttention.query` / `key_value` with the rotary table built (the fused op) give what the
+    """`DraftAttention.project` / `key_value` with the rotary table built (the fused op) give what the
     norm and `rope` give without it."""
     c = DFlashConfig(
         hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -261,9 +258,9 @@ def test_draft_queries_and_keys_through_the_table_equal_rope_of_the_norm():
     with torch.no_grad():
         attn.q_norm.weight.uniform_(0.5, 1.5)
         attn.k_norm.weight.uniform_(0.5, 1.5)
-        plain = attn.query(x, positions), *attn.key_value(x, positions)
+        plain = *attn.project(x, positions), *attn.key_value(x, positions)
         attn.rotary = RotaryTable(*rotary_tables(32, c.head_dim, c.rope_theta))
-        fused = attn.query(x, positions), *attn.key_value(x, positions)
+        fused = *attn.project(x, positions), *attn.key_value(x, positions)
     for a, b in zip(fused, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 

@@ -14,6 +14,7 @@ from tolerance import assert_fp32_close, draft_accumulation_terms, model_accumul
 
 from hylo import LLM, SamplingParams
 from hylo.engine.request import Request
+from hylo.layers.linear import unfused_state_dict
 from hylo.models.dflash import DFlashConfig, DFlashDraftModel
 from hylo.models.loader import load_flat
 from hylo.speculative.proposer import Proposer, write_drafts
@@ -167,17 +168,18 @@ def naive_dflash(model: DFlashDraftModel, features, block_embeds, start):
     0..start-1; each layer: q from the normed block, k/v from [context; normed block] with k_norm and
     RoPE, non-causal attention (sliding layers: keys within the window), residual, SwiGLU MLP."""
     c = model.config
+    t = unfused_state_dict(model)  # the checkpoint's tensors, each projection on its own
     ctx = model.hidden_norm(model.fc(features))
     x = block_embeds
     positions = torch.arange(start + x.shape[0])
     q_pos = positions[start:]
     for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
+        attn, p = layer.self_attn, f"layers.{i}.self_attn."
         h = layer.input_layernorm(x)
         both = torch.cat([ctx, h])
-        k = attn.k_norm(attn.k_proj(both).view(-1, c.num_key_value_heads, c.head_dim))
-        v = attn.v_proj(both).view(-1, c.num_key_value_heads, c.head_dim)
-        q = attn.q_norm(attn.q_proj(h).view(-1, c.num_attention_heads, c.head_dim))
+        k = attn.k_norm((both @ t[p + "k_proj.weight"].T).view(-1, c.num_key_value_heads, c.head_dim))
+        v = (both @ t[p + "v_proj.weight"].T).view(-1, c.num_key_value_heads, c.head_dim)
+        q = attn.q_norm((h @ t[p + "q_proj.weight"].T).view(-1, c.num_attention_heads, c.head_dim))
 
         def rotate(t, pos):
             inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim)

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.norm import RMSNorm
 from hylo.layers.vocab import VocabHead
 from hylo.ops import topk as topk_ops
@@ -55,6 +56,7 @@ from hylo.ops.draft_attention import (
     rotary_tables,
 )
 from hylo.ops.draft_attention.reference import inverse_frequencies
+from hylo.ops.gemm import linear
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 ARCHITECTURES = ("DFlashDraftModel", DFLASH2_ARCHITECTURE)
@@ -216,28 +218,42 @@ class PagedContext:
 
 
 class DraftAttention(nn.Module):
+    """q, k and v read the same input: one GEMM for a block (`qkv_proj`, a `FusedLinear` whose parts keep
+    the checkpoint names `q_proj`, `k_proj`, `v_proj`, in that order, so k and v are its last rows,
+    `kv_weight`); the context's keys and values are one GEMM over those rows (`key_value`). Every
+    projection goes through `ops.gemm.linear` (the tuned dispatch under CUDA-graph capture); the draft
+    is never FP8."""
+
     def __init__(self, c: DFlashConfig, sliding: bool):
         super().__init__()
         self.c, self.window = c, c.sliding_window if sliding else None
         self.rotary: RotaryTable | None = None
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        q_width, kv_width = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.qkv_proj = FusedLinear(
+            c.hidden_size, [("q_proj", q_width), ("k_proj", kv_width), ("v_proj", kv_width)]
+        )
+        self.o_proj = Linear(q_width, c.hidden_size)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Queries (normed, rotated) `[..., heads, d]` of `x [..., H]` at `positions [...]`."""
-        c = self.c
-        q = self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim))
-        return self._normed_rotated(q, self.q_norm, positions)
+    @property
+    def kv_weight(self) -> torch.Tensor:
+        """k_proj's rows then v_proj's, `[2 · kv heads · d, H]`: a view of `qkv_proj.weight`."""
+        return self.qkv_proj.weight[self.c.num_attention_heads * self.c.head_dim :]
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries `[..., heads, d]` and keys `[..., kv heads, d]` (normed, rotated) and values of the
+        block `x [..., H]` at `positions [...]`, from one GEMM (the values are a view of its product)."""
+        q, k, v = (t.unflatten(-1, (-1, self.c.head_dim)) for t in self.qkv_proj(x))
+        q = self._normed_rotated(q, self.q_norm, positions)
+        return q, self._normed_rotated(k, self.k_norm, positions), v
 
     def key_value(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values of `x [..., H]` at `positions [...]`."""
-        c = self.c
-        k = self.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
-        v = self.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        """Keys (normed, rotated) and values of the context `x [..., H]` at `positions [...]`, from one
+        GEMM over `kv_weight` (the values are a view of its product)."""
+        k, v = linear(x, self.kv_weight).unflatten(-1, (2, -1, self.c.head_dim)).unbind(-3)
         return self._normed_rotated(k, self.k_norm, positions), v
 
     def _normed_rotated(self, x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor) -> torch.Tensor:
@@ -260,8 +276,7 @@ class DraftAttention(nn.Module):
         """Block `x [R, B, H]` at `positions [R, B]` over context keys `[R, L, kv, d]` (valid where
         `ctx_valid`) and the block's own keys, non-causally."""
         c = self.c
-        q = self.query(x, positions)
-        k_blk, v_blk = self.key_value(x, positions)
+        q, k_blk, v_blk = self.project(x, positions)
         keys, values = torch.cat([ctx_k, k_blk], 1), torch.cat([ctx_v, v_blk], 1)
         key_pos = torch.cat([ctx_pos, positions], 1)
         allowed = torch.cat([ctx_valid, torch.ones_like(positions, dtype=torch.bool)], 1)[:, None, :]
@@ -280,8 +295,7 @@ class DraftAttention(nn.Module):
         """The same attention with the context read through the request table (`context`, this
         layer's pools at index `layer`) instead of gathered keys."""
         c = self.c
-        q = self.query(x, positions)
-        k_blk, v_blk = self.key_value(x, positions)
+        q, k_blk, v_blk = self.project(x, positions)
         out = paged_draft_attention(
             DraftBlock(q, k_blk, v_blk), KVCache(context.k_cache[layer], context.v_cache[layer]),
             ContextTable(context.req_to_token, context.rows, context.lengths), c.head_dim**-0.5, self.window,
@@ -290,14 +304,19 @@ class DraftAttention(nn.Module):
 
 
 class DraftMLP(nn.Module):
+    """SwiGLU whose gate and up are one GEMM (`gate_up_proj`, a `FusedLinear` whose parts keep the
+    checkpoint names `gate_proj` and `up_proj`)."""
+
     def __init__(self, c: DFlashConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up_proj = FusedLinear(
+            c.hidden_size, [("gate_proj", c.intermediate_size), ("up_proj", c.intermediate_size)]
+        )
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class GroupedBlockConv(nn.Module):
@@ -307,7 +326,7 @@ class GroupedBlockConv(nn.Module):
         super().__init__()
         self.taps, self.group_size = taps, group_size
         self.base_kernel = nn.Parameter(torch.empty(2, taps, hidden_size))
-        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * (hidden_size // group_size), bias=False)
+        self.kernel_projection = Linear(hidden_size, 2 * taps * (hidden_size // group_size))
 
     def convolve(self, x: torch.Tensor, deltas: torch.Tensor, side: int) -> torch.Tensor:
         """Rows `x [R, B, H]` (one block per leading index) with per-row group deltas `[R, B, taps, G]`
@@ -329,7 +348,7 @@ class CandidateSelector(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
         super().__init__()
         self.top_k = top_k
-        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.hidden_projection = Linear(hidden_size, rank)
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
 
@@ -412,12 +431,14 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
-    """Parameter names are the checkpoint's tensor names."""
+    """The checkpoint's tensor names are `layers.linear.unfused_state_dict(model)`'s keys: the parameter
+    names, with each `FusedLinear`'s parts (`self_attn.{q,k,v}_proj`, `mlp.{gate,up}_proj`) under their
+    own names, rows of the fused weight."""
 
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.config = c
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)

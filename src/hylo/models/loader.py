@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from hylo.config import ModelConfig
-from hylo.layers.linear import FusedLinear, Linear
+from hylo.layers.linear import FusedLinear, Linear, unfused_state_dict
 from hylo.layers.moe import FP8Experts, MoE, local_experts
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.mtp import MTPLayer, mtp_config
@@ -640,10 +640,11 @@ def _stays_fp32(name: str) -> bool:
 
 
 def load_flat(module: torch.nn.Module, path: str | Path) -> None:
-    """Load a checkpoint whose tensor names are `module`'s parameter names (draft models), with the
-    same checks as `load_weights`: every tensor present, none unexpected, every shape right."""
+    """Load a checkpoint whose tensor names are `module`'s parameter names, a `FusedLinear`'s parts under
+    their own (`unfused_state_dict`; draft models), with the same checks as `load_weights`: every
+    tensor present, none unexpected, every shape right."""
     path = Path(path)
-    params = dict(module.named_parameters())
+    params = unfused_state_dict(module)  # views of the parameters' storage
     seen: set[str] = set()
     for file in _checkpoint_files(path):
         try:

@@ -15,6 +15,7 @@ from hylo.models.dflash import DFlashConfig, DFlashDraftModel, PagedContext
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_flat
 from hylo.ops.draft_attention import ContextTokens, KeyTransform, KVCache, store_context_kv
+from hylo.ops.gemm import linear
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches, StepCommit
 from hylo.speculative.verify import VerifyShape
 
@@ -73,10 +74,10 @@ class DFlashProposer(Proposer):
         self.table, self.drafts = caches.req_to_token, caches.drafts
         w = target.embed_tokens.weight
         self.draft.build_rotary(self.table.shape[1] + self.verify_shape.block, w.device)
-        # every layer's k and v projections stacked into one weight, so that a step's new context K/V
-        # is one GEMM and one store launch
+        # every layer's k and v projections (the last rows of its fused q|k|v weight) stacked into one
+        # weight, so that a step's new context K/V is one GEMM and one store launch
         attns = [layer.self_attn for layer in self.draft.layers]
-        self.kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
+        self.kv_weight = torch.cat([a.kv_weight for a in attns])
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])
 
     @classmethod
@@ -138,7 +139,7 @@ class DFlashProposer(Proposer):
         within = packed - batch.pad_index[batch.token_seq, 0]
         slots = torch.where(within < commit.counts[batch.token_seq], batch.new_slots, -1)
         ctx = self.draft.hidden_norm(self.draft.fc(commit.features))
-        kv = (ctx @ self.kv_weight.t()).view(-1, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
+        kv = linear(ctx, self.kv_weight).view(-1, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
         kv = kv.permute(2, 1, 0, 3, 4)  # [k|v, layer, token, kv heads, d]
         rotary = self.draft.layers[0].self_attn.rotary
         store_context_kv(

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hylo.config import ModelConfig
+from hylo.layers.linear import unfused_state_dict
 from hylo.models.dflash import (
     ARCHITECTURES,
     DFLASH2_ARCHITECTURE,
@@ -150,12 +151,13 @@ def init_draft(config: dict, seed: int, std: float = 0.02) -> DFlashDraftModel:
     """A new fp32 draft with deterministic trainable weights (drawn from `seed` in name order): norms
     at 1, projections and selector codebooks normal(0, `std`) as HF's `initializer_range`; DFlash2's
     convs start near the identity (base kernel 1 at tap 0, 0 elsewhere; kernel projections scaled so
-    that a normed row's tap deltas have std `std`)."""
+    that a normed row's tap deltas have std `std`). Drawn per checkpoint tensor (a fused projection's
+    parts one by one), so a seed gives the same draft however the projections are fused."""
     draft = DFlashDraftModel(DFlashConfig.from_dict(config))
     gen = torch.Generator().manual_seed(seed)
     hidden = draft.config.hidden_size
-    with torch.no_grad():
-        for name, p in sorted(draft.named_parameters()):
+    with torch.no_grad():  # the state dict's tensors share the parameters' storage
+        for name, p in sorted(unfused_state_dict(draft).items()):
             if name.endswith("norm.weight"):
                 p.fill_(1)
             elif name.endswith("base_kernel"):
@@ -170,14 +172,16 @@ def init_draft(config: dict, seed: int, std: float = 0.02) -> DFlashDraftModel:
 def save_draft(
     draft: DFlashDraftModel, config: dict, directory: str | Path, dtype: torch.dtype | None = None
 ) -> Path:
-    """Write `config.json` and `model.safetensors` (tensor names = parameter names, as `load_flat`
-    reads them; in `dtype`, default the draft's) to `directory`. `config` must describe `draft`."""
+    """Write `config.json` and `model.safetensors` (the z-lab tensor names, `unfused_state_dict`'s, as
+    `load_flat` reads them; in `dtype`, default the draft's) to `directory`. `config` must describe
+    `draft`."""
     if DFlashConfig.from_dict(config) != draft.config:
         raise ValueError("config does not describe this draft")
     dtype = dtype or next(draft.parameters()).dtype
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().to("cpu", dtype).contiguous() for name, p in draft.named_parameters()}
+    # copies: a fused projection's parts are rows of one tensor, and safetensors refuses shared storage
+    tensors = {name: t.to("cpu", dtype, copy=True) for name, t in unfused_state_dict(draft).items()}
     written = config | {"torch_dtype": str(dtype).removeprefix("torch.")}
     (directory / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"))
@@ -226,9 +230,8 @@ def _shared_context_attention(
     one attention over its context `[S, L, H]` and all its blocks' keys, separated by `allowed`."""
     c = attn.c
     seqs = context.shape[0]
-    q = attn.query(h, positions).flatten(0, 1).unflatten(0, (seqs, -1))
+    q, k_blk, v_blk = (t.flatten(0, 1).unflatten(0, (seqs, -1)) for t in attn.project(h, positions))
     k_ctx, v_ctx = attn.key_value(context, context_pos)
-    k_blk, v_blk = (t.flatten(0, 1).unflatten(0, (seqs, -1)) for t in attn.key_value(h, positions))
     group = c.num_attention_heads // c.num_key_value_heads
     keys, values = (
         torch.cat(pair, 1).repeat_interleave(group, 2) for pair in ((k_ctx, k_blk), (v_ctx, v_blk))
