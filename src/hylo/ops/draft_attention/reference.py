@@ -122,7 +122,7 @@ def normed_rotated_reference(
     positions: torch.Tensor,
 ) -> torch.Tensor:
     """`rope(RMSNorm(k_raw))` of `k_raw [N, H, d]` (a draft layer's keys or queries) at `positions [N]`,
-    as `DraftAttention.key_value` and `query`: normalise in fp32, round to k_raw's dtype, scale by the
+    as `DraftAttention.key_value` and `project`: normalise in fp32, round to k_raw's dtype, scale by the
     weight, rotate in fp32 with the `cos`/`sin [max_pos, d/2]` table, round again."""
     xf = k_raw.float()
     normed = k_norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(k_raw.dtype)
