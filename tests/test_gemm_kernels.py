@@ -165,21 +165,27 @@ def test_table_lookup_by_gpu_and_bucket(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("rows", "n", "k", "tile_m", "tile_n", "split"),
+    ("rows", "n", "k", "tile_m", "tile_n", "split", "swap_ab"),
     [
-        (1, 4096, 16384, 16, 64, 8),  # 64 output tiles on 132 SMs: K split 8 ways (512 programs)
-        (17, 4096, 2048, 32, 64, 4),  # the split stops at 512 of K a program
-        (33, 4096, 1536, 64, 64, 2),
-        (64, 16384, 1536, 64, 64, 1),  # 256 tiles: every SM has one, K whole
-        (8, 256, 4096, 16, 32, 8),  # under 1024 columns the tiles are 32 wide
-        (90, 4096, 4096, 64, 64, 4),  # two row tiles: 128 tiles, at most four programs an SM
-        (16, 8192, 128, 16, 64, 1),  # one K block
+        (1, 4096, 16384, 16, 64, 8, False),  # 64 output tiles on 132 SMs: K split 8 ways (512 programs)
+        (17, 4096, 2048, 32, 64, 4, False),  # the split stops at 384 of K a program
+        (17, 4096, 1536, 32, 64, 4, False),
+        (33, 4096, 16384, 64, 64, 4, False),  # 64-row tiles: half the programs of 32-row ones
+        (64, 16384, 1536, 64, 64, 1, True),  # 256 tiles: every SM has one, K whole, tiles transposed
+        (8, 256, 4096, 16, 32, 8, False),  # under 1024 columns the tiles are 32 wide
+        (90, 4096, 4096, 64, 64, 2, False),  # two row tiles: 128 tiles
+        (16, 8192, 128, 16, 64, 1, False),  # one K block
     ],
 )
-def test_heuristic_config_spreads_a_small_m_product_over_the_sms(rows, n, k, tile_m, tile_n, split):
+def test_heuristic_config_spreads_a_small_m_product_over_the_sms(rows, n, k, tile_m, tile_n, split, swap_ab):
     config = table.heuristic_config(rows, n, k, sm_count=132)
-    assert (config.block_m, config.block_n, config.split_k) == (tile_m, tile_n, split)
-    assert config.block_k == 128 and not (config.swap_ab or config.quant_x)
+    assert (config.block_m, config.block_n, config.split_k, config.swap_ab) == (
+        tile_m,
+        tile_n,
+        split,
+        swap_ab,
+    )
+    assert config.block_k == 128 and not config.quant_x
 
 
 def test_linear_layer_keeps_nn_linear_contract():
