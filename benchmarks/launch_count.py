@@ -58,6 +58,7 @@ NO_KERNEL = {
     "new_empty_strided",
     "lift_fresh",
     "detach_",
+    "_unsafe_view",  # a reshape whose result owns no new storage (a linear over a 3-D input ends in one)
 }
 HOST_READ = "_local_scalar_dense"
 # dispatchers that ask the CUDA runtime itself: left on their CPU path (a bf16 projection is one
