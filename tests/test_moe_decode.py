@@ -18,8 +18,9 @@ import torch  # noqa: E402
 from test_moe_kernels import assert_alignment, rel_err  # noqa: E402
 
 from hylo.ops import fp8 as fp8_ops  # noqa: E402
+from hylo.ops import moe as moe_ops  # noqa: E402
 from hylo.ops.moe import decode, kernels, reference, routing  # noqa: E402
-from hylo.ops.moe.reference import ExpertWeights, Routing  # noqa: E402
+from hylo.ops.moe.reference import Choices, ExpertWeights, Routing, SharedExpert  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
@@ -97,6 +98,13 @@ class Experts:
         )
         self.plain = ExpertWeights(self.gate_up, self.down)
         self.fp8 = ExpertWeights(self.gate_up_q, self.down_q, (self.gate_up_s, self.down_s))
+
+    def shared(self, fp8: bool) -> SharedExpert:
+        """Expert 0 as a shared expert: its own tensors, laid out as one routed expert's."""
+        w = self.fp8 if fp8 else self.plain
+        return SharedExpert(
+            w.gate_up[0], w.down[0], None if w.scales is None else (w.scales[0][0], w.scales[1][0])
+        )
 
 
 @pytest.mark.parametrize(
@@ -207,6 +215,154 @@ def test_bad_inputs_are_named():
         )
 
 
+# ---------------------------------------------------------------- the shared expert as one more pair
+
+
+@pytest.mark.parametrize(("tokens", "first_expert", "block_m"), [(1, None, 16), (5, None, 4), (9, 4, 4)])
+def test_prologue_places_the_shared_experts_pairs_first(tokens, first_expert, block_m):
+    """With the shared expert, its blocks come first (token t's pair T·k + t in slot t; 5 and 9 tokens in
+    4-row blocks leave a ragged last one), then the routed blocks exactly as without it."""
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=g)
+    routing_ = random_routing(g, 64, 12, 3)
+    local = 12 if first_expert is None else 4
+    span = {"first_expert": first_expert, "num_experts": local}
+    ids, _, layout, _, _ = decode.prologue(x, routing_, block_m, quantize=False, shared=True, **span)
+    _, _, alone, _, _ = decode.prologue(x, routing_, block_m, quantize=False, **span)
+    shared_blocks = -(-tokens // block_m)
+    expert, rows = layout.block_expert, layout.block_rows
+    assert (expert[:shared_blocks] == routing.SHARED_EXPERT.value).all()
+    assert rows[:shared_blocks].tolist() == [min(block_m, tokens - b * block_m) for b in range(shared_blocks)]
+    assert layout.pairs[:tokens].tolist() == [ids.numel() + t for t in range(tokens)]
+    assert torch.equal(expert[shared_blocks:], alone.block_expert)
+    assert torch.equal(rows[shared_blocks:], alone.block_rows)
+    routed = routing.Alignment(
+        layout.pairs[shared_blocks * block_m :], expert[shared_blocks:], rows[shared_blocks:], block_m
+    )
+    assert_alignment(routed, ids, local, block_m, first_expert)
+
+
+def shared_output(x: torch.Tensor, experts: Experts, fp8: bool) -> torch.Tensor:
+    """The shared expert's output (expert 0) by the general kernel path, as a routed pair of weight 1:
+    the rows the three launches add in their combine."""
+    ids = torch.zeros(x.shape[0], 1, dtype=torch.long)
+    return kernels.experts(
+        x, experts.fp8 if fp8 else experts.plain, Choices(ids, torch.ones(ids.shape)), LIMIT
+    )
+
+
+# (tokens, top_k, first_expert): one token; ragged 16-row blocks; every pair of the path (8 × 8 = 64),
+# so 8 shared rows beside 64 routed; a rank holding experts [4, 8) of 12 (its pairs only, plus the shared)
+FOLD_CASES = [(1, 3, None), (5, 4, None), (8, 8, None), (6, 4, 4)]
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "first_expert"), FOLD_CASES)
+@pytest.mark.parametrize(
+    ("fp8", "dtype"), [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)]
+)
+def test_the_shared_expert_joins_the_routed_launches(tokens, top_k, first_expert, fp8, dtype):
+    """The shared expert computed as one more pair of each token in the same three launches: its own
+    tensors (not stacked with the routed ones), against the step with its output as the addend and
+    against the reference of routed + shared.
+
+    Tolerances: against the addend step, the same quantisation and GEMM rows; only the fp32 sums of the
+    shared rows' K products may run in another order (a few ulps of fp32: 1e-6), and bf16 rows round
+    once each as there (one bf16 ulp, 2^-8, on a few elements: 4e-3). Against the reference: exact
+    fp32 math up to summation order on the plain weights (2e-6); e4m3 activations on the FP8 weights,
+    a few percent (0.1, as for the routed step alone). Leaving the shared expert out misses by ~0.5."""
+    g = torch.Generator().manual_seed(10 * tokens + top_k)
+    hidden, inter, num_experts = 160, 128, 12
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    routing_ = random_routing(g, hidden, num_experts, top_k)
+    routing_ = routing_._replace(weight=routing_.weight.to(dtype))
+    experts, shared_experts = Experts(g, hidden, inter, num_experts), Experts(g, hidden, inter, 1)
+    whole = experts.fp8 if fp8 else experts.plain
+    local = slice(first_expert or 0, num_experts if first_expert is None else first_expert + 4)
+    scales = None if whole.scales is None else tuple(s[local] for s in whole.scales)
+    w = ExpertWeights(whole.gate_up[local], whole.down[local], scales)
+    shared = shared_experts.shared(fp8)
+    out = decode.routed_experts(x, routing_, w, LIMIT, first_expert=first_expert, shared=shared)
+    assert not decode.tickets(x.device).any()
+    rows = shared_output(x, shared_experts, fp8)
+    joined = decode.routed_experts(x, routing_, w, LIMIT, first_expert=first_expert, addend=rows)
+    close = 1e-6 if dtype == torch.float32 else 4e-3
+    assert out.dtype == dtype and rel_err(out, joined) < close
+    choices = reference.route(x, routing_)
+    plain = ExpertWeights(experts.gate_up[local], experts.down[local])
+    truth = reference.experts(x.float(), plain, choices, LIMIT, first_expert, shared_experts.shared(False))
+    assert rel_err(out, truth) < (0.1 if fp8 else 2e-6)
+    routed_only = reference.experts(x.float(), plain, choices, LIMIT, first_expert)
+    assert rel_err(routed_only, truth) > 0.2  # the shared expert's part is large enough to be seen
+
+
+def test_the_reference_adds_the_shared_expert_after_the_routed_sum():
+    """`reference.experts` with the shared expert is the routed sum in x's dtype plus `shared_expert`, the
+    SwiGLU-clamp MLP of its dequantised weights (gate rows first)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 128, generator=g)
+    routing_, experts = random_routing(g, 128, 6, 2), Experts(g, 128, 128, 6)
+    choices = reference.route(x, routing_)
+    gate_up, down = experts.gate_up[0], experts.down[0]
+    gate, up = (x @ gate_up.t()).chunk(2, dim=-1)
+    mlp = reference.swiglu_clamp(gate, up, LIMIT) @ down.t()
+    assert torch.equal(reference.shared_expert(x, experts.shared(False), LIMIT), mlp)
+    routed = reference.experts(x, experts.plain, choices, LIMIT)
+    assert torch.equal(
+        reference.experts(x, experts.plain, choices, LIMIT, shared=experts.shared(False)), routed + mlp
+    )
+    fp8 = reference.shared_expert(x, experts.shared(True), LIMIT)
+    dequantized = [
+        fp8_ops.dequantize_fp8_blocks(q, s, x.dtype)
+        for q, s in ((experts.gate_up_q[0], experts.gate_up_s[0]), (experts.down_q[0], experts.down_s[0]))
+    ]
+    assert torch.equal(fp8, reference.shared_expert(x, SharedExpert(*dequantized), LIMIT))
+
+
+def test_a_shared_expert_of_another_layout_is_refused():
+    """The kernels read the shared expert through the routed experts' tile shapes and strides: another
+    intermediate size (its slice of a rank split by expert), format or row stride is named."""
+    g = torch.Generator().manual_seed(12)
+    experts, narrow = Experts(g, 128, 128, 4), Experts(g, 128, 64, 1)
+    assert kernels.shared_refusal(experts.plain, experts.shared(False)) is None
+    assert kernels.shared_refusal(experts.fp8, experts.shared(True)) is None
+    assert "not one routed expert's" in kernels.shared_refusal(experts.plain, narrow.shared(False))
+    assert "not both FP8" in kernels.shared_refusal(experts.fp8, experts.shared(False))
+    strided = experts.shared(False)._replace(down=torch.cat([experts.down[0]] * 2, dim=1)[:, ::2])
+    assert "strides" in kernels.shared_refusal(experts.plain, strided)
+    x = torch.randn(2, 128, generator=g)
+    routing_ = random_routing(g, 128, 4, 2)
+    with pytest.raises(ValueError, match="not one routed expert's"):
+        decode.routed_experts(x, routing_, experts.plain, LIMIT, shared=narrow.shared(False))
+    with pytest.raises(ValueError, match="pass one of the two"):
+        decode.routed_experts(x, routing_, experts.plain, LIMIT, addend=x, shared=experts.shared(False))
+
+
+def forced_use_kernel(op, tensor, verify=None, **_):
+    """`dispatch.use_kernel` as for a CUDA tensor: the verifier decides (the kernels run interpreted)."""
+    return verify is None or verify() is None
+
+
+def test_the_dispatcher_folds_the_shared_expert_where_the_rule_allows(monkeypatch):
+    """`moe_ops.shared_refusal` is the one rule: off CUDA, and on CUDA past the decode path's pairs or for
+    a shared expert of another layout, it names why, and `routed_experts` refuses `shared=`; where it
+    is None, `routed_experts` runs the three launches with the shared expert."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(3, 64, generator=g)
+    routing_, experts = random_routing(g, 64, 8, 4), Experts(g, 64, 128, 8)
+    shared = Experts(g, 64, 128, 1).shared(False)
+    assert moe_ops.shared_refusal(x, 4, experts.plain, shared) == "not on a CUDA device"
+    with pytest.raises(ValueError, match="cannot join the routed launches: not on a CUDA device"):
+        moe_ops.routed_experts(x, routing_, experts.gate_up, experts.down, LIMIT, shared=shared)
+    monkeypatch.setattr(moe_ops, "use_kernel", forced_use_kernel)
+    assert moe_ops.shared_refusal(x, 4, experts.plain, shared) is None
+    many = torch.randn(17, 64, generator=g)
+    assert "more than the decode path's 64 pairs" in moe_ops.shared_refusal(many, 4, experts.plain, shared)
+    narrow = Experts(g, 64, 64, 1).shared(False)
+    assert "not one routed expert's" in moe_ops.shared_refusal(x, 4, experts.plain, narrow)
+    out = moe_ops.routed_experts(x, routing_, experts.gate_up, experts.down, LIMIT, shared=shared)
+    assert torch.equal(out, decode.routed_experts(x, routing_, experts.plain, LIMIT, shared=shared))
+
+
 _HOPPER_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -214,8 +370,10 @@ from triton.compiler import ASTSource
 from hylo.ops.moe.kernels import _down_combine_kernel as fn
 
 consts = {"TOP_K": 8, "K_PAD": 8, "T_PAD": 16, "N": 4096, "K": 2048, "BLOCK_M": 16, "BLOCK_N": 64,
-          "BLOCK_K": 128, "GROUP_M": 8, "FP8": True, "E": 288, "PARTIAL": False, "ADD": True}
+          "BLOCK_K": 128, "GROUP_M": 8, "FP8": True, "E": 288, "PARTIAL": PARTIAL, "ADD": True,
+          "SHARED": SHARED}
 kinds = {"h_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "h_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
+         "shared_w_ptr": "*fp8e4nv", "shared_w_scale_ptr": "*fp32",
          "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "block_rows_ptr": "*i32", "weights_ptr": "*fp32",
          "routed_ptr": "*bf16", "ids_ptr": "*i32", "addend_ptr": "*bf16", "out_ptr": "*bf16",
          "tickets_ptr": "*i32"}
@@ -224,8 +382,34 @@ src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v fo
 print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0)
 """
 
+_HOPPER_COMPILE_GATE_UP = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hylo.ops.moe.kernels import _gate_up_kernel as fn
 
-def test_the_combining_down_kernel_compiles_for_hopper_with_an_addend():
-    """bf16 output and addend, FP8 weights, as the GPU builds it (no GPU needed): the interpreter does not
-    check Triton's typing rules, nor its rounding of fp32 to bf16 (see the addend test)."""
-    assert run_compiled_for_hopper(_HOPPER_COMPILE).split() == ["True"]
+w = "*fp8e4nv" if FP8 else "*bf16"
+consts = {"TOP_K": 8, "N": 2048, "K": 4096, "BLOCK_M": 16, "BLOCK_N": 128 if FP8 else 64, "BLOCK_K": 128,
+          "GROUP_M": 8, "FP8": FP8, "QUANT_GROUP": 128 if FP8 else 64, "SHARED": True}
+kinds = {"x_ptr": w, "w_ptr": w, "shared_w_ptr": w, "h_ptr": w, "limit": "fp32",
+         "x_scale_ptr": "*fp32" if FP8 else w, "w_scale_ptr": "*fp32" if FP8 else w,
+         "shared_w_scale_ptr": "*fp32" if FP8 else w, "h_scale_ptr": "*fp32" if FP8 else w,
+         "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "block_rows_ptr": "*i32"}
+sig = {n: "constexpr" if n in consts else kinds.get(n, "i32") for n in fn.arg_names}
+src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0)
+"""
+
+
+@pytest.mark.parametrize(("shared", "partial"), [(False, False), (True, False), (True, True)])
+def test_the_combining_down_kernel_compiles_for_hopper(shared, partial):
+    """bf16 output and addend (the shared expert's rows with `shared`), FP8 weights, as the GPU builds it
+    (no GPU needed): the interpreter does not check Triton's typing rules (the per-block choice of the
+    shared or a stacked expert's pointers), nor its rounding of fp32 to bf16 (see the addend test)."""
+    script = f"SHARED, PARTIAL = {shared}, {partial}\n" + _HOPPER_COMPILE
+    assert run_compiled_for_hopper(script).split() == ["True"]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_the_gate_up_kernel_compiles_for_hopper_with_the_shared_expert(fp8):
+    assert run_compiled_for_hopper(f"FP8 = {fp8}\n" + _HOPPER_COMPILE_GATE_UP).split() == ["True"]

@@ -14,6 +14,12 @@
 3. `kernels.down_combine_stage`: the down GEMM, whose last program of each column tile sums every
    token's k weighted rows (its placed ones, at expert parallelism) in a fixed order (the combine).
 
+The shared expert (`SharedExpert`, its own tensors; `kernels.shared_refusal` None: one routed expert's
+layout) may join as one more pair of weight 1 per token: the prologue places its blocks first, the two
+GEMM launches read its tensors for those blocks, and the combine adds its rows as the addend. A MoE
+layer's decode then runs these three launches instead of six (its gate|up GEMM, activation and down
+GEMM apart).
+
 The ticket counters are zero between launches: the last program of each counter puts it back, so a
 CUDA graph replays the launches as they are. Each CUDA stream gets its own counters (`tickets`), so
 launches on different streams never share one; launches of one stream run one after another.
@@ -35,8 +41,9 @@ from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import quantize_tile
 from hylo.ops.moe import kernels
 from hylo.ops.moe.kernels import MoeConfig
-from hylo.ops.moe.reference import Choices, ExpertWeights, Routing
+from hylo.ops.moe.reference import Choices, ExpertWeights, Routing, SharedExpert
 from hylo.ops.moe.routing import (
+    SHARED_EXPERT,
     Alignment,
     check_route,
     choice_constants,
@@ -88,6 +95,7 @@ def _place_pairs(
     num_blocks,
     first_expert,
     num_experts,
+    shared_tokens,
     PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCKS_PAD: tl.constexpr,
@@ -96,14 +104,24 @@ def _place_pairs(
     read back after a barrier, one pair a lane) from registers, placing only the pairs of experts
     [first_expert, first_expert + num_experts) (numbered from 0): a pair's rank is the number of
     earlier pairs of its expert, its expert's first block the blocks of all smaller placed experts
-    (counted once, at each expert's first pair)."""
-    lane = tl.arange(0, PAIRS)  # pair index t·k + j
+    (counted once, at each expert's first pair). The shared expert's pairs of `shared_tokens` tokens
+    (0: none; at most PAIRS) come first: token t's pair num_pairs + t in slot t, cdiv(shared_tokens,
+    BLOCK_M) blocks of `SHARED_EXPERT`."""
+    lane = tl.arange(0, PAIRS)  # pair index t·k + j; for the shared expert, token t
+    shared_blocks = (shared_tokens + BLOCK_M - 1) // BLOCK_M
+    mine = lane < shared_tokens
+    tl.store(pairs_ptr + lane, num_pairs + lane, mask=mine)
+    # the lanes of one block all write its expert and row count
+    tl.store(block_expert_ptr + lane // BLOCK_M, tl.full([PAIRS], SHARED_EXPERT, tl.int32), mask=mine)
+    shared_rows = tl.minimum(shared_tokens - (lane // BLOCK_M) * BLOCK_M, BLOCK_M)
+    tl.store(block_rows_ptr + lane // BLOCK_M, shared_rows, mask=mine)
     expert, valid = placed_experts(ids_ptr, lane, lane < num_pairs, first_expert, num_experts)
     same = (expert[:, None] == expert[None, :]) & valid[None, :]
     rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
     count = tl.sum(same.to(tl.int32), axis=1)
     blocks = tl.where(valid & (rank == 0), (count + BLOCK_M - 1) // BLOCK_M, 0)
-    first_block = tl.sum(tl.where(expert[None, :] < expert[:, None], blocks[None, :], 0), axis=1)
+    smaller = tl.sum(tl.where(expert[None, :] < expert[:, None], blocks[None, :], 0), axis=1)
+    first_block = shared_blocks + smaller
     tl.store(pairs_ptr + first_block * BLOCK_M + rank, lane, mask=valid)
     block = rank // BLOCK_M
     # the pairs of one block all write its expert and row count
@@ -111,7 +129,7 @@ def _place_pairs(
     rows = tl.minimum(count - block * BLOCK_M, BLOCK_M)
     tl.store(block_rows_ptr + first_block + block, rows, mask=valid)
     b = tl.arange(0, BLOCKS_PAD)
-    unused = (b >= tl.sum(blocks, axis=0)) & (b < num_blocks)
+    unused = (b >= shared_blocks + tl.sum(blocks, axis=0)) & (b < num_blocks)
     tl.store(block_expert_ptr + b, tl.full([BLOCKS_PAD], -1, tl.int32), mask=unused)
     tl.store(block_rows_ptr + b, tl.zeros([BLOCKS_PAD], tl.int32), mask=unused)
 
@@ -134,6 +152,7 @@ def _prologue_kernel(
     num_blocks,
     first_expert,
     num_experts,
+    shared_tokens,
     scaling,
     stride_x,
     stride_r,
@@ -185,6 +204,7 @@ def _prologue_kernel(
             num_blocks,
             first_expert,
             num_experts,
+            shared_tokens,
             T_PAD * K_PAD,
             BLOCK_M,
             BLOCKS_PAD,
@@ -216,12 +236,14 @@ def prologue(
     num_warps: int = 4,
     first_expert: int | None = None,
     num_experts: int | None = None,
+    shared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Alignment, torch.Tensor | None, torch.Tensor | None]:
     """One launch: (global ids `[T, k]`, weights `[T, k]`, alignment into `block_m`-row blocks, and with
     `quantize` x as e4m3 `[T, D]` with its fp32 group scales `[T, ceil(D/128)]`, else None, None).
     Every token is routed over all of routing's experts; the alignment places the pairs of the
     `num_experts` experts from global id `first_expert` (a rank's, split by expert), numbered from 0,
-    or with `first_expert` None every pair. `block_e` router rows per program and `num_warps`: the
+    or with `first_expert` None every pair; with `shared`, after one pair per token of the shared
+    expert, in the first blocks (`Alignment`). `block_e` router rows per program and `num_warps`: the
     fastest of those timed by `benchmarks/kernels/moe.py --only breakdown` on an H200 at M = 1 and 4."""
     check_route(x, routing)
     tokens, hidden = x.shape
@@ -233,7 +255,7 @@ def prologue(
     device = x.device
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
-    num_blocks = max_blocks(tokens * top_k, num_experts, block_m)
+    num_blocks = max_blocks(tokens * top_k, num_experts, block_m) + shared * triton.cdiv(tokens, block_m)
     layout = Alignment(
         torch.empty(num_blocks * block_m, dtype=torch.int32, device=device),
         torch.empty(num_blocks, dtype=torch.int32, device=device),
@@ -261,6 +283,7 @@ def prologue(
         num_blocks,
         first_expert,
         num_experts,
+        tokens if shared else 0,
         float(routing.scaling),
         x.stride(0),
         weight.stride(0),
@@ -285,26 +308,42 @@ def routed_experts(
     config: MoeConfig | None = None,
     first_expert: int | None = None,
     addend: torch.Tensor | None = None,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """`route` then `kernels.experts` for at most `MAX_PAIRS` pairs, in three launches (module
     docstring). `first_expert`: as in `kernels.experts` (the weights hold global experts from
     `first_expert` on, and only their pairs are computed); None: the weights hold all of routing's
-    experts. `addend [T, D]` (x's dtype): added to the result in the combine (`down_combine_stage`)."""
+    experts. `addend [T, D]` (x's dtype): added to the result in the combine (`down_combine_stage`).
+    `shared` (in place of an addend; `kernels.shared_refusal` None): the shared expert, one more pair
+    of weight 1 per token in the same launches, its output the combine's addend (`reference.experts`
+    with `shared`)."""
     tokens, top_k = x.shape[0], routing.top_k
     gate_up_scale, down_scale = w.scales or (None, None)
     shape = torch.empty(tokens, top_k, device="meta")  # the ids and weights `prologue` will make
     config = kernels.check_experts(x, w, Choices(shape, shape), config)
+    if shared is not None:
+        if addend is not None:
+            raise ValueError("MoE decode: the shared expert's output is the addend; pass one of the two")
+        refusal = kernels.shared_refusal(w, shared)
+        if refusal is not None:
+            raise ValueError(f"MoE decode: {refusal}")
     fp8, local = w.scales is not None, w.gate_up.shape[0]
     ids, weights, layout, q, q_scale = prologue(
-        x, routing, config.block_m, fp8, first_expert=first_expert, num_experts=local
+        x,
+        routing,
+        config.block_m,
+        fp8,
+        first_expert=first_expert,
+        num_experts=local,
+        shared=shared is not None,
     )
     if tokens == 0:
         return torch.zeros(0, x.shape[1], dtype=x.dtype, device=x.device) if addend is None else addend
     activations = x.contiguous() if q is None else q
     h, h_scale = kernels.gate_up_stage(
-        activations, q_scale, w.gate_up, gate_up_scale, layout, top_k, limit, config
+        activations, q_scale, w.gate_up, gate_up_scale, layout, top_k, limit, config, shared
     )
     return kernels.down_combine_stage(
         h, h_scale, w.down, down_scale, layout, weights, x.dtype, config, tickets(x.device), ids,
-        first_expert, addend,
+        first_expert, addend, shared,
     )  # fmt: skip

@@ -38,8 +38,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import group_scale, quantize_groups, quantize_rows, round_to_e4m3
-from hylo.ops.moe.reference import Choices, ExpertWeights
-from hylo.ops.moe.routing import Alignment, align, placed_experts
+from hylo.ops.moe.reference import Choices, ExpertWeights, SharedExpert
+from hylo.ops.moe.routing import SHARED_EXPERT, Alignment, align, placed_experts
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,28 @@ def _block_of(pid, num_blocks, N: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
+def _block_expert(block_expert_ptr, pid_m, SHARED: tl.constexpr):
+    """(expert, whether it is the shared expert) of row block `pid_m`; SHARED: the launch has the shared
+    expert's weights (without them its blocks count as empty). Safe to skip the block when the expert
+    is negative and not the shared one."""
+    expert = tl.load(block_expert_ptr + pid_m)
+    return expert, SHARED and expert == SHARED_EXPERT
+
+
+@triton.jit
+def _expert_weights(
+    w_ptr, w_scale_ptr, expert, stride_we, stride_wse, shared, shared_w_ptr, shared_w_scale_ptr
+):
+    """(weight, scale_inv) of a row block's expert: the shared expert's own tensors for its blocks, else
+    expert `expert` of the stacked ones (the two share their row strides: `SharedExpert`'s checks)."""
+    if shared:
+        w, w_scale = shared_w_ptr, shared_w_scale_ptr
+    else:
+        w, w_scale = w_ptr + expert.to(tl.int64) * stride_we, w_scale_ptr + expert * stride_wse
+    return w, w_scale
+
+
+@triton.jit
 def _block_slots(pid_m, block_rows_ptr, BLOCK_M: tl.constexpr):
     """(slots, which of them hold a pair) of row block `pid_m`."""
     m = tl.arange(0, BLOCK_M)
@@ -161,12 +183,15 @@ def _gate_up_kernel(
     x_scale_ptr,
     w_ptr,
     w_scale_ptr,
+    shared_w_ptr,
+    shared_w_scale_ptr,
     pairs_ptr,
     block_expert_ptr,
     block_rows_ptr,
     h_ptr,
     h_scale_ptr,
     num_blocks,
+    num_pairs,
     limit,
     stride_x,
     stride_xs,
@@ -185,13 +210,17 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr,
     FP8: tl.constexpr,
     QUANT_GROUP: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
+    """The SwiGLU rows of each row block's pairs (`gate_up_stage`). SHARED: the shared expert's blocks
+    (`SHARED_EXPERT`) read its own weights, and their pairs num_pairs + t are token t's."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
+    expert, shared = _block_expert(block_expert_ptr, pid_m, SHARED)
+    if expert < 0 and not shared:
         return
     slot, row_ok = _block_slots(pid_m, block_rows_ptr, BLOCK_M)
-    token = tl.load(pairs_ptr + slot, mask=row_ok, other=0) // TOP_K
+    pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
+    token = tl.where(shared, pair - num_pairs, pair // TOP_K)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     # one [K, 2·BLOCK_N] weight tile per step, gate rows then the matching up rows: one dot (and for
@@ -200,9 +229,12 @@ def _gate_up_kernel(
     w_row = pid_n * BLOCK_N + j % BLOCK_N + (j // BLOCK_N) * N
     w_row_ok = pid_n * BLOCK_N + j % BLOCK_N < N
     x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
-    w_cols = w_ptr + expert.to(tl.int64) * stride_we + w_row[None, :] * stride_wn
+    w, w_scale = _expert_weights(
+        w_ptr, w_scale_ptr, expert, stride_we, stride_wse, shared, shared_w_ptr, shared_w_scale_ptr
+    )
+    w_cols = w + w_row[None, :] * stride_wn
     a_scales = x_scale_ptr + token * stride_xs
-    w_scales = w_scale_ptr + expert * stride_wse + (w_row // 128) * stride_wsn
+    w_scales = w_scale + (w_row // 128) * stride_wsn
     acc = _expert_product(
         x_rows, a_scales, w_cols, w_scales, row_ok, w_row_ok, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP8
     )
@@ -228,21 +260,24 @@ def _gate_up_kernel(
 @triton.jit
 def _down_rows(
     h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pairs_ptr, block_rows_ptr, weights_ptr, out_ptr,
-    pid_m, pid_n, expert, stride_h, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_o,
+    pid_m, pid_n, shared, stride_h, stride_hs, stride_wn, stride_wsn, stride_o,
     N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr,
 ):  # fmt: skip
-    """Row block `pid_m` (of `expert`) times its column tile `pid_n`, weighted, to each pair's row."""
+    """Row block `pid_m` times its column tile `pid_n` of its expert's weight (`w_ptr`, `w_scale_ptr`:
+    `_expert_weights`), weighted, to each pair's row; the shared expert's pairs (`shared`) have no
+    routing weight and take 1."""
     slot, row_ok = _block_slots(pid_m, block_rows_ptr, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
-    w_cols = w_ptr + expert.to(tl.int64) * stride_we + n[None, :] * stride_wn
+    w_cols = w_ptr + n[None, :] * stride_wn
     a_scales = h_scale_ptr + slot * stride_hs
-    w_scales = w_scale_ptr + expert * stride_wse + (n // 128) * stride_wsn
+    w_scales = w_scale_ptr + (n // 128) * stride_wsn
     acc = _expert_product(h_rows, a_scales, w_cols, w_scales, row_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
     pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
-    acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    if not shared:
+        acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -278,9 +313,10 @@ def _down_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
+    w, w_scale = w_ptr + expert.to(tl.int64) * stride_we, w_scale_ptr + expert * stride_wse
     _down_rows(
-        h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pairs_ptr, block_rows_ptr, weights_ptr, out_ptr,
-        pid_m, pid_n, expert, stride_h, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_o,
+        h_ptr, h_scale_ptr, w, w_scale, pairs_ptr, block_rows_ptr, weights_ptr, out_ptr,
+        pid_m, pid_n, False, stride_h, stride_hs, stride_wn, stride_wsn, stride_o,
         N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
     )  # fmt: skip
 
@@ -325,6 +361,8 @@ def _down_combine_kernel(
     h_scale_ptr,
     w_ptr,
     w_scale_ptr,
+    shared_w_ptr,
+    shared_w_scale_ptr,
     pairs_ptr,
     block_expert_ptr,
     block_rows_ptr,
@@ -359,18 +397,23 @@ def _down_combine_kernel(
     E: tl.constexpr,
     PARTIAL: tl.constexpr,
     ADD: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     """`_down_kernel`, then the combine of its column tile by the tile's last program to finish: every
     row block of the tile takes a ticket (empty blocks too), and the last ticket sums each token's k
     rows (PARTIAL: its placed ones, `_sum_pairs`) in a fixed order, rounds the sum to the output dtype
     (ADD: then adds the addend's row and rounds again, as a separate add of the two would) and puts
-    the ticket counter back to zero."""
+    the ticket counter back to zero. SHARED: the shared expert's blocks read its own weights and write
+    its rows after the routed pairs' (row T·k + t: the addend the host points ADD at)."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert >= 0:
+    expert, shared = _block_expert(block_expert_ptr, pid_m, SHARED)
+    if expert >= 0 or shared:
+        w, w_scale = _expert_weights(
+            w_ptr, w_scale_ptr, expert, stride_we, stride_wse, shared, shared_w_ptr, shared_w_scale_ptr
+        )
         _down_rows(
-            h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pairs_ptr, block_rows_ptr, weights_ptr, routed_ptr,
-            pid_m, pid_n, expert, stride_h, stride_hs, stride_we, stride_wn, stride_wse, stride_wsn, stride_r,
+            h_ptr, h_scale_ptr, w, w_scale, pairs_ptr, block_rows_ptr, weights_ptr, routed_ptr,
+            pid_m, pid_n, shared, stride_h, stride_hs, stride_wn, stride_wsn, stride_r,
             N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
         )  # fmt: skip
     tl.debug_barrier()  # all of this program's rows are stored before its ticket releases them
@@ -385,9 +428,10 @@ def _down_combine_kernel(
         inside = t_ok[:, None] & (n < N)[None, :]
         result = total.to(out_ptr.dtype.element_ty)
         if ADD:
-            addend = tl.load(
-                addend_ptr + t[:, None].to(tl.int64) * stride_a + n[None, :], mask=inside, other=0.0
-            )
+            # `.cg`: with SHARED, the addend rows are the shared expert's, which other programs of this
+            # launch wrote
+            addend_rows = addend_ptr + t[:, None].to(tl.int64) * stride_a + n[None, :]
+            addend = tl.load(addend_rows, mask=inside, other=0.0, cache_modifier=".cg")
             result = (result.to(tl.float32) + addend.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + t[:, None].to(tl.int64) * stride_o + n[None, :], result, mask=inside)
 
@@ -672,13 +716,18 @@ def gate_up_stage(
     top_k: int,
     limit: float,
     config: MoeConfig,
+    shared: SharedExpert | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The first grouped GEMM (one launch): SwiGLU rows `h [rows, I]` in the alignment's order. FP8
     weights take x quantised (e4m3 with `x_scale`, see `quantize_groups`) and give h quantised with
-    its group scales; bf16 weights take and give x's dtype and no scales."""
+    its group scales; bf16 weights take and give x's dtype and no scales. `shared`: the weights of the
+    shared expert's blocks, when the layout places them (`decode.prologue`; `shared_refusal` of the
+    weights is None)."""
     fp8 = gate_up_scale is not None
     if fp8 != (x_scale is not None):
         raise ValueError("gate_up_stage: x_scale and gate_up_scale come together (FP8) or not at all")
+    if shared is not None and config.tma:
+        raise ValueError("gate_up_stage: config.tma has no shared expert")
     num_blocks = layout.block_expert.numel()
     intermediate = gate_up.shape[1] // 2
     h = torch.empty(layout.pairs.numel(), intermediate, dtype=x.dtype, device=x.device)
@@ -711,15 +760,19 @@ def gate_up_stage(
             **launch,
         )
         return h, h_scale
+    shared_gate_up, shared_scale = _shared_operands(shared, 0, gate_up, gate_up_scale)
     _gate_up_kernel[(programs,)](
         x,
         _or(x_scale, x),  # the kernel reads a scale argument only where its flags say so
         gate_up,
         _or(gate_up_scale, gate_up),
+        shared_gate_up,
+        shared_scale,
         *layout[:3],
         h,
         _or(h_scale, h),
         num_blocks,
+        x.shape[0] * top_k,
         float(limit),
         x.stride(0),
         _or(x_scale, x).stride(0),
@@ -732,9 +785,42 @@ def gate_up_stage(
         TOP_K=top_k,
         FP8=fp8,
         QUANT_GROUP=min(up.block_n, FP8_BLOCK),
+        SHARED=shared is not None,
         **launch,
     )
     return h, h_scale
+
+
+def shared_refusal(w: ExpertWeights, shared: SharedExpert) -> str | None:
+    """Why the grouped GEMMs cannot compute `shared` as one more expert beside `w`'s, or None: it must
+    have the format of `w` (dtype, FP8 or not) and one routed expert's shapes and row strides, since
+    the kernels read both through one set of tile shapes and strides."""
+    pairs = [("gate_up", w.gate_up, shared.gate_up), ("down", w.down, shared.down)]
+    if (w.scales is None) != (shared.scales is None):
+        return "the shared expert and the routed experts are not both FP8 or both unscaled"
+    if w.scales is not None:
+        names = ("gate_up_scale_inv", "down_scale_inv")
+        pairs += list(zip(names, w.scales, shared.scales, strict=True))
+    for name, routed, one in pairs:
+        if one.dtype != routed.dtype or one.shape != routed.shape[1:] or one.stride() != routed.stride()[1:]:
+            expected = f"{routed.dtype} {tuple(routed.shape[1:])} strides {routed.stride()[1:]}"
+            return (
+                f"the shared expert's {name} {one.dtype} {tuple(one.shape)} strides {one.stride()} is not "
+                f"one routed expert's ({expected})"
+            )
+    return None
+
+
+def _shared_operands(
+    shared: SharedExpert | None, part: int, weight: torch.Tensor, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, scale_inv) of the shared expert's gate_up (`part` 0) or down (1) for a launch: stand-ins
+    (the routed `weight` and its `scale`, never read) without one; the scale is the weight itself where
+    unscaled, as the routed experts' stand-in is."""
+    if shared is None:
+        return weight, _or(scale, weight)
+    one = shared[part]
+    return one, one if shared.scales is None else shared.scales[part]
 
 
 def _tile_arguments(config: MoeConfig, tiles: Tiles, n: int, k: int) -> dict[str, object]:
@@ -856,6 +942,7 @@ def down_combine_stage(
     ids: torch.Tensor | None = None,
     first_expert: int | None = None,
     addend: torch.Tensor | None = None,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """`down_stage` and the combine in one launch, for a few tokens: Σ_k of each token's weighted rows
     (each rounded to `out_dtype`, summed in fp32 in a fixed order), `[T, D]`. `tickets`: int32
@@ -863,9 +950,13 @@ def down_combine_stage(
     placed only the pairs of the weights' experts, `align`), only the rows of the pairs whose global
     expert id in `ids [T, k]` lies in `[first_expert, first_expert + E)` are summed. With `addend`
     (`[T, D]` in `out_dtype`, unit last stride: the shared expert's output), the result is the sum
-    plus it, bit for bit what adding the two afterwards gives, without that launch."""
+    plus it, bit for bit what adding the two afterwards gives, without that launch. With `shared`
+    instead (the layout places its blocks, `decode.prologue`), the shared expert's own rows, rounded
+    to `out_dtype`, are that addend."""
     if config.tma:
         raise ValueError("down_combine_stage: config.tma has no combining down kernel")
+    if shared is not None and addend is not None:
+        raise ValueError("down_combine_stage: the shared expert's rows are the addend; pass one of the two")
     tokens, top_k = weights.shape
     hidden = down.shape[1]
     column_tiles = triton.cdiv(hidden, config.down.block_n)
@@ -885,10 +976,16 @@ def down_combine_stage(
             f"got {addend.dtype} {tuple(addend.shape)}"
         )
     programs, arguments = _down_arguments(h, h_scale, down, down_scale, layout, weights, config)
-    routed = torch.empty(tokens * top_k, hidden, dtype=out_dtype, device=h.device)
+    # the routed pairs' rows, then (with the shared expert) one row per token: pair T·k + t
+    routed = torch.empty(tokens * (top_k + (shared is not None)), hidden, dtype=out_dtype, device=h.device)
     out = torch.empty(tokens, hidden, dtype=out_dtype, device=h.device)
+    if shared is not None:
+        addend = routed[tokens * top_k :]
+    shared_down, shared_scale = _shared_operands(shared, 1, down, down_scale)
     _down_combine_kernel[(programs,)](
         **arguments,
+        shared_w_ptr=shared_down,
+        shared_w_scale_ptr=shared_scale,
         routed_ptr=routed,
         ids_ptr=ids.contiguous() if partial else layout.pairs,  # read only where PARTIAL says so
         addend_ptr=out if addend is None else addend,  # read only where ADD says so
@@ -905,6 +1002,7 @@ def down_combine_stage(
         E=down.shape[0],
         PARTIAL=partial,
         ADD=addend is not None,
+        SHARED=shared is not None,
     )
     return out
 

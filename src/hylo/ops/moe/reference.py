@@ -1,4 +1,4 @@
-"""Torch reference of the MoE: sigmoid group-limited routing and SwiGLU-clamp experts."""
+"""Torch reference of the MoE: sigmoid group-limited routing and SwiGLU-clamp experts, routed and shared."""
 
 from __future__ import annotations
 
@@ -39,6 +39,18 @@ class ExpertWeights(NamedTuple):
     scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+class SharedExpert(NamedTuple):
+    """The shared expert's weights, apart from the routed experts': gate_up `[2I, D]` (gate rows first)
+    and down `[D, I]`, in x's dtype with `scales` None, or e4m3 with `scales` = (gate_up_scale_inv,
+    down_scale_inv), fp32 `[ceil(N/128), ceil(K/128)]` per [128, 128] block: one routed expert's
+    layout (`ExpertWeights` at one expert) without the expert dimension. It adds its output to every
+    token, as a routed pair of weight 1 would."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
 def route(x: torch.Tensor, routing: Routing) -> Choices:
     """Sigmoid scores; choice by score + correction bias within the best `topk_group` groups (a
     group's strength is the sum of its top two biased scores); weights are the unbiased scores of
@@ -61,19 +73,38 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+def _dequantized(gate_up: torch.Tensor, down: torch.Tensor, scales, dtype: torch.dtype):
+    """(gate_up, down) in `dtype`: FP8 weights (`scales` given) dequantised per block, others as they are."""
+    if scales is None:
+        return gate_up, down
+    return dequantize_fp8_blocks(gate_up, scales[0], dtype), dequantize_fp8_blocks(down, scales[1], dtype)
+
+
+def shared_expert(x: torch.Tensor, shared: SharedExpert, limit: float) -> torch.Tensor:
+    """The shared expert's output for every token of x, in x's dtype: SwiGLU-clamp of the gate and up
+    rows, then down (FP8 weights dequantised to x's dtype, activations unquantised)."""
+    gate_up, down = _dequantized(shared.gate_up, shared.down, shared.scales, x.dtype)
+    gate, up = (x @ gate_up.t()).chunk(2, dim=-1)
+    return swiglu_clamp(gate, up, limit) @ down.t()
+
+
 def experts(
-    x: torch.Tensor, w: ExpertWeights, choices: Choices, limit: float, first_expert: int | None = None
+    x: torch.Tensor,
+    w: ExpertWeights,
+    choices: Choices,
+    limit: float,
+    first_expert: int | None = None,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
-    """Σ_k weights[t,k] · expert_{ids[t,k]}(x_t) for `choices` (ids, weights). FP8 weights (`w.scales`)
-    are dequantised to x's dtype; activations stay unquantised here.
+    """Σ_k weights[t,k] · expert_{ids[t,k]}(x_t) for `choices` (ids, weights), plus `shared`'s output
+    (`shared_expert`) where given: the routed sum is rounded to x's dtype, then the shared output added
+    (the order of the kernels' combine). FP8 weights (`w.scales`) are dequantised to x's dtype;
+    activations stay unquantised here.
 
     `first_expert`: the global id of the weights' first expert (a rank holding experts
     `[first_expert, first_expert + E)` of the routing, split by expert); the pairs routed to any other
     expert add nothing and are never computed. None: the ids index the weights directly."""
-    gate_up, down = w.gate_up, w.down
-    if w.scales is not None:
-        gate_up = dequantize_fp8_blocks(gate_up, w.scales[0], x.dtype)
-        down = dequantize_fp8_blocks(down, w.scales[1], x.dtype)
+    gate_up, down = _dequantized(w.gate_up, w.down, w.scales, x.dtype)
     ids, weights = choices
     local = ids - (first_expert or 0)
     mine = ((local >= 0) & (local < gate_up.shape[0])).flatten()
@@ -98,4 +129,5 @@ def experts(
         y = (swiglu_clamp(gate, up, limit) @ down[expert].t()) * weight_of[start : start + count, None]
         routed[order[start : start + count]] = y
         start += count
-    return routed.view(*ids.shape, -1).to(x.dtype).sum(1)
+    out = routed.view(*ids.shape, -1).to(x.dtype).sum(1)
+    return out if shared is None else out + shared_expert(x, shared, limit)

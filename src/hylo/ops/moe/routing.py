@@ -31,10 +31,16 @@ SMALL_PAIRS = 256
 CHUNK = 32  # pairs or blocks per step of the placing loops: a [CHUNK, E_PAD] one-hot stays in registers
 
 
+# `block_expert` of the shared expert's blocks, which only the decode path places (`decode.prologue` with
+# the shared expert): negative, so kernels launched without the shared expert's weights skip them.
+SHARED_EXPERT = tl.constexpr(-2)
+
+
 class Alignment(NamedTuple):
     """`pairs [num_blocks·block_m]`: pair index t·k + j per row (rows past an expert's count are
     unset); `block_expert [num_blocks]`: expert of each block, -1 past the real count;
-    `block_rows [num_blocks]`: valid rows of each block."""
+    `block_rows [num_blocks]`: valid rows of each block. With the shared expert (decode only), its
+    blocks come first: `block_expert` `SHARED_EXPERT`, token t's pair index T·k + t in slot t."""
 
     pairs: torch.Tensor
     block_expert: torch.Tensor
