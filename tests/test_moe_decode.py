@@ -17,6 +17,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_moe_kernels import assert_alignment, rel_err  # noqa: E402
 
+from hylo.config import ModelConfig  # noqa: E402
+from hylo.layers.moe import FP8Experts, MoE  # noqa: E402
 from hylo.ops import fp8 as fp8_ops  # noqa: E402
 from hylo.ops import moe as moe_ops  # noqa: E402
 from hylo.ops.moe import decode, kernels, reference, routing  # noqa: E402
@@ -361,6 +363,61 @@ def test_the_dispatcher_folds_the_shared_expert_where_the_rule_allows(monkeypatc
     assert "not one routed expert's" in moe_ops.shared_refusal(x, 4, experts.plain, narrow)
     out = moe_ops.routed_experts(x, routing_, experts.gate_up, experts.down, LIMIT, shared=shared)
     assert torch.equal(out, decode.routed_experts(x, routing_, experts.plain, LIMIT, shared=shared))
+
+
+def moe_layer(fp8: bool) -> MoE:
+    """A small MoE layer (8 experts, top-2, D = I = 128, one shared expert of the routed experts' shape),
+    its experts and shared MLP FP8 (block-quantised from the random weights) or fp32."""
+    config = ModelConfig(
+        hidden_size=128, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["sparse"],
+        indexer_types=["full"], swiglu_limit=LIMIT,
+    )  # fmt: skip
+    torch.manual_seed(14)
+    moe = MoE(config)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=128**-0.5)
+    moe.requires_grad_(False)  # inference: the kernels have no backward
+    if fp8:
+        moe.experts = FP8Experts.from_experts(moe.experts)
+        for linear in (moe.shared_experts.gate_up_proj, moe.shared_experts.down_proj):
+            weight, scale = fp8_ops.quantize_fp8_blocks(linear.weight.detach())
+            linear.to_fp8_()
+            linear.weight.data.copy_(weight)
+            linear.weight_scale_inv.copy_(scale)
+    return moe
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_the_moe_layer_folds_its_shared_expert_into_the_decode_launches(monkeypatch, fp8):
+    """With the kernels dispatched as on CUDA, a decode-sized step of `MoE` runs its shared expert inside
+    the routed launches (its MLP never runs) and gives the reference path's output; a step past the
+    decode path's pairs runs the MLP and adds its output. Tolerances as for the routed step: fp32 math
+    up to summation order (1e-5), e4m3 activations on the FP8 weights (0.1)."""
+    moe = moe_layer(fp8)
+    mlp_runs = []
+    moe.shared_experts.register_forward_hook(lambda *_: mlp_runs.append(1))
+    x, prefill = torch.randn(3, 128), torch.randn(40, 128)  # 6 pairs; 80 pairs, past the 64 of the path
+    expected = moe(x)  # off CUDA: the references, the MLP apart
+    assert len(mlp_runs) == 1
+    monkeypatch.setattr(moe_ops, "use_kernel", forced_use_kernel)
+    assert moe.shared_expert() is not None
+    out = moe(x)
+    assert len(mlp_runs) == 1, "the folded step runs no MLP of its own"
+    assert rel_err(out, expected) < (0.1 if fp8 else 1e-5)
+    routed_only = moe.routed(x)
+    assert rel_err(routed_only, expected) > 0.2  # the shared expert's part is large enough to be seen
+    moe(prefill)
+    assert len(mlp_runs) == 2
+
+
+def test_a_shared_mlp_unlike_one_expert_stays_apart():
+    """`MoE.shared_expert` is None where the MLP's gate|up is not one weight of gate rows then up rows (here
+    its up part is left unquantised, in the dense weight): its MLP runs apart."""
+    moe = moe_layer(fp8=False)
+    assert moe.shared_expert() is not None
+    moe.shared_experts.gate_up_proj.to_fp8_(["gate_proj"])  # up moves to the dense (model dtype) weight
+    assert moe.shared_expert() is None
 
 
 _HOPPER_COMPILE = """

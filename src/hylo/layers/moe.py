@@ -5,7 +5,13 @@ the routed experts are split by expert or by tensor (`Parallel.ep_size`); the sh
 by tensor. Split by expert, a rank computes only the (token, choice) pairs routed to its own experts
 (`first_expert` of the expert modules, `moe_ops.routed_experts`); split by tensor, every pair on its
 intermediate slice. Each rank's routed and shared partial sums are added and all-reduced once: the
-combine is one reduction."""
+combine is one reduction.
+
+Where `moe_ops.shared_refusal` allows it (a decode-sized step on CUDA, the shared expert in the routed
+experts' format with one routed expert's per-rank shapes: one rank, or experts split by tensor), the
+shared expert's weights join the routed experts' three decode launches as one more pair per token
+(`SharedExpert`) instead of running as its own MLP (three launches more); elsewhere the MLP runs and
+its output is the routed launches' addend."""
 
 from __future__ import annotations
 
@@ -56,19 +62,23 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
+    @property
+    def weights(self) -> moe_ops.ExpertWeights:
+        return moe_ops.ExpertWeights(self.gate_up_proj, self.down_proj)
+
     def forward(
-        self, x: torch.Tensor, routing: moe_ops.Routing, limit: float, addend: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        routing: moe_ops.Routing,
+        limit: float,
+        addend: torch.Tensor | None = None,
+        shared: moe_ops.SharedExpert | None = None,
     ) -> torch.Tensor:
-        """The output for x of the pairs routed to these experts, routing included, plus `addend` where
-        given (`moe_ops.routed_experts`)."""
+        """The output for x of the pairs routed to these experts, routing included, plus `addend` or the
+        shared expert's output where given (`moe_ops.routed_experts`)."""
+        w = self.weights
         return moe_ops.routed_experts(
-            x,
-            routing,
-            self.gate_up_proj,
-            self.down_proj,
-            limit,
-            first_expert=self.first_expert,
-            addend=addend,
+            x, routing, w.gate_up, w.down, limit, w.scales, self.first_expert, addend, shared
         )
 
 
@@ -122,14 +132,12 @@ class FP8Experts(nn.Module):
             experts.first_expert,
         )
 
-    def forward(
-        self, x: torch.Tensor, routing: moe_ops.Routing, limit: float, addend: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`Experts.forward` (`moe_ops.routed_experts` with the scales)."""
+    @property
+    def weights(self) -> moe_ops.ExpertWeights:
         scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
-        return moe_ops.routed_experts(
-            x, routing, self.gate_up_proj, self.down_proj, limit, scales, self.first_expert, addend
-        )
+        return moe_ops.ExpertWeights(self.gate_up_proj, self.down_proj, scales)
+
+    forward = Experts.forward  # `moe_ops.routed_experts` with the scales (`weights`)
 
 
 class MoE(nn.Module):
@@ -146,9 +154,28 @@ class MoE(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the shared expert's output joins the routed sum inside its combine (a decode step: one launch
-        # fewer), as the add after it would
-        return self.parallel.all_reduce(self.routed(x, addend=self.shared_experts(x)))
+        routing, shared = self.routing, self.shared_expert()
+        weights = self.experts.weights
+        if shared is not None and moe_ops.shared_refusal(x, routing.top_k, weights, shared) is None:
+            out = self.experts(x, routing, self.config.swiglu_limit, shared=shared)
+        else:
+            # the shared expert's output joins the routed sum inside its combine (a decode step: one
+            # launch fewer), as the add after it would
+            out = self.routed(x, addend=self.shared_experts(x))
+        return self.parallel.all_reduce(out)
+
+    def shared_expert(self) -> moe_ops.SharedExpert | None:
+        """The shared expert MLP's tensors as one expert's (`moe_ops.SharedExpert`: gate rows then up rows
+        of one weight, and down), or None where its projections do not hold them so: FP8 parts padded
+        to block boundaries or a part left unquantised, or one projection FP8 and the other not."""
+        mlp = self.shared_experts
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        inter = down.in_features
+        rows = {"gate_proj": ("weight", 0, inter), "up_proj": ("weight", inter, 2 * inter)}
+        if gate_up.dense_weight is not None or gate_up.rows() != rows or gate_up.fp8 != down.fp8:
+            return None
+        scales = (gate_up.weight_scale_inv, down.weight_scale_inv) if down.fp8 else None
+        return moe_ops.SharedExpert(gate_up.weight, down.weight, scales)
 
     @property
     def routing(self) -> moe_ops.Routing:
