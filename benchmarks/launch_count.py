@@ -118,8 +118,9 @@ class _AtenCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _forced_use_kernel(op: str, tensor: torch.Tensor, verify=None) -> bool:
-    """`dispatch.use_kernel` as a CUDA tensor would see it: the verifier decides."""
+def _forced_use_kernel(op: str, tensor: torch.Tensor, verify=None, **log_names) -> bool:
+    """`dispatch.use_kernel` as a CUDA tensor would see it: the verifier decides (`log_names`, the kernel
+    and fallback names of its log line, change nothing)."""
     return verify is None or verify() is None
 
 
