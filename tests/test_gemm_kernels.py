@@ -188,6 +188,37 @@ def test_heuristic_config_spreads_a_small_m_product_over_the_sms(rows, n, k, til
     assert config.block_k == 128 and not config.quant_x
 
 
+def test_a_captured_product_without_an_entry_runs_the_heuristic_or_narrow_configuration(monkeypatch):
+    """Under graph capture, a shape the GPU's table lacks: an e4m3 weight takes `heuristic_config`
+    (not the CUDA GEMV here), a narrow bf16 one (`NARROW_MAX_N` columns or fewer) the one-launch
+    `narrow_config`, a wider bf16 one cuBLAS; every result is the reference product."""
+    configs = []
+    original = kernels.gemm
+
+    def recorded(x, weight, config, scale_inv=None):
+        configs.append(config)
+        return original(x, weight, config, scale_inv)
+
+    monkeypatch.setattr(kernels, "gemm", recorded)
+    monkeypatch.setattr(gemm, "use_kernel", lambda op, x: True)
+    monkeypatch.setattr(gemm, "_gpu_name", lambda index: "a GPU without a table")
+    monkeypatch.setattr(gemm, "_announce_small_m_fp8", lambda device: None)
+    monkeypatch.setattr(gemm.gemv_cuda, "takes", lambda x, w, s: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 256, generator=gen)
+    fp8, scale = quantize_fp8_blocks(torch.randn(1024, 256, generator=gen) * 0.1)
+    exact = dequantize_fp8_blocks(fp8, scale, torch.float32)
+    torch.testing.assert_close(gemm.linear(x, fp8, scale), x @ exact.t(), rtol=1e-5, atol=1e-5)
+    assert configs == [table.heuristic_config(3, 1024, 256, gemm.INTERPRETER_SMS)]
+    narrow = torch.randn(table.NARROW_MAX_N, 256, generator=gen)
+    torch.testing.assert_close(gemm.linear(x, narrow), x @ narrow.t(), rtol=1e-5, atol=1e-4)
+    assert configs[1:] == [table.narrow_config(3)] and configs[1].split_k == 1
+    wide = torch.randn(table.NARROW_MAX_N + 16, 256, generator=gen)
+    torch.testing.assert_close(gemm.linear(x, wide), x @ wide.t(), rtol=1e-5, atol=1e-4)
+    assert len(configs) == 2  # cuBLAS
+
+
 def test_linear_layer_keeps_nn_linear_contract():
     layer = Linear(24, 40)
     assert set(layer.state_dict()) == {"weight"}

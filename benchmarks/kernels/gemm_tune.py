@@ -9,18 +9,20 @@ launch configuration is first checked against an fp32 torch product (relative er
 then timed under CUDA-graph replay (median) at the bucket's smallest and largest M next to what runs
 without an entry on the same inputs: `torch.nn.functional.linear` (cuBLAS) for bf16 weights; with
 `--fp8`, the e4m3 projections of an FP8 checkpoint (`loader.keep_projections_fp8`) against the FP8
-kernel's configuration without an entry (`ops.gemm.fp8_fallback_config`, the heuristic). An entry is written only when its
-best configuration is at least 2% faster than that baseline at both ends of the bucket (above
-run-to-run noise); the other shapes keep the baseline. With `--fp8-activations` the e4m3 candidates
-also include configurations that quantise x in the kernel (`GemmConfig.quant_x`, checked to 5e-2:
-e4m3's rounding of x), so that a table may choose w8a8 for decode as prefill's cuBLAS path has it.
+kernel's configuration without an entry (`ops.gemm.fp8_fallback_config`, the heuristic). An entry is
+written only when its best configuration is at least 2% faster than that baseline at both ends of
+the bucket (above run-to-run noise); the other shapes keep the baseline. With `--fp8-activations`
+the e4m3 candidates also include configurations that quantise x in the kernel (`GemmConfig.quant_x`,
+checked to 5e-2: e4m3's rounding of x), so that a table may choose w8a8 for decode as prefill's
+cuBLAS path has it.
 Every configuration is tried in both orientations of the tile product (`GemmConfig.swap_ab`). `--buckets`
 chooses the M buckets and their order (on Hopper the CUDA GEMV takes FP8 products of <= 16 rows).
 Prints the table and writes it (with the timings) to --out, together with the shipped table's entries
 of the other weight format and those it did not measure; every candidate's timings go to
-`gemm_tune_all[_fp8].json`. `--check` tunes nothing: it times `table.heuristic_config` (what a GPU
-without a table runs) against the shipped table's entries, and for bf16 against cuBLAS (issue 44's
-"within 1.2x of the tuned table with the table hidden").
+`gemm_tune_all[_fp8].json`. `--check` tunes nothing: it times what runs without a table entry
+(`table.heuristic_config` for e4m3 weights; for bf16 cuBLAS, or `table.narrow_config` for the narrow
+dense parts of FP8 `FusedLinear`s) against the shipped table's entries and the other candidates
+(issue 44's "within 1.2x of the tuned table with the table hidden").
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from hylo.config import ModelConfig  # noqa: E402
-from hylo.layers.linear import Linear  # noqa: E402
+from hylo.layers.linear import FusedLinear, Linear  # noqa: E402
 from hylo.models.glm5_next import Glm5NextForCausalLM  # noqa: E402
 from hylo.models.loader import keep_projections_fp8, stored_block_scaled  # noqa: E402
 from hylo.ops import gemm  # noqa: E402
@@ -66,17 +68,23 @@ MAX_ERROR, MAX_ERROR_QUANT_X = 1e-2, 5e-2
 MARGIN = 1.02  # an entry must beat cuBLAS by this factor at both ends of its bucket: run-to-run noise is ~1%
 
 
-def model_shapes() -> list[tuple[int, int]]:
+def model_shapes(dense_parts: bool = False) -> list[tuple[int, int]]:
     """Distinct (N, K) of the model's projections and head (hylo `Linear`s; with `--fp8` its e4m3
     ones), built on the meta device, the most weight bytes per decode step first (the budget may end
-    before the last ones)."""
+    before the last ones). `dense_parts`: those of the bf16 parts an FP8 checkpoint keeps beside
+    e4m3 ones in a `FusedLinear` (its `dense_weight`) instead."""
     if DRY:
-        return [(48, 256), (24, 128)]
+        return [(16, 128)] if dense_parts else [(48, 256), (24, 128)]
     with torch.device("meta"):
         model = Glm5NextForCausalLM(ModelConfig.from_dict({}))
-        if FP8:
+        if FP8 or dense_parts:
             keep_projections_fp8(model, stored_block_scaled)
-    shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear) and m.fp8 == FP8)
+    if dense_parts:
+        weights = [m.dense_weight for m in model.modules() if isinstance(m, FusedLinear)]
+        shapes = Counter(tuple(w.shape) for w in weights if w is not None)
+    else:
+        modules = [m for m in model.modules() if isinstance(m, Linear) and m.fp8 == FP8]
+        shapes = Counter(tuple(m.weight.shape) for m in modules)
     return sorted(shapes, key=lambda nk: -shapes[nk] * nk[0] * nk[1])
 
 
@@ -189,7 +197,8 @@ def tune_shape(n: int, k: int, bucket: int, gen: torch.Generator) -> dict | None
 def check_shape(n: int, k: int, bucket: int, gen: torch.Generator, gpu: str) -> dict:
     """The GPU's table hidden, as on a GPU without one: the heuristic configuration
     (`table.heuristic_config`, checked against the reference) beside the table's entry for the shape,
-    for bf16 weights cuBLAS, and three neighbours of the heuristic; median µs at the bucket's two ends."""
+    for bf16 weights cuBLAS (and `table.narrow_config` for narrow ones), and three neighbours of the
+    heuristic; median µs at the bucket's two ends."""
     ops = operands(n, k, bucket, gen)
     sms = 1 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
     heuristic = {m: table.heuristic_config(m, n, k, sms) for m in ops.xs}
@@ -209,6 +218,8 @@ def check_shape(n: int, k: int, bucket: int, gen: torch.Generator, gpu: str) -> 
         us["tuned"] = rounded(ops.time(lambda m: entry))
     if not FP8:
         us["cublas"] = rounded(ops.baseline())
+    if not FP8 and n <= table.NARROW_MAX_N:  # what a capture without an entry runs: one launch
+        us["narrow"] = rounded(ops.time(lambda m: table.narrow_config(m)))
     return {
         "heuristic": [heuristic[m].__dict__ for m in ops.xs],
         "entry": None if entry is None else entry.__dict__,
@@ -271,18 +282,29 @@ def main() -> None:
     print(f"\n{len(entries)} of {len(measured)} (shape, bucket) entries beat cuBLAS on {gpu}")
 
 
+def without_entry(n: int) -> str:
+    """What `ops.gemm.linear` runs under capture for a shape without a table entry: the heuristic
+    configuration (e4m3 weights), the narrow one-launch configuration (bf16, at most
+    `table.NARROW_MAX_N` columns) or cuBLAS (other bf16)."""
+    if FP8:
+        return "heuristic"
+    return "narrow" if n <= table.NARROW_MAX_N else "cublas"
+
+
 def check(gpu: str, buckets: list[int], gen: torch.Generator, out: Path) -> None:
-    """`--check`: each shape and bucket's heuristic time over its tuned entry's (what hiding the table
-    costs) and, for bf16, over cuBLAS's; the worst of each at the end."""
+    """`--check`: per shape and bucket, what runs without a table entry (`without_entry`) over the
+    tuned entry and over the other candidates; the worst of each ratio at the end."""
     results, worst = {}, {}
-    for bucket, (n, k) in itertools.product(buckets, model_shapes()):
+    shapes = model_shapes() + ([] if FP8 else model_shapes(dense_parts=True))
+    for bucket, (n, k) in itertools.product(buckets, shapes):
         key = table.entry_key(bucket, n, k, FP8)
         result = results[key] = check_shape(n, k, bucket, gen, gpu)
         us = result["us"]
+        fallback = without_entry(n)
         ratios = {
-            f"heuristic/{other}": max(us["heuristic"][m] / us[other][m] for m in us["heuristic"])
-            for other in ("tuned", "cublas")
-            if other in us
+            f"{fallback}/{other}": max(us[fallback][m] / us[other][m] for m in us[fallback])
+            for other in ("tuned", "heuristic", "cublas")
+            if other in us and other != fallback
         }
         result["ratios"] = {name: round(r, 3) for name, r in ratios.items()}
         for name, r in ratios.items():

@@ -13,6 +13,9 @@
   was tuned under graph replay, where it wins by up to 28% per GEMM; launched eagerly, Triton's
   host-side launch cost (about 60 us per split-K GEMM measured in an 8-layer decode on the H200) is
   far above that gain, so eager bf16 steps stay on cuBLAS.
+- A bf16 product of a few rows and at most `NARROW_MAX_N` columns that the table lacks, while a graph
+  is captured (the dense parts of FP8 `FusedLinear`s): the Triton kernel in one launch
+  (`table.narrow_config`), where cuBLAS adds a split-K reduction launch.
 - Other bf16 products: `torch.nn.functional.linear` (cuBLAS).
 - Other FP8 products: cuBLAS's block-scaled FP8 matmul (`kernels.scaled_mm`) from `SCALED_MM_MIN_ROWS`
   rows where it takes the shape (`kernels.scaled_mm_refusal` says why not), else the Triton kernel
@@ -31,7 +34,15 @@ import torch.nn.functional as F
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.fp8 import dequantize_fp8_blocks
 from hylo.ops.gemm import gemv_cuda
-from hylo.ops.gemm.table import M_BUCKETS, GemmConfig, heuristic_config, lookup, table_path
+from hylo.ops.gemm.table import (
+    M_BUCKETS,
+    NARROW_MAX_N,
+    GemmConfig,
+    heuristic_config,
+    lookup,
+    narrow_config,
+    table_path,
+)
 
 __all__ = ["linear"]
 
@@ -92,6 +103,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None
             return gemv_cuda.gemv(flat, weight, scale_inv).view(*x.shape[:-1], n)
     if torch.cuda.is_current_stream_capturing():
         config = lookup(_gpu_name(x.device.index or 0), rows, n, k, fp8=scale_inv is not None)
+        if config is None and scale_inv is None and n <= NARROW_MAX_N and rows <= M_BUCKETS[-1]:
+            config = narrow_config(rows)
         if config is not None:
             return kernels.gemm(flat, weight, config, scale_inv).view(*x.shape[:-1], n)
     if scale_inv is None:
