@@ -49,22 +49,15 @@ def first_local_expert(config: ModelConfig, parallel: Parallel) -> int | None:
     return local_experts(config, parallel)[0] if parallel.experts_by_expert else None
 
 
-class Experts(nn.Module):
-    """Routed expert weights, stacked: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`
-    (this rank's experts and intermediate slice: `local_experts`); `first_expert`: the global id of
-    the first of them, split by expert (`first_local_expert`)."""
+class StackedExperts(nn.Module):
+    """What `Experts` and `FP8Experts` share: their stacked tensors as `weights` (`moe_ops.ExpertWeights`)
+    and `first_expert`, and the forward that routes and runs them."""
 
-    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE):
-        super().__init__()
-        _, e, i = local_experts(config, parallel)
-        d = config.hidden_size
-        self.first_expert = first_local_expert(config, parallel)
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
-        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+    first_expert: int | None
 
     @property
     def weights(self) -> moe_ops.ExpertWeights:
-        return moe_ops.ExpertWeights(self.gate_up_proj, self.down_proj)
+        raise NotImplementedError
 
     def forward(
         self,
@@ -82,7 +75,25 @@ class Experts(nn.Module):
         )
 
 
-class FP8Experts(nn.Module):
+class Experts(StackedExperts):
+    """Routed expert weights, stacked: `gate_up_proj [E, 2I, D]` (gate rows first), `down_proj [E, D, I]`
+    (this rank's experts and intermediate slice: `local_experts`); `first_expert`: the global id of
+    the first of them, split by expert (`first_local_expert`)."""
+
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE):
+        super().__init__()
+        _, e, i = local_experts(config, parallel)
+        d = config.hidden_size
+        self.first_expert = first_local_expert(config, parallel)
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+    @property
+    def weights(self) -> moe_ops.ExpertWeights:
+        return moe_ops.ExpertWeights(self.gate_up_proj, self.down_proj)
+
+
+class FP8Experts(StackedExperts):
     """`Experts` with e4m3 weights and fp32 `*_scale_inv [E, ceil(N/128), ceil(K/128)]` per [128, 128]
     block, the layout of FP8 checkpoints; the weights stay FP8 in memory."""
 
@@ -136,8 +147,6 @@ class FP8Experts(nn.Module):
     def weights(self) -> moe_ops.ExpertWeights:
         scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
         return moe_ops.ExpertWeights(self.gate_up_proj, self.down_proj, scales)
-
-    forward = Experts.forward  # `moe_ops.routed_experts` with the scales (`weights`)
 
 
 class MoE(nn.Module):
