@@ -10,9 +10,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from test_moe_expert_parallel import EXPERTS, HIDDEN, moe_config, one_rank
 
+from hylo.layers import moe as moe_layer
 from hylo.ops.moe import reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "device"))
@@ -35,7 +37,16 @@ def expected_bytes(moe, x: torch.Tensor) -> tuple[float, int]:
     return routed + others, distinct
 
 
-def test_weight_bytes_read_counts_the_routed_experts_only():
+@pytest.fixture(params=[False, True], ids=["shared MLP", "shared folded"])
+def fold(request, monkeypatch):
+    """Whether the shared expert runs in the routed experts' launches (as at decode on the GPU; forced
+    here): its MLP is then not called, and its bytes count with the experts call that reads them."""
+    if request.param:
+        monkeypatch.setattr(moe_layer.moe_ops, "shared_refusal", lambda *args: None)
+    return request.param
+
+
+def test_weight_bytes_read_counts_the_routed_experts_only(fold):
     moe = one_rank(moe_config())
     x = torch.randn(2, HIDDEN)
     expected, distinct = expected_bytes(moe, x)
@@ -45,12 +56,14 @@ def test_weight_bytes_read_counts_the_routed_experts_only():
     assert read == expected
 
 
-def test_bytes_by_kind_counts_the_routed_experts_only():
+def test_bytes_by_kind_counts_the_routed_experts_only(fold):
     moe = one_rank(moe_config())
     x = torch.randn(2, HIDDEN)
     expected, _ = expected_bytes(moe, x)
     with torch.inference_mode():
         by_kind = decode_profile.bytes_by_kind(moe, lambda: moe(x))
     routed = own_bytes(moe.experts) * expected_bytes(moe, x)[1] / EXPERTS
+    shared = sum(own_bytes(m) for m in moe.shared_experts.modules())
     assert sum(by_kind.values()) == expected
-    assert by_kind[decode_profile.module_kind(moe.experts, "experts")] == routed
+    experts_kind = by_kind[decode_profile.module_kind(moe.experts, "experts")]
+    assert experts_kind == routed + (shared if fold else 0)

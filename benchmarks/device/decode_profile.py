@@ -75,7 +75,7 @@ def bytes_by_kind(model: torch.nn.Module, forward) -> dict[str, float]:
         return sum(t.numel() * t.element_size() for t in [*m.parameters(False), *m.buffers(False)])
 
     def hook(kind: str):
-        def on_call(m: torch.nn.Module, args) -> None:
+        def on_call(m: torch.nn.Module, args, kwargs) -> None:
             if isinstance(m, torch.nn.Embedding):
                 read[kind] += args[0].numel() * m.weight.shape[1] * m.weight.element_size()
             elif isinstance(m, Experts | FP8Experts):
@@ -85,6 +85,10 @@ def bytes_by_kind(model: torch.nn.Module, forward) -> dict[str, float]:
                 )
                 count = int(route(args[0], routing).ids.unique().numel())
                 read[kind] += own_bytes(m) * count / m.gate_up_proj.shape[0]
+                shared = kwargs.get("shared")  # the shared expert folded into these launches
+                if shared is not None:
+                    tensors = [shared.gate_up, shared.down, *(shared.scales or ())]
+                    read[kind] += sum(t.numel() * t.element_size() for t in tensors)
             else:
                 read[kind] += own_bytes(m)
 
@@ -92,7 +96,7 @@ def bytes_by_kind(model: torch.nn.Module, forward) -> dict[str, float]:
 
     for name, m in model.named_modules():
         if own_bytes(m):
-            hooks.append(m.register_forward_pre_hook(hook(module_kind(m, name))))
+            hooks.append(m.register_forward_pre_hook(hook(module_kind(m, name)), with_kwargs=True))
     try:
         forward()
     finally:

@@ -282,9 +282,10 @@ def copy_bandwidth() -> float:
 
 def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, list[int]]:
     """(Weight bytes one call of `forward` reads, distinct routed experts per experts call): every
-    call of a module reads its own parameters and buffers once (a vocabulary head's `argmax` too, which
-    bypasses `forward`); an embedding reads only its looked-up rows, routed experts only the experts
-    their tokens are routed to (`route` on the call's input), plus the router's tensors they are given."""
+        call of a module reads its own parameters and buffers once (a vocabulary head's `argmax` too, which
+        bypasses `forward`); an embedding reads only its looked-up rows, routed experts only the experts
+        their tokens are routed to (`route` on the call's input), plus the router's tensors they are given
+    and the shared expert's where it runs in their launches (`shared`: its MLP is not called then)."""
     from hylo.layers.moe import Experts, FP8Experts
     from hylo.layers.vocab import HotTokenHead, VocabHead
     from hylo.ops.moe.reference import route
@@ -295,7 +296,7 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
         tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def on_call(m: torch.nn.Module, args) -> None:
+    def on_call(m: torch.nn.Module, args, kwargs=None) -> None:
         if isinstance(m, torch.nn.Embedding):
             read[0] += args[0].numel() * m.weight.shape[1] * m.weight.element_size()
         elif isinstance(m, Experts | FP8Experts):
@@ -308,6 +309,10 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
             count = int(ids.numel())
             distinct.append(count)
             read[0] += own_bytes(m) * count / m.gate_up_proj.shape[0]
+            shared = (kwargs or {}).get("shared")  # the shared expert folded into these launches
+            if shared is not None:
+                tensors = [shared.gate_up, shared.down, *(shared.scales or ())]
+                read[0] += sum(t.numel() * t.element_size() for t in tensors)
         else:
             read[0] += own_bytes(m)
 
@@ -323,7 +328,7 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
         for m in root.modules():
             if id(m) not in seen and own_bytes(m):
                 seen.add(id(m))
-                hooks.append(m.register_forward_pre_hook(on_call))
+                hooks.append(m.register_forward_pre_hook(on_call, with_kwargs=True))
             if isinstance(m, VocabHead | HotTokenHead) and m not in heads:
                 heads.append(m)
                 m.argmax = counting_argmax(m)

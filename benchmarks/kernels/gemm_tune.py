@@ -20,8 +20,8 @@ chooses the M buckets and their order (on Hopper the CUDA GEMV takes FP8 product
 Prints the table and writes it (with the timings) to --out, together with the shipped table's entries
 of the other weight format and those it did not measure; every candidate's timings go to
 `gemm_tune_all[_fp8].json`. `--check` tunes nothing: it times what runs without a table entry
-(`table.heuristic_config` for e4m3 weights; for bf16 cuBLAS, or `table.narrow_config` for the narrow
-dense parts of FP8 `FusedLinear`s) against the shipped table's entries and the other candidates
+(`table.heuristic_config` for e4m3 weights and for the narrow bf16 dense parts of FP8 `FusedLinear`s,
+cuBLAS for other bf16 ones) against the shipped table's entries and the other candidates
 (issue 44's "within 1.2x of the tuned table with the table hidden").
 """
 
@@ -197,8 +197,7 @@ def tune_shape(n: int, k: int, bucket: int, gen: torch.Generator) -> dict | None
 def check_shape(n: int, k: int, bucket: int, gen: torch.Generator, gpu: str) -> dict:
     """The GPU's table hidden, as on a GPU without one: the heuristic configuration
     (`table.heuristic_config`, checked against the reference) beside the table's entry for the shape,
-    for bf16 weights cuBLAS (and `table.narrow_config` for narrow ones), and three neighbours of the
-    heuristic; median µs at the bucket's two ends."""
+    for bf16 weights cuBLAS, and three neighbours of the heuristic; median µs at the bucket's two ends."""
     ops = operands(n, k, bucket, gen)
     sms = 1 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
     heuristic = {m: table.heuristic_config(m, n, k, sms) for m in ops.xs}
@@ -218,8 +217,6 @@ def check_shape(n: int, k: int, bucket: int, gen: torch.Generator, gpu: str) -> 
         us["tuned"] = rounded(ops.time(lambda m: entry))
     if not FP8:
         us["cublas"] = rounded(ops.baseline())
-    if not FP8 and n <= table.NARROW_MAX_N:  # what a capture without an entry runs: one launch
-        us["narrow"] = rounded(ops.time(lambda m: table.narrow_config(m)))
     return {
         "heuristic": [heuristic[m].__dict__ for m in ops.xs],
         "entry": None if entry is None else entry.__dict__,
@@ -284,11 +281,8 @@ def main() -> None:
 
 def without_entry(n: int) -> str:
     """What `ops.gemm.linear` runs under capture for a shape without a table entry: the heuristic
-    configuration (e4m3 weights), the narrow one-launch configuration (bf16, at most
-    `table.NARROW_MAX_N` columns) or cuBLAS (other bf16)."""
-    if FP8:
-        return "heuristic"
-    return "narrow" if n <= table.NARROW_MAX_N else "cublas"
+    configuration (e4m3 weights, and bf16 ones of at most `table.NARROW_MAX_N` columns) or cuBLAS."""
+    return "heuristic" if FP8 or n <= table.NARROW_MAX_N else "cublas"
 
 
 def check(gpu: str, buckets: list[int], gen: torch.Generator, out: Path) -> None:

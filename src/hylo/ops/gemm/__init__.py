@@ -14,8 +14,8 @@
   host-side launch cost (about 60 us per split-K GEMM measured in an 8-layer decode on the H200) is
   far above that gain, so eager bf16 steps stay on cuBLAS.
 - A bf16 product of a few rows and at most `NARROW_MAX_N` columns that the table lacks, while a graph
-  is captured (the dense parts of FP8 `FusedLinear`s): the Triton kernel in one launch
-  (`table.narrow_config`), where cuBLAS adds a split-K reduction launch.
+  is captured (the dense parts of FP8 `FusedLinear`s): the Triton kernel with `table.heuristic_config`,
+  5-17% faster than cuBLAS there on the H100 (RESULTS S30-4; both launch twice: a K split and its sum).
 - Other bf16 products: `torch.nn.functional.linear` (cuBLAS).
 - Other FP8 products: cuBLAS's block-scaled FP8 matmul (`kernels.scaled_mm`) from `SCALED_MM_MIN_ROWS`
   rows where it takes the shape (`kernels.scaled_mm_refusal` says why not), else the Triton kernel
@@ -40,7 +40,6 @@ from hylo.ops.gemm.table import (
     GemmConfig,
     heuristic_config,
     lookup,
-    narrow_config,
     table_path,
 )
 
@@ -64,11 +63,14 @@ def _sm_count(index: int) -> int:
 INTERPRETER_SMS = 132  # the SM count a CPU (Triton's interpreter) plans for: a Hopper's
 
 
+def _sms(device: torch.device) -> int:
+    return _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
+
+
 def fp8_fallback_config(rows: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """The Triton configuration of an FP8 product of `rows` rows that the GPU's table has no entry for
     (`table.heuristic_config` for the device's SM count)."""
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
-    return heuristic_config(rows, n, k, sms)
+    return heuristic_config(rows, n, k, _sms(device))
 
 
 @cache
@@ -104,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None
     if torch.cuda.is_current_stream_capturing():
         config = lookup(_gpu_name(x.device.index or 0), rows, n, k, fp8=scale_inv is not None)
         if config is None and scale_inv is None and n <= NARROW_MAX_N and rows <= M_BUCKETS[-1]:
-            config = narrow_config(rows)
+            config = heuristic_config(rows, n, k, _sms(x.device))
         if config is not None:
             return kernels.gemm(flat, weight, config, scale_inv).view(*x.shape[:-1], n)
     if scale_inv is None:

@@ -73,13 +73,6 @@ def heuristic_config(rows: int, n: int, k: int, sm_count: int) -> GemmConfig:
 NARROW_MAX_N = 256  # the dense parts of FP8 FusedLinears: KDA's b (a row a head), the indexer's head weights
 
 
-def narrow_config(rows: int) -> GemmConfig:
-    """A bf16 product of a few rows and at most `NARROW_MAX_N` columns that no entry names: 16-wide
-    output tiles, K whole in each program, so that the product is one launch (cuBLAS splits K over a
-    second, reducing launch at these shapes)."""
-    return GemmConfig(m_bucket(rows) or M_BUCKETS[-1], 16, 128, 1, 4, 3)
-
-
 def entry_key(bucket: int, n: int, k: int, fp8: bool = False) -> str:
     return f"m{bucket}_n{n}_k{k}" + ("_fp8" if fp8 else "")
 
