@@ -526,7 +526,7 @@ from hylo.ops.kda import recurrent, rmsnorm
 for fn, consts, fp32 in (
     (recurrent._recurrent_kernel,
      dict(T=1, TP=1, H=8, D=128, BV=16, USE_LB=True, WRITE_O=True, STORE_STATE=True, PER_SEQ=False,
-          STEP_STATES=False, CONV=True, W=4, F_RANK=0, F_STEP=1, F_FP8=False),
+          STEP_STATES=False, CONV=True, W=4, F_RANK=0, F_STEP=1, F_FP8=False, B_RANK=0, B_STEP=1),
      {"dt_bias", "a_log", "state_pool", "steps", "conv_weight"}),
     (rmsnorm._gated_norm_kernel,
      dict(D=128, BR=8, H=8, W=4, WP=4, ADVANCE=True, G_RANK=0, G_STEP=1, G_FP8=False), {"w"}),

@@ -169,7 +169,12 @@ from hylo.ops.kda import recurrent, rmsnorm
 for fn, consts, fp32, fp8 in (
     (recurrent._recurrent_kernel,
      dict(T=1, TP=1, H=8, D=128, BV=16, USE_LB=True, WRITE_O=True, STORE_STATE=True, PER_SEQ=False,
-          STEP_STATES=False, CONV=True, W=4, F_RANK=128, F_STEP=32, F_FP8=True),
+          STEP_STATES=False, CONV=True, W=4, F_RANK=128, F_STEP=32, F_FP8=True, B_RANK=0, B_STEP=1),
+     {"dt_bias", "a_log", "state_pool", "steps", "conv_weight", "f_scale"}, {"f_w"}),
+    # b from the layer input and b_proj's bf16 rows (an FP8 checkpoint's), at the real hidden size
+    (recurrent._recurrent_kernel,
+     dict(T=1, TP=1, H=8, D=128, BV=16, USE_LB=True, WRITE_O=True, STORE_STATE=True, PER_SEQ=False,
+          STEP_STATES=False, CONV=True, W=4, F_RANK=128, F_STEP=32, F_FP8=True, B_RANK=4096, B_STEP=512),
      {"dt_bias", "a_log", "state_pool", "steps", "conv_weight", "f_scale"}, {"f_w"}),
     (rmsnorm._gated_norm_kernel,
      dict(D=128, BR=1, H=8, W=4, WP=4, ADVANCE=True, G_RANK=128, G_STEP=32, G_FP8=True),
@@ -186,8 +191,9 @@ for fn, consts, fp32, fp8 in (
 
 
 def test_low_rank_decode_launches_compile_for_hopper():
-    """Both launches with FP8 factors at the real head size compile for sm_90 (no GPU needed)."""
-    assert run_compiled_for_hopper(_LOW_RANK_COMPILE).split() == ["True", "True"]
+    """Both launches with FP8 factors at the real head size, the step's also with b's factors at the real
+    hidden size, compile for sm_90 (no GPU needed)."""
+    assert run_compiled_for_hopper(_LOW_RANK_COMPILE).split() == ["True", "True", "True"]
 
 
 def test_many_head_rows_multiply_the_factors_out_first(monkeypatch):

@@ -55,17 +55,11 @@ class KDAAttention(nn.Module):
         block per sequence from the committed state, which stays untouched, and the second value is
         what `commit` needs to advance it afterwards (None without verify chunks)."""
         tokens, heads = x.shape[0], (self.num_heads, self.head_dim)
-        q, k, v, b = self.qkvb_proj(x)
-        f_a, g_a = self.fg_a_proj(x)
         plan, record = batch.kda, None
         if not batch.verify_seqs and not batch.snapshot_points and _single_tokens(plan.offsets()):
-            # a decode step: f_b and g_b are multiplied inside the step and the output norm, which runs
-            # with the step (two launches in all on CUDA)
-            f, gate = _low_rank(f_a, self.f_b_proj), _low_rank(g_a, self.g_b_proj)
-            step = kda_ops.KDAInputs(q, k, v, f, b)
-            norm = kda_ops.OutputNorm(gate, self.o_norm.weight, self.eps)
-            o = kda_ops.decode(step, self.params, self._slots(batch, batch.state_slots), norm)
-            return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, -1))), None
+            return self._decode(x, batch), None
+        q, k, v, b = self.qkvb_proj(x)
+        f_a, g_a = self.fg_a_proj(x)
         qkvfb = kda_ops.KDAInputs(q, k, v, self.f_b_proj(f_a), b)
         norm = kda_ops.OutputNorm(self.g_b_proj(g_a).unflatten(-1, heads), self.o_norm.weight, self.eps)
         if not batch.verify_seqs and batch.snapshot_points:
@@ -92,6 +86,28 @@ class KDAAttention(nn.Module):
                 rest = qkvfb.rows(verify.other_tokens)
                 o[verify.other_tokens] = self._advance(rest, verify.other_slots, verify.other_offsets, batch)
         return self._finish(o, norm, tokens), record
+
+    def _decode(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """A decode step: f_b and g_b are multiplied inside the step and the output norm, which runs with
+        the step (two launches in all on CUDA), and so is b where it is `qkvb_proj`'s dense part (an FP8
+        checkpoint's b_proj, one row a head: not whole [128, 128] blocks), whose GEMM is then not run."""
+        b_rows = self._b_rows_apart()
+        q, k, v, b = self.qkvb_proj(x, dense=b_rows is None)
+        if b_rows is not None:
+            b = kda_ops.LowRank(x, b_rows)
+        f_a, g_a = self.fg_a_proj(x)
+        f, gate = _low_rank(f_a, self.f_b_proj), _low_rank(g_a, self.g_b_proj)
+        step = kda_ops.KDAInputs(q, k, v, f, b)
+        norm = kda_ops.OutputNorm(gate, self.o_norm.weight, self.eps)
+        o = kda_ops.decode(step, self.params, self._slots(batch, batch.state_slots), norm)
+        return self.parallel.all_reduce(self.o_proj(o.reshape(x.shape[0], -1)))
+
+    def _b_rows_apart(self) -> torch.Tensor | None:
+        """`qkvb_proj.dense_weight` when it holds b_proj's rows alone (q, k, v in the e4m3 GEMM), else
+        None (b in the one GEMM, or beside another part that needs the dense GEMM anyway)."""
+        param, lo, hi = self.qkvb_proj.rows()["b_proj"]
+        dense = self.qkvb_proj.dense_weight
+        return dense if param == "dense_weight" and hi - lo == dense.shape[0] else None
 
     def _finish(self, o: torch.Tensor, norm: kda_ops.OutputNorm, tokens: int) -> torch.Tensor:
         """The gated output norm and the output projection of the heads' outputs `o [T, H, d]`."""

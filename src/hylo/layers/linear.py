@@ -65,7 +65,8 @@ class FusedLinear(Linear):
     `to_fp8_(names)` makes the named parts e4m3: each starts at a 128-row boundary of `weight` (so it
     keeps its own block scales; the rows between parts hold zeros) and the parts left out move to
     `dense_weight` in the model dtype, a second GEMM (a checkpoint may keep a small part unquantised,
-    as DeepSeek-V3.2's keep the indexer's weights_proj)."""
+    as DeepSeek-V3.2's keep the indexer's weights_proj). A caller that multiplies the dense parts
+    itself (from their rows of `dense_weight`, `rows()`) skips that GEMM with `forward(x, dense=False)`."""
 
     def __init__(self, in_features: int, parts: Sequence[tuple[str, int]], bare: Collection[str] = ()):
         self.parts = tuple(parts)
@@ -114,11 +115,16 @@ class FusedLinear(Linear):
         self.weight, self.weight_scale_inv = _fp8_tensors(fp8_rows, self.in_features, like)
         self._placement = placement
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor, dense: bool = True) -> tuple[torch.Tensor | None, ...]:
+        """Each part's output, in `parts` order; with `dense=False` the parts in `dense_weight` are None
+        and its GEMM does not run (without a `dense_weight` that changes nothing)."""
         products = {"weight": linear(x, self.weight, self.weight_scale_inv)}
-        if self.dense_weight is not None:
+        if dense and self.dense_weight is not None:
             products["dense_weight"] = linear(x, self.dense_weight)
-        return tuple(products[param][..., lo:hi] for param, lo, hi in self._placement.values())
+        return tuple(
+            products[param][..., lo:hi] if param in products else None
+            for param, lo, hi in self._placement.values()
+        )
 
 
 def unfused_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

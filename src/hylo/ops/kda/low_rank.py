@@ -8,6 +8,11 @@ rounded to a's dtype as the projection's output is. Every head's slice is read b
 head only, so the weight is read once per token from memory (the value tiles of a head share it
 through L2), as a projection launch would read it, and the two launches are gone. The value tiles'
 recomputation of their head's rows pays only while the step is small (`recurrent.LOW_RANK_MAX_HEAD_ROWS`).
+
+β's logits of an FP8 checkpoint are `x [B, hidden] @ W_b[H, hidden]ᵀ` in the model dtype (b_proj's rows,
+left out of the e4m3 GEMM: `layers.linear.FusedLinear`). Each step program computes its head's one logit
+as a dot product of the hidden size (`long_row_dots`): a runtime loop, so the compiled code does not
+grow with r as the unrolled `low_rank_rows` would.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.kda.reference import LowRank
 
 RANK_STEP = 32  # columns of W per inner step at most: a [rows, d, RANK_STEP] fp32 tile stays in registers
+# columns per step of `long_row_dots`: a 2-warp step program holds 8 fp32 of each of a, W and the sums per
+# thread, and a hidden size of 4096 takes 8 steps
+ROW_STEP = 512
 
 
 @triton.jit
@@ -55,10 +63,26 @@ def low_rank_rows(
     return acc.to(a_rows.dtype.element_ty).to(tl.float32)
 
 
+@triton.jit
+def long_row_dots(a_rows, w_ptr, w_rows, ok, R: tl.constexpr, RB: tl.constexpr):
+    """fp32 `[BR]`: entry i is `Σ_j a_rows[i][j] · W[w_rows[i], j]` over the R columns of W (`[·, R]`,
+    contiguous, a's dtype), summed in fp32 and rounded to a's dtype; entries where `ok` is false give 0.
+    `a_rows` are `[BR]` pointers to rows of a, `w_rows` `[BR]` row indices of W. The columns are walked RB
+    at a time in a loop that is not unrolled (R is a hidden size)."""
+    acc = tl.zeros((a_rows.shape[0], RB), tl.float32)
+    rows = w_rows.to(tl.int64)[:, None] * R
+    for j0 in tl.range(0, R, RB):
+        j = j0 + tl.arange(0, RB)
+        both = ok[:, None] & (j < R)[None, :]
+        a = tl.load(a_rows[:, None] + j[None, :], mask=both, other=0.0).to(tl.float32)
+        acc += a * tl.load(w_ptr + rows + j[None, :], mask=both, other=0.0).to(tl.float32)
+    return tl.sum(acc, 1).to(a_rows.dtype.element_ty).to(tl.float32)
+
+
 class Operands(NamedTuple):
     """What a launch takes of a `LowRank` input: the factor a and its row stride, the projection's
-    (W, its scales or W itself, the scales' row stride), and the constexprs of `low_rank_rows` (the
-    rank R, its inner step RB, whether W is FP8)."""
+    (W, its scales or W itself, the scales' row stride), and the constexprs of `low_rank_rows` or
+    `long_row_dots` (the rank R, its inner step RB, whether W is FP8)."""
 
     a: torch.Tensor
     a_stride: int
@@ -68,9 +92,10 @@ class Operands(NamedTuple):
     fp8: bool
 
 
-def operands(x: LowRank, heads: int, head_dim: int) -> Operands:
+def operands(x: LowRank, heads: int, head_dim: int, max_step: int = RANK_STEP) -> Operands:
     """The launch operands of `x` read as `[B, heads·head_dim]`, after a ValueError naming what does not
-    fit."""
+    fit; the inner step is `max_step` columns at most (`RANK_STEP` for `low_rank_rows`, `ROW_STEP` for
+    `long_row_dots`)."""
     a, w, scale = x.a, x.weight, x.scale_inv
     rank = a.shape[-1]
     if a.dim() != 2 or a.stride(-1) != 1:
@@ -81,7 +106,7 @@ def operands(x: LowRank, heads: int, head_dim: int) -> Operands:
         raise ValueError(
             f"LowRank: weight must be a contiguous [{heads * head_dim}, {rank}], got {tuple(w.shape)}"
         )
-    step = min(RANK_STEP, triton.next_power_of_2(rank))
+    step = min(max_step, triton.next_power_of_2(rank))
     if scale is None:
         if w.dtype != a.dtype:
             raise ValueError(f"LowRank: an unscaled weight must be a's dtype {a.dtype}, got {w.dtype}")

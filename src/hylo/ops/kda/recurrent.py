@@ -30,12 +30,12 @@ import triton.language as tl
 
 from hylo.ops.gemm import linear
 from hylo.ops.kda import low_rank
-from hylo.ops.kda.low_rank import low_rank_rows
+from hylo.ops.kda.low_rank import long_row_dots, low_rank_rows
 from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm, VerifyCache
 from hylo.ops.kda.rmsnorm import WindowStep, gated_rms_norm
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# (sequence, head) pairs of a decode step up to which its LowRank gates are multiplied in its two launches:
+# (sequence, head) pairs of a decode step up to which its LowRank inputs are multiplied in its two launches:
 # each program recomputes its head's rows, which paid at B x H = 64 on the H200 (B = 1 at 64 heads: 0.87x
 # the projections then the step with FP8 weights, 0.97x bf16; B = 8 at 8 heads 0.85x / 0.91x) and lost at
 # 512 (B = 8 at 64 heads: 1.43x / 1.24x), RESULTS S28-2
@@ -125,17 +125,19 @@ def _conv_token(x, win, win_stride, weight, c, ch, W: tl.constexpr):
 def _recurrent_kernel(
     qkv, qkv_sb, qkv_st, f, f_sb, f_st, b, b_sb, b_st, dt_bias, a_log, state_pool, pool_stride, slot_ids,
     n_steps, o, o_sb, o_st, steps, scale, lower_bound,
-    xk, xv, conv_pool, conv_stride, win_stride, conv_weight, f_w, f_scale, f_scale_stride,
+    xk, xv, conv_pool, conv_stride, win_stride, conv_weight, f_w, f_scale, f_scale_stride, b_w,
     T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
     USE_LB: tl.constexpr, WRITE_O: tl.constexpr, STORE_STATE: tl.constexpr, PER_SEQ: tl.constexpr,
     STEP_STATES: tl.constexpr, CONV: tl.constexpr, W: tl.constexpr, F_RANK: tl.constexpr,
-    F_STEP: tl.constexpr, F_FP8: tl.constexpr,
+    F_STEP: tl.constexpr, F_FP8: tl.constexpr, B_RANK: tl.constexpr, B_STEP: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, head, value tile) over its T tokens (module docstring). With CONV (decode, T = 1)
     `qkv` is the raw q row (k and v rows at `xk`, `xv`, same strides) and the conv runs here from the
     slot's window, which is only read: whoever launches this advances it afterwards. With F_RANK > 0
     (decode) `f` is the low-rank factor a `[B, F_RANK]` of the gate, whose head rows this program
-    computes with the projection `f_w` (`low_rank.low_rank_rows`)."""
+    computes with the projection `f_w` (`low_rank.low_rank_rows`); with B_RANK > 0 (decode) `b` is the
+    layer input `[B, B_RANK]` whose dot product with row h of `b_w [H, B_RANK]` is the head's β logit
+    (`low_rank.long_row_dots`)."""
     bi, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bi64 = bi.to(tl.int64)
     slot = tl.load(slot_ids + bi).to(tl.int64)
@@ -174,7 +176,10 @@ def _recurrent_kernel(
     else:
         g = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
     decay = tl.where(live[:, None], tl.exp(g), 1.0)  # a dead step leaves S exactly as it is
-    beta = tl.load(b + bi64 * b_sb + rt * b_st + h, mask=live, other=0.0).to(tl.float32)
+    if B_RANK > 0:
+        beta = long_row_dots(b + bi64 * b_sb + rt * 0, b_w, h + rt * 0, live, B_RANK, B_STEP)
+    else:
+        beta = tl.load(b + bi64 * b_sb + rt * b_st + h, mask=live, other=0.0).to(tl.float32)
     beta = tl.where(live, tl.sigmoid(beta), 0.0)
     k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
     q = q * (scale / tl.sqrt(tl.sum(q * q, 1) + 1e-6))[:, None]
@@ -386,34 +391,35 @@ def recurrent(
     step_states=None, block_v=None, num_warps=None, conv=False,
 ):  # fmt: skip
     """The step kernel on conv outputs `qkv [B, T, 3·H·d]` with the gates of `x` (f `[B, T, H·d]`, b
-    `[B, T, H]`); see the module docstring for the modes. Returns o `[B, T, H, d]` when `write_o`. With
-    `conv` (decode: T = 1) `qkv` is None and the conv of x's raw q, k, v runs inside, the windows left as
-    they are; otherwise neither the windows nor the conv weight are read."""
+    `[B, T, H]`, or either `LowRank` at decode); see the module docstring for the modes. Returns o
+    `[B, T, H, d]` when `write_o`. With `conv` (decode: T = 1) `qkv` is None and the conv of x's raw q, k,
+    v runs inside, the windows left as they are; otherwise neither the windows nor the conv weight are
+    read."""
     if conv:
         qkv = x.q
-    b = x.b
     state_pool, slot_ids, lower_bound = slots.state_pool, slots.slot_ids, params.lower_bound
     bsz, t, _ = qkv.shape
     h, d = state_pool.shape[1], state_pool.shape[2]
     assert qkv.stride(2) == 1 and state_pool.is_contiguous()
-    if isinstance(x.f, LowRank) and not (conv and t == 1):
+    if (isinstance(x.f, LowRank) or isinstance(x.b, LowRank)) and not (conv and t == 1):
         raise ValueError("recurrent: a LowRank gate is taken by the decode launch only (conv, T = 1)")
     f, f_factors, f_constants = _gate_operands(x.f, h, d)
+    b, b_weight, b_constants = _beta_operands(x.b, h)
     o = torch.empty(bsz, t, h, d, dtype=qkv.dtype, device=qkv.device) if write_o else qkv
     bv, warps = _block_v(bsz, h, d, t)
     bv, warps = block_v or bv, num_warps or warps
     use_lb = lower_bound is not None
     _recurrent_kernel[(bsz, h, d // bv)](
-        qkv, qkv.stride(0), qkv.stride(1), *f, b, b.stride(0), b.stride(1),
+        qkv, qkv.stride(0), qkv.stride(1), *f, *b,
         params.dt_bias, params.a_log, state_pool, state_pool.stride(0), slot_ids,
         n_steps if n_steps is not None else slot_ids, o, o.stride(0), o.stride(1) if write_o else 0,
         step_states if step_states is not None else state_pool, d**-0.5,
         float(lower_bound) if use_lb else 0.0,
         *(_conv_operands(x, params, slots) if conv else (qkv, qkv, qkv, 0, 0, qkv)),  # unread without CONV
-        *f_factors,
+        *f_factors, b_weight,
         T=t, TP=triton.next_power_of_2(t), H=h, D=d, BV=bv, USE_LB=use_lb, WRITE_O=write_o,
         STORE_STATE=store_state, PER_SEQ=n_steps is not None, STEP_STATES=step_states is not None, CONV=conv,
-        W=slots.conv_pool.shape[1] + 1 if conv else 1, **f_constants, num_warps=warps,
+        W=slots.conv_pool.shape[1] + 1 if conv else 1, **f_constants, **b_constants, num_warps=warps,
     )  # fmt: skip
     return o if write_o else None
 
@@ -428,6 +434,17 @@ def _gate_operands(f: torch.Tensor | LowRank, heads: int, head_dim: int) -> tupl
     factor = low_rank.operands(f, heads, head_dim)
     constants = dict(F_RANK=factor.rank, F_STEP=factor.step, F_FP8=factor.fp8)
     return (factor.a, factor.a_stride, 0), factor.factors, constants
+
+
+def _beta_operands(b: torch.Tensor | LowRank, heads: int) -> tuple[tuple, torch.Tensor, dict]:
+    """The step kernel's β arguments: (b or the layer input x with two strides, the rows of b_proj, the
+    constexprs B_RANK, B_STEP). A dense b `[B, T, H]` leaves the weight argument unread."""
+    if not isinstance(b, LowRank):
+        return (b, b.stride(0), b.stride(1)), b, dict(B_RANK=0, B_STEP=1)
+    rows = low_rank.operands(b, heads, 1, low_rank.ROW_STEP)
+    if rows.fp8:
+        raise ValueError("recurrent: β's LowRank weight must be unscaled (the dense rows of a projection)")
+    return (rows.a, rows.a_stride, 0), rows.factors[0], dict(B_RANK=rows.rank, B_STEP=rows.step)
 
 
 def _conv_operands(x: KDAInputs, params: KDAParams, slots: KDASlots) -> tuple:
@@ -527,12 +544,12 @@ def decode(
     """Triton twin of `reference.decode`: one token per sequence, window and state updated in place. Two
     launches: the step kernel with the conv inside (it reads the windows), then, once every program has
     read them, the gated output norm that also advances the windows (`norm`), or the window step alone.
-    `LowRank` gates are multiplied inside those launches up to `LOW_RANK_MAX_HEAD_ROWS` (sequence, head)
-    pairs, beyond it by the projection launches first."""
+    `LowRank` inputs (f, b, the norm's gate) are multiplied inside those launches up to
+    `LOW_RANK_MAX_HEAD_ROWS` (sequence, head) pairs, beyond it by the projection launches first."""
     if x.q.shape[0] * slots.state_pool.shape[1] > LOW_RANK_MAX_HEAD_ROWS:
         x, norm = _multiplied_out(x, norm)
-    f = x.f if isinstance(x.f, LowRank) else x.f[:, None]  # each sequence a block of one token
-    steps = KDAInputs(x.q[:, None], x.k[:, None], x.v[:, None], f, x.b[:, None])
+    f, b = (t if isinstance(t, LowRank) else t[:, None] for t in (x.f, x.b))  # each sequence a 1-token block
+    steps = KDAInputs(x.q[:, None], x.k[:, None], x.v[:, None], f, b)
     o = recurrent(None, steps, params, slots, conv=True, **kw)[:, 0]
     if norm is not None:
         return gated_rms_norm(o, norm, WindowStep(x, slots))
@@ -541,9 +558,9 @@ def decode(
 
 
 def _multiplied_out(x: KDAInputs, norm: OutputNorm | None) -> tuple[KDAInputs, OutputNorm | None]:
-    """x and norm with their `LowRank` gates multiplied out by `ops.gemm.linear` (the projection launches)."""
-    if isinstance(x.f, LowRank):
-        x = KDAInputs(x.q, x.k, x.v, linear(x.f.a, x.f.weight, x.f.scale_inv), x.b)
+    """x and norm with their `LowRank` inputs multiplied out by `ops.gemm.linear` (projection launches)."""
+    f, b = (linear(t.a, t.weight, t.scale_inv) if isinstance(t, LowRank) else t for t in (x.f, x.b))
+    x = KDAInputs(x.q, x.k, x.v, f, b)
     if norm is not None and isinstance(norm.gate, LowRank):
         gate = norm.gate
         norm = OutputNorm(linear(gate.a, gate.weight, gate.scale_inv), norm.weight, norm.eps)

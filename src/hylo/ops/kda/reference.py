@@ -112,14 +112,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 @dataclass(frozen=True)
 class KDAInputs:
     """A layer's projected inputs of a step's tokens: `q`, `k`, `v` `[N, H, d]`, the gate's
-    pre-activation `f` `[N, H, d]` (a decode step's may be `LowRank`, which `decode` alone takes) and
-    β's logits `b` `[N, H]`."""
+    pre-activation `f` `[N, H, d]` and β's logits `b` `[N, H]` (a decode step's f and b may be `LowRank`,
+    which `decode` alone takes)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     f: torch.Tensor | LowRank
-    b: torch.Tensor
+    b: torch.Tensor | LowRank
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -176,8 +176,10 @@ class LowRank:
     """A per-head input `[N, H·d]` given by its factors, not yet multiplied: the input `a [N, r]` and the
     projection `weight [H·d, r]`, e4m3 with per-[128, 128]-block `scale_inv` or in a's dtype (None), as
     `ops.gemm.linear(a, weight, scale_inv)` would compute it. A decode step hands the gate's f and the
-    output norm's gate so: the kernels that read them compute their heads' rows from the factors, in
-    place of two projection launches (`dense` is what the references read)."""
+    output norm's gate so (r = d: the low-rank f_a|g_a times f_b, g_b), and β's logits where they are
+    the dense part of an FP8 projection (d = 1, r the hidden size: the layer input times b_proj's rows):
+    the kernels that read them compute their heads' rows from the factors, in place of the projection
+    launches (`dense` is what the references read)."""
 
     a: torch.Tensor
     weight: torch.Tensor
@@ -302,9 +304,9 @@ def _prefill_in_segments(
 
 
 def decode(x: KDAInputs, params: KDAParams, slots: KDASlots, norm: OutputNorm | None = None) -> torch.Tensor:
-    """One token per sequence (`[B, ...]` inputs; f and the norm's gate may be `LowRank`), state and
+    """One token per sequence (`[B, ...]` inputs; f, b and the norm's gate may be `LowRank`), state and
     window updated in place; o `[B, H, d]`, then `gated_rms_norm` with `norm` when given."""
-    x = KDAInputs(x.q, x.k, x.v, dense(x.f), x.b)
+    x = KDAInputs(x.q, x.k, x.v, dense(x.f), dense(x.b))
     o = prefill(x, params, slots, None, list(range(x.q.shape[0] + 1)))
     if norm is None:
         return o
