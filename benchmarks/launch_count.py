@@ -1,6 +1,6 @@
 """Kernel launches of one decode step, layer by layer, counted on the CPU (no GPU needed).
 
-    .venv/bin/python benchmarks/launch_count.py [--layers 8] [--batch 1] [--by-op]
+    .venv/bin/python benchmarks/launch_count.py [--layers 8] [--batch 1] [--by-op] [--fp8]
     .venv/bin/python benchmarks/launch_count.py --engine plain,dflash,dflash2,mtp3
 
 `--engine`: one whole engine step of the shipped demo model instead (a decode step of one request,
@@ -22,10 +22,16 @@ innermost module running:
   (ops whose schema returns an alias of an input), allocations (`empty*`, which launch nothing) and
   `_local_scalar_dense` (a host read, reported apart: a graph cannot capture it).
 
+`--fp8`: the projections an FP8 checkpoint stores block-scaled are e4m3 (`load_model(fp8_projections=
+True)`), the rest as an FP8 checkpoint loads them (b_proj's rows, the dense part of `qkvb_proj`, stay bf16),
+and every `ops.gemm.linear` call counts as one launch (`gemm.linear_fp8` or `gemm.linear`), not as the
+CPU's dequantisation ops.
+
 What this cannot see, and so differs from a replay's kernel table (benchmarks/RESULTS.md S16-2): the
-projections here are bf16 `F.linear` (one cuBLAS launch); in an FP8 checkpoint under capture each is a
-w8a16 Triton GEMM plus, where its tuned entry splits K, one split-K sum launch. A few aten ops launch more
-than one kernel on CUDA (sort, some index_put_), counted as one here.
+projections here are one launch each (bf16 `F.linear`, or one `ops.gemm.linear` with `--fp8`); under
+capture a product whose Triton configuration splits K also launches its sum (the bf16 dense parts of FP8
+`FusedLinear`s do, RESULTS S30-4). A few aten ops launch more than one kernel on CUDA (sort, some
+index_put_), counted as one here.
 """
 
 from __future__ import annotations
@@ -68,8 +74,8 @@ CUDA_ONLY_DISPATCH = {"hylo.ops.gemm"}
 
 @dataclass
 class Launches:
-    """Launches by (module path, kind, name); kind is "triton" (name: op family.kernel) or "torch" (name:
-    the aten op). `host_reads`: ops that read a
+    """Launches by (module path, kind, name); kind is "triton" (name: op family.kernel), "gemm" (with
+    `--fp8`: one `ops.gemm.linear` call) or "torch" (name: the aten op). `host_reads`: ops that read a
     device value back on the host, by module."""
 
     counts: Counter[tuple[str, str, str]] = field(default_factory=Counter)
@@ -149,8 +155,34 @@ def _leave(where: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def counting(model: torch.nn.Module, launches: Launches) -> Iterator[None]:
-    """Count into `launches` what runs inside the block, attributed to `model`'s innermost module."""
+def projections_counted(launches: Launches, where: list[str], counter: _AtenCounter) -> Iterator[None]:
+    """Every loaded hylo module's `ops.gemm.linear` replaced by one that counts a call as one launch (the
+    GPU's one GEMM) into `launches` at `where[-1]`, its CPU ops (an FP8 weight's dequantisation) unseen."""
+    from hylo.ops import gemm
+
+    def counted(x, weight, scale_inv=None):
+        launches.counts[where[-1], "gemm", "gemm.linear_fp8" if scale_inv is not None else "gemm.linear"] += 1
+        counter.paused += 1
+        try:
+            return gemm.linear(x, weight, scale_inv)
+        finally:
+            counter.paused -= 1
+
+    users = [m for name, m in list(sys.modules.items()) if name.startswith("hylo.") and m is not gemm
+             and getattr(m, "linear", None) is gemm.linear]  # fmt: skip
+    for module in users:
+        module.linear = counted
+    try:
+        yield
+    finally:
+        for module in users:
+            module.linear = gemm.linear
+
+
+@contextlib.contextmanager
+def counting(model: torch.nn.Module, launches: Launches, projections: bool = False) -> Iterator[None]:
+    """Count into `launches` what runs inside the block, attributed to `model`'s innermost module; with
+    `projections`, each `ops.gemm.linear` call as one launch (`projections_counted`)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     where = [""]
@@ -173,7 +205,10 @@ def counting(model: torch.nn.Module, launches: Launches) -> Iterator[None]:
 
     InterpretedFunction.run = counted_run
     try:
-        with counter:
+        with (
+            counter,
+            projections_counted(launches, where, counter) if projections else contextlib.nullcontext(),
+        ):
             yield
     finally:
         InterpretedFunction.run = run
@@ -192,16 +227,19 @@ def slice_dir(layers: int, path: Path) -> Path:
 
 
 def decode_step_launches(
-    layers: int = 8, batch: int = 1, dtype: torch.dtype = torch.bfloat16, prompt: int = 9
+    layers: int = 8, batch: int = 1, dtype: torch.dtype = torch.bfloat16, prompt: int = 9, fp8: bool = False
 ) -> tuple[Launches, object]:
     """(launches of one fixed-shape decode step of `batch` sequences, the model): the model loaded as
-    served (`load_model` with random weights: parameters in `dtype` but those kept fp32)."""
+    served (`load_model` with random weights: parameters in `dtype` but those kept fp32; with `fp8` the
+    projections as an FP8 checkpoint keeps them, each product one launch: see the module docstring)."""
     from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
     from hylo.memory.manager import CacheManager, MemoryPlan
     from hylo.models.loader import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = load_model(slice_dir(layers, Path(tmp)), dtype=dtype, random_weights=True)
+        model = load_model(
+            slice_dir(layers, Path(tmp)), dtype=dtype, random_weights=True, fp8_projections=fp8
+        )
     config = model.config
     page, per_seq = 16, 64
     plan = MemoryPlan(batch * per_seq // page, page, batch, per_seq, 0, 0, scratch=True)
@@ -224,7 +262,7 @@ def decode_step_launches(
     with kernels_dispatched_as_on_cuda():  # as before a capture: one-time set-up (MoE ticket zeros) runs here
         model(decode)
     launches = Launches()
-    with kernels_dispatched_as_on_cuda(), counting(model, launches):
+    with kernels_dispatched_as_on_cuda(), counting(model, launches, projections=fp8):
         model(decode)
     return launches, model
 
@@ -240,7 +278,7 @@ def report(launches: Launches, model, by_op: bool) -> None:
         per_layer.append(n)
         families = Counter()
         for (_, kind_, name), count in launches.of(f"layers.{i}").items():
-            families[name.split(".")[0] if kind_ == "triton" else "torch ops"] += count
+            families[name.split(".")[0] if kind_ != "torch" else "torch ops"] += count
         print(
             f"layer {i} ({kind}): {n} launches ({', '.join(f'{f} {c}' for f, c in sorted(families.items()))})"
         )
@@ -326,6 +364,11 @@ def main() -> None:
         "--by-op", action="store_true", help="launches by module and op (--engine: outside the layers)"
     )
     parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the projections e4m3 as an FP8 checkpoint keeps them (decode step)",
+    )
+    parser.add_argument(
         "--engine", default=None, help=f"count engine steps instead: some of {list(ENGINE_ALGORITHMS)}"
     )
     args = parser.parse_args()
@@ -333,7 +376,7 @@ def main() -> None:
         for algorithm in args.engine.split(","):
             engine_report(algorithm, engine_step_launches(algorithm), args.by_op)
         return
-    launches, model = decode_step_launches(args.layers, args.batch, getattr(torch, args.dtype))
+    launches, model = decode_step_launches(args.layers, args.batch, getattr(torch, args.dtype), fp8=args.fp8)
     report(launches, model, args.by_op)
 
 
