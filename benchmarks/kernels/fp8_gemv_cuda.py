@@ -3,6 +3,7 @@ floor, for M = 1, 4, 8, 16 rows at GLM-5.3-Flash's FP8 projection shapes and TP-
 
     python benchmarks/kernels/fp8_gemv_cuda.py [--out DIR]       # GPU, about 2 minutes with the build
     python benchmarks/kernels/fp8_gemv_cuda.py --dry-run         # CPU: the script's logic, tiny shapes
+    python benchmarks/kernels/fp8_gemv_cuda.py --all-splits      # also the GEMV at every compiled K split
 
 Per shape and M: first parity of both kernels against the float64 product (`gemv_cuda.worst_error`,
 ≤ 1 is within the GEMV's arithmetic; a kernel that fails is not timed), then CUDA-graph medians
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 DRY = "--dry-run" in sys.argv
+ALL_SPLITS = "--all-splits" in sys.argv  # also time the GEMV at every compiled K split
 ROOT = Path(__file__).resolve().parents[2]
 if DRY:
     sys.path.insert(0, str(ROOT / "tests"))
@@ -115,6 +117,12 @@ def measure_shape(n: int, k: int, bandwidth: float, gpu: str) -> list[dict]:
                 row[f"{name}_failed"] = repr(e)[:300]
         if "gemv_us" in row and "triton_us" in row:
             row["triton_over_gemv"] = round(row["triton_us"] / row["gemv_us"], 2)
+        if ALL_SPLITS and "gemv_us" in row:  # what `split_for` chose against the other compiled splits
+            row["gemv_us_by_split"] = {
+                split: round(per_call_us(lambda w, s, x=x, c=split: gemv_cuda.gemv(x, w, s, c), copies), 2)
+                for split in gemv_cuda.SPLITS
+                if split == 1 or 2 * split <= -(-k // 128)
+            }
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -124,9 +132,9 @@ def sms() -> int:
     return 132 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def measure(bandwidth: float, gpu: str) -> None:
+def measure(bandwidth: float, gpu: str, shapes: list[tuple[int, int]]) -> None:
     rows = []
-    for n, k in SHAPES:
+    for n, k in shapes:
         rows += measure_shape(n, k, bandwidth, gpu)
         if not DRY:
             torch.cuda.empty_cache()  # the shape's weight copies
@@ -157,12 +165,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--all-splits", action="store_true", help="time the GEMV at every compiled split too")
+    parser.add_argument("--shapes", default="", help="NxK,NxK,... instead of the model's shapes")
     args = parser.parse_args()
     gpu = "CPU (dry run)" if DRY else torch.cuda.get_device_name(0)
     rec("gpu", gpu)
     section("gemv_status", gemv_status)
     rec("copy_bytes_per_s", copy_bandwidth())
-    section("measure", measure, RESULTS["copy_bytes_per_s"], gpu)
+    shapes = (
+        [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")] if args.shapes else SHAPES
+    )
+    section("measure", measure, RESULTS["copy_bytes_per_s"], gpu, shapes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fp8_gemv_cuda.json").write_text(json.dumps(RESULTS, indent=1))
