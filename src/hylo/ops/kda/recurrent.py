@@ -402,7 +402,7 @@ def recurrent(
     h, d = state_pool.shape[1], state_pool.shape[2]
     assert qkv.stride(2) == 1 and state_pool.is_contiguous()
     if (isinstance(x.f, LowRank) or isinstance(x.b, LowRank)) and not (conv and t == 1):
-        raise ValueError("recurrent: a LowRank gate is taken by the decode launch only (conv, T = 1)")
+        raise ValueError("recurrent: LowRank inputs are taken by the decode launch only (conv, T = 1)")
     f, f_factors, f_constants = _gate_operands(x.f, h, d)
     b, b_weight, b_constants = _beta_operands(x.b, h)
     o = torch.empty(bsz, t, h, d, dtype=qkv.dtype, device=qkv.device) if write_o else qkv
