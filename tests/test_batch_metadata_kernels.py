@@ -64,6 +64,46 @@ def test_kernel_equals_the_reference(case, filler):
     assert (got["pool_table"] >= 0).any() and (got["pool_table"] == -1).any()  # both sides of the mask
 
 
+@pytest.mark.parametrize("after_commit", [False, True], ids=["decode", "after a commit in flight"])
+def test_the_in_flight_first_tokens_and_commits_resolve_in_the_same_launch(after_commit):
+    """`InFlight`: each sequence's first token is its upload or, marked, its row's last sampled token,
+    written to a strided column (a step's first input ids); after a commit in flight a sequence starts
+    `last_committed[row]` later. The kernel equals the reference, both the metadata and the tokens."""
+    table, marker = request_table(), -1
+    prefix, rows, width = torch.tensor([3, 8, 40]), torch.tensor([4, 0, 2]), 3
+    first = torch.tensor([marker, 17, marker])
+    last_sampled = torch.arange(ROWS, dtype=torch.long) * 10 + 5  # row r sampled 10 r + 5
+    last_committed = torch.tensor([2, 0, 4, 0, 3, 0], dtype=torch.int32)
+    after = torch.tensor([1, 0, 1]) if after_commit else None
+    results = []
+    for run in (reference_path, run_kernel_in_flight):
+        ids = torch.full((3, width), -7, dtype=torch.long)
+        flight = batch_metadata.InFlight(
+            first, marker, last_sampled, ids[:, 0], after, last_committed if after_commit else None
+        )
+        results.append((run(prefix, rows, width, table, flight), ids))
+    (want, want_ids), (got, got_ids) = results
+    assert want_ids[:, 0].tolist() == [45, 17, 25] and torch.equal(got_ids, want_ids)
+    assert (got_ids[:, 1:] == -7).all()  # only the first column is written
+    for name, value in want.items():
+        assert torch.equal(got[name], value.long()), name
+    starts = [3 + 3, 8, 40 + 4] if after_commit else [3, 8, 40]
+    assert got["positions"].view(3, width)[:, 0].tolist() == starts
+
+
+def reference_path(prefix, rows, width, table, flight):
+    return reference.uniform_metadata(
+        reference.resolve_in_flight(prefix, rows, flight), rows, width, table, KPOOL, ROWS - 1
+    )
+
+
+def run_kernel_in_flight(prefix, rows, width, table, flight):
+    assert refusal(prefix, rows, width, table, KPOOL, None, None, flight) is None
+    sizes = output_sizes(prefix.shape[0], width, table, KPOOL)
+    out = {name: torch.full(size, -7, dtype=torch.long) for name, size in sizes.items()}
+    return kernels.uniform_metadata(prefix, rows, width, table, KPOOL, ROWS - 1, None, out, flight)
+
+
 def test_the_padded_tokens_write_the_filler_slot_and_repeat_the_last_position():
     """A check of the reference itself on the case the kernel's branches differ most."""
     table = request_table()
@@ -106,9 +146,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hylo.ops.batch_metadata.kernels import _uniform_metadata_kernel as fn
 
-consts = {"HAS_LENGTHS": True, "HAS_FILLER": True, "BLOCK_TOKENS": 64, "BLOCK_POOLS": 256}
+consts = {"HAS_LENGTHS": True, "HAS_FILLER": True, "IN_FLIGHT": True, "AFTER": True, "BLOCK_TOKENS": 64,
+          "BLOCK_POOLS": 256}
 kinds = {"table": "*i32", "table_stride": "i64", "width": "i32", "kpool": "i32", "candidates": "i32",
-         "pool_columns": "i32", "filler_row": "i32"}
+         "pool_columns": "i32", "filler_row": "i32", "marker": "i64", "ids_stride": "i64",
+         "last_committed": "*i32"}
 sig = {n: "constexpr" if n in consts else kinds.get(n, "*i64") for n in fn.arg_names}
 src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
 print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0)

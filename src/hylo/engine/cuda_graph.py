@@ -24,7 +24,7 @@ from hylo.engine.request import IN_FLIGHT
 from hylo.forward_batch import FixedShape, ForwardBatch, SequenceChunk
 from hylo.memory.manager import CacheManager
 from hylo.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
-from hylo.ops.batch_metadata import uniform_metadata
+from hylo.ops.batch_metadata import InFlight, uniform_metadata
 from hylo.speculative.proposer import Proposer, StepCommit
 
 # A plain decode step that drafts nothing leaves a device proposer's observe for later: the step's
@@ -94,17 +94,17 @@ class UniformBlocks:
         host.copy_(torch.tensor(rows).t())
 
     def fill_metadata(self, static: ForwardBatch, inputs: torch.Tensor) -> None:
-        """The step's batch metadata, in place, from the uploaded `inputs` and the request table
-        (`uniform_metadata`), and each sequence's first token."""
+        """The step's batch metadata, in place, from the uploaded `inputs` and the request table, and
+        each sequence's first token (`uniform_metadata` with an `InFlight`: one launch on CUDA)."""
         c = self.caches
         prefix, rows, first = inputs[0], inputs[1], inputs[2]
-        if self.after_commit:
-            prefix = prefix + inputs[3] * c.last_committed[rows]
+        after = (inputs[3], c.last_committed) if self.after_commit else (None, None)
+        ids = static.input_ids.view(len(static.extend_lens), self.width)[:, 0]
+        in_flight = InFlight(first, IN_FLIGHT, c.last_sampled, ids, *after)
         uniform_metadata(
-            prefix, rows, self.width, c.table.table, c.kpool, c.scratch_slot, out=static.metadata_tensors()
-        )
-        first = torch.where(first == IN_FLIGHT, c.last_sampled[rows], first)
-        static.input_ids.view(len(static.extend_lens), self.width)[:, 0] = first
+            prefix, rows, self.width, c.table.table, c.kpool, c.scratch_slot,
+            out=static.metadata_tensors(), in_flight=in_flight,
+        )  # fmt: skip
 
 
 class DecodeGraphs:

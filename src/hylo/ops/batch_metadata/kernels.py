@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.batch_metadata.reference import InFlight
+
 BLOCK_TOKENS = 64  # tokens of a sequence per loop step (a decode or verify row is one step)
 BLOCK_POOLS = 256  # pool-table columns per loop step
 
@@ -19,12 +21,19 @@ def _uniform_metadata_kernel(
     prefix, rows, lengths, table, table_stride,
     positions, token_rows, new_slots, state_slots, completed, pool_table,
     width, kpool, candidates, pool_columns, filler_row,
-    HAS_LENGTHS: tl.constexpr, HAS_FILLER: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-    BLOCK_POOLS: tl.constexpr,
+    first, marker, last_sampled, ids, ids_stride, after, last_committed,
+    HAS_LENGTHS: tl.constexpr, HAS_FILLER: tl.constexpr, IN_FLIGHT: tl.constexpr, AFTER: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr, BLOCK_POOLS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     start = tl.load(prefix + b).to(tl.int64)
     row = tl.load(rows + b).to(tl.int64)
+    if IN_FLIGHT:  # the uploaded first token, or the row's last sampled one (`reference.InFlight`)
+        token = tl.load(first + b).to(tl.int64)
+        token = tl.where(token == marker, tl.load(last_sampled + row).to(tl.int64), token)
+        tl.store(ids + b * ids_stride, token)
+        if AFTER:
+            start += tl.load(after + b).to(tl.int64) * tl.load(last_committed + row).to(tl.int64)
     count = width
     if HAS_LENGTHS:
         count = tl.load(lengths + b).to(tl.int64)
@@ -78,17 +87,25 @@ def uniform_metadata(
     filler_row: int | None,
     lengths: torch.Tensor | None,
     out: dict[str, torch.Tensor],
+    in_flight: InFlight | None = None,
 ) -> dict[str, torch.Tensor]:
     """Triton twin of `reference.uniform_metadata` for the calls `refusal` takes, written into `out`
-    (every name the reference returns, int64, contiguous, of the reference's sizes); returns `out`."""
+    (every name the reference returns, int64, contiguous, of the reference's sizes), after
+    `reference.resolve_in_flight` where `in_flight` is given (in the same launch); returns `out`."""
     sequences = prefix.shape[0]
     pool_columns = req_to_token.shape[1] // kpool
+    f = in_flight
+    after = f is not None and f.after is not None
     _uniform_metadata_kernel[(sequences,)](
         prefix, rows, lengths if lengths is not None else prefix, req_to_token, req_to_token.stride(0),
         out["positions"], out["token_rows"], out["new_slots"], out["state_slots"], out["completed_pools"],
         out["pool_table"], width, kpool, -(-width // kpool), pool_columns,
         filler_row if filler_row is not None else 0,
-        HAS_LENGTHS=lengths is not None, HAS_FILLER=filler_row is not None, BLOCK_TOKENS=BLOCK_TOKENS,
-        BLOCK_POOLS=BLOCK_POOLS, num_warps=4,
+        prefix if f is None else f.first, 0 if f is None else f.marker,
+        prefix if f is None else f.last_sampled, prefix if f is None else f.ids,
+        0 if f is None else f.ids.stride(0), f.after if after else prefix,
+        f.last_committed if after else prefix,
+        HAS_LENGTHS=lengths is not None, HAS_FILLER=filler_row is not None, IN_FLIGHT=f is not None,
+        AFTER=after, BLOCK_TOKENS=BLOCK_TOKENS, BLOCK_POOLS=BLOCK_POOLS, num_warps=4,
     )  # fmt: skip
     return out

@@ -2,7 +2,35 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class InFlight(NamedTuple):
+    """Each sequence's first token of a fixed-shape step as uploaded, and where the step's forward
+    reads it: `first [B]` is a token id, or `marker` where the token is the one the sequence's row
+    sampled last and the host has not read yet (`last_sampled [rows]`, device); the resolved tokens go
+    to `ids [B]` (any stride: the first input id of each sequence in the step's batch). With `after
+    [B]` (0 or 1) a sequence starts after the commit of a verify step still in flight on its row: its
+    prefix is `last_committed [rows]` positions longer than uploaded."""
+
+    first: torch.Tensor
+    marker: int
+    last_sampled: torch.Tensor
+    ids: torch.Tensor
+    after: torch.Tensor | None = None
+    last_committed: torch.Tensor | None = None
+
+
+def resolve_in_flight(prefix: torch.Tensor, rows: torch.Tensor, in_flight: InFlight) -> torch.Tensor:
+    """Write each sequence's first token to `in_flight.ids` and return the prefix lengths the step
+    starts at (`InFlight`)."""
+    f = in_flight
+    f.ids.copy_(torch.where(f.first == f.marker, f.last_sampled[rows], f.first))
+    if f.after is None:
+        return prefix
+    return prefix + f.after * f.last_committed[rows]
 
 
 def uniform_metadata(
