@@ -230,8 +230,8 @@ def test_linear_layer_keeps_nn_linear_contract():
 def test_shipped_tables_hold_only_measured_wins_for_model_shapes():
     """Every table in the package names its GPU, keys shapes of GLM-5.3-Flash's projections (bf16, and
     e4m3 as an FP8 checkpoint keeps them), and records that its configuration beat the baseline
-    (cuBLAS; the untuned FP8 configuration for `_fp8` keys) by the tuner's margin at both ends of its
-    bucket."""
+    (cuBLAS; for `_fp8` keys the configuration without an entry when it was tuned) by the tuner's
+    margin at both ends of its bucket."""
     from hylo.config import ModelConfig
     from hylo.models.glm5_next import Glm5NextForCausalLM
     from hylo.models.loader import keep_projections_fp8, stored_block_scaled

@@ -44,7 +44,6 @@ SWITCH = "HYLO_FP8_GEMV"
 MAX_ROWS = 16
 CTA_ROWS = 64  # weight rows per CTA (4 warps of a 16-row MMA tile); the library reports its own
 SPLITS = (1, 2, 4, 8)  # CTAs of a cluster that split K (the compiled variants)
-CTAS_PER_SM = 2  # 256 threads at ≤ 128 registers each (the kernel's launch bounds)
 CHECK_ROWS = (3, 13)  # one row count per compiled row tile (8 and 16 rows of x)
 
 _READY: dict[int, ctypes.CDLL] = {}  # device index -> library that passed its check there
@@ -59,8 +58,9 @@ def hopper_arch(capability: tuple[int, int]) -> str | None:
 
 def split_for(n: int, k: int, sms: int) -> int:
     """CTAs per cluster along K: the fewest that give about one CTA on every SM, without more K slices
-    (2 warps per CTA) than 128-k blocks. Not the two a SM could hold (`CTAS_PER_SM`): on the H100 the
-    N = 4096 projections ran 17% faster at split 2 than at the split 4 that fills both (RESULTS S30-5)."""
+    (2 warps per CTA) than 128-k blocks. Not the two a SM could hold (256 threads at <= 128 registers
+    each, the kernel's launch bounds): on the H100 the N = 4096 projections ran 16-30% faster at split
+    2 than at the split 4 that fills both (RESULTS S30-5)."""
     row_groups, kblocks = -(-n // CTA_ROWS), -(-k // FP8_BLOCK)
     allowed = [s for s in SPLITS if s == 1 or 2 * s <= kblocks]
     return next((s for s in allowed if row_groups * s >= 0.9 * sms), allowed[-1])
