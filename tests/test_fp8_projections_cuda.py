@@ -15,7 +15,7 @@ from hylo import LLM, SamplingParams
 from hylo.layers.linear import Linear
 from hylo.models.loader import load_model, save_checkpoint
 from hylo.ops.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-from hylo.ops.gemm import SCALED_MM_MIN_ROWS, fp8_fallback_config, kernels
+from hylo.ops.gemm import SCALED_MM_MIN_ROWS, fallback_config, kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 GEMMs run on a GPU")
 
@@ -60,7 +60,7 @@ def test_fp8_kernels_match_the_dequantised_weight(n, k):
     for m in (1, 64, 90, 200, 1024):
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         ref = x.float() @ exact.t()
-        assert rel(kernels.gemm(x, w, fp8_fallback_config(m, n, k, x.device), scale), ref) < 1e-2, m
+        assert rel(kernels.gemm(x, w, fallback_config(m, n, k, x.device), scale), ref) < 1e-2, m
         if m >= SCALED_MM_MIN_ROWS:
             assert kernels.scaled_mm_refusal(x, w) is None
             assert rel(kernels.scaled_mm(x, w, scale), ref) < 0.05, m

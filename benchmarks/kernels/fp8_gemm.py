@@ -6,7 +6,7 @@ each way to run a block-scaled e4m3 projection next to cuBLAS on the bf16 weight
 
 For every distinct FP8 projection shape of GLM-5.3-Flash (as `load_model` keeps an FP8 checkpoint) and
 row counts from decode to prefill: cuBLAS bf16 (`F.linear` on the dequantised weight), the w8a16
-Triton kernel with its configuration without a table entry (`ops.gemm.fp8_fallback_config`), and cuBLAS's
+Triton kernel with its configuration without a table entry (`ops.gemm.fallback_config`), and cuBLAS's
 block-scaled FP8 matmul with the activation quantisation (`kernels.scaled_mm`), all as CUDA-graph
 replays (medians), with the weight-read floor at the copy rate measured here. Writes `fp8_gemm.json`.
 """
@@ -79,7 +79,7 @@ def measure_shape(n: int, k: int, rate: float, gen: torch.Generator) -> list[dic
     for m in ROWS:
         x = torch.randn(m, k, generator=gen, device=DEV).to(dtype)
         ref = x.float() @ exact.t()
-        config = gemm.fp8_fallback_config(m, n, k, x.device)
+        config = gemm.fallback_config(m, n, k, x.device)
         ways = {
             "bf16": lambda x=x: F.linear(x, dense),
             "triton": lambda x=x, c=config: kernels.gemm(x, w, c, scale),

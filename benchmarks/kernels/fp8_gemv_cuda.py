@@ -10,7 +10,7 @@ Per shape and M: first parity of both kernels against the float64 product (`gemv
 (`triton.testing.do_bench_cudagraph`) of `COPIES_BYTES / weight bytes` back-to-back calls over as many
 distinct weight copies (so no call finds its weight in L2, as in a decode step), divided by the calls.
 Triton runs the configuration of this GPU's shipped table (`ops/gemm/tables`) where it has the shape,
-else `fp8_fallback_config` (the table column says which). The floor is the bytes one call moves (e4m3
+else `fallback_config` (the table column says which). The floor is the bytes one call moves (e4m3
 weight, scales, x, out) at the copy rate measured in this run (read + write bytes of a 2 GiB device copy,
 as `benchmarks/device/spec_e2e.py` measures it). Also records the GEMV's build-and-check time (the
 first call; a cold kernel cache includes nvcc). Writes `fp8_gemv_cuda.json` and `fp8_gemv_cuda.md`.
@@ -99,7 +99,7 @@ def measure_shape(n: int, k: int, bandwidth: float, gpu: str) -> list[dict]:
             "n": n, "k": k, "m": m, "split": gemv_cuda.split_for(n, k, sms()), "copies": count,
             "floor_us": round(moved / bandwidth * 1e6, 2), "triton_config": "table" if config else "fallback",
         }  # fmt: skip
-        config = config or gemm.fp8_fallback_config(m, n, k, x.device)
+        config = config or gemm.fallback_config(m, n, k, x.device)
         ways = {"triton": lambda w, s, x=x, c=config: kernels.gemm(x, w, c, s)}
         refused = RESULTS.get("gemv_off", "its status is unknown") or gemv_cuda.refusal(x, weight, scale)
         if refused is None:

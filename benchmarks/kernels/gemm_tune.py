@@ -9,7 +9,7 @@ launch configuration is first checked against an fp32 torch product (relative er
 then timed under CUDA-graph replay (median) at the bucket's smallest and largest M next to what runs
 without an entry on the same inputs: `torch.nn.functional.linear` (cuBLAS) for bf16 weights; with
 `--fp8`, the e4m3 projections of an FP8 checkpoint (`loader.keep_projections_fp8`) against the FP8
-kernel's configuration without an entry (`ops.gemm.fp8_fallback_config`, the heuristic). An entry is
+kernel's configuration without an entry (`ops.gemm.fallback_config`, the heuristic). An entry is
 written only when its best configuration is at least 2% faster than that baseline at both ends of
 the bucket (above run-to-run noise); the other shapes keep the baseline. With `--fp8-activations`
 the e4m3 candidates also include configurations that quantise x in the kernel (`GemmConfig.quant_x`,
@@ -140,11 +140,11 @@ class Operands:
         return us
 
     def baseline(self) -> dict[int, float]:
-        """What runs without a table entry: cuBLAS for bf16, `fp8_fallback_config` for e4m3."""
+        """What runs without a table entry: cuBLAS for bf16, `fallback_config` for e4m3."""
         if self.scale is None:
             return {m: timed(lambda x=x: F.linear(x, self.weight)) for m, x in self.xs.items()}
         n, k = self.weight.shape
-        return self.time(lambda m: gemm.fp8_fallback_config(m, n, k, self.weight.device))
+        return self.time(lambda m: gemm.fallback_config(m, n, k, self.weight.device))
 
 
 def operands(n: int, k: int, bucket: int, gen: torch.Generator) -> Operands:

@@ -14,12 +14,12 @@
   host-side launch cost (about 60 us per split-K GEMM measured in an 8-layer decode on the H200) is
   far above that gain, so eager bf16 steps stay on cuBLAS.
 - A bf16 product of a few rows and at most `NARROW_MAX_N` columns that the table lacks, while a graph
-  is captured (the dense parts of FP8 `FusedLinear`s): the Triton kernel with `table.heuristic_config`,
+  is captured (the dense parts of FP8 `FusedLinear`s): the Triton kernel with `fallback_config`,
   5-17% faster than cuBLAS there on the H100 (RESULTS S30-4; both launch twice: a K split and its sum).
 - Other bf16 products: `torch.nn.functional.linear` (cuBLAS).
 - Other FP8 products: cuBLAS's block-scaled FP8 matmul (`kernels.scaled_mm`) from `SCALED_MM_MIN_ROWS`
   rows where it takes the shape (`kernels.scaled_mm_refusal` says why not), else the Triton kernel
-  with `fp8_fallback_config` (`table.heuristic_config`: K split where N gives the SMs too few tiles):
+  with `fallback_config` (`table.heuristic_config`: K split where N gives the SMs too few tiles):
   an FP8 weight is never widened to a bf16 copy on the GPU.
 """
 
@@ -63,14 +63,11 @@ def _sm_count(index: int) -> int:
 INTERPRETER_SMS = 132  # the SM count a CPU (Triton's interpreter) plans for: a Hopper's
 
 
-def _sms(device: torch.device) -> int:
-    return _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
-
-
-def fp8_fallback_config(rows: int, n: int, k: int, device: torch.device) -> GemmConfig:
-    """The Triton configuration of an FP8 product of `rows` rows that the GPU's table has no entry for
-    (`table.heuristic_config` for the device's SM count)."""
-    return heuristic_config(rows, n, k, _sms(device))
+def fallback_config(rows: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """The Triton configuration of a product of `rows` rows that the GPU's table has no entry for (FP8
+    ones, and the narrow bf16 ones under capture): `table.heuristic_config` for the device's SM count."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
+    return heuristic_config(rows, n, k, sms)
 
 
 @cache
@@ -106,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None
     if torch.cuda.is_current_stream_capturing():
         config = lookup(_gpu_name(x.device.index or 0), rows, n, k, fp8=scale_inv is not None)
         if config is None and scale_inv is None and n <= NARROW_MAX_N and rows <= M_BUCKETS[-1]:
-            config = heuristic_config(rows, n, k, _sms(x.device))
+            config = fallback_config(rows, n, k, x.device)
         if config is not None:
             return kernels.gemm(flat, weight, config, scale_inv).view(*x.shape[:-1], n)
     if scale_inv is None:
@@ -114,5 +111,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None
     if rows >= SCALED_MM_MIN_ROWS and kernels.scaled_mm_refusal(flat, weight) is None:
         out = kernels.scaled_mm(flat, weight, scale_inv)
     else:
-        out = kernels.gemm(flat, weight, fp8_fallback_config(rows, n, k, x.device), scale_inv)
+        out = kernels.gemm(flat, weight, fallback_config(rows, n, k, x.device), scale_inv)
     return out.view(*x.shape[:-1], n)
