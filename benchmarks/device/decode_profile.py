@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from prefix_e2e import VOCAB, serve, ttft
-from spec_e2e import copy_bandwidth, replay_ms, write_target
+from spec_e2e import copy_bandwidth, folded_shared_bytes, replay_ms, write_target
 
 from hylo import LLM
 from hylo.engine.cuda_graph import OBSERVE
@@ -85,10 +85,7 @@ def bytes_by_kind(model: torch.nn.Module, forward) -> dict[str, float]:
                 )
                 count = int(route(args[0], routing).ids.unique().numel())
                 read[kind] += own_bytes(m) * count / m.gate_up_proj.shape[0]
-                shared = kwargs.get("shared")  # the shared expert folded into these launches
-                if shared is not None:
-                    tensors = [shared.gate_up, shared.down, *(shared.scales or ())]
-                    read[kind] += sum(t.numel() * t.element_size() for t in tensors)
+                read[kind] += folded_shared_bytes(kwargs)
             else:
                 read[kind] += own_bytes(m)
 

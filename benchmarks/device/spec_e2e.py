@@ -280,6 +280,15 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / (ms / 1e3)
 
 
+def folded_shared_bytes(kwargs: dict | None) -> int:
+    """The bytes of the shared expert a routed-experts call reads in its own launches (its `shared`
+    argument: its MLP is not called then), 0 when it runs apart."""
+    shared = (kwargs or {}).get("shared")
+    if shared is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in (shared.gate_up, shared.down, *(shared.scales or ())))
+
+
 def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, list[int]]:
     """(Weight bytes one call of `forward` reads, distinct routed experts per experts call): every
         call of a module reads its own parameters and buffers once (a vocabulary head's `argmax` too, which
@@ -309,10 +318,7 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
             count = int(ids.numel())
             distinct.append(count)
             read[0] += own_bytes(m) * count / m.gate_up_proj.shape[0]
-            shared = (kwargs or {}).get("shared")  # the shared expert folded into these launches
-            if shared is not None:
-                tensors = [shared.gate_up, shared.down, *(shared.scales or ())]
-                read[0] += sum(t.numel() * t.element_size() for t in tensors)
+            read[0] += folded_shared_bytes(kwargs)
         else:
             read[0] += own_bytes(m)
 
