@@ -25,10 +25,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import Caches, random_prompt  # noqa: E402
 from hf_reference import tiny_text_config  # noqa: E402
+from test_kda_low_rank import DecodeState, err  # noqa: E402
 
 from hylo.ops import kda as kda_ops  # noqa: E402
 from hylo.ops.fp8 import quantize_fp8_blocks  # noqa: E402
-from hylo.ops.kda import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm, recurrent, reference  # noqa: E402
+from hylo.ops.kda import KDAInputs, LowRank, recurrent, reference  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
@@ -37,32 +38,16 @@ pytestmark = [
 
 RATIO = 3e-6
 RATIO_BF16 = 2**-6
-SLOTS = [5, 0, 3]
 
 
-def err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
-
-
-class Step:
-    """A decode step of `batch` sequences (slots 5, 0, 3) of a layer of `h` heads of size d whose β logits
-    are `LowRank(x, W_b)` with x of `hidden` columns; with `fp8_gates` its f and norm gate are rank-d
-    factors with e4m3 projections (as the FP8 layer gives them), else dense tensors."""
+class Step(DecodeState):
+    """A decode step whose β logits are `LowRank(x, W_b)` with x of `hidden` columns; with `fp8_gates` its f
+    and norm gate are rank-d factors with e4m3 projections (as the FP8 layer gives them), else dense
+    tensors."""
 
     def __init__(self, seed: int, dtype, hidden: int, h: int, d: int, batch: int, fp8_gates: bool):
-        gen = torch.Generator().manual_seed(seed)
-        self.randn = lambda *shape, dtype=dtype: torch.randn(*shape, generator=gen).to(dtype)
-        self.h, self.d, self.batch = h, d, batch
+        super().__init__(seed, dtype, h, d, batch)
         hd = h * d
-        self.params = KDAParams(
-            self.randn(3 * hd, 4, dtype=torch.float32) * 0.5,
-            self.randn(hd, dtype=torch.float32),
-            self.randn(h, dtype=torch.float32) * 0.5,
-            -5.0,
-        )
-        self.conv_pool = self.randn(7, 3, 3 * hd)
-        self.state_pool = self.randn(7, h, d, d, dtype=torch.float32) * 0.3
         self.q, self.k, self.v = self.randn(batch, 3 * hd).split([hd] * 3, dim=-1)
         # logits of order 1, where σ is steepest: x @ W_bᵀ with W_b ~ hidden^-1/2
         self.b = LowRank(
@@ -76,15 +61,12 @@ class Step:
             )
         else:
             self.f, self.gate = self.randn(batch, hd), self.randn(batch, h, d)
-        self.norm_weight = self.randn(d)
 
     def run(self, decode, dense_b: bool = False):
         """(o, conv pool, state pool) after `decode` of this step, with b multiplied out first when
         `dense_b`."""
-        slots = KDASlots(self.conv_pool.clone(), self.state_pool.clone(), torch.tensor(SLOTS[: self.batch]))
         x = KDAInputs(self.q, self.k, self.v, self.f, self.b.dense() if dense_b else self.b)
-        o = decode(x, self.params, slots, OutputNorm(self.gate, self.norm_weight, 1e-5))
-        return o, slots.conv_pool, slots.state_pool
+        return self.step(decode, x, self.gate)
 
 
 @pytest.mark.parametrize(

@@ -35,12 +35,12 @@ def err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
 
-class Step:
-    """A decode step of `batch` sequences (slots 5, 0, 3) of a layer of `h` heads of size d, whose gate and
-    norm gate are rank-`rank` factors; `fp8`: the projections e4m3 with block scales (N = h·d spans
-    several 128-row blocks when h·d > 128)."""
+class DecodeState:
+    """What a KDA decode step of `batch` sequences (slots 5, 0, 3) of a layer of `h` heads of size d runs on
+    beside its inputs: the layer's parameters, its conv and state pools and the output norm's weight;
+    `randn` draws in `dtype` from the seeded generator."""
 
-    def __init__(self, seed: int, dtype, fp8: bool, h: int = 3, d: int = 64, rank: int = 48, batch: int = 3):
+    def __init__(self, seed: int, dtype, h: int, d: int, batch: int):
         gen = torch.Generator().manual_seed(seed)
         self.randn = lambda *shape, dtype=dtype: torch.randn(*shape, generator=gen).to(dtype)
         self.h, self.d, self.batch = h, d, batch
@@ -53,13 +53,31 @@ class Step:
         )
         self.conv_pool = self.randn(7, 3, 3 * hd)
         self.state_pool = self.randn(7, h, d, d, dtype=torch.float32) * 0.3
+        self.norm_weight = self.randn(d)
+
+    def step(self, decode, x: KDAInputs, gate) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(o, conv pool, state pool) after `decode` of inputs `x` with the norm's `gate`, on copies of
+        the pools."""
+        slots = KDASlots(
+            self.conv_pool.clone(), self.state_pool.clone(), torch.tensor([5, 0, 3][: self.batch])
+        )
+        o = decode(x, self.params, slots, OutputNorm(gate, self.norm_weight, 1e-5))
+        return o, slots.conv_pool, slots.state_pool
+
+
+class Step(DecodeState):
+    """A decode step whose gate and norm gate are rank-`rank` factors; `fp8`: the projections e4m3 with
+    block scales (N = h·d spans several 128-row blocks when h·d > 128)."""
+
+    def __init__(self, seed: int, dtype, fp8: bool, h: int = 3, d: int = 64, rank: int = 48, batch: int = 3):
+        super().__init__(seed, dtype, h, d, batch)
+        hd = h * d
         qkvb = self.randn(batch, 3 * hd + h)
         self.q, self.k, self.v, self.b = qkvb.split([hd] * 3 + [h], dim=-1)
         # f_a | g_a of one projection, as the layer's fg_a_proj gives them: views with its row stride
         self.f_a, self.g_a = self.randn(batch, 2 * rank).split([rank, rank], dim=-1)
         self.f = self.factor(self.f_a, fp8, scale=rank**-0.5)
         self.gate = self.factor(self.g_a, fp8, scale=rank**-0.5)
-        self.norm_weight = self.randn(d)
 
     def factor(self, a: torch.Tensor, fp8: bool, scale: float) -> LowRank:
         weight = self.randn(self.h * self.d, a.shape[1], dtype=torch.float32) * scale
@@ -72,12 +90,7 @@ class Step:
         when `dense`."""
         f, gate = (self.f.dense(), self.gate.dense().view(self.batch, self.h, self.d)) if dense else (
             self.f, self.gate)  # fmt: skip
-        slots = KDASlots(
-            self.conv_pool.clone(), self.state_pool.clone(), torch.tensor([5, 0, 3][: self.batch])
-        )
-        x = KDAInputs(self.q, self.k, self.v, f, self.b)
-        o = decode(x, self.params, slots, OutputNorm(gate, self.norm_weight, 1e-5))
-        return o, slots.conv_pool, slots.state_pool
+        return self.step(decode, KDAInputs(self.q, self.k, self.v, f, self.b), gate)
 
 
 @pytest.mark.parametrize(
