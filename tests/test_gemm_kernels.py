@@ -190,8 +190,9 @@ def test_heuristic_config_spreads_a_small_m_product_over_the_sms(rows, n, k, til
 
 def test_a_captured_product_without_an_entry_runs_the_heuristic_configuration_or_cublas(monkeypatch):
     """Under graph capture, a shape the GPU's table lacks: an e4m3 weight (not on the CUDA GEMV here)
-    and a narrow bf16 one (`NARROW_MAX_N` columns or fewer) take `heuristic_config`, a wider bf16 one
-    cuBLAS; every result is the reference product."""
+    and the dense part of an FP8 FusedLinear (bf16, `NARROW_MAX_N` columns or fewer) take
+    `heuristic_config`; a wider dense part, and a narrow bf16 product of a bf16 model, cuBLAS (as
+    eagerly: a bf16 model's graphs give its eager tokens); every result is the reference product."""
     configs = []
     original = kernels.gemm
 
@@ -212,11 +213,12 @@ def test_a_captured_product_without_an_entry_runs_the_heuristic_configuration_or
     torch.testing.assert_close(gemm.linear(x, fp8, scale), x @ exact.t(), rtol=1e-5, atol=1e-5)
     assert configs == [table.heuristic_config(3, 1024, 256, gemm.INTERPRETER_SMS)]
     narrow = torch.randn(table.NARROW_MAX_N, 256, generator=gen)
-    torch.testing.assert_close(gemm.linear(x, narrow), x @ narrow.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gemm.linear(x, narrow, dense_part=True), x @ narrow.t(), rtol=1e-5, atol=1e-4)
     assert configs[1:] == [table.heuristic_config(3, table.NARROW_MAX_N, 256, gemm.INTERPRETER_SMS)]
     wide = torch.randn(table.NARROW_MAX_N + 16, 256, generator=gen)
-    torch.testing.assert_close(gemm.linear(x, wide), x @ wide.t(), rtol=1e-5, atol=1e-4)
-    assert len(configs) == 2  # cuBLAS
+    torch.testing.assert_close(gemm.linear(x, wide, dense_part=True), x @ wide.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gemm.linear(x, narrow), x @ narrow.t(), rtol=1e-5, atol=1e-4)
+    assert len(configs) == 2  # cuBLAS for both
 
 
 def test_linear_layer_keeps_nn_linear_contract():

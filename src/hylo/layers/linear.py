@@ -120,7 +120,7 @@ class FusedLinear(Linear):
         and its GEMM does not run (without a `dense_weight` that changes nothing)."""
         products = {"weight": linear(x, self.weight, self.weight_scale_inv)}
         if dense and self.dense_weight is not None:
-            products["dense_weight"] = linear(x, self.dense_weight)
+            products["dense_weight"] = linear(x, self.dense_weight, dense_part=True)
         return tuple(
             products[param][..., lo:hi] if param in products else None
             for param, lo, hi in self._placement.values()

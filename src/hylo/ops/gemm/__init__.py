@@ -13,9 +13,11 @@
   was tuned under graph replay, where it wins by up to 28% per GEMM; launched eagerly, Triton's
   host-side launch cost (about 60 us per split-K GEMM measured in an 8-layer decode on the H200) is
   far above that gain, so eager bf16 steps stay on cuBLAS.
-- A bf16 product of a few rows and at most `NARROW_MAX_N` columns that the table lacks, while a graph
-  is captured (the dense parts of FP8 `FusedLinear`s): the Triton kernel with `fallback_config`,
-  5-17% faster than cuBLAS there on the H100 (RESULTS S30-4; both launch twice: a K split and its sum).
+- The dense part of an FP8 `FusedLinear` (`dense_part=True`: a bf16 product of a few rows and at most
+  `NARROW_MAX_N` columns) that the table lacks, while a graph is captured: the Triton kernel with
+  `fallback_config`, 5-17% faster than cuBLAS there on the H100 (RESULTS S30-4; both launch twice: a K
+  split and its sum). Only there: a bf16 model's own narrow products stay on cuBLAS under capture as
+  eagerly, so that its graphs give its eager steps' tokens.
 - Other bf16 products: `torch.nn.functional.linear` (cuBLAS).
 - Other FP8 products: cuBLAS's block-scaled FP8 matmul (`kernels.scaled_mm`) from `SCALED_MM_MIN_ROWS`
   rows where it takes the shape (`kernels.scaled_mm_refusal` says why not), else the Triton kernel
@@ -84,7 +86,9 @@ def _announce_small_m_fp8(device: torch.device) -> None:
     )  # fmt: skip
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, dense_part: bool = False
+) -> torch.Tensor:
     n, k = weight.shape
     rows = x.numel() // x.shape[-1]
     if not use_kernel("gemm.linear", x):
@@ -102,7 +106,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None
             return gemv_cuda.gemv(flat, weight, scale_inv).view(*x.shape[:-1], n)
     if torch.cuda.is_current_stream_capturing():
         config = lookup(_gpu_name(x.device.index or 0), rows, n, k, fp8=scale_inv is not None)
-        if config is None and scale_inv is None and n <= NARROW_MAX_N and rows <= M_BUCKETS[-1]:
+        narrow = dense_part and scale_inv is None and n <= NARROW_MAX_N and rows <= M_BUCKETS[-1]
+        if config is None and narrow:
             config = fallback_config(rows, n, k, x.device)
         if config is not None:
             return kernels.gemm(flat, weight, config, scale_inv).view(*x.shape[:-1], n)
