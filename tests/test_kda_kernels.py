@@ -129,6 +129,37 @@ def test_prefill_matches_reference(lens, dtype, h, d, seed, tuning):
     check_pools(conv, state, conv_ref, state_ref, slots.tolist(), ratio)
 
 
+def test_recurrence_locates_sequences_past_one_tile_of_offsets(monkeypatch):
+    """The recurrence sums the chunks of the sequences before its own `SEQ_TILE` offsets at a time (no
+    constexpr follows the sequence count, so one compiled kernel serves every batch): with 2-offset
+    tiles, the third and fourth sequences' first chunks come from two loop steps, one of them past a
+    two-chunk sequence; a batch of one sequence launches it with the same constexprs."""
+    monkeypatch.setattr(chunk, "SEQ_TILE", 2)
+    launches, kernel = [], chunk._recur_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(chunk, "_recur_kernel", Recorded())
+    p = Problem(4, h=1, d=16, dtype=torch.float32)
+    lens = [3, 70, 2, 5]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    x = KDAInputs(*p.inputs(cu[-1]))
+    slots = torch.randperm(7, generator=p.gen)[: len(lens)]
+    conv_ref, state_ref = p.pools()
+    o_ref = reference.prefill(x, p.params(), KDASlots(conv_ref, state_ref, slots), None, cu)
+    conv, state = p.pools()
+    o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), torch.tensor(cu, dtype=torch.int32), cu)
+    assert err(o, o_ref) < RATIO
+    check_pools(conv, state, conv_ref, state_ref, slots.tolist())
+    one = KDASlots(*p.pools(), slots[:1])
+    chunk.prefill(KDAInputs(*p.inputs(5)), p.params(), one, torch.tensor([0, 5], dtype=torch.int32), [0, 5])
+    assert len(launches) == 2 and launches[0] == launches[1]
+
+
 # Compiles the first prefill launch for sm_90 as the GPU does (fast sigmoid on: the interpreter cannot run
 # inline PTX) in a fresh interpreter-free process; prints whether a cubin came out, whether the PTX holds
 # the fast reciprocal, and how many fp32 divisions it keeps.

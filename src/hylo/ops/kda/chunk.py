@@ -42,6 +42,7 @@ from hylo.ops.kda.reference import CHUNK_TOKENS, ChunkSnapshots, KDAInputs, KDAP
 
 BT = CHUNK_TOKENS  # chunk length
 BC = 16  # sub-block of rows in the Gram pass
+SEQ_TILE = 64  # sequence offsets the recurrence sums per loop step (locating its sequence's first chunk)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -560,7 +561,6 @@ def _recur_kernel(
     pool_stride,
     slot_ids,
     cu,
-    n_seq,
     snap_ids,
     snap_state,
     snap_stride,
@@ -573,7 +573,7 @@ def _recur_kernel(
     D: tl.constexpr,
     BV: tl.constexpr,
     BT: tl.constexpr,
-    BLOCK_B: tl.constexpr,
+    SEQ_TILE: tl.constexpr,
     FOR_LOOP: tl.constexpr,
     STAGES: tl.constexpr,
     SNAPSHOTS: tl.constexpr,
@@ -586,12 +586,18 @@ def _recur_kernel(
     chunk whose packed index has a snapshot id in `snap_ids` (-1: none) it leaves S and the conv window
     there (`_snapshot_after`)."""
     iv, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs = tl.arange(0, BLOCK_B)
-    lo = tl.load(cu + offs, mask=offs < n_seq, other=0)
-    hi = tl.load(cu + offs + 1, mask=offs < n_seq, other=0)
-    first = tl.sum(tl.where(offs < seq, (hi - lo + BT - 1) // BT, 0), 0)
-    bos = tl.sum(tl.where(offs == seq, lo, 0), 0)
-    eos = tl.sum(tl.where(offs == seq, hi, 0), 0)
+    # the chunks of the sequences before this one, SEQ_TILE offsets at a time: no constexpr depends on
+    # the step's sequence count, so one compiled kernel serves every batch (a warm-up cannot reach them all)
+    first = tl.full([], 0, tl.int64)
+    start = 0
+    while start < seq:
+        offs = start + tl.arange(0, SEQ_TILE)
+        lo = tl.load(cu + offs, mask=offs < seq, other=0).to(tl.int64)
+        hi = tl.load(cu + offs + 1, mask=offs < seq, other=0).to(tl.int64)
+        first += tl.sum((hi - lo + BT - 1) // BT, 0)
+        start += SEQ_TILE
+    bos = tl.load(cu + seq).to(tl.int64)
+    eos = tl.load(cu + seq + 1).to(tl.int64)
     slot = tl.load(slot_ids + seq).to(tl.int64)
     rk = tl.arange(0, D)
     rv = iv * BV + tl.arange(0, BV)
@@ -847,13 +853,12 @@ def recur(
         state_pool.stride(0),
         slot_ids,
         cu_seqlens,
-        n_seq,
         *snap,
         H=h,
         D=d,
         BV=bv,
         BT=BT,
-        BLOCK_B=triton.next_power_of_2(n_seq + 1),
+        SEQ_TILE=SEQ_TILE,
         FOR_LOOP=not _INTERPRET,
         STAGES=stages,
         SNAPSHOTS=snapshots is not None,
