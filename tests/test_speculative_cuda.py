@@ -142,6 +142,32 @@ def test_verify_steps_read_once_and_match_eager_steps(checkpoints, algorithm, sa
     assert len(reads) >= 9 and all(n == 1 for n in reads), reads
 
 
+def test_greedy_speculative_tokens_are_plain_decodings(checkpoints):
+    """Greedy DFlash and MTP engines (eager verify steps) give plain decoding's tokens: the KDA block
+    verify (T tokens in one chunk) agrees with the decode step's recurrence closely enough that no argmax
+    moves. With its tl.dot in plain tf32 two of these five prompts parted on an H100 (RESULTS S31-2)."""
+    target, draft = checkpoints
+    plain = LLM(
+        str(target), device="cuda", dtype="bfloat16", load_format="dummy", page_size=16, context_length=256,
+        max_running_requests=4, disable_cuda_graph=True, mem_fraction_static=cache_fraction(),
+    )  # fmt: skip
+    prompts = [
+        random_prompt(n, VOCAB, seed=s) for n, s in ((16, 70), (32, 71), (64, 72), (48, 73), (100, 74))
+    ]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [
+        o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    ]
+    for algorithm in ("dflash", "mtp"):
+        llm = make_llm(
+            target, algorithm, draft, mem_fraction_static=cache_fraction(), disable_cuda_graph=True,
+            target=plain.engine.model,
+        )  # fmt: skip
+        got = [llm.generate(prompt_token_ids=[p], sampling_params=params, use_tqdm=False)[0] for p in prompts]
+        assert [o.token_ids for o in got] == want, algorithm
+        llm.close()
+
+
 def test_one_read_keeps_results_of_one_shape_apart():
     """A step reads the sampled tokens and a verify step's accepted counts together; of one shape and
     dtype, each still gets its own pinned buffer."""
