@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (every timed closure runs before its loop variables move on)
 """The KDA block verify's time by its `tl.dot` precision (`recurrent.VERIFY_PRECISION`) at GLM-5.3-Flash's
 KDA shapes (d = 128; 64 heads at TP1, 16 at TP4, 8 at TP8), the kernel alone under graph replay.
 
