@@ -12,7 +12,8 @@ pays). `--variants` picks some (in order) and `--cache-root` keeps the caches wh
 finds them: `--variants warm-up --cache-root D`, then `--variants restart --cache-root D`. A child
 reports its start-up seconds (the `LLM(...)` call: load, graphs, warm-up) and the warm-up's own
 seconds, then, in this order, each as a first request and then repeated with other
-random tokens of the same lengths:
+random tokens of the same lengths, with the Triton kernels each pair compiled (`compiled`: what the
+warm-up missed):
 - a batch of `--batch` short prompts (lengths 32-256, seeded) decoding `--decode` tokens each,
   submitted at once: output tokens/s;
 - one prompt of each of `--prompt-lens` tokens (those the context holds): TTFT.
@@ -66,17 +67,40 @@ def child(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     llm = LLM(**kwargs)
     out = {"startup_s": time.perf_counter() - start, "warmup_s": llm.engine.memory_report["warmup_seconds"]}
+    compiled = CompileLog()
     engine, gen = llm.engine, torch.Generator().manual_seed(0)
     vocab = engine.model.config.vocab_size
     lengths = torch.randint(SHORT[0], SHORT[1] + 1, (args.batch,), generator=gen).tolist()
     rates = [served(engine, [random(n, vocab, gen) for n in lengths], args.decode) for _ in range(2)]
     out["batch"] = figures([sum(len(r.output_ids) for r in reqs) / s for reqs, s in rates], higher=True)
+    out["batch"]["compiled"] = compiled.take()
     for n in args.prompt_lens:
         if n + 1 >= engine.context_len:
             continue
         ttfts = [ttft(served(engine, [random(n, vocab, gen)], 1)[0][0]) for _ in range(2)]
         out[f"prompt_{n}"] = figures([t * 1e3 for t in ttfts], higher=False)
+        out[f"prompt_{n}"]["compiled"] = compiled.take()
     return out
+
+
+class CompileLog:
+    """The Triton kernels compiled in this process from its making on (Triton's post-compile hook: a kernel
+    loaded from the disk cache counts too, as it also costs its first launch); `take()` returns the
+    names compiled since the last call. What a first request compiled is what the warm-up missed."""
+
+    def __init__(self):
+        import triton
+
+        self.names: list[str] = []
+        triton.knobs.runtime.jit_post_compile_hook = self.hook
+
+    def hook(self, *, fn, **_) -> bool:
+        self.names.append(fn.name)
+        return False
+
+    def take(self) -> list[str]:
+        names, self.names = self.names, []
+        return names
 
 
 def random(n: int, vocab: int, gen: torch.Generator) -> list[int]:
