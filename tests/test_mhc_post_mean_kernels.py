@@ -46,3 +46,29 @@ def test_the_dispatcher_sends_cuda_calls_to_the_kernel(monkeypatch):
     case = post_case(3, 64, seed=1, dtype=torch.float32)
     assert torch.equal(mhc_ops.mhc_post_mean(*case), kernels.mhc_post_mean(*case))
     assert calls == ["post_mean"]
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_post_mean_of_chosen_tokens_reads_them_through_the_index(index_dtype):
+    """`rows` (the tokens whose logits a step wants: repeated, out of order, fewer than the tokens and
+    in more than one row block) gives the full mean's rows, bit for bit, in the index's order; the
+    reference's too."""
+    case = post_case(21, 40, seed=7, dtype=torch.float32)
+    rows = torch.tensor([20, 3, 3, 0, 17, 9, 11, 2, 5, 14, 19, 1, 8, 6, 4, 13, 16, 20], dtype=index_dtype)
+    full = kernels.mhc_post_mean(*case, block_k=16)
+    got = kernels.mhc_post_mean(*case, rows, block_k=16)
+    assert got.shape == (rows.shape[0], 40) and torch.equal(got, full[rows])
+    assert torch.equal(reference.mhc_post_mean(*case, rows), reference.mhc_post_mean(*case)[rows])
+
+
+def test_the_dispatcher_takes_a_one_dimensional_integer_index(monkeypatch):
+    """A 1-D int index goes to the kernel with the call; a 2-D or float one is refused (by name)."""
+    calls = []
+    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None: True)
+    monkeypatch.setattr(kernels, "mhc_post_mean", lambda *a, **k: calls.append(a))
+    case = post_case(3, 64, seed=1, dtype=torch.float32)
+    rows = torch.tensor([0, 2])
+    mhc_ops.mhc_post_mean(*case, rows)
+    assert len(calls) == 1 and calls[0][4] is rows
+    for bad in (rows[None], rows.float()):
+        assert "rows must be a 1-D int32 or int64 index" in mhc_ops.rows_refusal(bad, case[1])

@@ -29,6 +29,14 @@ class VocabEmbedding(nn.Embedding):
         x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
         return self.parallel.all_reduce(x.masked_fill(outside[..., None], 0))
 
+    def streams(self, ids: torch.Tensor, copies: int) -> torch.Tensor:
+        """`forward(ids)` repeated `copies` times per token, `[T, copies, hidden]` contiguous (an mHC
+        model's first residual streams): on one rank a single gather from the weight viewed `copies`
+        times (no embedding then copy), elsewhere the embedding expanded."""
+        if self.parallel.size == 1:
+            return self.weight[:, None, :].expand(-1, copies, -1)[ids].contiguous()
+        return self(ids)[:, None, :].expand(-1, copies, -1).contiguous()
+
 
 class VocabHead(nn.Module):
     """The output projection over this rank's vocabulary rows. `forward` returns every rank the full

@@ -121,8 +121,7 @@ class Glm5NextForCausalLM(nn.Module):
         """Runs the batch's new tokens through every layer, updating the caches; returns the logits
         of the tokens the batch asks for, the features of `capture_layers` and what the KDA layers'
         verify kept (`ForwardOutput`)."""
-        x = self.embed_tokens(batch.input_ids)
-        streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
+        streams = self.embed_tokens.streams(batch.input_ids, self.config.hc_mult)
         rows, pending = None, None
         captured, records = [], {}
         last = len(self.layers) - 1
@@ -130,8 +129,9 @@ class Glm5NextForCausalLM(nn.Module):
             streams, rows, pending, record = layer(streams, batch, rows, pending)
             if record is not None:
                 records[i] = record
-            if i == last:  # only the streams' mean is read after the last layer
-                mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb)
+            if i == last:  # only the streams' mean is read after the last layer, of the logits' tokens
+                wanted = None if i in capture_layers else batch.logits_index
+                mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb, wanted)
             elif i in capture_layers:  # these need the streams complete
                 streams, pending = mhc_post(pending.out, streams, pending.post, pending.comb), None
                 mean = streams.mean(dim=1)
@@ -140,7 +140,7 @@ class Glm5NextForCausalLM(nn.Module):
         features = None
         if capture_layers:
             features = captured[0] if len(captured) == 1 else torch.cat(captured, dim=-1)
-        hidden = self.norm(mean[batch.logits_index])
+        hidden = self.norm(mean if last not in capture_layers else mean[batch.logits_index])
         return ForwardOutput(self.lm_head(hidden).float(), features, records)
 
     @torch.inference_mode()

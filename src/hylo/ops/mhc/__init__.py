@@ -26,6 +26,7 @@ __all__ = [
     "mhc_post_mean",
     "mhc_pre",
     "refusal",
+    "rows_refusal",
     "streams_refusal",
 ]
 
@@ -76,14 +77,28 @@ def mhc_post(
 
 
 def mhc_post_mean(
-    out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    out: torch.Tensor,
+    streams: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The new streams' mean `[T, D]`; see `reference.mhc_post_mean`."""
-    if _use_kernels("post_mean", streams):
+    """The new streams' mean `[T, D]`, or of the tokens `rows` alone `[R, D]` (read through the index
+    inside the launch: no gather before or after it); see `reference.mhc_post_mean`."""
+    if _use_kernels("post_mean", streams) and rows_refusal(rows, streams) is None:
         from hylo.ops.mhc import kernels
 
-        return kernels.mhc_post_mean(out, streams, post, comb)
-    return reference.mhc_post_mean(out, streams, post, comb)
+        return kernels.mhc_post_mean(out, streams, post, comb, rows)
+    return reference.mhc_post_mean(out, streams, post, comb, rows)
+
+
+def rows_refusal(rows: torch.Tensor | None, streams: torch.Tensor) -> str | None:
+    """Why the post-mean kernel cannot read the tokens `rows` of `streams`, or None."""
+    if rows is None:
+        return None
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != streams.device:
+        return "rows must be a 1-D int32 or int64 index on the streams' device"
+    return None
 
 
 def mhc_enter(

@@ -410,12 +410,17 @@ def _finish_collapse_kernel(
 
 
 @triton.jit
-def _posted(out, streams, post, comb, M, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """This program's tokens `rows` and dims `d` (`BM·pid(0)`, `BK·pid(1)` on), their mask, and the four new
-    streams post·out + combᵀ·streams there, each rounded to the streams' dtype."""
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+def _posted(
+    out, streams, post, comb, M, index, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    INDEXED: tl.constexpr,
+):  # fmt: skip
+    """This program's result rows `tile` and dims `d` (`BM·pid(0)`, `BK·pid(1)` on), their mask, and the
+    four new streams post·out + combᵀ·streams there, each rounded to the streams' dtype: of the tokens
+    `index[tile]` when INDEXED, else of the tokens `tile`."""
+    tile = tl.program_id(0) * BM + tl.arange(0, BM)
     d = tl.program_id(1) * BK + tl.arange(0, BK)
-    rmask = rows < M
+    rmask = tile < M
+    rows = tl.load(index + tile, mask=rmask, other=0).to(tl.int64) if INDEXED else tile
     mask = rmask[:, None] & (d < D)[None, :]
     ptr = rows[:, None].to(tl.int64) * (4 * D) + d[None, :]
     o = tl.load(out + rows[:, None].to(tl.int64) * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -429,7 +434,7 @@ def _posted(out, streams, post, comb, M, D: tl.constexpr, BM: tl.constexpr, BK: 
     n1 = _expand(o, s0, s1, s2, s3, w1, dtype)
     n2 = _expand(o, s0, s1, s2, s3, w2, dtype)
     n3 = _expand(o, s0, s1, s2, s3, w3, dtype)
-    return rows, d, mask, n0, n1, n2, n3
+    return tile, d, mask, n0, n1, n2, n3
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -440,11 +445,13 @@ def _post_kernel(
     comb,
     new_streams,
     M,
+    index,
     D: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
+    INDEXED: tl.constexpr,
 ):
-    rows, d, mask, n0, n1, n2, n3 = _posted(out, streams, post, comb, M, D, BM, BK)
+    rows, d, mask, n0, n1, n2, n3 = _posted(out, streams, post, comb, M, index, D, BM, BK, INDEXED)
     ptr = new_streams + rows[:, None].to(tl.int64) * (4 * D) + d[None, :]
     tl.store(ptr, n0, mask=mask)
     tl.store(ptr + D, n1, mask=mask)
@@ -460,13 +467,15 @@ def _post_mean_kernel(
     comb,
     mean,
     M,
+    index,
     D: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
+    INDEXED: tl.constexpr,
 ):
     """`_post_kernel`'s new streams, as it stores them, summed in fp32 in stream order and divided by 4
-    (torch's mean of the stored streams), one row per token."""
-    rows, d, mask, n0, n1, n2, n3 = _posted(out, streams, post, comb, M, D, BM, BK)
+    (torch's mean of the stored streams), one row per token (per `index` entry when INDEXED)."""
+    rows, d, mask, n0, n1, n2, n3 = _posted(out, streams, post, comb, M, index, D, BM, BK, INDEXED)
     total = n0.to(tl.float32) + n1.to(tl.float32) + n2.to(tl.float32) + n3.to(tl.float32)
     tl.store(mean + rows[:, None].to(tl.int64) * D + d[None, :], (total / 4).to(n0.dtype), mask=mask)
 
@@ -658,31 +667,38 @@ def mhc_post_mean(
     streams: torch.Tensor,
     post: torch.Tensor,
     comb: torch.Tensor,
+    rows: torch.Tensor | None = None,
     block_m: int = 16,
     block_k: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """See `reference.mhc_post_mean`: the new streams' mean `[T, D]` in one launch, `mhc_post`'s tiles
-    (equal to the reference where the fp32 sum of the four rounded streams is exact: always unless
-    their magnitudes differ by more than 2^16 in bf16)."""
-    mean = torch.empty(streams.shape[0], streams.shape[2], dtype=streams.dtype, device=streams.device)
-    _launch_post(_post_mean_kernel, PendingPost(out, post, comb), streams, mean, block_m, block_k, num_warps)
+    """See `reference.mhc_post_mean`: the new streams' mean `[T, D]` (of the tokens `rows` alone,
+    `[R, D]`, read through the index) in one launch, `mhc_post`'s tiles (equal to the reference where
+    the fp32 sum of the four rounded streams is exact: always unless their magnitudes differ by more
+    than 2^16 in bf16)."""
+    count = streams.shape[0] if rows is None else rows.shape[0]
+    mean = torch.empty(count, streams.shape[2], dtype=streams.dtype, device=streams.device)
+    pending = PendingPost(out, post, comb)
+    _launch_post(_post_mean_kernel, pending, streams, mean, block_m, block_k, num_warps, rows)
     return mean
 
 
 def _launch_post(
-    kernel, pending: PendingPost, streams: torch.Tensor, result: torch.Tensor, block_m, block_k, num_warps
-) -> None:
-    """`kernel` (`_post_kernel` or `_post_mean_kernel`) over `streams` and `pending`, into `result`."""
+    kernel, pending: PendingPost, streams: torch.Tensor, result: torch.Tensor, block_m, block_k, num_warps,
+    rows: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """`kernel` (`_post_kernel` or `_post_mean_kernel`) over `streams` and `pending`, into `result`: a
+    row of it per token, or per entry of `rows` (token indices)."""
     tokens, hidden = _check_streams(streams)
+    count = tokens if rows is None else rows.shape[0]
     if block_k is None:
-        block_k = 64 if tokens < PREFILL_PLAN_FROM else 128
+        block_k = 64 if count < PREFILL_PLAN_FROM else 128
     _check_pending(pending, tokens, hidden, streams)
-    if tokens == 0:
+    if count == 0:
         return
-    grid = (triton.cdiv(tokens, block_m), triton.cdiv(hidden, block_k))
+    grid = (triton.cdiv(count, block_m), triton.cdiv(hidden, block_k))
     out, post, comb = _mix_operands(pending)
     kernel[grid](
-        out, streams.contiguous(), post, comb, result, tokens, D=hidden, BM=block_m, BK=block_k,
-        num_warps=num_warps,
+        out, streams.contiguous(), post, comb, result, count, rows if rows is not None else post,
+        D=hidden, BM=block_m, BK=block_k, INDEXED=rows is not None, num_warps=num_warps,
     )  # fmt: skip

@@ -89,9 +89,17 @@ def mhc_post(
 
 
 def mhc_post_mean(
-    out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    out: torch.Tensor,
+    streams: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The mean over the new streams of `mhc_post` (`[T, D]`): what a model reads after its last block."""
+    """The mean over the new streams of `mhc_post` (`[T, D]`): what a model reads after its last block;
+    with `rows` (token indices `[R]`) only theirs, `[R, D]` in that order (the tokens whose logits a
+    step wants)."""
+    if rows is not None:
+        out, streams, post, comb = out[rows], streams[rows], post[rows], comb[rows]
     return mhc_post(out, streams, post, comb).mean(dim=1)
 
 
