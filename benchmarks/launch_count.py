@@ -23,7 +23,7 @@ innermost module running:
   `_local_scalar_dense` (a host read, reported apart: a graph cannot capture it).
 
 `--fp8`: the projections an FP8 checkpoint stores block-scaled are e4m3 (`load_model(fp8_projections=
-True)`), the rest as an FP8 checkpoint loads them (b_proj's rows, the dense part of `qkvb_proj`, stay bf16),
+True)`), the rest as an FP8 checkpoint loads them (b_proj's rows, the dense part of `in_proj`, stay bf16),
 and every `ops.gemm.linear` call counts as one launch (`gemm.linear_fp8` or `gemm.linear`), not as the
 CPU's dequantisation ops.
 
@@ -160,11 +160,11 @@ def projections_counted(launches: Launches, where: list[str], counter: _AtenCoun
     GPU's one GEMM) into `launches` at `where[-1]`, its CPU ops (an FP8 weight's dequantisation) unseen."""
     from hylo.ops import gemm
 
-    def counted(x, weight, scale_inv=None):
+    def counted(x, weight, scale_inv=None, dense_part=False):
         launches.counts[where[-1], "gemm", "gemm.linear_fp8" if scale_inv is not None else "gemm.linear"] += 1
         counter.paused += 1
         try:
-            return gemm.linear(x, weight, scale_inv)
+            return gemm.linear(x, weight, scale_inv, dense_part)
         finally:
             counter.paused -= 1
 

@@ -38,12 +38,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hylo.config import ModelConfig
+from hylo.layers.linear import FusedLinear
 from hylo.layers.moe import FP8Experts
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import build_model, build_mtp_layer, stored_block_scaled
 from hylo.models.mtp import MTPLayer, mtp_config
+from hylo.ops.fp8 import FP8_BLOCK
 from hylo.parallel.layout import Parallel
 
 DTYPE = torch.bfloat16
@@ -139,17 +141,47 @@ class TensorSize:
 
 
 def tensor_sizes(module: torch.nn.Module) -> dict[str, TensorSize]:
-    """Every parameter and buffer of `module`, once (a tied tensor under its first name)."""
+    """Every parameter and buffer of `module`, once (a tied tensor under its first name); a
+    `FusedLinear`'s tensors part by part (`fused_part_sizes`), since under tensor parallelism one may
+    hold parts split by head beside whole ones."""
     experts = {
         id(t) for sub in module.modules() if isinstance(sub, FP8Experts) for t in sub.buffers(recurse=False)
     }
     seen: set[int] = set()
     sizes = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, FusedLinear):
+            sizes |= fused_part_sizes(name, sub)
+            seen |= {id(t) for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if id(t) in seen:
             continue
         seen.add(id(t))
         sizes[name] = TensorSize(tuple(t.shape), t.numel() * t.element_size(), id(t) in experts)
+    return sizes
+
+
+def fused_part_sizes(name: str, module: FusedLinear) -> dict[str, TensorSize]:
+    """A `FusedLinear`'s bytes by checkpoint tensor (each part's rows, an FP8 part's block scales under
+    its key + `_scale_inv`, as `checkpoint_layout` names them) and the zero rows between FP8 parts
+    (`{name}.weight[padding]`, with their scale rows): together its tensors' bytes."""
+    k, keys = module.in_features, module.checkpoint_keys(name)
+    sizes, held = {}, 0
+    for part, (param, lo, hi) in module.rows().items():
+        element = getattr(module, param).element_size()
+        sizes[keys[part]] = TensorSize((hi - lo, k), (hi - lo) * k * element, False)
+        held += (hi - lo) * k * element
+        if param == "weight" and module.fp8:
+            scale = module.weight_scale_inv
+            blocks = (-(-(hi - lo) // FP8_BLOCK), scale.shape[1])
+            sizes[keys[part] + "_scale_inv"] = TensorSize(
+                blocks, blocks[0] * blocks[1] * scale.element_size(), False
+            )
+            held += blocks[0] * blocks[1] * scale.element_size()
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    padding = sum(t.numel() * t.element_size() for t in tensors) - held
+    if padding:
+        sizes[f"{name}.weight[padding]"] = TensorSize((padding,), padding, False)
     return sizes
 
 

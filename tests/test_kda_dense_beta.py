@@ -164,7 +164,7 @@ def layer_decode(model, monkeypatch, b_apart: bool) -> tuple[torch.Tensor, list[
     every projection product it ran), the decode's KDA ops on the Triton kernels (interpreted); with
     `b_apart` False the layer is made to take b from its projection's dense GEMM as before."""
     attention = model.layers[0].self_attn
-    assert attention.qkvb_proj.rows()["b_proj"] == ("dense_weight", 0, 4)
+    assert attention.in_proj.rows()["b_proj"] == ("dense_weight", 0, 4)
     caches = Caches(model, num_seqs=2, per_seq=32)
     prompts = [random_prompt(n, LAYER_CONFIG["vocab_size"], seed=n) for n in (5, 9)]
     caches.forward(model, [caches.chunk(i, p, 0) for i, p in enumerate(prompts)])
@@ -175,7 +175,9 @@ def layer_decode(model, monkeypatch, b_apart: bool) -> tuple[torch.Tensor, list[
         from hylo.layers import linear as linear_module
 
         weights, linear = [], linear_module.linear
-        patch.setattr(linear_module, "linear", lambda x, w, s=None: weights.append(w) or linear(x, w, s))
+        patch.setattr(
+            linear_module, "linear", lambda x, w, s=None, **kw: weights.append(w) or linear(x, w, s, **kw)
+        )
         outputs = []
         hook = attention.register_forward_hook(lambda m, args, out: outputs.append(out[0]))
         try:
@@ -190,7 +192,7 @@ def test_fp8_layer_decode_leaves_out_the_b_gemm(fp8_layer_model, monkeypatch):
     output of the layer that runs it, up to fp32 sum order (module docstring)."""
     fused, fused_weights = layer_decode(fp8_layer_model, monkeypatch, b_apart=True)
     unfused, unfused_weights = layer_decode(fp8_layer_model, monkeypatch, b_apart=False)
-    dense = fp8_layer_model.layers[0].self_attn.qkvb_proj.dense_weight
+    dense = fp8_layer_model.layers[0].self_attn.in_proj.dense_weight
     assert any(w is dense for w in unfused_weights)
     assert not any(w is dense for w in fused_weights)
     assert len(fused_weights) == len(unfused_weights) - 1

@@ -74,7 +74,7 @@ class Step(DecodeState):
         hd = h * d
         qkvb = self.randn(batch, 3 * hd + h)
         self.q, self.k, self.v, self.b = qkvb.split([hd] * 3 + [h], dim=-1)
-        # f_a | g_a of one projection, as the layer's fg_a_proj gives them: views with its row stride
+        # f_a | g_a of one projection, as the layer's in_proj gives them: views with its row stride
         self.f_a, self.g_a = self.randn(batch, 2 * rank).split([rank, rank], dim=-1)
         self.f = self.factor(self.f_a, fp8, scale=rank**-0.5)
         self.gate = self.factor(self.g_a, fp8, scale=rank**-0.5)

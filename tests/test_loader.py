@@ -257,12 +257,12 @@ def test_fp8_projections_stay_fp8_in_memory(tmp_path):
     dequantised = load(tmp_path / "fp8")
     resident = load_model(tmp_path / "fp8", dtype=torch.float32, progress=False, fp8_projections=True)
     kda, dsa = resident.layers[0].self_attn, resident.layers[1].self_attn
-    assert kda.qkvb_proj.weight.dtype == kda.o_proj.weight.dtype == torch.float8_e4m3fn
-    assert kda.qkvb_proj.rows() == {
-        "q_proj": ("weight", 0, 128), "k_proj": ("weight", 128, 256),
-        "v_proj": ("weight", 256, 384), "b_proj": ("dense_weight", 0, 4),
+    assert kda.in_proj.weight.dtype == kda.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert kda.in_proj.rows() == {
+        "q_proj": ("weight", 0, 128), "k_proj": ("weight", 128, 256), "v_proj": ("weight", 256, 384),
+        "f_a_proj": ("weight", 384, 416), "g_a_proj": ("weight", 512, 544), "b_proj": ("dense_weight", 0, 4),
     }  # fmt: skip
-    assert tuple(kda.qkvb_proj.weight_scale_inv.shape) == (3, 1)
+    assert tuple(kda.in_proj.weight_scale_inv.shape) == (5, 1)
     assert dsa.in_proj.rows()["q_a_proj"] == ("weight", 0, 48)
     assert not dsa.in_proj.weight[48:128].float().any()  # the rows between parts are zeros
     assert dsa.in_proj.rows()["indexer.wk"] == ("weight", 256, 272)
@@ -271,8 +271,8 @@ def test_fp8_projections_stay_fp8_in_memory(tmp_path):
     with safe_open(str(tmp_path / "fp8" / WEIGHTS), "pt") as f:
         key = "model.language_model.layers.0.self_attn.k_proj.weight"
         k_proj, k_scale = f.get_tensor(key), f.get_tensor(key + "_scale_inv")
-    assert torch.equal(kda.qkvb_proj.weight[128:256].view(torch.uint8), k_proj.view(torch.uint8))
-    assert torch.equal(kda.qkvb_proj.weight_scale_inv[1:2], k_scale)
+    assert torch.equal(kda.in_proj.weight[128:256].view(torch.uint8), k_proj.view(torch.uint8))
+    assert torch.equal(kda.in_proj.weight_scale_inv[1:2], k_scale)
     ids = random_prompt(37, 160, seed=9)
     torch.testing.assert_close(logits(resident, ids), logits(dequantised, ids), rtol=1e-5, atol=1e-5)
 
@@ -344,7 +344,7 @@ def test_loading_holds_the_weights_and_one_tensor_more(base, random_weights):
     weights = weight_bytes(model)
     assert meter.peak <= weights + largest_fp32_bytes(model) < 1.5 * weights
     kda = model.layers[0].self_attn
-    assert model.embed_tokens.weight.dtype == kda.qkvb_proj.weight.dtype == torch.bfloat16
+    assert model.embed_tokens.weight.dtype == kda.in_proj.weight.dtype == torch.bfloat16
     assert kda.A_log.dtype == kda.dt_bias.dtype == torch.float32  # kept fp32, as transformers does
 
 

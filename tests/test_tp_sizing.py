@@ -15,6 +15,7 @@ import sizing
 
 from hylo.config import ModelConfig
 from hylo.forward_batch import ForwardBatch, SequenceChunk
+from hylo.layers.linear import FusedLinear
 from hylo.memory.manager import CacheManager, MemoryPlan
 from hylo.memory.specs import TokenCacheSpec
 from hylo.memory.state import StateCache
@@ -24,6 +25,8 @@ from hylo.models.mtp import MTPLayer, mtp_config
 from hylo.models.random_init import randomize
 from hylo.parallel.layout import Parallel
 from hylo.parallel.sharding import expert_of
+
+FUSED = ("weight", "dense_weight", "weight_scale_inv")  # a FusedLinear's tensors
 
 FULL = sizing.full_config()
 GiB = 2**30
@@ -91,9 +94,13 @@ def test_split_tensors_are_the_ones_the_checkpoint_table_splits(ep):
         ("", sizing.build_target(config, parallel)),
         ("mtp.", sizing.build_mtp(config, parallel)),
     ):
+        fused = {
+            f"{name}.{p}" for name, m in module.named_modules() if isinstance(m, FusedLinear) for p in FUSED
+        }
         for key, slot in checkpoint_layout(module).items():
             if slot.shard is not None or (parallel.experts_by_expert and expert_of(key) is not None):
-                read_in_parts.add(prefix + slot.param)
+                # a FusedLinear's parts are sized by their checkpoint tensors (sizing.fused_part_sizes)
+                read_in_parts.add(prefix + (key if slot.param in fused else slot.param))
     assert split == read_in_parts
 
 

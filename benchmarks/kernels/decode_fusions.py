@@ -9,7 +9,7 @@ has them):
   cuBLAS), at batch 1 and 8, 64 heads (TP1) and 8 (a TP8 rank).
 - KDA decode of an FP8 checkpoint with β's logits computed in the step from the layer input and b_proj's
   bf16 rows (`LowRank(x, W_b)`) against b's bf16 GEMM launched first (`ops.gemm.linear`, as the layer's
-  `qkvb_proj` ran it), the FP8 f_b/g_b inside the launches in both.
+  `in_proj` ran it), the FP8 f_b/g_b inside the launches in both.
 - DFlash2's candidates, the top 8 of the draft head's bf16 rows: `ops.topk.top_k` (one launch) against
   `torch.topk`, 7 and 112 rows (c = 1 and 16, blocks of 8) of the demo's 8192 and GLM's 154880 tokens.
 

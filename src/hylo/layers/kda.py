@@ -15,7 +15,8 @@ from hylo.parallel.layout import SINGLE, Parallel
 
 class KDAAttention(nn.Module):
     """q|k|v projections, one depthwise causal conv over the three, safe-gated delta rule, gated norm.
-    The projections of the layer input run as two GEMMs (`qkvb_proj`, `fg_a_proj`).
+    The projections of the layer input run as one GEMM (`in_proj`; two in an FP8 checkpoint, whose
+    b_proj is stored unquantised, except in a decode step, which multiplies b's rows itself).
 
     `conv_weight [3·H·d, K]` is the checkpoint's q_conv1d, k_conv1d and v_conv1d stacked in that order.
     Under tensor parallelism H is this rank's heads: every per-head tensor (q/k/v, f_b, g_b, b, dt_bias,
@@ -29,12 +30,11 @@ class KDAAttention(nn.Module):
         h = parallel.part(config.linear_num_heads, "linear_num_heads")
         self.layer_idx, self.num_heads, self.head_dim, self.parallel = layer_idx, h, d, parallel
         self.lower_bound, self.eps = config.linear_lower_bound, config.rms_norm_eps
-        # q, k, v, b, f_a and g_a read the same input: two GEMMs, one of the per-head projections (split
-        # by head under tensor parallelism) and one of the replicated low-rank ones
-        self.qkvb_proj = FusedLinear(
-            hidden, (("q_proj", h * d), ("k_proj", h * d), ("v_proj", h * d), ("b_proj", h))
-        )
-        self.fg_a_proj = FusedLinear(hidden, (("f_a_proj", d), ("g_a_proj", d)))
+        # q, k, v, f_a, g_a and b read the same input: one GEMM. Under tensor parallelism each part is
+        # this rank's share of its checkpoint tensor (q, k, v and b split by head, f_a and g_a whole);
+        # f_a and g_a come before b so that their columns start 16-byte aligned whatever H is
+        parts = (("q_proj", h * d), ("k_proj", h * d), ("v_proj", h * d), ("f_a_proj", d), ("g_a_proj", d))
+        self.in_proj = FusedLinear(hidden, (*parts, ("b_proj", h)))
         self.conv_weight = nn.Parameter(
             torch.empty(3 * h * d, config.linear_conv_kernel_dim, dtype=torch.float32)
         )
@@ -58,8 +58,7 @@ class KDAAttention(nn.Module):
         plan, record = batch.kda, None
         if not batch.verify_seqs and not batch.snapshot_points and _single_tokens(plan.offsets()):
             return self._decode(x, batch), None
-        q, k, v, b = self.qkvb_proj(x)
-        f_a, g_a = self.fg_a_proj(x)
+        q, k, v, f_a, g_a, b = self.in_proj(x)
         qkvfb = kda_ops.KDAInputs(q, k, v, self.f_b_proj(f_a), b)
         norm = kda_ops.OutputNorm(self.g_b_proj(g_a).unflatten(-1, heads), self.o_norm.weight, self.eps)
         if not batch.verify_seqs and batch.snapshot_points:
@@ -89,13 +88,12 @@ class KDAAttention(nn.Module):
 
     def _decode(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """A decode step: f_b and g_b are multiplied inside the step and the output norm, which runs with
-        the step (two launches in all on CUDA), and so is b where it is `qkvb_proj`'s dense part (an FP8
+        the step (two launches in all on CUDA), and so is b where it is `in_proj`'s dense part (an FP8
         checkpoint's b_proj, one row a head: not whole [128, 128] blocks), whose GEMM is then not run."""
         b_rows = self._b_rows_apart()
-        q, k, v, b = self.qkvb_proj(x, dense=b_rows is None)
+        q, k, v, f_a, g_a, b = self.in_proj(x, dense=b_rows is None)
         if b_rows is not None:
             b = kda_ops.LowRank(x, b_rows)
-        f_a, g_a = self.fg_a_proj(x)
         f, gate = _low_rank(f_a, self.f_b_proj), _low_rank(g_a, self.g_b_proj)
         step = kda_ops.KDAInputs(q, k, v, f, b)
         norm = kda_ops.OutputNorm(gate, self.o_norm.weight, self.eps)
@@ -103,10 +101,10 @@ class KDAAttention(nn.Module):
         return self.parallel.all_reduce(self.o_proj(o.reshape(x.shape[0], -1)))
 
     def _b_rows_apart(self) -> torch.Tensor | None:
-        """`qkvb_proj.dense_weight` when it holds b_proj's rows alone (q, k, v in the e4m3 GEMM), else
-        None (b in the one GEMM, or beside another part that needs the dense GEMM anyway)."""
-        param, lo, hi = self.qkvb_proj.rows()["b_proj"]
-        dense = self.qkvb_proj.dense_weight
+        """`in_proj.dense_weight` when it holds b_proj's rows alone (the other parts in the e4m3 GEMM),
+        else None (b in the one GEMM, or beside another part that needs the dense GEMM anyway)."""
+        param, lo, hi = self.in_proj.rows()["b_proj"]
+        dense = self.in_proj.dense_weight
         return dense if param == "dense_weight" and hi - lo == dense.shape[0] else None
 
     def _finish(self, o: torch.Tensor, norm: kda_ops.OutputNorm, tokens: int) -> torch.Tensor:
