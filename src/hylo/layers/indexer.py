@@ -7,7 +7,6 @@ from torch import nn
 
 from hylo.config import ModelConfig
 from hylo.forward_batch import ForwardBatch
-from hylo.layers.linear import Linear
 from hylo.ops import indexer as indexer_ops
 
 
@@ -19,23 +18,22 @@ class Indexer(nn.Module):
         self.selection = indexer_ops.Selection(
             config.index_kpool, config.index_topk, config.index_kpool_always_select_tail
         )
-        self.wq_b = Linear(config.q_lora_rank, h * d)
-        # wk, weights_proj and index_kpool_compress_gate read the layer input: their rows are in the
-        # DSA layer's `in_proj`
+        # wq_b reads the DSA layer's normed q latent: its rows are in the layer's `q_b_proj`; wk,
+        # weights_proj and index_kpool_compress_gate read the layer input: their rows are in its `in_proj`
         self.k_norm = nn.LayerNorm(d, eps=1e-6)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(config.index_kpool, d))
 
     def forward(
         self,
-        q_resid: torch.Tensor,
+        query: torch.Tensor,
         batch: ForwardBatch,
         key: torch.Tensor,
         head_logits: torch.Tensor,
         gate_scores: torch.Tensor,
     ) -> torch.Tensor:
-        """Token-cache slots of the rows each query attends to, `[T, W]`, -1 for empty entries. `key`,
-        `head_logits` and `gate_scores` are the layer input's wk, weights_proj and k-pool compress gate
-        projections."""
+        """Token-cache slots of the rows each query attends to, `[T, W]`, -1 for empty entries. `query`
+        is the q latent's wq_b projection `[T, heads · head_dim]`; `key`, `head_logits` and `gate_scores`
+        the layer input's wk, weights_proj and k-pool compress gate projections."""
         cache = batch.tokens
         layer = cache.indexer_index[self.layer_idx]
         keys, gates = cache.index_key[layer], cache.index_gate[layer]
@@ -48,7 +46,7 @@ class Indexer(nn.Module):
 
         # HF scales the scores by d^-1/2 and the head weights by Hi^-1/2: constant positive factors of
         # every score, which change no choice of pools, so the projections go in as they are
-        q = self.wq_b(q_resid).unflatten(-1, (self.num_heads, self.head_dim))
+        q = query.unflatten(-1, (self.num_heads, self.head_dim))
         layout = indexer_ops.SlotLayout(
             batch.pool_table, batch.req_to_token, batch.token_seq, batch.token_rows, batch.positions,
             batch.pad_index, batch.pad_valid,

@@ -41,7 +41,12 @@ class SparseMLA(nn.Module):
             parts += [("indexer.wk", d), ("indexer.weights_proj", config.index_n_heads), (_GATE, d)]
         self.in_proj = FusedLinear(hidden, parts, bare=[_GATE] if full_indexer else ())
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = Linear(config.q_lora_rank, h * self.nope_dim)
+        # q_b and the indexer's query projection read the same normed q latent: one GEMM (q_b split by
+        # head under tensor parallelism, the indexer's whole)
+        q_parts = [("q_b_proj", h * self.nope_dim)]
+        if full_indexer:
+            q_parts.append(("indexer.wq_b", config.index_n_heads * config.index_head_dim))
+        self.q_b_proj = FusedLinear(config.q_lora_rank, q_parts)
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
         # absorbed into the queries and the output (read as a matrix): kept in the model dtype
         self.kv_b_proj = Linear(self.rank, h * (self.nope_dim + self.v_dim), quantizable=False)
@@ -60,14 +65,15 @@ class SparseMLA(nn.Module):
             _rows(kv_a, self.kv_a_layernorm),
             RowStore(latent, batch.new_slots),
         )
+        q, *index_query = self.q_b_proj(q_resid)
         if self.indexer is not None:
-            rows = self.indexer(q_resid, batch, *index_parts)
+            rows = self.indexer(*index_query, batch, *index_parts)
         elif rows is None:
             raise ValueError(f"layer {self.layer_idx} shares rows but no full indexer layer precedes it")
 
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
-        q = self.q_b_proj(q_resid).unflatten(-1, (self.num_heads, self.nope_dim))
+        q = q.unflatten(-1, (self.num_heads, self.nope_dim))
         out_latent = sparse_mla(torch.einsum("thd,hdr->thr", q, w_uk), latent, rows, self.scale)
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
         return self.parallel.all_reduce(self.o_proj(out.flatten(1))), rows
