@@ -1,13 +1,15 @@
 """The fused small kernels of a decode step on the GPU, in bf16 at GLM-5.3-Flash's shapes, against the
 torch references (bounds as in their interpreter tests: `test_activation_kernels`, `test_norm_kernels`,
-`test_sparse_kernels`), and captured in a CUDA graph whose replay equals the eager call bit for bit."""
+`test_sparse_kernels`), and captured in a CUDA graph whose replay equals the eager call bit for bit;
+the model's first streams and last post-mean (the launches around the layers)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hylo.ops import activation, indexer, norm
+from hylo.layers.vocab import VocabEmbedding
+from hylo.ops import activation, indexer, mhc, norm
 from hylo.ops.activation import kernels as activation_kernels
 from hylo.ops.activation import reference as activation_reference
 from hylo.ops.indexer import reference as indexer_reference
@@ -91,3 +93,29 @@ def test_indexer_store_tokens_bf16(tokens):
     replay = indexer.TokenKeys(caches[0].clone(), caches[1].clone())
     replayed(lambda: indexer.store_tokens(key, gate_scores, k_norm, replay, slots))
     assert torch.equal(replay.keys, got.keys) and torch.equal(replay.gates, got.gates)
+
+
+@pytest.mark.parametrize(("tokens", "rows"), [(8, [7, 0, 3]), (4096, [4095]), (16, list(range(16)))])
+def test_post_mean_of_the_logits_tokens_bf16(tokens, rows):
+    """The last block's post-mean of only the tokens whose logits a step wants (hidden 4096, bf16): the
+    full mean's rows bit for bit, through the dispatcher (the index read inside the launch), replayed."""
+    out, streams = randn(tokens, 4096, seed=tokens), randn(tokens, 4, 4096, seed=tokens + 1)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    post = 2 * torch.rand(tokens, 4, generator=gen, device="cuda")
+    comb = torch.rand(tokens, 4, 4, generator=gen, device="cuda")
+    index = torch.tensor(rows, device="cuda")
+    full = mhc.mhc_post_mean(out, streams, post, comb)
+    got = mhc.mhc_post_mean(out, streams, post, comb, index)
+    assert torch.equal(got, full[index])
+    assert torch.equal(replayed(lambda: mhc.mhc_post_mean(out, streams, post, comb, index)), got)
+
+
+def test_first_streams_are_the_embedding_repeated():
+    """`VocabEmbedding.streams` on the GPU: one contiguous `[T, 4, hidden]` tensor, each copy the
+    embedding of its token."""
+    embedding = VocabEmbedding(1000, 4096).cuda().bfloat16()
+    embedding.weight.data.copy_(randn(1000, 4096, seed=9))  # the layer leaves it uninitialised
+    ids = torch.tensor([5, 999, 5, 0], device="cuda")
+    streams = embedding.streams(ids, 4)
+    assert streams.is_contiguous() and streams.shape == (4, 4, 4096)
+    assert torch.equal(streams, embedding(ids)[:, None].expand(-1, 4, -1))
