@@ -113,7 +113,12 @@ def test_prefill_matches_reference(lens, dtype, h, d, seed, tuning):
     and in narrower ones (8-row conv blocks, so a chunk's first block holds only 8 rows, and the gate in
     four column blocks of which one also writes β, launched chunk after chunk), and 32-row conv blocks with
     one warp."""
-    p = Problem(seed, h=h, d=d, dtype=dtype)
+    check_prefill(Problem(seed, h=h, d=d, dtype=dtype), lens, tuning)
+
+
+def check_prefill(p: Problem, lens: list[int], tuning: dict) -> None:
+    """The chunked prefill of sequences of `lens` tokens into random slots against the reference: the
+    output and the pools, within the dtype's ratio."""
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
@@ -124,8 +129,8 @@ def test_prefill_matches_reference(lens, dtype, h, d, seed, tuning):
     conv, state = p.pools()
     cu_dev = torch.tensor(cu, dtype=torch.int32)
     o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), cu_dev, cu, **tuning)
-    ratio = RATIO if dtype == torch.float32 else RATIO_HALF
-    assert o.dtype == dtype and err(o, o_ref) < ratio
+    ratio = RATIO if p.dtype == torch.float32 else RATIO_HALF
+    assert o.dtype == p.dtype and err(o, o_ref) < ratio
     check_pools(conv, state, conv_ref, state_ref, slots.tolist(), ratio)
 
 
@@ -143,19 +148,8 @@ def test_recurrence_locates_sequences_past_one_tile_of_offsets(monkeypatch):
 
     monkeypatch.setattr(chunk, "_recur_kernel", Recorded())
     p = Problem(4, h=1, d=16, dtype=torch.float32)
-    lens = [3, 70, 2, 5]
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    x = KDAInputs(*p.inputs(cu[-1]))
-    slots = torch.randperm(7, generator=p.gen)[: len(lens)]
-    conv_ref, state_ref = p.pools()
-    o_ref = reference.prefill(x, p.params(), KDASlots(conv_ref, state_ref, slots), None, cu)
-    conv, state = p.pools()
-    o = chunk.prefill(x, p.params(), KDASlots(conv, state, slots), torch.tensor(cu, dtype=torch.int32), cu)
-    assert err(o, o_ref) < RATIO
-    check_pools(conv, state, conv_ref, state_ref, slots.tolist())
-    one = KDASlots(*p.pools(), slots[:1])
+    check_prefill(p, [3, 70, 2, 5], {})
+    one = KDASlots(*p.pools(), torch.tensor([0]))
     chunk.prefill(KDAInputs(*p.inputs(5)), p.params(), one, torch.tensor([0, 5], dtype=torch.int32), [0, 5])
     assert len(launches) == 2 and launches[0] == launches[1]
 

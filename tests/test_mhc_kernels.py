@@ -124,7 +124,7 @@ def test_post_is_the_exact_mix_rounded_once(dtype):
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
     """The dispatcher sends CPU tensors to the kernels (under the interpreter)."""
-    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None: True)
+    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None, rows=None: True)
     return monkeypatch
 
 
@@ -280,7 +280,7 @@ def test_model_with_kernels_matches_reference_path(tiny_model, monkeypatch, pref
         return tiny_model(batch).logits
 
     ref = run()
-    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None: True)
+    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None, rows=None: True)
     monkeypatch.setattr(kernels, "PREFILL_PLAN_FROM", prefill_plan_from)
     torch.testing.assert_close(run(), ref, rtol=1e-4, atol=1e-4)
 

@@ -42,7 +42,7 @@ def test_post_mean_is_the_mean_of_the_posted_streams(dtype, tokens, hidden, bloc
 
 def test_the_dispatcher_sends_cuda_calls_to_the_kernel(monkeypatch):
     calls = []
-    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None: calls.append(op) or True)
+    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, *_, **__: calls.append(op) or True)
     case = post_case(3, 64, seed=1, dtype=torch.float32)
     assert torch.equal(mhc_ops.mhc_post_mean(*case), kernels.mhc_post_mean(*case))
     assert calls == ["post_mean"]
@@ -64,7 +64,7 @@ def test_post_mean_of_chosen_tokens_reads_them_through_the_index(index_dtype):
 def test_the_dispatcher_takes_a_one_dimensional_integer_index(monkeypatch):
     """A 1-D int index goes to the kernel with the call; a 2-D or float one is refused (by name)."""
     calls = []
-    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None: True)
+    monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None, rows=None: True)
     monkeypatch.setattr(kernels, "mhc_post_mean", lambda *a, **k: calls.append(a))
     case = post_case(3, 64, seed=1, dtype=torch.float32)
     rows = torch.tensor([0, 2])

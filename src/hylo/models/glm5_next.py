@@ -125,13 +125,14 @@ class Glm5NextForCausalLM(nn.Module):
         rows, pending = None, None
         captured, records = [], {}
         last = len(self.layers) - 1
+        # the last layer's mean of the logits' tokens alone, unless its features are captured (all tokens)
+        logits_rows = None if last in capture_layers else batch.logits_index
         for i, layer in enumerate(self.layers):
             streams, rows, pending, record = layer(streams, batch, rows, pending)
             if record is not None:
                 records[i] = record
-            if i == last:  # only the streams' mean is read after the last layer, of the logits' tokens
-                wanted = None if i in capture_layers else batch.logits_index
-                mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb, wanted)
+            if i == last:  # only the streams' mean is read after the last layer
+                mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb, logits_rows)
             elif i in capture_layers:  # these need the streams complete
                 streams, pending = mhc_post(pending.out, streams, pending.post, pending.comb), None
                 mean = streams.mean(dim=1)
@@ -140,7 +141,7 @@ class Glm5NextForCausalLM(nn.Module):
         features = None
         if capture_layers:
             features = captured[0] if len(captured) == 1 else torch.cat(captured, dim=-1)
-        hidden = self.norm(mean if last not in capture_layers else mean[batch.logits_index])
+        hidden = self.norm(mean if logits_rows is not None else mean[batch.logits_index])
         return ForwardOutput(self.lm_head(hidden).float(), features, records)
 
     @torch.inference_mode()

@@ -38,9 +38,11 @@ def streams_refusal(hc_mult: int) -> str | None:
     return None
 
 
-def refusal(streams: torch.Tensor, norm: BlockNorm | None = None) -> str | None:
-    """Why the mHC kernels cannot take `streams [T, n, D]` (and normalise the block input with `norm`),
-    or None."""
+def refusal(
+    streams: torch.Tensor, norm: BlockNorm | None = None, rows: torch.Tensor | None = None
+) -> str | None:
+    """Why the mHC kernels cannot take `streams [T, n, D]` (and normalise the block input with `norm`,
+    or read the tokens `rows` alone), or None."""
     if streams.dim() != 3:
         return f"streams {tuple(streams.shape)}: the kernels take [tokens, streams, hidden]"
     if (reason := streams_refusal(streams.shape[1])) is not None:
@@ -49,11 +51,13 @@ def refusal(streams: torch.Tensor, norm: BlockNorm | None = None) -> str | None:
         return f"unsupported dtype {streams.dtype} (bf16, fp16 or fp32)"
     if norm is not None:
         return norm_refusal(streams[:, 0], norm.weight)
-    return None
+    return rows_refusal(rows, streams)
 
 
-def _use_kernels(op: str, streams: torch.Tensor, norm: BlockNorm | None = None) -> bool:
-    return use_kernel(f"mhc.{op}", streams, lambda: refusal(streams, norm))
+def _use_kernels(
+    op: str, streams: torch.Tensor, norm: BlockNorm | None = None, rows: torch.Tensor | None = None
+) -> bool:
+    return use_kernel(f"mhc.{op}", streams, lambda: refusal(streams, norm, rows))
 
 
 def mhc_pre(streams: torch.Tensor, hc: HCParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,7 +89,7 @@ def mhc_post_mean(
 ) -> torch.Tensor:
     """The new streams' mean `[T, D]`, or of the tokens `rows` alone `[R, D]` (read through the index
     inside the launch: no gather before or after it); see `reference.mhc_post_mean`."""
-    if _use_kernels("post_mean", streams) and rows_refusal(rows, streams) is None:
+    if _use_kernels("post_mean", streams, rows=rows):
         from hylo.ops.mhc import kernels
 
         return kernels.mhc_post_mean(out, streams, post, comb, rows)
