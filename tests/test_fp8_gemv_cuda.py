@@ -86,6 +86,35 @@ def test_results_are_deterministic():
     assert all(torch.equal(first, gemv_cuda.gemv(x, weight, scale)) for _ in range(3))
 
 
+def test_dependent_launches_read_what_the_kernel_before_wrote():
+    """Launched as programmatic dependents (`ops.dependent_launch`), each GEMV loads its first weights
+    early but reads x only once the kernel writing x has finished: a captured chain norm -> GEMV -> norm
+    -> GEMV ... (every launch a dependent) equals the same chain launched plainly, bit for bit, over
+    replays with fresh inputs. A GEMV that read x before its wait would read the previous replay's."""
+    from hylo.ops.norm import rms_norm
+
+    x, weight, scale = problem(4096, 4096, rows=4)
+    norm_weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def chain(rows, dependent):
+        for _ in range(6):
+            rows = gemv_cuda.gemv(rms_norm(rows, norm_weight, 1e-6), weight, scale, dependent=dependent)
+        return rows
+
+    static_x = x.clone()
+    chain(static_x, True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_out = chain(static_x, True)
+    for seed in range(4):
+        static_x.copy_(problem(4096, 4096, rows=4, seed=200 + seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, chain(static_x, False)), seed
+
+
 @pytest.fixture
 def gemv_calls(monkeypatch):
     """How many products `linear` sent to the GEMV."""

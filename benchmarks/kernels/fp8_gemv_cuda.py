@@ -4,6 +4,8 @@ floor, for M = 1, 4, 8, 16 rows at GLM-5.3-Flash's FP8 projection shapes and TP-
     python benchmarks/kernels/fp8_gemv_cuda.py [--out DIR]       # GPU, about 2 minutes with the build
     python benchmarks/kernels/fp8_gemv_cuda.py --dry-run         # CPU: the script's logic, tiny shapes
     python benchmarks/kernels/fp8_gemv_cuda.py --all-splits      # also the GEMV at every compiled K split
+    python benchmarks/kernels/fp8_gemv_cuda.py --variants d6=HYLO_GEMV_DEPTH_8=6+HYLO_GEMV_MIN_CTAS=1
+                                                  # also builds of the kernel with other -D tunables
 
 Per shape and M: first parity of both kernels against the float64 product (`gemv_cuda.worst_error`,
 ≤ 1 is within the GEMV's arithmetic; a kernel that fails is not timed), then CUDA-graph medians
@@ -12,8 +14,12 @@ distinct weight copies (so no call finds its weight in L2, as in a decode step),
 Triton runs the configuration of this GPU's shipped table (`ops/gemm/tables`) where it has the shape,
 else `fallback_config` (the table column says which). The floor is the bytes one call moves (e4m3
 weight, scales, x, out) at the copy rate measured in this run (read + write bytes of a 2 GiB device copy,
-as `benchmarks/device/spec_e2e.py` measures it). Also records the GEMV's build-and-check time (the
-first call; a cold kernel cache includes nvcc). Writes `fp8_gemv_cuda.json` and `fp8_gemv_cuda.md`.
+as `benchmarks/device/spec_e2e.py` measures it). The GEMV is timed as dispatched (a programmatic
+dependent of the call before it where `ops.dependent_launch` says so, which lets each call load its
+first weights while the previous one finishes) and launched plainly (`gemv_plain_us`); `--variants`
+adds builds with other values of `fp8_gemv.cu`'s `HYLO_GEMV_*` macros, each checked like the shipped
+one. Also records the GEMV's build-and-check time (the first call; a cold kernel cache includes nvcc).
+Writes `fp8_gemv_cuda.json` and `fp8_gemv_cuda.md`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 
 DRY = "--dry-run" in sys.argv
 ALL_SPLITS = "--all-splits" in sys.argv  # also time the GEMV at every compiled K split
+VARIANTS: dict[str, object] = {}  # name -> a checked library built with other -D tunables (`--variants`)
 ROOT = Path(__file__).resolve().parents[2]
 if DRY:
     sys.path.insert(0, str(ROOT / "tests"))
@@ -104,6 +111,9 @@ def measure_shape(n: int, k: int, bandwidth: float, gpu: str) -> list[dict]:
         refused = RESULTS.get("gemv_off", "its status is unknown") or gemv_cuda.refusal(x, weight, scale)
         if refused is None:
             ways["gemv"] = lambda w, s, x=x: gemv_cuda.gemv(x, w, s)
+            ways["gemv_plain"] = lambda w, s, x=x: gemv_cuda.gemv(x, w, s, dependent=False)
+            for name, library in VARIANTS.items():
+                ways[f"gemv_{name}"] = lambda w, s, x=x, lib=library: gemv_cuda.gemv(x, w, s, library=lib)
         else:
             row["gemv_refused"] = refused
         for name, fn in ways.items():
@@ -126,6 +136,20 @@ def measure_shape(n: int, k: int, bandwidth: float, gpu: str) -> list[dict]:
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def build_variants(spec: str) -> None:
+    """`--variants name=MACRO=V+MACRO=V,...`: build and check each (a failure is recorded, not timed)."""
+    for item in filter(None, spec.split(",")):
+        name, _, macros = item.partition("=")
+        defines = tuple(filter(None, macros.split("+")))
+        library = gemv_cuda.load_library("sm_90a", defines)
+        failure = (
+            library if isinstance(library, str) else gemv_cuda.check_library(library, torch.device(DEV, 0))
+        )
+        rec(f"variant_{name}", {"defines": defines, "failed": failure})
+        if failure is None:
+            VARIANTS[name] = library
 
 
 def sms() -> int:
@@ -167,11 +191,16 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--all-splits", action="store_true", help="time the GEMV at every compiled split too")
     parser.add_argument("--shapes", default="", help="NxK,NxK,... instead of the model's shapes")
+    parser.add_argument(
+        "--variants", default="", help="name=MACRO=V+MACRO=V,...: builds with other HYLO_GEMV_* values too"
+    )
     args = parser.parse_args()
     gpu = "CPU (dry run)" if DRY else torch.cuda.get_device_name(0)
     rec("gpu", gpu)
     section("gemv_status", gemv_status)
     rec("copy_bytes_per_s", copy_bandwidth())
+    if args.variants and not DRY and RESULTS.get("gemv_off") is None:
+        section("variants", build_variants, args.variants)
     shapes = (
         [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split(",")] if args.shapes else SHAPES
     )

@@ -240,6 +240,10 @@ def main() -> None:
         help="with --fp8: also try quantising the activations in the kernel (w8a8; e4m3 error on x)",
     )  # fmt: skip
     parser.add_argument(
+        "--shapes", default=None,
+        help="only these projection shapes, as NxK[,NxK...] (default: every shape of the model)",
+    )  # fmt: skip
+    parser.add_argument(
         "--check", action="store_true",
         help="tune nothing: time the heuristic configuration against the shipped table's entries",
     )  # fmt: skip
@@ -252,9 +256,15 @@ def main() -> None:
     if args.check:
         check(gpu, buckets, gen, Path(args.out))
         return
+    shapes = model_shapes()
+    if args.shapes:
+        chosen = [tuple(int(d) for d in nk.split("x")) for nk in args.shapes.split(",")]
+        if unknown := [nk for nk in chosen if nk not in shapes]:
+            parser.error(f"--shapes: {unknown} are not the model's; it has {shapes}")
+        shapes = chosen
     deadline = time.time() + args.budget_s
     entries, measured = {}, {}
-    for bucket, (n, k) in itertools.product(buckets, model_shapes()):
+    for bucket, (n, k) in itertools.product(buckets, shapes):
         if time.time() > deadline:
             print(f"budget spent: from bucket {bucket}, shape (N={n}, K={k}) on, nothing was tuned")
             break

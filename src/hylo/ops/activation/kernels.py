@@ -8,11 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
+
 BLOCK = 1024  # columns per program: one decode row of GLM-5.3-Flash's shared expert (2048) is 2 programs
 
 
 @triton.jit
-def _swiglu_clamp_kernel(gate, up, out, row_stride, width, limit, BLOCK: tl.constexpr):
+def _swiglu_clamp_kernel(gate, up, out, row_stride, width, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
@@ -32,7 +36,17 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate_rows.shape[0] and width:
         grid = (gate_rows.shape[0], triton.cdiv(width, BLOCK))
+        dependent = dependent_launches(out.device)
         _swiglu_clamp_kernel[grid](
-            gate_rows, up_rows, out, gate_rows.stride(0), width, float(limit), BLOCK=BLOCK, num_warps=4
+            gate_rows,
+            up_rows,
+            out,
+            gate_rows.stride(0),
+            width,
+            float(limit),
+            BLOCK=BLOCK,
+            num_warps=4,
+            PDL=dependent,
+            launch_pdl=dependent,
         )
     return out

@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 
 from hylo.ops.batch_metadata.reference import InFlight
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
 
 BLOCK_TOKENS = 64  # tokens of a sequence per loop step (a decode or verify row is one step)
 BLOCK_POOLS = 256  # pool-table columns per loop step
@@ -23,8 +25,9 @@ def _uniform_metadata_kernel(
     width, kpool, candidates, pool_columns, filler_row,
     first, marker, last_sampled, ids, ids_stride, after, last_committed,
     HAS_LENGTHS: tl.constexpr, HAS_FILLER: tl.constexpr, IN_FLIGHT: tl.constexpr, AFTER: tl.constexpr,
-    BLOCK_TOKENS: tl.constexpr, BLOCK_POOLS: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr, BLOCK_POOLS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     start = tl.load(prefix + b).to(tl.int64)
     row = tl.load(rows + b).to(tl.int64)
@@ -96,6 +99,7 @@ def uniform_metadata(
     pool_columns = req_to_token.shape[1] // kpool
     f = in_flight
     after = f is not None and f.after is not None
+    dependent = dependent_launches(prefix.device)
     _uniform_metadata_kernel[(sequences,)](
         prefix, rows, lengths if lengths is not None else prefix, req_to_token, req_to_token.stride(0),
         out["positions"], out["token_rows"], out["new_slots"], out["state_slots"], out["completed_pools"],
@@ -107,5 +111,6 @@ def uniform_metadata(
         f.last_committed if after else prefix,
         HAS_LENGTHS=lengths is not None, HAS_FILLER=filler_row is not None, IN_FLIGHT=f is not None,
         AFTER=after, BLOCK_TOKENS=BLOCK_TOKENS, BLOCK_POOLS=BLOCK_POOLS, num_warps=4,
+        PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
     return out

@@ -1,7 +1,8 @@
 """Compile a CUDA C++ source into a shared library with the machine's `nvcc`, once, cached on disk.
 
 `build(source, arch)` returns the path of `<cache>/<stem>_<key>.so`, compiling it first if it is not
-there. The key hashes the source, `nvcc --version` and the arch and flags, so a changed kernel, another
+there. The key hashes the source, `nvcc --version`, the arch, the flags and any `-D` defines (a benchmark
+builds variants of a kernel that way), so a changed kernel, another
 toolkit or another GPU generation gets its own library and a stale one is never loaded. Compilation runs
 under an exclusive lock on a file in the cache directory (two processes starting together compile once:
 the second waits, then finds the library) and writes to a temporary name that is renamed into place, so
@@ -60,28 +61,33 @@ def nvcc_version(nvcc: str) -> str:
     return done.stdout.strip()
 
 
-def cache_key(source: bytes, version: str, arch: str) -> str:
+def cache_key(source: bytes, version: str, arch: str, defines: tuple[str, ...] = ()) -> str:
     """16 hex digits of the hash of everything the library's contents depend on."""
     digest = hashlib.sha256()
-    for part in (source, version.encode(), arch.encode(), " ".join(FLAGS).encode()):
+    for part in (source, version.encode(), arch.encode(), " ".join((*FLAGS, *defines)).encode()):
         digest.update(len(part).to_bytes(8, "little") + part)
     return digest.hexdigest()[:16]
 
 
-def compile_command(nvcc: str, source: Path, arch: str, output: Path) -> list[str]:
-    """`arch` as nvcc spells a real GPU, e.g. `sm_90a`; only that GPU's machine code is built."""
+def compile_command(
+    nvcc: str, source: Path, arch: str, output: Path, defines: tuple[str, ...] = ()
+) -> list[str]:
+    """`arch` as nvcc spells a real GPU, e.g. `sm_90a`; only that GPU's machine code is built. `defines`
+    are `NAME=VALUE` macros (`-D`)."""
     gencode = f"arch=compute_{arch.removeprefix('sm_')},code={arch}"
-    return [nvcc, *FLAGS, "-gencode", gencode, "-o", str(output), str(source)]
+    macros = [f"-D{d}" for d in defines]
+    return [nvcc, *FLAGS, *macros, "-gencode", gencode, "-o", str(output), str(source)]
 
 
-def build(source: Path, arch: str, what: str) -> Path:
-    """The cached library of `source` for `arch`, compiled now if absent (`what` names it in the log)."""
+def build(source: Path, arch: str, what: str, defines: tuple[str, ...] = ()) -> Path:
+    """The cached library of `source` for `arch` (with `defines`, `NAME=VALUE` macros), compiled now if
+    absent (`what` names it in the log)."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("no nvcc on PATH or under $CUDA_HOME/bin")
     text = source.read_bytes()
     directory = cache_dir()
-    library = directory / f"{source.stem}_{cache_key(text, nvcc_version(nvcc), arch)}.so"
+    library = directory / f"{source.stem}_{cache_key(text, nvcc_version(nvcc), arch, defines)}.so"
     if library.exists():
         return library
     try:
@@ -89,19 +95,19 @@ def build(source: Path, arch: str, what: str) -> Path:
         with open(directory / f"{source.stem}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             if not library.exists():  # another process may have built it while this one waited
-                _compile(nvcc, source, arch, library, what)
+                _compile(nvcc, source, arch, library, what, defines)
     except OSError as e:
         raise BuildError(f"cache directory {directory}: {e}") from e
     return library
 
 
-def _compile(nvcc: str, source: Path, arch: str, library: Path, what: str) -> None:
+def _compile(nvcc: str, source: Path, arch: str, library: Path, what: str, defines: tuple[str, ...]) -> None:
     logger.info("building %s (%s) with %s …", what, arch, nvcc)
     start = time.perf_counter()
     partial = library.with_name(f"{library.name}.{os.getpid()}.tmp")
     try:
         done = subprocess.run(
-            compile_command(nvcc, source, arch, partial), capture_output=True, text=True,
+            compile_command(nvcc, source, arch, partial, defines), capture_output=True, text=True,
             timeout=NVCC_TIMEOUT_S,
         )  # fmt: skip
         if done.returncode != 0:

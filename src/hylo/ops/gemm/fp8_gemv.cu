@@ -25,6 +25,13 @@
 // x is read with L1-cached loads: the 4 row warps of a CTA (and CTAs on the same SM) read the same x
 // slice, so x costs L2 about 2·M/64 bytes per weight byte at most. Weight loads bypass L1.
 //
+// Programmatic dependent launch (PDL, sm_90; `ops.dependent_launch`): launched with `dependent`, a GEMV
+// starts while the kernel before it finishes. Its weights and scales do not depend on that kernel, so the
+// first DEPTH blocks of every warp are loaded before `griddepcontrol.wait`; x is read and `out` written
+// only after it. Right after its wait each CTA lets the next kernel launch (`launch_dependents`; letting it
+// go after the main loop instead was no faster, RESULTS S32-2); that kernel's own wait still holds it
+// until this one has finished and its stores are visible.
+//
 // The end: each warp writes its partial tile to shared memory; after a cluster barrier, CTA r of the
 // cluster sums rows [r·64/SPLIT, (r+1)·64/SPLIT) over the SPLIT CTAs (distributed shared memory) and the
 // 2 K warps, in a fixed order (deterministic), and writes bf16; a second barrier keeps each CTA's shared
@@ -39,6 +46,21 @@
 #include <stdint.h>
 
 namespace cg = cooperative_groups;
+
+// Blocks in flight per warp (the register ring) and the CTAs a SM must be able to hold (the register
+// budget): `-D` overrides are for `benchmarks/kernels/fp8_gemv_cuda.py --variants`; the defaults are the
+// measured choice (deeper rings at one CTA a SM were no faster on N = 4096 and slower on multi-wave
+// shapes, RESULTS S32-2).
+#ifndef HYLO_GEMV_DEPTH_8
+#define HYLO_GEMV_DEPTH_8 3  // up to 8 rows of x
+#endif
+#ifndef HYLO_GEMV_DEPTH_16
+#define HYLO_GEMV_DEPTH_16 2  // 9 to 16 rows of x
+#endif
+#ifndef HYLO_GEMV_MIN_CTAS
+#define HYLO_GEMV_MIN_CTAS 2
+#endif
+
 
 namespace {
 
@@ -165,7 +187,8 @@ __device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& s
 // NT: tiles of 8 rows of x (1 for M ≤ 8, 2 for M ≤ 16). SPLIT: CTAs of a cluster splitting K.
 // DEPTH: 128-k blocks in flight per warp.
 template <int NT, int SPLIT, int DEPTH>
-__global__ void __launch_bounds__(kThreads, 2) __cluster_dims__(1, SPLIT, 1) fp8_gemv_kernel(Problem p) {
+__global__ void __launch_bounds__(kThreads, HYLO_GEMV_MIN_CTAS) __cluster_dims__(1, SPLIT, 1)
+    fp8_gemv_kernel(Problem p) {
     __shared__ float partials[kSliceWarps][kCtaRows][8 * NT];
     cg::cluster_group cluster = cg::this_cluster();
     const int rank = static_cast<int>(cluster.block_rank());
@@ -194,6 +217,8 @@ __global__ void __launch_bounds__(kThreads, 2) __cluster_dims__(1, SPLIT, 1) fp8
     for (int d = 0; d < DEPTH; ++d) {
         if (begin + d < end) load_step(ring[d], p, row_g, row_g8, scale_row, begin + d, t);
     }
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // x and out: after the kernel before this one
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     for (int kb = begin; kb < end; kb += DEPTH) {
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
@@ -232,20 +257,27 @@ __global__ void __launch_bounds__(kThreads, 2) __cluster_dims__(1, SPLIT, 1) fp8
 }
 
 template <int NT, int SPLIT>
-cudaError_t launch(const Problem& p, cudaStream_t stream) {
-    constexpr int depth = NT == 1 ? 3 : 2;  // registers: two CTAs of 256 threads per SM
-    const dim3 grid((p.n + kCtaRows - 1) / kCtaRows, SPLIT);
-    fp8_gemv_kernel<NT, SPLIT, depth><<<grid, kThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+cudaError_t launch(const Problem& p, bool dependent, cudaStream_t stream) {
+    constexpr int depth = NT == 1 ? HYLO_GEMV_DEPTH_8 : HYLO_GEMV_DEPTH_16;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3((p.n + kCtaRows - 1) / kCtaRows, SPLIT);
+    config.blockDim = dim3(kThreads);
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = dependent ? 1 : 0;
+    return cudaLaunchKernelEx(&config, fp8_gemv_kernel<NT, SPLIT, depth>, p);
 }
 
 template <int NT>
-cudaError_t launch_split(const Problem& p, int split, cudaStream_t stream) {
+cudaError_t launch_split(const Problem& p, int split, bool dependent, cudaStream_t stream) {
     switch (split) {
-        case 1: return launch<NT, 1>(p, stream);
-        case 2: return launch<NT, 2>(p, stream);
-        case 4: return launch<NT, 4>(p, stream);
-        case 8: return launch<NT, 8>(p, stream);
+        case 1: return launch<NT, 1>(p, dependent, stream);
+        case 2: return launch<NT, 2>(p, dependent, stream);
+        case 4: return launch<NT, 4>(p, dependent, stream);
+        case 8: return launch<NT, 8>(p, dependent, stream);
         default: return cudaErrorInvalidValue;
     }
 }
@@ -257,15 +289,16 @@ extern "C" {
 // 64 weight rows per CTA: `gemv_cuda.split_for` sizes the grid with it.
 int hylo_fp8_gemv_cta_rows() { return kCtaRows; }
 
-// Launch on `stream` (a cudaStream_t; capture-safe: no allocation, no synchronisation). Returns the
-// cudaError_t of the launch (0: launched); unsupported arguments return cudaErrorInvalidValue unlaunched.
+// Launch on `stream` (a cudaStream_t; capture-safe: no allocation, no synchronisation), as a programmatic
+// dependent of the launch before it when `dependent` is nonzero. Returns the cudaError_t of the launch
+// (0: launched); unsupported arguments return cudaErrorInvalidValue unlaunched.
 int hylo_fp8_gemv(const void* x, long long x_stride, const void* w, const void* scale, long long scale_stride,
-                  void* out, int m, int n, int k, int split, void* stream) {
+                  void* out, int m, int n, int k, int split, int dependent, void* stream) {
     if (m < 1 || m > 16 || n < 1 || k < 16 || k % 16 || x_stride % 8) return cudaErrorInvalidValue;
     const Problem p{static_cast<const __nv_bfloat16*>(x), x_stride, static_cast<const uint8_t*>(w),
                     static_cast<const float*>(scale), scale_stride, static_cast<__nv_bfloat16*>(out), m, n, k};
     const auto s = static_cast<cudaStream_t>(stream);
-    return m <= 8 ? launch_split<1>(p, split, s) : launch_split<2>(p, split, s);
+    return m <= 8 ? launch_split<1>(p, split, dependent != 0, s) : launch_split<2>(p, split, dependent != 0, s);
 }
 
 }  // extern "C"

@@ -20,11 +20,15 @@ allocated but the output and nothing synchronises, so it is capture-safe, and it
 of Python, below Triton's launcher) is assumed small enough to use eagerly too: the lead measures it.
 `HYLO_FP8_GEMV=0` in the environment turns it off (read at every call); a benchmark comparing it with
 the Triton kernel in one process calls `gemv` and `kernels.gemm` directly.
+
+Launches are programmatic dependents where `ops.dependent_launch` says a device's launches are
+(`fp8_gemv.cu` says what the GEMV overlaps then); a benchmark may force either way per call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 from functools import cache
@@ -32,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.gemm import cuda_build
@@ -72,10 +77,11 @@ def _sms(index: int) -> int:
 
 
 @cache
-def load_library(arch: str) -> ctypes.CDLL | str:
-    """The built and loaded library for `arch`, or why there is none (warned once per process)."""
+def load_library(arch: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | str:
+    """The built and loaded library for `arch` (`defines`: a variant's macros, `fp8_gemv.cu`'s
+    `HYLO_GEMV_*`), or why there is none (warned once per process)."""
     try:
-        library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL)))
+        library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL, defines)))
     except (cuda_build.BuildError, OSError) as e:
         return _give_up(f"{KERNEL} is not available: {e}")
     if library.hylo_fp8_gemv_cta_rows() != CTA_ROWS:
@@ -85,7 +91,8 @@ def load_library(arch: str) -> ctypes.CDLL | str:
     library.hylo_fp8_gemv.restype = ctypes.c_int
     library.hylo_fp8_gemv.argtypes = [
         ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p,
     ]  # fmt: skip
     return library
 
@@ -147,26 +154,34 @@ def refusal(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> s
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, split: int | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    split: int | None = None,
+    library: ctypes.CDLL | None = None,
+    dependent: bool | None = None,
 ) -> torch.Tensor:
     """`x [M, K] @ dequant(weight)ᵀ` as bf16 `[M, N]`, fp32 accumulation. Safe where `refusal` is None
-    (which also builds and checks the kernel); `split` (one of `SPLITS`) overrides `split_for`."""
+    (which also builds and checks the kernel); `split` (one of `SPLITS`) overrides `split_for`;
+    `library` (a benchmark's variant that passed `check_library`) overrides the checked one; `dependent`
+    overrides `dependent_launches`."""
     index = x.device.index
-    library = _READY.get(index)
+    library = library or _READY.get(index)
     if library is None:
         raise RuntimeError(f"gemv: {KERNEL} is not checked on GPU {index}; ask refusal() first")
-    return _launch(
-        library, x, weight, scale_inv, split or split_for(weight.shape[0], x.shape[1], _sms(index))
-    )
+    split = split or split_for(weight.shape[0], x.shape[1], _sms(index))
+    if dependent is None:
+        dependent = dependent_launches(x.device)
+    return _launch(library, x, weight, scale_inv, split, dependent)
 
 
-def _launch(library, x, weight, scale_inv, split: int) -> torch.Tensor:
+def _launch(library, x, weight, scale_inv, split: int, dependent: bool) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     error = library.hylo_fp8_gemv(
         x.data_ptr(), x.stride(0), weight.data_ptr(), scale_inv.data_ptr(), scale_inv.stride(0),
-        out.data_ptr(), m, n, k, split, stream,
+        out.data_ptr(), m, n, k, split, int(dependent), stream,
     )  # fmt: skip
     if error:
         raise RuntimeError(
@@ -207,24 +222,32 @@ def random_e4m3(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tenso
     return weight, scale
 
 
+def check_library(library: ctypes.CDLL, device: torch.device) -> str | None:
+    """`_self_check` for a benchmark's variant library (`load_library` with defines)."""
+    return _self_check(library, device)
+
+
 def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
-    """Every compiled variant (row tile × split) against the float64 product, on a ragged problem: N=200
-    (a CTA with one partial tile and three past N), K=1040 (a 16-wide last block; 9 blocks over up to
-    16 K slices, some empty), rows of x strided. The first failure, or None."""
+    """Every compiled variant (row tile × split, launched plainly and as a dependent) against the float64
+    product, on a ragged problem: N=200 (a CTA with one partial tile and three past N), K=1040 (a
+    16-wide last block; 9 blocks over up to 16 K slices, some empty), rows of x strided. The first
+    failure, or None."""
     generator = torch.Generator(device=device).manual_seed(1234)
     n, k = 200, 1040
     weight, scale = random_e4m3(n, k, generator)
     x_rows = torch.randn(MAX_ROWS, k + 16, generator=generator, device=device).to(torch.bfloat16)
     for m in CHECK_ROWS:
         x = x_rows[:m, :k]
-        for split in SPLITS:
+        for split, dependent in itertools.product(SPLITS, (False, True)):
             try:
-                out = _launch(library, x, weight, scale, split)
+                out = _launch(library, x, weight, scale, split, dependent)
                 error = worst_error(out, x, weight, scale)
             except RuntimeError as e:
                 return str(e)
             if not error <= 1.0:  # NaN fails too
-                return f"M={m}, N={n}, K={k}, split {split}: error {error:.3g}× its bound"
+                return (
+                    f"M={m}, N={n}, K={k}, split {split}, dependent {dependent}: error {error:.3g}× its bound"
+                )
     return None
 
 

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import quantize_groups, quantize_rows
 from hylo.ops.gemm.table import GemmConfig
@@ -77,7 +79,9 @@ def _gemm_kernel(
     SCALED: tl.constexpr,
     QUANT_X: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -108,7 +112,10 @@ def _gemm_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros([BLOCK], tl.float32)
@@ -147,15 +154,20 @@ def gemm(
     part = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, c.block_n), split_k, triton.cdiv(m, c.block_m))
     scaled = scale_inv is not None
+    dependent = dependent_launches(x.device)
     _gemm_kernel[grid](
         x, weight, scale_inv if scaled else weight, part, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), scale_inv.stride(0) if scaled else 0, m * n, n,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=scaled, QUANT_X=c.quant_x,
         SWAP_AB=c.swap_ab, num_warps=c.num_warps, num_stages=c.num_stages,
+        PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
     if split_k > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT_K=split_k, BLOCK=block)
+        dependent = dependent_launches(part.device)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            part, out, m * n, SPLIT_K=split_k, BLOCK=block, PDL=dependent, launch_pdl=dependent
+        )
     return out
 
 

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.indexer.reference import KeyNorm, TokenKeys
 
 FP8_MAX = 448.0
@@ -46,9 +48,11 @@ def _store_tokens_kernel(
     stride_gates,
     eps,
     D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token: LayerNorm of its key (fp32 statistics and affine, the output rounded to the key's
     dtype, as torch's) into `keys[slot]`, its gate scores copied into `gates[slot]`."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     d = tl.arange(0, D)
@@ -80,7 +84,9 @@ def _compress_kernel(
     D: tl.constexpr,
     BLOCK_P: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     i = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     ok = i < num_pools
     pool = tl.load(pools_ptr + i, mask=ok, other=0).to(tl.int64)
@@ -139,9 +145,11 @@ def _score_kernel(
     FP8: tl.constexpr,
     POOLS_MAJOR: tl.constexpr,
     FP8_ACC_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """logits[t, p] = sum_h w[t,h] relu(q[t,h] . k[p]) for BLOCK_T new tokens of sequence b (one
     program) and every pool p visible to one of them; -inf at pools a token cannot see."""
+    enter(PDL)
     b = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_T
     M: tl.constexpr = BLOCK_T * H
@@ -226,7 +234,9 @@ def _topk_kernel(
     ONE_TILE: tl.constexpr,
     BLOCK_W: tl.constexpr,
     RADIX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
     b = tl.load(seq_ptr + t).to(tl.int64)
@@ -318,10 +328,12 @@ def store_tokens(
     tokens, dim = key.shape
     if tokens == 0:
         return
+    dependent = dependent_launches(key.device)
     _store_tokens_kernel[(tokens,)](
         key, gate_scores, norm.weight, norm.bias, slots, cache.keys, cache.gates,
         key.stride(0), gate_scores.stride(0), cache.keys.stride(0), cache.gates.stride(0), norm.eps,
         D=dim, num_warps=1,
+        PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
 
 
@@ -343,10 +355,12 @@ def compress_pools(
     fp8 = _is_fp8(pooled)
     if fp8 and pooled_scale is None:
         raise ValueError("an FP8 pooled-key cache needs its per-pool scale tensor")
+    dependent = dependent_launches(keys.device)
     _compress_kernel[(triton.cdiv(num_pools, block_p),)](
         keys, gates, ape, pools, pooled, pooled_scale if fp8 else pooled,
         num_pools, keys.stride(0), gates.stride(0), ape.stride(0), pooled.stride(0),
         KPOOL=kpool, D=dim, BLOCK_P=block_p, FP8=fp8, num_warps=4,
+        PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
 
 
@@ -388,6 +402,7 @@ def index_scores(
     max_new = pad_index.shape[1]
     pad_valid = pad_valid.view(torch.uint8) if pad_valid.dtype == torch.bool else pad_valid
     grid = (batch, triton.cdiv(max_new, block_t))
+    dependent = dependent_launches(q.device)
     _score_kernel[grid](
         q, head_weights, pooled, pooled_scale if fp8 else pooled, pool_table, positions, pad_index, pad_valid,
         out, max_new, num_pools, kpool,
@@ -395,6 +410,7 @@ def index_scores(
         pad_index.stride(0), out.stride(0),
         H=heads, D=dim, BLOCK_T=block_t, BLOCK_P=block_p, FP8=fp8, POOLS_MAJOR=pools_major,
         FP8_ACC_K=min(fp8_acc_k, dim) if fp8 else 0, num_warps=num_warps, num_stages=num_stages,
+        PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
     return out
 
@@ -429,12 +445,14 @@ def topk_rows(
     if radix_bits not in (1, 2):
         raise ValueError(f"radix_bits must be 1 or 2, got {radix_bits}")
     block = max(16, triton.next_power_of_2(min(max(num_pools, 1), MAX_TOPK_TILE)))
+    dependent = dependent_launches(logits.device)
     _topk_kernel[(num_tokens,)](
         logits, positions, token_seq, token_rows, pool_table, req_to_token, out,
         topk // kpool, width, logits.stride(0), pool_table.stride(0), req_to_token.stride(0), out.stride(0),
         KPOOL=kpool, TAIL=tail and kpool > 1, BLOCK=block, ONE_TILE=num_pools <= block,
         BLOCK_W=min(1024, triton.next_power_of_2(width)), RADIX=radix_bits,
         num_warps=num_warps or max(4, min(16, block // 1024)),
+        PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
     return out
 

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.gemm import linear
 from hylo.ops.kda import low_rank
 from hylo.ops.kda.low_rank import long_row_dots, low_rank_rows
@@ -129,7 +131,7 @@ def _recurrent_kernel(
     T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
     USE_LB: tl.constexpr, WRITE_O: tl.constexpr, STORE_STATE: tl.constexpr, PER_SEQ: tl.constexpr,
     STEP_STATES: tl.constexpr, CONV: tl.constexpr, W: tl.constexpr, F_RANK: tl.constexpr,
-    F_STEP: tl.constexpr, F_FP8: tl.constexpr, B_RANK: tl.constexpr, B_STEP: tl.constexpr,
+    F_STEP: tl.constexpr, F_FP8: tl.constexpr, B_RANK: tl.constexpr, B_STEP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, head, value tile) over its T tokens (module docstring). With CONV (decode, T = 1)
     `qkv` is the raw q row (k and v rows at `xk`, `xv`, same strides) and the conv runs here from the
@@ -138,6 +140,7 @@ def _recurrent_kernel(
     computes with the projection `f_w` (`low_rank.low_rank_rows`); with B_RANK > 0 (decode) `b` is the
     layer input `[B, B_RANK]` whose dot product with row h of `b_w [H, B_RANK]` is the head's β logit
     (`low_rank.long_row_dots`)."""
+    enter(PDL)
     bi, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bi64 = bi.to(tl.int64)
     slot = tl.load(slot_ids + bi).to(tl.int64)
@@ -409,6 +412,7 @@ def recurrent(
     bv, warps = _block_v(bsz, h, d, t)
     bv, warps = block_v or bv, num_warps or warps
     use_lb = lower_bound is not None
+    dependent = dependent_launches(qkv.device)
     _recurrent_kernel[(bsz, h, d // bv)](
         qkv, qkv.stride(0), qkv.stride(1), *f, *b,
         params.dt_bias, params.a_log, state_pool, state_pool.stride(0), slot_ids,
@@ -420,6 +424,7 @@ def recurrent(
         T=t, TP=triton.next_power_of_2(t), H=h, D=d, BV=bv, USE_LB=use_lb, WRITE_O=write_o,
         STORE_STATE=store_state, PER_SEQ=n_steps is not None, STEP_STATES=step_states is not None, CONV=conv,
         W=slots.conv_pool.shape[1] + 1 if conv else 1, **f_constants, **b_constants, num_warps=warps,
+        PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
     return o if write_o else None
 

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.kda import low_rank
 from hylo.ops.kda.low_rank import low_rank_rows
 from hylo.ops.kda.reference import KDAInputs, KDASlots, LowRank, OutputNorm
@@ -40,12 +42,13 @@ def _gated_norm_kernel(
     x, gate, gate_sb, w, y, n_rows, eps, xq, xk, xv, x_sb, conv_pool, conv_stride, win_stride, slot_ids,
     g_w, g_scale, g_scale_stride,
     D: tl.constexpr, BR: tl.constexpr, H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-    ADVANCE: tl.constexpr, G_RANK: tl.constexpr, G_STEP: tl.constexpr, G_FP8: tl.constexpr,
+    ADVANCE: tl.constexpr, G_RANK: tl.constexpr, G_STEP: tl.constexpr, G_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Rows `BR·pid + [0, BR)` of x (one head of one token each); with ADVANCE, row s·H + h also steps
     sequence s's window at head h's q, k and v channels (no other program touches them). With G_RANK >
     0 `gate` is the low-rank factor a `[tokens, G_RANK]` (row stride `gate_sb`) of the gate, whose rows
     the program computes with the projection `g_w` (`low_rank.low_rank_rows`)."""
+    enter(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, D)
     ok = rows < n_rows
@@ -100,9 +103,11 @@ def gated_rms_norm(x: torch.Tensor, norm: OutputNorm, window: WindowStep | None 
     else:
         gate, factors = (norm.gate.reshape(x.shape).contiguous(), 0), (x, x, 0)
         constants = dict(G_RANK=0, G_STEP=1, G_FP8=False)
+    dependent = dependent_launches(x.device)
     _gated_norm_kernel[(triton.cdiv(n_rows, br),)](
         x, *gate, norm.weight, y, n_rows, norm.eps, *advance, *factors,
         D=d, BR=br, H=heads, W=width, WP=triton.next_power_of_2(width), ADVANCE=window is not None,
         **constants, num_warps=4,
+        PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
     return y

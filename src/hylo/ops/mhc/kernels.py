@@ -11,7 +11,8 @@ first launch spreads the hidden dims over many programs, each storing its partia
 squares; the second gives each program a few tokens and a chunk of hidden dims: it sums the
 partials in a fixed order, derives `pre` and collapses its chunk; one more program per token block
 computes `post` and `comb` (softmax, Sinkhorn) alongside. At decode sizes both start as programmatic
-dependents of the launch before them (sm_90+), which hides most of the gap between launches.
+dependents of the launch before them (`ops.dependent_launch`), which hides most of the gap between
+launches; `mhc_post` and `mhc_post_mean` launch as dependents at every size.
 
 The projection multiplies in the streams' dtype with fp32 accumulation; an fp32 `fn` is split into
 two halves of the streams' dtype, so the products stay exact.
@@ -44,15 +45,14 @@ the finish (529 us).
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.mhc.reference import KERNEL_STREAMS as HC_MULT
 from hylo.ops.mhc.reference import BlockEntry, BlockNorm, HCParams, PendingPost
 from hylo.ops.norm import rms_norm
@@ -77,8 +77,8 @@ class SplitPlan:
     num_warps: int = 2  # per projection program
     finish_warps: int = 4  # per finishing program
     split_major: bool = True  # partials stored [split, token, row]; else [token, row, split]
-    # both launches start while the one before finishes, and wait for it (programmatic dependent
-    # launch, sm_90 and newer; a separate post launch never does: its producer is not ours)
+    # both launches start while the one before finishes, and wait for it (`ops.dependent_launch`;
+    # the post launches are dependents under every plan)
     dependent_launch: bool = True
     # a pending post is mixed by the projection launch (one launch fewer), else launched before it
     fuse_post: bool = True
@@ -281,9 +281,7 @@ def _split_project_kernel(
     row·stride_row (see `SplitPlan.split_major`). With POST the streams projected are the new ones,
     post·out + combᵀ·streams (the previous block's pending post, as `_post_kernel` mixes them), which this
     program also stores to `new_streams` at its tokens and dims: no other program reads them."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    enter(PDL)
     split = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     rmask = rows < M
@@ -364,9 +362,7 @@ def _finish_collapse_kernel(
     derive the same bits), then collapses dims `CHUNK·pid(0) + [0, CHUNK)` into `block_input`, or, as
     the last program of its tokens, computes their post and comb. With NORM (one step of CK ≥ D dims:
     the program holds whole rows) the collapsed rows are normalised with `norm_weight` before the store."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    enter(PDL)
     chunk = tl.program_id(0)
     rows = tl.program_id(1) * BT + tl.arange(0, BT)
     rmask = rows < M
@@ -450,7 +446,9 @@ def _post_kernel(
     BM: tl.constexpr,
     BK: tl.constexpr,
     INDEXED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     rows, d, mask, n0, n1, n2, n3 = _posted(out, streams, post, comb, M, index, D, BM, BK, INDEXED)
     ptr = new_streams + rows[:, None].to(tl.int64) * (4 * D) + d[None, :]
     tl.store(ptr, n0, mask=mask)
@@ -472,9 +470,11 @@ def _post_mean_kernel(
     BM: tl.constexpr,
     BK: tl.constexpr,
     INDEXED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """`_post_kernel`'s new streams, as it stores them, summed in fp32 in stream order and divided by 4
     (torch's mean of the stored streams), one row per token (per `index` entry when INDEXED)."""
+    enter(PDL)
     rows, d, mask, n0, n1, n2, n3 = _posted(out, streams, post, comb, M, index, D, BM, BK, INDEXED)
     total = n0.to(tl.float32) + n1.to(tl.float32) + n2.to(tl.float32) + n3.to(tl.float32)
     tl.store(mean + rows[:, None].to(tl.int64) * D + d[None, :], (total / 4).to(n0.dtype), mask=mask)
@@ -499,15 +499,6 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tenso
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     if t.device != like.device:
         raise ValueError(f"{name} is on {t.device}, the streams on {like.device}")
-
-
-@functools.cache
-def _dependent_launches(device: torch.device) -> bool:
-    """Whether launches on `device` can be programmatic dependents (sm_90 and newer, not the
-    interpreter, whose programs run one after another anyway)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _check_plan(plan: SplitPlan) -> None:
@@ -600,7 +591,7 @@ def mhc_enter(
         partials = torch.empty(tokens, LOGIT_ROWS.value, n_splits, dtype=torch.float32, device=device)
         strides = (1, partials.stride(0), partials.stride(1))
     mix = (streams, streams, streams) if pending is None else _mix_operands(pending)
-    dependent = plan.dependent_launch and _dependent_launches(device)
+    dependent = plan.dependent_launch and dependent_launches(device)
     _split_project_kernel[(n_splits, triton.cdiv(tokens, plan.block_m))](
         streams, fn, partials, *mix, new_streams, tokens, *strides,
         D=hidden, NS=n_splits, SPLIT=plan.split, BM=plan.block_m, BK=plan.block_k,
@@ -698,7 +689,9 @@ def _launch_post(
         return
     grid = (triton.cdiv(count, block_m), triton.cdiv(hidden, block_k))
     out, post, comb = _mix_operands(pending)
+    dependent = dependent_launches(streams.device)
     kernel[grid](
         out, streams.contiguous(), post, comb, result, count, rows if rows is not None else post,
-        D=hidden, BM=block_m, BK=block_k, INDEXED=rows is not None, num_warps=num_warps,
+        D=hidden, BM=block_m, BK=block_k, INDEXED=rows is not None, PDL=dependent, launch_pdl=dependent,
+        num_warps=num_warps,
     )  # fmt: skip

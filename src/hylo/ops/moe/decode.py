@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import quantize_tile
 from hylo.ops.moe import kernels
@@ -171,7 +173,9 @@ def _prologue_kernel(
     G_PAD: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     pid = tl.program_id(0)
     e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < E
@@ -268,6 +272,7 @@ def prologue(
     if tokens == 0:
         return ids, weights, layout, q, q_scale
     programs = max(triton.cdiv(all_experts, block_e), groups if quantize else 1)
+    dependent = dependent_launches(device)
     _prologue_kernel[(programs,)](
         x,
         weight,
@@ -296,6 +301,8 @@ def prologue(
         BLOCKS_PAD=triton.next_power_of_2(num_blocks),
         **choice_constants(all_experts, top_k, routing.n_group, routing.topk_group, routing.normalize),
         num_warps=num_warps,
+        PDL=dependent,
+        launch_pdl=dependent,
     )
     return ids, weights, layout, q, q_scale
 

@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import group_scale, quantize_groups, quantize_rows, round_to_e4m3
 from hylo.ops.moe.reference import Choices, ExpertWeights, SharedExpert
@@ -211,9 +213,11 @@ def _gate_up_kernel(
     FP8: tl.constexpr,
     QUANT_GROUP: tl.constexpr,
     SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The SwiGLU rows of each row block's pairs (`gate_up_stage`). SHARED: the shared expert's blocks
     (`SHARED_EXPERT`) read its own weights, and their pairs num_pairs + t are token t's."""
+    enter(PDL)
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     expert, shared = _block_expert(block_expert_ptr, pid_m, SHARED)
     if expert < 0 and not shared:
@@ -398,6 +402,7 @@ def _down_combine_kernel(
     PARTIAL: tl.constexpr,
     ADD: tl.constexpr,
     SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """`_down_kernel`, then the combine of its column tile by the tile's last program to finish: every
     row block of the tile takes a ticket (empty blocks too), and the last ticket sums each token's k
@@ -405,6 +410,7 @@ def _down_combine_kernel(
     (ADD: then adds the addend's row and rounds again, as a separate add of the two would) and puts
     the ticket counter back to zero. SHARED: the shared expert's blocks read its own weights and write
     its rows after the routed pairs' (row T·k + t: the addend the host points ADD at)."""
+    enter(PDL)
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     expert, shared = _block_expert(block_expert_ptr, pid_m, SHARED)
     if expert >= 0 or shared:
@@ -761,6 +767,7 @@ def gate_up_stage(
         )
         return h, h_scale
     shared_gate_up, shared_scale = _shared_operands(shared, 0, gate_up, gate_up_scale)
+    dependent = dependent_launches(x.device)
     _gate_up_kernel[(programs,)](
         x,
         _or(x_scale, x),  # the kernel reads a scale argument only where its flags say so
@@ -787,6 +794,8 @@ def gate_up_stage(
         QUANT_GROUP=min(up.block_n, FP8_BLOCK),
         SHARED=shared is not None,
         **launch,
+        PDL=dependent,
+        launch_pdl=dependent,
     )
     return h, h_scale
 
@@ -982,6 +991,7 @@ def down_combine_stage(
     if shared is not None:
         addend = routed[tokens * top_k :]
     shared_down, shared_scale = _shared_operands(shared, 1, down, down_scale)
+    dependent = dependent_launches(out.device)
     _down_combine_kernel[(programs,)](
         **arguments,
         shared_w_ptr=shared_down,
@@ -1003,6 +1013,8 @@ def down_combine_stage(
         PARTIAL=partial,
         ADD=addend is not None,
         SHARED=shared is not None,
+        PDL=dependent,
+        launch_pdl=dependent,
     )
     return out
 

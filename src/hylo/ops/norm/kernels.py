@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.norm.reference import NormRows, RowStore
 
 
@@ -24,7 +26,8 @@ def _rms_norm_row(x, w, y, width, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x, w, y, x_row_stride, width, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x, w, y, x_row_stride, width, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     _rms_norm_row(x + row * x_row_stride, w, y + row * width, width, eps, BLOCK)
 
@@ -33,10 +36,11 @@ def _rms_norm_kernel(x, w, y, x_row_stride, width, eps, BLOCK: tl.constexpr):
 def _rms_norm_pair_kernel(
     x1, w1, y1, x1_row_stride, width1, eps1,
     x2, w2, out2, index2, x2_row_stride, out2_row_stride, width2, eps2,
-    BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
+    BLOCK1: tl.constexpr, BLOCK2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (t, 0) normalises the first rows' row t into y1; program (t, 1) the second's into
     out2[index2[t]]."""
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _rms_norm_row(x1 + row * x1_row_stride, w1, y1 + row * width1, width1, eps1, BLOCK1)
@@ -53,12 +57,14 @@ def rms_norm_pair(first: NormRows, second: NormRows, store: RowStore) -> torch.T
     y1 = torch.empty(first.x.shape, dtype=torch.result_type(first.weight, first.x), device=first.x.device)
     if tokens:
         width2 = second.x.shape[1]
+        dependent = dependent_launches(y1.device)
         _rms_norm_pair_kernel[(tokens, 2)](
             first.x, first.weight, y1, first.x.stride(0), width1, first.eps,
             second.x, second.weight, store.out, store.index, second.x.stride(0), store.out.stride(0),
             width2, second.eps,
             BLOCK1=triton.next_power_of_2(width1), BLOCK2=triton.next_power_of_2(width2),
             num_warps=min(16, max(1, triton.next_power_of_2(max(width1, width2)) // 512)),
+            PDL=dependent, launch_pdl=dependent,
         )  # fmt: skip
     return y1
 
@@ -73,8 +79,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         block = triton.next_power_of_2(width)
         warps = min(16, max(1, block // 512))
+        dependent = dependent_launches(y.device)
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, y, rows.stride(0), width, eps, BLOCK=block, num_warps=warps
+            rows,
+            weight,
+            y,
+            rows.stride(0),
+            width,
+            eps,
+            BLOCK=block,
+            num_warps=warps,
+            PDL=dependent,
+            launch_pdl=dependent,
         )
     return y
 

@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.dependent_launch import dependent_launches
+from hylo.ops.dependent_launch_jit import enter
+
 LOG2E = 1.4426950408889634
 # row-list entries a prefill program scans per load for its last valid row: one size for every width, so
 # that a new width compiles no new kernel (a compile inside a CUDA-graph capture fails it)
@@ -52,7 +55,9 @@ def _sparse_mla_kernel(
     SKIP_EMPTY: tl.constexpr,
     TRIM: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -123,7 +128,9 @@ def _merge_kernel(
     stride_oh,
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -210,9 +217,10 @@ def sparse_mla_fwd(
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     grid = (num_tokens, num_splits, head_blocks)
+    dependent = dependent_launches(q_latent.device)
     common = dict(
         BLOCK_H=block_h, BLOCK_N=block_n, R=rank, BLOCK_W=ROW_SCAN_BLOCK,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
     if num_splits == 1:
         _sparse_mla_kernel[grid](
@@ -225,6 +233,7 @@ def sparse_mla_fwd(
         return out
     part = torch.empty(num_tokens, num_splits, num_heads, rank, dtype=torch.float32, device=q_latent.device)
     lse = torch.empty(num_tokens, num_splits, num_heads, dtype=torch.float32, device=q_latent.device)
+    dependent = dependent_launches(q_latent.device)
     _sparse_mla_kernel[grid](
         q_latent, latent, rows, part, lse,
         num_heads, width, rows_per_split, scale * LOG2E,
@@ -238,6 +247,7 @@ def sparse_mla_fwd(
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_R=block_r, num_warps=4,
+        PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
     return out
 
