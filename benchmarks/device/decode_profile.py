@@ -8,6 +8,11 @@ over replays); the weight bytes each module kind reads in the step (counting hoo
 of the same static batch: FP8 and bf16 projections, routed experts (the experts routed to), the
 lm_head, norms and the rest) and its floor at the copy rate measured here. Also the TTFT of a fresh
 1024- and 13312-token prompt (median of three), for the prefill side of the same kernels.
+
+Kernels launched as programmatic dependents (`hylo.ops.dependent_launch`, on by default on Hopper) start
+before the kernel ahead of them ends and wait, so the profiler counts that wait in their time (mHC's pre
+read twice its own cost so, RESULTS S32-2): for each kernel's own time run with `HYLO_PDL=0`, which
+changes the replay by under 1%.
 """
 
 from __future__ import annotations

@@ -47,10 +47,11 @@
 
 namespace cg = cooperative_groups;
 
-// Blocks in flight per warp (the register ring) and the CTAs a SM must be able to hold (the register
-// budget): `-D` overrides are for `benchmarks/kernels/fp8_gemv_cuda.py --variants`; the defaults are the
-// measured choice (deeper rings at one CTA a SM were no faster on N = 4096 and slower on multi-wave
-// shapes, RESULTS S32-2).
+// Blocks in flight per warp (the register ring), the CTAs a SM must be able to hold (the register budget)
+// and the warps of a CTA over K: `-D` overrides are for `benchmarks/kernels/fp8_gemv_cuda.py --variants`;
+// the defaults are the measured choice for most shapes (RESULTS S32-2, S32-4: deeper rings were no faster;
+// 4 warps over K at one CTA a SM were 5-11% faster on 4096 x 8192 and x 16384, whose warps are few and
+// issue-bound, but 8-27% slower on the multi-wave and short-K shapes, so a per-shape choice is next).
 #ifndef HYLO_GEMV_DEPTH_8
 #define HYLO_GEMV_DEPTH_8 3  // up to 8 rows of x
 #endif
@@ -60,11 +61,14 @@ namespace cg = cooperative_groups;
 #ifndef HYLO_GEMV_MIN_CTAS
 #define HYLO_GEMV_MIN_CTAS 2
 #endif
+#ifndef HYLO_GEMV_SLICE_WARPS
+#define HYLO_GEMV_SLICE_WARPS 2  // warps of a CTA side by side over K (times 4 over rows)
+#endif
 
 
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 4 * HYLO_GEMV_SLICE_WARPS;
 constexpr int kRowWarps = 4;                     // warps side by side over rows, a 16-row tile each
 constexpr int kSliceWarps = kWarps / kRowWarps;  // warps side by side over K inside a CTA
 constexpr int kTileRows = 16;                    // the MMA's M side
