@@ -130,11 +130,12 @@ def test_the_kernel_compiles_for_hopper_and_its_entry_points_load(tmp_path, monk
     assert library.hylo_fp8_gemv_cta_rows() == gemv_cuda.CTA_ROWS
     launch = library.hylo_fp8_gemv
     launch.restype = ctypes.c_int
-    for m, k, split in ((17, 4096, 1), (0, 4096, 1), (4, 4100, 1)):
-        assert (
-            launch(None, ctypes.c_longlong(k), None, None, ctypes.c_longlong(1), None, m, 128, k, split, None)
-            == 1
-        )
+    # rows of x past 16, none, K off the 16-byte grid, a split or warps over K not compiled, 4 warps over
+    # K for more than 8 rows
+    for m, k, split, slices in ((17, 4096, 1, 2), (0, 4096, 1, 2), (4, 4100, 1, 2), (4, 4096, 3, 2),
+                                (4, 4096, 1, 3), (9, 4096, 1, 4)):  # fmt: skip
+        strides = (ctypes.c_longlong(k), None, None, ctypes.c_longlong(1), None)
+        assert launch(None, *strides, m, 128, k, split, slices, 0, None) == 1
 
 
 @pytest.mark.parametrize(("n", "k"), MODEL_SHAPES + RANK_SHAPES)
@@ -156,6 +157,20 @@ def test_the_n4096_projections_split_k_in_two():
     groups: split 2 gives 128 CTAs, 16-30% faster than the 256 of split 4) and the ones around them."""
     assert [gemv_cuda.split_for(4096, k, 132) for k in (16384, 12288, 8192, 2048, 1536)] == [2] * 5
     assert gemv_cuda.split_for(2176, 4096, 132) == 4 and gemv_cuda.split_for(24576, 4096, 132) == 1
+
+
+def test_wide_ctas_only_where_one_wave_of_warps_streams_long_k_runs():
+    """`slices_for` (RESULTS S32-4, H100, one row of x): 4 warps over K for the single-wave N = 4096
+    projections with K >= 8192 (measured 5-11% faster), 2 for the multi-wave and short-K ones (measured
+    8-27% slower with 4) and for more than 8 rows of x (not compiled)."""
+
+    def slices(n, k, m=1):
+        return gemv_cuda.slices_for(m, n, k, gemv_cuda.split_for(n, k, 132), 132)
+
+    assert [slices(4096, k) for k in (16384, 12288, 8192)] == [4, 4, 4]
+    assert [slices(4096, k) for k in (4096, 2048)] == [2, 2]
+    assert slices(24832, 4096) == slices(20480, 1536) == slices(2176, 4096) == 2
+    assert slices(4096, 16384, m=8) == 4 and slices(4096, 16384, m=9) == 2
 
 
 def test_error_bound_passes_the_rounded_product_and_fails_a_missing_scale():

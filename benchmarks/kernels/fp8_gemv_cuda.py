@@ -104,6 +104,7 @@ def measure_shape(n: int, k: int, bandwidth: float, gpu: str) -> list[dict]:
         config = table.lookup(gpu, m, n, k, fp8=True)
         row = {
             "n": n, "k": k, "m": m, "split": gemv_cuda.split_for(n, k, sms()), "copies": count,
+            "slices": gemv_cuda.slices_for(m, n, k, gemv_cuda.split_for(n, k, sms()), sms()),
             "floor_us": round(moved / bandwidth * 1e6, 2), "triton_config": "table" if config else "fallback",
         }  # fmt: skip
         config = config or gemm.fallback_config(m, n, k, x.device)

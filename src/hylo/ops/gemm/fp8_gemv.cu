@@ -8,7 +8,9 @@
 // independent of M; what is left per weight byte is its conversion to bf16 (a few integer ops, below).
 //
 // Work split. A CTA is 8 warps over 64 weight rows: 4 warps side by side over rows (a 16-row tile each)
-// times 2 over K. A cluster of SPLIT CTAs (1, 2, 4 or 8, along grid y) shares the same 64 rows and splits
+// times 2 over K (SLICES; 4, a CTA of 16 warps, where one wave of CTAs leaves each SM too few warps to
+// keep its schedulers issuing: the widening below makes this kernel issue-bound before HBM-bound, RESULTS
+// S32-4; `gemv_cuda.slices_for` chooses). A cluster of SPLIT CTAs (1, 2, 4 or 8, along grid y) shares the same 64 rows and splits
 // K further, so that every shape fills the SMs (N = 2048 makes 32 row groups; SPLIT = 8 makes 256 CTAs).
 // Each warp walks a contiguous run of 128-k blocks (the scale block): per block each lane loads 16 bytes
 // from row g and 16 from row g + 8 of its tile at k offsets 16t and 64 + 16t (g = lane / 4, t = lane % 4),
@@ -47,11 +49,10 @@
 
 namespace cg = cooperative_groups;
 
-// Blocks in flight per warp (the register ring), the CTAs a SM must be able to hold (the register budget)
-// and the warps of a CTA over K: `-D` overrides are for `benchmarks/kernels/fp8_gemv_cuda.py --variants`;
-// the defaults are the measured choice for most shapes (RESULTS S32-2, S32-4: deeper rings were no faster;
-// 4 warps over K at one CTA a SM were 5-11% faster on 4096 x 8192 and x 16384, whose warps are few and
-// issue-bound, but 8-27% slower on the multi-wave and short-K shapes, so a per-shape choice is next).
+// Blocks in flight per warp (the register ring) and the CTAs a SM must be able to hold (the register
+// budget) of the 8-warp CTAs: `-D` overrides are for `benchmarks/kernels/fp8_gemv_cuda.py --variants`; the
+// defaults are the measured choice (deeper rings at one CTA a SM were no faster on N = 4096 and slower on
+// multi-wave shapes, RESULTS S32-2).
 #ifndef HYLO_GEMV_DEPTH_8
 #define HYLO_GEMV_DEPTH_8 3  // up to 8 rows of x
 #endif
@@ -61,20 +62,14 @@ namespace cg = cooperative_groups;
 #ifndef HYLO_GEMV_MIN_CTAS
 #define HYLO_GEMV_MIN_CTAS 2
 #endif
-#ifndef HYLO_GEMV_SLICE_WARPS
-#define HYLO_GEMV_SLICE_WARPS 2  // warps of a CTA side by side over K (times 4 over rows)
-#endif
 
 
 namespace {
 
-constexpr int kWarps = 4 * HYLO_GEMV_SLICE_WARPS;
-constexpr int kRowWarps = 4;                     // warps side by side over rows, a 16-row tile each
-constexpr int kSliceWarps = kWarps / kRowWarps;  // warps side by side over K inside a CTA
-constexpr int kTileRows = 16;                    // the MMA's M side
+constexpr int kRowWarps = 4;  // warps side by side over rows, a 16-row tile each
+constexpr int kTileRows = 16;  // the MMA's M side
 constexpr int kCtaRows = kRowWarps * kTileRows;
-constexpr int kBlockK = 128;                     // the scale block, one step of a warp
-constexpr int kThreads = kWarps * 32;
+constexpr int kBlockK = 128;  // the scale block, one step of a warp
 
 // One lane's share of one 128-k block: 16 bytes of rows g and g + 8 at k halves 0 and 1, and the scale.
 struct Step {
@@ -189,10 +184,14 @@ __device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& s
 }
 
 // NT: tiles of 8 rows of x (1 for M ≤ 8, 2 for M ≤ 16). SPLIT: CTAs of a cluster splitting K.
-// DEPTH: 128-k blocks in flight per warp.
-template <int NT, int SPLIT, int DEPTH>
-__global__ void __launch_bounds__(kThreads, HYLO_GEMV_MIN_CTAS) __cluster_dims__(1, SPLIT, 1)
-    fp8_gemv_kernel(Problem p) {
+// DEPTH: 128-k blocks in flight per warp. SLICES: warps of a CTA side by side over K (2: two CTAs of 8
+// warps fit a SM; 4: one of 16, for single-wave shapes whose 8 warps a SM leave the schedulers idle, RESULTS
+// S32-4).
+template <int NT, int SPLIT, int DEPTH, int SLICES>
+__global__ void __launch_bounds__(kRowWarps * SLICES * 32, SLICES == 2 ? HYLO_GEMV_MIN_CTAS : 1)
+    __cluster_dims__(1, SPLIT, 1) fp8_gemv_kernel(Problem p) {
+    constexpr int kSliceWarps = SLICES;
+    constexpr int kThreads = kRowWarps * SLICES * 32;
     __shared__ float partials[kSliceWarps][kCtaRows][8 * NT];
     cg::cluster_group cluster = cg::this_cluster();
     const int rank = static_cast<int>(cluster.block_rank());
@@ -260,28 +259,28 @@ __global__ void __launch_bounds__(kThreads, HYLO_GEMV_MIN_CTAS) __cluster_dims__
     cluster.sync();  // the other CTAs of the cluster may still be reading this CTA's partials
 }
 
-template <int NT, int SPLIT>
+template <int NT, int SPLIT, int SLICES>
 cudaError_t launch(const Problem& p, bool dependent, cudaStream_t stream) {
     constexpr int depth = NT == 1 ? HYLO_GEMV_DEPTH_8 : HYLO_GEMV_DEPTH_16;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3((p.n + kCtaRows - 1) / kCtaRows, SPLIT);
-    config.blockDim = dim3(kThreads);
+    config.blockDim = dim3(kRowWarps * SLICES * 32);
     config.stream = stream;
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
     config.numAttrs = dependent ? 1 : 0;
-    return cudaLaunchKernelEx(&config, fp8_gemv_kernel<NT, SPLIT, depth>, p);
+    return cudaLaunchKernelEx(&config, fp8_gemv_kernel<NT, SPLIT, depth, SLICES>, p);
 }
 
-template <int NT>
+template <int NT, int SLICES>
 cudaError_t launch_split(const Problem& p, int split, bool dependent, cudaStream_t stream) {
     switch (split) {
-        case 1: return launch<NT, 1>(p, dependent, stream);
-        case 2: return launch<NT, 2>(p, dependent, stream);
-        case 4: return launch<NT, 4>(p, dependent, stream);
-        case 8: return launch<NT, 8>(p, dependent, stream);
+        case 1: return launch<NT, 1, SLICES>(p, dependent, stream);
+        case 2: return launch<NT, 2, SLICES>(p, dependent, stream);
+        case 4: return launch<NT, 4, SLICES>(p, dependent, stream);
+        case 8: return launch<NT, 8, SLICES>(p, dependent, stream);
         default: return cudaErrorInvalidValue;
     }
 }
@@ -293,16 +292,19 @@ extern "C" {
 // 64 weight rows per CTA: `gemv_cuda.split_for` sizes the grid with it.
 int hylo_fp8_gemv_cta_rows() { return kCtaRows; }
 
-// Launch on `stream` (a cudaStream_t; capture-safe: no allocation, no synchronisation), as a programmatic
-// dependent of the launch before it when `dependent` is nonzero. Returns the cudaError_t of the launch
-// (0: launched); unsupported arguments return cudaErrorInvalidValue unlaunched.
+// Launch on `stream` (a cudaStream_t; capture-safe: no allocation, no synchronisation) with `slices` warps
+// of a CTA over K (2, or 4 for up to 8 rows of x), as a programmatic dependent of the launch before it when
+// `dependent` is nonzero. Returns the cudaError_t of the launch (0: launched); unsupported arguments return
+// cudaErrorInvalidValue unlaunched.
 int hylo_fp8_gemv(const void* x, long long x_stride, const void* w, const void* scale, long long scale_stride,
-                  void* out, int m, int n, int k, int split, int dependent, void* stream) {
+                  void* out, int m, int n, int k, int split, int slices, int dependent, void* stream) {
     if (m < 1 || m > 16 || n < 1 || k < 16 || k % 16 || x_stride % 8) return cudaErrorInvalidValue;
     const Problem p{static_cast<const __nv_bfloat16*>(x), x_stride, static_cast<const uint8_t*>(w),
                     static_cast<const float*>(scale), scale_stride, static_cast<__nv_bfloat16*>(out), m, n, k};
     const auto s = static_cast<cudaStream_t>(stream);
-    return m <= 8 ? launch_split<1>(p, split, dependent != 0, s) : launch_split<2>(p, split, dependent != 0, s);
+    if (slices == 4 && m <= 8) return launch_split<1, 4>(p, split, dependent != 0, s);
+    if (slices != 2) return cudaErrorInvalidValue;
+    return m <= 8 ? launch_split<1, 2>(p, split, dependent != 0, s) : launch_split<2, 2>(p, split, dependent != 0, s);
 }
 
 }  // extern "C"

@@ -49,6 +49,8 @@ SWITCH = "HYLO_FP8_GEMV"
 MAX_ROWS = 16
 CTA_ROWS = 64  # weight rows per CTA (4 warps of a 16-row MMA tile); the library reports its own
 SPLITS = (1, 2, 4, 8)  # CTAs of a cluster that split K (the compiled variants)
+SLICES = (2, 4)  # warps of a CTA over K (the compiled variants; 4 for up to WIDE_ROWS rows of x)
+WIDE_ROWS = 8
 CHECK_ROWS = (3, 13)  # one row count per compiled row tile (8 and 16 rows of x)
 
 _READY: dict[int, ctypes.CDLL] = {}  # device index -> library that passed its check there
@@ -71,6 +73,16 @@ def split_for(n: int, k: int, sms: int) -> int:
     return next((s for s in allowed if row_groups * s >= 0.9 * sms), allowed[-1])
 
 
+def slices_for(m: int, n: int, k: int, split: int, sms: int) -> int:
+    """Warps of a CTA over K: 4 (a CTA of 16 warps, one a SM) where the grid is one wave (at most one CTA
+    a SM) and each of the 4·split K slices still streams at least 8 blocks; else 2. Measured on the H100
+    at one row of x (RESULTS S32-4): 4 is 5-11% faster on 4096 × 8192 and × 16384, 8-27% slower on
+    multi-wave or short-K shapes; compiled for up to `WIDE_ROWS` rows only."""
+    ctas = -(-n // CTA_ROWS) * split
+    wide = m <= WIDE_ROWS and ctas <= sms and -(-k // FP8_BLOCK) >= 8 * 4 * split
+    return 4 if wide else 2
+
+
 @cache
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -91,7 +103,7 @@ def load_library(arch: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | str:
     library.hylo_fp8_gemv.restype = ctypes.c_int
     library.hylo_fp8_gemv.argtypes = [
         ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_void_p,
     ]  # fmt: skip
     return library
@@ -160,32 +172,36 @@ def gemv(
     split: int | None = None,
     library: ctypes.CDLL | None = None,
     dependent: bool | None = None,
+    slices: int | None = None,
 ) -> torch.Tensor:
     """`x [M, K] @ dequant(weight)ᵀ` as bf16 `[M, N]`, fp32 accumulation. Safe where `refusal` is None
-    (which also builds and checks the kernel); `split` (one of `SPLITS`) overrides `split_for`;
-    `library` (a benchmark's variant that passed `check_library`) overrides the checked one; `dependent`
-    overrides `dependent_launches`."""
+    (which also builds and checks the kernel); `split` (one of `SPLITS`) overrides `split_for`, `slices`
+    (one of `SLICES`; 4 only for up to `WIDE_ROWS` rows) `slices_for`; `library` (a benchmark's variant
+    that passed `check_library`) overrides the checked one; `dependent` overrides `dependent_launches`."""
     index = x.device.index
     library = library or _READY.get(index)
     if library is None:
         raise RuntimeError(f"gemv: {KERNEL} is not checked on GPU {index}; ask refusal() first")
-    split = split or split_for(weight.shape[0], x.shape[1], _sms(index))
+    (m, k), n = x.shape, weight.shape[0]
+    split = split or split_for(n, k, _sms(index))
+    slices = slices or slices_for(m, n, k, split, _sms(index))
     if dependent is None:
         dependent = dependent_launches(x.device)
-    return _launch(library, x, weight, scale_inv, split, dependent)
+    return _launch(library, x, weight, scale_inv, split, slices, dependent)
 
 
-def _launch(library, x, weight, scale_inv, split: int, dependent: bool) -> torch.Tensor:
+def _launch(library, x, weight, scale_inv, split: int, slices: int, dependent: bool) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     error = library.hylo_fp8_gemv(
         x.data_ptr(), x.stride(0), weight.data_ptr(), scale_inv.data_ptr(), scale_inv.stride(0),
-        out.data_ptr(), m, n, k, split, int(dependent), stream,
+        out.data_ptr(), m, n, k, split, slices, int(dependent), stream,
     )  # fmt: skip
     if error:
         raise RuntimeError(
-            f"{KERNEL}: launch failed with cudaError {error} (M={m}, N={n}, K={k}, split {split})"
+            f"{KERNEL}: launch failed with cudaError {error} (M={m}, N={n}, K={k}, split {split}, "
+            f"{slices} warps over K)"
         )
     return out
 
@@ -228,9 +244,9 @@ def check_library(library: ctypes.CDLL, device: torch.device) -> str | None:
 
 
 def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
-    """Every compiled variant (row tile × split, launched plainly and as a dependent) against the float64
-    product, on a ragged problem: N=200 (a CTA with one partial tile and three past N), K=1040 (a
-    16-wide last block; 9 blocks over up to 16 K slices, some empty), rows of x strided. The first
+    """Every compiled variant (row tile × split × warps over K, launched plainly and as a dependent) against
+    the float64 product, on a ragged problem: N=200 (a CTA with one partial tile and three past N), K=1040 (a
+    16-wide last block; 9 blocks over up to 32 K slices, some empty), rows of x strided. The first
     failure, or None."""
     generator = torch.Generator(device=device).manual_seed(1234)
     n, k = 200, 1040
@@ -238,15 +254,17 @@ def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
     x_rows = torch.randn(MAX_ROWS, k + 16, generator=generator, device=device).to(torch.bfloat16)
     for m in CHECK_ROWS:
         x = x_rows[:m, :k]
-        for split, dependent in itertools.product(SPLITS, (False, True)):
+        slices = [s for s in SLICES if s == 2 or m <= WIDE_ROWS]
+        for split, wide, dependent in itertools.product(SPLITS, slices, (False, True)):
             try:
-                out = _launch(library, x, weight, scale, split, dependent)
+                out = _launch(library, x, weight, scale, split, wide, dependent)
                 error = worst_error(out, x, weight, scale)
             except RuntimeError as e:
                 return str(e)
             if not error <= 1.0:  # NaN fails too
                 return (
-                    f"M={m}, N={n}, K={k}, split {split}, dependent {dependent}: error {error:.3g}× its bound"
+                    f"M={m}, N={n}, K={k}, split {split}, {wide} warps over K, dependent {dependent}: "
+                    f"error {error:.3g}× its bound"
                 )
     return None
 
