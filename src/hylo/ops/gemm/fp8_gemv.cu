@@ -29,8 +29,8 @@
 //
 // Programmatic dependent launch (PDL, sm_90; `ops.dependent_launch`): launched with `dependent`, a GEMV
 // starts while the kernel before it finishes. Its weights and scales do not depend on that kernel, so the
-// first DEPTH blocks of every warp are loaded before `griddepcontrol.wait`; x is read and `out` written
-// only after it. Right after its wait each CTA lets the next kernel launch (`launch_dependents`; letting it
+// first DEPTH blocks of every warp are loaded before `griddepcontrol.wait` (so the kernel before it must
+// not be the one that wrote them); x is read and `out` written only after it. Right after its wait each CTA lets the next kernel launch (`launch_dependents`; letting it
 // go after the main loop instead was no faster, RESULTS S32-2); that kernel's own wait still holds it
 // until this one has finished and its stores are visible.
 //

@@ -22,7 +22,10 @@ of Python, below Triton's launcher) is assumed small enough to use eagerly too: 
 the Triton kernel in one process calls `gemv` and `kernels.gemm` directly.
 
 Launches are programmatic dependents where `ops.dependent_launch` says a device's launches are
-(`fp8_gemv.cu` says what the GEMV overlaps then); a benchmark may force either way per call.
+(`fp8_gemv.cu` says what the GEMV overlaps then); a benchmark may force either way per call. A dependent
+GEMV reads its first weight blocks and scales before its wait, so it is safe to use when the kernel
+launched just before it did not write them (a model's weights are written at load, never by a step;
+a caller that writes a weight and multiplies by it at once launches the GEMV with `dependent=False`).
 """
 
 from __future__ import annotations
