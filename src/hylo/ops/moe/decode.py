@@ -27,8 +27,10 @@ launches on different streams never share one; launches of one stream run one af
 H200, GLM-5.3-Flash shapes, FP8 experts, graph replays (`benchmarks/kernels/moe.py`): one token
 65.4 us against 82.1 for the general path (prologue 4.7 us where the router GEMM, routing kernel, x
 quantisation and alignment took 16.7; down with the combine 20.8 against 19.3 + 2.2); four tokens
-214.0 against 221.9. Launching gate|up and down as programmatic dependent launches (Hopper) was
-measured too: +4 us at one FP8 token with gate|up dependent, within ±1.4 us otherwise, so not used.
+214.0 against 221.9. Launched as programmatic dependents (`ops.dependent_launch`), gate|up alone once
+measured +4 us at one FP8 token and within ±1.4 us otherwise (H200); with every kernel of the decode
+step a dependent the whole step measured 0.2% (one token) and 0.8% (eight) faster on the H100 (RESULTS
+S32-2), so all three launches are dependents like the rest; the MoE launches alone were not re-measured.
 """
 
 from __future__ import annotations
