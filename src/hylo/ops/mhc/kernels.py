@@ -87,7 +87,8 @@ class SplitPlan:
 # The H200 sweeps' fastest at M = 1 / 16 / 64 (session 6, post then pre under graph replay, 10.2 / 11.8 / 14.2
 # us before): two-warp projections (-0.5 to -1.2 us), split-major partials (each projection program's
 # stores contiguous: -1.3 us at M = 64), dependent launches (-0.6 to -0.9 us; post as one too made M = 64
-# 5 us slower), whole-chunk collapse steps (-0.3 us).
+# 5 us slower then, after a kernel that did not let it start early; since S32 every decode kernel does),
+# whole-chunk collapse steps (-0.3 us).
 DECODE_PLAN = SplitPlan()
 # The H200 sweep's fastest pre at M = 13312 (365 us when the projection's products had fn's rows as their
 # rows, 226 us of them; with 16-token blocks 550: each program reads fn's 24 × 4·split slice once per token
