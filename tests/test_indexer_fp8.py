@@ -171,10 +171,11 @@ def check_selection(select, compress, device: str, key_unit: float) -> None:
     case = long_prompt_case()
     bf16, fp8, scale = compressed(case, compress, device)
     dev = {k: v.to(device) for k, v in case.items()}
-    layout = [dev[k] for k in ("pool_table", "req_to_token", "token_seq", "token_rows", "positions")]
-    rest = (dev["pad_index"], dev["pad_valid"], KPOOL, TOPK, False)
-    chosen_bf16 = selected_pools(select(dev["q"], dev["w"], bf16, None, *layout, *rest))
-    chosen_fp8 = selected_pools(select(dev["q"], dev["w"], fp8, scale, *layout, *rest))
+    names = ("pool_table", "req_to_token", "token_seq", "token_rows", "positions", "pad_index", "pad_valid")
+    layout = iref.SlotLayout(*(dev[k] for k in names))
+    selection = iref.Selection(KPOOL, TOPK, False)
+    chosen_bf16 = selected_pools(select(dev["q"], dev["w"], iref.PooledKeys(bf16), layout, selection))
+    chosen_fp8 = selected_pools(select(dev["q"], dev["w"], iref.PooledKeys(fp8, scale), layout, selection))
 
     keys, unit = bf16.cpu(), ACCUMULATION_UNIT[device]
     scores, bound = e4m3_score_bound(case["q"], case["w"], keys, scale.cpu(), key_unit, unit)
@@ -186,7 +187,8 @@ def check_selection(select, compress, device: str, key_unit: float) -> None:
     # accumulation): on the H100 it forced 14.8 of the 64 pools a query takes, the CPU's far more
     assert float(forced.mean()) >= TOPK // KPOOL / (4 if device == "cpu" else 8), forced
     # and a planted bug shows: the FP8 scores without their per-pool scales choose outside the bound
-    unscaled = selected_pools(select(dev["q"], dev["w"], fp8, torch.ones_like(scale), *layout, *rest))
+    unscaled_keys = iref.PooledKeys(fp8, torch.ones_like(scale))
+    unscaled = selected_pools(select(dev["q"], dev["w"], unscaled_keys, layout, selection))
     with pytest.raises(AssertionError, match="fp8 without its scales"):
         assert_consistent(unscaled, scores, bound, case, "fp8 without its scales")
 

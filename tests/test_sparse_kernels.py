@@ -30,15 +30,13 @@ TOL = {"rtol": 5e-3, "atol": 5e-3} if CUDA else {"rtol": 1e-4, "atol": 1e-5}
 cuda_only = pytest.mark.skipif(not CUDA, reason="FP8 and real-shape kernels run on the GPU")
 
 
-def dispatched_select(q, w, pooled, scale, pool_table, req_to_token, token_seq, token_rows, *rest):
-    """The dispatcher's `select_slots` on the kernels' positional arguments."""
+def bundled(q, w, pooled, scale, pool_table, req_to_token, token_seq, token_rows, *rest):
+    """`select_slots`' arguments (q, w and the typed bundles) from a case's tensors and choices."""
     positions, pad_index, pad_valid, kpool, topk, tail = rest
     layout = indexer_ops.SlotLayout(
         pool_table, req_to_token, token_seq, token_rows, positions, pad_index, pad_valid
     )
-    return indexer_ops.select_slots(
-        q, w, indexer_ops.PooledKeys(pooled, scale), layout, indexer_ops.Selection(kpool, topk, tail)
-    )
+    return q, w, indexer_ops.PooledKeys(pooled, scale), layout, indexer_ops.Selection(kpool, topk, tail)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -228,9 +226,9 @@ def test_topk_kernel_selects_reference_rows(kpool, max_tile, monkeypatch):
         meta["token_rows"],
     )
     rest = (meta["positions"], meta["pad_index"], meta["pad_valid"], kpool, topk, True)
-    expect = iref.select_slots(*args, *rest)
+    expect = iref.select_slots(*bundled(*args, *rest))
     dev = (*[a.to(DEV) if a is not None else None for a in args], *[a.to(DEV) for a in rest[:3]], *rest[3:])
-    got = ik.select_slots(*dev).cpu()
+    got = ik.select_slots(*bundled(*dev)).cpu()
     assert (
         got.dtype == torch.int32
         and got.shape[1] == ik.row_width(topk, kpool, True)
@@ -258,11 +256,11 @@ def test_topk_kernel_without_tail_and_short_sequences():
         meta["token_rows"],
     )
     rest = (meta["positions"], meta["pad_index"], meta["pad_valid"], kpool, topk, False)
-    expect = iref.select_slots(*args, *rest)
-    got = dispatched_select(*args, *rest)  # CPU dispatch: the reference itself
+    expect = iref.select_slots(*bundled(*args, *rest))
+    got = indexer_ops.select_slots(*bundled(*args, *rest))  # CPU dispatch: the reference itself
     assert as_sets(got) == as_sets(expect)
     dev = (*[a.to(DEV) if a is not None else None for a in args], *[a.to(DEV) for a in rest[:3]], *rest[3:])
-    got = ik.select_slots(*dev).cpu()
+    got = ik.select_slots(*bundled(*dev)).cpu()
     assert as_sets(got) == as_sets(expect)
     assert as_sets(got)[0] == frozenset()  # position 0 without a tail attends to nothing
 
@@ -434,9 +432,9 @@ def test_cuda_indexer_matches_reference(fp8):
         meta["token_rows"],
     )
     rest = (meta["positions"], meta["pad_index"], meta["pad_valid"], kpool, topk, True)
-    expect = iref.select_slots(*args, *rest)
+    expect = iref.select_slots(*bundled(*args, *rest))
     dev = (*[a.cuda() if a is not None else None for a in args], *[a.cuda() for a in rest[:3]], *rest[3:])
-    got = dispatched_select(*dev).cpu()
+    got = indexer_ops.select_slots(*bundled(*dev)).cpu()
     assert as_sets(got) == as_sets(expect)
 
 

@@ -336,23 +336,18 @@ def indexer_bench(quick: bool) -> None:
     rec("parity_compress_fp8_max_err_over_row_amax", round(float(err.max()), 4))
 
 
+def slot_layout(meta: dict[str, torch.Tensor]) -> iref.SlotLayout:
+    names = ("pool_table", "req_to_token", "token_seq", "token_rows", "positions", "pad_index", "pad_valid")
+    return iref.SlotLayout(*(meta[k] for k in names))
+
+
 def indexer_quality() -> None:
     """FP8 vs bf16 kernel selections (share of the bf16 pools FP8 also picks), and kernel vs reference."""
     gen = torch.Generator().manual_seed(4)
     tokens = INDEXER_TOKENS
     meta = one_sequence_meta(tokens)
-    slot_args = (
-        meta["pool_table"],
-        meta["req_to_token"],
-        meta["token_seq"],
-        meta["token_rows"],
-        meta["positions"],
-        meta["pad_index"],
-        meta["pad_valid"],
-        KPOOL,
-        TOPK,
-        True,
-    )
+    layout = slot_layout(meta)
+    selection = iref.Selection(KPOOL, TOPK, True)
     score_args = (meta["pool_table"], meta["positions"], meta["pad_index"], meta["pad_valid"], KPOOL)
     topk_args = (
         meta["positions"],
@@ -364,7 +359,7 @@ def indexer_quality() -> None:
     for realistic in (True, False):
         q, w, keys = indexer_inputs(tokens, realistic, gen)
         k8, s8 = iref.quantize_fp8_rows(keys)
-        rows_bf = ik.select_slots(q, w, keys, None, *slot_args)
+        rows_bf = ik.select_slots(q, w, iref.PooledKeys(keys), layout, selection)
         t0 = (TOPK // KPOOL) * KPOOL  # tokens before this see <= 512 pools: both take them all
         a = (rows_bf[t0:, :TOPK].long() // KPOOL).sort(-1).values
         tag = "realistic" if realistic else "gaussian"
@@ -389,23 +384,12 @@ def indexer_quality() -> None:
         pad_index=torch.arange(n_sample, device=DEV)[None],
         pad_valid=torch.ones(1, n_sample, dtype=torch.bool, device=DEV),
     )
-    args = (
-        sub["pool_table"],
-        sub["req_to_token"],
-        sub["token_seq"],
-        sub["token_rows"],
-        sub["positions"],
-        sub["pad_index"],
-        sub["pad_valid"],
-        KPOOL,
-        TOPK,
-        True,
-    )
-    for name, (pk, ps) in {"bf16": (keys, None), "fp8": (k8, s8)}.items():
+    sub_layout = slot_layout(sub)
+    for name, pooled in {"bf16": iref.PooledKeys(keys), "fp8": iref.PooledKeys(k8, s8)}.items():
         if DRY and name == "fp8":
             continue
-        got = ik.select_slots(q[sample], w[sample], pk, ps, *args)
-        ref = iref.select_slots(q[sample], w[sample], pk, ps, *args)
+        got = ik.select_slots(q[sample], w[sample], pooled, sub_layout, selection)
+        ref = iref.select_slots(q[sample], w[sample], pooled, sub_layout, selection)
         same = [
             set(g[g >= 0].tolist()) == set(r[r >= 0].tolist())
             for g, r in zip(got.cpu(), ref.cpu(), strict=True)

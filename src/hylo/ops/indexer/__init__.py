@@ -8,13 +8,20 @@ compactly and pad the width to a multiple of 64. Attention treats a row list as 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from hylo.ops.dispatch import use_kernel
 from hylo.ops.indexer import reference
-from hylo.ops.indexer.reference import KeyNorm, TokenKeys, fp8_row_scale, quantize_fp8_rows, select_rows
+from hylo.ops.indexer.reference import (
+    KeyNorm,
+    PooledKeys,
+    Selection,
+    SlotLayout,
+    TokenKeys,
+    fp8_row_scale,
+    quantize_fp8_rows,
+    select_rows,
+)
 
 __all__ = [
     "KeyNorm",
@@ -30,45 +37,6 @@ __all__ = [
     "store_refusal",
     "store_tokens",
 ]
-
-
-@dataclass(frozen=True)
-class PooledKeys:
-    """A layer's compressed k-pool keys `[pools, d]` (float8_e4m3fn: FP8 scoring, with its per-pool
-    `scale`; else in their dtype, `scale` None)."""
-
-    keys: torch.Tensor
-    scale: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """Where a batch's packed tokens sit: `pool_table [B, pools]` (each sequence's pool ids),
-    `req_to_token [rows, max_len]` (positions to token-cache slots), per token its `token_seq` (batch
-    index), `token_rows` (request-table row) and `positions` `[T]`, and `pad_index` / `pad_valid`
-    `[B, max_new]` laying the packed tokens out per sequence (`ForwardBatch` holds them all)."""
-
-    pool_table: torch.Tensor
-    req_to_token: torch.Tensor
-    token_seq: torch.Tensor
-    token_rows: torch.Tensor
-    positions: torch.Tensor
-    pad_index: torch.Tensor
-    pad_valid: torch.Tensor
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.pool_table, self.req_to_token, self.token_seq, self.token_rows, self.positions)
-
-
-@dataclass(frozen=True)
-class Selection:
-    """What a layer selects: the `topk` best of its `kpool`-token pools, and with `tail` the current
-    sequence's incomplete last pool's tokens too."""
-
-    kpool: int
-    topk: int
-    tail: bool
 
 
 def store_refusal(
@@ -128,9 +96,8 @@ def select_slots(
     -1 = empty (see `reference.select_slots`). Scoring is FP8 when the pooled keys are float8_e4m3fn.
     q and head_weights may be column views of wider products in any float dtype (read as fp32), and
     need no constant factor: a positive factor of every score does not change which pools are best."""
-    args = (q, head_weights, pooled.keys, pooled.scale, *layout.tensors, layout.pad_index, layout.pad_valid)
     if use_kernel("indexer.select_slots", q):
         from hylo.ops.indexer import kernels
 
-        return kernels.select_slots(*args, selection.kpool, selection.topk, selection.tail)
-    return reference.select_slots(*args, selection.kpool, selection.topk, selection.tail)
+        return kernels.select_slots(q, head_weights, pooled, layout, selection)
+    return reference.select_slots(q, head_weights, pooled, layout, selection)

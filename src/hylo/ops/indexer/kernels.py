@@ -17,7 +17,7 @@ import triton.language as tl
 
 from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
-from hylo.ops.indexer.reference import KeyNorm, TokenKeys
+from hylo.ops.indexer.reference import KeyNorm, PooledKeys, Selection, SlotLayout, TokenKeys
 
 FP8_MAX = 448.0
 # Largest pool count one top-k program holds in registers; longer rows are searched tile by tile.
@@ -460,25 +460,19 @@ def topk_rows(
 def select_slots(
     q: torch.Tensor,
     head_weights: torch.Tensor,
-    pooled: torch.Tensor,
-    pooled_scale: torch.Tensor | None,
-    pool_table: torch.Tensor,
-    req_to_token: torch.Tensor,
-    token_seq: torch.Tensor,
-    token_rows: torch.Tensor,
-    positions: torch.Tensor,
-    pad_index: torch.Tensor,
-    pad_valid: torch.Tensor,
-    kpool: int,
-    topk: int,
-    tail: bool,
+    pooled: PooledKeys,
+    layout: SlotLayout,
+    selection: Selection,
     *,
     pad_to: int = 64,
 ) -> torch.Tensor:
     """Scoring then top-k: the token-cache slots each packed query attends to, `[T, W]` int32."""
+    kpool = selection.kpool
     logits = index_scores(
-        q, head_weights, pooled, pooled_scale, pool_table, positions, pad_index, pad_valid, kpool
-    )
+        q, head_weights, pooled.keys, pooled.scale, layout.pool_table, layout.positions, layout.pad_index,
+        layout.pad_valid, kpool,
+    )  # fmt: skip
     return topk_rows(
-        logits, positions, token_seq, token_rows, pool_table, req_to_token, kpool, topk, tail, pad_to=pad_to
-    )
+        logits, layout.positions, layout.token_seq, layout.token_rows, layout.pool_table, layout.req_to_token,
+        kpool, selection.topk, selection.tail, pad_to=pad_to,
+    )  # fmt: skip

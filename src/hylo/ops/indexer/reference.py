@@ -42,6 +42,41 @@ class TokenKeys:
     gates: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PooledKeys:
+    """A layer's compressed k-pool keys `[pools, d]` (float8_e4m3fn: FP8 scoring, with its per-pool
+    `scale`; else in their dtype, `scale` None)."""
+
+    keys: torch.Tensor
+    scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where a batch's packed tokens sit: `pool_table [B, pools]` (each sequence's pool ids),
+    `req_to_token [rows, max_len]` (positions to token-cache slots), per token its `token_seq` (batch
+    index), `token_rows` (request-table row) and `positions` `[T]`, and `pad_index` / `pad_valid`
+    `[B, max_new]` laying the packed tokens out per sequence (`ForwardBatch` holds them all)."""
+
+    pool_table: torch.Tensor
+    req_to_token: torch.Tensor
+    token_seq: torch.Tensor
+    token_rows: torch.Tensor
+    positions: torch.Tensor
+    pad_index: torch.Tensor
+    pad_valid: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a layer selects: the `topk` best of its `kpool`-token pools, and with `tail` the current
+    sequence's incomplete last pool's tokens too."""
+
+    kpool: int
+    topk: int
+    tail: bool
+
+
 def store_tokens(
     key: torch.Tensor, gate_scores: torch.Tensor, norm: KeyNorm, cache: TokenKeys, slots: torch.Tensor
 ) -> None:
@@ -130,35 +165,20 @@ def select_rows(
 
 
 def select_slots(
-    q: torch.Tensor,
-    head_weights: torch.Tensor,
-    pooled: torch.Tensor,
-    pooled_scale: torch.Tensor | None,
-    pool_table: torch.Tensor,
-    req_to_token: torch.Tensor,
-    token_seq: torch.Tensor,
-    token_rows: torch.Tensor,
-    positions: torch.Tensor,
-    pad_index: torch.Tensor,
-    pad_valid: torch.Tensor,
-    kpool: int,
-    topk: int,
-    tail: bool,
+    q: torch.Tensor, head_weights: torch.Tensor, pooled: PooledKeys, layout: SlotLayout, selection: Selection
 ) -> torch.Tensor:
-    """`select_rows` on packed tokens, mapped to token-cache slots: `[T, W]` (-1 = empty).
-
-    q `[T, Hi, d]`, head_weights `[T, Hi]`, positions / token_seq (batch index) / token_rows
-    (request-table row) `[T]`; `pad_index`/`pad_valid [B, max_new]` lay the packed tokens out per
-    sequence; `req_to_token [rows, max_len]` maps positions to slots.
-    """
+    """`select_rows` on packed tokens (`q [T, Hi, d]`, `head_weights [T, Hi]`), laid out per sequence by
+    `layout`, mapped to token-cache slots: `[T, W]` (-1 = empty)."""
+    pad_index, pad_valid = layout.pad_index, layout.pad_valid
 
     def pad(packed: torch.Tensor) -> torch.Tensor:
         mask = pad_valid.view(*pad_valid.shape, *([1] * (packed.dim() - 1)))
         return packed[pad_index] * mask
 
     padded = select_rows(
-        pad(q), pad(head_weights), pooled, pool_table, pad(positions), kpool, topk, tail, pooled_scale
-    )
+        pad(q), pad(head_weights), pooled.keys, layout.pool_table, pad(layout.positions),
+        selection.kpool, selection.topk, selection.tail, pooled.scale,
+    )  # fmt: skip
     rows = padded[pad_valid]
-    slots = req_to_token[token_rows[:, None], rows.clamp(min=0)].long()
+    slots = layout.req_to_token[layout.token_rows[:, None], rows.clamp(min=0)].long()
     return slots.masked_fill(rows < 0, -1)
