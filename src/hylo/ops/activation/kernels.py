@@ -38,15 +38,7 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
         grid = (gate_rows.shape[0], triton.cdiv(width, BLOCK))
         dependent = dependent_launches(out.device)
         _swiglu_clamp_kernel[grid](
-            gate_rows,
-            up_rows,
-            out,
-            gate_rows.stride(0),
-            width,
-            float(limit),
-            BLOCK=BLOCK,
-            num_warps=4,
-            PDL=dependent,
-            launch_pdl=dependent,
-        )
+            gate_rows, up_rows, out, gate_rows.stride(0), width, float(limit), BLOCK=BLOCK, num_warps=4,
+            PDL=dependent, launch_pdl=dependent,
+        )  # fmt: skip
     return out

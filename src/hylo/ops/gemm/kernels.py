@@ -164,7 +164,6 @@ def gemm(
     )  # fmt: skip
     if split_k > 1:
         block = 1024
-        dependent = dependent_launches(part.device)
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
             part, out, m * n, SPLIT_K=split_k, BLOCK=block, PDL=dependent, launch_pdl=dependent
         )

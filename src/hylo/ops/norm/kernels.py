@@ -81,17 +81,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         warps = min(16, max(1, block // 512))
         dependent = dependent_launches(y.device)
         _rms_norm_kernel[(rows.shape[0],)](
-            rows,
-            weight,
-            y,
-            rows.stride(0),
-            width,
-            eps,
-            BLOCK=block,
-            num_warps=warps,
-            PDL=dependent,
-            launch_pdl=dependent,
-        )
+            rows, weight, y, rows.stride(0), width, eps, BLOCK=block, num_warps=warps,
+            PDL=dependent, launch_pdl=dependent,
+        )  # fmt: skip
     return y
 
 
