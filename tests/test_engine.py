@@ -358,3 +358,26 @@ def test_prompt_scoring_chunks_are_capped(checkpoint, prompts, monkeypatch):
     own = [(e[t], u[t]) for e, u, t in zip(capped[0].prompt_logprobs[1:], uncapped[0].prompt_logprobs[1:],
                                            pair[0][1:], strict=True)]  # fmt: skip
     assert_fp32_close(torch.tensor([g for g, _ in own]), torch.tensor([u for _, u in own]), terms)
+
+
+def test_model_of_linear_layers_only_decodes_as_hf(tmp_path):
+    """A model with no attention layer keeps nothing per token: the memory plan sizes its (free) pages
+    from the slots instead of dividing the budget by zero bytes a token, and decoding is HF's."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    mix = dict(
+        layer_types=["linear_attention"] * 2, indexer_types=["full"] * 2, mlp_layer_types=["dense", "sparse"]
+    )
+    config = tiny_text_config(4, 8, hc_sinkhorn_iters=3) | mix | {"num_hidden_layers": 2}
+    checkpoint = write_hf_checkpoint(tmp_path, config, seed=5)
+    llm = make_llm(checkpoint)
+    assert llm.engine.caches.plan.bytes_per_token == 0 and llm.engine.caches.plan.max_len > 0
+    prompts = [random_prompt(n, 160, seed=50 + n) for n in (9, 30)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    hf = hf_model(checkpoint)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ours = out.token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ours[:-1]]), use_cache=False).logits[0, len(prompt) - 1 :]
+        assert logits.argmax(-1).tolist() == ours

@@ -69,7 +69,8 @@ class MemoryPlan:
         what remains. A slot also pays for its request-table row and its `last_sampled` and
         `last_committed` entries. The `scratch` slot and page are paid for first."""
         per_token = bytes_per(specs, Unit.TOKEN)
-        max_len = min(context_len, int(budget_bytes // per_token))
+        # a model of linear-attention layers only keeps nothing per token: its pages cost no memory
+        max_len = min(context_len, int(budget_bytes // per_token)) if per_token else context_len
         per_slot = bytes_per(specs, Unit.SLOT) + ROW_BYTES + 4 * max_len
         per_snapshot = bytes_per(specs, Unit.SNAPSHOT)
         snapshots = (
@@ -79,7 +80,10 @@ class MemoryPlan:
         if scratch:
             budget_bytes -= per_slot + per_token * page_size
         slots = max_running_requests or min(256, int(budget_bytes // 2 // per_slot))
-        pages = int((budget_bytes - slots * per_slot) // (per_token * page_size))
+        if per_token:
+            pages = int((budget_bytes - slots * per_slot) // (per_token * page_size))
+        else:  # every slot can reach max_len (the scratch page included)
+            pages = slots * -(-max_len // page_size) + scratch if budget_bytes >= slots * per_slot else 0
         if slots < 1 or pages < 1:
             raise ValueError(
                 f"memory budget of {budget_bytes / 2**20:.1f} MiB is too small: one request slot needs "
