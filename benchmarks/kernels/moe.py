@@ -59,7 +59,7 @@ DEV = "cpu" if DRY else "cuda"
 ACT = torch.float32 if DRY else torch.bfloat16
 HIDDEN, INTER, EXPERTS, TOP_K = (128, 128, 16, 4) if DRY else (4096, 2048, 288, 8)
 LIMIT, SCALING = 10.0, 2.5
-DECODE_TOKENS = (1, 4, 16)
+DECODE_TOKENS = (1, 4, 8, 16)  # 8: a batch of 8, or one DFlash verify block
 FUSED_TOKENS = tuple(t for t in DECODE_TOKENS if moe_decode.fits(t, TOP_K))
 PREFILL_TOKENS = 48 if DRY else 8192
 ROTATE = 4  # decode batches per timed call, each routed to its own experts
@@ -371,7 +371,7 @@ def breakdown(model: Model) -> None:
     """Graph-replayed time of each launch of an FP8 decode step, general path (router GEMM, routing
     kernel, x quantisation, alignment, the two GEMMs, combine) and decode path (prologue, gate|up,
     down with the combine): where the step's time beyond the floor goes."""
-    for tokens in (1, 16):
+    for tokens in (1, 8, 16):
         for name, fn in decode_launches(model, tokens).items():
             rec(f"breakdown_T{tokens}_fp8_general_{name}_us", round(bench_graph(fn) / ROTATE, 2))
     for tokens in FUSED_TOKENS:

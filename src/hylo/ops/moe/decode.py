@@ -184,10 +184,9 @@ def _prologue_kernel(
     d = tl.arange(0, D_PAD)
     w_rows = router_ptr + e[:, None].to(tl.int64) * stride_r + d[None, :]
     w = tl.load(w_rows, mask=e_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-    for token in tl.static_range(T_PAD):
-        real = token < num_tokens
-        x = tl.load(x_ptr + token * stride_x + d, mask=(d < D) & real, other=0.0).to(tl.float32)
-        tl.store(logits_ptr + token * E + e, tl.sum(w * x[None, :], axis=1), mask=e_ok & real)
+    for token in range(num_tokens):  # not unrolled, as the routing's arg-max loop (`choose_experts`)
+        x = tl.load(x_ptr + token * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(logits_ptr + token * E + e, tl.sum(w * x[None, :], axis=1), mask=e_ok)
     if QUANTIZE:  # noqa: SIM102 (a constexpr test: the kernel compiles without the branch)
         if pid < tl.cdiv(D, 128):
             tokens = tl.arange(0, T_PAD)
