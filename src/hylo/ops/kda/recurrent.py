@@ -380,10 +380,12 @@ def conv_steps(x: KDAInputs, conv_weight, slots: KDASlots, *, write_y=True, writ
 
 
 def _block_v(bsz: int, h: int, d: int, t: int) -> tuple[int, int]:
-    """(BV, num_warps) of the sequential kernel, the fastest measured on the H200 (benchmarks/RESULTS.md):
-    narrow tiles while the batch leaves SMs idle, 64-wide tiles with 4 warps beyond."""
+    """(BV, num_warps) of the sequential kernel, the fastest measured (benchmarks/RESULTS.md): at one
+    decode sequence 64-wide tiles of 8 warps (in the H100's decode replay 9.1 us a layer against 12.1 for
+    16-wide tiles of 2 warps, which spilled 368 bytes a thread: S33-2), narrow tiles while the batch
+    leaves SMs idle (H200), 64-wide tiles with 4 warps beyond."""
     if t == 1 and bsz * h <= 64:
-        return min(16, d), 2
+        return min(64, d), 8
     if t == 1 and bsz * h <= 512:
         return min(32, d), 4
     return min(64, d), 4
