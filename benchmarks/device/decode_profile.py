@@ -1,7 +1,8 @@
 """Where a decode graph replay's time goes, kernel by kernel, beside the bytes each kind of module
 reads: the real-size GLM-5.3-Flash slice (a random FP8 checkpoint, `load_format="dummy"`).
 
-    PYTHONPATH=src python3 benchmarks/device/decode_profile.py [--layers 8] [--buckets 1 8] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/device/decode_profile.py [--layers 8] [--buckets 1 8] [--no-ttft]
+                                                               [--out DIR]
 
 Per bucket: the replay's GPU ms; every kernel's µs per replay and launches per replay (torch.profiler
 over replays); the weight bytes each module kind reads in the step (counting hooks on an eager rerun
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--buckets", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--no-ttft", action="store_true", help="skip the prefill TTFTs")
     args = parser.parse_args()
     path = Path(tempfile.mkdtemp())
     write_target(path, args.layers)
@@ -137,7 +139,7 @@ def main() -> None:
             "kernels": kernel_table(graphs.bank.graphs[OBSERVE, bucket].graph),
         }
     gen = torch.Generator().manual_seed(5)
-    for n in (1024, 13312):
+    for n in () if args.no_ttft else (1024, 13312):
         times = []
         for _ in range(4):  # the first compiles what this length needs
             (request,), _ = serve(llm.engine, [torch.randint(0, VOCAB, (n,), generator=gen).tolist()], 1)

@@ -61,7 +61,9 @@ SHAPES = (
         (3072, 4096), (1536, 4096), (4096, 1024), (272, 4096),
     ]
 )  # fmt: skip
-COPIES_BYTES = 1 << 20 if DRY else 256 << 20  # weight bytes a timed graph cycles through: 4x an H200's L2
+# weight bytes a timed graph cycles through (`--copies-mib`): 4x an H200's L2 by default; a decode step's
+# weights span tens of GB, which a larger figure comes closer to (TLB reach)
+COPIES_BYTES = [1 << 20 if DRY else 256 << 20]
 
 
 def copy_bandwidth() -> float:
@@ -93,7 +95,7 @@ def per_call_us(fn, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
 def measure_shape(n: int, k: int, bandwidth: float, gpu: str) -> list[dict]:
     gen = torch.Generator(device=DEV).manual_seed(n + k)
     weight, scale = gemv_cuda.random_e4m3(n, k, gen)
-    count = max(2, -(-COPIES_BYTES // (n * k)))
+    count = max(2, -(-COPIES_BYTES[0] // (n * k)))
     copies = [(weight, scale)] + [(weight.clone(), scale.clone()) for _ in range(count - 1)]
     # the interpreter's dot has no bf16: the dry run's x is fp32 (the GEMV is off there anyway)
     x16 = torch.randn(16, k, generator=gen, device=DEV).to(torch.float32 if DRY else torch.bfloat16)
@@ -192,10 +194,13 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--all-splits", action="store_true", help="time the GEMV at every compiled split too")
     parser.add_argument("--shapes", default="", help="NxK,NxK,... instead of the model's shapes")
+    parser.add_argument("--copies-mib", type=int, default=0, help="weight MiB the timed calls cycle through")
     parser.add_argument(
         "--variants", default="", help="name=MACRO=V+MACRO=V,...: builds with other HYLO_GEMV_* values too"
     )
     args = parser.parse_args()
+    if args.copies_mib:
+        COPIES_BYTES[0] = args.copies_mib << 20
     gpu = "CPU (dry run)" if DRY else torch.cuda.get_device_name(0)
     rec("gpu", gpu)
     section("gemv_status", gemv_status)
