@@ -382,7 +382,7 @@ def conv_steps(x: KDAInputs, conv_weight, slots: KDASlots, *, write_y=True, writ
 def _block_v(bsz: int, h: int, d: int, t: int) -> tuple[int, int]:
     """(BV, num_warps) of the sequential kernel, the fastest measured (benchmarks/RESULTS.md): 64-wide
     tiles of 8 warps at 64 (sequence, head) pairs (one decode sequence of 64 heads: in the H100's decode
-    replay 9.1 us a layer against 12.1 for 16-wide tiles of 2 warps, which spilled 368 bytes a thread,
+    replay 9.1 us a layer against 12.1 for 16-wide tiles of 2 warps, which spilled 200 bytes a thread,
     S33-2; each program computes its head's gate rows and β, so wider tiles repeat that less), narrow tiles
     while fewer pairs leave SMs idle (H200; a TP rank's few heads: not measured with the wide tiles), 64-wide
     tiles with 4 warps beyond."""

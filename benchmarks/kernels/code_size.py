@@ -1,0 +1,187 @@
+"""Registers, spilled bytes and SASS instructions of the decode step's Triton kernels at GLM-5.3-Flash's
+shapes, compiled for sm_90a on any machine (no GPU: Triton's bundled ptxas and cuobjdump).
+
+    PYTHONPATH=src python3 benchmarks/kernels/code_size.py [--json PATH]
+
+A decode step runs each kernel once per layer, with its code evicted from L2 by the step's weights, so
+a kernel's length costs instruction fetches in the step that a warm microbenchmark never shows: the MoE
+prologue at 8 tokens took 34 us a call in the H100 replay against 15 alone while it was 7.2k
+instructions (its token and arg-max loops unrolled), 17 us at 3.0k (RESULTS S33-2). Spilled registers
+cost local-memory traffic (the KDA step's 16-wide tiles of 2 warps spilled 368 bytes a thread, S33-2).
+
+Each case calls the kernel family's launch function with CPU tensors of the real shapes (the slice's
+B = 1 and B = 8 decode batches, as a programmatic dependent as on Hopper); `JITFunction.run` is replaced
+so that each launch is compiled as Triton would compile it for the GPU (the same specialisation of the
+arguments: alignment, divisibility, constexprs and launch options) and not run. Run it in a process
+whose kernels are not interpreted (no TRITON_INTERPRET).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+HEADS, HEAD_DIM, HIDDEN = 64, 128, 4096  # KDA heads, their width, the hidden size
+EXPERTS, TOP_K = 288, 8
+KPOOL, INDEX_DIM = 16, 128
+TARGET = ("cuda", 90, 32)
+
+
+def cuobjdump() -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers a thread, stack bytes a thread (spills) and SASS instructions of one compiled kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True
+        )
+        sass = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+    if found is None:
+        raise RuntimeError(f"cuobjdump -res-usage gave no register count:\n{usage.stdout}")
+    instructions = sum(1 for line in sass.stdout.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", line))
+    return {"registers": int(found[1]), "stack_bytes": int(found[2]), "instructions": instructions}
+
+
+def compiled_launches(call: Callable[[], object]) -> list[dict[str, object]]:
+    """Every Triton launch `call` makes, compiled for `TARGET` instead of run: kernel name, launch
+    options and `resources`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    target = GPUTarget(*TARGET)
+    backend = make_backend(target)
+    launches: list[dict[str, object]] = []
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        kwargs.setdefault("debug", False)
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, _ = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, None)
+        kernel = compile(
+            ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__
+        )
+        launches.append(
+            {"kernel": self.fn.__name__, "num_warps": options.num_warps, **resources(kernel.asm["cubin"])}
+        )
+
+    original = JITFunction.run
+    JITFunction.run = compile_instead
+    try:
+        call()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+def _as_dependents(*modules) -> None:
+    """Launch as on Hopper: the kernels' PDL variant (a device-side wait and trigger)."""
+    for module in modules:
+        module.dependent_launches = lambda device: True
+
+
+def kda_step(batch: int) -> Callable[[], object]:
+    """The KDA decode step of an FP8 checkpoint (`recurrent.decode`: the step, then the gated output
+    norm): conv inside, f and the norm's gate from their low-rank factors, β from the layer input and
+    b_proj's rows."""
+    from hylo.ops.kda import recurrent
+    from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm
+
+    hd = HEADS * HEAD_DIM
+    bf16 = torch.bfloat16
+
+    def factor() -> LowRank:
+        weight = torch.zeros(hd, HEAD_DIM, dtype=torch.float8_e4m3fn)
+        return LowRank(torch.zeros(batch, HEAD_DIM, dtype=bf16), weight, torch.ones(hd // 128, 1))
+
+    q, k, v = torch.zeros(batch, 3 * hd, dtype=bf16).split(hd, dim=-1)
+    b = LowRank(torch.zeros(batch, HIDDEN, dtype=bf16), torch.zeros(HEADS, HIDDEN, dtype=bf16))
+    params = KDAParams(torch.zeros(3 * hd, 4), torch.zeros(hd), torch.zeros(HEADS), -5.0)
+    slots = KDASlots(
+        torch.zeros(batch + 1, 3, 3 * hd, dtype=bf16),
+        torch.zeros(batch + 1, HEADS, HEAD_DIM, HEAD_DIM),
+        torch.arange(batch, dtype=torch.int32),
+    )
+    norm = OutputNorm(factor(), torch.ones(HEAD_DIM, dtype=bf16), 1e-5)
+    _as_dependents(recurrent)
+    return lambda: recurrent.decode(KDAInputs(q, k, v, factor(), b), params, slots, norm)
+
+
+def moe_prologue(tokens: int) -> Callable[[], object]:
+    """The MoE decode prologue: router logits, x's FP8 groups, routing and alignment with the shared
+    expert, as a decode step launches it."""
+    from hylo.ops.moe import decode, kernels
+    from hylo.ops.moe.reference import Routing
+
+    routing = Routing(
+        torch.zeros(EXPERTS, HIDDEN, dtype=torch.bfloat16), torch.zeros(EXPERTS), TOP_K, 1, 1, True, 2.5
+    )
+    x = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
+    block_m = kernels.default_config(tokens * TOP_K, EXPERTS, True).block_m
+    _as_dependents(decode)
+    return lambda: decode.prologue(x, routing, block_m, True, shared=True)
+
+
+def pool_compression() -> Callable[[], object]:
+    """The indexer's compression of one completed pool (a decode step of one sequence), FP8 pooled keys."""
+    from hylo.ops.indexer import kernels
+
+    slots = 64 * KPOOL
+    keys, gates = (torch.zeros(slots, INDEX_DIM, dtype=torch.bfloat16) for _ in range(2))
+    ape = torch.zeros(KPOOL, INDEX_DIM)
+    pooled = torch.zeros(slots // KPOOL, INDEX_DIM, dtype=torch.float8_e4m3fn)
+    _as_dependents(kernels)
+    pools = torch.tensor([3])
+    return lambda: kernels.compress_pools(keys, gates, ape, pools, pooled, torch.ones(slots // KPOOL))
+
+
+CASES: dict[str, Callable[[], Callable[[], object]]] = {
+    "kda_step_b1": lambda: kda_step(1),
+    "kda_step_b8": lambda: kda_step(8),
+    "moe_prologue_t1": lambda: moe_prologue(1),
+    "moe_prologue_t8": lambda: moe_prologue(8),
+    "pool_compression": pool_compression,
+}
+
+
+def measure() -> dict[str, list[dict[str, object]]]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("code_size compiles kernels: run it without TRITON_INTERPRET=1")
+    return {name: compiled_launches(make()) for name, make in CASES.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    report = measure()
+    print("| case | kernel | warps | registers | spilled bytes | SASS instructions |")
+    print("|---|---|---|---|---|---|")
+    for name, launches in report.items():
+        for launch in launches:
+            print(
+                f"| {name} | {launch['kernel']} | {launch['num_warps']} | {launch['registers']} | "
+                f"{launch['stack_bytes']} | {launch['instructions']} |"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
