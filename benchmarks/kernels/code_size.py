@@ -138,6 +138,52 @@ def moe_prologue(tokens: int) -> Callable[[], object]:
     return lambda: decode.prologue(x, routing, block_m, True, shared=True)
 
 
+def moe_experts(tokens: int) -> Callable[[], object]:
+    """A MoE layer's routed experts with the shared expert at decode (`decode.routed_experts`: the
+    prologue, gate|up with the activation, down with the combine), FP8 weights (allocated, never read)."""
+    from hylo.ops.moe import decode
+    from hylo.ops.moe.reference import ExpertWeights, Routing, SharedExpert
+
+    inter, e4m3 = 2048, torch.float8_e4m3fn
+    routing = Routing(
+        torch.empty(EXPERTS, HIDDEN, dtype=torch.bfloat16), torch.zeros(EXPERTS), TOP_K, 1, 1, True, 2.5
+    )
+    weights = ExpertWeights(
+        torch.empty(EXPERTS, 2 * inter, HIDDEN, dtype=e4m3),
+        torch.empty(EXPERTS, HIDDEN, inter, dtype=e4m3),
+        (
+            torch.empty(EXPERTS, 2 * inter // 128, HIDDEN // 128),
+            torch.empty(EXPERTS, HIDDEN // 128, inter // 128),
+        ),
+    )
+    shared = SharedExpert(
+        torch.empty(2 * inter, HIDDEN, dtype=e4m3),
+        torch.empty(HIDDEN, inter, dtype=e4m3),
+        (torch.empty(2 * inter // 128, HIDDEN // 128), torch.empty(HIDDEN // 128, inter // 128)),
+    )
+    x = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
+    _as_dependents(decode, decode.kernels)
+    return lambda: decode.routed_experts(x, routing, weights, 10.0, shared=shared)
+
+
+def mhc_entry(tokens: int) -> Callable[[], object]:
+    """Entering a block under the decode plan (`mhc_enter`): the previous block's post mixed into the
+    projection launch, the block's RMSNorm in the finishing launch."""
+    from hylo.ops.mhc import kernels
+    from hylo.ops.mhc.reference import BlockNorm, HCParams, PendingPost
+
+    streams, n = torch.zeros(tokens, 4, HIDDEN, dtype=torch.bfloat16), 4
+    hc = HCParams(
+        torch.zeros((2 + n) * n, n * HIDDEN), torch.zeros((2 + n) * n), torch.ones(3), 1e-6, 1e-6, 20
+    )
+    pending = PendingPost(
+        torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16), torch.zeros(tokens, n), torch.zeros(tokens, n, n)
+    )
+    norm = BlockNorm(torch.ones(HIDDEN, dtype=torch.bfloat16), 1e-5)
+    _as_dependents(kernels)
+    return lambda: kernels.mhc_enter(streams, hc, pending, norm)
+
+
 def pool_compression() -> Callable[[], object]:
     """The indexer's compression of one completed pool (a decode step of one sequence), FP8 pooled keys."""
     from hylo.ops.indexer import kernels
@@ -157,6 +203,10 @@ CASES: dict[str, Callable[[], Callable[[], object]]] = {
     "moe_prologue_t1": lambda: moe_prologue(1),
     "moe_prologue_t8": lambda: moe_prologue(8),
     "pool_compression": pool_compression,
+    "moe_experts_t1": lambda: moe_experts(1),
+    "moe_experts_t8": lambda: moe_experts(8),
+    "mhc_enter_t1": lambda: mhc_entry(1),
+    "mhc_enter_t8": lambda: mhc_entry(8),
 }
 
 
