@@ -1,7 +1,7 @@
 """Registers, spilled bytes and SASS instructions of the decode step's Triton kernels at GLM-5.3-Flash's
 shapes, compiled for sm_90a on any machine (no GPU: Triton's bundled ptxas and cuobjdump).
 
-    PYTHONPATH=src python3 benchmarks/kernels/code_size.py [--json PATH]
+    PYTHONPATH=src python3 benchmarks/kernels/code_size.py [--kda-heads 64] [--json PATH]
 
 A decode step runs each kernel once per layer, with its code evicted from L2 by the step's weights, so
 a kernel's length costs instruction fetches in the step that a warm microbenchmark never shows: the MoE
@@ -96,14 +96,14 @@ def _as_dependents(*modules) -> None:
         module.dependent_launches = lambda device: True
 
 
-def kda_step(batch: int) -> Callable[[], object]:
+def kda_step(batch: int, heads: int) -> Callable[[], object]:
     """The KDA decode step of an FP8 checkpoint (`recurrent.decode`: the step, then the gated output
     norm): conv inside, f and the norm's gate from their low-rank factors, β from the layer input and
     b_proj's rows."""
     from hylo.ops.kda import recurrent
     from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm
 
-    hd = HEADS * HEAD_DIM
+    hd = heads * HEAD_DIM
     bf16 = torch.bfloat16
 
     def factor() -> LowRank:
@@ -111,11 +111,11 @@ def kda_step(batch: int) -> Callable[[], object]:
         return LowRank(torch.zeros(batch, HEAD_DIM, dtype=bf16), weight, torch.ones(hd // 128, 1))
 
     q, k, v = torch.zeros(batch, 3 * hd, dtype=bf16).split(hd, dim=-1)
-    b = LowRank(torch.zeros(batch, HIDDEN, dtype=bf16), torch.zeros(HEADS, HIDDEN, dtype=bf16))
-    params = KDAParams(torch.zeros(3 * hd, 4), torch.zeros(hd), torch.zeros(HEADS), -5.0)
+    b = LowRank(torch.zeros(batch, HIDDEN, dtype=bf16), torch.zeros(heads, HIDDEN, dtype=bf16))
+    params = KDAParams(torch.zeros(3 * hd, 4), torch.zeros(hd), torch.zeros(heads), -5.0)
     slots = KDASlots(
         torch.zeros(batch + 1, 3, 3 * hd, dtype=bf16),
-        torch.zeros(batch + 1, HEADS, HEAD_DIM, HEAD_DIM),
+        torch.zeros(batch + 1, heads, HEAD_DIM, HEAD_DIM),
         torch.arange(batch, dtype=torch.int32),
     )
     norm = OutputNorm(factor(), torch.ones(HEAD_DIM, dtype=bf16), 1e-5)
@@ -197,30 +197,33 @@ def pool_compression() -> Callable[[], object]:
     return lambda: kernels.compress_pools(keys, gates, ape, pools, pooled, torch.ones(slots // KPOOL))
 
 
-CASES: dict[str, Callable[[], Callable[[], object]]] = {
-    "kda_step_b1": lambda: kda_step(1),
-    "kda_step_b8": lambda: kda_step(8),
-    "moe_prologue_t1": lambda: moe_prologue(1),
-    "moe_prologue_t8": lambda: moe_prologue(8),
-    "pool_compression": pool_compression,
-    "moe_experts_t1": lambda: moe_experts(1),
-    "moe_experts_t8": lambda: moe_experts(8),
-    "mhc_enter_t1": lambda: mhc_entry(1),
-    "mhc_enter_t8": lambda: mhc_entry(8),
-}
+def cases(kda_heads: int) -> dict[str, Callable[[], Callable[[], object]]]:
+    """Each case's launches (made when called): the slice's B = 1 and B = 8 decode batches."""
+    return {
+        "kda_step_b1": lambda: kda_step(1, kda_heads),
+        "kda_step_b8": lambda: kda_step(8, kda_heads),
+        "moe_prologue_t1": lambda: moe_prologue(1),
+        "moe_prologue_t8": lambda: moe_prologue(8),
+        "pool_compression": pool_compression,
+        "moe_experts_t1": lambda: moe_experts(1),
+        "moe_experts_t8": lambda: moe_experts(8),
+        "mhc_enter_t1": lambda: mhc_entry(1),
+        "mhc_enter_t8": lambda: mhc_entry(8),
+    }
 
 
-def measure() -> dict[str, list[dict[str, object]]]:
+def measure(kda_heads: int = HEADS) -> dict[str, list[dict[str, object]]]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("code_size compiles kernels: run it without TRITON_INTERPRET=1")
-    return {name: compiled_launches(make()) for name, make in CASES.items()}
+    return {name: compiled_launches(make()) for name, make in cases(kda_heads).items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--kda-heads", type=int, default=HEADS, help="KDA heads (8: a TP8 rank's)")
     args = parser.parse_args()
-    report = measure()
+    report = measure(args.kda_heads)
     print("| case | kernel | warps | registers | spilled bytes | SASS instructions |")
     print("|---|---|---|---|---|---|")
     for name, launches in report.items():
