@@ -7,7 +7,7 @@ A decode step runs each kernel once per layer, with its code evicted from L2 by 
 a kernel's length costs instruction fetches in the step that a warm microbenchmark never shows: the MoE
 prologue at 8 tokens took 34 us a call in the H100 replay against 15 alone while it was 7.2k
 instructions (its token and arg-max loops unrolled), 17 us at 3.0k (RESULTS S33-2). Spilled registers
-cost local-memory traffic (the KDA step's 16-wide tiles of 2 warps spilled 368 bytes a thread, S33-2).
+cost local-memory traffic (the KDA step's 16-wide tiles of 2 warps spilled 200 bytes a thread, S33-2).
 
 Each case calls the kernel family's launch function with CPU tensors of the real shapes (the slice's
 B = 1 and B = 8 decode batches, as a programmatic dependent as on Hopper); `JITFunction.run` is replaced
@@ -23,7 +23,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -237,4 +236,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

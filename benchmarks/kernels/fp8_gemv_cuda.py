@@ -63,7 +63,7 @@ SHAPES = (
 )  # fmt: skip
 # weight bytes a timed graph cycles through (`--copies-mib`): 4x an H200's L2 by default; a decode step's
 # weights span tens of GB, which a larger figure comes closer to (TLB reach)
-COPIES_BYTES = [1 << 20 if DRY else 256 << 20]
+COPIES_BYTES = 1 << 20 if DRY else 256 << 20
 
 
 def copy_bandwidth() -> float:
@@ -95,7 +95,7 @@ def per_call_us(fn, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
 def measure_shape(n: int, k: int, bandwidth: float, gpu: str) -> list[dict]:
     gen = torch.Generator(device=DEV).manual_seed(n + k)
     weight, scale = gemv_cuda.random_e4m3(n, k, gen)
-    count = max(2, -(-COPIES_BYTES[0] // (n * k)))
+    count = max(2, -(-COPIES_BYTES // (n * k)))
     copies = [(weight, scale)] + [(weight.clone(), scale.clone()) for _ in range(count - 1)]
     # the interpreter's dot has no bf16: the dry run's x is fp32 (the GEMV is off there anyway)
     x16 = torch.randn(16, k, generator=gen, device=DEV).to(torch.float32 if DRY else torch.bfloat16)
@@ -200,7 +200,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.copies_mib:
-        COPIES_BYTES[0] = args.copies_mib << 20
+        global COPIES_BYTES
+        COPIES_BYTES = args.copies_mib << 20
     gpu = "CPU (dry run)" if DRY else torch.cuda.get_device_name(0)
     rec("gpu", gpu)
     section("gemv_status", gemv_status)
