@@ -13,6 +13,8 @@ from interpreter import run_compiled_for_hopper, use_interpreter
 
 use_interpreter()  # before the kernels are decorated
 
+from dataclasses import replace  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_moe_kernels import assert_alignment, rel_err  # noqa: E402
@@ -195,6 +197,67 @@ def test_tickets_are_left_zero_and_steps_repeat_bitwise():
     assert not decode.tickets(x.device).any()
     again = decode.routed_experts(x, routing_, experts.fp8, LIMIT)
     assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_a_split_gate_up_equals_the_whole_one(fp8):
+    """At a rank whose experts one token barely reaches, each gate|up tile's K runs over several programs
+    (`gate_up_splits`): the default step splits it 8 ways here (128 deep each) and, like forced splits
+    of 2 and 4, gives the whole GEMM's output up to the order of the fp32 sums (FP8: an h element may
+    round to its e4m3 neighbour), leaves its tickets at zero and repeats bitwise."""
+    g = torch.Generator().manual_seed(11)
+    tokens, hidden, inter, top_k = 2, 1024, 128, 2
+    x = torch.randn(tokens, hidden, generator=g)
+    routing_, experts = random_routing(g, hidden, 32, top_k), Experts(g, hidden, inter, 32)
+    first = int(reference.route(x, routing_).ids[0, 0]) // 8 * 8  # the rank of token 0's first expert
+    whole = experts.fp8 if fp8 else experts.plain
+    scales = None if whole.scales is None else tuple(s[first : first + 8] for s in whole.scales)
+    w = ExpertWeights(whole.gate_up[first : first + 8], whole.down[first : first + 8], scales)
+    reach = 8 * (1 - (1 - top_k / 32) ** tokens)
+    assert decode.gate_up_splits(reach, 4, w.gate_up.shape, kernels.default_config(4, 8, fp8), x.device) == 8
+    base = kernels.default_config(tokens * top_k, 8, fp8, tma=False)
+    unsplit = decode.routed_experts(x, routing_, w, LIMIT, base, first_expert=first)
+    tolerance = 2e-3 if fp8 else 1e-6
+    default = decode.routed_experts(x, routing_, w, LIMIT, first_expert=first)
+    assert rel_err(default, unsplit) < tolerance
+    assert not decode.tickets(x.device).any()
+    assert torch.equal(decode.routed_experts(x, routing_, w, LIMIT, first_expert=first), default)
+    for splits in (2, 4):
+        config = replace(base, gate_up=replace(base.gate_up, splits=splits))
+        assert (
+            rel_err(decode.routed_experts(x, routing_, w, LIMIT, config, first_expert=first), unsplit)
+            < tolerance
+        )
+        assert not decode.tickets(x.device).any()
+
+
+def test_gate_up_splits_fill_a_wave_only_where_few_experts_are_reached():
+    """GLM-5.3-Flash's gate|up (I 2048, D 4096, 16 column tiles of 128): one token at a TP8/EP8 rank
+    reaches about one of its 36 experts and splits K 8 ways (128 programs); at TP1 it reaches 8 (128
+    programs already) and at the rank 8 tokens reach ~7 (no split); a layout whose tiles outnumber the
+    ticket counters never splits."""
+    shape, device = torch.Size([36, 4096, 4096]), torch.device("cpu")
+    config = kernels.default_config(8, 36, True)
+    assert decode.gate_up_splits(36 * (1 - (1 - 8 / 288)), 9, shape, config, device) == 8
+    assert decode.gate_up_splits(288 * (1 - (1 - 8 / 288)), 16, shape, config, device) == 1
+    assert decode.gate_up_splits(36 * (1 - (1 - 8 / 288) ** 8), 12, shape, config, device) == 1
+    assert decode.gate_up_splits(1.0, decode.TICKET_SLOTS, shape, config, device) == 1
+
+
+def test_bad_split_configurations_are_named():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(1, 256, generator=g)
+    routing_, experts = random_routing(g, 256, 4, 2), Experts(g, 256, 128, 4)
+    base = kernels.default_config(2, 4, True, tma=False)
+    uneven = replace(base, gate_up=replace(base.gate_up, splits=4))  # 64-deep spans: not whole scale groups
+    with pytest.raises(ValueError, match="splits 4 must cut K = 256 into whole 128-deep steps"):
+        decode.routed_experts(x, routing_, experts.fp8, LIMIT, uneven)
+    _, _, layout, q, q_scale = decode.prologue(x, routing_, base.block_m, True)
+    halves = replace(base, gate_up=replace(base.gate_up, splits=2))
+    with pytest.raises(ValueError, match="splits 2 need int32 tickets"):
+        kernels.gate_up_stage(
+            q, q_scale, experts.fp8.gate_up, experts.fp8.scales[0], layout, 2, LIMIT, halves
+        )
 
 
 def test_bad_inputs_are_named():
@@ -447,8 +510,11 @@ from hylo.ops.moe.kernels import _gate_up_kernel as fn
 
 w = "*fp8e4nv" if FP8 else "*bf16"
 consts = {"TOP_K": 8, "N": 2048, "K": 4096, "BLOCK_M": 16, "BLOCK_N": 128 if FP8 else 64, "BLOCK_K": 128,
-          "GROUP_M": 8, "FP8": FP8, "QUANT_GROUP": 128 if FP8 else 64, "SHARED": True}
+          "GROUP_M": 8, "FP8": FP8, "QUANT_GROUP": 128 if FP8 else 64, "SHARED": True, "SPLITS": SPLITS}
+if SPLITS == 1:
+    consts |= {"partials_ptr": None, "tickets_ptr": None}
 kinds = {"x_ptr": w, "w_ptr": w, "shared_w_ptr": w, "h_ptr": w, "limit": "fp32",
+         "partials_ptr": "*fp32", "tickets_ptr": "*i32",
          "x_scale_ptr": "*fp32" if FP8 else w, "w_scale_ptr": "*fp32" if FP8 else w,
          "shared_w_scale_ptr": "*fp32" if FP8 else w, "h_scale_ptr": "*fp32" if FP8 else w,
          "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "block_rows_ptr": "*i32"}
@@ -467,6 +533,9 @@ def test_the_combining_down_kernel_compiles_for_hopper(shared, partial):
     assert run_compiled_for_hopper(script).split() == ["True"]
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_the_gate_up_kernel_compiles_for_hopper_with_the_shared_expert(fp8):
-    assert run_compiled_for_hopper(f"FP8 = {fp8}\n" + _HOPPER_COMPILE_GATE_UP).split() == ["True"]
+@pytest.mark.parametrize(
+    ("fp8", "splits"), [(False, 1), (True, 1), (True, 8)], ids=["bf16", "fp8", "fp8-split"]
+)
+def test_the_gate_up_kernel_compiles_for_hopper_with_the_shared_expert(fp8, splits):
+    script = f"FP8, SPLITS = {fp8}, {splits}\n" + _HOPPER_COMPILE_GATE_UP
+    assert run_compiled_for_hopper(script).split() == ["True"]

@@ -65,10 +65,15 @@ def _sm_count(index: int) -> int:
 INTERPRETER_SMS = 132  # the SM count a CPU (Triton's interpreter) plans for: a Hopper's
 
 
+def sm_count(device: torch.device) -> int:
+    """The SMs kernels on `device` plan their grids for (`INTERPRETER_SMS` on a CPU)."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
+
+
 def fallback_config(rows: int, n: int, k: int, device: torch.device) -> GemmConfig:
     """The Triton configuration of a product of `rows` rows that the GPU's table has no entry for (FP8
     ones, and the narrow bf16 ones under capture): `table.heuristic_config` for the device's SM count."""
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SMS
+    sms = sm_count(device)
     return heuristic_config(rows, n, k, sms)
 
 

@@ -35,6 +35,8 @@ S32-2), so all three launches are dependents like the rest; the MoE launches alo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +45,7 @@ from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import quantize_tile
+from hylo.ops.gemm import sm_count
 from hylo.ops.moe import kernels
 from hylo.ops.moe.kernels import MoeConfig
 from hylo.ops.moe.reference import Choices, ExpertWeights, Routing, SharedExpert
@@ -308,6 +311,26 @@ def prologue(
     return ids, weights, layout, q, q_scale
 
 
+def gate_up_splits(
+    reach: float, num_blocks: int, gate_up_shape: torch.Size, config: MoeConfig, device: torch.device
+) -> int:
+    """K splits of the gate|up launch (`kernels.gate_up_stage`) of a step whose tokens are expected to
+    reach `reach` of the weights' experts, its layout `num_blocks` row blocks: while those experts give
+    few programs, each tile's K is split so that about a wave of programs streams the weights (at a
+    TP8/EP8 rank one token reaches about one of the rank's 36 experts, whose 16 column tiles alone
+    would stream its 17 MB on 16 SMs). Splits stay powers of two that cut K into whole 128-deep steps,
+    with a ticket per (row block, column tile) within the stream's counters."""
+    _, two_i, hidden = gate_up_shape
+    n_tiles = triton.cdiv(two_i // 2, config.gate_up.block_n)
+    programs = max(1.0, reach) * n_tiles
+    if num_blocks * n_tiles > TICKET_SLOTS:
+        return 1
+    splits, sms = 1, sm_count(device)
+    while programs * splits * 2 <= 1.5 * sms and hidden % (splits * 2 * FP8_BLOCK) == 0:
+        splits *= 2
+    return splits
+
+
 def routed_experts(
     x: torch.Tensor,
     routing: Routing,
@@ -328,6 +351,7 @@ def routed_experts(
     tokens, top_k = x.shape[0], routing.top_k
     gate_up_scale, down_scale = w.scales or (None, None)
     shape = torch.empty(tokens, top_k, device="meta")  # the ids and weights `prologue` will make
+    explicit = config
     config = kernels.check_experts(x, w, Choices(shape, shape), config)
     if shared is not None:
         if addend is not None:
@@ -348,10 +372,15 @@ def routed_experts(
     if tokens == 0:
         return torch.zeros(0, x.shape[1], dtype=x.dtype, device=x.device) if addend is None else addend
     activations = x.contiguous() if q is None else q
+    if explicit is None:
+        reach = local * (1 - (1 - top_k / routing.weight.shape[0]) ** tokens)  # experts a step reaches
+        splits = gate_up_splits(reach, layout.block_expert.numel(), w.gate_up.shape, config, x.device)
+        config = replace(config, gate_up=replace(config.gate_up, splits=splits))
+    counters = tickets(x.device)
     h, h_scale = kernels.gate_up_stage(
-        activations, q_scale, w.gate_up, gate_up_scale, layout, top_k, limit, config, shared
+        activations, q_scale, w.gate_up, gate_up_scale, layout, top_k, limit, config, shared, counters
     )
     return kernels.down_combine_stage(
-        h, h_scale, w.down, down_scale, layout, weights, x.dtype, config, tickets(x.device), ids,
+        h, h_scale, w.down, down_scale, layout, weights, x.dtype, config, counters, ids,
         first_expert, addend, shared,
     )  # fmt: skip

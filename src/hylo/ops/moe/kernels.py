@@ -52,6 +52,9 @@ class Tiles:
     block_k: int
     num_warps: int
     num_stages: int
+    # K split of the gate|up GEMM (decode, `_gate_up_kernel`): each tile's K steps over this many programs,
+    # summed by the last to finish in a fixed order; 1 elsewhere
+    splits: int = 1
 
 
 @dataclass(frozen=True)
@@ -152,16 +155,18 @@ def _block_slots(pid_m, block_rows_ptr, BLOCK_M: tl.constexpr):
 def _expert_product(
     a_rows, a_scales, w_cols, w_scales, row_ok, col_ok,
     K: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    k_first=0, K_SPAN: tl.constexpr = None,
 ):  # fmt: skip
     """fp32 `[BLOCK_M, WIDTH]` product of a block's activation rows (`a_rows`, row pointers) with its
-    expert's weight columns (`w_cols`, column pointers), K deep. FP8: each 128-deep step is scaled by
-    the rows' and the columns' block scales (`a_scales`, `w_scales` at K group 0)."""
+    expert's weight columns (`w_cols`, column pointers) over depths `k_first + [0, K_SPAN)` (default:
+    all K; `k_first` a multiple of 128 where FP8). FP8: each 128-deep step is scaled by the rows' and the
+    columns' block scales (`a_scales`, `w_scales` at K group 0)."""
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, WIDTH], tl.float32)
     if FP8:
-        a_scale = tl.load(a_scales, mask=row_ok, other=0.0)
-        w_scale = tl.load(w_scales, mask=col_ok, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
+        a_scale = tl.load(a_scales + k_first // 128, mask=row_ok, other=0.0)
+        w_scale = tl.load(w_scales + k_first // 128, mask=col_ok, other=0.0)
+    for k0 in range(k_first, k_first + (K if K_SPAN is None else K_SPAN), BLOCK_K):
         k_ok = k0 + k < K
         a = _load_rows(a_rows, k0 + k, row_ok, K)
         b = tl.load(w_cols + (k0 + k)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
@@ -214,19 +219,25 @@ def _gate_up_kernel(
     QUANT_GROUP: tl.constexpr,
     SHARED: tl.constexpr,
     PDL: tl.constexpr,
+    partials_ptr=None,
+    tickets_ptr=None,
+    SPLITS: tl.constexpr = 1,
 ):
     """The SwiGLU rows of each row block's pairs (`gate_up_stage`). SHARED: the shared expert's blocks
-    (`SHARED_EXPERT`) read its own weights, and their pairs num_pairs + t are token t's."""
+    (`SHARED_EXPERT`) read its own weights, and their pairs num_pairs + t are token t's. SPLITS > 1: each
+    (row block, column tile) is SPLITS programs of K / SPLITS steps each; they store their rows' fp32
+    products to `partials_ptr` and take a ticket of the tile (`tickets_ptr`, zero between launches), and
+    the last to take one sums the SPLITS products in split order, puts the counter back to zero and
+    finishes the tile."""
     enter(PDL)
-    pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    split = tl.program_id(0) % SPLITS
+    pid_m, pid_n = _block_of(tl.program_id(0) // SPLITS, num_blocks, N, BLOCK_N, GROUP_M)
     expert, shared = _block_expert(block_expert_ptr, pid_m, SHARED)
     if expert < 0 and not shared:
         return
     slot, row_ok = _block_slots(pid_m, block_rows_ptr, BLOCK_M)
     pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
     token = tl.where(shared, pair - num_pairs, pair // TOP_K)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
     # one [K, 2·BLOCK_N] weight tile per step, gate rows then the matching up rows: one dot (and for
     # FP8 one wait for its result before the scales apply) instead of two
     j = tl.arange(0, 2 * BLOCK_N)
@@ -240,8 +251,44 @@ def _gate_up_kernel(
     a_scales = x_scale_ptr + token * stride_xs
     w_scales = w_scale + (w_row // 128) * stride_wsn
     acc = _expert_product(
-        x_rows, a_scales, w_cols, w_scales, row_ok, w_row_ok, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP8
-    )
+        x_rows, a_scales, w_cols, w_scales, row_ok, w_row_ok, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP8,
+        split * (K // SPLITS), K // SPLITS,
+    )  # fmt: skip
+    if SPLITS == 1:
+        _swiglu_store(
+            acc, slot, row_ok, pid_n, h_ptr, h_scale_ptr, limit, stride_h, stride_hs,
+            N, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP,
+        )  # fmt: skip
+    else:
+        tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+        m = tl.arange(0, BLOCK_M)
+        # this tile's products: [SPLITS, BLOCK_M, 2·BLOCK_N] fp32, of the rows that hold a pair only
+        rows = (tile * SPLITS * BLOCK_M + m[:, None]).to(tl.int64)
+        first = partials_ptr + rows * (2 * BLOCK_N) + j[None, :]
+        step = BLOCK_M * 2 * BLOCK_N
+        tl.store(first + split * step, acc, mask=row_ok[:, None])
+        tl.debug_barrier()  # all of this program's rows are stored before its ticket releases them
+        if tl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
+            tl.store(tickets_ptr + tile, 0)
+            total = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLITS):  # in split order: every run sums alike
+                total += tl.load(first + s * step, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+            _swiglu_store(
+                total, slot, row_ok, pid_n, h_ptr, h_scale_ptr, limit, stride_h, stride_hs,
+                N, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP,
+            )  # fmt: skip
+
+
+@triton.jit
+def _swiglu_store(
+    acc, slot, row_ok, pid_n, h_ptr, h_scale_ptr, limit, stride_h, stride_hs,
+    N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+    QUANT_GROUP: tl.constexpr,
+):  # fmt: skip
+    """The SwiGLU rows of a gate|up product `acc [BLOCK_M, gate BLOCK_N | up BLOCK_N]` at column tile
+    `pid_n`, stored to the rows `slot` of h (FP8: quantised by groups of QUANT_GROUP, with their scales)."""
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
     acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
     gate = tl.minimum(acc_gate, limit)
     h = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit)
@@ -723,12 +770,14 @@ def gate_up_stage(
     limit: float,
     config: MoeConfig,
     shared: SharedExpert | None = None,
+    tickets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The first grouped GEMM (one launch): SwiGLU rows `h [rows, I]` in the alignment's order. FP8
     weights take x quantised (e4m3 with `x_scale`, see `quantize_groups`) and give h quantised with
     its group scales; bf16 weights take and give x's dtype and no scales. `shared`: the weights of the
     shared expert's blocks, when the layout places them (`decode.prologue`; `shared_refusal` of the
-    weights is None)."""
+    weights is None). `config.gate_up.splits` > 1 splits K over that many programs a tile, which need
+    `tickets` (int32 zeros, one per (row block, column tile), left zero)."""
     fp8 = gate_up_scale is not None
     if fp8 != (x_scale is not None):
         raise ValueError("gate_up_stage: x_scale and gate_up_scale come together (FP8) or not at all")
@@ -736,14 +785,15 @@ def gate_up_stage(
         raise ValueError("gate_up_stage: config.tma has no shared expert")
     num_blocks = layout.block_expert.numel()
     intermediate = gate_up.shape[1] // 2
+    up = config.gate_up
+    split_operands = _split_operands(up, num_blocks, intermediate, gate_up.shape[2], fp8, config, tickets, x)
     h = torch.empty(layout.pairs.numel(), intermediate, dtype=x.dtype, device=x.device)
     h_scale = (
         torch.empty(h.shape[0], triton.cdiv(intermediate, FP8_BLOCK), dtype=torch.float32, device=x.device)
         if fp8
         else None
     )
-    up = config.gate_up
-    programs = num_blocks * triton.cdiv(intermediate, up.block_n)
+    programs = num_blocks * triton.cdiv(intermediate, up.block_n) * up.splits
     launch = _tile_arguments(config, up, intermediate, gate_up.shape[2])
     if config.tma:
         x, x_scale = gather_rows(x, x_scale, layout, top_k)
@@ -794,10 +844,35 @@ def gate_up_stage(
         QUANT_GROUP=min(up.block_n, FP8_BLOCK),
         SHARED=shared is not None,
         **launch,
+        **split_operands,
         PDL=dependent,
         launch_pdl=dependent,
     )
     return h, h_scale
+
+
+def _split_operands(
+    tiles: Tiles, num_blocks: int, n: int, k: int, fp8: bool, config: MoeConfig, tickets, like: torch.Tensor
+) -> dict[str, object]:
+    """The split-K keywords of `_gate_up_kernel` for `tiles.splits` (none for 1), after a ValueError
+    naming what the split needs: K steps it divides evenly (FP8: whole scale groups a split), no TMA,
+    and a ticket per (row block, column tile)."""
+    if tiles.splits == 1:
+        return {}
+    span, tiles_n = k // tiles.splits, num_blocks * triton.cdiv(n, tiles.block_n)
+    if config.tma or k % tiles.splits or span % tiles.block_k or (fp8 and span % FP8_BLOCK):
+        raise ValueError(
+            f"gate_up_stage: splits {tiles.splits} must cut K = {k} into whole {tiles.block_k}-deep steps"
+            f"{f' and {FP8_BLOCK}-deep scale groups' if fp8 else ''}, without TMA (tma={config.tma})"
+        )
+    if tickets is None or tickets.dtype != torch.int32 or tickets.numel() < tiles_n:
+        raise ValueError(
+            f"gate_up_stage: splits {tiles.splits} need int32 tickets, one per (row block, column tile): "
+            f"{tiles_n}, got {None if tickets is None else (tickets.dtype, tuple(tickets.shape))}"
+        )
+    partials = torch.empty(tiles_n * tiles.splits * config.block_m, 2 * tiles.block_n, dtype=torch.float32,
+                           device=like.device)  # fmt: skip
+    return {"partials_ptr": partials, "tickets_ptr": tickets, "SPLITS": tiles.splits}
 
 
 def shared_refusal(w: ExpertWeights, shared: SharedExpert) -> str | None:
