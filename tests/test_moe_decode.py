@@ -360,6 +360,35 @@ def test_the_shared_expert_joins_the_routed_launches(tokens, top_k, first_expert
     assert rel_err(routed_only, truth) > 0.2  # the shared expert's part is large enough to be seen
 
 
+@pytest.mark.parametrize(("tokens", "first_expert"), [(1, 4), (5, None)])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_a_narrower_shared_expert_joins_the_routed_launches(tokens, first_expert, fp8):
+    """A tensor-parallel rank's slice of the shared expert (intermediate 128 beside the routed experts'
+    256) joins the three launches too: its blocks end their column tiles at its width and its down
+    walks its own K. One token at a rank of 4 of 12 experts also splits the gate|up K (4 ways here).
+    Tolerances as in the test above (fp32 rows, one shared block's sums in another order)."""
+    g = torch.Generator().manual_seed(20 + tokens)
+    hidden, inter, width, num_experts, top_k = 512, 256, 128, 12, 4
+    x = torch.randn(tokens, hidden, generator=g)
+    routing_ = random_routing(g, hidden, num_experts, top_k)
+    experts, shared_experts = Experts(g, hidden, inter, num_experts), Experts(g, hidden, width, 1)
+    whole = experts.fp8 if fp8 else experts.plain
+    local = slice(first_expert or 0, num_experts if first_expert is None else first_expert + 4)
+    scales = None if whole.scales is None else tuple(s[local] for s in whole.scales)
+    w = ExpertWeights(whole.gate_up[local], whole.down[local], scales)
+    shared = shared_experts.shared(fp8)
+    assert kernels.shared_refusal(w, shared) is None
+    out = decode.routed_experts(x, routing_, w, LIMIT, first_expert=first_expert, shared=shared)
+    assert not decode.tickets(x.device).any()
+    rows = shared_output(x, shared_experts, fp8)
+    joined = decode.routed_experts(x, routing_, w, LIMIT, first_expert=first_expert, addend=rows)
+    assert rel_err(out, joined) < 1e-6
+    choices = reference.route(x, routing_)
+    plain = ExpertWeights(experts.gate_up[local], experts.down[local])
+    truth = reference.experts(x, plain, choices, LIMIT, first_expert, shared_experts.shared(False))
+    assert rel_err(out, truth) < (0.1 if fp8 else 2e-6)
+
+
 def test_the_reference_adds_the_shared_expert_after_the_routed_sum():
     """`reference.experts` with the shared expert is the routed sum in x's dtype plus `shared_expert`, the
     SwiGLU-clamp MLP of its dequantised weights (gate rows first)."""
@@ -384,20 +413,25 @@ def test_the_reference_adds_the_shared_expert_after_the_routed_sum():
 
 
 def test_a_shared_expert_of_another_layout_is_refused():
-    """The kernels read the shared expert through the routed experts' tile shapes and strides: another
-    intermediate size (its slice of a rank split by expert), format or row stride is named."""
+    """The kernels read the shared expert through the routed experts' tiles: a wider intermediate, a
+    narrower one in partial FP8 scale blocks, another format or row stride is named; a narrower one
+    (a tensor-parallel slice) is taken."""
     g = torch.Generator().manual_seed(12)
-    experts, narrow = Experts(g, 128, 128, 4), Experts(g, 128, 64, 1)
+    experts, narrow, wide = Experts(g, 128, 128, 4), Experts(g, 128, 64, 1), Experts(g, 128, 256, 1)
     assert kernels.shared_refusal(experts.plain, experts.shared(False)) is None
     assert kernels.shared_refusal(experts.fp8, experts.shared(True)) is None
-    assert "not one routed expert's" in kernels.shared_refusal(experts.plain, narrow.shared(False))
+    assert kernels.shared_refusal(experts.plain, narrow.shared(False)) is None
+    assert "256 is not at most a routed expert's (128)" in kernels.shared_refusal(
+        experts.plain, wide.shared(False)
+    )
+    assert "in whole 128-wide scale blocks" in kernels.shared_refusal(experts.fp8, narrow.shared(True))
     assert "not both FP8" in kernels.shared_refusal(experts.fp8, experts.shared(False))
     strided = experts.shared(False)._replace(down=torch.cat([experts.down[0]] * 2, dim=1)[:, ::2])
     assert "strides" in kernels.shared_refusal(experts.plain, strided)
     x = torch.randn(2, 128, generator=g)
     routing_ = random_routing(g, 128, 4, 2)
-    with pytest.raises(ValueError, match="not one routed expert's"):
-        decode.routed_experts(x, routing_, experts.plain, LIMIT, shared=narrow.shared(False))
+    with pytest.raises(ValueError, match="is not at most a routed expert's"):
+        decode.routed_experts(x, routing_, experts.plain, LIMIT, shared=wide.shared(False))
     with pytest.raises(ValueError, match="pass one of the two"):
         decode.routed_experts(x, routing_, experts.plain, LIMIT, addend=x, shared=experts.shared(False))
 
@@ -422,8 +456,8 @@ def test_the_dispatcher_folds_the_shared_expert_where_the_rule_allows(monkeypatc
     assert moe_ops.shared_refusal(x, 4, experts.plain, shared) is None
     many = torch.randn(17, 64, generator=g)
     assert "more than the decode path's 64 pairs" in moe_ops.shared_refusal(many, 4, experts.plain, shared)
-    narrow = Experts(g, 64, 64, 1).shared(False)
-    assert "not one routed expert's" in moe_ops.shared_refusal(x, 4, experts.plain, narrow)
+    wide = Experts(g, 64, 256, 1).shared(False)
+    assert "is not at most a routed expert's" in moe_ops.shared_refusal(x, 4, experts.plain, wide)
     out = moe_ops.routed_experts(x, routing_, experts.gate_up, experts.down, LIMIT, shared=shared)
     assert torch.equal(out, decode.routed_experts(x, routing_, experts.plain, LIMIT, shared=shared))
 
@@ -491,7 +525,7 @@ from hylo.ops.moe.kernels import _down_combine_kernel as fn
 
 consts = {"TOP_K": 8, "K_PAD": 8, "T_PAD": 16, "N": 4096, "K": 2048, "BLOCK_M": 16, "BLOCK_N": 64,
           "BLOCK_K": 128, "GROUP_M": 8, "FP8": True, "E": 288, "PARTIAL": PARTIAL, "ADD": True,
-          "SHARED": SHARED}
+          "SHARED": SHARED, "SHARED_K": SHARED_K}
 kinds = {"h_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "h_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
          "shared_w_ptr": "*fp8e4nv", "shared_w_scale_ptr": "*fp32",
          "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "block_rows_ptr": "*i32", "weights_ptr": "*fp32",
@@ -510,7 +544,8 @@ from hylo.ops.moe.kernels import _gate_up_kernel as fn
 
 w = "*fp8e4nv" if FP8 else "*bf16"
 consts = {"TOP_K": 8, "N": 2048, "K": 4096, "BLOCK_M": 16, "BLOCK_N": 128 if FP8 else 64, "BLOCK_K": 128,
-          "GROUP_M": 8, "FP8": FP8, "QUANT_GROUP": 128 if FP8 else 64, "SHARED": True, "SPLITS": SPLITS}
+          "GROUP_M": 8, "FP8": FP8, "QUANT_GROUP": 128 if FP8 else 64, "SHARED": True, "SPLITS": SPLITS,
+          "SHARED_N": SHARED_N}
 if SPLITS == 1:
     consts |= {"partials_ptr": None, "tickets_ptr": None}
 kinds = {"x_ptr": w, "w_ptr": w, "shared_w_ptr": w, "h_ptr": w, "limit": "fp32",
@@ -524,18 +559,24 @@ print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) >
 """
 
 
-@pytest.mark.parametrize(("shared", "partial"), [(False, False), (True, False), (True, True)])
-def test_the_combining_down_kernel_compiles_for_hopper(shared, partial):
-    """bf16 output and addend (the shared expert's rows with `shared`), FP8 weights, as the GPU builds it
-    (no GPU needed): the interpreter does not check Triton's typing rules (the per-block choice of the
-    shared or a stacked expert's pointers), nor its rounding of fp32 to bf16 (see the addend test)."""
-    script = f"SHARED, PARTIAL = {shared}, {partial}\n" + _HOPPER_COMPILE
+@pytest.mark.parametrize(
+    ("shared", "partial", "shared_k"),
+    [(False, False, None), (True, False, None), (True, True, None), (True, True, 256)],
+)
+def test_the_combining_down_kernel_compiles_for_hopper(shared, partial, shared_k):
+    """bf16 output and addend (the shared expert's rows with `shared`; `shared_k`: a TP8 rank's slice of
+    it), FP8 weights, as the GPU builds it (no GPU needed): the interpreter does not check Triton's typing
+    rules (the per-block choice of the shared or a stacked expert's pointers), nor its rounding of fp32 to
+    bf16 (see the addend test)."""
+    script = f"SHARED, PARTIAL, SHARED_K = {shared}, {partial}, {shared_k}\n" + _HOPPER_COMPILE
     assert run_compiled_for_hopper(script).split() == ["True"]
 
 
 @pytest.mark.parametrize(
-    ("fp8", "splits"), [(False, 1), (True, 1), (True, 8)], ids=["bf16", "fp8", "fp8-split"]
+    ("fp8", "splits", "shared_n"),
+    [(False, 1, None), (True, 1, None), (True, 8, None), (True, 8, 256)],
+    ids=["bf16", "fp8", "fp8-split", "fp8-split-tp8-shared"],
 )
-def test_the_gate_up_kernel_compiles_for_hopper_with_the_shared_expert(fp8, splits):
-    script = f"FP8, SPLITS = {fp8}, {splits}\n" + _HOPPER_COMPILE_GATE_UP
+def test_the_gate_up_kernel_compiles_for_hopper_with_the_shared_expert(fp8, splits, shared_n):
+    script = f"FP8, SPLITS, SHARED_N = {fp8}, {splits}, {shared_n}\n" + _HOPPER_COMPILE_GATE_UP
     assert run_compiled_for_hopper(script).split() == ["True"]

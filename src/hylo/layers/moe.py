@@ -8,10 +8,10 @@ intermediate slice. Each rank's routed and shared partial sums are added and all
 combine is one reduction.
 
 Where `moe_ops.shared_refusal` allows it (a decode-sized step on CUDA, the shared expert in the routed
-experts' format with one routed expert's per-rank shapes: one rank, or experts split by tensor), the
-shared expert's weights join the routed experts' three decode launches as one more pair per token
-(`SharedExpert`) instead of running as its own MLP (three launches more); elsewhere the MLP runs and
-its output is the routed launches' addend."""
+experts' format and at most a routed expert's intermediate per rank: one rank, experts split by tensor,
+or split by expert beside the shared expert's tensor slice), the shared expert's weights join the routed
+experts' three decode launches as one more pair per token (`SharedExpert`) instead of running as its own
+MLP (three launches more); elsewhere the MLP runs and its output is the routed launches' addend."""
 
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ that steps of a few tokens can take the three-launch path of `decode`.
 
 The shared expert (`SharedExpert`, its own tensors) joins that path as one more pair of weight 1 per
 token, computed by the same launches, where `shared_refusal` has nothing against it: on CUDA, a step
-`decode.fits`, and the shared expert in the routed experts' format with one routed expert's shapes (one
-rank, or experts split by tensor, where both are sliced alike). Elsewhere (prefill-sized steps, experts
-split by expert, where the shared expert is split by tensor and the routed ones are not, the CPU) its
-caller computes it apart and passes its output as `routed_experts`' addend.
+`decode.fits`, and the shared expert in the routed experts' format with at most a routed expert's
+intermediate (one rank; experts split by tensor, both sliced alike; experts split by expert beside the
+shared expert's tensor slice, narrower). Elsewhere (prefill-sized steps, the CPU) its caller computes it
+apart and passes its output as `routed_experts`' addend.
 
 Expert parallelism (`first_expert`): the expert ops take global expert ids and the global id of the
 first expert their weights hold; a pair routed to an expert outside `[first_expert, first_expert + E)`

@@ -15,10 +15,10 @@
    token's k weighted rows (its placed ones, at expert parallelism) in a fixed order (the combine).
 
 The shared expert (`SharedExpert`, its own tensors; `kernels.shared_refusal` None: one routed expert's
-layout) may join as one more pair of weight 1 per token: the prologue places its blocks first, the two
-GEMM launches read its tensors for those blocks, and the combine adds its rows as the addend. A MoE
-layer's decode then runs these three launches instead of six (its gate|up GEMM, activation and down
-GEMM apart).
+layout, at most as wide) may join as one more pair of weight 1 per token: the prologue places its blocks
+first, the two GEMM launches read its tensors for those blocks, and the combine adds its rows as the
+addend. A MoE layer's decode then runs these three launches instead of six (its gate|up GEMM,
+activation and down GEMM apart).
 
 The ticket counters are zero between launches: the last program of each counter puts it back, so a
 CUDA graph replays the launches as they are. Each CUDA stream gets its own counters (`tickets`), so

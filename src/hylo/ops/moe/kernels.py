@@ -222,9 +222,12 @@ def _gate_up_kernel(
     partials_ptr=None,
     tickets_ptr=None,
     SPLITS: tl.constexpr = 1,
+    SHARED_N: tl.constexpr = None,
 ):
     """The SwiGLU rows of each row block's pairs (`gate_up_stage`). SHARED: the shared expert's blocks
-    (`SHARED_EXPERT`) read its own weights, and their pairs num_pairs + t are token t's. SPLITS > 1: each
+    (`SHARED_EXPERT`) read its own weights, and their pairs num_pairs + t are token t's; its intermediate
+    is SHARED_N (default N: a routed expert's), the columns of its h rows past it are left unset, and its
+    blocks' column tiles past it end at once. SPLITS > 1: each
     (row block, column tile) is SPLITS programs of K / SPLITS steps each; they store their rows' fp32
     products to `partials_ptr` and take a ticket of the tile (`tickets_ptr`, zero between launches), and
     the last to take one sums the SPLITS products in split order, puts the counter back to zero and
@@ -233,7 +236,8 @@ def _gate_up_kernel(
     split = tl.program_id(0) % SPLITS
     pid_m, pid_n = _block_of(tl.program_id(0) // SPLITS, num_blocks, N, BLOCK_N, GROUP_M)
     expert, shared = _block_expert(block_expert_ptr, pid_m, SHARED)
-    if expert < 0 and not shared:
+    width = N if SHARED_N is None else tl.where(shared, SHARED_N, N)  # this block's expert's intermediate
+    if (expert < 0 and not shared) or pid_n * BLOCK_N >= width:
         return
     slot, row_ok = _block_slots(pid_m, block_rows_ptr, BLOCK_M)
     pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
@@ -241,8 +245,8 @@ def _gate_up_kernel(
     # one [K, 2·BLOCK_N] weight tile per step, gate rows then the matching up rows: one dot (and for
     # FP8 one wait for its result before the scales apply) instead of two
     j = tl.arange(0, 2 * BLOCK_N)
-    w_row = pid_n * BLOCK_N + j % BLOCK_N + (j // BLOCK_N) * N
-    w_row_ok = pid_n * BLOCK_N + j % BLOCK_N < N
+    w_row = pid_n * BLOCK_N + j % BLOCK_N + (j // BLOCK_N) * width
+    w_row_ok = pid_n * BLOCK_N + j % BLOCK_N < width
     x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
     w, w_scale = _expert_weights(
         w_ptr, w_scale_ptr, expert, stride_we, stride_wse, shared, shared_w_ptr, shared_w_scale_ptr
@@ -257,7 +261,7 @@ def _gate_up_kernel(
     if SPLITS == 1:
         _swiglu_store(
             acc, slot, row_ok, pid_n, h_ptr, h_scale_ptr, limit, stride_h, stride_hs,
-            N, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP,
+            width, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP,
         )  # fmt: skip
     else:
         tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
@@ -275,18 +279,18 @@ def _gate_up_kernel(
                 total += tl.load(first + s * step, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
             _swiglu_store(
                 total, slot, row_ok, pid_n, h_ptr, h_scale_ptr, limit, stride_h, stride_hs,
-                N, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP,
+                width, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP,
             )  # fmt: skip
 
 
 @triton.jit
 def _swiglu_store(
-    acc, slot, row_ok, pid_n, h_ptr, h_scale_ptr, limit, stride_h, stride_hs,
-    N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-    QUANT_GROUP: tl.constexpr,
+    acc, slot, row_ok, pid_n, h_ptr, h_scale_ptr, limit, stride_h, stride_hs, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, QUANT_GROUP: tl.constexpr,
 ):  # fmt: skip
     """The SwiGLU rows of a gate|up product `acc [BLOCK_M, gate BLOCK_N | up BLOCK_N]` at column tile
-    `pid_n`, stored to the rows `slot` of h (FP8: quantised by groups of QUANT_GROUP, with their scales)."""
+    `pid_n` of an expert of intermediate N, stored to the rows `slot` of h (FP8: quantised by groups of
+    QUANT_GROUP, with their scales)."""
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
@@ -450,13 +454,18 @@ def _down_combine_kernel(
     ADD: tl.constexpr,
     SHARED: tl.constexpr,
     PDL: tl.constexpr,
+    stride_swn=0,
+    stride_swsn=0,
+    SHARED_K: tl.constexpr = None,
 ):
     """`_down_kernel`, then the combine of its column tile by the tile's last program to finish: every
     row block of the tile takes a ticket (empty blocks too), and the last ticket sums each token's k
     rows (PARTIAL: its placed ones, `_sum_pairs`) in a fixed order, rounds the sum to the output dtype
     (ADD: then adds the addend's row and rounds again, as a separate add of the two would) and puts
     the ticket counter back to zero. SHARED: the shared expert's blocks read its own weights and write
-    its rows after the routed pairs' (row T·k + t: the addend the host points ADD at)."""
+    its rows after the routed pairs' (row T·k + t: the addend the host points ADD at); SHARED_K: its
+    intermediate where it is not a routed expert's K (a tensor-parallel slice), its weight's row
+    strides then `stride_swn` and `stride_swsn`."""
     enter(PDL)
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     expert, shared = _block_expert(block_expert_ptr, pid_m, SHARED)
@@ -464,11 +473,18 @@ def _down_combine_kernel(
         w, w_scale = _expert_weights(
             w_ptr, w_scale_ptr, expert, stride_we, stride_wse, shared, shared_w_ptr, shared_w_scale_ptr
         )
-        _down_rows(
-            h_ptr, h_scale_ptr, w, w_scale, pairs_ptr, block_rows_ptr, weights_ptr, routed_ptr,
-            pid_m, pid_n, shared, stride_h, stride_hs, stride_wn, stride_wsn, stride_r,
-            N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
-        )  # fmt: skip
+        if SHARED_K is not None and shared:
+            _down_rows(
+                h_ptr, h_scale_ptr, w, w_scale, pairs_ptr, block_rows_ptr, weights_ptr, routed_ptr,
+                pid_m, pid_n, True, stride_h, stride_hs, stride_swn, stride_swsn, stride_r,
+                N, SHARED_K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+            )  # fmt: skip
+        else:
+            _down_rows(
+                h_ptr, h_scale_ptr, w, w_scale, pairs_ptr, block_rows_ptr, weights_ptr, routed_ptr,
+                pid_m, pid_n, shared, stride_h, stride_hs, stride_wn, stride_wsn, stride_r,
+                N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+            )  # fmt: skip
     tl.debug_barrier()  # all of this program's rows are stored before its ticket releases them
     if tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == num_blocks - 1:
         tl.store(tickets_ptr + pid_n, 0)
@@ -843,6 +859,7 @@ def gate_up_stage(
         FP8=fp8,
         QUANT_GROUP=min(up.block_n, FP8_BLOCK),
         SHARED=shared is not None,
+        SHARED_N=None if shared is None or shared.down.shape[1] == intermediate else shared.down.shape[1],
         **launch,
         **split_operands,
         PDL=dependent,
@@ -877,22 +894,43 @@ def _split_operands(
 
 def shared_refusal(w: ExpertWeights, shared: SharedExpert) -> str | None:
     """Why the grouped GEMMs cannot compute `shared` as one more expert beside `w`'s, or None: it must
-    have the format of `w` (dtype, FP8 or not) and one routed expert's shapes and row strides, since
-    the kernels read both through one set of tile shapes and strides."""
-    pairs = [("gate_up", w.gate_up, shared.gate_up), ("down", w.down, shared.down)]
+    have the format of `w` (dtype, FP8 or not) and a routed expert's hidden size and gate|up row
+    strides, and an intermediate of at most a routed expert's (a tensor-parallel slice of the shared
+    expert is narrower; whole scale blocks of it where FP8), its down row-major where narrower (the
+    combining down launch takes its strides then) and else a routed expert's strides too."""
     if (w.scales is None) != (shared.scales is None):
         return "the shared expert and the routed experts are not both FP8 or both unscaled"
-    if w.scales is not None:
-        names = ("gate_up_scale_inv", "down_scale_inv")
-        pairs += list(zip(names, w.scales, shared.scales, strict=True))
-    for name, routed, one in pairs:
-        if one.dtype != routed.dtype or one.shape != routed.shape[1:] or one.stride() != routed.stride()[1:]:
-            expected = f"{routed.dtype} {tuple(routed.shape[1:])} strides {routed.stride()[1:]}"
+    inter, hidden, width = w.down.shape[2], w.down.shape[1], shared.down.shape[1]
+    if width > inter or (w.scales is not None and width % FP8_BLOCK):
+        whole = f" in whole {FP8_BLOCK}-wide scale blocks" if w.scales is not None else ""
+        return f"the shared expert's intermediate {width} is not at most a routed expert's ({inter}){whole}"
+    names = ("gate_up", "down", "gate_up_scale_inv", "down_scale_inv")
+    routed = (w.gate_up, w.down, *(w.scales or ()))
+    blocks = -(-hidden // FP8_BLOCK), width // FP8_BLOCK
+    shapes = ((2 * width, hidden), (hidden, width), (2 * blocks[1], blocks[0]), blocks)
+    count = len(routed)  # the weights, and their scales where FP8
+    tensors = (*shared[:2], *(shared.scales or ()))
+    for name, one, stacked, shape in zip(names[:count], tensors, routed, shapes[:count], strict=True):
+        row_major = (shape[1], 1)
+        strides = stacked.stride()[1:] if name.startswith("gate_up") or width == inter else row_major
+        if one.dtype != stacked.dtype or tuple(one.shape) != shape or one.stride() != strides:
             return (
                 f"the shared expert's {name} {one.dtype} {tuple(one.shape)} strides {one.stride()} is not "
-                f"one routed expert's ({expected})"
+                f"{stacked.dtype} {shape} strides {strides} (a routed expert's layout at its width)"
             )
     return None
+
+
+def _shared_down_arguments(shared: SharedExpert | None, down: torch.Tensor) -> dict[str, object]:
+    """`_down_combine_kernel`'s keywords for a shared expert narrower than a routed one (none else)."""
+    if shared is None or shared.down.shape[1] == down.shape[2]:
+        return {}
+    scale = shared.down if shared.scales is None else shared.scales[1]
+    return {
+        "SHARED_K": shared.down.shape[1],
+        "stride_swn": shared.down.stride(0),
+        "stride_swsn": scale.stride(0),
+    }
 
 
 def _shared_operands(
@@ -1088,6 +1126,7 @@ def down_combine_stage(
         PARTIAL=partial,
         ADD=addend is not None,
         SHARED=shared is not None,
+        **_shared_down_arguments(shared, down),
         PDL=dependent,
         launch_pdl=dependent,
     )

@@ -43,8 +43,8 @@ class SharedExpert(NamedTuple):
     """The shared expert's weights, apart from the routed experts': gate_up `[2I, D]` (gate rows first)
     and down `[D, I]`, in x's dtype with `scales` None, or e4m3 with `scales` = (gate_up_scale_inv,
     down_scale_inv), fp32 `[ceil(N/128), ceil(K/128)]` per [128, 128] block: one routed expert's
-    layout (`ExpertWeights` at one expert) without the expert dimension. It adds its output to every
-    token, as a routed pair of weight 1 would."""
+    layout (`ExpertWeights` at one expert) without the expert dimension, its I its own (a tensor
+    parallel rank's slice). It adds its output to every token, as a routed pair of weight 1 would."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
