@@ -11,7 +11,7 @@ import torch
 from hylo.ops import moe as moe_ops
 from hylo.ops.fp8 import quantize_fp8_blocks
 from hylo.ops.moe import decode, kernels, reference
-from hylo.ops.moe.reference import Choices, ExpertWeights, Routing
+from hylo.ops.moe.reference import Choices, ExpertWeights, Routing, SharedExpert
 from hylo.ops.moe.routing import align
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on a GPU")
@@ -131,3 +131,38 @@ def test_the_shared_experts_addend_is_the_add_after_the_step(model, tokens, fp8)
         alone = moe_ops.routed_experts(x, routing, gate_up, down, LIMIT, scales, first)
         joined = moe_ops.routed_experts(x, routing, gate_up, down, LIMIT, scales, first, addend)
         assert torch.equal(joined, alone + addend), (rank, tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_ranks_slice_of_the_shared_expert_joins_its_launches(model, tokens, fp8):
+    """A rank's tensor slice of the shared expert (intermediate 128 beside the routed experts' 512), in
+    the rank's three launches: within the bf16 rounding of its rows of the step with the slice's output
+    as the addend (the same GEMMs; the joined step rounds the slice's rows once, the addend step its
+    sum and the addend's add: a bf16 ulp on a few elements), on a rank whose one token splits its
+    gate|up K."""
+    routing = model[0]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    width = 128
+    gate_up = (torch.randn(2 * width, HIDDEN, generator=gen, device="cuda") * HIDDEN**-0.5).bfloat16()
+    down = (torch.randn(HIDDEN, width, generator=gen, device="cuda") * width**-0.5).bfloat16()
+    if fp8:
+        (gq, gs), (dq, ds) = quantize_fp8_blocks(gate_up), quantize_fp8_blocks(down)
+        shared = SharedExpert(gq, dq, (gs, ds))
+    else:
+        shared = SharedExpert(gate_up, down)
+    x = torch.randn(tokens, HIDDEN, device="cuda").bfloat16()
+    for rank in (None, 3):
+        w_gate_up, w_down, scales, first = rank_weights(model, rank, fp8)
+        w = ExpertWeights(w_gate_up, w_down, scales)
+        assert kernels.shared_refusal(w, shared) is None
+        rows = reference.shared_expert(x, shared, LIMIT)
+        joined = decode.routed_experts(x, routing, w, LIMIT, first_expert=first, shared=shared)
+        apart = decode.routed_experts(x, routing, w, LIMIT, first_expert=first, addend=rows.to(x.dtype))
+        assert rel_err(joined, apart) < (0.1 if fp8 else 1e-2), (rank, tokens)
+        plain = ExpertWeights(*(t.float() for t in rank_weights(model, rank, False)[:2]))
+        truth = reference.experts(
+            x.float(), plain,
+            reference.route(x, routing), LIMIT, first, SharedExpert(gate_up.float(), down.float()),
+        )  # fmt: skip
+        assert rel_err(joined, truth) < (0.1 if fp8 else 1e-2), (rank, tokens)
