@@ -137,32 +137,36 @@ def moe_prologue(tokens: int) -> Callable[[], object]:
     return lambda: decode.prologue(x, routing, block_m, True, shared=True)
 
 
-def moe_experts(tokens: int) -> Callable[[], object]:
+def moe_experts(tokens: int, ranks: int = 1) -> Callable[[], object]:
     """A MoE layer's routed experts with the shared expert at decode (`decode.routed_experts`: the
-    prologue, gate|up with the activation, down with the combine), FP8 weights (allocated, never read)."""
+    prologue, gate|up with the activation, down with the combine), FP8 weights (allocated, never read);
+    `ranks` > 1: rank 0 of that many splitting the experts by expert and the shared expert by tensor
+    (at 8, one token splits the gate|up K and the shared expert is an eighth as wide)."""
     from hylo.ops.moe import decode
     from hylo.ops.moe.reference import ExpertWeights, Routing, SharedExpert
 
-    inter, e4m3 = 2048, torch.float8_e4m3fn
+    inter, e4m3, local = 2048, torch.float8_e4m3fn, EXPERTS // ranks
     routing = Routing(
         torch.empty(EXPERTS, HIDDEN, dtype=torch.bfloat16), torch.zeros(EXPERTS), TOP_K, 1, 1, True, 2.5
     )
     weights = ExpertWeights(
-        torch.empty(EXPERTS, 2 * inter, HIDDEN, dtype=e4m3),
-        torch.empty(EXPERTS, HIDDEN, inter, dtype=e4m3),
+        torch.empty(local, 2 * inter, HIDDEN, dtype=e4m3),
+        torch.empty(local, HIDDEN, inter, dtype=e4m3),
         (
-            torch.empty(EXPERTS, 2 * inter // 128, HIDDEN // 128),
-            torch.empty(EXPERTS, HIDDEN // 128, inter // 128),
+            torch.empty(local, 2 * inter // 128, HIDDEN // 128),
+            torch.empty(local, HIDDEN // 128, inter // 128),
         ),
     )
+    width = inter // ranks
     shared = SharedExpert(
-        torch.empty(2 * inter, HIDDEN, dtype=e4m3),
-        torch.empty(HIDDEN, inter, dtype=e4m3),
-        (torch.empty(2 * inter // 128, HIDDEN // 128), torch.empty(HIDDEN // 128, inter // 128)),
+        torch.empty(2 * width, HIDDEN, dtype=e4m3),
+        torch.empty(HIDDEN, width, dtype=e4m3),
+        (torch.empty(2 * width // 128, HIDDEN // 128), torch.empty(HIDDEN // 128, width // 128)),
     )
     x = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
     _as_dependents(decode, decode.kernels)
-    return lambda: decode.routed_experts(x, routing, weights, 10.0, shared=shared)
+    first = None if ranks == 1 else 0
+    return lambda: decode.routed_experts(x, routing, weights, 10.0, first_expert=first, shared=shared)
 
 
 def mhc_entry(tokens: int) -> Callable[[], object]:
@@ -206,6 +210,7 @@ def cases(kda_heads: int) -> dict[str, Callable[[], Callable[[], object]]]:
         "pool_compression": pool_compression,
         "moe_experts_t1": lambda: moe_experts(1),
         "moe_experts_t8": lambda: moe_experts(8),
+        "moe_experts_tp8_rank_t1": lambda: moe_experts(1, ranks=8),
         "mhc_enter_t1": lambda: mhc_entry(1),
         "mhc_enter_t8": lambda: mhc_entry(8),
     }
