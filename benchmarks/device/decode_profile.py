@@ -4,10 +4,12 @@ reads: the real-size GLM-5.3-Flash slice (a random FP8 checkpoint, `load_format=
     PYTHONPATH=src python3 benchmarks/device/decode_profile.py [--layers 8] [--buckets 1 8] [--no-ttft]
                                                                [--out DIR]
 
-Per bucket: the replay's GPU ms; every kernel's µs per replay and launches per replay (torch.profiler
-over replays); the weight bytes each module kind reads in the step (counting hooks on an eager rerun
-of the same static batch: FP8 and bf16 projections, routed experts (the experts routed to), the
-lm_head, norms and the rest) and its floor at the copy rate measured here. Also the TTFT of a fresh
+Per bucket, after a few decode steps of that many requests of random prompts (so the graph's static
+batch is a real one: distinct tokens routed to distinct experts; the warm-up batch repeats one token):
+the replay's GPU ms; every kernel's µs per replay and launches per replay (torch.profiler over
+replays); the weight bytes each module kind reads in the step (counting hooks on an eager rerun of the
+same static batch: FP8 and bf16 projections, routed experts (the experts routed to), the lm_head,
+norms and the rest) and its floor at the copy rate measured here. Also the TTFT of a fresh
 1024- and 13312-token prompt (median of three), for the prefill side of the same kernels.
 
 Kernels launched as programmatic dependents (`hylo.ops.dependent_launch`, on by default on Hopper) start
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 from prefix_e2e import VOCAB, serve, ttft
+from rank_e2e import warm
 from spec_e2e import copy_bandwidth, folded_shared_bytes, replay_ms, write_target
 
 from hylo import LLM
@@ -126,6 +129,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     report: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "copy_bytes_per_s": bandwidth}
     for bucket in args.buckets:
+        warm(llm.engine, bucket)
         with torch.inference_mode():
             read = bytes_by_kind(graphs.model, lambda b=bucket: graphs.bank.warm(b))
         torch.cuda.synchronize()
