@@ -307,6 +307,13 @@ def test_prologue_places_the_shared_experts_pairs_first(tokens, first_expert, bl
     assert_alignment(routed, ids, local, block_m, first_expert)
 
 
+def rank_experts(w: ExpertWeights, first_expert: int | None, num_experts: int) -> ExpertWeights:
+    """The experts a rank holding `[first_expert, first_expert + 4)` has (all `num_experts` for None)."""
+    local = slice(first_expert or 0, num_experts if first_expert is None else first_expert + 4)
+    scales = None if w.scales is None else tuple(s[local] for s in w.scales)
+    return ExpertWeights(w.gate_up[local], w.down[local], scales)
+
+
 def shared_output(x: torch.Tensor, experts: Experts, fp8: bool) -> torch.Tensor:
     """The shared expert's output (expert 0) by the general kernel path, as a routed pair of weight 1:
     the rows the three launches add in their combine."""
@@ -341,10 +348,7 @@ def test_the_shared_expert_joins_the_routed_launches(tokens, top_k, first_expert
     routing_ = random_routing(g, hidden, num_experts, top_k)
     routing_ = routing_._replace(weight=routing_.weight.to(dtype))
     experts, shared_experts = Experts(g, hidden, inter, num_experts), Experts(g, hidden, inter, 1)
-    whole = experts.fp8 if fp8 else experts.plain
-    local = slice(first_expert or 0, num_experts if first_expert is None else first_expert + 4)
-    scales = None if whole.scales is None else tuple(s[local] for s in whole.scales)
-    w = ExpertWeights(whole.gate_up[local], whole.down[local], scales)
+    w = rank_experts(experts.fp8 if fp8 else experts.plain, first_expert, num_experts)
     shared = shared_experts.shared(fp8)
     out = decode.routed_experts(x, routing_, w, LIMIT, first_expert=first_expert, shared=shared)
     assert not decode.tickets(x.device).any()
@@ -353,7 +357,7 @@ def test_the_shared_expert_joins_the_routed_launches(tokens, top_k, first_expert
     close = 1e-6 if dtype == torch.float32 else 4e-3
     assert out.dtype == dtype and rel_err(out, joined) < close
     choices = reference.route(x, routing_)
-    plain = ExpertWeights(experts.gate_up[local], experts.down[local])
+    plain = rank_experts(experts.plain, first_expert, num_experts)
     truth = reference.experts(x.float(), plain, choices, LIMIT, first_expert, shared_experts.shared(False))
     assert rel_err(out, truth) < (0.1 if fp8 else 2e-6)
     routed_only = reference.experts(x.float(), plain, choices, LIMIT, first_expert)
@@ -372,10 +376,7 @@ def test_a_narrower_shared_expert_joins_the_routed_launches(tokens, first_expert
     x = torch.randn(tokens, hidden, generator=g)
     routing_ = random_routing(g, hidden, num_experts, top_k)
     experts, shared_experts = Experts(g, hidden, inter, num_experts), Experts(g, hidden, width, 1)
-    whole = experts.fp8 if fp8 else experts.plain
-    local = slice(first_expert or 0, num_experts if first_expert is None else first_expert + 4)
-    scales = None if whole.scales is None else tuple(s[local] for s in whole.scales)
-    w = ExpertWeights(whole.gate_up[local], whole.down[local], scales)
+    w = rank_experts(experts.fp8 if fp8 else experts.plain, first_expert, num_experts)
     shared = shared_experts.shared(fp8)
     assert kernels.shared_refusal(w, shared) is None
     out = decode.routed_experts(x, routing_, w, LIMIT, first_expert=first_expert, shared=shared)
@@ -384,7 +385,7 @@ def test_a_narrower_shared_expert_joins_the_routed_launches(tokens, first_expert
     joined = decode.routed_experts(x, routing_, w, LIMIT, first_expert=first_expert, addend=rows)
     assert rel_err(out, joined) < 1e-6
     choices = reference.route(x, routing_)
-    plain = ExpertWeights(experts.gate_up[local], experts.down[local])
+    plain = rank_experts(experts.plain, first_expert, num_experts)
     truth = reference.experts(x, plain, choices, LIMIT, first_expert, shared_experts.shared(False))
     assert rel_err(out, truth) < (0.1 if fp8 else 2e-6)
 
