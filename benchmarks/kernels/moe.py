@@ -17,9 +17,11 @@ general path (router GEMM, routing, x quantisation, alignment, the two GEMMs, co
 them as `*_general_*`. `--sweep` times candidate tile configurations (checked for parity first); the
 `breakdown` section (`--only breakdown`) times each launch of an FP8 decode step on its own, both
 paths, and the prologue's variants, and lists the kernels of an FP8 prefill step (torch.profiler).
-`--only prefill_sweep` times the FP8 prefill step in each of `PREFILL_VARIANTS` (compiled first in
-parallel processes) against the FP8 matmul ceiling measured after the compiles, with each variant's
-output against the default's and its per-kernel times. Prints a table last and writes `moe.json` to
+`--only rank_decode` times a TP8/EP8 rank's FP8 decode step (its 36 experts and the shared expert's
+slice) in each K split of the gate|up launch (`rank_configs`). `--only prefill_sweep` times the FP8
+prefill step in each of `PREFILL_VARIANTS` (compiled first in parallel processes) against the FP8
+matmul ceiling measured after the compiles, with each variant's output against the default's and its
+per-kernel times. Prints a table last and writes `moe.json` to
 --out (default $OUT or ./out).
 """
 
@@ -611,6 +613,85 @@ def prefill_sweep(model: Model) -> None:
 # ---------------------------------------------------------------- main
 
 
+RANKS = 8  # rank_decode: a TP8/EP8 rank, rank 0 (the first EXPERTS / RANKS experts)
+RANK_SPLITS = (1, 2, 4, 8, 16)
+
+
+def rank_configs(tokens: int) -> dict[str, MoeConfig | None]:
+    """The decode path's configurations a rank's step is timed in: the default (with the K splits
+    `gate_up_splits` picks), then each power-of-two split (those that cut K into whole 128-deep steps)
+    with the row blocks walked one by one (group_m 1: a block's programs, live first, launch first) or
+    in groups of 8 (the default), and the split gate|up at 2 pipeline stages instead of 4 (2 CTAs a
+    SM fit its shared memory)."""
+    base = kernels.default_config(tokens * TOP_K, EXPERTS // RANKS, True, tma=False)
+    configs: dict[str, MoeConfig | None] = {"default": None}
+    for splits in RANK_SPLITS:
+        if HIDDEN % (splits * fp8_ops.FP8_BLOCK):
+            continue
+        up = replace(base.gate_up, splits=splits)
+        configs[f"split{splits}"] = replace(base, gate_up=up)
+        configs[f"split{splits}_group1"] = replace(base, gate_up=up, group_m=1)
+        if splits > 1:
+            configs[f"split{splits}_stages2"] = replace(base, gate_up=replace(up, num_stages=2))
+    return configs
+
+
+def rank_decode(model: Model) -> None:
+    """A TP8/EP8 rank's FP8 decode MoE step (`routed_experts` with `first_expert`: the rank's 36 of
+    the 288 experts, and the shared expert's tensor slice, intermediate I / 8, in the same launches) at
+    1 and 8 tokens, in each of `rank_configs`, over ROTATE batches routed alike for every configuration:
+    µs a step, the floor (the rank's distinct experts reached plus the shared slice, at the copy rate)
+    and each configuration's output against the default's. The rule's split is recorded beside them."""
+    bandwidth = RESULTS["copy_TBps"] * 1e12
+    local = EXPERTS // RANKS
+    (gate_up, gate_up_scale), (down, down_scale) = model.fp8["gate_up"], model.fp8["down"]
+    w = ExpertWeights(gate_up[:local], down[:local], (gate_up_scale[:local], down_scale[:local]))
+    width = INTER // RANKS if (INTER // RANKS) % fp8_ops.FP8_BLOCK == 0 else INTER  # dry run: whole
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    shared_bf16 = (
+        torch.randn(2 * width, HIDDEN, device=DEV, dtype=ACT, generator=gen) * HIDDEN**-0.5,
+        torch.randn(HIDDEN, width, device=DEV, dtype=ACT, generator=gen) * width**-0.5,
+    )
+    (sg, ss), (sd, sds) = (fp8_ops.quantize_fp8_blocks(t) for t in shared_bf16)
+    shared = reference.SharedExpert(sg, sd, (ss, sds))
+    shared_bytes = sum(t.numel() * t.element_size() for t in (sg, sd, ss, sds))
+    per_expert = model.bytes_read(torch.zeros(1, dtype=torch.long), True)
+    for tokens in (1, 8):
+        xs = [batch(tokens, seed=500 * tokens + r) for r in range(ROTATE)]
+        reached = [int((model.route(x)[0].unique() < local).sum()) for x in xs]
+        floor_us = (sum(reached) * per_expert / ROTATE + shared_bytes) / bandwidth * 1e6
+        tag = f"rank_T{tokens}_fp8"
+        rec(f"{tag}_local_experts_reached", reached)
+        rec(f"{tag}_floor_us", round(floor_us, 2))
+        reach = local * (1 - (1 - TOP_K / EXPERTS) ** tokens)
+        blocks = routing.max_blocks(tokens * TOP_K, local, 16) + -(-tokens // 16)  # + the shared expert's
+        base = kernels.default_config(tokens * TOP_K, local, True, tma=False)
+        rec(
+            f"{tag}_rule_splits",
+            moe_decode.gate_up_splits(reach, blocks, w.gate_up.shape, base, xs[0].device),
+        )
+        expected = None
+        for name, config in rank_configs(tokens).items():
+
+            def step(config=config, xs=xs):
+                return [
+                    moe_decode.routed_experts(x, model.routing, w, LIMIT, config, 0, shared=shared)
+                    for x in xs
+                ]
+
+            outputs = step()
+            if expected is None:
+                expected = outputs
+            err = max(
+                rel_err(o, e) if e.norm() > 0 else float(o.norm())
+                for o, e in zip(outputs, expected, strict=True)
+            )
+            t = bench_graph(step) / ROTATE
+            rec(f"{tag}_{name}_us", round(t, 2))
+            rec(f"{tag}_{name}_pct_of_copy_ceiling", round(100 * floor_us / t, 1))
+            rec(f"{tag}_{name}_rel_err_vs_default", f"{err:.1e}")
+
+
 def table() -> None:
     print("\n| case | hylo step | general path step | experts only | floor / ceiling | % |")
     print("|---|---|---|---|---|---|")
@@ -624,6 +705,15 @@ def table() -> None:
                 print(
                     f"| decode M={tokens} {tag} | {step} us | {general} us | {experts} us | {floor} us (copy)"
                     f" | {pct} |"
+                )
+    for tokens in (1, 8):
+        key = f"rank_T{tokens}_fp8"
+        for name in rank_configs(tokens) if f"{key}_floor_us" in RESULTS else ():
+            if f"{key}_{name}_us" in RESULTS:
+                print(
+                    f"| TP8 rank decode M={tokens} fp8, {name} (rule: {RESULTS[f'{key}_rule_splits']}) | "
+                    f"{RESULTS[f'{key}_{name}_us']} us | | | {RESULTS[f'{key}_floor_us']} us (copy) | "
+                    f"{RESULTS[f'{key}_{name}_pct_of_copy_ceiling']} |"
                 )
     for tag in ("fp8", "bf16"):
         key = f"prefill_T{PREFILL_TOKENS}_{tag}"
@@ -657,7 +747,7 @@ def main() -> None:
     chosen = args.only.split(",") if args.only else [*DEFAULT_SECTIONS, *(["sweep"] if args.sweep else [])]
     if unknown := set(chosen) - set(SECTIONS):
         parser.error(f"unknown sections {sorted(unknown)}")
-    if {"decode", "prefill"} & set(chosen) and "ceilings" not in chosen:
+    if {"decode", "prefill", "rank_decode"} & set(chosen) and "ceilings" not in chosen:
         chosen.insert(0, "ceilings")  # their percentages divide by the ceilings
     if "prefill_sweep" in chosen and not DRY:
         WARM.append(warm_prefill_variants())  # compiles while the model is built
@@ -692,6 +782,7 @@ SECTIONS = {
     "breakdown": breakdown,
     "sweep": sweep,
     "prefill_sweep": prefill_sweep,
+    "rank_decode": rank_decode,
 }
 DEFAULT_SECTIONS = ("ceilings", "parity", "decode", "prefill")
 
