@@ -9,6 +9,8 @@ bf16 `tl.dot` is wrong); the FP8 experts run on e4m3 with bf16 or fp32 activatio
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from interpreter import run_compiled_for_hopper, use_interpreter
 
 use_interpreter()  # before the kernels are decorated
@@ -29,6 +31,7 @@ from hylo.ops.moe.reference import Choices, ExpertWeights, Routing, SharedExpert
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
 LIMIT = 1.5  # low enough that the clamps bite on these inputs
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels"
 
 
 def random_routing(g: torch.Generator, hidden: int, num_experts: int, top_k: int, n_group=1, topk_group=1):
@@ -519,65 +522,72 @@ def test_a_shared_mlp_unlike_one_expert_stays_apart():
 
 
 _HOPPER_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hylo.ops.moe.kernels import _down_combine_kernel as fn
+import sys
+import torch
+sys.path.insert(0, BENCHMARKS)
+import code_size
+from hylo.ops.moe import decode
+from hylo.ops.moe.reference import ExpertWeights, Routing, SharedExpert
 
-consts = {"TOP_K": 8, "K_PAD": 8, "T_PAD": 16, "N": 4096, "K": 2048, "BLOCK_M": 16, "BLOCK_N": 64,
-          "BLOCK_K": 128, "GROUP_M": 8, "FP8": True, "E": 288, "PARTIAL": PARTIAL, "ADD": True,
-          "SHARED": SHARED, "SHARED_K": SHARED_K}
-kinds = {"h_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "h_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
-         "shared_w_ptr": "*fp8e4nv", "shared_w_scale_ptr": "*fp32",
-         "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "block_rows_ptr": "*i32", "weights_ptr": "*fp32",
-         "routed_ptr": "*bf16", "ids_ptr": "*i32", "addend_ptr": "*bf16", "out_ptr": "*bf16",
-         "tickets_ptr": "*i32"}
-sig = {n: "constexpr" if n in consts else kinds.get(n, "i32") for n in fn.arg_names}
-src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0)
+hidden, inter, top_k, all_experts = 4096, 2048, 8, 288
+dtype = torch.float8_e4m3fn if FP8 else torch.bfloat16
+local = all_experts if FIRST is None else all_experts // 8
+
+
+def scales(n, k, experts=()):
+    return torch.empty(*experts, n // 128, k // 128) if FP8 else None
+
+
+router = torch.empty(all_experts, hidden, dtype=torch.bfloat16)
+routing = Routing(router, torch.zeros(all_experts), top_k, 1, 1, True, 2.5)
+gate_up, down = (torch.empty(local, *shape, dtype=dtype) for shape in ((2 * inter, hidden), (hidden, inter)))
+both = (scales(2 * inter, hidden, (local,)), scales(hidden, inter, (local,)))
+w = ExpertWeights(gate_up, down, both if FP8 else None)
+shared = None
+if WIDTH:
+    parts = (torch.empty(2 * WIDTH, hidden, dtype=dtype), torch.empty(hidden, WIDTH, dtype=dtype))
+    shared = SharedExpert(*parts, (scales(2 * WIDTH, hidden), scales(hidden, WIDTH)) if FP8 else None)
+x = torch.zeros(TOKENS, hidden, dtype=torch.bfloat16)
+code_size._as_dependents(decode, decode.kernels)
+if GENERAL:  # the general path's GEMMs (16-row blocks at this size: no TMA), on routing's choices
+    from hylo.ops.moe import kernels
+    from hylo.ops.moe.reference import Choices
+
+    ids = torch.zeros(TOKENS, top_k, dtype=torch.int64)
+    step = lambda: kernels.experts(x, w, Choices(ids, torch.ones(TOKENS, top_k)), 10.0)  # noqa: E731
+else:
+    step = lambda: decode.routed_experts(x, routing, w, 10.0, first_expert=FIRST, shared=shared)  # noqa: E731
+launches = code_size.compiled_launches(step)
+print(" ".join(sorted({launch["kernel"] for launch in launches})))
 """
 
-_HOPPER_COMPILE_GATE_UP = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hylo.ops.moe.kernels import _gate_up_kernel as fn
 
-w = "*fp8e4nv" if FP8 else "*bf16"
-consts = {"TOP_K": 8, "N": 2048, "K": 4096, "BLOCK_M": 16, "BLOCK_N": 128 if FP8 else 64, "BLOCK_K": 128,
-          "GROUP_M": 8, "FP8": FP8, "QUANT_GROUP": 128 if FP8 else 64, "SHARED": True, "SPLITS": SPLITS,
-          "SHARED_N": SHARED_N}
-if SPLITS == 1:
-    consts |= {"partials_ptr": None, "tickets_ptr": None}
-kinds = {"x_ptr": w, "w_ptr": w, "shared_w_ptr": w, "h_ptr": w, "limit": "fp32",
-         "partials_ptr": "*fp32", "tickets_ptr": "*i32",
-         "x_scale_ptr": "*fp32" if FP8 else w, "w_scale_ptr": "*fp32" if FP8 else w,
-         "shared_w_scale_ptr": "*fp32" if FP8 else w, "h_scale_ptr": "*fp32" if FP8 else w,
-         "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "block_rows_ptr": "*i32"}
-sig = {n: "constexpr" if n in consts else kinds.get(n, "i32") for n in fn.arg_names}
-src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0)
-"""
+# (FP8, shared expert width (0: none), first expert (None: every expert, else a TP8/EP8 rank's), tokens,
+# the general path instead of the decode path)
+HOPPER_CASES = {
+    "fp8": (True, 0, None, 8, False),
+    "fp8-shared": (True, 2048, None, 1, False),
+    "fp8-rank-shared": (True, 2048, 0, 8, False),
+    "fp8-rank-slice-split": (True, 256, 0, 1, False),
+    "bf16-shared": (False, 2048, None, 8, False),
+    "fp8-general": (True, 0, None, 100, True),
+}
+DECODE_LAUNCHES = ["_down_combine_kernel", "_gate_up_kernel", "_prologue_kernel"]
 
 
-@pytest.mark.parametrize(
-    ("shared", "partial", "shared_k"),
-    [(False, False, None), (True, False, None), (True, True, None), (True, True, 256)],
-)
-def test_the_combining_down_kernel_compiles_for_hopper(shared, partial, shared_k):
-    """bf16 output and addend (the shared expert's rows with `shared`; `shared_k`: a TP8 rank's slice of
-    it), FP8 weights, as the GPU builds it (no GPU needed): the interpreter does not check Triton's typing
-    rules (the per-block choice of the shared or a stacked expert's pointers), nor its rounding of fp32 to
-    bf16 (see the addend test)."""
-    script = f"SHARED, PARTIAL, SHARED_K = {shared}, {partial}, {shared_k}\n" + _HOPPER_COMPILE
-    assert run_compiled_for_hopper(script).split() == ["True"]
-
-
-@pytest.mark.parametrize(
-    ("fp8", "splits", "shared_n"),
-    [(False, 1, None), (True, 1, None), (True, 8, None), (True, 8, 256)],
-    ids=["bf16", "fp8", "fp8-split", "fp8-split-tp8-shared"],
-)
-def test_the_gate_up_kernel_compiles_for_hopper_with_the_shared_expert(fp8, splits, shared_n):
-    script = f"FP8, SPLITS, SHARED_N = {fp8}, {splits}, {shared_n}\n" + _HOPPER_COMPILE_GATE_UP
-    assert run_compiled_for_hopper(script).split() == ["True"]
+@pytest.mark.parametrize("case", HOPPER_CASES)
+def test_the_decode_kernels_compile_for_hopper(case):
+    """The three launches of a decode step with FP8 or bf16 weights, with and without the shared
+    expert, at a TP8/EP8 rank (its pairs only; one token with the shared expert's slice: the gate|up K
+    split 8 ways), and the general path's GEMMs, compiled for sm_90a as the GPU builds them (no GPU
+    needed: `code_size`'s compile): the interpreter does not check Triton's typing rules (the per-block
+    choice of the shared or a stacked expert's pointers, the operand bundles' fields), nor its rounding
+    of fp32 to bf16 (see the addend test)."""
+    fp8, width, first, tokens, general = HOPPER_CASES[case]
+    script = f"FP8, WIDTH, FIRST, TOKENS, GENERAL = {fp8}, {width}, {first}, {tokens}, {general}\n"
+    script = f"BENCHMARKS = {str(BENCHMARKS)!r}\n" + script + _HOPPER_COMPILE
+    kernels_compiled = run_compiled_for_hopper(script).split()
+    if general:
+        assert {"_gate_up_kernel", "_down_kernel"} <= set(kernels_compiled), kernels_compiled
+    else:
+        assert kernels_compiled == DECODE_LAUNCHES

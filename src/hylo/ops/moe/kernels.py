@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -72,6 +73,44 @@ class MoeConfig:
     down: Tiles
     group_m: int = 8
     tma: bool = False
+
+
+class Rows(NamedTuple):
+    """Activation rows as the grouped-GEMM kernels take them (one operand, not four arguments): row r of
+    `data` at `data + r·stride`, its FP8 group scales at `scales + r·scale_stride` (`data` again where
+    unscaled: the kernels read scales only where FP8). (Not `values`: Triton's tuples use that name.)"""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    stride: int
+    scale_stride: int
+
+
+def rows_operand(data: torch.Tensor, scales: torch.Tensor | None) -> Rows:
+    scales = _or(scales, data)
+    return Rows(data, scales, data.stride(0), scales.stride(0))
+
+
+class Weights(NamedTuple):
+    """Experts' `[N, K]` weights as the kernels take them: expert e's row n at `weight + e·expert_stride
+    + n·row_stride`, its [128, 128] block scales at `scale + e·scale_expert_stride + (n // 128)·
+    scale_row_stride` (`weight` again, never read, where unscaled); one expert's own tensors (the shared
+    expert's) have expert strides 0."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    expert_stride: int
+    row_stride: int
+    scale_expert_stride: int
+    scale_row_stride: int
+
+
+def weights_operand(weight: torch.Tensor, scale: torch.Tensor | None) -> Weights:
+    """`Weights` of stacked `[E, N, K]` experts or of one expert's `[N, K]` tensors."""
+    scale = _or(scale, weight)
+    if weight.dim() == 2:
+        return Weights(weight, scale, 0, weight.stride(0), 0, scale.stride(0))
+    return Weights(weight, scale, weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1))
 
 
 def default_config(
@@ -132,16 +171,17 @@ def _block_expert(block_expert_ptr, pid_m, SHARED: tl.constexpr):
 
 
 @triton.jit
-def _expert_weights(
-    w_ptr, w_scale_ptr, expert, stride_we, stride_wse, shared, shared_w_ptr, shared_w_scale_ptr
-):
-    """(weight, scale_inv) of a row block's expert: the shared expert's own tensors for its blocks, else
-    expert `expert` of the stacked ones (the two share their row strides: `SharedExpert`'s checks)."""
+def _expert_weights(w, expert, shared, shared_w):
+    """(weight, scale_inv) pointers of a row block's expert (`Weights` both): the shared expert's own
+    tensors for its blocks, else expert `expert` of the stacked ones."""
     if shared:
-        w, w_scale = shared_w_ptr, shared_w_scale_ptr
+        weight, scale = shared_w.weight, shared_w.scale
     else:
-        w, w_scale = w_ptr + expert.to(tl.int64) * stride_we, w_scale_ptr + expert * stride_wse
-    return w, w_scale
+        weight, scale = (
+            w.weight + expert.to(tl.int64) * w.expert_stride,
+            w.scale + expert * w.scale_expert_stride,
+        )
+    return weight, scale
 
 
 @triton.jit
@@ -186,28 +226,14 @@ def _expert_product(
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,
-    x_scale_ptr,
-    w_ptr,
-    w_scale_ptr,
-    shared_w_ptr,
-    shared_w_scale_ptr,
-    pairs_ptr,
-    block_expert_ptr,
-    block_rows_ptr,
-    h_ptr,
-    h_scale_ptr,
+    x,
+    w,
+    shared_w,
+    layout,
+    h,
     num_blocks,
     num_pairs,
     limit,
-    stride_x,
-    stride_xs,
-    stride_we,
-    stride_wn,
-    stride_wse,
-    stride_wsn,
-    stride_h,
-    stride_hs,
     TOP_K: tl.constexpr,
     N: tl.constexpr,
     K: tl.constexpr,
@@ -224,7 +250,9 @@ def _gate_up_kernel(
     SPLITS: tl.constexpr = 1,
     SHARED_N: tl.constexpr = None,
 ):
-    """The SwiGLU rows of each row block's pairs (`gate_up_stage`). SHARED: the shared expert's blocks
+    """The SwiGLU rows `h` (`Rows`) of the pairs of each row block of `layout` (`Alignment`), from the
+    activation rows `x` and the experts' gate|up `w` (`Weights`; `gate_up_stage`). SHARED: the shared
+    expert's blocks
     (`SHARED_EXPERT`) read its own weights, and their pairs num_pairs + t are token t's; its intermediate
     is SHARED_N (default N: a routed expert's), the columns of its h rows past it are left unset, and its
     blocks' column tiles past it end at once. SPLITS > 1: each
@@ -235,34 +263,29 @@ def _gate_up_kernel(
     enter(PDL)
     split = tl.program_id(0) % SPLITS
     pid_m, pid_n = _block_of(tl.program_id(0) // SPLITS, num_blocks, N, BLOCK_N, GROUP_M)
-    expert, shared = _block_expert(block_expert_ptr, pid_m, SHARED)
+    expert, shared = _block_expert(layout.block_expert, pid_m, SHARED)
     width = N if SHARED_N is None else tl.where(shared, SHARED_N, N)  # this block's expert's intermediate
     if (expert < 0 and not shared) or pid_n * BLOCK_N >= width:
         return
-    slot, row_ok = _block_slots(pid_m, block_rows_ptr, BLOCK_M)
-    pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
+    slot, row_ok = _block_slots(pid_m, layout.block_rows, BLOCK_M)
+    pair = tl.load(layout.pairs + slot, mask=row_ok, other=0)
     token = tl.where(shared, pair - num_pairs, pair // TOP_K)
     # one [K, 2·BLOCK_N] weight tile per step, gate rows then the matching up rows: one dot (and for
     # FP8 one wait for its result before the scales apply) instead of two
     j = tl.arange(0, 2 * BLOCK_N)
     w_row = pid_n * BLOCK_N + j % BLOCK_N + (j // BLOCK_N) * width
     w_row_ok = pid_n * BLOCK_N + j % BLOCK_N < width
-    x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_x
-    w, w_scale = _expert_weights(
-        w_ptr, w_scale_ptr, expert, stride_we, stride_wse, shared, shared_w_ptr, shared_w_scale_ptr
-    )
-    w_cols = w + w_row[None, :] * stride_wn
-    a_scales = x_scale_ptr + token * stride_xs
-    w_scales = w_scale + (w_row // 128) * stride_wsn
+    x_rows = x.data + token.to(tl.int64)[:, None] * x.stride
+    weight, scale = _expert_weights(w, expert, shared, shared_w)  # the shared expert's strides are w's
+    w_cols = weight + w_row[None, :] * w.row_stride
+    a_scales = x.scales + token * x.scale_stride
+    w_scales = scale + (w_row // 128) * w.scale_row_stride
     acc = _expert_product(
         x_rows, a_scales, w_cols, w_scales, row_ok, w_row_ok, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP8,
         split * (K // SPLITS), K // SPLITS,
     )  # fmt: skip
     if SPLITS == 1:
-        _swiglu_store(
-            acc, slot, row_ok, pid_n, h_ptr, h_scale_ptr, limit, stride_h, stride_hs,
-            width, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP,
-        )  # fmt: skip
+        _swiglu_store(acc, slot, row_ok, pid_n, h, limit, width, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP)
     else:
         tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
         m = tl.arange(0, BLOCK_M)
@@ -277,60 +300,59 @@ def _gate_up_kernel(
             total = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
             for s in tl.static_range(SPLITS):  # in split order: every run sums alike
                 total += tl.load(first + s * step, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-            _swiglu_store(
-                total, slot, row_ok, pid_n, h_ptr, h_scale_ptr, limit, stride_h, stride_hs,
-                width, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP,
-            )  # fmt: skip
+            _swiglu_store(total, slot, row_ok, pid_n, h, limit, width, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP)
 
 
 @triton.jit
 def _swiglu_store(
-    acc, slot, row_ok, pid_n, h_ptr, h_scale_ptr, limit, stride_h, stride_hs, N,
+    acc, slot, row_ok, pid_n, h, limit, N,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, QUANT_GROUP: tl.constexpr,
 ):  # fmt: skip
     """The SwiGLU rows of a gate|up product `acc [BLOCK_M, gate BLOCK_N | up BLOCK_N]` at column tile
-    `pid_n` of an expert of intermediate N, stored to the rows `slot` of h (FP8: quantised by groups of
-    QUANT_GROUP, with their scales)."""
+    `pid_n` of an expert of intermediate N, stored to the rows `slot` of h (`Rows`; FP8: quantised by
+    groups of QUANT_GROUP, with their scales)."""
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
     gate = tl.minimum(acc_gate, limit)
-    h = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit)
-    h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
+    rows = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit)
+    h_rows = h.data + slot.to(tl.int64)[:, None] * h.stride
     out_ok = row_ok[:, None] & n_ok[None, :]
     if FP8:
-        grouped = tl.reshape(tl.where(n_ok[None, :], h, 0.0), [BLOCK_M, BLOCK_N // QUANT_GROUP, QUANT_GROUP])
+        grouped = tl.reshape(
+            tl.where(n_ok[None, :], rows, 0.0), [BLOCK_M, BLOCK_N // QUANT_GROUP, QUANT_GROUP]
+        )
         scale = group_scale(tl.max(tl.abs(grouped), axis=2))
         q = round_to_e4m3(tl.math.div_rn(grouped, tl.broadcast_to(scale[:, :, None], grouped.shape)))
         tl.store(
-            h_rows + n[None, :], tl.reshape(q, [BLOCK_M, BLOCK_N]).to(h_ptr.dtype.element_ty), mask=out_ok
+            h_rows + n[None, :], tl.reshape(q, [BLOCK_M, BLOCK_N]).to(h.data.dtype.element_ty), mask=out_ok
         )
         group = (pid_n * BLOCK_N) // 128 + tl.arange(0, BLOCK_N // QUANT_GROUP)
         group_ok = row_ok[:, None] & (group < tl.cdiv(N, 128))[None, :]  # a tile may reach past I
-        tl.store(h_scale_ptr + slot[:, None] * stride_hs + group[None, :], scale, mask=group_ok)
+        tl.store(h.scales + slot[:, None] * h.scale_stride + group[None, :], scale, mask=group_ok)
     else:
-        tl.store(h_rows + n[None, :], h.to(h_ptr.dtype.element_ty), mask=out_ok)
+        tl.store(h_rows + n[None, :], rows.to(h.data.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
 def _down_rows(
-    h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, pairs_ptr, block_rows_ptr, weights_ptr, out_ptr,
-    pid_m, pid_n, shared, stride_h, stride_hs, stride_wn, stride_wsn, stride_o,
+    h, weight, scale, row_stride, scale_row_stride, layout, weights_ptr, out_ptr, stride_o,
+    pid_m, pid_n, shared,
     N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr,
 ):  # fmt: skip
-    """Row block `pid_m` times its column tile `pid_n` of its expert's weight (`w_ptr`, `w_scale_ptr`:
-    `_expert_weights`), weighted, to each pair's row; the shared expert's pairs (`shared`) have no
-    routing weight and take 1."""
-    slot, row_ok = _block_slots(pid_m, block_rows_ptr, BLOCK_M)
+    """Row block `pid_m` of h (`Rows`) times its column tile `pid_n` of its expert's weight (`weight`,
+    `scale`: `_expert_weights`, with their row strides), weighted, to each pair's row; the shared
+    expert's pairs (`shared`) have no routing weight and take 1."""
+    slot, row_ok = _block_slots(pid_m, layout.block_rows, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
-    w_cols = w_ptr + n[None, :] * stride_wn
-    a_scales = h_scale_ptr + slot * stride_hs
-    w_scales = w_scale_ptr + (n // 128) * stride_wsn
+    h_rows = h.data + slot.to(tl.int64)[:, None] * h.stride
+    w_cols = weight + n[None, :] * row_stride
+    a_scales = h.scales + slot * h.scale_stride
+    w_scales = scale + (n // 128) * scale_row_stride
     acc = _expert_product(h_rows, a_scales, w_cols, w_scales, row_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
-    pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
+    pair = tl.load(layout.pairs + slot, mask=row_ok, other=0)
     if not shared:
         acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
@@ -339,22 +361,12 @@ def _down_rows(
 
 @triton.jit
 def _down_kernel(
-    h_ptr,
-    h_scale_ptr,
-    w_ptr,
-    w_scale_ptr,
-    pairs_ptr,
-    block_expert_ptr,
-    block_rows_ptr,
+    h,
+    w,
+    layout,
     weights_ptr,
     out_ptr,
     num_blocks,
-    stride_h,
-    stride_hs,
-    stride_we,
-    stride_wn,
-    stride_wse,
-    stride_wsn,
     stride_o,
     N: tl.constexpr,
     K: tl.constexpr,
@@ -364,15 +376,17 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     FP8: tl.constexpr,
 ):
+    """Each pair's weighted row of its expert's down product (`down_stage`): h `Rows`, w `Weights`,
+    `layout` the `Alignment`."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = tl.load(layout.block_expert + pid_m)
     if expert < 0:
         return
-    w, w_scale = w_ptr + expert.to(tl.int64) * stride_we, w_scale_ptr + expert * stride_wse
+    weight = w.weight + expert.to(tl.int64) * w.expert_stride
+    scale = w.scale + expert * w.scale_expert_stride
     _down_rows(
-        h_ptr, h_scale_ptr, w, w_scale, pairs_ptr, block_rows_ptr, weights_ptr, out_ptr,
-        pid_m, pid_n, False, stride_h, stride_hs, stride_wn, stride_wsn, stride_o,
-        N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+        h, weight, scale, w.row_stride, w.scale_row_stride, layout, weights_ptr, out_ptr, stride_o,
+        pid_m, pid_n, False, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
     )  # fmt: skip
 
 
@@ -412,15 +426,10 @@ def _combine_kernel(
 
 @triton.jit
 def _down_combine_kernel(
-    h_ptr,
-    h_scale_ptr,
-    w_ptr,
-    w_scale_ptr,
-    shared_w_ptr,
-    shared_w_scale_ptr,
-    pairs_ptr,
-    block_expert_ptr,
-    block_rows_ptr,
+    h,
+    w,
+    shared_w,
+    layout,
     weights_ptr,
     routed_ptr,
     ids_ptr,
@@ -430,12 +439,6 @@ def _down_combine_kernel(
     num_blocks,
     num_tokens,
     first_expert,
-    stride_h,
-    stride_hs,
-    stride_we,
-    stride_wn,
-    stride_wse,
-    stride_wsn,
     stride_r,
     stride_a,
     stride_o,
@@ -454,8 +457,6 @@ def _down_combine_kernel(
     ADD: tl.constexpr,
     SHARED: tl.constexpr,
     PDL: tl.constexpr,
-    stride_swn=0,
-    stride_swsn=0,
     SHARED_K: tl.constexpr = None,
 ):
     """`_down_kernel`, then the combine of its column tile by the tile's last program to finish: every
@@ -464,26 +465,22 @@ def _down_combine_kernel(
     (ADD: then adds the addend's row and rounds again, as a separate add of the two would) and puts
     the ticket counter back to zero. SHARED: the shared expert's blocks read its own weights and write
     its rows after the routed pairs' (row T·k + t: the addend the host points ADD at); SHARED_K: its
-    intermediate where it is not a routed expert's K (a tensor-parallel slice), its weight's row
-    strides then `stride_swn` and `stride_swsn`."""
+    intermediate where it is not a routed expert's K (a tensor-parallel slice), read with its own row
+    strides (`shared_w`'s; otherwise they are `w`'s)."""
     enter(PDL)
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
-    expert, shared = _block_expert(block_expert_ptr, pid_m, SHARED)
+    expert, shared = _block_expert(layout.block_expert, pid_m, SHARED)
     if expert >= 0 or shared:
-        w, w_scale = _expert_weights(
-            w_ptr, w_scale_ptr, expert, stride_we, stride_wse, shared, shared_w_ptr, shared_w_scale_ptr
-        )
+        weight, scale = _expert_weights(w, expert, shared, shared_w)
         if SHARED_K is not None and shared:
             _down_rows(
-                h_ptr, h_scale_ptr, w, w_scale, pairs_ptr, block_rows_ptr, weights_ptr, routed_ptr,
-                pid_m, pid_n, True, stride_h, stride_hs, stride_swn, stride_swsn, stride_r,
-                N, SHARED_K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+                h, weight, scale, shared_w.row_stride, shared_w.scale_row_stride, layout, weights_ptr,
+                routed_ptr, stride_r, pid_m, pid_n, True, N, SHARED_K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
             )  # fmt: skip
         else:
             _down_rows(
-                h_ptr, h_scale_ptr, w, w_scale, pairs_ptr, block_rows_ptr, weights_ptr, routed_ptr,
-                pid_m, pid_n, shared, stride_h, stride_hs, stride_wn, stride_wsn, stride_r,
-                N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+                h, weight, scale, w.row_stride, w.scale_row_stride, layout, weights_ptr, routed_ptr,
+                stride_r, pid_m, pid_n, shared, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
             )  # fmt: skip
     tl.debug_barrier()  # all of this program's rows are stored before its ticket releases them
     if tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == num_blocks - 1:
@@ -832,29 +829,16 @@ def gate_up_stage(
             **launch,
         )
         return h, h_scale
-    shared_gate_up, shared_scale = _shared_operands(shared, 0, gate_up, gate_up_scale)
     dependent = dependent_launches(x.device)
     _gate_up_kernel[(programs,)](
-        x,
-        _or(x_scale, x),  # the kernel reads a scale argument only where its flags say so
-        gate_up,
-        _or(gate_up_scale, gate_up),
-        shared_gate_up,
-        shared_scale,
-        *layout[:3],
-        h,
-        _or(h_scale, h),
+        rows_operand(x, x_scale),
+        weights_operand(gate_up, gate_up_scale),
+        _shared_operand(shared, 0, gate_up, gate_up_scale),
+        layout,
+        rows_operand(h, h_scale),
         num_blocks,
         x.shape[0] * top_k,
         float(limit),
-        x.stride(0),
-        _or(x_scale, x).stride(0),
-        gate_up.stride(0),
-        gate_up.stride(1),
-        _or(gate_up_scale, gate_up).stride(0),
-        _or(gate_up_scale, gate_up).stride(1),
-        h.stride(0),
-        _or(h_scale, h).stride(0),
         TOP_K=top_k,
         FP8=fp8,
         QUANT_GROUP=min(up.block_n, FP8_BLOCK),
@@ -921,28 +905,14 @@ def shared_refusal(w: ExpertWeights, shared: SharedExpert) -> str | None:
     return None
 
 
-def _shared_down_arguments(shared: SharedExpert | None, down: torch.Tensor) -> dict[str, object]:
-    """`_down_combine_kernel`'s keywords for a shared expert narrower than a routed one (none else)."""
-    if shared is None or shared.down.shape[1] == down.shape[2]:
-        return {}
-    scale = shared.down if shared.scales is None else shared.scales[1]
-    return {
-        "SHARED_K": shared.down.shape[1],
-        "stride_swn": shared.down.stride(0),
-        "stride_swsn": scale.stride(0),
-    }
-
-
-def _shared_operands(
+def _shared_operand(
     shared: SharedExpert | None, part: int, weight: torch.Tensor, scale: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight, scale_inv) of the shared expert's gate_up (`part` 0) or down (1) for a launch: stand-ins
-    (the routed `weight` and its `scale`, never read) without one; the scale is the weight itself where
-    unscaled, as the routed experts' stand-in is."""
+) -> Weights:
+    """The shared expert's gate_up (`part` 0) or down (1) as a launch takes it (`Weights`): a stand-in
+    without one (the routed `weight` and its `scale`, never read)."""
     if shared is None:
-        return weight, _or(scale, weight)
-    one = shared[part]
-    return one, one if shared.scales is None else shared.scales[part]
+        return weights_operand(weight, scale)
+    return weights_operand(shared[part], None if shared.scales is None else shared.scales[part])
 
 
 def _tile_arguments(config: MoeConfig, tiles: Tiles, n: int, k: int) -> dict[str, object]:
@@ -975,23 +945,12 @@ def _down_arguments(
     num_blocks = layout.block_expert.numel()
     hidden = down.shape[1]
     dn = config.down
-    scale, w_scale = _or(h_scale, h), _or(down_scale, down)
     arguments = {
-        "h_ptr": h,
-        "h_scale_ptr": scale,
-        "w_ptr": down,
-        "w_scale_ptr": w_scale,
-        "pairs_ptr": layout.pairs,
-        "block_expert_ptr": layout.block_expert,
-        "block_rows_ptr": layout.block_rows,
+        "h": rows_operand(h, h_scale),
+        "w": weights_operand(down, down_scale),
+        "layout": layout,
         "weights_ptr": weights.float().contiguous(),
         "num_blocks": num_blocks,
-        "stride_h": h.stride(0),
-        "stride_hs": scale.stride(0),
-        "stride_we": down.stride(0),
-        "stride_wn": down.stride(1),
-        "stride_wse": w_scale.stride(0),
-        "stride_wsn": w_scale.stride(1),
         "FP8": fp8,
         **_tile_arguments(config, dn, hidden, h.shape[1]),
     }
@@ -1103,12 +1062,10 @@ def down_combine_stage(
     out = torch.empty(tokens, hidden, dtype=out_dtype, device=h.device)
     if shared is not None:
         addend = routed[tokens * top_k :]
-    shared_down, shared_scale = _shared_operands(shared, 1, down, down_scale)
     dependent = dependent_launches(out.device)
     _down_combine_kernel[(programs,)](
         **arguments,
-        shared_w_ptr=shared_down,
-        shared_w_scale_ptr=shared_scale,
+        shared_w=_shared_operand(shared, 1, down, down_scale),
         routed_ptr=routed,
         ids_ptr=ids.contiguous() if partial else layout.pairs,  # read only where PARTIAL says so
         addend_ptr=out if addend is None else addend,  # read only where ADD says so
@@ -1126,7 +1083,7 @@ def down_combine_stage(
         PARTIAL=partial,
         ADD=addend is not None,
         SHARED=shared is not None,
-        **_shared_down_arguments(shared, down),
+        SHARED_K=None if shared is None or shared.down.shape[1] == down.shape[2] else shared.down.shape[1],
         PDL=dependent,
         launch_pdl=dependent,
     )
