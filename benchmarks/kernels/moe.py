@@ -17,11 +17,11 @@ general path (router GEMM, routing, x quantisation, alignment, the two GEMMs, co
 them as `*_general_*`. `--sweep` times candidate tile configurations (checked for parity first); the
 `breakdown` section (`--only breakdown`) times each launch of an FP8 decode step on its own, both
 paths, and the prologue's variants, and lists the kernels of an FP8 prefill step (torch.profiler).
-`--only rank_decode` times a TP8/EP8 rank's FP8 decode step (its 36 experts and the shared expert's
-slice) in each K split of the gate|up launch (`rank_configs`). `--only prefill_sweep` times the FP8
-prefill step in each of `PREFILL_VARIANTS` (compiled first in parallel processes) against the FP8
-matmul ceiling measured after the compiles, with each variant's output against the default's and its
-per-kernel times. Prints a table last and writes `moe.json` to
+`--only rank_decode [--ranks 1,8]` times rank 0's FP8 decode step at TP/EP 1 and 8 (at 8 its 36
+experts and the shared expert's slice) in each K split of the gate|up launch (`rank_configs`).
+`--only prefill_sweep` times the FP8 prefill step in each of `PREFILL_VARIANTS` (compiled first in
+parallel processes) against the FP8 matmul ceiling measured after the compiles, with each variant's
+output against the default's and its per-kernel times. Prints a table last and writes `moe.json` to
 --out (default $OUT or ./out).
 """
 
@@ -613,17 +613,17 @@ def prefill_sweep(model: Model) -> None:
 # ---------------------------------------------------------------- main
 
 
-RANKS = 8  # rank_decode: a TP8/EP8 rank, rank 0 (the first EXPERTS / RANKS experts)
+RANKS = [8]  # rank_decode (--ranks): rank 0 of TP/EP that many ways (the first EXPERTS / ranks experts)
 RANK_SPLITS = (1, 2, 4, 8, 16)
 
 
-def rank_configs(tokens: int) -> dict[str, MoeConfig | None]:
+def rank_configs(tokens: int, ranks: int) -> dict[str, MoeConfig | None]:
     """The decode path's configurations a rank's step is timed in: the default (with the K splits
     `gate_up_splits` picks), then each power-of-two split (those that cut K into whole 128-deep steps)
     with the row blocks walked one by one (group_m 1: a block's programs, live first, launch first) or
     in groups of 8 (the default), and the split gate|up at 2 pipeline stages instead of 4 (2 CTAs a
     SM fit its shared memory)."""
-    base = kernels.default_config(tokens * TOP_K, EXPERTS // RANKS, True, tma=False)
+    base = kernels.default_config(tokens * TOP_K, EXPERTS // ranks, True, tma=False)
     configs: dict[str, MoeConfig | None] = {"default": None}
     for splits in RANK_SPLITS:
         if HIDDEN % (splits * fp8_ops.FP8_BLOCK):
@@ -637,16 +637,22 @@ def rank_configs(tokens: int) -> dict[str, MoeConfig | None]:
 
 
 def rank_decode(model: Model) -> None:
-    """A TP8/EP8 rank's FP8 decode MoE step (`routed_experts` with `first_expert`: the rank's 36 of
-    the 288 experts, and the shared expert's tensor slice, intermediate I / 8, in the same launches) at
-    1 and 8 tokens, in each of `rank_configs`, over ROTATE batches routed alike for every configuration:
-    µs a step, the floor (the rank's distinct experts reached plus the shared slice, at the copy rate)
-    and each configuration's output against the default's. The rule's split is recorded beside them."""
+    """A TP/EP rank's FP8 decode MoE step for each of `RANKS` (`routed_experts` with `first_expert`: at
+    8, the rank's 36 of the 288 experts and the shared expert's tensor slice, intermediate I / 8, in the
+    same launches; at 1, every expert and the whole shared expert) at 1 and 8 tokens, in each of
+    `rank_configs`, over ROTATE batches routed alike for every configuration: µs a step, the floor (the
+    rank's distinct experts reached plus the shared expert's part, at the copy rate) and each
+    configuration's output against the default's. The rule's split is recorded beside them."""
+    for ranks in RANKS:
+        rank_step(model, ranks)
+
+
+def rank_step(model: Model, ranks: int) -> None:
     bandwidth = RESULTS["copy_TBps"] * 1e12
-    local = EXPERTS // RANKS
+    local = EXPERTS // ranks
     (gate_up, gate_up_scale), (down, down_scale) = model.fp8["gate_up"], model.fp8["down"]
     w = ExpertWeights(gate_up[:local], down[:local], (gate_up_scale[:local], down_scale[:local]))
-    width = INTER // RANKS if (INTER // RANKS) % fp8_ops.FP8_BLOCK == 0 else INTER  # dry run: whole
+    width = INTER // ranks if (INTER // ranks) % fp8_ops.FP8_BLOCK == 0 else INTER  # dry run: whole
     gen = torch.Generator(device=DEV).manual_seed(11)
     shared_bf16 = (
         torch.randn(2 * width, HIDDEN, device=DEV, dtype=ACT, generator=gen) * HIDDEN**-0.5,
@@ -660,7 +666,7 @@ def rank_decode(model: Model) -> None:
         xs = [batch(tokens, seed=500 * tokens + r) for r in range(ROTATE)]
         reached = [int((model.route(x)[0].unique() < local).sum()) for x in xs]
         floor_us = (sum(reached) * per_expert / ROTATE + shared_bytes) / bandwidth * 1e6
-        tag = f"rank_T{tokens}_fp8"
+        tag = f"rank{ranks}_T{tokens}_fp8"
         rec(f"{tag}_local_experts_reached", reached)
         rec(f"{tag}_floor_us", round(floor_us, 2))
         reach = local * (1 - (1 - TOP_K / EXPERTS) ** tokens)
@@ -671,7 +677,7 @@ def rank_decode(model: Model) -> None:
             moe_decode.gate_up_splits(reach, blocks, w.gate_up.shape, base, xs[0].device),
         )
         expected = None
-        for name, config in rank_configs(tokens).items():
+        for name, config in rank_configs(tokens, ranks).items():
 
             def step(config=config, xs=xs):
                 return [
@@ -706,12 +712,13 @@ def table() -> None:
                     f"| decode M={tokens} {tag} | {step} us | {general} us | {experts} us | {floor} us (copy)"
                     f" | {pct} |"
                 )
-    for tokens in (1, 8):
-        key = f"rank_T{tokens}_fp8"
-        for name in rank_configs(tokens) if f"{key}_floor_us" in RESULTS else ():
+    for ranks, tokens in itertools.product(RANKS, (1, 8)):
+        key = f"rank{ranks}_T{tokens}_fp8"
+        for name in rank_configs(tokens, ranks) if f"{key}_floor_us" in RESULTS else ():
             if f"{key}_{name}_us" in RESULTS:
                 print(
-                    f"| TP8 rank decode M={tokens} fp8, {name} (rule: {RESULTS[f'{key}_rule_splits']}) | "
+                    f"| TP{ranks} rank 0 decode M={tokens} fp8, {name} "
+                    f"(rule: {RESULTS[f'{key}_rule_splits']}) | "
                     f"{RESULTS[f'{key}_{name}_us']} us | | | {RESULTS[f'{key}_floor_us']} us (copy) | "
                     f"{RESULTS[f'{key}_{name}_pct_of_copy_ceiling']} |"
                 )
@@ -741,9 +748,11 @@ def main() -> None:
         default=SWEEP_UNTIL_S[0],
         help="stop sweeping this long after the start",
     )
+    parser.add_argument("--ranks", default="8", help="rank_decode: TP/EP sizes whose rank 0 is timed")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
     SWEEP_UNTIL_S[0] = args.sweep_until_s
+    RANKS[:] = [int(r) for r in args.ranks.split(",")]
     chosen = args.only.split(",") if args.only else [*DEFAULT_SECTIONS, *(["sweep"] if args.sweep else [])]
     if unknown := set(chosen) - set(SECTIONS):
         parser.error(f"unknown sections {sorted(unknown)}")
