@@ -649,7 +649,7 @@ def rank_decode(model: Model) -> None:
 
 def rank_step(model: Model, ranks: int) -> None:
     bandwidth = RESULTS["copy_TBps"] * 1e12
-    local = EXPERTS // ranks
+    local, first = EXPERTS // ranks, None if ranks == 1 else 0  # one rank holds every expert, as TP1
     (gate_up, gate_up_scale), (down, down_scale) = model.fp8["gate_up"], model.fp8["down"]
     w = ExpertWeights(gate_up[:local], down[:local], (gate_up_scale[:local], down_scale[:local]))
     width = INTER // ranks if (INTER // ranks) % fp8_ops.FP8_BLOCK == 0 else INTER  # dry run: whole
@@ -681,7 +681,7 @@ def rank_step(model: Model, ranks: int) -> None:
 
             def step(config=config, xs=xs):
                 return [
-                    moe_decode.routed_experts(x, model.routing, w, LIMIT, config, 0, shared=shared)
+                    moe_decode.routed_experts(x, model.routing, w, LIMIT, config, first, shared=shared)
                     for x in xs
                 ]
 
