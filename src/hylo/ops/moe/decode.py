@@ -147,13 +147,10 @@ def _prologue_kernel(
     router_ptr,
     bias_ptr,
     logits_ptr,
-    ids_ptr,
-    weights_ptr,
+    choices,
     q_ptr,
     q_scale_ptr,
-    pairs_ptr,
-    block_expert_ptr,
-    block_rows_ptr,
+    layout,
     tickets_ptr,
     num_tokens,
     num_blocks,
@@ -180,6 +177,9 @@ def _prologue_kernel(
     NORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """`prologue`'s launch: router logits of `BLOCK_E` experts a program, x's FP8 groups, then in the
+    last program the routing into `choices` (`Choices`: ids and weights) and the placement of its pairs
+    into `layout` (`Alignment`)."""
     enter(PDL)
     pid = tl.program_id(0)
     e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -199,16 +199,16 @@ def _prologue_kernel(
         tl.store(tickets_ptr, 0)
         t = tl.arange(0, T_PAD)
         route_tokens(
-            logits_ptr, bias_ptr, ids_ptr, weights_ptr, t, t < num_tokens, scaling,
+            logits_ptr, bias_ptr, choices.ids, choices.weights, t, t < num_tokens, scaling,
             E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE,
         )  # fmt: skip
         tl.debug_barrier()  # the ids stored by every thread of this program are read back by others
         _place_pairs(
-            ids_ptr,
+            choices.ids,
             num_tokens * TOP_K,
-            pairs_ptr,
-            block_expert_ptr,
-            block_rows_ptr,
+            layout.pairs,
+            layout.block_expert,
+            layout.block_rows,
             num_blocks,
             first_expert,
             num_experts,
@@ -282,11 +282,10 @@ def prologue(
         weight,
         routing.correction_bias.float().contiguous(),
         torch.empty(tokens, all_experts, dtype=torch.float32, device=device),  # the logits
-        ids,
-        weights,
+        Choices(ids, weights),
         x if q is None else q,  # read only where QUANTIZE says so
         weights if q_scale is None else q_scale,
-        *layout[:3],
+        layout,
         tickets(device),
         tokens,
         num_blocks,
