@@ -528,24 +528,24 @@ def _gather_rows_kernel(
 
 @triton.jit
 def _gate_up_tma_kernel(
-    x_desc, x_scale_ptr, w_desc, w_scale_ptr, block_expert_ptr, block_rows_ptr, h_ptr, h_scale_ptr,
-    num_blocks, limit, stride_xs, stride_wse, stride_wsn, stride_h, stride_hs,
+    x_desc, x, w_desc, w, layout, h, num_blocks, limit,
     N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """`_gate_up_kernel` (FP8) on x already in slot order (`x_desc` over `[slots, K]`, `w_desc` over the
-    weights as `[E·2N, K]`): a gate and an up tile of BLOCK_N = 128 columns, each one weight scale
-    block, as two products (one [2·BLOCK_N, BLOCK_K] tile and one product per step measured slower on the
-    H200: 6.26 against 6.17 ms for the FP8 step at M = 8192)."""
+    weights as `[E·2N, K]`; their scales from `x` (`Rows`) and `w` (`Weights`), whose values the
+    descriptors read): a gate and an up tile of BLOCK_N = 128 columns, each one weight scale block, as two
+    products (one [2·BLOCK_N, BLOCK_K] tile and one product per step measured slower on the H200: 6.26
+    against 6.17 ms for the FP8 step at M = 8192)."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = tl.load(layout.block_expert + pid_m)
     if expert < 0:
         return
-    slot, row_ok = _block_slots(pid_m, block_rows_ptr, BLOCK_M)
+    slot, row_ok = _block_slots(pid_m, layout.block_rows, BLOCK_M)
     gate_row = expert * (2 * N) + pid_n * BLOCK_N
-    a_scales = x_scale_ptr + slot * stride_xs
-    gate_scales = w_scale_ptr + expert * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
-    up_scales = gate_scales + (N // 128) * stride_wsn
+    a_scales = x.scales + slot * x.scale_stride
+    gate_scales = w.scale + expert * w.scale_expert_stride + (pid_n * BLOCK_N // 128) * w.scale_row_stride
+    up_scales = gate_scales + (N // 128) * w.scale_row_stride
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -560,39 +560,38 @@ def _gate_up_tma_kernel(
         acc_gate += tl.dot(a, w_gate.T) * (a_scale * gate_scale)[:, None]
         acc_up += tl.dot(a, w_up.T) * (a_scale * up_scale)[:, None]
     gate = tl.minimum(acc_gate, limit)
-    h = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit)
-    q, scale = quantize_rows(h)
+    q, scale = quantize_rows(gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(acc_up, -limit), limit))
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    h_rows = h_ptr + slot.to(tl.int64)[:, None] * stride_h
+    h_rows = h.data + slot.to(tl.int64)[:, None] * h.stride
     # padding rows stay unset (storing their zeros spilled registers into the loop): the down kernel
     # reads them in whole tiles, and only its own masked-off rows see them
-    tl.store(h_rows + n[None, :], q.to(h_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(h_scale_ptr + slot * stride_hs + pid_n, scale, mask=row_ok)
+    tl.store(h_rows + n[None, :], q.to(h.data.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(h.scales + slot * h.scale_stride + pid_n, scale, mask=row_ok)
 
 
 @triton.jit
 def _down_tma_kernel(
-    h_desc, h_scale_ptr, w_desc, w_scale_ptr, pairs_ptr, block_expert_ptr, block_rows_ptr, weights_ptr,
-    out_ptr, num_blocks, stride_hs, stride_wse, stride_wsn, stride_o,
+    h_desc, h, w_desc, w, layout, weights_ptr, out_ptr, num_blocks, stride_o,
     N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """`_down_kernel` (FP8) through TMA descriptors (`h_desc` over h `[slots, K]`, `w_desc` over the
-    weights as `[E·N, K]`), tiles of BLOCK_N ≤ 128 columns in one weight scale block."""
+    weights as `[E·N, K]`; their scales from `h` and `w`), tiles of BLOCK_N ≤ 128 columns in one weight
+    scale block."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert = tl.load(layout.block_expert + pid_m)
     if expert < 0:
         return
-    slot, row_ok = _block_slots(pid_m, block_rows_ptr, BLOCK_M)
+    slot, row_ok = _block_slots(pid_m, layout.block_rows, BLOCK_M)
     w_row = expert * N + pid_n * BLOCK_N
-    a_scales = h_scale_ptr + slot * stride_hs
-    w_scales = w_scale_ptr + expert * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+    a_scales = h.scales + slot * h.scale_stride
+    w_scales = w.scale + expert * w.scale_expert_stride + (pid_n * BLOCK_N // 128) * w.scale_row_stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = h_desc.load([pid_m * BLOCK_M, k0])
         scale = tl.load(a_scales + k0 // 128) * tl.load(w_scales + k0 // 128)  # see `_gate_up_tma_kernel`
         acc += tl.dot(a, w_desc.load([w_row, k0]).T) * scale[:, None]
-    pair = tl.load(pairs_ptr + slot, mask=row_ok, other=0)
+    pair = tl.load(layout.pairs + slot, mask=row_ok, other=0)
     acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
@@ -812,20 +811,13 @@ def gate_up_stage(
         x, x_scale = gather_rows(x, x_scale, layout, top_k)
         _gate_up_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(x, [config.block_m, up.block_k]),
-            x_scale,
+            rows_operand(x, x_scale),
             TensorDescriptor.from_tensor(gate_up.view(-1, gate_up.shape[2]), [up.block_n, up.block_k]),
-            gate_up_scale,
-            layout.block_expert,
-            layout.block_rows,
-            h,
-            h_scale,
+            weights_operand(gate_up, gate_up_scale),
+            layout,
+            rows_operand(h, h_scale),
             num_blocks,
             float(limit),
-            x_scale.stride(0),
-            gate_up_scale.stride(0),
-            gate_up_scale.stride(1),
-            h.stride(0),
-            h_scale.stride(0),
             **launch,
         )
         return h, h_scale
@@ -993,18 +985,13 @@ def _down_tma(
     dn = config.down
     _down_tma_kernel[(num_blocks * triton.cdiv(hidden, dn.block_n),)](
         TensorDescriptor.from_tensor(h, [config.block_m, dn.block_k]),
-        h_scale,
+        rows_operand(h, h_scale),
         TensorDescriptor.from_tensor(down.view(-1, intermediate), [dn.block_n, dn.block_k]),
-        down_scale,
-        layout.pairs,
-        layout.block_expert,
-        layout.block_rows,
+        weights_operand(down, down_scale),
+        layout,
         weights.float().contiguous(),
         routed,
         num_blocks,
-        h_scale.stride(0),
-        down_scale.stride(0),
-        down_scale.stride(1),
         routed.stride(0),
         **_tile_arguments(config, dn, hidden, intermediate),
     )
