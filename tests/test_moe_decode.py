@@ -549,7 +549,7 @@ if WIDTH:
     shared = SharedExpert(*parts, (scales(2 * WIDTH, hidden), scales(hidden, WIDTH)) if FP8 else None)
 x = torch.zeros(TOKENS, hidden, dtype=torch.bfloat16)
 code_size._as_dependents(decode, decode.kernels)
-if GENERAL:  # the general path's GEMMs (16-row blocks at this size: no TMA), on routing's choices
+if GENERAL:  # the general path's GEMMs, on routing's choices
     from hylo.ops.moe import kernels
     from hylo.ops.moe.reference import Choices
 
@@ -571,6 +571,7 @@ HOPPER_CASES = {
     "fp8-rank-slice-split": (True, 256, 0, 1, False),
     "bf16-shared": (False, 2048, None, 8, False),
     "fp8-general": (True, 0, None, 100, True),
+    "fp8-general-tma": (True, 0, None, 8192, True),
 }
 DECODE_LAUNCHES = ["_down_combine_kernel", "_gate_up_kernel", "_prologue_kernel"]
 
@@ -579,15 +580,20 @@ DECODE_LAUNCHES = ["_down_combine_kernel", "_gate_up_kernel", "_prologue_kernel"
 def test_the_decode_kernels_compile_for_hopper(case):
     """The three launches of a decode step with FP8 or bf16 weights, with and without the shared
     expert, at a TP8/EP8 rank (its pairs only; one token with the shared expert's slice: the gate|up K
-    split 8 ways), and the general path's GEMMs, compiled for sm_90a as the GPU builds them (no GPU
-    needed: `code_size`'s compile): the interpreter does not check Triton's typing rules (the per-block
-    choice of the shared or a stacked expert's pointers, the operand bundles' fields), nor its rounding
-    of fp32 to bf16 (see the addend test)."""
+    split 8 ways), and the general path's GEMMs (the TMA ones at 8192 tokens), compiled for sm_90a as
+    the GPU builds them (no GPU needed: `code_size`'s compile): the interpreter does not check Triton's
+    typing rules (the per-block choice of the shared or a stacked expert's pointers, the operand
+    bundles' fields), nor its rounding of fp32 to bf16 (see the addend test)."""
     fp8, width, first, tokens, general = HOPPER_CASES[case]
     script = f"FP8, WIDTH, FIRST, TOKENS, GENERAL = {fp8}, {width}, {first}, {tokens}, {general}\n"
     script = f"BENCHMARKS = {str(BENCHMARKS)!r}\n" + script + _HOPPER_COMPILE
     kernels_compiled = run_compiled_for_hopper(script).split()
-    if general:
-        assert {"_gate_up_kernel", "_down_kernel"} <= set(kernels_compiled), kernels_compiled
+    if general:  # 16-row blocks at 100 tokens, the TMA kernels at 8192
+        gemms = (
+            {"_gate_up_tma_kernel", "_down_tma_kernel"}
+            if tokens > 100
+            else {"_gate_up_kernel", "_down_kernel"}
+        )
+        assert gemms <= set(kernels_compiled), kernels_compiled
     else:
         assert kernels_compiled == DECODE_LAUNCHES
