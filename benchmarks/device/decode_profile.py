@@ -9,8 +9,9 @@ batch is a real one: distinct tokens routed to distinct experts; the warm-up bat
 the replay's GPU ms; every kernel's µs per replay and launches per replay (torch.profiler over
 replays); the weight bytes each module kind reads in the step (counting hooks on an eager rerun of the
 same static batch: FP8 and bf16 projections, routed experts (the experts routed to), the lm_head,
-norms and the rest) and its floor at the copy rate measured here. Also the TTFT of a fresh
-1024- and 13312-token prompt (median of three), for the prefill side of the same kernels.
+norms and the rest) and its floor at the copy rate measured here; the CUDA GEMV's launches of that rerun
+by shape and variant (`rank_e2e.gemv_census`: the kernel table names them by template only). Also the
+TTFT of a fresh 1024- and 13312-token prompt (median of three), for the prefill side of the same kernels.
 
 Kernels launched as programmatic dependents (`hylo.ops.dependent_launch`, on by default on Hopper) start
 before the kernel ahead of them ends and wait, so the profiler counts that wait in their time (mHC's pre
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 from prefix_e2e import VOCAB, serve, ttft
-from rank_e2e import warm
+from rank_e2e import gemv_census, warm
 from spec_e2e import copy_bandwidth, folded_shared_bytes, replay_ms, write_target
 
 from hylo import LLM
@@ -130,7 +131,7 @@ def main() -> None:
     report: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "copy_bytes_per_s": bandwidth}
     for bucket in args.buckets:
         warm(llm.engine, bucket)
-        with torch.inference_mode():
+        with torch.inference_mode(), gemv_census() as census:
             read = bytes_by_kind(graphs.model, lambda b=bucket: graphs.bank.warm(b))
         torch.cuda.synchronize()
         report[f"b{bucket}"] = {
@@ -141,6 +142,7 @@ def main() -> None:
                 for k, v in read.items()
             },
             "kernels": kernel_table(graphs.bank.graphs[OBSERVE, bucket].graph),
+            "gemv_calls": census,
         }
     gen = torch.Generator().manual_seed(5)
     for n in () if args.no_ttft else (1024, 13312):

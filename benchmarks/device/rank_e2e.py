@@ -17,8 +17,9 @@ draft accepted) and "sim3"/"sim4"/"sim6", a simulated acceptance of 3.0 / 4.0 / 
 3 / 5 drafts accepted every step, SGLang's `SGLANG_SIMULATE_ACC_LEN` protocol at a fixed length; a mode
 whose block is shorter is skipped). Per (engine, mode, batch): the GPU ms of one step's replays (CUDA
 events, median of `--reps` timings of 30 replays), the kernels one step launches (torch.profiler), the
-weight-read floor of the step at the copy bandwidth measured in this run (`spec_e2e.step_floor`), and
-the step's collectives (kind, count, bytes) as the stand-in recorded them in one eager run of the step.
+weight-read floor of the step at the copy bandwidth measured in this run (`spec_e2e.step_floor`), the
+CUDA GEMV's launches of that eager rerun by shape and variant (`gemv_census`), and the step's collectives
+(kind, count, bytes) as the stand-in recorded them in one eager run of the step.
 TTFT: the plain engine's wall time from adding a prompt of each `--ttft` length to its first token,
 second of two runs (the first compiles the new shapes' kernels). `--out`: rank_e2e.json and the top
 kernels of each step.
@@ -35,6 +36,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -72,6 +74,28 @@ def step_collectives(graphs: DecodeGraphs, bucket: int) -> dict:
     return out
 
 
+@contextmanager
+def gemv_census():
+    """The CUDA GEMV's launches inside the block, by shape and variant: {"M x N x K, split S, W warps over
+    K": count}, so the kernel table's `fp8_gemv_kernel<...>` rows can be told apart (the profiler names a
+    ctypes launch by its template only)."""
+    from hylo.ops.gemm import gemv_cuda
+
+    census: dict[str, int] = {}
+    launch = gemv_cuda._launch
+
+    def counting(library, x, weight, scale_inv, split, slices, dependent):
+        key = f"{x.shape[0]} x {weight.shape[0]} x {x.shape[1]}, split {split}, {slices} warps over K"
+        census[key] = census.get(key, 0) + 1
+        return launch(library, x, weight, scale_inv, split, slices, dependent)
+
+    gemv_cuda._launch = counting
+    try:
+        yield census
+    finally:
+        gemv_cuda._launch = launch
+
+
 def measure_step(
     graphs: DecodeGraphs, bucket: int, bandwidth: float, reps: int, out: Path | None, label: str
 ):
@@ -86,7 +110,9 @@ def measure_step(
         "collectives": step_collectives(graphs, bucket),
     }
     spec_e2e.replay_step(graphs, bucket)  # the floor reruns the drafts of the step replayed last
-    row["floor"] = spec_e2e.step_floor(graphs, bucket, bandwidth)
+    with gemv_census() as census:
+        row["floor"] = spec_e2e.step_floor(graphs, bucket, bandwidth)
+    row["gemv_calls"] = census
     row["efficiency"] = round(row["floor"]["floor_ms"] / row["replay_ms"], 3)
     return row
 
