@@ -216,8 +216,8 @@ def test_a_split_gate_up_equals_the_whole_one(fp8):
     whole = experts.fp8 if fp8 else experts.plain
     scales = None if whole.scales is None else tuple(s[first : first + 8] for s in whole.scales)
     w = ExpertWeights(whole.gate_up[first : first + 8], whole.down[first : first + 8], scales)
-    reach = 8 * (1 - (1 - top_k / 32) ** tokens)
-    assert decode.gate_up_splits(reach, 4, w.gate_up.shape, kernels.default_config(4, 8, fp8), x.device) == 8
+    config = kernels.default_config(4, 8, fp8)
+    assert decode.gate_up_splits(tokens, top_k, 32, 4, w.gate_up.shape, config, x.device) == 8
     base = kernels.default_config(tokens * top_k, 8, fp8, tma=False)
     unsplit = decode.routed_experts(x, routing_, w, LIMIT, base, first_expert=first)
     tolerance = 2e-3 if fp8 else 1e-6
@@ -239,12 +239,12 @@ def test_gate_up_splits_fill_a_wave_only_where_few_experts_are_reached():
     reaches about one of its 36 experts and splits K 8 ways (128 programs); at TP1 it reaches 8 (128
     programs already) and at the rank 8 tokens reach ~7 (no split); a layout whose tiles outnumber the
     ticket counters never splits."""
-    shape, device = torch.Size([36, 4096, 4096]), torch.device("cpu")
+    rank, whole, device = torch.Size([36, 4096, 4096]), torch.Size([288, 4096, 4096]), torch.device("cpu")
     config = kernels.default_config(8, 36, True)
-    assert decode.gate_up_splits(36 * (1 - (1 - 8 / 288)), 9, shape, config, device) == 8
-    assert decode.gate_up_splits(288 * (1 - (1 - 8 / 288)), 16, shape, config, device) == 1
-    assert decode.gate_up_splits(36 * (1 - (1 - 8 / 288) ** 8), 12, shape, config, device) == 1
-    assert decode.gate_up_splits(1.0, decode.TICKET_SLOTS, shape, config, device) == 1
+    assert decode.gate_up_splits(1, 8, 288, 9, rank, config, device) == 8
+    assert decode.gate_up_splits(1, 8, 288, 16, whole, config, device) == 1
+    assert decode.gate_up_splits(8, 8, 288, 12, rank, config, device) == 1
+    assert decode.gate_up_splits(1, 8, 288, decode.TICKET_SLOTS, rank, config, device) == 1
 
 
 def test_bad_split_configurations_are_named():

@@ -669,13 +669,11 @@ def rank_step(model: Model, ranks: int) -> None:
         tag = f"rank{ranks}_T{tokens}_fp8"
         rec(f"{tag}_local_experts_reached", reached)
         rec(f"{tag}_floor_us", round(floor_us, 2))
-        reach = local * (1 - (1 - TOP_K / EXPERTS) ** tokens)
-        blocks = routing.max_blocks(tokens * TOP_K, local, 16) + -(-tokens // 16)  # + the shared expert's
         base = kernels.default_config(tokens * TOP_K, local, True, tma=False)
-        rec(
-            f"{tag}_rule_splits",
-            moe_decode.gate_up_splits(reach, blocks, w.gate_up.shape, base, xs[0].device),
-        )
+        blocks = moe_decode.layout_blocks(tokens, TOP_K, local, base.block_m, shared=True)
+        device = xs[0].device
+        splits = moe_decode.gate_up_splits(tokens, TOP_K, EXPERTS, blocks, w.gate_up.shape, base, device)
+        rec(f"{tag}_rule_splits", splits)
         expected = None
         for name, config in rank_configs(tokens, ranks).items():
 

@@ -267,7 +267,7 @@ def prologue(
     device = x.device
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
-    num_blocks = max_blocks(tokens * top_k, num_experts, block_m) + shared * triton.cdiv(tokens, block_m)
+    num_blocks = layout_blocks(tokens, top_k, num_experts, block_m, shared)
     layout = Alignment(
         torch.empty(num_blocks * block_m, dtype=torch.int32, device=device),
         torch.empty(num_blocks, dtype=torch.int32, device=device),
@@ -314,16 +314,25 @@ def prologue(
     return ids, weights, layout, q, q_scale
 
 
+def layout_blocks(tokens: int, top_k: int, num_experts: int, block_m: int, shared: bool) -> int:
+    """Row blocks of `prologue`'s alignment: the bound for the step's pairs over `num_experts` experts,
+    plus the shared expert's blocks (its pair per token, first) with `shared`."""
+    return max_blocks(tokens * top_k, num_experts, block_m) + shared * triton.cdiv(tokens, block_m)
+
+
 def gate_up_splits(
-    reach: float, num_blocks: int, gate_up_shape: torch.Size, config: MoeConfig, device: torch.device
-) -> int:
-    """K splits of the gate|up launch (`kernels.gate_up_stage`) of a step whose tokens are expected to
-    reach `reach` of the weights' experts, its layout `num_blocks` row blocks: while those experts give
+    tokens: int, top_k: int, all_experts: int, num_blocks: int, gate_up_shape: torch.Size, config: MoeConfig,
+    device: torch.device,
+) -> int:  # fmt: skip
+    """K splits of the gate|up launch (`kernels.gate_up_stage`) of a step of `tokens` tokens choosing
+    `top_k` of the router's `all_experts` experts, with weights `gate_up_shape` `[E, 2I, D]` (a rank's E
+    of them) and a layout of `num_blocks` row blocks: while the experts the step is expected to reach give
     few programs, each tile's K is split so that about a wave of programs streams the weights (at a
-    TP8/EP8 rank one token reaches about one of the rank's 36 experts, whose 16 column tiles alone
-    would stream its 17 MB on 16 SMs). Splits stay powers of two that cut K into whole 128-deep steps,
-    with a ticket per (row block, column tile) within the stream's counters."""
-    _, two_i, hidden = gate_up_shape
+    TP8/EP8 rank one token reaches about one of the rank's 36 experts, whose 16 column tiles alone would
+    stream its 17 MB on 16 SMs). Splits stay powers of two that cut K into whole 128-deep steps, with a
+    ticket per (row block, column tile) within the stream's counters."""
+    local, two_i, hidden = gate_up_shape
+    reach = local * (1 - (1 - top_k / all_experts) ** tokens)  # the experts a step is expected to reach
     n_tiles = triton.cdiv(two_i // 2, config.gate_up.block_n)
     programs = max(1.0, reach) * n_tiles
     if num_blocks * n_tiles > TICKET_SLOTS:
@@ -376,8 +385,8 @@ def routed_experts(
         return torch.zeros(0, x.shape[1], dtype=x.dtype, device=x.device) if addend is None else addend
     activations = x.contiguous() if q is None else q
     if explicit is None:
-        reach = local * (1 - (1 - top_k / routing.weight.shape[0]) ** tokens)  # experts a step reaches
-        splits = gate_up_splits(reach, layout.block_expert.numel(), w.gate_up.shape, config, x.device)
+        blocks, all_experts = layout.block_expert.numel(), routing.weight.shape[0]
+        splits = gate_up_splits(tokens, top_k, all_experts, blocks, w.gate_up.shape, config, x.device)
         config = replace(config, gate_up=replace(config.gate_up, splits=splits))
     counters = tickets(x.device)
     h, h_scale = kernels.gate_up_stage(

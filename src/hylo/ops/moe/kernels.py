@@ -257,14 +257,13 @@ def _gate_up_kernel(
 ):
     """The SwiGLU rows `h` (`Rows`) of the pairs of each row block of `layout` (`Alignment`), from the
     activation rows `x` and the experts' gate|up `w` (`Weights`; `gate_up_stage`). SHARED: the shared
-    expert's blocks
-    (`SHARED_EXPERT`) read its own weights, and their pairs num_pairs + t are token t's; its intermediate
-    is SHARED_N (default N: a routed expert's), the columns of its h rows past it are left unset, and its
-    blocks' column tiles past it end at once. SPLITS > 1: each
-    (row block, column tile) is SPLITS programs of K / SPLITS steps each; they store their rows' fp32
-    products to `partials_ptr` and take a ticket of the tile (`tickets_ptr`, zero between launches), and
-    the last to take one sums the SPLITS products in split order, puts the counter back to zero and
-    finishes the tile."""
+    expert's blocks (`SHARED_EXPERT`) read its own weights, and their pairs num_pairs + t are token t's;
+    its intermediate is SHARED_N (default N: a routed expert's), the columns of its h rows past it are
+    left unset, and its blocks' column tiles past it end at once. SPLITS > 1: each (row block, column
+    tile) is SPLITS programs of K / SPLITS steps each; they store their rows' fp32 products to
+    `partials_ptr` and take a ticket of the tile (`tickets_ptr`, zero between launches), and the last to
+    take one sums the SPLITS products in split order, puts the counter back to zero and finishes the
+    tile."""
     enter(PDL)
     split = tl.program_id(0) % SPLITS
     pid_m, pid_n = _block_of(tl.program_id(0) // SPLITS, num_blocks, N, BLOCK_N, GROUP_M)
@@ -387,8 +386,7 @@ def _down_kernel(
     expert = tl.load(layout.block_expert + pid_m)
     if expert < 0:
         return
-    weight = w.weight + expert.to(tl.int64) * w.expert_stride
-    scale = w.scale + expert * w.scale_expert_stride
+    weight, scale = _expert_weights(w, expert, False, w)
     _down_rows(
         h, weight, scale, w.row_stride, w.scale_row_stride, layout, weights_ptr, out_ptr, stride_o,
         pid_m, pid_n, False, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
@@ -840,7 +838,7 @@ def gate_up_stage(
         FP8=fp8,
         QUANT_GROUP=min(up.block_n, FP8_BLOCK),
         SHARED=shared is not None,
-        SHARED_N=None if shared is None or shared.down.shape[1] == intermediate else shared.down.shape[1],
+        SHARED_N=_narrower_shared(shared, intermediate),
         **launch,
         **split_operands,
         PDL=dependent,
@@ -900,6 +898,12 @@ def shared_refusal(w: ExpertWeights, shared: SharedExpert) -> str | None:
                 f"{stacked.dtype} {shape} strides {strides} (a routed expert's layout at its width)"
             )
     return None
+
+
+def _narrower_shared(shared: SharedExpert | None, intermediate: int) -> int | None:
+    """The shared expert's intermediate where it is narrower than a routed expert's (the kernels'
+    SHARED_N / SHARED_K), else None."""
+    return None if shared is None or shared.down.shape[1] == intermediate else shared.down.shape[1]
 
 
 def _shared_operand(
@@ -1075,7 +1079,7 @@ def down_combine_stage(
         PARTIAL=partial,
         ADD=addend is not None,
         SHARED=shared is not None,
-        SHARED_K=None if shared is None or shared.down.shape[1] == down.shape[2] else shared.down.shape[1],
+        SHARED_K=_narrower_shared(shared, down.shape[2]),
         PDL=dependent,
         launch_pdl=dependent,
     )
