@@ -523,55 +523,24 @@ def test_a_shared_mlp_unlike_one_expert_stays_apart():
 
 _HOPPER_COMPILE = """
 import sys
-import torch
 sys.path.insert(0, BENCHMARKS)
 import code_size
-from hylo.ops.moe import decode
-from hylo.ops.moe.reference import ExpertWeights, Routing, SharedExpert
 
-hidden, inter, top_k, all_experts = 4096, 2048, 8, 288
-dtype = torch.float8_e4m3fn if FP8 else torch.bfloat16
-local = all_experts if FIRST is None else all_experts // 8
-
-
-def scales(n, k, experts=()):
-    return torch.empty(*experts, n // 128, k // 128) if FP8 else None
-
-
-router = torch.empty(all_experts, hidden, dtype=torch.bfloat16)
-routing = Routing(router, torch.zeros(all_experts), top_k, 1, 1, True, 2.5)
-gate_up, down = (torch.empty(local, *shape, dtype=dtype) for shape in ((2 * inter, hidden), (hidden, inter)))
-both = (scales(2 * inter, hidden, (local,)), scales(hidden, inter, (local,)))
-w = ExpertWeights(gate_up, down, both if FP8 else None)
-shared = None
-if WIDTH:
-    parts = (torch.empty(2 * WIDTH, hidden, dtype=dtype), torch.empty(hidden, WIDTH, dtype=dtype))
-    shared = SharedExpert(*parts, (scales(2 * WIDTH, hidden), scales(hidden, WIDTH)) if FP8 else None)
-x = torch.zeros(TOKENS, hidden, dtype=torch.bfloat16)
-code_size._as_dependents(decode, decode.kernels)
-if GENERAL:  # the general path's GEMMs, on routing's choices
-    from hylo.ops.moe import kernels
-    from hylo.ops.moe.reference import Choices
-
-    ids = torch.zeros(TOKENS, top_k, dtype=torch.int64)
-    step = lambda: kernels.experts(x, w, Choices(ids, torch.ones(TOKENS, top_k)), 10.0)  # noqa: E731
-else:
-    step = lambda: decode.routed_experts(x, routing, w, 10.0, first_expert=FIRST, shared=shared)  # noqa: E731
-launches = code_size.compiled_launches(step)
-print(" ".join(sorted({launch["kernel"] for launch in launches})))
+step = code_size.moe_experts(TOKENS, RANKS, FP8, WIDTH, GENERAL)
+print(" ".join(sorted({launch["kernel"] for launch in code_size.compiled_launches(step)})))
 """
 
 
-# (FP8, shared expert width (0: none), first expert (None: every expert, else a TP8/EP8 rank's), tokens,
+# (FP8, shared expert width (0: none), ranks (1: every expert, 8: rank 0 of a TP8/EP8 split), tokens,
 # the general path instead of the decode path)
 HOPPER_CASES = {
-    "fp8": (True, 0, None, 8, False),
-    "fp8-shared": (True, 2048, None, 1, False),
-    "fp8-rank-shared": (True, 2048, 0, 8, False),
-    "fp8-rank-slice-split": (True, 256, 0, 1, False),
-    "bf16-shared": (False, 2048, None, 8, False),
-    "fp8-general": (True, 0, None, 100, True),
-    "fp8-general-tma": (True, 0, None, 8192, True),
+    "fp8": (True, 0, 1, 8, False),
+    "fp8-shared": (True, 2048, 1, 1, False),
+    "fp8-rank-shared": (True, 2048, 8, 8, False),
+    "fp8-rank-slice-split": (True, 256, 8, 1, False),
+    "bf16-shared": (False, 2048, 1, 8, False),
+    "fp8-general": (True, 0, 1, 100, True),
+    "fp8-general-tma": (True, 0, 1, 8192, True),
 }
 DECODE_LAUNCHES = ["_down_combine_kernel", "_gate_up_kernel", "_prologue_kernel"]
 
@@ -584,8 +553,8 @@ def test_the_decode_kernels_compile_for_hopper(case):
     the GPU builds them (no GPU needed: `code_size`'s compile): the interpreter does not check Triton's
     typing rules (the per-block choice of the shared or a stacked expert's pointers, the operand
     bundles' fields), nor its rounding of fp32 to bf16 (see the addend test)."""
-    fp8, width, first, tokens, general = HOPPER_CASES[case]
-    script = f"FP8, WIDTH, FIRST, TOKENS, GENERAL = {fp8}, {width}, {first}, {tokens}, {general}\n"
+    fp8, width, ranks, tokens, general = HOPPER_CASES[case]
+    script = f"FP8, WIDTH, RANKS, TOKENS, GENERAL = {fp8}, {width}, {ranks}, {tokens}, {general}\n"
     script = f"BENCHMARKS = {str(BENCHMARKS)!r}\n" + script + _HOPPER_COMPILE
     kernels_compiled = run_compiled_for_hopper(script).split()
     if general:  # 16-row blocks at 100 tokens, the TMA kernels at 8192

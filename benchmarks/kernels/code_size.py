@@ -137,34 +137,46 @@ def moe_prologue(tokens: int) -> Callable[[], object]:
     return lambda: decode.prologue(x, routing, block_m, True, shared=True)
 
 
-def moe_experts(tokens: int, ranks: int = 1) -> Callable[[], object]:
+def moe_experts(
+    tokens: int, ranks: int = 1, fp8: bool = True, shared_width: int | None = None, general: bool = False
+) -> Callable[[], object]:
     """A MoE layer's routed experts with the shared expert at decode (`decode.routed_experts`: the
-    prologue, gate|up with the activation, down with the combine), FP8 weights (allocated, never read);
-    `ranks` > 1: rank 0 of that many splitting the experts by expert and the shared expert by tensor
-    (at 8, one token splits the gate|up K and the shared expert is an eighth as wide)."""
-    from hylo.ops.moe import decode
-    from hylo.ops.moe.reference import ExpertWeights, Routing, SharedExpert
+    prologue, gate|up with the activation, down with the combine), FP8 or bf16 weights (allocated, never
+    read); `ranks` > 1: rank 0 of that many splitting the experts by expert and the shared expert by
+    tensor (at 8, one token splits the gate|up K and the shared expert is an eighth as wide).
+    `shared_width`: the shared expert's intermediate instead (0: none); `general`: the general path's
+    experts (`kernels.experts`) on fixed choices instead of the decode path."""
+    from hylo.ops.moe import decode, kernels
+    from hylo.ops.moe.reference import Choices, ExpertWeights, Routing, SharedExpert
 
-    inter, e4m3, local = 2048, torch.float8_e4m3fn, EXPERTS // ranks
+    inter, local = 2048, EXPERTS // ranks
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+
+    def scales(n: int, k: int, *experts: int) -> torch.Tensor | None:
+        return torch.empty(*experts, n // 128, k // 128) if fp8 else None
+
     routing = Routing(
         torch.empty(EXPERTS, HIDDEN, dtype=torch.bfloat16), torch.zeros(EXPERTS), TOP_K, 1, 1, True, 2.5
     )
+    both = (scales(2 * inter, HIDDEN, local), scales(HIDDEN, inter, local))
     weights = ExpertWeights(
-        torch.empty(local, 2 * inter, HIDDEN, dtype=e4m3),
-        torch.empty(local, HIDDEN, inter, dtype=e4m3),
-        (
-            torch.empty(local, 2 * inter // 128, HIDDEN // 128),
-            torch.empty(local, HIDDEN // 128, inter // 128),
-        ),
+        torch.empty(local, 2 * inter, HIDDEN, dtype=dtype),
+        torch.empty(local, HIDDEN, inter, dtype=dtype),
+        both if fp8 else None,
     )
-    width = inter // ranks
-    shared = SharedExpert(
-        torch.empty(2 * width, HIDDEN, dtype=e4m3),
-        torch.empty(HIDDEN, width, dtype=e4m3),
-        (torch.empty(2 * width // 128, HIDDEN // 128), torch.empty(HIDDEN // 128, width // 128)),
-    )
+    width = inter // ranks if shared_width is None else shared_width
+    shared = None
+    if width:
+        shared = SharedExpert(
+            torch.empty(2 * width, HIDDEN, dtype=dtype),
+            torch.empty(HIDDEN, width, dtype=dtype),
+            (scales(2 * width, HIDDEN), scales(HIDDEN, width)) if fp8 else None,
+        )
     x = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
     _as_dependents(decode, decode.kernels)
+    if general:
+        choices = Choices(torch.zeros(tokens, TOP_K, dtype=torch.int64), torch.ones(tokens, TOP_K))
+        return lambda: kernels.experts(x, weights, choices, 10.0)
     first = None if ranks == 1 else 0
     return lambda: decode.routed_experts(x, routing, weights, 10.0, first_expert=first, shared=shared)
 
