@@ -134,9 +134,14 @@ class Model:
         return int(ids.unique().numel()) * per_expert
 
 
-def batch(tokens: int, seed: int) -> torch.Tensor:
+def batch(tokens: int, seed: int, spread: float | None = None) -> torch.Tensor:
+    """`tokens` random rows; with `spread`, one random row plus `spread` x noise per token, so that
+    the tokens share experts as a verify block's do (0.5: 8 tokens reach ~25 of 288, not ~57)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    return torch.randn(tokens, HIDDEN, device=DEV, dtype=ACT, generator=gen)
+    if spread is None:
+        return torch.randn(tokens, HIDDEN, device=DEV, dtype=ACT, generator=gen)
+    common = torch.randn(1, HIDDEN, device=DEV, generator=gen)
+    return (common + spread * torch.randn(tokens, HIDDEN, device=DEV, generator=gen)).to(ACT)
 
 
 # ---------------------------------------------------------------- ceilings
@@ -615,6 +620,9 @@ def prefill_sweep(model: Model) -> None:
 
 RANKS = [8]  # rank_decode (--ranks): rank 0 of TP/EP that many ways (the first EXPERTS / ranks experts)
 RANK_SPLITS = (1, 2, 4, 8, 16)
+# the token batches of rank_decode: (name, tokens, spread of `batch`): 8 independent rows (a batch of 8
+# decode rows) and 8 clustered ones (a verify block of one request, whose tokens share experts)
+RANK_BATCHES = (("T1", 1, None), ("T8", 8, None), ("T8v", 8, 0.5))
 
 
 def rank_configs(tokens: int, ranks: int) -> dict[str, MoeConfig | None]:
@@ -633,6 +641,10 @@ def rank_configs(tokens: int, ranks: int) -> dict[str, MoeConfig | None]:
         configs[f"split{splits}_group1"] = replace(base, gate_up=up, group_m=1)
         if splits > 1:
             configs[f"split{splits}_stages2"] = replace(base, gate_up=replace(up, num_stages=2))
+    for block_n, stages in ((32, 4), (128, 4), (64, 2), (64, 6)):
+        configs[f"down{block_n}_stages{stages}"] = replace(
+            base, down=replace(base.down, block_n=block_n, num_stages=stages)
+        )
     return configs
 
 
@@ -662,11 +674,11 @@ def rank_step(model: Model, ranks: int) -> None:
     shared = reference.SharedExpert(sg, sd, (ss, sds))
     shared_bytes = sum(t.numel() * t.element_size() for t in (sg, sd, ss, sds))
     per_expert = model.bytes_read(torch.zeros(1, dtype=torch.long), True)
-    for tokens in (1, 8):
-        xs = [batch(tokens, seed=500 * tokens + r) for r in range(ROTATE)]
+    for name, tokens, spread in RANK_BATCHES:
+        xs = [batch(tokens, 500 * tokens + r, spread) for r in range(ROTATE)]
         reached = [int((model.route(x)[0].unique() < local).sum()) for x in xs]
         floor_us = (sum(reached) * per_expert / ROTATE + shared_bytes) / bandwidth * 1e6
-        tag = f"rank{ranks}_T{tokens}_fp8"
+        tag = f"rank{ranks}_{name}_fp8"
         rec(f"{tag}_local_experts_reached", reached)
         rec(f"{tag}_floor_us", round(floor_us, 2))
         base = kernels.default_config(tokens * TOP_K, local, True, tma=False)
@@ -710,12 +722,12 @@ def table() -> None:
                     f"| decode M={tokens} {tag} | {step} us | {general} us | {experts} us | {floor} us (copy)"
                     f" | {pct} |"
                 )
-    for ranks, tokens in itertools.product(RANKS, (1, 8)):
-        key = f"rank{ranks}_T{tokens}_fp8"
+    for ranks, (batch_name, tokens, _) in itertools.product(RANKS, RANK_BATCHES):
+        key = f"rank{ranks}_{batch_name}_fp8"
         for name in rank_configs(tokens, ranks) if f"{key}_floor_us" in RESULTS else ():
             if f"{key}_{name}_us" in RESULTS:
                 print(
-                    f"| TP{ranks} rank 0 decode M={tokens} fp8, {name} "
+                    f"| TP{ranks} rank 0 decode {batch_name} fp8, {name} "
                     f"(rule: {RESULTS[f'{key}_rule_splits']}) | "
                     f"{RESULTS[f'{key}_{name}_us']} us | | | {RESULTS[f'{key}_floor_us']} us (copy) | "
                     f"{RESULTS[f'{key}_{name}_pct_of_copy_ceiling']} |"
