@@ -202,7 +202,8 @@ def _prologue_kernel(
             mask=e_ok[:, None] & (d < D)[None, :],
             other=0.0,
         ).to(tl.float32)
-        x = tl.load(x_ptr + t[:, None] * stride_x + d[None, :], mask=t_ok[:, None] & (d < D)[None, :], other=0.0)
+        x_ok = t_ok[:, None] & (d < D)[None, :]
+        x = tl.load(x_ptr + t[:, None] * stride_x + d[None, :], mask=x_ok, other=0.0)
         products += w[:, None, :] * x.to(tl.float32)[None, :, :]
     logits = tl.sum(products, axis=2)
     tl.store(logits_ptr + t[None, :] * E + e[:, None], logits, mask=e_ok[:, None] & t_ok[None, :])
