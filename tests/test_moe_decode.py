@@ -50,8 +50,10 @@ def random_routing(g: torch.Generator, hidden: int, num_experts: int, top_k: int
         (5, 96, 12, 3, (1, 1), False, 16, torch.float32, 1),  # top-3 pads to 4, D a partial group
         (8, 64, 20, 8, (1, 1), True, 4, torch.float32, 1),  # 64 pairs, experts shared by tokens: 1-2 blocks
         (2, 128, 288, 8, (1, 1), True, 16, torch.bfloat16, 64),  # 288 experts pad to 512 lanes, bf16 router
-        # 4 rows x 8 tokens take 256 channels a step (`logit_chunk`): three steps, the last partial
+        # 6 router blocks of 4 rows for each of 8 tokens (48 programs, a token routed by its last), D no
+        # power of two; then one block for one token, and 4 more programs only for x's 5 FP8 groups
         (8, 640, 24, 4, (1, 1), True, 16, torch.float32, 4),
+        (1, 640, 4, 2, (1, 1), True, 16, torch.float32, 4),
     ],
 )
 def test_prologue_matches_reference(
@@ -61,8 +63,8 @@ def test_prologue_matches_reference(
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     routing_ = random_routing(g, hidden, num_experts, top_k, *groups)._replace(normalize=normalize)
     routing_ = routing_._replace(weight=routing_.weight.to(dtype))
-    assert (hidden == 640) == (decode.logit_chunk(hidden, block_e, tokens) < hidden)
     ids, weights, layout, q, q_scale = decode.prologue(x, routing_, block_m, quantize=True, block_e=block_e)
+    assert not decode.tickets(x.device).any()  # every counter the launch took is put back
     ref_ids, ref_weights = reference.route(x, routing_)
     assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
