@@ -210,9 +210,9 @@ def test_tickets_are_left_zero_and_steps_repeat_bitwise():
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 def test_a_split_gate_up_equals_the_whole_one(fp8):
     """At a rank whose experts one token barely reaches, each gate|up tile's K runs over several programs
-    (`gate_up_splits`): the default step splits it 8 ways here (128 deep each) and, like forced splits
-    of 2 and 4, gives the whole GEMM's output up to the order of the fp32 sums (FP8: an h element may
-    round to its e4m3 neighbour), leaves its tickets at zero and repeats bitwise."""
+    (`gate_up_splits`): the default step splits K = 1024 2 ways here (512 deep each) and, like forced
+    splits of 4 and 8, gives the whole GEMM's output up to the order of the fp32 sums (FP8: an h element
+    may round to its e4m3 neighbour), leaves its tickets at zero and repeats bitwise."""
     g = torch.Generator().manual_seed(11)
     tokens, hidden, inter, top_k = 2, 1024, 128, 2
     x = torch.randn(tokens, hidden, generator=g)
@@ -222,7 +222,7 @@ def test_a_split_gate_up_equals_the_whole_one(fp8):
     scales = None if whole.scales is None else tuple(s[first : first + 8] for s in whole.scales)
     w = ExpertWeights(whole.gate_up[first : first + 8], whole.down[first : first + 8], scales)
     config = kernels.default_config(4, 8, fp8)
-    assert decode.gate_up_splits(tokens, top_k, 32, 4, w.gate_up.shape, config, x.device) == 8
+    assert decode.gate_up_splits(4, w.gate_up.shape, config) == 2
     base = kernels.default_config(tokens * top_k, 8, fp8, tma=False)
     unsplit = decode.routed_experts(x, routing_, w, LIMIT, base, first_expert=first)
     tolerance = 2e-3 if fp8 else 1e-6
@@ -230,7 +230,7 @@ def test_a_split_gate_up_equals_the_whole_one(fp8):
     assert rel_err(default, unsplit) < tolerance
     assert not decode.tickets(x.device).any()
     assert torch.equal(decode.routed_experts(x, routing_, w, LIMIT, first_expert=first), default)
-    for splits in (2, 4):
+    for splits in (4, 8):
         config = replace(base, gate_up=replace(base.gate_up, splits=splits))
         assert (
             rel_err(decode.routed_experts(x, routing_, w, LIMIT, config, first_expert=first), unsplit)
@@ -239,17 +239,16 @@ def test_a_split_gate_up_equals_the_whole_one(fp8):
         assert not decode.tickets(x.device).any()
 
 
-def test_gate_up_splits_fill_a_wave_only_where_few_experts_are_reached():
-    """GLM-5.3-Flash's gate|up (I 2048, D 4096, 16 column tiles of 128): one token at a TP8/EP8 rank
-    reaches about one of its 36 experts and splits K 8 ways (128 programs); at TP1 it reaches 8 (128
-    programs already) and at the rank 8 tokens reach ~7 (no split); a layout whose tiles outnumber the
-    ticket counters never splits."""
-    rank, whole, device = torch.Size([36, 4096, 4096]), torch.Size([288, 4096, 4096]), torch.device("cpu")
+def test_gate_up_splits_leave_each_program_512_deep():
+    """GLM-5.3-Flash's gate|up (I 2048, D 4096, 16 column tiles of 128) splits 8 ways (512 deep) at a rank
+    and at TP1 alike, whatever the step reaches; K = 1536 2 ways (768 deep; 4 would leave 384), K = 512
+    not at all; a layout whose tiles outnumber the ticket counters never splits."""
     config = kernels.default_config(8, 36, True)
-    assert decode.gate_up_splits(1, 8, 288, 9, rank, config, device) == 8
-    assert decode.gate_up_splits(1, 8, 288, 16, whole, config, device) == 1
-    assert decode.gate_up_splits(8, 8, 288, 12, rank, config, device) == 1
-    assert decode.gate_up_splits(1, 8, 288, decode.TICKET_SLOTS, rank, config, device) == 1
+    assert decode.gate_up_splits(9, torch.Size([36, 4096, 4096]), config) == 8
+    assert decode.gate_up_splits(69, torch.Size([288, 4096, 4096]), config) == 8
+    assert decode.gate_up_splits(9, torch.Size([36, 4096, 1536]), config) == 2
+    assert decode.gate_up_splits(9, torch.Size([36, 4096, 512]), config) == 1
+    assert decode.gate_up_splits(decode.TICKET_SLOTS, torch.Size([36, 4096, 4096]), config) == 1
 
 
 def test_bad_split_configurations_are_named():

@@ -688,8 +688,7 @@ def rank_step(model: Model, ranks: int) -> None:
         rec(f"{tag}_floor_us", round(floor_us, 2))
         base = kernels.default_config(tokens * TOP_K, local, True, tma=False)
         blocks = moe_decode.layout_blocks(tokens, TOP_K, local, base.block_m, shared=True)
-        device = xs[0].device
-        splits = moe_decode.gate_up_splits(tokens, TOP_K, EXPERTS, blocks, w.gate_up.shape, base, device)
+        splits = moe_decode.gate_up_splits(blocks, w.gate_up.shape, base)
         rec(f"{tag}_rule_splits", splits)
         expected = None
         for name, config in rank_configs(tokens, ranks).items():

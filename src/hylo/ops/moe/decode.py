@@ -11,10 +11,10 @@
    other (at most `MAX_PAIRS`² of them), with no atomics. (Placing from the routing's own `[T, k]`
    registers, reshaped to one pair a lane, placed some pairs wrongly on an H100 at 64 experts and 64
    pairs.)
-2. `kernels.gate_up_stage`, as in the general path, its K split over programs (`gate_up_splits`) where
-   the step reaches few of the weights' experts: one token at a TP8/EP8 rank reaches about one of its 36,
-   whose 16 column tiles would otherwise stream 17 MB on 16 SMs (split 8 ways: the rank's B = 1 step
-   -13.7% on an H100, RESULTS S34-2); the last program of each tile sums the splits in a fixed order.
+2. `kernels.gate_up_stage`, as in the general path, its K split over programs (`gate_up_splits`): one
+   token at a TP8/EP8 rank reaches about one of its 36 experts, whose 16 column tiles would otherwise
+   stream 17 MB on 16 SMs (split 8 ways: the rank's B = 1 step -13.7% on an H100, RESULTS S34-2); the
+   last program of each tile sums the splits in a fixed order.
 3. `kernels.down_combine_stage`: the down GEMM, whose last program of each column tile sums every
    token's k weighted rows (its placed ones, at expert parallelism) in a fixed order (the combine).
 
@@ -50,7 +50,6 @@ from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import quantize_tile
-from hylo.ops.gemm import sm_count
 from hylo.ops.moe import kernels
 from hylo.ops.moe.kernels import MoeConfig
 from hylo.ops.moe.reference import Choices, ExpertWeights, Routing, SharedExpert
@@ -331,25 +330,26 @@ def layout_blocks(tokens: int, top_k: int, num_experts: int, block_m: int, share
     return max_blocks(tokens * top_k, num_experts, block_m) + shared * triton.cdiv(tokens, block_m)
 
 
-def gate_up_splits(
-    tokens: int, top_k: int, all_experts: int, num_blocks: int, gate_up_shape: torch.Size, config: MoeConfig,
-    device: torch.device,
-) -> int:  # fmt: skip
-    """K splits of the gate|up launch (`kernels.gate_up_stage`) of a step of `tokens` tokens choosing
-    `top_k` of the router's `all_experts` experts, with weights `gate_up_shape` `[E, 2I, D]` (a rank's E
-    of them) and a layout of `num_blocks` row blocks: while the experts the step is expected to reach give
-    few programs, each tile's K is split so that about a wave of programs streams the weights (at a
-    TP8/EP8 rank one token reaches about one of the rank's 36 experts, whose 16 column tiles alone would
-    stream its 17 MB on 16 SMs). Splits stay powers of two that cut K into whole 128-deep steps, with a
-    ticket per (row block, column tile) within the stream's counters."""
-    local, two_i, hidden = gate_up_shape
-    reach = local * (1 - (1 - top_k / all_experts) ** tokens)  # the experts a step is expected to reach
+# the K depth a split gate|up program streams at least: 512 (8 splits of GLM-5.3-Flash's 4096) was as fast
+# as no split or faster at every measured step, 256 slower where many experts are reached (RESULTS S35-1)
+MIN_SPLIT_DEPTH = 512
+
+
+def gate_up_splits(num_blocks: int, gate_up_shape: torch.Size, config: MoeConfig) -> int:
+    """K splits of the gate|up launch (`kernels.gate_up_stage`) with weights `gate_up_shape` `[E, 2I, D]`
+    and a layout of `num_blocks` row blocks: the most that leave every program `MIN_SPLIT_DEPTH` or more
+    of K, in whole 128-deep steps (powers of two), with a ticket per (row block, column tile) within the
+    stream's counters. Splitting whatever the routing: a graph's launch is fixed before its steps are
+    routed, and a step reaches anywhere from one expert of a TP8/EP8 rank's 36 (16 column tiles would
+    stream its 17 MB on 16 SMs) to 64 of 288 (H100, rank 0 of TP8 at 8 clustered tokens, a verify block's
+    routing: 73.7 us unsplit, 64.8 split 8 ways; 8 random tokens at TP1 91.5% of the copy rate split, 90.7
+    not, RESULTS S35-1)."""
+    _, two_i, hidden = gate_up_shape
     n_tiles = triton.cdiv(two_i // 2, config.gate_up.block_n)
-    programs = max(1.0, reach) * n_tiles
     if num_blocks * n_tiles > TICKET_SLOTS:
         return 1
-    splits, sms = 1, sm_count(device)
-    while programs * splits * 2 <= 1.5 * sms and hidden % (splits * 2 * FP8_BLOCK) == 0:
+    splits = 1
+    while hidden % (splits * 2 * FP8_BLOCK) == 0 and hidden // (splits * 2) >= MIN_SPLIT_DEPTH:
         splits *= 2
     return splits
 
@@ -396,10 +396,9 @@ def routed_experts(
         return torch.zeros(0, x.shape[1], dtype=x.dtype, device=x.device) if addend is None else addend
     activations = x.contiguous() if q is None else q
     if explicit is None:
-        blocks, all_experts = layout.block_expert.numel(), routing.weight.shape[0]
-        splits = gate_up_splits(tokens, top_k, all_experts, blocks, w.gate_up.shape, config, x.device)
-        # split tiles walk the row blocks one by one, so the few live blocks' programs launch first
-        # (TP8/EP8 rank, one token: 37.8 -> 36.1 us a step, H100, RESULTS S35-1)
+        splits = gate_up_splits(layout.block_expert.numel(), w.gate_up.shape, config)
+        # split tiles walk the row blocks one by one, so the live blocks' programs launch first (TP8/EP8
+        # rank, one token: 38.4 -> 36.4 us a step, H100, RESULTS S35-1)
         group_m = 1 if splits > 1 else config.group_m
         config = replace(config, gate_up=replace(config.gate_up, splits=splits), group_m=group_m)
     counters = tickets(x.device)
