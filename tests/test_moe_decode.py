@@ -50,8 +50,8 @@ def random_routing(g: torch.Generator, hidden: int, num_experts: int, top_k: int
         (5, 96, 12, 3, (1, 1), False, 16, torch.float32, 1),  # top-3 pads to 4, D a partial group
         (8, 64, 20, 8, (1, 1), True, 4, torch.float32, 1),  # 64 pairs, experts shared by tokens: 1-2 blocks
         (2, 128, 288, 8, (1, 1), True, 16, torch.bfloat16, 64),  # 288 experts pad to 512 lanes, bf16 router
-        # 6 router blocks of 4 rows for each of 8 tokens (48 programs, a token routed by its last), D no
-        # power of two; then one block for one token, and 4 more programs only for x's 5 FP8 groups
+        # 8 tokens over 6 programs of 4 router rows, D no power of two; then one program's rows for one
+        # token and 4 more programs for x's 5 FP8 groups alone
         (8, 640, 24, 4, (1, 1), True, 16, torch.float32, 4),
         (1, 640, 4, 2, (1, 1), True, 16, torch.float32, 4),
     ],
