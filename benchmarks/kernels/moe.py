@@ -19,6 +19,7 @@ them as `*_general_*`. `--sweep` times candidate tile configurations (checked fo
 paths, and the prologue's variants, and lists the kernels of an FP8 prefill step (torch.profiler).
 `--only rank_decode [--ranks 1,8]` times rank 0's FP8 decode step at TP/EP 1 and 8 (at 8 its 36
 experts and the shared expert's slice) in each K split of the gate|up launch (`rank_configs`).
+`--only prologue` times the decode prologue alone at 1-8 tokens with its router read cold.
 `--only prefill_sweep` times the FP8 prefill step in each of `PREFILL_VARIANTS` (compiled first in
 parallel processes) against the FP8 matmul ceiling measured after the compiles, with each variant's
 output against the default's and its per-kernel times. Prints a table last and writes `moe.json` to
@@ -386,6 +387,34 @@ def breakdown(model: Model) -> None:
             rec(f"breakdown_T{tokens}_fp8_fused_{name}_us", round(bench_graph(fn) / ROTATE, 2))
     x = batch(PREFILL_TOKENS, seed=7)
     rec(f"breakdown_T{PREFILL_TOKENS}_fp8_kernels_us", kernel_times(lambda: model.step(x, True)))
+
+
+PROLOGUE_TOKENS = (1, 2, 4, 8)
+PROLOGUE_ROUTERS = (
+    32  # router copies the timed call cycles through: 77 MB, past the L2, read cold as in a step
+)
+
+
+def prologue(model: Model) -> None:
+    """The decode prologue alone (router logits, x's FP8 groups, routing and alignment, the shared
+    expert's blocks), µs a call at `PROLOGUE_TOKENS` tokens of a verify block's spread (`batch`), over
+    `PROLOGUE_ROUTERS` copies of the router so that each call reads its router from HBM as a decode step
+    does (the weights the step streamed have evicted it): what the rank's B = 8 step spends 17 us a layer
+    on (RESULTS S35-1). Each token count's ids are checked against `reference.route`."""
+    copies = [model.router.clone() for _ in range(PROLOGUE_ROUTERS)]
+    routings = [model.routing._replace(weight=w) for w in copies]
+    for tokens in PROLOGUE_TOKENS:
+        x = batch(tokens, 900 + tokens, spread=0.5)
+
+        def step(x=x):
+            return [moe_decode.prologue(x, r, 16, True, shared=True) for r in routings]
+
+        ids = step()[0][0]
+        rec(
+            f"prologue_T{tokens}_ids_equal_reference",
+            bool(torch.equal(ids, reference.route(x, model.routing)[0])),
+        )
+        rec(f"prologue_T{tokens}_us", round(bench_graph(step) / PROLOGUE_ROUTERS, 2))
 
 
 def kernel_times(fn, steps: int = 3) -> dict[str, float]:
@@ -810,6 +839,7 @@ SECTIONS = {
     "sweep": sweep,
     "prefill_sweep": prefill_sweep,
     "rank_decode": rank_decode,
+    "prologue": prologue,
 }
 DEFAULT_SECTIONS = ("ceilings", "parity", "decode", "prefill")
 
