@@ -1,0 +1,277 @@
+"""Where a prefill step's time goes by kind of work, each kind against its own floor (issue 45 item 1):
+one fresh prompt of each `--tokens` length prefilled eagerly on the 8-layer slice (`--tp 0`) or on rank 0
+of a TP/EP deployment of the full model (`--tp 8`: `hylo.distributed.rank_engine`, collectives recorded,
+not run, as in `rank_e2e.py`).
+
+    PYTHONPATH=src python3 benchmarks/device/prefill_floors.py [--tp 0|4|8] [--layers 8] \
+        [--tokens 1024,13312] [--out DIR]
+
+Every module call of the model's forward is timed between CUDA events (`ModuleClock`); a kind's time is
+its modules' own time, what their child modules take left out, so the kinds add up to the forward. The
+floor of each kind comes from the work its calls did, counted from their arguments (`work`):
+
+- projections (`Linear`, `FusedLinear`; FP8 or bf16 by the weight) and routed experts (the (token,
+  expert) pairs the rank holds, 2·(2I·D + I·D) FLOPs each, `work`): FLOPs at the matmul ceiling of their
+  precision measured in the same run (`torch._scaled_mm` / `torch.matmul`, 8192³);
+- sparse MLA's attention over the selected latents (`SparseMLA` less its projections and indexer: 4·R
+  FLOPs a (token, head, selected row), the rows it returns) at the bf16 ceiling; the indexer's causal
+  scoring (2·heads·dim a visible pool) at the FP8 ceiling;
+- the KDA layer less its projections (conv, gates, chunked delta rule, gated norm) and the RMSNorms: their
+  activations' bytes (read once, written once) at the copy rate;
+- a decoder layer less its attention, MLP and norms (mHC's post, pre and the residual streams): three
+  passes over the n residual streams and the block input written, twice a layer, at the copy rate;
+- the rest (embedding, head, the forward's glue): no floor.
+
+A first run of each length compiles its kernels; the second is timed. Prints and writes
+`prefill_floors.json`: per length, each kind's ms, calls, work, floor ms and floor / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hylo.layers.indexer import Indexer
+from hylo.layers.kda import KDAAttention
+from hylo.layers.linear import Linear
+from hylo.layers.moe import Experts, FP8Experts
+from hylo.layers.norm import RMSNorm
+from hylo.layers.sparse_mla import SparseMLA
+from hylo.models.glm5_next import DecoderLayer
+
+FP8_FLOPS, BF16_FLOPS, BYTES = "fp8 FLOPs", "bf16 FLOPs", "bytes"  # what a kind's work counts
+
+
+@dataclass
+class Kind:
+    """One kind of work: own time (ms), calls, and the work its floor divides (`unit`)."""
+
+    unit: str | None
+    ms: float = 0.0
+    calls: int = 0
+    work: float | torch.Tensor = 0.0  # a tensor while counts computed on the GPU are pending
+
+
+@dataclass
+class ModuleClock:
+    """Times every module call of a forward between two markers (CUDA events, or the host clock on a
+    CPU) and counts each call's work (`work`): `kinds` after `totals()`. Safe to use when the forward
+    runs eagerly (a graph replay calls no module)."""
+
+    device: torch.device
+    kinds: dict[str, Kind] = field(default_factory=dict)
+    _open: list = field(default_factory=list)  # [module, start, children's time] of calls in progress
+    _done: list = field(default_factory=list)  # (kind, start, end, children's markers) to resolve
+    _hooks: list = field(default_factory=list)
+
+    def attach(self, root: torch.nn.Module) -> None:
+        for module in root.modules():
+            self._hooks.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(self._leave, with_kwargs=True))
+
+    def detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _mark(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _enter(self, module, args, kwargs) -> None:
+        self._open.append([module, self._mark(), []])
+
+    def _leave(self, module, args, kwargs, output) -> None:
+        opened, start, children = self._open.pop()
+        assert opened is module, "module calls must nest"
+        end = self._mark()
+        name, unit, amount = work(module, args, output)
+        kind = self.kinds.setdefault(name, Kind(unit))
+        kind.calls += 1
+        kind.work += amount
+        self._done.append((name, start, end, children))
+        if self._open:
+            self._open[-1][2].append((start, end))
+
+    def totals(self) -> dict[str, Kind]:
+        """Each kind's own time, once the forward's markers have completed."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+        def ms(start, end) -> float:
+            return start.elapsed_time(end) if self.device.type == "cuda" else 1e3 * (end - start)
+
+        for name, start, end, children in self._done:
+            self.kinds[name].ms += ms(start, end) - sum(ms(s, e) for s, e in children)
+        self._done.clear()
+        for kind in self.kinds.values():
+            kind.work = float(kind.work)
+        return self.kinds
+
+
+def _projection(module: Linear, x: torch.Tensor) -> tuple[str, str, float]:
+    rows = x.numel() // x.shape[-1]
+    if module.fp8:  # the rows of its FP8 weight (an FP8 `FusedLinear`'s unquantised parts left out)
+        return "FP8 projections", FP8_FLOPS, 2.0 * rows * module.weight.shape[0] * module.in_features
+    return "bf16 projections", BF16_FLOPS, 2.0 * rows * module.out_features * module.in_features
+
+
+def work(module: torch.nn.Module, args: tuple, output: object) -> tuple[str, str | None, float]:
+    """(kind, unit, amount) of one call of `module` with these arguments and this output (see the module
+    docstring). Counts that need the GPU (the attention's selected rows, the indexer's pools) stay
+    tensors until `ModuleClock.totals` (no synchronising read inside the forward); their small
+    reductions run after the call's end marker, in its parent's own time. Routed experts:
+    every token's top-k pairs, of which a rank holding E_local of the E experts takes the share E_local /
+    E (expected, not routed)."""
+    if isinstance(module, Linear):
+        return _projection(module, args[0])
+    if isinstance(module, Experts | FP8Experts):
+        x, routing = args[0], args[1]
+        local, two_i, hidden = module.gate_up_proj.shape
+        pairs = x.shape[0] * routing.top_k * local / routing.weight.shape[0]
+        flops = 2.0 * pairs * (two_i * hidden + hidden * two_i // 2)
+        return "routed experts", FP8_FLOPS if isinstance(module, FP8Experts) else BF16_FLOPS, flops
+    if isinstance(module, SparseMLA):
+        rows = output[1]  # the selected latent rows of each token, -1 for none
+        return (
+            "sparse MLA attention",
+            BF16_FLOPS,
+            4.0 * module.num_heads * module.rank * (rows >= 0).sum(),
+        )
+    if isinstance(module, Indexer):
+        pools = _visible_pools(args, module.selection.kpool)
+        return "indexer", FP8_FLOPS, 2.0 * module.num_heads * module.head_dim * pools
+    if isinstance(module, KDAAttention):
+        tokens, width = args[0].shape[0], module.num_heads * module.head_dim
+        # q, k, v and the two gates' products read, o written, bf16
+        return "KDA (less projections)", BYTES, 2.0 * tokens * width * 6
+    if isinstance(module, RMSNorm):
+        x = args[0]
+        return "RMSNorm", BYTES, 2.0 * x.numel() * x.element_size()
+    if isinstance(module, DecoderLayer):
+        streams = args[0]  # [T, n, D]
+        tokens, n, hidden = streams.shape
+        return "mHC and the layer's glue", BYTES, 2 * (3 * n + 1) * hidden * tokens * streams.element_size()
+    return "other", None, 0.0
+
+
+def _visible_pools(args, kpool: int) -> torch.Tensor:
+    """Σ over the step's tokens of the k-pools each scores (causal: position // kpool + 1)."""
+    batch = next(a for a in args if hasattr(a, "positions"))
+    positions = batch.positions[: args[0].shape[0]]
+    return (positions // kpool + 1).sum()
+
+
+def ceilings(device: torch.device) -> dict[str, float]:
+    """Matmul ceilings (FLOP/s, bf16 and FP8 per-tensor 8192³) and the copy rate (bytes/s, read + write)
+    measured here."""
+    from triton.testing import do_bench
+
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    bf16 = 2 * n**3 / (do_bench(lambda: a @ b) * 1e-3)
+    fa, fb = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    fp8 = 2 * n**3 / (do_bench(lambda: torch._scaled_mm(fa, fb, one, one, out_dtype=torch.bfloat16)) * 1e-3)
+    src = torch.empty(1 << 29, device=device)
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() * 4 / (do_bench(lambda: dst.copy_(src)) * 1e-3)
+    return {BF16_FLOPS: bf16, FP8_FLOPS: fp8, BYTES: copy}
+
+
+def table(kinds: dict[str, Kind], rates: dict[str, float]) -> list[dict]:
+    """Rows by time: kind, ms, calls, work, floor ms at `rates` and floor / time."""
+    rows = []
+    for name, kind in sorted(kinds.items(), key=lambda kv: -kv[1].ms):
+        floor = 1e3 * kind.work / rates[kind.unit] if kind.unit else None
+        rows.append({
+            "kind": name, "ms": round(kind.ms, 3), "calls": kind.calls, "unit": kind.unit,
+            "work": kind.work, "floor_ms": None if floor is None else round(floor, 3),
+            "of_floor": None if floor is None or not kind.ms else round(floor / kind.ms, 3),
+        })  # fmt: skip
+    return rows
+
+
+def prefill(engine, tokens: int, seed: int) -> None:
+    """One fresh prompt of `tokens` tokens through the engine's steps to its first token."""
+    from hylo.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 150000, (tokens,), generator=gen).tolist()
+    engine.add_request(f"floors-{tokens}-{seed}", prompt, SamplingParams(max_tokens=1, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def build(args) -> object:
+    """The slice's eager engine (`--tp 0`) or rank 0 of a TP/EP deployment."""
+    from spec_e2e import write_target
+
+    from hylo.config import EngineConfig
+
+    root = Path(tempfile.mkdtemp())
+    write_target(root, args.layers)
+    longest = max(map(int, args.tokens.split(",")))
+    # prefill eager (a prefill graph's replay calls no module), decode graphs of one row only
+    common = dict(
+        load_format="dummy", device="cuda", dtype="bfloat16", skip_warmup=True,
+        context_length=max(4096, longest + 64), max_running_requests=4, cuda_graph_max_prefill_tokens=0,
+        cuda_graph_max_bs=1, mem_fraction_static=0.85,
+    )  # fmt: skip
+    if args.tp == 0:
+        from hylo import LLM
+
+        return LLM(str(root), **common).engine
+    from hylo.distributed.rank_engine import rank_engine
+
+    return rank_engine(EngineConfig.from_kwargs(model=str(root), tp_size=args.tp, **common), 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", type=int, default=0, help="0: the slice; 4 or 8: rank 0 of that deployment")
+    parser.add_argument("--layers", type=int, default=8, help="target layers (45: the full model)")
+    parser.add_argument("--tokens", default="1024,13312", help="prompt lengths")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    engine = build(args)
+    device = torch.device("cuda", torch.cuda.current_device())
+    report: dict = {"gpu": torch.cuda.get_device_name(), "tp": args.tp, "layers": args.layers}
+    rates = ceilings(device)
+    report["rates"] = {k: round(v / 1e12, 1) for k, v in rates.items()}
+    model = engine.model
+    for tokens in map(int, args.tokens.split(",")):
+        prefill(engine, tokens, 1)  # compiles this length's kernels
+        clock = ModuleClock(device)
+        clock.attach(model)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            prefill(engine, tokens, 2)
+        finally:
+            clock.detach()
+        wall = 1e3 * (time.perf_counter() - start)
+        rows = table(clock.totals(), rates)
+        report[f"T{tokens}"] = {"wall_ms": round(wall, 2), "kinds": rows}
+        print(f"\n{tokens} tokens, wall {wall:.1f} ms (module hooks on)")
+        print("| kind | ms | calls | floor ms | floor / time |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['kind']} | {r['ms']} | {r['calls']} | {r['floor_ms']} | {r['of_floor']} |")
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "prefill_floors.json").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""`benchmarks/device/prefill_floors.py`'s clock and work counts, on the CPU: kinds' own times add up to
+the forward's, and each kind's work is what its calls did."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "device"))
+
+from prefill_floors import BF16_FLOPS, BYTES, FP8_FLOPS, Kind, ModuleClock, table
+
+from hylo.layers.linear import Linear
+
+
+class Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Linear(64, 32), Linear(32, 16)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)) @ torch.eye(32))
+
+
+def test_own_times_add_up_and_projection_flops_are_counted():
+    model = Outer()
+    clock = ModuleClock(torch.device("cpu"))
+    clock.attach(model)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model(x)
+        wall_ms = 1e3 * (time.perf_counter() - start)
+    clock.detach()
+    kinds = clock.totals()
+    own = [k.ms for k in kinds.values()]
+    assert min(own) >= 0 and sum(own) <= wall_ms  # the children's time is not counted twice
+    assert kinds["bf16 projections"].calls == 2
+    assert kinds["bf16 projections"].work == 2 * 5 * (64 * 32 + 32 * 16)
+    assert kinds["other"].calls == 1 and kinds["other"].ms > 0  # Outer's relu and eye product, its own
+    with torch.inference_mode():
+        model(x)  # hooks gone: nothing more is counted
+    assert sum(k.calls for k in clock.kinds.values()) == 3
+
+
+def test_a_prefill_of_the_random_model_counts_every_kind(shallow_model_dir):
+    from hylo import LLM
+    from hylo.sampling import SamplingParams
+
+    llm = LLM(str(shallow_model_dir), device="cpu", dtype="float32", max_running_requests=2)
+    clock = ModuleClock(torch.device("cpu"))
+    clock.attach(llm.engine.model)
+    tokens = 40
+    llm.engine.add_request("p", list(range(3, 3 + tokens)), SamplingParams(max_tokens=1, temperature=0))
+    with torch.inference_mode():
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    clock.detach()
+    kinds = clock.totals()
+    config = llm.engine.model.config
+    assert {"bf16 projections", "routed experts", "sparse MLA attention", "indexer", "KDA (less projections)",
+            "mHC and the layer's glue", "other"} <= set(kinds)  # fmt: skip
+    # one prefill step of 40 tokens: each token attends to every earlier latent (index_topk 64 > 40)
+    # in each of the two DSA layers, over its heads and the latent rank on both products
+    attention = kinds["sparse MLA attention"]
+    assert attention.calls == 2
+    heads, rank = config.num_attention_heads, config.kv_lora_rank
+    assert attention.work == 2 * 4 * heads * rank * tokens * (tokens + 1) // 2
+    experts = kinds["routed experts"]  # two MoE layers, every token's top-k pairs on the one rank
+    two_i, hidden = 2 * config.moe_intermediate_size, config.hidden_size
+    assert experts.work == 2 * 2 * tokens * config.num_experts_per_tok * (
+        two_i * hidden + hidden * two_i // 2
+    )
+    assert kinds["mHC and the layer's glue"].calls == 3
+    rows = table(kinds, {BF16_FLOPS: 1e12, FP8_FLOPS: 2e12, BYTES: 1e12})
+    assert [r["kind"] for r in rows] == sorted(kinds, key=lambda k: -kinds[k].ms)
+    other = next(r for r in rows if r["kind"] == "other")
+    assert other["floor_ms"] is None and other["of_floor"] is None
+    first = next(r for r in rows if r["unit"] == BF16_FLOPS)
+    assert first["floor_ms"] == pytest.approx(1e3 * kinds[first["kind"]].work / 1e12, abs=1e-3)
+
+
+def test_the_table_divides_each_kind_by_its_own_rate():
+    kinds = {"a": Kind(FP8_FLOPS, ms=2.0, calls=1, work=2e9), "b": Kind(BYTES, ms=1.0, calls=3, work=5e8)}
+    rows = table(kinds, {FP8_FLOPS: 1e12, BF16_FLOPS: 5e11, BYTES: 1e12})
+    assert rows[0] == {
+        "kind": "a", "ms": 2.0, "calls": 1, "unit": FP8_FLOPS, "work": 2e9, "floor_ms": 2.0, "of_floor": 1.0,
+    }  # fmt: skip
+    assert rows[1]["floor_ms"] == 0.5 and rows[1]["of_floor"] == 0.5
