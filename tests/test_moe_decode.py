@@ -218,9 +218,7 @@ def test_a_split_gate_up_equals_the_whole_one(fp8):
     x = torch.randn(tokens, hidden, generator=g)
     routing_, experts = random_routing(g, hidden, 32, top_k), Experts(g, hidden, inter, 32)
     first = int(reference.route(x, routing_).ids[0, 0]) // 8 * 8  # the rank of token 0's first expert
-    whole = experts.fp8 if fp8 else experts.plain
-    scales = None if whole.scales is None else tuple(s[first : first + 8] for s in whole.scales)
-    w = ExpertWeights(whole.gate_up[first : first + 8], whole.down[first : first + 8], scales)
+    w = rank_experts(experts.fp8 if fp8 else experts.plain, first, 32, local=8)
     config = kernels.default_config(4, 8, fp8)
     assert decode.gate_up_splits(4, w.gate_up.shape, config) == 2
     base = kernels.default_config(tokens * top_k, 8, fp8, tma=False)
@@ -314,11 +312,13 @@ def test_prologue_places_the_shared_experts_pairs_first(tokens, first_expert, bl
     assert_alignment(routed, ids, local, block_m, first_expert)
 
 
-def rank_experts(w: ExpertWeights, first_expert: int | None, num_experts: int) -> ExpertWeights:
-    """The experts a rank holding `[first_expert, first_expert + 4)` has (all `num_experts` for None)."""
-    local = slice(first_expert or 0, num_experts if first_expert is None else first_expert + 4)
-    scales = None if w.scales is None else tuple(s[local] for s in w.scales)
-    return ExpertWeights(w.gate_up[local], w.down[local], scales)
+def rank_experts(
+    w: ExpertWeights, first_expert: int | None, num_experts: int, local: int = 4
+) -> ExpertWeights:
+    """The experts a rank holding `[first_expert, first_expert + local)` has (all `num_experts` for None)."""
+    held = slice(first_expert or 0, num_experts if first_expert is None else first_expert + local)
+    scales = None if w.scales is None else tuple(s[held] for s in w.scales)
+    return ExpertWeights(w.gate_up[held], w.down[held], scales)
 
 
 def shared_output(x: torch.Tensor, experts: Experts, fp8: bool) -> torch.Tensor:

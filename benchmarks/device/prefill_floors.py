@@ -172,8 +172,9 @@ def _visible_pools(args, kpool: int) -> torch.Tensor:
 
 
 def ceilings(device: torch.device) -> dict[str, float]:
-    """Matmul ceilings (FLOP/s, bf16 and FP8 per-tensor 8192³) and the copy rate (bytes/s, read + write)
-    measured here."""
+    """Matmul ceilings (FLOP/s, bf16 and FP8 per-tensor 8192³) and the copy rate (bytes/s, read + write:
+    `spec_e2e.copy_bandwidth`) measured here."""
+    from spec_e2e import copy_bandwidth
     from triton.testing import do_bench
 
     n = 8192
@@ -183,10 +184,7 @@ def ceilings(device: torch.device) -> dict[str, float]:
     fa, fb = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=device)
     fp8 = 2 * n**3 / (do_bench(lambda: torch._scaled_mm(fa, fb, one, one, out_dtype=torch.bfloat16)) * 1e-3)
-    src = torch.empty(1 << 29, device=device)
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() * 4 / (do_bench(lambda: dst.copy_(src)) * 1e-3)
-    return {BF16_FLOPS: bf16, FP8_FLOPS: fp8, BYTES: copy}
+    return {BF16_FLOPS: bf16, FP8_FLOPS: fp8, BYTES: copy_bandwidth()}
 
 
 def table(kinds: dict[str, Kind], rates: dict[str, float]) -> list[dict]:

@@ -390,9 +390,8 @@ def breakdown(model: Model) -> None:
 
 
 PROLOGUE_TOKENS = (1, 2, 4, 8)
-PROLOGUE_ROUTERS = (
-    32  # router copies the timed call cycles through: 77 MB, past the L2, read cold as in a step
-)
+# router copies the timed call cycles through: 77 MB, past the L2, read cold as in a step
+PROLOGUE_ROUTERS = 32
 
 
 def prologue(model: Model) -> None:
@@ -670,11 +669,8 @@ def rank_configs(tokens: int, ranks: int) -> dict[str, MoeConfig | None]:
         configs[f"split{splits}_group1"] = replace(base, gate_up=up, group_m=1)
         if splits > 1:
             configs[f"split{splits}_stages2"] = replace(base, gate_up=replace(up, num_stages=2))
-        if splits == 8:  # the rank's one-token split: more warps, or deeper steps, per program
+        if splits == 8:  # the rank's one-token split with more warps per program
             configs["split8_group1_warps8"] = replace(base, gate_up=replace(up, num_warps=8), group_m=1)
-            configs["split8_group1_k256"] = replace(
-                base, gate_up=replace(up, block_k=256, num_stages=2), group_m=1
-            )
     for block_n, stages in ((32, 4), (128, 4), (64, 2), (64, 6)):
         configs[f"down{block_n}_stages{stages}"] = replace(
             base, down=replace(base.down, block_n=block_n, num_stages=stages)
@@ -708,11 +704,11 @@ def rank_step(model: Model, ranks: int) -> None:
     shared = reference.SharedExpert(sg, sd, (ss, sds))
     shared_bytes = sum(t.numel() * t.element_size() for t in (sg, sd, ss, sds))
     per_expert = model.bytes_read(torch.zeros(1, dtype=torch.long), True)
-    for name, tokens, spread in RANK_BATCHES:
+    for batch_name, tokens, spread in RANK_BATCHES:
         xs = [batch(tokens, 500 * tokens + r, spread) for r in range(ROTATE)]
         reached = [int((model.route(x)[0].unique() < local).sum()) for x in xs]
         floor_us = (sum(reached) * per_expert / ROTATE + shared_bytes) / bandwidth * 1e6
-        tag = f"rank{ranks}_{name}_fp8"
+        tag = f"rank{ranks}_{batch_name}_fp8"
         rec(f"{tag}_local_experts_reached", reached)
         rec(f"{tag}_floor_us", round(floor_us, 2))
         base = kernels.default_config(tokens * TOP_K, local, True, tma=False)
