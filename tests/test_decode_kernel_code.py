@@ -42,6 +42,15 @@ def test_decode_kernels_do_not_spill(compiled):
     assert not spilled
 
 
+def test_decode_kernels_compile_as_dependent_launches(compiled):
+    """Every decode kernel, compiled for Hopper as a programmatic dependent (`ops.dependent_launch`; the
+    interpreter cannot run griddepcontrol), waits on the launch before it and releases the next one."""
+    launches = [(case, launch) for case, found in compiled.items() for launch in found]
+    assert {launch["kernel"] for _, launch in launches} >= {"_enter_kernel", "_split_project_kernel"}
+    assert [(case, launch["kernel"]) for case, launch in launches if not launch["waits"]] == []
+    assert [(case, launch["kernel"]) for case, launch in launches if not launch["releases"]] == []
+
+
 def test_moe_prologue_code_does_not_grow_with_its_tokens(compiled):
     """At 8 tokens the prologue holds wider tiles and routes by arg-max passes instead of one top-k,
     but no copy of its code per token or per choice (unrolled so, it was 4.5x its one-token length)."""

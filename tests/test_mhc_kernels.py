@@ -12,7 +12,7 @@ there is to check.
 
 from __future__ import annotations
 
-from interpreter import run_compiled_for_hopper, use_interpreter
+from interpreter import use_interpreter
 
 use_interpreter()  # before the kernels are decorated
 
@@ -178,12 +178,14 @@ def test_fused_enter_is_post_pre_and_norm_launched_apart(plan, hidden, dtype):
 # would be fused); the other plans take 64 (the small plan's 16-dim steps still chunk it, the decode plan's
 # hold it whole): the launches depend on those comparisons alone, the interpreter's time on the programs.
 @pytest.mark.parametrize(
-    ("plan", "hidden", "launches"), [("decode", 64, 2), ("small", 64, 3), ("prefill", 512, 4)]
+    ("plan", "hidden", "launches"),
+    [("decode", 64, 2), ("single", 64, 1), ("small", 64, 3), ("prefill", 512, 4)],
 )
 def test_launches_of_enter(monkeypatch, plan, hidden, launches):
-    """Post, pre and the norm: two launches where the plan fuses them all (decode), one more for the norm
-    where the finishing programs hold chunks of rows (small), and one more for post where the plan does
-    not fuse it (prefill). The norm's dispatcher is made to launch its kernel on these CPU tensors."""
+    """Post, pre and the norm: two launches where the plan fuses them all (decode), one where its
+    finishing programs also run in the projection's launch (single), one more for the norm where the
+    finishing programs hold chunks of rows (small), and one more for post where the plan does not fuse it
+    (prefill). The norm's dispatcher is made to launch its kernel on these CPU tensors."""
     from triton.runtime.interpreter import InterpretedFunction
 
     import hylo.ops.norm as norm_ops
@@ -199,8 +201,39 @@ def test_launches_of_enter(monkeypatch, plan, hidden, launches):
     # two Sinkhorn iterations (the launches do not depend on them)
     streams, out, params, post, comb = hc_case(1, hidden, seed=3, iters=2)
     norm = block_norm(hidden, 3)
-    kernels.mhc_enter(streams, params, PendingPost(out, post, comb), norm, plan=PLANS[plan])
+    single = dataclasses.replace(kernels.DECODE_PLAN, single_launch_tokens=1)
+    chosen = single if plan == "single" else PLANS[plan]
+    kernels.mhc_enter(streams, params, PendingPost(out, post, comb), norm, plan=chosen)
     assert len(names) == launches, names
+
+
+@pytest.mark.parametrize(
+    ("plan", "tokens", "hidden", "pending"),
+    [
+        ("decode", 1, 96, True),  # one token, post and norm fused: the decode step's entry
+        ("decode", 3, 64, False),  # several tokens finished one after another, nothing pending
+        ("whole rows", 5, 48, True),  # four tokens a finishing program, the last group partial
+        ("small", 19, 96, True),  # two token blocks, each its own ticket; chunked rows, norm launched after
+    ],
+)
+def test_single_launch_entry_is_the_two_launches_bitwise(plan, tokens, hidden, pending):
+    """`SplitPlan.single_launch_tokens`: the projection's last program of each token block runs the
+    block's finishing programs itself, with the same partials, tables and sums, so the new streams, post,
+    comb and block input equal the two launches' bit for bit; the ticket counters are left at zero, and
+    a launch repeats the first. Two Sinkhorn iterations (both sides run the same loop)."""
+    from hylo.ops.tickets import tickets
+
+    two = PLANS[plan]
+    one = dataclasses.replace(two, single_launch_tokens=tokens)
+    assert kernels.single_launch(one, tokens) and not kernels.single_launch(two, tokens)
+    streams, out, params, post, comb = hc_case(tokens, hidden, seed=tokens, iters=2)
+    mix = PendingPost(out, post, comb) if pending else None
+    norm = block_norm(hidden, seed=tokens)
+    expected = kernels.mhc_enter(streams, params, mix, norm, plan=two)
+    got = kernels.mhc_enter(streams, params, mix, norm, plan=one)
+    assert all(map(torch.equal, got, expected))
+    assert not tickets(streams.device).any()
+    assert all(map(torch.equal, kernels.mhc_enter(streams, params, mix, norm, plan=one), got))
 
 
 def test_enter_without_pending_or_norm_is_pre():
@@ -283,39 +316,3 @@ def test_model_with_kernels_matches_reference_path(tiny_model, monkeypatch, pref
     monkeypatch.setattr(mhc_ops, "_use_kernels", lambda op, streams, norm=None, rows=None: True)
     monkeypatch.setattr(kernels, "PREFILL_PLAN_FROM", prefill_plan_from)
     torch.testing.assert_close(run(), ref, rtol=1e-4, atol=1e-4)
-
-
-# Compiles the decode plan's two launches (post and norm fused, bf16 as served) for sm_90 as dependent
-# launches (the interpreter cannot run griddepcontrol) in a fresh interpreter-free process; prints, per
-# kernel, whether a cubin came out and whether the PTX waits on the launch before it and lets the next
-# one start.
-_HOPPER_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hylo.ops.mhc import kernels
-
-scalars = {"M": "i32", "stride_split": "i32", "stride_token": "i32", "stride_row": "i32", "rms_eps": "fp32",
-           "hc_eps": "fp32", "norm_eps": "fp32", "streams": "*bf16", "fn": "*bf16", "out": "*bf16",
-           "new_streams": "*bf16", "block_input": "*bf16", "norm_weight": "*bf16"}
-shared = dict(D=4096, NS=64, PDL=True)
-for fn, consts in (
-    (kernels._split_project_kernel, dict(SPLIT=64, BM=16, BK=32, SPLIT_FN=False, PRECISION="tf32",
-                                         POST=True)),
-    (kernels._finish_collapse_kernel, dict(SS=64, BT=1, CHUNK=4096, CK=4096, ITERS=20, NORM=True)),
-):
-    consts |= shared
-    sig = {n: "constexpr" if n in consts else scalars.get(n, "*fp32") for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 2})
-    ptx = kernel.asm["ptx"]
-    releases = "griddepcontrol.launch_dependents" in ptx
-    print(len(kernel.asm["cubin"]) > 0, "griddepcontrol.wait" in ptx, releases)
-"""
-
-
-def test_pre_compiles_as_dependent_launches_for_hopper():
-    """The GPU-only dependent launches of the decode plan: both kernels compile, wait on the launch before
-    them and release the next one."""
-    lines = run_compiled_for_hopper(_HOPPER_COMPILE).splitlines()
-    assert lines == ["True True True"] * 2

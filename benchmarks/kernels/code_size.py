@@ -19,6 +19,7 @@ whose kernels are not interpreted (no TRITON_INTERPRET).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -59,7 +60,7 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 def compiled_launches(call: Callable[[], object]) -> list[dict[str, object]]:
     """Every Triton launch `call` makes, compiled for `TARGET` instead of run: kernel name, launch
-    options and `resources`."""
+    options, `resources` and whether its PTX waits on the launch before it and releases the next."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile, make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -76,8 +77,15 @@ def compiled_launches(call: Callable[[], object]) -> list[dict[str, object]]:
         kernel = compile(
             ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__
         )
+        ptx = kernel.asm["ptx"]
         launches.append(
-            {"kernel": self.fn.__name__, "num_warps": options.num_warps, **resources(kernel.asm["cubin"])}
+            {
+                "kernel": self.fn.__name__,
+                "num_warps": options.num_warps,
+                **resources(kernel.asm["cubin"]),
+                "waits": "griddepcontrol.wait" in ptx,  # a programmatic dependent (`ops.dependent_launch`)
+                "releases": "griddepcontrol.launch_dependents" in ptx,
+            }
         )
 
     original = JITFunction.run
@@ -99,7 +107,7 @@ def kda_step(batch: int, heads: int) -> Callable[[], object]:
     """The KDA decode step of an FP8 checkpoint (`recurrent.decode`: the step, then the gated output
     norm): conv inside, f and the norm's gate from their low-rank factors, β from the layer input and
     b_proj's rows."""
-    from hylo.ops.kda import recurrent
+    from hylo.ops.kda import recurrent, rmsnorm
     from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm
 
     hd = heads * HEAD_DIM
@@ -118,7 +126,7 @@ def kda_step(batch: int, heads: int) -> Callable[[], object]:
         torch.arange(batch, dtype=torch.int32),
     )
     norm = OutputNorm(factor(), torch.ones(HEAD_DIM, dtype=bf16), 1e-5)
-    _as_dependents(recurrent)
+    _as_dependents(recurrent, rmsnorm)
     return lambda: recurrent.decode(KDAInputs(q, k, v, factor(), b), params, slots, norm)
 
 
@@ -181,9 +189,10 @@ def moe_experts(
     return lambda: decode.routed_experts(x, routing, weights, 10.0, first_expert=first, shared=shared)
 
 
-def mhc_entry(tokens: int) -> Callable[[], object]:
+def mhc_entry(tokens: int, single_launch: bool = False) -> Callable[[], object]:
     """Entering a block under the decode plan (`mhc_enter`): the previous block's post mixed into the
-    projection launch, the block's RMSNorm in the finishing launch."""
+    projection launch, the block's RMSNorm in the finishing launch; with `single_launch` both in one
+    (`SplitPlan.single_launch_tokens`)."""
     from hylo.ops.mhc import kernels
     from hylo.ops.mhc.reference import BlockNorm, HCParams, PendingPost
 
@@ -196,7 +205,8 @@ def mhc_entry(tokens: int) -> Callable[[], object]:
     )
     norm = BlockNorm(torch.ones(HIDDEN, dtype=torch.bfloat16), 1e-5)
     _as_dependents(kernels)
-    return lambda: kernels.mhc_enter(streams, hc, pending, norm)
+    plan = dataclasses.replace(kernels.DECODE_PLAN, single_launch_tokens=tokens if single_launch else 0)
+    return lambda: kernels.mhc_enter(streams, hc, pending, norm, plan)
 
 
 def pool_compression() -> Callable[[], object]:
@@ -225,6 +235,8 @@ def cases(kda_heads: int) -> dict[str, Callable[[], Callable[[], object]]]:
         "moe_experts_tp8_rank_t1": lambda: moe_experts(1, ranks=8),
         "mhc_enter_t1": lambda: mhc_entry(1),
         "mhc_enter_t8": lambda: mhc_entry(8),
+        "mhc_enter_single_t1": lambda: mhc_entry(1, single_launch=True),
+        "mhc_enter_single_t8": lambda: mhc_entry(8, single_launch=True),
     }
 
 

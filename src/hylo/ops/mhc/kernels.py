@@ -46,6 +46,7 @@ the finish (529 us).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -56,6 +57,7 @@ from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.mhc.reference import KERNEL_STREAMS as HC_MULT
 from hylo.ops.mhc.reference import BlockEntry, BlockNorm, HCParams, PendingPost
 from hylo.ops.norm import rms_norm
+from hylo.ops.tickets import TICKET_SLOTS, tickets
 
 N_LOGITS = tl.constexpr(24)  # pre (4) | post (4) | comb (16): the rows of fn
 LOGIT_ROWS = tl.constexpr(32)  # logits padded to a tl.dot size; row 24 carries the sum of squares
@@ -82,6 +84,9 @@ class SplitPlan:
     dependent_launch: bool = True
     # a pending post is mixed by the projection launch (one launch fewer), else launched before it
     fuse_post: bool = True
+    # up to this many tokens the entry is one launch: the last projection program of a token block (a
+    # ticket, `ops.tickets`) runs the block's finishing programs one after another (0: never)
+    single_launch_tokens: int = 0
 
 
 # The H200 sweeps' fastest at M = 1 / 16 / 64 (session 6, post then pre under graph replay, 10.2 / 11.8 / 14.2
@@ -115,6 +120,42 @@ PREFILL_PLAN_FROM = 2048
 
 def default_plan(tokens: int) -> SplitPlan:
     return PREFILL_PLAN if tokens >= PREFILL_PLAN_FROM else DECODE_PLAN
+
+
+class Partials(NamedTuple):
+    """The projection's partial logits (rows 0-23) and sums of squares (row `SUMSQ_ROW`) of each
+    (split, token), at `data + split·split_stride + token·token_stride + row·row_stride`
+    (`SplitPlan.split_major` picks the order)."""
+
+    data: torch.Tensor
+    split_stride: int
+    token_stride: int
+    row_stride: int
+
+
+class Mix(NamedTuple):
+    """The pending post a projection mixes into the streams it reads (`PendingPost`: `out [T, D]`, fp32
+    `post [T, 4]` and `comb [T, 4, 4]`) and where it stores the new streams (`[T, 4, D]`)."""
+
+    out: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    new_streams: torch.Tensor
+
+
+class Finish(NamedTuple):
+    """What the finishing programs read and write besides the streams and partials: the projection's fp32
+    `base [24]` and `scale [3]`, the outputs `post [T, 4]`, `comb [T, 4, 4]` and `block_input [T, D]`,
+    the block's RMSNorm weight (read only with NORM) and `tables`, LOGIT_ROWS fp32 of scratch per
+    (finishing program, token)."""
+
+    base: torch.Tensor
+    scale: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    block_input: torch.Tensor
+    norm_weight: torch.Tensor
+    tables: torch.Tensor
 
 
 # ---------------------------------------------------------------- pieces
@@ -254,41 +295,22 @@ def _rms_normed(x, mask, weight, d, eps, D: tl.constexpr, DTYPE: tl.constexpr):
 # ---------------------------------------------------------------- kernels
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile serves every token count
-def _split_project_kernel(
-    streams,
-    fn,
-    partials,
-    out,
-    post,
-    comb,
-    new_streams,
-    M,
-    stride_split,
-    stride_token,
-    stride_row,
-    D: tl.constexpr,
-    NS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    BM: tl.constexpr,
-    BK: tl.constexpr,
-    SPLIT_FN: tl.constexpr,
-    PRECISION: tl.constexpr,
-    POST: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Partial logits and sum of squares of tokens `BM·pid(1) + [0, BM)` over dims `SPLIT·pid(0) +
-    [0, SPLIT)` of every stream, stored at partials + split·stride_split + token·stride_token +
-    row·stride_row (see `SplitPlan.split_major`). With POST the streams projected are the new ones,
-    post·out + combᵀ·streams (the previous block's pending post, as `_post_kernel` mixes them), which this
-    program also stores to `new_streams` at its tokens and dims: no other program reads them."""
-    enter(PDL)
-    split = tl.program_id(0)
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+@triton.jit
+def _project_split(
+    streams, fn, partials, mix, M, split, token_block,
+    D: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SPLIT_FN: tl.constexpr,
+    PRECISION: tl.constexpr, POST: tl.constexpr,
+):  # fmt: skip
+    """Partial logits and sum of squares of tokens `BM·token_block + [0, BM)` over dims `SPLIT·split +
+    [0, SPLIT)` of every stream, stored to `partials` (`Partials`). With POST the streams projected are
+    the new ones, post·out + combᵀ·streams (`mix`, the previous block's pending post, as `_post_kernel`
+    mixes them), which this program also stores to `mix.new_streams` at its tokens and dims: no other
+    projection program reads them."""
+    rows = token_block * BM + tl.arange(0, BM)
     rmask = rows < M
     dtype = streams.dtype.element_ty
     if POST:
-        w0, w1, w2, w3 = _mix_weights(post + rows * 4, comb + rows * 16, rmask, dtype)
+        w0, w1, w2, w3 = _mix_weights(mix.post + rows * 4, mix.comb + rows * 16, rmask, dtype)
     acc = tl.zeros((BM, LOGIT_ROWS), tl.float32)  # tokens as the dot's rows: wgmma from 64 tokens
     squares = tl.zeros((BM,), tl.float32)
     for step in range(SPLIT // BK):
@@ -301,7 +323,7 @@ def _split_project_kernel(
         x2 = tl.load(streams + ptr + 2 * D, mask=mask, other=0.0)
         x3 = tl.load(streams + ptr + 3 * D, mask=mask, other=0.0)
         if POST:
-            o = tl.load(out + rows[:, None].to(tl.int64) * D + d[None, :], mask=mask, other=0.0)
+            o = tl.load(mix.out + rows[:, None].to(tl.int64) * D + d[None, :], mask=mask, other=0.0)
             o, s0, s1, s2, s3 = (
                 o.to(tl.float32),
                 x0.to(tl.float32),
@@ -313,10 +335,10 @@ def _split_project_kernel(
             x1 = _expand(o, s0, s1, s2, s3, w1, dtype)
             x2 = _expand(o, s0, s1, s2, s3, w2, dtype)
             x3 = _expand(o, s0, s1, s2, s3, w3, dtype)
-            tl.store(new_streams + ptr, x0, mask=mask)
-            tl.store(new_streams + ptr + D, x1, mask=mask)
-            tl.store(new_streams + ptr + 2 * D, x2, mask=mask)
-            tl.store(new_streams + ptr + 3 * D, x3, mask=mask)
+            tl.store(mix.new_streams + ptr, x0, mask=mask)
+            tl.store(mix.new_streams + ptr + D, x1, mask=mask)
+            tl.store(mix.new_streams + ptr + 2 * D, x2, mask=mask)
+            tl.store(mix.new_streams + ptr + 3 * D, x3, mask=mask)
         acc = _project(acc, x0, fn, 0, d, dmask, D, SPLIT_FN, PRECISION)
         acc = _project(acc, x1, fn, 1, d, dmask, D, SPLIT_FN, PRECISION)
         acc = _project(acc, x2, fn, 2, d, dmask, D, SPLIT_FN, PRECISION)
@@ -326,84 +348,132 @@ def _split_project_kernel(
     r = tl.arange(0, LOGIT_ROWS)
     acc += tl.where(r[None, :] == SUMSQ_ROW, squares[:, None], 0.0)
     ptr = (
-        partials + split * stride_split + rows[:, None].to(tl.int64) * stride_token + r[None, :] * stride_row
+        partials.data
+        + split * partials.split_stride
+        + rows[:, None].to(tl.int64) * partials.token_stride
+        + r[None, :] * partials.row_stride
     )
     tl.store(ptr, acc, mask=rmask[:, None] & (r <= SUMSQ_ROW)[None, :])
 
 
-@triton.jit(do_not_specialize=["M"])
-def _finish_collapse_kernel(
-    streams,
-    partials,
-    tables,
-    base,
-    scale,
-    post_out,
-    comb_out,
-    block_input,
-    norm_weight,
-    M,
-    stride_split,
-    stride_token,
-    stride_row,
-    rms_eps,
-    hc_eps,
-    norm_eps,
-    D: tl.constexpr,
-    NS: tl.constexpr,
-    SS: tl.constexpr,
-    BT: tl.constexpr,
-    CHUNK: tl.constexpr,
-    CK: tl.constexpr,
-    ITERS: tl.constexpr,
-    NORM: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Tokens `BT·pid(1) + [0, BT)`: sums their partials (every program in the same order, so all
-    derive the same bits), then collapses dims `CHUNK·pid(0) + [0, CHUNK)` into `block_input`, or, as
-    the last program of its tokens, computes their post and comb. With NORM (one step of CK ≥ D dims:
-    the program holds whole rows) the collapsed rows are normalised with `norm_weight` before the store."""
-    enter(PDL)
-    chunk = tl.program_id(0)
-    rows = tl.program_id(1) * BT + tl.arange(0, BT)
+@triton.jit
+def _finish_rows(
+    streams, partials, finish, M, chunk, rows, table, rms_eps, hc_eps, norm_eps,
+    D: tl.constexpr, NS: tl.constexpr, SS: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr,
+    CK: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """One finishing program's work for the tokens `rows` ([BT]): sums their partials (every program in
+    the same order, so all derive the same bits), then collapses dims `CHUNK·chunk + [0, CHUNK)` into
+    `finish.block_input`, or, as the chunk past the last (`chunk` = cdiv(D, CHUNK)), computes their post
+    and comb. With NORM (one step of CK ≥ D dims: whole rows) the collapsed rows are normalised with
+    `finish.norm_weight` before the store. `table`: the rows' scratch ([BT] pointers to LOGIT_ROWS fp32
+    each), no other program's. Partials and streams are read from L2 (`.cg`): in a single-launch entry
+    other programs of the launch stored them."""
     rmask = rows < M
     r = tl.arange(0, LOGIT_ROWS)
     weights_program = chunk == (D + CHUNK - 1) // CHUNK
     wanted = (r < 4) | (r == SUMSQ_ROW) | ((r < SUMSQ_ROW) & weights_program)  # collapses need pre only
     # issued first, so their latency hides behind the partials'
-    base_row = tl.load(base + r, mask=r < N_LOGITS, other=0.0)
-    scale_row = tl.load(scale + (r >= 4).to(tl.int32) + (r >= 8).to(tl.int32))  # pre | post | comb
-    row_ptr = partials + rows[None, :, None].to(tl.int64) * stride_token + r[:, None, None] * stride_row
+    base_row = tl.load(finish.base + r, mask=r < N_LOGITS, other=0.0)
+    scale_row = tl.load(finish.scale + (r >= 4).to(tl.int32) + (r >= 8).to(tl.int32))  # pre | post | comb
+    row_ptr = (
+        partials.data
+        + rows[None, :, None].to(tl.int64) * partials.token_stride
+        + r[:, None, None] * partials.row_stride
+    )
     sums = tl.zeros((LOGIT_ROWS, BT, SS), tl.float32)  # reduced after the loop: Triton 3.6 fails to
     for first in range(0, NS, SS):  # compile a reduction inside it whose result has several uses
         s = first + tl.arange(0, SS)
         mask = wanted[:, None, None] & rmask[None, :, None] & (s < NS)[None, None, :]
-        sums += tl.load(row_ptr + s[None, None, :].to(tl.int64) * stride_split, mask=mask, other=0.0)
-    table = tl.sum(sums, axis=2)
-    rstd = tl.rsqrt(tl.sum(tl.where(r[:, None] == SUMSQ_ROW, table, 0.0), axis=0) / (4 * D) + rms_eps)
-    z = table * rstd[None, :] * scale_row[:, None] + base_row[:, None]
+        split_ptr = row_ptr + s[None, None, :].to(tl.int64) * partials.split_stride
+        sums += tl.load(split_ptr, mask=mask, other=0.0, cache_modifier=".cg")
+    logits = tl.sum(sums, axis=2)
+    rstd = tl.rsqrt(tl.sum(tl.where(r[:, None] == SUMSQ_ROW, logits, 0.0), axis=0) / (4 * D) + rms_eps)
+    z = logits * rstd[None, :] * scale_row[:, None] + base_row[:, None]
     if weights_program:
         post = 2 * tl.sigmoid(z)
         post_mask = ((r >= 4) & (r < 8))[:, None] & rmask[None, :]
-        tl.store(post_out + rows[None, :] * 4 + (r[:, None] - 4), post, mask=post_mask)
+        tl.store(finish.post + rows[None, :] * 4 + (r[:, None] - 4), post, mask=post_mask)
     else:
         z = tl.sigmoid(z) + hc_eps  # rows 0-3: pre
     # The rows are needed as [BT] vectors: reading them back from memory takes one barrier, while
     # extracting each from the register tile is a cross-warp reduction with barriers of its own.
-    own = tables + ((chunk * tl.num_programs(1) + tl.program_id(1)) * BT + tl.arange(0, BT)) * LOGIT_ROWS
-    tl.store(own[None, :] + r[:, None], z)
+    tl.store(table[None, :] + r[:, None], z)
     tl.debug_barrier()
     if weights_program:
-        _store_comb(own, comb_out, rows, rmask, hc_eps, ITERS)
+        _store_comb(table, finish.comb, rows, rmask, hc_eps, ITERS)
     else:
-        pre0, pre1, pre2, pre3 = tl.load(own), tl.load(own + 1), tl.load(own + 2), tl.load(own + 3)
+        pre0, pre1, pre2, pre3 = tl.load(table), tl.load(table + 1), tl.load(table + 2), tl.load(table + 3)
         dtype = streams.dtype.element_ty
         for step in range(CHUNK // CK):
             d = chunk * CHUNK + step * CK + tl.arange(0, CK)
             x, mask = _collapse(streams, rows, rmask, pre0, pre1, pre2, pre3, d, D)
-            x = _rms_normed(x, mask, norm_weight, d, norm_eps, D, dtype) if NORM else x.to(dtype)
-            out_ptr = block_input + rows[:, None].to(tl.int64) * D + d[None, :]
-            tl.store(out_ptr, x.to(block_input.dtype.element_ty), mask=mask)
+            x = _rms_normed(x, mask, finish.norm_weight, d, norm_eps, D, dtype) if NORM else x.to(dtype)
+            out_ptr = finish.block_input + rows[:, None].to(tl.int64) * D + d[None, :]
+            tl.store(out_ptr, x.to(finish.block_input.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile serves every token count
+def _split_project_kernel(
+    streams, fn, partials, mix, M,
+    D: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SPLIT_FN: tl.constexpr,
+    PRECISION: tl.constexpr, POST: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """`_project_split` of split pid(0) and token block pid(1)."""
+    enter(PDL)
+    _project_split(
+        streams, fn, partials, mix, M, tl.program_id(0), tl.program_id(1), D, SPLIT, BM, BK, SPLIT_FN,
+        PRECISION, POST,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
+def _finish_collapse_kernel(
+    streams, partials, finish, M, rms_eps, hc_eps, norm_eps,
+    D: tl.constexpr, NS: tl.constexpr, SS: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr,
+    CK: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """`_finish_rows` of chunk pid(0) (the last: post and comb) for tokens `BT·pid(1) + [0, BT)`."""
+    enter(PDL)
+    chunk, token_program = tl.program_id(0), tl.program_id(1)
+    rows = token_program * BT + tl.arange(0, BT)
+    own = (chunk * tl.num_programs(1) + token_program) * BT + tl.arange(0, BT)
+    table = finish.tables + own * LOGIT_ROWS
+    _finish_rows(
+        streams, partials, finish, M, chunk, rows, table, rms_eps, hc_eps, norm_eps, D, NS, SS, BT, CHUNK,
+        CK, ITERS, NORM,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
+def _enter_kernel(
+    streams, fn, partials, mix, finish, tickets_ptr, M, rms_eps, hc_eps, norm_eps,
+    D: tl.constexpr, NS: tl.constexpr, SS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+    BK: tl.constexpr, SPLIT_FN: tl.constexpr, PRECISION: tl.constexpr, POST: tl.constexpr, BT: tl.constexpr,
+    CHUNK: tl.constexpr, CK: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The entry in one launch: `_split_project_kernel`'s program (split pid(0), token block pid(1)),
+    then a ticket of the token block (`ops.tickets`); the block's last program to take one runs the
+    finishing programs of `_finish_collapse_kernel` for the block's tokens one after another, with the
+    same tables, so the results are that launch's bit for bit."""
+    enter(PDL)
+    block = tl.program_id(1)
+    _project_split(
+        streams, fn, partials, mix, M, tl.program_id(0), block, D, SPLIT, BM, BK, SPLIT_FN, PRECISION, POST
+    )  # fmt: skip
+    tl.debug_barrier()  # every thread's partials and new streams are stored before the ticket releases them
+    if tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.store(tickets_ptr + block, 0)
+        token_programs = tl.cdiv(M, BT)
+        for start in range(block * BM, tl.minimum(M, block * BM + BM), BT):
+            rows = start + tl.arange(0, BT)
+            for chunk in range((D + CHUNK - 1) // CHUNK + 1):
+                own = (chunk * token_programs + start // BT) * BT + tl.arange(0, BT)
+                table = finish.tables + own * LOGIT_ROWS
+                _finish_rows(
+                    mix.new_streams, partials, finish, M, chunk, rows, table, rms_eps, hc_eps, norm_eps, D,
+                    NS, SS, BT, CHUNK, CK, ITERS, NORM,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -557,7 +627,8 @@ def mhc_enter(
 ) -> BlockEntry:
     """See `reference.mhc_enter`. Two launches where `plan.fuse_post` and `norm_fusable` hold (the
     decode plan): the first mixes the pending post into the streams it projects, the second normalises
-    the block input it collapses; otherwise a post launch before and an RMSNorm launch after them."""
+    the block input it collapses; otherwise a post launch before and an RMSNorm launch after them. One
+    launch instead of the two up to `plan.single_launch_tokens` tokens (`single_launch`)."""
     tokens, hidden = _check_streams(streams)
     n_proj = (2 + HC_MULT) * HC_MULT
     _check("fn", hc.fn, (n_proj, HC_MULT * hidden), streams)
@@ -584,46 +655,79 @@ def mhc_enter(
     if tokens == 0:
         return BlockEntry(new_streams, post, comb, block_input)
     base, scale = hc.base.float().contiguous(), hc.scale.float().contiguous()
-    n_splits = triton.cdiv(hidden, plan.split)
-    if plan.split_major:
-        partials = torch.empty(n_splits, tokens, LOGIT_ROWS.value, dtype=torch.float32, device=device)
-        strides = partials.stride()
-    else:
-        partials = torch.empty(tokens, LOGIT_ROWS.value, n_splits, dtype=torch.float32, device=device)
-        strides = (1, partials.stride(0), partials.stride(1))
-    mix = (streams, streams, streams) if pending is None else _mix_operands(pending)
-    dependent = plan.dependent_launch and dependent_launches(device)
-    _split_project_kernel[(n_splits, triton.cdiv(tokens, plan.block_m))](
-        streams, fn, partials, *mix, new_streams, tokens, *strides,
-        D=hidden, NS=n_splits, SPLIT=plan.split, BM=plan.block_m, BK=plan.block_k,
-        SPLIT_FN=fn.element_size() > streams.element_size(),
-        PRECISION="ieee" if dtype == torch.float32 else "tf32", POST=pending is not None,
-        PDL=dependent, launch_pdl=dependent, num_warps=plan.num_warps,
-    )  # fmt: skip
-    # powers of two both: the table tile holds at most TABLE_ELEMENTS
-    splits_per_step = min(
-        triton.next_power_of_2(n_splits), max(1, TABLE_ELEMENTS // (LOGIT_ROWS.value * plan.collapse_tokens))
-    )
-    # one program per chunk and one for post and comb
-    grid = (triton.cdiv(hidden, plan.collapse_chunk) + 1, triton.cdiv(tokens, plan.collapse_tokens))
-    table_rows = grid[0] * grid[1] * plan.collapse_tokens  # one table per program and token
-    tables = torch.empty(table_rows, LOGIT_ROWS.value, dtype=torch.float32, device=device)
     norm_weight, norm_eps = (base, 0.0) if fused_norm is None else (fused_norm.weight, fused_norm.eps)
-    _finish_collapse_kernel[grid](
-        new_streams, partials, tables, base, scale, post, comb, block_input, norm_weight, tokens, *strides,
-        hc.rms_eps, hc.hc_eps, norm_eps,
-        D=hidden, NS=n_splits, SS=splits_per_step,
-        BT=plan.collapse_tokens, CHUNK=plan.collapse_chunk, CK=plan.collapse_k, ITERS=hc.sinkhorn_iters,
-        NORM=fused_norm is not None, PDL=dependent, launch_pdl=dependent, num_warps=plan.finish_warps,
-    )  # fmt: skip
+    mix = Mix(streams, streams, streams, streams) if pending is None else _mix_operands(pending, new_streams)
+    finish = Finish(base, scale, post, comb, block_input, norm_weight, _tables(plan, tokens, hidden, device))
+    _launch_entry(streams, fn, hc, mix, finish, norm_eps, fused_norm is not None, plan)
     if norm is not None and fused_norm is None:
         block_input = rms_norm(block_input, norm.weight, norm.eps)
     return BlockEntry(new_streams, post, comb, block_input)
 
 
-def _mix_operands(pending: PendingPost) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, post, comb) as `_split_project_kernel` reads them: contiguous, the weights fp32."""
-    return pending.out.contiguous(), pending.post.float().contiguous(), pending.comb.float().contiguous()
+def _tables(plan: SplitPlan, tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
+    """The finishing programs' scratch (`Finish.tables`): one table per program and token."""
+    programs = (triton.cdiv(hidden, plan.collapse_chunk) + 1) * triton.cdiv(tokens, plan.collapse_tokens)
+    return torch.empty(programs * plan.collapse_tokens, LOGIT_ROWS.value, dtype=torch.float32, device=device)
+
+
+def _launch_entry(
+    streams: torch.Tensor, fn: torch.Tensor, hc: HCParams, mix: Mix, finish: Finish, norm_eps: float,
+    norm: bool, plan: SplitPlan,
+) -> None:  # fmt: skip
+    """`mhc_enter`'s launches: the projection then the finishing programs, or both as one
+    (`single_launch`); `norm`: the finishing programs normalise the block input. `mix.new_streams` is
+    `streams` where no post is pending (nothing is mixed)."""
+    (tokens, _, hidden), device = streams.shape, streams.device
+    n_splits = triton.cdiv(hidden, plan.split)
+    if plan.split_major:
+        data = torch.empty(n_splits, tokens, LOGIT_ROWS.value, dtype=torch.float32, device=device)
+        partials = Partials(data, *data.stride())
+    else:
+        data = torch.empty(tokens, LOGIT_ROWS.value, n_splits, dtype=torch.float32, device=device)
+        partials = Partials(data, 1, data.stride(0), data.stride(1))
+    dependent = plan.dependent_launch and dependent_launches(device)
+    projection = dict(
+        SPLIT=plan.split, BM=plan.block_m, BK=plan.block_k,
+        SPLIT_FN=fn.element_size() > streams.element_size(),
+        PRECISION="ieee" if streams.dtype == torch.float32 else "tf32", POST=mix.new_streams is not streams,
+        PDL=dependent, launch_pdl=dependent,
+    )  # fmt: skip
+    # powers of two both: the table tile holds at most TABLE_ELEMENTS
+    splits_per_step = min(
+        triton.next_power_of_2(n_splits), max(1, TABLE_ELEMENTS // (LOGIT_ROWS.value * plan.collapse_tokens))
+    )
+    finishing = dict(
+        NS=n_splits, SS=splits_per_step, BT=plan.collapse_tokens, CHUNK=plan.collapse_chunk,
+        CK=plan.collapse_k, ITERS=hc.sinkhorn_iters, NORM=norm,
+    )  # fmt: skip
+    epsilons = (hc.rms_eps, hc.hc_eps, norm_eps)
+    token_blocks = triton.cdiv(tokens, plan.block_m)
+    if single_launch(plan, tokens):
+        _enter_kernel[(n_splits, token_blocks)](
+            streams, fn, partials, mix, finish, tickets(device), tokens, *epsilons, D=hidden, **projection,
+            **finishing, num_warps=plan.num_warps,
+        )  # fmt: skip
+        return
+    _split_project_kernel[(n_splits, token_blocks)](
+        streams, fn, partials, mix, tokens, D=hidden, **projection, num_warps=plan.num_warps
+    )
+    # one finishing program per chunk and one for post and comb, per token group
+    grid = (triton.cdiv(hidden, plan.collapse_chunk) + 1, triton.cdiv(tokens, plan.collapse_tokens))
+    _finish_collapse_kernel[grid](
+        mix.new_streams, partials, finish, tokens, *epsilons, D=hidden, **finishing, PDL=dependent,
+        launch_pdl=dependent, num_warps=plan.finish_warps,
+    )  # fmt: skip
+
+
+def _mix_operands(pending: PendingPost, new_streams: torch.Tensor) -> Mix:
+    """`pending` as the kernels read it (contiguous, the weights fp32), mixed into `new_streams`."""
+    out, post, comb = pending.out.contiguous(), pending.post.float().contiguous(), pending.comb.float()
+    return Mix(out, post, comb.contiguous(), new_streams)
+
+
+def single_launch(plan: SplitPlan, tokens: int) -> bool:
+    """Whether `mhc_enter` runs as one launch (`SplitPlan.single_launch_tokens`) at `tokens` tokens."""
+    return 0 < tokens <= plan.single_launch_tokens and triton.cdiv(tokens, plan.block_m) <= TICKET_SLOTS
 
 
 def mhc_pre(
@@ -689,7 +793,7 @@ def _launch_post(
     if count == 0:
         return
     grid = (triton.cdiv(count, block_m), triton.cdiv(hidden, block_k))
-    out, post, comb = _mix_operands(pending)
+    out, post, comb, _ = _mix_operands(pending, result)
     dependent = dependent_launches(streams.device)
     kernel[grid](
         out, streams.contiguous(), post, comb, result, count, rows if rows is not None else post,
