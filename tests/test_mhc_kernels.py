@@ -178,14 +178,12 @@ def test_fused_enter_is_post_pre_and_norm_launched_apart(plan, hidden, dtype):
 # would be fused); the other plans take 64 (the small plan's 16-dim steps still chunk it, the decode plan's
 # hold it whole): the launches depend on those comparisons alone, the interpreter's time on the programs.
 @pytest.mark.parametrize(
-    ("plan", "hidden", "launches"),
-    [("decode", 64, 2), ("single", 64, 1), ("small", 64, 3), ("prefill", 512, 4)],
+    ("plan", "hidden", "launches"), [("decode", 64, 2), ("small", 64, 3), ("prefill", 512, 4)]
 )
 def test_launches_of_enter(monkeypatch, plan, hidden, launches):
-    """Post, pre and the norm: two launches where the plan fuses them all (decode), one where its
-    finishing programs also run in the projection's launch (single), one more for the norm where the
-    finishing programs hold chunks of rows (small), and one more for post where the plan does not fuse it
-    (prefill). The norm's dispatcher is made to launch its kernel on these CPU tensors."""
+    """Post, pre and the norm: two launches where the plan fuses them all (decode), one more for the norm
+    where the finishing programs hold chunks of rows (small), and one more for post where the plan does
+    not fuse it (prefill). The norm's dispatcher is made to launch its kernel on these CPU tensors."""
     from triton.runtime.interpreter import InterpretedFunction
 
     import hylo.ops.norm as norm_ops
@@ -201,39 +199,8 @@ def test_launches_of_enter(monkeypatch, plan, hidden, launches):
     # two Sinkhorn iterations (the launches do not depend on them)
     streams, out, params, post, comb = hc_case(1, hidden, seed=3, iters=2)
     norm = block_norm(hidden, 3)
-    single = dataclasses.replace(kernels.DECODE_PLAN, single_launch_tokens=1)
-    chosen = single if plan == "single" else PLANS[plan]
-    kernels.mhc_enter(streams, params, PendingPost(out, post, comb), norm, plan=chosen)
+    kernels.mhc_enter(streams, params, PendingPost(out, post, comb), norm, plan=PLANS[plan])
     assert len(names) == launches, names
-
-
-@pytest.mark.parametrize(
-    ("plan", "tokens", "hidden", "pending"),
-    [
-        ("decode", 1, 96, True),  # one token, post and norm fused: the decode step's entry
-        ("decode", 3, 64, False),  # several tokens finished one after another, nothing pending
-        ("whole rows", 5, 48, True),  # four tokens a finishing program, the last group partial
-        ("small", 19, 96, True),  # two token blocks, each its own ticket; chunked rows, norm launched after
-    ],
-)
-def test_single_launch_entry_is_the_two_launches_bitwise(plan, tokens, hidden, pending):
-    """`SplitPlan.single_launch_tokens`: the projection's last program of each token block runs the
-    block's finishing programs itself, with the same partials, tables and sums, so the new streams, post,
-    comb and block input equal the two launches' bit for bit; the ticket counters are left at zero, and
-    a launch repeats the first. Two Sinkhorn iterations (both sides run the same loop)."""
-    from hylo.ops.tickets import tickets
-
-    two = PLANS[plan]
-    one = dataclasses.replace(two, single_launch_tokens=tokens)
-    assert kernels.single_launch(one, tokens) and not kernels.single_launch(two, tokens)
-    streams, out, params, post, comb = hc_case(tokens, hidden, seed=tokens, iters=2)
-    mix = PendingPost(out, post, comb) if pending else None
-    norm = block_norm(hidden, seed=tokens)
-    expected = kernels.mhc_enter(streams, params, mix, norm, plan=two)
-    got = kernels.mhc_enter(streams, params, mix, norm, plan=one)
-    assert all(map(torch.equal, got, expected))
-    assert not tickets(streams.device).any()
-    assert all(map(torch.equal, kernels.mhc_enter(streams, params, mix, norm, plan=one), got))
 
 
 def test_enter_without_pending_or_norm_is_pre():

@@ -19,7 +19,6 @@ whose kernels are not interpreted (no TRITON_INTERPRET).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -189,10 +188,9 @@ def moe_experts(
     return lambda: decode.routed_experts(x, routing, weights, 10.0, first_expert=first, shared=shared)
 
 
-def mhc_entry(tokens: int, single_launch: bool = False) -> Callable[[], object]:
+def mhc_entry(tokens: int) -> Callable[[], object]:
     """Entering a block under the decode plan (`mhc_enter`): the previous block's post mixed into the
-    projection launch, the block's RMSNorm in the finishing launch; with `single_launch` both in one
-    (`SplitPlan.single_launch_tokens`)."""
+    projection launch, the block's RMSNorm in the finishing launch."""
     from hylo.ops.mhc import kernels
     from hylo.ops.mhc.reference import BlockNorm, HCParams, PendingPost
 
@@ -205,8 +203,7 @@ def mhc_entry(tokens: int, single_launch: bool = False) -> Callable[[], object]:
     )
     norm = BlockNorm(torch.ones(HIDDEN, dtype=torch.bfloat16), 1e-5)
     _as_dependents(kernels)
-    plan = dataclasses.replace(kernels.DECODE_PLAN, single_launch_tokens=tokens if single_launch else 0)
-    return lambda: kernels.mhc_enter(streams, hc, pending, norm, plan)
+    return lambda: kernels.mhc_enter(streams, hc, pending, norm)
 
 
 def pool_compression() -> Callable[[], object]:
@@ -235,8 +232,6 @@ def cases(kda_heads: int) -> dict[str, Callable[[], Callable[[], object]]]:
         "moe_experts_tp8_rank_t1": lambda: moe_experts(1, ranks=8),
         "mhc_enter_t1": lambda: mhc_entry(1),
         "mhc_enter_t8": lambda: mhc_entry(8),
-        "mhc_enter_single_t1": lambda: mhc_entry(1, single_launch=True),
-        "mhc_enter_single_t8": lambda: mhc_entry(8, single_launch=True),
     }
 
 

@@ -34,8 +34,8 @@ WARMUP_RUNS = 2
 
 # Every engine of the process captures (and warms up) its graphs on one stream per device. PyTorch keeps
 # a cuBLAS workspace (32 MiB on Hopper) for each (handle, stream) a matmul ever ran on, for the life of
-# the process (a captured graph bakes in its address), and the decode kernels keep ticket counters per
-# stream (`ops.tickets`): a stream per engine left both behind for every engine closed. Sharing them
+# the process (a captured graph bakes in its address), and MoE decode keeps ticket counters per stream
+# (`ops.moe.decode.tickets`): a stream per engine left both behind for every engine closed. Sharing them
 # is safe for the reason the graphs of one engine share a memory pool: graphs replay one at a time, on
 # the current stream.
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

@@ -57,7 +57,6 @@ from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.mhc.reference import KERNEL_STREAMS as HC_MULT
 from hylo.ops.mhc.reference import BlockEntry, BlockNorm, HCParams, PendingPost
 from hylo.ops.norm import rms_norm
-from hylo.ops.tickets import TICKET_SLOTS, tickets
 
 N_LOGITS = tl.constexpr(24)  # pre (4) | post (4) | comb (16): the rows of fn
 LOGIT_ROWS = tl.constexpr(32)  # logits padded to a tl.dot size; row 24 carries the sum of squares
@@ -84,9 +83,6 @@ class SplitPlan:
     dependent_launch: bool = True
     # a pending post is mixed by the projection launch (one launch fewer), else launched before it
     fuse_post: bool = True
-    # up to this many tokens the entry is one launch: the last projection program of a token block (a
-    # ticket, `ops.tickets`) runs the block's finishing programs one after another (0: never)
-    single_launch_tokens: int = 0
 
 
 # The H200 sweeps' fastest at M = 1 / 16 / 64 (session 6, post then pre under graph replay, 10.2 / 11.8 / 14.2
@@ -367,8 +363,7 @@ def _finish_rows(
     `finish.block_input`, or, as the chunk past the last (`chunk` = cdiv(D, CHUNK)), computes their post
     and comb. With NORM (one step of CK ≥ D dims: whole rows) the collapsed rows are normalised with
     `finish.norm_weight` before the store. `table`: the rows' scratch ([BT] pointers to LOGIT_ROWS fp32
-    each), no other program's. Partials and streams are read from L2 (`.cg`): in a single-launch entry
-    other programs of the launch stored them."""
+    each), no other program's."""
     rmask = rows < M
     r = tl.arange(0, LOGIT_ROWS)
     weights_program = chunk == (D + CHUNK - 1) // CHUNK
@@ -386,7 +381,7 @@ def _finish_rows(
         s = first + tl.arange(0, SS)
         mask = wanted[:, None, None] & rmask[None, :, None] & (s < NS)[None, None, :]
         split_ptr = row_ptr + s[None, None, :].to(tl.int64) * partials.split_stride
-        sums += tl.load(split_ptr, mask=mask, other=0.0, cache_modifier=".cg")
+        sums += tl.load(split_ptr, mask=mask, other=0.0)
     logits = tl.sum(sums, axis=2)
     rstd = tl.rsqrt(tl.sum(tl.where(r[:, None] == SUMSQ_ROW, logits, 0.0), axis=0) / (4 * D) + rms_eps)
     z = logits * rstd[None, :] * scale_row[:, None] + base_row[:, None]
@@ -443,37 +438,6 @@ def _finish_collapse_kernel(
         streams, partials, finish, M, chunk, rows, table, rms_eps, hc_eps, norm_eps, D, NS, SS, BT, CHUNK,
         CK, ITERS, NORM,
     )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["M"])
-def _enter_kernel(
-    streams, fn, partials, mix, finish, tickets_ptr, M, rms_eps, hc_eps, norm_eps,
-    D: tl.constexpr, NS: tl.constexpr, SS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-    BK: tl.constexpr, SPLIT_FN: tl.constexpr, PRECISION: tl.constexpr, POST: tl.constexpr, BT: tl.constexpr,
-    CHUNK: tl.constexpr, CK: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """The entry in one launch: `_split_project_kernel`'s program (split pid(0), token block pid(1)),
-    then a ticket of the token block (`ops.tickets`); the block's last program to take one runs the
-    finishing programs of `_finish_collapse_kernel` for the block's tokens one after another, with the
-    same tables, so the results are that launch's bit for bit."""
-    enter(PDL)
-    block = tl.program_id(1)
-    _project_split(
-        streams, fn, partials, mix, M, tl.program_id(0), block, D, SPLIT, BM, BK, SPLIT_FN, PRECISION, POST
-    )  # fmt: skip
-    tl.debug_barrier()  # every thread's partials and new streams are stored before the ticket releases them
-    if tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.store(tickets_ptr + block, 0)
-        token_programs = tl.cdiv(M, BT)
-        for start in range(block * BM, tl.minimum(M, block * BM + BM), BT):
-            rows = start + tl.arange(0, BT)
-            for chunk in range((D + CHUNK - 1) // CHUNK + 1):
-                own = (chunk * token_programs + start // BT) * BT + tl.arange(0, BT)
-                table = finish.tables + own * LOGIT_ROWS
-                _finish_rows(
-                    mix.new_streams, partials, finish, M, chunk, rows, table, rms_eps, hc_eps, norm_eps, D,
-                    NS, SS, BT, CHUNK, CK, ITERS, NORM,
-                )  # fmt: skip
 
 
 @triton.jit
@@ -627,8 +591,7 @@ def mhc_enter(
 ) -> BlockEntry:
     """See `reference.mhc_enter`. Two launches where `plan.fuse_post` and `norm_fusable` hold (the
     decode plan): the first mixes the pending post into the streams it projects, the second normalises
-    the block input it collapses; otherwise a post launch before and an RMSNorm launch after them. One
-    launch instead of the two up to `plan.single_launch_tokens` tokens (`single_launch`)."""
+    the block input it collapses; otherwise a post launch before and an RMSNorm launch after them."""
     tokens, hidden = _check_streams(streams)
     n_proj = (2 + HC_MULT) * HC_MULT
     _check("fn", hc.fn, (n_proj, HC_MULT * hidden), streams)
@@ -674,8 +637,8 @@ def _launch_entry(
     streams: torch.Tensor, fn: torch.Tensor, hc: HCParams, mix: Mix, finish: Finish, norm_eps: float,
     norm: bool, plan: SplitPlan,
 ) -> None:  # fmt: skip
-    """`mhc_enter`'s launches: the projection then the finishing programs, or both as one
-    (`single_launch`); `norm`: the finishing programs normalise the block input. `mix.new_streams` is
+    """`mhc_enter`'s launches: the projection then the finishing programs; `norm`: the finishing
+    programs normalise the block input. `mix.new_streams` is
     `streams` where no post is pending (nothing is mixed)."""
     (tokens, _, hidden), device = streams.shape, streams.device
     n_splits = triton.cdiv(hidden, plan.split)
@@ -702,12 +665,6 @@ def _launch_entry(
     )  # fmt: skip
     epsilons = (hc.rms_eps, hc.hc_eps, norm_eps)
     token_blocks = triton.cdiv(tokens, plan.block_m)
-    if single_launch(plan, tokens):
-        _enter_kernel[(n_splits, token_blocks)](
-            streams, fn, partials, mix, finish, tickets(device), tokens, *epsilons, D=hidden, **projection,
-            **finishing, num_warps=plan.num_warps,
-        )  # fmt: skip
-        return
     _split_project_kernel[(n_splits, token_blocks)](
         streams, fn, partials, mix, tokens, D=hidden, **projection, num_warps=plan.num_warps
     )
@@ -723,11 +680,6 @@ def _mix_operands(pending: PendingPost, new_streams: torch.Tensor) -> Mix:
     """`pending` as the kernels read it (contiguous, the weights fp32), mixed into `new_streams`."""
     out, post, comb = pending.out.contiguous(), pending.post.float().contiguous(), pending.comb.float()
     return Mix(out, post, comb.contiguous(), new_streams)
-
-
-def single_launch(plan: SplitPlan, tokens: int) -> bool:
-    """Whether `mhc_enter` runs as one launch (`SplitPlan.single_launch_tokens`) at `tokens` tokens."""
-    return 0 < tokens <= plan.single_launch_tokens and triton.cdiv(tokens, plan.block_m) <= TICKET_SLOTS
 
 
 def mhc_pre(

@@ -24,10 +24,9 @@ addend. A MoE layer's decode then runs these three launches instead of six (its 
 activation and down GEMM apart): at a TP8/EP8 rank, with the shared expert's tensor slice, 126
 launches fewer a step of the 45-layer model, -3.2% (S34-2).
 
-The tickets follow `ops.tickets`: zero between launches, the last program of each counter puts it back,
-a set per CUDA stream. The down launch takes one per column tile (D / block_n), a split gate|up one per
-(row block, column tile): up to (MAX_PAIRS / 16 + MAX_PAIRS + 1) x I / 128 = 1104 at GLM-5.3-Flash's
-sizes, within `TICKET_SLOTS`.
+The ticket counters are zero between launches: the last program of each counter puts it back, so a
+CUDA graph replays the launches as they are. Each CUDA stream gets its own counters (`tickets`), so
+launches on different streams never share one; launches of one stream run one after another.
 
 H200, GLM-5.3-Flash shapes, FP8 experts, graph replays (`benchmarks/kernels/moe.py`): one token
 65.4 us against 82.1 for the general path (prologue 4.7 us where the router GEMM, routing kernel, x
@@ -62,14 +61,40 @@ from hylo.ops.moe.routing import (
     placed_experts,
     route_tokens,
 )
-from hylo.ops.tickets import TICKET_SLOTS, tickets
 
 MAX_PAIRS = 64  # (token, choice) pairs of a step on this path: the alignment's [pairs, pairs] fits registers
+# counters per stream: the down launch takes one per column tile (D / block_n), a split gate|up one per (row
+# block, column tile): up to (MAX_PAIRS / 16 + MAX_PAIRS + 1) x I / 128 = 1104 at GLM-5.3-Flash's sizes
+TICKET_SLOTS = 2048
+_SPARE_STREAMS = 8  # counter sets made at once, so a stream first seen during a graph capture finds one
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_SPARE: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def fits(tokens: int, top_k: int) -> bool:
     """Whether a step of `tokens` tokens takes this path."""
     return tokens * top_k <= MAX_PAIRS
+
+
+def tickets(device: torch.device) -> torch.Tensor:
+    """The int32 ticket counters of the current stream of `device`, zero between launches. Counter
+    sets are zeroed outside graph captures, a few at a time, and never freed: a captured graph keeps
+    using the set of the stream it was captured on."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _TICKETS:
+        spare = _SPARE.setdefault(device, [])
+        if not spare:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # zeros made inside a capture would only be written when the graph replays
+                raise RuntimeError(
+                    "MoE decode: run one step on this device before capturing a CUDA graph, "
+                    "so its ticket counters are zeroed outside the capture"
+                )
+            sets = torch.zeros(_SPARE_STREAMS, TICKET_SLOTS, dtype=torch.int32, device=device)
+            spare.extend(sets.unbind())
+        _TICKETS[key] = spare.pop()
+    return _TICKETS[key]
 
 
 @triton.jit
