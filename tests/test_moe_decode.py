@@ -265,6 +265,48 @@ def test_bad_split_configurations_are_named():
         )
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_the_weight_major_product_equals_the_row_major_one(fp8, splits):
+    """`Tiles.swap_ab` (FP8's decode default: the weight tile as the MMA's rows, wgmma on both e4m3
+    operands on Hopper) multiplies the same tiles transposed and sums them in the same order: the step
+    equals the row-major one (the interpreter's products are exact; on the GPU they differ by the
+    tensor cores' summation order within a step), with the K split and the shared expert in the launches."""
+    g = torch.Generator().manual_seed(5 + splits)
+    tokens, hidden, inter, num_experts, top_k = 3, 512, 128, 8, 2
+    x = torch.randn(tokens, hidden, generator=g)
+    routing_, experts = random_routing(g, hidden, num_experts, top_k), Experts(g, hidden, inter, num_experts)
+    w, shared_expert = experts.fp8 if fp8 else experts.plain, Experts(g, hidden, inter, 1).shared(fp8)
+    base = kernels.default_config(tokens * top_k, num_experts, fp8, tma=False)
+    row_major = replace(
+        base,
+        gate_up=replace(base.gate_up, swap_ab=False, splits=splits),
+        down=replace(base.down, swap_ab=False),
+    )
+    weight_major = replace(
+        row_major,
+        gate_up=replace(row_major.gate_up, swap_ab=True),
+        down=replace(row_major.down, swap_ab=True),
+    )
+    expected = decode.routed_experts(x, routing_, w, LIMIT, row_major, shared=shared_expert)
+    got = decode.routed_experts(x, routing_, w, LIMIT, weight_major, shared=shared_expert)
+    assert torch.equal(got, expected)
+    assert base.gate_up.swap_ab == base.down.swap_ab == fp8
+
+
+def test_bad_weight_major_configurations_are_named():
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(2, 256, generator=g)
+    routing_, experts = random_routing(g, 256, 4, 2), Experts(g, 256, 128, 4)
+    base = kernels.default_config(4, 4, True, tma=False)
+    narrow = replace(base, down=replace(base.down, block_n=32, swap_ab=True))
+    with pytest.raises(ValueError, match=r"down.swap_ab takes .* 64-row MMA blocks \(here 32\)"):
+        decode.routed_experts(x, routing_, experts.fp8, LIMIT, narrow)
+    tma = replace(kernels.default_config(4096, 4, True, tma=True), down=replace(base.down, swap_ab=True))
+    with pytest.raises(ValueError, match=r"down\.swap_ab takes the pointer kernels"):
+        kernels.check_experts(x, experts.fp8, Choices(*reference.route(x, routing_)), tma)
+
+
 def test_bad_inputs_are_named():
     g = torch.Generator().manual_seed(6)
     routing_, experts = random_routing(g, 64, 8, 4), Experts(g, 64, 32, 8)
