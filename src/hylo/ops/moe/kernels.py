@@ -138,7 +138,9 @@ def default_config(
 
     FP8 decode tiles multiply weight-major (`Tiles.swap_ab`): native e4m3 wgmma, where 16 rows as the MMA's
     M took mma.sync on weights widened to fp16 (sm_90a builds: gate|up 255 -> 168 registers, down 80 -> 64,
-    no spills; its time on a GPU is not measured yet).
+    no spills). H100, the decode step with each product's own split rule (`decode.gate_up_splits`), us:
+    TP1 one token 100.0 -> 95.7, 8 tokens 518 -> 509; a TP8 rank one token 35.9 -> 33.0, 8 tokens 109.1 ->
+    108.8, 8 clustered (a verify block) 67.2 -> 64.1 (RESULTS S36-1).
 
     Unquantised weights of `element_size` 4 (fp32) take half the pipeline stages: the bf16 tiles'
     stages hold twice the bytes, past the H200's 227 KiB of shared memory per block."""
