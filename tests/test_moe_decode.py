@@ -210,17 +210,18 @@ def test_tickets_are_left_zero_and_steps_repeat_bitwise():
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 def test_a_split_gate_up_equals_the_whole_one(fp8):
     """At a rank whose experts one token barely reaches, each gate|up tile's K runs over several programs
-    (`gate_up_splits`): the default step splits K = 1024 2 ways here (512 deep each) and, like forced
-    splits of 4 and 8, gives the whole GEMM's output up to the order of the fp32 sums (FP8: an h element
-    may round to its e4m3 neighbour), leaves its tickets at zero and repeats bitwise."""
+    (`gate_up_splits`): the default step splits K = 2048 4 ways here (512 deep each; FP8's weight-major
+    tiles 2 ways, 1024 deep) and, like forced splits of 4 and 8, gives the whole GEMM's output up to the
+    order of the fp32 sums (FP8: an h element may round to its e4m3 neighbour), leaves its tickets at zero
+    and repeats bitwise."""
     g = torch.Generator().manual_seed(11)
-    tokens, hidden, inter, top_k = 2, 1024, 128, 2
+    tokens, hidden, inter, top_k = 2, 2048, 128, 2
     x = torch.randn(tokens, hidden, generator=g)
     routing_, experts = random_routing(g, hidden, 32, top_k), Experts(g, hidden, inter, 32)
     first = int(reference.route(x, routing_).ids[0, 0]) // 8 * 8  # the rank of token 0's first expert
     w = rank_experts(experts.fp8 if fp8 else experts.plain, first, 32, local=8)
     config = kernels.default_config(4, 8, fp8)
-    assert decode.gate_up_splits(4, w.gate_up.shape, config) == 2
+    assert decode.gate_up_splits(4, w.gate_up.shape, config) == (2 if fp8 else 4)
     base = kernels.default_config(tokens * top_k, 8, fp8, tma=False)
     unsplit = decode.routed_experts(x, routing_, w, LIMIT, base, first_expert=first)
     tolerance = 2e-3 if fp8 else 1e-6
@@ -237,16 +238,21 @@ def test_a_split_gate_up_equals_the_whole_one(fp8):
         assert not decode.tickets(x.device).any()
 
 
-def test_gate_up_splits_leave_each_program_512_deep():
-    """GLM-5.3-Flash's gate|up (I 2048, D 4096, 16 column tiles of 128) splits 8 ways (512 deep) at a rank
-    and at TP1 alike, whatever the step reaches; K = 1536 2 ways (768 deep; 4 would leave 384), K = 512
-    not at all; a layout whose tiles outnumber the ticket counters never splits."""
-    config = kernels.default_config(8, 36, True)
-    assert decode.gate_up_splits(9, torch.Size([36, 4096, 4096]), config) == 8
-    assert decode.gate_up_splits(69, torch.Size([288, 4096, 4096]), config) == 8
-    assert decode.gate_up_splits(9, torch.Size([36, 4096, 1536]), config) == 2
-    assert decode.gate_up_splits(9, torch.Size([36, 4096, 512]), config) == 1
-    assert decode.gate_up_splits(decode.TICKET_SLOTS, torch.Size([36, 4096, 4096]), config) == 1
+def test_gate_up_splits_leave_each_program_512_or_1024_deep():
+    """GLM-5.3-Flash's gate|up (I 2048, D 4096, 16 column tiles of 128) splits, at a rank and at TP1 alike
+    and whatever the step reaches, 8 ways (512 deep) with row-major tiles and 4 ways (1024 deep) with
+    FP8's weight-major ones; K = 1536 2 ways with row-major tiles (768 deep; 4 would leave 384) and not at
+    all with weight-major ones, K = 512 never; a layout whose tiles outnumber the ticket counters never
+    splits."""
+    weight_major = kernels.default_config(8, 36, True)
+    row_major = replace(weight_major, gate_up=replace(weight_major.gate_up, swap_ab=False))
+    assert weight_major.gate_up.swap_ab
+    for config, whole, k1536 in ((row_major, 8, 2), (weight_major, 4, 1)):
+        assert decode.gate_up_splits(9, torch.Size([36, 4096, 4096]), config) == whole
+        assert decode.gate_up_splits(69, torch.Size([288, 4096, 4096]), config) == whole
+        assert decode.gate_up_splits(9, torch.Size([36, 4096, 1536]), config) == k1536
+        assert decode.gate_up_splits(9, torch.Size([36, 4096, 512]), config) == 1
+        assert decode.gate_up_splits(decode.TICKET_SLOTS, torch.Size([36, 4096, 4096]), config) == 1
 
 
 def test_bad_split_configurations_are_named():
@@ -263,6 +269,48 @@ def test_bad_split_configurations_are_named():
         kernels.gate_up_stage(
             q, q_scale, experts.fp8.gate_up, experts.fp8.scales[0], layout, 2, LIMIT, halves
         )
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_the_weight_major_product_equals_the_row_major_one(fp8, splits):
+    """`Tiles.swap_ab` (FP8's decode default: the weight tile as the MMA's rows, wgmma on both e4m3
+    operands on Hopper) multiplies the same tiles transposed and sums them in the same order: the step
+    equals the row-major one (the interpreter's products are exact; on the GPU they differ by the
+    tensor cores' summation order within a step), with the K split and the shared expert in the launches."""
+    g = torch.Generator().manual_seed(5 + splits)
+    tokens, hidden, inter, num_experts, top_k = 3, 512, 128, 8, 2
+    x = torch.randn(tokens, hidden, generator=g)
+    routing_, experts = random_routing(g, hidden, num_experts, top_k), Experts(g, hidden, inter, num_experts)
+    w, shared_expert = experts.fp8 if fp8 else experts.plain, Experts(g, hidden, inter, 1).shared(fp8)
+    base = kernels.default_config(tokens * top_k, num_experts, fp8, tma=False)
+    row_major = replace(
+        base,
+        gate_up=replace(base.gate_up, swap_ab=False, splits=splits),
+        down=replace(base.down, swap_ab=False),
+    )
+    weight_major = replace(
+        row_major,
+        gate_up=replace(row_major.gate_up, swap_ab=True),
+        down=replace(row_major.down, swap_ab=True),
+    )
+    expected = decode.routed_experts(x, routing_, w, LIMIT, row_major, shared=shared_expert)
+    got = decode.routed_experts(x, routing_, w, LIMIT, weight_major, shared=shared_expert)
+    assert torch.equal(got, expected)
+    assert base.gate_up.swap_ab == base.down.swap_ab == fp8
+
+
+def test_bad_weight_major_configurations_are_named():
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(2, 256, generator=g)
+    routing_, experts = random_routing(g, 256, 4, 2), Experts(g, 256, 128, 4)
+    base = kernels.default_config(4, 4, True, tma=False)
+    narrow = replace(base, down=replace(base.down, block_n=32, swap_ab=True))
+    with pytest.raises(ValueError, match=r"down.swap_ab takes .* 64-row MMA blocks \(here 32\)"):
+        decode.routed_experts(x, routing_, experts.fp8, LIMIT, narrow)
+    tma = replace(kernels.default_config(4096, 4, True, tma=True), down=replace(base.down, swap_ab=True))
+    with pytest.raises(ValueError, match=r"down\.swap_ab takes the pointer kernels"):
+        kernels.check_experts(x, experts.fp8, Choices(*reference.route(x, routing_)), tma)
 
 
 def test_bad_inputs_are_named():

@@ -321,26 +321,31 @@ def layout_blocks(tokens: int, top_k: int, num_experts: int, block_m: int, share
     return max_blocks(tokens * top_k, num_experts, block_m) + shared * triton.cdiv(tokens, block_m)
 
 
-# the K depth a split gate|up program streams at least: 512 (8 splits of GLM-5.3-Flash's 4096) was as fast
-# as no split or faster at every measured step, 256 slower where many experts are reached (RESULTS S35-1)
-MIN_SPLIT_DEPTH = 512
+# the K depth a split gate|up program streams at least, by its tiles' product: row-major (mma.sync on
+# weights widened to fp16) 512, 8 splits of GLM-5.3-Flash's 4096, as fast as no split or faster at every
+# measured step, 256 slower where many experts are reached (RESULTS S35-1); weight-major (`Tiles.swap_ab`,
+# wgmma on e4m3) 1024, its programs' stream being faster: 4 splits against 8 at a TP8 rank's 8 tokens
+# 108.8 against 116.3 us, one token 33.0 against 33.5 (H100, RESULTS S36-1)
+MIN_SPLIT_DEPTH = {False: 512, True: 1024}
 
 
 def gate_up_splits(num_blocks: int, gate_up_shape: torch.Size, config: MoeConfig) -> int:
-    """K splits of the gate|up launch (`kernels.gate_up_stage`) with weights `gate_up_shape` `[E, 2I, D]`
-    and a layout of `num_blocks` row blocks: the most that leave every program `MIN_SPLIT_DEPTH` or more
-    of K, in whole 128-deep steps (powers of two), with a ticket per (row block, column tile) within the
-    stream's counters. Splitting whatever the routing: a graph's launch is fixed before its steps are
-    routed, and a step reaches anywhere from one expert of a TP8/EP8 rank's 36 (16 column tiles would
-    stream its 17 MB on 16 SMs) to 64 of 288 (H100, rank 0 of TP8 at 8 clustered tokens, a verify block's
-    routing: 73.7 us unsplit, 64.8 split 8 ways; 8 random tokens at TP1 91.5% of the copy rate split, 90.7
-    not, RESULTS S35-1; measured with FP8 weights, bf16 ones take the same rule unmeasured)."""
+    """K splits of the gate|up launch (`kernels.gate_up_stage`) with weights `gate_up_shape` `[E, 2I, D]` and
+    a layout of `num_blocks` row blocks: the most that leave every program `MIN_SPLIT_DEPTH` (of the
+    tiles' product) or more of K, in whole 128-deep steps (powers of two), with a ticket per (row block,
+    column tile) within the stream's counters. Splitting whatever the routing: a graph's launch is fixed
+    before its steps are routed, and a step reaches anywhere from one expert of a TP8/EP8 rank's 36 (16
+    column tiles would stream its 17 MB on 16 SMs) to 64 of 288 (H100, rank 0 of TP8 at 8 clustered
+    tokens, a verify block's routing: 73.7 us unsplit, 64.8 split 8 ways; 8 random tokens at TP1 91.5% of
+    the copy rate split, 90.7 not, RESULTS S35-1; measured with FP8 weights, bf16 ones take the same rule
+    unmeasured)."""
     _, two_i, hidden = gate_up_shape
     n_tiles = triton.cdiv(two_i // 2, config.gate_up.block_n)
     if num_blocks * n_tiles > TICKET_SLOTS:
         return 1
     splits = 1
-    while hidden % (splits * 2 * FP8_BLOCK) == 0 and hidden // (splits * 2) >= MIN_SPLIT_DEPTH:
+    min_depth = MIN_SPLIT_DEPTH[config.gate_up.swap_ab]
+    while hidden % (splits * 2 * FP8_BLOCK) == 0 and hidden // (splits * 2) >= min_depth:
         splits *= 2
     return splits
 

@@ -60,6 +60,10 @@ class Tiles:
     # K split of the gate|up GEMM (decode, `_gate_up_kernel`): each tile's K steps over this many programs,
     # summed by the last to finish in a fixed order; 1 elsewhere
     splits: int = 1
+    # the product as weightᵀ-major (`_expert_product`): the weight tile's columns are the MMA's rows, so a
+    # block of 16 activation rows is its N and FP8 x FP8 runs as Hopper's wgmma on both e4m3 operands,
+    # where 16 rows as the MMA's M take mma.sync and widen every weight element to fp16 first
+    swap_ab: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,13 +136,20 @@ def default_config(
     `MoeConfig.tma`), FP8 prefill runs the TMA kernels, bit for bit the same output: 6.21 ms against
     7.51 in the same run (S6-10; with 8-warp down tiles 6.34, 128-row blocks 7.16-8.48).
 
+    FP8 decode tiles multiply weight-major (`Tiles.swap_ab`): native e4m3 wgmma, where 16 rows as the MMA's
+    M took mma.sync on weights widened to fp16 (sm_90a builds: gate|up 255 -> 168 registers, down 80 -> 64,
+    no spills). H100, the decode step with each product's own split rule (`decode.gate_up_splits`), us:
+    TP1 one token 100.0 -> 95.7, 8 tokens 518 -> 509; a TP8 rank one token 35.9 -> 33.0, 8 tokens 109.1 ->
+    108.8, 8 clustered (a verify block) 67.2 -> 64.1 (RESULTS S36-1).
+
     Unquantised weights of `element_size` 4 (fp32) take half the pipeline stages: the bf16 tiles'
     stages hold twice the bytes, past the H200's 227 KiB of shared memory per block."""
     if not fp8 and element_size > 2:
         config = default_config(num_pairs, num_experts, False, tma)
         return replace(config, gate_up=_half_stages(config.gate_up), down=_half_stages(config.down))
     if num_pairs <= 16 * num_experts:
-        return MoeConfig(16, Tiles(128 if fp8 else 64, 128, 4, 4), Tiles(64, 128, 4, 4))
+        gate_up, down = Tiles(128 if fp8 else 64, 128, 4, 4, swap_ab=fp8), Tiles(64, 128, 4, 4, swap_ab=fp8)
+        return MoeConfig(16, gate_up, down)
     if fp8 and tma:
         return MoeConfig(64, Tiles(128, 128, 8, 4), Tiles(128, 128, 4, 4), tma=True)
     if fp8:
@@ -200,12 +211,20 @@ def _block_slots(pid_m, block_rows_ptr, BLOCK_M: tl.constexpr):
 def _expert_product(
     a_rows, a_scales, w_cols, w_scales, row_ok, col_ok,
     K: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
-    k_first=0, K_SPAN: tl.constexpr = None,
+    k_first=0, K_SPAN: tl.constexpr = None, SWAP_AB: tl.constexpr = False,
 ):  # fmt: skip
     """fp32 `[BLOCK_M, WIDTH]` product of a block's activation rows (`a_rows`, row pointers) with its
     expert's weight columns (`w_cols`, column pointers) over depths `k_first + [0, K_SPAN)` (default:
     all K; `k_first` a multiple of 128 where FP8). FP8: each 128-deep step is scaled by the rows' and the
-    columns' block scales (`a_scales`, `w_scales` at K group 0)."""
+    columns' block scales (`a_scales`, `w_scales` at K group 0). SWAP_AB: each step multiplies the
+    transposed tiles (weight columns as the MMA's rows, `Tiles.swap_ab`), the same sums in the same order."""
+    if SWAP_AB:
+        return tl.trans(
+            _expert_product_t(
+                a_rows, a_scales, w_cols, w_scales, row_ok, col_ok, K, BLOCK_M, WIDTH, BLOCK_K, FP8,
+                k_first, K_SPAN,
+            )
+        )  # fmt: skip
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, WIDTH], tl.float32)
     if FP8:
@@ -226,6 +245,34 @@ def _expert_product(
             w_scale, a_scale = next_w_scale, next_a_scale
         else:
             acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _expert_product_t(
+    a_rows, a_scales, w_cols, w_scales, row_ok, col_ok,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    k_first, K_SPAN: tl.constexpr,
+):  # fmt: skip
+    """`_expert_product`'s transpose, `[WIDTH, BLOCK_M]`: each step's product is weight tileᵀ · rowsᵀ."""
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([WIDTH, BLOCK_M], tl.float32)
+    if FP8:
+        a_scale = tl.load(a_scales + k_first // 128, mask=row_ok, other=0.0)
+        w_scale = tl.load(w_scales + k_first // 128, mask=col_ok, other=0.0)
+    for k0 in range(k_first, k_first + (K if K_SPAN is None else K_SPAN), BLOCK_K):
+        k_ok = k0 + k < K
+        a = _load_rows(a_rows, k0 + k, row_ok, K)
+        b = tl.load(w_cols + (k0 + k)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if FP8:
+            group = (k0 + BLOCK_K) // 128
+            more = k0 + BLOCK_K < K
+            next_w_scale = tl.load(w_scales + group, mask=col_ok & more, other=0.0)
+            next_a_scale = tl.load(a_scales + group, mask=row_ok & more, other=0.0)
+            acc += tl.dot(tl.trans(b), tl.trans(a)) * (w_scale[:, None] * a_scale[None, :])
+            w_scale, a_scale = next_w_scale, next_a_scale
+        else:
+            acc = tl.dot(tl.trans(b), tl.trans(a), acc)
     return acc
 
 
@@ -254,6 +301,7 @@ def _gate_up_kernel(
     tickets_ptr=None,
     SPLITS: tl.constexpr = 1,
     SHARED_N: tl.constexpr = None,
+    SWAP_AB: tl.constexpr = False,
 ):
     """The SwiGLU rows `h` (`Rows`) of the pairs of each row block of `layout` (`Alignment`), from the
     activation rows `x` and the experts' gate|up `w` (`Weights`; `gate_up_stage`). SHARED: the shared
@@ -286,7 +334,7 @@ def _gate_up_kernel(
     w_scales = scale + (w_row // 128) * w.scale_row_stride
     acc = _expert_product(
         x_rows, a_scales, w_cols, w_scales, row_ok, w_row_ok, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, FP8,
-        split * (K // SPLITS), K // SPLITS,
+        split * (K // SPLITS), K // SPLITS, SWAP_AB,
     )  # fmt: skip
     if SPLITS == 1:
         _swiglu_store(acc, slot, row_ok, pid_n, h, limit, width, BLOCK_M, BLOCK_N, FP8, QUANT_GROUP)
@@ -343,7 +391,7 @@ def _down_rows(
     h, weight, scale, row_stride, scale_row_stride, layout, weights_ptr, out_ptr, stride_o,
     pid_m, pid_n, shared,
     N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """Row block `pid_m` of h (`Rows`) times its column tile `pid_n` of its expert's weight (`weight`,
     `scale`: `_expert_weights`, with their row strides), weighted, to each pair's row; the shared
@@ -355,7 +403,9 @@ def _down_rows(
     w_cols = weight + n[None, :] * row_stride
     a_scales = h.scales + slot * h.scale_stride
     w_scales = scale + (n // 128) * scale_row_stride
-    acc = _expert_product(h_rows, a_scales, w_cols, w_scales, row_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8)
+    acc = _expert_product(
+        h_rows, a_scales, w_cols, w_scales, row_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, 0, None, SWAP_AB
+    )  # fmt: skip
     pair = tl.load(layout.pairs + slot, mask=row_ok, other=0)
     if not shared:
         acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
@@ -379,6 +429,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     FP8: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     """Each pair's weighted row of its expert's down product (`down_stage`): h `Rows`, w `Weights`,
     `layout` the `Alignment`."""
@@ -389,7 +440,7 @@ def _down_kernel(
     weight, scale = _expert_weights(w, expert, False, w)
     _down_rows(
         h, weight, scale, w.row_stride, w.scale_row_stride, layout, weights_ptr, out_ptr, stride_o,
-        pid_m, pid_n, False, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+        pid_m, pid_n, False, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SWAP_AB,
     )  # fmt: skip
 
 
@@ -461,6 +512,7 @@ def _down_combine_kernel(
     SHARED: tl.constexpr,
     PDL: tl.constexpr,
     SHARED_K: tl.constexpr = None,
+    SWAP_AB: tl.constexpr = False,
 ):
     """`_down_kernel`, then the combine of its column tile by the tile's last program to finish: every
     row block of the tile takes a ticket (empty blocks too), and the last ticket sums each token's k
@@ -479,11 +531,12 @@ def _down_combine_kernel(
             _down_rows(
                 h, weight, scale, shared_w.row_stride, shared_w.scale_row_stride, layout, weights_ptr,
                 routed_ptr, stride_r, pid_m, pid_n, True, N, SHARED_K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+                SWAP_AB,
             )  # fmt: skip
         else:
             _down_rows(
                 h, weight, scale, w.row_stride, w.scale_row_stride, layout, weights_ptr, routed_ptr,
-                stride_r, pid_m, pid_n, shared, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
+                stride_r, pid_m, pid_n, shared, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SWAP_AB,
             )  # fmt: skip
     tl.debug_barrier()  # all of this program's rows are stored before its ticket releases them
     if tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == num_blocks - 1:
@@ -638,6 +691,15 @@ def _check_config(
             raise ValueError(f"experts (FP8): {name}.block_k {tiles.block_k} must divide {FP8_BLOCK}")
     if config.tma:
         _check_tma_config(config, hidden, intermediate, fp8, weights)
+    for name, tiles, width in (
+        ("gate_up", config.gate_up, 2 * config.gate_up.block_n),
+        ("down", config.down, config.down.block_n),
+    ):
+        if tiles.swap_ab and (config.tma or width % 64 or config.block_m % 8):
+            raise ValueError(
+                f"experts: {name}.swap_ab takes the pointer kernels, a weight tile of whole 64-row MMA "
+                f"blocks (here {width}) and row blocks of whole 8-column ones (block_m {config.block_m})"
+            )
     block_n = config.gate_up.block_n
     if fp8 and block_n % FP8_BLOCK and block_n < intermediate:
         raise ValueError(
@@ -927,6 +989,7 @@ def _tile_arguments(config: MoeConfig, tiles: Tiles, n: int, k: int) -> dict[str
         "GROUP_M": config.group_m,
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
+        **({"SWAP_AB": True} if tiles.swap_ab else {}),  # the pointer kernels only (`check_experts`)
     }
 
 
