@@ -75,6 +75,11 @@ def test_a_prefill_of_the_random_model_counts_every_kind(shallow_model_dir):
     assert experts.work == 2 * 2 * tokens * config.num_experts_per_tok * (
         two_i * hidden + hidden * two_i // 2
     )
+    # their weights: every expert tensor of both layers in the share 40 tokens of k choices reach
+    reached = 1 - (1 - config.num_experts_per_tok / config.n_routed_experts) ** tokens
+    layers = [m for m in llm.engine.model.modules() if type(m).__name__ in ("Experts", "FP8Experts")]
+    stored = sum(t.numel() * t.element_size() for m in layers for t in (m.gate_up_proj, m.down_proj))
+    assert experts.weight_bytes == pytest.approx(reached * stored, rel=1e-9)
     assert kinds["mHC and the layer's glue"].calls == 3
     rows = table(kinds, {BF16_FLOPS: 1e12, FP8_FLOPS: 2e12, BYTES: 1e12})
     assert [r["kind"] for r in rows] == sorted(kinds, key=lambda k: -kinds[k].ms)
@@ -88,6 +93,18 @@ def test_the_table_divides_each_kind_by_its_own_rate():
     kinds = {"a": Kind(FP8_FLOPS, ms=2.0, calls=1, work=2e9), "b": Kind(BYTES, ms=1.0, calls=3, work=5e8)}
     rows = table(kinds, {FP8_FLOPS: 1e12, BF16_FLOPS: 5e11, BYTES: 1e12})
     assert rows[0] == {
-        "kind": "a", "ms": 2.0, "calls": 1, "unit": FP8_FLOPS, "work": 2e9, "floor_ms": 2.0, "of_floor": 1.0,
+        "kind": "a", "ms": 2.0, "calls": 1, "unit": FP8_FLOPS, "work": 2e9, "weight_bytes": 0.0,
+        "floor_ms": 2.0, "of_floor": 1.0,
     }  # fmt: skip
     assert rows[1]["floor_ms"] == 0.5 and rows[1]["of_floor"] == 0.5
+
+
+def test_a_kind_that_streams_its_weights_is_floored_by_their_bytes():
+    """Few FLOPs over many weights (the routed experts of a 1K prefill): the bytes' floor, the longer."""
+    streaming = Kind(FP8_FLOPS, ms=4.0, calls=1, work=1e9, weight_bytes=3e9)
+    computing = Kind(FP8_FLOPS, ms=4.0, calls=1, work=4e12, weight_bytes=3e9)
+    rates = {FP8_FLOPS: 1e15, BF16_FLOPS: 5e14, BYTES: 3e12}
+    (row,) = table({"streaming": streaming}, rates)
+    assert row["floor_ms"] == 1.0 and row["of_floor"] == 0.25  # 3 GB at 3 TB/s, not 1 GFLOP at 1 PFLOP/s
+    (row,) = table({"computing": computing}, rates)
+    assert row["floor_ms"] == 4.0

@@ -12,7 +12,10 @@ floor of each kind comes from the work its calls did, counted from their argumen
 
 - projections (`Linear`, `FusedLinear`; FP8 or bf16 by the weight) and routed experts (the (token,
   expert) pairs the rank holds, 2·(2I·D + I·D) FLOPs each, `work`): FLOPs at the matmul ceiling of their
-  precision measured in the same run (`torch._scaled_mm` / `torch.matmul`, 8192³);
+  precision measured in the same run (`torch._scaled_mm` / `torch.matmul`, 8192³), or their weights'
+  bytes at the copy rate where that is longer (`Kind.weight_bytes`: at 1K tokens the routed experts read
+  all of a layer's experts for few FLOPs each; the experts' share a call reaches is the expected one,
+  1 - (1 - k/E)^T of them for T tokens of k choices among E);
 - sparse MLA's attention over the selected latents (`SparseMLA` less its projections and indexer: 4·R
   FLOPs a (token, head, selected row), the rows it returns) at the bf16 ceiling; the indexer's causal
   scoring (2·heads·dim a visible pool) at the FP8 ceiling;
@@ -56,6 +59,7 @@ class Kind:
     ms: float = 0.0
     calls: int = 0
     work: float | torch.Tensor = 0.0  # a tensor while counts computed on the GPU are pending
+    weight_bytes: float = 0.0  # weights its calls read, whatever the work: the floor is the longer of both
 
 
 @dataclass
@@ -98,6 +102,7 @@ class ModuleClock:
         kind = self.kinds.setdefault(name, Kind(unit))
         kind.calls += 1
         kind.work += amount
+        kind.weight_bytes += weight_bytes(module, args)
         self._done.append((name, start, end, children))
         if self._open:
             self._open[-1][2].append((start, end))
@@ -164,6 +169,23 @@ def work(module: torch.nn.Module, args: tuple, output: object) -> tuple[str, str
     return "other", None, 0.0
 
 
+def _tensor_bytes(*tensors) -> float:
+    return float(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
+
+
+def weight_bytes(module: torch.nn.Module, args: tuple) -> float:
+    """Bytes of weights one call of `module` must read: a projection's weight (and FP8 scales), the
+    routed experts' tensors in the expected share of the experts the call's tokens reach (see the module
+    docstring); 0 for every other kind, whose floors count activations only."""
+    if isinstance(module, Linear):
+        return _tensor_bytes(*module.parameters(recurse=False), *module.buffers(recurse=False))
+    if isinstance(module, Experts | FP8Experts):
+        tokens, routing = args[0].shape[0], args[1]
+        reached = 1.0 - (1.0 - routing.top_k / routing.weight.shape[0]) ** tokens
+        return reached * _tensor_bytes(*module.parameters(recurse=False), *module.buffers(recurse=False))
+    return 0.0
+
+
 def _visible_pools(args, kpool: int) -> torch.Tensor:
     """Σ over the step's tokens of the k-pools each scores (causal: position // kpool + 1)."""
     batch = next(a for a in args if hasattr(a, "positions"))
@@ -188,13 +210,17 @@ def ceilings(device: torch.device) -> dict[str, float]:
 
 
 def table(kinds: dict[str, Kind], rates: dict[str, float]) -> list[dict]:
-    """Rows by time: kind, ms, calls, work, floor ms at `rates` and floor / time."""
+    """Rows by time: kind, ms, calls, work, weight bytes, floor ms at `rates` (the longer of the work's
+    and the weights') and floor / time."""
     rows = []
     for name, kind in sorted(kinds.items(), key=lambda kv: -kv[1].ms):
-        floor = 1e3 * kind.work / rates[kind.unit] if kind.unit else None
+        floor = None
+        if kind.unit:
+            floor = 1e3 * max(kind.work / rates[kind.unit], kind.weight_bytes / rates[BYTES])
         rows.append({
             "kind": name, "ms": round(kind.ms, 3), "calls": kind.calls, "unit": kind.unit,
-            "work": kind.work, "floor_ms": None if floor is None else round(floor, 3),
+            "work": kind.work, "weight_bytes": kind.weight_bytes,
+            "floor_ms": None if floor is None else round(floor, 3),
             "of_floor": None if floor is None or not kind.ms else round(floor / kind.ms, 3),
         })  # fmt: skip
     return rows
