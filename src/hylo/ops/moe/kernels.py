@@ -217,16 +217,10 @@ def _expert_product(
     expert's weight columns (`w_cols`, column pointers) over depths `k_first + [0, K_SPAN)` (default:
     all K; `k_first` a multiple of 128 where FP8). FP8: each 128-deep step is scaled by the rows' and the
     columns' block scales (`a_scales`, `w_scales` at K group 0). SWAP_AB: each step multiplies the
-    transposed tiles (weight columns as the MMA's rows, `Tiles.swap_ab`), the same sums in the same order."""
-    if SWAP_AB:
-        return tl.trans(
-            _expert_product_t(
-                a_rows, a_scales, w_cols, w_scales, row_ok, col_ok, K, BLOCK_M, WIDTH, BLOCK_K, FP8,
-                k_first, K_SPAN,
-            )
-        )  # fmt: skip
+    transposed tiles (weight tileᵀ · rowsᵀ: the weight columns as the MMA's rows, `Tiles.swap_ab`) into a
+    `[WIDTH, BLOCK_M]` sum, the same sums in the same order, transposed back at the end."""
     k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, WIDTH], tl.float32)
+    acc = tl.zeros([WIDTH, BLOCK_M] if SWAP_AB else [BLOCK_M, WIDTH], tl.float32)
     if FP8:
         a_scale = tl.load(a_scales + k_first // 128, mask=row_ok, other=0.0)
         w_scale = tl.load(w_scales + k_first // 128, mask=col_ok, other=0.0)
@@ -241,38 +235,17 @@ def _expert_product(
             more = k0 + BLOCK_K < K
             next_w_scale = tl.load(w_scales + group, mask=col_ok & more, other=0.0)
             next_a_scale = tl.load(a_scales + group, mask=row_ok & more, other=0.0)
-            acc += tl.dot(a, b) * (a_scale[:, None] * w_scale[None, :])
+            if SWAP_AB:
+                acc += tl.dot(tl.trans(b), tl.trans(a)) * (w_scale[:, None] * a_scale[None, :])
+            else:
+                acc += tl.dot(a, b) * (a_scale[:, None] * w_scale[None, :])
             w_scale, a_scale = next_w_scale, next_a_scale
+        elif SWAP_AB:
+            acc = tl.dot(tl.trans(b), tl.trans(a), acc)
         else:
             acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def _expert_product_t(
-    a_rows, a_scales, w_cols, w_scales, row_ok, col_ok,
-    K: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
-    k_first, K_SPAN: tl.constexpr,
-):  # fmt: skip
-    """`_expert_product`'s transpose, `[WIDTH, BLOCK_M]`: each step's product is weight tileᵀ · rowsᵀ."""
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([WIDTH, BLOCK_M], tl.float32)
-    if FP8:
-        a_scale = tl.load(a_scales + k_first // 128, mask=row_ok, other=0.0)
-        w_scale = tl.load(w_scales + k_first // 128, mask=col_ok, other=0.0)
-    for k0 in range(k_first, k_first + (K if K_SPAN is None else K_SPAN), BLOCK_K):
-        k_ok = k0 + k < K
-        a = _load_rows(a_rows, k0 + k, row_ok, K)
-        b = tl.load(w_cols + (k0 + k)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if FP8:
-            group = (k0 + BLOCK_K) // 128
-            more = k0 + BLOCK_K < K
-            next_w_scale = tl.load(w_scales + group, mask=col_ok & more, other=0.0)
-            next_a_scale = tl.load(a_scales + group, mask=row_ok & more, other=0.0)
-            acc += tl.dot(tl.trans(b), tl.trans(a)) * (w_scale[:, None] * a_scale[None, :])
-            w_scale, a_scale = next_w_scale, next_a_scale
-        else:
-            acc = tl.dot(tl.trans(b), tl.trans(a), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     return acc
 
 
