@@ -207,6 +207,17 @@ SWEEP_DECODE: list[SplitPlan] = [
     dataclasses.replace(DECODE_PLAN, collapse_chunk=512, collapse_k=512),
     dataclasses.replace(DECODE_PLAN, block_m=64, num_warps=8),
 ]
+# A prefill layer's whole entry (the previous block's post, pre and the block's RMSNorm, issue 45's 400 us at
+# M = 13312): the prefill plan launches post and the norm apart (4 launches); post mixed by the projection
+# measured slower before the projection's token rows (990 against 793 us, S6) and awaits a new measurement;
+# finishing programs of whole rows fuse the norm (one token a program, 4096 dims in one step).
+_WHOLE_ROWS = dict(collapse_tokens=1, collapse_chunk=HIDDEN, collapse_k=HIDDEN)
+SWEEP_ENTER_PREFILL: dict[str, SplitPlan] = {
+    "prefill_plan": PREFILL_PLAN,
+    "post_fused": dataclasses.replace(PREFILL_PLAN, fuse_post=True),
+    "norm_fused": dataclasses.replace(PREFILL_PLAN, **_WHOLE_ROWS),
+    "both_fused": dataclasses.replace(PREFILL_PLAN, fuse_post=True, **_WHOLE_ROWS),
+}
 SWEEP_POST = [(16, 128, 4), (32, 64, 4)]
 BEST: dict[str, SplitPlan] = {}  # regime -> plan the timings use (the sweep's fastest when it runs)
 
@@ -221,6 +232,8 @@ def sweep() -> None:
     rec("sweep_best", {k: str(v) for k, v in BEST.items()})
     for tokens in (1, PREFILL):
         sweep_post(tokens)
+    for name, plan in SWEEP_ENTER_PREFILL.items():
+        sweep_enter(PREFILL, name, plan)
 
 
 def kernel_split(tokens: int, plan: SplitPlan) -> None:
@@ -248,6 +261,27 @@ def sweep_post(tokens: int) -> None:
             )
         )
         rec(f"sweep_M{tokens}_post_bm{block_m}_bk{block_k}_w{warps}_us", round(t, 2))
+
+
+def sweep_enter(tokens: int, name: str, plan: SplitPlan) -> None:
+    """A whole entry (`mhc_enter` with a pending post and the block's norm) under `plan`: microseconds, its
+    launches and the largest difference from the reference's entry (its streams and block input)."""
+    streams, out, params, post, comb = case(tokens, seed=7)
+    norm, pending = block_norm(), PendingPost(out, post, comb)
+
+    def enter():
+        return kernels.mhc_enter(streams, params, pending, norm, plan=plan)
+
+    try:
+        ref = reference.mhc_enter(streams, params, pending, norm)
+        got = enter()
+        err = max(float((a.double() - b.double()).abs().max()) for a, b in zip(got, ref, strict=True))
+        t = timed(tokens)(enter)
+    except Exception as e:
+        rec(f"sweep_M{tokens}_enter_{name}_error", repr(e)[:400])
+        return
+    launches = 2 + (not plan.fuse_post) + (not kernels.norm_fusable(plan, HIDDEN))
+    rec(f"sweep_M{tokens}_enter_{name}", {"us": round(t, 2), "launches": launches, "max_abs_err": err})
 
 
 def sweep_at(tokens: int, plan: SplitPlan) -> float:
@@ -357,7 +391,8 @@ def compile_jobs(with_sweep: bool) -> list[tuple]:
     """(op, plan, fp32 fn) for every kernel variant this run launches; post's plan is (bm, bk, warps)."""
     plans = [DECODE_PLAN, PREFILL_PLAN]
     if with_sweep:
-        plans += [p for p in SWEEP_PREFILL + SWEEP_DECODE if p not in plans]
+        sweeps = SWEEP_PREFILL + SWEEP_DECODE + list(SWEEP_ENTER_PREFILL.values())
+        plans += [p for p in sweeps if p not in plans]
     jobs = [("pre", plan, False) for plan in plans] + [("enter", plan, False) for plan in plans]
     jobs += [("pre", kernels.default_plan(64), True), ("post", None, False)]
     if with_sweep:
