@@ -108,3 +108,37 @@ def test_a_kind_that_streams_its_weights_is_floored_by_their_bytes():
     assert row["floor_ms"] == 1.0 and row["of_floor"] == 0.25  # 3 GB at 3 TB/s, not 1 GFLOP at 1 PFLOP/s
     (row,) = table({"computing": computing}, rates)
     assert row["floor_ms"] == 4.0
+
+
+def test_a_rank_engine_counts_its_share_of_the_experts():
+    """`--tp`: the clock on rank 1 of a TP2/EP2 engine (`rank_engine`, collectives a stand-in) counts the
+    rank's half of every token's expert pairs, and the weight bytes of the rank's own experts."""
+    from hylo.config import EngineConfig
+    from hylo.distributed.rank_engine import rank_engine
+    from hylo.models.demo import DEMO_DIR
+    from hylo.sampling import SamplingParams
+
+    config = EngineConfig.from_kwargs(
+        model=str(DEMO_DIR), device="cpu", load_format="dummy", tp_size=2, max_running_requests=2,
+        max_memory_gb=0.05,
+    )  # fmt: skip
+    engine = rank_engine(config, 1)
+    clock = ModuleClock(torch.device("cpu"))
+    clock.attach(engine.model)
+    tokens = 24
+    engine.add_request("p", list(range(5, 5 + tokens)), SamplingParams(max_tokens=1, temperature=0))
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            engine.step()
+    clock.detach()
+    experts = clock.totals()["routed experts"]
+    layers = [m for m in engine.model.modules() if type(m).__name__ in ("Experts", "FP8Experts")]
+    model = engine.model.config
+    local, two_i, hidden = layers[0].gate_up_proj.shape
+    assert local == model.n_routed_experts // 2 and experts.calls == len(layers)
+    pairs = tokens * model.num_experts_per_tok / 2
+    assert experts.work == pytest.approx(len(layers) * 2 * pairs * (two_i * hidden + hidden * two_i // 2))
+    reached = 1 - (1 - model.num_experts_per_tok / model.n_routed_experts) ** tokens
+    stored = sum(t.numel() * t.element_size() for m in layers for t in m.buffers() if t is not None)
+    stored += sum(t.numel() * t.element_size() for m in layers for t in m.parameters(recurse=False))
+    assert experts.weight_bytes == pytest.approx(reached * stored, rel=1e-9)
