@@ -291,18 +291,20 @@ def _rms_normed(x, mask, weight, d, eps, D: tl.constexpr, DTYPE: tl.constexpr):
 # ---------------------------------------------------------------- kernels
 
 
-@triton.jit
-def _project_split(
-    streams, fn, partials, mix, M, split, token_block,
+@triton.jit(do_not_specialize=["M"])  # one compile serves every token count
+def _split_project_kernel(
+    streams, fn, partials, mix, M,
     D: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SPLIT_FN: tl.constexpr,
-    PRECISION: tl.constexpr, POST: tl.constexpr,
+    PRECISION: tl.constexpr, POST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Partial logits and sum of squares of tokens `BM·token_block + [0, BM)` over dims `SPLIT·split +
+    """Partial logits and sum of squares of tokens `BM·pid(1) + [0, BM)` over dims `SPLIT·pid(0) +
     [0, SPLIT)` of every stream, stored to `partials` (`Partials`). With POST the streams projected are
     the new ones, post·out + combᵀ·streams (`mix`, the previous block's pending post, as `_post_kernel`
     mixes them), which this program also stores to `mix.new_streams` at its tokens and dims: no other
     projection program reads them."""
-    rows = token_block * BM + tl.arange(0, BM)
+    enter(PDL)
+    split = tl.program_id(0)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
     rmask = rows < M
     dtype = streams.dtype.element_ty
     if POST:
@@ -352,18 +354,20 @@ def _project_split(
     tl.store(ptr, acc, mask=rmask[:, None] & (r <= SUMSQ_ROW)[None, :])
 
 
-@triton.jit
-def _finish_rows(
-    streams, partials, finish, M, chunk, rows, table, rms_eps, hc_eps, norm_eps,
+@triton.jit(do_not_specialize=["M"])
+def _finish_collapse_kernel(
+    streams, partials, finish, M, rms_eps, hc_eps, norm_eps,
     D: tl.constexpr, NS: tl.constexpr, SS: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr,
-    CK: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr,
+    CK: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One finishing program's work for the tokens `rows` ([BT]): sums their partials (every program in
-    the same order, so all derive the same bits), then collapses dims `CHUNK·chunk + [0, CHUNK)` into
-    `finish.block_input`, or, as the chunk past the last (`chunk` = cdiv(D, CHUNK)), computes their post
-    and comb. With NORM (one step of CK ≥ D dims: whole rows) the collapsed rows are normalised with
-    `finish.norm_weight` before the store. `table`: the rows' scratch ([BT] pointers to LOGIT_ROWS fp32
-    each), no other program's."""
+    """Tokens `BT·pid(1) + [0, BT)`: sums their partials (every program in the same order, so all derive
+    the same bits), then collapses dims `CHUNK·pid(0) + [0, CHUNK)` into `finish.block_input`, or, as
+    the last program of its tokens, computes their post and comb. With NORM (one step of CK ≥ D dims:
+    whole rows) the collapsed rows are normalised with `finish.norm_weight` before the store. Each
+    (program, token) has LOGIT_ROWS fp32 of `finish.tables`."""
+    enter(PDL)
+    chunk, token_program = tl.program_id(0), tl.program_id(1)
+    rows = token_program * BT + tl.arange(0, BT)
     rmask = rows < M
     r = tl.arange(0, LOGIT_ROWS)
     weights_program = chunk == (D + CHUNK - 1) // CHUNK
@@ -393,6 +397,8 @@ def _finish_rows(
         z = tl.sigmoid(z) + hc_eps  # rows 0-3: pre
     # The rows are needed as [BT] vectors: reading them back from memory takes one barrier, while
     # extracting each from the register tile is a cross-warp reduction with barriers of its own.
+    own = (chunk * tl.num_programs(1) + token_program) * BT + tl.arange(0, BT)
+    table = finish.tables + own * LOGIT_ROWS
     tl.store(table[None, :] + r[:, None], z)
     tl.debug_barrier()
     if weights_program:
@@ -406,38 +412,6 @@ def _finish_rows(
             x = _rms_normed(x, mask, finish.norm_weight, d, norm_eps, D, dtype) if NORM else x.to(dtype)
             out_ptr = finish.block_input + rows[:, None].to(tl.int64) * D + d[None, :]
             tl.store(out_ptr, x.to(finish.block_input.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["M"])  # one compile serves every token count
-def _split_project_kernel(
-    streams, fn, partials, mix, M,
-    D: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SPLIT_FN: tl.constexpr,
-    PRECISION: tl.constexpr, POST: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """`_project_split` of split pid(0) and token block pid(1)."""
-    enter(PDL)
-    _project_split(
-        streams, fn, partials, mix, M, tl.program_id(0), tl.program_id(1), D, SPLIT, BM, BK, SPLIT_FN,
-        PRECISION, POST,
-    )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["M"])
-def _finish_collapse_kernel(
-    streams, partials, finish, M, rms_eps, hc_eps, norm_eps,
-    D: tl.constexpr, NS: tl.constexpr, SS: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr,
-    CK: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """`_finish_rows` of chunk pid(0) (the last: post and comb) for tokens `BT·pid(1) + [0, BT)`."""
-    enter(PDL)
-    chunk, token_program = tl.program_id(0), tl.program_id(1)
-    rows = token_program * BT + tl.arange(0, BT)
-    own = (chunk * tl.num_programs(1) + token_program) * BT + tl.arange(0, BT)
-    table = finish.tables + own * LOGIT_ROWS
-    _finish_rows(
-        streams, partials, finish, M, chunk, rows, table, rms_eps, hc_eps, norm_eps, D, NS, SS, BT, CHUNK,
-        CK, ITERS, NORM,
-    )  # fmt: skip
 
 
 @triton.jit
