@@ -19,7 +19,8 @@ them as `*_general_*`. `--sweep` times candidate tile configurations (checked fo
 paths, and the prologue's variants, and lists the kernels of an FP8 prefill step (torch.profiler).
 `--only rank_decode [--ranks 1,8]` times rank 0's FP8 decode step at TP/EP 1 and 8 (at 8 its 36
 experts and the shared expert's slice) in each K split of the gate|up launch (`rank_configs`).
-`--only prologue` times the decode prologue alone at 1-8 tokens with its router read cold.
+`--only prologue` times the decode prologue alone at 1-8 tokens with its router read cold, in each
+(router rows a program, warps) of `PROLOGUE_VARIANTS`.
 `--only prefill_sweep` times the FP8 prefill step in each of `PREFILL_VARIANTS` (compiled first in
 parallel processes) against the FP8 matmul ceiling measured after the compiles, with each variant's
 output against the default's and its per-kernel times. Prints a table last and writes `moe.json` to
@@ -341,7 +342,7 @@ def decode_launches(model: Model, tokens: int) -> dict[str, object]:
 
 
 # (block_e, num_warps) of the prologue: router rows per program and warps
-PROLOGUE_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8))
+PROLOGUE_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8), (4, 8))
 
 
 def fused_launches(model: Model, tokens: int) -> dict[str, object]:
@@ -399,21 +400,22 @@ def prologue(model: Model) -> None:
     expert's blocks), µs a call at `PROLOGUE_TOKENS` tokens of a verify block's spread (`batch`), over
     `PROLOGUE_ROUTERS` copies of the router so that each call reads its router from HBM as a decode step
     does (the weights the step streamed have evicted it): what the rank's B = 8 step spends 17 us a layer
-    on (RESULTS S35-1). Each token count's ids are checked against `reference.route`."""
+    on (RESULTS S35-1), in its default (block_e, num_warps) and each of `PROLOGUE_VARIANTS` (the default
+    first). Each token count's ids are checked against `reference.route`."""
     copies = [model.router.clone() for _ in range(PROLOGUE_ROUTERS)]
     routings = [model.routing._replace(weight=w) for w in copies]
     for tokens in PROLOGUE_TOKENS:
         x = batch(tokens, 900 + tokens, spread=0.5)
+        for block_e, warps in PROLOGUE_VARIANTS:
 
-        def step(x=x):
-            return [moe_decode.prologue(x, r, 16, True, shared=True) for r in routings]
+            def step(x=x, block_e=block_e, warps=warps):
+                return [moe_decode.prologue(x, r, 16, True, block_e, warps, shared=True) for r in routings]
 
-        ids = step()[0][0]
-        rec(
-            f"prologue_T{tokens}_ids_equal_reference",
-            bool(torch.equal(ids, reference.route(x, model.routing)[0])),
-        )
-        rec(f"prologue_T{tokens}_us", round(bench_graph(step) / PROLOGUE_ROUTERS, 2))
+            ids = step()[0][0]
+            variant = "" if (block_e, warps) == PROLOGUE_VARIANTS[0] else f"_e{block_e}_w{warps}"
+            tag = f"prologue_T{tokens}{variant}"
+            rec(f"{tag}_ids_equal_reference", bool(torch.equal(ids, reference.route(x, model.routing)[0])))
+            rec(f"{tag}_us", round(bench_graph(step) / PROLOGUE_ROUTERS, 2))
 
 
 def kernel_times(fn, steps: int = 3) -> dict[str, float]:
