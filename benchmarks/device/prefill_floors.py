@@ -4,7 +4,7 @@ of a TP/EP deployment of the full model (`--tp 8`: `hylo.distributed.rank_engine
 not run, as in `rank_e2e.py`).
 
     PYTHONPATH=src python3 benchmarks/device/prefill_floors.py [--tp 0|4|8] [--layers 8] \
-        [--tokens 1024,13312] [--out DIR]
+        [--tokens 1024,13312] [--chunked-prefill-size N] [--out DIR]
 
 Every module call of the model's forward is timed between CUDA events (`ModuleClock`); a kind's time is
 its modules' own time, what their child modules take left out, so the kinds add up to the forward. The
@@ -252,6 +252,8 @@ def build(args) -> object:
         context_length=max(4096, longest + 64), max_running_requests=4, cuda_graph_max_prefill_tokens=0,
         cuda_graph_max_bs=1, mem_fraction_static=0.85,
     )  # fmt: skip
+    if args.chunked_prefill_size is not None:
+        common["chunked_prefill_size"] = args.chunked_prefill_size
     if args.tp == 0:
         from hylo import LLM
 
@@ -266,11 +268,18 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=0, help="0: the slice; 4 or 8: rank 0 of that deployment")
     parser.add_argument("--layers", type=int, default=8, help="target layers (45: the full model)")
     parser.add_argument("--tokens", default="1024,13312", help="prompt lengths")
+    parser.add_argument(
+        "--chunked-prefill-size", type=int, default=None,
+        help="prompt tokens a step prefills (the engine's default when not given: 13312 runs as 2 steps)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     engine = build(args)
     device = torch.device("cuda", torch.cuda.current_device())
-    report: dict = {"gpu": torch.cuda.get_device_name(), "tp": args.tp, "layers": args.layers}
+    report: dict = {
+        "gpu": torch.cuda.get_device_name(), "tp": args.tp, "layers": args.layers,
+        "chunked_prefill_size": engine.config.chunked_prefill_size,
+    }  # fmt: skip
     rates = ceilings(device)
     report["rates"] = {k: round(v / 1e12, 1) for k, v in rates.items()}
     model = engine.model
