@@ -17,9 +17,9 @@ tokens, top-8 of 288 experts, uniformly routed, rows grouped by expert), in one 
 3. `hylo`: hylo's whole FP8 experts step (`kernels.experts`: x quantised and gathered, both GEMMs, SwiGLU,
    the combine) on the same routing.
 
-Every time is a median of `triton.testing.do_bench`; TFLOP/s count the routed pairs' useful FLOPs (no
-padding rows) against `torch._scaled_mm` on 8192³ per-tensor e4m3 measured in the same run. Prints the
-figures and writes `fp8_grouped_mm.json` to --out (default $OUT or ./out).
+Every time is a median of `harness.bench`; TFLOP/s count the routed pairs' useful FLOPs (no padding rows)
+against `harness.fp8_ceiling` measured in the same run. Prints the figures and writes `fp8_grouped_mm.json`
+to --out (default $OUT or ./out).
 """
 
 from __future__ import annotations
@@ -36,46 +36,24 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
+from harness import RESULTS, bench, fp8_ceiling, rec, section
+
 from hylo.ops import fp8 as fp8_ops
+from hylo.ops.fp8.kernels import quantize_groups
 from hylo.ops.gemm.kernels import SCALED_MM_ROW_ALIGN
 from hylo.ops.moe import kernels
 from hylo.ops.moe.reference import Choices, ExpertWeights
 
 HIDDEN, INTER, EXPERTS, TOP_K, LIMIT = 4096, 2048, 288, 8, 10.0
-RESULTS: dict[str, object] = {}
-
-
-def rec(key: str, value: object) -> None:
-    RESULTS[key] = value
-    print(f"{key}: {value}", flush=True)
 
 
 def rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got.float() - expected).norm() / expected.norm())
 
 
-def bench_ms(fn: Callable[[], object]) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=5, rep=100, return_mode="median")
-
-
-def guarded(name: str, step: Callable[..., None], *args) -> None:
-    """`step(*args)`, its failure recorded under `name` instead of ending the run (one device call
-    should bring back every answer it can)."""
-    try:
-        step(*args)
-    except Exception as exc:  # recorded: the next step still runs
-        rec(f"{name}_error", f"{type(exc).__name__}: {str(exc)[:300]}")
-
-
-def fp8_ceiling() -> float:
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device="cuda")
-    ms = bench_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-    return 2 * n**3 / (ms * 1e-3) / 1e12
+def tflops_share(flops: float, us: float, ceiling: float) -> float:
+    """`flops` done in `us` microseconds, as a percentage of the `ceiling` (TFLOP/s)."""
+    return round(100 * flops / (us * 1e-6) / 1e12 / ceiling, 1)
 
 
 def expert_weights(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,13 +117,6 @@ class Grouped:
         return outs
 
 
-def quantized_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 rows with their 1x128 scales (`[P, K/128]`), by hylo's quantiser."""
-    from hylo.ops.fp8.kernels import quantize_groups
-
-    return quantize_groups(rows)
-
-
 def grouped_layouts(g: Grouped) -> dict[str, Callable[[], torch.Tensor]]:
     """The calls of torch's grouped GEMM tried, by the scale layout they pass."""
     b = g.w.transpose(1, 2)  # [E, K, N], column-major in its last two dims
@@ -181,9 +152,9 @@ def try_grouped(name: str, g: Grouped, ceiling: float) -> None:
         err = max(rel_err(out[g.rows_of(e)], g.reference(e)) for e in experts)
         rec(f"{name}_grouped[{layout}]_rel_err", f"{err:.2e}")
         if err < 2e-2:
-            ms = bench_ms(call)
-            rec(f"{name}_grouped_ms", round(ms, 3))
-            rec(f"{name}_grouped_pct_of_fp8_ceiling", round(100 * g.flops / (ms * 1e-3) / 1e12 / ceiling, 1))
+            us = bench(call)
+            rec(f"{name}_grouped_us", round(us, 1))
+            rec(f"{name}_grouped_pct_of_fp8_ceiling", tflops_share(g.flops, us, ceiling))
             return
 
 
@@ -193,7 +164,7 @@ def time_per_expert(name: str, g: Grouped, ceiling: float) -> None:
     experts = [e for e in range(EXPERTS) if g.counts[e]]
     err = max(rel_err(o[: g.counts[e]], g.reference(e)) for o, e in zip(outs[:4], experts, strict=False))
     rec(f"{name}_per_expert_rel_err", f"{err:.2e}")
-    eager = bench_ms(g.per_expert)
+    eager = bench(g.per_expert)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -201,11 +172,10 @@ def time_per_expert(name: str, g: Grouped, ceiling: float) -> None:
         with torch.cuda.graph(graph, stream=stream):
             g.per_expert()
     torch.cuda.synchronize()
-    replay = bench_ms(graph.replay)
-    for how, ms in (("eager", eager), ("graph", replay)):
-        rec(f"{name}_per_expert_{how}_ms", round(ms, 3))
-        tflops = g.flops / (ms * 1e-3) / 1e12
-        rec(f"{name}_per_expert_{how}_pct_of_fp8_ceiling", round(100 * tflops / ceiling, 1))
+    replay = bench(graph.replay)
+    for how, us in (("eager", eager), ("graph", replay)):
+        rec(f"{name}_per_expert_{how}_us", round(us, 1))
+        rec(f"{name}_per_expert_{how}_pct_of_fp8_ceiling", tflops_share(g.flops, us, ceiling))
 
 
 def main() -> None:
@@ -216,7 +186,6 @@ def main() -> None:
     rec("gpu", torch.cuda.get_device_name())
     rec("torch", torch.__version__)
     ceiling = fp8_ceiling()
-    rec("fp8_scaled_mm_TFLOPs", round(ceiling, 1))
     tokens = args.tokens
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -226,25 +195,25 @@ def main() -> None:
     counts = torch.bincount(ids.flatten(), minlength=EXPERTS).cpu()
     gate_up, gate_up_scale = expert_weights(2 * INTER, HIDDEN, seed=1)
     down, down_scale = expert_weights(HIDDEN, INTER, seed=2)
-    xq, xs = quantized_rows(x)
+    xq, xs = quantize_groups(x)
     rows = order // TOP_K
     h = torch.randn(rows.numel(), INTER, device="cuda", generator=gen).to(torch.bfloat16)  # SwiGLU rows
     products = {
         "gate_up": Grouped(xq[rows], xs[rows], gate_up, gate_up_scale, counts),
-        "down": Grouped(*quantized_rows(h), down, down_scale, counts),
+        "down": Grouped(*quantize_groups(h), down, down_scale, counts),
     }
     for name, g in products.items():
-        try_grouped(name, g, ceiling)
-        guarded(f"{name}_per_expert", time_per_expert, name, g, ceiling)
+        section(f"{name}_grouped", try_grouped, name, g, ceiling)
+        section(f"{name}_per_expert", time_per_expert, name, g, ceiling)
     w = ExpertWeights(gate_up, down, (gate_up_scale, down_scale))
     useful = sum(g.flops for g in products.values())
 
     def hylo_step() -> None:
-        ms = bench_ms(lambda: kernels.experts(x, w, Choices(ids, weights), LIMIT))
-        rec("hylo_experts_step_ms", round(ms, 3))
-        rec("hylo_experts_step_pct_of_fp8_ceiling", round(100 * useful / (ms * 1e-3) / 1e12 / ceiling, 1))
+        us = bench(lambda: kernels.experts(x, w, Choices(ids, weights), LIMIT))
+        rec("hylo_experts_step_us", round(us, 1))
+        rec("hylo_experts_step_pct_of_fp8_ceiling", tflops_share(useful, us, ceiling))
 
-    guarded("hylo_experts_step", hylo_step)
+    section("hylo_experts_step", hylo_step)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fp8_grouped_mm.json").write_text(json.dumps(RESULTS, indent=1))

@@ -47,3 +47,18 @@ def bench(fn, rep: int = 100) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
+
+
+def fp8_ceiling() -> float:
+    """The FP8 matmul ceiling the kernel benchmarks divide by: `torch._scaled_mm` on 8192³ e4m3 with
+    per-tensor scales (256³ on the CPU of a dry run), TFLOP/s, recorded as `fp8_scaled_mm_TFLOPs`."""
+    import torch
+
+    n, device = (256, "cpu") if DRY else (8192, "cuda")
+    a8 = torch.randn(n, n, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    b8 = torch.randn(n, n, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn).t()  # column-major
+    one = torch.ones((), device=device)
+    t = bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    tflops = round(2 * n**3 / (t * 1e-6) / 1e12, 1)
+    rec("fp8_scaled_mm_TFLOPs", tflops)
+    return tflops

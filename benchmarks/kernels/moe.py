@@ -47,7 +47,7 @@ if DRY:
 
     use_interpreter()
 
-from harness import RESULTS, bench, bench_graph, rec, section  # noqa: E402
+from harness import RESULTS, bench, bench_graph, fp8_ceiling, rec, section  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
@@ -159,18 +159,6 @@ def ceilings() -> None:
     b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     rec("bf16_matmul_TFLOPs", round(2 * n**3 / (bench(lambda: a @ b) * 1e-6) / 1e12, 1))
     fp8_ceiling()
-
-
-def fp8_ceiling() -> float:
-    """`torch._scaled_mm` on 8192³ e4m3 (per-tensor scales), TFLOP/s, recorded."""
-    n = 256 if DRY else 8192
-    a8 = torch.randn(n, n, device=DEV, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-    b8 = torch.randn(n, n, device=DEV, dtype=torch.bfloat16).to(torch.float8_e4m3fn).t()  # column-major
-    one = torch.ones((), device=DEV)
-    t = bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-    tflops = round(2 * n**3 / (t * 1e-6) / 1e12, 1)
-    rec("fp8_scaled_mm_TFLOPs", tflops)
-    return tflops
 
 
 # ---------------------------------------------------------------- parity

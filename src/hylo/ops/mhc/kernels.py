@@ -592,29 +592,6 @@ def mhc_enter(
     if tokens == 0:
         return BlockEntry(new_streams, post, comb, block_input)
     base, scale = hc.base.float().contiguous(), hc.scale.float().contiguous()
-    norm_weight, norm_eps = (base, 0.0) if fused_norm is None else (fused_norm.weight, fused_norm.eps)
-    mix = Mix(streams, streams, streams, streams) if pending is None else _mix_operands(pending, new_streams)
-    finish = Finish(base, scale, post, comb, block_input, norm_weight, _tables(plan, tokens, hidden, device))
-    _launch_entry(streams, fn, hc, mix, finish, norm_eps, fused_norm is not None, plan)
-    if norm is not None and fused_norm is None:
-        block_input = rms_norm(block_input, norm.weight, norm.eps)
-    return BlockEntry(new_streams, post, comb, block_input)
-
-
-def _tables(plan: SplitPlan, tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
-    """The finishing programs' scratch (`Finish.tables`): one table per program and token."""
-    programs = (triton.cdiv(hidden, plan.collapse_chunk) + 1) * triton.cdiv(tokens, plan.collapse_tokens)
-    return torch.empty(programs * plan.collapse_tokens, LOGIT_ROWS.value, dtype=torch.float32, device=device)
-
-
-def _launch_entry(
-    streams: torch.Tensor, fn: torch.Tensor, hc: HCParams, mix: Mix, finish: Finish, norm_eps: float,
-    norm: bool, plan: SplitPlan,
-) -> None:  # fmt: skip
-    """`mhc_enter`'s launches: the projection then the finishing programs; `norm`: the finishing
-    programs normalise the block input. `mix.new_streams` is
-    `streams` where no post is pending (nothing is mixed)."""
-    (tokens, _, hidden), device = streams.shape, streams.device
     n_splits = triton.cdiv(hidden, plan.split)
     if plan.split_major:
         data = torch.empty(n_splits, tokens, LOGIT_ROWS.value, dtype=torch.float32, device=device)
@@ -622,38 +599,40 @@ def _launch_entry(
     else:
         data = torch.empty(tokens, LOGIT_ROWS.value, n_splits, dtype=torch.float32, device=device)
         partials = Partials(data, 1, data.stride(0), data.stride(1))
+    # where no post is pending, the projection reads no mix operand: the streams stand in for them
+    mix = Mix(*((streams,) * 3 if pending is None else _mix_operands(pending)), new_streams)
     dependent = plan.dependent_launch and dependent_launches(device)
-    projection = dict(
-        SPLIT=plan.split, BM=plan.block_m, BK=plan.block_k,
+    _split_project_kernel[(n_splits, triton.cdiv(tokens, plan.block_m))](
+        streams, fn, partials, mix, tokens,
+        D=hidden, SPLIT=plan.split, BM=plan.block_m, BK=plan.block_k,
         SPLIT_FN=fn.element_size() > streams.element_size(),
-        PRECISION="ieee" if streams.dtype == torch.float32 else "tf32", POST=mix.new_streams is not streams,
-        PDL=dependent, launch_pdl=dependent,
+        PRECISION="ieee" if dtype == torch.float32 else "tf32", POST=pending is not None,
+        PDL=dependent, launch_pdl=dependent, num_warps=plan.num_warps,
     )  # fmt: skip
     # powers of two both: the table tile holds at most TABLE_ELEMENTS
     splits_per_step = min(
         triton.next_power_of_2(n_splits), max(1, TABLE_ELEMENTS // (LOGIT_ROWS.value * plan.collapse_tokens))
     )
-    finishing = dict(
-        NS=n_splits, SS=splits_per_step, BT=plan.collapse_tokens, CHUNK=plan.collapse_chunk,
-        CK=plan.collapse_k, ITERS=hc.sinkhorn_iters, NORM=norm,
-    )  # fmt: skip
-    epsilons = (hc.rms_eps, hc.hc_eps, norm_eps)
-    token_blocks = triton.cdiv(tokens, plan.block_m)
-    _split_project_kernel[(n_splits, token_blocks)](
-        streams, fn, partials, mix, tokens, D=hidden, **projection, num_warps=plan.num_warps
-    )
-    # one finishing program per chunk and one for post and comb, per token group
+    # one program per chunk and one for post and comb
     grid = (triton.cdiv(hidden, plan.collapse_chunk) + 1, triton.cdiv(tokens, plan.collapse_tokens))
+    table_rows = grid[0] * grid[1] * plan.collapse_tokens  # one table per program and token
+    tables = torch.empty(table_rows, LOGIT_ROWS.value, dtype=torch.float32, device=device)
+    norm_weight, norm_eps = (base, 0.0) if fused_norm is None else (fused_norm.weight, fused_norm.eps)
     _finish_collapse_kernel[grid](
-        mix.new_streams, partials, finish, tokens, *epsilons, D=hidden, **finishing, PDL=dependent,
-        launch_pdl=dependent, num_warps=plan.finish_warps,
+        new_streams, partials, Finish(base, scale, post, comb, block_input, norm_weight, tables), tokens,
+        hc.rms_eps, hc.hc_eps, norm_eps,
+        D=hidden, NS=n_splits, SS=splits_per_step,
+        BT=plan.collapse_tokens, CHUNK=plan.collapse_chunk, CK=plan.collapse_k, ITERS=hc.sinkhorn_iters,
+        NORM=fused_norm is not None, PDL=dependent, launch_pdl=dependent, num_warps=plan.finish_warps,
     )  # fmt: skip
+    if norm is not None and fused_norm is None:
+        block_input = rms_norm(block_input, norm.weight, norm.eps)
+    return BlockEntry(new_streams, post, comb, block_input)
 
 
-def _mix_operands(pending: PendingPost, new_streams: torch.Tensor) -> Mix:
-    """`pending` as the kernels read it (contiguous, the weights fp32), mixed into `new_streams`."""
-    out, post, comb = pending.out.contiguous(), pending.post.float().contiguous(), pending.comb.float()
-    return Mix(out, post, comb.contiguous(), new_streams)
+def _mix_operands(pending: PendingPost) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, post, comb) as the kernels read them: contiguous, the weights fp32."""
+    return pending.out.contiguous(), pending.post.float().contiguous(), pending.comb.float().contiguous()
 
 
 def mhc_pre(
@@ -719,7 +698,7 @@ def _launch_post(
     if count == 0:
         return
     grid = (triton.cdiv(count, block_m), triton.cdiv(hidden, block_k))
-    out, post, comb, _ = _mix_operands(pending, result)
+    out, post, comb = _mix_operands(pending)
     dependent = dependent_launches(streams.device)
     kernel[grid](
         out, streams.contiguous(), post, comb, result, count, rows if rows is not None else post,
