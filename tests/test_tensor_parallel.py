@@ -18,7 +18,7 @@ from hylo.layers.moe import MoE
 from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import build_model, checkpoint_layout, load_model, load_weights, save_checkpoint
-from hylo.parallel.layout import Parallel
+from hylo.parallel.layout import Parallel, StandInCollectives
 from hylo.sampling import SamplingParams
 from hylo.speculative.token_map import save_token_map
 from hylo.tokenizer import Tokenizer
@@ -198,3 +198,15 @@ def test_parallel_settings_are_checked(random_model):
     # the engine runs on the ranks it is given: hylo.distributed.launch starts them, above the engine
     with pytest.raises(ValueError, match=r"tp_size 2: the engine is given 1 rank\(s\); start them with"):
         Engine(EngineConfig.from_kwargs(model=str(random_model), device="cpu", tp_size=2))
+
+
+@pytest.mark.parametrize("lead", [(0,), (2, 3)])
+def test_all_gather_keeps_leading_dims_with_no_rows(lead):
+    """A rank's all-gather of `[..., n]` is `[..., size·n]`, also where the leading dims hold nothing (a
+    prefill chunk with no logits to gather: the TP8 rank's prefill table died on it, S37)."""
+    parallel = Parallel(rank=0, size=8, stand_in=StandInCollectives())
+    x = torch.arange(math.prod(lead) * 5, dtype=torch.float32).reshape(*lead, 5)
+    out = parallel.all_gather(x)
+    assert out.shape == (*lead, 40)
+    assert torch.equal(out, torch.cat([x] * 8, dim=-1))
+    assert parallel.stand_in.calls[0].shape == (math.prod(lead), 5)

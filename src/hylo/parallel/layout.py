@@ -134,7 +134,7 @@ class Parallel:
             dist.all_gather_into_tensor(parts.view(-1, flat.shape[1]), flat, group=self.group)
         else:
             dist.all_gather(list(parts.unbind(0)), flat, group=self.group)
-        return parts.permute(1, 0, 2).reshape(*x.shape[:-1], -1)
+        return parts.permute(1, 0, 2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
 
 SINGLE = Parallel()
