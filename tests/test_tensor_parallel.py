@@ -87,6 +87,17 @@ def test_two_ranks_equal_one_by_expert_and_by_tensor(random_model):
 
 
 @pytest.mark.usefixtures("pooled_ranks")
+def test_two_ranks_prefill_a_lone_long_prompt_in_chunks(random_model):
+    """One prompt longer than a chunk, alone: its first chunks' steps have no logits to gather (the
+    vocabulary-parallel head's all-gather of zero rows failed before), and TP=2 equals TP=1."""
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2)
+    args = dict(chunked_prefill_size=32)
+    _, reference = _generate(random_model, [PROMPTS[2]], params, **args)
+    _, outputs = _generate(random_model, [PROMPTS[2]], params, tp_size=2, **args)
+    _assert_same(reference, outputs)
+
+
+@pytest.mark.usefixtures("pooled_ranks")
 def test_two_ranks_speculative_equal_one(tmp_path):
     """DFlash2, MTP with 3 steps and DFlash with a token map on the demo model, drafts verified every
     step: TP=2 commits the tokens TP=1 does (lossless either way) with the same acceptance, so drafts
