@@ -214,8 +214,12 @@ def _prologue_kernel(
                 E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE,
             )  # fmt: skip
             tl.debug_barrier()  # this token's ids are stored before its ticket releases them
-            if tl.atomic_add(tickets_ptr, 1, sem="acq_rel") == num_tokens - 1:
-                tl.store(tickets_ptr, 0)
+            last = num_tokens == 1  # one token's last program is the launch's: no second ticket
+            if num_tokens > 1:
+                last = tl.atomic_add(tickets_ptr, 1, sem="acq_rel") == num_tokens - 1
+                if last:
+                    tl.store(tickets_ptr, 0)
+            if last:
                 _place_pairs(
                     choices.ids,
                     num_tokens * TOP_K,
