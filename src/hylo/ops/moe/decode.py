@@ -257,8 +257,8 @@ def prologue(
     routing: Routing,
     block_m: int,
     quantize: bool,
-    block_e: int = 1,
-    num_warps: int = 4,
+    block_e: int | None = None,
+    num_warps: int | None = None,
     first_expert: int | None = None,
     num_experts: int | None = None,
     shared: bool = False,
@@ -268,10 +268,12 @@ def prologue(
     Every token is routed over all of routing's experts; the alignment places the pairs of the
     `num_experts` experts from global id `first_expert` (a rank's, split by expert), numbered from 0,
     or with `first_expert` None every pair; with `shared`, after one pair per token of the shared
-    expert, in the first blocks (`Alignment`). `block_e` router rows per program and `num_warps`: the
-    fastest of those timed by `benchmarks/kernels/moe.py --only breakdown` on an H200 at M = 1 and 4."""
+    expert, in the first blocks (`Alignment`). `block_e` router rows per program and `num_warps`, where
+    not given, by the token count (`prologue_tiles`)."""
     check_route(x, routing)
     tokens, hidden = x.shape
+    rule_e, rule_warps = prologue_tiles(tokens)
+    block_e, num_warps = block_e or rule_e, num_warps or rule_warps
     all_experts, top_k = routing.weight.shape[0], routing.top_k
     first_expert, num_experts = _placed_span(first_expert, num_experts, all_experts)
     if not fits(tokens, top_k):
@@ -326,6 +328,16 @@ def prologue(
         launch_pdl=dependent,
     )
     return ids, weights, layout, q, q_scale
+
+
+def prologue_tiles(tokens: int) -> tuple[int, int]:
+    """(router rows a program, warps) of `prologue` for `tokens` tokens: the fastest of
+    `benchmarks/kernels/moe.py --only prologue` alone on an H100 (RESULTS S37-1, us): one token (1, 8)
+    5.16 against (1, 4) 5.52; two and four tokens (1, 4) 6.15 and 7.10; eight tokens (4, 8) 11.42 against
+    (1, 4) 16.07 (one-row programs: 2304 of them at 8 tokens)."""
+    if tokens == 1:
+        return 1, 8
+    return (1, 4) if tokens < 8 else (4, 8)
 
 
 def layout_blocks(tokens: int, top_k: int, num_experts: int, block_m: int, shared: bool) -> int:
