@@ -329,8 +329,9 @@ def decode_launches(model: Model, tokens: int) -> dict[str, object]:
     }
 
 
-# (block_e, num_warps) of the prologue: router rows per program and warps
-PROLOGUE_VARIANTS = ((1, 4), (2, 4), (1, 8), (2, 8), (4, 8))
+# (block_e, num_warps) of the prologue: router rows per program and warps; first, the rule by token count
+# (`prologue_tiles`)
+PROLOGUE_VARIANTS = ((None, None), (1, 4), (2, 4), (1, 8), (2, 8), (4, 8))
 
 
 def fused_launches(model: Model, tokens: int) -> dict[str, object]:
@@ -345,11 +346,12 @@ def fused_launches(model: Model, tokens: int) -> dict[str, object]:
         for _, _, layout, q, s in prologues
     ]
     device = xs[0].device
+    names = [f"prologue_e{e}_w{w}" if e else "prologue_rule" for e, w in PROLOGUE_VARIANTS]
     launches = {
-        f"prologue_e{block_e}_w{warps}": lambda block_e=block_e, warps=warps: [
+        name: lambda block_e=block_e, warps=warps: [
             moe_decode.prologue(x, model.routing, config.block_m, True, block_e, warps) for x in xs
         ]
-        for block_e, warps in PROLOGUE_VARIANTS
+        for name, (block_e, warps) in zip(names, PROLOGUE_VARIANTS, strict=True)
     }
     launches["gate_up"] = lambda: [
         kernels.gate_up_stage(q, s, gate_up, gate_up_scale, layout, TOP_K, LIMIT, config)

@@ -1,15 +1,16 @@
 """The MoE step of a few tokens (decode, short verify) in three launches instead of seven.
 
-1. `prologue`: the router logits, split over the experts (each program reads `block_e` rows of the
-   router weight whole: many programs read its 2.4 MB at bandwidth, and every logit is one program's
-   dot product, so nothing is reduced across programs), the FP8 quantisation of x (one 128-channel
-   group per program), then, in the program that arrives last (an atomic ticket, no waiting), the
-   routing of every token (`routing.route_tokens`) and the expert alignment (at expert parallelism,
-   of the pairs of the experts the weights hold only: `first_expert`). The alignment reads the ids
-   the routing stored back, one pair a lane, and runs in registers: a pair's rank within its expert
-   and its expert's first block come from comparisons of every pair with every other (at most
-   `MAX_PAIRS`² of them), with no atomics. (Placing from the routing's own `[T, k]` registers,
-   reshaped to one pair a lane, placed some pairs wrongly on an H100 at 64 experts and 64 pairs.)
+1. `prologue`: the router logits, one program a (block of `block_e` router rows, token) (many programs
+   read the router's 2.4 MB at bandwidth, each token's programs side by side, and every logit is one
+   program's dot product, so nothing is reduced across programs), the FP8 quantisation of x (one
+   128-channel group per program); the program that arrives last among a token's (an atomic ticket per
+   token, no waiting) routes that token (`routing.route_tokens`), and the last token routed aligns every
+   pair (at expert parallelism, the pairs of the experts the weights hold only: `first_expert`). The
+   alignment reads the ids the routing stored back, one pair a lane, and runs in registers: a pair's
+   rank within its expert and its expert's first block come from comparisons of every pair with every
+   other (at most `MAX_PAIRS`² of them), with no atomics. (Placing from the routing's own `[T, k]`
+   registers, reshaped to one pair a lane, placed some pairs wrongly on an H100 at 64 experts and 64
+   pairs.)
 2. `kernels.gate_up_stage`, as in the general path, its K split over programs (`gate_up_splits`): one
    token at a TP8/EP8 rank reaches about one of its 36 experts, whose 16 column tiles would otherwise
    stream 17 MB on 16 SMs (split 8 ways: the rank's B = 1 step -13.7% on an H100, RESULTS S34-2); the
@@ -168,6 +169,7 @@ def _prologue_kernel(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    E_BLOCKS: tl.constexpr,
     T_PAD: tl.constexpr,
     QUANTIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -182,46 +184,56 @@ def _prologue_kernel(
     NORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """`prologue`'s launch: router logits of `BLOCK_E` experts a program, x's FP8 groups, then in the
-    last program the routing into `choices` (`Choices`: ids and weights) and the placement of its pairs
-    into `layout` (`Alignment`)."""
+    """`prologue`'s launch: one program a (`BLOCK_E` router rows, token): that token's logits of those
+    experts, and x's FP8 groups in the first programs; the last program of each token (a ticket per
+    token) routes it into `choices` (`Choices`: ids and weights), and the last token routed places every
+    pair into `layout` (`Alignment`). Tokens route in parallel, one bitonic top-k each: 8 tokens routed by
+    one program took ~6 of the launch's 17 us on an H100 (RESULTS S35-1)."""
     enter(PDL)
     pid = tl.program_id(0)
-    e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_ok = e < E
-    d = tl.arange(0, D_PAD)
-    w_rows = router_ptr + e[:, None].to(tl.int64) * stride_r + d[None, :]
-    w = tl.load(w_rows, mask=e_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-    for token in range(num_tokens):  # not unrolled, as the routing's arg-max loop (`choose_experts`)
-        x = tl.load(x_ptr + token * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
-        tl.store(logits_ptr + token * E + e, tl.sum(w * x[None, :], axis=1), mask=e_ok)
     if QUANTIZE:  # noqa: SIM102 (a constexpr test: the kernel compiles without the branch)
         if pid < tl.cdiv(D, 128):
             tokens = tl.arange(0, T_PAD)
             quantize_tile(x_ptr, q_ptr, q_scale_ptr, tokens, pid, num_tokens, stride_x, D, tl.cdiv(D, 128), D)
-    tl.debug_barrier()  # all of this program's logits are stored before its ticket releases them
-    if tl.atomic_add(tickets_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.store(tickets_ptr, 0)
-        t = tl.arange(0, T_PAD)
-        route_tokens(
-            logits_ptr, bias_ptr, choices.ids, choices.weights, t, t < num_tokens, scaling,
-            E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE,
-        )  # fmt: skip
-        tl.debug_barrier()  # the ids stored by every thread of this program are read back by others
-        _place_pairs(
-            choices.ids,
-            num_tokens * TOP_K,
-            layout.pairs,
-            layout.block_expert,
-            layout.block_rows,
-            num_blocks,
-            first_expert,
-            num_experts,
-            shared_tokens,
-            T_PAD * K_PAD,
-            BLOCK_M,
-            BLOCKS_PAD,
-        )
+    # a token's programs are its row blocks; the programs past them (there for the FP8 groups) stop here
+    if pid < E_BLOCKS * num_tokens:
+        token = pid % num_tokens  # one router block's programs side by side: its rows are read from L2
+        e = (pid // num_tokens) * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        d = tl.arange(0, D_PAD)
+        w_rows = router_ptr + e[:, None].to(tl.int64) * stride_r + d[None, :]
+        w = tl.load(w_rows, mask=e_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + token * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(logits_ptr + token * E + e, tl.sum(w * x[None, :], axis=1), mask=e_ok)
+        tl.debug_barrier()  # all of this program's logits are stored before its ticket releases them
+        if tl.atomic_add(tickets_ptr + 1 + token, 1, sem="acq_rel") == E_BLOCKS - 1:
+            tl.store(tickets_ptr + 1 + token, 0)
+            t = token + tl.arange(0, 1)
+            route_tokens(
+                logits_ptr, bias_ptr, choices.ids, choices.weights, t, t < num_tokens, scaling,
+                E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE,
+            )  # fmt: skip
+            tl.debug_barrier()  # this token's ids are stored before its ticket releases them
+            last = num_tokens == 1  # one token's last program is the launch's: no second ticket
+            if num_tokens > 1:
+                last = tl.atomic_add(tickets_ptr, 1, sem="acq_rel") == num_tokens - 1
+                if last:
+                    tl.store(tickets_ptr, 0)
+            if last:
+                _place_pairs(
+                    choices.ids,
+                    num_tokens * TOP_K,
+                    layout.pairs,
+                    layout.block_expert,
+                    layout.block_rows,
+                    num_blocks,
+                    first_expert,
+                    num_experts,
+                    shared_tokens,
+                    T_PAD * K_PAD,
+                    BLOCK_M,
+                    BLOCKS_PAD,
+                )
 
 
 def _placed_span(first_expert: int | None, num_experts: int | None, all_experts: int) -> tuple[int, int]:
@@ -245,8 +257,8 @@ def prologue(
     routing: Routing,
     block_m: int,
     quantize: bool,
-    block_e: int = 1,
-    num_warps: int = 4,
+    block_e: int | None = None,
+    num_warps: int | None = None,
     first_expert: int | None = None,
     num_experts: int | None = None,
     shared: bool = False,
@@ -256,10 +268,12 @@ def prologue(
     Every token is routed over all of routing's experts; the alignment places the pairs of the
     `num_experts` experts from global id `first_expert` (a rank's, split by expert), numbered from 0,
     or with `first_expert` None every pair; with `shared`, after one pair per token of the shared
-    expert, in the first blocks (`Alignment`). `block_e` router rows per program and `num_warps`: the
-    fastest of those timed by `benchmarks/kernels/moe.py --only breakdown` on an H200 at M = 1 and 4."""
+    expert, in the first blocks (`Alignment`). `block_e` router rows per program and `num_warps`, where
+    not given, by the token count (`prologue_tiles`)."""
     check_route(x, routing)
     tokens, hidden = x.shape
+    rule_e, rule_warps = prologue_tiles(tokens)
+    block_e, num_warps = block_e or rule_e, num_warps or rule_warps
     all_experts, top_k = routing.weight.shape[0], routing.top_k
     first_expert, num_experts = _placed_span(first_expert, num_experts, all_experts)
     if not fits(tokens, top_k):
@@ -280,7 +294,7 @@ def prologue(
     q_scale = torch.empty(tokens, groups, dtype=torch.float32, device=device) if quantize else None
     if tokens == 0:
         return ids, weights, layout, q, q_scale
-    programs = max(triton.cdiv(all_experts, block_e), groups if quantize else 1)
+    programs = max(triton.cdiv(all_experts, block_e) * tokens, groups if quantize else 1)
     dependent = dependent_launches(device)
     _prologue_kernel[(programs,)](
         x,
@@ -303,6 +317,7 @@ def prologue(
         D=hidden,
         D_PAD=triton.next_power_of_2(hidden),
         BLOCK_E=block_e,
+        E_BLOCKS=triton.cdiv(all_experts, block_e),
         T_PAD=triton.next_power_of_2(tokens),
         QUANTIZE=quantize,
         BLOCK_M=block_m,
@@ -313,6 +328,16 @@ def prologue(
         launch_pdl=dependent,
     )
     return ids, weights, layout, q, q_scale
+
+
+def prologue_tiles(tokens: int) -> tuple[int, int]:
+    """(router rows a program, warps) of `prologue` for `tokens` tokens: the fastest of
+    `benchmarks/kernels/moe.py --only prologue` alone on an H100 (RESULTS S37-1, us): one token (1, 8)
+    5.16 against (1, 4) 5.52; two and four tokens (1, 4) 6.15 and 7.10; eight tokens (4, 8) 11.42 against
+    (1, 4) 16.07 (one-row programs: 2304 of them at 8 tokens)."""
+    if tokens == 1:
+        return 1, 8
+    return (1, 4) if tokens < 8 else (4, 8)
 
 
 def layout_blocks(tokens: int, top_k: int, num_experts: int, block_m: int, shared: bool) -> int:

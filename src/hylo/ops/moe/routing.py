@@ -238,7 +238,8 @@ def placed_experts(ids_ptr, i, ok, first_expert, num_experts):
     """(expert numbered from the weights' first, whether the pair is placed) of pairs `i` (`ok`: real
     pairs): a pair is placed when its global expert id lies in [first_expert, first_expert +
     num_experts)."""
-    expert = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32) - first_expert
+    # past this SM's L1: the decode prologue places ids that other programs of its launch stored
+    expert = tl.load(ids_ptr + i, mask=ok, other=0, cache_modifier=".cg").to(tl.int32) - first_expert
     return expert, ok & (expert >= 0) & (expert < num_experts)
 
 
