@@ -105,6 +105,9 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
         # 32-row conv blocks, two gate blocks of d = 32, one warp: three chunks (a full one after the first,
         # state carried twice), three rows in the last
         ([2, 131], torch.float32, 2, 32, 3, dict(conv_rows=32, gate_cols=16, conv_warps=1)),
+        # the recurrence in two 16-column value tiles of a 32-wide head (a rank's few heads may take narrow
+        # tiles for more programs): each tile carries its own columns of the state across two chunks
+        ([70], torch.float32, 1, 32, 5, dict(block_v=16)),
     ],
 )
 def test_prefill_matches_reference(lens, dtype, h, d, seed, tuning):

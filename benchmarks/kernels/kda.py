@@ -4,6 +4,7 @@
 GLM-5.3-Flash shapes: 64 heads, d = 128, bf16 activations, fp32 state. Usage (FLA optional):
 
     PYTHONPATH=src python benchmarks/kernels/kda.py [--quick] [--only prefill|step] [--out DIR]
+    KDA_BENCH_HEADS=8 ... (a TP8 rank's heads; the default is the model's 64)
 
 Prints a table last; writes every figure to DIR/kda.json (default $OUT or ./out). Small launches are
 timed with `do_bench_cudagraph`, prefill with `do_bench`; all medians.
@@ -41,7 +42,8 @@ from hylo.ops.kda import (  # noqa: E402
     rmsnorm,
 )
 
-H, D, W, LB = 64, 128, 4, -5.0
+# KDA_BENCH_HEADS: a rank's heads (8 at TP8, 16 at TP4) in place of GLM-5.3-Flash's 64
+H, D, W, LB = int(os.environ.get("KDA_BENCH_HEADS", "64")), 128, 4, -5.0
 DEV = "cuda"
 if os.environ.get("KDA_BENCH_DRY") == "1":  # a CPU walk-through of the script under TRITON_INTERPRET=1
     H, D, DEV = 2, 16, "cpu"
@@ -125,7 +127,9 @@ PREFILL_VARIANTS = {  # prep settings besides the default (head order, 16-row co
     "gate16": dict(gate_cols=16),
 }
 # the recurrence's own settings were swept in KDA run 4 (3 stages best; 4 need 271 KB of shared memory)
-RECUR_VARIANTS: dict[str, dict] = {}
+# value tiles of 32 and 16 columns: 4x and 8x the programs, for a rank's few heads (8 heads, one sequence: 16
+# programs of 64 columns walk all the chunks on 16 of the GPU's SMs)
+RECUR_VARIANTS: dict[str, dict] = {"bv32": dict(block_v=32), "bv16": dict(block_v=16)}
 # FLA chunk_kda in run S5-12 (benchmarks/RESULTS.md), for --skip-fla: not measured in the same run
 FLA_PREFILL_RECORDED_US = {"T4096": 928.4, "T13312": 2838.0, "varlen2x6656": 2882.0}
 
