@@ -127,8 +127,8 @@ PREFILL_VARIANTS = {  # prep settings besides the default (head order, 16-row co
     "gate16": dict(gate_cols=16),
 }
 # the recurrence's own settings were swept in KDA run 4 (3 stages best; 4 need 271 KB of shared memory)
-# value tiles of 32 and 16 columns: 4x and 8x the programs, for a rank's few heads (8 heads, one sequence: 16
-# programs of 64 columns walk all the chunks on 16 of the GPU's SMs)
+# value tiles of 32 and 16 columns: 2x and 4x the programs, for a rank's few heads (8 heads, one sequence:
+# 16 programs of 64 columns walk all the chunks on 16 of the GPU's SMs)
 RECUR_VARIANTS: dict[str, dict] = {"bv32": dict(block_v=32), "bv16": dict(block_v=16)}
 # FLA chunk_kda in run S5-12 (benchmarks/RESULTS.md), for --skip-fla: not measured in the same run
 FLA_PREFILL_RECORDED_US = {"T4096": 928.4, "T13312": 2838.0, "varlen2x6656": 2882.0}
