@@ -133,17 +133,36 @@ def block_norm(hidden: int, seed: int, dtype=torch.float32) -> BlockNorm:
     return BlockNorm((1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype), 1e-5)
 
 
-@pytest.mark.parametrize(("tokens", "prefill_plan_from"), [(1, kernels.PREFILL_PLAN_FROM), (19, 1)])
-def test_enter_matches_reference(kernels_on_cpu, tokens, prefill_plan_from):
-    """The dispatcher's enter through the kernels, on the decode plan (1 token: post and norm fused) and
-    the prefill plan (post and norm launched apart), against post, pre and RMSNorm of the reference."""
+@pytest.mark.parametrize(
+    ("tokens", "prefill_plan_from", "whole_rows_max"),
+    [(1, kernels.PREFILL_PLAN_FROM, kernels.WHOLE_ROWS_MAX), (19, 1, kernels.WHOLE_ROWS_MAX), (19, 1, 64)],
+)
+def test_enter_matches_reference(kernels_on_cpu, tokens, prefill_plan_from, whole_rows_max):
+    """The dispatcher's enter through the kernels, on the decode plan (1 token: post and norm fused), the
+    prefill entry's plan (post launched apart, the norm fused into whole-row finishing programs) and, for
+    rows wider than those take, the prefill plan (post and norm launched apart), against post, pre and
+    RMSNorm of the reference."""
     kernels_on_cpu.setattr(kernels, "PREFILL_PLAN_FROM", prefill_plan_from)
+    kernels_on_cpu.setattr(kernels, "WHOLE_ROWS_MAX", whole_rows_max)
     streams, out, params, post, comb = hc_case(tokens, 96, seed=7)
     pending, norm = PendingPost(out, post, comb), block_norm(96, seed=7)
     got = mhc_ops.mhc_enter(streams, params, pending, norm)
     ref = reference.mhc_enter(streams, params, pending, norm)
     torch.testing.assert_close(got.streams, ref.streams, **FP32)
     assert_pre_close(got[1:], ref[1:], FP32)
+
+
+def test_entry_plan_fuses_the_norm_of_a_prefill_entry_in_whole_rows():
+    """A prefill entry with its block's norm finishes whole rows (one token a program, the norm fused);
+    without the norm, below PREFILL_PLAN_FROM tokens or past WHOLE_ROWS_MAX dims, the default plan."""
+    start = kernels.PREFILL_PLAN_FROM
+    plan = kernels.entry_plan(start, 4096, with_norm=True)
+    assert (plan.collapse_tokens, plan.collapse_chunk, plan.collapse_k) == (1, 4096, 4096)
+    assert kernels.norm_fusable(plan, 4096) and plan.split == kernels.PREFILL_PLAN.split
+    assert kernels.entry_plan(start, 96, with_norm=True).collapse_k == 128
+    assert kernels.entry_plan(start, 4096, with_norm=False) == kernels.PREFILL_PLAN
+    assert kernels.entry_plan(start, 6144, with_norm=True) == kernels.PREFILL_PLAN
+    assert kernels.entry_plan(start - 1, 4096, with_norm=True) == kernels.DECODE_PLAN
 
 
 @pytest.mark.parametrize(("plan", "hidden"), [("decode", 96), ("whole rows", 48), ("small", 96)])

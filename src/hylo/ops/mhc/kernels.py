@@ -45,7 +45,7 @@ the finish (529 us).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -116,6 +116,22 @@ PREFILL_PLAN_FROM = 2048
 
 def default_plan(tokens: int) -> SplitPlan:
     return PREFILL_PLAN if tokens >= PREFILL_PLAN_FROM else DECODE_PLAN
+
+
+# the widest rows a prefill entry's finishing programs take whole (GLM-5.3-Flash's hidden, the width measured)
+WHOLE_ROWS_MAX = 4096
+
+
+def entry_plan(tokens: int, hidden: int, with_norm: bool) -> SplitPlan:
+    """`mhc_enter`'s plan where none is given: `default_plan`, except that a prefill entry with the block's
+    norm (and rows of at most WHOLE_ROWS_MAX dims) finishes one whole row a program and applies the norm
+    there, one launch and a round trip of the block input fewer: at M = 13312 on an H100 the entry (post,
+    pre, norm) 780 -> 751 us, the prefill plan's 4 launches against 3 (RESULTS S37-4)."""
+    plan = default_plan(tokens)
+    if with_norm and plan is PREFILL_PLAN and hidden <= WHOLE_ROWS_MAX:
+        width = triton.next_power_of_2(hidden)
+        plan = replace(PREFILL_PLAN, collapse_tokens=1, collapse_chunk=width, collapse_k=width)
+    return plan
 
 
 class Partials(NamedTuple):
@@ -573,7 +589,7 @@ def mhc_enter(
     _check("scale", hc.scale, (3,), streams)
     if hc.sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters must be ≥ 1, got {hc.sinkhorn_iters}")
-    plan = plan or default_plan(tokens)
+    plan = plan or entry_plan(tokens, hidden, norm is not None)
     _check_plan(plan)
     if pending is not None:
         _check_pending(pending, tokens, hidden, streams)
