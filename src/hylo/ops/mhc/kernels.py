@@ -96,11 +96,13 @@ DECODE_PLAN = SplitPlan()
 # block, so small blocks read fn three times as often as the streams; blocks of 32 / 128 tokens or 128
 # dims: 701 / 390 / 390 us). With tokens as the rows: 278 us; 128-token blocks 285-289, 8 warps 335,
 # 128-dim steps 273, splits of 512 / 2048 275 / 269 (one run, S6-14). Token-major partials: split-major
-# ones made the previous projection 15 us slower here (not measured since).
+# ones made the previous projection 15 us slower here (not measured since). On an H100 (S37-4, one run):
+# 64-dim steps 359.6, 128-dim 352.2 us, splits of 2048 356.5, 128-token blocks 370.9, 32-token 540.7: the
+# 128-dim steps, faster on both GPUs.
 PREFILL_PLAN = SplitPlan(
     split=1024,
     block_m=64,
-    block_k=64,
+    block_k=128,
     collapse_tokens=4,
     collapse_chunk=1024,
     collapse_k=256,
