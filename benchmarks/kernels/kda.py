@@ -44,9 +44,11 @@ from hylo.ops.kda import (  # noqa: E402
 
 # KDA_BENCH_HEADS: a rank's heads (8 at TP8, 16 at TP4) in place of GLM-5.3-Flash's 64
 H, D, W, LB = int(os.environ.get("KDA_BENCH_HEADS", "64")), 128, 4, -5.0
-DEV = "cuda"
+DEV, ACT = "cuda", torch.bfloat16
 if os.environ.get("KDA_BENCH_DRY") == "1":  # a CPU walk-through of the script under TRITON_INTERPRET=1
-    H, D, DEV = 2, 16, "cpu"
+    # the interpreter's bf16 dot is wrong (numpy has no bf16): the dry run's activations are fp32, or its
+    # parity figures read ~1e12 for kernels that match the reference on the GPU (~4e-3)
+    H, D, DEV, ACT = 2, 16, "cpu", torch.float32
 HD = H * D
 
 
@@ -88,12 +90,12 @@ class Layer:
         self.conv_weight = torch.randn(3 * HD, W, device=DEV, generator=g) * 0.3
         self.dt_bias = torch.randn(HD, device=DEV, generator=g) * 0.5
         self.a_log = torch.randn(H, device=DEV, generator=g) * 0.5
-        self.conv_pool = torch.randn(slots, W - 1, 3 * HD, device=DEV, generator=g).bfloat16()
+        self.conv_pool = torch.randn(slots, W - 1, 3 * HD, device=DEV, generator=g).to(ACT)
         self.state_pool = torch.randn(slots, H, D, D, device=DEV, generator=g) * 0.05
 
     def inputs(self, *lead):
-        r = [torch.randn(*lead, HD, device=DEV, generator=self.gen).bfloat16() for _ in range(4)]
-        return [*r, torch.randn(*lead, H, device=DEV, generator=self.gen).bfloat16()]
+        r = [torch.randn(*lead, HD, device=DEV, generator=self.gen).to(ACT) for _ in range(4)]
+        return [*r, torch.randn(*lead, H, device=DEV, generator=self.gen).to(ACT)]
 
     def params(self) -> KDAParams:
         return KDAParams(self.conv_weight, self.dt_bias, self.a_log, LB)
@@ -282,8 +284,8 @@ def parity_steps() -> None:
         rec(f"parity_verify_T{t}_o", err(o, o_ref))
         rec(f"parity_commit_T{t}_state", err(s, s0))
         rec(f"parity_commit_T{t}_window_exact", bool(torch.equal(c, c0)))
-    o = torch.randn(L(4096), H, D, device=DEV).bfloat16()
-    gate = torch.randn(L(4096), HD, device=DEV).bfloat16()
+    o = torch.randn(L(4096), H, D, device=DEV).to(ACT)
+    gate = torch.randn(L(4096), HD, device=DEV).to(ACT)
     wn = torch.randn(D, device=DEV)
     rec(
         "parity_norm",
