@@ -178,6 +178,10 @@ def mla_decode_sweep(tokens_list: list[int]) -> None:
         rec(f"sweep_T{tokens}_best10", timings[:10])
 
 
+# `sparse_mla_prefill.cu`'s compile-time variants timed beside the default: name -> its macros (none yet)
+CUDA_VARIANTS: dict[str, tuple[str, ...]] = {}
+
+
 def mla_prefill(quick: bool) -> None:
     gen = torch.Generator(device=DEV).manual_seed(2)
     tokens = PREFILL
@@ -195,14 +199,25 @@ def mla_prefill(quick: bool) -> None:
     flops = 4 * tokens * HEADS * (TOPK + 3) * RANK
     sub = slice(0, 256)
     ref = sparse_mla_ref(q[sub].float(), latent.float(), rows[sub].long(), SCALE)
-    configs = [dict(), dict(block_n=64, num_stages=1)]
-    for cfg in configs if not (quick or DRY) else configs[:1]:
-        out = sk.sparse_mla_prefill(q, latent, rows, SCALE, **cfg)
+    # the dispatch's choice (the CUDA kernel where it runs), then the Triton kernel's tiles
+    configs = [dict(), dict(cuda=False), dict(cuda=False, block_n=64, num_stages=1)]
+    if not DRY:
+        rec("prefill_cuda_refusal", str(sk.cuda_prefill.refusal(q, latent, rows)))
+    calls = {str(cfg or "default"): lambda cfg=cfg: sk.sparse_mla_prefill(q, latent, rows, SCALE, **cfg)
+             for cfg in (configs if not (quick or DRY) else configs[:2])}  # fmt: skip
+    if not DRY and sk.cuda_prefill.refusal(q, latent, rows) is None:
+        for name, defines in CUDA_VARIANTS.items():  # the CUDA kernel's compile-time variants
+            library = sk.cuda_prefill.load_library("sm_90a", defines)
+            calls[f"cuda {name}"] = lambda lib=library: sk.cuda_prefill.prefill(
+                q, latent, rows, SCALE, library=lib
+            )
+    for name, call in calls.items():
+        out = call()
         err = rel_err(out[sub], ref)
-        t = bench(lambda cfg=cfg: sk.sparse_mla_prefill(q, latent, rows, SCALE, **cfg), rep=300)
+        t = bench(call, rep=300)
         tflops = flops / (t * 1e-6) / 1e12
         rec(
-            f"prefill_T{tokens}_hylo[{cfg or 'default'}]",
+            f"prefill_T{tokens}_hylo[{name}]",
             {
                 "ms": round(t / 1e3, 3),
                 "TFLOPs": round(tflops, 1),

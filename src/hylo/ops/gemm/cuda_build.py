@@ -1,7 +1,8 @@
 """Compile a CUDA C++ source into a shared library with the machine's `nvcc`, once, cached on disk.
 
 `build(source, arch)` returns the path of `<cache>/<stem>_<key>.so`, compiling it first if it is not
-there. The key hashes the source, `nvcc --version`, the arch, the flags and any `-D` defines (a benchmark
+there. The key hashes the source with the headers it includes by a quoted relative path (`hopper.cuh`),
+`nvcc --version`, the arch, the flags and any `-D` defines (a benchmark
 builds variants of a kernel that way), so a changed kernel, another
 toolkit or another GPU generation gets its own library and a stale one is never loaded. Compilation runs
 under an exclusive lock on a file in the cache directory (two processes starting together compile once:
@@ -12,18 +13,27 @@ a reader never sees half a library. No `torch.utils.cpp_extension` and no ninja:
 
 The cache is `$HYLO_CACHE/kernels` when `HYLO_CACHE` is set, else `~/.cache/hylo/kernels`. `nvcc` is the
 one on PATH, else `$CUDA_HOME/bin/nvcc`.
+
+`CheckedLibrary` keeps, per GPU, whether such a library may run there: hylo's CUDA kernels are written on
+machines without a GPU, so each is checked once on a GPU before its first call there and refused for the
+process where it fails (the GEMV of `gemv_cuda`, the sparse MLA prefill of `sparse_mla.cuda_prefill`).
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger("hylo")
 
@@ -61,6 +71,24 @@ def nvcc_version(nvcc: str) -> str:
     return done.stdout.strip()
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path, seen: frozenset[Path] = frozenset()) -> bytes:
+    """`source` followed by every header it includes by a quoted path (resolved beside it, recursively,
+    each once): what the library's contents depend on besides the toolkit and the flags."""
+    text = source.read_bytes()
+    parts, seen = [text], seen | {source.resolve()}
+    for name in _LOCAL_INCLUDE.findall(text):
+        header = (source.parent / name.decode()).resolve()
+        if header not in seen:
+            if not header.is_file():
+                raise BuildError(f"{source.name} includes {name.decode()}, which is not at {header}")
+            parts.append(source_bytes(header, seen))
+            seen |= {header}
+    return b"\0".join(parts)
+
+
 def cache_key(source: bytes, version: str, arch: str, defines: tuple[str, ...] = ()) -> str:
     """16 hex digits of the hash of everything the library's contents depend on."""
     digest = hashlib.sha256()
@@ -85,7 +113,7 @@ def build(source: Path, arch: str, what: str, defines: tuple[str, ...] = ()) -> 
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("no nvcc on PATH or under $CUDA_HOME/bin")
-    text = source.read_bytes()
+    text = source_bytes(source)
     directory = cache_dir()
     library = directory / f"{source.stem}_{cache_key(text, nvcc_version(nvcc), arch, defines)}.so"
     if library.exists():
@@ -120,3 +148,83 @@ def _compile(nvcc: str, source: Path, arch: str, library: Path, what: str, defin
     finally:
         partial.unlink(missing_ok=True)
     logger.info("built %s (%s) in %.1f s: %s", what, arch, time.perf_counter() - start, library)
+
+
+def hopper_arch(capability: tuple[int, int]) -> str | None:
+    """nvcc's name of the Hopper GPU the kernels are built for (`sm_90a`: clusters, wgmma, TMA), else None."""
+    return "sm_90a" if capability[0] == 9 else None
+
+
+def checked_library(
+    what: str,
+    switch: str,
+    load_library: Callable[[str], object],
+    check: Callable[[object, torch.device], str | None],
+    fallback: str,
+) -> CheckedLibrary:
+    """A `CheckedLibrary` over `load_library(arch)`, which raises `BuildError` or OSError where the library
+    cannot be had: the failure is kept per arch and logged once as "<reason>; <fallback>" (`fallback` says
+    what runs instead), as is a failed check."""
+
+    def give_up(reason: str) -> str:
+        logger.warning("%s; %s", reason, fallback)
+        return reason
+
+    @functools.cache
+    def load(arch: str) -> object:
+        try:
+            return load_library(arch)
+        except (BuildError, OSError) as e:
+            return give_up(f"{what} could not be built or loaded: {e}")
+
+    return CheckedLibrary(what, switch, load, check, give_up)
+
+
+class CheckedLibrary:
+    """A Hopper library built at first use and checked once on each GPU before its first call there.
+
+    `load(arch)` returns the loaded library or why there is none; `check(library, device)` returns None or
+    why it failed there; `give_up(reason)` logs a failure and returns the reason to keep. Per device index,
+    `ready` holds the library that passed and `failed` why it is off for the process. `switch`, an
+    environment variable read at every call, turns it off with "0". The check needs an eager call: a
+    GPU's first call inside a CUDA graph capture is refused for that call only."""
+
+    def __init__(
+        self,
+        what: str,
+        switch: str,
+        load: Callable[[str], object],
+        check: Callable[[object, torch.device], str | None],
+        give_up: Callable[[str], str],
+    ):
+        self.what, self.switch = what, switch
+        self._load, self._check, self._give_up = load, check, give_up
+        self.ready: dict[int, object] = {}
+        self.failed: dict[int, str] = {}
+
+    def refusal(self, device: torch.device) -> str | None:
+        """Why the library is off on `device` (None: on), building and checking it there first if need be."""
+        if os.environ.get(self.switch, "1") == "0":
+            return f"{self.switch}=0"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index in self.ready:
+            return None
+        if index in self.failed:
+            return self.failed[index]
+        capability = torch.cuda.get_device_capability(index)
+        arch = hopper_arch(capability)
+        if arch is None:
+            return (
+                f"{self.what} is built for Hopper (sm_90a); GPU {index} is sm_{capability[0]}{capability[1]}"
+            )
+        library = self._load(arch)
+        if isinstance(library, str):
+            return library
+        if torch.cuda.is_current_stream_capturing():
+            return f"{self.what} is checked at a GPU's first eager call; GPU {index}'s came inside a capture"
+        failure = self._check(library, torch.device("cuda", index))
+        if failure is not None:
+            self.failed[index] = self._give_up(f"{self.what} failed its check on GPU {index}: {failure}")
+            return self.failed[index]
+        self.ready[index] = library
+        return None
