@@ -244,6 +244,8 @@ def test_parallel_settings_are_checked(random_model):
         EngineConfig(dist_init_addr="nohost")
     with pytest.raises(ValueError, match="node_rank"):
         EngineConfig(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1")
+    with pytest.raises(ValueError, match=r"sequence_parallel_tokens must be an int >= 0, got -1"):
+        EngineConfig(tp_size=2, sequence_parallel_tokens=-1)
     config = ModelConfig.from_dir(random_model)
     with pytest.raises(ValueError, match=r"linear_num_heads \(4\) must be divisible by tp_size \(3\)"):
         Glm5NextForCausalLM(config, Parallel(0, 3, 1))
