@@ -162,7 +162,12 @@ def test_two_ranks_speculative_equal_one(tmp_path):
         ]
     )
     for spec in (
-        dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(DEMO_DRAFTS["dflash2"])),
+        # prefill steps split by token (the target's features gathered for the draft)
+        dict(
+            speculative_algorithm="DFLASH",
+            speculative_draft_model_path=str(DEMO_DRAFTS["dflash2"]),
+            sequence_parallel_tokens=8,
+        ),
         dict(speculative_algorithm="MTP", speculative_num_steps=3),
         dict(
             speculative_algorithm="DFLASH",

@@ -142,19 +142,19 @@ class Glm5NextForCausalLM(nn.Module):
         captured, records = [], {}
         last = len(self.layers) - 1
         # the last layer's mean of the logits' tokens alone, unless its features are captured (all tokens)
-        # or the streams are split by token (each rank's mean of its tokens, gathered)
-        logits_rows = None if last in capture_layers or shards is not None else batch.logits_index
+        logits_rows = None if last in capture_layers else batch.logits_index
         for i, layer in enumerate(self.layers):
             streams, rows, pending, record = layer(streams, batch, rows, pending, shards)
             if record is not None:
                 records[i] = record
-            if i == last:  # only the streams' mean is read after the last layer
+            if i == last and shards is not None and logits_rows is not None:
+                mean = self._sharded_rows_mean(pending, streams, logits_rows, shards)
+            elif i == last:  # only the streams' mean is read after the last layer
                 mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb, logits_rows)
+                mean = self._whole(mean, shards)
             elif i in capture_layers:  # these need the streams complete
                 streams, pending = mhc_post(pending.out, streams, pending.post, pending.comb), None
-                mean = streams.mean(dim=1)
-            if shards is not None and (i == last or i in capture_layers):
-                mean = self.parallel.all_gather_rows(mean, shards)
+                mean = self._whole(streams.mean(dim=1), shards)
             if i in capture_layers:
                 captured.append(mean)
         features = None
@@ -162,6 +162,23 @@ class Glm5NextForCausalLM(nn.Module):
             features = captured[0] if len(captured) == 1 else torch.cat(captured, dim=-1)
         hidden = self.norm(mean if logits_rows is not None else mean[batch.logits_index])
         return ForwardOutput(self.lm_head(hidden).float(), features, records)
+
+    def _whole(self, x: torch.Tensor, shards: TokenShards | None) -> torch.Tensor:
+        """`x [local, ...]` of this rank's tokens gathered to every token's (as it is when not split)."""
+        return x if shards is None else self.parallel.all_gather_rows(x, shards)
+
+    def _sharded_rows_mean(
+        self, pending: PendingPost, streams: torch.Tensor, rows: torch.Tensor, shards: TokenShards
+    ) -> torch.Tensor:
+        """The new streams' mean at the tokens `rows [R]` where each rank holds its share of the tokens:
+        each rank takes the rows it holds, zeros for the others', and an all-reduce of `[R, D]` adds them
+        (each row is nonzero on one rank: the sum is that row exactly, on every rank) instead of
+        gathering every token's mean."""
+        local = rows - shards.rank * shards.local
+        mine = (local >= 0) & (local < shards.local)
+        local = local.clamp(0, shards.local - 1)
+        mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb, local)
+        return self.parallel.all_reduce(mean.masked_fill(~mine[:, None], 0))
 
     @torch.inference_mode()
     def commit(self, batch: ForwardBatch, records: dict[int, VerifyCache], lengths: torch.Tensor) -> None:
