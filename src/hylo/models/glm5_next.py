@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
         completed here: all-reduced, or with `shards` (the streams hold this rank's tokens alone,
         `Parallel.token_shards`) reduce-scattered by token, the block's input gathered whole first."""
         streams, post, comb, x = self.attn_hc.enter(streams, pending, _block_norm(self.input_layernorm))
-        x = self._whole(x, shards)
+        x = self.parallel.whole(x, shards)
         record = None
         if self.is_linear:
             (out, record), rows = self.self_attn(x, batch), None
@@ -93,19 +93,11 @@ class DecoderLayer(nn.Module):
             out, rows = self.self_attn(x, batch, rows)
         entry = self.ffn_hc.enter(
             streams,
-            PendingPost(self._complete(out, shards), post, comb),
+            PendingPost(self.parallel.complete(out, shards), post, comb),
             _block_norm(self.post_attention_layernorm),
         )
-        out = self._complete(self.mlp(self._whole(entry.block_input, shards)), shards)
+        out = self.parallel.complete(self.mlp(self.parallel.whole(entry.block_input, shards)), shards)
         return LayerOutput(entry.streams, rows, PendingPost(out, entry.post, entry.comb), record)
-
-    def _whole(self, x: torch.Tensor, shards: TokenShards | None) -> torch.Tensor:
-        return x if shards is None else self.parallel.all_gather_rows(x, shards)
-
-    def _complete(self, partial: torch.Tensor, shards: TokenShards | None) -> torch.Tensor:
-        if shards is None:
-            return self.parallel.all_reduce(partial)
-        return self.parallel.reduce_scatter_rows(partial, shards)
 
 
 def _block_norm(norm: RMSNorm) -> BlockNorm:
@@ -151,10 +143,10 @@ class Glm5NextForCausalLM(nn.Module):
                 mean = self._sharded_rows_mean(pending, streams, logits_rows, shards)
             elif i == last:  # only the streams' mean is read after the last layer
                 mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb, logits_rows)
-                mean = self._whole(mean, shards)
+                mean = self.parallel.whole(mean, shards)
             elif i in capture_layers:  # these need the streams complete
                 streams, pending = mhc_post(pending.out, streams, pending.post, pending.comb), None
-                mean = self._whole(streams.mean(dim=1), shards)
+                mean = self.parallel.whole(streams.mean(dim=1), shards)
             if i in capture_layers:
                 captured.append(mean)
         features = None
@@ -162,10 +154,6 @@ class Glm5NextForCausalLM(nn.Module):
             features = captured[0] if len(captured) == 1 else torch.cat(captured, dim=-1)
         hidden = self.norm(mean if logits_rows is not None else mean[batch.logits_index])
         return ForwardOutput(self.lm_head(hidden).float(), features, records)
-
-    def _whole(self, x: torch.Tensor, shards: TokenShards | None) -> torch.Tensor:
-        """`x [local, ...]` of this rank's tokens gathered to every token's (as it is when not split)."""
-        return x if shards is None else self.parallel.all_gather_rows(x, shards)
 
     def _sharded_rows_mean(
         self, pending: PendingPost, streams: torch.Tensor, rows: torch.Tensor, shards: TokenShards

@@ -52,9 +52,9 @@ class StandInCollectives:
     """A local stand-in for the device collectives of one rank measured alone (no other rank exists):
     an all-reduce leaves the rank's partial sum as it is, an all-gather writes the rank's part into
     every rank's place (one copy: the output has the real shape and bytes), a reduce-scatter keeps the
-    rank's rows of its partial sum. Each call is appended to
-    `calls` when it is issued; in a CUDA graph that is once, at capture. The results are not the real
-    engine's, so a rank built on it serves timings, never tokens anyone reads."""
+    rank's rows of its partial sum. Each call is appended to `calls` when it is issued; in a CUDA graph
+    that is once, at capture. The results are not the real engine's, so a rank built on it serves
+    timings, never tokens anyone reads."""
 
     calls: list[CollectiveCall] = field(default_factory=list)
 
@@ -155,6 +155,15 @@ class Parallel:
         else:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def complete(self, partial: torch.Tensor, shards: TokenShards | None) -> torch.Tensor:
+        """A row-parallel block's `partial [tokens, ...]` summed over the ranks: every token's
+        (all-reduce), or with `shards` this rank's tokens' (reduce-scatter)."""
+        return self.all_reduce(partial) if shards is None else self.reduce_scatter_rows(partial, shards)
+
+    def whole(self, x: torch.Tensor, shards: TokenShards | None) -> torch.Tensor:
+        """`x` of every token: as it is, or with `shards` this rank's tokens' rows gathered."""
+        return x if shards is None else self.all_gather_rows(x, shards)
 
     def token_shards(self, tokens: int) -> TokenShards | None:
         """How a step of `tokens` tokens splits its streams, or None (kept whole: one rank, sequence
