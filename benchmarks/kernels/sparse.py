@@ -178,6 +178,15 @@ def mla_decode_sweep(tokens_list: list[int]) -> None:
         rec(f"sweep_T{tokens}_best10", timings[:10])
 
 
+# `sparse_mla_prefill.cu`'s variants timed beside the default (its macros)
+CUDA_VARIANTS = {
+    "rescale every block": ("HYLO_SPARSE_MLA_RESCALE_SLACK=0.0f",),
+    # bounds, not kernels (their outputs are wrong): the gather alone, the math alone on stale slots
+    "probe: gather only": ("HYLO_SPARSE_MLA_PROBE=1",),
+    "probe: math only": ("HYLO_SPARSE_MLA_PROBE=2",),
+}
+
+
 def mla_prefill(quick: bool) -> None:
     gen = torch.Generator(device=DEV).manual_seed(2)
     tokens = PREFILL
@@ -201,6 +210,12 @@ def mla_prefill(quick: bool) -> None:
         rec("prefill_cuda_refusal", str(sk.cuda_prefill.refusal(q, latent, rows)))
     calls = {str(cfg or "default"): lambda cfg=cfg: sk.sparse_mla_prefill(q, latent, rows, SCALE, **cfg)
              for cfg in (configs if not (quick or DRY) else configs[:2])}  # fmt: skip
+    if not DRY and sk.cuda_prefill.refusal(q, latent, rows) is None:
+        for name, defines in CUDA_VARIANTS.items():  # the CUDA kernel's compile-time variants
+            library = sk.cuda_prefill.load_library("sm_90a", defines)
+            calls[f"cuda {name}"] = lambda lib=library: sk.cuda_prefill.prefill(
+                q, latent, rows, SCALE, library=lib
+            )
     for name, call in calls.items():
         out = call()
         err = rel_err(out[sub], ref)

@@ -16,7 +16,7 @@ one on PATH, else `$CUDA_HOME/bin/nvcc`.
 
 `CheckedLibrary` keeps, per GPU, whether such a library may run there: hylo's CUDA kernels are written on
 machines without a GPU, so each is checked once on a GPU before its first call there and refused for the
-process where it fails (the GEMV of `gemv_cuda`, the sparse MLA prefill of `sparse_mla.cuda_prefill`).
+process where it fails (the GEMV of `gemv_cuda`, the MoE's grouped GEMMs of `moe.grouped_cuda`).
 """
 
 from __future__ import annotations
@@ -148,6 +148,10 @@ def _compile(nvcc: str, source: Path, arch: str, library: Path, what: str, defin
     finally:
         partial.unlink(missing_ok=True)
     logger.info("built %s (%s) in %.1f s: %s", what, arch, time.perf_counter() - start, library)
+    # e.g. C7518: one wgmma in a branch ptxas cannot prove uniform serialises every wgmma of the kernel
+    for line in done.stderr.splitlines():
+        if "Performance Loss" in line:
+            logger.warning("%s (%s): ptxas: %s", what, arch, line.strip())
 
 
 def hopper_arch(capability: tuple[int, int]) -> str | None:

@@ -34,9 +34,10 @@ LOG2E = 1.4426950408889634
 
 
 @cache
-def load_library(arch: str = "sm_90a") -> ctypes.CDLL:
-    """The built and loaded library; raises `cuda_build.BuildError` or OSError."""
-    library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL)))
+def load_library(arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The built and loaded library (`defines`: `sparse_mla_prefill.cu`'s `HYLO_SPARSE_MLA_*` macros of a
+    variant); raises `cuda_build.BuildError` or OSError."""
+    library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL, defines)))
     library.hylo_sparse_mla_prefill.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_longlong
     library.hylo_sparse_mla_prefill.argtypes = [
@@ -95,12 +96,13 @@ def prefill(
     rows: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    library: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """Attention of `q_latent [T, H, 512]` over `latent[rows[t]]` (see `reference.sparse_mla`; a token
     without rows gets zeros), bf16, into `out` (rows of 512 contiguous) or a new tensor; safe where
     `refusal` is None."""
     out = torch.empty_like(q_latent) if out is None else out
-    _launch(_CHECKED.ready[q_latent.device.index], q_latent, latent, rows, scale, out)
+    _launch(library or _CHECKED.ready[q_latent.device.index], q_latent, latent, rows, scale, out)
     return out
 
 
