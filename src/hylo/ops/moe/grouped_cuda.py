@@ -1,0 +1,248 @@
+"""The MoE's FP8 grouped GEMMs in CUDA C++ for prefill-sized batches (`grouped_fp8.cu`, Hopper).
+
+`grouped_fp8.cu` says why they exist and how they are shaped (two 64-row blocks of the alignment a CTA,
+one weight tile in shared memory for both where they share an expert, a TMA producer warpgroup and two
+wgmma consumer warpgroups). Here: when they may run (`refusal`), how they are built, loaded and checked,
+and the launches (`gate_up`, `down`), which compute what `kernels._gate_up_tma_kernel` and
+`kernels._down_tma_kernel` compute, on the same operands.
+
+Built at first use on the GPU machine by `gemm.cuda_build` (the kernel cache, nvcc of the machine,
+`sm_90a`) and loaded with `ctypes`. Before a GPU's first call the library is checked there once against
+float64 products of the same e4m3 operands (`_self_check`: pairs of one expert and of two, a lone last
+block, padding rows): the kernels were written on a machine without a GPU, so a library that fails (or
+does not build, or a GPU that is not Hopper) is refused for the process with one warning, and the
+Triton kernels run. The check needs an eager call (hylo's engine warms every graph up eagerly before
+capturing it). A call launches on the current stream with raw pointers, allocates only its output and
+does not synchronise (capture-safe); the TMA descriptors are encoded on the host at every call (they
+hold the operands' addresses). `HYLO_MOE_CUDA=0` turns the kernels off (read at every call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from hylo.ops.fp8 import FP8_BLOCK
+from hylo.ops.gemm import cuda_build
+from hylo.ops.moe.routing import Alignment, align
+
+logger = logging.getLogger("hylo")
+
+SOURCE = Path(__file__).with_name("grouped_fp8.cu")
+SWITCH = "HYLO_MOE_CUDA"
+KERNEL = "the CUDA grouped FP8 GEMMs"
+BLOCK_M = 64  # the alignment's rows a block (one consumer warpgroup's wgmma M)
+
+_READY: dict[int, ctypes.CDLL] = {}  # device index -> library that passed its check there
+_FAILED: dict[int, str] = {}  # device index -> why the kernels are off there for this process
+
+
+@cache
+def load_library(arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The built and loaded library (`defines`: `grouped_fp8.cu`'s `HYLO_GROUPED_*` macros of a variant);
+    raises `cuda_build.BuildError` or OSError."""
+    library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL, defines)))
+    library.hylo_grouped_gemm.restype = ctypes.c_int
+    pointer, size = ctypes.c_void_p, ctypes.c_longlong
+    library.hylo_grouped_gemm.argtypes = [
+        ctypes.c_int, pointer, size, size, pointer, size, size, pointer, size, pointer, size, size,
+        pointer, pointer, pointer, pointer, pointer, size, pointer, size, ctypes.c_float, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, pointer,
+]  # fmt: skip
+    return library
+
+
+def device_refusal(device: torch.device) -> str | None:
+    """Why the kernels are off on `device` (None: on), building and checking them there first if need be."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"{SWITCH}=0"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _READY:
+        return None
+    if index in _FAILED:
+        return _FAILED[index]
+    major, minor = torch.cuda.get_device_capability(index)
+    if major != 9:
+        return f"{KERNEL} are built for Hopper (sm_90a); GPU {index} is sm_{major}{minor}"
+    if torch.cuda.is_current_stream_capturing():
+        return f"{KERNEL} are checked on a GPU at its first eager call; GPU {index}'s came inside a capture"
+    try:
+        library = load_library()
+        failure = _self_check(library, torch.device("cuda", index))
+    except (cuda_build.BuildError, OSError) as e:
+        failure = f"not available: {e}"
+    if failure is not None:
+        _FAILED[index] = f"{KERNEL} failed on GPU {index}: {failure}"
+        logger.warning("%s; the MoE prefill runs the Triton kernels", _FAILED[index])
+        return _FAILED[index]
+    _READY[index] = library
+    return None
+
+
+def refusal(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, layout: Alignment) -> str | None:
+    """Why `gate_up` or `down` cannot take rows `a [slots, K]` and experts `weight [E, rows, K]` with
+    `scale [E, rows/128, K/128]` (None: they can; builds and checks the kernels on a first call)."""
+    if not a.is_cuda:
+        return "the rows are not on a CUDA device"
+    if a.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
+        return f"rows {a.dtype} and weights {weight.dtype} must both be e4m3"
+    experts, rows, k = weight.shape
+    if rows % FP8_BLOCK or k % FP8_BLOCK:
+        return f"weights [{experts}, {rows}, {k}]: rows and K must be multiples of {FP8_BLOCK}"
+    if layout.block_m != BLOCK_M:
+        return f"the alignment's blocks are {layout.block_m} rows; the kernel takes {BLOCK_M}"
+    if not weight.is_contiguous() or a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16:
+        return "the weights must be contiguous and the rows 16-byte aligned"
+    if a.shape[1] != k or scale.shape != (experts, rows // FP8_BLOCK, k // FP8_BLOCK) or scale.stride(2) != 1:
+        return f"rows {tuple(a.shape)}, scale {tuple(scale.shape)} do not match weights {tuple(weight.shape)}"
+    return device_refusal(a.device)
+
+
+def _launch(
+    library, gate_up: bool, a, a_scale, weight, scale, layout, pair_weight, out, out_scale, limit
+) -> None:
+    experts, rows, k = weight.shape
+    n = rows // 2 if gate_up else rows
+    error = library.hylo_grouped_gemm(
+        int(gate_up), a.data_ptr(), a.stride(0), a.shape[0], weight.data_ptr(), rows, experts,
+        a_scale.data_ptr(), a_scale.stride(0), scale.data_ptr(), scale.stride(0), scale.stride(1),
+        layout.block_expert.data_ptr(), layout.block_rows.data_ptr(), layout.pairs.data_ptr(),
+        pair_weight.data_ptr(), out.data_ptr(), out.stride(0), out_scale.data_ptr(), out_scale.stride(0),
+        float(limit), layout.block_expert.numel(), n, k, torch.cuda.current_stream(a.device).cuda_stream,
+    )  # fmt: skip
+    if error:
+        raise RuntimeError(
+            f"{KERNEL}: launch failed with code {error} (rows {rows}, K {k}, gate_up {gate_up})"
+        )
+
+
+def gate_up(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    layout: Alignment,
+    limit: float,
+    library: ctypes.CDLL | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SwiGLU rows h (e4m3, `[slots, I]`) and their group scales of x already in slot order
+    (`kernels.gather_rows`), as `kernels._gate_up_tma_kernel` writes them; safe where `refusal` is None."""
+    intermediate = weight.shape[1] // 2
+    h = torch.empty(x.shape[0], intermediate, dtype=torch.float8_e4m3fn, device=x.device)
+    h_scale = torch.empty(x.shape[0], intermediate // FP8_BLOCK, dtype=torch.float32, device=x.device)
+    _launch(
+        library or _READY[x.device.index], True, x, x_scale, weight, scale, layout, x_scale, h, h_scale, limit
+    )
+    return h, h_scale
+
+
+def down(
+    h: torch.Tensor,
+    h_scale: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    layout: Alignment,
+    weights: torch.Tensor,
+    routed: torch.Tensor,
+    library: ctypes.CDLL | None = None,
+) -> torch.Tensor:
+    """Each pair's weighted expert output into `routed [T·k, D]` (bf16), as `kernels._down_tma` writes it;
+    safe where `refusal` is None. `weights` are the pairs' routing weights (fp32, contiguous)."""
+    pair_weight = weights.float().contiguous()
+    _launch(
+        library or _READY[h.device.index],
+        False,
+        h,
+        h_scale,
+        weight,
+        scale,
+        layout,
+        pair_weight,
+        routed,
+        h_scale,
+        0.0,
+    )
+    return routed
+
+
+def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
+    """Both kernels on a small routed problem against float64 products of the same e4m3 operands: 5
+    experts of 256 × 384 (gate|up 2 × 256 rows), 300 pairs routed so that expert 0 holds three blocks
+    (a pair of one expert, then one of two), the others one each (padding rows), and the last real block is
+    alone. gate|up: h within one e4m3 step of the exact SwiGLU (the kernel's exp may round otherwise);
+    down: within a bf16 rounding plus fp32 sums of the exact product of its h. The first failure, or
+    None."""
+    generator = torch.Generator(device=device).manual_seed(1234)
+    experts, hidden, intermediate, top_k, limit = 5, 384, 256, 2, 7.0
+    ids = torch.cat([torch.zeros(150, 1), torch.randint(1, experts, (150, 1), generator=generator,
+                                                        device=device).float()], 1)  # fmt: skip
+    ids = ids.to(device).int()
+    layout = align(ids, experts, BLOCK_M)
+    slots = layout.pairs.numel()
+    token = (layout.pairs.long() // top_k).clamp(0, 149)
+    x = torch.randn(150, hidden, generator=generator, device=device)
+    x_scale = x.abs().view(150, -1, FP8_BLOCK).amax(2) / 448
+    xq = (x / x_scale.repeat_interleave(FP8_BLOCK, 1)).to(torch.float8_e4m3fn)
+    a, a_scale = xq[token].contiguous(), x_scale[token].contiguous()
+    w_gu = (torch.randn(experts, 2 * intermediate, hidden, generator=generator, device=device) * 16).clamp(
+        -448, 448
+    )
+    w_gu = w_gu.to(torch.float8_e4m3fn)
+    s_gu = torch.rand(experts, 2 * intermediate // FP8_BLOCK, hidden // FP8_BLOCK, generator=generator,
+                      device=device) * hidden**-0.5 / 16  # fmt: skip
+    w_dn = (torch.randn(experts, hidden, intermediate, generator=generator, device=device) * 16).clamp(
+        -448, 448
+    )
+    w_dn = w_dn.to(torch.float8_e4m3fn)
+    s_dn = torch.rand(experts, hidden // FP8_BLOCK, intermediate // FP8_BLOCK, generator=generator,
+                      device=device) * intermediate**-0.5 / 16  # fmt: skip
+    h = torch.empty(slots, intermediate, dtype=torch.float8_e4m3fn, device=device)
+    h_scale = torch.empty(slots, intermediate // FP8_BLOCK, dtype=torch.float32, device=device)
+    try:
+        _launch(library, True, a, a_scale, w_gu, s_gu, layout, a_scale, h, h_scale, limit)
+        weights = torch.rand(300, generator=generator, device=device)
+        routed = torch.zeros(300, hidden, dtype=torch.bfloat16, device=device)
+        _launch(library, False, h, h_scale, w_dn, s_dn, layout, weights, routed, h_scale, 0.0)
+        torch.cuda.synchronize(device)
+    except RuntimeError as e:
+        return str(e)
+    got_h, w_gu64, w_dn64 = (
+        _dequant_rows(h, h_scale),
+        _dequant_weights(w_gu, s_gu),
+        _dequant_weights(w_dn, s_dn),
+    )
+    for block, (expert, rows) in enumerate(
+        zip(layout.block_expert.tolist(), layout.block_rows.tolist(), strict=True)
+    ):
+        if expert < 0:
+            continue
+        mine = slice(block * BLOCK_M, block * BLOCK_M + rows)
+        gate_up = _dequant_rows(a[mine], a_scale[mine]) @ w_gu64[expert].t()
+        gate, up = gate_up[:, :intermediate].clamp(max=limit), gate_up[:, intermediate:].clamp(-limit, limit)
+        exact_h = gate * torch.sigmoid(gate) * up
+        step = exact_h.abs().view(rows, -1, FP8_BLOCK).amax(2).repeat_interleave(FP8_BLOCK, 1) / 8
+        if not ((got_h[mine] - exact_h).abs() <= step).all():
+            return (
+                f"gate|up, block {block} (expert {expert}): h off the exact SwiGLU by more than an e4m3 step"
+            )
+        pair = layout.pairs[mine].long()
+        exact = (got_h[mine] @ w_dn64[expert].t()) * weights.double()[pair, None]
+        error = (routed.double()[pair] - exact).abs()
+        bound = 2.0**-8 * exact.abs() + 2.0**-20 * exact.abs().amax()
+        if not (error <= bound).all():
+            worst = float((error / bound).max())
+            return f"down, block {block} (expert {expert}): off the exact product by {worst:.3g}x its bound"
+    return None
+
+
+def _dequant_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.double() * scale.double().repeat_interleave(FP8_BLOCK, 1)
+
+
+def _dequant_weights(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.double() * scale.double().repeat_interleave(FP8_BLOCK, 1).repeat_interleave(FP8_BLOCK, 2)

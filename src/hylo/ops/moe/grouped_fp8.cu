@@ -1,0 +1,438 @@
+// The MoE's FP8 down GEMM for prefill-sized batches on Hopper (sm_90a): per row block of the routing's
+// alignment, out[pair] = bf16(w_pair · Σ_kb (h[slot, kb] · W_e[:, kb]ᵀ) · sa[slot, kb] · sb[e, n/128, kb]),
+// e4m3 h and W, fp32 block scales, one 128-deep scale block per K step. Built and loaded by
+// `grouped_cuda.py`; the Triton TMA kernel (`kernels._down_tma_kernel`) computes the same sums and stays
+// the fallback.
+//
+// Why a kernel of its own: the Triton kernel (64-row blocks, one warpgroup a tile) is bound by L2 → SM
+// traffic (Nsight, RESULTS S7-14: L2 throughput 81%, tensor pipe ~44%), three quarters of it weights: every
+// 64-row block pulls its expert's weight tile through L2 for itself. Here one CTA takes two neighbouring
+// 64-row blocks of the alignment (a "pair"); when both belong to the same expert (most pairs: an expert
+// holds ~6 blocks at 13K tokens) one weight tile in shared memory serves 128 rows, halving the weight
+// traffic per row. The alignment stays the 64-row one (128-row alignment padded 22% more rows, S7-11).
+//
+// CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread issues TMA loads of each K step's
+// activation rows (64 per block) and weight tile (128 columns × 128 deep) into a ring of STAGES slots,
+// each guarded by a full and an empty mbarrier. Warpgroups 1 and 2 are the consumers, one per block of the
+// pair: per K step four `wgmma.m64n128k32` e4m3 products into a fresh fp32 tile, then that tile scaled by
+// the rows' and the weights' scales and added to the running sum (DeepSeek-V3's promotion, the order the
+// Triton kernel sums in). When the pair's blocks belong to different experts, the ring carries block 0's K
+// steps and then block 1's, each with its own expert's weights, and each consumer works on its own half of
+// the sequence (it still waits and releases every slot, so both walk the ring in step).
+//
+// Shared memory: 1024-aligned slots of [A0 64×128 | A1 64×128 | B 128×128] bytes, TMA's 128-byte swizzle,
+// which is the layout wgmma's K-major descriptors read (8-row atoms 1024 bytes apart; a 32-deep K step
+// advances the start address by 32 bytes inside the atom).
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+#include <stdint.h>
+
+#ifndef HYLO_GROUPED_STAGES
+#define HYLO_GROUPED_STAGES 5
+#endif
+#ifndef HYLO_GROUPED_GATE_UP_STAGES
+#define HYLO_GROUPED_GATE_UP_STAGES 4
+#endif
+#ifndef HYLO_GROUPED_PERSISTENT
+#define HYLO_GROUPED_PERSISTENT 0  // 1: one CTA a SM walks the tiles
+#endif
+#ifndef HYLO_GROUPED_GROUP
+#define HYLO_GROUPED_GROUP 8  // pairs that sweep the column tiles together (their weight tiles stay in L2)
+#endif
+
+namespace {
+
+constexpr int kBlockM = 64;     // rows of an alignment block (a consumer's wgmma M)
+constexpr int kBlockN = 128;    // output columns of a CTA (one weight scale block)
+constexpr int kBlockK = 128;    // K step = one scale block = one 128-byte swizzle row of e4m3
+constexpr int kStages = HYLO_GROUPED_STAGES;
+constexpr int kGateUpStages = HYLO_GROUPED_GATE_UP_STAGES;
+constexpr int kGroup = HYLO_GROUPED_GROUP;
+constexpr bool kPersistent = HYLO_GROUPED_PERSISTENT;
+constexpr int kABytes = kBlockM * kBlockK;  // 8 KB
+constexpr int kBBytes = kBlockN * kBlockK;  // 16 KB
+constexpr int smem_bytes(int stages, int tiles) {  // the ring, its barriers, alignment slack
+    return stages * (2 * kABytes + tiles * kBBytes) + 2 * stages * 8 + 1024;
+}
+constexpr int kConsumerWarps = 8;
+
+struct Args {
+    const float* a_scale;        // [slots, K/128]: the rows' group scales
+    const float* w_scale;        // [E, rows/128, K/128]
+    const int* block_expert;     // [num_blocks]
+    const int* block_rows;       // [num_blocks]
+    const int* pairs;            // [num_blocks * 64] (down)
+    const float* pair_weight;    // [pairs] (down)
+    void* out;                   // down: bf16 [pairs, N]; gate|up: e4m3 h [slots, N]
+    float* out_scale;            // gate|up: h's group scales [slots, N/128]
+    long long a_scale_stride;    // elements between rows of a_scale
+    long long w_scale_expert;    // elements between experts of w_scale
+    long long w_scale_row;       // elements between 128-row blocks of w_scale
+    long long out_stride;        // elements between rows of out
+    long long out_scale_stride;  // elements between rows of out_scale
+    float limit;                 // gate|up: the SwiGLU clamp
+    int num_blocks;
+    int n;                       // output columns (gate|up: the intermediate I); a multiple of 128
+    int k_steps;                 // K / 128
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void bar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void bar_wait(uint64_t* bar, int parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(smem_u32(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void bar_expect(uint64_t* bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int inner, int outer, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(smem_u32(bar))
+        : "memory");
+}
+
+// wgmma's shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle: start address,
+// stride between 8-row atoms 1024 bytes (the leading offset is unused by this layout).
+__device__ __forceinline__ uint64_t tile_descriptor(const void* p) {
+    const uint64_t address = smem_u32(p);
+    return ((address & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// d[64] += A[64×32] · B[128×32]ᵀ (e4m3, fp32 sums); `accumulate` 0 overwrites d.
+__device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// Which blocks of the pair a ring position serves: both (kBoth), or block 0 / 1 alone.
+constexpr int kBoth = 2;
+
+__device__ __forceinline__ int served(int j, bool same, bool first_active, int k_steps) {
+    if (same) return kBoth;
+    return (first_active && j < k_steps) ? 0 : 1;
+}
+
+// One CTA: a pair of row blocks × 128 output columns. GATE_UP: the columns are 128 of the intermediate, whose
+// gate rows (n0 ..) and up rows (N + n0 ..) of the expert's [2N, K] weight are two tiles of a ring slot; the
+// epilogue writes SwiGLU(gate, up) quantised per 128-column group (one group: the tile) with its scale, as
+// `kernels._gate_up_tma_kernel` does. Else (down) the columns are 128 of D, written weighted by each row's
+// routing weight to the row of its pair.
+// The work of one CTA tile: a pair of row blocks × 128 output columns; kGroup pairs sweep the column tiles
+// together (their weight tiles stay in L2).
+struct Tile {
+    int block0, expert0, expert1, n0;
+    bool active0, active1, same;
+    int steps;  // ring slots the tile takes: K steps once for a pair of one expert, once per active block else
+};
+
+__device__ __forceinline__ Tile tile_of(int index, const Args& p) {
+    const int num_pairs = (p.num_blocks + 1) / 2;
+    const int per_group = kGroup * (p.n / kBlockN);
+    const int first = (index / per_group) * kGroup;
+    const int group_rows = min(num_pairs - first, kGroup);
+    Tile t;
+    const int pair = first + (index % per_group) % group_rows;
+    t.n0 = ((index % per_group) / group_rows) * kBlockN;
+    t.block0 = 2 * pair;
+    t.expert0 = p.block_expert[t.block0];
+    t.expert1 = t.block0 + 1 < p.num_blocks ? p.block_expert[t.block0 + 1] : -1;
+    t.active0 = t.expert0 >= 0;
+    t.active1 = t.expert1 >= 0;
+    t.same = t.active0 && t.active1 && t.expert0 == t.expert1;
+    t.steps = t.same ? p.k_steps : (int(t.active0) + int(t.active1)) * p.k_steps;
+    return t;
+}
+
+// One CTA walks tiles blockIdx.x, + gridDim.x, ... (one tile where the grid has one CTA a tile; persistent
+// where it has one a SM: the producer then fills the next tile's slots during the consumers' epilogue), the
+// ring's slots and phases running on across its tiles. GATE_UP: the columns are 128 of the intermediate,
+// whose gate rows (n0 ..) and up rows (N + n0 ..) of the expert's [2N, K] weight are two tiles of a ring
+// slot; the epilogue writes SwiGLU(gate, up) quantised per 128-column group (one group: the tile) with its
+// scale, as `kernels._gate_up_tma_kernel` does. Else (down) the columns are 128 of D, written weighted by
+// each row's routing weight to the row of its pair.
+template <bool GATE_UP>
+__global__ void __launch_bounds__(384, 1)
+    grouped_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                   const Args p) {
+    constexpr int kTiles = GATE_UP ? 2 : 1;
+    constexpr int kStagesHere = GATE_UP ? kGateUpStages : kStages;
+    constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStagesHere * kSlot);
+    uint64_t* empty = full + kStagesHere;
+    const int num_tiles = ((p.num_blocks + 1) / 2) * (p.n / kBlockN);
+    const int expert_rows = kTiles * p.n;  // rows of one expert's weight
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStagesHere; ++s) {
+            bar_init(&full[s], 1);
+            bar_init(&empty[s], kConsumerWarps);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp < 4) {  // the producer warpgroup: one thread issues every load
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x != 0) return;
+        int ring = 0;
+        for (int index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+            const Tile t = tile_of(index, p);
+            for (int j = 0; j < t.steps; ++j, ++ring) {
+                const int s = ring % kStagesHere;
+                if (ring >= kStagesHere) bar_wait(&empty[s], ((ring / kStagesHere) - 1) & 1);
+                const int which = served(j, t.same, t.active0, p.k_steps);
+                const int k0 = (j % p.k_steps) * kBlockK;
+                uint8_t* slot = smem + s * kSlot;
+                bar_expect(&full[s], kTiles * kBBytes + (which == kBoth ? 2 : 1) * kABytes);
+                if (which != 1) tma_load(slot, &a_map, k0, t.block0 * kBlockM, &full[s]);
+                if (which != 0) tma_load(slot + kABytes, &a_map, k0, (t.block0 + 1) * kBlockM, &full[s]);
+                const int row = (which == 1 ? t.expert1 : t.expert0) * expert_rows + t.n0;
+                tma_load(slot + 2 * kABytes, &b_map, k0, row, &full[s]);
+                if (GATE_UP) tma_load(slot + 2 * kABytes + kBBytes, &b_map, k0, row + p.n, &full[s]);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+
+    // consumers: warpgroup c (0 or 1) owns block c of each pair
+    const int c = warp / 4 - 1;
+    const int row0 = (warp % 4) * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8 of the block
+    int ring = 0;
+    for (int index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+        const Tile t = tile_of(index, p);
+        const int n0 = t.n0;
+        const int block = t.block0 + c;
+        const int expert = c == 0 ? t.expert0 : t.expert1;
+        const bool mine_active = c == 0 ? t.active0 : t.active1;
+        const float* sa0 = p.a_scale + (long long)(block * kBlockM + row0) * p.a_scale_stride;
+        const float* sa1 = sa0 + 8 * p.a_scale_stride;
+        const float* sb = p.w_scale + (long long)(mine_active ? expert : 0) * p.w_scale_expert +
+                          (long long)(n0 / 128) * p.w_scale_row;
+        const float* sb_up = sb + (long long)(p.n / 128) * p.w_scale_row;
+
+        // register i of 8-column group g: row row0 + 8·((i >> 1) & 1), column 8g + 2·(lane % 4) + (i & 1)
+        float sum[64], sum_up[GATE_UP ? 64 : 1], part[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) sum[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < (GATE_UP ? 64 : 1); ++i) sum_up[i] = 0.f;
+
+        for (int j = 0; j < t.steps; ++j, ++ring) {
+            const int s = ring % kStagesHere;
+            const int which = served(j, t.same, t.active0, p.k_steps);
+            const bool mine = which == kBoth || which == c;
+            float a0 = 0.f, a1 = 0.f, b = 0.f, b_up = 0.f;
+            if (mine) {  // the scales' loads go out before the wait
+                const int kb = j % p.k_steps;
+                a0 = sa0[kb];
+                a1 = sa1[kb];
+                b = sb[kb];
+                if (GATE_UP) b_up = sb_up[kb];
+            }
+            bar_wait(&full[s], (ring / kStagesHere) & 1);
+            if (mine) {
+                const uint8_t* slot = smem + s * kSlot;
+                const uint8_t* a = slot + c * kABytes;  // the warpgroup's 64 rows
+                const uint8_t* w = slot + 2 * kABytes;
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < kBlockK / 32; ++kk)
+                    wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), kk);
+                wgmma_commit();
+                wgmma_wait_all();
+                const float scale0 = a0 * b, scale1 = a1 * b;
+#pragma unroll
+                for (int i = 0; i < 64; ++i) sum[i] += part[i] * ((i & 2) ? scale1 : scale0);
+                if (GATE_UP) {
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < kBlockK / 32; ++kk)
+                        wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + kBBytes + 32 * kk), kk);
+                    wgmma_commit();
+                    wgmma_wait_all();
+                    const float up0 = a0 * b_up, up1 = a1 * b_up;
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) sum_up[i] += part[i] * ((i & 2) ? up1 : up0);
+                }
+            }
+            if (lane == 0) bar_arrive(&empty[s]);
+        }
+        if (!mine_active) continue;
+
+        const int valid = p.block_rows[block];
+        const int col = n0 + 2 * (lane % 4);
+        if constexpr (GATE_UP) {
+            // SwiGLU, then each row's 128 columns (its quad's 4 lanes × 32) quantised with one scale
+            float amax[2] = {0.f, 0.f};
+#pragma unroll
+            for (int i = 0; i < 64; ++i) {
+                const float gate = fminf(sum[i], p.limit);
+                const float up = fminf(fmaxf(sum_up[i], -p.limit), p.limit);
+                sum[i] = gate * (1.0f / (1.0f + expf(-gate))) * up;
+                amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fabsf(sum[i]));
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 1));
+                amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 2));
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = row0 + 8 * half;
+                if (r >= valid) continue;
+                const long long slot_row = (long long)block * kBlockM + r;
+                const float scale = __fdiv_rn(fmaxf(amax[half], 1e-12f), 448.0f);
+                uint8_t* dst = static_cast<uint8_t*>(p.out) + slot_row * p.out_stride + col;
+#pragma unroll
+                for (int g = 0; g < 16; ++g) {
+                    const float2 v = make_float2(__fdiv_rn(sum[4 * g + 2 * half], scale),
+                                                 __fdiv_rn(sum[4 * g + 2 * half + 1], scale));
+                    const __nv_fp8x2_e4m3 q(v);
+                    *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + 8 * g) = q.__x;
+                }
+                if (lane % 4 == 0) p.out_scale[slot_row * p.out_scale_stride + n0 / 128] = scale;
+            }
+        } else {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = row0 + 8 * half;
+                if (r >= valid) continue;
+                const int pair_index = p.pairs[block * kBlockM + r];
+                const float w = p.pair_weight[pair_index];
+                __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (long long)pair_index * p.out_stride + col;
+#pragma unroll
+                for (int g = 0; g < 16; ++g) {
+                    const float v0 = sum[4 * g + 2 * half] * w, v1 = sum[4 * g + 2 * half + 1] * w;
+                    *reinterpret_cast<__nv_bfloat162*>(dst + 8 * g) = __floats2bfloat162_rn(v0, v1);
+                }
+            }
+        }
+    }
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
+    static PFN_cuTensorMapEncodeTiled_v12000 function = nullptr;
+    if (function == nullptr) {
+        void* found = nullptr;
+        cudaDriverEntryPointQueryResult status;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &found, 12000, cudaEnableDefault, &status) ==
+                cudaSuccess &&
+            status == cudaDriverEntryPointSuccess)
+            function = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(found);
+    }
+    return function;
+}
+
+// A 2-D e4m3 (bytes) map over `rows` rows of `cols` bytes, `stride` bytes apart, boxes of box_rows × 128.
+int make_map(CUtensorMap* map, const void* base, long long rows, long long cols, long long stride, int box_rows) {
+    auto encode = encode_function();
+    if (encode == nullptr) return 1;
+    cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+    cuuint64_t strides[1] = {(cuuint64_t)stride};
+    cuuint32_t box[2] = {128, (cuuint32_t)box_rows};
+    cuuint32_t element_strides[2] = {1, 1};
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box,
+                        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? 0 : 2;
+}
+
+template <bool GATE_UP>
+int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args, cudaStream_t stream) {
+    constexpr int smem = smem_bytes(GATE_UP ? kGateUpStages : kStages, GATE_UP ? 2 : 1);
+    static bool configured = false;
+    if (!configured) {
+        cudaError_t e = cudaFuncSetAttribute(grouped_kernel<GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return e;
+        configured = true;
+    }
+    int grid = ((args.num_blocks + 1) / 2) * (args.n / kBlockN);
+    if (kPersistent) {
+        static int sms = 0;
+        if (sms == 0) {
+            int device = 0;
+            cudaGetDevice(&device);
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        }
+        grid = min(grid, sms);
+    }
+    grouped_kernel<GATE_UP><<<grid, 384, smem, stream>>>(a_map, b_map, args);
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" {
+
+int hylo_grouped_stages() { return kStages; }
+
+// Launch one grouped GEMM on `stream`: a [slots, K] e4m3 rows `a_stride` bytes apart (in the alignment's
+// slot order); w the experts' [E · w_rows, K] e4m3, contiguous (gate|up: w_rows = 2N, gate rows then up rows).
+// Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver entry point, 2: encode).
+int hylo_grouped_gemm(int gate_up, const void* a, long long a_stride, long long slots, const void* w, long long w_rows,
+                      long long experts, const float* a_scale, long long a_scale_stride, const float* w_scale,
+                      long long w_scale_expert, long long w_scale_row, const int* block_expert, const int* block_rows,
+                      const int* pairs, const float* pair_weight, void* out, long long out_stride, float* out_scale,
+                      long long out_scale_stride, float limit, int num_blocks, int n, int k, void* stream) {
+    CUtensorMap a_map, b_map;
+    int failed = make_map(&a_map, a, slots, k, a_stride, kBlockM);
+    if (!failed) failed = make_map(&b_map, w, experts * w_rows, k, k, kBlockN);
+    if (failed) return 1000 + failed;
+    const Args args{a_scale, w_scale, block_expert, block_rows, pairs, pair_weight, out, out_scale, a_scale_stride,
+                    w_scale_expert, w_scale_row, out_stride, out_scale_stride, limit, num_blocks, n, k / kBlockK};
+    const auto s = static_cast<cudaStream_t>(stream);
+    return gate_up ? launch<true>(a_map, b_map, args, s) : launch<false>(a_map, b_map, args, s);
+}
+
+}  // extern "C"
