@@ -87,6 +87,13 @@ def device_refusal(device: torch.device) -> str | None:
 def refusal(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, layout: Alignment) -> str | None:
     """Why `gate_up` or `down` cannot take rows `a [slots, K]` and experts `weight [E, rows, K]` with
     `scale [E, rows/128, K/128]` (None: they can; builds and checks the kernels on a first call)."""
+    return operand_refusal(a, weight, scale, layout) or device_refusal(a.device)
+
+
+def operand_refusal(
+    a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, layout: Alignment
+) -> str | None:
+    """`refusal` of the operands alone (not whether the kernels built and passed their check)."""
     if not a.is_cuda:
         return "the rows are not on a CUDA device"
     if a.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
@@ -100,7 +107,7 @@ def refusal(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, layout: 
         return "the weights must be contiguous and the rows 16-byte aligned"
     if a.shape[1] != k or scale.shape != (experts, rows // FP8_BLOCK, k // FP8_BLOCK) or scale.stride(2) != 1:
         return f"rows {tuple(a.shape)}, scale {tuple(scale.shape)} do not match weights {tuple(weight.shape)}"
-    return device_refusal(a.device)
+    return None
 
 
 def _launch(
