@@ -200,7 +200,7 @@ def test_refusals_name_their_reason(monkeypatch):
     assert not gemv_cuda.takes(x, weight, scale)
     monkeypatch.setenv(gemv_cuda.SWITCH, "0")
     assert gemv_cuda.device_refusal(torch.device("cuda", 0)) == "HYLO_FP8_GEMV=0"
-    assert gemv_cuda.hopper_arch((9, 0)) == "sm_90a" and gemv_cuda.hopper_arch((8, 0)) is None
+    assert cuda_build.hopper_arch((9, 0)) == "sm_90a" and cuda_build.hopper_arch((8, 0)) is None
 
 
 @pytest.mark.parametrize(("gpu", "gemv_off", "expected"), [

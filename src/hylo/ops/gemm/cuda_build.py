@@ -12,6 +12,10 @@ a reader never sees half a library. No `torch.utils.cpp_extension` and no ninja:
 
 The cache is `$HYLO_CACHE/kernels` when `HYLO_CACHE` is set, else `~/.cache/hylo/kernels`. `nvcc` is the
 one on PATH, else `$CUDA_HOME/bin/nvcc`.
+
+`CheckedLibrary` keeps, per GPU, whether such a library may run there: hylo's CUDA kernels are written on
+machines without a GPU, so each is checked once on a GPU before its first call there and refused for the
+process where it fails (the GEMV of `gemv_cuda`, the MoE's grouped GEMMs of `moe.grouped_cuda`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger("hylo")
 
@@ -120,3 +127,58 @@ def _compile(nvcc: str, source: Path, arch: str, library: Path, what: str, defin
     finally:
         partial.unlink(missing_ok=True)
     logger.info("built %s (%s) in %.1f s: %s", what, arch, time.perf_counter() - start, library)
+
+
+def hopper_arch(capability: tuple[int, int]) -> str | None:
+    """nvcc's name of the Hopper GPU the kernels are built for (`sm_90a`: clusters, wgmma, TMA), else None."""
+    return "sm_90a" if capability[0] == 9 else None
+
+
+class CheckedLibrary:
+    """A Hopper library built at first use and checked once on each GPU before its first call there.
+
+    `load(arch)` returns the loaded library or why there is none; `check(library, device)` returns None or
+    why it failed there; `give_up(reason)` logs a failure and returns the reason to keep. Per device index,
+    `ready` holds the library that passed and `failed` why it is off for the process. `switch`, an
+    environment variable read at every call, turns it off with "0". The check needs an eager call: a
+    GPU's first call inside a CUDA graph capture is refused for that call only."""
+
+    def __init__(
+        self,
+        what: str,
+        switch: str,
+        load: Callable[[str], object],
+        check: Callable[[object, torch.device], str | None],
+        give_up: Callable[[str], str],
+    ):
+        self.what, self.switch = what, switch
+        self._load, self._check, self._give_up = load, check, give_up
+        self.ready: dict[int, object] = {}
+        self.failed: dict[int, str] = {}
+
+    def refusal(self, device: torch.device) -> str | None:
+        """Why the library is off on `device` (None: on), building and checking it there first if need be."""
+        if os.environ.get(self.switch, "1") == "0":
+            return f"{self.switch}=0"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index in self.ready:
+            return None
+        if index in self.failed:
+            return self.failed[index]
+        capability = torch.cuda.get_device_capability(index)
+        arch = hopper_arch(capability)
+        if arch is None:
+            return (
+                f"{self.what} is built for Hopper (sm_90a); GPU {index} is sm_{capability[0]}{capability[1]}"
+            )
+        library = self._load(arch)
+        if isinstance(library, str):
+            return library
+        if torch.cuda.is_current_stream_capturing():
+            return f"{self.what} is checked at a GPU's first eager call; GPU {index}'s came inside a capture"
+        failure = self._check(library, torch.device("cuda", index))
+        if failure is not None:
+            self.failed[index] = self._give_up(f"{self.what} failed its check on GPU {index}: {failure}")
+            return self.failed[index]
+        self.ready[index] = library
+        return None

@@ -33,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
@@ -55,15 +54,6 @@ SPLITS = (1, 2, 4, 8)  # CTAs of a cluster that split K (the compiled variants)
 SLICES = (2, 4)  # warps of a CTA over K (the compiled variants; 4 for up to WIDE_ROWS rows of x)
 WIDE_ROWS = 8
 CHECK_ROWS = (3, 13)  # one row count per compiled row tile (8 and 16 rows of x)
-
-_READY: dict[int, ctypes.CDLL] = {}  # device index -> library that passed its check there
-_FAILED: dict[int, str] = {}  # device index -> why the GEMV is off there for this process
-
-
-def hopper_arch(capability: tuple[int, int]) -> str | None:
-    """nvcc's name of the GPU the kernel is built for (Hopper, `sm_90a`: it uses thread-block clusters), else
-    None."""
-    return "sm_90a" if capability[0] == 9 else None
 
 
 def split_for(n: int, k: int, sms: int) -> int:
@@ -119,28 +109,7 @@ def _give_up(reason: str) -> str:
 
 def device_refusal(device: torch.device) -> str | None:
     """Why the GEMV is off on `device` (None: on), building and checking it there first if need be."""
-    if os.environ.get(SWITCH, "1") == "0":
-        return f"{SWITCH}=0"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _READY:
-        return None
-    if index in _FAILED:
-        return _FAILED[index]
-    capability = torch.cuda.get_device_capability(index)
-    arch = hopper_arch(capability)
-    if arch is None:
-        return f"{KERNEL} is built for Hopper (sm_90a); GPU {index} is sm_{capability[0]}{capability[1]}"
-    library = load_library(arch)
-    if isinstance(library, str):
-        return library
-    if torch.cuda.is_current_stream_capturing():
-        return f"{KERNEL} is checked on a GPU at its first eager call; GPU {index}'s came inside a capture"
-    failure = _self_check(library, torch.device("cuda", index))
-    if failure is not None:
-        _FAILED[index] = _give_up(f"{KERNEL} failed its check on GPU {index}: {failure}")
-        return _FAILED[index]
-    _READY[index] = library
-    return None
+    return _CHECKED.refusal(device)
 
 
 def refusal(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> str | None:
@@ -182,7 +151,7 @@ def gemv(
     (one of `SLICES`; 4 only for up to `WIDE_ROWS` rows) `slices_for`; `library` (a benchmark's variant
     that passed `check_library`) overrides the checked one; `dependent` overrides `dependent_launches`."""
     index = x.device.index
-    library = library or _READY.get(index)
+    library = library or _CHECKED.ready.get(index)
     if library is None:
         raise RuntimeError(f"gemv: {KERNEL} is not checked on GPU {index}; ask refusal() first")
     (m, k), n = x.shape, weight.shape[0]
@@ -282,3 +251,6 @@ def takes(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> boo
         kernel="the CUDA GEMV",
         fallback="the Triton kernel",
     )
+
+
+_CHECKED = cuda_build.CheckedLibrary(KERNEL, SWITCH, load_library, _self_check, _give_up)

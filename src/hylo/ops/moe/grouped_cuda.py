@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
@@ -37,9 +36,6 @@ SOURCE = Path(__file__).with_name("grouped_fp8.cu")
 SWITCH = "HYLO_MOE_CUDA"
 KERNEL = "the CUDA grouped FP8 GEMMs"
 BLOCK_M = 64  # the alignment's rows a block (one consumer warpgroup's wgmma M)
-
-_READY: dict[int, ctypes.CDLL] = {}  # device index -> library that passed its check there
-_FAILED: dict[int, str] = {}  # device index -> why the kernels are off there for this process
 
 
 @cache
@@ -59,29 +55,21 @@ def load_library(arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> ctypes.
 
 def device_refusal(device: torch.device) -> str | None:
     """Why the kernels are off on `device` (None: on), building and checking them there first if need be."""
-    if os.environ.get(SWITCH, "1") == "0":
-        return f"{SWITCH}=0"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _READY:
-        return None
-    if index in _FAILED:
-        return _FAILED[index]
-    major, minor = torch.cuda.get_device_capability(index)
-    if major != 9:
-        return f"{KERNEL} are built for Hopper (sm_90a); GPU {index} is sm_{major}{minor}"
-    if torch.cuda.is_current_stream_capturing():
-        return f"{KERNEL} are checked on a GPU at its first eager call; GPU {index}'s came inside a capture"
+    return _CHECKED.refusal(device)
+
+
+def _give_up(reason: str) -> str:
+    logger.warning("%s; the MoE prefill runs the Triton kernels", reason)
+    return reason
+
+
+@cache
+def _load(arch: str) -> ctypes.CDLL | str:
+    """The library for `arch`, or why there is none (warned once per process)."""
     try:
-        library = load_library()
-        failure = _self_check(library, torch.device("cuda", index))
+        return load_library(arch)
     except (cuda_build.BuildError, OSError) as e:
-        failure = f"not available: {e}"
-    if failure is not None:
-        _FAILED[index] = f"{KERNEL} failed on GPU {index}: {failure}"
-        logger.warning("%s; the MoE prefill runs the Triton kernels", _FAILED[index])
-        return _FAILED[index]
-    _READY[index] = library
-    return None
+        return _give_up(f"{KERNEL} are not available: {e}")
 
 
 def refusal(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, layout: Alignment) -> str | None:
@@ -143,7 +131,17 @@ def gate_up(
     h = torch.empty(x.shape[0], intermediate, dtype=torch.float8_e4m3fn, device=x.device)
     h_scale = torch.empty(x.shape[0], intermediate // FP8_BLOCK, dtype=torch.float32, device=x.device)
     _launch(
-        library or _READY[x.device.index], True, x, x_scale, weight, scale, layout, x_scale, h, h_scale, limit
+        library or _CHECKED.ready[x.device.index],
+        True,
+        x,
+        x_scale,
+        weight,
+        scale,
+        layout,
+        x_scale,
+        h,
+        h_scale,
+        limit,
     )
     return h, h_scale
 
@@ -162,7 +160,7 @@ def down(
     safe where `refusal` is None. `weights` are the pairs' routing weights (fp32, contiguous)."""
     pair_weight = weights.float().contiguous()
     _launch(
-        library or _READY[h.device.index],
+        library or _CHECKED.ready[h.device.index],
         False,
         h,
         h_scale,
@@ -253,3 +251,6 @@ def _dequant_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _dequant_weights(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.double() * scale.double().repeat_interleave(FP8_BLOCK, 1).repeat_interleave(FP8_BLOCK, 2)
+
+
+_CHECKED = cuda_build.CheckedLibrary(KERNEL, SWITCH, _load, _self_check, _give_up)
