@@ -208,15 +208,30 @@ SWEEP_DECODE: list[SplitPlan] = [
     dataclasses.replace(DECODE_PLAN, block_m=64, num_warps=8),
 ]
 # A prefill layer's whole entry (the previous block's post, pre and the block's RMSNorm, issue 45's 400 us at
-# M = 13312): the prefill plan launches post and the norm apart (4 launches); post mixed by the projection
-# measured slower before the projection's token rows (990 against 793 us, S6) and awaits a new measurement;
-# finishing programs of whole rows fuse the norm (one token a program, 4096 dims in one step).
+# M = 13312): the prefill plan launches post and the norm apart (4 launches); finishing programs of whole rows
+# fuse the norm (one token a program, 4096 dims in one step). Post mixed by the projection reads the
+# streams once where post then pre read them twice (436 MB fewer at 13312 tokens), but under the prefill
+# plan's tiles (64 tokens x 128 dims, 4 warps) its five fp32 tiles (out and four streams) need ~320
+# registers a thread: 1660 us against 751 (S37-4). The "_k32" / "_k64" variants give them room.
 _WHOLE_ROWS = dict(collapse_tokens=1, collapse_chunk=HIDDEN, collapse_k=HIDDEN)
 SWEEP_ENTER_PREFILL: dict[str, SplitPlan] = {
     "prefill_plan": PREFILL_PLAN,
     "post_fused": dataclasses.replace(PREFILL_PLAN, fuse_post=True),
     "norm_fused": dataclasses.replace(PREFILL_PLAN, **_WHOLE_ROWS),
     "both_fused": dataclasses.replace(PREFILL_PLAN, fuse_post=True, **_WHOLE_ROWS),
+    "both_fused_k32_w4": dataclasses.replace(PREFILL_PLAN, fuse_post=True, block_k=32, **_WHOLE_ROWS),
+    "both_fused_k32_w8": dataclasses.replace(
+        PREFILL_PLAN, fuse_post=True, block_k=32, num_warps=8, **_WHOLE_ROWS
+    ),
+    "both_fused_k64_w8": dataclasses.replace(
+        PREFILL_PLAN, fuse_post=True, block_k=64, num_warps=8, **_WHOLE_ROWS
+    ),
+    "both_fused_m32_k64_w8": dataclasses.replace(
+        PREFILL_PLAN, fuse_post=True, block_m=32, block_k=64, num_warps=8, **_WHOLE_ROWS
+    ),
+    "both_fused_m128_k32_w8": dataclasses.replace(
+        PREFILL_PLAN, fuse_post=True, block_m=128, block_k=32, num_warps=8, **_WHOLE_ROWS
+    ),
 }
 SWEEP_POST = [(16, 128, 4), (32, 64, 4)]
 BEST: dict[str, SplitPlan] = {}  # regime -> plan the timings use (the sweep's fastest when it runs)
@@ -387,8 +402,10 @@ def table() -> list[str]:
 # ---------------------------------------------------------------- compile ahead
 
 
-def compile_jobs(with_sweep: bool) -> list[tuple]:
+def compile_jobs(with_sweep: bool, enter_only: bool = False) -> list[tuple]:
     """(op, plan, fp32 fn) for every kernel variant this run launches; post's plan is (bm, bk, warps)."""
+    if enter_only:
+        return [("enter", plan, False) for plan in SWEEP_ENTER_PREFILL.values()]
     plans = [DECODE_PLAN, PREFILL_PLAN]
     if with_sweep:
         sweeps = SWEEP_PREFILL + SWEEP_DECODE + list(SWEEP_ENTER_PREFILL.values())
@@ -435,10 +452,24 @@ def main() -> None:
         "--sweep", action="store_true", help="time alternative plans; the fastest are used below"
     )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument(
+        "--enter-only",
+        action="store_true",
+        help="only the prefill entry's plans at 13312 tokens",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.enter_only:
+        if not DRY:
+            section("compile_ahead", compile_ahead, compile_jobs(False, enter_only=True))
+            rec("gpu", torch.cuda.get_device_name())
+        section("ceilings", ceilings)
+        for name, plan in SWEEP_ENTER_PREFILL.items():
+            section(f"enter_{name}", sweep_enter, PREFILL, name, plan)
+        (out / "mhc_moe.json").write_text(json.dumps(RESULTS, indent=1))
+        return
     if not DRY:
         section("compile_ahead", compile_ahead, compile_jobs(args.sweep))
         rec("gpu", torch.cuda.get_device_name())
