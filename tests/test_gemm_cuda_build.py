@@ -62,6 +62,23 @@ def test_cache_key_follows_source_toolkit_and_arch():
     assert key not in others and len(others) == 3
 
 
+def test_an_included_header_is_part_of_the_key(tmp_path):
+    """A kernel's library depends on the headers it includes by a quoted path: changing one changes
+    the bytes the key hashes; a header it names that is not there is a build error naming it."""
+    (tmp_path / "kernels").mkdir()
+    source = tmp_path / "kernels" / "k.cu"
+    source.write_text('#include <stdint.h>\n#include "../shared/h.cuh"\nint f() { return g(); }\n')
+    (tmp_path / "shared").mkdir()
+    header = tmp_path / "shared" / "h.cuh"
+    header.write_text('#pragma once\n#include "h.cuh"\nint g() { return 1; }\n')  # includes itself: once
+    before = cuda_build.source_bytes(source)
+    header.write_text("#pragma once\nint g() { return 2; }\n")
+    assert cuda_build.source_bytes(source) != before and b"return 2" in cuda_build.source_bytes(source)
+    header.unlink()
+    with pytest.raises(cuda_build.BuildError, match=r"includes \.\./shared/h\.cuh"):
+        cuda_build.source_bytes(source)
+
+
 def test_cache_dir_follows_hylo_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
     assert cuda_build.cache_dir() == tmp_path / "kernels"
@@ -118,6 +135,20 @@ def test_build_compiles_once_then_reads_the_cache(cache, caplog):
     assert any(m.startswith("built the FP8 GEMV kernel (sm_90a) in ") for m in messages)
     other_arch = cuda_build.build(gemv_cuda.SOURCE, "sm_100a", "the FP8 GEMV kernel")
     assert other_arch != first and calls.read_text().count("x") == 2
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_the_kernels_sharing_the_hopper_header_compile_for_hopper(tmp_path, monkeypatch):
+    """The grouped MoE GEMMs and the sparse MLA prefill through the real build (about 10 s each), their
+    C entry points there."""
+    monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
+    from hylo.ops.moe import grouped_cuda
+    from hylo.ops.sparse_mla import cuda_prefill
+
+    for source, entry in ((grouped_cuda.SOURCE, "hylo_grouped_gemm"),
+                          (cuda_prefill.SOURCE, "hylo_sparse_mla_prefill")):  # fmt: skip
+        library = ctypes.CDLL(str(cuda_build.build(source, "sm_90a", source.name)))
+        assert hasattr(library, entry)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")

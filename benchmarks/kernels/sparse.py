@@ -195,8 +195,11 @@ def mla_prefill(quick: bool) -> None:
     flops = 4 * tokens * HEADS * (TOPK + 3) * RANK
     sub = slice(0, 256)
     ref = sparse_mla_ref(q[sub].float(), latent.float(), rows[sub].long(), SCALE)
-    configs = [dict(), dict(block_n=64, num_stages=1)]
-    for cfg in configs if not (quick or DRY) else configs[:1]:
+    # the dispatch's choice (the CUDA kernel where it runs), then the Triton kernel's tiles
+    configs = [dict(), dict(cuda=False), dict(cuda=False, block_n=64, num_stages=1)]
+    if not DRY:
+        rec("prefill_cuda_refusal", str(sk.cuda_prefill.refusal(q, latent, rows)))
+    for cfg in configs if not (quick or DRY) else configs[:2]:
         out = sk.sparse_mla_prefill(q, latent, rows, SCALE, **cfg)
         err = rel_err(out[sub], ref)
         t = bench(lambda cfg=cfg: sk.sparse_mla_prefill(q, latent, rows, SCALE, **cfg), rep=300)

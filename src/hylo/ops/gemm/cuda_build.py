@@ -1,7 +1,8 @@
 """Compile a CUDA C++ source into a shared library with the machine's `nvcc`, once, cached on disk.
 
 `build(source, arch)` returns the path of `<cache>/<stem>_<key>.so`, compiling it first if it is not
-there. The key hashes the source, `nvcc --version`, the arch, the flags and any `-D` defines (a benchmark
+there. The key hashes the source with the headers it includes by a quoted relative path (`hopper.cuh`),
+`nvcc --version`, the arch, the flags and any `-D` defines (a benchmark
 builds variants of a kernel that way), so a changed kernel, another
 toolkit or another GPU generation gets its own library and a stale one is never loaded. Compilation runs
 under an exclusive lock on a file in the cache directory (two processes starting together compile once:
@@ -24,6 +25,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -68,6 +70,24 @@ def nvcc_version(nvcc: str) -> str:
     return done.stdout.strip()
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path, seen: frozenset[Path] = frozenset()) -> bytes:
+    """`source` followed by every header it includes by a quoted path (resolved beside it, recursively,
+    each once): what the library's contents depend on besides the toolkit and the flags."""
+    text = source.read_bytes()
+    parts, seen = [text], seen | {source.resolve()}
+    for name in _LOCAL_INCLUDE.findall(text):
+        header = (source.parent / name.decode()).resolve()
+        if header not in seen:
+            if not header.is_file():
+                raise BuildError(f"{source.name} includes {name.decode()}, which is not at {header}")
+            parts.append(source_bytes(header, seen))
+            seen |= {header}
+    return b"\0".join(parts)
+
+
 def cache_key(source: bytes, version: str, arch: str, defines: tuple[str, ...] = ()) -> str:
     """16 hex digits of the hash of everything the library's contents depend on."""
     digest = hashlib.sha256()
@@ -92,7 +112,7 @@ def build(source: Path, arch: str, what: str, defines: tuple[str, ...] = ()) -> 
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("no nvcc on PATH or under $CUDA_HOME/bin")
-    text = source.read_bytes()
+    text = source_bytes(source)
     directory = cache_dir()
     library = directory / f"{source.stem}_{cache_key(text, nvcc_version(nvcc), arch, defines)}.so"
     if library.exists():

@@ -31,6 +31,8 @@
 #include <cudaTypedefs.h>
 #include <stdint.h>
 
+#include "../gemm/hopper.cuh"
+
 #ifndef HYLO_GROUPED_STAGES
 #define HYLO_GROUPED_STAGES 5
 #endif
@@ -80,52 +82,7 @@ struct Args {
     int k_steps;                 // K / 128
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void bar_init(uint64_t* bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void bar_wait(uint64_t* bar, int parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(smem_u32(bar)),
-        "r"(parity)
-        : "memory");
-}
-
-__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-__device__ __forceinline__ void bar_expect(uint64_t* bar, int bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int inner, int outer, uint64_t* bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-        ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(smem_u32(bar))
-        : "memory");
-}
-
-// wgmma's shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle: start address,
-// stride between 8-row atoms 1024 bytes (the leading offset is unused by this layout).
-__device__ __forceinline__ uint64_t tile_descriptor(const void* p) {
-    const uint64_t address = smem_u32(p);
-    return ((address & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+using namespace hopper;
 
 // d[64] += A[64×32] · B[128×32]ᵀ (e4m3, fp32 sums); `accumulate` 0 overwrites d.
 __device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t a, uint64_t b, int accumulate) {

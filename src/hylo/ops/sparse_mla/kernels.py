@@ -21,6 +21,7 @@ import triton.language as tl
 
 from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
+from hylo.ops.sparse_mla import cuda_prefill
 
 LOG2E = 1.4426950408889634
 # row-list entries a prefill program scans per load for its last valid row: one size for every width, so
@@ -183,6 +184,7 @@ def sparse_mla_fwd(
     num_stages: int | None = None,
     waves: float | None = None,
     skip_empty: bool = False,
+    cuda: bool = True,
 ) -> torch.Tensor:
     """Absorbed sparse MLA: `q_latent [T, H, R]` attends to `latent[rows[t]]` (`latent [S, R]`,
     `rows [T, W]` int32/int64 cache slots, -1 = empty; any W). Same contract as the reference.
@@ -191,10 +193,12 @@ def sparse_mla_fwd(
     is picked so that about `waves` (default: `default_config`) x the SM count of programs run, and 1
     (no merge) when the tokens alone fill the GPU. `skip_empty` branches around blocks with no valid
     row (saves their dots, but the branch stops the row loads from being software-pipelined); masked
-    rows are never read anyway.
+    rows are never read anyway. With one split and `cuda`, the CUDA prefill kernel runs where it can
+    (`cuda_prefill.refusal`; the tile arguments then do not apply).
     """
     num_tokens, num_heads, rank = q_latent.shape
     width = rows.shape[1]
+    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     out = torch.empty_like(q_latent)
     if num_tokens == 0:
         return out
@@ -214,7 +218,6 @@ def sparse_mla_fwd(
     blocks_per_split = triton.cdiv(row_blocks, max(1, num_splits))
     num_splits = triton.cdiv(row_blocks, blocks_per_split)
     rows_per_split = blocks_per_split * block_n
-    q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     grid = (num_tokens, num_splits, head_blocks)
     dependent = dependent_launches(q_latent.device)
@@ -223,6 +226,8 @@ def sparse_mla_fwd(
         num_warps=num_warps, num_stages=num_stages, PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
     if num_splits == 1:
+        if cuda and cuda_prefill.refusal(q_latent, latent, rows) is None:
+            return cuda_prefill.prefill(q_latent, latent, rows, scale, out)
         _sparse_mla_kernel[grid](
             q_latent, latent, rows, out, out,
             num_heads, width, rows_per_split, scale * LOG2E,
