@@ -184,7 +184,7 @@ def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
     None."""
     generator = torch.Generator(device=device).manual_seed(1234)
     experts, hidden, intermediate, top_k, limit = 5, 384, 256, 2, 7.0
-    ids = torch.cat([torch.zeros(150, 1), torch.randint(1, experts, (150, 1), generator=generator,
+    ids = torch.cat([torch.zeros(150, 1, device=device), torch.randint(1, experts, (150, 1), generator=generator,
                                                         device=device).float()], 1)  # fmt: skip
     ids = ids.to(device).int()
     layout = align(ids, experts, BLOCK_M)
