@@ -177,8 +177,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
         gather_rows(smem_u32(q_tile), warp, lane, p.q + token * p.stride_qt + (long long)(head0 + local) * p.stride_qh,
                     p.latent);
         copies_commit();
+        // Block b - 1 is announced as soon as it has landed (with the queries, for block 0), before the wait for
+        // block b's slot: the consumers release block b - 2 just before they need block b - 1.
         for (int b = 0; b < blocks; ++b) {
             const int s = b % kStages;
+            if (b > 0) {
+                copies_wait<0>();  // block b - 1 is the only group in flight
+                fence_async_shared();
+                bar_arrive(&full[(b - 1) % kStages]);
+            }
             if (b >= kStages) bar_wait(&empty[s], ((b / kStages) - 1) & 1);
             const int j = b * kKeys + local;
             const int slot = j < p.width ? rows[j] : -1;
@@ -187,10 +194,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
             gather_rows(smem_u32(ring + s * kTileBytes), warp, lane,
                         slot >= 0 ? p.latent + (long long)slot * p.stride_kv : nullptr, p.latent);
             copies_commit();
-            copies_wait<1>();  // the previous group (the queries, or block b - 1) has landed
-            fence_async_shared();
-            // block 0's barrier also says that the queries have landed: they were the group before it
-            if (b > 0) bar_arrive(&full[(b - 1) % kStages]);
         }
         copies_wait<0>();
         fence_async_shared();
