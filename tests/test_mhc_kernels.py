@@ -139,9 +139,9 @@ def block_norm(hidden: int, seed: int, dtype=torch.float32) -> BlockNorm:
 )
 def test_enter_matches_reference(kernels_on_cpu, tokens, prefill_plan_from, whole_rows_max):
     """The dispatcher's enter through the kernels, on the decode plan (1 token: post and norm fused), the
-    prefill entry's plan (post launched apart, the norm fused into whole-row finishing programs) and, for
-    rows wider than those take, the prefill plan (post and norm launched apart), against post, pre and
-    RMSNorm of the reference."""
+    prefill entry's plan (post mixed by the projection, the norm fused into whole-row finishing programs)
+    and, for rows wider than those take, the prefill plan (post and norm launched apart), against post, pre
+    and RMSNorm of the reference."""
     kernels_on_cpu.setattr(kernels, "PREFILL_PLAN_FROM", prefill_plan_from)
     kernels_on_cpu.setattr(kernels, "WHOLE_ROWS_MAX", whole_rows_max)
     streams, out, params, post, comb = hc_case(tokens, 96, seed=7)
@@ -163,6 +163,17 @@ def test_entry_plan_fuses_the_norm_of_a_prefill_entry_in_whole_rows():
     assert kernels.entry_plan(start, 4096, with_norm=False) == kernels.PREFILL_PLAN
     assert kernels.entry_plan(start, 6144, with_norm=True) == kernels.PREFILL_PLAN
     assert kernels.entry_plan(start - 1, 4096, with_norm=True) == kernels.DECODE_PLAN
+    assert not plan.fuse_post  # no pending post: the projection reads the streams as they are
+
+
+def test_a_prefill_entry_with_a_pending_post_mixes_it_in_the_projection():
+    """With a pending post the whole-row entry plan also fuses the post, in 32-dim projection steps; the
+    default and decode plans are unchanged by it."""
+    start = kernels.PREFILL_PLAN_FROM
+    plan = kernels.entry_plan(start, 4096, with_norm=True, with_post=True)
+    assert plan.fuse_post and plan.block_k == kernels.POST_FUSED_BLOCK_K and kernels.norm_fusable(plan, 4096)
+    assert kernels.entry_plan(start, 4096, with_norm=False, with_post=True) == kernels.PREFILL_PLAN
+    assert kernels.entry_plan(start - 1, 4096, with_norm=True, with_post=True) == kernels.DECODE_PLAN
 
 
 @pytest.mark.parametrize(("plan", "hidden"), [("decode", 96), ("whole rows", 48), ("small", 96)])

@@ -24,8 +24,10 @@ that launch reads), the finishing programs hold whole rows and normalise the blo
 it. Both compute what post, pre and `ops.norm`'s kernel compute one after another, with the same
 roundings: the new streams and pre's results bit for bit, the normalised input up to the order in which
 its fp32 sum of squares is reduced (one last-place step at most). A decode layer's mHC and norms take 4
-launches for the 8 of post, pre (2) and RMSNorm per block. Under the prefill plan (launch counts do not
-matter there; its finishing programs hold chunks of rows) post and RMSNorm stay launches of their own.
+launches for the 8 of post, pre (2) and RMSNorm per block. A prefill entry with rows of at most
+WHOLE_ROWS_MAX dims fuses both too (`entry_plan`: whole-row finishing programs, 32-dim projection steps),
+for the bytes rather than the launches: the streams are read once fewer; wider rows launch post and the
+RMSNorm apart.
 
 H200, GLM-5.3-Flash shapes (hidden 4096, bf16; benchmarks/kernels/mhc_moe.py, CUDA-graph replay up to
 M = 64): pre 5.36 / 5.66 / 6.48 / 278 us and post 1.18 / 1.61 / 2.08 / 245 us at M = 1 / 16 / 64 /
@@ -122,17 +124,24 @@ def default_plan(tokens: int) -> SplitPlan:
 
 # the widest rows a prefill entry's finishing programs take whole (GLM-5.3-Flash's hidden, the width measured)
 WHOLE_ROWS_MAX = 4096
+# a prefill projection's dims a step where it mixes a pending post (H100, M = 13312, S39-2: 32 dims on 4 warps
+# 711 us the entry, 8 warps 847, 64 dims on 8 warps 1114, 128-token blocks of 32 dims 753)
+POST_FUSED_BLOCK_K = 32
 
 
-def entry_plan(tokens: int, hidden: int, with_norm: bool) -> SplitPlan:
-    """`mhc_enter`'s plan where none is given: `default_plan`, except that a prefill entry with the block's
-    norm (and rows of at most WHOLE_ROWS_MAX dims) finishes one whole row a program and applies the norm
-    there, one launch and a round trip of the block input fewer: at M = 13312 on an H100 the entry (post,
-    pre, norm) 780 -> 751 us, the prefill plan's 4 launches against 3 (RESULTS S37-4)."""
+def entry_plan(tokens: int, hidden: int, with_norm: bool, with_post: bool = False) -> SplitPlan:
+    """`mhc_enter`'s plan where none is given: `default_plan`, except for a prefill entry with the block's
+    norm (and rows of at most WHOLE_ROWS_MAX dims). Its finishing programs take one whole row each and apply
+    the norm there (one launch and a round trip of the block input fewer: at M = 13312 on an H100 the entry
+    780 -> 751 us, RESULTS S37-4); with a pending post (`with_post`) the projection launch mixes it into the
+    streams it reads, 32 dims a step so that its five fp32 tiles fit in registers (one launch and a read of
+    the streams fewer: 755.7 -> 711.0 us, S39-2; with the prefill plan's 128-dim steps it spilled: 1660)."""
     plan = default_plan(tokens)
     if with_norm and plan is PREFILL_PLAN and hidden <= WHOLE_ROWS_MAX:
         width = triton.next_power_of_2(hidden)
         plan = replace(PREFILL_PLAN, collapse_tokens=1, collapse_chunk=width, collapse_k=width)
+        if with_post:
+            plan = replace(plan, fuse_post=True, block_k=POST_FUSED_BLOCK_K)
     return plan
 
 
@@ -591,7 +600,7 @@ def mhc_enter(
     _check("scale", hc.scale, (3,), streams)
     if hc.sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters must be ≥ 1, got {hc.sinkhorn_iters}")
-    plan = plan or entry_plan(tokens, hidden, norm is not None)
+    plan = plan or entry_plan(tokens, hidden, norm is not None, pending is not None)
     _check_plan(plan)
     if pending is not None:
         _check_pending(pending, tokens, hidden, streams)
