@@ -178,6 +178,14 @@ def mla_decode_sweep(tokens_list: list[int]) -> None:
         rec(f"sweep_T{tokens}_best10", timings[:10])
 
 
+# `sparse_mla_prefill.cu`'s variants timed beside the default (its macros)
+CUDA_VARIANTS = {
+    "no overlap": ("HYLO_SPARSE_MLA_OVERLAP=0",),
+    "rescale every block": ("HYLO_SPARSE_MLA_RESCALE_SLACK=0.0f",),
+    "neither": ("HYLO_SPARSE_MLA_OVERLAP=0", "HYLO_SPARSE_MLA_RESCALE_SLACK=0.0f"),
+}
+
+
 def mla_prefill(quick: bool) -> None:
     gen = torch.Generator(device=DEV).manual_seed(2)
     tokens = PREFILL
@@ -199,13 +207,21 @@ def mla_prefill(quick: bool) -> None:
     configs = [dict(), dict(cuda=False), dict(cuda=False, block_n=64, num_stages=1)]
     if not DRY:
         rec("prefill_cuda_refusal", str(sk.cuda_prefill.refusal(q, latent, rows)))
-    for cfg in configs if not (quick or DRY) else configs[:2]:
-        out = sk.sparse_mla_prefill(q, latent, rows, SCALE, **cfg)
+    calls = {str(cfg or "default"): lambda cfg=cfg: sk.sparse_mla_prefill(q, latent, rows, SCALE, **cfg)
+             for cfg in (configs if not (quick or DRY) else configs[:2])}  # fmt: skip
+    if not DRY and sk.cuda_prefill.refusal(q, latent, rows) is None:
+        for name, defines in CUDA_VARIANTS.items():  # the CUDA kernel's compile-time variants
+            library = sk.cuda_prefill.load_library("sm_90a", defines)
+            calls[f"cuda {name}"] = lambda lib=library: sk.cuda_prefill.prefill(
+                q, latent, rows, SCALE, library=lib
+            )
+    for name, call in calls.items():
+        out = call()
         err = rel_err(out[sub], ref)
-        t = bench(lambda cfg=cfg: sk.sparse_mla_prefill(q, latent, rows, SCALE, **cfg), rep=300)
+        t = bench(call, rep=300)
         tflops = flops / (t * 1e-6) / 1e12
         rec(
-            f"prefill_T{tokens}_hylo[{cfg or 'default'}]",
+            f"prefill_T{tokens}_hylo[{name}]",
             {
                 "ms": round(t / 1e3, 3),
                 "TFLOPs": round(tflops, 1),

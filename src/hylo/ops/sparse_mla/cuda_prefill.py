@@ -37,9 +37,10 @@ LOG2E = 1.4426950408889634
 
 
 @cache
-def load_library(arch: str = "sm_90a") -> ctypes.CDLL:
-    """The built and loaded library; raises `cuda_build.BuildError` or OSError."""
-    library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL)))
+def load_library(arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The built and loaded library (`defines`: `sparse_mla_prefill.cu`'s `HYLO_SPARSE_MLA_*` macros of a
+    variant); raises `cuda_build.BuildError` or OSError."""
+    library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL, defines)))
     library.hylo_sparse_mla_prefill.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_longlong
     library.hylo_sparse_mla_prefill.argtypes = [

@@ -19,6 +19,13 @@
 // probabilities under the common running maximum; the two sums meet at the end. A token walks its list only
 // to its last real row (the indexer writes the real rows first).
 //
+// Two things keep the tensor cores busier (each a macro, so a benchmark can time the kernel without it): a
+// consumer issues the next block's scores right behind this block's values product, so the two run back to
+// back while it waits for the values (HYLO_SPARSE_MLA_OVERLAP); and the running maximum moves only when a row's
+// new maximum passes it by more than 8 (base 2: probabilities stay below 2^8, well inside bf16 and fp32), so
+// most blocks skip the rescaling of the 128 output registers (HYLO_SPARSE_MLA_RESCALE_SLACK; exact either
+// way, the output is normalised by sums taken under the same maximum).
+//
 // Shared memory (1024-aligned): Q [64 × 512] and each slot [64 × 512] as 8 panels of 64 rows × 128 bytes
 // (64 dims) in the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), the P tile (one panel), the
 // row maxima and sums, the slots' row masks and the mbarriers: 201 KB.
@@ -43,6 +50,14 @@ constexpr int kTileBytes = kPanels * kPanelBytes;  // 64 KB: Q, or one slot
 constexpr int kHalf = kKeys / 2;           // keys a consumer scores
 constexpr int kOutHalf = kRank / 2;        // dims a consumer accumulates
 constexpr int kThreads = 384;
+#ifndef HYLO_SPARSE_MLA_OVERLAP
+#define HYLO_SPARSE_MLA_OVERLAP 1  // a block's scores are issued behind the block before's values
+#endif
+constexpr bool kOverlap = HYLO_SPARSE_MLA_OVERLAP;
+#ifndef HYLO_SPARSE_MLA_RESCALE_SLACK
+#define HYLO_SPARSE_MLA_RESCALE_SLACK 8.0f  // 0: the running maximum follows every block
+#endif
+constexpr float kRescaleSlack = HYLO_SPARSE_MLA_RESCALE_SLACK;
 constexpr int kSmemBytes = (1 + kStages) * kTileBytes  // Q and the ring
                            + kPanelBytes               // P
                            + 2 * 2 * kHeads * 4        // row maxima and sums of each consumer
@@ -104,6 +119,23 @@ __device__ __forceinline__ void wgmma_m64n256k16_mn(float* d, uint64_t a, uint64
 }
 
 #undef HYLO_F8
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// S[64 heads × 32 keys] of consumer c: the queries against keys 32c .. 32c + 31 of the block in `slot`, issued
+// and committed as one wgmma group (not awaited).
+__device__ __forceinline__ void issue_scores(float* score, const uint8_t* q_tile, const uint8_t* slot, int c) {
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kRank / 16; ++k) {
+        const int offset = (k >> 2) * kPanelBytes + (k & 3) * 32;
+        wgmma_m64n32k16(score, tile_descriptor(q_tile + offset), tile_descriptor(slot + offset + c * kHalf * 128), k);
+    }
+    wgmma_commit();
+}
 
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool real) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(real ? 16 : 0)
@@ -171,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
     const int blocks = (*block_count + kKeys - 1) / kKeys;
 
     if (warp < 4) {  // the gatherer
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (blocks == 0) return;
         const int local = 16 * warp + (lane & 15);
         gather_rows(smem_u32(q_tile), warp, lane, p.q + token * p.stride_qt + (long long)(head0 + local) * p.stride_qh,
@@ -200,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
         bar_arrive(&full[(blocks - 1) % kStages]);
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 
     const int c = warp / 4 - 1;                   // consumer 0 or 1
     const int row0 = (warp % 4) * 16 + lane / 4;  // this thread's heads: row0 and row0 + 8 of the block
@@ -212,21 +244,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
     float m[2] = {-1.0e30f, -1.0e30f};  // finite: exp2(-inf - m) = 0, never NaN
     float l[2] = {0.f, 0.f};            // this thread's share of the sums of its own keys' probabilities
 
+    float score[16], ahead[16];  // this block's scores; with kOverlap, the next block's in flight
+    if (kOverlap) {
+        bar_wait(&full[0], 0);
+        issue_scores(ahead, q_tile, ring, c);
+    }
     for (int b = 0; b < blocks; ++b) {
         const int s = b % kStages;
         const uint8_t* slot = ring + s * kTileBytes;
-        bar_wait(&full[s], (b / kStages) & 1);
-
-        float score[16];
-        wgmma_fence();
+        if (kOverlap) {
+            wgmma_wait<0>();  // this block's scores (issued with the block before's values) have landed
 #pragma unroll
-        for (int k = 0; k < kRank / 16; ++k) {
-            const int offset = (k >> 2) * kPanelBytes + (k & 3) * 32;
-            wgmma_m64n32k16(score, tile_descriptor(q_tile + offset),
-                            tile_descriptor(slot + offset + c * kHalf * 128), k);
+            for (int i = 0; i < 16; ++i) score[i] = ahead[i];
+        } else {
+            bar_wait(&full[s], (b / kStages) & 1);
+            issue_scores(score, q_tile, slot, c);
+            wgmma_wait<0>();
         }
-        wgmma_commit();
-        wgmma_wait_all();
 
         // mask, scale, this consumer's row maxima
         const uint32_t real = masks[s * 4 + 2 * c] | (uint32_t(masks[s * 4 + 2 * c + 1]) << 16);
@@ -247,11 +281,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
             row_max[c * kHeads + row0 + 8] = top[1];
         }
         named_barrier(1, 256);
+        // The running maximum moves only past kRescaleSlack (base 2): probabilities stay below 2^kRescaleSlack,
+        // and most blocks rescale nothing. Both consumers decide alike (the same maxima, max commutes).
         float alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float other = row_max[(1 - c) * kHeads + row0 + 8 * h];
-            const float next = fmaxf(m[h], fmaxf(top[h], other));
+            const float seen = fmaxf(top[h], row_max[(1 - c) * kHeads + row0 + 8 * h]);
+            const float next = seen > m[h] + kRescaleSlack ? seen : m[h];
             alpha[h] = exp2f(m[h] - next);
             m[h] = next;
             l[h] *= alpha[h];
@@ -271,15 +307,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
         fence_async_shared();
         named_barrier(1, 256);
 
+        if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
+            for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
+        }
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < kKeys / 16; ++k)
             wgmma_m64n256k16_mn(o, tile_descriptor(p_tile + 32 * k),
                                 descriptor(slot + 4 * c * kPanelBytes + k * 2048, kPanelBytes, 1024));
         wgmma_commit();
-        wgmma_wait_all();
+        if (kOverlap && b + 1 < blocks) {  // the next block's scores behind these values
+            bar_wait(&full[(b + 1) % kStages], ((b + 1) / kStages) & 1);
+            issue_scores(ahead, q_tile, ring + ((b + 1) % kStages) * kTileBytes, c);
+            wgmma_wait<1>();  // the values' product is done (the scores may still run)
+        } else {
+            wgmma_wait<0>();
+        }
         if ((threadIdx.x % 128) == 0) bar_arrive(&empty[s]);
     }
 
