@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
     float l[2] = {0.f, 0.f};            // this thread's share of the sums of its own keys' probabilities
 
     float score[16], ahead[16];  // this block's scores; with kOverlap, the next block's in flight
-    if (kOverlap) {
+    if (kOverlap && blocks > 0) {  // (a token without rows has no block to wait for)
         bar_wait(&full[0], 0);
         issue_scores(ahead, q_tile, ring, c);
     }
