@@ -22,6 +22,7 @@ process where it fails (the GEMV of `gemv_cuda`, the MoE's grouped GEMMs of `moe
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -152,6 +153,31 @@ def _compile(nvcc: str, source: Path, arch: str, library: Path, what: str, defin
 def hopper_arch(capability: tuple[int, int]) -> str | None:
     """nvcc's name of the Hopper GPU the kernels are built for (`sm_90a`: clusters, wgmma, TMA), else None."""
     return "sm_90a" if capability[0] == 9 else None
+
+
+def checked_library(
+    what: str,
+    switch: str,
+    load_library: Callable[[str], object],
+    check: Callable[[object, torch.device], str | None],
+    fallback: str,
+) -> CheckedLibrary:
+    """A `CheckedLibrary` over `load_library(arch)`, which raises `BuildError` or OSError where the library
+    cannot be had: the failure is kept per arch and logged once as "<reason>; <fallback>" (`fallback` says
+    what runs instead), as is a failed check."""
+
+    def give_up(reason: str) -> str:
+        logger.warning("%s; %s", reason, fallback)
+        return reason
+
+    @functools.cache
+    def load(arch: str) -> object:
+        try:
+            return load_library(arch)
+        except (BuildError, OSError) as e:
+            return give_up(f"{what} could not be built or loaded: {e}")
+
+    return CheckedLibrary(what, switch, load, check, give_up)
 
 
 class CheckedLibrary:

@@ -20,7 +20,6 @@ hold the operands' addresses). `HYLO_MOE_CUDA=0` turns the kernels off (read at 
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 from pathlib import Path
 
@@ -29,8 +28,6 @@ import torch
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.gemm import cuda_build
 from hylo.ops.moe.routing import Alignment, align
-
-logger = logging.getLogger("hylo")
 
 SOURCE = Path(__file__).with_name("grouped_fp8.cu")
 SWITCH = "HYLO_MOE_CUDA"
@@ -56,20 +53,6 @@ def load_library(arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> ctypes.
 def device_refusal(device: torch.device) -> str | None:
     """Why the kernels are off on `device` (None: on), building and checking them there first if need be."""
     return _CHECKED.refusal(device)
-
-
-def _give_up(reason: str) -> str:
-    logger.warning("%s; the MoE prefill runs the Triton kernels", reason)
-    return reason
-
-
-@cache
-def _load(arch: str) -> ctypes.CDLL | str:
-    """The library for `arch`, or why there is none (warned once per process)."""
-    try:
-        return load_library(arch)
-    except (cuda_build.BuildError, OSError) as e:
-        return _give_up(f"{KERNEL} are not available: {e}")
 
 
 def refusal(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, layout: Alignment) -> str | None:
@@ -184,9 +167,8 @@ def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
     None."""
     generator = torch.Generator(device=device).manual_seed(1234)
     experts, hidden, intermediate, top_k, limit = 5, 384, 256, 2, 7.0
-    ids = torch.cat([torch.zeros(150, 1, device=device), torch.randint(1, experts, (150, 1), generator=generator,
-                                                        device=device).float()], 1)  # fmt: skip
-    ids = ids.to(device).int()
+    others = torch.randint(1, experts, (150, 1), generator=generator, device=device)
+    ids = torch.cat([torch.zeros_like(others), others], 1).int()
     layout = align(ids, experts, BLOCK_M)
     slots = layout.pairs.numel()
     token = (layout.pairs.long() // top_k).clamp(0, 149)
@@ -253,4 +235,6 @@ def _dequant_weights(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.double() * scale.double().repeat_interleave(FP8_BLOCK, 1).repeat_interleave(FP8_BLOCK, 2)
 
 
-_CHECKED = cuda_build.CheckedLibrary(KERNEL, SWITCH, _load, _self_check, _give_up)
+_CHECKED = cuda_build.checked_library(
+    KERNEL, SWITCH, load_library, _self_check, "the MoE prefill runs the Triton kernels"
+)

@@ -18,15 +18,12 @@ turns it off (read at every call).
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from hylo.ops.gemm import cuda_build
-
-logger = logging.getLogger("hylo")
 
 SOURCE = Path(__file__).with_name("sparse_mla_prefill.cu")
 SWITCH = "HYLO_SPARSE_MLA_CUDA"
@@ -48,20 +45,6 @@ def load_library(arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> ctypes.
         ctypes.c_int, ctypes.c_float, pointer,
     ]  # fmt: skip
     return library
-
-
-def _give_up(reason: str) -> str:
-    logger.warning("%s; sparse MLA prefill runs the Triton kernel", reason)
-    return reason
-
-
-@cache
-def _load(arch: str) -> ctypes.CDLL | str:
-    """The library for `arch`, or why there is none (warned once per process)."""
-    try:
-        return load_library(arch)
-    except (cuda_build.BuildError, OSError) as e:
-        return _give_up(f"{KERNEL} is not available: {e}")
 
 
 def operand_refusal(q_latent: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor) -> str | None:
@@ -170,4 +153,6 @@ def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
     return None
 
 
-_CHECKED = cuda_build.CheckedLibrary(KERNEL, SWITCH, _load, _self_check, _give_up)
+_CHECKED = cuda_build.checked_library(
+    KERNEL, SWITCH, load_library, _self_check, "sparse MLA prefill runs the Triton kernel"
+)

@@ -137,6 +137,21 @@ __device__ __forceinline__ void issue_scores(float* score, const uint8_t* q_tile
     wgmma_commit();
 }
 
+// The values v[h] of this thread's rows row0 + 8h, reduced over the quad of lanes sharing a row (maximum, or
+// sum), stored by the quad's first lane to rows[row0 + 8h] (shared memory the other consumer reads).
+template <bool kMaximum>
+__device__ __forceinline__ void publish_rows(float* v, float* rows, int row0, int quad) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int lanes = 1; lanes <= 2; lanes *= 2) {
+            const float other = __shfl_xor_sync(0xffffffff, v[h], lanes);
+            v[h] = kMaximum ? fmaxf(v[h], other) : v[h] + other;
+        }
+        if (quad == 0) rows[row0 + 8 * h] = v[h];
+    }
+}
+
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool real) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(real ? 16 : 0)
                  : "memory");
@@ -271,15 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
             score[i] = ((real >> key) & 1) ? score[i] * p.scale_log2 : -INFINITY;
             top[(i >> 1) & 1] = fmaxf(top[(i >> 1) & 1], score[i]);
         }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 1));
-            top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 2));
-        }
-        if (quad == 0) {
-            row_max[c * kHeads + row0] = top[0];
-            row_max[c * kHeads + row0 + 8] = top[1];
-        }
+        publish_rows<true>(top, row_max + c * kHeads, row0, quad);
         named_barrier(1, 256);
         // The running maximum moves only past kRescaleSlack (base 2): probabilities stay below 2^kRescaleSlack,
         // and most blocks rescale nothing. Both consumers decide alike (the same maxima, max commutes).
@@ -328,15 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
     }
 
     // the two consumers' sums of probabilities meet; a token without rows (or a head row without) writes zeros
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffff, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffff, l[h], 2);
-    }
-    if (quad == 0) {
-        row_sum[c * kHeads + row0] = l[0];
-        row_sum[c * kHeads + row0 + 8] = l[1];
-    }
+    publish_rows<false>(l, row_sum + c * kHeads, row0, quad);
     named_barrier(1, 256);
     float inverse[2];
 #pragma unroll
