@@ -199,6 +199,7 @@ def sparse_mla_fwd(
     num_tokens, num_heads, rank = q_latent.shape
     width = rows.shape[1]
     q_latent = q_latent if q_latent.stride(-1) == 1 else q_latent.contiguous()
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     out = torch.empty_like(q_latent)
     if num_tokens == 0:
         return out
@@ -217,8 +218,9 @@ def sparse_mla_fwd(
         num_splits = min(row_blocks, max(1, triton.cdiv(target, num_tokens * head_blocks)))
     blocks_per_split = triton.cdiv(row_blocks, max(1, num_splits))
     num_splits = triton.cdiv(row_blocks, blocks_per_split)
+    if num_splits == 1 and cuda and cuda_prefill.refusal(q_latent, latent, rows) is None:
+        return cuda_prefill.prefill(q_latent, latent, rows, scale, out)
     rows_per_split = blocks_per_split * block_n
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     grid = (num_tokens, num_splits, head_blocks)
     dependent = dependent_launches(q_latent.device)
     common = dict(
@@ -226,8 +228,6 @@ def sparse_mla_fwd(
         num_warps=num_warps, num_stages=num_stages, PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
     if num_splits == 1:
-        if cuda and cuda_prefill.refusal(q_latent, latent, rows) is None:
-            return cuda_prefill.prefill(q_latent, latent, rows, scale, out)
         _sparse_mla_kernel[grid](
             q_latent, latent, rows, out, out,
             num_heads, width, rows_per_split, scale * LOG2E,
