@@ -58,6 +58,13 @@ constexpr bool kOverlap = HYLO_SPARSE_MLA_OVERLAP;
 #define HYLO_SPARSE_MLA_RESCALE_SLACK 8.0f  // 0: the running maximum follows every block
 #endif
 constexpr float kRescaleSlack = HYLO_SPARSE_MLA_RESCALE_SLACK;
+#ifndef HYLO_SPARSE_MLA_PROBE
+#define HYLO_SPARSE_MLA_PROBE 0  // benchmarks only, wrong outputs: 1 gathers without the math, 2 the math on stale slots
+#endif
+constexpr int kProbe = HYLO_SPARSE_MLA_PROBE;
+#ifndef HYLO_SPARSE_MLA_PREFETCH
+#define HYLO_SPARSE_MLA_PREFETCH 0  // 1: the gather's copies carry an L2 256-byte prefetch hint
+#endif
 constexpr int kSmemBytes = (1 + kStages) * kTileBytes  // Q and the ring
                            + kPanelBytes               // P
                            + 2 * 2 * kHeads * 4        // row maxima and sums of each consumer
@@ -153,8 +160,13 @@ __device__ __forceinline__ void publish_rows(float* v, float* rows, int row0, in
 }
 
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool real) {
+#if HYLO_SPARSE_MLA_PREFETCH
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(real ? 16 : 0)
+                 : "memory");
+#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(real ? 16 : 0)
                  : "memory");
+#endif
 }
 __device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -238,8 +250,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
             const int slot = j < p.width ? rows[j] : -1;
             const unsigned real = __ballot_sync(0xffffffff, slot >= 0) & 0xffff;
             if (lane == 0) masks[s * 4 + warp] = static_cast<uint16_t>(real);
-            gather_rows(smem_u32(ring + s * kTileBytes), warp, lane,
-                        slot >= 0 ? p.latent + (long long)slot * p.stride_kv : nullptr, p.latent);
+            if (kProbe != 2 || b < kStages)
+                gather_rows(smem_u32(ring + s * kTileBytes), warp, lane,
+                            slot >= 0 ? p.latent + (long long)slot * p.stride_kv : nullptr, p.latent);
             copies_commit();
         }
         copies_wait<0>();
@@ -260,13 +273,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
     float l[2] = {0.f, 0.f};            // this thread's share of the sums of its own keys' probabilities
 
     float score[16], ahead[16];  // this block's scores; with kOverlap, the next block's in flight
-    if (kOverlap && blocks > 0) {  // (a token without rows has no block to wait for)
+    if (kOverlap && kProbe != 1 && blocks > 0) {  // (a token without rows has no block to wait for)
         bar_wait(&full[0], 0);
         issue_scores(ahead, q_tile, ring, c);
     }
     for (int b = 0; b < blocks; ++b) {
         const int s = b % kStages;
         const uint8_t* slot = ring + s * kTileBytes;
+        if (kProbe == 1) {
+            bar_wait(&full[s], (b / kStages) & 1);
+            if ((threadIdx.x % 128) == 0) bar_arrive(&empty[s]);
+            continue;
+        }
         if (kOverlap) {
             wgmma_wait<0>();  // this block's scores (issued with the block before's values) have landed
 #pragma unroll
