@@ -36,6 +36,9 @@ VARIANTS = {
     "group4": ("HYLO_GROUPED_GROUP=4",),
     "group16": ("HYLO_GROUPED_GROUP=16",),
     "gate_up_stages3": ("HYLO_GROUPED_GATE_UP_STAGES=3",),
+    # bounds, not kernels (their outputs are wrong): the loads alone, the math alone on stale slots
+    "probe_loads": ("HYLO_GROUPED_PROBE=1",),
+    "probe_math": ("HYLO_GROUPED_PROBE=2",),
 }
 
 

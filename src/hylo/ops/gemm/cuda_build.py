@@ -148,6 +148,10 @@ def _compile(nvcc: str, source: Path, arch: str, library: Path, what: str, defin
     finally:
         partial.unlink(missing_ok=True)
     logger.info("built %s (%s) in %.1f s: %s", what, arch, time.perf_counter() - start, library)
+    # e.g. C7518: one wgmma in a branch ptxas cannot prove uniform serialises every wgmma of the kernel
+    for line in done.stderr.splitlines():
+        if "Performance Loss" in line:
+            logger.warning("%s (%s): ptxas: %s", what, arch, line.strip())
 
 
 def hopper_arch(capability: tuple[int, int]) -> str | None:

@@ -46,6 +46,10 @@
 #define HYLO_GROUPED_GROUP 8  // pairs that sweep the column tiles together (their weight tiles stay in L2)
 #endif
 
+#ifndef HYLO_GROUPED_PROBE
+#define HYLO_GROUPED_PROBE 0  // benchmarks only, wrong outputs: 1 loads without the math, 2 the math on stale slots
+#endif
+
 namespace {
 
 constexpr int kBlockM = 64;     // rows of an alignment block (a consumer's wgmma M)
@@ -190,6 +194,10 @@ __global__ void __launch_bounds__(384, 1)
                 const int which = served(j, t.same, t.active0, p.k_steps);
                 const int k0 = (j % p.k_steps) * kBlockK;
                 uint8_t* slot = smem + s * kSlot;
+                if (HYLO_GROUPED_PROBE == 2 && ring >= kStagesHere) {
+                    bar_arrive(&full[s]);
+                    continue;
+                }
                 bar_expect(&full[s], kTiles * kBBytes + (which == kBoth ? 2 : 1) * kABytes);
                 if (which != 1) tma_load(slot, &a_map, k0, t.block0 * kBlockM, &full[s]);
                 if (which != 0) tma_load(slot + kABytes, &a_map, k0, (t.block0 + 1) * kBlockM, &full[s]);
@@ -228,7 +236,7 @@ __global__ void __launch_bounds__(384, 1)
         for (int j = 0; j < t.steps; ++j, ++ring) {
             const int s = ring % kStagesHere;
             const int which = served(j, t.same, t.active0, p.k_steps);
-            const bool mine = which == kBoth || which == c;
+            const bool mine = HYLO_GROUPED_PROBE != 1 && (which == kBoth || which == c);
             float a0 = 0.f, a1 = 0.f, b = 0.f, b_up = 0.f;
             if (mine) {  // the scales' loads go out before the wait
                 const int kb = j % p.k_steps;

@@ -227,7 +227,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
     last = __reduce_max_sync(0xffffffff, last);
     if (lane == 0 && last > 0) atomicMax(block_count, last);
     __syncthreads();
-    const int blocks = (*block_count + kKeys - 1) / kKeys;
+    // in a uniform register (redux): with the count read from shared memory, ptxas cannot prove the loop's exit
+    // uniform, and a wgmma in flight across it (the overlap's next scores) makes it serialise every wgmma (C7518)
+    const int blocks = __reduce_max_sync(0xffffffff, (*block_count + kKeys - 1) / kKeys);
 
     if (warp < 4) {  // the gatherer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
