@@ -18,7 +18,7 @@ from hylo.layers.moe import MoE
 from hylo.models.demo import DEMO_DIR, DEMO_DRAFTS
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import build_model, checkpoint_layout, load_model, load_weights, save_checkpoint
-from hylo.parallel.layout import Parallel, StandInCollectives
+from hylo.parallel.layout import Parallel, StandInCollectives, TokenShards
 from hylo.sampling import SamplingParams
 from hylo.speculative.token_map import save_token_map
 from hylo.tokenizer import Tokenizer
@@ -98,6 +98,49 @@ def test_two_ranks_prefill_a_lone_long_prompt_in_chunks(random_model):
 
 
 @pytest.mark.usefixtures("pooled_ranks")
+def test_two_ranks_split_by_token_equal_one(random_model, monkeypatch):
+    """Sequence parallelism (`sequence_parallel_tokens` 5: every prefill step, and none of the 4-token
+    decode steps): the streams split by token, odd token counts padded, give TP=1's tokens and logprobs,
+    experts split by expert and by tensor."""
+    seen = []
+    scatter = Parallel.reduce_scatter_rows
+
+    def counted(self, x, shards):
+        seen.append(shards.tokens)
+        return scatter(self, x, shards)
+
+    monkeypatch.setattr(Parallel, "reduce_scatter_rows", counted)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
+    prompts = [*PROMPTS, [3, 4, 5, 6]]  # 85 tokens: two 32-token steps and 21
+    args = dict(chunked_prefill_size=32)
+    _, reference = _generate(random_model, prompts, params, **args)
+    assert not seen  # one rank: nothing to split
+    for ep in (2, 1):
+        split = dict(tp_size=2, ep_size=ep, sequence_parallel_tokens=5)
+        _, outputs = _generate(random_model, prompts, params, **split, **args)
+        _assert_same(reference, outputs)
+    assert seen and min(seen) >= 5 and any(t % 2 for t in seen)  # rank 0 split steps, odd ones among them
+
+
+def test_token_shards_split_pad_and_gather():
+    """Rank r holds rows [r·local, (r+1)·local) of the padded tokens; a rank measured alone (stand-in)
+    keeps its rows of its own partial sum and gathers its rows into every place; steps below the
+    threshold, or with sequence parallelism off, stay whole."""
+    parallel = Parallel(rank=2, size=3, stand_in=StandInCollectives(), sequence_parallel_tokens=4)
+    assert parallel.token_shards(3) is None and Parallel(0, 3).token_shards(100) is None
+    shards = parallel.token_shards(7)
+    assert (shards.local, shards.padded) == (3, 9)
+    x = torch.arange(7 * 2, dtype=torch.float32).reshape(7, 2)
+    mine = parallel.reduce_scatter_rows(x, shards)
+    assert torch.equal(mine, torch.cat([x[6:], torch.zeros(2, 2)]))  # row 6, then two padding rows
+    whole = parallel.all_gather_rows(mine, shards)
+    assert whole.shape == (7, 2) and torch.equal(whole[:3], mine)
+    assert [(c.kind, c.shape) for c in parallel.stand_in.calls] == [("reduce_scatter", (9, 2)),
+                                                                    ("all_gather", (3, 2))]  # fmt: skip
+    assert TokenShards(6, 3, 1).take(x).tolist() == x[2:4].tolist()
+
+
+@pytest.mark.usefixtures("pooled_ranks")
 def test_two_ranks_speculative_equal_one(tmp_path):
     """DFlash2, MTP with 3 steps and DFlash with a token map on the demo model, drafts verified every
     step: TP=2 commits the tokens TP=1 does (lossless either way) with the same acceptance, so drafts
@@ -119,7 +162,12 @@ def test_two_ranks_speculative_equal_one(tmp_path):
         ]
     )
     for spec in (
-        dict(speculative_algorithm="DFLASH", speculative_draft_model_path=str(DEMO_DRAFTS["dflash2"])),
+        # prefill steps split by token (the target's features gathered for the draft)
+        dict(
+            speculative_algorithm="DFLASH",
+            speculative_draft_model_path=str(DEMO_DRAFTS["dflash2"]),
+            sequence_parallel_tokens=8,
+        ),
         dict(speculative_algorithm="MTP", speculative_num_steps=3),
         dict(
             speculative_algorithm="DFLASH",
@@ -201,6 +249,8 @@ def test_parallel_settings_are_checked(random_model):
         EngineConfig(dist_init_addr="nohost")
     with pytest.raises(ValueError, match="node_rank"):
         EngineConfig(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1")
+    with pytest.raises(ValueError, match=r"sequence_parallel_tokens must be an int >= 0, got -1"):
+        EngineConfig(tp_size=2, sequence_parallel_tokens=-1)
     config = ModelConfig.from_dir(random_model)
     with pytest.raises(ValueError, match=r"linear_num_heads \(4\) must be divisible by tp_size \(3\)"):
         Glm5NextForCausalLM(config, Parallel(0, 3, 1))

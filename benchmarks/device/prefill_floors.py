@@ -254,6 +254,8 @@ def build(args) -> object:
     )  # fmt: skip
     if args.chunked_prefill_size is not None:
         common["chunked_prefill_size"] = args.chunked_prefill_size
+    if args.sequence_parallel_tokens is not None:
+        common["sequence_parallel_tokens"] = args.sequence_parallel_tokens
     if args.tp == 0:
         from hylo import LLM
 
@@ -272,6 +274,10 @@ def main() -> None:
         "--chunked-prefill-size", type=int, default=None,
         help="prompt tokens a step prefills (the engine's default when not given: 13312 runs as 2 steps)",
     )  # fmt: skip
+    parser.add_argument(
+        "--sequence-parallel-tokens", type=int, default=None,
+        help="a rank's steps of at least this many tokens split the streams by token (0: off)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     engine = build(args)
@@ -279,6 +285,7 @@ def main() -> None:
     report: dict = {
         "gpu": torch.cuda.get_device_name(), "tp": args.tp, "layers": args.layers,
         "chunked_prefill_size": engine.config.chunked_prefill_size,
+        "sequence_parallel_tokens": engine.config.sequence_parallel_tokens,
     }  # fmt: skip
     rates = ceilings(device)
     report["rates"] = {k: round(v / 1e12, 1) for k, v in rates.items()}

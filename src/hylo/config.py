@@ -283,6 +283,12 @@ class EngineConfig:
     ep_size: int | None = _flag(
         None, "routed experts: tp_size splits them by expert (the default), 1 splits each expert by tensor"
     )
+    sequence_parallel_tokens: int = _flag(
+        512,
+        "with tp_size > 1, a step of at least this many tokens keeps each rank's share of the tokens' "
+        "residual streams: its blocks' sums are reduce-scattered and their inputs all-gathered (the bytes "
+        "of an all-reduce), so mHC and the norms run on 1/tp_size of the tokens; 0: always all-reduce",
+    )
     nnodes: int = _flag(1, "hosts the tp_size ranks span (each runs the same command with its node_rank)")
     node_rank: int = _flag(0, "this host's index among nnodes (host 0 serves)")
     dist_init_addr: str | None = _flag(
@@ -348,6 +354,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
 
     def _check_parallel(self) -> None:
+        if not isinstance(self.sequence_parallel_tokens, int) or self.sequence_parallel_tokens < 0:
+            value = self.sequence_parallel_tokens
+            raise ValueError(f"sequence_parallel_tokens must be an int >= 0, got {value!r}")
         if self.ep_size not in (None, 1, self.tp_size):
             raise ValueError(f"ep_size must be 1 or tp_size ({self.tp_size}), got {self.ep_size}")
         if self.tp_size % self.nnodes:

@@ -121,7 +121,10 @@ def join(config: EngineConfig, rank: int, init_method: str, local_rank: int) -> 
     timeout = timedelta(seconds=config.dist_timeout)
     collectives = dist.new_group(backend=backend, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    parallel = Parallel(rank, config.tp_size, config.ep_size or config.tp_size, collectives)
+    parallel = Parallel(
+        rank, config.tp_size, config.ep_size or config.tp_size, collectives,
+        sequence_parallel_tokens=config.sequence_parallel_tokens,
+    )  # fmt: skip
     publisher = Publisher(control, config.dist_timeout) if rank == 0 else None
     return Ranks(parallel, device, control, publisher)
 

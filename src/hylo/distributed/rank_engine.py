@@ -34,5 +34,8 @@ def rank_engine(config: EngineConfig, rank: int) -> Engine:
     if config.nnodes != 1:
         raise ValueError("a rank engine runs on one device: nnodes must be 1")
     device = None if config.device == "auto" else torch.device(config.device)
-    parallel = Parallel(rank, config.tp_size, config.ep_size or config.tp_size, None, StandInCollectives())
+    parallel = Parallel(
+        rank, config.tp_size, config.ep_size or config.tp_size, None, StandInCollectives(),
+        sequence_parallel_tokens=config.sequence_parallel_tokens,
+    )  # fmt: skip
     return Engine(config, ranks=Ranks(parallel, device))

@@ -21,14 +21,14 @@ class KDAAttention(nn.Module):
     `conv_weight [3·H·d, K]` is the checkpoint's q_conv1d, k_conv1d and v_conv1d stacked in that order.
     Under tensor parallelism H is this rank's heads: every per-head tensor (q/k/v, f_b, g_b, b, dt_bias,
     A_log, the conv channels, the state slots) is split by head, f_a and g_a are replicated, and
-    o_proj is row parallel (its partial sums are all-reduced).
+    o_proj is row parallel: `forward` returns this rank's partial sum, which the decoder layer completes.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int, parallel: Parallel = SINGLE):
         super().__init__()
         d, hidden = config.linear_head_dim, config.hidden_size
         h = parallel.part(config.linear_num_heads, "linear_num_heads")
-        self.layer_idx, self.num_heads, self.head_dim, self.parallel = layer_idx, h, d, parallel
+        self.layer_idx, self.num_heads, self.head_dim = layer_idx, h, d
         self.lower_bound, self.eps = config.linear_lower_bound, config.rms_norm_eps
         # q, k, v, f_a, g_a and b read the same input: one GEMM. Under tensor parallelism each part is
         # this rank's share of its checkpoint tensor (q, k, v and b split by head, f_a and g_a whole);
@@ -98,7 +98,7 @@ class KDAAttention(nn.Module):
         step = kda_ops.KDAInputs(q, k, v, f, b)
         norm = kda_ops.OutputNorm(gate, self.o_norm.weight, self.eps)
         o = kda_ops.decode(step, self.params, self._slots(batch, batch.state_slots), norm)
-        return self.parallel.all_reduce(self.o_proj(o.reshape(x.shape[0], -1)))
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
     def _b_rows_apart(self) -> torch.Tensor | None:
         """`in_proj.dense_weight` when it holds b_proj's rows alone (the other parts in the e4m3 GEMM),
@@ -110,7 +110,7 @@ class KDAAttention(nn.Module):
     def _finish(self, o: torch.Tensor, norm: kda_ops.OutputNorm, tokens: int) -> torch.Tensor:
         """The gated output norm and the output projection of the heads' outputs `o [T, H, d]`."""
         o = kda_ops.gated_norm(o, norm)
-        return self.parallel.all_reduce(self.o_proj(o.reshape(tokens, -1)))
+        return self.o_proj(o.reshape(tokens, -1))
 
     def commit(self, batch: ForwardBatch, record: kda_ops.VerifyCache, n_accepted: torch.Tensor) -> None:
         """Advance each verify chunk's window and state by its first `n_accepted[j]` tokens (int32,

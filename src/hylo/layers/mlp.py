@@ -11,8 +11,9 @@ from hylo.parallel.layout import SINGLE, Parallel
 
 
 class MLP(nn.Module):
-    """Under tensor parallelism gate and up are column parallel, down row parallel. `reduce=False`
-    leaves down's partial sum to the caller (the MoE block reduces it with its routed experts').
+    """Under tensor parallelism gate and up are column parallel, down row parallel: `forward` returns
+    this rank's partial sum, which the caller completes (the decoder layer, or the MoE block with its
+    routed experts' sum).
 
     gate and up read the same input: one GEMM (`gate_up_proj`, a `FusedLinear` whose parts keep the
     checkpoint names `gate_proj` and `up_proj`), and the activation reads its two column halves in
@@ -24,15 +25,13 @@ class MLP(nn.Module):
         intermediate_size: int,
         swiglu_limit: float,
         parallel: Parallel = SINGLE,
-        reduce: bool = True,
     ):
         super().__init__()
         inter = parallel.part(intermediate_size, "the MLP's intermediate size")
         self.gate_up_proj = FusedLinear(hidden_size, [("gate_proj", inter), ("up_proj", inter)])
         self.down_proj = Linear(inter, hidden_size)
-        self.swiglu_limit, self.parallel, self.reduce = swiglu_limit, parallel, reduce
+        self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
-        out = self.down_proj(swiglu_clamp(gate, up, self.swiglu_limit))
-        return self.parallel.all_reduce(out) if self.reduce else out
+        return self.down_proj(swiglu_clamp(gate, up, self.swiglu_limit))

@@ -4,8 +4,8 @@ Under tensor parallelism the router is replicated (every rank routes every token
 the routed experts are split by expert or by tensor (`Parallel.ep_size`); the shared expert is split
 by tensor. Split by expert, a rank computes only the (token, choice) pairs routed to its own experts
 (`first_expert` of the expert modules, `moe_ops.routed_experts`); split by tensor, every pair on its
-intermediate slice. Each rank's routed and shared partial sums are added and all-reduced once: the
-combine is one reduction.
+intermediate slice. Each rank's routed and shared partial sums are added, and the decoder layer completes the
+sum once: the combine is one reduction.
 
 Where `moe_ops.shared_refusal` allows it (a decode-sized step on CUDA, the shared expert in the routed
 experts' format and at most a routed expert's intermediate per rank: one rank, experts split by tensor,
@@ -159,7 +159,7 @@ class MoE(nn.Module):
         self.experts: Experts | FP8Experts = Experts(config, parallel)
         self.shared_experts = MLP(
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit,
-            parallel, reduce=False,
+            parallel,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +171,7 @@ class MoE(nn.Module):
             # the shared expert's output joins the routed sum inside its combine (a decode step: one
             # launch fewer), as the add after it would
             out = self.routed(x, addend=self.shared_experts(x))
-        return self.parallel.all_reduce(out)
+        return out  # this rank's partial sum: the decoder layer completes it
 
     def shared_expert(self) -> moe_ops.SharedExpert | None:
         """The shared expert MLP's tensors as one expert's (`moe_ops.SharedExpert`: gate rows then up rows

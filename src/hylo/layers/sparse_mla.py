@@ -22,14 +22,14 @@ class SparseMLA(nn.Module):
     """Only the latent `c = RMSNorm(kv_a x)` is cached. kv_b is absorbed: q_lat = q·W_UK per head,
     attention runs over latents, and W_UV maps the latent output back per head.
 
-    Under tensor parallelism the heads are split (q_b and kv_b by head, o_proj row parallel and
-    all-reduced); q_a, kv_a, their norms, the indexer and the latent cache are replicated: every rank
-    writes the same latents."""
+    Under tensor parallelism the heads are split (q_b and kv_b by head, o_proj row parallel: the
+    decoder layer completes its partial sum); q_a, kv_a, their norms, the indexer and the latent cache
+    are replicated: every rank writes the same latents."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, parallel: Parallel = SINGLE):
         super().__init__()
         hidden, h = config.hidden_size, parallel.part(config.num_attention_heads, "num_attention_heads")
-        self.layer_idx, self.num_heads, self.parallel = layer_idx, h, parallel
+        self.layer_idx, self.num_heads = layer_idx, h
         self.nope_dim, self.v_dim, self.rank = config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
         self.scale = config.qk_nope_head_dim**-0.5
         full_indexer = config.indexer_types[layer_idx] == "full"
@@ -56,7 +56,8 @@ class SparseMLA(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the output and the rows used (a `shared` layer passes in its predecessor's rows)."""
+        """Returns this rank's partial sum of the output (the decoder layer completes it) and the rows used
+        (a `shared` layer passes in its predecessor's rows)."""
         latent = batch.tokens.latent[batch.tokens.dsa_index[self.layer_idx]]
         q_a, kv_a, *index_parts = self.in_proj(x)
         # q_a's norm, and kv_a's written straight into the latent cache: one launch on the GPU
@@ -76,7 +77,7 @@ class SparseMLA(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.nope_dim))
         out_latent = sparse_mla(torch.einsum("thd,hdr->thr", q, w_uk), latent, rows, self.scale)
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
-        return self.parallel.all_reduce(self.o_proj(out.flatten(1))), rows
+        return self.o_proj(out.flatten(1)), rows
 
 
 def _rows(x: torch.Tensor, norm: RMSNorm) -> NormRows:

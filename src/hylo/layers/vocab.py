@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hylo.ops.gemm import linear
-from hylo.parallel.layout import SINGLE, Parallel
+from hylo.parallel.layout import SINGLE, Parallel, TokenShards
 
 
 class VocabEmbedding(nn.Embedding):
@@ -24,18 +24,24 @@ class VocabEmbedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.size == 1:
             return super().forward(ids)
+        return self.parallel.all_reduce(self._partial(ids))
+
+    def _partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows' embeddings of `ids`, zeros for the ids other ranks hold."""
         local = ids - self.lo
         outside = (local < 0) | (local >= self.num_embeddings)
         x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
-        return self.parallel.all_reduce(x.masked_fill(outside[..., None], 0))
+        return x.masked_fill(outside[..., None], 0)
 
-    def streams(self, ids: torch.Tensor, copies: int) -> torch.Tensor:
+    def streams(self, ids: torch.Tensor, copies: int, shards: TokenShards | None = None) -> torch.Tensor:
         """`forward(ids)` repeated `copies` times per token, `[T, copies, hidden]` contiguous (an mHC
         model's first residual streams): on one rank a single gather from the weight viewed `copies`
-        times (no embedding then copy), elsewhere the embedding expanded."""
+        times (no embedding then copy), elsewhere the embedding expanded; with `shards`, this rank's
+        tokens alone (`[shards.local, copies, hidden]`, the embedding's sum reduce-scattered)."""
         if self.parallel.size == 1:
             return self.weight[:, None, :].expand(-1, copies, -1)[ids].contiguous()
-        return self(ids)[:, None, :].expand(-1, copies, -1).contiguous()
+        x = self(ids) if shards is None else self.parallel.reduce_scatter_rows(self._partial(ids), shards)
+        return x[:, None, :].expand(-1, copies, -1).contiguous()
 
 
 class VocabHead(nn.Module):

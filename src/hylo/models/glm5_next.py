@@ -22,7 +22,7 @@ from hylo.ops.kda import VerifyCache, chunked_prefill_refusal
 from hylo.ops.mhc import BlockNorm, PendingPost, mhc_post, mhc_post_mean, streams_refusal
 from hylo.ops.norm import width_refusal
 from hylo.ops.sparse_mla import rank_refusal
-from hylo.parallel.layout import SINGLE, Parallel
+from hylo.parallel.layout import SINGLE, Parallel, TokenShards
 
 
 class LayerOutput(NamedTuple):
@@ -57,6 +57,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int, parallel: Parallel = SINGLE):
         super().__init__()
+        self.parallel = parallel
         self.is_linear = config.layer_types[layer_idx] == LINEAR
         attention = KDAAttention if self.is_linear else SparseMLA
         self.self_attn: nn.Module = attention(config, layer_idx, parallel)
@@ -77,21 +78,26 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         rows: torch.Tensor | None,
         pending: PendingPost | None = None,
+        shards: TokenShards | None = None,
     ) -> LayerOutput:
         """The layer's streams, rows, pending post and KDA record (`LayerOutput`). `pending` is the
-        previous layer's, still to be applied to `streams`."""
+        previous layer's, still to be applied to `streams`. Each block returns this rank's partial sum,
+        completed here: all-reduced, or with `shards` (the streams hold this rank's tokens alone,
+        `Parallel.token_shards`) reduce-scattered by token, the block's input gathered whole first."""
         streams, post, comb, x = self.attn_hc.enter(streams, pending, _block_norm(self.input_layernorm))
+        x = self.parallel.whole(x, shards)
         record = None
         if self.is_linear:
             (out, record), rows = self.self_attn(x, batch), None
         else:
             out, rows = self.self_attn(x, batch, rows)
         entry = self.ffn_hc.enter(
-            streams, PendingPost(out, post, comb), _block_norm(self.post_attention_layernorm)
+            streams,
+            PendingPost(self.parallel.complete(out, shards), post, comb),
+            _block_norm(self.post_attention_layernorm),
         )
-        return LayerOutput(
-            entry.streams, rows, PendingPost(self.mlp(entry.block_input), entry.post, entry.comb), record
-        )
+        out = self.parallel.complete(self.mlp(self.parallel.whole(entry.block_input, shards)), shards)
+        return LayerOutput(entry.streams, rows, PendingPost(out, entry.post, entry.comb), record)
 
 
 def _block_norm(norm: RMSNorm) -> BlockNorm:
@@ -121,21 +127,26 @@ class Glm5NextForCausalLM(nn.Module):
         """Runs the batch's new tokens through every layer, updating the caches; returns the logits
         of the tokens the batch asks for, the features of `capture_layers` and what the KDA layers'
         verify kept (`ForwardOutput`)."""
-        streams = self.embed_tokens.streams(batch.input_ids, self.config.hc_mult)
+        # a large step keeps each rank's share of the tokens' streams (sequence parallelism)
+        shards = self.parallel.token_shards(batch.input_ids.shape[0])
+        streams = self.embed_tokens.streams(batch.input_ids, self.config.hc_mult, shards)
         rows, pending = None, None
         captured, records = [], {}
         last = len(self.layers) - 1
         # the last layer's mean of the logits' tokens alone, unless its features are captured (all tokens)
         logits_rows = None if last in capture_layers else batch.logits_index
         for i, layer in enumerate(self.layers):
-            streams, rows, pending, record = layer(streams, batch, rows, pending)
+            streams, rows, pending, record = layer(streams, batch, rows, pending, shards)
             if record is not None:
                 records[i] = record
-            if i == last:  # only the streams' mean is read after the last layer
+            if i == last and shards is not None and logits_rows is not None:
+                mean = self._sharded_rows_mean(pending, streams, logits_rows, shards)
+            elif i == last:  # only the streams' mean is read after the last layer
                 mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb, logits_rows)
+                mean = self.parallel.whole(mean, shards)
             elif i in capture_layers:  # these need the streams complete
                 streams, pending = mhc_post(pending.out, streams, pending.post, pending.comb), None
-                mean = streams.mean(dim=1)
+                mean = self.parallel.whole(streams.mean(dim=1), shards)
             if i in capture_layers:
                 captured.append(mean)
         features = None
@@ -143,6 +154,19 @@ class Glm5NextForCausalLM(nn.Module):
             features = captured[0] if len(captured) == 1 else torch.cat(captured, dim=-1)
         hidden = self.norm(mean if logits_rows is not None else mean[batch.logits_index])
         return ForwardOutput(self.lm_head(hidden).float(), features, records)
+
+    def _sharded_rows_mean(
+        self, pending: PendingPost, streams: torch.Tensor, rows: torch.Tensor, shards: TokenShards
+    ) -> torch.Tensor:
+        """The new streams' mean at the tokens `rows [R]` where each rank holds its share of the tokens:
+        each rank takes the rows it holds, zeros for the others', and an all-reduce of `[R, D]` adds them
+        (each row is nonzero on one rank: the sum is that row exactly, on every rank) instead of
+        gathering every token's mean."""
+        local = rows - shards.rank * shards.local
+        mine = (local >= 0) & (local < shards.local)
+        local = local.clamp(0, shards.local - 1)
+        mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb, local)
+        return self.parallel.all_reduce(mean.masked_fill(~mine[:, None], 0))
 
     @torch.inference_mode()
     def commit(self, batch: ForwardBatch, records: dict[int, VerifyCache], lengths: torch.Tensor) -> None:

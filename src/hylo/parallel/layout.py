@@ -9,6 +9,10 @@ Glossary:
 - replicated: a tensor every rank holds whole (norms, router, mHC, indexer, the MLA latent cache).
 - column / row parallel: a projection split along its output (each rank computes its heads or
   intermediate slice) / its input (each rank's partial sum, completed by `all_reduce`).
+- sequence parallel: in a step of at least `sequence_parallel_tokens` tokens the residual streams stay
+  split by token (`TokenShards`): a block's partial sums are completed by `reduce_scatter_rows` (each
+  rank gets its tokens' sums) and its input is made whole by `all_gather_rows`, so the replicated work
+  between blocks (mHC, norms) runs on 1/size of the tokens; the bytes moved equal the all-reduce's.
 
 Invariant: every collective returns the same bits on every rank (an all-reduce's sum is computed
 once per element and sent to all), so replicated computations stay equal across ranks and every rank
@@ -31,8 +35,8 @@ from hylo.config import ModelConfig
 
 @dataclass(frozen=True)
 class CollectiveCall:
-    """One device collective as a rank issues it: `kind` (all_reduce, all_gather), the shape and dtype
-    of the rank's input, and the bytes of that input."""
+    """One device collective as a rank issues it: `kind` (all_reduce, all_gather, reduce_scatter), the
+    shape and dtype of the rank's input, and the bytes of that input."""
 
     kind: str
     shape: tuple[int, ...]
@@ -47,9 +51,10 @@ class CollectiveCall:
 class StandInCollectives:
     """A local stand-in for the device collectives of one rank measured alone (no other rank exists):
     an all-reduce leaves the rank's partial sum as it is, an all-gather writes the rank's part into
-    every rank's place (one copy: the output has the real shape and bytes). Each call is appended to
-    `calls` when it is issued; in a CUDA graph that is once, at capture. The results are not the real
-    engine's, so a rank built on it serves timings, never tokens anyone reads."""
+    every rank's place (one copy: the output has the real shape and bytes), a reduce-scatter keeps the
+    rank's rows of its partial sum. Each call is appended to `calls` when it is issued; in a CUDA graph
+    that is once, at capture. The results are not the real engine's, so a rank built on it serves
+    timings, never tokens anyone reads."""
 
     calls: list[CollectiveCall] = field(default_factory=list)
 
@@ -58,16 +63,46 @@ class StandInCollectives:
 
 
 @dataclass(frozen=True)
+class TokenShards:
+    """A step's `tokens` rows split over `size` ranks: each holds `local = ceil(tokens / size)` rows,
+    rank r rows `[r·local, (r+1)·local)` of the tokens padded to `size·local` (padding rows: zeros going
+    in, dropped coming out, never mixed into a real row: every op between the collectives is by row)."""
+
+    tokens: int
+    size: int
+    rank: int
+
+    @property
+    def local(self) -> int:
+        return -(-self.tokens // self.size)
+
+    @property
+    def padded(self) -> int:
+        return self.local * self.size
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of `x [tokens, ...]` (replicated on every rank), padded: `[local, ...]`."""
+        lo = self.rank * self.local
+        mine = x[lo : lo + self.local]
+        if mine.shape[0] == self.local:
+            return mine
+        return torch.cat([mine, mine.new_zeros(self.local - mine.shape[0], *x.shape[1:])])
+
+
+@dataclass(frozen=True)
 class Parallel:
     """`group` is the process group of the device collectives (NCCL on GPUs, gloo on CPUs); None for
     one rank, or for a rank that only builds shapes (`benchmarks/sizing.py`, meta tensors).
-    `stand_in`: the collectives are recorded by it instead of run (`StandInCollectives`)."""
+    `stand_in`: the collectives are recorded by it instead of run (`StandInCollectives`).
+    `sequence_parallel_tokens`: the fewest tokens of a step whose streams are split by token (0: never;
+    `EngineConfig.sequence_parallel_tokens`)."""
 
     rank: int = 0
     size: int = 1
     ep_size: int = 1
     group: dist.ProcessGroup | None = None
     stand_in: StandInCollectives | None = field(default=None, compare=False)
+    sequence_parallel_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -120,6 +155,51 @@ class Parallel:
         else:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def complete(self, partial: torch.Tensor, shards: TokenShards | None) -> torch.Tensor:
+        """A row-parallel block's `partial [tokens, ...]` summed over the ranks: every token's
+        (all-reduce), or with `shards` this rank's tokens' (reduce-scatter)."""
+        return self.all_reduce(partial) if shards is None else self.reduce_scatter_rows(partial, shards)
+
+    def whole(self, x: torch.Tensor, shards: TokenShards | None) -> torch.Tensor:
+        """`x` of every token: as it is, or with `shards` this rank's tokens' rows gathered."""
+        return x if shards is None else self.all_gather_rows(x, shards)
+
+    def token_shards(self, tokens: int) -> TokenShards | None:
+        """How a step of `tokens` tokens splits its streams, or None (kept whole: one rank, sequence
+        parallelism off, or a step too small for two collectives to beat one)."""
+        if self.size == 1 or not self.sequence_parallel_tokens or tokens < self.sequence_parallel_tokens:
+            return None
+        return TokenShards(tokens, self.size, self.rank)
+
+    def reduce_scatter_rows(self, x: torch.Tensor, shards: TokenShards) -> torch.Tensor:
+        """This rank's rows of the sum over the ranks of `x [tokens, ...]` (each rank's partial sum):
+        `[local, ...]`, padding rows zero."""
+        if x.shape[0] != shards.padded:
+            x = torch.cat([x, x.new_zeros(shards.padded - x.shape[0], *x.shape[1:])])
+        x = x.contiguous()
+        if self.stand_in is not None:
+            self.stand_in.record("reduce_scatter", x)
+            return shards.take(x).clone()
+        if x.is_cuda:  # one launch, capturable in a CUDA graph
+            out = x.new_empty(shards.local, *x.shape[1:])
+            dist.reduce_scatter_tensor(out, x, group=self.group)
+            return out
+        dist.all_reduce(x, group=self.group)  # gloo has no reduce-scatter: the sum, then this rank's rows
+        return shards.take(x).clone()
+
+    def all_gather_rows(self, x: torch.Tensor, shards: TokenShards) -> torch.Tensor:
+        """Every rank's rows `x [local, ...]` in rank order, the padding cut: `[tokens, ...]`."""
+        x = x.contiguous()
+        parts = x.new_empty(shards.padded, *x.shape[1:])
+        if self.stand_in is not None:
+            self.stand_in.record("all_gather", x)
+            parts.view(self.size, *x.shape).copy_(x.expand(self.size, *x.shape))
+        elif x.is_cuda:
+            dist.all_gather_into_tensor(parts, x, group=self.group)
+        else:
+            dist.all_gather(list(parts.view(self.size, *x.shape).unbind(0)), x, group=self.group)
+        return parts[: shards.tokens]
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x [..., n]` side by side: `[..., size·n]`, rank 0's columns first."""
