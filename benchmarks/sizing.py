@@ -284,8 +284,8 @@ def rank_memory(config: ModelConfig, tp: int, ep: int) -> RankMemory:
 @dataclass(frozen=True)
 class Collective:
     """`count` collectives of one kind. `message_bytes`: an all-reduce's tensor (every rank holds it
-    whole), an all-gather's gathered output (`tp` ranks' parts side by side), a reduce-scatter's input
-    (every rank's whole partial sum; on the ring it moves as an all-gather of that size)."""
+    whole), an all-gather's gathered output (`tp` ranks' parts side by side), a reduce-scatter's or an
+    all-to-all's input (each rank sends (tp-1)/tp of it, as an all-gather of that size)."""
 
     kind: str
     count: int

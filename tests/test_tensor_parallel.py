@@ -138,6 +138,15 @@ def test_token_shards_split_pad_and_gather():
     assert [(c.kind, c.shape) for c in parallel.stand_in.calls] == [("reduce_scatter", (9, 2)),
                                                                     ("all_gather", (3, 2))]  # fmt: skip
     assert TokenShards(6, 3, 1).take(x).tolist() == x[2:4].tolist()
+    rows = torch.arange(7)[:, None].expand(7, 4)
+    assert shards.take(rows, -1).tolist() == [[6] * 4, [-1] * 4, [-1] * 4]  # padding attends no row
+    # the attention's swap: every token with this rank's 2 heads <-> this rank's tokens with all 6 heads
+    q = torch.randn(7, 2, 5)
+    by_token = parallel.heads_to_tokens(q, shards)
+    assert by_token.shape == (3, 6, 5) and torch.equal(by_token[0, 4:], q[6])  # its own heads, in place
+    back = parallel.tokens_to_heads(by_token, shards)
+    assert back.shape == (7, 2, 5) and torch.equal(back[6], q[6])
+    assert [c.kind for c in parallel.stand_in.calls[2:]] == ["all_to_all"] * 2
 
 
 @pytest.mark.usefixtures("pooled_ranks")

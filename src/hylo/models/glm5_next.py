@@ -90,7 +90,7 @@ class DecoderLayer(nn.Module):
         if self.is_linear:
             (out, record), rows = self.self_attn(x, batch), None
         else:
-            out, rows = self.self_attn(x, batch, rows)
+            out, rows = self.self_attn(x, batch, rows, shards)
         entry = self.ffn_hc.enter(
             streams,
             PendingPost(self.parallel.complete(out, shards), post, comb),

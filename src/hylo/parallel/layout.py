@@ -13,6 +13,8 @@ Glossary:
   split by token (`TokenShards`): a block's partial sums are completed by `reduce_scatter_rows` (each
   rank gets its tokens' sums) and its input is made whole by `all_gather_rows`, so the replicated work
   between blocks (mHC, norms) runs on 1/size of the tokens; the bytes moved equal the all-reduce's.
+  The sparse attention core goes by token too (`heads_to_tokens` / `tokens_to_heads`, two all-to-alls):
+  a token's gathered latent rows then serve all of its heads on one rank instead of size ranks' shares.
 
 Invariant: every collective returns the same bits on every rank (an all-reduce's sum is computed
 once per element and sent to all), so replicated computations stay equal across ranks and every rank
@@ -35,8 +37,8 @@ from hylo.config import ModelConfig
 
 @dataclass(frozen=True)
 class CollectiveCall:
-    """One device collective as a rank issues it: `kind` (all_reduce, all_gather, reduce_scatter), the
-    shape and dtype of the rank's input, and the bytes of that input."""
+    """One device collective as a rank issues it: `kind` (all_reduce, all_gather, reduce_scatter,
+    all_to_all), the shape and dtype of the rank's input, and the bytes of that input."""
 
     kind: str
     shape: tuple[int, ...]
@@ -52,9 +54,9 @@ class StandInCollectives:
     """A local stand-in for the device collectives of one rank measured alone (no other rank exists):
     an all-reduce leaves the rank's partial sum as it is, an all-gather writes the rank's part into
     every rank's place (one copy: the output has the real shape and bytes), a reduce-scatter keeps the
-    rank's rows of its partial sum. Each call is appended to `calls` when it is issued; in a CUDA graph
-    that is once, at capture. The results are not the real engine's, so a rank built on it serves
-    timings, never tokens anyone reads."""
+    rank's rows of its partial sum, an all-to-all receives the rank's own chunk from every rank. Each
+    call is appended to `calls` when it is issued; in a CUDA graph that is once, at capture. The results
+    are not the real engine's, so a rank built on it serves timings, never tokens anyone reads."""
 
     calls: list[CollectiveCall] = field(default_factory=list)
 
@@ -80,13 +82,20 @@ class TokenShards:
     def padded(self) -> int:
         return self.local * self.size
 
-    def take(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of `x [tokens, ...]` (replicated on every rank), padded: `[local, ...]`."""
+    def take(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """This rank's rows of `x [tokens, ...]` (replicated on every rank), padded with `fill`:
+        `[local, ...]`."""
         lo = self.rank * self.local
         mine = x[lo : lo + self.local]
         if mine.shape[0] == self.local:
             return mine
-        return torch.cat([mine, mine.new_zeros(self.local - mine.shape[0], *x.shape[1:])])
+        return torch.cat([mine, mine.new_full((self.local - mine.shape[0], *x.shape[1:]), fill)])
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """`x [tokens, ...]` with zero rows up to `padded`."""
+        if x.shape[0] == self.padded:
+            return x
+        return torch.cat([x, x.new_zeros(self.padded - x.shape[0], *x.shape[1:])])
 
 
 @dataclass(frozen=True)
@@ -175,9 +184,7 @@ class Parallel:
     def reduce_scatter_rows(self, x: torch.Tensor, shards: TokenShards) -> torch.Tensor:
         """This rank's rows of the sum over the ranks of `x [tokens, ...]` (each rank's partial sum):
         `[local, ...]`, padding rows zero."""
-        if x.shape[0] != shards.padded:
-            x = torch.cat([x, x.new_zeros(shards.padded - x.shape[0], *x.shape[1:])])
-        x = x.contiguous()
+        x = shards.pad(x).contiguous()
         if self.stand_in is not None:
             self.stand_in.record("reduce_scatter", x)
             return shards.take(x).clone()
@@ -200,6 +207,29 @@ class Parallel:
         else:
             dist.all_gather(list(parts.view(self.size, *x.shape).unbind(0)), x, group=self.group)
         return parts[: shards.tokens]
+
+    def heads_to_tokens(self, x: torch.Tensor, shards: TokenShards) -> torch.Tensor:
+        """`x [tokens, h, ...]` (every token, this rank's h heads) to `[local, size·h, ...]` (this rank's
+        tokens, every rank's heads in rank order: the global head order): one all-to-all."""
+        chunks = shards.pad(x).contiguous().view(self.size, shards.local, *x.shape[1:])
+        mine = self._all_to_all(chunks)  # [i] = my tokens, rank i's heads
+        return mine.transpose(0, 1).reshape(shards.local, self.size * x.shape[1], *x.shape[2:])
+
+    def tokens_to_heads(self, x: torch.Tensor, shards: TokenShards) -> torch.Tensor:
+        """The inverse of `heads_to_tokens`: `[local, size·h, ...]` to `[tokens, h, ...]`."""
+        h = x.shape[1] // self.size
+        chunks = x.view(shards.local, self.size, h, *x.shape[2:]).transpose(0, 1).contiguous()
+        theirs = self._all_to_all(chunks)  # [i] = rank i's tokens, my heads
+        return theirs.view(shards.padded, h, *x.shape[2:])[: shards.tokens]
+
+    def _all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Chunk i of `chunks [size, ...]` sent to rank i; returns the chunks received, by sender."""
+        if self.stand_in is not None:
+            self.stand_in.record("all_to_all", chunks)
+            return chunks[self.rank].expand_as(chunks).clone()
+        out = torch.empty_like(chunks)
+        dist.all_to_all_single(out, chunks, group=self.group)
+        return out
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x [..., n]` side by side: `[..., size·n]`, rank 0's columns first."""
