@@ -210,6 +210,7 @@ def main() -> None:
     parser.add_argument("--ttft", default="1024,8192,13312", help="prompt lengths of the TTFT runs")
     parser.add_argument("--reps", type=int, default=3, help="timings per step (each 30 replays)")
     parser.add_argument("--mem-fraction", type=float, default=0.9, help="mem_fraction_static of each engine")
+    parser.add_argument("--sequence-parallel-tokens", type=int, default=512, help="0: prefill without it")
     parser.add_argument("--out", default=None, help="folder for rank_e2e.json and kernel tables")
     args = parser.parse_args()
     out = Path(args.out) if args.out else None
@@ -241,7 +242,7 @@ def main() -> None:
             model=str(root / "target"), load_format="dummy", device="cuda", dtype="bfloat16",
             tp_size=args.tp, ep_size=args.ep, context_length=max(4096, longest + 64), max_running_requests=16,
             cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, skip_warmup=True,
-            **engine_flags(name, root),
+            sequence_parallel_tokens=args.sequence_parallel_tokens, **engine_flags(name, root),
         )  # fmt: skip
         engine = None
         try:  # an engine that fails is reported and the next one still runs
