@@ -180,10 +180,7 @@ def mla_decode_sweep(tokens_list: list[int]) -> None:
 
 # `sparse_mla_prefill.cu`'s variants timed beside the default (its macros)
 CUDA_VARIANTS = {
-    "no overlap": ("HYLO_SPARSE_MLA_OVERLAP=0",),
     "rescale every block": ("HYLO_SPARSE_MLA_RESCALE_SLACK=0.0f",),
-    "neither": ("HYLO_SPARSE_MLA_OVERLAP=0", "HYLO_SPARSE_MLA_RESCALE_SLACK=0.0f"),
-    "L2 256-byte prefetch": ("HYLO_SPARSE_MLA_PREFETCH=1",),
     # bounds, not kernels (their outputs are wrong): the gather alone, the math alone on stale slots
     "probe: gather only": ("HYLO_SPARSE_MLA_PROBE=1",),
     "probe: math only": ("HYLO_SPARSE_MLA_PROBE=2",),

@@ -4,7 +4,9 @@
 one weight tile in shared memory for both where they share an expert, a TMA producer warpgroup and two
 wgmma consumer warpgroups). Here: when they may run (`refusal`), how they are built, loaded and checked,
 and the launches (`gate_up`, `down`), which compute what `kernels._gate_up_tma_kernel` and
-`kernels._down_tma_kernel` compute, on the same operands.
+`kernels._down_tma_kernel` compute, on the same operands. The MoE dispatches `gate_up` alone: at 13312
+tokens on an H100 it ran in 5422 us against the Triton kernel's 6015, `down` in 3981 against 2748 (both
+bound by their math: the consumers wait for each K step's product before promoting it, RESULTS S40-3).
 
 Built at first use on the GPU machine by `gemm.cuda_build` (the kernel cache, nvcc of the machine,
 `sm_90a`) and loaded with `ctypes`. Before a GPU's first call the library is checked there once against
@@ -163,8 +165,10 @@ def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
     experts of 256 × 384 (gate|up 2 × 256 rows), 300 pairs routed so that expert 0 holds three blocks
     (a pair of one expert, then one of two), the others one each (padding rows), and the last real block is
     alone. gate|up: h within one e4m3 step of the exact SwiGLU (the kernel's exp may round otherwise);
-    down: within a bf16 rounding plus fp32 sums of the exact product of its h. The first failure, or
-    None."""
+    down: within a bf16 rounding of the exact product of its h plus 2^-12 of the sum of its terms'
+    magnitudes (the FP8 tensor cores keep ~14 bits of each 128-deep sum: the error follows the terms, not
+    the result; the first check's 2^-20 of the block's largest product refused a kernel equal to the
+    Triton one, RESULTS S40-3). The first failure, or None."""
     generator = torch.Generator(device=device).manual_seed(1234)
     experts, hidden, intermediate, top_k, limit = 5, 384, 256, 2, 7.0
     others = torch.randint(1, experts, (150, 1), generator=generator, device=device)
@@ -219,8 +223,9 @@ def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
             )
         pair = layout.pairs[mine].long()
         exact = (got_h[mine] @ w_dn64[expert].t()) * weights.double()[pair, None]
+        terms = (got_h[mine].abs() @ w_dn64[expert].abs().t()) * weights.double()[pair, None]
         error = (routed.double()[pair] - exact).abs()
-        bound = 2.0**-8 * exact.abs() + 2.0**-20 * exact.abs().amax()
+        bound = 2.0**-8 * exact.abs() + 2.0**-12 * terms
         if not (error <= bound).all():
             worst = float((error / bound).max())
             return f"down, block {block} (expert {expert}): off the exact product by {worst:.3g}x its bound"

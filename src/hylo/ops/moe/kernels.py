@@ -1029,9 +1029,7 @@ def _down_tma(
     routed: torch.Tensor,
     config: MoeConfig,
 ) -> None:
-    if _grouped_cuda(h, down, down_scale, layout):
-        grouped_cuda.down(h, h_scale, down, down_scale, layout, weights, routed)
-        return
+    # (the CUDA down kernel is not dispatched: 3981 us against this kernel's 2748 at 13312 tokens, S40-3)
     num_blocks = layout.block_expert.numel()
     hidden, intermediate = down.shape[1:]
     dn = config.down

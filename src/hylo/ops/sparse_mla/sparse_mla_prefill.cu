@@ -19,12 +19,13 @@
 // probabilities under the common running maximum; the two sums meet at the end. A token walks its list only
 // to its last real row (the indexer writes the real rows first).
 //
-// Two things keep the tensor cores busier (each a macro, so a benchmark can time the kernel without it): a
-// consumer issues the next block's scores right behind this block's values product, so the two run back to
-// back while it waits for the values (HYLO_SPARSE_MLA_OVERLAP); and the running maximum moves only when a row's
-// new maximum passes it by more than 8 (base 2: probabilities stay below 2^8, well inside bf16 and fp32), so
-// most blocks skip the rescaling of the 128 output registers (HYLO_SPARSE_MLA_RESCALE_SLACK; exact either
-// way, the output is normalised by sums taken under the same maximum).
+// The running maximum moves only when a row's new maximum passes it by more than 8 (base 2: probabilities stay
+// below 2^8, well inside bf16 and fp32), so most blocks skip the rescaling of the 128 output registers
+// (HYLO_SPARSE_MLA_RESCALE_SLACK, a macro a benchmark can set to 0; exact either way, the output is normalised
+// by sums taken under the same maximum): 10.36 -> 8.54 ms at 13312 tokens on an H100. Issuing the next
+// block's scores right behind this block's values was 1.5% slower (RESULTS S40-2): the kernel is bound by
+// its math (the probes: the math alone on stale slots 7.6 ms, the gather alone 4.2), the scores' m64n32
+// reading all of Q from shared memory for 32 keys.
 //
 // Shared memory (1024-aligned): Q [64 × 512] and each slot [64 × 512] as 8 panels of 64 rows × 128 bytes
 // (64 dims) in the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), the P tile (one panel), the
@@ -50,10 +51,6 @@ constexpr int kTileBytes = kPanels * kPanelBytes;  // 64 KB: Q, or one slot
 constexpr int kHalf = kKeys / 2;           // keys a consumer scores
 constexpr int kOutHalf = kRank / 2;        // dims a consumer accumulates
 constexpr int kThreads = 384;
-#ifndef HYLO_SPARSE_MLA_OVERLAP
-#define HYLO_SPARSE_MLA_OVERLAP 1  // a block's scores are issued behind the block before's values
-#endif
-constexpr bool kOverlap = HYLO_SPARSE_MLA_OVERLAP;
 #ifndef HYLO_SPARSE_MLA_RESCALE_SLACK
 #define HYLO_SPARSE_MLA_RESCALE_SLACK 8.0f  // 0: the running maximum follows every block
 #endif
@@ -62,9 +59,6 @@ constexpr float kRescaleSlack = HYLO_SPARSE_MLA_RESCALE_SLACK;
 #define HYLO_SPARSE_MLA_PROBE 0  // benchmarks only, wrong outputs: 1 gathers without the math, 2 the math on stale slots
 #endif
 constexpr int kProbe = HYLO_SPARSE_MLA_PROBE;
-#ifndef HYLO_SPARSE_MLA_PREFETCH
-#define HYLO_SPARSE_MLA_PREFETCH 0  // 1: the gather's copies carry an L2 256-byte prefetch hint
-#endif
 constexpr int kSmemBytes = (1 + kStages) * kTileBytes  // Q and the ring
                            + kPanelBytes               // P
                            + 2 * 2 * kHeads * 4        // row maxima and sums of each consumer
@@ -160,13 +154,8 @@ __device__ __forceinline__ void publish_rows(float* v, float* rows, int row0, in
 }
 
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, bool real) {
-#if HYLO_SPARSE_MLA_PREFETCH
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(real ? 16 : 0)
-                 : "memory");
-#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(real ? 16 : 0)
                  : "memory");
-#endif
 }
 __device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -227,9 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
     last = __reduce_max_sync(0xffffffff, last);
     if (lane == 0 && last > 0) atomicMax(block_count, last);
     __syncthreads();
-    // in a uniform register (redux): with the count read from shared memory, ptxas cannot prove the loop's exit
-    // uniform, and a wgmma in flight across it (the overlap's next scores) makes it serialise every wgmma (C7518)
-    const int blocks = __reduce_max_sync(0xffffffff, (*block_count + kKeys - 1) / kKeys);
+    const int blocks = (*block_count + kKeys - 1) / kKeys;
 
     if (warp < 4) {  // the gatherer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -274,11 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
     float m[2] = {-1.0e30f, -1.0e30f};  // finite: exp2(-inf - m) = 0, never NaN
     float l[2] = {0.f, 0.f};            // this thread's share of the sums of its own keys' probabilities
 
-    float score[16], ahead[16];  // this block's scores; with kOverlap, the next block's in flight
-    if (kOverlap && kProbe != 1 && blocks > 0) {  // (a token without rows has no block to wait for)
-        bar_wait(&full[0], 0);
-        issue_scores(ahead, q_tile, ring, c);
-    }
+    float score[16];
     for (int b = 0; b < blocks; ++b) {
         const int s = b % kStages;
         const uint8_t* slot = ring + s * kTileBytes;
@@ -287,15 +270,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
             if ((threadIdx.x % 128) == 0) bar_arrive(&empty[s]);
             continue;
         }
-        if (kOverlap) {
-            wgmma_wait<0>();  // this block's scores (issued with the block before's values) have landed
-#pragma unroll
-            for (int i = 0; i < 16; ++i) score[i] = ahead[i];
-        } else {
-            bar_wait(&full[s], (b / kStages) & 1);
-            issue_scores(score, q_tile, slot, c);
-            wgmma_wait<0>();
-        }
+        bar_wait(&full[s], (b / kStages) & 1);
+        issue_scores(score, q_tile, slot, c);
+        wgmma_wait<0>();
 
         // mask, scale, this consumer's row maxima
         const uint32_t real = masks[s * 4 + 2 * c] | (uint32_t(masks[s * 4 + 2 * c + 1]) << 16);
@@ -344,13 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
             wgmma_m64n256k16_mn(o, tile_descriptor(p_tile + 32 * k),
                                 descriptor(slot + 4 * c * kPanelBytes + k * 2048, kPanelBytes, 1024));
         wgmma_commit();
-        if (kOverlap && b + 1 < blocks) {  // the next block's scores behind these values
-            bar_wait(&full[(b + 1) % kStages], ((b + 1) / kStages) & 1);
-            issue_scores(ahead, q_tile, ring + ((b + 1) % kStages) * kTileBytes, c);
-            wgmma_wait<1>();  // the values' product is done (the scores may still run)
-        } else {
-            wgmma_wait<0>();
-        }
+        wgmma_wait<0>();
         if ((threadIdx.x % 128) == 0) bar_arrive(&empty[s]);
     }
 
