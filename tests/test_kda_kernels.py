@@ -119,6 +119,14 @@ def test_prefill_matches_reference(lens, dtype, h, d, seed, tuning):
     check_prefill(Problem(seed, h=h, d=d, dtype=dtype), lens, tuning)
 
 
+def test_few_heads_take_narrow_value_tiles():
+    """The recurrence keeps 64 programs where it can: 64 heads (TP1) 64 columns a program, a TP4 rank's
+    16 heads of one sequence 32, a TP8 rank's 8 heads 16 (measured fastest there), 8 heads of 4
+    sequences 64."""
+    cases = ((64, 1), (16, 1), (8, 1), (8, 4), (1, 1))
+    assert [chunk.value_tile(h, n, 128) for h, n in cases] == [64, 32, 16, 64, 16]
+
+
 def check_prefill(p: Problem, lens: list[int], tuning: dict) -> None:
     """The chunked prefill of sequences of `lens` tokens into random slots against the reference: the
     output and the pools, within the dtype's ratio."""

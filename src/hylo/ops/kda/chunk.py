@@ -813,6 +813,19 @@ def prep(
     return w, qg, kg, u, att, decay_c
 
 
+RECUR_MIN_PROGRAMS = 64
+
+
+def value_tile(heads: int, seqs: int, d: int) -> int:
+    """The recurrence's value tile: the widest of 64 and 32 that still launches `RECUR_MIN_PROGRAMS`
+    programs (one a sequence, head and tile), else 16. A TP8 rank's 8 heads of one 13312-token sequence:
+    16 columns 218 us, 32 254, 64 332 (H100, RESULTS S40-5); 64 heads keep 64."""
+    for bv in (64, 32):
+        if (d // min(bv, d)) * heads * seqs >= RECUR_MIN_PROGRAMS:
+            return bv
+    return 16
+
+
 def recur(
     bufs,
     o,
@@ -821,17 +834,18 @@ def recur(
     snapshots: ChunkSnapshots | None = None,
     inputs: KDAInputs | None = None,
     *,
-    block_v: int = 64,
+    block_v: int | None = None,
     stages: int = 3,
     warps: int = 4,
 ) -> None:
     """The sequential launch: δ = u − wS, o = q̄S + Aδ per chunk into o `[N, H, d]`, S carried through the
-    slots' states; `snapshots` taken after their chunks (windows from `inputs`' pre-conv q, k, v)."""
+    slots' states; `snapshots` taken after their chunks (windows from `inputs`' pre-conv q, k, v).
+    `block_v`: the value tile (default `value_tile`)."""
     state_pool, slot_ids = slots.state_pool, slots.slot_ids
     h, d = state_pool.shape[1], state_pool.shape[2]
     assert state_pool.is_contiguous()
     n_seq = slot_ids.shape[0]
-    bv = min(block_v, d)
+    bv = min(block_v or value_tile(h, n_seq, d), d)
     if snapshots is None:
         snap = (slot_ids, state_pool, 0, state_pool, 0, o, o, o)  # never read: SNAPSHOTS is off
         width, x_stride, win_stride = 2, 0, 0
