@@ -47,6 +47,27 @@ def test_own_times_add_up_and_projection_flops_are_counted():
     assert sum(k.calls for k in clock.kinds.values()) == 3
 
 
+def test_a_profiled_clock_times_calls_by_their_ranges():
+    """The profiler's clock: each call a `record_function` range, its own time the range's less its child
+    calls' (host time on a CPU), the same kinds and work as the events' clock."""
+    model = Outer()
+    clock = ModuleClock(torch.device("cpu"), profiled=True)
+    clock.attach(model)
+    x = torch.randn(5, 64)
+    with (
+        torch.inference_mode(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+    ):
+        start = time.perf_counter()
+        model(x)
+        wall_ms = 1e3 * (time.perf_counter() - start)
+    clock.detach()
+    kinds = clock.totals(prof)
+    assert kinds["bf16 projections"].calls == 2 and kinds["bf16 projections"].ms > 0
+    assert kinds["bf16 projections"].work == 2 * 5 * (64 * 32 + 32 * 16)
+    assert kinds["other"].ms > 0 and sum(k.ms for k in kinds.values()) <= wall_ms
+
+
 def test_a_prefill_of_the_random_model_counts_every_kind(shallow_model_dir):
     from hylo import LLM
     from hylo.sampling import SamplingParams

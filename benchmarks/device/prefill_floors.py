@@ -32,6 +32,7 @@ A first run of each length compiles its kernels; the second is timed. Prints and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -66,9 +67,17 @@ class Kind:
 class ModuleClock:
     """Times every module call of a forward between two markers (CUDA events, or the host clock on a
     CPU) and counts each call's work (`work`): `kinds` after `totals()`. Safe to use when the forward
-    runs eagerly (a graph replay calls no module)."""
+    runs eagerly (a graph replay calls no module).
+
+    `profiled`: each call is a `record_function` range instead, and `totals(profile)` takes a call's time
+    from the kernels launched inside it (their device time as the profiler traced them; host time on a
+    CPU). Events time the stream between the markers, which includes the gaps where the GPU waits for the
+    host: with one call's markers around every module, a forward of many small launches becomes
+    host-bound and its gaps land on whichever kind is running (the TP8 rank's 13K table, S40-1). The
+    kernels' own time is free of them."""
 
     device: torch.device
+    profiled: bool = False
     kinds: dict[str, Kind] = field(default_factory=dict)
     _open: list = field(default_factory=list)  # [module, start, children's time] of calls in progress
     _done: list = field(default_factory=list)  # (kind, start, end, children's markers) to resolve
@@ -85,6 +94,11 @@ class ModuleClock:
         self._hooks.clear()
 
     def _mark(self):
+        if self.profiled:
+            label = f"hylo.clock.{len(self._done) + len(self._open)}.{id(self)}"
+            scope = torch.autograd.profiler.record_function(label)
+            scope.__enter__()
+            return scope
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -97,7 +111,11 @@ class ModuleClock:
     def _leave(self, module, args, kwargs, output) -> None:
         opened, start, children = self._open.pop()
         assert opened is module, "module calls must nest"
-        end = self._mark()
+        if self.profiled:
+            start.__exit__(None, None, None)
+            start, end = start.name, None
+        else:
+            end = self._mark()
         name, unit, amount = work(module, args, output)
         kind = self.kinds.setdefault(name, Kind(unit))
         kind.calls += 1
@@ -107,13 +125,20 @@ class ModuleClock:
         if self._open:
             self._open[-1][2].append((start, end))
 
-    def totals(self) -> dict[str, Kind]:
-        """Each kind's own time, once the forward's markers have completed."""
+    def totals(self, profile=None) -> dict[str, Kind]:
+        """Each kind's own time, once the forward's markers have completed (`profile`: the finished
+        `torch.profiler.profile` the forward ran in, for a `profiled` clock)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self.profiled:
+            spans = _profiled_spans(profile, self.device)
 
-        def ms(start, end) -> float:
-            return start.elapsed_time(end) if self.device.type == "cuda" else 1e3 * (end - start)
+            def ms(start, end) -> float:
+                return spans.get(start, 0.0)
+        else:
+
+            def ms(start, end) -> float:
+                return start.elapsed_time(end) if self.device.type == "cuda" else 1e3 * (end - start)
 
         for name, start, end, children in self._done:
             self.kinds[name].ms += ms(start, end) - sum(ms(s, e) for s, e in children)
@@ -121,6 +146,20 @@ class ModuleClock:
         for kind in self.kinds.values():
             kind.work = float(kind.work)
         return self.kinds
+
+
+def _profiled_spans(profile, device: torch.device) -> dict[str, float]:
+    """ms of each `hylo.clock.*` range of `profile`: its kernels' device time (host time on a CPU)."""
+    spans = {}
+    for event in profile.events():
+        if event.name.startswith("hylo.clock."):
+            if device.type == "cuda":
+                total = getattr(event, "device_time_total", None)
+                total = event.cuda_time_total if total is None else total
+            else:
+                total = event.cpu_time_total
+            spans[event.name] = total / 1e3
+    return spans
 
 
 def _projection(module: Linear, x: torch.Tensor) -> tuple[str, str, float]:
@@ -278,6 +317,10 @@ def main() -> None:
         "--sequence-parallel-tokens", type=int, default=None,
         help="a rank's steps of at least this many tokens split the streams by token (0: off)",
     )  # fmt: skip
+    parser.add_argument(
+        "--profiler", action="store_true",
+        help="kinds timed by their kernels' device time (torch.profiler), not CUDA events around calls",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     engine = build(args)
@@ -292,18 +335,22 @@ def main() -> None:
     model = engine.model
     for tokens in map(int, args.tokens.split(",")):
         prefill(engine, tokens, 1)  # compiles this length's kernels
-        clock = ModuleClock(device)
+        clock = ModuleClock(device, profiled=args.profiler)
         clock.attach(model)
         torch.cuda.synchronize()
         start = time.perf_counter()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        profile = torch.profiler.profile(activities=activities) if args.profiler else contextlib.nullcontext()
         try:
-            prefill(engine, tokens, 2)
+            with profile:
+                prefill(engine, tokens, 2)
         finally:
             clock.detach()
         wall = 1e3 * (time.perf_counter() - start)
-        rows = table(clock.totals(), rates)
+        rows = table(clock.totals(profile if args.profiler else None), rates)
         report[f"T{tokens}"] = {"wall_ms": round(wall, 2), "kinds": rows}
-        print(f"\n{tokens} tokens, wall {wall:.1f} ms (module hooks on)")
+        how = "kernels' device time, profiler on" if args.profiler else "module hooks on"
+        print(f"\n{tokens} tokens, wall {wall:.1f} ms ({how})")
         print("| kind | ms | calls | floor ms | floor / time |\n|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['kind']} | {r['ms']} | {r['calls']} | {r['floor_ms']} | {r['of_floor']} |")
