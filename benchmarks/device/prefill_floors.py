@@ -94,8 +94,8 @@ class ModuleClock:
         self._hooks.clear()
 
     def _mark(self):
-        if self.profiled:
-            label = f"hylo.clock.{len(self._done) + len(self._open)}.{id(self)}"
+        if self.profiled:  # (calls entered so far: done or open) names this call's range
+            label = f"hylo.clock.{len(self._done) + len(self._open)}"
             scope = torch.autograd.profiler.record_function(label)
             scope.__enter__()
             return scope
@@ -153,11 +153,7 @@ def _profiled_spans(profile, device: torch.device) -> dict[str, float]:
     spans = {}
     for event in profile.events():
         if event.name.startswith("hylo.clock."):
-            if device.type == "cuda":
-                total = getattr(event, "device_time_total", None)
-                total = event.cuda_time_total if total is None else total
-            else:
-                total = event.cpu_time_total
+            total = event.device_time_total if device.type == "cuda" else event.cpu_time_total
             spans[event.name] = total / 1e3
     return spans
 

@@ -86,16 +86,18 @@ class TokenShards:
         """This rank's rows of `x [tokens, ...]` (replicated on every rank), padded with `fill`:
         `[local, ...]`."""
         lo = self.rank * self.local
-        mine = x[lo : lo + self.local]
-        if mine.shape[0] == self.local:
-            return mine
-        return torch.cat([mine, mine.new_full((self.local - mine.shape[0], *x.shape[1:]), fill)])
+        return _rows_to(x[lo : lo + self.local], self.local, fill)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """`x [tokens, ...]` with zero rows up to `padded`."""
-        if x.shape[0] == self.padded:
-            return x
-        return torch.cat([x, x.new_zeros(self.padded - x.shape[0], *x.shape[1:])])
+        return _rows_to(x, self.padded, 0)
+
+
+def _rows_to(x: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    """`x` with rows of `fill` appended up to `rows` (x itself when it has them)."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), fill)])
 
 
 @dataclass(frozen=True)
