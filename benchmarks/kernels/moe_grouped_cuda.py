@@ -39,6 +39,11 @@ VARIANTS = {
     # bounds, not kernels (their outputs are wrong): the loads alone, the math alone on stale slots
     "probe_loads": ("HYLO_GROUPED_PROBE=1",),
     "probe_math": ("HYLO_GROUPED_PROBE=2",),
+    # the math alone, taken apart (gate|up; down's chained products serialise, its figures mean nothing):
+    # one consumer alone, no promotion, the MMAs never waited on inside a tile
+    "probe_one_consumer": ("HYLO_GROUPED_PROBE=3",),
+    "probe_no_promotion": ("HYLO_GROUPED_PROBE=4",),
+    "probe_mma_only": ("HYLO_GROUPED_PROBE=5",),
 }
 
 
@@ -119,6 +124,9 @@ def one_size(tokens: int, libraries: dict, ceiling: float, reps: int, gate_up_w,
                              config)  # fmt: skip
     refusal = grouped_cuda.operand_refusal(h, down, down_scale, layout)
     rec(f"T{tokens}_refusal", refusal)
+    expert = layout.block_expert[: layout.block_expert.numel() // 2 * 2].view(-1, 2)
+    # pairs whose two blocks hold different experts walk the ring twice, one consumer at a time
+    rec(f"T{tokens}_mixed_pair_share", round(float((expert[:, 0] != expert[:, 1]).float().mean()), 4))
     if refusal:
         return
     # timed even where the check on this GPU failed (the figures say what a fix would be worth)

@@ -49,6 +49,13 @@
 #ifndef HYLO_GROUPED_PROBE
 #define HYLO_GROUPED_PROBE 0  // benchmarks only, wrong outputs: 1 loads without the math, 2 the math on stale slots
 #endif
+// Probes 3-5 run on stale slots as 2 does, to tell where the math's time goes: 3 one consumer alone (its
+// chain's latency), 4 without the promotion (the MMAs and their waits), 5 the MMAs alone, never waited on
+// inside the tile (the tensor cores' rate from shared memory)
+constexpr bool kStaleSlots = HYLO_GROUPED_PROBE >= 2;
+constexpr bool kOneConsumer = HYLO_GROUPED_PROBE == 3;
+constexpr bool kPromote = HYLO_GROUPED_PROBE != 4 && HYLO_GROUPED_PROBE != 5;
+constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE != 5;
 
 namespace {
 
@@ -194,7 +201,7 @@ __global__ void __launch_bounds__(384, 1)
                 const int which = served(j, t.same, t.active0, p.k_steps);
                 const int k0 = (j % p.k_steps) * kBlockK;
                 uint8_t* slot = smem + s * kSlot;
-                if (HYLO_GROUPED_PROBE == 2 && ring >= kStagesHere) {
+                if (kStaleSlots && ring >= kStagesHere) {
                     bar_arrive(&full[s]);
                     continue;
                 }
@@ -228,6 +235,10 @@ __global__ void __launch_bounds__(384, 1)
 
         // register i of 8-column group g: row row0 + 8·((i >> 1) & 1), column 8g + 2·(lane % 4) + (i & 1)
         float sum[64], sum_up[GATE_UP ? 64 : 1], part[64];
+        if (!kPromote) {  // the probes without promotion chain every product into part
+#pragma unroll
+            for (int i = 0; i < 64; ++i) part[i] = 0.f;
+        }
 #pragma unroll
         for (int i = 0; i < 64; ++i) sum[i] = 0.f;
 #pragma unroll
@@ -236,7 +247,7 @@ __global__ void __launch_bounds__(384, 1)
         for (int j = 0; j < t.steps; ++j, ++ring) {
             const int s = ring % kStagesHere;
             const int which = served(j, t.same, t.active0, p.k_steps);
-            const bool mine = HYLO_GROUPED_PROBE != 1 && (which == kBoth || which == c);
+            const bool mine = HYLO_GROUPED_PROBE != 1 && !(kOneConsumer && c == 1) && (which == kBoth || which == c);
             float a0 = 0.f, a1 = 0.f, b = 0.f, b_up = 0.f;
             if (mine) {  // the scales' loads go out before the wait
                 const int kb = j % p.k_steps;
@@ -253,25 +264,35 @@ __global__ void __launch_bounds__(384, 1)
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kBlockK / 32; ++kk)
-                    wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), kk);
+                    wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), kk || !kPromote);
                 wgmma_commit();
-                wgmma_wait_all();
+                if (kWaitEachStep) wgmma_wait_all();
                 const float scale0 = a0 * b, scale1 = a1 * b;
+                if (kPromote) {
 #pragma unroll
-                for (int i = 0; i < 64; ++i) sum[i] += part[i] * ((i & 2) ? scale1 : scale0);
+                    for (int i = 0; i < 64; ++i) sum[i] += part[i] * ((i & 2) ? scale1 : scale0);
+                }
                 if (GATE_UP) {
-                    wgmma_fence();
+                    if (kWaitEachStep) wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < kBlockK / 32; ++kk)
-                        wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + kBBytes + 32 * kk), kk);
+                        wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + kBBytes + 32 * kk),
+                                         kk || !kPromote);
                     wgmma_commit();
-                    wgmma_wait_all();
+                    if (kWaitEachStep) wgmma_wait_all();
                     const float up0 = a0 * b_up, up1 = a1 * b_up;
+                    if (kPromote) {
 #pragma unroll
-                    for (int i = 0; i < 64; ++i) sum_up[i] += part[i] * ((i & 2) ? up1 : up0);
+                        for (int i = 0; i < 64; ++i) sum_up[i] += part[i] * ((i & 2) ? up1 : up0);
+                    }
                 }
             }
             if (lane == 0) bar_arrive(&empty[s]);
+        }
+        if (!kPromote) {  // the probes' MMAs need a reader to be kept
+            wgmma_wait_all();
+#pragma unroll
+            for (int i = 0; i < 64; ++i) sum[i] = part[i];
         }
         if (!mine_active) continue;
 
