@@ -36,6 +36,9 @@ VARIANTS = {
     "group4": ("HYLO_GROUPED_GROUP=4",),
     "group16": ("HYLO_GROUPED_GROUP=16",),
     "gate_up_stages3": ("HYLO_GROUPED_GATE_UP_STAGES=3",),
+    "early_release": ("HYLO_GROUPED_EARLY_RELEASE=1",),
+    "fast_epilogue": ("HYLO_GROUPED_FAST_EPILOGUE=1",),
+    "early_fast": ("HYLO_GROUPED_EARLY_RELEASE=1", "HYLO_GROUPED_FAST_EPILOGUE=1"),
     # bounds, not kernels (their outputs are wrong): the loads alone, the math alone on stale slots
     "probe_loads": ("HYLO_GROUPED_PROBE=1",),
     "probe_math": ("HYLO_GROUPED_PROBE=2",),

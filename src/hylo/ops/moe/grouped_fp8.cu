@@ -57,6 +57,14 @@ constexpr bool kOneConsumer = HYLO_GROUPED_PROBE == 3;
 constexpr bool kPromote = HYLO_GROUPED_PROBE != 4 && HYLO_GROUPED_PROBE != 5;
 constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE != 5;
 
+#ifndef HYLO_GROUPED_EARLY_RELEASE
+#define HYLO_GROUPED_EARLY_RELEASE 0  // 1: a slot is released once its last product is in registers, before promoting
+#endif
+#ifndef HYLO_GROUPED_FAST_EPILOGUE
+#define HYLO_GROUPED_FAST_EPILOGUE 0  // 1: gate|up's epilogue multiplies by reciprocals (sigmoid, quantisation)
+#endif
+constexpr bool kEarlyRelease = HYLO_GROUPED_EARLY_RELEASE && kWaitEachStep;
+
 namespace {
 
 constexpr int kBlockM = 64;     // rows of an alignment block (a consumer's wgmma M)
@@ -267,6 +275,7 @@ __global__ void __launch_bounds__(384, 1)
                     wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), kk || !kPromote);
                 wgmma_commit();
                 if (kWaitEachStep) wgmma_wait_all();
+                if (!GATE_UP && kEarlyRelease && lane == 0) bar_arrive(&empty[s]);
                 const float scale0 = a0 * b, scale1 = a1 * b;
                 if (kPromote) {
 #pragma unroll
@@ -280,6 +289,7 @@ __global__ void __launch_bounds__(384, 1)
                                          kk || !kPromote);
                     wgmma_commit();
                     if (kWaitEachStep) wgmma_wait_all();
+                    if (kEarlyRelease && lane == 0) bar_arrive(&empty[s]);
                     const float up0 = a0 * b_up, up1 = a1 * b_up;
                     if (kPromote) {
 #pragma unroll
@@ -287,7 +297,7 @@ __global__ void __launch_bounds__(384, 1)
                     }
                 }
             }
-            if (lane == 0) bar_arrive(&empty[s]);
+            if (!(kEarlyRelease && mine) && lane == 0) bar_arrive(&empty[s]);
         }
         if (!kPromote) {  // the probes' MMAs need a reader to be kept
             wgmma_wait_all();
@@ -305,7 +315,8 @@ __global__ void __launch_bounds__(384, 1)
             for (int i = 0; i < 64; ++i) {
                 const float gate = fminf(sum[i], p.limit);
                 const float up = fminf(fmaxf(sum_up[i], -p.limit), p.limit);
-                sum[i] = gate * (1.0f / (1.0f + expf(-gate))) * up;
+                sum[i] = HYLO_GROUPED_FAST_EPILOGUE ? gate * __frcp_rn(1.0f + __expf(-gate)) * up
+                                                    : gate * (1.0f / (1.0f + expf(-gate))) * up;
                 amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fabsf(sum[i]));
             }
 #pragma unroll
@@ -319,11 +330,14 @@ __global__ void __launch_bounds__(384, 1)
                 if (r >= valid) continue;
                 const long long slot_row = (long long)block * kBlockM + r;
                 const float scale = __fdiv_rn(fmaxf(amax[half], 1e-12f), 448.0f);
+                const float inverse = __frcp_rn(scale);
                 uint8_t* dst = static_cast<uint8_t*>(p.out) + slot_row * p.out_stride + col;
 #pragma unroll
                 for (int g = 0; g < 16; ++g) {
-                    const float2 v = make_float2(__fdiv_rn(sum[4 * g + 2 * half], scale),
-                                                 __fdiv_rn(sum[4 * g + 2 * half + 1], scale));
+                    const float2 v = HYLO_GROUPED_FAST_EPILOGUE
+                                         ? make_float2(sum[4 * g + 2 * half] * inverse, sum[4 * g + 2 * half + 1] * inverse)
+                                         : make_float2(__fdiv_rn(sum[4 * g + 2 * half], scale),
+                                                       __fdiv_rn(sum[4 * g + 2 * half + 1], scale));
                     const __nv_fp8x2_e4m3 q(v);
                     *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + 8 * g) = q.__x;
                 }
