@@ -16,9 +16,9 @@
 // each guarded by a full and an empty mbarrier. Warpgroups 1 and 2 are the consumers, one per block of the
 // pair: per K step four `wgmma.m64n128k32` e4m3 products into a fresh fp32 tile, then that tile scaled by
 // the rows' and the weights' scales and added to the running sum (DeepSeek-V3's promotion, the order the
-// Triton kernel sums in). When the pair's blocks belong to different experts, the ring carries block 0's K
-// steps and then block 1's, each with its own expert's weights, and each consumer works on its own half of
-// the sequence (it still waits and releases every slot, so both walk the ring in step).
+// Triton kernel sums in). When the pair's blocks belong to different experts, the ring alternates block 0's
+// and block 1's K steps, each with its own expert's weights, so both consumers multiply at once, each on
+// its own slots (a consumer still waits for and releases every slot, so both walk the ring in step).
 //
 // Shared memory: 1024-aligned slots of [A0 64×128 | A1 64×128 | B 128×128] bytes, TMA's 128-byte swizzle,
 // which is the layout wgmma's K-major descriptors read (8-row atoms 1024 bytes apart; a 32-deep K step
@@ -127,14 +127,6 @@ __device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t a, uint64_t 
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// Which blocks of the pair a ring position serves: both (kBoth), or block 0 / 1 alone.
-constexpr int kBoth = 2;
-
-__device__ __forceinline__ int served(int j, bool same, bool first_active, int k_steps) {
-    if (same) return kBoth;
-    return (first_active && j < k_steps) ? 0 : 1;
-}
-
 // One CTA: a pair of row blocks × 128 output columns. GATE_UP: the columns are 128 of the intermediate, whose
 // gate rows (n0 ..) and up rows (N + n0 ..) of the expert's [2N, K] weight are two tiles of a ring slot; the
 // epilogue writes SwiGLU(gate, up) quantised per 128-column group (one group: the tile) with its scale, as
@@ -164,6 +156,26 @@ __device__ __forceinline__ Tile tile_of(int index, const Args& p) {
     t.same = t.active0 && t.active1 && t.expert0 == t.expert1;
     t.steps = t.same ? p.k_steps : (int(t.active0) + int(t.active1)) * p.k_steps;
     return t;
+}
+
+#ifndef HYLO_GROUPED_MIXED_SEQUENTIAL
+#define HYLO_GROUPED_MIXED_SEQUENTIAL 0  // 1: a mixed pair's ring carries block 0's K steps, then block 1's
+#endif
+
+// Which blocks of the pair a ring position serves: both (kBoth), or block 0 / 1 alone.
+constexpr int kBoth = 2;
+
+struct Step {
+    int which;  // kBoth, 0 or 1
+    int k;      // the K step (of 128) it carries
+};
+
+// Ring position j of tile t (0 <= j < t.steps).
+__device__ __forceinline__ Step step_of(int j, const Tile& t, int k_steps) {
+    if (t.same) return {kBoth, j};
+    if (!(t.active0 && t.active1)) return {t.active0 ? 0 : 1, j};
+    if (HYLO_GROUPED_MIXED_SEQUENTIAL) return {j < k_steps ? 0 : 1, j % k_steps};
+    return {j & 1, j >> 1};
 }
 
 // One CTA walks tiles blockIdx.x, + gridDim.x, ... (one tile where the grid has one CTA a tile; persistent
@@ -206,8 +218,9 @@ __global__ void __launch_bounds__(384, 1)
             for (int j = 0; j < t.steps; ++j, ++ring) {
                 const int s = ring % kStagesHere;
                 if (ring >= kStagesHere) bar_wait(&empty[s], ((ring / kStagesHere) - 1) & 1);
-                const int which = served(j, t.same, t.active0, p.k_steps);
-                const int k0 = (j % p.k_steps) * kBlockK;
+                const Step step = step_of(j, t, p.k_steps);
+                const int which = step.which;
+                const int k0 = step.k * kBlockK;
                 uint8_t* slot = smem + s * kSlot;
                 if (kStaleSlots && ring >= kStagesHere) {
                     bar_arrive(&full[s]);
@@ -254,11 +267,12 @@ __global__ void __launch_bounds__(384, 1)
 
         for (int j = 0; j < t.steps; ++j, ++ring) {
             const int s = ring % kStagesHere;
-            const int which = served(j, t.same, t.active0, p.k_steps);
+            const Step step = step_of(j, t, p.k_steps);
+            const int which = step.which;
             const bool mine = HYLO_GROUPED_PROBE != 1 && !(kOneConsumer && c == 1) && (which == kBoth || which == c);
             float a0 = 0.f, a1 = 0.f, b = 0.f, b_up = 0.f;
             if (mine) {  // the scales' loads go out before the wait
-                const int kb = j % p.k_steps;
+                const int kb = step.k;
                 a0 = sa0[kb];
                 a1 = sa1[kb];
                 b = sb[kb];
