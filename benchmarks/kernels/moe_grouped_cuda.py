@@ -37,6 +37,8 @@ VARIANTS = {
     "group16": ("HYLO_GROUPED_GROUP=16",),
     "gate_up_stages3": ("HYLO_GROUPED_GATE_UP_STAGES=3",),
     "mixed_sequential": ("HYLO_GROUPED_MIXED_SEQUENTIAL=1",),
+    "cluster2": ("HYLO_GROUPED_CLUSTER=2",),
+    "cluster2_early": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_EARLY_RELEASE=1"),
     "early_release": ("HYLO_GROUPED_EARLY_RELEASE=1",),
     "fast_epilogue": ("HYLO_GROUPED_FAST_EPILOGUE=1",),
     "early_fast": ("HYLO_GROUPED_EARLY_RELEASE=1", "HYLO_GROUPED_FAST_EPILOGUE=1"),

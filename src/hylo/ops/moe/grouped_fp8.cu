@@ -65,6 +65,16 @@ constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE != 5;
 #endif
 constexpr bool kEarlyRelease = HYLO_GROUPED_EARLY_RELEASE && kWaitEachStep;
 
+#ifndef HYLO_GROUPED_CLUSTER
+#define HYLO_GROUPED_CLUSTER 1  // 2: two CTAs of a cluster take one pair's neighbouring column tiles, sharing its rows
+#endif
+// In a cluster of two, each CTA's producer loads one of the pair's row blocks and multicasts it into both CTAs'
+// slots (a step's rows cross L2 once for the two column tiles); a slot is refilled once both CTAs' consumers
+// released it, so every consumer warp arrives on its own CTA's empty barrier and on its peer's.
+constexpr int kCluster = HYLO_GROUPED_CLUSTER;
+static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
+static_assert(kCluster == 1 || !HYLO_GROUPED_PERSISTENT, "clusters launch one CTA a tile");
+
 namespace {
 
 constexpr int kBlockM = 64;     // rows of an alignment block (a consumer's wgmma M)
@@ -140,14 +150,15 @@ struct Tile {
     int steps;  // ring slots the tile takes: K steps once for a pair of one expert, once per active block else
 };
 
-__device__ __forceinline__ Tile tile_of(int index, const Args& p) {
+// Tile `index` of the grid's order (in a cluster of two: the cluster's index; `rank` picks its column tile).
+__device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank) {
     const int num_pairs = (p.num_blocks + 1) / 2;
-    const int per_group = kGroup * (p.n / kBlockN);
+    const int per_group = kGroup * (p.n / (kBlockN * kCluster));
     const int first = (index / per_group) * kGroup;
     const int group_rows = min(num_pairs - first, kGroup);
     Tile t;
     const int pair = first + (index % per_group) % group_rows;
-    t.n0 = ((index % per_group) / group_rows) * kBlockN;
+    t.n0 = (((index % per_group) / group_rows) * kCluster + rank) * kBlockN;
     t.block0 = 2 * pair;
     t.expert0 = p.block_expert[t.block0];
     t.expert1 = t.block0 + 1 < p.num_blocks ? p.block_expert[t.block0 + 1] : -1;
@@ -178,72 +189,64 @@ __device__ __forceinline__ Step step_of(int j, const Tile& t, int k_steps) {
     return {j & 1, j >> 1};
 }
 
-// One CTA walks tiles blockIdx.x, + gridDim.x, ... (one tile where the grid has one CTA a tile; persistent
-// where it has one a SM: the producer then fills the next tile's slots during the consumers' epilogue), the
-// ring's slots and phases running on across its tiles. GATE_UP: the columns are 128 of the intermediate,
-// whose gate rows (n0 ..) and up rows (N + n0 ..) of the expert's [2N, K] weight are two tiles of a ring
-// slot; the epilogue writes SwiGLU(gate, up) quantised per 128-column group (one group: the tile) with its
-// scale, as `kernels._gate_up_tma_kernel` does. Else (down) the columns are 128 of D, written weighted by
-// each row's routing weight to the row of its pair.
+// The producer thread: every step's loads into the ring.
 template <bool GATE_UP>
-__global__ void __launch_bounds__(384, 1)
-    grouped_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                   const Args p) {
+__device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& p,
+                                        uint8_t* smem, uint64_t* full, uint64_t* empty, int first_tile,
+                                        int tile_stride, int num_tiles, int expert_rows, int rank) {
     constexpr int kTiles = GATE_UP ? 2 : 1;
     constexpr int kStagesHere = GATE_UP ? kGateUpStages : kStages;
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
-    extern __shared__ uint8_t smem_raw[];
-    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStagesHere * kSlot);
-    uint64_t* empty = full + kStagesHere;
-    const int num_tiles = ((p.num_blocks + 1) / 2) * (p.n / kBlockN);
-    const int expert_rows = kTiles * p.n;  // rows of one expert's weight
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < kStagesHere; ++s) {
-            bar_init(&full[s], 1);
-            bar_init(&empty[s], kConsumerWarps);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-
-    if (warp < 4) {  // the producer warpgroup: one thread issues every load
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (threadIdx.x != 0) return;
-        int ring = 0;
-        for (int index = blockIdx.x; index < num_tiles; index += gridDim.x) {
-            const Tile t = tile_of(index, p);
-            for (int j = 0; j < t.steps; ++j, ++ring) {
-                const int s = ring % kStagesHere;
-                if (ring >= kStagesHere) bar_wait(&empty[s], ((ring / kStagesHere) - 1) & 1);
-                const Step step = step_of(j, t, p.k_steps);
-                const int which = step.which;
-                const int k0 = step.k * kBlockK;
-                uint8_t* slot = smem + s * kSlot;
-                if (kStaleSlots && ring >= kStagesHere) {
-                    bar_arrive(&full[s]);
-                    continue;
-                }
-                bar_expect(&full[s], kTiles * kBBytes + (which == kBoth ? 2 : 1) * kABytes);
+    int ring = 0;
+    for (int index = first_tile; index < num_tiles; index += tile_stride) {
+        const Tile t = tile_of(index, p, rank);
+        for (int j = 0; j < t.steps; ++j, ++ring) {
+            const int s = ring % kStagesHere;
+            if (ring >= kStagesHere) bar_wait(&empty[s], ((ring / kStagesHere) - 1) & 1);
+            const Step step = step_of(j, t, p.k_steps);
+            const int which = step.which;
+            const int k0 = step.k * kBlockK;
+            uint8_t* slot = smem + s * kSlot;
+            if (kStaleSlots && ring >= kStagesHere) {
+                bar_arrive(&full[s]);
+                continue;
+            }
+            bar_expect(&full[s], kTiles * kBBytes + (which == kBoth ? 2 : 1) * kABytes);
+            if (kCluster == 1) {
                 if (which != 1) tma_load(slot, &a_map, k0, t.block0 * kBlockM, &full[s]);
                 if (which != 0) tma_load(slot + kABytes, &a_map, k0, (t.block0 + 1) * kBlockM, &full[s]);
-                const int row = (which == 1 ? t.expert1 : t.expert0) * expert_rows + t.n0;
-                tma_load(slot + 2 * kABytes, &b_map, k0, row, &full[s]);
-                if (GATE_UP) tma_load(slot + 2 * kABytes + kBBytes, &b_map, k0, row + p.n, &full[s]);
+            } else if (which == kBoth || rank == 0) {  // rank r multicasts block r (a lone block: rank 0)
+                const int block = which == kBoth ? rank : which;
+                tma_load_multicast(slot + block * kABytes, &a_map, k0, (t.block0 + block) * kBlockM, &full[s], 3);
             }
+            const int row = (which == 1 ? t.expert1 : t.expert0) * expert_rows + t.n0;
+            tma_load(slot + 2 * kABytes, &b_map, k0, row, &full[s]);
+            if (GATE_UP) tma_load(slot + 2 * kABytes + kBBytes, &b_map, k0, row + p.n, &full[s]);
         }
-        return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+}
 
-    // consumers: warpgroup c (0 or 1) owns block c of each pair
+// The consumer warpgroups: warpgroup c (0 or 1) owns block c of each pair.
+template <bool GATE_UP>
+__device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                        int first_tile, int tile_stride, int num_tiles, int rank, int warp,
+                                        int lane) {
+    constexpr int kTiles = GATE_UP ? 2 : 1;
+    constexpr int kStagesHere = GATE_UP ? kGateUpStages : kStages;
+    constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
+    const uint32_t peer_empty = kCluster == 2 ? peer_address(empty, rank ^ 1) : 0;
+    // a released slot: this CTA's barrier, and the peer's (whose producer multicasts into this slot too)
+    auto release = [&](int s) {
+        if (lane != 0) return;
+        bar_arrive(&empty[s]);
+        if (kCluster == 2) bar_arrive_remote(peer_empty + 8 * s);
+    };
+
     const int c = warp / 4 - 1;
     const int row0 = (warp % 4) * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8 of the block
     int ring = 0;
-    for (int index = blockIdx.x; index < num_tiles; index += gridDim.x) {
-        const Tile t = tile_of(index, p);
+    for (int index = first_tile; index < num_tiles; index += tile_stride) {
+        const Tile t = tile_of(index, p, rank);
         const int n0 = t.n0;
         const int block = t.block0 + c;
         const int expert = c == 0 ? t.expert0 : t.expert1;
@@ -289,7 +292,7 @@ __global__ void __launch_bounds__(384, 1)
                     wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), kk || !kPromote);
                 wgmma_commit();
                 if (kWaitEachStep) wgmma_wait_all();
-                if (!GATE_UP && kEarlyRelease && lane == 0) bar_arrive(&empty[s]);
+                if (!GATE_UP && kEarlyRelease) release(s);
                 const float scale0 = a0 * b, scale1 = a1 * b;
                 if (kPromote) {
 #pragma unroll
@@ -303,7 +306,7 @@ __global__ void __launch_bounds__(384, 1)
                                          kk || !kPromote);
                     wgmma_commit();
                     if (kWaitEachStep) wgmma_wait_all();
-                    if (kEarlyRelease && lane == 0) bar_arrive(&empty[s]);
+                    if (kEarlyRelease) release(s);
                     const float up0 = a0 * b_up, up1 = a1 * b_up;
                     if (kPromote) {
 #pragma unroll
@@ -311,7 +314,7 @@ __global__ void __launch_bounds__(384, 1)
                     }
                 }
             }
-            if (!(kEarlyRelease && mine) && lane == 0) bar_arrive(&empty[s]);
+            if (!(kEarlyRelease && mine)) release(s);
         }
         if (!kPromote) {  // the probes' MMAs need a reader to be kept
             wgmma_wait_all();
@@ -375,6 +378,55 @@ __global__ void __launch_bounds__(384, 1)
     }
 }
 
+// One CTA walks tiles blockIdx.x, + gridDim.x, ... (one tile where the grid has one CTA a tile; persistent
+// where it has one a SM: the producer then fills the next tile's slots during the consumers' epilogue), the
+// ring's slots and phases running on across its tiles. GATE_UP: the columns are 128 of the intermediate,
+// whose gate rows (n0 ..) and up rows (N + n0 ..) of the expert's [2N, K] weight are two tiles of a ring
+// slot; the epilogue writes SwiGLU(gate, up) quantised per 128-column group (one group: the tile) with its
+// scale, as `kernels._gate_up_tma_kernel` does. Else (down) the columns are 128 of D, written weighted by
+// each row's routing weight to the row of its pair.
+template <bool GATE_UP>
+__global__ void __launch_bounds__(384, 1)
+    grouped_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                   const Args p) {
+    constexpr int kTiles = GATE_UP ? 2 : 1;
+    constexpr int kStagesHere = GATE_UP ? kGateUpStages : kStages;
+    constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStagesHere * kSlot);
+    uint64_t* empty = full + kStagesHere;
+    const int num_tiles = ((p.num_blocks + 1) / 2) * (p.n / (kBlockN * kCluster));  // (clusters') tiles
+    const int expert_rows = kTiles * p.n;  // rows of one expert's weight
+    const int rank = kCluster == 2 ? cluster_rank() : 0;
+    const int first_tile = blockIdx.x / kCluster, tile_stride = gridDim.x / kCluster;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStagesHere; ++s) {
+            bar_init(&full[s], 1);
+            bar_init(&empty[s], kCluster * kConsumerWarps);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    if (kCluster == 2)
+        cluster_sync();  // the peer's barriers exist before any multicast or remote arrival reaches them
+    else
+        __syncthreads();
+
+    if (warp < 4) {  // the producer warpgroup: one thread issues every load
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x == 0) produce<GATE_UP>(a_map, b_map, p, smem, full, empty, first_tile, tile_stride,
+                                               num_tiles, expert_rows, rank);
+        __syncwarp();
+        if (kCluster == 2) cluster_sync();  // neither CTA leaves while its peer may still write into it
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    consume<GATE_UP>(p, smem, full, empty, first_tile, tile_stride, num_tiles, rank, warp, lane);
+    if (kCluster == 2) cluster_sync();
+}
+
 PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
     static PFN_cuTensorMapEncodeTiled_v12000 function = nullptr;
     if (function == nullptr) {
@@ -421,8 +473,23 @@ int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args,
         }
         grid = min(grid, sms);
     }
-    grouped_kernel<GATE_UP><<<grid, 384, smem, stream>>>(a_map, b_map, args);
-    return cudaGetLastError();
+    if (kCluster == 1) {
+        grouped_kernel<GATE_UP><<<grid, 384, smem, stream>>>(a_map, b_map, args);
+        return cudaGetLastError();
+    }
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);  // even: the column tiles come in twos (N is a multiple of 256 here)
+    config.blockDim = dim3(384);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = kCluster;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, grouped_kernel<GATE_UP>, a_map, b_map, args);
 }
 
 }  // namespace
@@ -433,12 +500,14 @@ int hylo_grouped_stages() { return kStages; }
 
 // Launch one grouped GEMM on `stream`: a [slots, K] e4m3 rows `a_stride` bytes apart (in the alignment's
 // slot order); w the experts' [E · w_rows, K] e4m3, contiguous (gate|up: w_rows = 2N, gate rows then up rows).
-// Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver entry point, 2: encode).
+// Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver entry point, 2: encode) or 1003 (N not a
+// multiple of the cluster's columns).
 int hylo_grouped_gemm(int gate_up, const void* a, long long a_stride, long long slots, const void* w, long long w_rows,
                       long long experts, const float* a_scale, long long a_scale_stride, const float* w_scale,
                       long long w_scale_expert, long long w_scale_row, const int* block_expert, const int* block_rows,
                       const int* pairs, const float* pair_weight, void* out, long long out_stride, float* out_scale,
                       long long out_scale_stride, float limit, int num_blocks, int n, int k, void* stream) {
+    if (n % (kBlockN * kCluster) != 0) return 1003;  // a cluster's two column tiles
     CUtensorMap a_map, b_map;
     int failed = make_map(&a_map, a, slots, k, a_stride, kBlockM);
     if (!failed) failed = make_map(&b_map, w, experts * w_rows, k, k, kBlockN);
