@@ -75,6 +75,7 @@ constexpr int kCluster = HYLO_GROUPED_CLUSTER;
 static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
 static_assert(kCluster == 1 || !HYLO_GROUPED_PERSISTENT, "clusters launch one CTA a tile");
 
+
 namespace {
 
 constexpr int kBlockM = 64;     // rows of an alignment block (a consumer's wgmma M)
@@ -86,6 +87,16 @@ constexpr int kGroup = HYLO_GROUPED_GROUP;
 constexpr bool kPersistent = HYLO_GROUPED_PERSISTENT;
 constexpr int kABytes = kBlockM * kBlockK;  // 8 KB
 constexpr int kBBytes = kBlockN * kBlockK;  // 16 KB
+#ifndef HYLO_GROUPED_WIDE_DOWN
+#define HYLO_GROUPED_WIDE_DOWN 0  // 1: a down CTA takes 256 output columns (two weight tiles a slot), as gate|up does
+#endif
+// Weight tiles a ring slot holds: gate|up's gate and up rows of its 128 columns; down's one 128-column tile, or
+// two neighbouring ones (wide).
+__host__ __device__ constexpr int tiles_of(bool gate_up) { return gate_up || HYLO_GROUPED_WIDE_DOWN ? 2 : 1; }
+// Output columns of one CTA.
+__host__ __device__ constexpr int columns_of(bool gate_up) { return gate_up ? kBlockN : tiles_of(false) * kBlockN; }
+// Ring slots: fewer where a slot holds two weight tiles.
+__host__ __device__ constexpr int stages_of(bool gate_up) { return tiles_of(gate_up) == 2 ? kGateUpStages : kStages; }
 constexpr int smem_bytes(int stages, int tiles) {  // the ring, its barriers, alignment slack
     return stages * (2 * kABytes + tiles * kBBytes) + 2 * stages * 8 + 1024;
 }
@@ -151,14 +162,14 @@ struct Tile {
 };
 
 // Tile `index` of the grid's order (in a cluster of two: the cluster's index; `rank` picks its column tile).
-__device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank) {
+__device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank, int columns) {
     const int num_pairs = (p.num_blocks + 1) / 2;
-    const int per_group = kGroup * (p.n / (kBlockN * kCluster));
+    const int per_group = kGroup * (p.n / (columns * kCluster));
     const int first = (index / per_group) * kGroup;
     const int group_rows = min(num_pairs - first, kGroup);
     Tile t;
     const int pair = first + (index % per_group) % group_rows;
-    t.n0 = (((index % per_group) / group_rows) * kCluster + rank) * kBlockN;
+    t.n0 = (((index % per_group) / group_rows) * kCluster + rank) * columns;
     t.block0 = 2 * pair;
     t.expert0 = p.block_expert[t.block0];
     t.expert1 = t.block0 + 1 < p.num_blocks ? p.block_expert[t.block0 + 1] : -1;
@@ -194,12 +205,12 @@ template <bool GATE_UP>
 __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& p,
                                         uint8_t* smem, uint64_t* full, uint64_t* empty, int first_tile,
                                         int tile_stride, int num_tiles, int expert_rows, int rank) {
-    constexpr int kTiles = GATE_UP ? 2 : 1;
-    constexpr int kStagesHere = GATE_UP ? kGateUpStages : kStages;
+    constexpr int kTiles = tiles_of(GATE_UP);
+    constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
     int ring = 0;
     for (int index = first_tile; index < num_tiles; index += tile_stride) {
-        const Tile t = tile_of(index, p, rank);
+        const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         for (int j = 0; j < t.steps; ++j, ++ring) {
             const int s = ring % kStagesHere;
             if (ring >= kStagesHere) bar_wait(&empty[s], ((ring / kStagesHere) - 1) & 1);
@@ -221,7 +232,8 @@ __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensor
             }
             const int row = (which == 1 ? t.expert1 : t.expert0) * expert_rows + t.n0;
             tma_load(slot + 2 * kABytes, &b_map, k0, row, &full[s]);
-            if (GATE_UP) tma_load(slot + 2 * kABytes + kBBytes, &b_map, k0, row + p.n, &full[s]);
+            if (kTiles == 2)
+                tma_load(slot + 2 * kABytes + kBBytes, &b_map, k0, row + (GATE_UP ? p.n : kBlockN), &full[s]);
         }
     }
 }
@@ -231,8 +243,8 @@ template <bool GATE_UP>
 __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                         int first_tile, int tile_stride, int num_tiles, int rank, int warp,
                                         int lane) {
-    constexpr int kTiles = GATE_UP ? 2 : 1;
-    constexpr int kStagesHere = GATE_UP ? kGateUpStages : kStages;
+    constexpr int kTiles = tiles_of(GATE_UP);
+    constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
     const uint32_t peer_empty = kCluster == 2 ? peer_address(empty, rank ^ 1) : 0;
     // a released slot: this CTA's barrier, and the peer's (whose producer multicasts into this slot too)
@@ -246,7 +258,7 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
     const int row0 = (warp % 4) * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8 of the block
     int ring = 0;
     for (int index = first_tile; index < num_tiles; index += tile_stride) {
-        const Tile t = tile_of(index, p, rank);
+        const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         const int n0 = t.n0;
         const int block = t.block0 + c;
         const int expert = c == 0 ? t.expert0 : t.expert1;
@@ -255,10 +267,10 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
         const float* sa1 = sa0 + 8 * p.a_scale_stride;
         const float* sb = p.w_scale + (long long)(mine_active ? expert : 0) * p.w_scale_expert +
                           (long long)(n0 / 128) * p.w_scale_row;
-        const float* sb_up = sb + (long long)(p.n / 128) * p.w_scale_row;
+        const float* sb_up = sb + (long long)(GATE_UP ? p.n / 128 : 1) * p.w_scale_row;  // the second tile's
 
         // register i of 8-column group g: row row0 + 8·((i >> 1) & 1), column 8g + 2·(lane % 4) + (i & 1)
-        float sum[64], sum_up[GATE_UP ? 64 : 1], part[64];
+        float sum[64], sum_up[kTiles == 2 ? 64 : 1], part[64];
         if (!kPromote) {  // the probes without promotion chain every product into part
 #pragma unroll
             for (int i = 0; i < 64; ++i) part[i] = 0.f;
@@ -266,7 +278,7 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 #pragma unroll
         for (int i = 0; i < 64; ++i) sum[i] = 0.f;
 #pragma unroll
-        for (int i = 0; i < (GATE_UP ? 64 : 1); ++i) sum_up[i] = 0.f;
+        for (int i = 0; i < (kTiles == 2 ? 64 : 1); ++i) sum_up[i] = 0.f;
 
         for (int j = 0; j < t.steps; ++j, ++ring) {
             const int s = ring % kStagesHere;
@@ -279,7 +291,7 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
                 a0 = sa0[kb];
                 a1 = sa1[kb];
                 b = sb[kb];
-                if (GATE_UP) b_up = sb_up[kb];
+                if (kTiles == 2) b_up = sb_up[kb];
             }
             bar_wait(&full[s], (ring / kStagesHere) & 1);
             if (mine) {
@@ -292,13 +304,13 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
                     wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), kk || !kPromote);
                 wgmma_commit();
                 if (kWaitEachStep) wgmma_wait_all();
-                if (!GATE_UP && kEarlyRelease) release(s);
+                if (kTiles == 1 && kEarlyRelease) release(s);
                 const float scale0 = a0 * b, scale1 = a1 * b;
                 if (kPromote) {
 #pragma unroll
                     for (int i = 0; i < 64; ++i) sum[i] += part[i] * ((i & 2) ? scale1 : scale0);
                 }
-                if (GATE_UP) {
+                if (kTiles == 2) {
                     if (kWaitEachStep) wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < kBlockK / 32; ++kk)
@@ -372,6 +384,10 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
                 for (int g = 0; g < 16; ++g) {
                     const float v0 = sum[4 * g + 2 * half] * w, v1 = sum[4 * g + 2 * half + 1] * w;
                     *reinterpret_cast<__nv_bfloat162*>(dst + 8 * g) = __floats2bfloat162_rn(v0, v1);
+                    if (kTiles == 2) {  // wide: the second tile's 128 columns
+                        const float u0 = sum_up[4 * g + 2 * half] * w, u1 = sum_up[4 * g + 2 * half + 1] * w;
+                        *reinterpret_cast<__nv_bfloat162*>(dst + kBlockN + 8 * g) = __floats2bfloat162_rn(u0, u1);
+                    }
                 }
             }
         }
@@ -389,15 +405,15 @@ template <bool GATE_UP>
 __global__ void __launch_bounds__(384, 1)
     grouped_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                    const Args p) {
-    constexpr int kTiles = GATE_UP ? 2 : 1;
-    constexpr int kStagesHere = GATE_UP ? kGateUpStages : kStages;
+    constexpr int kTiles = tiles_of(GATE_UP);
+    constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStagesHere * kSlot);
     uint64_t* empty = full + kStagesHere;
-    const int num_tiles = ((p.num_blocks + 1) / 2) * (p.n / (kBlockN * kCluster));  // (clusters') tiles
-    const int expert_rows = kTiles * p.n;  // rows of one expert's weight
+    const int num_tiles = ((p.num_blocks + 1) / 2) * (p.n / (columns_of(GATE_UP) * kCluster));  // (clusters')
+    const int expert_rows = (GATE_UP ? 2 : 1) * p.n;  // rows of one expert's weight
     const int rank = kCluster == 2 ? cluster_rank() : 0;
     const int first_tile = blockIdx.x / kCluster, tile_stride = gridDim.x / kCluster;
 
@@ -456,14 +472,14 @@ int make_map(CUtensorMap* map, const void* base, long long rows, long long cols,
 
 template <bool GATE_UP>
 int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args, cudaStream_t stream) {
-    constexpr int smem = smem_bytes(GATE_UP ? kGateUpStages : kStages, GATE_UP ? 2 : 1);
+    constexpr int smem = smem_bytes(stages_of(GATE_UP), tiles_of(GATE_UP));
     static bool configured = false;
     if (!configured) {
         cudaError_t e = cudaFuncSetAttribute(grouped_kernel<GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return e;
         configured = true;
     }
-    int grid = ((args.num_blocks + 1) / 2) * (args.n / kBlockN);
+    int grid = ((args.num_blocks + 1) / 2) * (args.n / columns_of(GATE_UP));
     if (kPersistent) {
         static int sms = 0;
         if (sms == 0) {
@@ -496,8 +512,6 @@ int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args,
 
 extern "C" {
 
-int hylo_grouped_stages() { return kStages; }
-
 // Launch one grouped GEMM on `stream`: a [slots, K] e4m3 rows `a_stride` bytes apart (in the alignment's
 // slot order); w the experts' [E · w_rows, K] e4m3, contiguous (gate|up: w_rows = 2N, gate rows then up rows).
 // Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver entry point, 2: encode) or 1003 (N not a
@@ -507,7 +521,7 @@ int hylo_grouped_gemm(int gate_up, const void* a, long long a_stride, long long 
                       long long w_scale_expert, long long w_scale_row, const int* block_expert, const int* block_rows,
                       const int* pairs, const float* pair_weight, void* out, long long out_stride, float* out_scale,
                       long long out_scale_stride, float limit, int num_blocks, int n, int k, void* stream) {
-    if (n % (kBlockN * kCluster) != 0) return 1003;  // a cluster's two column tiles
+    if (n % (columns_of(gate_up) * kCluster) != 0) return 1003;  // a CTA's (a cluster's) columns
     CUtensorMap a_map, b_map;
     int failed = make_map(&a_map, a, slots, k, a_stride, kBlockM);
     if (!failed) failed = make_map(&b_map, w, experts * w_rows, k, k, kBlockN);
