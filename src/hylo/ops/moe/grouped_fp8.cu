@@ -148,13 +148,8 @@ __device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t a, uint64_t 
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// One CTA: a pair of row blocks × 128 output columns. GATE_UP: the columns are 128 of the intermediate, whose
-// gate rows (n0 ..) and up rows (N + n0 ..) of the expert's [2N, K] weight are two tiles of a ring slot; the
-// epilogue writes SwiGLU(gate, up) quantised per 128-column group (one group: the tile) with its scale, as
-// `kernels._gate_up_tma_kernel` does. Else (down) the columns are 128 of D, written weighted by each row's
-// routing weight to the row of its pair.
-// The work of one CTA tile: a pair of row blocks × 128 output columns; kGroup pairs sweep the column tiles
-// together (their weight tiles stay in L2).
+// The work of one CTA tile: a pair of row blocks × its output columns (`columns_of`); kGroup pairs sweep the
+// column tiles together (their weight tiles stay in L2).
 struct Tile {
     int block0, expert0, expert1, n0;
     bool active0, active1, same;
@@ -394,13 +389,13 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
     }
 }
 
-// One CTA walks tiles blockIdx.x, + gridDim.x, ... (one tile where the grid has one CTA a tile; persistent
-// where it has one a SM: the producer then fills the next tile's slots during the consumers' epilogue), the
-// ring's slots and phases running on across its tiles. GATE_UP: the columns are 128 of the intermediate,
-// whose gate rows (n0 ..) and up rows (N + n0 ..) of the expert's [2N, K] weight are two tiles of a ring
-// slot; the epilogue writes SwiGLU(gate, up) quantised per 128-column group (one group: the tile) with its
-// scale, as `kernels._gate_up_tma_kernel` does. Else (down) the columns are 128 of D, written weighted by
-// each row's routing weight to the row of its pair.
+// One CTA (a cluster of two: together) walks tiles blockIdx.x, + gridDim.x, ... (one tile where the grid has
+// one CTA a tile; persistent where it has one a SM: the producer then fills the next tile's slots during the
+// consumers' epilogue), the ring's slots and phases running on across its tiles. GATE_UP: the columns are 128
+// of the intermediate, whose gate rows (n0 ..) and up rows (N + n0 ..) of the expert's [2N, K] weight are two
+// tiles of a ring slot; the epilogue writes SwiGLU(gate, up) quantised per 128-column group (one group: the
+// tile) with its scale, as `kernels._gate_up_tma_kernel` does. Else (down) the columns are 128 (wide: 256) of
+// D, written weighted by each row's routing weight to the row of its pair.
 template <bool GATE_UP>
 __global__ void __launch_bounds__(384, 1)
     grouped_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
