@@ -40,6 +40,9 @@ VARIANTS = {
     "wide_down": ("HYLO_GROUPED_WIDE_DOWN=1",),
     "cluster2": ("HYLO_GROUPED_CLUSTER=2",),
     "cluster2_wide_down": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_WIDE_DOWN=1"),
+    # two products a consumer (promote one step while the next multiplies); gate|up in 64-column halves
+    "pipelined": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_PIPELINED=1"),
+    "pipelined_fast": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_PIPELINED=1", "HYLO_GROUPED_FAST_EPILOGUE=1"),
     "cluster2_early": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_EARLY_RELEASE=1"),
     "early_release": ("HYLO_GROUPED_EARLY_RELEASE=1",),
     "fast_epilogue": ("HYLO_GROUPED_FAST_EPILOGUE=1",),

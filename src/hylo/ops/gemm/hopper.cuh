@@ -106,5 +106,20 @@ __device__ __forceinline__ uint64_t tile_descriptor(const void* p) { return desc
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// All but the newest committed group done.
+__device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+
+// Pins 64 accumulator registers at this point of the program: reads of them are not moved above an earlier wait.
+__device__ __forceinline__ void fence_operands(float* d) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// A float at a shared::cluster address (another CTA's, from `peer_address`).
+__device__ __forceinline__ float ld_shared_cluster(uint32_t address) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
+    return v;
+}
 
 }  // namespace hopper

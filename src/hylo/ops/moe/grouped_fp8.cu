@@ -46,16 +46,19 @@
 #define HYLO_GROUPED_GROUP 8  // pairs that sweep the column tiles together (their weight tiles stay in L2)
 #endif
 
+#ifndef HYLO_GROUPED_MIXED_SEQUENTIAL
+#define HYLO_GROUPED_MIXED_SEQUENTIAL 0  // 1: a mixed pair's ring carries block 0's K steps, then block 1's
+#endif
 #ifndef HYLO_GROUPED_PROBE
 #define HYLO_GROUPED_PROBE 0  // benchmarks only, wrong outputs: 1 loads without the math, 2 the math on stale slots
 #endif
 // Probes 3-5 run on stale slots as 2 does, to tell where the math's time goes: 3 one consumer alone (its
 // chain's latency), 4 without the promotion (the MMAs and their waits), 5 the MMAs alone, never waited on
 // inside the tile (the tensor cores' rate from shared memory)
-constexpr bool kStaleSlots = HYLO_GROUPED_PROBE >= 2;
-constexpr bool kOneConsumer = HYLO_GROUPED_PROBE == 3;
-constexpr bool kPromote = HYLO_GROUPED_PROBE != 4 && HYLO_GROUPED_PROBE != 5;
-constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE != 5;
+[[maybe_unused]] constexpr bool kStaleSlots = HYLO_GROUPED_PROBE >= 2;
+[[maybe_unused]] constexpr bool kOneConsumer = HYLO_GROUPED_PROBE == 3;
+[[maybe_unused]] constexpr bool kPromote = HYLO_GROUPED_PROBE != 4 && HYLO_GROUPED_PROBE != 5;
+[[maybe_unused]] constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE != 5;
 
 #ifndef HYLO_GROUPED_EARLY_RELEASE
 #define HYLO_GROUPED_EARLY_RELEASE 0  // 1: a slot is released once its last product is in registers, before promoting
@@ -63,7 +66,7 @@ constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE != 5;
 #ifndef HYLO_GROUPED_FAST_EPILOGUE
 #define HYLO_GROUPED_FAST_EPILOGUE 0  // 1: gate|up's epilogue multiplies by reciprocals (sigmoid, quantisation)
 #endif
-constexpr bool kEarlyRelease = HYLO_GROUPED_EARLY_RELEASE && kWaitEachStep;
+[[maybe_unused]] constexpr bool kEarlyRelease = HYLO_GROUPED_EARLY_RELEASE && kWaitEachStep;
 
 #ifndef HYLO_GROUPED_CLUSTER
 #define HYLO_GROUPED_CLUSTER 1  // 2: two CTAs of a cluster take one pair's neighbouring column tiles, sharing its rows
@@ -92,13 +95,31 @@ constexpr int kBBytes = kBlockN * kBlockK;  // 16 KB
 #endif
 // Weight tiles a ring slot holds: gate|up's gate and up rows of its 128 columns; down's one 128-column tile, or
 // two neighbouring ones (wide).
-__host__ __device__ constexpr int tiles_of(bool gate_up) { return gate_up || HYLO_GROUPED_WIDE_DOWN ? 2 : 1; }
+#ifndef HYLO_GROUPED_PIPELINED
+#define HYLO_GROUPED_PIPELINED 0  // 1: each consumer multiplies a step while promoting the one before (two products)
+#endif
+// A pipelined consumer holds its sums and two products (192 registers), so its tile is 64 × 128: down's 128
+// columns, or gate|up's halves: 64 gate and the same 64 up columns of the intermediate, the two CTAs of a cluster
+// taking the two halves of a 128-column quantisation group (they exchange each row's largest value).
+constexpr bool kPipelined = HYLO_GROUPED_PIPELINED;
+static_assert(!kPipelined || !HYLO_GROUPED_WIDE_DOWN, "a pipelined consumer has no registers for a wide tile");
+static_assert(!kPipelined || kCluster == 2, "pipelined gate|up splits its 128-column groups across a cluster");
+static_assert(!kPipelined || !HYLO_GROUPED_MIXED_SEQUENTIAL, "pipelined consumers take a mixed pair's steps in turn");
+__host__ __device__ constexpr bool halves(bool gate_up) { return gate_up && kPipelined; }
+__host__ __device__ constexpr int tiles_of(bool gate_up) {
+    return halves(gate_up) ? 1 : (gate_up || HYLO_GROUPED_WIDE_DOWN ? 2 : 1);
+}
 // Output columns of one CTA.
-__host__ __device__ constexpr int columns_of(bool gate_up) { return gate_up ? kBlockN : tiles_of(false) * kBlockN; }
+__host__ __device__ constexpr int columns_of(bool gate_up) {
+    return halves(gate_up) ? kBlockN / 2 : (gate_up ? kBlockN : tiles_of(false) * kBlockN);
+}
+// Rows of one TMA box of the weights: halves load their gate and their up rows as two boxes.
+__host__ __device__ constexpr int weight_box_rows(bool gate_up) { return halves(gate_up) ? kBlockN / 2 : kBlockN; }
 // Ring slots: fewer where a slot holds two weight tiles.
 __host__ __device__ constexpr int stages_of(bool gate_up) { return tiles_of(gate_up) == 2 ? kGateUpStages : kStages; }
-constexpr int smem_bytes(int stages, int tiles) {  // the ring, its barriers, alignment slack
-    return stages * (2 * kABytes + tiles * kBBytes) + 2 * stages * 8 + 1024;
+constexpr int kRowMaxBytes = 2 * kBlockM * 4;  // halves: each row's largest |h| in this CTA's columns
+constexpr int smem_bytes(int stages, int tiles) {  // the ring, its barriers, the rows' maxima, alignment slack
+    return stages * (2 * kABytes + tiles * kBBytes) + 2 * stages * 8 + kRowMaxBytes + 1024;
 }
 constexpr int kConsumerWarps = 8;
 
@@ -175,10 +196,6 @@ __device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank, int 
     return t;
 }
 
-#ifndef HYLO_GROUPED_MIXED_SEQUENTIAL
-#define HYLO_GROUPED_MIXED_SEQUENTIAL 0  // 1: a mixed pair's ring carries block 0's K steps, then block 1's
-#endif
-
 // Which blocks of the pair a ring position serves: both (kBoth), or block 0 / 1 alone.
 constexpr int kBoth = 2;
 
@@ -193,6 +210,73 @@ __device__ __forceinline__ Step step_of(int j, const Tile& t, int k_steps) {
     if (!(t.active0 && t.active1)) return {t.active0 ? 0 : 1, j};
     if (HYLO_GROUPED_MIXED_SEQUENTIAL) return {j < k_steps ? 0 : 1, j % k_steps};
     return {j & 1, j >> 1};
+}
+
+// gate|up's epilogue (one consumer's 64 rows × 128 columns): SwiGLU(gate, up), then each row's 128 columns (its
+// quad's 4 lanes × 32) quantised with one scale.
+[[maybe_unused]] __device__ __forceinline__ void write_gate_up(const Args& p, int block, int n0, int row0, int lane, float* sum,
+                                              const float* sum_up) {
+    const int valid = p.block_rows[block];
+    const int col = n0 + 2 * (lane % 4);
+    float amax[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const float gate = fminf(sum[i], p.limit);
+        const float up = fminf(fmaxf(sum_up[i], -p.limit), p.limit);
+        sum[i] = HYLO_GROUPED_FAST_EPILOGUE ? gate * __frcp_rn(1.0f + __expf(-gate)) * up
+                                            : gate * (1.0f / (1.0f + expf(-gate))) * up;
+        amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fabsf(sum[i]));
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 1));
+        amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 2));
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = row0 + 8 * half;
+        if (r >= valid) continue;
+        const long long slot_row = (long long)block * kBlockM + r;
+        const float scale = __fdiv_rn(fmaxf(amax[half], 1e-12f), 448.0f);
+        const float inverse = __frcp_rn(scale);
+        uint8_t* dst = static_cast<uint8_t*>(p.out) + slot_row * p.out_stride + col;
+#pragma unroll
+        for (int g = 0; g < 16; ++g) {
+            const float2 v = HYLO_GROUPED_FAST_EPILOGUE
+                                 ? make_float2(sum[4 * g + 2 * half] * inverse, sum[4 * g + 2 * half + 1] * inverse)
+                                 : make_float2(__fdiv_rn(sum[4 * g + 2 * half], scale),
+                                               __fdiv_rn(sum[4 * g + 2 * half + 1], scale));
+            const __nv_fp8x2_e4m3 q(v);
+            *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + 8 * g) = q.__x;
+        }
+        if (lane % 4 == 0) p.out_scale[slot_row * p.out_scale_stride + n0 / 128] = scale;
+    }
+}
+
+// down's epilogue: one consumer's 64 rows × 128 (wide: 256) columns, weighted by each row's routing weight, to
+// the rows of their pairs.
+template <int kTiles>
+__device__ __forceinline__ void write_down(const Args& p, int block, int n0, int row0, int lane, const float* sum,
+                                           const float* sum_up) {
+    const int valid = p.block_rows[block];
+    const int col = n0 + 2 * (lane % 4);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = row0 + 8 * half;
+        if (r >= valid) continue;
+        const int pair_index = p.pairs[block * kBlockM + r];
+        const float w = p.pair_weight[pair_index];
+        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (long long)pair_index * p.out_stride + col;
+#pragma unroll
+        for (int g = 0; g < 16; ++g) {
+            const float v0 = sum[4 * g + 2 * half] * w, v1 = sum[4 * g + 2 * half + 1] * w;
+            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * g) = __floats2bfloat162_rn(v0, v1);
+            if (kTiles == 2) {  // wide: the second tile's 128 columns
+                const float u0 = sum_up[4 * g + 2 * half] * w, u1 = sum_up[4 * g + 2 * half + 1] * w;
+                *reinterpret_cast<__nv_bfloat162*>(dst + kBlockN + 8 * g) = __floats2bfloat162_rn(u0, u1);
+            }
+        }
+    }
 }
 
 // The producer thread: every step's loads into the ring.
@@ -226,6 +310,11 @@ __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensor
                 tma_load_multicast(slot + block * kABytes, &a_map, k0, (t.block0 + block) * kBlockM, &full[s], 3);
             }
             const int row = (which == 1 ? t.expert1 : t.expert0) * expert_rows + t.n0;
+            if (halves(GATE_UP)) {  // 64 gate rows, then the same columns' 64 up rows: one 128-row operand
+                tma_load(slot + 2 * kABytes, &b_map, k0, row, &full[s]);
+                tma_load(slot + 2 * kABytes + kBBytes / 2, &b_map, k0, row + p.n, &full[s]);
+                continue;
+            }
             tma_load(slot + 2 * kABytes, &b_map, k0, row, &full[s]);
             if (kTiles == 2)
                 tma_load(slot + 2 * kABytes + kBBytes, &b_map, k0, row + (GATE_UP ? p.n : kBlockN), &full[s]);
@@ -330,62 +419,175 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
         }
         if (!mine_active) continue;
 
-        const int valid = p.block_rows[block];
-        const int col = n0 + 2 * (lane % 4);
-        if constexpr (GATE_UP) {
-            // SwiGLU, then each row's 128 columns (its quad's 4 lanes × 32) quantised with one scale
-            float amax[2] = {0.f, 0.f};
+        if constexpr (GATE_UP)
+            write_gate_up(p, block, n0, row0, lane, sum, sum_up);
+        else
+            write_down<kTiles>(p, block, n0, row0, lane, sum, sum_up);
+    }
+}
+
+// The halves' epilogue (one consumer's 64 rows × 64 columns; registers 0-31 hold gate's sums, 32-63 up's of the
+// same columns): SwiGLU, each row's largest |h| over both CTAs' halves of the 128-column group (exchanged through
+// `row_max`, the peer's read across the cluster), then quantised with that group's one scale (rank 0 writes it).
+// Every thread of both CTAs takes part in the cluster barrier, rows or none.
+[[maybe_unused]] __device__ __forceinline__ void write_gate_up_halves(const Args& p, int block, int n0, int row0, int lane, int c,
+                                                     int rank, bool active, float* sum, float* row_max) {
+    float amax[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const float gate = fminf(sum[i], p.limit);
+        const float up = fminf(fmaxf(sum[i + 32], -p.limit), p.limit);
+        sum[i] = HYLO_GROUPED_FAST_EPILOGUE ? gate * __frcp_rn(1.0f + __expf(-gate)) * up
+                                            : gate * (1.0f / (1.0f + expf(-gate))) * up;
+        amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fabsf(sum[i]));
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 1));
+        amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 2));
+    }
+    if (lane % 4 == 0) {
+        row_max[c * kBlockM + row0] = amax[0];
+        row_max[c * kBlockM + row0 + 8] = amax[1];
+    }
+    cluster_sync();
+    const uint32_t peer = peer_address(row_max, rank ^ 1);
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+        amax[half] = fmaxf(amax[half], ld_shared_cluster(peer + 4 * (c * kBlockM + row0 + 8 * half)));
+    if (!active) return;
+    const int valid = p.block_rows[block];
+    const int col = n0 + 2 * (lane % 4);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = row0 + 8 * half;
+        if (r >= valid) continue;
+        const long long slot_row = (long long)block * kBlockM + r;
+        const float scale = __fdiv_rn(fmaxf(amax[half], 1e-12f), 448.0f);
+        const float inverse = __frcp_rn(scale);
+        uint8_t* dst = static_cast<uint8_t*>(p.out) + slot_row * p.out_stride + col;
+#pragma unroll
+        for (int g = 0; g < 8; ++g) {
+            const float2 v = HYLO_GROUPED_FAST_EPILOGUE
+                                 ? make_float2(sum[4 * g + 2 * half] * inverse, sum[4 * g + 2 * half + 1] * inverse)
+                                 : make_float2(__fdiv_rn(sum[4 * g + 2 * half], scale),
+                                               __fdiv_rn(sum[4 * g + 2 * half + 1], scale));
+            const __nv_fp8x2_e4m3 q(v);
+            *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + 8 * g) = q.__x;
+        }
+        if (rank == 0 && lane % 4 == 0) p.out_scale[slot_row * p.out_scale_stride + n0 / 128] = scale;
+    }
+}
+
+// The pipelined consumers (`kPipelined`): warpgroup c owns block c of each pair, as in `consume`, but issues a
+// step's products into one of two register tiles and promotes the step before (held in the other) while they
+// run, so a consumer's wait for its products overlaps its own math, not only the other consumer's. An active
+// consumer has K / 128 steps in every tile (a multiple of kUnroll, which the host checks), taken kUnroll at a
+// time in straight-line code: each register tile is named in the code (one picked at run time would live in
+// local memory), and each group of steps ends with no product in flight (ptxas serialises every wgmma where a
+// loop's back edge separates a product from the wait before reading it). The cost: one promotion in kUnroll
+// that the consumer's own products do not cover (the other consumer's still can).
+template <bool GATE_UP, int kUnroll>
+__device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                                  int first_tile, int tile_stride, int num_tiles, int rank,
+                                                  int warp, int lane, float* row_max) {
+    constexpr int kStagesHere = stages_of(GATE_UP);
+    constexpr int kSlot = 2 * kABytes + kBBytes;
+    constexpr bool kHalves = halves(GATE_UP);
+    const uint32_t peer_empty = kCluster == 2 ? peer_address(empty, rank ^ 1) : 0;
+    auto release = [&](int s) {
+        if (lane != 0) return;
+        bar_arrive(&empty[s]);
+        if (kCluster == 2) bar_arrive_remote(peer_empty + 8 * s);
+    };
+    auto wait_full = [&](int ring) { bar_wait(&full[ring % kStagesHere], (ring / kStagesHere) & 1); };
+
+    const int c = warp / 4 - 1;
+    const int row0 = (warp % 4) * 16 + lane / 4;
+    int ring = 0;  // the tile's first ring position
+    for (int index = first_tile; index < num_tiles; index += tile_stride) {
+        const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
+        const int n0 = t.n0;
+        const int block = t.block0 + c;
+        const int expert = c == 0 ? t.expert0 : t.expert1;
+        const bool mine_active = c == 0 ? t.active0 : t.active1;
+        const float* sa0 = p.a_scale + (long long)(block * kBlockM + row0) * p.a_scale_stride;
+        const float* sa1 = sa0 + 8 * p.a_scale_stride;
+        const float* sb = p.w_scale + (long long)(mine_active ? expert : 0) * p.w_scale_expert +
+                          (long long)(n0 / 128) * p.w_scale_row;
+        const float* sb_up = sb + (long long)(p.n / 128) * p.w_scale_row;
+        // my m-th step sits at ring position ring + first + stride·m (a mixed pair alternates its blocks)
+        const bool mixed = t.active0 && t.active1 && !t.same;
+        const int stride = mixed ? 2 : 1, first = mixed ? c : 0;
+        static_assert(kUnroll % 2 == 0, "the steps alternate between two register tiles");
+        int next = 0;  // the tile's next ring position this consumer has not waited for
+        auto pass_to = [&](int j) {  // others' positions before j: waited for and released
+            for (; next < j; ++next) {
+                wait_full(ring + next);
+                release((ring + next) % kStagesHere);
+            }
+        };
+
+        // register i of 8-column group g: row row0 + 8·((i >> 1) & 1), column 8g + 2·(lane % 4) + (i & 1); halves:
+        // groups 0-7 gate, 8-15 up
+        float sum[64], part0[64], part1[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) sum[i] = 0.f;
+        // the step in flight behind the newest: its slot and its scale products (row halves; gate, up)
+        int pending = 0;
+        float lo = 0.f, hi = 0.f, up_lo = 0.f, up_hi = 0.f;
+        auto promote = [&](float(&part)[64]) {
+            fence_operands(part);
 #pragma unroll
             for (int i = 0; i < 64; ++i) {
-                const float gate = fminf(sum[i], p.limit);
-                const float up = fminf(fmaxf(sum_up[i], -p.limit), p.limit);
-                sum[i] = HYLO_GROUPED_FAST_EPILOGUE ? gate * __frcp_rn(1.0f + __expf(-gate)) * up
-                                                    : gate * (1.0f / (1.0f + expf(-gate))) * up;
-                amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fabsf(sum[i]));
+                const bool up = kHalves && i >= 32, high = i & 2;
+                sum[i] += part[i] * (up ? (high ? up_hi : up_lo) : (high ? hi : lo));
             }
+        };
+        // my step m: wait for its slot, issue its products into `into`, then (unless it is the first) promote
+        // the step before from `before` once that one is done
+        auto step = [&](int m, float(&into)[64], float(&before)[64], bool has_before) {
+            const int j = first + stride * m;
+            pass_to(j);
+            const int kb = m;
+            const float a0 = sa0[kb], a1 = sa1[kb], b = sb[kb], b_up = kHalves ? sb_up[kb] : 0.f;
+            wait_full(ring + j);
+            next = j + 1;
+            const int s = (ring + j) % kStagesHere;
+            const uint8_t* slot = smem + s * kSlot;
+            const uint8_t* a = slot + c * kABytes;
+            const uint8_t* w = slot + 2 * kABytes;
+            wgmma_fence();
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 1));
-                amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 2));
+            for (int kk = 0; kk < kBlockK / 32; ++kk)
+                wgmma_m64n128k32(into, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), kk);
+            wgmma_commit();
+            if (has_before) {
+                wgmma_wait_one();  // the step before is in registers; this one still runs
+                release(pending);
+                promote(before);
             }
+            pending = s;
+            lo = a0 * b, hi = a1 * b, up_lo = a0 * b_up, up_hi = a1 * b_up;
+        };
+        for (int m0 = 0; mine_active && m0 < p.k_steps; m0 += kUnroll) {
+            step(m0, part0, part1, false);
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = row0 + 8 * half;
-                if (r >= valid) continue;
-                const long long slot_row = (long long)block * kBlockM + r;
-                const float scale = __fdiv_rn(fmaxf(amax[half], 1e-12f), 448.0f);
-                const float inverse = __frcp_rn(scale);
-                uint8_t* dst = static_cast<uint8_t*>(p.out) + slot_row * p.out_stride + col;
-#pragma unroll
-                for (int g = 0; g < 16; ++g) {
-                    const float2 v = HYLO_GROUPED_FAST_EPILOGUE
-                                         ? make_float2(sum[4 * g + 2 * half] * inverse, sum[4 * g + 2 * half + 1] * inverse)
-                                         : make_float2(__fdiv_rn(sum[4 * g + 2 * half], scale),
-                                                       __fdiv_rn(sum[4 * g + 2 * half + 1], scale));
-                    const __nv_fp8x2_e4m3 q(v);
-                    *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + 8 * g) = q.__x;
-                }
-                if (lane % 4 == 0) p.out_scale[slot_row * p.out_scale_stride + n0 / 128] = scale;
+            for (int m = 1; m + 1 < kUnroll; m += 2) {
+                step(m0 + m, part1, part0, true);
+                step(m0 + m + 1, part0, part1, true);
             }
-        } else {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = row0 + 8 * half;
-                if (r >= valid) continue;
-                const int pair_index = p.pairs[block * kBlockM + r];
-                const float w = p.pair_weight[pair_index];
-                __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (long long)pair_index * p.out_stride + col;
-#pragma unroll
-                for (int g = 0; g < 16; ++g) {
-                    const float v0 = sum[4 * g + 2 * half] * w, v1 = sum[4 * g + 2 * half + 1] * w;
-                    *reinterpret_cast<__nv_bfloat162*>(dst + 8 * g) = __floats2bfloat162_rn(v0, v1);
-                    if (kTiles == 2) {  // wide: the second tile's 128 columns
-                        const float u0 = sum_up[4 * g + 2 * half] * w, u1 = sum_up[4 * g + 2 * half + 1] * w;
-                        *reinterpret_cast<__nv_bfloat162*>(dst + kBlockN + 8 * g) = __floats2bfloat162_rn(u0, u1);
-                    }
-                }
-            }
+            step(m0 + kUnroll - 1, part1, part0, true);
+            wgmma_wait_all();
+            release(pending);
+            promote(part1);
         }
+        pass_to(t.steps);
+        ring += t.steps;
+        if constexpr (kHalves)
+            write_gate_up_halves(p, block, n0, row0, lane, c, rank, mine_active, sum, row_max);
+        else if (mine_active)
+            write_down<1>(p, block, n0, row0, lane, sum, sum);
     }
 }
 
@@ -396,7 +598,7 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 // tiles of a ring slot; the epilogue writes SwiGLU(gate, up) quantised per 128-column group (one group: the
 // tile) with its scale, as `kernels._gate_up_tma_kernel` does. Else (down) the columns are 128 (wide: 256) of
 // D, written weighted by each row's routing weight to the row of its pair.
-template <bool GATE_UP>
+template <bool GATE_UP, int kUnroll>
 __global__ void __launch_bounds__(384, 1)
     grouped_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                    const Args p) {
@@ -407,6 +609,7 @@ __global__ void __launch_bounds__(384, 1)
     uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStagesHere * kSlot);
     uint64_t* empty = full + kStagesHere;
+    float* row_max = reinterpret_cast<float*>(empty + kStagesHere);
     const int num_tiles = ((p.num_blocks + 1) / 2) * (p.n / (columns_of(GATE_UP) * kCluster));  // (clusters')
     const int expert_rows = (GATE_UP ? 2 : 1) * p.n;  // rows of one expert's weight
     const int rank = kCluster == 2 ? cluster_rank() : 0;
@@ -430,11 +633,17 @@ __global__ void __launch_bounds__(384, 1)
         if (threadIdx.x == 0) produce<GATE_UP>(a_map, b_map, p, smem, full, empty, first_tile, tile_stride,
                                                num_tiles, expert_rows, rank);
         __syncwarp();
+        if (halves(GATE_UP))  // the consumers' exchange of their rows' maxima (one tile a cluster)
+            for (int index = first_tile; index < num_tiles; index += tile_stride) cluster_sync();
         if (kCluster == 2) cluster_sync();  // neither CTA leaves while its peer may still write into it
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    consume<GATE_UP>(p, smem, full, empty, first_tile, tile_stride, num_tiles, rank, warp, lane);
+    if constexpr (kUnroll > 0)
+        consume_pipelined<GATE_UP, kUnroll>(p, smem, full, empty, first_tile, tile_stride, num_tiles, rank, warp,
+                                            lane, row_max);
+    else
+        consume<GATE_UP>(p, smem, full, empty, first_tile, tile_stride, num_tiles, rank, warp, lane);
     if (kCluster == 2) cluster_sync();
 }
 
@@ -465,12 +674,12 @@ int make_map(CUtensorMap* map, const void* base, long long rows, long long cols,
     return r == CUDA_SUCCESS ? 0 : 2;
 }
 
-template <bool GATE_UP>
+template <bool GATE_UP, int kUnroll>
 int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args, cudaStream_t stream) {
     constexpr int smem = smem_bytes(stages_of(GATE_UP), tiles_of(GATE_UP));
-    static bool configured = false;
+    static bool configured = false;  // per instantiation
     if (!configured) {
-        cudaError_t e = cudaFuncSetAttribute(grouped_kernel<GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaError_t e = cudaFuncSetAttribute(grouped_kernel<GATE_UP, kUnroll>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return e;
         configured = true;
     }
@@ -485,7 +694,7 @@ int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args,
         grid = min(grid, sms);
     }
     if (kCluster == 1) {
-        grouped_kernel<GATE_UP><<<grid, 384, smem, stream>>>(a_map, b_map, args);
+        grouped_kernel<GATE_UP, kUnroll><<<grid, 384, smem, stream>>>(a_map, b_map, args);
         return cudaGetLastError();
     }
     cudaLaunchConfig_t config = {};
@@ -500,7 +709,21 @@ int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args,
     attribute.val.clusterDim.z = 1;
     config.attrs = &attribute;
     config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, grouped_kernel<GATE_UP>, a_map, b_map, args);
+    return cudaLaunchKernelEx(&config, grouped_kernel<GATE_UP, kUnroll>, a_map, b_map, args);
+}
+
+// The kernel for `args`: the pipelined consumers take their steps 8 at a time where K / 128 allows (GLM-5.3's
+// gate|up reads D = 4096, down I = 2048), else 2 at a time (a TP8 rank's down slice, 256); an odd count returns
+// 1004.
+template <bool GATE_UP>
+int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args, cudaStream_t stream) {
+    if constexpr (!kPipelined) {
+        return launch<GATE_UP, 0>(a_map, b_map, args, stream);
+    } else {
+        if (args.k_steps % 8 == 0) return launch<GATE_UP, 8>(a_map, b_map, args, stream);
+        if (args.k_steps % 2 == 0) return launch<GATE_UP, 2>(a_map, b_map, args, stream);
+        return 1004;
+    }
 }
 
 }  // namespace
@@ -509,8 +732,8 @@ extern "C" {
 
 // Launch one grouped GEMM on `stream`: a [slots, K] e4m3 rows `a_stride` bytes apart (in the alignment's
 // slot order); w the experts' [E · w_rows, K] e4m3, contiguous (gate|up: w_rows = 2N, gate rows then up rows).
-// Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver entry point, 2: encode) or 1003 (N not a
-// multiple of the cluster's columns).
+// Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver entry point, 2: encode), 1003 (N not a
+// multiple of a cluster's columns) or 1004 (pipelined: an odd number of K steps).
 int hylo_grouped_gemm(int gate_up, const void* a, long long a_stride, long long slots, const void* w, long long w_rows,
                       long long experts, const float* a_scale, long long a_scale_stride, const float* w_scale,
                       long long w_scale_expert, long long w_scale_row, const int* block_expert, const int* block_rows,
@@ -519,7 +742,7 @@ int hylo_grouped_gemm(int gate_up, const void* a, long long a_stride, long long 
     if (n % (columns_of(gate_up) * kCluster) != 0) return 1003;  // a CTA's (a cluster's) columns
     CUtensorMap a_map, b_map;
     int failed = make_map(&a_map, a, slots, k, a_stride, kBlockM);
-    if (!failed) failed = make_map(&b_map, w, experts * w_rows, k, k, kBlockN);
+    if (!failed) failed = make_map(&b_map, w, experts * w_rows, k, k, weight_box_rows(gate_up));
     if (failed) return 1000 + failed;
     const Args args{a_scale, w_scale, block_expert, block_rows, pairs, pair_weight, out, out_scale, a_scale_stride,
                     w_scale_expert, w_scale_row, out_stride, out_scale_stride, limit, num_blocks, n, k / kBlockK};
