@@ -76,9 +76,11 @@ __device__ __forceinline__ uint32_t peer_address(const void* p, int rank) {
     return address;
 }
 
-// An arrival on the mbarrier at a shared::cluster address (another CTA's, from `peer_address`).
+// An arrival on the mbarrier at a shared::cluster address (another CTA's, from `peer_address`). Release at the
+// CTA's scope only: an arrival that frees a slot publishes no writes of this thread (its reads are done), and a
+// cluster-scope release costs a GPU-wide memory barrier.
 __device__ __forceinline__ void bar_arrive_remote(uint32_t address) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(address) : "memory");
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(address) : "memory");
 }
 
 // The generic proxy's shared-memory writes made so far by this thread (stores, completed cp.async copies)

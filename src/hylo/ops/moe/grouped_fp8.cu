@@ -500,11 +500,12 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
         bar_arrive(&empty[s]);
         if (kCluster == 2) bar_arrive_remote(peer_empty + 8 * s);
     };
-    auto wait_full = [&](int ring) { bar_wait(&full[ring % kStagesHere], (ring / kStagesHere) & 1); };
-
     const int c = warp / 4 - 1;
     const int row0 = (warp % 4) * 16 + lane / 4;
-    int ring = 0;  // the tile's first ring position
+    int slot = 0, phase = 0;  // the ring position this consumer waits for next
+    auto advance = [&]() {
+        if (++slot == kStagesHere) slot = 0, phase ^= 1;
+    };
     for (int index = first_tile; index < num_tiles; index += tile_stride) {
         const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         const int n0 = t.n0;
@@ -520,11 +521,12 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
         const bool mixed = t.active0 && t.active1 && !t.same;
         const int stride = mixed ? 2 : 1, first = mixed ? c : 0;
         static_assert(kUnroll % 2 == 0, "the steps alternate between two register tiles");
-        int next = 0;  // the tile's next ring position this consumer has not waited for
+        int next = 0;  // the tile's position that `slot` is
         auto pass_to = [&](int j) {  // others' positions before j: waited for and released
             for (; next < j; ++next) {
-                wait_full(ring + next);
-                release((ring + next) % kStagesHere);
+                bar_wait(&full[slot], phase);
+                release(slot);
+                advance();
             }
         };
 
@@ -551,12 +553,12 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
             pass_to(j);
             const int kb = m;
             const float a0 = sa0[kb], a1 = sa1[kb], b = sb[kb], b_up = kHalves ? sb_up[kb] : 0.f;
-            wait_full(ring + j);
-            next = j + 1;
-            const int s = (ring + j) % kStagesHere;
-            const uint8_t* slot = smem + s * kSlot;
-            const uint8_t* a = slot + c * kABytes;
-            const uint8_t* w = slot + 2 * kABytes;
+            bar_wait(&full[slot], phase);
+            const int s = slot;
+            const uint8_t* a = smem + s * kSlot + c * kABytes;
+            const uint8_t* w = smem + s * kSlot + 2 * kABytes;
+            ++next;
+            advance();
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kBlockK / 32; ++kk)
@@ -583,7 +585,6 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
             promote(part1);
         }
         pass_to(t.steps);
-        ring += t.steps;
         if constexpr (kHalves)
             write_gate_up_halves(p, block, n0, row0, lane, c, rank, mine_active, sum, row_max);
         else if (mine_active)
