@@ -212,26 +212,32 @@ __device__ __forceinline__ Step step_of(int j, const Tile& t, int k_steps) {
     return {j & 1, j >> 1};
 }
 
-// gate|up's epilogue (one consumer's 64 rows × 128 columns): SwiGLU(gate, up), then each row's 128 columns (its
-// quad's 4 lanes × 32) quantised with one scale.
-[[maybe_unused]] __device__ __forceinline__ void write_gate_up(const Args& p, int block, int n0, int row0, int lane, float* sum,
-                                              const float* sum_up) {
-    const int valid = p.block_rows[block];
-    const int col = n0 + 2 * (lane % 4);
-    float amax[2] = {0.f, 0.f};
+// SwiGLU of kCount registers in place (gate[i] becomes h = silu(clamped gate) · clamped up[i]), and the largest
+// |h| of each of this thread's two rows over its quad (the 4 lanes holding the rows' columns).
+template <int kCount>
+__device__ __forceinline__ void swiglu_rows(const Args& p, float* gate, const float* up, float* amax) {
+    amax[0] = amax[1] = 0.f;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        const float gate = fminf(sum[i], p.limit);
-        const float up = fminf(fmaxf(sum_up[i], -p.limit), p.limit);
-        sum[i] = HYLO_GROUPED_FAST_EPILOGUE ? gate * __frcp_rn(1.0f + __expf(-gate)) * up
-                                            : gate * (1.0f / (1.0f + expf(-gate))) * up;
-        amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fabsf(sum[i]));
+    for (int i = 0; i < kCount; ++i) {
+        const float g = fminf(gate[i], p.limit);
+        const float u = fminf(fmaxf(up[i], -p.limit), p.limit);
+        gate[i] = HYLO_GROUPED_FAST_EPILOGUE ? g * __frcp_rn(1.0f + __expf(-g)) * u : g * (1.0f / (1.0f + expf(-g))) * u;
+        amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fabsf(gate[i]));
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 1));
         amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 2));
     }
+}
+
+// This thread's two rows of h (kGroups 8-column groups from n0) quantised to e4m3 with one scale a row, amax / 448
+// (the row's 128-column group's largest |h|), as `kernels._gate_up_tma_kernel` does; the scale written where asked.
+template <int kGroups>
+__device__ __forceinline__ void write_quantised(const Args& p, int block, int n0, int row0, int lane, const float* h,
+                                                const float* amax, bool write_scale) {
+    const int valid = p.block_rows[block];
+    const int col = n0 + 2 * (lane % 4);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = row0 + 8 * half;
@@ -241,16 +247,24 @@ __device__ __forceinline__ Step step_of(int j, const Tile& t, int k_steps) {
         const float inverse = __frcp_rn(scale);
         uint8_t* dst = static_cast<uint8_t*>(p.out) + slot_row * p.out_stride + col;
 #pragma unroll
-        for (int g = 0; g < 16; ++g) {
-            const float2 v = HYLO_GROUPED_FAST_EPILOGUE
-                                 ? make_float2(sum[4 * g + 2 * half] * inverse, sum[4 * g + 2 * half + 1] * inverse)
-                                 : make_float2(__fdiv_rn(sum[4 * g + 2 * half], scale),
-                                               __fdiv_rn(sum[4 * g + 2 * half + 1], scale));
+        for (int g = 0; g < kGroups; ++g) {
+            const float x0 = h[4 * g + 2 * half], x1 = h[4 * g + 2 * half + 1];
+            const float2 v = HYLO_GROUPED_FAST_EPILOGUE ? make_float2(x0 * inverse, x1 * inverse)
+                                                        : make_float2(__fdiv_rn(x0, scale), __fdiv_rn(x1, scale));
             const __nv_fp8x2_e4m3 q(v);
             *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + 8 * g) = q.__x;
         }
-        if (lane % 4 == 0) p.out_scale[slot_row * p.out_scale_stride + n0 / 128] = scale;
+        if (write_scale && lane % 4 == 0) p.out_scale[slot_row * p.out_scale_stride + n0 / 128] = scale;
     }
+}
+
+// gate|up's epilogue (one consumer's 64 rows × 128 columns): SwiGLU(gate, up), then each row's 128 columns (its
+// quad's 4 lanes × 32) quantised with one scale.
+[[maybe_unused]] __device__ __forceinline__ void write_gate_up(const Args& p, int block, int n0, int row0, int lane,
+                                                               float* sum, const float* sum_up) {
+    float amax[2];
+    swiglu_rows<64>(p, sum, sum_up, amax);
+    write_quantised<16>(p, block, n0, row0, lane, sum, amax, true);
 }
 
 // down's epilogue: one consumer's 64 rows × 128 (wide: 256) columns, weighted by each row's routing weight, to
@@ -430,22 +444,11 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 // same columns): SwiGLU, each row's largest |h| over both CTAs' halves of the 128-column group (exchanged through
 // `row_max`, the peer's read across the cluster), then quantised with that group's one scale (rank 0 writes it).
 // Every thread of both CTAs takes part in the cluster barrier, rows or none.
-[[maybe_unused]] __device__ __forceinline__ void write_gate_up_halves(const Args& p, int block, int n0, int row0, int lane, int c,
-                                                     int rank, bool active, float* sum, float* row_max) {
-    float amax[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        const float gate = fminf(sum[i], p.limit);
-        const float up = fminf(fmaxf(sum[i + 32], -p.limit), p.limit);
-        sum[i] = HYLO_GROUPED_FAST_EPILOGUE ? gate * __frcp_rn(1.0f + __expf(-gate)) * up
-                                            : gate * (1.0f / (1.0f + expf(-gate))) * up;
-        amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fabsf(sum[i]));
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 1));
-        amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 2));
-    }
+[[maybe_unused]] __device__ __forceinline__ void write_gate_up_halves(const Args& p, int block, int n0, int row0,
+                                                                      int lane, int c, int rank, bool active,
+                                                                      float* sum, float* row_max) {
+    float amax[2];
+    swiglu_rows<32>(p, sum, sum + 32, amax);
     if (lane % 4 == 0) {
         row_max[c * kBlockM + row0] = amax[0];
         row_max[c * kBlockM + row0 + 8] = amax[1];
@@ -455,28 +458,7 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 #pragma unroll
     for (int half = 0; half < 2; ++half)
         amax[half] = fmaxf(amax[half], ld_shared_cluster(peer + 4 * (c * kBlockM + row0 + 8 * half)));
-    if (!active) return;
-    const int valid = p.block_rows[block];
-    const int col = n0 + 2 * (lane % 4);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = row0 + 8 * half;
-        if (r >= valid) continue;
-        const long long slot_row = (long long)block * kBlockM + r;
-        const float scale = __fdiv_rn(fmaxf(amax[half], 1e-12f), 448.0f);
-        const float inverse = __frcp_rn(scale);
-        uint8_t* dst = static_cast<uint8_t*>(p.out) + slot_row * p.out_stride + col;
-#pragma unroll
-        for (int g = 0; g < 8; ++g) {
-            const float2 v = HYLO_GROUPED_FAST_EPILOGUE
-                                 ? make_float2(sum[4 * g + 2 * half] * inverse, sum[4 * g + 2 * half + 1] * inverse)
-                                 : make_float2(__fdiv_rn(sum[4 * g + 2 * half], scale),
-                                               __fdiv_rn(sum[4 * g + 2 * half + 1], scale));
-            const __nv_fp8x2_e4m3 q(v);
-            *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + 8 * g) = q.__x;
-        }
-        if (rank == 0 && lane % 4 == 0) p.out_scale[slot_row * p.out_scale_stride + n0 / 128] = scale;
-    }
+    if (active) write_quantised<8>(p, block, n0, row0, lane, sum, amax, rank == 0);
 }
 
 // The pipelined consumers (`kPipelined`): warpgroup c owns block c of each pair, as in `consume`, but issues a
