@@ -293,6 +293,41 @@ __device__ __forceinline__ void write_down(const Args& p, int block, int n0, int
     }
 }
 
+// A consumer warp's release of a ring slot (its lane 0 arrives): on this CTA's empty barrier, and in a cluster on
+// the peer's too (whose producer multicasts into this slot as well).
+struct Release {
+    uint64_t* empty;
+    uint32_t peer_empty;  // the peer's empty barriers (shared::cluster), in a cluster of two
+    int lane;
+    __device__ __forceinline__ void operator()(int s) const {
+        if (lane != 0) return;
+        bar_arrive(&empty[s]);
+        if (kCluster == 2) bar_arrive_remote(peer_empty + 8 * s);
+    }
+};
+
+// One consumer's view of a tile: its block of the pair, whether that block holds rows, and the scales it reads a
+// K step: its two rows' (sa0, sa1), the weight tile's (sb) and the slot's second weight tile's (sb_up: gate|up's up
+// rows, a wide down's next 128 columns).
+struct Mine {
+    int block;
+    bool active;
+    const float *sa0, *sa1, *sb, *sb_up;
+};
+
+template <bool GATE_UP>
+__device__ __forceinline__ Mine mine_of(const Tile& t, const Args& p, int c, int row0) {
+    Mine m;
+    m.block = t.block0 + c;
+    m.active = c == 0 ? t.active0 : t.active1;
+    const int expert = c == 0 ? t.expert0 : t.expert1;
+    m.sa0 = p.a_scale + (long long)(m.block * kBlockM + row0) * p.a_scale_stride;
+    m.sa1 = m.sa0 + 8 * p.a_scale_stride;
+    m.sb = p.w_scale + (long long)(m.active ? expert : 0) * p.w_scale_expert + (long long)(t.n0 / 128) * p.w_scale_row;
+    m.sb_up = m.sb + (long long)(GATE_UP ? p.n / 128 : 1) * p.w_scale_row;
+    return m;
+}
+
 // The producer thread: every step's loads into the ring.
 template <bool GATE_UP>
 __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& p,
@@ -344,13 +379,7 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
     constexpr int kTiles = tiles_of(GATE_UP);
     constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
-    const uint32_t peer_empty = kCluster == 2 ? peer_address(empty, rank ^ 1) : 0;
-    // a released slot: this CTA's barrier, and the peer's (whose producer multicasts into this slot too)
-    auto release = [&](int s) {
-        if (lane != 0) return;
-        bar_arrive(&empty[s]);
-        if (kCluster == 2) bar_arrive_remote(peer_empty + 8 * s);
-    };
+    const Release release{empty, kCluster == 2 ? peer_address(empty, rank ^ 1) : 0u, lane};
 
     const int c = warp / 4 - 1;
     const int row0 = (warp % 4) * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8 of the block
@@ -358,14 +387,7 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
     for (int index = first_tile; index < num_tiles; index += tile_stride) {
         const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         const int n0 = t.n0;
-        const int block = t.block0 + c;
-        const int expert = c == 0 ? t.expert0 : t.expert1;
-        const bool mine_active = c == 0 ? t.active0 : t.active1;
-        const float* sa0 = p.a_scale + (long long)(block * kBlockM + row0) * p.a_scale_stride;
-        const float* sa1 = sa0 + 8 * p.a_scale_stride;
-        const float* sb = p.w_scale + (long long)(mine_active ? expert : 0) * p.w_scale_expert +
-                          (long long)(n0 / 128) * p.w_scale_row;
-        const float* sb_up = sb + (long long)(GATE_UP ? p.n / 128 : 1) * p.w_scale_row;  // the second tile's
+        const Mine own = mine_of<GATE_UP>(t, p, c, row0);
 
         // register i of 8-column group g: row row0 + 8·((i >> 1) & 1), column 8g + 2·(lane % 4) + (i & 1)
         float sum[64], sum_up[kTiles == 2 ? 64 : 1], part[64];
@@ -386,10 +408,10 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
             float a0 = 0.f, a1 = 0.f, b = 0.f, b_up = 0.f;
             if (mine) {  // the scales' loads go out before the wait
                 const int kb = step.k;
-                a0 = sa0[kb];
-                a1 = sa1[kb];
-                b = sb[kb];
-                if (kTiles == 2) b_up = sb_up[kb];
+                a0 = own.sa0[kb];
+                a1 = own.sa1[kb];
+                b = own.sb[kb];
+                if (kTiles == 2) b_up = own.sb_up[kb];
             }
             bar_wait(&full[s], (ring / kStagesHere) & 1);
             if (mine) {
@@ -431,12 +453,12 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 #pragma unroll
             for (int i = 0; i < 64; ++i) sum[i] = part[i];
         }
-        if (!mine_active) continue;
+        if (!own.active) continue;
 
         if constexpr (GATE_UP)
-            write_gate_up(p, block, n0, row0, lane, sum, sum_up);
+            write_gate_up(p, own.block, n0, row0, lane, sum, sum_up);
         else
-            write_down<kTiles>(p, block, n0, row0, lane, sum, sum_up);
+            write_down<kTiles>(p, own.block, n0, row0, lane, sum, sum_up);
     }
 }
 
@@ -476,12 +498,7 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
     constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kBBytes;
     constexpr bool kHalves = halves(GATE_UP);
-    const uint32_t peer_empty = kCluster == 2 ? peer_address(empty, rank ^ 1) : 0;
-    auto release = [&](int s) {
-        if (lane != 0) return;
-        bar_arrive(&empty[s]);
-        if (kCluster == 2) bar_arrive_remote(peer_empty + 8 * s);
-    };
+    const Release release{empty, kCluster == 2 ? peer_address(empty, rank ^ 1) : 0u, lane};
     const int c = warp / 4 - 1;
     const int row0 = (warp % 4) * 16 + lane / 4;
     int slot = 0, phase = 0;  // the ring position this consumer waits for next
@@ -491,14 +508,7 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
     for (int index = first_tile; index < num_tiles; index += tile_stride) {
         const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         const int n0 = t.n0;
-        const int block = t.block0 + c;
-        const int expert = c == 0 ? t.expert0 : t.expert1;
-        const bool mine_active = c == 0 ? t.active0 : t.active1;
-        const float* sa0 = p.a_scale + (long long)(block * kBlockM + row0) * p.a_scale_stride;
-        const float* sa1 = sa0 + 8 * p.a_scale_stride;
-        const float* sb = p.w_scale + (long long)(mine_active ? expert : 0) * p.w_scale_expert +
-                          (long long)(n0 / 128) * p.w_scale_row;
-        const float* sb_up = sb + (long long)(p.n / 128) * p.w_scale_row;
+        const Mine own = mine_of<GATE_UP>(t, p, c, row0);
         // my m-th step sits at ring position ring + first + stride·m (a mixed pair alternates its blocks)
         const bool mixed = t.active0 && t.active1 && !t.same;
         const int stride = mixed ? 2 : 1, first = mixed ? c : 0;
@@ -534,7 +544,7 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
             const int j = first + stride * m;
             pass_to(j);
             const int kb = m;
-            const float a0 = sa0[kb], a1 = sa1[kb], b = sb[kb], b_up = kHalves ? sb_up[kb] : 0.f;
+            const float a0 = own.sa0[kb], a1 = own.sa1[kb], b = own.sb[kb], b_up = kHalves ? own.sb_up[kb] : 0.f;
             bar_wait(&full[slot], phase);
             const int s = slot;
             const uint8_t* a = smem + s * kSlot + c * kABytes;
@@ -554,7 +564,7 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
             pending = s;
             lo = a0 * b, hi = a1 * b, up_lo = a0 * b_up, up_hi = a1 * b_up;
         };
-        for (int m0 = 0; mine_active && m0 < p.k_steps; m0 += kUnroll) {
+        for (int m0 = 0; own.active && m0 < p.k_steps; m0 += kUnroll) {
             step(m0, part0, part1, false);
 #pragma unroll
             for (int m = 1; m + 1 < kUnroll; m += 2) {
@@ -568,9 +578,9 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
         }
         pass_to(t.steps);
         if constexpr (kHalves)
-            write_gate_up_halves(p, block, n0, row0, lane, c, rank, mine_active, sum, row_max);
-        else if (mine_active)
-            write_down<1>(p, block, n0, row0, lane, sum, sum);
+            write_gate_up_halves(p, own.block, n0, row0, lane, c, rank, own.active, sum, row_max);
+        else if (own.active)
+            write_down<1>(p, own.block, n0, row0, lane, sum, sum);
     }
 }
 
