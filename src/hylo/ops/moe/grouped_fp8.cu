@@ -1,8 +1,9 @@
-// The MoE's FP8 down GEMM for prefill-sized batches on Hopper (sm_90a): per row block of the routing's
-// alignment, out[pair] = bf16(w_pair · Σ_kb (h[slot, kb] · W_e[:, kb]ᵀ) · sa[slot, kb] · sb[e, n/128, kb]),
-// e4m3 h and W, fp32 block scales, one 128-deep scale block per K step. Built and loaded by
-// `grouped_cuda.py`; the Triton TMA kernel (`kernels._down_tma_kernel`) computes the same sums and stays
-// the fallback.
+// The MoE's FP8 grouped GEMMs for prefill-sized batches on Hopper (sm_90a), per row block of the routing's
+// alignment: down, out[pair] = bf16(w_pair · Σ_kb (h[slot, kb] · W_e[:, kb]ᵀ) · sa[slot, kb] · sb[e, n/128, kb]),
+// and gate|up, h = e4m3 SwiGLU(x · W_gate ᵀ, x · W_up ᵀ) with one scale a row's 128 columns; e4m3 operands,
+// fp32 block scales, one 128-deep scale block per K step. Built and loaded by `grouped_cuda.py`; the Triton TMA
+// kernels (`kernels._gate_up_tma_kernel`, `kernels._down_tma_kernel`) compute the same sums and stay the
+// fallback.
 //
 // Why a kernel of its own: the Triton kernel (64-row blocks, one warpgroup a tile) is bound by L2 → SM
 // traffic (Nsight, RESULTS S7-14: L2 throughput 81%, tensor pipe ~44%), three quarters of it weights: every
@@ -19,6 +20,11 @@
 // Triton kernel sums in). When the pair's blocks belong to different experts, the ring alternates block 0's
 // and block 1's K steps, each with its own expert's weights, so both consumers multiply at once, each on
 // its own slots (a consumer still waits for and releases every slot, so both walk the ring in step).
+//
+// Benchmark variants (macros below, `benchmarks/kernels/moe_grouped_cuda.py --variants`): clusters of two CTAs
+// sharing a pair's rows by multicast; pipelined consumers that hold two products and promote one step while the
+// next multiplies (gate|up then splits each 128-column group between a cluster's two CTAs); probes that take the
+// time apart.
 //
 // Shared memory: 1024-aligned slots of [A0 64×128 | A1 64×128 | B 128×128] bytes, TMA's 128-byte swizzle,
 // which is the layout wgmma's K-major descriptors read (8-row atoms 1024 bytes apart; a 32-deep K step
