@@ -16,7 +16,8 @@ one on PATH, else `$CUDA_HOME/bin/nvcc`.
 
 `CheckedLibrary` keeps, per GPU, whether such a library may run there: hylo's CUDA kernels are written on
 machines without a GPU, so each is checked once on a GPU before its first call there and refused for the
-process where it fails (the GEMV of `gemv_cuda`, the MoE's grouped GEMMs of `moe.grouped_cuda`).
+process where it fails (the GEMV of `gemv_cuda`, the sparse MLA prefill of `sparse_mla.cuda_prefill`, the
+MoE's grouped GEMMs of `moe.grouped_cuda`).
 """
 
 from __future__ import annotations

@@ -819,7 +819,7 @@ RECUR_MIN_PROGRAMS = 64
 def value_tile(heads: int, seqs: int, d: int) -> int:
     """The recurrence's value tile: the widest of 64 and 32 that still launches `RECUR_MIN_PROGRAMS`
     programs (one a sequence, head and tile), else 16. A TP8 rank's 8 heads of one 13312-token sequence:
-    16 columns 218 us, 32 254, 64 332 (H100, RESULTS S40-5); 64 heads keep 64."""
+    16 columns 218 us, 32 254, 64 332 (H100, RESULTS S40-4); 64 heads keep 64."""
     for bv in (64, 32):
         if (d // min(bv, d)) * heads * seqs >= RECUR_MIN_PROGRAMS:
             return bv

@@ -563,7 +563,7 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
                 wgmma_m64n128k32(into, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), kk);
             wgmma_commit();
             if (has_before) {
-                wgmma_wait_one();  // the step before is in registers; this one still runs
+                wgmma_wait<1>();  // the step before is in registers; this one still runs
                 release(pending);
                 promote(before);
             }

@@ -121,11 +121,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_mn(float* d, uint64_t a, uint64
 
 #undef HYLO_F8
 
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
 // S[64 heads × 32 keys] of consumer c: the queries against keys 32c .. 32c + 31 of the block in `slot`, issued
 // and committed as one wgmma group (not awaited).
 __device__ __forceinline__ void issue_scores(float* score, const uint8_t* q_tile, const uint8_t* slot, int c) {
