@@ -140,7 +140,8 @@ def test_build_compiles_once_then_reads_the_cache(cache, caplog):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_the_kernels_sharing_the_hopper_header_compile_for_hopper(tmp_path, monkeypatch, caplog):
     """The grouped MoE GEMMs and the sparse MLA prefill through the real build (about 10 s each), their
-    C entry points there, and no performance loss ptxas reports (it serialised every wgmma of the sparse
+    C entry points there (the grouped GEMMs' operand structure as grouped_cuda lays it out), and no
+    performance loss ptxas reports (it serialised every wgmma of the sparse
     kernel while a wgmma stayed in flight across a loop exit it could not prove uniform)."""
     monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
     from hylo.ops.moe import grouped_cuda
@@ -152,6 +153,15 @@ def test_the_kernels_sharing_the_hopper_header_compile_for_hopper(tmp_path, monk
             library = ctypes.CDLL(str(cuda_build.build(source, "sm_90a", source.name)))
         assert hasattr(library, entry)
     assert not [r.getMessage() for r in caplog.records if "Performance Loss" in r.getMessage()]
+    # the grouped GEMMs take one `GroupedCall`: the loader checks its size against the library's, and the
+    # library reads the columns where the structure put them (a CTA's 128 columns, or 1003), then the
+    # rows' address (8: off the 16-byte grid a tensor map needs, 1002, or 1001 with no driver at all)
+    library = grouped_cuda.load_library()
+    rows = grouped_cuda.ScaledRows(data=8, stride=4096, count=64)
+    for gate_up, n, codes in ((True, 200, {1003}), (True, 256, {1001, 1002}), (False, 100, {1003}),
+                              (False, 128, {1001, 1002})):  # fmt: skip
+        call = grouped_cuda.GroupedCall(gate_up=int(gate_up), n=n, k=4096, a=rows)
+        assert library.hylo_grouped_gemm(ctypes.byref(call), None) in codes
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")

@@ -37,18 +37,49 @@ KERNEL = "the CUDA grouped FP8 GEMMs"
 BLOCK_M = 64  # the alignment's rows a block (one consumer warpgroup's wgmma M)
 
 
+class _Struct(ctypes.Structure):
+    """A `grouped_fp8.cu` operand struct: the same fields in the same order (sizes checked at load)."""
+
+
+_pointer, _size = ctypes.c_void_p, ctypes.c_longlong
+
+
+class ScaledRows(_Struct):
+    _fields_ = [("data", _pointer), ("stride", _size), ("count", _size), ("scale", _pointer),
+                ("scale_stride", _size)]  # fmt: skip
+
+
+class ScaledExperts(_Struct):
+    _fields_ = [("data", _pointer), ("rows", _size), ("count", _size), ("scale", _pointer),
+                ("scale_expert", _size), ("scale_row", _size)]  # fmt: skip
+
+
+class Blocks(_Struct):
+    _fields_ = [("expert", _pointer), ("rows", _pointer), ("pairs", _pointer), ("count", ctypes.c_int)]
+
+
+class Output(_Struct):
+    _fields_ = [("data", _pointer), ("stride", _size), ("scale", _pointer), ("scale_stride", _size)]
+
+
+class GroupedCall(_Struct):
+    _fields_ = [("gate_up", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
+                ("limit", ctypes.c_float), ("a", ScaledRows), ("w", ScaledExperts), ("blocks", Blocks),
+                ("pair_weight", _pointer), ("out", Output)]  # fmt: skip
+
+
 @cache
 def load_library(arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The built and loaded library (`defines`: `grouped_fp8.cu`'s `HYLO_GROUPED_*` macros of a variant);
-    raises `cuda_build.BuildError` or OSError."""
+    raises `cuda_build.BuildError` or OSError (also where its `GroupedCall` is laid out otherwise)."""
     library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL, defines)))
+    if library.hylo_grouped_call_size() != ctypes.sizeof(GroupedCall):
+        raise OSError(
+            f"{KERNEL}: the library's GroupedCall is {library.hylo_grouped_call_size()} bytes, "
+            f"grouped_cuda's {ctypes.sizeof(GroupedCall)}"
+        )
     library.hylo_grouped_gemm.restype = ctypes.c_int
-    pointer, size = ctypes.c_void_p, ctypes.c_longlong
-    library.hylo_grouped_gemm.argtypes = [
-        ctypes.c_int, pointer, size, size, pointer, size, size, pointer, size, pointer, size, size,
-        pointer, pointer, pointer, pointer, pointer, size, pointer, size, ctypes.c_float, ctypes.c_int,
-        ctypes.c_int, ctypes.c_int, pointer,
-]  # fmt: skip
+    library.hylo_grouped_gemm.argtypes = [ctypes.POINTER(GroupedCall), _pointer]
     return library
 
 
@@ -87,14 +118,23 @@ def _launch(
     library, gate_up: bool, a, a_scale, weight, scale, layout, pair_weight, out, out_scale, limit
 ) -> None:
     experts, rows, k = weight.shape
-    n = rows // 2 if gate_up else rows
-    error = library.hylo_grouped_gemm(
-        int(gate_up), a.data_ptr(), a.stride(0), a.shape[0], weight.data_ptr(), rows, experts,
-        a_scale.data_ptr(), a_scale.stride(0), scale.data_ptr(), scale.stride(0), scale.stride(1),
-        layout.block_expert.data_ptr(), layout.block_rows.data_ptr(), layout.pairs.data_ptr(),
-        pair_weight.data_ptr(), out.data_ptr(), out.stride(0), out_scale.data_ptr(), out_scale.stride(0),
-        float(limit), layout.block_expert.numel(), n, k, torch.cuda.current_stream(a.device).cuda_stream,
-    )  # fmt: skip
+    call = GroupedCall(
+        gate_up=int(gate_up),
+        n=rows // 2 if gate_up else rows,
+        k=k,
+        limit=float(limit),
+        a=ScaledRows(a.data_ptr(), a.stride(0), a.shape[0], a_scale.data_ptr(), a_scale.stride(0)),
+        w=ScaledExperts(weight.data_ptr(), rows, experts, scale.data_ptr(), scale.stride(0), scale.stride(1)),
+        blocks=Blocks(
+            layout.block_expert.data_ptr(),
+            layout.block_rows.data_ptr(),
+            layout.pairs.data_ptr(),
+            layout.block_expert.numel(),
+        ),
+        pair_weight=pair_weight.data_ptr(),
+        out=Output(out.data_ptr(), out.stride(0), out_scale.data_ptr(), out_scale.stride(0)),
+    )
+    error = library.hylo_grouped_gemm(ctypes.byref(call), torch.cuda.current_stream(a.device).cuda_stream)
     if error:
         raise RuntimeError(
             f"{KERNEL}: launch failed with code {error} (rows {rows}, K {k}, gate_up {gate_up})"

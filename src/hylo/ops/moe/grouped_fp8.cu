@@ -727,26 +727,67 @@ int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args,
 
 }  // namespace
 
+// One call's operands by role, as `grouped_cuda.py` bundles them; its ctypes structures mirror these field for
+// field (`hylo_grouped_call_size` lets the loader check that the two layouts agree). Outside the anonymous
+// namespace: a C entry point taking a type of internal linkage is not exported.
+struct ScaledRows {  // e4m3 rows in the alignment's slot order, with their 128-column group scales
+    const void* data;
+    long long stride;  // bytes between rows
+    long long count;
+    const float* scale;  // [count, K/128]
+    long long scale_stride;  // elements between rows of scale
+};
+struct ScaledExperts {  // the experts' e4m3 weights [count, rows, K], contiguous (gate|up: gate rows then up rows)
+    const void* data;
+    long long rows;
+    long long count;
+    const float* scale;  // [count, rows/128, K/128]
+    long long scale_expert;  // elements between experts of scale
+    long long scale_row;  // elements between 128-row blocks of scale
+};
+struct Blocks {  // the alignment: each 64-row block's expert (-1: none) and real rows, the pair of each slot
+    const int* expert;
+    const int* rows;
+    const int* pairs;
+    int count;
+};
+struct Output {  // gate|up: e4m3 h [slots, N] and its group scales; down: bf16 [pairs, N], scale unused
+    void* data;
+    long long stride;  // elements between rows
+    float* scale;
+    long long scale_stride;
+};
+struct GroupedCall {
+    int gate_up;
+    int n;  // output columns (gate|up: the intermediate I)
+    int k;
+    float limit;  // gate|up: the SwiGLU clamp
+    ScaledRows a;
+    ScaledExperts w;
+    Blocks blocks;
+    const float* pair_weight;  // down: the pairs' routing weights
+    Output out;
+};
+
 extern "C" {
 
-// Launch one grouped GEMM on `stream`: a [slots, K] e4m3 rows `a_stride` bytes apart (in the alignment's
-// slot order); w the experts' [E · w_rows, K] e4m3, contiguous (gate|up: w_rows = 2N, gate rows then up rows).
-// Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver entry point, 2: encode), 1003 (N not a
-// multiple of a cluster's columns) or 1004 (pipelined: an odd number of K steps).
-int hylo_grouped_gemm(int gate_up, const void* a, long long a_stride, long long slots, const void* w, long long w_rows,
-                      long long experts, const float* a_scale, long long a_scale_stride, const float* w_scale,
-                      long long w_scale_expert, long long w_scale_row, const int* block_expert, const int* block_rows,
-                      const int* pairs, const float* pair_weight, void* out, long long out_stride, float* out_scale,
-                      long long out_scale_stride, float limit, int num_blocks, int n, int k, void* stream) {
-    if (n % (columns_of(gate_up) * kCluster) != 0) return 1003;  // a CTA's (a cluster's) columns
+int hylo_grouped_call_size() { return sizeof(GroupedCall); }
+
+// Launch one grouped GEMM on `stream`. Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver
+// entry point, 2: encode), 1003 (N not a multiple of a cluster's columns) or 1004 (pipelined: an odd number of
+// K steps).
+int hylo_grouped_gemm(const GroupedCall* call, void* stream) {
+    const GroupedCall& c = *call;
+    if (c.n % (columns_of(c.gate_up) * kCluster) != 0) return 1003;  // a CTA's (a cluster's) columns
     CUtensorMap a_map, b_map;
-    int failed = make_map(&a_map, a, slots, k, a_stride, kBlockM);
-    if (!failed) failed = make_map(&b_map, w, experts * w_rows, k, k, weight_box_rows(gate_up));
+    int failed = make_map(&a_map, c.a.data, c.a.count, c.k, c.a.stride, kBlockM);
+    if (!failed) failed = make_map(&b_map, c.w.data, c.w.count * c.w.rows, c.k, c.k, weight_box_rows(c.gate_up));
     if (failed) return 1000 + failed;
-    const Args args{a_scale, w_scale, block_expert, block_rows, pairs, pair_weight, out, out_scale, a_scale_stride,
-                    w_scale_expert, w_scale_row, out_stride, out_scale_stride, limit, num_blocks, n, k / kBlockK};
+    const Args args{c.a.scale, c.w.scale, c.blocks.expert, c.blocks.rows, c.blocks.pairs, c.pair_weight,
+                    c.out.data, c.out.scale, c.a.scale_stride, c.w.scale_expert, c.w.scale_row, c.out.stride,
+                    c.out.scale_stride, c.limit, c.blocks.count, c.n, c.k / kBlockK};
     const auto s = static_cast<cudaStream_t>(stream);
-    return gate_up ? launch<true>(a_map, b_map, args, s) : launch<false>(a_map, b_map, args, s);
+    return c.gate_up ? launch<true>(a_map, b_map, args, s) : launch<false>(a_map, b_map, args, s);
 }
 
 }  // extern "C"
