@@ -6,9 +6,12 @@ K split, the error bound the GPU tests use, and the start-up line saying what sm
 from __future__ import annotations
 
 import ctypes
+import fnmatch
 import logging
 import shutil
 import stat
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +80,20 @@ def test_an_included_header_is_part_of_the_key(tmp_path):
     header.unlink()
     with pytest.raises(cuda_build.BuildError, match=r"includes \.\./shared/h\.cuh"):
         cuda_build.source_bytes(source)
+
+
+def test_every_kernel_source_ships_in_the_package():
+    """An installed (non-editable) hylo builds its CUDA kernels from the package's own files: every `.cu`
+    and `.cuh` under src/hylo matches a package-data pattern of pyproject.toml (the sparse MLA prefill
+    and the shared headers once did not, so a wheel would have fallen back to Triton)."""
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = project["tool"]["setuptools"]["package-data"]["hylo"]
+    package = root / "src" / "hylo"
+    sources = [p.relative_to(package).as_posix() for p in package.rglob("*.cu*")]
+    assert len(sources) >= 3
+    for source in sources:
+        assert any(fnmatch.fnmatch(source, pattern) for pattern in patterns), source
 
 
 def test_cache_dir_follows_hylo_cache(monkeypatch, tmp_path):
