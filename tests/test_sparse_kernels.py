@@ -243,6 +243,22 @@ def test_topk_kernel_selects_reference_rows(kpool, max_tile, monkeypatch):
     assert ties > 0  # the case really has tied scores
 
 
+def test_select_slots_for_a_token_range():
+    """A rank's share of a step split by token: the range's rows equal the whole step's, from the
+    kernels (which score and rank the range alone, across a sequence boundary) and the reference
+    dispatch; a rank holding padding alone gets no row."""
+    kpool, topk = 4, 16
+    q, w, pooled, meta = indexer_case([3, 2, 4], [30, 20, 12], kpool, 4, 16, seed=9, integer=True)
+    args = (q, w, pooled, None, *[meta[k] for k in ("pool_table", "req_to_token", "token_seq", "token_rows")])
+    rest = (meta["positions"], meta["pad_index"], meta["pad_valid"], kpool, topk, True)
+    whole = as_sets(iref.select_slots(*bundled(*args, *rest)))
+    dev = (*[a.to(DEV) if a is not None else None for a in args], *[a.to(DEV) for a in rest[:3]], *rest[3:])
+    for tokens in (range(2, 6), range(6, 9), range(9, 9)):
+        got = ik.select_slots(*bundled(*dev), tokens).cpu()
+        assert got.shape[0] == len(tokens) and as_sets(got) == whole[tokens.start : tokens.stop]
+        assert as_sets(indexer_ops.select_slots(*bundled(*args, *rest), tokens)) == as_sets(got)
+
+
 def test_topk_kernel_without_tail_and_short_sequences():
     kpool, topk = 4, 16
     q, w, pooled, meta = indexer_case([6, 3], [0, 1], kpool, 4, 16, seed=6)

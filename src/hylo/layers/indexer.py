@@ -8,6 +8,7 @@ from torch import nn
 from hylo.config import ModelConfig
 from hylo.forward_batch import ForwardBatch
 from hylo.ops import indexer as indexer_ops
+from hylo.parallel.layout import TokenShards
 
 
 class Indexer(nn.Module):
@@ -30,10 +31,13 @@ class Indexer(nn.Module):
         key: torch.Tensor,
         head_logits: torch.Tensor,
         gate_scores: torch.Tensor,
+        shards: TokenShards | None = None,
     ) -> torch.Tensor:
         """Token-cache slots of the rows each query attends to, `[T, W]`, -1 for empty entries. `query`
         is the q latent's wq_b projection `[T, heads · head_dim]`; `key`, `head_logits` and `gate_scores`
-        the layer input's wk, weights_proj and k-pool compress gate projections."""
+        the layer input's wk, weights_proj and k-pool compress gate projections. With `shards` (a step
+        split by token) every rank still writes every token's key and pools (the caches are
+        replicated), but selects for its own tokens alone: `[shards.local, W]`, padding rows -1."""
         cache = batch.tokens
         layer = cache.indexer_index[self.layer_idx]
         keys, gates = cache.index_key[layer], cache.index_gate[layer]
@@ -51,4 +55,7 @@ class Indexer(nn.Module):
             batch.pool_table, batch.req_to_token, batch.token_seq, batch.token_rows, batch.positions,
             batch.pad_index, batch.pad_valid,
         )  # fmt: skip
-        return indexer_ops.select_slots(q, head_logits, pooled, layout, self.selection)
+        if shards is None:
+            return indexer_ops.select_slots(q, head_logits, pooled, layout, self.selection)
+        mine = indexer_ops.select_slots(q, head_logits, pooled, layout, self.selection, shards.mine)
+        return shards.pad_local(mine, -1)

@@ -64,7 +64,8 @@ class SparseMLA(nn.Module):
         (a `shared` layer passes in its predecessor's rows). With `shards` (a step split by token) the
         attention runs on this rank's tokens with every head, between two all-to-alls: each token's
         gathered latent rows serve all its heads at once (at a TP8 rank of a 13K prompt the head-split
-        attention ran at 0.085 of its FLOP floor, bound by every rank gathering every token's rows)."""
+        attention ran at 0.085 of its FLOP floor, bound by every rank gathering every token's rows);
+        the rows are then this rank's tokens' alone, `[shards.local, W]` (the indexer selects no other)."""
         latent = batch.tokens.latent[batch.tokens.dsa_index[self.layer_idx]]
         q_a, kv_a, *index_parts = self.in_proj(x)
         # q_a's norm, and kv_a's written straight into the latent cache: one launch on the GPU
@@ -75,7 +76,7 @@ class SparseMLA(nn.Module):
         )
         q, *index_query = self.q_b_proj(q_resid)
         if self.indexer is not None:
-            rows = self.indexer(*index_query, batch, *index_parts)
+            rows = self.indexer(*index_query, batch, *index_parts, shards)
         elif rows is None:
             raise ValueError(f"layer {self.layer_idx} shares rows but no full indexer layer precedes it")
 
@@ -86,9 +87,7 @@ class SparseMLA(nn.Module):
         if shards is None:
             out_latent = sparse_mla(q_latent, latent, rows, self.scale)
         else:
-            mine = sparse_mla(
-                self.parallel.heads_to_tokens(q_latent, shards), latent, shards.take(rows, -1), self.scale
-            )
+            mine = sparse_mla(self.parallel.heads_to_tokens(q_latent, shards), latent, rows, self.scale)
             out_latent = self.parallel.tokens_to_heads(mine, shards)
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
         return self.o_proj(out.flatten(1)), rows

@@ -82,11 +82,21 @@ class TokenShards:
     def padded(self) -> int:
         return self.local * self.size
 
+    @property
+    def mine(self) -> range:
+        """This rank's real tokens: `[r·local, (r+1)·local)` cut at `tokens` (empty on a rank that
+        holds padding alone)."""
+        lo = min(self.rank * self.local, self.tokens)
+        return range(lo, min(lo + self.local, self.tokens))
+
     def take(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """This rank's rows of `x [tokens, ...]` (replicated on every rank), padded with `fill`:
         `[local, ...]`."""
-        lo = self.rank * self.local
-        return _rows_to(x[lo : lo + self.local], self.local, fill)
+        return self.pad_local(x[self.mine.start : self.mine.stop], fill)
+
+    def pad_local(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """This rank's real rows `x [len(mine), ...]` padded with `fill` to `[local, ...]`."""
+        return _rows_to(x, self.local, fill)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """`x [tokens, ...]` with zero rows up to `padded`."""

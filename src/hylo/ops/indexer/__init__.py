@@ -90,14 +90,22 @@ def compress_pools(
 
 
 def select_slots(
-    q: torch.Tensor, head_weights: torch.Tensor, pooled: PooledKeys, layout: SlotLayout, selection: Selection
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    pooled: PooledKeys,
+    layout: SlotLayout,
+    selection: Selection,
+    tokens: range | None = None,
 ) -> torch.Tensor:
     """Token-cache slots each packed query (`q [T, Hi, d]`, `head_weights [T, Hi]`) attends to, `[T, W]`,
-    -1 = empty (see `reference.select_slots`). Scoring is FP8 when the pooled keys are float8_e4m3fn.
-    q and head_weights may be column views of wider products in any float dtype (read as fp32), and
-    need no constant factor: a positive factor of every score does not change which pools are best."""
+    -1 = empty (see `reference.select_slots`); with `tokens` (a rank's share of a step split by token),
+    those packed tokens' rows alone, `[len(tokens), W]`, the kernels scoring and ranking no other.
+    Scoring is FP8 when the pooled keys are float8_e4m3fn. q and head_weights may be column views of
+    wider products in any float dtype (read as fp32), and need no constant factor: a positive factor
+    of every score does not change which pools are best."""
     if use_kernel("indexer.select_slots", q):
         from hylo.ops.indexer import kernels
 
-        return kernels.select_slots(q, head_weights, pooled, layout, selection)
-    return reference.select_slots(q, head_weights, pooled, layout, selection)
+        return kernels.select_slots(q, head_weights, pooled, layout, selection, tokens)
+    rows = reference.select_slots(q, head_weights, pooled, layout, selection)
+    return rows if tokens is None else rows[tokens.start : tokens.stop]

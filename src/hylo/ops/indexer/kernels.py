@@ -110,7 +110,7 @@ def _compress_kernel(
         tl.store(dst, pooled.to(pooled_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tok_lo", "tok_hi"])  # one compile serves every rank's range
 def _score_kernel(
     q_ptr,
     w_ptr,
@@ -124,6 +124,8 @@ def _score_kernel(
     max_new,
     num_pools,
     kpool,
+    tok_lo,
+    tok_hi,
     stride_qt,
     stride_qh,
     stride_wt,
@@ -140,8 +142,9 @@ def _score_kernel(
     FP8_ACC_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """logits[t, p] = sum_h w[t,h] relu(q[t,h] . k[p]) for BLOCK_T new tokens of sequence b (one
-    program) and every pool p visible to one of them; -inf at pools a token cannot see."""
+    """logits[t - tok_lo, p] = sum_h w[t,h] relu(q[t,h] . k[p]) for BLOCK_T new tokens of sequence b
+    (one program) and every pool p visible to one of them, packed tokens t in [tok_lo, tok_hi) alone
+    (a program holding none reads no pool); -inf at pools a token cannot see."""
     enter(PDL)
     b = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_T
@@ -150,6 +153,7 @@ def _score_kernel(
     row_step = first + r // H
     row_ok = tl.load(pad_valid_ptr + b * stride_xb + row_step, mask=row_step < max_new, other=0) != 0
     row_tok = tl.load(pad_index_ptr + b * stride_xb + row_step, mask=row_ok, other=0).to(tl.int64)
+    row_ok &= (row_tok >= tok_lo) & (row_tok < tok_hi)
     d = tl.arange(0, D)
     q = tl.load(
         q_ptr + row_tok[:, None] * stride_qt + (r % H)[:, None] * stride_qh + d[None, :], mask=row_ok[:, None]
@@ -163,6 +167,7 @@ def _score_kernel(
     step = first + tl.arange(0, BLOCK_T)
     tok_ok = tl.load(pad_valid_ptr + b * stride_xb + step, mask=step < max_new, other=0) != 0
     tok = tl.load(pad_index_ptr + b * stride_xb + step, mask=tok_ok, other=0).to(tl.int64)
+    tok_ok &= (tok >= tok_lo) & (tok < tok_hi)
     visible = tl.where(tok_ok, (tl.load(positions_ptr + tok, mask=tok_ok, other=0) + 1) // kpool, 0)
     n_visible = tl.max(visible, axis=0)
     for p0 in range(0, n_visible, BLOCK_P):
@@ -183,7 +188,7 @@ def _score_kernel(
             logits = logits * tl.load(ks_ptr + slot, mask=pool_ok, other=0.0)[None, :]
         logits = tl.where(pools[None, :] < visible[:, None], logits, float("-inf"))
         tl.store(
-            out_ptr + tok[:, None] * stride_ot + pools[None, :],
+            out_ptr + (tok - tok_lo)[:, None] * stride_ot + pools[None, :],
             logits,
             mask=tok_ok[:, None] & (pools < num_pools)[None, :],
         )
@@ -366,6 +371,7 @@ def index_scores(
     pad_index: torch.Tensor,
     pad_valid: torch.Tensor,
     kpool: int,
+    tokens: range | None = None,
     *,
     block_t: int | None = None,
     block_p: int | None = None,
@@ -376,15 +382,17 @@ def index_scores(
 ) -> torch.Tensor:
     """`[T, P]` fp32 scores of the packed queries `q [T, Hi, d]` (weights `[T, Hi]`) against their
     sequence's pools (`pool_table [B, P]`); entries past a token's visible pools are -inf or unwritten
-    (never read by `topk_rows`). FP8 when `pooled` is e4m3: q is quantised per (token, head) inside
+    (never read by `topk_rows`); with `tokens`, those packed tokens' rows alone, `[len(tokens), P]`.
+    FP8 when `pooled` is e4m3: q is quantised per (token, head) inside
     the kernel with a power-of-two scale folded into the head weight; the tensor cores' FP8 partial
     sums are promoted to fp32 every `fp8_acc_k` of the d products (>= d: never; the d = 128 products
     of one score are too few for the tensor cores' reduced accumulator precision to matter).
     `pools_major` computes scores transposed (pools x token-heads), which reduces over heads faster."""
-    num_tokens, heads, dim = q.shape
+    _, heads, dim = q.shape
+    tokens = range(q.shape[0]) if tokens is None else tokens
     batch, num_pools = pool_table.shape
-    out = torch.empty(num_tokens, num_pools, dtype=torch.float32, device=q.device)
-    if num_pools == 0 or num_tokens == 0:
+    out = torch.empty(len(tokens), num_pools, dtype=torch.float32, device=q.device)
+    if num_pools == 0 or len(tokens) == 0:
         return out
     fp8 = _is_fp8(pooled)
     if fp8 and pooled_scale is None:
@@ -397,7 +405,7 @@ def index_scores(
     dependent = dependent_launches(q.device)
     _score_kernel[grid](
         q, head_weights, pooled, pooled_scale if fp8 else pooled, pool_table, positions, pad_index, pad_valid,
-        out, max_new, num_pools, kpool,
+        out, max_new, num_pools, kpool, tokens.start, tokens.stop,
         q.stride(0), q.stride(1), head_weights.stride(0), pooled.stride(0), pool_table.stride(0),
         pad_index.stride(0), out.stride(0),
         H=heads, D=dim, BLOCK_T=block_t, BLOCK_P=block_p, FP8=fp8, POOLS_MAJOR=pools_major,
@@ -455,16 +463,20 @@ def select_slots(
     pooled: PooledKeys,
     layout: SlotLayout,
     selection: Selection,
+    tokens: range | None = None,
     *,
     pad_to: int = 64,
 ) -> torch.Tensor:
-    """Scoring then top-k: the token-cache slots each packed query attends to, `[T, W]` int32."""
+    """Scoring then top-k: the token-cache slots each packed query attends to, `[T, W]` int32; with
+    `tokens`, those packed tokens' alone (`[len(tokens), W]`: the other tokens are neither scored nor
+    ranked)."""
     kpool = selection.kpool
     logits = index_scores(
         q, head_weights, pooled.keys, pooled.scale, layout.pool_table, layout.positions, layout.pad_index,
-        layout.pad_valid, kpool,
+        layout.pad_valid, kpool, tokens,
     )  # fmt: skip
+    mine = slice(None) if tokens is None else slice(tokens.start, tokens.stop)
     return topk_rows(
-        logits, layout.positions, layout.token_seq, layout.token_rows, layout.pool_table, layout.req_to_token,
-        kpool, selection.topk, selection.tail, pad_to=pad_to,
+        logits, layout.positions[mine], layout.token_seq[mine], layout.token_rows[mine], layout.pool_table,
+        layout.req_to_token, kpool, selection.topk, selection.tail, pad_to=pad_to,
     )  # fmt: skip

@@ -37,32 +37,28 @@ KERNEL = "the CUDA grouped FP8 GEMMs"
 BLOCK_M = 64  # the alignment's rows a block (one consumer warpgroup's wgmma M)
 
 
-class _Struct(ctypes.Structure):
-    """A `grouped_fp8.cu` operand struct: the same fields in the same order (sizes checked at load)."""
-
-
 _pointer, _size = ctypes.c_void_p, ctypes.c_longlong
 
 
-class ScaledRows(_Struct):
+class ScaledRows(ctypes.Structure):
     _fields_ = [("data", _pointer), ("stride", _size), ("count", _size), ("scale", _pointer),
                 ("scale_stride", _size)]  # fmt: skip
 
 
-class ScaledExperts(_Struct):
+class ScaledExperts(ctypes.Structure):
     _fields_ = [("data", _pointer), ("rows", _size), ("count", _size), ("scale", _pointer),
                 ("scale_expert", _size), ("scale_row", _size)]  # fmt: skip
 
 
-class Blocks(_Struct):
+class Blocks(ctypes.Structure):
     _fields_ = [("expert", _pointer), ("rows", _pointer), ("pairs", _pointer), ("count", ctypes.c_int)]
 
 
-class Output(_Struct):
+class Output(ctypes.Structure):
     _fields_ = [("data", _pointer), ("stride", _size), ("scale", _pointer), ("scale_stride", _size)]
 
 
-class GroupedCall(_Struct):
+class GroupedCall(ctypes.Structure):
     _fields_ = [("gate_up", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("limit", ctypes.c_float), ("a", ScaledRows), ("w", ScaledExperts), ("blocks", Blocks),
                 ("pair_weight", _pointer), ("out", Output)]  # fmt: skip
@@ -73,13 +69,7 @@ def load_library(arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> ctypes.
     """The built and loaded library (`defines`: `grouped_fp8.cu`'s `HYLO_GROUPED_*` macros of a variant);
     raises `cuda_build.BuildError` or OSError (also where its `GroupedCall` is laid out otherwise)."""
     library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL, defines)))
-    if library.hylo_grouped_call_size() != ctypes.sizeof(GroupedCall):
-        raise OSError(
-            f"{KERNEL}: the library's GroupedCall is {library.hylo_grouped_call_size()} bytes, "
-            f"grouped_cuda's {ctypes.sizeof(GroupedCall)}"
-        )
-    library.hylo_grouped_gemm.restype = ctypes.c_int
-    library.hylo_grouped_gemm.argtypes = [ctypes.POINTER(GroupedCall), _pointer]
+    cuda_build.bind_call(library, "hylo_grouped_gemm", GroupedCall)
     return library
 
 

@@ -37,6 +37,7 @@
 #include <cudaTypedefs.h>
 #include <stdint.h>
 
+#include "../gemm/call_layout.cuh"
 #include "../gemm/hopper.cuh"
 
 #ifndef HYLO_GROUPED_STAGES
@@ -728,7 +729,7 @@ int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args,
 }  // namespace
 
 // One call's operands by role, as `grouped_cuda.py` bundles them; its ctypes structures mirror these field for
-// field (`hylo_grouped_call_size` lets the loader check that the two layouts agree). Outside the anonymous
+// field (the loader compares `hylo_grouped_gemm_call_layout` with theirs). Outside the anonymous
 // namespace: a C entry point taking a type of internal linkage is not exported.
 struct ScaledRows {  // e4m3 rows in the alignment's slot order, with their 128-column group scales
     const void* data;
@@ -771,7 +772,23 @@ struct GroupedCall {
 
 extern "C" {
 
-int hylo_grouped_call_size() { return sizeof(GroupedCall); }
+int hylo_grouped_gemm_call_layout(long long* out, int capacity) {
+    static const long long fields[][2] = {
+        HYLO_FIELD(GroupedCall, gate_up),        HYLO_FIELD(GroupedCall, n),
+        HYLO_FIELD(GroupedCall, k),              HYLO_FIELD(GroupedCall, limit),
+        HYLO_FIELD(GroupedCall, a.data),         HYLO_FIELD(GroupedCall, a.stride),
+        HYLO_FIELD(GroupedCall, a.count),        HYLO_FIELD(GroupedCall, a.scale),
+        HYLO_FIELD(GroupedCall, a.scale_stride), HYLO_FIELD(GroupedCall, w.data),
+        HYLO_FIELD(GroupedCall, w.rows),         HYLO_FIELD(GroupedCall, w.count),
+        HYLO_FIELD(GroupedCall, w.scale),        HYLO_FIELD(GroupedCall, w.scale_expert),
+        HYLO_FIELD(GroupedCall, w.scale_row),    HYLO_FIELD(GroupedCall, blocks.expert),
+        HYLO_FIELD(GroupedCall, blocks.rows),    HYLO_FIELD(GroupedCall, blocks.pairs),
+        HYLO_FIELD(GroupedCall, blocks.count),   HYLO_FIELD(GroupedCall, pair_weight),
+        HYLO_FIELD(GroupedCall, out.data),       HYLO_FIELD(GroupedCall, out.stride),
+        HYLO_FIELD(GroupedCall, out.scale),      HYLO_FIELD(GroupedCall, out.scale_stride),
+    };
+    return hylo_abi::write_layout(fields, sizeof(fields) / sizeof(fields[0]), out, capacity);
+}
 
 // Launch one grouped GEMM on `stream`. Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver
 // entry point, 2: encode), 1003 (N not a multiple of a cluster's columns) or 1004 (pipelined: an odd number of
