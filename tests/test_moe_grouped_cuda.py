@@ -46,7 +46,8 @@ def test_grouped_gemms_match_triton_and_reference(weights, tokens, monkeypatch):
     x = torch.randn(tokens, HIDDEN, generator=gen, device="cuda").bfloat16()
     ids = routed_ids(tokens, gen)
     pair_weights = torch.rand(tokens, TOP_K, generator=gen, device="cuda").softmax(1)
-    config = kernels.default_config(tokens * TOP_K * 64, EXPERTS, True)  # the 64-row TMA configuration
+    # the prefill configuration (64-row blocks, TMA) at every token count: one pair past decode sizes
+    config = kernels.default_config(16 * EXPERTS + 1, EXPERTS, True)
     assert config.tma and config.block_m == grouped_cuda.BLOCK_M
     xq, x_scale = quantize_groups(x)
     layout = align(ids, EXPERTS, config.block_m)
@@ -76,10 +77,16 @@ def test_grouped_gemms_match_triton_and_reference(weights, tokens, monkeypatch):
     # one h, the same sums: within a bf16 rounding of the output (fp32 FMA contraction may differ)
     assert torch.allclose(routed_c.float(), routed_t.float(), rtol=2**-7, atol=1e-6 * routed_t.abs().max())
 
-    out = kernels.experts(x, ExpertWeights(gq, dq, (gs, ds)), Choices(ids, pair_weights), LIMIT, config)
-    ref = reference.experts(x, ExpertWeights(gq, dq, (gs, ds)), Choices(ids, pair_weights), LIMIT)
-    error = float((out.double() - ref.double()).norm() / ref.double().norm())
-    assert error < 3e-2  # e4m3 activations (x and h) against the reference's bf16: ~2^-4 per element
+    # the whole step with the CUDA gate|up dispatched, against the reference's bf16 activations: x and h
+    # rounded to e4m3 (up to 2^-4 of each element) move the output by ~4% (relative L2) on either path, so
+    # the CUDA path is held to the Triton path's own error, within the h elements they round apart
+    experts, choices = ExpertWeights(gq, dq, (gs, ds)), Choices(ids, pair_weights)
+    ref = reference.experts(x, experts, choices, LIMIT).double()
+    out = kernels.experts(x, experts, choices, LIMIT, config)
+    monkeypatch.setenv(grouped_cuda.SWITCH, "0")
+    out_t = kernels.experts(x, experts, choices, LIMIT, config)
+    error, error_t = (float((o.double() - ref).norm() / ref.norm()) for o in (out, out_t))
+    assert error < 2**-3 and error <= 1.05 * error_t
     assert ("moe.grouped_cuda", grouped_cuda.SWITCH + "=0") in dispatch.refusals()  # Triton ran above
 
 
