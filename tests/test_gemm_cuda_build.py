@@ -154,36 +154,88 @@ def test_build_compiles_once_then_reads_the_cache(cache, caplog):
     assert other_arch != first and calls.read_text().count("x") == 2
 
 
+class _Inner(ctypes.Structure):
+    _fields_ = [("count", ctypes.c_int), ("stride", ctypes.c_longlong)]
+
+
+class _Call(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("inner", _Inner), ("scale", ctypes.c_float)]
+
+
+class _Library:
+    """A library whose `entry_call_layout` reports `fields` ({offset, size} pairs, as `call_layout.cuh`)."""
+
+    def __init__(self, fields):
+        self.fields, self.entry = fields, type("Entry", (), {})()
+
+    def entry_call_layout(self, out, capacity):
+        for i, (offset, size) in enumerate(self.fields[:capacity]):
+            out[2 * i], out[2 * i + 1] = offset, size
+        return len(self.fields)
+
+
+def test_bind_call_refuses_a_library_whose_call_is_laid_out_otherwise():
+    """A call structure's leaves in place (the nested one at its aligned offset); a library reporting the
+    same leaves is bound to take a pointer to it, one with two fields swapped (same size), a field
+    missing or one more is refused with both layouts in the message."""
+    layout = [(0, 8), (8, 4), (16, 8), (24, 4)]
+    assert cuda_build.leaf_layout(_Call) == layout
+    library = _Library(layout)
+    cuda_build.bind_call(library, "entry", _Call)
+    assert library.entry.argtypes[0]._type_ is _Call and library.entry.restype is ctypes.c_int
+    for fields in ([(0, 8), (8, 8), (16, 4), (24, 4)], layout[:3], [*layout, (28, 4)]):
+        with pytest.raises(OSError, match=r"entry takes a _Call of \d fields at \(offset, size\)"):
+            cuda_build.bind_call(_Library(fields), "entry", _Call)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
-def test_the_sparse_mla_prefill_compiles_for_hopper(tmp_path, monkeypatch, caplog):
-    """The sparse MLA prefill (which includes the shared `hopper.cuh`) through the real build (about 10 s),
-    its C entry point there, and no performance loss ptxas reports (a variant of it kept a wgmma in flight
-    across a loop exit ptxas could not prove uniform, and ptxas serialised every wgmma of the kernel)."""
+def test_the_kernels_sharing_the_hopper_header_compile_for_hopper(tmp_path, monkeypatch, caplog):
+    """The grouped MoE GEMMs and the sparse MLA prefill through the real build (about 10 s each), their
+    C entry points there taking the call structures laid out as their ctypes mirrors (the loaders compare
+    every field's place), and no performance loss ptxas reports (it serialised every wgmma of the sparse
+    kernel while a wgmma stayed in flight across a loop exit it could not prove uniform)."""
     monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
+    from hylo.ops.moe import grouped_cuda
     from hylo.ops.sparse_mla import cuda_prefill
 
     with caplog.at_level(logging.WARNING, logger=cuda_build.logger.name):
-        library = ctypes.CDLL(str(cuda_build.build(cuda_prefill.SOURCE, "sm_90a", "the sparse MLA prefill")))
-    assert hasattr(library, "hylo_sparse_mla_prefill")
+        grouped = grouped_cuda.load_library().hylo_grouped_gemm
+        sparse = cuda_prefill.load_library().hylo_sparse_mla_prefill
+    assert grouped.argtypes[0]._type_ is grouped_cuda.GroupedCall
+    assert sparse.argtypes[0]._type_ is cuda_prefill.SparseMlaCall
     assert not [r.getMessage() for r in caplog.records if "Performance Loss" in r.getMessage()]
+    # the grouped GEMMs' library reads the columns where the `GroupedCall` puts them (a CTA's 128 columns,
+    # or 1003), then the rows' address (8: off the 16-byte grid a tensor map needs, 1002, or 1001 with no
+    # driver at all)
+    library = grouped_cuda.load_library()
+    rows = grouped_cuda.ScaledRows(data=8, stride=4096, count=64)
+    for gate_up, n, codes in ((True, 200, {1003}), (True, 256, {1001, 1002}), (False, 100, {1003}),
+                              (False, 128, {1001, 1002})):  # fmt: skip
+        call = grouped_cuda.GroupedCall(gate_up=int(gate_up), n=n, k=4096, a=rows)
+        assert library.hylo_grouped_gemm(ctypes.byref(call), None) in codes
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_the_kernel_compiles_for_hopper_and_its_entry_points_load(tmp_path, monkeypatch):
     """The real source through the real build (about 30 s). The library loads without a GPU (its CUDA
-    runtime is linked in and reaches the driver only at a launch), reports its CTA rows, and refuses
+    runtime is linked in and reaches the driver only at a launch), reports its CTA rows, takes the
+    `GemvCall` laid out as gemv_cuda's mirror (the loader compares every field's place), and refuses
     arguments it does not support before touching a GPU (cudaErrorInvalidValue = 1)."""
     monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
-    library = ctypes.CDLL(str(cuda_build.build(gemv_cuda.SOURCE, "sm_90a", "the FP8 GEMV kernel")))
+    library = gemv_cuda.load_library("sm_90a")
+    assert not isinstance(library, str), library
     assert library.hylo_fp8_gemv_cta_rows() == gemv_cuda.CTA_ROWS
-    launch = library.hylo_fp8_gemv
-    launch.restype = ctypes.c_int
-    # rows of x past 16, none, K off the 16-byte grid, a split or warps over K not compiled, 4 warps over
-    # K for more than 8 rows
-    for m, k, split, slices in ((17, 4096, 1, 2), (0, 4096, 1, 2), (4, 4100, 1, 2), (4, 4096, 3, 2),
-                                (4, 4096, 1, 3), (9, 4096, 1, 4)):  # fmt: skip
-        strides = (ctypes.c_longlong(k), None, None, ctypes.c_longlong(1), None)
-        assert launch(None, *strides, m, 128, k, split, slices, 0, None) == 1
+    # rows of x past 16, none, K off the 16-byte grid, x's rows off the 8-element grid, a split or warps
+    # over K not compiled, 4 warps over K for more than 8 rows
+    for m, k, stride, split, slices in ((17, 4096, 4096, 1, 2), (0, 4096, 4096, 1, 2), (4, 4100, 4104, 1, 2),
+                                        (4, 4096, 4100, 1, 2), (4, 4096, 4096, 3, 2), (4, 4096, 4096, 1, 3),
+                                        (9, 4096, 4096, 1, 4)):  # fmt: skip
+        call = gemv_cuda.GemvCall(
+            x=gemv_cuda.GemvRows(None, stride, m),
+            w=gemv_cuda.BlockScaledWeight(None, None, 1, 128, k),
+            plan=gemv_cuda.GemvPlan(split, slices, 0),
+        )
+        assert library.hylo_fp8_gemv(ctypes.byref(call), None) == 1
 
 
 @pytest.mark.parametrize(("n", "k"), MODEL_SHAPES + RANK_SHAPES)

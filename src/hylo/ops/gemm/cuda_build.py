@@ -16,11 +16,13 @@ one on PATH, else `$CUDA_HOME/bin/nvcc`.
 
 `CheckedLibrary` keeps, per GPU, whether such a library may run there: hylo's CUDA kernels are written on
 machines without a GPU, so each is checked once on a GPU before its first call there and refused for the
-process where it fails (the GEMV of `gemv_cuda`, the sparse MLA prefill of `sparse_mla.cuda_prefill`).
+process where it fails (the GEMV of `gemv_cuda`, the sparse MLA prefill of `sparse_mla.cuda_prefill`, the
+MoE's grouped GEMMs of `moe.grouped_cuda`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import functools
 import hashlib
@@ -152,6 +154,37 @@ def _compile(nvcc: str, source: Path, arch: str, library: Path, what: str, defin
     for line in done.stderr.splitlines():
         if "Performance Loss" in line:
             logger.warning("%s (%s): ptxas: %s", what, arch, line.strip())
+
+
+def bind_call(library: ctypes.CDLL, entry: str, call: type[ctypes.Structure]) -> None:
+    """Give `library`'s `int entry(const Call*, void* stream)` its ctypes signature, `call` being the
+    ctypes mirror of the C structure `Call` (one call's operands by role). The library reports each leaf
+    field's byte offset and size through `<entry>_call_layout` (`call_layout.cuh`); raises OSError where
+    they differ from the mirror's (a source and its Python side changed apart)."""
+    mirror = leaf_layout(call)
+    reported = (ctypes.c_longlong * (2 * len(mirror)))()
+    count = getattr(library, f"{entry}_call_layout")(reported, len(mirror))
+    theirs = [(reported[2 * i], reported[2 * i + 1]) for i in range(min(count, len(mirror)))]
+    if count != len(mirror) or theirs != mirror:
+        raise OSError(
+            f"{entry} takes a {call.__name__} of {count} fields at (offset, size) {theirs}; its ctypes "
+            f"mirror has {mirror}"
+        )
+    function = getattr(library, entry)
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.POINTER(call), ctypes.c_void_p]
+
+
+def leaf_layout(structure: type[ctypes.Structure], base: int = 0) -> list[tuple[int, int]]:
+    """(byte offset, byte size) of each non-structure field of `structure`, nested ones in place, in order."""
+    fields = []
+    for name, kind in structure._fields_:
+        offset = base + getattr(structure, name).offset
+        if issubclass(kind, ctypes.Structure):
+            fields += leaf_layout(kind, offset)
+        else:
+            fields.append((offset, ctypes.sizeof(kind)))
+    return fields
 
 
 def hopper_arch(capability: tuple[int, int]) -> str | None:

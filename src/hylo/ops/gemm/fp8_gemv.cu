@@ -47,6 +47,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "call_layout.cuh"
+
 namespace cg = cooperative_groups;
 
 // Blocks in flight per warp (the register ring) and the CTAs a SM must be able to hold (the register
@@ -287,24 +289,62 @@ cudaError_t launch_split(const Problem& p, int split, bool dependent, cudaStream
 
 }  // namespace
 
+// One call's operands by role; `gemv_cuda.py`'s ctypes structures mirror these field for field (the loader
+// compares `hylo_fp8_gemv_call_layout` with theirs). Outside the anonymous namespace: a C entry point taking a
+// type of internal linkage is not exported.
+struct GemvRows {  // x: bf16 [m, k], rows `stride` elements apart (a multiple of 8)
+    const void* data;
+    long long stride;
+    int m;
+};
+struct BlockScaledWeight {  // e4m3 [n, k], rows contiguous, with fp32 128 × 128 block scales
+    const void* data;
+    const void* scale;
+    long long scale_stride;  // elements between rows of scale
+    int n;
+    int k;
+};
+struct GemvPlan {
+    int split;  // CTAs of a cluster over K
+    int slices;  // warps of a CTA over K: 2, or 4 for up to 8 rows of x
+    int dependent;  // nonzero: a programmatic dependent of the launch before it
+};
+struct GemvCall {
+    GemvRows x;
+    BlockScaledWeight w;
+    void* out;  // bf16 [m, n] contiguous
+    GemvPlan plan;
+};
+
 extern "C" {
 
 // 64 weight rows per CTA: `gemv_cuda.split_for` sizes the grid with it.
 int hylo_fp8_gemv_cta_rows() { return kCtaRows; }
 
-// Launch on `stream` (a cudaStream_t; capture-safe: no allocation, no synchronisation) with `slices` warps
-// of a CTA over K (2, or 4 for up to 8 rows of x), as a programmatic dependent of the launch before it when
-// `dependent` is nonzero. Returns the cudaError_t of the launch (0: launched); unsupported arguments return
-// cudaErrorInvalidValue unlaunched.
-int hylo_fp8_gemv(const void* x, long long x_stride, const void* w, const void* scale, long long scale_stride,
-                  void* out, int m, int n, int k, int split, int slices, int dependent, void* stream) {
-    if (m < 1 || m > 16 || n < 1 || k < 16 || k % 16 || x_stride % 8) return cudaErrorInvalidValue;
-    const Problem p{static_cast<const __nv_bfloat16*>(x), x_stride, static_cast<const uint8_t*>(w),
-                    static_cast<const float*>(scale), scale_stride, static_cast<__nv_bfloat16*>(out), m, n, k};
+int hylo_fp8_gemv_call_layout(long long* out, int capacity) {
+    static const long long fields[][2] = {
+        HYLO_FIELD(GemvCall, x.data),         HYLO_FIELD(GemvCall, x.stride),      HYLO_FIELD(GemvCall, x.m),
+        HYLO_FIELD(GemvCall, w.data),         HYLO_FIELD(GemvCall, w.scale),       HYLO_FIELD(GemvCall, w.scale_stride),
+        HYLO_FIELD(GemvCall, w.n),            HYLO_FIELD(GemvCall, w.k),           HYLO_FIELD(GemvCall, out),
+        HYLO_FIELD(GemvCall, plan.split),     HYLO_FIELD(GemvCall, plan.slices),   HYLO_FIELD(GemvCall, plan.dependent),
+    };
+    return hylo_abi::write_layout(fields, sizeof(fields) / sizeof(fields[0]), out, capacity);
+}
+
+// Launch `call` on `stream` (a cudaStream_t; capture-safe: no allocation, no synchronisation). Returns the
+// cudaError_t of the launch (0: launched); unsupported arguments return cudaErrorInvalidValue unlaunched.
+int hylo_fp8_gemv(const GemvCall* call, void* stream) {
+    const GemvCall& c = *call;
+    const int m = c.x.m, n = c.w.n, k = c.w.k, split = c.plan.split, slices = c.plan.slices;
+    const bool dependent = c.plan.dependent != 0;
+    if (m < 1 || m > 16 || n < 1 || k < 16 || k % 16 || c.x.stride % 8) return cudaErrorInvalidValue;
+    const Problem p{static_cast<const __nv_bfloat16*>(c.x.data), c.x.stride, static_cast<const uint8_t*>(c.w.data),
+                    static_cast<const float*>(c.w.scale), c.w.scale_stride, static_cast<__nv_bfloat16*>(c.out),
+                    m, n, k};
     const auto s = static_cast<cudaStream_t>(stream);
-    if (slices == 4 && m <= 8) return launch_split<1, 4>(p, split, dependent != 0, s);
+    if (slices == 4 && m <= 8) return launch_split<1, 4>(p, split, dependent, s);
     if (slices != 2) return cudaErrorInvalidValue;
-    return m <= 8 ? launch_split<1, 2>(p, split, dependent != 0, s) : launch_split<2, 2>(p, split, dependent != 0, s);
+    return m <= 8 ? launch_split<1, 2>(p, split, dependent, s) : launch_split<2, 2>(p, split, dependent, s);
 }
 
 }  // extern "C"

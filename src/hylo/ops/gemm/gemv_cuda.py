@@ -81,6 +81,31 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+class GemvRows(ctypes.Structure):
+    """x, bf16 `[m, k]` (`fp8_gemv.cu`'s `GemvRows`)."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("stride", ctypes.c_longlong), ("m", ctypes.c_int)]
+
+
+class BlockScaledWeight(ctypes.Structure):
+    """e4m3 `[n, k]` with its 128 × 128 block scales (`fp8_gemv.cu`'s `BlockScaledWeight`)."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("scale_stride", ctypes.c_longlong),
+                ("n", ctypes.c_int), ("k", ctypes.c_int)]  # fmt: skip
+
+
+class GemvPlan(ctypes.Structure):
+    """CTAs of a cluster over K, warps of a CTA over K, and whether the launch is a dependent one."""
+
+    _fields_ = [("split", ctypes.c_int), ("slices", ctypes.c_int), ("dependent", ctypes.c_int)]
+
+
+class GemvCall(ctypes.Structure):
+    """One launch's operands (`fp8_gemv.cu`'s `GemvCall`, field for field)."""
+
+    _fields_ = [("x", GemvRows), ("w", BlockScaledWeight), ("out", ctypes.c_void_p), ("plan", GemvPlan)]
+
+
 @cache
 def load_library(arch: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | str:
     """The built and loaded library for `arch` (`defines`: a variant's macros, `fp8_gemv.cu`'s
@@ -93,12 +118,10 @@ def load_library(arch: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | str:
         return _give_up(
             f"{KERNEL} tiles {library.hylo_fp8_gemv_cta_rows()} rows per CTA, gemv_cuda {CTA_ROWS}"
         )
-    library.hylo_fp8_gemv.restype = ctypes.c_int
-    library.hylo_fp8_gemv.argtypes = [
-        ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p,
-    ]  # fmt: skip
+    try:
+        cuda_build.bind_call(library, "hylo_fp8_gemv", GemvCall)
+    except OSError as e:
+        return _give_up(f"{KERNEL}: {e}")
     return library
 
 
@@ -165,11 +188,13 @@ def gemv(
 def _launch(library, x, weight, scale_inv, split: int, slices: int, dependent: bool) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    error = library.hylo_fp8_gemv(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), scale_inv.data_ptr(), scale_inv.stride(0),
-        out.data_ptr(), m, n, k, split, slices, int(dependent), stream,
-    )  # fmt: skip
+    call = GemvCall(
+        x=GemvRows(x.data_ptr(), x.stride(0), m),
+        w=BlockScaledWeight(weight.data_ptr(), scale_inv.data_ptr(), scale_inv.stride(0), n, k),
+        out=out.data_ptr(),
+        plan=GemvPlan(split, slices, int(dependent)),
+    )
+    error = library.hylo_fp8_gemv(ctypes.byref(call), torch.cuda.current_stream(x.device).cuda_stream)
     if error:
         raise RuntimeError(
             f"{KERNEL}: launch failed with cudaError {error} (M={m}, N={n}, K={k}, split {split}, "

@@ -33,17 +33,35 @@ RANK = 512  # the latent dims the kernel is laid out for (GLM-5.3-Flash's kv_lor
 LOG2E = 1.4426950408889634
 
 
+class HeadRows(ctypes.Structure):
+    """bf16 `[tokens, heads, 512]` (`sparse_mla_prefill.cu`'s `HeadRows`)."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("stride_token", ctypes.c_longlong),
+        ("stride_head", ctypes.c_longlong),
+    ]
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> HeadRows:
+        return cls(t.data_ptr(), t.stride(0), t.stride(1))
+
+
+class SparseMlaCall(ctypes.Structure):
+    """One launch's operands (`sparse_mla_prefill.cu`'s `SparseMlaCall`, field for field)."""
+
+    _fields_ = [("q", HeadRows), ("out", HeadRows), ("latent", ctypes.c_void_p),
+                ("latent_stride", ctypes.c_longlong), ("rows", ctypes.c_void_p),
+                ("rows_stride", ctypes.c_longlong), ("width", ctypes.c_int), ("tokens", ctypes.c_int),
+                ("heads", ctypes.c_int), ("scale_log2", ctypes.c_float)]  # fmt: skip
+
+
 @cache
 def load_library(arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The built and loaded library (`defines`: `sparse_mla_prefill.cu`'s `HYLO_SPARSE_MLA_*` macros of a
     variant); raises `cuda_build.BuildError` or OSError."""
     library = ctypes.CDLL(str(cuda_build.build(SOURCE, arch, KERNEL, defines)))
-    library.hylo_sparse_mla_prefill.restype = ctypes.c_int
-    pointer, size = ctypes.c_void_p, ctypes.c_longlong
-    library.hylo_sparse_mla_prefill.argtypes = [
-        pointer, size, size, pointer, size, pointer, size, ctypes.c_int, pointer, size, size, ctypes.c_int,
-        ctypes.c_int, ctypes.c_float, pointer,
-    ]  # fmt: skip
+    cuda_build.bind_call(library, "hylo_sparse_mla_prefill", SparseMlaCall)
     return library
 
 
@@ -81,11 +99,21 @@ def refusal(q_latent: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor) ->
 
 def _launch(library, q_latent, latent, rows, scale: float, out: torch.Tensor) -> None:
     tokens, heads, _ = q_latent.shape
+    call = SparseMlaCall(
+        q=HeadRows.of(q_latent),
+        out=HeadRows.of(out),
+        latent=latent.data_ptr(),
+        latent_stride=latent.stride(0),
+        rows=rows.data_ptr(),
+        rows_stride=rows.stride(0),
+        width=rows.shape[1],
+        tokens=tokens,
+        heads=heads,
+        scale_log2=scale * LOG2E,
+    )
     error = library.hylo_sparse_mla_prefill(
-        q_latent.data_ptr(), q_latent.stride(0), q_latent.stride(1), latent.data_ptr(), latent.stride(0),
-        rows.data_ptr(), rows.stride(0), rows.shape[1], out.data_ptr(), out.stride(0), out.stride(1), tokens,
-        heads, scale * LOG2E, torch.cuda.current_stream(q_latent.device).cuda_stream,
-    )  # fmt: skip
+        ctypes.byref(call), torch.cuda.current_stream(q_latent.device).cuda_stream
+    )
     if error:
         raise RuntimeError(f"{KERNEL}: launch failed with code {error} ({tokens} tokens, {heads} heads)")
 

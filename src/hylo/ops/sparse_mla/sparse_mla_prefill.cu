@@ -35,6 +35,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../gemm/call_layout.cuh"
 #include "../gemm/hopper.cuh"
 
 namespace {
@@ -342,15 +343,45 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
 
 }  // namespace
 
+// One call's operands by role; `cuda_prefill.py`'s ctypes structures mirror these field for field (the
+// loader compares `hylo_sparse_mla_prefill_call_layout` with theirs). Outside the anonymous namespace: a C
+// entry point taking a type of internal linkage is not exported.
+struct HeadRows {  // bf16 [tokens, heads, 512], rows of 512 contiguous and 16-byte aligned
+    void* data;
+    long long stride_token;  // elements
+    long long stride_head;
+};
+struct SparseMlaCall {
+    HeadRows q;
+    HeadRows out;
+    const void* latent;  // bf16 [S, 512]
+    long long latent_stride;  // elements between rows
+    const int* rows;  // [tokens, width] int32, -1 = empty
+    long long rows_stride;
+    int width;
+    int tokens;
+    int heads;  // a multiple of 64
+    float scale_log2;  // softmax scale × log2(e)
+};
+
 extern "C" {
 
-// Launch on `stream`: q [tokens, heads, 512] and out alike (heads a multiple of 64, rows of 512 contiguous,
-// 16-byte aligned), latent [S, 512] rows stride_kv elements apart, rows [tokens, width] int32 rows stride_rt
-// apart. Returns 0 or a cudaError.
-int hylo_sparse_mla_prefill(const void* q, long long stride_qt, long long stride_qh, const void* latent,
-                            long long stride_kv, const int* rows, long long stride_rt, int width, void* out,
-                            long long stride_ot, long long stride_oh, int tokens, int heads, float scale_log2,
-                            void* stream) {
+int hylo_sparse_mla_prefill_call_layout(long long* out, int capacity) {
+    static const long long fields[][2] = {
+        HYLO_FIELD(SparseMlaCall, q.data),        HYLO_FIELD(SparseMlaCall, q.stride_token),
+        HYLO_FIELD(SparseMlaCall, q.stride_head), HYLO_FIELD(SparseMlaCall, out.data),
+        HYLO_FIELD(SparseMlaCall, out.stride_token), HYLO_FIELD(SparseMlaCall, out.stride_head),
+        HYLO_FIELD(SparseMlaCall, latent),        HYLO_FIELD(SparseMlaCall, latent_stride),
+        HYLO_FIELD(SparseMlaCall, rows),          HYLO_FIELD(SparseMlaCall, rows_stride),
+        HYLO_FIELD(SparseMlaCall, width),         HYLO_FIELD(SparseMlaCall, tokens),
+        HYLO_FIELD(SparseMlaCall, heads),         HYLO_FIELD(SparseMlaCall, scale_log2),
+    };
+    return hylo_abi::write_layout(fields, sizeof(fields) / sizeof(fields[0]), out, capacity);
+}
+
+// Launch `call` on `stream`. Returns 0 or a cudaError.
+int hylo_sparse_mla_prefill(const SparseMlaCall* call, void* stream) {
+    const SparseMlaCall& c = *call;
     static bool configured = false;
     if (!configured) {
         cudaError_t e =
@@ -358,20 +389,20 @@ int hylo_sparse_mla_prefill(const void* q, long long stride_qt, long long stride
         if (e != cudaSuccess) return e;
         configured = true;
     }
-    if (tokens == 0) return 0;
-    const Args args{static_cast<const __nv_bfloat16*>(q),
-                    static_cast<const __nv_bfloat16*>(latent),
-                    rows,
-                    static_cast<__nv_bfloat16*>(out),
-                    stride_qt,
-                    stride_qh,
-                    stride_kv,
-                    stride_rt,
-                    stride_ot,
-                    stride_oh,
-                    width,
-                    scale_log2};
-    const dim3 grid(tokens, heads / kHeads);
+    if (c.tokens == 0) return 0;
+    const Args args{static_cast<const __nv_bfloat16*>(c.q.data),
+                    static_cast<const __nv_bfloat16*>(c.latent),
+                    c.rows,
+                    static_cast<__nv_bfloat16*>(c.out.data),
+                    c.q.stride_token,
+                    c.q.stride_head,
+                    c.latent_stride,
+                    c.rows_stride,
+                    c.out.stride_token,
+                    c.out.stride_head,
+                    c.width,
+                    c.scale_log2};
+    const dim3 grid(c.tokens, c.heads / kHeads);
     sparse_mla_prefill_kernel<<<grid, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args);
     return cudaGetLastError();
 }
