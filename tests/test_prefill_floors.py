@@ -66,6 +66,14 @@ def test_a_profiled_clock_times_calls_by_their_ranges():
     assert kinds["bf16 projections"].calls == 2 and kinds["bf16 projections"].ms > 0
     assert kinds["bf16 projections"].work == 2 * 5 * (64 * 32 + 32 * 16)
     assert kinds["other"].ms > 0 and sum(k.ms for k in kinds.values()) <= wall_ms
+    # a trace without a clock's ranges is refused, not read as zero (a parent at 0 less its children)
+    unseen = ModuleClock(torch.device("cpu"), profiled=True)
+    unseen.attach(model)
+    with torch.inference_mode():
+        model(x)
+    unseen.detach()
+    with pytest.raises(RuntimeError, match=r"the profiler's trace lacks 3 of 3 call ranges"):
+        unseen.totals(prof)
 
 
 def test_a_prefill_of_the_random_model_counts_every_kind(shallow_model_dir):

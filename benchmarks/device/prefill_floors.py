@@ -94,8 +94,8 @@ class ModuleClock:
         self._hooks.clear()
 
     def _mark(self):
-        if self.profiled:  # (calls entered so far: done or open) names this call's range
-            label = f"hylo.clock.{len(self._done) + len(self._open)}"
+        if self.profiled:  # this clock, and its calls entered so far (done or open), name the call's range
+            label = f"hylo.clock.{id(self)}.{len(self._done) + len(self._open)}"
             scope = torch.autograd.profiler.record_function(label)
             scope.__enter__()
             return scope
@@ -132,9 +132,12 @@ class ModuleClock:
             torch.cuda.synchronize(self.device)
         if self.profiled:
             spans = _profiled_spans(profile, self.device)
+            missing = sum(start not in spans for _, start, _, _ in self._done)
+            if missing:  # own times would go negative where a parent's range is lost and its children's kept
+                raise RuntimeError(f"the profiler's trace lacks {missing} of {len(self._done)} call ranges")
 
             def ms(start, end) -> float:
-                return spans.get(start, 0.0)
+                return spans[start]
         else:
 
             def ms(start, end) -> float:
@@ -336,7 +339,12 @@ def main() -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        profile = torch.profiler.profile(activities=activities) if args.profiler else contextlib.nullcontext()
+        # every event kept (the H100's TP8 13K trace lost ranges without it: kinds at negative times)
+        profile = (
+            torch.profiler.profile(activities=activities, acc_events=True)
+            if args.profiler
+            else contextlib.nullcontext()
+        )
         try:
             with profile:
                 prefill(engine, tokens, 2)
