@@ -63,6 +63,13 @@
 // chain's latency), 4 without the promotion (the MMAs and their waits), 5 the MMAs alone, never waited on
 // inside the tile (the tensor cores' rate from shared memory)
 [[maybe_unused]] constexpr bool kStaleSlots = HYLO_GROUPED_PROBE >= 2;
+#ifndef HYLO_GROUPED_PROBE_REPEAT
+#define HYLO_GROUPED_PROBE_REPEAT 1  // R > 1, stale-slot probes only: every tile walks its K steps R times
+#endif
+// A probe's time at R = 1 and 2 separates a tile's fixed cost (its setup, the ring's first fill, the epilogue)
+// from its K steps': t(1) - (t(2) - t(1)) is the fixed part.
+constexpr int kRepeat = HYLO_GROUPED_PROBE_REPEAT;
+static_assert(kRepeat == 1 || (kStaleSlots && !HYLO_GROUPED_MIXED_SEQUENTIAL), "repeats are for stale-slot probes");
 [[maybe_unused]] constexpr bool kOneConsumer = HYLO_GROUPED_PROBE == 3;
 [[maybe_unused]] constexpr bool kPromote = HYLO_GROUPED_PROBE != 4 && HYLO_GROUPED_PROBE != 5;
 [[maybe_unused]] constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE != 5;
@@ -109,6 +116,7 @@ constexpr int kBBytes = kBlockN * kBlockK;  // 16 KB
 // columns, or gate|up's halves: 64 gate and the same 64 up columns of the intermediate, the two CTAs of a cluster
 // taking the two halves of a 128-column quantisation group (they exchange each row's largest value).
 constexpr bool kPipelined = HYLO_GROUPED_PIPELINED;
+static_assert(!kPipelined || kRepeat == 1, "a pipelined consumer counts its K steps itself");
 static_assert(!kPipelined || !HYLO_GROUPED_WIDE_DOWN, "a pipelined consumer has no registers for a wide tile");
 static_assert(!kPipelined || kCluster == 2, "pipelined gate|up splits its 128-column groups across a cluster");
 static_assert(!kPipelined || !HYLO_GROUPED_MIXED_SEQUENTIAL, "pipelined consumers take a mixed pair's steps in turn");
@@ -199,7 +207,7 @@ __device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank, int 
     t.active0 = t.expert0 >= 0;
     t.active1 = t.expert1 >= 0;
     t.same = t.active0 && t.active1 && t.expert0 == t.expert1;
-    t.steps = t.same ? p.k_steps : (int(t.active0) + int(t.active1)) * p.k_steps;
+    t.steps = kRepeat * (t.same ? p.k_steps : (int(t.active0) + int(t.active1)) * p.k_steps);
     return t;
 }
 
@@ -213,10 +221,10 @@ struct Step {
 
 // Ring position j of tile t (0 <= j < t.steps).
 __device__ __forceinline__ Step step_of(int j, const Tile& t, int k_steps) {
-    if (t.same) return {kBoth, j};
-    if (!(t.active0 && t.active1)) return {t.active0 ? 0 : 1, j};
+    if (t.same) return {kBoth, kRepeat == 1 ? j : j % k_steps};
+    if (!(t.active0 && t.active1)) return {t.active0 ? 0 : 1, kRepeat == 1 ? j : j % k_steps};
     if (HYLO_GROUPED_MIXED_SEQUENTIAL) return {j < k_steps ? 0 : 1, j % k_steps};
-    return {j & 1, j >> 1};
+    return {j & 1, kRepeat == 1 ? j >> 1 : (j >> 1) % k_steps};
 }
 
 // SwiGLU of kCount registers in place (gate[i] becomes h = silu(clamped gate) · clamped up[i]), and the largest
