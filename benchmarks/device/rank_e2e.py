@@ -21,7 +21,8 @@ weight-read floor of the step at the copy bandwidth measured in this run (`spec_
 CUDA GEMV's launches of that eager rerun by shape and variant (`gemv_census`), and the step's collectives
 (kind, count, bytes) as the stand-in recorded them in one eager run of the step.
 TTFT: the plain engine's wall time from adding a prompt of each `--ttft` length to its first token,
-second of two runs (the first compiles the new shapes' kernels). `--out`: rank_e2e.json and the top
+the median of `--reps` prompts after one that compiles the new shapes' kernels (one prompt alone moved by
+~15% between processes, RESULTS S42-3). `--out`: rank_e2e.json and the top
 kernels of each step.
 """
 
@@ -129,20 +130,21 @@ def warm(engine: Engine, batch: int, prompt_len: int = 64, tokens: int = 17) -> 
         engine.step()
 
 
-def ttft_ms(engine: Engine, length: int) -> float:
-    """Wall ms from adding one prompt of `length` tokens to its first token (second of two runs)."""
+def ttft_ms(engine: Engine, length: int, reps: int) -> list[float]:
+    """Wall ms from adding one prompt of `length` tokens to its first token, for `reps` prompts after one
+    that compiles the new shapes' kernels; each prompt its own random tokens (no prefix reuse)."""
     gen = torch.Generator().manual_seed(length)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    result = 0.0
-    for run in range(2):
+    times = []
+    for run in range(1 + reps):
         prompt = torch.randint(0, 150000, (length,), generator=gen).tolist()
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.add_request(f"ttft-{length}-{run}", prompt, params)
         while engine.has_unfinished():
             engine.step()
-        result = 1e3 * (time.perf_counter() - start)
-    return round(result, 1)
+        times.append(round(1e3 * (time.perf_counter() - start), 1))
+    return times[1:]
 
 
 def engine_flags(name: str, root: Path) -> dict:
@@ -171,8 +173,10 @@ def measure_engine(name: str, engine: Engine, args, bandwidth: float, out: Path 
             result[f"B{b}"] = measure_step(graphs, bucket, bandwidth, args.reps, out, f"{name}_B{b}")
             print(json.dumps({name: {f"B{b}": result[f"B{b}"]}}), flush=True)
         for length in map(int, args.ttft.split(",")) if args.ttft else ():
-            result[f"ttft_ms_{length}"] = ttft_ms(engine, length)
-            print(json.dumps({name: {f"ttft_ms_{length}": result[f"ttft_ms_{length}"]}}), flush=True)
+            times = ttft_ms(engine, length, args.reps)
+            result[f"ttft_ms_{length}"], result[f"ttft_all_ms_{length}"] = statistics.median(times), times
+            row = {f"ttft_ms_{length}": result[f"ttft_ms_{length}"], "all": times}
+            print(json.dumps({name: row}), flush=True)
         return result
     for b in batches:
         warm(engine, b)
@@ -208,7 +212,9 @@ def main() -> None:
     parser.add_argument("--algorithms", default="plain,dflash2,mtp3,mtp5", help="engines, built in turn")
     parser.add_argument("--batches", default="1,8", help="concurrencies measured")
     parser.add_argument("--ttft", default="1024,8192,13312", help="prompt lengths of the TTFT runs")
-    parser.add_argument("--reps", type=int, default=3, help="timings per step (each 30 replays)")
+    parser.add_argument(
+        "--reps", type=int, default=3, help="timings per step (each 30 replays), and TTFT prompts per length"
+    )
     parser.add_argument("--mem-fraction", type=float, default=0.9, help="mem_fraction_static of each engine")
     parser.add_argument("--sequence-parallel-tokens", type=int, default=512, help="0: prefill without it")
     parser.add_argument("--out", default=None, help="folder for rank_e2e.json and kernel tables")
