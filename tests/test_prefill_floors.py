@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "device"))
 
+import prefill_floors
 from prefill_floors import BF16_FLOPS, BYTES, FP8_FLOPS, Kind, ModuleClock, table
 
 from hylo.layers.linear import Linear
@@ -47,7 +48,7 @@ def test_own_times_add_up_and_projection_flops_are_counted():
     assert sum(k.calls for k in clock.kinds.values()) == 3
 
 
-def test_a_profiled_clock_times_calls_by_their_ranges():
+def test_a_profiled_clock_times_calls_by_their_ranges(monkeypatch):
     """The profiler's clock: each call a `record_function` range, its own time the range's less its child
     calls' (host time on a CPU), the same kinds and work as the events' clock."""
     model = Outer()
@@ -74,6 +75,22 @@ def test_a_profiled_clock_times_calls_by_their_ranges():
     unseen.detach()
     with pytest.raises(RuntimeError, match=r"the profiler's trace lacks 3 of 3 call ranges"):
         unseen.totals(prof)
+    # nor one whose range totals contradict each other (a call shorter than the calls inside it)
+    inconsistent = ModuleClock(torch.device("cpu"), profiled=True)
+    inconsistent.attach(model)
+    with (
+        torch.inference_mode(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+    ):
+        model(x)
+    inconsistent.detach()
+    spans = prefill_floors._profiled_spans(prof, torch.device("cpu"))
+    outer = min(spans, key=lambda label: int(label.rsplit(".", 1)[1]))  # the first call entered: the model
+    monkeypatch.setattr(prefill_floors, "_profiled_spans", lambda *a: spans | {outer: 0.0})
+    with pytest.raises(
+        RuntimeError, match=r"the profiler's trace gives a other call 0.000 ms, less than its calls'"
+    ):
+        inconsistent.totals(prof)
 
 
 def test_a_prefill_of_the_random_model_counts_every_kind(shallow_model_dir):

@@ -144,7 +144,13 @@ class ModuleClock:
                 return start.elapsed_time(end) if self.device.type == "cuda" else 1e3 * (end - start)
 
         for name, start, end, children in self._done:
-            self.kinds[name].ms += ms(start, end) - sum(ms(s, e) for s, e in children)
+            whole, inner = ms(start, end), sum(ms(s, e) for s, e in children)
+            if self.profiled and whole < inner - 1e-3:  # a range's kernels include its calls' (µs rounding)
+                raise RuntimeError(
+                    f"the profiler's trace gives a {name} call {whole:.3f} ms, "
+                    f"less than its calls' {inner:.3f}"
+                )
+            self.kinds[name].ms += whole - inner
         self._done.clear()
         for kind in self.kinds.values():
             kind.work = float(kind.work)
