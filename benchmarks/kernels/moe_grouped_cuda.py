@@ -31,6 +31,10 @@ from hylo.ops.moe import grouped_cuda, kernels, routing
 HIDDEN, INTER, EXPERTS, TOP_K, LIMIT = 4096, 2048, 288, 8, 10.0
 VARIANTS = {
     "persistent": ("HYLO_GROUPED_PERSISTENT=1",),
+    # persistent, each CTA's next tile from a global counter (the tiles in flight stay a contiguous window)
+    "dynamic": ("HYLO_GROUPED_PERSISTENT=1", "HYLO_GROUPED_DYNAMIC=1"),
+    "dynamic_wide_down": ("HYLO_GROUPED_PERSISTENT=1", "HYLO_GROUPED_DYNAMIC=1", "HYLO_GROUPED_WIDE_DOWN=1"),
+    "dynamic_mma_only": ("HYLO_GROUPED_PERSISTENT=1", "HYLO_GROUPED_DYNAMIC=1", "HYLO_GROUPED_PROBE=5"),
     "stages4": ("HYLO_GROUPED_STAGES=4",),
     "stages6": ("HYLO_GROUPED_STAGES=6",),
     "group4": ("HYLO_GROUPED_GROUP=4",),

@@ -91,6 +91,16 @@ static_assert(kRepeat == 1 || (kStaleSlots && !HYLO_GROUPED_MIXED_SEQUENTIAL), "
 constexpr int kCluster = HYLO_GROUPED_CLUSTER;
 static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
 static_assert(kCluster == 1 || !HYLO_GROUPED_PERSISTENT, "clusters launch one CTA a tile");
+#ifndef HYLO_GROUPED_DYNAMIC
+#define HYLO_GROUPED_DYNAMIC 0  // 1 (persistent): each CTA takes its next tile from a counter, not a fixed stride
+#endif
+// A persistent CTA striding the tiles drifts from the others (a mixed pair takes twice the steps), so the tiles
+// in flight spread over many pairs' weights and rows; one CTA a SM taking the next tile from a global counter
+// keeps them a contiguous window of the grid's order, as a one-tile-a-CTA launch's scheduler does, while its
+// producer fills the next tile's slots during the consumers' epilogue. The producer thread takes each tile
+// index and hands it to the consumers through a two-entry ring in shared memory.
+constexpr bool kDynamic = HYLO_GROUPED_DYNAMIC;
+static_assert(!kDynamic || (HYLO_GROUPED_PERSISTENT && kCluster == 1), "dynamic tiles: persistent, no clusters");
 
 
 namespace {
@@ -133,8 +143,9 @@ __host__ __device__ constexpr int weight_box_rows(bool gate_up) { return halves(
 // Ring slots: fewer where a slot holds two weight tiles.
 __host__ __device__ constexpr int stages_of(bool gate_up) { return tiles_of(gate_up) == 2 ? kGateUpStages : kStages; }
 constexpr int kRowMaxBytes = 2 * kBlockM * 4;  // halves: each row's largest |h| in this CTA's columns
-constexpr int smem_bytes(int stages, int tiles) {  // the ring, its barriers, the rows' maxima, alignment slack
-    return stages * (2 * kABytes + tiles * kBBytes) + 2 * stages * 8 + kRowMaxBytes + 1024;
+constexpr int kTileRingBytes = 2 * 2 * 8 + 2 * 4;  // dynamic tiles: full and empty barriers, then the indices
+constexpr int smem_bytes(int stages, int tiles) {  // the ring, its barriers, the rows' maxima, the tile ring, slack
+    return stages * (2 * kABytes + tiles * kBBytes) + 2 * stages * 8 + kRowMaxBytes + kTileRingBytes + 1024;
 }
 constexpr int kConsumerWarps = 8;
 
@@ -156,6 +167,7 @@ struct Args {
     int num_blocks;
     int n;                       // output columns (gate|up: the intermediate I); a multiple of 128
     int k_steps;                 // K / 128
+    int* tile_counter;           // dynamic tiles: the next tile's index, zeroed before the launch
 };
 
 using namespace hopper;
@@ -210,6 +222,40 @@ __device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank, int 
     t.steps = kRepeat * (t.same ? p.k_steps : (int(t.active0) + int(t.active1)) * p.k_steps);
     return t;
 }
+
+// Where a CTA's tiles come from: first, first + stride, ... (a one-tile-a-CTA launch, or a persistent one
+// striding), or (kDynamic) the global counter: the producer thread takes each index and hands it to the consumers
+// through a two-entry ring, each entry with a full barrier (the producer's arrival, which releases the index) and
+// an empty one (every consumer warp's, once it has read it). An index past the last tile ends every walk.
+struct TileSource {
+    int first, stride;
+    int* counter;
+    uint64_t* full;   // [2]
+    uint64_t* empty;  // [2]
+    int* index;       // [2]
+
+    // The producer's q-th tile (its one thread calls it).
+    __device__ __forceinline__ int hand_out(int q) const {
+        if (!kDynamic) return first + q * stride;
+        const int u = q & 1;
+        if (q >= 2) bar_wait(&empty[u], ((q >> 1) - 1) & 1);
+        const int tile = atomicAdd(counter, 1);
+        index[u] = tile;
+        bar_arrive(&full[u]);
+        return tile;
+    }
+
+    // A consumer warp's q-th tile (all its lanes call it).
+    __device__ __forceinline__ int take(int q, int lane) const {
+        if (!kDynamic) return first + q * stride;
+        const int u = q & 1;
+        bar_wait(&full[u], (q >> 1) & 1);
+        const int tile = index[u];
+        __syncwarp();
+        if (lane == 0) bar_arrive(&empty[u]);
+        return tile;
+    }
+};
 
 // Which blocks of the pair a ring position serves: both (kBoth), or block 0 / 1 alone.
 constexpr int kBoth = 2;
@@ -346,13 +392,15 @@ __device__ __forceinline__ Mine mine_of(const Tile& t, const Args& p, int c, int
 // The producer thread: every step's loads into the ring.
 template <bool GATE_UP>
 __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& p,
-                                        uint8_t* smem, uint64_t* full, uint64_t* empty, int first_tile,
-                                        int tile_stride, int num_tiles, int expert_rows, int rank) {
+                                        uint8_t* smem, uint64_t* full, uint64_t* empty, const TileSource& tiles,
+                                        int num_tiles, int expert_rows, int rank) {
     constexpr int kTiles = tiles_of(GATE_UP);
     constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
     int ring = 0;
-    for (int index = first_tile; index < num_tiles; index += tile_stride) {
+    for (int q = 0;; ++q) {
+        const int index = tiles.hand_out(q);
+        if (index >= num_tiles) break;
         const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         for (int j = 0; j < t.steps; ++j, ++ring) {
             const int s = ring % kStagesHere;
@@ -389,8 +437,7 @@ __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensor
 // The consumer warpgroups: warpgroup c (0 or 1) owns block c of each pair.
 template <bool GATE_UP>
 __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                                        int first_tile, int tile_stride, int num_tiles, int rank, int warp,
-                                        int lane) {
+                                        const TileSource& tiles, int num_tiles, int rank, int warp, int lane) {
     constexpr int kTiles = tiles_of(GATE_UP);
     constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
@@ -399,7 +446,9 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
     const int c = warp / 4 - 1;
     const int row0 = (warp % 4) * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8 of the block
     int ring = 0;
-    for (int index = first_tile; index < num_tiles; index += tile_stride) {
+    for (int q = 0;; ++q) {
+        const int index = tiles.take(q, lane);
+        if (index >= num_tiles) break;
         const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         const int n0 = t.n0;
         const Mine own = mine_of<GATE_UP>(t, p, c, row0);
@@ -508,8 +557,8 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 // that the consumer's own products do not cover (the other consumer's still can).
 template <bool GATE_UP, int kUnroll>
 __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                                                  int first_tile, int tile_stride, int num_tiles, int rank,
-                                                  int warp, int lane, float* row_max) {
+                                                  const TileSource& tiles, int num_tiles, int rank, int warp,
+                                                  int lane, float* row_max) {
     constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kBBytes;
     constexpr bool kHalves = halves(GATE_UP);
@@ -520,7 +569,9 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
     auto advance = [&]() {
         if (++slot == kStagesHere) slot = 0, phase ^= 1;
     };
-    for (int index = first_tile; index < num_tiles; index += tile_stride) {
+    for (int q = 0;; ++q) {
+        const int index = tiles.take(q, lane);
+        if (index >= num_tiles) break;
         const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         const int n0 = t.n0;
         const Mine own = mine_of<GATE_UP>(t, p, c, row0);
@@ -618,16 +669,24 @@ __global__ void __launch_bounds__(384, 1)
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStagesHere * kSlot);
     uint64_t* empty = full + kStagesHere;
     float* row_max = reinterpret_cast<float*>(empty + kStagesHere);
+    uint64_t* tile_full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(row_max) + kRowMaxBytes);
+    uint64_t* tile_empty = tile_full + 2;
     const int num_tiles = ((p.num_blocks + 1) / 2) * (p.n / (columns_of(GATE_UP) * kCluster));  // (clusters')
     const int expert_rows = (GATE_UP ? 2 : 1) * p.n;  // rows of one expert's weight
     const int rank = kCluster == 2 ? cluster_rank() : 0;
     const int first_tile = blockIdx.x / kCluster, tile_stride = gridDim.x / kCluster;
+    const TileSource tiles{first_tile, tile_stride, p.tile_counter, tile_full, tile_empty,
+                           reinterpret_cast<int*>(tile_empty + 2)};
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStagesHere; ++s) {
             bar_init(&full[s], 1);
             bar_init(&empty[s], kCluster * kConsumerWarps);
+        }
+        for (int u = 0; u < 2; ++u) {
+            bar_init(&tile_full[u], 1);
+            bar_init(&tile_empty[u], kConsumerWarps);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -638,8 +697,8 @@ __global__ void __launch_bounds__(384, 1)
 
     if (warp < 4) {  // the producer warpgroup: one thread issues every load
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (threadIdx.x == 0) produce<GATE_UP>(a_map, b_map, p, smem, full, empty, first_tile, tile_stride,
-                                               num_tiles, expert_rows, rank);
+        if (threadIdx.x == 0) produce<GATE_UP>(a_map, b_map, p, smem, full, empty, tiles, num_tiles, expert_rows,
+                                               rank);
         __syncwarp();
         if (halves(GATE_UP))  // the consumers' exchange of their rows' maxima (one tile a cluster)
             for (int index = first_tile; index < num_tiles; index += tile_stride) cluster_sync();
@@ -648,10 +707,10 @@ __global__ void __launch_bounds__(384, 1)
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     if constexpr (kUnroll > 0)
-        consume_pipelined<GATE_UP, kUnroll>(p, smem, full, empty, first_tile, tile_stride, num_tiles, rank, warp,
+        consume_pipelined<GATE_UP, kUnroll>(p, smem, full, empty, tiles, num_tiles, rank, warp,
                                             lane, row_max);
     else
-        consume<GATE_UP>(p, smem, full, empty, first_tile, tile_stride, num_tiles, rank, warp, lane);
+        consume<GATE_UP>(p, smem, full, empty, tiles, num_tiles, rank, warp, lane);
     if (kCluster == 2) cluster_sync();
 }
 
@@ -701,8 +760,21 @@ int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args,
         }
         grid = min(grid, sms);
     }
+    Args launched = args;
+    if (kDynamic) {  // one counter a device, allocated at its first (eager) launch, zeroed before every one
+        static int* counters[64] = {};
+        int device = 0;
+        cudaGetDevice(&device);
+        if (counters[device] == nullptr) {
+            cudaError_t e = cudaMalloc(&counters[device], sizeof(int));
+            if (e != cudaSuccess) return e;
+        }
+        launched.tile_counter = counters[device];
+        cudaError_t e = cudaMemsetAsync(launched.tile_counter, 0, sizeof(int), stream);
+        if (e != cudaSuccess) return e;
+    }
     if (kCluster == 1) {
-        grouped_kernel<GATE_UP, kUnroll><<<grid, 384, smem, stream>>>(a_map, b_map, args);
+        grouped_kernel<GATE_UP, kUnroll><<<grid, 384, smem, stream>>>(a_map, b_map, launched);
         return cudaGetLastError();
     }
     cudaLaunchConfig_t config = {};
@@ -717,7 +789,7 @@ int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args,
     attribute.val.clusterDim.z = 1;
     config.attrs = &attribute;
     config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, grouped_kernel<GATE_UP, kUnroll>, a_map, b_map, args);
+    return cudaLaunchKernelEx(&config, grouped_kernel<GATE_UP, kUnroll>, a_map, b_map, launched);
 }
 
 // The kernel for `args`: the pipelined consumers take their steps 8 at a time where K / 128 allows (GLM-5.3's
