@@ -5,8 +5,9 @@ one weight tile in shared memory for both where they share an expert, a TMA prod
 wgmma consumer warpgroups). Here: when they may run (`refusal`), how they are built, loaded and checked,
 and the launches (`gate_up`, `down`), which compute what `kernels._gate_up_tma_kernel` and
 `kernels._down_tma_kernel` compute, on the same operands. The MoE dispatches `gate_up` alone: at 13312
-tokens on an H100 it ran in 5422 us against the Triton kernel's 6015, `down` in 3981 against 2748 (both
-bound by their math: the consumers wait for each K step's product before promoting it, RESULTS S40-3).
+tokens on an H100 it ran in 5257 us against the Triton kernel's 6645 (the slice's 13K step's routed experts
+-10%), `down` in 3751 against 2928 (RESULTS S42-1; its 256-column variant ties Triton's). Both are bound
+outside their loads and promotion: their MMAs alone, never waited on, take as long as their whole math.
 
 Built at first use on the GPU machine by `gemm.cuda_build` (the kernel cache, nvcc of the machine,
 `sm_90a`) and loaded with `ctypes`. Before a GPU's first call the library is checked there once against
