@@ -292,17 +292,22 @@ __device__ __forceinline__ void swiglu_rows(const Args& p, float* gate, const fl
     }
 }
 
+// `body(half, r)` for this thread's rows r = row0 and row0 + 8 (half 0, 1) of `block` that hold a pair.
+template <typename Body>
+__device__ __forceinline__ void for_my_rows(const Args& p, int block, int row0, Body&& body) {
+    const int valid = p.block_rows[block];
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+        if (row0 + 8 * half < valid) body(half, row0 + 8 * half);
+}
+
 // This thread's two rows of h (kGroups 8-column groups from n0) quantised to e4m3 with one scale a row, amax / 448
 // (the row's 128-column group's largest |h|), as `kernels._gate_up_tma_kernel` does; the scale written where asked.
 template <int kGroups>
 __device__ __forceinline__ void write_quantised(const Args& p, int block, int n0, int row0, int lane, const float* h,
                                                 const float* amax, bool write_scale) {
-    const int valid = p.block_rows[block];
     const int col = n0 + 2 * (lane % 4);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = row0 + 8 * half;
-        if (r >= valid) continue;
+    for_my_rows(p, block, row0, [&](int half, int r) {
         const long long slot_row = (long long)block * kBlockM + r;
         const float scale = __fdiv_rn(fmaxf(amax[half], 1e-12f), 448.0f);
         const float inverse = __frcp_rn(scale);
@@ -316,7 +321,7 @@ __device__ __forceinline__ void write_quantised(const Args& p, int block, int n0
             *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + 8 * g) = q.__x;
         }
         if (write_scale && lane % 4 == 0) p.out_scale[slot_row * p.out_scale_stride + n0 / 128] = scale;
-    }
+    });
 }
 
 // gate|up's epilogue (one consumer's 64 rows × 128 columns): SwiGLU(gate, up), then each row's 128 columns (its
@@ -333,12 +338,8 @@ __device__ __forceinline__ void write_quantised(const Args& p, int block, int n0
 template <int kTiles>
 __device__ __forceinline__ void write_down(const Args& p, int block, int n0, int row0, int lane, const float* sum,
                                            const float* sum_up) {
-    const int valid = p.block_rows[block];
     const int col = n0 + 2 * (lane % 4);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = row0 + 8 * half;
-        if (r >= valid) continue;
+    for_my_rows(p, block, row0, [&](int half, int r) {
         const int pair_index = p.pairs[block * kBlockM + r];
         const float w = p.pair_weight[pair_index];
         __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (long long)pair_index * p.out_stride + col;
@@ -351,7 +352,7 @@ __device__ __forceinline__ void write_down(const Args& p, int block, int n0, int
                 *reinterpret_cast<__nv_bfloat162*>(dst + kBlockN + 8 * g) = __floats2bfloat162_rn(u0, u1);
             }
         }
-    }
+    });
 }
 
 // A consumer warp's release of a ring slot (its lane 0 arrives): on this CTA's empty barrier, and in a cluster on
@@ -398,9 +399,7 @@ __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensor
     constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
     int ring = 0;
-    for (int q = 0;; ++q) {
-        const int index = tiles.hand_out(q);
-        if (index >= num_tiles) break;
+    for (int q = 0, index = tiles.hand_out(0); index < num_tiles; index = tiles.hand_out(++q)) {
         const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         for (int j = 0; j < t.steps; ++j, ++ring) {
             const int s = ring % kStagesHere;
@@ -446,9 +445,7 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
     const int c = warp / 4 - 1;
     const int row0 = (warp % 4) * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8 of the block
     int ring = 0;
-    for (int q = 0;; ++q) {
-        const int index = tiles.take(q, lane);
-        if (index >= num_tiles) break;
+    for (int q = 0, index = tiles.take(0, lane); index < num_tiles; index = tiles.take(++q, lane)) {
         const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         const int n0 = t.n0;
         const Mine own = mine_of<GATE_UP>(t, p, c, row0);
@@ -569,9 +566,7 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
     auto advance = [&]() {
         if (++slot == kStagesHere) slot = 0, phase ^= 1;
     };
-    for (int q = 0;; ++q) {
-        const int index = tiles.take(q, lane);
-        if (index >= num_tiles) break;
+    for (int q = 0, index = tiles.take(0, lane); index < num_tiles; index = tiles.take(++q, lane)) {
         const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
         const int n0 = t.n0;
         const Mine own = mine_of<GATE_UP>(t, p, c, row0);
@@ -684,7 +679,7 @@ __global__ void __launch_bounds__(384, 1)
             bar_init(&full[s], 1);
             bar_init(&empty[s], kCluster * kConsumerWarps);
         }
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; kDynamic && u < 2; ++u) {
             bar_init(&tile_full[u], 1);
             bar_init(&tile_empty[u], kConsumerWarps);
         }
