@@ -7,10 +7,11 @@ reads: the real-size GLM-5.3-Flash slice (a random FP8 checkpoint, `load_format=
 Per bucket, after a few decode steps of that many requests of random prompts (so the graph's static
 batch is a real one: distinct tokens routed to distinct experts; the warm-up batch repeats one token):
 the replay's GPU ms; every kernel's µs per replay and launches per replay (torch.profiler over
-replays); the weight bytes each module kind reads in the step (counting hooks on an eager rerun of the
-same static batch: FP8 and bf16 projections, routed experts (the experts routed to), the lm_head,
-norms and the rest) and its floor at the copy rate measured here; the CUDA GEMV's launches of that rerun
-by shape and variant (`rank_e2e.gemv_census`: the kernel table names them by template only). Also the
+replays), each CUDA GEMV variant's with the weight bytes it read and their floor; the weight bytes each
+module kind reads in the step (counting hooks on an eager rerun of the same static batch: FP8 and bf16
+projections, routed experts (the experts routed to), the lm_head, norms and the rest) and its floor at the
+copy rate measured here; the CUDA GEMV's launches of that rerun by shape and variant
+(`rank_e2e.gemv_census`: the kernel table names them by template only). Also the
 TTFT of a fresh 1024- and 13312-token prompt (median of three), for the prefill side of the same kernels.
 
 Kernels launched as programmatic dependents (`hylo.ops.dependent_launch`, on by default on Hopper) start
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import tempfile
 from collections import defaultdict
@@ -59,6 +61,27 @@ def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 10) -> list[dict]:
 
 
 OTHER = "other (norms, gates, hyper-connections, ...)"  # every module no other kind names
+
+
+_GEMV_KERNEL = re.compile(r"fp8_gemv_kernel<(\d+), (\d+), \d+, (\d+)>")
+
+
+def with_gemv_floors(
+    rows: list[dict], weight_bytes: dict[tuple[int, int, int], int], bandwidth: float
+) -> list[dict]:
+    """`kernel_table` rows, each CUDA GEMV variant's (`fp8_gemv_kernel<NT, SPLIT, DEPTH, SLICES>`) with the
+    weight bytes it read in one step (`rank_e2e.GemvCensus.weight_bytes`), their floor at `bandwidth` and the
+    share of the row's time the floor is."""
+    out = []
+    for row in rows:
+        match = _GEMV_KERNEL.search(row["kernel"])
+        read = weight_bytes.get(tuple(map(int, match.groups()))) if match else None
+        if read:
+            floor_us = 1e6 * read / bandwidth
+            row = {**row, "gb": round(read / 1e9, 3), "floor_us": round(floor_us, 1),
+                   "of_floor": round(floor_us / row["us"], 3)}  # fmt: skip
+        out.append(row)
+    return out
 
 
 def module_kind(module: torch.nn.Module, name: str) -> str:
@@ -141,8 +164,10 @@ def main() -> None:
                 k: {"gb": round(v / 1e9, 3), "floor_us": round(1e6 * v / bandwidth, 1)}
                 for k, v in read.items()
             },
-            "kernels": kernel_table(graphs.bank.graphs[OBSERVE, bucket].graph),
-            "gemv_calls": census,
+            "kernels": with_gemv_floors(
+                kernel_table(graphs.bank.graphs[OBSERVE, bucket].graph), census.weight_bytes, bandwidth
+            ),
+            "gemv_calls": census.calls,
         }
     gen = torch.Generator().manual_seed(5)
     for n in () if args.no_ttft else (1024, 13312):

@@ -38,6 +38,7 @@ import time
 import traceback
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -75,19 +76,31 @@ def step_collectives(graphs: DecodeGraphs, bucket: int) -> dict:
     return out
 
 
+@dataclass
+class GemvCensus:
+    """The CUDA GEMV's launches inside a block: `calls` by shape and variant {"M x N x K, split S, W warps
+    over K": count}, so the kernel table's `fp8_gemv_kernel<...>` rows can be told apart (the profiler names
+    a ctypes launch by its template only), and `weight_bytes` each template variant read, keyed (row tiles,
+    split, warps over K) as `fp8_gemv_kernel<NT, SPLIT, DEPTH, SLICES>` names them."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    weight_bytes: dict[tuple[int, int, int], int] = field(default_factory=dict)
+
+
 @contextmanager
 def gemv_census():
-    """The CUDA GEMV's launches inside the block, by shape and variant: {"M x N x K, split S, W warps over
-    K": count}, so the kernel table's `fp8_gemv_kernel<...>` rows can be told apart (the profiler names a
-    ctypes launch by its template only)."""
+    """A `GemvCensus` of the CUDA GEMV's launches inside the block."""
     from hylo.ops.gemm import gemv_cuda
 
-    census: dict[str, int] = {}
+    census = GemvCensus()
     launch = gemv_cuda._launch
 
     def counting(library, x, weight, scale_inv, split, slices, dependent):
         key = f"{x.shape[0]} x {weight.shape[0]} x {x.shape[1]}, split {split}, {slices} warps over K"
-        census[key] = census.get(key, 0) + 1
+        census.calls[key] = census.calls.get(key, 0) + 1
+        variant = (1 if x.shape[0] <= 8 else 2, split, slices)  # fp8_gemv.cu: 8-row tiles of x, 1 or 2
+        read = weight.numel() * weight.element_size() + scale_inv.numel() * scale_inv.element_size()
+        census.weight_bytes[variant] = census.weight_bytes.get(variant, 0) + read
         return launch(library, x, weight, scale_inv, split, slices, dependent)
 
     gemv_cuda._launch = counting
@@ -113,7 +126,7 @@ def measure_step(
     spec_e2e.replay_step(graphs, bucket)  # the floor reruns the drafts of the step replayed last
     with gemv_census() as census:
         row["floor"] = spec_e2e.step_floor(graphs, bucket, bandwidth)
-    row["gemv_calls"] = census
+    row["gemv_calls"] = census.calls
     row["efficiency"] = round(row["floor"]["floor_ms"] / row["replay_ms"], 3)
     return row
 
