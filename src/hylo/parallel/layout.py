@@ -92,7 +92,8 @@ class TokenShards:
     def take(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """This rank's rows of `x [tokens, ...]` (replicated on every rank), padded with `fill`:
         `[local, ...]`."""
-        return self.pad_local(x[self.mine.start : self.mine.stop], fill)
+        mine = self.mine
+        return self.pad_local(x[mine.start : mine.stop], fill)
 
     def pad_local(self, x: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """This rank's real rows `x [len(mine), ...]` padded with `fill` to `[local, ...]`."""

@@ -12,13 +12,14 @@
 
 namespace hylo_abi {
 
-// Copies up to `capacity` of the `count` {offset, size} pairs into `out` (2 per field); returns `count`.
-inline int write_layout(const long long (*fields)[2], int count, long long* out, int capacity) {
-    for (int i = 0; i < count && i < capacity; ++i) {
+// Copies up to `capacity` of the N {offset, size} pairs into `out` (2 per field); returns N.
+template <int N>
+inline int write_layout(const long long (&fields)[N][2], long long* out, int capacity) {
+    for (int i = 0; i < N && i < capacity; ++i) {
         out[2 * i] = fields[i][0];
         out[2 * i + 1] = fields[i][1];
     }
-    return count;
+    return N;
 }
 
 }  // namespace hylo_abi

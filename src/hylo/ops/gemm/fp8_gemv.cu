@@ -328,7 +328,7 @@ int hylo_fp8_gemv_call_layout(long long* out, int capacity) {
         HYLO_FIELD(GemvCall, w.n),            HYLO_FIELD(GemvCall, w.k),           HYLO_FIELD(GemvCall, out),
         HYLO_FIELD(GemvCall, plan.split),     HYLO_FIELD(GemvCall, plan.slices),   HYLO_FIELD(GemvCall, plan.dependent),
     };
-    return hylo_abi::write_layout(fields, sizeof(fields) / sizeof(fields[0]), out, capacity);
+    return hylo_abi::write_layout(fields, out, capacity);
 }
 
 // Launch `call` on `stream` (a cudaStream_t; capture-safe: no allocation, no synchronisation). Returns the

@@ -862,7 +862,7 @@ int hylo_grouped_gemm_call_layout(long long* out, int capacity) {
         HYLO_FIELD(GroupedCall, out.data),       HYLO_FIELD(GroupedCall, out.stride),
         HYLO_FIELD(GroupedCall, out.scale),      HYLO_FIELD(GroupedCall, out.scale_stride),
     };
-    return hylo_abi::write_layout(fields, sizeof(fields) / sizeof(fields[0]), out, capacity);
+    return hylo_abi::write_layout(fields, out, capacity);
 }
 
 // Launch one grouped GEMM on `stream`. Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver

@@ -1029,7 +1029,8 @@ def _down_tma(
     routed: torch.Tensor,
     config: MoeConfig,
 ) -> None:
-    # (the CUDA down kernel is not dispatched: 3981 us against this kernel's 2748 at 13312 tokens, S40-3)
+    # (the CUDA down kernel is not dispatched: 3751 us against this kernel's 2928 at 13312 tokens, its
+    # 256-column variant 2823, inside the run's noise; RESULTS S42-1)
     num_blocks = layout.block_expert.numel()
     hidden, intermediate = down.shape[1:]
     dn = config.down

@@ -376,7 +376,7 @@ int hylo_sparse_mla_prefill_call_layout(long long* out, int capacity) {
         HYLO_FIELD(SparseMlaCall, width),         HYLO_FIELD(SparseMlaCall, tokens),
         HYLO_FIELD(SparseMlaCall, heads),         HYLO_FIELD(SparseMlaCall, scale_log2),
     };
-    return hylo_abi::write_layout(fields, sizeof(fields) / sizeof(fields[0]), out, capacity);
+    return hylo_abi::write_layout(fields, out, capacity);
 }
 
 // Launch `call` on `stream`. Returns 0 or a cudaError.
