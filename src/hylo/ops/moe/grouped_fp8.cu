@@ -62,8 +62,9 @@
 // Probes 3-7 run on stale slots as 2 does, to tell where the math's time goes: 3 one consumer alone (its
 // chain's latency), 4 without the promotion (the MMAs and their waits), 5 the MMAs alone, never waited on
 // inside the tile (the tensor cores' rate from shared memory); for gate|up, 6 as 5 with gate's and up's products
-// in two accumulators (two independent chains a consumer), 7 as 5 with each 32-deep step one m64n256k32 product
-// over the slot's gate and up tiles (B's 256 rows contiguous: half the A reads of two n128 products)
+// in two accumulators, issued alternately (no product waits on the one before: a chain's latency hidden), 7 as 5
+// with each 32-deep step one m64n256k32 product over the slot's gate and up tiles (B's 256 rows contiguous: half
+// the A reads of two n128 products)
 [[maybe_unused]] constexpr bool kStaleSlots = HYLO_GROUPED_PROBE >= 2;
 #ifndef HYLO_GROUPED_PROBE_REPEAT
 #define HYLO_GROUPED_PROBE_REPEAT 1  // R > 1, stale-slot probes only: every tile walks its K steps R times
@@ -528,11 +529,15 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kBlockK / 32; ++kk) {
-                    if constexpr (kUpApart && kWideProducts)
+                    if constexpr (kUpApart && kWideProducts) {
                         wgmma_m64n256k32(part, part_up, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), 1);
-                    else
+                    } else {
                         wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk),
                                          kk || !kPromote);
+                        if constexpr (kUpApart)  // the chains interleaved: no product waits on the one before
+                            wgmma_m64n128k32(part_up, tile_descriptor(a + 32 * kk),
+                                             tile_descriptor(w + kBBytes + 32 * kk), 1);
+                    }
                 }
                 wgmma_commit();
                 if (kWaitEachStep) wgmma_wait_all();
@@ -542,12 +547,12 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 #pragma unroll
                     for (int i = 0; i < 64; ++i) sum[i] += part[i] * ((i & 2) ? scale1 : scale0);
                 }
-                if (kTiles == 2 && !(kUpApart && kWideProducts)) {
+                if (kTiles == 2 && !kUpApart) {
                     if (kWaitEachStep) wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < kBlockK / 32; ++kk)
-                        wgmma_m64n128k32(kUpApart ? part_up : part, tile_descriptor(a + 32 * kk),
-                                         tile_descriptor(w + kBBytes + 32 * kk), kk || !kPromote);
+                        wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + kBBytes + 32 * kk),
+                                         kk || !kPromote);
                     wgmma_commit();
                     if (kWaitEachStep) wgmma_wait_all();
                     if (kEarlyRelease) release(s);
