@@ -204,13 +204,13 @@ def test_the_kernels_sharing_the_hopper_header_compile_for_hopper(tmp_path, monk
     assert grouped.argtypes[0]._type_ is grouped_cuda.GroupedCall
     assert sparse.argtypes[0]._type_ is cuda_prefill.SparseMlaCall
     assert not [r.getMessage() for r in caplog.records if "Performance Loss" in r.getMessage()]
-    # the grouped GEMMs' library reads the columns where the `GroupedCall` puts them (a CTA's 128 columns,
-    # or 1003), then the rows' address (8: off the 16-byte grid a tensor map needs, 1002, or 1001 with no
-    # driver at all)
+    # the grouped GEMMs' library reads the columns where the `GroupedCall` puts them (a CTA's columns:
+    # gate|up's 128, down's 256, or 1003), then the rows' address (8: off the 16-byte grid a tensor map
+    # needs, 1002, or 1001 with no driver at all)
     library = grouped_cuda.load_library()
     rows = grouped_cuda.ScaledRows(data=8, stride=4096, count=64)
-    for gate_up, n, codes in ((True, 200, {1003}), (True, 256, {1001, 1002}), (False, 100, {1003}),
-                              (False, 128, {1001, 1002})):  # fmt: skip
+    for gate_up, n, codes in ((True, 200, {1003}), (True, 128, {1001, 1002}), (False, 128, {1003}),
+                              (False, 256, {1001, 1002})):  # fmt: skip
         call = grouped_cuda.GroupedCall(gate_up=int(gate_up), n=n, k=4096, a=rows)
         assert library.hylo_grouped_gemm(ctypes.byref(call), None) in codes
 

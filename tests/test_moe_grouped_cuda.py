@@ -76,6 +76,12 @@ def test_grouped_gemms_match_triton_and_reference(weights, tokens, monkeypatch):
     grouped_cuda.down(h_t, h_scale_t, dq, ds, layout, flat, routed_c)
     # one h, the same sums: within a bf16 rounding of the output (fp32 FMA contraction may differ)
     assert torch.allclose(routed_c.float(), routed_t.float(), rtol=2**-7, atol=1e-6 * routed_t.abs().max())
+    # with the switch on, the TMA configuration's down stage is the CUDA kernel
+    calls = []
+    monkeypatch.setattr(grouped_cuda, "down", lambda *a, **k: calls.append(a[0].shape))
+    kernels._down_tma(h_t, h_scale_t, dq, ds, layout, flat, routed_t, config)
+    monkeypatch.undo()
+    assert calls == [h_t.shape]
 
     # the whole step with the CUDA gate|up dispatched, against the reference's bf16 activations: x and h
     # rounded to e4m3 (up to 2^-4 of each element) move the output by ~4% (relative L2) on either path, so

@@ -8,8 +8,8 @@ routed uniformly at random; the down GEMMs read h from hylo's Triton gate|up sta
 (down: `routed [T·k, D]`; gate|up: h times its scales on the slots that hold a pair: relative L2, worst
 element against the row's largest, the share of equal elements) and timed as CUDA-graph medians, interleaved
 over `--reps` rounds. TFLOP/s count the real pairs only (2·T·k·D·I), against the FP8 matmul ceiling measured
-in the same run. `--variants` also builds the kernel persistent (one CTA a SM) or with other ring depths and
-pair groups (`HYLO_GROUPED_*`).
+in the same run. `--variants` also builds the kernel one CTA a tile (S42's build), with other ring depths
+and pair groups, clustered, or as probes that take its time apart (`HYLO_GROUPED_*`).
 """
 
 from __future__ import annotations
@@ -30,20 +30,19 @@ from hylo.ops.moe import grouped_cuda, kernels, routing
 
 HIDDEN, INTER, EXPERTS, TOP_K, LIMIT = 4096, 2048, 288, 8, 10.0
 VARIANTS = {
-    "persistent": ("HYLO_GROUPED_PERSISTENT=1",),
-    # persistent, each CTA's next tile from a global counter (the tiles in flight stay a contiguous window)
-    "dynamic": ("HYLO_GROUPED_PERSISTENT=1", "HYLO_GROUPED_DYNAMIC=1"),
-    "dynamic_wide_down": ("HYLO_GROUPED_PERSISTENT=1", "HYLO_GROUPED_DYNAMIC=1", "HYLO_GROUPED_WIDE_DOWN=1"),
-    "dynamic_mma_only": ("HYLO_GROUPED_PERSISTENT=1", "HYLO_GROUPED_DYNAMIC=1", "HYLO_GROUPED_PROBE=5"),
+    # the shipped build is persistent (one CTA a SM, its next tile from a global counter) with 256-column down
+    # tiles; S42's: one CTA a tile, 128-column down tiles
+    "one_tile_a_cta": ("HYLO_GROUPED_PERSISTENT=0",),
+    "strided": ("HYLO_GROUPED_DYNAMIC=0",),
+    "narrow_down": ("HYLO_GROUPED_WIDE_DOWN=0",),
+    "s42": ("HYLO_GROUPED_PERSISTENT=0", "HYLO_GROUPED_WIDE_DOWN=0"),
     "stages4": ("HYLO_GROUPED_STAGES=4",),
     "stages6": ("HYLO_GROUPED_STAGES=6",),
     "group4": ("HYLO_GROUPED_GROUP=4",),
     "group16": ("HYLO_GROUPED_GROUP=16",),
     "gate_up_stages3": ("HYLO_GROUPED_GATE_UP_STAGES=3",),
     "mixed_sequential": ("HYLO_GROUPED_MIXED_SEQUENTIAL=1",),
-    "wide_down": ("HYLO_GROUPED_WIDE_DOWN=1",),
     "cluster2": ("HYLO_GROUPED_CLUSTER=2",),
-    "cluster2_wide_down": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_WIDE_DOWN=1"),
     # two products a consumer (promote one step while the next multiplies); gate|up in 64-column halves
     "pipelined": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_PIPELINED=1"),
     "pipelined_fast": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_PIPELINED=1", "HYLO_GROUPED_FAST_EPILOGUE=1"),
@@ -59,7 +58,7 @@ VARIANTS = {
     "probe_one_consumer": ("HYLO_GROUPED_PROBE=3",),
     "probe_no_promotion": ("HYLO_GROUPED_PROBE=4",),
     "probe_mma_only": ("HYLO_GROUPED_PROBE=5",),
-    # gate|up's MMAs alone as two chains a consumer (gate's, up's), or as one m64n256k32 product a 32-deep step
+    # gate|up's MMAs alone as two chains a consumer (gate's, up's), or one m64n256k32 product a 32-deep step
     "probe_two_chains": ("HYLO_GROUPED_PROBE=6",),
     "probe_n256": ("HYLO_GROUPED_PROBE=7",),
     # the same with every tile's K steps walked twice: against the probe's own time, a tile's fixed cost

@@ -4,10 +4,10 @@
 one weight tile in shared memory for both where they share an expert, a TMA producer warpgroup and two
 wgmma consumer warpgroups). Here: when they may run (`refusal`), how they are built, loaded and checked,
 and the launches (`gate_up`, `down`), which compute what `kernels._gate_up_tma_kernel` and
-`kernels._down_tma_kernel` compute, on the same operands. The MoE dispatches `gate_up` alone: at 13312
-tokens on an H100 it ran in 5257 us against the Triton kernel's 6645 (the slice's 13K step's routed experts
--10%), `down` in 3751 against 2928 (RESULTS S42-1; its 256-column variant ties Triton's). Both are bound
-outside their loads and promotion: their MMAs alone, never waited on, take as long as their whole math.
+`kernels._down_tma_kernel` compute, on the same operands; the MoE dispatches both. At 13312 tokens on an
+H100, one CTA a SM taking its tiles from a global counter and down in 256-column tiles: gate|up 5107 us
+against the Triton kernel's 6257, down 2690 against 2893 (RESULTS S43-1). gate|up is bound by L2's
+bandwidth to the SMs (Nsight: L2 throughput 83-90%; each 128 x 256 tile pulls 1.5 MB through it).
 
 Built at first use on the GPU machine by `gemm.cuda_build` (the kernel cache, nvcc of the machine,
 `sm_90a`) and loaded with `ctypes`. Before a GPU's first call the library is checked there once against
@@ -94,8 +94,9 @@ def operand_refusal(
     if a.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
         return f"rows {a.dtype} and weights {weight.dtype} must both be e4m3"
     experts, rows, k = weight.shape
-    if rows % FP8_BLOCK or k % FP8_BLOCK:
-        return f"weights [{experts}, {rows}, {k}]: rows and K must be multiples of {FP8_BLOCK}"
+    if rows % (2 * FP8_BLOCK) or k % FP8_BLOCK:
+        # a CTA's columns: gate|up's 128 of the intermediate (256 rows), down's 256 of D
+        return f"weights [{experts}, {rows}, {k}]: rows must be multiples of 256 and K of {FP8_BLOCK}"
     if layout.block_m != BLOCK_M:
         return f"the alignment's blocks are {layout.block_m} rows; the kernel takes {BLOCK_M}"
     if not weight.is_contiguous() or a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16:
@@ -193,7 +194,7 @@ def down(
 
 def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
     """Both kernels on a small routed problem against float64 products of the same e4m3 operands: 5
-    experts of 256 × 384 (gate|up 2 × 256 rows), 300 pairs routed so that expert 0 holds three blocks
+    experts of 256 × 512 (gate|up 2 × 256 rows), 300 pairs routed so that expert 0 holds three blocks
     (a pair of one expert, then one of two), the others one each (padding rows), and the last real block is
     alone. gate|up: h within one e4m3 step of the exact SwiGLU (the kernel's exp may round otherwise);
     down: within a bf16 rounding of the exact product of its h plus 2^-12 of the sum of its terms'
@@ -201,7 +202,7 @@ def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
     the result; the first check's 2^-20 of the block's largest product refused a kernel equal to the
     Triton one, RESULTS S40-3). The first failure, or None."""
     generator = torch.Generator(device=device).manual_seed(1234)
-    experts, hidden, intermediate, top_k, limit = 5, 384, 256, 2, 7.0
+    experts, hidden, intermediate, top_k, limit = 5, 512, 256, 2, 7.0
     others = torch.randint(1, experts, (150, 1), generator=generator, device=device)
     ids = torch.cat([torch.zeros_like(others), others], 1).int()
     layout = align(ids, experts, BLOCK_M)

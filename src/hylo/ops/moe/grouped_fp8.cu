@@ -21,6 +21,10 @@
 // and block 1's K steps, each with its own expert's weights, so both consumers multiply at once, each on
 // its own slots (a consumer still waits for and releases every slot, so both walk the ring in step).
 //
+// The schedule (RESULTS S43-1): one CTA a SM, each taking its next tile from a global counter, so that its producer
+// fills the next tile's first slots during the consumers' epilogue; down's CTAs take 256 columns (two weight
+// tiles a slot) as gate|up's do.
+//
 // Benchmark variants (macros below, `benchmarks/kernels/moe_grouped_cuda.py --variants`): clusters of two CTAs
 // sharing a pair's rows by multicast; pipelined consumers that hold two products and promote one step while the
 // next multiplies (gate|up then splits each 128-column group between a cluster's two CTAs); probes that take the
@@ -47,7 +51,7 @@
 #define HYLO_GROUPED_GATE_UP_STAGES 4
 #endif
 #ifndef HYLO_GROUPED_PERSISTENT
-#define HYLO_GROUPED_PERSISTENT 0  // 1: one CTA a SM walks the tiles
+#define HYLO_GROUPED_PERSISTENT (HYLO_GROUPED_CLUSTER == 1)  // one CTA a SM walks the tiles (0: one CTA a tile)
 #endif
 #ifndef HYLO_GROUPED_GROUP
 #define HYLO_GROUPED_GROUP 8  // pairs that sweep the column tiles together (their weight tiles stay in L2)
@@ -97,7 +101,7 @@ constexpr int kCluster = HYLO_GROUPED_CLUSTER;
 static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
 static_assert(kCluster == 1 || !HYLO_GROUPED_PERSISTENT, "clusters launch one CTA a tile");
 #ifndef HYLO_GROUPED_DYNAMIC
-#define HYLO_GROUPED_DYNAMIC 0  // 1 (persistent): each CTA takes its next tile from a counter, not a fixed stride
+#define HYLO_GROUPED_DYNAMIC HYLO_GROUPED_PERSISTENT  // persistent: each CTA's next tile from a counter (0: a stride)
 #endif
 // A persistent CTA striding the tiles drifts from the others (a mixed pair takes twice the steps), so the tiles
 // in flight spread over many pairs' weights and rows; one CTA a SM taking the next tile from a global counter
@@ -120,7 +124,7 @@ constexpr bool kPersistent = HYLO_GROUPED_PERSISTENT;
 constexpr int kABytes = kBlockM * kBlockK;  // 8 KB
 constexpr int kBBytes = kBlockN * kBlockK;  // 16 KB
 #ifndef HYLO_GROUPED_WIDE_DOWN
-#define HYLO_GROUPED_WIDE_DOWN 0  // 1: a down CTA takes 256 output columns (two weight tiles a slot), as gate|up does
+#define HYLO_GROUPED_WIDE_DOWN (HYLO_GROUPED_PIPELINED == 0)  // down CTAs of 256 columns (two weight tiles a slot)
 #endif
 // Weight tiles a ring slot holds: gate|up's gate and up rows of its 128 columns; down's one 128-column tile, or
 // two neighbouring ones (wide).

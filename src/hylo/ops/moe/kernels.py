@@ -1029,8 +1029,9 @@ def _down_tma(
     routed: torch.Tensor,
     config: MoeConfig,
 ) -> None:
-    # (the CUDA down kernel is not dispatched: 3751 us against this kernel's 2928 at 13312 tokens, its
-    # 256-column variant 2823, inside the run's noise; RESULTS S42-1)
+    if _grouped_cuda(h, down, down_scale, layout):
+        grouped_cuda.down(h, h_scale, down, down_scale, layout, weights, routed)
+        return
     num_blocks = layout.block_expert.numel()
     hidden, intermediate = down.shape[1:]
     dn = config.down
