@@ -35,9 +35,7 @@ VARIANTS = {
     "one_tile_a_cta": ("HYLO_GROUPED_PERSISTENT=0",),
     "strided": ("HYLO_GROUPED_DYNAMIC=0",),
     "narrow_down": ("HYLO_GROUPED_WIDE_DOWN=0",),
-    "s42": ("HYLO_GROUPED_PERSISTENT=0", "HYLO_GROUPED_WIDE_DOWN=0", "HYLO_GROUPED_SCALES_AHEAD=0"),
-    # a K step's scales loaded in that step, not the step before
-    "scales_in_step": ("HYLO_GROUPED_SCALES_AHEAD=0",),
+    "s42": ("HYLO_GROUPED_PERSISTENT=0", "HYLO_GROUPED_WIDE_DOWN=0"),
     "stages4": ("HYLO_GROUPED_STAGES=4",),
     "stages6": ("HYLO_GROUPED_STAGES=6",),
     "group4": ("HYLO_GROUPED_GROUP=4",),

@@ -86,12 +86,6 @@ static_assert(kRepeat == 1 || (kStaleSlots && !HYLO_GROUPED_MIXED_SEQUENTIAL), "
 #ifndef HYLO_GROUPED_EARLY_RELEASE
 #define HYLO_GROUPED_EARLY_RELEASE 0  // 1: a slot is released once its last product is in registers, before promoting
 #endif
-#ifndef HYLO_GROUPED_SCALES_AHEAD
-#define HYLO_GROUPED_SCALES_AHEAD 1  // 0: a consumer loads a K step's scales in that step (S42's build)
-#endif
-// Loaded in their own step, the scales' global loads were still in flight when the step's promotion factors were
-// formed, between its products (SASS), so a consumer's last products waited for them.
-[[maybe_unused]] constexpr bool kScalesAhead = HYLO_GROUPED_SCALES_AHEAD;
 #ifndef HYLO_GROUPED_FAST_EPILOGUE
 #define HYLO_GROUPED_FAST_EPILOGUE 0  // 1: gate|up's epilogue multiplies by reciprocals (sigmoid, quantisation)
 #endif
@@ -490,11 +484,6 @@ __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensor
     }
 }
 
-// A K step's scales as one consumer reads them: its two rows' (a0, a1) and the slot's weight tiles' (b, b_up).
-struct StepScales {
-    float a0 = 0.f, a1 = 0.f, b = 0.f, b_up = 0.f;
-};
-
 // The consumer warpgroups: warpgroup c (0 or 1) owns block c of each pair.
 template <bool GATE_UP>
 __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
@@ -527,29 +516,19 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 #pragma unroll
         for (int i = 0; i < (kTiles == 2 ? 64 : 1); ++i) sum_up[i] = 0.f;
 
-        // whether ring position j of the tile carries this consumer's block, and that step's scales (zero where it
-        // does not): loaded a step ahead, so that no product's issue waits for their global loads
-        auto is_mine = [&](const Step& step) {
-            return HYLO_GROUPED_PROBE != 1 && !(kOneConsumer && c == 1) && (step.which == kBoth || step.which == c);
-        };
-        auto scales_of = [&](int j) {
-            StepScales x;
-            const Step step = step_of(j, t, p.k_steps);
-            if (j < t.steps && is_mine(step)) {
-                x.a0 = own.sa0[step.k];
-                x.a1 = own.sa1[step.k];
-                x.b = own.sb[step.k];
-                if (kTiles == 2) x.b_up = own.sb_up[step.k];
-            }
-            return x;
-        };
-        StepScales next = kScalesAhead ? scales_of(0) : StepScales{};
         for (int j = 0; j < t.steps; ++j, ++ring) {
             const int s = ring % kStagesHere;
-            const bool mine = is_mine(step_of(j, t, p.k_steps));
-            const StepScales now = kScalesAhead ? next : scales_of(j);
-            if (kScalesAhead) next = scales_of(j + 1);
-            const float a0 = now.a0, a1 = now.a1, b = now.b, b_up = now.b_up;
+            const Step step = step_of(j, t, p.k_steps);
+            const int which = step.which;
+            const bool mine = HYLO_GROUPED_PROBE != 1 && !(kOneConsumer && c == 1) && (which == kBoth || which == c);
+            float a0 = 0.f, a1 = 0.f, b = 0.f, b_up = 0.f;
+            if (mine) {  // the scales' loads go out before the wait
+                const int kb = step.k;
+                a0 = own.sa0[kb];
+                a1 = own.sa1[kb];
+                b = own.sb[kb];
+                if (kTiles == 2) b_up = own.sb_up[kb];
+            }
             bar_wait(&full[s], (ring / kStagesHere) & 1);
             if (mine) {
                 const uint8_t* slot = smem + s * kSlot;
