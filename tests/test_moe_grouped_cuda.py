@@ -76,9 +76,12 @@ def test_grouped_gemms_match_triton_and_reference(weights, tokens, monkeypatch):
     grouped_cuda.down(h_t, h_scale_t, dq, ds, layout, flat, routed_c)
     # one h, the same sums: within a bf16 rounding of the output (fp32 FMA contraction may differ)
     assert torch.allclose(routed_c.float(), routed_t.float(), rtol=2**-7, atol=1e-6 * routed_t.abs().max())
-    # with the switch on, the TMA configuration's down stage is the CUDA kernel
+    # with the switch on, the TMA configuration's down stage is the CUDA kernel from its K threshold on
     calls = []
     monkeypatch.setattr(grouped_cuda, "down", lambda *a, **k: calls.append(a[0].shape))
+    kernels._down_tma(h_t, h_scale_t, dq, ds, layout, flat, routed_t, config)
+    assert calls == [] and INTER < kernels.CUDA_DOWN_MIN_K
+    monkeypatch.setattr(kernels, "CUDA_DOWN_MIN_K", INTER)
     kernels._down_tma(h_t, h_scale_t, dq, ds, layout, flat, routed_t, config)
     monkeypatch.undo()
     assert calls == [h_t.shape]

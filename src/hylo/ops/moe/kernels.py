@@ -1019,6 +1019,12 @@ def down_stage(
     return routed
 
 
+# The CUDA down kernel's K (the intermediate, per rank) from which it runs instead of the Triton TMA kernel:
+# at GLM-5.3-Flash's 2048 it took 2686 us against 2845 at 13312 tokens; at a TP8 rank's 256 it lost at 13312
+# tokens (873 against 781) and won by 4% at 1664 (RESULTS S43-2); between them it is unmeasured.
+CUDA_DOWN_MIN_K = 2048
+
+
 def _down_tma(
     h: torch.Tensor,
     h_scale: torch.Tensor,
@@ -1029,11 +1035,11 @@ def _down_tma(
     routed: torch.Tensor,
     config: MoeConfig,
 ) -> None:
-    if _grouped_cuda(h, down, down_scale, layout):
+    hidden, intermediate = down.shape[1:]
+    if intermediate >= CUDA_DOWN_MIN_K and _grouped_cuda(h, down, down_scale, layout):
         grouped_cuda.down(h, h_scale, down, down_scale, layout, weights, routed)
         return
     num_blocks = layout.block_expert.numel()
-    hidden, intermediate = down.shape[1:]
     dn = config.down
     _down_tma_kernel[(num_blocks * triton.cdiv(hidden, dn.block_n),)](
         TensorDescriptor.from_tensor(h, [config.block_m, dn.block_k]),
