@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -91,6 +92,59 @@ def test_a_profiled_clock_times_calls_by_their_ranges(monkeypatch):
         RuntimeError, match=r"the profiler's trace gives a other call 0.000 ms, less than its calls'"
     ):
         inconsistent.totals(prof)
+
+
+def _event(name, start, end, kernels=(), thread=1, is_async=False):
+    """A profiler event as `_own_kernel_ms` reads it (kernel durations in us)."""
+    kernels = [SimpleNamespace(duration=us) for us in kernels]
+    span = SimpleNamespace(start=start, end=end)
+    return SimpleNamespace(name=name, time_range=span, thread=thread, kernels=kernels, is_async=is_async)
+
+
+def test_each_kernel_goes_to_the_innermost_clock_range_open_at_its_launch():
+    """On a GPU a call's own time is the kernels launched in it and not in its calls, nesting read from the
+    ranges' starts: a child range whose recorded end passes its parent's still takes its launches (the
+    profiler's tree dropped it, S43-2), a launch at a range's end is still the range's, and launches
+    outside every range, on another thread or async are nobody's."""
+    events = [
+        _event("outer", 0, 100, kernels=[5]),  # a kernel the range itself launched
+        _event("aten::mm", 1, 3, kernels=[20]),
+        _event("child", 10, 101),  # ends after its parent in the trace
+        _event("launch", 12, 13, kernels=[30, 7]),
+        _event("grandchild", 20, 30),
+        _event("at its start", 20, 21, kernels=[11]),
+        _event("at its end", 30, 31, kernels=[2]),
+        _event("after it", 31, 32, kernels=[4]),
+        _event("record_function of no clock", 40, 50, kernels=[3]),
+        _event("outside", 150, 151, kernels=[100]),
+        _event("other thread", 12, 13, kernels=[1000], thread=2),
+        _event("async", 12, 13, kernels=[500], is_async=True),
+    ]
+    profile = SimpleNamespace(events=lambda: events)
+    own = prefill_floors._own_kernel_ms(profile, {"outer", "child", "grandchild"})
+    assert own == pytest.approx({"outer": 25e-3, "child": 44e-3, "grandchild": 13e-3})
+
+
+def test_a_profiled_clock_on_a_gpu_takes_each_call_s_own_kernels(monkeypatch):
+    """The GPU's profiled totals add each call's own kernel time (`_own_kernel_ms`), nothing subtracted,
+    and still refuse a trace that lacks a call's range."""
+    model = Outer()
+
+    def forward() -> ModuleClock:
+        clock = ModuleClock(torch.device("cuda"), profiled=True)
+        clock.attach(model)
+        with torch.inference_mode():
+            model(torch.randn(5, 64))
+        clock.detach()
+        return clock
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(prefill_floors, "_own_kernel_ms", lambda profile, wanted: dict.fromkeys(wanted, 1.5))
+    kinds = forward().totals(None)
+    assert kinds["bf16 projections"].ms == 3.0 and kinds["other"].ms == 1.5
+    monkeypatch.setattr(prefill_floors, "_own_kernel_ms", lambda profile, wanted: {min(wanted): 1.0})
+    with pytest.raises(RuntimeError, match=r"lacks 2 of 3 call ranges"):
+        forward().totals(None)
 
 
 def test_a_prefill_of_the_random_model_counts_every_kind(shallow_model_dir):

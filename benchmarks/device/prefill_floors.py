@@ -36,6 +36,7 @@ import contextlib
 import json
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,12 +70,13 @@ class ModuleClock:
     CPU) and counts each call's work (`work`): `kinds` after `totals()`. Safe to use when the forward
     runs eagerly (a graph replay calls no module).
 
-    `profiled`: each call is a `record_function` range instead, and `totals(profile)` takes a call's time
-    from the kernels launched inside it (their device time as the profiler traced them; host time on a
-    CPU). Events time the stream between the markers, which includes the gaps where the GPU waits for the
-    host: with one call's markers around every module, a forward of many small launches becomes
-    host-bound and its gaps land on whichever kind is running (the TP8 rank's 13K table, S40-1). The
-    kernels' own time is free of them."""
+    `profiled`: each call is a `record_function` range instead, and `totals(profile)` takes a call's own
+    time from the kernels launched inside it and not inside its calls (their device time as the profiler
+    traced them, `_own_kernel_ms`; on a CPU the range's host time less its calls'). Events time the
+    stream between the markers, which includes the gaps where the GPU waits for the host: with one
+    call's markers around every module, a forward of many small launches becomes host-bound and its gaps
+    land on whichever kind is running (the TP8 rank's 13K table, S40-1). The kernels' own time is free
+    of them."""
 
     device: torch.device
     profiled: bool = False
@@ -130,9 +132,11 @@ class ModuleClock:
         `torch.profiler.profile` the forward ran in, for a `profiled` clock)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        by_kernels = self.profiled and self.device.type == "cuda"
         if self.profiled:
-            spans = _profiled_spans(profile, self.device)
-            missing = sum(start not in spans for _, start, _, _ in self._done)
+            labels = {start for _, start, _, _ in self._done}
+            spans = _own_kernel_ms(profile, labels) if by_kernels else _profiled_spans(profile, self.device)
+            missing = len(labels - spans.keys())
             if missing:  # own times would go negative where a parent's range is lost and its children's kept
                 raise RuntimeError(f"the profiler's trace lacks {missing} of {len(self._done)} call ranges")
 
@@ -144,6 +148,9 @@ class ModuleClock:
                 return start.elapsed_time(end) if self.device.type == "cuda" else 1e3 * (end - start)
 
         for name, start, end, children in self._done:
+            if by_kernels:  # the kernels launched in the call itself, its calls' already left out
+                self.kinds[name].ms += ms(start, end)
+                continue
             whole, inner = ms(start, end), sum(ms(s, e) for s, e in children)
             if self.profiled and whole < inner - 1e-3:  # a range's kernels include its calls' (µs rounding)
                 raise RuntimeError(
@@ -155,6 +162,37 @@ class ModuleClock:
         for kind in self.kinds.values():
             kind.work = float(kind.work)
         return self.kinds
+
+
+def _own_kernel_ms(profile, labels: set[str]) -> dict[str, float]:
+    """ms of the kernels each clock range of `profile` named in `labels` launched itself, outside the clock
+    ranges nested in it. The profiler gives each kernel to the innermost op open when it was launched (a
+    clock range itself, or an op inside one); that op's kernels go to the innermost clock range open on
+    its thread when it began. Nesting is read from the ranges' starts alone: the profiler's own tree
+    (`device_time_total`) drops a child whose recorded end passes its parent's, which gave a KDA call less
+    time than its calls (S43-2)."""
+    own, items = {}, defaultdict(list)
+    for event in profile.events():
+        if event.is_async:
+            continue
+        kernel_ms = sum(k.duration for k in event.kernels) / 1e3
+        if event.name in labels:
+            own[event.name] = own.get(event.name, 0.0) + kernel_ms
+            # parents before their children at one start: the longer range first
+            items[event.thread].append((event.time_range.start, 0, -event.time_range.end, event.name))
+        elif kernel_ms:
+            items[event.thread].append((event.time_range.start, 1, 0.0, kernel_ms))
+    for thread_items in items.values():
+        open_ranges: list[tuple[float, str]] = []  # (end, label), the innermost last
+        for start, is_launcher, negative_end, what in sorted(thread_items):
+            while open_ranges and open_ranges[-1][0] < start:
+                open_ranges.pop()
+            if is_launcher:
+                if open_ranges:
+                    own[open_ranges[-1][1]] += what
+            else:
+                open_ranges.append((-negative_end, what))
+    return own
 
 
 def _profiled_spans(profile, device: torch.device) -> dict[str, float]:
