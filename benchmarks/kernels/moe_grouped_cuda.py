@@ -58,14 +58,10 @@ VARIANTS = {
     "probe_one_consumer": ("HYLO_GROUPED_PROBE=3",),
     "probe_no_promotion": ("HYLO_GROUPED_PROBE=4",),
     "probe_mma_only": ("HYLO_GROUPED_PROBE=5",),
-    # gate|up's MMAs alone as two chains a consumer (gate's, up's), or one m64n256k32 product a 32-deep step
-    "probe_two_chains": ("HYLO_GROUPED_PROBE=6",),
-    "probe_n256": ("HYLO_GROUPED_PROBE=7",),
     # the same with every tile's K steps walked twice: against the probe's own time, a tile's fixed cost
     # (setup, the ring's first fill, the epilogue) apart from its steps'
     "probe_math_k2": ("HYLO_GROUPED_PROBE=2", "HYLO_GROUPED_PROBE_REPEAT=2"),
     "probe_mma_only_k2": ("HYLO_GROUPED_PROBE=5", "HYLO_GROUPED_PROBE_REPEAT=2"),
-    "probe_n256_k2": ("HYLO_GROUPED_PROBE=7", "HYLO_GROUPED_PROBE_REPEAT=2"),
 }
 
 

@@ -21,9 +21,9 @@
 // and block 1's K steps, each with its own expert's weights, so both consumers multiply at once, each on
 // its own slots (a consumer still waits for and releases every slot, so both walk the ring in step).
 //
-// The schedule (RESULTS S43-1): one CTA a SM, each taking its next tile from a global counter, so that its producer
-// fills the next tile's first slots during the consumers' epilogue; down's CTAs take 256 columns (two weight
-// tiles a slot) as gate|up's do.
+// The schedule (RESULTS S43-1): one CTA a SM, each taking its next tile from a global counter, so that its
+// producer fills the next tile's first slots during the consumers' epilogue; down's CTAs take 256 columns (two
+// weight tiles a slot) as gate|up's do.
 //
 // Benchmark variants (macros below, `benchmarks/kernels/moe_grouped_cuda.py --variants`): clusters of two CTAs
 // sharing a pair's rows by multicast; pipelined consumers that hold two products and promote one step while the
@@ -63,12 +63,10 @@
 #ifndef HYLO_GROUPED_PROBE
 #define HYLO_GROUPED_PROBE 0  // benchmarks only, wrong outputs: 1 loads without the math, 2 the math on stale slots
 #endif
-// Probes 3-7 run on stale slots as 2 does, to tell where the math's time goes: 3 one consumer alone (its
+// Probes 3-5 run on stale slots as 2 does, to tell where the math's time goes: 3 one consumer alone (its
 // chain's latency), 4 without the promotion (the MMAs and their waits), 5 the MMAs alone, never waited on
-// inside the tile (the tensor cores' rate from shared memory); for gate|up, 6 as 5 with gate's and up's products
-// in two accumulators, issued alternately (no product waits on the one before: a chain's latency hidden), 7 as 5
-// with each 32-deep step one m64n256k32 product over the slot's gate and up tiles (B's 256 rows contiguous: half
-// the A reads of two n128 products)
+// inside the tile (the tensor cores' rate from shared memory). Two more at 18200ad (RESULTS S43-1: gate's and
+// up's chains interleaved, one m64n256k32 product a step) ran as fast as 5 and were dropped.
 [[maybe_unused]] constexpr bool kStaleSlots = HYLO_GROUPED_PROBE >= 2;
 #ifndef HYLO_GROUPED_PROBE_REPEAT
 #define HYLO_GROUPED_PROBE_REPEAT 1  // R > 1, stale-slot probes only: every tile walks its K steps R times
@@ -78,10 +76,8 @@
 constexpr int kRepeat = HYLO_GROUPED_PROBE_REPEAT;
 static_assert(kRepeat == 1 || (kStaleSlots && !HYLO_GROUPED_MIXED_SEQUENTIAL), "repeats are for stale-slot probes");
 [[maybe_unused]] constexpr bool kOneConsumer = HYLO_GROUPED_PROBE == 3;
-[[maybe_unused]] constexpr bool kPromote = HYLO_GROUPED_PROBE < 4;
-[[maybe_unused]] constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE < 5;
-[[maybe_unused]] constexpr bool kTwoChains = HYLO_GROUPED_PROBE == 6;
-[[maybe_unused]] constexpr bool kWideProducts = HYLO_GROUPED_PROBE == 7;
+[[maybe_unused]] constexpr bool kPromote = HYLO_GROUPED_PROBE != 4 && HYLO_GROUPED_PROBE != 5;
+[[maybe_unused]] constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE != 5;
 
 #ifndef HYLO_GROUPED_EARLY_RELEASE
 #define HYLO_GROUPED_EARLY_RELEASE 0  // 1: a slot is released once its last product is in registers, before promoting
@@ -202,48 +198,6 @@ __device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t a, uint64_t 
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b), "r"(accumulate));
-}
-
-// d[128] += A[64×32] · B[256×32]ᵀ (e4m3, fp32 sums) with d's registers 0-63 in `lo` (B's rows 0-127) and 64-127 in
-// `hi` (rows 128-255); `accumulate` 0 overwrites d.
-[[maybe_unused]] __device__ __forceinline__ void wgmma_m64n256k32(float* lo, float* hi, uint64_t a, uint64_t b,
-                                                                   int accumulate) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1;\n"
-        "}\n"
-        : "+f"(lo[0]), "+f"(lo[1]), "+f"(lo[2]), "+f"(lo[3]), "+f"(lo[4]), "+f"(lo[5]), "+f"(lo[6]),
-          "+f"(lo[7]), "+f"(lo[8]), "+f"(lo[9]), "+f"(lo[10]), "+f"(lo[11]), "+f"(lo[12]), "+f"(lo[13]),
-          "+f"(lo[14]), "+f"(lo[15]), "+f"(lo[16]), "+f"(lo[17]), "+f"(lo[18]), "+f"(lo[19]), "+f"(lo[20]),
-          "+f"(lo[21]), "+f"(lo[22]), "+f"(lo[23]), "+f"(lo[24]), "+f"(lo[25]), "+f"(lo[26]), "+f"(lo[27]),
-          "+f"(lo[28]), "+f"(lo[29]), "+f"(lo[30]), "+f"(lo[31]), "+f"(lo[32]), "+f"(lo[33]), "+f"(lo[34]),
-          "+f"(lo[35]), "+f"(lo[36]), "+f"(lo[37]), "+f"(lo[38]), "+f"(lo[39]), "+f"(lo[40]), "+f"(lo[41]),
-          "+f"(lo[42]), "+f"(lo[43]), "+f"(lo[44]), "+f"(lo[45]), "+f"(lo[46]), "+f"(lo[47]), "+f"(lo[48]),
-          "+f"(lo[49]), "+f"(lo[50]), "+f"(lo[51]), "+f"(lo[52]), "+f"(lo[53]), "+f"(lo[54]), "+f"(lo[55]),
-          "+f"(lo[56]), "+f"(lo[57]), "+f"(lo[58]), "+f"(lo[59]), "+f"(lo[60]), "+f"(lo[61]), "+f"(lo[62]),
-          "+f"(lo[63]), "+f"(hi[0]), "+f"(hi[1]), "+f"(hi[2]), "+f"(hi[3]), "+f"(hi[4]), "+f"(hi[5]),
-          "+f"(hi[6]), "+f"(hi[7]), "+f"(hi[8]), "+f"(hi[9]), "+f"(hi[10]), "+f"(hi[11]), "+f"(hi[12]),
-          "+f"(hi[13]), "+f"(hi[14]), "+f"(hi[15]), "+f"(hi[16]), "+f"(hi[17]), "+f"(hi[18]), "+f"(hi[19]),
-          "+f"(hi[20]), "+f"(hi[21]), "+f"(hi[22]), "+f"(hi[23]), "+f"(hi[24]), "+f"(hi[25]), "+f"(hi[26]),
-          "+f"(hi[27]), "+f"(hi[28]), "+f"(hi[29]), "+f"(hi[30]), "+f"(hi[31]), "+f"(hi[32]), "+f"(hi[33]),
-          "+f"(hi[34]), "+f"(hi[35]), "+f"(hi[36]), "+f"(hi[37]), "+f"(hi[38]), "+f"(hi[39]), "+f"(hi[40]),
-          "+f"(hi[41]), "+f"(hi[42]), "+f"(hi[43]), "+f"(hi[44]), "+f"(hi[45]), "+f"(hi[46]), "+f"(hi[47]),
-          "+f"(hi[48]), "+f"(hi[49]), "+f"(hi[50]), "+f"(hi[51]), "+f"(hi[52]), "+f"(hi[53]), "+f"(hi[54]),
-          "+f"(hi[55]), "+f"(hi[56]), "+f"(hi[57]), "+f"(hi[58]), "+f"(hi[59]), "+f"(hi[60]), "+f"(hi[61]),
-          "+f"(hi[62]), "+f"(hi[63])
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -503,13 +457,9 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 
         // register i of 8-column group g: row row0 + 8·((i >> 1) & 1), column 8g + 2·(lane % 4) + (i & 1)
         float sum[64], sum_up[kTiles == 2 ? 64 : 1], part[64];
-        constexpr bool kUpApart = kTiles == 2 && (kTwoChains || kWideProducts);  // probes 6, 7: up's own products
-        float part_up[kUpApart ? 64 : 1];
-        if (!kPromote) {  // the probes without promotion chain every product into part (6, 7: and part_up)
+        if (!kPromote) {  // the probes without promotion chain every product into part
 #pragma unroll
             for (int i = 0; i < 64; ++i) part[i] = 0.f;
-#pragma unroll
-            for (int i = 0; i < (kUpApart ? 64 : 1); ++i) part_up[i] = 0.f;
         }
 #pragma unroll
         for (int i = 0; i < 64; ++i) sum[i] = 0.f;
@@ -536,17 +486,8 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
                 const uint8_t* w = slot + 2 * kABytes;
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < kBlockK / 32; ++kk) {
-                    if constexpr (kUpApart && kWideProducts) {
-                        wgmma_m64n256k32(part, part_up, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), 1);
-                    } else {
-                        wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk),
-                                         kk || !kPromote);
-                        if constexpr (kUpApart)  // the chains interleaved: no product waits on the one before
-                            wgmma_m64n128k32(part_up, tile_descriptor(a + 32 * kk),
-                                             tile_descriptor(w + kBBytes + 32 * kk), 1);
-                    }
-                }
+                for (int kk = 0; kk < kBlockK / 32; ++kk)
+                    wgmma_m64n128k32(part, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), kk || !kPromote);
                 wgmma_commit();
                 if (kWaitEachStep) wgmma_wait_all();
                 if (kTiles == 1 && kEarlyRelease) release(s);
@@ -555,7 +496,7 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 #pragma unroll
                     for (int i = 0; i < 64; ++i) sum[i] += part[i] * ((i & 2) ? scale1 : scale0);
                 }
-                if (kTiles == 2 && !kUpApart) {
+                if (kTiles == 2) {
                     if (kWaitEachStep) wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < kBlockK / 32; ++kk)
@@ -577,8 +518,6 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
             wgmma_wait_all();
 #pragma unroll
             for (int i = 0; i < 64; ++i) sum[i] = part[i];
-#pragma unroll
-            for (int i = 0; i < (kUpApart ? 64 : 0); ++i) sum_up[i] = part_up[i];
         }
         if (!own.active) continue;
 
