@@ -26,9 +26,9 @@
 // weight tiles a slot) as gate|up's do.
 //
 // Benchmark variants (macros below, `benchmarks/kernels/moe_grouped_cuda.py --variants`): clusters of two CTAs
-// sharing a pair's rows by multicast; pipelined consumers that hold two products and promote one step while the
-// next multiplies (gate|up then splits each 128-column group between a cluster's two CTAs); probes that take the
-// time apart.
+// sharing a pair's rows by multicast, or two pairs' weight tiles; pipelined consumers that hold two products and
+// promote one step while the next multiplies (gate|up then splits each 128-column group between a cluster's two
+// CTAs); probes that take the time apart.
 //
 // Shared memory: 1024-aligned slots of [A0 64×128 | A1 64×128 | B 128×128] bytes, TMA's 128-byte swizzle,
 // which is the layout wgmma's K-major descriptors read (8-row atoms 1024 bytes apart; a 32-deep K step
@@ -106,6 +106,17 @@ static_assert(kCluster == 1 || !HYLO_GROUPED_PERSISTENT, "clusters launch one CT
 // index and hands it to the consumers through a two-entry ring in shared memory.
 constexpr bool kDynamic = HYLO_GROUPED_DYNAMIC;
 static_assert(!kDynamic || (HYLO_GROUPED_PERSISTENT && kCluster == 1), "dynamic tiles: persistent, no clusters");
+#ifndef HYLO_GROUPED_SHARE_WEIGHTS
+#define HYLO_GROUPED_SHARE_WEIGHTS 0  // 1 (clusters of two): the CTAs take neighbouring pairs, sharing weight tiles
+#endif
+// The kernel is bound by L2's bandwidth to the SMs (RESULTS S43-1: a 128 x 256 tile pulls 1 MB of weights and
+// 512 KB of rows through L2). With shared weights the two CTAs of a cluster take two neighbouring pairs (a "duo")
+// at the same columns; where both pairs are one expert's, the same one's, each CTA's producer loads one of the
+// slot's two weight tiles and multicasts it into both CTAs (a step's weights cross L2 once for 256 rows), and
+// loads its own pair's rows itself. Otherwise each loads its own weights. Either way the two rings advance in
+// step (every slot is released to both CTAs, as in the row-sharing clusters): a tile takes as many positions as
+// the longer of its two pairs' walks, the shorter pair's CTA passing the rest empty (a mixed pair takes two).
+constexpr bool kShareWeights = HYLO_GROUPED_SHARE_WEIGHTS;
 
 
 namespace {
@@ -135,6 +146,8 @@ static_assert(!kPipelined || kRepeat == 1, "a pipelined consumer counts its K st
 static_assert(!kPipelined || !HYLO_GROUPED_WIDE_DOWN, "a pipelined consumer has no registers for a wide tile");
 static_assert(!kPipelined || kCluster == 2, "pipelined gate|up splits its 128-column groups across a cluster");
 static_assert(!kPipelined || !HYLO_GROUPED_MIXED_SEQUENTIAL, "pipelined consumers take a mixed pair's steps in turn");
+static_assert(!kShareWeights || (kCluster == 2 && !kPipelined && HYLO_GROUPED_WIDE_DOWN),
+              "shared weights: clusters of two, two weight tiles a slot (one loaded by each CTA)");
 __host__ __device__ constexpr bool halves(bool gate_up) { return gate_up && kPipelined; }
 __host__ __device__ constexpr int tiles_of(bool gate_up) {
     return halves(gate_up) ? 1 : (gate_up || HYLO_GROUPED_WIDE_DOWN ? 2 : 1);
@@ -207,24 +220,53 @@ struct Tile {
     int block0, expert0, expert1, n0;
     bool active0, active1, same;
     int steps;  // ring slots the tile takes: K steps once for a pair of one expert, once per active block else
+    int walk;  // ring positions the CTA walks for it: `steps`, or (shared weights) the longer of the duo's two
+    bool shared;  // shared weights: both pairs of the duo are one expert's, the same one's
 };
 
-// Tile `index` of the grid's order (in a cluster of two: the cluster's index; `rank` picks its column tile).
-__device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank, int columns) {
-    const int num_pairs = (p.num_blocks + 1) / 2;
-    const int per_group = kGroup * (p.n / (columns * kCluster));
-    const int first = (index / per_group) * kGroup;
-    const int group_rows = min(num_pairs - first, kGroup);
-    Tile t;
-    const int pair = first + (index % per_group) % group_rows;
-    t.n0 = (((index % per_group) / group_rows) * kCluster + rank) * columns;
+// Pair `pair`'s blocks, experts and steps into t (shared weights: a pair past the last has no active block).
+__device__ __forceinline__ void set_pair(Tile& t, int pair, const Args& p) {
     t.block0 = 2 * pair;
-    t.expert0 = p.block_expert[t.block0];
+    t.expert0 = kShareWeights && t.block0 >= p.num_blocks ? -1 : p.block_expert[t.block0];  // (a duo's odd one)
     t.expert1 = t.block0 + 1 < p.num_blocks ? p.block_expert[t.block0 + 1] : -1;
     t.active0 = t.expert0 >= 0;
     t.active1 = t.expert1 >= 0;
     t.same = t.active0 && t.active1 && t.expert0 == t.expert1;
     t.steps = kRepeat * (t.same ? p.k_steps : (int(t.active0) + int(t.active1)) * p.k_steps);
+    t.walk = t.steps;
+    t.shared = false;
+}
+
+// Tiles of the grid's order (in clusters: the clusters'): row units (pairs; shared weights: duos of pairs) times
+// column tiles of `columns` (row-sharing clusters: two of them).
+__host__ __device__ __forceinline__ int units_of(int num_blocks) {
+    const int pairs = (num_blocks + 1) / 2;
+    return kShareWeights ? (pairs + 1) / 2 : pairs;
+}
+__host__ __device__ __forceinline__ int columns_per_tile(int columns) {
+    return kShareWeights ? columns : columns * kCluster;
+}
+
+// Tile `index` of the grid's order (in a cluster of two: the cluster's index; `rank` picks its column tile, or
+// with shared weights its pair of the duo).
+__device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank, int columns) {
+    const int units = units_of(p.num_blocks);
+    const int per_group = kGroup * (p.n / columns_per_tile(columns));
+    const int first = (index / per_group) * kGroup;
+    const int group_rows = min(units - first, kGroup);
+    const int unit = first + (index % per_group) % group_rows, column_tile = (index % per_group) / group_rows;
+    Tile t;
+    if (!kShareWeights) {
+        set_pair(t, unit, p);
+        t.n0 = (column_tile * kCluster + rank) * columns;
+        return t;
+    }
+    Tile peer;
+    set_pair(t, 2 * unit + rank, p);
+    set_pair(peer, 2 * unit + (rank ^ 1), p);
+    t.n0 = column_tile * columns;
+    t.walk = max(t.steps, peer.steps);
+    t.shared = t.same && peer.same && t.expert0 == peer.expert0;
     return t;
 }
 
@@ -406,19 +448,19 @@ __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensor
     int ring = 0;
     for (int q = 0, index = tiles.hand_out(0); index < num_tiles; index = tiles.hand_out(++q)) {
         const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
-        for (int j = 0; j < t.steps; ++j, ++ring) {
+        for (int j = 0; j < t.walk; ++j, ++ring) {
             const int s = ring % kStagesHere;
             if (ring >= kStagesHere) bar_wait(&empty[s], ((ring / kStagesHere) - 1) & 1);
             const Step step = step_of(j, t, p.k_steps);
             const int which = step.which;
             const int k0 = step.k * kBlockK;
             uint8_t* slot = smem + s * kSlot;
-            if (kStaleSlots && ring >= kStagesHere) {
+            if (j >= t.steps || (kStaleSlots && ring >= kStagesHere)) {  // a position passed empty, or a stale slot
                 bar_arrive(&full[s]);
                 continue;
             }
             bar_expect(&full[s], kTiles * kBBytes + (which == kBoth ? 2 : 1) * kABytes);
-            if (kCluster == 1) {
+            if (kCluster == 1 || kShareWeights) {
                 if (which != 1) tma_load(slot, &a_map, k0, t.block0 * kBlockM, &full[s]);
                 if (which != 0) tma_load(slot + kABytes, &a_map, k0, (t.block0 + 1) * kBlockM, &full[s]);
             } else if (which == kBoth || rank == 0) {  // rank r multicasts block r (a lone block: rank 0)
@@ -431,9 +473,13 @@ __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensor
                 tma_load(slot + 2 * kABytes + kBBytes / 2, &b_map, k0, row + p.n, &full[s]);
                 continue;
             }
+            const int second = GATE_UP ? p.n : kBlockN;  // the slot's second weight tile: up's rows, the next columns
+            if (kShareWeights && t.shared) {  // rank r loads tile r into both CTAs
+                tma_load_multicast(slot + 2 * kABytes + rank * kBBytes, &b_map, k0, row + rank * second, &full[s], 3);
+                continue;
+            }
             tma_load(slot + 2 * kABytes, &b_map, k0, row, &full[s]);
-            if (kTiles == 2)
-                tma_load(slot + 2 * kABytes + kBBytes, &b_map, k0, row + (GATE_UP ? p.n : kBlockN), &full[s]);
+            if (kTiles == 2) tma_load(slot + 2 * kABytes + kBBytes, &b_map, k0, row + second, &full[s]);
         }
     }
 }
@@ -466,8 +512,13 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 #pragma unroll
         for (int i = 0; i < (kTiles == 2 ? 64 : 1); ++i) sum_up[i] = 0.f;
 
-        for (int j = 0; j < t.steps; ++j, ++ring) {
+        for (int j = 0; j < t.walk; ++j, ++ring) {
             const int s = ring % kStagesHere;
+            if (j >= t.steps) {  // shared weights: a position the peer's longer walk takes
+                bar_wait(&full[s], (ring / kStagesHere) & 1);
+                release(s);
+                continue;
+            }
             const Step step = step_of(j, t, p.k_steps);
             const int which = step.which;
             const bool mine = HYLO_GROUPED_PROBE != 1 && !(kOneConsumer && c == 1) && (which == kBoth || which == c);
@@ -671,7 +722,7 @@ __global__ void __launch_bounds__(384, 1)
     float* row_max = reinterpret_cast<float*>(empty + kStagesHere);
     uint64_t* tile_full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(row_max) + kRowMaxBytes);
     uint64_t* tile_empty = tile_full + 2;
-    const int num_tiles = ((p.num_blocks + 1) / 2) * (p.n / (columns_of(GATE_UP) * kCluster));  // (clusters')
+    const int num_tiles = units_of(p.num_blocks) * (p.n / columns_per_tile(columns_of(GATE_UP)));  // (clusters')
     const int expert_rows = (GATE_UP ? 2 : 1) * p.n;  // rows of one expert's weight
     const int rank = kCluster == 2 ? cluster_rank() : 0;
     const int first_tile = blockIdx.x / kCluster, tile_stride = gridDim.x / kCluster;
@@ -750,7 +801,7 @@ int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args,
         if (e != cudaSuccess) return e;
         configured = true;
     }
-    int grid = ((args.num_blocks + 1) / 2) * (args.n / columns_of(GATE_UP));
+    int grid = units_of(args.num_blocks) * (args.n / columns_per_tile(columns_of(GATE_UP))) * kCluster;
     if (kPersistent) {
         static int sms = 0;
         if (sms == 0) {
@@ -875,7 +926,7 @@ int hylo_grouped_gemm_call_layout(long long* out, int capacity) {
 // K steps).
 int hylo_grouped_gemm(const GroupedCall* call, void* stream) {
     const GroupedCall& c = *call;
-    if (c.n % (columns_of(c.gate_up) * kCluster) != 0) return 1003;  // a CTA's (a cluster's) columns
+    if (c.n % columns_per_tile(columns_of(c.gate_up)) != 0) return 1003;  // a CTA's (a cluster's) columns
     CUtensorMap a_map, b_map;
     int failed = make_map(&a_map, c.a.data, c.a.count, c.k, c.a.stride, kBlockM);
     if (!failed) failed = make_map(&b_map, c.w.data, c.w.count * c.w.rows, c.k, c.k, weight_box_rows(c.gate_up));
