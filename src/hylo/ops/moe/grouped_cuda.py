@@ -6,9 +6,9 @@ wgmma consumer warpgroups). Here: when they may run (`refusal`), how they are bu
 and the launches (`gate_up`, `down`), which compute what `kernels._gate_up_tma_kernel` and
 `kernels._down_tma_kernel` compute, on the same operands; the MoE dispatches gate|up, and down where its K
 is `kernels.CUDA_DOWN_MIN_K` or more. At 13312 tokens on an H100, one CTA a SM taking its tiles from a global
-counter and down in 256-column tiles: gate|up 5211 us against the Triton kernel's 6499, down 2686 against
-2845 (RESULTS S43-2). gate|up is bound by L2's
-bandwidth to the SMs (Nsight: L2 throughput 83-90%; each 128 x 256 tile pulls 1.5 MB through it).
+counter and down in 256-column tiles: gate|up 5035 us against the Triton kernel's 6499, down 2661 against
+2845 (RESULTS S43-2). gate|up is bound by L2's bandwidth to the SMs (Nsight: L2 throughput 83-90%; each
+128 x 256 tile pulls 1.5 MB through it).
 
 Built at first use on the GPU machine by `gemm.cuda_build` (the kernel cache, nvcc of the machine,
 `sm_90a`) and loaded with `ctypes`. Before a GPU's first call the library is checked there once against

@@ -1020,8 +1020,8 @@ def down_stage(
 
 
 # The CUDA down kernel's K (the intermediate, per rank) from which it runs instead of the Triton TMA kernel:
-# at GLM-5.3-Flash's 2048 it took 2686 us against 2845 at 13312 tokens; at a TP8 rank's 256 it lost at 13312
-# tokens (873 against 781) and won by 4% at 1664 (RESULTS S43-2); between them it is unmeasured.
+# at GLM-5.3-Flash's 2048 it took 2661 us against 2845 at 13312 tokens; at a TP8 rank's 256 it lost at 13312
+# tokens (883 against 781) and won by 5% at 1664 (RESULTS S43-2); between them it is unmeasured.
 CUDA_DOWN_MIN_K = 2048
 
 
