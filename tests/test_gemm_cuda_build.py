@@ -216,6 +216,36 @@ def test_the_kernels_sharing_the_hopper_header_compile_for_hopper(tmp_path, monk
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize(
+    "defines",
+    [
+        ("HYLO_GROUPED_PERSISTENT=0", "HYLO_GROUPED_WIDE_DOWN=0"),  # one CTA a tile, as S42 ran it
+        ("HYLO_GROUPED_CLUSTER=2",),  # clusters sharing a pair's rows
+        ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_SHARE_WEIGHTS=1"),  # clusters sharing two pairs' weights
+    ],
+)
+def test_the_grouped_gemms_other_schedules_compile_and_check_their_columns(
+    tmp_path, monkeypatch, caplog, defines
+):
+    """The grouped GEMMs' benchmark schedules build for Hopper with no wgmma serialised, and each takes the
+    columns of its tile: a CTA's (gate|up 128, down 256 or narrow 128), twice that where a cluster shares
+    one pair's rows across two column tiles, once where it shares weights across two pairs."""
+    monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
+    from hylo.ops.moe import grouped_cuda
+
+    with caplog.at_level(logging.WARNING, logger=cuda_build.logger.name):
+        library = grouped_cuda.load_library(defines=defines)
+    assert not [r.getMessage() for r in caplog.records if "Performance Loss" in r.getMessage()]
+    tiles = 2 if "HYLO_GROUPED_CLUSTER=2" in defines and "HYLO_GROUPED_SHARE_WEIGHTS=1" not in defines else 1
+    down = 128 if "HYLO_GROUPED_WIDE_DOWN=0" in defines else 256
+    rows = grouped_cuda.ScaledRows(data=8, stride=4096, count=64)
+    for gate_up, columns in ((True, 128 * tiles), (False, down * tiles)):
+        for n, codes in ((columns, {1001, 1002}), (columns // 2, {1003})):
+            call = grouped_cuda.GroupedCall(gate_up=int(gate_up), n=n, k=4096, a=rows)
+            assert library.hylo_grouped_gemm(ctypes.byref(call), None) in codes, (gate_up, n)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_the_kernel_compiles_for_hopper_and_its_entry_points_load(tmp_path, monkeypatch):
     """The real source through the real build (about 30 s). The library loads without a GPU (its CUDA
     runtime is linked in and reaches the driver only at a launch), reports its CTA rows, takes the
