@@ -222,6 +222,7 @@ def test_the_kernels_sharing_the_hopper_header_compile_for_hopper(tmp_path, monk
         ("HYLO_GROUPED_PERSISTENT=0", "HYLO_GROUPED_WIDE_DOWN=0"),  # one CTA a tile, as S42 ran it
         ("HYLO_GROUPED_CLUSTER=2",),  # clusters sharing a pair's rows
         ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_SHARE_WEIGHTS=1"),  # clusters sharing two pairs' weights
+        ("HYLO_GROUPED_CLUSTER=4", "HYLO_GROUPED_SHARE_WEIGHTS=1"),  # 2 x 2: both
     ],
 )
 def test_the_grouped_gemms_other_schedules_compile_and_check_their_columns(
@@ -229,14 +230,17 @@ def test_the_grouped_gemms_other_schedules_compile_and_check_their_columns(
 ):
     """The grouped GEMMs' benchmark schedules build for Hopper with no wgmma serialised, and each takes the
     columns of its tile: a CTA's (gate|up 128, down 256 or narrow 128), twice that where a cluster shares
-    one pair's rows across two column tiles, once where it shares weights across two pairs."""
+    one pair's rows across two column tiles (clusters of two without shared weights, and of four), once
+    where it shares only weights across two pairs."""
     monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
     from hylo.ops.moe import grouped_cuda
 
     with caplog.at_level(logging.WARNING, logger=cuda_build.logger.name):
         library = grouped_cuda.load_library(defines=defines)
     assert not [r.getMessage() for r in caplog.records if "Performance Loss" in r.getMessage()]
-    tiles = 2 if "HYLO_GROUPED_CLUSTER=2" in defines and "HYLO_GROUPED_SHARE_WEIGHTS=1" not in defines else 1
+    cluster = 4 if "HYLO_GROUPED_CLUSTER=4" in defines else 2 if "HYLO_GROUPED_CLUSTER=2" in defines else 1
+    share_rows = cluster == 4 or (cluster == 2 and "HYLO_GROUPED_SHARE_WEIGHTS=1" not in defines)
+    tiles = 2 if share_rows else 1
     down = 128 if "HYLO_GROUPED_WIDE_DOWN=0" in defines else 256
     rows = grouped_cuda.ScaledRows(data=8, stride=4096, count=64)
     for gate_up, columns in ((True, 128 * tiles), (False, down * tiles)):

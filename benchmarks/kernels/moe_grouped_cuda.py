@@ -45,6 +45,8 @@ VARIANTS = {
     "cluster2": ("HYLO_GROUPED_CLUSTER=2",),
     # clusters of two taking neighbouring pairs; where both are one expert's, weight tiles multicast to both
     "share_weights": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_SHARE_WEIGHTS=1"),
+    # clusters of four: two pairs x two column tiles (rows multicast across columns, weights across pairs)
+    "share_both": ("HYLO_GROUPED_CLUSTER=4", "HYLO_GROUPED_SHARE_WEIGHTS=1"),
     # two products a consumer (promote one step while the next multiplies); gate|up in 64-column halves
     "pipelined": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_PIPELINED=1"),
     "pipelined_fast": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_PIPELINED=1", "HYLO_GROUPED_FAST_EPILOGUE=1"),

@@ -26,9 +26,9 @@
 // weight tiles a slot) as gate|up's do.
 //
 // Benchmark variants (macros below, `benchmarks/kernels/moe_grouped_cuda.py --variants`): clusters of two CTAs
-// sharing a pair's rows by multicast, or two pairs' weight tiles; pipelined consumers that hold two products and
-// promote one step while the next multiplies (gate|up then splits each 128-column group between a cluster's two
-// CTAs); probes that take the time apart.
+// sharing a pair's rows by multicast or two pairs' weight tiles, or of four sharing both; pipelined consumers
+// that hold two products and promote one step while the next multiplies (gate|up then splits each 128-column
+// group between a cluster's two CTAs); probes that take the time apart.
 //
 // Shared memory: 1024-aligned slots of [A0 64×128 | A1 64×128 | B 128×128] bytes, TMA's 128-byte swizzle,
 // which is the layout wgmma's K-major descriptors read (8-row atoms 1024 bytes apart; a 32-deep K step
@@ -94,7 +94,7 @@ static_assert(kRepeat == 1 || (kStaleSlots && !HYLO_GROUPED_MIXED_SEQUENTIAL), "
 // slots (a step's rows cross L2 once for the two column tiles); a slot is refilled once both CTAs' consumers
 // released it, so every consumer warp arrives on its own CTA's empty barrier and on its peer's.
 constexpr int kCluster = HYLO_GROUPED_CLUSTER;
-static_assert(kCluster == 1 || kCluster == 2, "clusters of one or two CTAs");
+static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of one, two or four CTAs");
 static_assert(kCluster == 1 || !HYLO_GROUPED_PERSISTENT, "clusters launch one CTA a tile");
 #ifndef HYLO_GROUPED_DYNAMIC
 #define HYLO_GROUPED_DYNAMIC HYLO_GROUPED_PERSISTENT  // persistent: each CTA's next tile from a counter (0: a stride)
@@ -107,7 +107,7 @@ static_assert(kCluster == 1 || !HYLO_GROUPED_PERSISTENT, "clusters launch one CT
 constexpr bool kDynamic = HYLO_GROUPED_DYNAMIC;
 static_assert(!kDynamic || (HYLO_GROUPED_PERSISTENT && kCluster == 1), "dynamic tiles: persistent, no clusters");
 #ifndef HYLO_GROUPED_SHARE_WEIGHTS
-#define HYLO_GROUPED_SHARE_WEIGHTS 0  // 1 (clusters of two): the CTAs take neighbouring pairs, sharing weight tiles
+#define HYLO_GROUPED_SHARE_WEIGHTS 0  // 1 (clusters of 2 or 4): CTAs take neighbouring pairs, sharing weight tiles
 #endif
 // The kernel is bound by L2's bandwidth to the SMs (RESULTS S43-1: a 128 x 256 tile pulls 1 MB of weights and
 // 512 KB of rows through L2). With shared weights the two CTAs of a cluster take two neighbouring pairs (a "duo")
@@ -116,6 +116,7 @@ static_assert(!kDynamic || (HYLO_GROUPED_PERSISTENT && kCluster == 1), "dynamic 
 // loads its own pair's rows itself. Otherwise each loads its own weights. Either way the two rings advance in
 // step (every slot is released to both CTAs, as in the row-sharing clusters): a tile takes as many positions as
 // the longer of its two pairs' walks, the shorter pair's CTA passing the rest empty (a mixed pair takes two).
+// In clusters of four (2 x 2) the two pairs each take two neighbouring column tiles, sharing their rows as well.
 constexpr bool kShareWeights = HYLO_GROUPED_SHARE_WEIGHTS;
 
 
@@ -146,8 +147,16 @@ static_assert(!kPipelined || kRepeat == 1, "a pipelined consumer counts its K st
 static_assert(!kPipelined || !HYLO_GROUPED_WIDE_DOWN, "a pipelined consumer has no registers for a wide tile");
 static_assert(!kPipelined || kCluster == 2, "pipelined gate|up splits its 128-column groups across a cluster");
 static_assert(!kPipelined || !HYLO_GROUPED_MIXED_SEQUENTIAL, "pipelined consumers take a mixed pair's steps in turn");
-static_assert(!kShareWeights || (kCluster == 2 && !kPipelined && HYLO_GROUPED_WIDE_DOWN),
-              "shared weights: clusters of two, two weight tiles a slot (one loaded by each CTA)");
+static_assert(!kShareWeights || (kCluster >= 2 && !kPipelined && HYLO_GROUPED_WIDE_DOWN),
+              "shared weights: clusters of two or four, two weight tiles a slot (one loaded by each CTA)");
+static_assert(kCluster != 4 || kShareWeights, "clusters of four share both: two pairs x two column tiles");
+// Who shares what in a cluster: rows (a pair's, across two column tiles: clusters of two without shared weights,
+// and the 2 x 2 clusters) and weights (two pairs', at one column tile). In a 2 x 2 cluster rank r takes pair r & 1
+// of the duo and column tile r >> 1 of the two, so its rows' peer is r ^ 2 and its weights' peer r ^ 1.
+constexpr bool kShareRows = (kCluster == 2 && !kShareWeights) || kCluster == 4;
+constexpr int kPeers = int(kShareRows) + int(kShareWeights);  // the CTAs that write into a CTA's slots but itself
+__host__ __device__ constexpr int rows_peer(int rank) { return kCluster == 4 ? rank ^ 2 : rank ^ 1; }
+__host__ __device__ constexpr int rows_rank(int rank) { return kCluster == 4 ? rank >> 1 : rank; }  // 0 or 1
 __host__ __device__ constexpr bool halves(bool gate_up) { return gate_up && kPipelined; }
 __host__ __device__ constexpr int tiles_of(bool gate_up) {
     return halves(gate_up) ? 1 : (gate_up || HYLO_GROUPED_WIDE_DOWN ? 2 : 1);
@@ -244,11 +253,11 @@ __host__ __device__ __forceinline__ int units_of(int num_blocks) {
     return kShareWeights ? (pairs + 1) / 2 : pairs;
 }
 __host__ __device__ __forceinline__ int columns_per_tile(int columns) {
-    return kShareWeights ? columns : columns * kCluster;
+    return kShareRows ? 2 * columns : columns;
 }
 
-// Tile `index` of the grid's order (in a cluster of two: the cluster's index; `rank` picks its column tile, or
-// with shared weights its pair of the duo).
+// Tile `index` of the grid's order (in a cluster: the cluster's index; `rank` picks its column tile where rows are
+// shared, its pair of the duo where weights are).
 __device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank, int columns) {
     const int units = units_of(p.num_blocks);
     const int per_group = kGroup * (p.n / columns_per_tile(columns));
@@ -256,15 +265,14 @@ __device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank, int 
     const int group_rows = min(units - first, kGroup);
     const int unit = first + (index % per_group) % group_rows, column_tile = (index % per_group) / group_rows;
     Tile t;
+    t.n0 = kShareRows ? (2 * column_tile + rows_rank(rank)) * columns : column_tile * columns;
     if (!kShareWeights) {
         set_pair(t, unit, p);
-        t.n0 = (column_tile * kCluster + rank) * columns;
         return t;
     }
     Tile peer;
-    set_pair(t, 2 * unit + rank, p);
-    set_pair(peer, 2 * unit + (rank ^ 1), p);
-    t.n0 = column_tile * columns;
+    set_pair(t, 2 * unit + (rank & 1), p);
+    set_pair(peer, 2 * unit + ((rank & 1) ^ 1), p);
     t.walk = max(t.steps, peer.steps);
     t.shared = t.same && peer.same && t.expert0 == peer.expert0;
     return t;
@@ -403,15 +411,20 @@ __device__ __forceinline__ void write_down(const Args& p, int block, int n0, int
 }
 
 // A consumer warp's release of a ring slot (its lane 0 arrives): on this CTA's empty barrier, and in a cluster on
-// the peer's too (whose producer multicasts into this slot as well).
+// its peers' too (whose producers multicast into this slot as well).
 struct Release {
     uint64_t* empty;
-    uint32_t peer_empty;  // the peer's empty barriers (shared::cluster), in a cluster of two
+    uint32_t peer_empty[2];  // the peers' empty barriers (shared::cluster): the rows' peer, then the weights'
     int lane;
+    __device__ __forceinline__ Release(uint64_t* empty_, int rank, int lane_) : empty(empty_), lane(lane_) {
+        peer_empty[0] = kShareRows ? peer_address(empty, rows_peer(rank)) : 0u;
+        peer_empty[1] = kShareWeights ? peer_address(empty, rank ^ 1) : 0u;
+    }
     __device__ __forceinline__ void operator()(int s) const {
         if (lane != 0) return;
         bar_arrive(&empty[s]);
-        if (kCluster == 2) bar_arrive_remote(peer_empty + 8 * s);
+        if (kShareRows) bar_arrive_remote(peer_empty[0] + 8 * s);
+        if (kShareWeights) bar_arrive_remote(peer_empty[1] + 8 * s);
     }
 };
 
@@ -460,12 +473,13 @@ __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensor
                 continue;
             }
             bar_expect(&full[s], kTiles * kBBytes + (which == kBoth ? 2 : 1) * kABytes);
-            if (kCluster == 1 || kShareWeights) {
+            if (!kShareRows) {
                 if (which != 1) tma_load(slot, &a_map, k0, t.block0 * kBlockM, &full[s]);
                 if (which != 0) tma_load(slot + kABytes, &a_map, k0, (t.block0 + 1) * kBlockM, &full[s]);
-            } else if (which == kBoth || rank == 0) {  // rank r multicasts block r (a lone block: rank 0)
-                const int block = which == kBoth ? rank : which;
-                tma_load_multicast(slot + block * kABytes, &a_map, k0, (t.block0 + block) * kBlockM, &full[s], 3);
+            } else if (which == kBoth || rows_rank(rank) == 0) {  // the rows' rank r multicasts block r (a lone one: 0)
+                const int block = which == kBoth ? rows_rank(rank) : which;
+                const uint16_t both = (1u << rank) | (1u << rows_peer(rank));
+                tma_load_multicast(slot + block * kABytes, &a_map, k0, (t.block0 + block) * kBlockM, &full[s], both);
             }
             const int row = (which == 1 ? t.expert1 : t.expert0) * expert_rows + t.n0;
             if (halves(GATE_UP)) {  // 64 gate rows, then the same columns' 64 up rows: one 128-row operand
@@ -474,8 +488,11 @@ __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensor
                 continue;
             }
             const int second = GATE_UP ? p.n : kBlockN;  // the slot's second weight tile: up's rows, the next columns
-            if (kShareWeights && t.shared) {  // rank r loads tile r into both CTAs
-                tma_load_multicast(slot + 2 * kABytes + rank * kBBytes, &b_map, k0, row + rank * second, &full[s], 3);
+            if (kShareWeights && t.shared) {  // the weights' rank r loads tile r into both CTAs
+                const int mine = rank & 1;
+                const uint16_t both = (1u << rank) | (1u << (rank ^ 1));
+                tma_load_multicast(slot + 2 * kABytes + mine * kBBytes, &b_map, k0, row + mine * second, &full[s],
+                                   both);
                 continue;
             }
             tma_load(slot + 2 * kABytes, &b_map, k0, row, &full[s]);
@@ -491,7 +508,7 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
     constexpr int kTiles = tiles_of(GATE_UP);
     constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
-    const Release release{empty, kCluster == 2 ? peer_address(empty, rank ^ 1) : 0u, lane};
+    const Release release(empty, rank, lane);
 
     const int c = warp / 4 - 1;
     const int row0 = (warp % 4) * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8 of the block
@@ -615,7 +632,7 @@ __device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, 
     constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kBBytes;
     constexpr bool kHalves = halves(GATE_UP);
-    const Release release{empty, kCluster == 2 ? peer_address(empty, rank ^ 1) : 0u, lane};
+    const Release release(empty, rank, lane);
     const int c = warp / 4 - 1;
     const int row0 = (warp % 4) * 16 + lane / 4;
     int slot = 0, phase = 0;  // the ring position this consumer waits for next
@@ -724,7 +741,7 @@ __global__ void __launch_bounds__(384, 1)
     uint64_t* tile_empty = tile_full + 2;
     const int num_tiles = units_of(p.num_blocks) * (p.n / columns_per_tile(columns_of(GATE_UP)));  // (clusters')
     const int expert_rows = (GATE_UP ? 2 : 1) * p.n;  // rows of one expert's weight
-    const int rank = kCluster == 2 ? cluster_rank() : 0;
+    const int rank = kCluster > 1 ? cluster_rank() : 0;
     const int first_tile = blockIdx.x / kCluster, tile_stride = gridDim.x / kCluster;
     const TileSource tiles{first_tile, tile_stride, p.tile_counter, tile_full, tile_empty,
                            reinterpret_cast<int*>(tile_empty + 2)};
@@ -733,7 +750,7 @@ __global__ void __launch_bounds__(384, 1)
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStagesHere; ++s) {
             bar_init(&full[s], 1);
-            bar_init(&empty[s], kCluster * kConsumerWarps);
+            bar_init(&empty[s], (1 + kPeers) * kConsumerWarps);
         }
         for (int u = 0; kDynamic && u < 2; ++u) {
             bar_init(&tile_full[u], 1);
@@ -741,8 +758,8 @@ __global__ void __launch_bounds__(384, 1)
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    if (kCluster == 2)
-        cluster_sync();  // the peer's barriers exist before any multicast or remote arrival reaches them
+    if (kCluster > 1)
+        cluster_sync();  // the peers' barriers exist before any multicast or remote arrival reaches them
     else
         __syncthreads();
 
@@ -753,7 +770,7 @@ __global__ void __launch_bounds__(384, 1)
         __syncwarp();
         if (halves(GATE_UP))  // the consumers' exchange of their rows' maxima (one tile a cluster)
             for (int index = first_tile; index < num_tiles; index += tile_stride) cluster_sync();
-        if (kCluster == 2) cluster_sync();  // neither CTA leaves while its peer may still write into it
+        if (kCluster > 1) cluster_sync();  // no CTA leaves while a peer may still write into it
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -762,7 +779,7 @@ __global__ void __launch_bounds__(384, 1)
                                             lane, row_max);
     else
         consume<GATE_UP>(p, smem, full, empty, tiles, num_tiles, rank, warp, lane);
-    if (kCluster == 2) cluster_sync();
+    if (kCluster > 1) cluster_sync();
 }
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
