@@ -2,6 +2,8 @@
 kernels they would replace, at prefill sizes on one GPU, same process, interleaved.
 
     python benchmarks/kernels/moe_grouped_cuda.py [--tokens 8192,13312] [--variants NAME,...|all] [--out DIR]
+    ncu --kernel-name regex:grouped_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+        python benchmarks/kernels/moe_grouped_cuda.py --tokens 13312 --for-profiler [VARIANT]
 
 GLM-5.3-Flash's routed experts (288, top-8, D 4096, I 2048), random e4m3 weights with block scales, tokens
 routed uniformly at random; the down GEMMs read h from hylo's Triton gate|up stage. Outputs are compared
@@ -208,6 +210,23 @@ def one_size(tokens: int, libraries: dict, ceiling: float, reps: int, gate_up_w,
     rec(f"T{tokens}_gather_rows_us", round(gather, 1))
 
 
+def calls_for_a_profiler(tokens: int, variant: str | None) -> None:
+    """Three gate|up calls of one build (the shipped one, or `variant`) at `tokens`, nothing timed: for Nsight
+    Compute (`ncu --kernel-name regex:grouped_kernel --launch-skip 2 --launch-count 1 ...`)."""
+    library = grouped_cuda.load_library(defines=VARIANTS[variant] if variant else ())
+    gate_up, gate_up_scale = fp8_weights((EXPERTS, 2 * INTER, HIDDEN), 1)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    ids = torch.rand(tokens, EXPERTS, generator=gen, device="cuda").topk(TOP_K, dim=1).indices.int()
+    config = kernels.default_config(tokens * TOP_K, EXPERTS, True)
+    xq, x_scale = quantize_groups(x)
+    layout = routing.align(ids, EXPERTS, config.block_m)
+    xg, xg_scale = kernels.gather_rows(xq, x_scale, layout, TOP_K)
+    for _ in range(3):
+        grouped_cuda.gate_up(xg, xg_scale, gate_up, gate_up_scale, layout, LIMIT, library)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -216,7 +235,14 @@ def main() -> None:
     parser.add_argument("--variants", default="", help=f"comma-separated names of {sorted(VARIANTS)}, or all")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument(
+        "--for-profiler", metavar="VARIANT", nargs="?", const="",
+        help="only three gate|up calls at the first --tokens (the shipped build, or VARIANT), for ncu",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.for_profiler is not None:
+        calls_for_a_profiler(int(args.tokens.split(",")[0]), args.for_profiler or None)
+        return
     variants = list(VARIANTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
     section("grouped", run, [int(t) for t in args.tokens.split(",")], variants, args.reps)
     out = Path(args.out)
