@@ -1,9 +1,9 @@
-"""The CUDA grouped FP8 GEMMs (`hylo.ops.moe.grouped_cuda`: gate|up and down) against the Triton TMA
+r"""The CUDA grouped FP8 GEMMs (`hylo.ops.moe.grouped_cuda`: gate|up and down) against the Triton TMA
 kernels they would replace, at prefill sizes on one GPU, same process, interleaved.
 
     python benchmarks/kernels/moe_grouped_cuda.py [--tokens 8192,13312] [--variants NAME,...|all] [--out DIR]
-    ncu --kernel-name regex:grouped_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight \
-        python benchmarks/kernels/moe_grouped_cuda.py --tokens 13312 --for-profiler [VARIANT]
+    ncu --kernel-name regex:grouped_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight python \
+        benchmarks/kernels/moe_grouped_cuda.py --tokens 13312 --for-profiler [VARIANT]
 
 GLM-5.3-Flash's routed experts (288, top-8, D 4096, I 2048), random e4m3 weights with block scales, tokens
 routed uniformly at random; the down GEMMs read h from hylo's Triton gate|up stage. Outputs are compared
