@@ -135,15 +135,21 @@ def run(tokens_list: list[int], variants: list[str], reps: int) -> None:
         one_size(tokens, libraries, ceiling, reps, (gate_up, gate_up_scale), (down, down_scale))
 
 
-def one_size(tokens: int, libraries: dict, ceiling: float, reps: int, gate_up_w, down_w) -> None:
-    (gate_up, gate_up_scale), (down, down_scale) = gate_up_w, down_w
+def routed_tokens(tokens: int):
+    """`tokens` random rows quantised (xq, x_scale), routed uniformly (pair weights), the prefill
+    configuration and the alignment of their pairs: the same for every call at one size."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
     ids = torch.rand(tokens, EXPERTS, generator=gen, device="cuda").topk(TOP_K, dim=1).indices.int()
     weights = torch.rand(tokens, TOP_K, generator=gen, device="cuda").softmax(1)
     config = kernels.default_config(tokens * TOP_K, EXPERTS, True)
     xq, x_scale = quantize_groups(x)
-    layout = routing.align(ids, EXPERTS, config.block_m)
+    return xq, x_scale, weights, config, routing.align(ids, EXPERTS, config.block_m)
+
+
+def one_size(tokens: int, libraries: dict, ceiling: float, reps: int, gate_up_w, down_w) -> None:
+    (gate_up, gate_up_scale), (down, down_scale) = gate_up_w, down_w
+    xq, x_scale, weights, config, layout = routed_tokens(tokens)
     h, h_scale = triton_only(kernels.gate_up_stage, xq, x_scale, gate_up, gate_up_scale, layout, TOP_K, LIMIT,
                              config)  # fmt: skip
     refusal = grouped_cuda.operand_refusal(h, down, down_scale, layout)
@@ -215,12 +221,7 @@ def calls_for_a_profiler(tokens: int, variant: str | None) -> None:
     Compute (`ncu --kernel-name regex:grouped_kernel --launch-skip 2 --launch-count 1 ...`)."""
     library = grouped_cuda.load_library(defines=VARIANTS[variant] if variant else ())
     gate_up, gate_up_scale = fp8_weights((EXPERTS, 2 * INTER, HIDDEN), 1)
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
-    ids = torch.rand(tokens, EXPERTS, generator=gen, device="cuda").topk(TOP_K, dim=1).indices.int()
-    config = kernels.default_config(tokens * TOP_K, EXPERTS, True)
-    xq, x_scale = quantize_groups(x)
-    layout = routing.align(ids, EXPERTS, config.block_m)
+    xq, x_scale, _, _, layout = routed_tokens(tokens)
     xg, xg_scale = kernels.gather_rows(xq, x_scale, layout, TOP_K)
     for _ in range(3):
         grouped_cuda.gate_up(xg, xg_scale, gate_up, gate_up_scale, layout, LIMIT, library)
