@@ -282,6 +282,18 @@ def _conv_gate_kernel(
 
 
 @triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr):
+    """acc + a @ b of fp32 tiles: `PREC` a `tl.dot` input precision, or "bf16" for both operands rounded to
+    bf16 (fp32's exponent range: the anchored gate factors reach 2^±58; the products are exact in the
+    fp32 accumulator)."""
+    if PREC == "bf16":
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        out = tl.dot(a, b, acc, input_precision=PREC)
+    return out
+
+
+@triton.jit
 def _chunk_inverse(
     y_q,
     y_k,
@@ -324,9 +336,9 @@ def _chunk_inverse(
         block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
         cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
         cols = tl.trans(cols, (0, 2, 1))
-        akk = tl.dot(yk * row_scale, cols, akk, input_precision=GRAM_PREC)
-        aqk = tl.dot(yq * row_scale, cols, aqk, input_precision=GRAM_PREC)
-        kk_diag = tl.dot(yk * row_scale, tl.trans(kc, (0, 2, 1)), kk_diag, input_precision=GRAM_PREC)
+        akk = _dot(yk * row_scale, cols, akk, GRAM_PREC)
+        aqk = _dot(yq * row_scale, cols, aqk, GRAM_PREC)
+        kk_diag = _dot(yk * row_scale, tl.trans(kc, (0, 2, 1)), kk_diag, GRAM_PREC)
 
     rk = tl.load(rn_k + tl.arange(0, BT))[None, None, :]
     j3 = tl.arange(0, BT)[None, None, :]
@@ -345,11 +357,9 @@ def _chunk_inverse(
     r2 = tl.arange(0, BT)
     eye = (r2[:, None] == r2[None, :]).to(tl.float32)
     off_diag = tl.where((r2[None, :] // BC) < (r2[:, None] // BC), tl.reshape(low, [BT, BT]), 0.0)
-    nil = tl.dot(x_diag, off_diag, input_precision=MERGE_PREC)
-    nil2 = tl.dot(nil, nil, input_precision=MERGE_PREC)
-    return tl.dot(
-        tl.dot(eye - nil, eye + nil2, input_precision=MERGE_PREC), x_diag, input_precision=MERGE_PREC
-    )
+    nil = _dot(x_diag, off_diag, None, MERGE_PREC)
+    nil2 = _dot(nil, nil, None, MERGE_PREC)
+    return _dot(_dot(eye - nil, eye + nil2, None, MERGE_PREC), x_diag, None, MERGE_PREC)
 
 
 @triton.jit
@@ -370,6 +380,7 @@ def _chunk_outputs(
     D: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
+    OUT_PREC: tl.constexpr,
 ):
     """Columns c0.. of w, q̄, k̄, u of one chunk (pointers at its [BT, D] tiles)."""
     r = tl.arange(0, BT)[:, None]
@@ -377,7 +388,7 @@ def _chunk_outputs(
     off = r * D + col
     # each tile is stored as soon as it is made, w last, so that few [BT, BK] tiles are live at once
     bt = tl.load(beta + r)
-    u = tl.dot(inv, bt * tl.load(y_v + off).to(tl.float32), input_precision="tf32")
+    u = _dot(inv, bt * tl.load(y_v + off).to(tl.float32), None, OUT_PREC)
     tl.store(u_out + off, u.to(u_out.dtype.element_ty))
     g = tl.load(gcum + off)
     decay = tl.exp2(g)
@@ -385,7 +396,7 @@ def _chunk_outputs(
     tl.store(qg_out + off, (q * decay).to(qg_out.dtype.element_ty))
     k = tl.load(y_k + off).to(tl.float32) * tl.load(rn_k + r)
     tl.store(kg_out + off, (k * tl.exp2(tl.load(gcum + (BT - 1) * D + col) - g)).to(kg_out.dtype.element_ty))
-    w = tl.dot(inv, bt * k * decay, input_precision="tf32")
+    w = _dot(inv, bt * k * decay, None, OUT_PREC)
     tl.store(w_out + off, w.to(w_out.dtype.element_ty))
 
 
@@ -411,6 +422,7 @@ def _intra_kernel(
     GRAM_PREC: tl.constexpr,
     SOLVE_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr,
+    OUT_PREC: tl.constexpr,
 ):
     pid, h = tl.program_id(0), tl.program_id(1)
     tile = (pid * H + h) * BT * D
@@ -456,6 +468,7 @@ def _intra_kernel(
             D,
             BT,
             BK2,
+            OUT_PREC,
         )
 
 
@@ -647,6 +660,7 @@ PREP_KEYS = frozenset(
         "gram_precision",
         "solve_precision",
         "merge_precision",
+        "output_precision",
         "block_k",
         "gram_unroll",
         "conv_order",
@@ -698,9 +712,10 @@ def prep(
     conv_warps: int = 2,
     intra_warps: int = 4,
     intra_stages: int = 1,
-    gram_precision: str = "tf32",
+    gram_precision: str | None = None,
     solve_precision: str = "tf32x3",
-    merge_precision: str = "tf32",
+    merge_precision: str | None = None,
+    output_precision: str | None = None,
     block_k: int = 64,
     gram_unroll: int = 1,
     conv_order: str = "head",
@@ -708,13 +723,16 @@ def prep(
     """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
     e^{G_C} `[chunks, H, d]`.
 
-    `gram_precision` / `solve_precision` / `merge_precision` are the `tl.dot` modes of the fp32 Gram, the
-    16×16 inverses (tf32x3: their Neumann product amplifies rounding) and the 64×64 merge; `block_k` is
-    the column block of the w/u products, `gram_unroll` the unrolling of the Gram loop. The first
-    launch convolves `conv_rows` rows (a power of two from W-1 to 64) per program and takes the gate in
-    `gate_cols` columns, both with `conv_warps` warps; its programs run chunk after chunk of one head and
-    part (`conv_order="chunk"`) or head after head of one chunk and part ("head"). The defaults measured
-    fastest on the H200 (first launch at T=13312: 975 us; chunk order with 4 warps 1179 us before the
+    `gram_precision` / `solve_precision` / `merge_precision` / `output_precision` are the `tl.dot` modes of
+    the Gram, the 16×16 inverses (tf32x3: their Neumann product amplifies rounding), the 64×64 merge and the
+    w/u products: a `tl.dot` input precision for fp32 operands, or "bf16" for operands rounded to bf16. None
+    takes "bf16" for bf16 activations (H100, T=13312, 64 heads: the in-chunk launch 1546 -> 1318 us, the
+    output's error against the fp32 reference 3.9e-3 -> 4.4e-3, FLA's own 4.5e-3: benchmarks/RESULTS.md S44-1)
+    and "tf32" otherwise; `block_k` is the column block of the w/u products, `gram_unroll` the unrolling of
+    the Gram loop. The first launch convolves `conv_rows` rows (a power of two from W-1 to 64) per program and
+    takes the gate in `gate_cols` columns, both with `conv_warps` warps; its programs run chunk after chunk of
+    one head and part (`conv_order="chunk"`) or head after head of one chunk and part ("head"). The defaults
+    measured fastest on the H200 (first launch at T=13312: 975 us; chunk order with 4 warps 1179 us before the
     fast sigmoid; 8-row or 32/64-row conv blocks, 16/64/128-column gate blocks, 1, 4 or 8 warps, the gate's
     cumulative sum as a triangular tl.dot, and the conv taps shifted out of one tile by tl.dot were all
     slower: benchmarks/RESULTS.md, session 5). Reads the slots' windows, not their states."""
@@ -724,6 +742,10 @@ def prep(
     d = q.shape[1] // h
     n_seq = slot_ids.shape[0]
     width = params.conv_weight.shape[1]
+    products = "bf16" if q.dtype == torch.bfloat16 else "tf32"
+    gram_precision, merge_precision, output_precision = (
+        products if mode is None else mode for mode in (gram_precision, merge_precision, output_precision)
+    )
     if not -5.0 <= lower_bound < 0:
         raise ValueError(f"the chunked Triton path needs -5 <= lower_bound < 0, got {lower_bound}")
     if conv_rows not in (8, 16, 32, 64) or conv_rows < width - 1:
@@ -807,6 +829,7 @@ def prep(
         GRAM_PREC=gram_precision,
         SOLVE_PREC=solve_precision,
         MERGE_PREC=merge_precision,
+        OUT_PREC=output_precision,
         num_warps=intra_warps,
         num_stages=intra_stages,
     )
