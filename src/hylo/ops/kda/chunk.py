@@ -661,7 +661,6 @@ PREP_KEYS = frozenset(
         "solve_precision",
         "merge_precision",
         "output_precision",
-        "block_k",
         "gram_unroll",
         "conv_order",
     }
@@ -716,7 +715,6 @@ def prep(
     solve_precision: str = "tf32x3",
     merge_precision: str | None = None,
     output_precision: str | None = None,
-    block_k: int = 64,
     gram_unroll: int = 1,
     conv_order: str = "head",
 ) -> tuple[torch.Tensor, ...]:
@@ -727,15 +725,18 @@ def prep(
     the Gram, the 16×16 inverses (tf32x3: their Neumann product amplifies rounding), the 64×64 merge and the
     w/u products: a `tl.dot` input precision for fp32 operands, or "bf16" for operands rounded to bf16. None
     takes "bf16" for bf16 activations (H100, T=13312, 64 heads: the in-chunk launch 1546 -> 1318 us, the
-    output's error against the fp32 reference 3.9e-3 -> 4.4e-3, FLA's own 4.5e-3: benchmarks/RESULTS.md S44-1)
-    and "tf32" otherwise; `block_k` is the column block of the w/u products, `gram_unroll` the unrolling of
-    the Gram loop. The first launch convolves `conv_rows` rows (a power of two from W-1 to 64) per program and
-    takes the gate in `gate_cols` columns, both with `conv_warps` warps; its programs run chunk after chunk of
-    one head and part (`conv_order="chunk"`) or head after head of one chunk and part ("head"). The defaults
-    measured fastest on the H200 (first launch at T=13312: 975 us; chunk order with 4 warps 1179 us before the
-    fast sigmoid; 8-row or 32/64-row conv blocks, 16/64/128-column gate blocks, 1, 4 or 8 warps, the gate's
-    cumulative sum as a triangular tl.dot, and the conv taps shifted out of one tile by tl.dot were all
-    slower: benchmarks/RESULTS.md, session 5). Reads the slots' windows, not their states."""
+    output's error against the fp32 reference 3.9e-3 -> 4.4e-3, FLA's own 4.5e-3: benchmarks/RESULTS.md
+    S44-1) and "tf32" otherwise; the w/u products take 64 columns at a time (32, on the H100, ended in an
+    illegal address: S44-2), `gram_unroll` is the unrolling of the Gram loop. The first launch convolves
+    `conv_rows` rows (a power of two from W-1 to 64) per program and takes the gate in `gate_cols` columns,
+    both with `conv_warps` warps; its programs run chunk after chunk of one head and part
+    (`conv_order="chunk"`) or head after head of one chunk and part ("head"). The defaults measured fastest
+    on the H200 (first launch at T=13312: 975 us; chunk order with 4 warps 1179 us before the fast sigmoid;
+    8-row or 32/64-row conv blocks, 16/64/128-column gate blocks, 1, 4 or 8 warps, the gate's cumulative sum
+    as a triangular tl.dot, and the conv taps shifted out of one tile by tl.dot were all slower:
+    benchmarks/RESULTS.md, session 5; on the H100, 32-row conv blocks, 64-column gate blocks and 4 warps
+    again, and the in-chunk launch on 2 warps, in 2 stages or with its Gram loop unrolled twice: S44-2).
+    Reads the slots' windows, not their states."""
     q, k, v, f, b = x.tensors
     conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
     h = slots.state_pool.shape[1]
@@ -824,7 +825,7 @@ def prep(
         BT=BT,
         BC=BC,
         BK1=min(16, d),
-        BK2=min(block_k, d),
+        BK2=min(64, d),
         UNROLL=gram_unroll,
         GRAM_PREC=gram_precision,
         SOLVE_PREC=solve_precision,
