@@ -212,29 +212,22 @@ def test_the_kernels_sharing_the_hopper_header_compile_for_hopper(tmp_path, monk
     [
         (),  # the shipped build: persistent, 256-column down tiles
         ("HYLO_GROUPED_PERSISTENT=0", "HYLO_GROUPED_WIDE_DOWN=0"),  # one CTA a tile, as S42 ran it
-        ("HYLO_GROUPED_CLUSTER=2",),  # clusters sharing a pair's rows
-        ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_SHARE_WEIGHTS=1"),  # clusters sharing two pairs' weights
-        ("HYLO_GROUPED_CLUSTER=4", "HYLO_GROUPED_SHARE_WEIGHTS=1"),  # 2 x 2: both
     ],
 )
 def test_the_grouped_gemms_schedules_compile_and_check_their_columns(tmp_path, monkeypatch, caplog, defines):
     """The grouped GEMMs' shipped and benchmark schedules build for Hopper with no wgmma serialised, and
-    each library reads the columns where the `GroupedCall` puts them: a multiple of its tile's (a CTA's:
-    gate|up 128, down 256 or narrow 128; twice that where a cluster shares one pair's rows across two
-    column tiles, in clusters of two without shared weights and of four), or 1003; then the rows' address
-    (8: off the 16-byte grid a tensor map needs, 1002, or 1001 with no driver at all)."""
+    each library reads the columns where the `GroupedCall` puts them: a multiple of a CTA's (gate|up 128,
+    down 256 or narrow 128), or 1003; then the rows' address (8: off the 16-byte grid a tensor map needs,
+    1002, or 1001 with no driver at all)."""
     monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
     from hylo.ops.moe import grouped_cuda
 
     with caplog.at_level(logging.WARNING, logger=cuda_build.logger.name):
         library = grouped_cuda.load_library(defines=defines)
     assert not [r.getMessage() for r in caplog.records if "Performance Loss" in r.getMessage()]
-    cluster = 4 if "HYLO_GROUPED_CLUSTER=4" in defines else 2 if "HYLO_GROUPED_CLUSTER=2" in defines else 1
-    share_rows = cluster == 4 or (cluster == 2 and "HYLO_GROUPED_SHARE_WEIGHTS=1" not in defines)
-    tiles = 2 if share_rows else 1
     down = 128 if "HYLO_GROUPED_WIDE_DOWN=0" in defines else 256
     rows = grouped_cuda.ScaledRows(data=8, stride=4096, count=64)
-    for gate_up, columns in ((True, 128 * tiles), (False, down * tiles)):
+    for gate_up, columns in ((True, 128), (False, down)):
         for n, codes in ((columns, {1001, 1002}), (columns // 2, {1003}), (columns + 72, {1003})):
             call = grouped_cuda.GroupedCall(gate_up=int(gate_up), n=n, k=4096, a=rows)
             assert library.hylo_grouped_gemm(ctypes.byref(call), None) in codes, (gate_up, n)

@@ -11,7 +11,7 @@ routed uniformly at random; the down GEMMs read h from hylo's Triton gate|up sta
 element against the row's largest, the share of equal elements) and timed as CUDA-graph medians, interleaved
 over `--reps` rounds. TFLOP/s count the real pairs only (2·T·k·D·I), against the FP8 matmul ceiling measured
 in the same run. `--variants` also builds the kernel one CTA a tile (S42's build), with other ring depths
-and pair groups, clustered, or as probes that take its time apart (`HYLO_GROUPED_*`).
+and pair groups, or as probes that take its time apart (`HYLO_GROUPED_*`).
 """
 
 from __future__ import annotations
@@ -44,15 +44,6 @@ VARIANTS = {
     "group16": ("HYLO_GROUPED_GROUP=16",),
     "gate_up_stages3": ("HYLO_GROUPED_GATE_UP_STAGES=3",),
     "mixed_sequential": ("HYLO_GROUPED_MIXED_SEQUENTIAL=1",),
-    "cluster2": ("HYLO_GROUPED_CLUSTER=2",),
-    # clusters of two taking neighbouring pairs; where both are one expert's, weight tiles multicast to both
-    "share_weights": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_SHARE_WEIGHTS=1"),
-    # clusters of four: two pairs x two column tiles (rows multicast across columns, weights across pairs)
-    "share_both": ("HYLO_GROUPED_CLUSTER=4", "HYLO_GROUPED_SHARE_WEIGHTS=1"),
-    # two products a consumer (promote one step while the next multiplies); gate|up in 64-column halves
-    "pipelined": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_PIPELINED=1"),
-    "pipelined_fast": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_PIPELINED=1", "HYLO_GROUPED_FAST_EPILOGUE=1"),
-    "cluster2_early": ("HYLO_GROUPED_CLUSTER=2", "HYLO_GROUPED_EARLY_RELEASE=1"),
     "early_release": ("HYLO_GROUPED_EARLY_RELEASE=1",),
     "fast_epilogue": ("HYLO_GROUPED_FAST_EPILOGUE=1",),
     "early_fast": ("HYLO_GROUPED_EARLY_RELEASE=1", "HYLO_GROUPED_FAST_EPILOGUE=1"),
@@ -157,10 +148,6 @@ def one_size(tokens: int, libraries: dict, ceiling: float, reps: int, gate_up_w,
     expert = layout.block_expert[: layout.block_expert.numel() // 2 * 2].view(-1, 2)
     # pairs whose two blocks hold different experts walk the ring twice, one consumer at a time
     rec(f"T{tokens}_mixed_pair_share", round(float((expert[:, 0] != expert[:, 1]).float().mean()), 4))
-    # duos of neighbouring pairs whose four blocks are one expert's: where `share_weights` multicasts
-    whole = expert[: expert.shape[0] // 2 * 2].reshape(-1, 4)
-    one_expert = (whole == whole[:, :1]).all(1) & (whole[:, 0] >= 0)
-    rec(f"T{tokens}_one_expert_duo_share", round(float(one_expert.float().mean()), 4))
     if refusal:
         return
     # timed even where the check on this GPU failed (the figures say what a fix would be worth)

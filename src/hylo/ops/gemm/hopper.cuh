@@ -45,44 +45,6 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
         : "memory");
 }
 
-// As `tma_load`, into the same offset of every CTA of the cluster in `mask` (bit r: rank r), completing on each
-// one's barrier at `bar`'s offset.
-__device__ __forceinline__ void tma_load_multicast(void* dst, const CUtensorMap* map, int inner, int outer, uint64_t* bar,
-                                                   uint16_t mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3}], [%4], %5;"
-        ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(smem_u32(bar)),
-        "h"(mask)
-        : "memory");
-}
-
-// This CTA's rank in its cluster.
-__device__ __forceinline__ int cluster_rank() {
-    uint32_t rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    return static_cast<int>(rank);
-}
-
-// Every thread of every CTA of the cluster: arrive, then wait for the others (release / acquire).
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The shared::cluster address of `p`'s offset in the CTA of rank `rank`.
-__device__ __forceinline__ uint32_t peer_address(const void* p, int rank) {
-    uint32_t address;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(address) : "r"(smem_u32(p)), "r"(rank));
-    return address;
-}
-
-// An arrival on the mbarrier at a shared::cluster address (another CTA's, from `peer_address`). Release at the
-// CTA's scope only: an arrival that frees a slot publishes no writes of this thread (its reads are done), and a
-// cluster-scope release costs a GPU-wide memory barrier.
-__device__ __forceinline__ void bar_arrive_remote(uint32_t address) {
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(address) : "memory");
-}
-
 // The generic proxy's shared-memory writes made so far by this thread (stores, completed cp.async copies)
 // ordered before the async proxy's later reads (wgmma operands, TMA stores).
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -118,13 +80,6 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_operands(float* d) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// A float at a shared::cluster address (another CTA's, from `peer_address`).
-__device__ __forceinline__ float ld_shared_cluster(uint32_t address) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
-    return v;
 }
 
 }  // namespace hopper

@@ -25,10 +25,13 @@
 // producer fills the next tile's first slots during the consumers' epilogue; down's CTAs take 256 columns (two
 // weight tiles a slot) as gate|up's do.
 //
-// Benchmark variants (macros below, `benchmarks/kernels/moe_grouped_cuda.py --variants`): clusters of two CTAs
-// sharing a pair's rows by multicast or two pairs' weight tiles, or of four sharing both; pipelined consumers
-// that hold two products and promote one step while the next multiplies (gate|up then splits each 128-column
-// group between a cluster's two CTAs); probes that take the time apart.
+// Benchmark variants (macros below, `benchmarks/kernels/moe_grouped_cuda.py --variants`): S42's one CTA a tile,
+// other schedules, ring depths and epilogues; probes that take the time apart. Clusters of CTAs sharing a pair's
+// rows or two pairs' weight tiles by TMA multicast (and the pipelined consumers, whose gate|up split its groups
+// across a cluster, S42-1) were measured and removed, less L2 traffic having bought no time: gate|up at 13312
+// tokens on an H100 took 4990 us in this build, 5156 in clusters of two sharing rows (5246 one CTA a tile), and
+// under Nsight 4.73 ms against 4.81 (rows shared) and 5.79 (weight tiles shared: L2 throughput 77.9% against
+// 83.7%), while the 2 x 2 clusters computed wrong rows and failed in a CUDA graph (RESULTS S44-0).
 //
 // Shared memory: 1024-aligned slots of [A0 64×128 | A1 64×128 | B 128×128] bytes, TMA's 128-byte swizzle,
 // which is the layout wgmma's K-major descriptors read (8-row atoms 1024 bytes apart; a 32-deep K step
@@ -51,7 +54,7 @@
 #define HYLO_GROUPED_GATE_UP_STAGES 4
 #endif
 #ifndef HYLO_GROUPED_PERSISTENT
-#define HYLO_GROUPED_PERSISTENT (HYLO_GROUPED_CLUSTER == 1)  // one CTA a SM walks the tiles (0: one CTA a tile)
+#define HYLO_GROUPED_PERSISTENT 1  // one CTA a SM walks the tiles (0: one CTA a tile)
 #endif
 #ifndef HYLO_GROUPED_GROUP
 #define HYLO_GROUPED_GROUP 8  // pairs that sweep the column tiles together (their weight tiles stay in L2)
@@ -67,7 +70,7 @@
 // chain's latency), 4 without the promotion (the MMAs and their waits), 5 the MMAs alone, never waited on
 // inside the tile (the tensor cores' rate from shared memory). Two more at 18200ad (RESULTS S43-1: gate's and
 // up's chains interleaved, one m64n256k32 product a step) ran as fast as 5 and were dropped.
-[[maybe_unused]] constexpr bool kStaleSlots = HYLO_GROUPED_PROBE >= 2;
+constexpr bool kStaleSlots = HYLO_GROUPED_PROBE >= 2;
 #ifndef HYLO_GROUPED_PROBE_REPEAT
 #define HYLO_GROUPED_PROBE_REPEAT 1  // R > 1, stale-slot probes only: every tile walks its K steps R times
 #endif
@@ -75,9 +78,9 @@
 // from its K steps': t(1) - (t(2) - t(1)) is the fixed part.
 constexpr int kRepeat = HYLO_GROUPED_PROBE_REPEAT;
 static_assert(kRepeat == 1 || (kStaleSlots && !HYLO_GROUPED_MIXED_SEQUENTIAL), "repeats are for stale-slot probes");
-[[maybe_unused]] constexpr bool kOneConsumer = HYLO_GROUPED_PROBE == 3;
-[[maybe_unused]] constexpr bool kPromote = HYLO_GROUPED_PROBE != 4 && HYLO_GROUPED_PROBE != 5;
-[[maybe_unused]] constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE != 5;
+constexpr bool kOneConsumer = HYLO_GROUPED_PROBE == 3;
+constexpr bool kPromote = HYLO_GROUPED_PROBE != 4 && HYLO_GROUPED_PROBE != 5;
+constexpr bool kWaitEachStep = HYLO_GROUPED_PROBE != 5;
 
 #ifndef HYLO_GROUPED_EARLY_RELEASE
 #define HYLO_GROUPED_EARLY_RELEASE 0  // 1: a slot is released once its last product is in registers, before promoting
@@ -85,17 +88,8 @@ static_assert(kRepeat == 1 || (kStaleSlots && !HYLO_GROUPED_MIXED_SEQUENTIAL), "
 #ifndef HYLO_GROUPED_FAST_EPILOGUE
 #define HYLO_GROUPED_FAST_EPILOGUE 0  // 1: gate|up's epilogue multiplies by reciprocals (sigmoid, quantisation)
 #endif
-[[maybe_unused]] constexpr bool kEarlyRelease = HYLO_GROUPED_EARLY_RELEASE && kWaitEachStep;
+constexpr bool kEarlyRelease = HYLO_GROUPED_EARLY_RELEASE && kWaitEachStep;
 
-#ifndef HYLO_GROUPED_CLUSTER
-#define HYLO_GROUPED_CLUSTER 1  // 2: two CTAs of a cluster take one pair's neighbouring column tiles, sharing its rows
-#endif
-// In a cluster of two, each CTA's producer loads one of the pair's row blocks and multicasts it into both CTAs'
-// slots (a step's rows cross L2 once for the two column tiles); a slot is refilled once both CTAs' consumers
-// released it, so every consumer warp arrives on its own CTA's empty barrier and on its peer's.
-constexpr int kCluster = HYLO_GROUPED_CLUSTER;
-static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of one, two or four CTAs");
-static_assert(kCluster == 1 || !HYLO_GROUPED_PERSISTENT, "clusters launch one CTA a tile");
 #ifndef HYLO_GROUPED_DYNAMIC
 #define HYLO_GROUPED_DYNAMIC HYLO_GROUPED_PERSISTENT  // persistent: each CTA's next tile from a counter (0: a stride)
 #endif
@@ -105,19 +99,7 @@ static_assert(kCluster == 1 || !HYLO_GROUPED_PERSISTENT, "clusters launch one CT
 // producer fills the next tile's slots during the consumers' epilogue. The producer thread takes each tile
 // index and hands it to the consumers through a two-entry ring in shared memory.
 constexpr bool kDynamic = HYLO_GROUPED_DYNAMIC;
-static_assert(!kDynamic || (HYLO_GROUPED_PERSISTENT && kCluster == 1), "dynamic tiles: persistent, no clusters");
-#ifndef HYLO_GROUPED_SHARE_WEIGHTS
-#define HYLO_GROUPED_SHARE_WEIGHTS 0  // 1 (clusters of 2 or 4): CTAs take neighbouring pairs, sharing weight tiles
-#endif
-// The kernel is bound by L2's bandwidth to the SMs (RESULTS S43-1: a 128 x 256 tile pulls 1 MB of weights and
-// 512 KB of rows through L2). With shared weights the two CTAs of a cluster take two neighbouring pairs (a "duo")
-// at the same columns; where both pairs are one expert's, the same one's, each CTA's producer loads one of the
-// slot's two weight tiles and multicasts it into both CTAs (a step's weights cross L2 once for 256 rows), and
-// loads its own pair's rows itself. Otherwise each loads its own weights. Either way the two rings advance in
-// step (every slot is released to both CTAs, as in the row-sharing clusters): a tile takes as many positions as
-// the longer of its two pairs' walks, the shorter pair's CTA passing the rest empty (a mixed pair takes two).
-// In clusters of four (2 x 2) the two pairs each take two neighbouring column tiles, sharing their rows as well.
-constexpr bool kShareWeights = HYLO_GROUPED_SHARE_WEIGHTS;
+static_assert(!kDynamic || HYLO_GROUPED_PERSISTENT, "dynamic tiles: persistent");
 
 
 namespace {
@@ -132,47 +114,18 @@ constexpr bool kPersistent = HYLO_GROUPED_PERSISTENT;
 constexpr int kABytes = kBlockM * kBlockK;  // 8 KB
 constexpr int kBBytes = kBlockN * kBlockK;  // 16 KB
 #ifndef HYLO_GROUPED_WIDE_DOWN
-#define HYLO_GROUPED_WIDE_DOWN (HYLO_GROUPED_PIPELINED == 0)  // down CTAs of 256 columns (two weight tiles a slot)
+#define HYLO_GROUPED_WIDE_DOWN 1  // down CTAs of 256 columns (two weight tiles a slot)
 #endif
 // Weight tiles a ring slot holds: gate|up's gate and up rows of its 128 columns; down's one 128-column tile, or
 // two neighbouring ones (wide).
-#ifndef HYLO_GROUPED_PIPELINED
-#define HYLO_GROUPED_PIPELINED 0  // 1: each consumer multiplies a step while promoting the one before (two products)
-#endif
-// A pipelined consumer holds its sums and two products (192 registers), so its tile is 64 × 128: down's 128
-// columns, or gate|up's halves: 64 gate and the same 64 up columns of the intermediate, the two CTAs of a cluster
-// taking the two halves of a 128-column quantisation group (they exchange each row's largest value).
-constexpr bool kPipelined = HYLO_GROUPED_PIPELINED;
-static_assert(!kPipelined || kRepeat == 1, "a pipelined consumer counts its K steps itself");
-static_assert(!kPipelined || !HYLO_GROUPED_WIDE_DOWN, "a pipelined consumer has no registers for a wide tile");
-static_assert(!kPipelined || kCluster == 2, "pipelined gate|up splits its 128-column groups across a cluster");
-static_assert(!kPipelined || !HYLO_GROUPED_MIXED_SEQUENTIAL, "pipelined consumers take a mixed pair's steps in turn");
-static_assert(!kShareWeights || (kCluster >= 2 && !kPipelined && HYLO_GROUPED_WIDE_DOWN),
-              "shared weights: clusters of two or four, two weight tiles a slot (one loaded by each CTA)");
-static_assert(kCluster != 4 || kShareWeights, "clusters of four share both: two pairs x two column tiles");
-// Who shares what in a cluster: rows (a pair's, across two column tiles: clusters of two without shared weights,
-// and the 2 x 2 clusters) and weights (two pairs', at one column tile). In a 2 x 2 cluster rank r takes pair r & 1
-// of the duo and column tile r >> 1 of the two, so its rows' peer is r ^ 2 and its weights' peer r ^ 1.
-constexpr bool kShareRows = (kCluster == 2 && !kShareWeights) || kCluster == 4;
-constexpr int kPeers = int(kShareRows) + int(kShareWeights);  // the CTAs that write into a CTA's slots but itself
-__host__ __device__ constexpr int rows_peer(int rank) { return kCluster == 4 ? rank ^ 2 : rank ^ 1; }
-__host__ __device__ constexpr int rows_rank(int rank) { return kCluster == 4 ? rank >> 1 : rank; }  // 0 or 1
-__host__ __device__ constexpr bool halves(bool gate_up) { return gate_up && kPipelined; }
-__host__ __device__ constexpr int tiles_of(bool gate_up) {
-    return halves(gate_up) ? 1 : (gate_up || HYLO_GROUPED_WIDE_DOWN ? 2 : 1);
-}
+__host__ __device__ constexpr int tiles_of(bool gate_up) { return gate_up || HYLO_GROUPED_WIDE_DOWN ? 2 : 1; }
 // Output columns of one CTA.
-__host__ __device__ constexpr int columns_of(bool gate_up) {
-    return halves(gate_up) ? kBlockN / 2 : (gate_up ? kBlockN : tiles_of(false) * kBlockN);
-}
-// Rows of one TMA box of the weights: halves load their gate and their up rows as two boxes.
-__host__ __device__ constexpr int weight_box_rows(bool gate_up) { return halves(gate_up) ? kBlockN / 2 : kBlockN; }
+__host__ __device__ constexpr int columns_of(bool gate_up) { return gate_up ? kBlockN : tiles_of(false) * kBlockN; }
 // Ring slots: fewer where a slot holds two weight tiles.
 __host__ __device__ constexpr int stages_of(bool gate_up) { return tiles_of(gate_up) == 2 ? kGateUpStages : kStages; }
-constexpr int kRowMaxBytes = 2 * kBlockM * 4;  // halves: each row's largest |h| in this CTA's columns
 constexpr int kTileRingBytes = 2 * 2 * 8 + 2 * 4;  // dynamic tiles: full and empty barriers, then the indices
-constexpr int smem_bytes(int stages, int tiles) {  // the ring, its barriers, the rows' maxima, the tile ring, slack
-    return stages * (2 * kABytes + tiles * kBBytes) + 2 * stages * 8 + kRowMaxBytes + kTileRingBytes + 1024;
+constexpr int smem_bytes(int stages, int tiles) {  // the ring, its barriers, the tile ring, slack
+    return stages * (2 * kABytes + tiles * kBBytes) + 2 * stages * 8 + kTileRingBytes + 1024;
 }
 constexpr int kConsumerWarps = 8;
 
@@ -229,52 +182,27 @@ struct Tile {
     int block0, expert0, expert1, n0;
     bool active0, active1, same;
     int steps;  // ring slots the tile takes: K steps once for a pair of one expert, once per active block else
-    int walk;  // ring positions the CTA walks for it: `steps`, or (shared weights) the longer of the duo's two
-    bool shared;  // shared weights: both pairs of the duo are one expert's, the same one's
 };
 
-// Pair `pair`'s blocks, experts and steps into t (shared weights: a pair past the last has no active block).
-__device__ __forceinline__ void set_pair(Tile& t, int pair, const Args& p) {
+// The grid's order: pairs of blocks times column tiles.
+__host__ __device__ __forceinline__ int pairs_of(int num_blocks) { return (num_blocks + 1) / 2; }
+
+// Tile `index` of the grid's order, of `columns` output columns.
+__device__ __forceinline__ Tile tile_of(int index, const Args& p, int columns) {
+    const int pairs = pairs_of(p.num_blocks);
+    const int per_group = kGroup * (p.n / columns);
+    const int first = (index / per_group) * kGroup;
+    const int group_rows = min(pairs - first, kGroup);
+    const int pair = first + (index % per_group) % group_rows, column_tile = (index % per_group) / group_rows;
+    Tile t;
+    t.n0 = column_tile * columns;
     t.block0 = 2 * pair;
-    t.expert0 = kShareWeights && t.block0 >= p.num_blocks ? -1 : p.block_expert[t.block0];  // (a duo's odd one)
+    t.expert0 = p.block_expert[t.block0];
     t.expert1 = t.block0 + 1 < p.num_blocks ? p.block_expert[t.block0 + 1] : -1;
     t.active0 = t.expert0 >= 0;
     t.active1 = t.expert1 >= 0;
     t.same = t.active0 && t.active1 && t.expert0 == t.expert1;
     t.steps = kRepeat * (t.same ? p.k_steps : (int(t.active0) + int(t.active1)) * p.k_steps);
-    t.walk = t.steps;
-    t.shared = false;
-}
-
-// Tiles of the grid's order (in clusters: the clusters'): row units (pairs; shared weights: duos of pairs) times
-// column tiles of `columns` (row-sharing clusters: two of them).
-__host__ __device__ __forceinline__ int units_of(int num_blocks) {
-    const int pairs = (num_blocks + 1) / 2;
-    return kShareWeights ? (pairs + 1) / 2 : pairs;
-}
-__host__ __device__ __forceinline__ int columns_per_tile(int columns) {
-    return kShareRows ? 2 * columns : columns;
-}
-
-// Tile `index` of the grid's order (in a cluster: the cluster's index; `rank` picks its column tile where rows are
-// shared, its pair of the duo where weights are).
-__device__ __forceinline__ Tile tile_of(int index, const Args& p, int rank, int columns) {
-    const int units = units_of(p.num_blocks);
-    const int per_group = kGroup * (p.n / columns_per_tile(columns));
-    const int first = (index / per_group) * kGroup;
-    const int group_rows = min(units - first, kGroup);
-    const int unit = first + (index % per_group) % group_rows, column_tile = (index % per_group) / group_rows;
-    Tile t;
-    t.n0 = kShareRows ? (2 * column_tile + rows_rank(rank)) * columns : column_tile * columns;
-    if (!kShareWeights) {
-        set_pair(t, unit, p);
-        return t;
-    }
-    Tile peer;
-    set_pair(t, 2 * unit + (rank & 1), p);
-    set_pair(peer, 2 * unit + ((rank & 1) ^ 1), p);
-    t.walk = max(t.steps, peer.steps);
-    t.shared = t.same && peer.same && t.expert0 == peer.expert0;
     return t;
 }
 
@@ -328,13 +256,12 @@ __device__ __forceinline__ Step step_of(int j, const Tile& t, int k_steps) {
     return {j & 1, kRepeat == 1 ? j >> 1 : (j >> 1) % k_steps};
 }
 
-// SwiGLU of kCount registers in place (gate[i] becomes h = silu(clamped gate) · clamped up[i]), and the largest
-// |h| of each of this thread's two rows over its quad (the 4 lanes holding the rows' columns).
-template <int kCount>
+// SwiGLU of 64 registers in place (gate[i] becomes h = silu(clamped gate) · clamped up[i]), and the largest |h|
+// of each of this thread's two rows over its quad (the 4 lanes holding the rows' columns).
 __device__ __forceinline__ void swiglu_rows(const Args& p, float* gate, const float* up, float* amax) {
     amax[0] = amax[1] = 0.f;
 #pragma unroll
-    for (int i = 0; i < kCount; ++i) {
+    for (int i = 0; i < 64; ++i) {
         const float g = fminf(gate[i], p.limit);
         const float u = fminf(fmaxf(up[i], -p.limit), p.limit);
         gate[i] = HYLO_GROUPED_FAST_EPILOGUE ? g * __frcp_rn(1.0f + __expf(-g)) * u : g * (1.0f / (1.0f + expf(-g))) * u;
@@ -356,11 +283,10 @@ __device__ __forceinline__ void for_my_rows(const Args& p, int block, int row0, 
         if (row0 + 8 * half < valid) body(half, row0 + 8 * half);
 }
 
-// This thread's two rows of h (kGroups 8-column groups from n0) quantised to e4m3 with one scale a row, amax / 448
-// (the row's 128-column group's largest |h|), as `kernels._gate_up_tma_kernel` does; the scale written where asked.
-template <int kGroups>
+// This thread's two rows of h (16 8-column groups from n0) quantised to e4m3 with one scale a row, amax / 448 (the
+// row's 128-column group's largest |h|), as `kernels._gate_up_tma_kernel` does.
 __device__ __forceinline__ void write_quantised(const Args& p, int block, int n0, int row0, int lane, const float* h,
-                                                const float* amax, bool write_scale) {
+                                                const float* amax) {
     const int col = n0 + 2 * (lane % 4);
     for_my_rows(p, block, row0, [&](int half, int r) {
         const long long slot_row = (long long)block * kBlockM + r;
@@ -368,24 +294,24 @@ __device__ __forceinline__ void write_quantised(const Args& p, int block, int n0
         const float inverse = __frcp_rn(scale);
         uint8_t* dst = static_cast<uint8_t*>(p.out) + slot_row * p.out_stride + col;
 #pragma unroll
-        for (int g = 0; g < kGroups; ++g) {
+        for (int g = 0; g < 16; ++g) {
             const float x0 = h[4 * g + 2 * half], x1 = h[4 * g + 2 * half + 1];
             const float2 v = HYLO_GROUPED_FAST_EPILOGUE ? make_float2(x0 * inverse, x1 * inverse)
                                                         : make_float2(__fdiv_rn(x0, scale), __fdiv_rn(x1, scale));
             const __nv_fp8x2_e4m3 q(v);
             *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + 8 * g) = q.__x;
         }
-        if (write_scale && lane % 4 == 0) p.out_scale[slot_row * p.out_scale_stride + n0 / 128] = scale;
+        if (lane % 4 == 0) p.out_scale[slot_row * p.out_scale_stride + n0 / 128] = scale;
     });
 }
 
 // gate|up's epilogue (one consumer's 64 rows × 128 columns): SwiGLU(gate, up), then each row's 128 columns (its
 // quad's 4 lanes × 32) quantised with one scale.
-[[maybe_unused]] __device__ __forceinline__ void write_gate_up(const Args& p, int block, int n0, int row0, int lane,
-                                                               float* sum, const float* sum_up) {
+__device__ __forceinline__ void write_gate_up(const Args& p, int block, int n0, int row0, int lane, float* sum,
+                                              const float* sum_up) {
     float amax[2];
-    swiglu_rows<64>(p, sum, sum_up, amax);
-    write_quantised<16>(p, block, n0, row0, lane, sum, amax, true);
+    swiglu_rows(p, sum, sum_up, amax);
+    write_quantised(p, block, n0, row0, lane, sum, amax);
 }
 
 // down's epilogue: one consumer's 64 rows × 128 (wide: 256) columns, weighted by each row's routing weight, to
@@ -409,24 +335,6 @@ __device__ __forceinline__ void write_down(const Args& p, int block, int n0, int
         }
     });
 }
-
-// A consumer warp's release of a ring slot (its lane 0 arrives): on this CTA's empty barrier, and in a cluster on
-// its peers' too (whose producers multicast into this slot as well).
-struct Release {
-    uint64_t* empty;
-    uint32_t peer_empty[2];  // the peers' empty barriers (shared::cluster): the rows' peer, then the weights'
-    int lane;
-    __device__ __forceinline__ Release(uint64_t* empty_, int rank, int lane_) : empty(empty_), lane(lane_) {
-        peer_empty[0] = kShareRows ? peer_address(empty, rows_peer(rank)) : 0u;
-        peer_empty[1] = kShareWeights ? peer_address(empty, rank ^ 1) : 0u;
-    }
-    __device__ __forceinline__ void operator()(int s) const {
-        if (lane != 0) return;
-        bar_arrive(&empty[s]);
-        if (kShareRows) bar_arrive_remote(peer_empty[0] + 8 * s);
-        if (kShareWeights) bar_arrive_remote(peer_empty[1] + 8 * s);
-    }
-};
 
 // One consumer's view of a tile: its block of the pair, whether that block holds rows, and the scales it reads a
 // K step: its two rows' (sa0, sa1), the weight tile's (sb) and the slot's second weight tile's (sb_up: gate|up's up
@@ -454,47 +362,29 @@ __device__ __forceinline__ Mine mine_of(const Tile& t, const Args& p, int c, int
 template <bool GATE_UP>
 __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& p,
                                         uint8_t* smem, uint64_t* full, uint64_t* empty, const TileSource& tiles,
-                                        int num_tiles, int expert_rows, int rank) {
+                                        int num_tiles, int expert_rows) {
     constexpr int kTiles = tiles_of(GATE_UP);
     constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
     int ring = 0;
     for (int q = 0, index = tiles.hand_out(0); index < num_tiles; index = tiles.hand_out(++q)) {
-        const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
-        for (int j = 0; j < t.walk; ++j, ++ring) {
+        const Tile t = tile_of(index, p, columns_of(GATE_UP));
+        for (int j = 0; j < t.steps; ++j, ++ring) {
             const int s = ring % kStagesHere;
             if (ring >= kStagesHere) bar_wait(&empty[s], ((ring / kStagesHere) - 1) & 1);
             const Step step = step_of(j, t, p.k_steps);
             const int which = step.which;
             const int k0 = step.k * kBlockK;
             uint8_t* slot = smem + s * kSlot;
-            if (j >= t.steps || (kStaleSlots && ring >= kStagesHere)) {  // a position passed empty, or a stale slot
+            if (kStaleSlots && ring >= kStagesHere) {  // a stale slot
                 bar_arrive(&full[s]);
                 continue;
             }
             bar_expect(&full[s], kTiles * kBBytes + (which == kBoth ? 2 : 1) * kABytes);
-            if (!kShareRows) {
-                if (which != 1) tma_load(slot, &a_map, k0, t.block0 * kBlockM, &full[s]);
-                if (which != 0) tma_load(slot + kABytes, &a_map, k0, (t.block0 + 1) * kBlockM, &full[s]);
-            } else if (which == kBoth || rows_rank(rank) == 0) {  // the rows' rank r multicasts block r (a lone one: 0)
-                const int block = which == kBoth ? rows_rank(rank) : which;
-                const uint16_t both = (1u << rank) | (1u << rows_peer(rank));
-                tma_load_multicast(slot + block * kABytes, &a_map, k0, (t.block0 + block) * kBlockM, &full[s], both);
-            }
+            if (which != 1) tma_load(slot, &a_map, k0, t.block0 * kBlockM, &full[s]);
+            if (which != 0) tma_load(slot + kABytes, &a_map, k0, (t.block0 + 1) * kBlockM, &full[s]);
             const int row = (which == 1 ? t.expert1 : t.expert0) * expert_rows + t.n0;
-            if (halves(GATE_UP)) {  // 64 gate rows, then the same columns' 64 up rows: one 128-row operand
-                tma_load(slot + 2 * kABytes, &b_map, k0, row, &full[s]);
-                tma_load(slot + 2 * kABytes + kBBytes / 2, &b_map, k0, row + p.n, &full[s]);
-                continue;
-            }
             const int second = GATE_UP ? p.n : kBlockN;  // the slot's second weight tile: up's rows, the next columns
-            if (kShareWeights && t.shared) {  // the weights' rank r loads tile r into both CTAs
-                const int mine = rank & 1;
-                const uint16_t both = (1u << rank) | (1u << (rank ^ 1));
-                tma_load_multicast(slot + 2 * kABytes + mine * kBBytes, &b_map, k0, row + mine * second, &full[s],
-                                   both);
-                continue;
-            }
             tma_load(slot + 2 * kABytes, &b_map, k0, row, &full[s]);
             if (kTiles == 2) tma_load(slot + 2 * kABytes + kBBytes, &b_map, k0, row + second, &full[s]);
         }
@@ -504,17 +394,19 @@ __device__ __forceinline__ void produce(const CUtensorMap& a_map, const CUtensor
 // The consumer warpgroups: warpgroup c (0 or 1) owns block c of each pair.
 template <bool GATE_UP>
 __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                                        const TileSource& tiles, int num_tiles, int rank, int warp, int lane) {
+                                        const TileSource& tiles, int num_tiles, int warp, int lane) {
     constexpr int kTiles = tiles_of(GATE_UP);
     constexpr int kStagesHere = stages_of(GATE_UP);
     constexpr int kSlot = 2 * kABytes + kTiles * kBBytes;
-    const Release release(empty, rank, lane);
+    auto release = [&](int s) {  // a warp's release of ring slot s: its lane 0 arrives
+        if (lane == 0) bar_arrive(&empty[s]);
+    };
 
     const int c = warp / 4 - 1;
     const int row0 = (warp % 4) * 16 + lane / 4;  // this thread's rows: row0 and row0 + 8 of the block
     int ring = 0;
     for (int q = 0, index = tiles.take(0, lane); index < num_tiles; index = tiles.take(++q, lane)) {
-        const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
+        const Tile t = tile_of(index, p, columns_of(GATE_UP));
         const int n0 = t.n0;
         const Mine own = mine_of<GATE_UP>(t, p, c, row0);
 
@@ -529,13 +421,8 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
 #pragma unroll
         for (int i = 0; i < (kTiles == 2 ? 64 : 1); ++i) sum_up[i] = 0.f;
 
-        for (int j = 0; j < t.walk; ++j, ++ring) {
+        for (int j = 0; j < t.steps; ++j, ++ring) {
             const int s = ring % kStagesHere;
-            if (j >= t.steps) {  // shared weights: a position the peer's longer walk takes
-                bar_wait(&full[s], (ring / kStagesHere) & 1);
-                release(s);
-                continue;
-            }
             const Step step = step_of(j, t, p.k_steps);
             const int which = step.which;
             const bool mine = HYLO_GROUPED_PROBE != 1 && !(kOneConsumer && c == 1) && (which == kBoth || which == c);
@@ -596,136 +483,14 @@ __device__ __forceinline__ void consume(const Args& p, uint8_t* smem, uint64_t* 
     }
 }
 
-// The halves' epilogue (one consumer's 64 rows × 64 columns; registers 0-31 hold gate's sums, 32-63 up's of the
-// same columns): SwiGLU, each row's largest |h| over both CTAs' halves of the 128-column group (exchanged through
-// `row_max`, the peer's read across the cluster), then quantised with that group's one scale (rank 0 writes it).
-// Every thread of both CTAs takes part in the cluster barrier, rows or none.
-[[maybe_unused]] __device__ __forceinline__ void write_gate_up_halves(const Args& p, int block, int n0, int row0,
-                                                                      int lane, int c, int rank, bool active,
-                                                                      float* sum, float* row_max) {
-    float amax[2];
-    swiglu_rows<32>(p, sum, sum + 32, amax);
-    if (lane % 4 == 0) {
-        row_max[c * kBlockM + row0] = amax[0];
-        row_max[c * kBlockM + row0 + 8] = amax[1];
-    }
-    cluster_sync();
-    const uint32_t peer = peer_address(row_max, rank ^ 1);
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-        amax[half] = fmaxf(amax[half], ld_shared_cluster(peer + 4 * (c * kBlockM + row0 + 8 * half)));
-    if (active) write_quantised<8>(p, block, n0, row0, lane, sum, amax, rank == 0);
-}
-
-// The pipelined consumers (`kPipelined`): warpgroup c owns block c of each pair, as in `consume`, but issues a
-// step's products into one of two register tiles and promotes the step before (held in the other) while they
-// run, so a consumer's wait for its products overlaps its own math, not only the other consumer's. An active
-// consumer has K / 128 steps in every tile (a multiple of kUnroll, which the host checks), taken kUnroll at a
-// time in straight-line code: each register tile is named in the code (one picked at run time would live in
-// local memory), and each group of steps ends with no product in flight (ptxas serialises every wgmma where a
-// loop's back edge separates a product from the wait before reading it). The cost: one promotion in kUnroll
-// that the consumer's own products do not cover (the other consumer's still can).
-template <bool GATE_UP, int kUnroll>
-__device__ __forceinline__ void consume_pipelined(const Args& p, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                                                  const TileSource& tiles, int num_tiles, int rank, int warp,
-                                                  int lane, float* row_max) {
-    constexpr int kStagesHere = stages_of(GATE_UP);
-    constexpr int kSlot = 2 * kABytes + kBBytes;
-    constexpr bool kHalves = halves(GATE_UP);
-    const Release release(empty, rank, lane);
-    const int c = warp / 4 - 1;
-    const int row0 = (warp % 4) * 16 + lane / 4;
-    int slot = 0, phase = 0;  // the ring position this consumer waits for next
-    auto advance = [&]() {
-        if (++slot == kStagesHere) slot = 0, phase ^= 1;
-    };
-    for (int q = 0, index = tiles.take(0, lane); index < num_tiles; index = tiles.take(++q, lane)) {
-        const Tile t = tile_of(index, p, rank, columns_of(GATE_UP));
-        const int n0 = t.n0;
-        const Mine own = mine_of<GATE_UP>(t, p, c, row0);
-        // my m-th step sits at ring position ring + first + stride·m (a mixed pair alternates its blocks)
-        const bool mixed = t.active0 && t.active1 && !t.same;
-        const int stride = mixed ? 2 : 1, first = mixed ? c : 0;
-        static_assert(kUnroll % 2 == 0, "the steps alternate between two register tiles");
-        int next = 0;  // the tile's position that `slot` is
-        auto pass_to = [&](int j) {  // others' positions before j: waited for and released
-            for (; next < j; ++next) {
-                bar_wait(&full[slot], phase);
-                release(slot);
-                advance();
-            }
-        };
-
-        // register i of 8-column group g: row row0 + 8·((i >> 1) & 1), column 8g + 2·(lane % 4) + (i & 1); halves:
-        // groups 0-7 gate, 8-15 up
-        float sum[64], part0[64], part1[64];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) sum[i] = 0.f;
-        // the step in flight behind the newest: its slot and its scale products (row halves; gate, up)
-        int pending = 0;
-        float lo = 0.f, hi = 0.f, up_lo = 0.f, up_hi = 0.f;
-        auto promote = [&](float(&part)[64]) {
-            fence_operands(part);
-#pragma unroll
-            for (int i = 0; i < 64; ++i) {
-                const bool up = kHalves && i >= 32, high = i & 2;
-                sum[i] += part[i] * (up ? (high ? up_hi : up_lo) : (high ? hi : lo));
-            }
-        };
-        // my step m: wait for its slot, issue its products into `into`, then (unless it is the first) promote
-        // the step before from `before` once that one is done
-        auto step = [&](int m, float(&into)[64], float(&before)[64], bool has_before) {
-            const int j = first + stride * m;
-            pass_to(j);
-            const int kb = m;
-            const float a0 = own.sa0[kb], a1 = own.sa1[kb], b = own.sb[kb], b_up = kHalves ? own.sb_up[kb] : 0.f;
-            bar_wait(&full[slot], phase);
-            const int s = slot;
-            const uint8_t* a = smem + s * kSlot + c * kABytes;
-            const uint8_t* w = smem + s * kSlot + 2 * kABytes;
-            ++next;
-            advance();
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kBlockK / 32; ++kk)
-                wgmma_m64n128k32(into, tile_descriptor(a + 32 * kk), tile_descriptor(w + 32 * kk), kk);
-            wgmma_commit();
-            if (has_before) {
-                wgmma_wait<1>();  // the step before is in registers; this one still runs
-                release(pending);
-                promote(before);
-            }
-            pending = s;
-            lo = a0 * b, hi = a1 * b, up_lo = a0 * b_up, up_hi = a1 * b_up;
-        };
-        for (int m0 = 0; own.active && m0 < p.k_steps; m0 += kUnroll) {
-            step(m0, part0, part1, false);
-#pragma unroll
-            for (int m = 1; m + 1 < kUnroll; m += 2) {
-                step(m0 + m, part1, part0, true);
-                step(m0 + m + 1, part0, part1, true);
-            }
-            step(m0 + kUnroll - 1, part1, part0, true);
-            wgmma_wait_all();
-            release(pending);
-            promote(part1);
-        }
-        pass_to(t.steps);
-        if constexpr (kHalves)
-            write_gate_up_halves(p, own.block, n0, row0, lane, c, rank, own.active, sum, row_max);
-        else if (own.active)
-            write_down<1>(p, own.block, n0, row0, lane, sum, sum);
-    }
-}
-
-// One CTA (a cluster of two: together) walks tiles blockIdx.x, + gridDim.x, ... (one tile where the grid has
-// one CTA a tile; persistent where it has one a SM: the producer then fills the next tile's slots during the
-// consumers' epilogue), the ring's slots and phases running on across its tiles. GATE_UP: the columns are 128
-// of the intermediate, whose gate rows (n0 ..) and up rows (N + n0 ..) of the expert's [2N, K] weight are two
-// tiles of a ring slot; the epilogue writes SwiGLU(gate, up) quantised per 128-column group (one group: the
-// tile) with its scale, as `kernels._gate_up_tma_kernel` does. Else (down) the columns are 128 (wide: 256) of
-// D, written weighted by each row's routing weight to the row of its pair.
-template <bool GATE_UP, int kUnroll>
+// One CTA walks tiles blockIdx.x, + gridDim.x, ... (one tile where the grid has one CTA a tile; persistent where
+// it has one a SM: the producer then fills the next tile's slots during the consumers' epilogue), the ring's slots
+// and phases running on across its tiles. GATE_UP: the columns are 128 of the intermediate, whose gate rows
+// (n0 ..) and up rows (N + n0 ..) of the expert's [2N, K] weight are two tiles of a ring slot; the epilogue writes
+// SwiGLU(gate, up) quantised per 128-column group (one group: the tile) with its scale, as
+// `kernels._gate_up_tma_kernel` does. Else (down) the columns are 128 (wide: 256) of D, written weighted by each
+// row's routing weight to the row of its pair.
+template <bool GATE_UP>
 __global__ void __launch_bounds__(384, 1)
     grouped_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                    const Args p) {
@@ -736,21 +501,18 @@ __global__ void __launch_bounds__(384, 1)
     uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStagesHere * kSlot);
     uint64_t* empty = full + kStagesHere;
-    float* row_max = reinterpret_cast<float*>(empty + kStagesHere);
-    uint64_t* tile_full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(row_max) + kRowMaxBytes);
+    uint64_t* tile_full = empty + kStagesHere;
     uint64_t* tile_empty = tile_full + 2;
-    const int num_tiles = units_of(p.num_blocks) * (p.n / columns_per_tile(columns_of(GATE_UP)));  // (clusters')
+    const int num_tiles = pairs_of(p.num_blocks) * (p.n / columns_of(GATE_UP));
     const int expert_rows = (GATE_UP ? 2 : 1) * p.n;  // rows of one expert's weight
-    const int rank = kCluster > 1 ? cluster_rank() : 0;
-    const int first_tile = blockIdx.x / kCluster, tile_stride = gridDim.x / kCluster;
-    const TileSource tiles{first_tile, tile_stride, p.tile_counter, tile_full, tile_empty,
+    const TileSource tiles{int(blockIdx.x), int(gridDim.x), p.tile_counter, tile_full, tile_empty,
                            reinterpret_cast<int*>(tile_empty + 2)};
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStagesHere; ++s) {
             bar_init(&full[s], 1);
-            bar_init(&empty[s], (1 + kPeers) * kConsumerWarps);
+            bar_init(&empty[s], kConsumerWarps);
         }
         for (int u = 0; kDynamic && u < 2; ++u) {
             bar_init(&tile_full[u], 1);
@@ -758,28 +520,16 @@ __global__ void __launch_bounds__(384, 1)
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    if (kCluster > 1)
-        cluster_sync();  // the peers' barriers exist before any multicast or remote arrival reaches them
-    else
-        __syncthreads();
+    __syncthreads();
 
     if (warp < 4) {  // the producer warpgroup: one thread issues every load
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (threadIdx.x == 0) produce<GATE_UP>(a_map, b_map, p, smem, full, empty, tiles, num_tiles, expert_rows,
-                                               rank);
+        if (threadIdx.x == 0) produce<GATE_UP>(a_map, b_map, p, smem, full, empty, tiles, num_tiles, expert_rows);
         __syncwarp();
-        if (halves(GATE_UP))  // the consumers' exchange of their rows' maxima (one tile a cluster)
-            for (int index = first_tile; index < num_tiles; index += tile_stride) cluster_sync();
-        if (kCluster > 1) cluster_sync();  // no CTA leaves while a peer may still write into it
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    if constexpr (kUnroll > 0)
-        consume_pipelined<GATE_UP, kUnroll>(p, smem, full, empty, tiles, num_tiles, rank, warp,
-                                            lane, row_max);
-    else
-        consume<GATE_UP>(p, smem, full, empty, tiles, num_tiles, rank, warp, lane);
-    if (kCluster > 1) cluster_sync();
+    consume<GATE_UP>(p, smem, full, empty, tiles, num_tiles, warp, lane);
 }
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_function() {
@@ -809,16 +559,16 @@ int make_map(CUtensorMap* map, const void* base, long long rows, long long cols,
     return r == CUDA_SUCCESS ? 0 : 2;
 }
 
-template <bool GATE_UP, int kUnroll>
+template <bool GATE_UP>
 int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args, cudaStream_t stream) {
     constexpr int smem = smem_bytes(stages_of(GATE_UP), tiles_of(GATE_UP));
     static bool configured = false;  // per instantiation
     if (!configured) {
-        cudaError_t e = cudaFuncSetAttribute(grouped_kernel<GATE_UP, kUnroll>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        cudaError_t e = cudaFuncSetAttribute(grouped_kernel<GATE_UP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return e;
         configured = true;
     }
-    int grid = units_of(args.num_blocks) * (args.n / columns_per_tile(columns_of(GATE_UP))) * kCluster;
+    int grid = pairs_of(args.num_blocks) * (args.n / columns_of(GATE_UP));
     if (kPersistent) {
         static int sms = 0;
         if (sms == 0) {
@@ -841,37 +591,8 @@ int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args,
         cudaError_t e = cudaMemsetAsync(launched.tile_counter, 0, sizeof(int), stream);
         if (e != cudaSuccess) return e;
     }
-    if (kCluster == 1) {
-        grouped_kernel<GATE_UP, kUnroll><<<grid, 384, smem, stream>>>(a_map, b_map, launched);
-        return cudaGetLastError();
-    }
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(grid);  // even: the column tiles come in twos (N is a multiple of 256 here)
-    config.blockDim = dim3(384);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = kCluster;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, grouped_kernel<GATE_UP, kUnroll>, a_map, b_map, launched);
-}
-
-// The kernel for `args`: the pipelined consumers take their steps 8 at a time where K / 128 allows (GLM-5.3's
-// gate|up reads D = 4096, down I = 2048), else 2 at a time (a TP8 rank's down slice, 256); an odd count returns
-// 1004.
-template <bool GATE_UP>
-int launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const Args& args, cudaStream_t stream) {
-    if constexpr (!kPipelined) {
-        return launch<GATE_UP, 0>(a_map, b_map, args, stream);
-    } else {
-        if (args.k_steps % 8 == 0) return launch<GATE_UP, 8>(a_map, b_map, args, stream);
-        if (args.k_steps % 2 == 0) return launch<GATE_UP, 2>(a_map, b_map, args, stream);
-        return 1004;
-    }
+    grouped_kernel<GATE_UP><<<grid, 384, smem, stream>>>(a_map, b_map, launched);
+    return cudaGetLastError();
 }
 
 }  // namespace
@@ -939,14 +660,13 @@ int hylo_grouped_gemm_call_layout(long long* out, int capacity) {
 }
 
 // Launch one grouped GEMM on `stream`. Returns 0, a cudaError, or 1000 + a tensor map failure (1: no driver
-// entry point, 2: encode), 1003 (N not a multiple of a cluster's columns) or 1004 (pipelined: an odd number of
-// K steps).
+// entry point, 2: encode) or 1003 (N not a multiple of a CTA's columns).
 int hylo_grouped_gemm(const GroupedCall* call, void* stream) {
     const GroupedCall& c = *call;
-    if (c.n % columns_per_tile(columns_of(c.gate_up)) != 0) return 1003;  // a CTA's (a cluster's) columns
+    if (c.n % columns_of(c.gate_up) != 0) return 1003;
     CUtensorMap a_map, b_map;
     int failed = make_map(&a_map, c.a.data, c.a.count, c.k, c.a.stride, kBlockM);
-    if (!failed) failed = make_map(&b_map, c.w.data, c.w.count * c.w.rows, c.k, c.k, weight_box_rows(c.gate_up));
+    if (!failed) failed = make_map(&b_map, c.w.data, c.w.count * c.w.rows, c.k, c.k, kBlockN);
     if (failed) return 1000 + failed;
     const Args args{c.a.scale, c.w.scale, c.blocks.expert, c.blocks.rows, c.blocks.pairs, c.pair_weight,
                     c.out.data, c.out.scale, c.a.scale_stride, c.w.scale_expert, c.w.scale_row, c.out.stride,
