@@ -6,14 +6,12 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "device"))
 
-import prefill_floors
 from prefill_floors import BF16_FLOPS, BYTES, FP8_FLOPS, Kind, ModuleClock, table
 
 from hylo.layers.linear import Linear
@@ -49,102 +47,68 @@ def test_own_times_add_up_and_projection_flops_are_counted():
     assert sum(k.calls for k in clock.kinds.values()) == 3
 
 
-def test_a_profiled_clock_times_calls_by_their_ranges(monkeypatch):
-    """The profiler's clock: each call a `record_function` range, its own time the range's less its child
-    calls' (host time on a CPU), the same kinds and work as the events' clock."""
+class FakeGPU:
+    """A GPU clock for `ModuleClock` on the CPU: events read it, `torch.cuda._sleep` advances it (at
+    CYCLES_PER_MS), and kernels take no time."""
+
+    CYCLES_PER_MS = 1.5e6
+
+    def __init__(self, monkeypatch):
+        self.now, self.sleeps = 0.0, []
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self):
+                self.at = gpu.now
+
+            def elapsed_time(self, other):
+                return other.at - self.at
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", self.sleep)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    def sleep(self, cycles):
+        self.sleeps.append(cycles)
+        self.now += cycles / self.CYCLES_PER_MS
+
+
+def test_each_forward_is_queued_behind_a_gpu_sleep(monkeypatch):
+    """On a GPU one sleep of `queue_ahead_ms` is queued before each call of the root module (after one
+    that measures the clock rate), none before the calls inside it, and outside every call's markers: the
+    kinds' times hold none of it. A forward the host queued in less time than the sleep passes."""
+    gpu = FakeGPU(monkeypatch)
     model = Outer()
-    clock = ModuleClock(torch.device("cpu"), profiled=True)
+    clock = ModuleClock(torch.device("cuda"), queue_ahead_ms=5000.0)
     clock.attach(model)
-    x = torch.randn(5, 64)
-    with (
-        torch.inference_mode(),
-        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
-    ):
-        start = time.perf_counter()
-        model(x)
-        wall_ms = 1e3 * (time.perf_counter() - start)
-    clock.detach()
-    kinds = clock.totals(prof)
-    assert kinds["bf16 projections"].calls == 2 and kinds["bf16 projections"].ms > 0
-    assert kinds["bf16 projections"].work == 2 * 5 * (64 * 32 + 32 * 16)
-    assert kinds["other"].ms > 0 and sum(k.ms for k in kinds.values()) <= wall_ms
-    # a trace without a clock's ranges is refused, not read as zero (a parent at 0 less its children)
-    unseen = ModuleClock(torch.device("cpu"), profiled=True)
-    unseen.attach(model)
     with torch.inference_mode():
-        model(x)
-    unseen.detach()
-    with pytest.raises(RuntimeError, match=r"the profiler's trace lacks 3 of 3 call ranges"):
-        unseen.totals(prof)
-    # nor one whose range totals contradict each other (a call shorter than the calls inside it)
-    inconsistent = ModuleClock(torch.device("cpu"), profiled=True)
-    inconsistent.attach(model)
-    with (
-        torch.inference_mode(),
-        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
-    ):
-        model(x)
-    inconsistent.detach()
-    spans = prefill_floors._profiled_spans(prof, torch.device("cpu"))
-    outer = min(spans, key=lambda label: int(label.rsplit(".", 1)[1]))  # the first call entered: the model
-    monkeypatch.setattr(prefill_floors, "_profiled_spans", lambda *a: spans | {outer: 0.0})
-    with pytest.raises(
-        RuntimeError, match=r"the profiler's trace gives a other call 0.000 ms, less than its calls'"
-    ):
-        inconsistent.totals(prof)
+        model(torch.randn(5, 64))
+        model(torch.randn(5, 64))
+    clock.detach()
+    probe, *per_forward = gpu.sleeps
+    assert probe == 10**7 and per_forward == [int(5000.0 * FakeGPU.CYCLES_PER_MS)] * 2
+    kinds = clock.totals()
+    assert sum(k.calls for k in kinds.values()) == 6
+    assert all(
+        k.ms == 0.0 for k in kinds.values()
+    )  # the fake's kernels take no time, and the sleeps are outside
 
 
-def _event(name, start, end, kernels=(), thread=1, is_async=False):
-    """A profiler event as `_own_kernel_ms` reads it (kernel durations in us)."""
-    kernels = [SimpleNamespace(duration=us) for us in kernels]
-    span = SimpleNamespace(start=start, end=end)
-    return SimpleNamespace(name=name, time_range=span, thread=thread, kernels=kernels, is_async=is_async)
-
-
-def test_each_kernel_goes_to_the_innermost_clock_range_open_at_its_launch():
-    """On a GPU a call's own time is the kernels launched in it and not in its calls, nesting read from the
-    ranges' starts: a child range whose recorded end passes its parent's still takes its launches (the
-    profiler's tree dropped it, S43-2), a launch at a range's end is still the range's, and launches
-    outside every range, on another thread or async are nobody's."""
-    events = [
-        _event("outer", 0, 100, kernels=[5]),  # a kernel the range itself launched
-        _event("aten::mm", 1, 3, kernels=[20]),
-        _event("child", 10, 101),  # ends after its parent in the trace
-        _event("launch", 12, 13, kernels=[30, 7]),
-        _event("grandchild", 20, 30),
-        _event("at its start", 20, 21, kernels=[11]),
-        _event("at its end", 30, 31, kernels=[2]),
-        _event("after it", 31, 32, kernels=[4]),
-        _event("record_function of no clock", 40, 50, kernels=[3]),
-        _event("outside", 150, 151, kernels=[100]),
-        _event("other thread", 12, 13, kernels=[1000], thread=2),
-        _event("async", 12, 13, kernels=[500], is_async=True),
-    ]
-    profile = SimpleNamespace(events=lambda: events)
-    own = prefill_floors._own_kernel_ms(profile, {"outer", "child", "grandchild"})
-    assert own == pytest.approx({"outer": 25e-3, "child": 44e-3, "grandchild": 13e-3})
-
-
-def test_a_profiled_clock_on_a_gpu_takes_each_call_s_own_kernels(monkeypatch):
-    """The GPU's profiled totals add each call's own kernel time (`_own_kernel_ms`), nothing subtracted,
-    and still refuse a trace that lacks a call's range."""
+def test_a_forward_queued_slower_than_its_sleep_is_refused(monkeypatch):
+    """A forward whose host time to queue it passes its sleep's length would have the GPU wait for the
+    host inside it again: its times are refused."""
+    FakeGPU(monkeypatch)
     model = Outer()
-
-    def forward() -> ModuleClock:
-        clock = ModuleClock(torch.device("cuda"), profiled=True)
-        clock.attach(model)
-        with torch.inference_mode():
-            model(torch.randn(5, 64))
-        clock.detach()
-        return clock
-
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(prefill_floors, "_own_kernel_ms", lambda profile, wanted: dict.fromkeys(wanted, 1.5))
-    kinds = forward().totals(None)
-    assert kinds["bf16 projections"].ms == 3.0 and kinds["other"].ms == 1.5
-    monkeypatch.setattr(prefill_floors, "_own_kernel_ms", lambda profile, wanted: {min(wanted): 1.0})
-    with pytest.raises(RuntimeError, match=r"lacks 2 of 3 call ranges"):
-        forward().totals(None)
+    clock = ModuleClock(torch.device("cuda"), queue_ahead_ms=1e-6)
+    clock.attach(model)
+    with torch.inference_mode():
+        model(torch.randn(5, 64))
+    clock.detach()
+    with pytest.raises(RuntimeError, match=r"a forward took the host .* ms to queue, longer than the 0.0 ms"):
+        clock.totals()
 
 
 def test_a_prefill_of_the_random_model_counts_every_kind(shallow_model_dir):

@@ -4,10 +4,11 @@ of a TP/EP deployment of the full model (`--tp 8`: `hylo.distributed.rank_engine
 not run, as in `rank_e2e.py`).
 
     PYTHONPATH=src python3 benchmarks/device/prefill_floors.py [--tp 0|4|8] [--layers 8] \
-        [--tokens 1024,13312] [--chunked-prefill-size N] [--out DIR]
+        [--tokens 1024,13312] [--chunked-prefill-size N] [--queue-ahead-ms MS] [--out DIR]
 
-Every module call of the model's forward is timed between CUDA events (`ModuleClock`); a kind's time is
-its modules' own time, what their child modules take left out, so the kinds add up to the forward. The
+Every module call of the model's forward is timed between CUDA events (`ModuleClock`), each forward
+queued behind a GPU sleep so that the events time the GPU's work and not the host's launches; a kind's time
+is its modules' own time, what their child modules take left out, so the kinds add up to the forward. The
 floor of each kind comes from the work its calls did, counted from their arguments (`work`):
 
 - projections (`Linear`, `FusedLinear`; FP8 or bf16 by the weight) and routed experts (the (token,
@@ -32,11 +33,9 @@ A first run of each length compiles its kernels; the second is timed. Prints and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import tempfile
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,20 +69,21 @@ class ModuleClock:
     CPU) and counts each call's work (`work`): `kinds` after `totals()`. Safe to use when the forward
     runs eagerly (a graph replay calls no module).
 
-    `profiled`: each call is a `record_function` range instead, and `totals(profile)` takes a call's own
-    time from the kernels launched inside it and not inside its calls (their device time as the profiler
-    traced them, `_own_kernel_ms`; on a CPU the range's host time less its calls'). Events time the
-    stream between the markers, which includes the gaps where the GPU waits for the host: with one
-    call's markers around every module, a forward of many small launches becomes host-bound and its gaps
-    land on whichever kind is running (the TP8 rank's 13K table, S40-1). The kernels' own time is free
-    of them."""
+    Events time the stream between the markers, which includes the gaps where the GPU waits for the host:
+    with a call's markers around every module, a forward of many small launches is host-bound and its
+    gaps land on whichever kind is running (the TP8 rank's 13K table, S40-1). So on a GPU each forward (a
+    call of the root module) is queued behind `queue_ahead_ms` of GPU sleep: the host queues the whole
+    forward while the GPU sleeps, and the GPU then runs it without waiting. `totals()` refuses a forward
+    that took the host longer to queue than its sleep lasted (its times would hold gaps again)."""
 
     device: torch.device
-    profiled: bool = False
+    queue_ahead_ms: float = 0.0
     kinds: dict[str, Kind] = field(default_factory=dict)
-    _open: list = field(default_factory=list)  # [module, start, children's time] of calls in progress
+    _open: list = field(default_factory=list)  # [module, start, children's markers] of calls in progress
     _done: list = field(default_factory=list)  # (kind, start, end, children's markers) to resolve
     _hooks: list = field(default_factory=list)
+    _queued: list = field(default_factory=list)  # [sleep's start, sleep's end, host start, host ms] a forward
+    _cycles_per_ms: float = 0.0
 
     def attach(self, root: torch.nn.Module) -> None:
         for module in root.modules():
@@ -96,28 +96,35 @@ class ModuleClock:
         self._hooks.clear()
 
     def _mark(self):
-        if self.profiled:  # this clock, and its calls entered so far (done or open), name the call's range
-            label = f"hylo.clock.{id(self)}.{len(self._done) + len(self._open)}"
-            scope = torch.autograd.profiler.record_function(label)
-            scope.__enter__()
-            return scope
         if self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
         return time.perf_counter()
 
+    def _sleep_cycles(self, ms: float) -> int:
+        """GPU clock cycles of `ms` (`torch.cuda._sleep` spins on the SM clock), measured once."""
+        if not self._cycles_per_ms:
+            probe = 10**7
+            start = self._mark()
+            torch.cuda._sleep(probe)
+            end = self._mark()
+            torch.cuda.synchronize(self.device)
+            self._cycles_per_ms = probe / start.elapsed_time(end)
+        return int(ms * self._cycles_per_ms)
+
     def _enter(self, module, args, kwargs) -> None:
+        if not self._open and self.queue_ahead_ms and self.device.type == "cuda":
+            cycles = self._sleep_cycles(self.queue_ahead_ms)
+            slept = self._mark()
+            torch.cuda._sleep(cycles)
+            self._queued.append([slept, self._mark(), time.perf_counter(), None])
         self._open.append([module, self._mark(), []])
 
     def _leave(self, module, args, kwargs, output) -> None:
         opened, start, children = self._open.pop()
         assert opened is module, "module calls must nest"
-        if self.profiled:
-            start.__exit__(None, None, None)
-            start, end = start.name, None
-        else:
-            end = self._mark()
+        end = self._mark()
         name, unit, amount = work(module, args, output)
         kind = self.kinds.setdefault(name, Kind(unit))
         kind.calls += 1
@@ -126,83 +133,31 @@ class ModuleClock:
         self._done.append((name, start, end, children))
         if self._open:
             self._open[-1][2].append((start, end))
+        elif self._queued and self._queued[-1][3] is None:
+            self._queued[-1][3] = 1e3 * (time.perf_counter() - self._queued[-1][2])
 
-    def totals(self, profile=None) -> dict[str, Kind]:
-        """Each kind's own time, once the forward's markers have completed (`profile`: the finished
-        `torch.profiler.profile` the forward ran in, for a `profiled` clock)."""
+    def totals(self) -> dict[str, Kind]:
+        """Each kind's own time, once the forward's markers have completed."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        by_kernels = self.profiled and self.device.type == "cuda"
-        if self.profiled:
-            labels = {start for _, start, _, _ in self._done}
-            spans = _own_kernel_ms(profile, labels) if by_kernels else _profiled_spans(profile, self.device)
-            missing = len(labels - spans.keys())
-            if missing:  # own times would go negative where a parent's range is lost and its children's kept
-                raise RuntimeError(f"the profiler's trace lacks {missing} of {len(self._done)} call ranges")
+        for slept, woke, _, host_ms in self._queued:
+            if host_ms > slept.elapsed_time(woke):
+                raise RuntimeError(
+                    f"a forward took the host {host_ms:.1f} ms to queue, longer than the "
+                    f"{slept.elapsed_time(woke):.1f} ms the GPU slept before it: its calls' times would "
+                    "hold the host's gaps (give a longer --queue-ahead-ms)"
+                )
+        self._queued.clear()
 
-            def ms(start, end) -> float:
-                return spans[start]
-        else:
-
-            def ms(start, end) -> float:
-                return start.elapsed_time(end) if self.device.type == "cuda" else 1e3 * (end - start)
+        def ms(start, end) -> float:
+            return start.elapsed_time(end) if self.device.type == "cuda" else 1e3 * (end - start)
 
         for name, start, end, children in self._done:
-            if by_kernels:  # the kernels launched in the call itself, its calls' already left out
-                self.kinds[name].ms += ms(start, end)
-                continue
-            whole, inner = ms(start, end), sum(ms(s, e) for s, e in children)
-            if self.profiled and whole < inner - 1e-3:  # a range's kernels include its calls' (µs rounding)
-                raise RuntimeError(
-                    f"the profiler's trace gives a {name} call {whole:.3f} ms, "
-                    f"less than its calls' {inner:.3f}"
-                )
-            self.kinds[name].ms += whole - inner
+            self.kinds[name].ms += ms(start, end) - sum(ms(s, e) for s, e in children)
         self._done.clear()
         for kind in self.kinds.values():
             kind.work = float(kind.work)
         return self.kinds
-
-
-def _own_kernel_ms(profile, labels: set[str]) -> dict[str, float]:
-    """ms of the kernels each clock range of `profile` named in `labels` launched itself, outside the clock
-    ranges nested in it. The profiler gives each kernel to the innermost op open when it was launched (a
-    clock range itself, or an op inside one); that op's kernels go to the innermost clock range open on
-    its thread when it began. Nesting is read from the ranges' starts alone: the profiler's own tree
-    (`device_time_total`) drops a child whose recorded end passes its parent's, which gave a KDA call less
-    time than its calls (S43-2)."""
-    own, items = {}, defaultdict(list)
-    for event in profile.events():
-        if event.is_async:
-            continue
-        kernel_ms = sum(k.duration for k in event.kernels) / 1e3
-        if event.name in labels:
-            own[event.name] = own.get(event.name, 0.0) + kernel_ms
-            # parents before their children at one start: the longer range first
-            items[event.thread].append((event.time_range.start, 0, -event.time_range.end, event.name))
-        elif kernel_ms:
-            items[event.thread].append((event.time_range.start, 1, 0.0, kernel_ms))
-    for thread_items in items.values():
-        open_ranges: list[tuple[float, str]] = []  # (end, label), the innermost last
-        for start, is_launcher, negative_end, what in sorted(thread_items):
-            while open_ranges and open_ranges[-1][0] < start:
-                open_ranges.pop()
-            if is_launcher:
-                if open_ranges:
-                    own[open_ranges[-1][1]] += what
-            else:
-                open_ranges.append((-negative_end, what))
-    return own
-
-
-def _profiled_spans(profile, device: torch.device) -> dict[str, float]:
-    """ms of each `hylo.clock.*` range of `profile`: its kernels' device time (host time on a CPU)."""
-    spans = {}
-    for event in profile.events():
-        if event.name.startswith("hylo.clock."):
-            total = event.device_time_total if device.type == "cuda" else event.cpu_time_total
-            spans[event.name] = total / 1e3
-    return spans
 
 
 def _projection(module: Linear, x: torch.Tensor) -> tuple[str, str, float]:
@@ -361,8 +316,8 @@ def main() -> None:
         help="a rank's steps of at least this many tokens split the streams by token (0: off)",
     )  # fmt: skip
     parser.add_argument(
-        "--profiler", action="store_true",
-        help="kinds timed by their kernels' device time (torch.profiler), not CUDA events around calls",
+        "--queue-ahead-ms", type=float, default=300.0,
+        help="ms of GPU sleep queued before each forward: the host queues all of it before the GPU starts",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -378,27 +333,22 @@ def main() -> None:
     model = engine.model
     for tokens in map(int, args.tokens.split(",")):
         prefill(engine, tokens, 1)  # compiles this length's kernels
-        clock = ModuleClock(device, profiled=args.profiler)
+        clock = ModuleClock(device, queue_ahead_ms=args.queue_ahead_ms)
         clock.attach(model)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        # every event kept (the H100's TP8 13K trace lost ranges without it: kinds at negative times)
-        profile = (
-            torch.profiler.profile(activities=activities, acc_events=True)
-            if args.profiler
-            else contextlib.nullcontext()
-        )
         try:
-            with profile:
-                prefill(engine, tokens, 2)
+            prefill(engine, tokens, 2)
         finally:
             clock.detach()
         wall = 1e3 * (time.perf_counter() - start)
-        rows = table(clock.totals(profile if args.profiler else None), rates)
+        rows = table(clock.totals(), rates)
         report[f"T{tokens}"] = {"wall_ms": round(wall, 2), "kinds": rows}
-        how = "kernels' device time, profiler on" if args.profiler else "module hooks on"
-        print(f"\n{tokens} tokens, wall {wall:.1f} ms ({how})")
+        sum_ms = sum(r["ms"] for r in rows)
+        print(
+            f"\n{tokens} tokens, wall {wall:.1f} ms (module hooks on, each forward queued behind "
+            f"{args.queue_ahead_ms:g} ms of GPU sleep), kinds {sum_ms:.1f} ms"
+        )
         print("| kind | ms | calls | floor ms | floor / time |\n|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['kind']} | {r['ms']} | {r['calls']} | {r['floor_ms']} | {r['of_floor']} |")
