@@ -108,6 +108,12 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
         # the recurrence in two 16-column value tiles of a 32-wide head (a rank's few heads may take narrow
         # tiles for more programs): each tile carries its own columns of the state across two chunks
         ([70], torch.float32, 1, 32, 5, dict(block_v=16)),
+        # the two launches that read the projections themselves (`reread_inputs`): a length-1 sequence whose
+        # conv reads two old window rows; fp16 with the Gram in 8-column blocks; d = 128, whose two 64-column
+        # product programs each rewrite their own columns of the windows
+        ([70, 1], torch.float32, 2, 16, 0, dict(reread_inputs=True)),
+        ([3, 65], torch.float16, 1, 32, 1, dict(reread_inputs=True, reread_cols=8)),
+        ([3, 70], torch.float32, 1, 128, 7, dict(reread_inputs=True)),
     ],
 )
 def test_prefill_matches_reference(lens, dtype, h, d, seed, tuning):

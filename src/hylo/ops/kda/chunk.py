@@ -20,6 +20,13 @@ Three launches, the first two fully parallel over (64-token chunk, head):
    δ = X diag(β) (v − (k ⊙ e^G) S) is the chunk's update, so A δ is its in-chunk output; δ enters both
    products rounded to the activations' dtype.
 
+`prep(reread_inputs=True)` replaces launches 1 and 2 with two that read the projections themselves, so
+that the conv outputs and G (2.2 GB at 13312 tokens and 64 heads, written then read) never reach memory:
+`_inverse_kernel` (conv of q and k, the gate and the Gram sums a column block at a time, then A, X, the
+norms and β) and `_products_kernel` (conv and gate again, then w, u, q̄, k̄, a 64-column block a program).
+One launch doing both measured 2x slower (registers and code size, RESULTS S44-2); this pair is
+unmeasured.
+
 Intermediates are stored per chunk, padded to 64 rows (padding rows are exact zeros or, for G, its
 last value), so the later launches read whole tiles. The Gram matrices are summed over column blocks in
 16-row sub-blocks: e^{G_i-G_j} is split around an anchor per sub-block of rows, the gate total before it
@@ -294,6 +301,27 @@ def _dot(a, b, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _gram_step(akk, aqk, kk_diag, yq, yk, local, before, anchor, BT: tl.constexpr, PREC: tl.constexpr):
+    """One column block's terms of the Gram sums (`_gram_inverse` names them): `yq`, `yk` `[NB, BC, BK]` the
+    block's q and k by sub-block of rows, `local` the gate summed from each sub-block's start to the row
+    (log2 units), `before` `[NB, BK]` the gate summed before each sub-block, `anchor` the split point."""
+    NB: tl.constexpr = yq.shape[0]
+    BK: tl.constexpr = yq.shape[2]
+    sub = tl.arange(0, NB)
+    later_block = sub[None, :, None] > sub[:, None, None]  # [s, t]: t > s
+    row_scale = tl.exp2(local - anchor)  # e^{G_i - a_s} for row i of sub-block s
+    kc = yk * tl.exp2(anchor - local)  # e^{a_t - G_j} for column j of sub-block t
+    # e^{a_s - G_j} = e^{a_t - G_j} e^{a_s - a_t}, the second ≤ 1 for t ≤ s; blocks t > s are not needed
+    block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
+    cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
+    cols = tl.trans(cols, (0, 2, 1))
+    akk = _dot(yk * row_scale, cols, akk, PREC)
+    aqk = _dot(yq * row_scale, cols, aqk, PREC)
+    kk_diag = _dot(yk * row_scale, tl.trans(kc, (0, 2, 1)), kk_diag, PREC)
+    return akk, aqk, kk_diag
+
+
+@triton.jit
 def _chunk_inverse(
     y_q,
     y_k,
@@ -319,7 +347,6 @@ def _chunk_inverse(
     i3 = sub[:, None, None] * BC + row[None, :, None]  # [NB, BC, 1]: row in the chunk
     prev = sub[:, None, None] * BC - 1  # [NB, 1, 1]: the row before each sub-block
     anchor = lower_bound * 1.4426950408889634 * (BC // 2)
-    later_block = sub[None, :, None] > sub[:, None, None]  # [s, t]: t > s
     akk = tl.zeros([NB, BC, BT], dtype=tl.float32)
     aqk = tl.zeros([NB, BC, BT], dtype=tl.float32)
     kk_diag = tl.zeros([NB, BC, BC], dtype=tl.float32)
@@ -329,24 +356,53 @@ def _chunk_inverse(
         yk = tl.load(y_k + i3 * D + col).to(tl.float32)
         before = tl.load(gcum + prev * D + col, mask=prev >= 0, other=0.0)  # gate sum before the sub-block
         local = tl.load(gcum + i3 * D + col) - before
-        row_scale = tl.exp2(local - anchor)  # e^{G_i - a_s} for row i of sub-block s
-        kc = yk * tl.exp2(anchor - local)  # e^{a_t - G_j} for column j of sub-block t
-        # e^{a_s - G_j} = e^{a_t - G_j} e^{a_s - a_t}, the second ≤ 1 for t ≤ s; blocks t > s are not needed
-        before = tl.reshape(before, [NB, BK])
-        block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
-        cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
-        cols = tl.trans(cols, (0, 2, 1))
-        akk = _dot(yk * row_scale, cols, akk, GRAM_PREC)
-        aqk = _dot(yq * row_scale, cols, aqk, GRAM_PREC)
-        kk_diag = _dot(yk * row_scale, tl.trans(kc, (0, 2, 1)), kk_diag, GRAM_PREC)
+        akk, aqk, kk_diag = _gram_step(
+            akk, aqk, kk_diag, yq, yk, local, tl.reshape(before, [NB, BK]), anchor, BT, GRAM_PREC
+        )
 
-    rk = tl.load(rn_k + tl.arange(0, BT))[None, None, :]
+    return _gram_inverse(
+        akk,
+        aqk,
+        kk_diag,
+        tl.load(rn_q + i3),
+        tl.load(rn_k + i3),
+        tl.load(rn_k + tl.arange(0, BT))[None, None, :],
+        tl.load(beta + i3),
+        att_out,
+        BT,
+        BC,
+        SOLVE_PREC,
+        MERGE_PREC,
+    )
+
+
+@triton.jit
+def _gram_inverse(
+    akk,
+    aqk,
+    kk_diag,
+    rq3,
+    rk3,
+    rk,
+    b3,
+    att_out,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    SOLVE_PREC: tl.constexpr,
+    MERGE_PREC: tl.constexpr,
+):
+    """From one chunk's unnormalised Gram sums (`akk`, `aqk` `[NB, BC, BT]`: the rows of sub-block s against
+    every column; `kk_diag` `[NB, BC, BC]`: each sub-block against itself), the inverse norms of q and k by
+    row (`rq3`, `rk3` `[NB, BC, 1]`; `rk` `[1, 1, BT]` by column) and β by row (`b3`): stores A at `att_out`
+    and returns X = (I + L)⁻¹ `[BT, BT]` fp32."""
+    NB: tl.constexpr = BT // BC
+    sub = tl.arange(0, NB)
+    row = tl.arange(0, BC)
+    i3 = sub[:, None, None] * BC + row[None, :, None]  # [NB, BC, 1]: row in the chunk
     j3 = tl.arange(0, BT)[None, None, :]
     # stored now, so that A is not kept live through the inverse
-    att = tl.where(j3 <= i3, aqk * tl.load(rn_q + i3) * rk, 0.0)
+    att = tl.where(j3 <= i3, aqk * rq3 * rk, 0.0)
     tl.store(att_out + i3 * BT + j3, att.to(att_out.dtype.element_ty))
-    rk3 = tl.load(rn_k + i3)  # [NB, BC, 1]
-    b3 = tl.load(beta + i3)
     low = tl.where(j3 < i3, akk * (b3 * rk3) * rk, 0.0)
     rk_cols = tl.reshape(rk3, [NB, 1, BC])
     low_diag = tl.where(row[None, None, :] < row[None, :, None], kk_diag * (b3 * rk3) * rk_cols, 0.0)
@@ -470,6 +526,227 @@ def _intra_kernel(
             BK2,
             OUT_PREC,
         )
+
+
+@triton.jit
+def _chunk_of(cu, n_seq, pid, h, conv_pool, pool_stride, slot_ids, D: tl.constexpr, X_STRIDE: tl.constexpr,
+              BT: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
+    """Where chunk `pid` of head `h` reads: (its sequence's first token and end, its in-sequence start, the
+    offset of its first row of q/k/v in elements, its slot's window of head h's q channels)."""
+    seq, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
+    start = chunk * BT
+    first_tok = (bos + start).to(tl.int64)
+    win = conv_pool + tl.load(slot_ids + seq).to(tl.int64) * pool_stride + h * D
+    return bos, eos, start, first_tok, first_tok * X_STRIDE + h * D, win
+
+
+@triton.jit
+def _inverse_kernel(
+    xq,
+    xk,
+    f,
+    b,
+    conv_w,
+    conv_pool,
+    pool_stride,
+    slot_ids,
+    dt_bias,
+    a_log,
+    cu,
+    n_seq,
+    inv_out,
+    att_out,
+    rnorm,
+    beta,
+    scale,
+    lower_bound,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    X_STRIDE: tl.constexpr,
+    F_STRIDE: tl.constexpr,
+    B_STRIDE: tl.constexpr,
+    WIN_STRIDE: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    GRAM_PREC: tl.constexpr,
+    SOLVE_PREC: tl.constexpr,
+    MERGE_PREC: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """`prep(reread_inputs=True)`'s first launch, program (chunk, head), head fastest in one grid dimension:
+    q and k convolved from the projections BK columns at a time, beside the gate's sums, into the Gram
+    sums (their rows' norms summed alongside: the Gram is bilinear, so the norms scale it afterwards); then
+    A and X = (I + L)⁻¹ stored, with the norms and β. Nothing of [BT, D] is written."""
+    flat = tl.program_id(0)
+    h, pid = flat % H, flat // H
+    bos, eos, start, first_tok, x_off, win = _chunk_of(
+        cu, n_seq, pid, h, conv_pool, pool_stride, slot_ids, D, X_STRIDE, BT, BLOCK_B
+    )
+    HD: tl.constexpr = H * D
+    NB: tl.constexpr = BT // BC
+    head_tile = pid.to(tl.int64) * H + h
+    n_left = eos - bos - start  # live rows of the chunk (none in a padded batch's spare chunks)
+    taps = conv_w + h * D * W
+    f_head = f + first_tok * F_STRIDE + h * D
+    rate = tl.exp(tl.load(a_log + h).to(tl.float32))
+    lb2 = lower_bound * 1.4426950408889634
+    rows = tl.arange(0, BT)[:, None]
+    live = rows < n_left
+    akk = tl.zeros([NB, BC, BT], dtype=tl.float32)
+    aqk = tl.zeros([NB, BC, BT], dtype=tl.float32)
+    kk_diag = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    sq_q = tl.zeros([BT], dtype=tl.float32)
+    sq_k = tl.zeros([BT], dtype=tl.float32)
+    for c0 in tl.range(0, D, BK):
+        col = c0 + tl.arange(0, BK)[None, :]
+        yq = _conv_silu(xq + x_off, win, taps, rows, col, n_left, start, W, X_STRIDE, WIN_STRIDE, FAST_MATH)
+        yk = _conv_silu(
+            xk + x_off, win + HD, taps + HD * W, rows, col, n_left, start, W, X_STRIDE, WIN_STRIDE, FAST_MATH
+        )
+        sq_q += tl.sum(yq * yq, 1)
+        sq_k += tl.sum(yk * yk, 1)
+        g = _gate(f_head, tl.load(dt_bias + h * D + col), rate, lb2, rows, live, col, F_STRIDE, FAST_MATH)
+        g = tl.reshape(g, [NB, BC, BK])
+        block_sum = tl.sum(g, 1)
+        akk, aqk, kk_diag = _gram_step(
+            akk,
+            aqk,
+            kk_diag,
+            tl.reshape(yq, [NB, BC, BK]),
+            tl.reshape(yk, [NB, BC, BK]),
+            tl.cumsum(g, 1),
+            tl.cumsum(block_sum, 0) - block_sum,
+            lb2 * (BC // 2),
+            BT,
+            GRAM_PREC,
+        )
+    r = tl.arange(0, BT)
+    rn_q = scale / tl.sqrt(sq_q + 1e-6)
+    rn_k = 1.0 / tl.sqrt(sq_k + 1e-6)
+    logit = tl.load(b + first_tok * B_STRIDE + r * B_STRIDE + h, mask=r < n_left, other=0.0)
+    bt = tl.where(r < n_left, tl.sigmoid(logit.to(tl.float32)), 0.0)
+    norm_tile = rnorm + (pid.to(tl.int64) * 2 * H + h) * BT
+    tl.store(norm_tile + r, rn_q)
+    tl.store(norm_tile + H * BT + r, rn_k)
+    tl.store(beta + head_tile * BT + r, bt)
+    inv = _gram_inverse(
+        akk,
+        aqk,
+        kk_diag,
+        tl.reshape(rn_q, [NB, BC])[:, :, None],
+        tl.reshape(rn_k, [NB, BC])[:, :, None],
+        rn_k[None, None, :],
+        tl.reshape(bt, [NB, BC])[:, :, None],
+        att_out + head_tile * BT * BT,
+        BT,
+        BC,
+        SOLVE_PREC,
+        MERGE_PREC,
+    )
+    tl.store(inv_out + head_tile * BT * BT + rows * BT + r[None, :], inv.to(inv_out.dtype.element_ty))
+
+
+@triton.jit
+def _products_kernel(
+    xq,
+    xk,
+    xv,
+    f,
+    conv_w,
+    conv_pool,
+    pool_stride,
+    slot_ids,
+    dt_bias,
+    a_log,
+    cu,
+    n_seq,
+    inv_in,
+    rnorm,
+    beta,
+    w_out,
+    qg_out,
+    kg_out,
+    u_out,
+    decay_c,
+    lower_bound,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    X_STRIDE: tl.constexpr,
+    F_STRIDE: tl.constexpr,
+    WIN_STRIDE: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    OUT_PREC: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+):
+    """`prep(reread_inputs=True)`'s second launch, program (chunk, head; column block): q, k, v convolved
+    and the gate summed again from the projections for BK columns, then w, u, q̄, k̄ and e^{G_C} of them from
+    `_inverse_kernel`'s X, norms and β. The chunk at a sequence's start rewrites its slot's windows of
+    these columns: every launch before it has read them."""
+    flat, c0 = tl.program_id(0), tl.program_id(1) * BK
+    h, pid = flat % H, flat // H
+    bos, eos, start, first_tok, x_off, win = _chunk_of(
+        cu, n_seq, pid, h, conv_pool, pool_stride, slot_ids, D, X_STRIDE, BT, BLOCK_B
+    )
+    HD: tl.constexpr = H * D
+    head_tile = pid.to(tl.int64) * H + h
+    n_left = eos - bos - start
+    taps = conv_w + h * D * W
+    rows = tl.arange(0, BT)[:, None]
+    col = c0 + tl.arange(0, BK)[None, :]
+    off = head_tile * BT * D + rows * D + col
+    inv = tl.load(inv_in + head_tile * BT * BT + rows * BT + tl.arange(0, BT)[None, :]).to(tl.float32)
+    norm_tile = rnorm + (pid.to(tl.int64) * 2 * H + h) * BT
+    bt = tl.load(beta + head_tile * BT + rows)
+    # each tile is stored as soon as it is made, w last, so that few [BT, BK] tiles are live at once
+    v = _conv_silu(
+        xv + x_off,
+        win + 2 * HD,
+        taps + 2 * HD * W,
+        rows,
+        col,
+        n_left,
+        start,
+        W,
+        X_STRIDE,
+        WIN_STRIDE,
+        FAST_MATH,
+    )
+    tl.store(u_out + off, _dot(inv, bt * v, None, OUT_PREC).to(u_out.dtype.element_ty))
+    g = _gate(
+        f + first_tok * F_STRIDE + h * D,
+        tl.load(dt_bias + h * D + col),
+        tl.exp(tl.load(a_log + h).to(tl.float32)),
+        lower_bound * 1.4426950408889634,
+        rows,
+        rows < n_left,
+        col,
+        F_STRIDE,
+        FAST_MATH,
+    )
+    gate = tl.cumsum(g, 0)
+    total = tl.sum(g, 0)[None, :]  # G_C: the rows past the sequence's end add nothing
+    tl.store(decay_c + head_tile * D + col, tl.exp2(total))
+    decay = tl.exp2(gate)
+    q = _conv_silu(xq + x_off, win, taps, rows, col, n_left, start, W, X_STRIDE, WIN_STRIDE, FAST_MATH)
+    tl.store(qg_out + off, (q * tl.load(norm_tile + rows) * decay).to(qg_out.dtype.element_ty))
+    k = _conv_silu(
+        xk + x_off, win + HD, taps + HD * W, rows, col, n_left, start, W, X_STRIDE, WIN_STRIDE, FAST_MATH
+    ) * tl.load(norm_tile + H * BT + rows)  # fmt: skip
+    tl.store(kg_out + off, (k * tl.exp2(total - gate)).to(kg_out.dtype.element_ty))
+    tl.store(w_out + off, _dot(inv, bt * k * decay, None, OUT_PREC).to(w_out.dtype.element_ty))
+    if start == 0:
+        cols = c0 + tl.arange(0, BK)
+        x_end = (eos - (W - 1)).to(tl.int64) * X_STRIDE + h * D
+        _rewrite_window(xq + x_end, win, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
+        _rewrite_window(xk + x_end, win + HD, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
+        _rewrite_window(xv + x_end, win + 2 * HD, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
 
 
 @triton.jit
@@ -663,6 +940,9 @@ PREP_KEYS = frozenset(
         "output_precision",
         "gram_unroll",
         "conv_order",
+        "reread_inputs",
+        "reread_cols",
+        "products_warps",
     }
 )
 
@@ -717,6 +997,9 @@ def prep(
     output_precision: str | None = None,
     gram_unroll: int = 1,
     conv_order: str = "head",
+    reread_inputs: bool = False,
+    reread_cols: int = 16,
+    products_warps: int = 4,
 ) -> tuple[torch.Tensor, ...]:
     """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
     e^{G_C} `[chunks, H, d]`.
@@ -736,7 +1019,11 @@ def prep(
     as a triangular tl.dot, and the conv taps shifted out of one tile by tl.dot were all slower:
     benchmarks/RESULTS.md, session 5; on the H100, 32-row conv blocks, 64-column gate blocks and 4 warps
     again, and the in-chunk launch on 2 warps, in 2 stages or with its Gram loop unrolled twice: S44-2).
-    Reads the slots' windows, not their states."""
+    Reads the slots' windows, not their states.
+
+    `reread_inputs`: the two launches that read the projections themselves instead (module docstring), the
+    first on `intra_warps` warps summing the Gram over `reread_cols` columns at a time, the second on
+    `products_warps`."""
     q, k, v, f, b = x.tensors
     conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
     h = slots.state_pool.shape[1]
@@ -763,11 +1050,17 @@ def prep(
         raise ValueError(f"conv_order must be 'chunk' or 'head', got {conv_order!r}")
     heads_first = conv_order == "head"
     dev = q.device
-    y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
     rnorm = torch.empty(n_chunks, 2, h, BT, dtype=torch.float32, device=dev)
-    gcum = torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev)
     beta = torch.empty(n_chunks, h, BT, dtype=torch.float32, device=dev)
     decay_c = torch.empty(n_chunks, h, d, dtype=torch.float32, device=dev)
+    if reread_inputs:
+        return _prep_from_inputs(
+            x, params, slots, cu_seqlens, n_chunks, (rnorm, beta, decay_c),
+            warps=(intra_warps, products_warps), cols=reread_cols,
+            precisions=(gram_precision, solve_precision, merge_precision, output_precision),
+        )  # fmt: skip
+    y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
+    gcum = torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev)
     subs = 3 * BT // conv_rows + d // gate_cols
     _conv_gate_kernel[(h * subs * n_chunks,) if heads_first else (n_chunks, h, subs)](
         q,
@@ -834,6 +1127,40 @@ def prep(
         num_warps=intra_warps,
         num_stages=intra_stages,
     )
+    return w, qg, kg, u, att, decay_c
+
+
+def _prep_from_inputs(x, params, slots, cu_seqlens, n_chunks, buffers, *, warps, cols, precisions):
+    """`prep`'s two launches that read the projections themselves: `_inverse_kernel` (its Gram sums over
+    `cols` columns at a time), then `_products_kernel` over 64-column blocks; the conv outputs and the gate's
+    sums never reach memory. `buffers`: prep's norms, β and e^{G_C}; `warps`: each launch's."""
+    rnorm, beta, decay_c = buffers
+    q, k, v, f, b = x.tensors
+    conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
+    h = slots.state_pool.shape[1]
+    d = q.shape[1] // h
+    gram, solve, merge, products = precisions
+    width = params.conv_weight.shape[1]
+    common = dict(
+        H=h, D=d, W=width, X_STRIDE=q.stride(0), F_STRIDE=f.stride(0), WIN_STRIDE=conv_pool.stride(1), BT=BT,
+        BLOCK_B=triton.next_power_of_2(slot_ids.shape[0] + 1), FAST_MATH=not _INTERPRET,
+    )  # fmt: skip
+    shared = (params.conv_weight, conv_pool, conv_pool.stride(0), slot_ids, params.dt_bias, params.a_log,
+              cu_seqlens, slot_ids.shape[0])  # fmt: skip
+    inv = torch.empty(
+        n_chunks, h, BT, BT, dtype=q.dtype if products == "bf16" else torch.float32, device=q.device
+    )
+    att = torch.empty(n_chunks, h, BT, BT, dtype=q.dtype, device=q.device)
+    _inverse_kernel[(n_chunks * h,)](
+        q, k, f, b, *shared, inv, att, rnorm, beta, d**-0.5, float(lower_bound), B_STRIDE=b.stride(0), BC=BC,
+        BK=min(cols, d), GRAM_PREC=gram, SOLVE_PREC=solve, MERGE_PREC=merge, num_warps=warps[0], **common,
+    )  # fmt: skip
+    w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=q.device) for _ in range(4))
+    block = min(64, d)
+    _products_kernel[(n_chunks * h, d // block)](
+        q, k, v, f, *shared, inv, rnorm, beta, w, qg, kg, u, decay_c, float(lower_bound),
+        WP=triton.next_power_of_2(width - 1), BK=block, OUT_PREC=products, num_warps=warps[1], **common,
+    )  # fmt: skip
     return w, qg, kg, u, att, decay_c
 
 
