@@ -135,8 +135,11 @@ PREFILL_VARIANTS = {  # prep settings besides the default (head order, 16-row co
 # value tiles of 32 and 16 columns: 2x and 4x the programs, for a rank's few heads (8 heads, one sequence:
 # 16 programs of 64 columns walk all the chunks on 16 of the GPU's SMs)
 RECUR_VARIANTS: dict[str, dict] = {"bv32": dict(block_v=32), "bv16": dict(block_v=16)}
-# FLA chunk_kda in run S5-12 (benchmarks/RESULTS.md), for --skip-fla: not measured in the same run
-FLA_PREFILL_RECORDED_US = {"T4096": 928.4, "T13312": 2838.0, "varlen2x6656": 2882.0}
+# FLA chunk_kda on an H100 by heads (RESULTS S44-1), for --skip-fla: not measured in the same run
+FLA_PREFILL_RECORDED_US = {
+    64: {"T4096": 1090.3, "T13312": 3389.6, "varlen2x6656": 3386.1},
+    8: {"T4096": 2272.3, "T13312": 1196.4, "varlen2x6656": 1814.1},
+}
 
 
 def _warm_one(job: tuple[dict, int]) -> str:
@@ -341,7 +344,8 @@ def fla_prefill_kwargs(lay: Layer, lens: list[int]) -> dict:
     return kw
 
 
-PREFILL_CASES = {"T4096": [4096], "T13312": [13312], "varlen2x6656": [6656, 6656]}
+# issue 45 item 2 asks T = 8192 and 13312 (one sequence each)
+PREFILL_CASES = {"T4096": [4096], "T8192": [8192], "T13312": [13312], "varlen2x6656": [6656, 6656]}
 
 
 def warm_fla(fla_chunk) -> None:
@@ -421,13 +425,11 @@ def time_prefill(fla_chunk, quick: bool, skip_fla: bool = False) -> None:
             )
         torch.cuda.empty_cache()
     kernel_registers()
-    for name in PREFILL_CASES if skip_fla else ():
-        rec(f"prefill_{name}_fla_us_recorded", FLA_PREFILL_RECORDED_US[name])
+    recorded = FLA_PREFILL_RECORDED_US.get(H, {}) if skip_fla else {}
+    for name in (name for name in PREFILL_CASES if name in recorded):
+        rec(f"prefill_{name}_fla_us_recorded", recorded[name])
         for var in ("hylo", *({} if quick else PREFILL_VARIANTS)):
-            rec(
-                f"prefill_{name}_{var}_ratio_recorded_fla",
-                RES[f"prefill_{name}_{var}_us"] / FLA_PREFILL_RECORDED_US[name],
-            )
+            rec(f"prefill_{name}_{var}_ratio_recorded_fla", RES[f"prefill_{name}_{var}_us"] / recorded[name])
     for name, lens in PREFILL_CASES.items() if fla_chunk is not None and not skip_fla else ():
         lens = [L(n) for n in lens]
         lay = Layer(slots=4, seed=2)
