@@ -52,7 +52,17 @@ def wait_ready(proc: subprocess.Popen, port: int) -> str:
 
 
 def start_server(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    """A server on a free port: a port another process takes between `free_port` and the server's bind (an
+    outgoing connection of the other test worker, say) is given up for a new one, twice at most."""
+    for attempt in range(3):
+        try:
+            return _start_on(free_port(), model, *flags)
+        except RuntimeError as exc:
+            if "address already in use" not in str(exc) or attempt == 2:
+                raise
+
+
+def _start_on(port: int, model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable,
         "-m",
