@@ -51,15 +51,19 @@ def wait_ready(proc: subprocess.Popen, port: int) -> str:
     raise RuntimeError("server did not become ready")
 
 
-def start_server(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """A server on a free port: a port another process takes between `free_port` and the server's bind (an
-    outgoing connection of the other test worker, say) is given up for a new one, twice at most."""
+def on_a_free_port(start):
+    """`start(port)` on a free port: a port another process takes between `free_port` and the server's bind
+    (an outgoing connection of the other test worker, say) is given up for a new one, twice at most."""
     for attempt in range(3):
         try:
-            return _start_on(free_port(), model, *flags)
+            return start(free_port())
         except RuntimeError as exc:
             if "address already in use" not in str(exc) or attempt == 2:
                 raise
+
+
+def start_server(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    return on_a_free_port(lambda port: _start_on(port, model, *flags))
 
 
 def _start_on(port: int, model: Path, *flags: str) -> tuple[subprocess.Popen, str]:

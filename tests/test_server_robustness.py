@@ -19,7 +19,7 @@ import anthropic
 import httpx
 import pytest
 from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP, SCRIPTED_MAX_TOKENS
-from test_server import free_port, wait_idle, wait_ready
+from test_server import on_a_free_port, wait_idle, wait_ready
 
 from hylo.cli import main
 from hylo.sampling import SamplingParams
@@ -37,11 +37,15 @@ HTTP = httpx.Client(timeout=5)
 
 def launch(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     """A faulty server; returns once /health answers 200."""
-    port = free_port()
-    cmd = [sys.executable, FAULTY, "serve", "--model", str(model), "--port", str(port)]
-    cmd += ["--served-model-name", "demo", "--device", "cpu", "--page-size", "16", "--max-memory-gb", "0.25"]
-    proc = subprocess.Popen([*cmd, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, wait_ready(proc, port)
+
+    def start(port: int) -> tuple[subprocess.Popen, str]:
+        cmd = [sys.executable, FAULTY, "serve", "--model", str(model), "--port", str(port)]
+        cmd += ["--served-model-name", "demo", "--device", "cpu", "--page-size", "16"]
+        cmd += ["--max-memory-gb", "0.25"]
+        proc = subprocess.Popen([*cmd, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return proc, wait_ready(proc, port)
+
+    return on_a_free_port(start)
 
 
 @pytest.fixture(scope="module")
