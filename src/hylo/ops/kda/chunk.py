@@ -304,7 +304,11 @@ def _dot(a, b, acc, PREC: tl.constexpr):
 def _gram_step(akk, aqk, kk_diag, yq, yk, local, before, anchor, BT: tl.constexpr, PREC: tl.constexpr):
     """One column block's terms of the Gram sums (`_gram_inverse` names them): `yq`, `yk` `[NB, BC, BK]` the
     block's q and k by sub-block of rows, `local` the gate summed from each sub-block's start to the row
-    (log2 units), `before` `[NB, BK]` the gate summed before each sub-block, `anchor` the split point."""
+    (log2 units), `before` `[NB, BK]` the gate summed before each sub-block, `anchor` the split point.
+
+    The reread launches' (`_inverse_kernel`); `_chunk_inverse` keeps its own copy of this and of
+    `_gram_inverse`: calling them changed its machine code (8100 -> 8164 SASS lines, other registers), and
+    its measured figures are of its own. One of the two paths goes once the reread launches are measured."""
     NB: tl.constexpr = yq.shape[0]
     BK: tl.constexpr = yq.shape[2]
     sub = tl.arange(0, NB)
@@ -347,6 +351,7 @@ def _chunk_inverse(
     i3 = sub[:, None, None] * BC + row[None, :, None]  # [NB, BC, 1]: row in the chunk
     prev = sub[:, None, None] * BC - 1  # [NB, 1, 1]: the row before each sub-block
     anchor = lower_bound * 1.4426950408889634 * (BC // 2)
+    later_block = sub[None, :, None] > sub[:, None, None]  # [s, t]: t > s
     akk = tl.zeros([NB, BC, BT], dtype=tl.float32)
     aqk = tl.zeros([NB, BC, BT], dtype=tl.float32)
     kk_diag = tl.zeros([NB, BC, BC], dtype=tl.float32)
@@ -356,24 +361,37 @@ def _chunk_inverse(
         yk = tl.load(y_k + i3 * D + col).to(tl.float32)
         before = tl.load(gcum + prev * D + col, mask=prev >= 0, other=0.0)  # gate sum before the sub-block
         local = tl.load(gcum + i3 * D + col) - before
-        akk, aqk, kk_diag = _gram_step(
-            akk, aqk, kk_diag, yq, yk, local, tl.reshape(before, [NB, BK]), anchor, BT, GRAM_PREC
-        )
+        row_scale = tl.exp2(local - anchor)  # e^{G_i - a_s} for row i of sub-block s
+        kc = yk * tl.exp2(anchor - local)  # e^{a_t - G_j} for column j of sub-block t
+        # e^{a_s - G_j} = e^{a_t - G_j} e^{a_s - a_t}, the second ≤ 1 for t ≤ s; blocks t > s are not needed
+        before = tl.reshape(before, [NB, BK])
+        block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
+        cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
+        cols = tl.trans(cols, (0, 2, 1))
+        akk = _dot(yk * row_scale, cols, akk, GRAM_PREC)
+        aqk = _dot(yq * row_scale, cols, aqk, GRAM_PREC)
+        kk_diag = _dot(yk * row_scale, tl.trans(kc, (0, 2, 1)), kk_diag, GRAM_PREC)
 
-    return _gram_inverse(
-        akk,
-        aqk,
-        kk_diag,
-        tl.load(rn_q + i3),
-        tl.load(rn_k + i3),
-        tl.load(rn_k + tl.arange(0, BT))[None, None, :],
-        tl.load(beta + i3),
-        att_out,
-        BT,
-        BC,
-        SOLVE_PREC,
-        MERGE_PREC,
-    )
+    rk = tl.load(rn_k + tl.arange(0, BT))[None, None, :]
+    j3 = tl.arange(0, BT)[None, None, :]
+    # stored now, so that A is not kept live through the inverse
+    att = tl.where(j3 <= i3, aqk * tl.load(rn_q + i3) * rk, 0.0)
+    tl.store(att_out + i3 * BT + j3, att.to(att_out.dtype.element_ty))
+    rk3 = tl.load(rn_k + i3)  # [NB, BC, 1]
+    b3 = tl.load(beta + i3)
+    low = tl.where(j3 < i3, akk * (b3 * rk3) * rk, 0.0)
+    rk_cols = tl.reshape(rk3, [NB, 1, BC])
+    low_diag = tl.where(row[None, None, :] < row[None, :, None], kk_diag * (b3 * rk3) * rk_cols, 0.0)
+
+    inv_diag = _unit_lower_inverse(low_diag, BC, SOLVE_PREC)
+    same_block = sub[:, None, None, None] == sub[None, None, :, None]
+    x_diag = tl.reshape(tl.where(same_block, inv_diag[:, :, None, :], 0.0), [BT, BT])
+    r2 = tl.arange(0, BT)
+    eye = (r2[:, None] == r2[None, :]).to(tl.float32)
+    off_diag = tl.where((r2[None, :] // BC) < (r2[:, None] // BC), tl.reshape(low, [BT, BT]), 0.0)
+    nil = _dot(x_diag, off_diag, None, MERGE_PREC)
+    nil2 = _dot(nil, nil, None, MERGE_PREC)
+    return _dot(_dot(eye - nil, eye + nil2, None, MERGE_PREC), x_diag, None, MERGE_PREC)
 
 
 @triton.jit
