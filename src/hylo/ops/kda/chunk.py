@@ -306,9 +306,10 @@ def _gram_step(akk, aqk, kk_diag, yq, yk, local, before, anchor, BT: tl.constexp
     block's q and k by sub-block of rows, `local` the gate summed from each sub-block's start to the row
     (log2 units), `before` `[NB, BK]` the gate summed before each sub-block, `anchor` the split point.
 
-    The reread launches' (`_inverse_kernel`); `_chunk_inverse` keeps its own copy of this and of
-    `_gram_inverse`: calling them changed its machine code (8100 -> 8164 SASS lines, other registers), and
-    its measured figures are of its own. One of the two paths goes once the reread launches are measured."""
+    The reread launches' (`_inverse_kernel`); `_chunk_inverse` keeps its own copy of these lines: calling
+    this changed its machine code (a few address computations moved, other registers; it shares
+    `_lower_inverse` with identical SASS), and its measured figures are of its own code. One of the two
+    paths goes once the reread launches are measured."""
     NB: tl.constexpr = yq.shape[0]
     BK: tl.constexpr = yq.shape[2]
     sub = tl.arange(0, NB)
@@ -323,6 +324,25 @@ def _gram_step(akk, aqk, kk_diag, yq, yk, local, before, anchor, BT: tl.constexp
     aqk = _dot(yq * row_scale, cols, aqk, PREC)
     kk_diag = _dot(yk * row_scale, tl.trans(kc, (0, 2, 1)), kk_diag, PREC)
     return akk, aqk, kk_diag
+
+
+@triton.jit
+def _lower_inverse(low, low_diag, BT: tl.constexpr, BC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+                   MERGE_PREC: tl.constexpr):  # fmt: skip
+    """(I + L)⁻¹ `[BT, BT]` of a strictly lower L given as `low` `[NB, BC, BT]` (sub-block s's rows) and its
+    diagonal blocks `low_diag` `[NB, BC, BC]`: the diagonal blocks by `_unit_lower_inverse`, merged with the
+    strictly-block-lower rest as X = (I − N)(I + N²) X_d, N = X_d E."""
+    NB: tl.constexpr = BT // BC
+    sub = tl.arange(0, NB)
+    inv_diag = _unit_lower_inverse(low_diag, BC, SOLVE_PREC)
+    same_block = sub[:, None, None, None] == sub[None, None, :, None]
+    x_diag = tl.reshape(tl.where(same_block, inv_diag[:, :, None, :], 0.0), [BT, BT])
+    r2 = tl.arange(0, BT)
+    eye = (r2[:, None] == r2[None, :]).to(tl.float32)
+    off_diag = tl.where((r2[None, :] // BC) < (r2[:, None] // BC), tl.reshape(low, [BT, BT]), 0.0)
+    nil = _dot(x_diag, off_diag, None, MERGE_PREC)
+    nil2 = _dot(nil, nil, None, MERGE_PREC)
+    return _dot(_dot(eye - nil, eye + nil2, None, MERGE_PREC), x_diag, None, MERGE_PREC)
 
 
 @triton.jit
@@ -382,16 +402,7 @@ def _chunk_inverse(
     low = tl.where(j3 < i3, akk * (b3 * rk3) * rk, 0.0)
     rk_cols = tl.reshape(rk3, [NB, 1, BC])
     low_diag = tl.where(row[None, None, :] < row[None, :, None], kk_diag * (b3 * rk3) * rk_cols, 0.0)
-
-    inv_diag = _unit_lower_inverse(low_diag, BC, SOLVE_PREC)
-    same_block = sub[:, None, None, None] == sub[None, None, :, None]
-    x_diag = tl.reshape(tl.where(same_block, inv_diag[:, :, None, :], 0.0), [BT, BT])
-    r2 = tl.arange(0, BT)
-    eye = (r2[:, None] == r2[None, :]).to(tl.float32)
-    off_diag = tl.where((r2[None, :] // BC) < (r2[:, None] // BC), tl.reshape(low, [BT, BT]), 0.0)
-    nil = _dot(x_diag, off_diag, None, MERGE_PREC)
-    nil2 = _dot(nil, nil, None, MERGE_PREC)
-    return _dot(_dot(eye - nil, eye + nil2, None, MERGE_PREC), x_diag, None, MERGE_PREC)
+    return _lower_inverse(low, low_diag, BT, BC, SOLVE_PREC, MERGE_PREC)
 
 
 @triton.jit
@@ -424,16 +435,7 @@ def _gram_inverse(
     low = tl.where(j3 < i3, akk * (b3 * rk3) * rk, 0.0)
     rk_cols = tl.reshape(rk3, [NB, 1, BC])
     low_diag = tl.where(row[None, None, :] < row[None, :, None], kk_diag * (b3 * rk3) * rk_cols, 0.0)
-
-    inv_diag = _unit_lower_inverse(low_diag, BC, SOLVE_PREC)
-    same_block = sub[:, None, None, None] == sub[None, None, :, None]
-    x_diag = tl.reshape(tl.where(same_block, inv_diag[:, :, None, :], 0.0), [BT, BT])
-    r2 = tl.arange(0, BT)
-    eye = (r2[:, None] == r2[None, :]).to(tl.float32)
-    off_diag = tl.where((r2[None, :] // BC) < (r2[:, None] // BC), tl.reshape(low, [BT, BT]), 0.0)
-    nil = _dot(x_diag, off_diag, None, MERGE_PREC)
-    nil2 = _dot(nil, nil, None, MERGE_PREC)
-    return _dot(_dot(eye - nil, eye + nil2, None, MERGE_PREC), x_diag, None, MERGE_PREC)
+    return _lower_inverse(low, low_diag, BT, BC, SOLVE_PREC, MERGE_PREC)
 
 
 @triton.jit
