@@ -94,6 +94,22 @@ def test_the_quantised_path_matches_the_product_of_quantised_rows(n, k):
         assert error <= 1.0, f"M={m} N={n} K={k}: {error:.3g}x the bound"
 
 
+def test_the_switch_sends_up_to_8_rows_to_the_quantised_path(monkeypatch):
+    """`HYLO_FP8_GEMV_QUANT_X=1`: `gemv` with quant_x left to it runs the quantised path for up to 8 rows
+    (bit for bit the explicit call) and the widening one for more; unset, the widening one throughout."""
+    x16, weight, scale = problem(4096, 4096)
+
+    def gemv(m, quant_x=None):
+        return gemv_cuda.gemv(x16[:m], weight, scale, quant_x=quant_x)
+
+    for m, quantised in ((1, True), (8, True), (9, False), (16, False)):
+        monkeypatch.setenv(gemv_cuda.QUANT_SWITCH, "1")
+        assert torch.equal(gemv(m), gemv(m, quant_x=quantised)), m
+        monkeypatch.delenv(gemv_cuda.QUANT_SWITCH)
+        assert torch.equal(gemv(m), gemv(m, quant_x=False)), m
+    assert not torch.equal(gemv(1, quant_x=True), gemv(1, quant_x=False))  # the two paths do differ
+
+
 def test_the_quantised_path_refuses_more_than_8_rows():
     x, weight, scale = problem(256, 4096, rows=9)
     with pytest.raises(ValueError, match="9 rows of x; the quantised path takes up to 8"):

@@ -19,7 +19,9 @@ A call is a ctypes call that launches on `torch.cuda.current_stream()` with raw 
 allocated but the output and nothing synchronises, so it is capture-safe, and its host cost (a few us
 of Python, below Triton's launcher) is assumed small enough to use eagerly too: the lead measures it.
 `HYLO_FP8_GEMV=0` in the environment turns it off (read at every call); a benchmark comparing it with
-the Triton kernel in one process calls `gemv` and `kernels.gemm` directly.
+the Triton kernel in one process calls `gemv` and `kernels.gemm` directly. `HYLO_FP8_GEMV_QUANT_X=1`
+(`QUANT_SWITCH`, off by default until measured) sends products of up to 8 rows to the quantised path
+(w8a8 on e4m3 MMAs, `gemv(quant_x=...)`), whose variants then join the check.
 
 Launches are programmatic dependents where `ops.dependent_launch` says a device's launches are
 (`fp8_gemv.cu` says what the GEMV overlaps then); a benchmark may force either way per call. A dependent
@@ -33,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import os
 from functools import cache
 from pathlib import Path
 
@@ -48,6 +51,9 @@ logger = logging.getLogger("hylo")
 SOURCE = Path(__file__).with_name("fp8_gemv.cu")
 KERNEL = "the FP8 GEMV kernel"
 SWITCH = "HYLO_FP8_GEMV"
+# "1": products of up to WIDE_ROWS rows take the quantised path (`gemv(quant_x=None)`), which then joins the
+# check that turns the GEMV on; off by default until measured
+QUANT_SWITCH = "HYLO_FP8_GEMV_QUANT_X"
 MAX_ROWS = 16
 CTA_ROWS = 64  # weight rows per CTA (4 warps of a 16-row MMA tile); the library reports its own
 SPLITS = (1, 2, 4, 8)  # CTAs of a cluster that split K (the compiled variants)
@@ -170,7 +176,7 @@ def gemv(
     library: ctypes.CDLL | None = None,
     dependent: bool | None = None,
     slices: int | None = None,
-    quant_x: bool = False,
+    quant_x: bool | None = None,
 ) -> torch.Tensor:
     """`x [M, K] @ dequant(weight)ᵀ` as bf16 `[M, N]`, fp32 accumulation. Safe where `refusal` is None
     (which also builds and checks the kernel); `split` (one of `SPLITS`) overrides `split_for`, `slices`
@@ -179,7 +185,7 @@ def gemv(
     `quant_x` (up to `WIDE_ROWS` rows, see `quant_x_refusal`): x quantised per 128-k block as
     `hylo.ops.fp8.quantize_fp8_groups` quantises it and the products on e4m3 MMAs (w8a8, the arithmetic of
     the prefill's block-scaled matmul and of HF's FP8 linear), no weight widened; not yet measured on a
-    GPU."""
+    GPU. None: where `QUANT_SWITCH` is "1" and the shape allows it."""
     index = x.device.index
     library = library or _CHECKED.ready.get(index)
     if library is None:
@@ -189,7 +195,9 @@ def gemv(
     slices = slices or slices_for(m, n, k, split, _sms(index))
     if dependent is None:
         dependent = dependent_launches(x.device)
-    if quant_x and (reason := quant_x_refusal(m, k, split)):
+    if quant_x is None:
+        quant_x = os.environ.get(QUANT_SWITCH) == "1" and quant_x_refusal(m, k, split) is None
+    elif quant_x and (reason := quant_x_refusal(m, k, split)):
         raise ValueError(f"gemv: quant_x: {reason}")
     return _launch(library, x, weight, scale_inv, split, slices, dependent, quant_x)
 
@@ -323,4 +331,11 @@ def takes(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> boo
     )
 
 
-_CHECKED = cuda_build.CheckedLibrary(KERNEL, SWITCH, load_library, _self_check, _give_up)
+def _shipped_check(library: ctypes.CDLL, device: torch.device) -> str | None:
+    """`_self_check` of what `gemv` may run: the quantised path too where `QUANT_SWITCH` is "1"."""
+    return _self_check(library, device) or (
+        _self_check(library, device, quantised=True) if os.environ.get(QUANT_SWITCH) == "1" else None
+    )
+
+
+_CHECKED = cuda_build.CheckedLibrary(KERNEL, SWITCH, load_library, _shipped_check, _give_up)
