@@ -160,7 +160,8 @@ def _rewrite_window(
 
 @triton.jit
 def _unit_lower_inverse(low, BC: tl.constexpr, PREC: tl.constexpr):
-    """(I + L)⁻¹ of a batch of strictly lower BC×BC blocks, BC = 16: (I − L)(I + L²)(I + L⁴)(I + L⁸)."""
+    """(I + L)⁻¹ of a batch of strictly lower BC×BC blocks, BC = 16 or 32: (I − L)(I + L²)(I + L⁴)(I + L⁸)
+    (and · (I + L¹⁶) for 32: L^BC = 0)."""
     r = tl.arange(0, BC)
     eye = (r[:, None] == r[None, :]).to(tl.float32)[None, :, :]
     sq2 = tl.dot(low, low, input_precision=PREC)
@@ -168,7 +169,12 @@ def _unit_lower_inverse(low, BC: tl.constexpr, PREC: tl.constexpr):
     sq8 = tl.dot(sq4, sq4, input_precision=PREC)
     inv = tl.dot(eye - low, eye + sq2, input_precision=PREC)
     inv = tl.dot(inv, eye + sq4, input_precision=PREC)
-    return tl.dot(inv, eye + sq8, input_precision=PREC)
+    if BC == 32:
+        inv = tl.dot(inv, eye + sq8, input_precision=PREC)
+        out = tl.dot(inv, eye + tl.dot(sq8, sq8, input_precision=PREC), input_precision=PREC)
+    else:
+        out = tl.dot(inv, eye + sq8, input_precision=PREC)
+    return out
 
 
 @triton.jit
@@ -301,6 +307,19 @@ def _dot(a, b, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _wide_columns(yk, local, before, anchor, later_block, BT: tl.constexpr):
+    """The Gram's column operand `[NB, BT, BK]` for 32-row sub-blocks: k_j e^{a_s − G_j} for row block s and
+    column j of block t ≤ s (0 for t > s), each one exp2 of the summed exponent. Apart, e^{a_t − G_j} reaches
+    2^±115 at 32 rows and e^{a_s − a_t} may pass below fp32's range while their product does not; summed, what
+    underflows is at most 2^-34 of a row's largest entry (its row factor is at most 2^115)."""
+    NB: tl.constexpr = yk.shape[0]
+    BK: tl.constexpr = yk.shape[2]
+    expo = (anchor - local)[None, :, :, :] + (before[:, None, :] - before[None, :, :])[:, :, None, :]
+    cols = tl.where(later_block[:, :, :, None], 0.0, yk[None, :, :, :] * tl.exp2(expo))
+    return tl.reshape(cols, [NB, BT, BK])
+
+
+@triton.jit
 def _gram_step(akk, aqk, kk_diag, yq, yk, local, before, anchor, BT: tl.constexpr, PREC: tl.constexpr):
     """One column block's terms of the Gram sums (`_gram_inverse` names them): `yq`, `yk` `[NB, BC, BK]` the
     block's q and k by sub-block of rows, `local` the gate summed from each sub-block's start to the row
@@ -311,14 +330,18 @@ def _gram_step(akk, aqk, kk_diag, yq, yk, local, before, anchor, BT: tl.constexp
     `_lower_inverse` with identical SASS), and its measured figures are of its own code. One of the two
     paths goes once the reread launches are measured."""
     NB: tl.constexpr = yq.shape[0]
+    BC: tl.constexpr = yq.shape[1]
     BK: tl.constexpr = yq.shape[2]
     sub = tl.arange(0, NB)
     later_block = sub[None, :, None] > sub[:, None, None]  # [s, t]: t > s
     row_scale = tl.exp2(local - anchor)  # e^{G_i - a_s} for row i of sub-block s
     kc = yk * tl.exp2(anchor - local)  # e^{a_t - G_j} for column j of sub-block t
     # e^{a_s - G_j} = e^{a_t - G_j} e^{a_s - a_t}, the second ≤ 1 for t ≤ s; blocks t > s are not needed
-    block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
-    cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
+    if BC == 32:
+        cols = _wide_columns(yk, local, before, anchor, later_block, BT)
+    else:
+        block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
+        cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
     cols = tl.trans(cols, (0, 2, 1))
     akk = _dot(yk * row_scale, cols, akk, PREC)
     aqk = _dot(yq * row_scale, cols, aqk, PREC)
@@ -385,8 +408,11 @@ def _chunk_inverse(
         kc = yk * tl.exp2(anchor - local)  # e^{a_t - G_j} for column j of sub-block t
         # e^{a_s - G_j} = e^{a_t - G_j} e^{a_s - a_t}, the second ≤ 1 for t ≤ s; blocks t > s are not needed
         before = tl.reshape(before, [NB, BK])
-        block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
-        cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
+        if BC == 32:
+            cols = _wide_columns(yk, local, before, anchor, later_block, BT)
+        else:
+            block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
+            cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
         cols = tl.trans(cols, (0, 2, 1))
         akk = _dot(yk * row_scale, cols, akk, GRAM_PREC)
         aqk = _dot(yq * row_scale, cols, aqk, GRAM_PREC)
@@ -963,6 +989,7 @@ PREP_KEYS = frozenset(
         "reread_inputs",
         "reread_cols",
         "products_warps",
+        "gram_rows",
     }
 )
 
@@ -1019,6 +1046,7 @@ def prep(
     conv_order: str = "head",
     reread_inputs: bool = False,
     reread_cols: int = 16,
+    gram_rows: int = BC,
     products_warps: int = 4,
 ) -> tuple[torch.Tensor, ...]:
     """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
@@ -1043,7 +1071,8 @@ def prep(
 
     `reread_inputs`: the two launches that read the projections themselves instead (module docstring), the
     first on `intra_warps` warps summing the Gram over `reread_cols` columns at a time, the second on
-    `products_warps`."""
+    `products_warps`. `gram_rows`: the Gram's sub-blocks of rows, 16 (the measured one) or 32 (half the
+    batched products, twice as tall; its split factors reach 2^±115, `_wide_columns`); not yet measured."""
     q, k, v, f, b = x.tensors
     conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
     h = slots.state_pool.shape[1]
@@ -1054,6 +1083,8 @@ def prep(
     gram_precision, merge_precision, output_precision = (
         products if mode is None else mode for mode in (gram_precision, merge_precision, output_precision)
     )
+    if gram_rows not in (16, 32):
+        raise ValueError(f"gram_rows must be 16 or 32, got {gram_rows}")
     if not -5.0 <= lower_bound < 0:
         raise ValueError(f"the chunked Triton path needs -5 <= lower_bound < 0, got {lower_bound}")
     if conv_rows not in (8, 16, 32, 64) or conv_rows < width - 1:
@@ -1076,7 +1107,7 @@ def prep(
     if reread_inputs:
         return _prep_from_inputs(
             x, params, slots, cu_seqlens, n_chunks, (rnorm, beta, decay_c),
-            warps=(intra_warps, products_warps), cols=reread_cols,
+            warps=(intra_warps, products_warps), cols=reread_cols, gram_rows=gram_rows,
             precisions=(gram_precision, solve_precision, merge_precision, output_precision),
         )  # fmt: skip
     y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
@@ -1136,7 +1167,7 @@ def prep(
         H=h,
         D=d,
         BT=BT,
-        BC=BC,
+        BC=gram_rows,
         BK1=min(16, d),
         BK2=min(64, d),
         UNROLL=gram_unroll,
@@ -1150,7 +1181,7 @@ def prep(
     return w, qg, kg, u, att, decay_c
 
 
-def _prep_from_inputs(x, params, slots, cu_seqlens, n_chunks, buffers, *, warps, cols, precisions):
+def _prep_from_inputs(x, params, slots, cu_seqlens, n_chunks, buffers, *, warps, cols, gram_rows, precisions):
     """`prep`'s two launches that read the projections themselves: `_inverse_kernel` (its Gram sums over
     `cols` columns at a time), then `_products_kernel` over 64-column blocks; the conv outputs and the gate's
     sums never reach memory. `buffers`: prep's norms, β and e^{G_C}; `warps`: each launch's."""
@@ -1172,8 +1203,9 @@ def _prep_from_inputs(x, params, slots, cu_seqlens, n_chunks, buffers, *, warps,
     )
     att = torch.empty(n_chunks, h, BT, BT, dtype=q.dtype, device=q.device)
     _inverse_kernel[(n_chunks * h,)](
-        q, k, f, b, *shared, inv, att, rnorm, beta, d**-0.5, float(lower_bound), B_STRIDE=b.stride(0), BC=BC,
-        BK=min(cols, d), GRAM_PREC=gram, SOLVE_PREC=solve, MERGE_PREC=merge, num_warps=warps[0], **common,
+        q, k, f, b, *shared, inv, att, rnorm, beta, d**-0.5, float(lower_bound), B_STRIDE=b.stride(0),
+        BC=gram_rows, BK=min(cols, d), GRAM_PREC=gram, SOLVE_PREC=solve, MERGE_PREC=merge, num_warps=warps[0],
+        **common,
     )  # fmt: skip
     w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=q.device) for _ in range(4))
     block = min(64, d)
