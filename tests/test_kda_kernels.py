@@ -116,6 +116,8 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
         ([3, 70], torch.float32, 1, 128, 7, dict(reread_inputs=True)),
         # the Gram in 32-row sub-blocks (two a chunk), in both layouts of the launches
         ([2, 131], torch.float32, 2, 32, 3, dict(gram_rows=32)),
+        # the in-chunk launch's Gram 32 columns a step (d = 32: one step)
+        ([3, 65], torch.float32, 1, 32, 1, dict(gram_cols=32)),
         ([70, 1], torch.float32, 2, 16, 0, dict(gram_rows=32, reread_inputs=True)),
     ],
 )
@@ -234,6 +236,7 @@ def test_first_launch_fast_sigmoid_compiles_for_hopper(hopper_compiles):
         (dict(gate_cols=6), "gate_cols"),
         (dict(conv_order="rows"), "conv_order must be 'chunk' or 'head'"),
         (dict(gram_rows=24), "gram_rows must be 16 or 32, got 24"),
+        (dict(gram_cols=8), "gram_cols must be 16 or 32, got 8"),
     ],
 )
 def test_prefill_rejects_first_launch_tiles_it_cannot_take(tuning, message):

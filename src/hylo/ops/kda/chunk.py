@@ -990,6 +990,7 @@ PREP_KEYS = frozenset(
         "reread_cols",
         "products_warps",
         "gram_rows",
+        "gram_cols",
     }
 )
 
@@ -1047,6 +1048,7 @@ def prep(
     reread_inputs: bool = False,
     reread_cols: int = 16,
     gram_rows: int = BC,
+    gram_cols: int = 16,
     products_warps: int = 4,
 ) -> tuple[torch.Tensor, ...]:
     """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
@@ -1072,7 +1074,9 @@ def prep(
     `reread_inputs`: the two launches that read the projections themselves instead (module docstring), the
     first on `intra_warps` warps summing the Gram over `reread_cols` columns at a time, the second on
     `products_warps`. `gram_rows`: the Gram's sub-blocks of rows, 16 (the measured one) or 32 (half the
-    batched products, twice as tall; its split factors reach 2^±115, `_wide_columns`); not yet measured."""
+    batched products, twice as tall; its split factors reach 2^±115, `_wide_columns`); `gram_cols`: the
+    in-chunk launch's columns a Gram step, 16 or 32 (231 registers against 167 compiled here); the 32s are
+    not yet measured."""
     q, k, v, f, b = x.tensors
     conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
     h = slots.state_pool.shape[1]
@@ -1085,6 +1089,8 @@ def prep(
     )
     if gram_rows not in (16, 32):
         raise ValueError(f"gram_rows must be 16 or 32, got {gram_rows}")
+    if gram_cols not in (16, 32):
+        raise ValueError(f"gram_cols must be 16 or 32, got {gram_cols}")
     if not -5.0 <= lower_bound < 0:
         raise ValueError(f"the chunked Triton path needs -5 <= lower_bound < 0, got {lower_bound}")
     if conv_rows not in (8, 16, 32, 64) or conv_rows < width - 1:
@@ -1168,7 +1174,7 @@ def prep(
         D=d,
         BT=BT,
         BC=gram_rows,
-        BK1=min(16, d),
+        BK1=min(gram_cols, d),
         BK2=min(64, d),
         UNROLL=gram_unroll,
         GRAM_PREC=gram_precision,
