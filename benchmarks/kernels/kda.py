@@ -134,6 +134,7 @@ PREFILL_VARIANTS = {  # prep settings besides the default (head order, 16-row co
     "rows32_solve_tf32": dict(gram_rows=32, solve_precision="tf32"),
     "reread_rows32": dict(reread_inputs=True, gram_rows=32),
     "gram_cols32": dict(gram_cols=32),
+    "intra_cuda": dict(intra_cuda=True),
 }
 # the recurrence's own settings were swept in KDA run 4 (3 stages best; 4 need 271 KB of shared memory)
 # value tiles of 32 and 16 columns: 2x and 4x the programs, for a rank's few heads (8 heads, one sequence:

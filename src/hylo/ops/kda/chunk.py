@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.kda import intra_cuda as kda_intra_cuda
 from hylo.ops.kda.reference import CHUNK_TOKENS, ChunkSnapshots, KDAInputs, KDAParams, KDASlots
 
 BT = CHUNK_TOKENS  # chunk length
@@ -991,6 +992,8 @@ PREP_KEYS = frozenset(
         "products_warps",
         "gram_rows",
         "gram_cols",
+        "intra_cuda",
+        "intra_library",
     }
 )
 
@@ -1049,6 +1052,8 @@ def prep(
     reread_cols: int = 16,
     gram_rows: int = BC,
     gram_cols: int = 16,
+    intra_cuda: bool = False,
+    intra_library=None,
     products_warps: int = 4,
 ) -> tuple[torch.Tensor, ...]:
     """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
@@ -1076,7 +1081,8 @@ def prep(
     `products_warps`. `gram_rows`: the Gram's sub-blocks of rows, 16 (the measured one) or 32 (half the
     batched products, twice as tall; its split factors reach 2^±115, `_wide_columns`); `gram_cols`: the
     in-chunk launch's columns a Gram step, 16 or 32 (231 registers against 167 compiled here); the 32s are
-    not yet measured."""
+    not yet measured. `intra_cuda`: the in-chunk launch in CUDA C++ where it is available (`intra_cuda.py`;
+    `intra_library`, a library to run it with, is its self-check's)."""
     q, k, v, f, b = x.tensors
     conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
     h = slots.state_pool.shape[1]
@@ -1159,6 +1165,9 @@ def prep(
     )
     w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(4))
     att = torch.empty(n_chunks, h, BT, BT, dtype=q.dtype, device=dev)
+    if intra_library is not None or (intra_cuda and kda_intra_cuda.refusal(dev, d, q.dtype) is None):
+        kda_intra_cuda.intra((y, rnorm, gcum, beta), (w, qg, kg, u, att), float(lower_bound), intra_library)
+        return w, qg, kg, u, att, decay_c
     _intra_kernel[(n_chunks, h)](
         y,
         rnorm,
