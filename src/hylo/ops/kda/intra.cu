@@ -24,8 +24,9 @@
 // 2^±58 and every product 2^{G_i - G_j} exact up to the operands' bf16 rounding; a column factor of a far
 // sub-block may pass below bf16's range only where the product is below 2^-75 of 1.
 //
-// Work a CTA: 80 exp2 a lane for the Gram's operands per k-step, 10 16 x 16 x 128 products of each Gram, a
-// 64-step substitution (two threads a column, 64 of them), two 64 x 64 x 128 products.
+// Work a CTA: a lane's 8 exp2 for its row operands a k-step (built once for every column sub-block) and 8 a
+// column sub-block, 10 16 x 16 x 128 products of each Gram, a 64-step substitution (two threads a column), two
+// 64 x 64 x 128 products.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -100,44 +101,48 @@ __device__ __forceinline__ float anchor_at(const Stage& s, int sb, int d, float 
     return (sb > 0 ? g_at(s, sb * kSub - 1, d) : 0.f) + anchor;
 }
 
-// Rows of sub-block `sb` against the rows of sub-block `tb` <= `sb`: acc_kk, acc_qk [2 n-tiles][4] (m16n8
-// layout: [0], [1] row g, columns 2t, 2t + 1 of the n-tile; [2], [3] row g + 8).
-__device__ void gram_block(const Stage& s, int sb, int tb, float anchor, int g, int t, float (&acc_kk)[2][4],
-                           float (&acc_qk)[2][4]) {
+// Rows of sub-block `sb` against the rows of every sub-block t <= `sb`: acc_kk, acc_qk [t][2 n-tiles][4] (m16n8
+// layout: [0], [1] row g, columns 2t', 2t' + 1 of the n-tile; [2], [3] row g + 8). The row operands of a k-step
+// are built once for all t.
+__device__ void gram_rows(const Stage& s, int sb, float anchor, int g, int t, float (&acc_kk)[4][2][4],
+                          float (&acc_qk)[4][2][4]) {
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
+    for (int tb = 0; tb < 4; ++tb)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc_kk[n][i] = acc_qk[n][i] = 0.f;
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc_kk[tb][n][i] = acc_qk[tb][n][i] = 0.f;
     const int r0 = sb * kSub + g, r1 = r0 + 8;
     for (int k0 = 0; k0 < kD; k0 += 16) {
-        uint32_t a_k[4], a_q[4];
+        uint32_t ak[4], aq[4];  // [0] row g cols 2t, [1] row g + 8 cols 2t, [2] row g cols 8 + 2t, [3] row g + 8
+        float an[2][2];         // the anchor at this lane's columns
 #pragma unroll
         for (int half = 0; half < 2; ++half) {  // columns k0 + 2t (+1) and k0 + 8 + 2t (+1)
             const int d = k0 + 8 * half + 2 * t;
-            const float a0 = anchor_at(s, sb, d, anchor), a1 = anchor_at(s, sb, d + 1, anchor);
-            const float f00 = exp2f(g_at(s, r0, d) - a0), f01 = exp2f(g_at(s, r0, d + 1) - a1);
-            const float f10 = exp2f(g_at(s, r1, d) - a0), f11 = exp2f(g_at(s, r1, d + 1) - a1);
-            a_k[2 * half] = pack_bf16(y_at(s, 1, r0, d) * f00, y_at(s, 1, r0, d + 1) * f01);
-            a_k[2 * half + 1] = pack_bf16(y_at(s, 1, r1, d) * f10, y_at(s, 1, r1, d + 1) * f11);
-            a_q[2 * half] = pack_bf16(y_at(s, 0, r0, d) * f00, y_at(s, 0, r0, d + 1) * f01);
-            a_q[2 * half + 1] = pack_bf16(y_at(s, 0, r1, d) * f10, y_at(s, 0, r1, d + 1) * f11);
+            an[half][0] = anchor_at(s, sb, d, anchor), an[half][1] = anchor_at(s, sb, d + 1, anchor);
+            const float f00 = exp2f(g_at(s, r0, d) - an[half][0]), f01 = exp2f(g_at(s, r0, d + 1) - an[half][1]);
+            const float f10 = exp2f(g_at(s, r1, d) - an[half][0]), f11 = exp2f(g_at(s, r1, d + 1) - an[half][1]);
+            ak[2 * half] = pack_bf16(y_at(s, 1, r0, d) * f00, y_at(s, 1, r0, d + 1) * f01);
+            ak[2 * half + 1] = pack_bf16(y_at(s, 1, r1, d) * f10, y_at(s, 1, r1, d + 1) * f11);
+            aq[2 * half] = pack_bf16(y_at(s, 0, r0, d) * f00, y_at(s, 0, r0, d + 1) * f01);
+            aq[2 * half + 1] = pack_bf16(y_at(s, 0, r1, d) * f10, y_at(s, 0, r1, d + 1) * f11);
         }
-        // a fragment's registers: [0] row g cols 2t, [1] row g + 8 cols 2t, [2] row g cols 8 + 2t, [3] row g + 8
-        const uint32_t ak[4] = {a_k[0], a_k[1], a_k[2], a_k[3]};
-        const uint32_t aq[4] = {a_q[0], a_q[1], a_q[2], a_q[3]};
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {  // columns j = 16 tb + 8n + g of the output: B[k][j] = k_j 2^{a - G_j}
-            const int j = tb * kSub + 8 * n + g;
-            uint32_t b[2];
+        for (int tb = 0; tb < 4; ++tb) {
+            if (tb > sb) break;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int d = k0 + 8 * half + 2 * t;
-                const float e0 = exp2f(anchor_at(s, sb, d, anchor) - g_at(s, j, d));
-                const float e1 = exp2f(anchor_at(s, sb, d + 1, anchor) - g_at(s, j, d + 1));
-                b[half] = pack_bf16(y_at(s, 1, j, d) * e0, y_at(s, 1, j, d + 1) * e1);
+            for (int n = 0; n < 2; ++n) {  // columns j = 16 tb + 8n + g of the output: B[k][j] = k_j 2^{a - G_j}
+                const int j = tb * kSub + 8 * n + g;
+                uint32_t b[2];
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int d = k0 + 8 * half + 2 * t;
+                    const float e0 = exp2f(an[half][0] - g_at(s, j, d)), e1 = exp2f(an[half][1] - g_at(s, j, d + 1));
+                    b[half] = pack_bf16(y_at(s, 1, j, d) * e0, y_at(s, 1, j, d + 1) * e1);
+                }
+                mma_16x8x16(acc_kk[tb][n], ak, b[0], b[1]);
+                mma_16x8x16(acc_qk[tb][n], aq, b[0], b[1]);
             }
-            mma_16x8x16(acc_kk[n], ak, b[0], b[1]);
-            mma_16x8x16(acc_qk[n], aq, b[0], b[1]);
         }
     }
 }
@@ -180,19 +185,18 @@ __global__ void __launch_bounds__(kThreads, 2) intra_kernel(Args p) {
     // 2. the Gram sums of warp s's rows against sub-blocks t <= s; L (scaled, strictly lower) into shared
     // memory, A (scaled, lower with the diagonal) to global
     const int sb = warp;
+    float acc_kk[4][2][4], acc_qk[4][2][4];
+    gram_rows(s, sb, p.anchor, g, t, acc_kk, acc_qk);
+#pragma unroll
     for (int tb = 0; tb < 4; ++tb) {
-        float acc_kk[2][4], acc_qk[2][4];
-        if (tb <= sb) {
-            gram_block(s, sb, tb, p.anchor, g, t, acc_kk, acc_qk);
-        }
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int row = sb * kSub + g + 8 * (i / 2), col = tb * kSub + 8 * n + 2 * t + (i % 2);
-                const bool live = tb <= sb;
-                const float kk = live && col < row ? acc_kk[n][i] * s.bt[row] * s.rk[row] * s.rk[col] : 0.f;
-                const float qk = live && col <= row ? acc_qk[n][i] * s.rq[row] * s.rk[col] : 0.f;
+                const bool live = tb <= sb;  // (blocks past the diagonal stayed 0)
+                const float kk = live && col < row ? acc_kk[tb][n][i] * s.bt[row] * s.rk[row] * s.rk[col] : 0.f;
+                const float qk = live && col <= row ? acc_qk[tb][n][i] * s.rq[row] * s.rk[col] : 0.f;
                 s.l[row * kLStride + col] = kk;
                 p.att[(tile + row) * kT + col] = __float2bfloat16_rn(qk);
             }
