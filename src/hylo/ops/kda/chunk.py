@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.gemm import cuda_build
 from hylo.ops.kda import intra_cuda as kda_intra_cuda
 from hylo.ops.kda.reference import CHUNK_TOKENS, ChunkSnapshots, KDAInputs, KDAParams, KDASlots
 
@@ -1081,8 +1082,8 @@ def prep(
     `products_warps`. `gram_rows`: the Gram's sub-blocks of rows, 16 (the measured one) or 32 (half the
     batched products, twice as tall; its split factors reach 2^±115, `_wide_columns`); `gram_cols`: the
     in-chunk launch's columns a Gram step, 16 or 32 (231 registers against 167 compiled here); the 32s are
-    not yet measured. `intra_cuda`: the in-chunk launch in CUDA C++ where it is available (`intra_cuda.py`;
-    `intra_library`, a library to run it with, is its self-check's)."""
+    not yet measured. `intra_cuda`: the in-chunk launch in CUDA C++ where it is available
+    (`intra_cuda_refusal`; `intra_library`, a library to run it with, is its check's)."""
     q, k, v, f, b = x.tensors
     conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
     h = slots.state_pool.shape[1]
@@ -1165,7 +1166,9 @@ def prep(
     )
     w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(4))
     att = torch.empty(n_chunks, h, BT, BT, dtype=q.dtype, device=dev)
-    if intra_library is not None or (intra_cuda and kda_intra_cuda.refusal(dev, d, q.dtype) is None):
+    if intra_library is None and intra_cuda and intra_cuda_refusal(dev, d, q.dtype) is None:
+        intra_library = _INTRA_CUDA.ready[dev.index]
+    if intra_library is not None:
         kda_intra_cuda.intra((y, rnorm, gcum, beta), (w, qg, kg, u, att), float(lower_bound), intra_library)
         return w, qg, kg, u, att, decay_c
     _intra_kernel[(n_chunks, h)](
@@ -1229,6 +1232,45 @@ def _prep_from_inputs(x, params, slots, cu_seqlens, n_chunks, buffers, *, warps,
         WP=triton.next_power_of_2(width - 1), BK=block, OUT_PREC=products, num_warps=warps[1], **common,
     )  # fmt: skip
     return w, qg, kg, u, att, decay_c
+
+
+def intra_cuda_refusal(device: torch.device, head_size: int, dtype: torch.dtype) -> str | None:
+    """Why `prep(intra_cuda=True)` runs the Triton in-chunk launch on `device` (None: the CUDA one runs;
+    builds and checks it at a first eager call)."""
+    return kda_intra_cuda.operand_refusal(device, head_size, dtype) or _INTRA_CUDA.refusal(device)
+
+
+def _intra_cuda_check(library, device: torch.device) -> str | None:
+    """The CUDA in-chunk launch against the Triton one on a varlen batch of 4 heads (sequences of 150, 1, 3
+    and 70 tokens: one shorter than the conv window, two of several chunks): each output within 2^-6 of its
+    largest entry (bf16 outputs of the same sums in another order, an exact inverse against composed
+    Neumann products)."""
+    gen = torch.Generator(device=device).manual_seed(7)
+    heads, d = 4, kda_intra_cuda.HEAD_SIZE
+    hd = heads * d
+
+    def randn(*shape, scale=1.0, dtype=torch.float32):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    cu = [0, 150, 151, 154, 224]
+    x = KDAInputs(*(randn(cu[-1], width, dtype=torch.bfloat16) for width in (hd, hd, hd, hd, heads)))
+    params = KDAParams(randn(3 * hd, 4, scale=0.3), randn(hd, scale=0.5), randn(heads, scale=0.5), -5.0)
+    pools = randn(4, 3, 3 * hd, dtype=torch.bfloat16), randn(4, heads, d, d, scale=0.05)
+    slots = torch.arange(4, device=device)
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device=device)
+    got = prep(x, params, KDASlots(*(p.clone() for p in pools), slots), cu_dev, cu, intra_library=library)
+    want = prep(x, params, KDASlots(*(p.clone() for p in pools), slots), cu_dev, cu)
+    for name, a, b in zip(("w", "q̄", "k̄", "u", "A", "e^G_C"), got, want, strict=True):
+        worst = float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+        if not worst <= 2.0**-6:
+            return f"{name}: worst difference {worst:.3g} of its largest entry"
+    return None
+
+
+_INTRA_CUDA = cuda_build.CheckedLibrary(
+    kda_intra_cuda.KERNEL, kda_intra_cuda.SWITCH, kda_intra_cuda.load_library, _intra_cuda_check,
+    kda_intra_cuda._give_up,
+)  # fmt: skip
 
 
 RECUR_MIN_PROGRAMS = 64
