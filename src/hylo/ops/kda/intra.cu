@@ -12,11 +12,11 @@
 // S44-1) at 3 CTAs of 4 warps a SM, its warps waiting on the shared-memory round trips of its batched 3-D
 // products. Here the chunk's tiles are staged in shared memory once (cp.async), the Gram and the outputs run
 // on `mma.m16n8k16` bf16 with fragments built straight from shared memory, and the inverse is a forward
-// substitution in fp32 (exact where the Triton launch composes Neumann products).
+// substitution in fp32 by 16 x 16 blocks (exact where the Triton launch composes Neumann products).
 //
 // CTA = 4 warps (128 threads), one (chunk, head). Shared memory: q, k, v [64 x 128] bf16 in rows of 136
 // elements (the 8 rows a fragment load touches fall on distinct banks), G [64 x 128] fp32 in rows of 132, L
-// and then X in place [64 x 65] fp32, the norms and β: ~104 KB, 2 CTAs a SM.
+// and then X in place [64 x 65] fp32, the norms, β and a block of scratch a warp: ~106 KB, 2 CTAs a SM.
 //
 // Gram: warp s owns the rows of sub-block s (16 rows) and every column sub-block t <= s. A row factor
 // 2^{G_i - a_s} and a column factor 2^{a_s - G_j} per column d, with the anchor a_s = G_{16s-1} + lb·8 (the
@@ -25,8 +25,8 @@
 // sub-block may pass below bf16's range only where the product is below 2^-75 of 1.
 //
 // Work a CTA: a lane's 8 exp2 for its row operands a k-step (built once for every column sub-block) and 8 a
-// column sub-block, 10 16 x 16 x 128 products of each Gram, a 64-step substitution (two threads a column), two
-// 64 x 64 x 128 products.
+// column sub-block, 10 16 x 16 x 128 products of each Gram, a 16-step substitution a warp and three block rows of
+// 16 x 16 products, two 64 x 64 x 128 products.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -46,7 +46,7 @@ constexpr int kLStride = kT + 1;   // fp32 elements a row of L / X
 constexpr int kYBytes = kT * kYStride * 2;
 constexpr int kGBytes = kT * kGStride * 4;
 constexpr int kLBytes = kT * kLStride * 4;
-constexpr int kSmemBytes = 3 * kYBytes + kGBytes + kLBytes + 5 * kT * 4;  // + norms, β, a row and its partials
+constexpr int kSmemBytes = 3 * kYBytes + kGBytes + kLBytes + 3 * kT * 4 + 3 * kSub * kSub * 4;  // + norms, β
 
 struct Args {
     const __nv_bfloat16* y;  // [chunks, 3, H, 64, 128]: q, k, v convolved
@@ -87,7 +87,7 @@ struct Stage {
     float* rq;
     float* rk;
     float* bt;
-    float* row;           // [2 x 64]: one row of L (read before the substitution overwrites it), partial sums
+    float* scratch;       // [3 x 16 x 16]: a warp's block sum in the block substitution
 };
 
 __device__ __forceinline__ float y_at(const Stage& s, int which, int r, int d) {
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_kernel(Args p) {
     for (int i = 0; i < 3; ++i, at += kYBytes) s.y[i] = reinterpret_cast<__nv_bfloat16*>(at);
     s.g = reinterpret_cast<float*>(at), at += kGBytes;
     s.l = reinterpret_cast<float*>(at), at += kLBytes;
-    s.rq = reinterpret_cast<float*>(at), s.rk = s.rq + kT, s.bt = s.rk + kT, s.row = s.bt + kT;
+    s.rq = reinterpret_cast<float*>(at), s.rk = s.rq + kT, s.bt = s.rk + kT, s.scratch = s.bt + kT;
 
     // 1. stage q, k, v (16 chunks of 16 bytes a row), G (32 a row), the norms and β
     for (int which = 0; which < 3; ++which) {
@@ -204,21 +204,60 @@ __global__ void __launch_bounds__(kThreads, 2) intra_kernel(Args p) {
     }
     __syncthreads();
 
-    // 3. X = (I + L)⁻¹ in place: row i of X = e_i − Σ_{j<i} L[i,j] X[j,:], two threads a column (even / odd j)
-    for (int i = 1; i < kT; ++i) {
-        if (tid < i) s.row[tid] = s.l[i * kLStride + tid];
-        __syncthreads();
-        const int col = tid % kT, parity = tid / kT;
-        float sum = 0.f;
-        if (col < i) {
-            for (int j = col + parity; j < i; j += 2) {
-                const float x = j == col ? 1.f : s.l[j * kLStride + col];  // X[j][col], unit diagonal
-                sum = fmaf(s.row[j], x, sum);
+    // 3. X = (I + L)⁻¹ in place, by 16 x 16 blocks: each warp inverts its diagonal block D_s = (I + L_ss)⁻¹ by
+    // forward substitution (16 steps, no CTA barrier), then block row s = 1, 2, 3 in turn takes
+    // X_st = −D_s Σ_{u=t}^{s−1} L_su X_ut (warp t; every X_st of the row in registers before any is stored)
+    {
+        const int c = lane % kSub, parity = lane / kSub, base = sb * kSub;
+        for (int i = 1; i < kSub; ++i) {
+            float sum = 0.f;
+            if (c < i) {
+                for (int j = c + parity; j < i; j += 2) {
+                    const float x = j == c ? 1.f : s.l[(base + j) * kLStride + base + c];  // X[j][c], unit diagonal
+                    sum = fmaf(s.l[(base + i) * kLStride + base + j], x, sum);
+                }
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, kSub);
+            __syncwarp();
+            if (parity == 0 && c < i) s.l[(base + i) * kLStride + base + c] = -sum;
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    for (int row_block = 1; row_block < 4; ++row_block) {
+        float x_st[8];
+        const int r = lane / 2, c0 = (lane % 2) * 8;  // this lane's 8 entries: row r, columns c0 .. c0 + 7
+        float* const scratch = s.scratch + sb * kSub * kSub;
+        if (sb < row_block) {
+            const int tb = sb, rs = row_block * kSub, ct = tb * kSub;
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int u = tb; u < row_block; ++u) {  // Σ_u L_su X_ut, X_ut = D_t (unit lower) where u = t
+                for (int k = 0; k < kSub; ++k) {
+                    const float l = s.l[(rs + r) * kLStride + u * kSub + k];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const int cc = c0 + e;
+                        const float x = u != tb ? s.l[(u * kSub + k) * kLStride + ct + cc]
+                                      : k == cc ? 1.f : k > cc ? s.l[(ct + k) * kLStride + ct + cc] : 0.f;
+                        acc[e] = fmaf(l, x, acc[e]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 8; ++e) scratch[r * kSub + c0 + e] = acc[e];
+            __syncwarp();
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {  // −D_s · (the sum): D_s unit lower, its strict part in place
+                float v = scratch[r * kSub + c0 + e];
+                for (int k = 0; k < r; ++k) v = fmaf(s.l[(rs + r) * kLStride + rs + k], scratch[k * kSub + c0 + e], v);
+                x_st[e] = -v;
             }
         }
-        if (parity == 1 && col < i) s.row[kT + col] = sum;  // the other half's partner is in another warp
         __syncthreads();
-        if (parity == 0 && col < i) s.l[i * kLStride + col] = -(sum + s.row[kT + col]);
+        if (sb < row_block) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s.l[(row_block * kSub + r) * kLStride + sb * kSub + c0 + e] = x_st[e];
+        }
         __syncthreads();
     }
     for (int c = tid; c < kT * kT; c += kThreads) {  // the strictly upper part and the diagonal
