@@ -96,6 +96,15 @@ __device__ __forceinline__ float y_at(const Stage& s, int which, int r, int d) {
 
 __device__ __forceinline__ float g_at(const Stage& s, int r, int d) { return s.g[r * kGStride + d]; }
 
+// Columns d, d + 1 (d even) of a staged row in one shared load: q, k or v as two floats, or G.
+__device__ __forceinline__ float2 y2_at(const Stage& s, int which, int r, int d) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(s.y[which] + r * kYStride + d));
+}
+
+__device__ __forceinline__ float2 g2_at(const Stage& s, int r, int d) {
+    return *reinterpret_cast<const float2*>(s.g + r * kGStride + d);
+}
+
 // The anchor of sub-block `sb` at column d: the gate before it plus `anchor`.
 __device__ __forceinline__ float anchor_at(const Stage& s, int sb, int d, float anchor) {
     return (sb > 0 ? g_at(s, sb * kSub - 1, d) : 0.f) + anchor;
@@ -120,12 +129,15 @@ __device__ void gram_rows(const Stage& s, int sb, float anchor, int g, int t, fl
         for (int half = 0; half < 2; ++half) {  // columns k0 + 2t (+1) and k0 + 8 + 2t (+1)
             const int d = k0 + 8 * half + 2 * t;
             an[half][0] = anchor_at(s, sb, d, anchor), an[half][1] = anchor_at(s, sb, d + 1, anchor);
-            const float f00 = exp2f(g_at(s, r0, d) - an[half][0]), f01 = exp2f(g_at(s, r0, d + 1) - an[half][1]);
-            const float f10 = exp2f(g_at(s, r1, d) - an[half][0]), f11 = exp2f(g_at(s, r1, d + 1) - an[half][1]);
-            ak[2 * half] = pack_bf16(y_at(s, 1, r0, d) * f00, y_at(s, 1, r0, d + 1) * f01);
-            ak[2 * half + 1] = pack_bf16(y_at(s, 1, r1, d) * f10, y_at(s, 1, r1, d + 1) * f11);
-            aq[2 * half] = pack_bf16(y_at(s, 0, r0, d) * f00, y_at(s, 0, r0, d + 1) * f01);
-            aq[2 * half + 1] = pack_bf16(y_at(s, 0, r1, d) * f10, y_at(s, 0, r1, d + 1) * f11);
+            const float2 g0 = g2_at(s, r0, d), g1 = g2_at(s, r1, d);
+            const float f00 = exp2f(g0.x - an[half][0]), f01 = exp2f(g0.y - an[half][1]);
+            const float f10 = exp2f(g1.x - an[half][0]), f11 = exp2f(g1.y - an[half][1]);
+            const float2 k0 = y2_at(s, 1, r0, d), k1 = y2_at(s, 1, r1, d);
+            const float2 q0 = y2_at(s, 0, r0, d), q1 = y2_at(s, 0, r1, d);
+            ak[2 * half] = pack_bf16(k0.x * f00, k0.y * f01);
+            ak[2 * half + 1] = pack_bf16(k1.x * f10, k1.y * f11);
+            aq[2 * half] = pack_bf16(q0.x * f00, q0.y * f01);
+            aq[2 * half + 1] = pack_bf16(q1.x * f10, q1.y * f11);
         }
 #pragma unroll
         for (int tb = 0; tb < 4; ++tb) {
@@ -137,8 +149,8 @@ __device__ void gram_rows(const Stage& s, int sb, float anchor, int g, int t, fl
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int d = k0 + 8 * half + 2 * t;
-                    const float e0 = exp2f(an[half][0] - g_at(s, j, d)), e1 = exp2f(an[half][1] - g_at(s, j, d + 1));
-                    b[half] = pack_bf16(y_at(s, 1, j, d) * e0, y_at(s, 1, j, d + 1) * e1);
+                    const float2 gj = g2_at(s, j, d), kj = y2_at(s, 1, j, d);
+                    b[half] = pack_bf16(kj.x * exp2f(an[half][0] - gj.x), kj.y * exp2f(an[half][1] - gj.y));
                 }
                 mma_16x8x16(acc_kk[tb][n], ak, b[0], b[1]);
                 mma_16x8x16(acc_qk[tb][n], aq, b[0], b[1]);
@@ -301,13 +313,11 @@ __global__ void __launch_bounds__(kThreads, 2) intra_kernel(Args p) {
     // 5. q̄ and k̄, two columns a thread a step
     for (int c = tid; c < kT * kD / 2; c += kThreads) {
         const int r = c / (kD / 2), d = (c % (kD / 2)) * 2;
-        const float g0 = g_at(s, r, d), g1 = g_at(s, r, d + 1);
-        const float last0 = g_at(s, kT - 1, d), last1 = g_at(s, kT - 1, d + 1);
-        const float q0 = y_at(s, 0, r, d) * s.rq[r], q1 = y_at(s, 0, r, d + 1) * s.rq[r];
-        const float k0 = y_at(s, 1, r, d) * s.rk[r], k1 = y_at(s, 1, r, d + 1) * s.rk[r];
-        *reinterpret_cast<uint32_t*>(p.qg + (tile + r) * kD + d) = pack_bf16(q0 * exp2f(g0), q1 * exp2f(g1));
+        const float2 gr = g2_at(s, r, d), last = g2_at(s, kT - 1, d), q = y2_at(s, 0, r, d), k = y2_at(s, 1, r, d);
+        *reinterpret_cast<uint32_t*>(p.qg + (tile + r) * kD + d) =
+            pack_bf16(q.x * s.rq[r] * exp2f(gr.x), q.y * s.rq[r] * exp2f(gr.y));
         *reinterpret_cast<uint32_t*>(p.kg + (tile + r) * kD + d) =
-            pack_bf16(k0 * exp2f(last0 - g0), k1 * exp2f(last1 - g1));
+            pack_bf16(k.x * s.rk[r] * exp2f(last.x - gr.x), k.y * s.rk[r] * exp2f(last.y - gr.y));
     }
 }
 
