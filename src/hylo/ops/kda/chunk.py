@@ -327,10 +327,9 @@ def _gram_step(akk, aqk, kk_diag, yq, yk, local, before, anchor, BT: tl.constexp
     block's q and k by sub-block of rows, `local` the gate summed from each sub-block's start to the row
     (log2 units), `before` `[NB, BK]` the gate summed before each sub-block, `anchor` the split point.
 
-    The reread launches' (`_inverse_kernel`); `_chunk_inverse` keeps its own copy of these lines: calling
-    this changed its machine code (a few address computations moved, other registers; it shares
-    `_lower_inverse` with identical SASS), and its measured figures are of its own code. One of the two
-    paths goes once the reread launches are measured."""
+    The reread launches'; `_chunk_inverse` keeps its own copy of these lines: calling this there changed
+    its machine code (8100 -> 8036 SASS lines, other unrolling), and its measured figures are of its own
+    code. One of the two paths goes once the reread launches are measured."""
     NB: tl.constexpr = yq.shape[0]
     BC: tl.constexpr = yq.shape[1]
     BK: tl.constexpr = yq.shape[2]
@@ -420,17 +419,7 @@ def _chunk_inverse(
         aqk = _dot(yq * row_scale, cols, aqk, GRAM_PREC)
         kk_diag = _dot(yk * row_scale, tl.trans(kc, (0, 2, 1)), kk_diag, GRAM_PREC)
 
-    rk = tl.load(rn_k + tl.arange(0, BT))[None, None, :]
-    j3 = tl.arange(0, BT)[None, None, :]
-    # stored now, so that A is not kept live through the inverse
-    att = tl.where(j3 <= i3, aqk * tl.load(rn_q + i3) * rk, 0.0)
-    tl.store(att_out + i3 * BT + j3, att.to(att_out.dtype.element_ty))
-    rk3 = tl.load(rn_k + i3)  # [NB, BC, 1]
-    b3 = tl.load(beta + i3)
-    low = tl.where(j3 < i3, akk * (b3 * rk3) * rk, 0.0)
-    rk_cols = tl.reshape(rk3, [NB, 1, BC])
-    low_diag = tl.where(row[None, None, :] < row[None, :, None], kk_diag * (b3 * rk3) * rk_cols, 0.0)
-    return _lower_inverse(low, low_diag, BT, BC, SOLVE_PREC, MERGE_PREC)
+    return _gram_inverse(akk, aqk, kk_diag, rn_q, rn_k, beta, att_out, BT, BC, SOLVE_PREC, MERGE_PREC)
 
 
 @triton.jit
@@ -438,10 +427,9 @@ def _gram_inverse(
     akk,
     aqk,
     kk_diag,
-    rq3,
-    rk3,
-    rk,
-    b3,
+    rn_q,
+    rn_k,
+    beta,
     att_out,
     BT: tl.constexpr,
     BC: tl.constexpr,
@@ -449,17 +437,20 @@ def _gram_inverse(
     MERGE_PREC: tl.constexpr,
 ):
     """From one chunk's unnormalised Gram sums (`akk`, `aqk` `[NB, BC, BT]`: the rows of sub-block s against
-    every column; `kk_diag` `[NB, BC, BC]`: each sub-block against itself), the inverse norms of q and k by
-    row (`rq3`, `rk3` `[NB, BC, 1]`; `rk` `[1, 1, BT]` by column) and β by row (`b3`): stores A at `att_out`
-    and returns X = (I + L)⁻¹ `[BT, BT]` fp32."""
+    every column; `kk_diag` `[NB, BC, BC]`: each sub-block against itself) and the chunk's inverse norms of q
+    and k and β (`rn_q`, `rn_k`, `beta`: pointers at its 64 rows): stores A at `att_out` and returns
+    X = (I + L)⁻¹ `[BT, BT]` fp32."""
     NB: tl.constexpr = BT // BC
     sub = tl.arange(0, NB)
     row = tl.arange(0, BC)
     i3 = sub[:, None, None] * BC + row[None, :, None]  # [NB, BC, 1]: row in the chunk
+    rk = tl.load(rn_k + tl.arange(0, BT))[None, None, :]
     j3 = tl.arange(0, BT)[None, None, :]
     # stored now, so that A is not kept live through the inverse
-    att = tl.where(j3 <= i3, aqk * rq3 * rk, 0.0)
+    att = tl.where(j3 <= i3, aqk * tl.load(rn_q + i3) * rk, 0.0)
     tl.store(att_out + i3 * BT + j3, att.to(att_out.dtype.element_ty))
+    rk3 = tl.load(rn_k + i3)  # [NB, BC, 1]
+    b3 = tl.load(beta + i3)
     low = tl.where(j3 < i3, akk * (b3 * rk3) * rk, 0.0)
     rk_cols = tl.reshape(rk3, [NB, 1, BC])
     low_diag = tl.where(row[None, None, :] < row[None, :, None], kk_diag * (b3 * rk3) * rk_cols, 0.0)
@@ -680,20 +671,11 @@ def _inverse_kernel(
     tl.store(norm_tile + r, rn_q)
     tl.store(norm_tile + H * BT + r, rn_k)
     tl.store(beta + head_tile * BT + r, bt)
+    tl.debug_barrier()  # the norms and β stored above, read back in the layouts the inverse takes
     inv = _gram_inverse(
-        akk,
-        aqk,
-        kk_diag,
-        tl.reshape(rn_q, [NB, BC])[:, :, None],
-        tl.reshape(rn_k, [NB, BC])[:, :, None],
-        rn_k[None, None, :],
-        tl.reshape(bt, [NB, BC])[:, :, None],
-        att_out + head_tile * BT * BT,
-        BT,
-        BC,
-        SOLVE_PREC,
-        MERGE_PREC,
-    )
+        akk, aqk, kk_diag, norm_tile, norm_tile + H * BT, beta + head_tile * BT,
+        att_out + head_tile * BT * BT, BT, BC, SOLVE_PREC, MERGE_PREC,
+    )  # fmt: skip
     tl.store(inv_out + head_tile * BT * BT + rows * BT + r[None, :], inv.to(inv_out.dtype.element_ty))
 
 
