@@ -250,10 +250,14 @@ def worst_error(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale_
     c = 128 + ceil(K/128) + 16 additions that round in fp32: 128 in a block's MMA chain (2^-23 each if
     the tensor core truncates), one scaled add per block and at most 16 in the split-K reduction (2^-24
     each), times 2 for the fp32 rounding of the bound's own terms."""
-    x64, w64 = x.double(), exact_weight(weight, scale_inv)
-    y = x64 @ w64.t()
     additions = 128 + -(-x.shape[1] // FP8_BLOCK) + 16
-    bound = 2.0**-8 * y.abs() + additions * 2.0**-22 * (x64.abs() @ w64.abs().t())
+    return _over_bound(out, x.double(), exact_weight(weight, scale_inv), additions * 2.0**-22)
+
+
+def _over_bound(out: torch.Tensor, x64: torch.Tensor, w64: torch.Tensor, sums: float) -> float:
+    """The largest |out - y| / (2^-8 |y| + sums · (|x| @ |W|ᵀ)) over the outputs, y = x64 @ w64ᵀ."""
+    y = x64 @ w64.t()
+    bound = 2.0**-8 * y.abs() + sums * (x64.abs() @ w64.abs().t())
     return float(((out.double() - y).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)).max())
 
 
@@ -266,10 +270,7 @@ def quantised_error(
     measurement, the reason for promoting every 128 of K), four MMAs a block before the fp32 scaled add."""
     q, scale = quantize_fp8_groups(x)
     x64 = q.double() * scale.double().repeat_interleave(FP8_BLOCK, 1)[:, : x.shape[1]]
-    w64 = exact_weight(weight, scale_inv)
-    y = x64 @ w64.t()
-    bound = 2.0**-8 * y.abs() + 2.0**-12 * (x64.abs() @ w64.abs().t())
-    return float(((out.double() - y).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)).max())
+    return _over_bound(out, x64, exact_weight(weight, scale_inv), 2.0**-12)
 
 
 def random_e4m3(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,17 +305,17 @@ def _self_check(library: ctypes.CDLL, device: torch.device, quantised: bool = Fa
         slices = [s for s in SLICES if s == 2 or m <= WIDE_ROWS]
         if quantised and m > WIDE_ROWS:
             continue
+        error_of = quantised_error if quantised else worst_error
         for split, wide, dependent in itertools.product(SPLITS, slices, (False, True)):
-            quant_x = quantised
             try:
-                out = _launch(library, x, weight, scale, split, wide, dependent, quant_x)
-                error = (quantised_error if quant_x else worst_error)(out, x, weight, scale)
+                out = _launch(library, x, weight, scale, split, wide, dependent, quantised)
+                error = error_of(out, x, weight, scale)
             except RuntimeError as e:
                 return str(e)
             if not error <= 1.0:  # NaN fails too
                 return (
                     f"M={m}, N={n}, K={k}, split {split}, {wide} warps over K, dependent {dependent}, "
-                    f"quantised x {quant_x}: error {error:.3g}× its bound"
+                    f"quantised x {quantised}: error {error:.3g}× its bound"
                 )
     return None
 
