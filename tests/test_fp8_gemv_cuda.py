@@ -72,50 +72,6 @@ def test_every_k_split_matches(n, k, split, slices):
         assert error <= 1.0, f"M={m} split {split}, {slices} warps over K: {error:.3g}x the bound"
 
 
-def test_the_quantised_path_passes_its_check():
-    """`gemv(quant_x=True)` (not shipped yet): every split and warps over K, plainly and as a dependent."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    assert gemv_cuda.device_refusal(device) is None
-    library = gemv_cuda._CHECKED.ready[device.index]
-    assert gemv_cuda.check_library(library, device, quantised=True) is None
-
-
-@pytest.mark.parametrize(("n", "k"), MODEL_SHAPES + RAGGED_SHAPES)
-def test_the_quantised_path_matches_the_product_of_quantised_rows(n, k):
-    """x quantised per 128-k block as `quantize_fp8_groups` does, e4m3 MMAs: within `quantised_error`'s bound
-    of the float64 product of the quantised rows, at 1, 3 and 8 rows."""
-    x8, weight, scale = problem(n, k, rows=8)
-    for m in (1, 3, 8):
-        split = gemv_cuda.split_for(n, k, 132)
-        if gemv_cuda.quant_x_refusal(m, k, split):
-            continue
-        out = gemv_cuda.gemv(x8[:m], weight, scale, quant_x=True)
-        error = gemv_cuda.quantised_error(out, x8[:m], weight, scale)
-        assert error <= 1.0, f"M={m} N={n} K={k}: {error:.3g}x the bound"
-
-
-def test_the_switch_sends_up_to_8_rows_to_the_quantised_path(monkeypatch):
-    """`HYLO_FP8_GEMV_QUANT_X=1`: `gemv` with quant_x left to it runs the quantised path for up to 8 rows
-    (bit for bit the explicit call) and the widening one for more; unset, the widening one throughout."""
-    x16, weight, scale = problem(4096, 4096)
-
-    def gemv(m, quant_x=None):
-        return gemv_cuda.gemv(x16[:m], weight, scale, quant_x=quant_x)
-
-    for m, quantised in ((1, True), (8, True), (9, False), (16, False)):
-        monkeypatch.setenv(gemv_cuda.QUANT_SWITCH, "1")
-        assert torch.equal(gemv(m), gemv(m, quant_x=quantised)), m
-        monkeypatch.delenv(gemv_cuda.QUANT_SWITCH)
-        assert torch.equal(gemv(m), gemv(m, quant_x=False)), m
-    assert not torch.equal(gemv(1, quant_x=True), gemv(1, quant_x=False))  # the two paths do differ
-
-
-def test_the_quantised_path_refuses_more_than_8_rows():
-    x, weight, scale = problem(256, 4096, rows=9)
-    with pytest.raises(ValueError, match="9 rows of x; the quantised path takes up to 8"):
-        gemv_cuda.gemv(x, weight, scale, quant_x=True)
-
-
 def test_strided_rows_of_x():
     x_wide, weight, scale = problem(1000, 3088 + 48)
     x = x_wide[:5, :3088]

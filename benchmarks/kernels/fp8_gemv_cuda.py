@@ -18,9 +18,7 @@ as `benchmarks/device/spec_e2e.py` measures it). The GEMV is timed as dispatched
 dependent of the call before it where `ops.dependent_launch` says so, which lets each call load its
 first weights while the previous one finishes) and launched plainly (`gemv_plain_us`); `--variants`
 adds builds with other values of `fp8_gemv.cu`'s `HYLO_GEMV_*` macros, each checked like the shipped
-one; `gemv_quant_x` is the quantised path (`gemv(quant_x=True)`: x quantised per 128-k block, e4m3 MMAs;
-up to 8 rows, parity by `gemv_cuda.quantised_error`), timed where its own check (`quant_x_check`) passed.
-Also records the GEMV's build-and-check time (the first call; a cold kernel cache includes nvcc).
+one. Also records the GEMV's build-and-check time (the first call; a cold kernel cache includes nvcc).
 Writes `fp8_gemv_cuda.json` and `fp8_gemv_cuda.md`.
 """
 
@@ -86,9 +84,6 @@ def gemv_status() -> None:
     off = "the CUDA GEMV runs on a GPU" if DRY else gemv_cuda.device_refusal(torch.device(DEV, 0))
     rec("gemv_build_and_check_s", round(time.perf_counter() - start, 1))
     rec("gemv_off", off)
-    if off is None:  # the quantised path (`gemv(quant_x=True)`) is timed where its own check passes
-        device = torch.device(DEV, 0)
-        rec("quant_x_check", gemv_cuda.check_library(gemv_cuda._CHECKED.ready[0], device, quantised=True))
 
 
 def per_call_us(fn, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -122,16 +117,11 @@ def measure_shape(n: int, k: int, bandwidth: float, gpu: str) -> list[dict]:
             ways["gemv_plain"] = lambda w, s, x=x: gemv_cuda.gemv(x, w, s, dependent=False)
             for name, library in VARIANTS.items():
                 ways[f"gemv_{name}"] = lambda w, s, x=x, lib=library: gemv_cuda.gemv(x, w, s, library=lib)
-            if RESULTS.get("quant_x_check", "not run") is None and not gemv_cuda.quant_x_refusal(
-                m, k, row["split"]
-            ):
-                ways["gemv_quant_x"] = lambda w, s, x=x: gemv_cuda.gemv(x, w, s, quant_x=True)
         else:
             row["gemv_refused"] = refused
         for name, fn in ways.items():
-            check = gemv_cuda.quantised_error if name == "gemv_quant_x" else gemv_cuda.worst_error
             try:
-                error = check(fn(weight, scale), x, weight, scale)
+                error = gemv_cuda.worst_error(fn(weight, scale), x, weight, scale)
                 row[f"{name}_error_over_bound"] = round(error, 3)
                 if error <= 1.0:
                     row[f"{name}_us"] = round(per_call_us(fn, copies), 2)
@@ -185,16 +175,15 @@ def markdown(gpu: str) -> str:
         f"build + check {RESULTS.get('gemv_build_and_check_s')} s",
         "",
         "| N × K | M | split | CUDA GEMV µs | Triton µs (config) | floor µs | GEMV / floor | Triton / floor |"
-        " Triton / GEMV | quantised x µs | its / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " Triton / GEMV |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in RESULTS.get("rows", []):
         gemv = r.get("gemv_us", "refused" if "gemv_refused" in r else "failed")
         lines.append(
             f"| {r['n']} × {r['k']} | {r['m']} | {r['split']} | {gemv} | {r.get('triton_us', 'failed')} "
             f"({r['triton_config']}) | {r['floor_us']} | {r.get('gemv_of_floor', '')} | "
-            f"{r.get('triton_of_floor', '')} | {r.get('triton_over_gemv', '')} | "
-            f"{r.get('gemv_quant_x_us', '')} | {r.get('gemv_quant_x_of_floor', '')} |"
+            f"{r.get('triton_of_floor', '')} | {r.get('triton_over_gemv', '')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -44,7 +44,6 @@
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -124,15 +123,6 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// d += a · b for a 16 x 32 e4m3 A (row-major fragment), a 32 x 8 e4m3 B (column-major), fp32 d.
-__device__ __forceinline__ void mma_16x8x32_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                 uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 struct Problem {
     const __nv_bfloat16* x;
     int64_t x_stride;  // elements between rows of x
@@ -195,84 +185,13 @@ __device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& s
     }
 }
 
-// x quantised (QUANT_X): the CTA's 128-k blocks of x, each a kQuantBlockBytes run of four 256-byte runs, one per
-// (k half h, MMA j), holding every lane's B fragment in lane order (lane 4g + t: the 8 bytes of x row g at k =
-// 64h + 16t + 8j ... + 8 of the block), so that one 8-byte shared load a lane reads a warp's fragments without a
-// bank conflict; then the fp32 scales, [block][row].
-constexpr int kQuantRows = 8;  // rows of x the quantised path takes: one 8-row tile (M ≤ 8)
-constexpr int kQuantBlockBytes = kBlockK * kQuantRows;
-constexpr int kQuantSmemMax = 160 * 1024;  // the most dynamic shared memory a quantised launch asks for
-
-// Where x row `row`, k `k_in` (0..127, a multiple of 4: 4 bytes stay together) of local block `kbl` lies.
-__device__ __forceinline__ int quant_offset(int kbl, int row, int k_in) {
-    const int h = k_in / 64, t = (k_in % 64) / 16, j = (k_in % 16) / 8, i = k_in % 8;
-    return kbl * kQuantBlockBytes + ((h * 2 + j) * 32 + row * 4 + t) * 8 + i;
-}
-
-// Blocks [kb0, kb1) of x's rows quantised as `hylo.ops.fp8.quantize_fp8_groups` quantises them (per row and
-// 128-k block: scale = max(amax, 1e-12) / 448, values x / scale rounded to the nearest e4m3, IEEE divisions),
-// into `xq` (fragment order) and `xs`; rows m..7 give zeros and scale 0. One warp a (row, block), 4 values a lane.
-template <int kThreads>
-__device__ void quantize_x(const Problem& p, int kb0, int kb1, uint8_t* xq, float* xs) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    for (int e = warp; e < (kb1 - kb0) * kQuantRows; e += kThreads / 32) {
-        const int row = e % kQuantRows, kbl = e / kQuantRows;
-        const int k = (kb0 + kbl) * kBlockK + 4 * lane;
-        float v[4] = {0.f, 0.f, 0.f, 0.f};
-        if (row < p.m && k < p.k) {  // K is a multiple of 16: a lane's 4 values are all in or all out
-            const uint2 raw = *reinterpret_cast<const uint2*>(p.x + row * p.x_stride + k);
-            const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-            const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-            v[0] = __low2float(lo), v[1] = __high2float(lo), v[2] = __low2float(hi), v[3] = __high2float(hi);
-        }
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-        for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float scale = __fdiv_rn(fmaxf(amax, 1e-12f), 448.f);
-        uint32_t packed = 0;
-#pragma unroll
-        for (int i = 0; i < 4; i += 2) {
-            const float2 pair = make_float2(__fdiv_rn(v[i], scale), __fdiv_rn(v[i + 1], scale));
-            packed |= uint32_t(__nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
-        }
-        *reinterpret_cast<uint32_t*>(xq + quant_offset(kbl, row, 4 * lane)) = packed;
-        if (lane == 0) xs[kbl * kQuantRows + row] = row < p.m ? scale : 0.f;
-    }
-}
-
-// acc += (W block kb) · (x rows, quantised) with both scales: 4 e4m3 MMAs of 32 k into a partial, then one
-// add scaled by the weight block's scale and each x row's (the accumulator's columns 2t, 2t + 1). The A
-// fragment is the lane's own loaded bytes (MMA j of half h takes words 2j, 2j + 1: k = 64h + 16t + 8j ... + 8),
-// the B fragment the same k of x row g, as `quant_offset` stored it.
-__device__ __forceinline__ void multiply_step_quantised(float (&acc)[1][4], const Step& step, const uint8_t* xq,
-                                                        const float* xs, int kbl, int g, int t) {
-    float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const uint2 b =
-                *reinterpret_cast<const uint2*>(xq + kbl * kQuantBlockBytes + ((h * 2 + j) * 32 + g * 4 + t) * 8);
-            mma_16x8x32_e4m3(part, word(step.w[0][h], 2 * j), word(step.w[1][h], 2 * j), word(step.w[0][h], 2 * j + 1),
-                             word(step.w[1][h], 2 * j + 1), b.x, b.y);
-        }
-    }
-    const float2 s = *reinterpret_cast<const float2*>(xs + kbl * kQuantRows + 2 * t);
-    acc[0][0] = fmaf(part[0], step.scale * s.x, acc[0][0]);
-    acc[0][1] = fmaf(part[1], step.scale * s.y, acc[0][1]);
-    acc[0][2] = fmaf(part[2], step.scale * s.x, acc[0][2]);
-    acc[0][3] = fmaf(part[3], step.scale * s.y, acc[0][3]);
-}
-
 // NT: tiles of 8 rows of x (1 for M ≤ 8, 2 for M ≤ 16). SPLIT: CTAs of a cluster splitting K.
 // DEPTH: 128-k blocks in flight per warp. SLICES: warps of a CTA side by side over K (2: two CTAs of 8
 // warps fit a SM; 4: one of 16, for single-wave shapes whose 8 warps a SM leave the schedulers idle, RESULTS
-// S32-4). QUANT_X (NT = 1 only): x quantised per 128-k block into shared memory (`quantize_x`, dynamic shared
-// memory of the CTA's blocks) and the products on e4m3 MMAs (`multiply_step_quantised`).
-template <int NT, int SPLIT, int DEPTH, int SLICES, bool QUANT_X>
+// S32-4).
+template <int NT, int SPLIT, int DEPTH, int SLICES>
 __global__ void __launch_bounds__(kRowWarps * SLICES * 32, SLICES == 2 ? HYLO_GEMV_MIN_CTAS : 1)
     __cluster_dims__(1, SPLIT, 1) fp8_gemv_kernel(Problem p) {
-    static_assert(!QUANT_X || NT == 1, "the quantised path takes up to 8 rows of x");
     constexpr int kSliceWarps = SLICES;
     constexpr int kThreads = kRowWarps * SLICES * 32;
     __shared__ float partials[kSliceWarps][kCtaRows][8 * NT];
@@ -305,22 +224,11 @@ __global__ void __launch_bounds__(kRowWarps * SLICES * 32, SLICES == 2 ? HYLO_GE
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x and out: after the kernel before this one
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    extern __shared__ __align__(16) uint8_t quantised[];  // QUANT_X: the CTA's blocks of x, then their scales
-    const int cta_kb0 = kblocks * rank / SPLIT, cta_blocks = kblocks * (rank + 1) / SPLIT - cta_kb0;
-    float* const x_scales = reinterpret_cast<float*>(quantised + cta_blocks * kQuantBlockBytes);
-    if constexpr (QUANT_X) {
-        quantize_x<kThreads>(p, cta_kb0, cta_kb0 + cta_blocks, quantised, x_scales);
-        __syncthreads();
-    }
     for (int kb = begin; kb < end; kb += DEPTH) {
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
             if (kb + d < end) {
-                if constexpr (QUANT_X) {
-                    multiply_step_quantised(acc, ring[d], quantised, x_scales, kb + d - cta_kb0, g, t);
-                } else {
-                    multiply_step<NT>(acc, ring[d], p, kb + d, g, t);
-                }
+                multiply_step<NT>(acc, ring[d], p, kb + d, g, t);
                 if (kb + d + DEPTH < end) load_step(ring[d], p, row_g, row_g8, scale_row, kb + d + DEPTH, t);
             }
         }
@@ -353,37 +261,28 @@ __global__ void __launch_bounds__(kRowWarps * SLICES * 32, SLICES == 2 ? HYLO_GE
     cluster.sync();  // the other CTAs of the cluster may still be reading this CTA's partials
 }
 
-template <int NT, int SPLIT, int SLICES, bool QUANT_X>
+template <int NT, int SPLIT, int SLICES>
 cudaError_t launch(const Problem& p, bool dependent, cudaStream_t stream) {
     constexpr int depth = NT == 1 ? HYLO_GEMV_DEPTH_8 : HYLO_GEMV_DEPTH_16;
-    const auto kernel = fp8_gemv_kernel<NT, SPLIT, depth, SLICES, QUANT_X>;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3((p.n + kCtaRows - 1) / kCtaRows, SPLIT);
     config.blockDim = dim3(kRowWarps * SLICES * 32);
     config.stream = stream;
-    if constexpr (QUANT_X) {  // the most blocks a CTA of the cluster takes, each with its 8 scales
-        const int blocks = ((p.k + kBlockK - 1) / kBlockK + SPLIT - 1) / SPLIT;
-        config.dynamicSmemBytes = blocks * (kQuantBlockBytes + kQuantRows * sizeof(float));
-        if (config.dynamicSmemBytes > kQuantSmemMax) return cudaErrorInvalidValue;
-        static const cudaError_t raised =  // once a kernel: past 48 KB a launch needs the attribute raised
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kQuantSmemMax);
-        if (raised != cudaSuccess) return raised;
-    }
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
     config.numAttrs = dependent ? 1 : 0;
-    return cudaLaunchKernelEx(&config, kernel, p);
+    return cudaLaunchKernelEx(&config, fp8_gemv_kernel<NT, SPLIT, depth, SLICES>, p);
 }
 
-template <int NT, int SLICES, bool QUANT_X = false>
+template <int NT, int SLICES>
 cudaError_t launch_split(const Problem& p, int split, bool dependent, cudaStream_t stream) {
     switch (split) {
-        case 1: return launch<NT, 1, SLICES, QUANT_X>(p, dependent, stream);
-        case 2: return launch<NT, 2, SLICES, QUANT_X>(p, dependent, stream);
-        case 4: return launch<NT, 4, SLICES, QUANT_X>(p, dependent, stream);
-        case 8: return launch<NT, 8, SLICES, QUANT_X>(p, dependent, stream);
+        case 1: return launch<NT, 1, SLICES>(p, dependent, stream);
+        case 2: return launch<NT, 2, SLICES>(p, dependent, stream);
+        case 4: return launch<NT, 4, SLICES>(p, dependent, stream);
+        case 8: return launch<NT, 8, SLICES>(p, dependent, stream);
         default: return cudaErrorInvalidValue;
     }
 }
@@ -409,7 +308,6 @@ struct GemvPlan {
     int split;  // CTAs of a cluster over K
     int slices;  // warps of a CTA over K: 2, or 4 for up to 8 rows of x
     int dependent;  // nonzero: a programmatic dependent of the launch before it
-    int quant_x;  // nonzero: x quantised per 128-k block, e4m3 MMAs (w8a8; up to 8 rows of x)
 };
 struct GemvCall {
     GemvRows x;
@@ -429,7 +327,6 @@ int hylo_fp8_gemv_call_layout(long long* out, int capacity) {
         HYLO_FIELD(GemvCall, w.data),         HYLO_FIELD(GemvCall, w.scale),       HYLO_FIELD(GemvCall, w.scale_stride),
         HYLO_FIELD(GemvCall, w.n),            HYLO_FIELD(GemvCall, w.k),           HYLO_FIELD(GemvCall, out),
         HYLO_FIELD(GemvCall, plan.split),     HYLO_FIELD(GemvCall, plan.slices),   HYLO_FIELD(GemvCall, plan.dependent),
-        HYLO_FIELD(GemvCall, plan.quant_x),
     };
     return hylo_abi::write_layout(fields, out, capacity);
 }
@@ -445,11 +342,6 @@ int hylo_fp8_gemv(const GemvCall* call, void* stream) {
                     static_cast<const float*>(c.w.scale), c.w.scale_stride, static_cast<__nv_bfloat16*>(c.out),
                     m, n, k};
     const auto s = static_cast<cudaStream_t>(stream);
-    if (c.plan.quant_x) {
-        if (m > kQuantRows) return cudaErrorInvalidValue;
-        return slices == 4 ? launch_split<1, 4, true>(p, split, dependent, s)
-                           : slices == 2 ? launch_split<1, 2, true>(p, split, dependent, s) : cudaErrorInvalidValue;
-    }
     if (slices == 4 && m <= 8) return launch_split<1, 4>(p, split, dependent, s);
     if (slices != 2) return cudaErrorInvalidValue;
     return m <= 8 ? launch_split<1, 2>(p, split, dependent, s) : launch_split<2, 2>(p, split, dependent, s);

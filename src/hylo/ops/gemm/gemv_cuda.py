@@ -19,9 +19,7 @@ A call is a ctypes call that launches on `torch.cuda.current_stream()` with raw 
 allocated but the output and nothing synchronises, so it is capture-safe, and its host cost (a few us
 of Python, below Triton's launcher) is assumed small enough to use eagerly too: the lead measures it.
 `HYLO_FP8_GEMV=0` in the environment turns it off (read at every call); a benchmark comparing it with
-the Triton kernel in one process calls `gemv` and `kernels.gemm` directly. `HYLO_FP8_GEMV_QUANT_X=1`
-(`QUANT_SWITCH`, off by default until measured) sends products of up to 8 rows to the quantised path
-(w8a8 on e4m3 MMAs, `gemv(quant_x=...)`), whose variants then join the check.
+the Triton kernel in one process calls `gemv` and `kernels.gemm` directly.
 
 Launches are programmatic dependents where `ops.dependent_launch` says a device's launches are
 (`fp8_gemv.cu` says what the GEMV overlaps then); a benchmark may force either way per call. A dependent
@@ -35,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
@@ -43,7 +40,7 @@ import torch
 
 from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dispatch import use_kernel
-from hylo.ops.fp8 import FP8_BLOCK, quantize_fp8_groups
+from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.gemm import cuda_build
 
 logger = logging.getLogger("hylo")
@@ -51,9 +48,6 @@ logger = logging.getLogger("hylo")
 SOURCE = Path(__file__).with_name("fp8_gemv.cu")
 KERNEL = "the FP8 GEMV kernel"
 SWITCH = "HYLO_FP8_GEMV"
-# "1": products of up to WIDE_ROWS rows take the quantised path (`gemv(quant_x=None)`), which then joins the
-# check that turns the GEMV on; off by default until measured
-QUANT_SWITCH = "HYLO_FP8_GEMV_QUANT_X"
 MAX_ROWS = 16
 CTA_ROWS = 64  # weight rows per CTA (4 warps of a 16-row MMA tile); the library reports its own
 SPLITS = (1, 2, 4, 8)  # CTAs of a cluster that split K (the compiled variants)
@@ -101,11 +95,9 @@ class BlockScaledWeight(ctypes.Structure):
 
 
 class GemvPlan(ctypes.Structure):
-    """CTAs of a cluster over K, warps of a CTA over K, whether the launch is a dependent one, and whether
-    x is quantised (w8a8 on e4m3 MMAs)."""
+    """CTAs of a cluster over K, warps of a CTA over K, and whether the launch is a dependent one."""
 
-    _fields_ = [("split", ctypes.c_int), ("slices", ctypes.c_int), ("dependent", ctypes.c_int),
-                ("quant_x", ctypes.c_int)]  # fmt: skip
+    _fields_ = [("split", ctypes.c_int), ("slices", ctypes.c_int), ("dependent", ctypes.c_int)]
 
 
 class GemvCall(ctypes.Structure):
@@ -176,16 +168,11 @@ def gemv(
     library: ctypes.CDLL | None = None,
     dependent: bool | None = None,
     slices: int | None = None,
-    quant_x: bool | None = None,
 ) -> torch.Tensor:
     """`x [M, K] @ dequant(weight)ᵀ` as bf16 `[M, N]`, fp32 accumulation. Safe where `refusal` is None
     (which also builds and checks the kernel); `split` (one of `SPLITS`) overrides `split_for`, `slices`
     (one of `SLICES`; 4 only for up to `WIDE_ROWS` rows) `slices_for`; `library` (a benchmark's variant
-    that passed `check_library`) overrides the checked one; `dependent` overrides `dependent_launches`.
-    `quant_x` (up to `WIDE_ROWS` rows, see `quant_x_refusal`): x quantised per 128-k block as
-    `hylo.ops.fp8.quantize_fp8_groups` quantises it and the products on e4m3 MMAs (w8a8, the arithmetic of
-    the prefill's block-scaled matmul and of HF's FP8 linear), no weight widened; not yet measured on a
-    GPU. None: where `QUANT_SWITCH` is "1" and the shape allows it."""
+    that passed `check_library`) overrides the checked one; `dependent` overrides `dependent_launches`."""
     index = x.device.index
     library = library or _CHECKED.ready.get(index)
     if library is None:
@@ -195,44 +182,23 @@ def gemv(
     slices = slices or slices_for(m, n, k, split, _sms(index))
     if dependent is None:
         dependent = dependent_launches(x.device)
-    if quant_x is None:
-        quant_x = os.environ.get(QUANT_SWITCH) == "1" and quant_x_refusal(m, k, split) is None
-    elif quant_x and (reason := quant_x_refusal(m, k, split)):
-        raise ValueError(f"gemv: quant_x: {reason}")
-    return _launch(library, x, weight, scale_inv, split, slices, dependent, quant_x)
+    return _launch(library, x, weight, scale_inv, split, slices, dependent)
 
 
-QUANT_SMEM_MAX = 160 * 1024  # `fp8_gemv.cu`'s kQuantSmemMax
-
-
-def quant_x_refusal(m: int, k: int, split: int) -> str | None:
-    """Why the quantised path cannot take M rows of K at this split (None: it can): it holds one 8-row tile,
-    and a CTA's blocks of x, 1056 bytes each with their scales, in at most QUANT_SMEM_MAX of shared memory."""
-    if m > WIDE_ROWS:
-        return f"{m} rows of x; the quantised path takes up to {WIDE_ROWS}"
-    kblocks = -(-k // FP8_BLOCK)
-    blocks = -(-kblocks // split)
-    if blocks * (FP8_BLOCK * WIDE_ROWS + 4 * WIDE_ROWS) > QUANT_SMEM_MAX:
-        return f"K={k} at split {split}: {blocks} blocks of x a CTA, more than its shared memory holds"
-    return None
-
-
-def _launch(
-    library, x, weight, scale_inv, split: int, slices: int, dependent: bool, quant_x: bool = False
-) -> torch.Tensor:
+def _launch(library, x, weight, scale_inv, split: int, slices: int, dependent: bool) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     call = GemvCall(
         x=GemvRows(x.data_ptr(), x.stride(0), m),
         w=BlockScaledWeight(weight.data_ptr(), scale_inv.data_ptr(), scale_inv.stride(0), n, k),
         out=out.data_ptr(),
-        plan=GemvPlan(split, slices, int(dependent), int(quant_x)),
+        plan=GemvPlan(split, slices, int(dependent)),
     )
     error = library.hylo_fp8_gemv(ctypes.byref(call), torch.cuda.current_stream(x.device).cuda_stream)
     if error:
         raise RuntimeError(
             f"{KERNEL}: launch failed with cudaError {error} (M={m}, N={n}, K={k}, split {split}, "
-            f"{slices} warps over K, quantised x {quant_x})"
+            f"{slices} warps over K)"
         )
     return out
 
@@ -250,27 +216,11 @@ def worst_error(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale_
     c = 128 + ceil(K/128) + 16 additions that round in fp32: 128 in a block's MMA chain (2^-23 each if
     the tensor core truncates), one scaled add per block and at most 16 in the split-K reduction (2^-24
     each), times 2 for the fp32 rounding of the bound's own terms."""
-    additions = 128 + -(-x.shape[1] // FP8_BLOCK) + 16
-    return _over_bound(out, x.double(), exact_weight(weight, scale_inv), additions * 2.0**-22)
-
-
-def _over_bound(out: torch.Tensor, x64: torch.Tensor, w64: torch.Tensor, sums: float) -> float:
-    """The largest |out - y| / (2^-8 |y| + sums · (|x| @ |W|ᵀ)) over the outputs, y = x64 @ w64ᵀ."""
+    x64, w64 = x.double(), exact_weight(weight, scale_inv)
     y = x64 @ w64.t()
-    bound = 2.0**-8 * y.abs() + sums * (x64.abs() @ w64.abs().t())
+    additions = 128 + -(-x.shape[1] // FP8_BLOCK) + 16
+    bound = 2.0**-8 * y.abs() + additions * 2.0**-22 * (x64.abs() @ w64.abs().t())
     return float(((out.double() - y).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)).max())
-
-
-def quantised_error(
-    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
-) -> float:
-    """`worst_error` of the quantised path: y the float64 product of x quantised as `quantize_fp8_groups`
-    quantises it and the weight. Bound = 2^-8 |y| (bf16 rounding of the output) + 2^-12 (|x̂| @ |W|ᵀ): an e4m3
-    MMA's products are exact, but Hopper's FP8 MMAs sum them with about 14 bits kept (DeepSeek-V3's
-    measurement, the reason for promoting every 128 of K), four MMAs a block before the fp32 scaled add."""
-    q, scale = quantize_fp8_groups(x)
-    x64 = q.double() * scale.double().repeat_interleave(FP8_BLOCK, 1)[:, : x.shape[1]]
-    return _over_bound(out, x64, exact_weight(weight, scale_inv), 2.0**-12)
 
 
 def random_e4m3(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,17 +235,16 @@ def random_e4m3(n: int, k: int, generator: torch.Generator) -> tuple[torch.Tenso
     return weight, scale
 
 
-def check_library(library: ctypes.CDLL, device: torch.device, quantised: bool = False) -> str | None:
-    """`_self_check` for a benchmark's variant library (`load_library` with defines), or with `quantised` the
-    quantised path's variants alone (`gemv(quant_x=True)`: a benchmark's and a test's, not yet shipped)."""
-    return _self_check(library, device, quantised)
+def check_library(library: ctypes.CDLL, device: torch.device) -> str | None:
+    """`_self_check` for a benchmark's variant library (`load_library` with defines)."""
+    return _self_check(library, device)
 
 
-def _self_check(library: ctypes.CDLL, device: torch.device, quantised: bool = False) -> str | None:
-    """Every compiled variant (row tile × split × warps over K, launched plainly and as a dependent; with
-    `quantised` the quantised path's instead, up to 8 rows) against the float64 product, on a ragged problem:
-    N=200 (a CTA with one partial tile and three past N), K=1040 (a 16-wide last block; 9 blocks over up to
-    32 K slices, some empty), rows of x strided. The first failure, or None."""
+def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
+    """Every compiled variant (row tile × split × warps over K, launched plainly and as a dependent) against
+    the float64 product, on a ragged problem: N=200 (a CTA with one partial tile and three past N), K=1040 (a
+    16-wide last block; 9 blocks over up to 32 K slices, some empty), rows of x strided. The first
+    failure, or None."""
     generator = torch.Generator(device=device).manual_seed(1234)
     n, k = 200, 1040
     weight, scale = random_e4m3(n, k, generator)
@@ -303,19 +252,16 @@ def _self_check(library: ctypes.CDLL, device: torch.device, quantised: bool = Fa
     for m in CHECK_ROWS:
         x = x_rows[:m, :k]
         slices = [s for s in SLICES if s == 2 or m <= WIDE_ROWS]
-        if quantised and m > WIDE_ROWS:
-            continue
-        error_of = quantised_error if quantised else worst_error
         for split, wide, dependent in itertools.product(SPLITS, slices, (False, True)):
             try:
-                out = _launch(library, x, weight, scale, split, wide, dependent, quantised)
-                error = error_of(out, x, weight, scale)
+                out = _launch(library, x, weight, scale, split, wide, dependent)
+                error = worst_error(out, x, weight, scale)
             except RuntimeError as e:
                 return str(e)
             if not error <= 1.0:  # NaN fails too
                 return (
-                    f"M={m}, N={n}, K={k}, split {split}, {wide} warps over K, dependent {dependent}, "
-                    f"quantised x {quantised}: error {error:.3g}× its bound"
+                    f"M={m}, N={n}, K={k}, split {split}, {wide} warps over K, dependent {dependent}: "
+                    f"error {error:.3g}× its bound"
                 )
     return None
 
@@ -332,11 +278,4 @@ def takes(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> boo
     )
 
 
-def _shipped_check(library: ctypes.CDLL, device: torch.device) -> str | None:
-    """`_self_check` of what `gemv` may run: the quantised path too where `QUANT_SWITCH` is "1"."""
-    return _self_check(library, device) or (
-        _self_check(library, device, quantised=True) if os.environ.get(QUANT_SWITCH) == "1" else None
-    )
-
-
-_CHECKED = cuda_build.CheckedLibrary(KERNEL, SWITCH, load_library, _shipped_check, _give_up)
+_CHECKED = cuda_build.CheckedLibrary(KERNEL, SWITCH, load_library, _self_check, _give_up)
