@@ -126,15 +126,6 @@ def fla_api():
 
 PREFILL_VARIANTS = {  # prep settings besides the default (head order, 16-row conv, 32-column gate, 2 warps)
     "tf32_products": dict(gram_precision="tf32", merge_precision="tf32", output_precision="tf32"),
-    "reread": dict(reread_inputs=True),
-    "reread_p8": dict(reread_inputs=True, products_warps=8),
-    "reread_c32": dict(reread_inputs=True, reread_cols=32),
-    "reread_i8_p8": dict(reread_inputs=True, intra_warps=8, products_warps=8),
-    "rows32": dict(gram_rows=32),
-    "rows32_solve_tf32": dict(gram_rows=32, solve_precision="tf32"),
-    "reread_rows32": dict(reread_inputs=True, gram_rows=32),
-    "gram_cols32": dict(gram_cols=32),
-    "intra_cuda": dict(intra_cuda=True),
 }
 # the recurrence's own settings were swept in KDA run 4 (3 stages best; 4 need 271 KB of shared memory)
 # value tiles of 32 and 16 columns: 2x and 4x the programs, for a rank's few heads (8 heads, one sequence:
@@ -323,8 +314,7 @@ def kernel_registers() -> None:
     """Registers and spills of every compiled prefill kernel (ptxas's figures, from Triton's cache)."""
     if DEV == "cpu":
         return
-    kernels = (chunk._conv_gate_kernel, chunk._intra_kernel, chunk._inverse_kernel, chunk._products_kernel)
-    for kernel in (*kernels, chunk._recur_kernel):
+    for kernel in (chunk._conv_gate_kernel, chunk._intra_kernel, chunk._recur_kernel):
         for i, compiled in enumerate(kernel.device_caches[torch.cuda.current_device()][0].values()):
             compiled._init_handles()
             rec(f"regs_{kernel.fn.__name__}_{i}", f"{compiled.n_regs} regs, {compiled.n_spills} spills")

@@ -20,12 +20,11 @@ Three launches, the first two fully parallel over (64-token chunk, head):
    δ = X diag(β) (v − (k ⊙ e^G) S) is the chunk's update, so A δ is its in-chunk output; δ enters both
    products rounded to the activations' dtype.
 
-`prep(reread_inputs=True)` replaces launches 1 and 2 with two that read the projections themselves, so
-that the conv outputs and G (2.2 GB at 13312 tokens and 64 heads, written then read) never reach memory:
-`_inverse_kernel` (conv of q and k, the gate and the Gram sums a column block at a time, then A, X, the
-norms and β) and `_products_kernel` (conv and gate again, then w, u, q̄, k̄, a 64-column block a program).
-One launch doing both measured 2x slower (registers and code size, RESULTS S44-2); this pair is
-unmeasured.
+Measured slower and removed (H100, T=13312, 64 heads, the whole prefill; this layout 2688 us): launches 1
+and 2 replaced by launches that read the projections themselves, so that the conv outputs and G (2.2 GB,
+written then read) never reach memory (one launch 2x slower, RESULTS S44-2; two launches 3266-5133 us),
+the Gram in 32-row sub-blocks (5224 us) and the in-chunk launch in CUDA C++ (4497 us); the Gram 32
+columns a step was within noise (2667 us).
 
 Intermediates are stored per chunk, padded to 64 rows (padding rows are exact zeros or, for G, its
 last value), so the later launches read whole tiles. The Gram matrices are summed over column blocks in
@@ -45,8 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hylo.ops.gemm import cuda_build
-from hylo.ops.kda import intra_cuda as kda_intra_cuda
 from hylo.ops.kda.reference import CHUNK_TOKENS, ChunkSnapshots, KDAInputs, KDAParams, KDASlots
 
 BT = CHUNK_TOKENS  # chunk length
@@ -162,8 +159,7 @@ def _rewrite_window(
 
 @triton.jit
 def _unit_lower_inverse(low, BC: tl.constexpr, PREC: tl.constexpr):
-    """(I + L)⁻¹ of a batch of strictly lower BC×BC blocks, BC = 16 or 32: (I − L)(I + L²)(I + L⁴)(I + L⁸)
-    (and · (I + L¹⁶) for 32: L^BC = 0)."""
+    """(I + L)⁻¹ of a batch of strictly lower 16×16 blocks: (I − L)(I + L²)(I + L⁴)(I + L⁸) (L¹⁶ = 0)."""
     r = tl.arange(0, BC)
     eye = (r[:, None] == r[None, :]).to(tl.float32)[None, :, :]
     sq2 = tl.dot(low, low, input_precision=PREC)
@@ -171,12 +167,7 @@ def _unit_lower_inverse(low, BC: tl.constexpr, PREC: tl.constexpr):
     sq8 = tl.dot(sq4, sq4, input_precision=PREC)
     inv = tl.dot(eye - low, eye + sq2, input_precision=PREC)
     inv = tl.dot(inv, eye + sq4, input_precision=PREC)
-    if BC == 32:
-        inv = tl.dot(inv, eye + sq8, input_precision=PREC)
-        out = tl.dot(inv, eye + tl.dot(sq8, sq8, input_precision=PREC), input_precision=PREC)
-    else:
-        out = tl.dot(inv, eye + sq8, input_precision=PREC)
-    return out
+    return tl.dot(inv, eye + sq8, input_precision=PREC)
 
 
 @triton.jit
@@ -309,48 +300,6 @@ def _dot(a, b, acc, PREC: tl.constexpr):
 
 
 @triton.jit
-def _wide_columns(yk, local, before, anchor, later_block, BT: tl.constexpr):
-    """The Gram's column operand `[NB, BT, BK]` for 32-row sub-blocks: k_j e^{a_s − G_j} for row block s and
-    column j of block t ≤ s (0 for t > s), each one exp2 of the summed exponent. Apart, e^{a_t − G_j} reaches
-    2^±115 at 32 rows and e^{a_s − a_t} may pass below fp32's range while their product does not; summed, what
-    underflows is at most 2^-34 of a row's largest entry (its row factor is at most 2^115)."""
-    NB: tl.constexpr = yk.shape[0]
-    BK: tl.constexpr = yk.shape[2]
-    expo = (anchor - local)[None, :, :, :] + (before[:, None, :] - before[None, :, :])[:, :, None, :]
-    cols = tl.where(later_block[:, :, :, None], 0.0, yk[None, :, :, :] * tl.exp2(expo))
-    return tl.reshape(cols, [NB, BT, BK])
-
-
-@triton.jit
-def _gram_step(akk, aqk, kk_diag, yq, yk, local, before, anchor, BT: tl.constexpr, PREC: tl.constexpr):
-    """One column block's terms of the Gram sums (`_gram_inverse` names them): `yq`, `yk` `[NB, BC, BK]` the
-    block's q and k by sub-block of rows, `local` the gate summed from each sub-block's start to the row
-    (log2 units), `before` `[NB, BK]` the gate summed before each sub-block, `anchor` the split point.
-
-    The reread launches'; `_chunk_inverse` keeps its own copy of these lines: calling this there changed
-    its machine code (8100 -> 8036 SASS lines, other unrolling), and its measured figures are of its own
-    code. One of the two paths goes once the reread launches are measured."""
-    NB: tl.constexpr = yq.shape[0]
-    BC: tl.constexpr = yq.shape[1]
-    BK: tl.constexpr = yq.shape[2]
-    sub = tl.arange(0, NB)
-    later_block = sub[None, :, None] > sub[:, None, None]  # [s, t]: t > s
-    row_scale = tl.exp2(local - anchor)  # e^{G_i - a_s} for row i of sub-block s
-    kc = yk * tl.exp2(anchor - local)  # e^{a_t - G_j} for column j of sub-block t
-    # e^{a_s - G_j} = e^{a_t - G_j} e^{a_s - a_t}, the second ≤ 1 for t ≤ s; blocks t > s are not needed
-    if BC == 32:
-        cols = _wide_columns(yk, local, before, anchor, later_block, BT)
-    else:
-        block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
-        cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
-    cols = tl.trans(cols, (0, 2, 1))
-    akk = _dot(yk * row_scale, cols, akk, PREC)
-    aqk = _dot(yq * row_scale, cols, aqk, PREC)
-    kk_diag = _dot(yk * row_scale, tl.trans(kc, (0, 2, 1)), kk_diag, PREC)
-    return akk, aqk, kk_diag
-
-
-@triton.jit
 def _lower_inverse(low, low_diag, BT: tl.constexpr, BC: tl.constexpr, SOLVE_PREC: tl.constexpr,
                    MERGE_PREC: tl.constexpr):  # fmt: skip
     """(I + L)⁻¹ `[BT, BT]` of a strictly lower L given as `low` `[NB, BC, BT]` (sub-block s's rows) and its
@@ -409,11 +358,8 @@ def _chunk_inverse(
         kc = yk * tl.exp2(anchor - local)  # e^{a_t - G_j} for column j of sub-block t
         # e^{a_s - G_j} = e^{a_t - G_j} e^{a_s - a_t}, the second ≤ 1 for t ≤ s; blocks t > s are not needed
         before = tl.reshape(before, [NB, BK])
-        if BC == 32:
-            cols = _wide_columns(yk, local, before, anchor, later_block, BT)
-        else:
-            block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
-            cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
+        block_ratio = tl.where(later_block, 0.0, tl.exp2(before[:, None, :] - before[None, :, :]))
+        cols = tl.reshape(kc[None, :, :, :] * block_ratio[:, :, None, :], [NB, BT, BK])
         cols = tl.trans(cols, (0, 2, 1))
         akk = _dot(yk * row_scale, cols, akk, GRAM_PREC)
         aqk = _dot(yq * row_scale, cols, aqk, GRAM_PREC)
@@ -565,218 +511,6 @@ def _intra_kernel(
             BK2,
             OUT_PREC,
         )
-
-
-@triton.jit
-def _chunk_of(cu, n_seq, pid, h, conv_pool, pool_stride, slot_ids, D: tl.constexpr, X_STRIDE: tl.constexpr,
-              BT: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
-    """Where chunk `pid` of head `h` reads: (its sequence's first token and end, its in-sequence start, the
-    offset of its first row of q/k/v in elements, its slot's window of head h's q channels)."""
-    seq, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
-    start = chunk * BT
-    first_tok = (bos + start).to(tl.int64)
-    win = conv_pool + tl.load(slot_ids + seq).to(tl.int64) * pool_stride + h * D
-    return bos, eos, start, first_tok, first_tok * X_STRIDE + h * D, win
-
-
-@triton.jit
-def _inverse_kernel(
-    xq,
-    xk,
-    f,
-    b,
-    conv_w,
-    conv_pool,
-    pool_stride,
-    slot_ids,
-    dt_bias,
-    a_log,
-    cu,
-    n_seq,
-    inv_out,
-    att_out,
-    rnorm,
-    beta,
-    scale,
-    lower_bound,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    W: tl.constexpr,
-    X_STRIDE: tl.constexpr,
-    F_STRIDE: tl.constexpr,
-    B_STRIDE: tl.constexpr,
-    WIN_STRIDE: tl.constexpr,
-    BT: tl.constexpr,
-    BC: tl.constexpr,
-    BK: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    GRAM_PREC: tl.constexpr,
-    SOLVE_PREC: tl.constexpr,
-    MERGE_PREC: tl.constexpr,
-    FAST_MATH: tl.constexpr,
-):
-    """`prep(reread_inputs=True)`'s first launch, program (chunk, head), head fastest in one grid dimension:
-    q and k convolved from the projections BK columns at a time, beside the gate's sums, into the Gram
-    sums (their rows' norms summed alongside: the Gram is bilinear, so the norms scale it afterwards); then
-    A and X = (I + L)⁻¹ stored, with the norms and β. Nothing of [BT, D] is written."""
-    flat = tl.program_id(0)
-    h, pid = flat % H, flat // H
-    bos, eos, start, first_tok, x_off, win = _chunk_of(
-        cu, n_seq, pid, h, conv_pool, pool_stride, slot_ids, D, X_STRIDE, BT, BLOCK_B
-    )
-    HD: tl.constexpr = H * D
-    NB: tl.constexpr = BT // BC
-    head_tile = pid.to(tl.int64) * H + h
-    n_left = eos - bos - start  # live rows of the chunk (none in a padded batch's spare chunks)
-    taps = conv_w + h * D * W
-    f_head = f + first_tok * F_STRIDE + h * D
-    rate = tl.exp(tl.load(a_log + h).to(tl.float32))
-    lb2 = lower_bound * 1.4426950408889634
-    rows = tl.arange(0, BT)[:, None]
-    live = rows < n_left
-    akk = tl.zeros([NB, BC, BT], dtype=tl.float32)
-    aqk = tl.zeros([NB, BC, BT], dtype=tl.float32)
-    kk_diag = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    sq_q = tl.zeros([BT], dtype=tl.float32)
-    sq_k = tl.zeros([BT], dtype=tl.float32)
-    for c0 in tl.range(0, D, BK):
-        col = c0 + tl.arange(0, BK)[None, :]
-        yq = _conv_silu(xq + x_off, win, taps, rows, col, n_left, start, W, X_STRIDE, WIN_STRIDE, FAST_MATH)
-        yk = _conv_silu(
-            xk + x_off, win + HD, taps + HD * W, rows, col, n_left, start, W, X_STRIDE, WIN_STRIDE, FAST_MATH
-        )
-        sq_q += tl.sum(yq * yq, 1)
-        sq_k += tl.sum(yk * yk, 1)
-        g = _gate(f_head, tl.load(dt_bias + h * D + col), rate, lb2, rows, live, col, F_STRIDE, FAST_MATH)
-        g = tl.reshape(g, [NB, BC, BK])
-        block_sum = tl.sum(g, 1)
-        akk, aqk, kk_diag = _gram_step(
-            akk,
-            aqk,
-            kk_diag,
-            tl.reshape(yq, [NB, BC, BK]),
-            tl.reshape(yk, [NB, BC, BK]),
-            tl.cumsum(g, 1),
-            tl.cumsum(block_sum, 0) - block_sum,
-            lb2 * (BC // 2),
-            BT,
-            GRAM_PREC,
-        )
-    r = tl.arange(0, BT)
-    rn_q = scale / tl.sqrt(sq_q + 1e-6)
-    rn_k = 1.0 / tl.sqrt(sq_k + 1e-6)
-    logit = tl.load(b + first_tok * B_STRIDE + r * B_STRIDE + h, mask=r < n_left, other=0.0)
-    bt = tl.where(r < n_left, tl.sigmoid(logit.to(tl.float32)), 0.0)
-    norm_tile = rnorm + (pid.to(tl.int64) * 2 * H + h) * BT
-    tl.store(norm_tile + r, rn_q)
-    tl.store(norm_tile + H * BT + r, rn_k)
-    tl.store(beta + head_tile * BT + r, bt)
-    tl.debug_barrier()  # the norms and β stored above, read back in the layouts the inverse takes
-    inv = _gram_inverse(
-        akk, aqk, kk_diag, norm_tile, norm_tile + H * BT, beta + head_tile * BT,
-        att_out + head_tile * BT * BT, BT, BC, SOLVE_PREC, MERGE_PREC,
-    )  # fmt: skip
-    tl.store(inv_out + head_tile * BT * BT + rows * BT + r[None, :], inv.to(inv_out.dtype.element_ty))
-
-
-@triton.jit
-def _products_kernel(
-    xq,
-    xk,
-    xv,
-    f,
-    conv_w,
-    conv_pool,
-    pool_stride,
-    slot_ids,
-    dt_bias,
-    a_log,
-    cu,
-    n_seq,
-    inv_in,
-    rnorm,
-    beta,
-    w_out,
-    qg_out,
-    kg_out,
-    u_out,
-    decay_c,
-    lower_bound,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    W: tl.constexpr,
-    WP: tl.constexpr,
-    X_STRIDE: tl.constexpr,
-    F_STRIDE: tl.constexpr,
-    WIN_STRIDE: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    OUT_PREC: tl.constexpr,
-    FAST_MATH: tl.constexpr,
-):
-    """`prep(reread_inputs=True)`'s second launch, program (chunk, head; column block): q, k, v convolved
-    and the gate summed again from the projections for BK columns, then w, u, q̄, k̄ and e^{G_C} of them from
-    `_inverse_kernel`'s X, norms and β. The chunk at a sequence's start rewrites its slot's windows of
-    these columns: every launch before it has read them."""
-    flat, c0 = tl.program_id(0), tl.program_id(1) * BK
-    h, pid = flat % H, flat // H
-    bos, eos, start, first_tok, x_off, win = _chunk_of(
-        cu, n_seq, pid, h, conv_pool, pool_stride, slot_ids, D, X_STRIDE, BT, BLOCK_B
-    )
-    HD: tl.constexpr = H * D
-    head_tile = pid.to(tl.int64) * H + h
-    n_left = eos - bos - start
-    taps = conv_w + h * D * W
-    rows = tl.arange(0, BT)[:, None]
-    col = c0 + tl.arange(0, BK)[None, :]
-    off = head_tile * BT * D + rows * D + col
-    inv = tl.load(inv_in + head_tile * BT * BT + rows * BT + tl.arange(0, BT)[None, :]).to(tl.float32)
-    norm_tile = rnorm + (pid.to(tl.int64) * 2 * H + h) * BT
-    bt = tl.load(beta + head_tile * BT + rows)
-    # each tile is stored as soon as it is made, w last, so that few [BT, BK] tiles are live at once
-    v = _conv_silu(
-        xv + x_off,
-        win + 2 * HD,
-        taps + 2 * HD * W,
-        rows,
-        col,
-        n_left,
-        start,
-        W,
-        X_STRIDE,
-        WIN_STRIDE,
-        FAST_MATH,
-    )
-    tl.store(u_out + off, _dot(inv, bt * v, None, OUT_PREC).to(u_out.dtype.element_ty))
-    g = _gate(
-        f + first_tok * F_STRIDE + h * D,
-        tl.load(dt_bias + h * D + col),
-        tl.exp(tl.load(a_log + h).to(tl.float32)),
-        lower_bound * 1.4426950408889634,
-        rows,
-        rows < n_left,
-        col,
-        F_STRIDE,
-        FAST_MATH,
-    )
-    gate = tl.cumsum(g, 0)
-    total = tl.sum(g, 0)[None, :]  # G_C: the rows past the sequence's end add nothing
-    tl.store(decay_c + head_tile * D + col, tl.exp2(total))
-    decay = tl.exp2(gate)
-    q = _conv_silu(xq + x_off, win, taps, rows, col, n_left, start, W, X_STRIDE, WIN_STRIDE, FAST_MATH)
-    tl.store(qg_out + off, (q * tl.load(norm_tile + rows) * decay).to(qg_out.dtype.element_ty))
-    k = _conv_silu(
-        xk + x_off, win + HD, taps + HD * W, rows, col, n_left, start, W, X_STRIDE, WIN_STRIDE, FAST_MATH
-    ) * tl.load(norm_tile + H * BT + rows)  # fmt: skip
-    tl.store(kg_out + off, (k * tl.exp2(total - gate)).to(kg_out.dtype.element_ty))
-    tl.store(w_out + off, _dot(inv, bt * k * decay, None, OUT_PREC).to(w_out.dtype.element_ty))
-    if start == 0:
-        cols = c0 + tl.arange(0, BK)
-        x_end = (eos - (W - 1)).to(tl.int64) * X_STRIDE + h * D
-        _rewrite_window(xq + x_end, win, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
-        _rewrite_window(xk + x_end, win + HD, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
-        _rewrite_window(xv + x_end, win + 2 * HD, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
 
 
 @triton.jit
@@ -970,13 +704,6 @@ PREP_KEYS = frozenset(
         "output_precision",
         "gram_unroll",
         "conv_order",
-        "reread_inputs",
-        "reread_cols",
-        "products_warps",
-        "gram_rows",
-        "gram_cols",
-        "intra_cuda",
-        "intra_library",
     }
 )
 
@@ -1031,13 +758,6 @@ def prep(
     output_precision: str | None = None,
     gram_unroll: int = 1,
     conv_order: str = "head",
-    reread_inputs: bool = False,
-    reread_cols: int = 16,
-    gram_rows: int = BC,
-    gram_cols: int = 16,
-    intra_cuda: bool = False,
-    intra_library=None,
-    products_warps: int = 4,
 ) -> tuple[torch.Tensor, ...]:
     """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
     e^{G_C} `[chunks, H, d]`.
@@ -1057,15 +777,7 @@ def prep(
     as a triangular tl.dot, and the conv taps shifted out of one tile by tl.dot were all slower:
     benchmarks/RESULTS.md, session 5; on the H100, 32-row conv blocks, 64-column gate blocks and 4 warps
     again, and the in-chunk launch on 2 warps, in 2 stages or with its Gram loop unrolled twice: S44-2).
-    Reads the slots' windows, not their states.
-
-    `reread_inputs`: the two launches that read the projections themselves instead (module docstring), the
-    first on `intra_warps` warps summing the Gram over `reread_cols` columns at a time, the second on
-    `products_warps`. `gram_rows`: the Gram's sub-blocks of rows, 16 (the measured one) or 32 (half the
-    batched products, twice as tall; its split factors reach 2^±115, `_wide_columns`); `gram_cols`: the
-    in-chunk launch's columns a Gram step, 16 or 32 (231 registers against 167 compiled here); the 32s are
-    not yet measured. `intra_cuda`: the in-chunk launch in CUDA C++ where it is available
-    (`intra_cuda_refusal`; `intra_library`, a library to run it with, is its check's)."""
+    Reads the slots' windows, not their states."""
     q, k, v, f, b = x.tensors
     conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
     h = slots.state_pool.shape[1]
@@ -1076,10 +788,6 @@ def prep(
     gram_precision, merge_precision, output_precision = (
         products if mode is None else mode for mode in (gram_precision, merge_precision, output_precision)
     )
-    if gram_rows not in (16, 32):
-        raise ValueError(f"gram_rows must be 16 or 32, got {gram_rows}")
-    if gram_cols not in (16, 32):
-        raise ValueError(f"gram_cols must be 16 or 32, got {gram_cols}")
     if not -5.0 <= lower_bound < 0:
         raise ValueError(f"the chunked Triton path needs -5 <= lower_bound < 0, got {lower_bound}")
     if conv_rows not in (8, 16, 32, 64) or conv_rows < width - 1:
@@ -1099,12 +807,6 @@ def prep(
     rnorm = torch.empty(n_chunks, 2, h, BT, dtype=torch.float32, device=dev)
     beta = torch.empty(n_chunks, h, BT, dtype=torch.float32, device=dev)
     decay_c = torch.empty(n_chunks, h, d, dtype=torch.float32, device=dev)
-    if reread_inputs:
-        return _prep_from_inputs(
-            x, params, slots, cu_seqlens, n_chunks, (rnorm, beta, decay_c),
-            warps=(intra_warps, products_warps), cols=reread_cols, gram_rows=gram_rows,
-            precisions=(gram_precision, solve_precision, merge_precision, output_precision),
-        )  # fmt: skip
     y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
     gcum = torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev)
     subs = 3 * BT // conv_rows + d // gate_cols
@@ -1148,11 +850,6 @@ def prep(
     )
     w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(4))
     att = torch.empty(n_chunks, h, BT, BT, dtype=q.dtype, device=dev)
-    if intra_library is None and intra_cuda and intra_cuda_refusal(dev, d, q.dtype) is None:
-        intra_library = _INTRA_CUDA.ready[dev.index]
-    if intra_library is not None:
-        kda_intra_cuda.intra((y, rnorm, gcum, beta), (w, qg, kg, u, att), float(lower_bound), intra_library)
-        return w, qg, kg, u, att, decay_c
     _intra_kernel[(n_chunks, h)](
         y,
         rnorm,
@@ -1167,8 +864,8 @@ def prep(
         H=h,
         D=d,
         BT=BT,
-        BC=gram_rows,
-        BK1=min(gram_cols, d),
+        BC=BC,
+        BK1=min(16, d),
         BK2=min(64, d),
         UNROLL=gram_unroll,
         GRAM_PREC=gram_precision,
@@ -1179,80 +876,6 @@ def prep(
         num_stages=intra_stages,
     )
     return w, qg, kg, u, att, decay_c
-
-
-def _prep_from_inputs(x, params, slots, cu_seqlens, n_chunks, buffers, *, warps, cols, gram_rows, precisions):
-    """`prep`'s two launches that read the projections themselves: `_inverse_kernel` (its Gram sums over
-    `cols` columns at a time), then `_products_kernel` over 64-column blocks; the conv outputs and the gate's
-    sums never reach memory. `buffers`: prep's norms, β and e^{G_C}; `warps`: each launch's."""
-    rnorm, beta, decay_c = buffers
-    q, k, v, f, b = x.tensors
-    conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
-    h = slots.state_pool.shape[1]
-    d = q.shape[1] // h
-    gram, solve, merge, products = precisions
-    width = params.conv_weight.shape[1]
-    common = dict(
-        H=h, D=d, W=width, X_STRIDE=q.stride(0), F_STRIDE=f.stride(0), WIN_STRIDE=conv_pool.stride(1), BT=BT,
-        BLOCK_B=triton.next_power_of_2(slot_ids.shape[0] + 1), FAST_MATH=not _INTERPRET,
-    )  # fmt: skip
-    shared = (params.conv_weight, conv_pool, conv_pool.stride(0), slot_ids, params.dt_bias, params.a_log,
-              cu_seqlens, slot_ids.shape[0])  # fmt: skip
-    inv = torch.empty(
-        n_chunks, h, BT, BT, dtype=q.dtype if products == "bf16" else torch.float32, device=q.device
-    )
-    att = torch.empty(n_chunks, h, BT, BT, dtype=q.dtype, device=q.device)
-    _inverse_kernel[(n_chunks * h,)](
-        q, k, f, b, *shared, inv, att, rnorm, beta, d**-0.5, float(lower_bound), B_STRIDE=b.stride(0),
-        BC=gram_rows, BK=min(cols, d), GRAM_PREC=gram, SOLVE_PREC=solve, MERGE_PREC=merge, num_warps=warps[0],
-        **common,
-    )  # fmt: skip
-    w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=q.device) for _ in range(4))
-    block = min(64, d)
-    _products_kernel[(n_chunks * h, d // block)](
-        q, k, v, f, *shared, inv, rnorm, beta, w, qg, kg, u, decay_c, float(lower_bound),
-        WP=triton.next_power_of_2(width - 1), BK=block, OUT_PREC=products, num_warps=warps[1], **common,
-    )  # fmt: skip
-    return w, qg, kg, u, att, decay_c
-
-
-def intra_cuda_refusal(device: torch.device, head_size: int, dtype: torch.dtype) -> str | None:
-    """Why `prep(intra_cuda=True)` runs the Triton in-chunk launch on `device` (None: the CUDA one runs;
-    builds and checks it at a first eager call)."""
-    return kda_intra_cuda.operand_refusal(device, head_size, dtype) or _INTRA_CUDA.refusal(device)
-
-
-def _intra_cuda_check(library, device: torch.device) -> str | None:
-    """The CUDA in-chunk launch against the Triton one on a varlen batch of 4 heads (sequences of 150, 1, 3
-    and 70 tokens: one shorter than the conv window, two of several chunks): each output within 2^-6 of its
-    largest entry (bf16 outputs of the same sums in another order, an exact inverse against composed
-    Neumann products)."""
-    gen = torch.Generator(device=device).manual_seed(7)
-    heads, d = 4, kda_intra_cuda.HEAD_SIZE
-    hd = heads * d
-
-    def randn(*shape, scale=1.0, dtype=torch.float32):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
-
-    cu = [0, 150, 151, 154, 224]
-    x = KDAInputs(*(randn(cu[-1], width, dtype=torch.bfloat16) for width in (hd, hd, hd, hd, heads)))
-    params = KDAParams(randn(3 * hd, 4, scale=0.3), randn(hd, scale=0.5), randn(heads, scale=0.5), -5.0)
-    pools = randn(4, 3, 3 * hd, dtype=torch.bfloat16), randn(4, heads, d, d, scale=0.05)
-    slots = torch.arange(4, device=device)
-    cu_dev = torch.tensor(cu, dtype=torch.int32, device=device)
-    got = prep(x, params, KDASlots(*(p.clone() for p in pools), slots), cu_dev, cu, intra_library=library)
-    want = prep(x, params, KDASlots(*(p.clone() for p in pools), slots), cu_dev, cu)
-    for name, a, b in zip(("w", "q̄", "k̄", "u", "A", "e^G_C"), got, want, strict=True):
-        worst = float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-        if not worst <= 2.0**-6:
-            return f"{name}: worst difference {worst:.3g} of its largest entry"
-    return None
-
-
-_INTRA_CUDA = cuda_build.CheckedLibrary(
-    kda_intra_cuda.KERNEL, kda_intra_cuda.SWITCH, kda_intra_cuda.load_library, _intra_cuda_check,
-    kda_intra_cuda._give_up,
-)  # fmt: skip
 
 
 RECUR_MIN_PROGRAMS = 64
