@@ -360,6 +360,43 @@ def test_prompt_scoring_chunks_are_capped(checkpoint, prompts, monkeypatch):
     assert_fp32_close(torch.tensor([g for g, _ in own]), torch.tensor([u for _, u in own]), terms)
 
 
+def test_steps_while_no_request_decodes_take_the_idle_budget(checkpoint, prompts, reference):
+    """With `idle_prefill_size`, a prompt prefilled while no request decodes goes in steps of up to that
+    many tokens, and one that arrives while another decodes in `chunked_prefill_size` chunks, so that
+    the decoding request never waits on a longer step; the tokens are the default engine's."""
+    llm = make_llm(checkpoint, chunked_prefill_size=16, idle_prefill_size=64)
+    engine = llm.engine
+    sizes: dict[str, list[int]] = {}
+    launch = engine.runner.launch
+
+    def recording(chunks, *rest):
+        for ch in chunks:
+            if not ch.request.output_ids:
+                sizes.setdefault(ch.request.request_id, []).append(ch.num_tokens)
+        return launch(chunks, *rest)
+
+    engine.runner.launch = recording
+    (alone,) = engine.add_request("alone", prompts[2], GREEDY)  # 70 tokens, nothing else running
+    while not alone.output_ids:
+        engine.step()
+    (beside,) = engine.add_request("beside", prompts[13], GREEDY)  # 40 tokens while "alone" decodes
+    while engine.has_unfinished():
+        engine.step()
+    assert sizes == {"alone": [64, 6], "beside": [16, 16, 8]}
+    assert [alone.output_ids, beside.output_ids] == [reference[2], reference[13]]
+
+
+def test_the_idle_budget_sets_the_longest_step_and_is_never_below_the_chunk_size():
+    from hylo.config import EngineConfig
+
+    assert EngineConfig(chunked_prefill_size=64).longest_prefill_step == 64
+    assert EngineConfig(chunked_prefill_size=64, idle_prefill_size=256).longest_prefill_step == 256
+    with pytest.raises(
+        ValueError, match=r"idle_prefill_size \(32\) must be at least chunked_prefill_size \(64\)"
+    ):
+        EngineConfig(chunked_prefill_size=64, idle_prefill_size=32)
+
+
 def test_model_of_linear_layers_only_decodes_as_hf(tmp_path):
     """A model with no attention layer keeps nothing per token: the memory plan sizes its (free) pages
     from the slots instead of dividing the budget by zero bytes a token, and decoding is HF's."""

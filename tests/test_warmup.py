@@ -52,7 +52,7 @@ def engine_steps(engine) -> list[warmup.WarmupStep]:
     """The steps the builder would warm `engine` up with."""
     config, mixed = engine.config, engine.scheduler.mixed_steps
     shapes = WarmupShapes.of(
-        config.chunked_prefill_size, engine.plan, engine.caches, engine.proposer, mixed=mixed
+        config.longest_prefill_step, engine.plan, engine.caches, engine.proposer, mixed=mixed
     )
     return warmup_steps(shapes)
 

@@ -4,7 +4,8 @@ of a TP/EP deployment of the full model (`--tp 8`: `hylo.distributed.rank_engine
 not run, as in `rank_e2e.py`).
 
     PYTHONPATH=src python3 benchmarks/device/prefill_floors.py [--tp 0|4|8] [--layers 8] \
-        [--tokens 1024,13312] [--chunked-prefill-size N] [--queue-ahead-ms MS] [--out DIR]
+        [--tokens 1024,13312] [--chunked-prefill-size N] [--idle-prefill-sizes N,M] [--rounds R] \
+        [--queue-ahead-ms MS] [--out DIR]
 
 Every module call of the model's forward is timed between CUDA events (`ModuleClock`), each forward
 queued behind a GPU sleep so that the events time the GPU's work and not the host's launches; a kind's time
@@ -26,8 +27,12 @@ floor of each kind comes from the work its calls did, counted from their argumen
   passes over the n residual streams and the block input written, twice a layer, at the copy rate;
 - the rest (embedding, head, the forward's glue): no floor.
 
-A first run of each length compiles its kernels; the second is timed. Prints and writes
-`prefill_floors.json`: per length, each kind's ms, calls, work, floor ms and floor / time.
+A first run of each length compiles its kernels; the next are timed: once without the clock (the host's
+wall time to the first token, hooks off) and once by kind. `--idle-prefill-sizes` compares step budgets of
+a lone prompt (the engine's `idle_prefill_size`: 13312 tokens in one step at 16384, in 8192 + 5120 at
+8192) in one process, the engine built with the largest and each length run under each budget in turn,
+`--rounds` times. Prints and writes `prefill_floors.json`: per length and budget, the wall time and each
+kind's ms, calls, work, floor ms and floor / time.
 """
 
 from __future__ import annotations
@@ -274,6 +279,11 @@ def prefill(engine, tokens: int, seed: int) -> None:
         engine.step()
 
 
+def idle_budgets(args) -> list[int | None]:
+    """The `--idle-prefill-sizes` to compare, or [None] (the engine's own)."""
+    return [int(b) for b in args.idle_prefill_sizes.split(",")] if args.idle_prefill_sizes else [None]
+
+
 def build(args) -> object:
     """The slice's eager engine (`--tp 0`) or rank 0 of a TP/EP deployment."""
     from spec_e2e import write_target
@@ -291,6 +301,9 @@ def build(args) -> object:
     )  # fmt: skip
     if args.chunked_prefill_size is not None:
         common["chunked_prefill_size"] = args.chunked_prefill_size
+    budgets = idle_budgets(args)
+    if budgets != [None]:
+        common["idle_prefill_size"] = max(budgets)
     if args.sequence_parallel_tokens is not None:
         common["sequence_parallel_tokens"] = args.sequence_parallel_tokens
     if args.tp == 0:
@@ -312,6 +325,11 @@ def main() -> None:
         help="prompt tokens a step prefills (the engine's default when not given: 13312 runs as 2 steps)",
     )  # fmt: skip
     parser.add_argument(
+        "--idle-prefill-sizes", default=None,
+        help="step budgets of a lone prompt to compare (e.g. 16384,8192; default: the engine's)",
+    )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help="timed runs of each length and budget")
+    parser.add_argument(
         "--sequence-parallel-tokens", type=int, default=None,
         help="a rank's steps of at least this many tokens split the streams by token (0: off)",
     )  # fmt: skip
@@ -326,32 +344,46 @@ def main() -> None:
     report: dict = {
         "gpu": torch.cuda.get_device_name(), "tp": args.tp, "layers": args.layers,
         "chunked_prefill_size": engine.config.chunked_prefill_size,
+        "idle_prefill_size": engine.config.idle_prefill_size,
         "sequence_parallel_tokens": engine.config.sequence_parallel_tokens,
     }  # fmt: skip
     rates = ceilings(device)
     report["rates"] = {k: round(v / 1e12, 1) for k, v in rates.items()}
     model = engine.model
+    scheduler = engine.scheduler
+    seed = 1
     for tokens in map(int, args.tokens.split(",")):
-        prefill(engine, tokens, 1)  # compiles this length's kernels
-        clock = ModuleClock(device, queue_ahead_ms=args.queue_ahead_ms)
-        clock.attach(model)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        try:
-            prefill(engine, tokens, 2)
-        finally:
-            clock.detach()
-        wall = 1e3 * (time.perf_counter() - start)
-        rows = table(clock.totals(), rates)
-        report[f"T{tokens}"] = {"wall_ms": round(wall, 2), "kinds": rows}
-        sum_ms = sum(r["ms"] for r in rows)
-        print(
-            f"\n{tokens} tokens, wall {wall:.1f} ms (module hooks on, each forward queued behind "
-            f"{args.queue_ahead_ms:g} ms of GPU sleep), kinds {sum_ms:.1f} ms"
-        )
-        print("| kind | ms | calls | floor ms | floor / time |\n|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['kind']} | {r['ms']} | {r['calls']} | {r['floor_ms']} | {r['of_floor']} |")
+        budgets = [b or scheduler.prefill_budget for b in idle_budgets(args)]
+        for budget in budgets:  # compiles this length's kernels under every budget
+            scheduler.idle_prefill_budget = budget
+            prefill(engine, tokens, seed)
+            seed += 1
+        for round_ in range(args.rounds):
+            for budget in budgets:
+                scheduler.idle_prefill_budget = budget
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                prefill(engine, tokens, seed)
+                torch.cuda.synchronize()
+                wall = 1e3 * (time.perf_counter() - start)
+                clock = ModuleClock(device, queue_ahead_ms=args.queue_ahead_ms)
+                clock.attach(model)
+                try:
+                    prefill(engine, tokens, seed + 1)
+                finally:
+                    clock.detach()
+                seed += 2
+                rows = table(clock.totals(), rates)
+                report[f"T{tokens}_step{budget}_r{round_}"] = {"wall_ms": round(wall, 2), "kinds": rows}
+                sum_ms = sum(r["ms"] for r in rows)
+                print(
+                    f"\n{tokens} tokens in steps of at most {budget} (round {round_}): wall {wall:.1f} ms "
+                    f"(no hooks); by kind {sum_ms:.1f} ms of GPU time (each forward queued behind "
+                    f"{args.queue_ahead_ms:g} ms of GPU sleep)"
+                )
+                print("| kind | ms | calls | floor ms | floor / time |\n|---|---|---|---|---|")
+                for r in rows:
+                    print(f"| {r['kind']} | {r['ms']} | {r['calls']} | {r['floor_ms']} | {r['of_floor']} |")
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -198,7 +198,14 @@ class EngineConfig:
     device: str = _flag("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
     dtype: str = _flag("auto", "bfloat16, float16, float32 or auto (bfloat16 on GPU, float32 on CPU)")
     page_size: int = _flag(64, "tokens per cache page (a multiple of the indexer's k-pool size)")
-    chunked_prefill_size: int = _flag(8192, "prompt tokens one step may prefill, summed over requests")
+    chunked_prefill_size: int = _flag(
+        8192, "prompt tokens one step may prefill, summed over requests, while any request is decoding"
+    )
+    idle_prefill_size: int | None = _flag(
+        None,
+        "prompt tokens one step may prefill while no request is decoding (no token's latency waits on the "
+        "step; fewer, longer steps read each weight fewer times a prompt); default: chunked_prefill_size",
+    )
     max_running_requests: int | None = _flag(
         None,
         "requests decoding at once (default: what half the memory budget's state slots allow, at most 256)",
@@ -303,6 +310,7 @@ class EngineConfig:
         positive = (
             "page_size",
             "chunked_prefill_size",
+            "idle_prefill_size",
             "max_running_requests",
             "context_length",
             "cuda_graph_max_bs",
@@ -316,6 +324,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.idle_prefill_size is not None and self.idle_prefill_size < self.chunked_prefill_size:
+            raise ValueError(
+                f"idle_prefill_size ({self.idle_prefill_size}) must be at least chunked_prefill_size "
+                f"({self.chunked_prefill_size}): a step with no request decoding may only prefill more"
+            )
         if not isinstance(self.cuda_graph_max_prefill_tokens, int) or self.cuda_graph_max_prefill_tokens < 0:
             value = self.cuda_graph_max_prefill_tokens
             raise ValueError(f"cuda_graph_max_prefill_tokens must be an int >= 0, got {value!r}")
@@ -393,6 +406,11 @@ class EngineConfig:
                 f"speculative_num_draft_tokens ({self.speculative_num_draft_tokens}) must be "
                 f"speculative_num_steps + 1 ({steps + 1}) with speculative_algorithm MTP"
             )
+
+    @property
+    def longest_prefill_step(self) -> int:
+        """Prompt tokens the largest prefill step may hold (what the warm-up compiles up to)."""
+        return self.idle_prefill_size or self.chunked_prefill_size
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -114,7 +114,7 @@ def build_engine(
     scheduler = Scheduler(
         caches, plan.num_slots, config.chunked_prefill_size, verify_shape, proposer, overlap,
         verify_graphs=runner.verify_graphs is not None, mixed_steps=mixed,
-        prefill_graphs=runner.prefill_graphs is not None,
+        prefill_graphs=runner.prefill_graphs is not None, idle_prefill_size=config.idle_prefill_size,
     )  # fmt: skip
     policy = None
     if proposer is not None and config.speculative_adaptive and ranks.leader:
@@ -299,7 +299,7 @@ def _warm_up(
 ) -> float:
     """The warm-up's seconds, its steps run (`engine/warmup.py`) and logged (`mixed`: the engine's
     steps mix prefill chunks with decoding rows)."""
-    shapes = WarmupShapes.of(config.chunked_prefill_size, plan, caches, runner.proposer, mixed=mixed)
+    shapes = WarmupShapes.of(config.longest_prefill_step, plan, caches, runner.proposer, mixed=mixed)
     steps = warmup_steps(shapes)
     seconds = warm_up(runner, caches, steps, model.config.vocab_size)
     longest = max(c.prefix + c.tokens for step in steps for c in step.chunks)

@@ -31,7 +31,9 @@ class Scheduler:
     Each step: every running request whose prompt is done decodes one token (or, with speculation,
     verifies an anchor and up to `verify_shape.drafts` drafts); partially prefilled
     running requests continue, then waiting requests are admitted in arrival order, while the step's
-    prefill budget (`chunked_prefill_size` tokens), the running limit, slots and pages allow. When a
+    prefill budget, the running limit, slots and pages allow. The budget is `chunked_prefill_size`
+    tokens while any request decodes (a decoding token waits on the whole step), `idle_prefill_size`
+    while none does (nobody waits; fewer, longer steps read every weight fewer times a prompt). When a
     running request needs a page and none is free, the most recently admitted other request is
     preempted: its caches are released and it returns to the head of the queue, to be recomputed
     from its prompt and the tokens it already generated. With speculation every chunk's pages also
@@ -55,6 +57,7 @@ class Scheduler:
         verify_graphs: bool = False,
         mixed_steps: bool = True,
         prefill_graphs: bool = False,
+        idle_prefill_size: int | None = None,
     ):
         """`overlap`, `verify_graphs`: whether steps may run ahead of the read before them at all, and
         verify steps as verify-graph replays (`InFlightLedger`). `mixed_steps`: whether a step may
@@ -62,13 +65,15 @@ class Scheduler:
         (a prompt going on, a waiting request that can start) runs only that, and the decoding
         requests go on in the next step, whose rows the decode or verify graphs can replay (a mixed
         step runs eagerly). `prefill_graphs`: the engine replays one prompt's short chunks in prefill
-        graphs."""
+        graphs. `idle_prefill_size`: a step's budget while no request decodes (None: the same
+        `chunked_prefill_size`)."""
         self.caches = caches
         self.prefix = caches.prefix
         self.proposer = proposer
         self.verify_shape = verify_shape  # None: no speculative decoding
         self.max_running = max_running
         self.prefill_budget = chunked_prefill_size
+        self.idle_prefill_budget = idle_prefill_size or chunked_prefill_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -101,7 +106,8 @@ class Scheduler:
         `decode`, prefill chunks of at most `prompts` requests (None: any)."""
         assert prompts is None or not decode, "a prompt limit counts a step of prefill chunks alone"
         chunks: list[ScheduledChunk] = []
-        budget = self.prefill_budget
+        decoding = any(r.status is Status.RUNNING and r.remaining == 1 for r in self.running)
+        budget = self.prefill_budget if decoding else self.idle_prefill_budget
         room = (lambda: True) if prompts is None else (lambda: len(chunks) < prompts)
         for request in list(self.running):
             if request.status is not Status.RUNNING:

@@ -118,9 +118,9 @@ class WarmupStep:
 @dataclass(frozen=True)
 class WarmupShapes:
     """The engine's limits the warm-up's shapes follow: the longest prefill chunk
-    (`chunked_prefill_size`), the request table's length, the running-request limit, the k-pool size,
-    the verify block (None without a proposer), whether prefix-cache snapshots are taken and whether a
-    step may mix prefill chunks with decode or verify rows (`builder.mixes_steps`)."""
+    (`EngineConfig.longest_prefill_step`), the request table's length, the running-request limit, the
+    k-pool size, the verify block (None without a proposer), whether prefix-cache snapshots are taken
+    and whether a step may mix prefill chunks with decode or verify rows (`builder.mixes_steps`)."""
 
     longest_chunk: int
     max_len: int
@@ -133,7 +133,7 @@ class WarmupShapes:
     @classmethod
     def of(
         cls,
-        chunked_prefill_size: int,
+        longest_prefill_step: int,
         plan: MemoryPlan,
         caches: CacheManager,
         proposer: Proposer | None,
@@ -141,7 +141,7 @@ class WarmupShapes:
     ) -> WarmupShapes:
         """The shapes of an engine of `plan` with these caches and proposer."""
         return cls(
-            min(chunked_prefill_size, plan.max_len), plan.max_len, plan.num_slots, caches.kpool,
+            min(longest_prefill_step, plan.max_len), plan.max_len, plan.num_slots, caches.kpool,
             None if proposer is None else proposer.verify_shape.block,
             caches.prefix is not None and plan.num_snapshots > 0, mixed,
         )  # fmt: skip
