@@ -53,12 +53,13 @@ def test_bf16_prefill_matches_reference():
     o_ref = reference.prefill(x, params, KDASlots(conv_ref, state_ref, slots), None, cu)
     cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
     errors = {}
-    for name, tuning in (("bf16", {}), ("tf32", TF32)):
+    variants = (("bf16", {}), ("tf32", TF32), ("gate_in_intra", dict(gate_in_intra=True)))
+    for name, tuning in variants:
         conv, state = conv_pool.clone(), state_pool.clone()
         o = chunk.prefill(x, params, KDASlots(conv, state, slots), cu_dev, cu, **tuning)
         assert torch.equal(conv, conv_ref)
         untouched = [1, 3, 4, 6]
         assert torch.equal(state[untouched], state_pool[untouched])
         errors[name] = err(o, o_ref), err(state[slots], state_ref[slots])
-    assert max(errors["bf16"]) < BOUND, errors
+    assert max(errors["bf16"]) < BOUND and max(errors["gate_in_intra"]) < BOUND, errors
     assert errors["bf16"][0] < 1.25 * errors["tf32"][0], errors

@@ -108,6 +108,11 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
         # the recurrence in two 16-column value tiles of a 32-wide head (a rank's few heads may take narrow
         # tiles for more programs): each tile carries its own columns of the state across two chunks
         ([70], torch.float32, 1, 32, 5, dict(block_v=16)),
+        # the gate taken by the in-chunk launch from f (G never stored): one sequence ending inside its
+        # first sub-block, chunks carried over, d = 32 (two Gram column blocks), fp16
+        ([70, 1], torch.float32, 2, 16, 0, dict(gate_in_intra=True)),
+        ([2, 131], torch.float32, 2, 32, 3, dict(gate_in_intra=True)),
+        ([3, 65], torch.float16, 1, 32, 1, dict(gate_in_intra=True)),
     ],
 )
 def test_prefill_matches_reference(lens, dtype, h, d, seed, tuning):
@@ -154,8 +159,9 @@ class SaturatedGates(Problem):
         return [q, k, v, torch.full_like(f, 30.0), b]
 
 
-def test_prefill_with_every_gate_at_its_bound():
-    check_prefill(SaturatedGates(5, h=1, d=16), [130], {})
+@pytest.mark.parametrize("tuning", [{}, dict(gate_in_intra=True)])
+def test_prefill_with_every_gate_at_its_bound(tuning):
+    check_prefill(SaturatedGates(5, h=1, d=16), [130], tuning)
 
 
 def test_recurrence_locates_sequences_past_one_tile_of_offsets(monkeypatch):
@@ -420,8 +426,10 @@ def test_reference_prefill_matches_naive_per_sequence():
 
 
 # (64, 192): a sequence of exactly one chunk, then two chunks of padding alone
-@pytest.mark.parametrize(("n", "width"), [(5, 128), (64, 192), (70, 128)])
-def test_prefill_of_a_padded_batch_from_device_offsets(n, width):
+@pytest.mark.parametrize(
+    ("n", "width", "gate_in_intra"), [(5, 128, False), (64, 192, False), (70, 128, False), (64, 192, True)]
+)
+def test_prefill_of_a_padded_batch_from_device_offsets(n, width, gate_in_intra):
     """One sequence of n tokens packed in `width` (a prefill graph's batch): given the device offsets
     alone, the kernel launches for the most chunks `width` tokens hold, and the chunks past the
     sequence's change nothing: outputs, window and state equal the call on the n tokens alone (the
@@ -429,7 +437,7 @@ def test_prefill_of_a_padded_batch_from_device_offsets(n, width):
     p = Problem(11 + n, d=16)
     # A chunk past the sequence is told apart in `_locate` and masked by its row count, the same for every
     # row block: the coarsest conv tiling (64 rows, a third of the default's programs) checks it.
-    tiles = dict(conv_rows=64)
+    tiles = dict(conv_rows=64, gate_in_intra=gate_in_intra)
     x = KDAInputs(*p.inputs(width))
     slots = torch.tensor([3])
     cu_dev = torch.tensor([0, n], dtype=torch.int32)
