@@ -208,10 +208,12 @@ def _conv_gate_kernel(
     HEADS_FIRST: tl.constexpr,
     FAST_MATH: tl.constexpr,
     GATE: tl.constexpr = True,
+    CONV_PARTS: tl.constexpr = 3,
 ):
     """Program (chunk, head, sub): sub < 3·BT/CONV_ROWS convolves CONV_ROWS whole rows of q, k or v (the
     norms need whole rows); the rest take GATE_COLS columns of the gate over the whole chunk (the cumulative
     sum runs down it), or without GATE one program writes β alone (the in-chunk launch takes the gate).
+    With CONV_PARTS = 2 only q and k are convolved (the in-chunk launch convolves v).
     Bases are 64-bit per program, offsets in it 32-bit. The grid is (chunk, head, sub), or with
     HEADS_FIRST one dimension ordered head fastest, then sub, then chunk (a dimension of its own would
     cap the chunks at 65535), so that programs next to each other in launch order read the other heads'
@@ -225,7 +227,7 @@ def _conv_gate_kernel(
     HD: tl.constexpr = H * D
     ROW_BLOCKS: tl.constexpr = BT // CONV_ROWS
     head_tile = pid.to(tl.int64) * H + h
-    if sub < 3 * ROW_BLOCKS:
+    if sub < CONV_PARTS * ROW_BLOCKS:
         part = sub // ROW_BLOCKS
         r0 = (sub % ROW_BLOCKS) * CONV_ROWS
         if part == 0:
@@ -264,7 +266,7 @@ def _conv_gate_kernel(
             x_end = x + (eos - (W - 1)).to(tl.int64) * X_STRIDE
             _rewrite_window(x_end, win, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
     else:
-        c0 = (sub - 3 * ROW_BLOCKS) * GATE_COLS
+        c0 = (sub - CONV_PARTS * ROW_BLOCKS) * GATE_COLS
         chunk_rows = tl.arange(0, BT)[:, None]
         col = c0 + tl.arange(0, GATE_COLS)[None, :]
         live = chunk_rows < eos - bos - chunk * BT
@@ -453,6 +455,7 @@ def _chunk_outputs(
     kg_out,
     u_out,
     c0,
+    v_conv,
     D: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
@@ -460,15 +463,21 @@ def _chunk_outputs(
     F_STRIDE: tl.constexpr,
     GATE_HERE: tl.constexpr,
     FAST: tl.constexpr,
+    V_HERE: tl.constexpr,
 ):
     """Columns c0.. of w, q̄, k̄, u of one chunk (pointers at its [BT, D] tiles); with GATE_HERE the gate's
-    cumulative sum from the projection, and e^{G_C} stored at `decay_c` (the chunk's row of it)."""
+    cumulative sum from the projection, and e^{G_C} stored at `decay_c` (the chunk's row of it); with
+    V_HERE v's columns are `v_conv` (fp32 [BT, BK]) instead of the first launch's."""
     r = tl.arange(0, BT)[:, None]
     col = c0 + tl.arange(0, BK)[None, :]
     off = r * D + col
     # each tile is stored as soon as it is made, w last, so that few [BT, BK] tiles are live at once
     bt = tl.load(beta + r)
-    u = _dot(inv, bt * tl.load(y_v + off).to(tl.float32), None, OUT_PREC)
+    if V_HERE:  # noqa: SIM108 (a constexpr branch: the other side is not compiled)
+        v = v_conv
+    else:
+        v = tl.load(y_v + off).to(tl.float32)
+    u = _dot(inv, bt * v, None, OUT_PREC)
     tl.store(u_out + off, u.to(u_out.dtype.element_ty))
     if GATE_HERE:
         gate = _gate_tile(f_chunk, bias, rate, lb2, r, n_live, col, F_STRIDE, FAST)
@@ -506,6 +515,11 @@ def _intra_kernel(
     cu,
     n_seq,
     decay_c,
+    xv,
+    conv_w,
+    conv_pool,
+    pool_stride,
+    slot_ids,
     H: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
@@ -521,17 +535,25 @@ def _intra_kernel(
     BLOCK_B: tl.constexpr = 1,
     GATE_HERE: tl.constexpr = False,
     FAST_MATH: tl.constexpr = True,
+    V_HERE: tl.constexpr = False,
+    W: tl.constexpr = 4,
+    WP: tl.constexpr = 4,
+    X_STRIDE: tl.constexpr = 0,
+    WIN_STRIDE: tl.constexpr = 0,
 ):
     """Program (chunk, head). With GATE_HERE it takes the gate from the projection f itself (locating the
-    chunk's tokens) and stores e^{G_C}; else it reads G and the first launch stored e^{G_C}."""
+    chunk's tokens) and stores e^{G_C}; else it reads G and the first launch stored e^{G_C}. With V_HERE
+    it convolves v from the projection a column block at a time (the first launch convolved q and k only)
+    and, at a sequence's first chunk, rewrites the slot's window of v's channels after reading it."""
     pid, h = tl.program_id(0), tl.program_id(1)
     tile = (pid * H + h) * BT * D
     f_chunk, rate, n_live = f, 0.0, 0
+    if GATE_HERE or V_HERE:
+        seq, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
+        n_live = eos - bos - chunk * BT
     if GATE_HERE:
-        _, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
         f_chunk = f + (bos + chunk * BT).to(tl.int64) * F_STRIDE + h * D
         rate = tl.exp(tl.load(a_log + h).to(tl.float32))
-        n_live = eos - bos - chunk * BT
     y_q = y + ((pid * 3) * H + h) * BT * D
     y_k, y_v = y_q + H * BT * D, y_q + 2 * H * BT * D
     rn_q = rnorm + ((pid * 2) * H + h) * BT
@@ -563,7 +585,27 @@ def _intra_kernel(
         GATE_HERE,
         FAST_MATH,
     )
+    if V_HERE:  # v's channels: the projection, the slot's window, the taps
+        xv_h = xv + h * D
+        win = conv_pool + tl.load(slot_ids + seq).to(tl.int64) * pool_stride + (2 * H + h) * D
+        taps = conv_w + (2 * H + h) * D * W
     for c0 in tl.static_range(0, D, BK2):  # unrolled: the [BT, BT] operand is laid out once
+        v_conv = 0.0
+        if V_HERE:
+            cols = c0 + tl.arange(0, BK2)
+            v_conv = _conv_silu(
+                xv_h + (bos + chunk * BT).to(tl.int64) * X_STRIDE,
+                win,
+                taps,
+                tl.arange(0, BT)[:, None],
+                cols[None, :],
+                n_live,
+                chunk * BT,
+                W,
+                X_STRIDE,
+                WIN_STRIDE,
+                FAST_MATH,
+            )
         _chunk_outputs(
             inv,
             y_q,
@@ -584,6 +626,7 @@ def _intra_kernel(
             kg_out + tile,
             u_out + tile,
             c0,
+            v_conv,
             D,
             BT,
             BK2,
@@ -591,7 +634,13 @@ def _intra_kernel(
             F_STRIDE,
             GATE_HERE,
             FAST_MATH,
+            V_HERE,
         )
+        if V_HERE:  # noqa: SIM102 (constexpr, then a runtime test of a value defined only under it)
+            # this program alone read the old window of these columns (the chunk at the sequence's start)
+            if chunk == 0:
+                x_end = xv_h + (eos - (W - 1)).to(tl.int64) * X_STRIDE
+                _rewrite_window(x_end, win, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
 
 
 @triton.jit
@@ -786,6 +835,7 @@ PREP_KEYS = frozenset(
         "gram_unroll",
         "conv_order",
         "gate_in_intra",
+        "v_conv_in_intra",
     }
 )
 
@@ -841,6 +891,7 @@ def prep(
     gram_unroll: int = 1,
     conv_order: str = "head",
     gate_in_intra: bool = False,
+    v_conv_in_intra: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
     e^{G_C} `[chunks, H, d]`.
@@ -863,7 +914,10 @@ def prep(
     `gate_in_intra`: the in-chunk launch takes the gate from f itself and the first launch writes β
     alone, so G (fp32, [chunks, H, 64, d]) is never written nor read back (~0.65 GB fewer at T = 13312
     and 64 heads, for the gate computed twice a column and its cumulative sums in the in-chunk launch;
-    not yet measured on a GPU). Reads the slots' windows, not their states."""
+    not yet measured on a GPU). `v_conv_in_intra`: the in-chunk launch convolves v itself, a column block at
+    a time, and rewrites v's window, so the first launch convolves q and k alone and v's conv output (~0.44
+    GB written and read at the same size) never reaches memory (not yet measured either). Reads the slots'
+    windows, not their states."""
     q, k, v, f, b = x.tensors
     conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
     h = slots.state_pool.shape[1]
@@ -896,7 +950,8 @@ def prep(
     y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
     # with the gate in the in-chunk launch no program touches G: β's buffer stands in for its pointer
     gcum = beta if gate_in_intra else torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev)
-    subs = 3 * BT // conv_rows + (1 if gate_in_intra else d // gate_cols)
+    conv_parts = 2 if v_conv_in_intra else 3
+    subs = conv_parts * BT // conv_rows + (1 if gate_in_intra else d // gate_cols)
     _conv_gate_kernel[(h * subs * n_chunks,) if heads_first else (n_chunks, h, subs)](
         q,
         k,
@@ -934,6 +989,7 @@ def prep(
         HEADS_FIRST=heads_first,
         FAST_MATH=not _INTERPRET,
         GATE=not gate_in_intra,
+        CONV_PARTS=conv_parts,
         num_warps=conv_warps,
     )
     w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(4))
@@ -955,6 +1011,11 @@ def prep(
         cu_seqlens,
         n_seq,
         decay_c,
+        v,
+        params.conv_weight,
+        conv_pool,
+        conv_pool.stride(0),
+        slot_ids,
         H=h,
         D=d,
         BT=BT,
@@ -970,6 +1031,11 @@ def prep(
         BLOCK_B=triton.next_power_of_2(n_seq + 1),
         GATE_HERE=gate_in_intra,
         FAST_MATH=not _INTERPRET,
+        V_HERE=v_conv_in_intra,
+        W=width,
+        WP=triton.next_power_of_2(width - 1),
+        X_STRIDE=q.stride(0),
+        WIN_STRIDE=conv_pool.stride(1),
         num_warps=intra_warps,
         num_stages=intra_stages,
     )
