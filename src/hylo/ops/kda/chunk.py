@@ -915,9 +915,9 @@ def prep(
     alone, so G (fp32, [chunks, H, 64, d]) is never written nor read back (~0.65 GB fewer at T = 13312
     and 64 heads, for the gate computed twice a column and its cumulative sums in the in-chunk launch;
     not yet measured on a GPU). `v_conv_in_intra`: the in-chunk launch convolves v itself, a column block at
-    a time, and rewrites v's window, so the first launch convolves q and k alone and v's conv output (~0.44
-    GB written and read at the same size) never reaches memory (not yet measured either). Reads the slots'
-    windows, not their states."""
+    a time, and rewrites v's window, so the first launch convolves q and k alone and v's conv output (~0.22
+    GB at T = 13312 and 64 heads, written, then read back) never reaches memory (not yet measured either).
+    Reads the slots' windows, not their states."""
     q, k, v, f, b = x.tensors
     conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
     h = slots.state_pool.shape[1]
