@@ -280,7 +280,7 @@ def prefill(engine, tokens: int, seed: int) -> None:
 
 
 def idle_budgets(args) -> list[int | None]:
-    """The `--idle-prefill-sizes` to compare, or [None] (the engine's own)."""
+    """The `--idle-prefill-sizes` to compare, or [None] (the budget the engine was built with)."""
     return [int(b) for b in args.idle_prefill_sizes.split(",")] if args.idle_prefill_sizes else [None]
 
 
@@ -353,7 +353,7 @@ def main() -> None:
     scheduler = engine.scheduler
     seed = 1
     for tokens in map(int, args.tokens.split(",")):
-        budgets = [b or scheduler.prefill_budget for b in idle_budgets(args)]
+        budgets = [b or scheduler.idle_prefill_budget for b in idle_budgets(args)]
         for budget in budgets:  # compiles this length's kernels under every budget
             scheduler.idle_prefill_budget = budget
             prefill(engine, tokens, seed)
