@@ -279,11 +279,6 @@ def prefill(engine, tokens: int, seed: int) -> None:
         engine.step()
 
 
-def idle_budgets(args) -> list[int | None]:
-    """The `--idle-prefill-sizes` to compare, or [None] (the budget the engine was built with)."""
-    return [int(b) for b in args.idle_prefill_sizes.split(",")] if args.idle_prefill_sizes else [None]
-
-
 def build(args) -> object:
     """The slice's eager engine (`--tp 0`) or rank 0 of a TP/EP deployment."""
     from spec_e2e import write_target
@@ -301,9 +296,8 @@ def build(args) -> object:
     )  # fmt: skip
     if args.chunked_prefill_size is not None:
         common["chunked_prefill_size"] = args.chunked_prefill_size
-    budgets = idle_budgets(args)
-    if budgets != [None]:
-        common["idle_prefill_size"] = max(budgets)
+    if args.idle_prefill_sizes:
+        common["idle_prefill_size"] = max(args.idle_prefill_sizes)
     if args.sequence_parallel_tokens is not None:
         common["sequence_parallel_tokens"] = args.sequence_parallel_tokens
     if args.tp == 0:
@@ -325,7 +319,7 @@ def main() -> None:
         help="prompt tokens a step prefills (the engine's default when not given: 13312 runs as 2 steps)",
     )  # fmt: skip
     parser.add_argument(
-        "--idle-prefill-sizes", default=None,
+        "--idle-prefill-sizes", default=None, type=lambda text: [int(b) for b in text.split(",")],
         help="step budgets of a lone prompt to compare (e.g. 16384,8192; default: the engine's)",
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="timed runs of each length and budget")
@@ -340,6 +334,10 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     engine = build(args)
+    if args.idle_prefill_sizes and min(args.idle_prefill_sizes) < engine.config.chunked_prefill_size:
+        parser.error(
+            f"--idle-prefill-sizes: each at least the chunk size, {engine.config.chunked_prefill_size}"
+        )
     device = torch.device("cuda", torch.cuda.current_device())
     report: dict = {
         "gpu": torch.cuda.get_device_name(), "tp": args.tp, "layers": args.layers,
@@ -353,7 +351,7 @@ def main() -> None:
     scheduler = engine.scheduler
     seed = 1
     for tokens in map(int, args.tokens.split(",")):
-        budgets = [b or scheduler.idle_prefill_budget for b in idle_budgets(args)]
+        budgets = args.idle_prefill_sizes or [scheduler.idle_prefill_budget]
         for budget in budgets:  # compiles this length's kernels under every budget
             scheduler.idle_prefill_budget = budget
             prefill(engine, tokens, seed)

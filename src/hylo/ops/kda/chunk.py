@@ -207,8 +207,8 @@ def _conv_gate_kernel(
     SUBS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     FAST_MATH: tl.constexpr,
-    GATE: tl.constexpr = True,
-    CONV_PARTS: tl.constexpr = 3,
+    GATE: tl.constexpr,
+    CONV_PARTS: tl.constexpr,
 ):
     """Program (chunk, head, sub): sub < 3·BT/CONV_ROWS convolves CONV_ROWS whole rows of q, k or v (the
     norms need whole rows); the rest take GATE_COLS columns of the gate over the whole chunk (the cumulative
@@ -381,9 +381,8 @@ def _chunk_inverse(
             totals = tl.sum(g3, 1)  # [NB, BK]
             before = tl.reshape(tl.cumsum(totals, 0) - totals, [NB, 1, BK])
         else:
-            before = tl.load(
-                gcum + prev * D + col, mask=prev >= 0, other=0.0
-            )  # gate sum before the sub-block
+            # the gate's sum before the sub-block
+            before = tl.load(gcum + prev * D + col, mask=prev >= 0, other=0.0)
             local = tl.load(gcum + i3 * D + col) - before
         row_scale = tl.exp2(local - anchor)  # e^{G_i - a_s} for row i of sub-block s
         kc = yk * tl.exp2(anchor - local)  # e^{a_t - G_j} for column j of sub-block t
@@ -531,15 +530,15 @@ def _intra_kernel(
     SOLVE_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr,
     OUT_PREC: tl.constexpr,
-    F_STRIDE: tl.constexpr = 0,
-    BLOCK_B: tl.constexpr = 1,
-    GATE_HERE: tl.constexpr = False,
-    FAST_MATH: tl.constexpr = True,
-    V_HERE: tl.constexpr = False,
-    W: tl.constexpr = 4,
-    WP: tl.constexpr = 4,
-    X_STRIDE: tl.constexpr = 0,
-    WIN_STRIDE: tl.constexpr = 0,
+    F_STRIDE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    GATE_HERE: tl.constexpr,
+    FAST_MATH: tl.constexpr,
+    V_HERE: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    X_STRIDE: tl.constexpr,
+    WIN_STRIDE: tl.constexpr,
 ):
     """Program (chunk, head). With GATE_HERE it takes the gate from the projection f itself (locating the
     chunk's tokens) and stores e^{G_C}; else it reads G and the first launch stored e^{G_C}. With V_HERE
