@@ -107,8 +107,29 @@ def test_a_forward_queued_slower_than_its_sleep_is_refused(monkeypatch):
     with torch.inference_mode():
         model(torch.randn(5, 64))
     clock.detach()
-    with pytest.raises(RuntimeError, match=r"a forward took the host .* ms to queue, longer than the 0.0 ms"):
+    with pytest.raises(
+        RuntimeError, match=r"a stretch of a forward took the host .* ms to queue, longer than the 0.0 ms"
+    ):
         clock.totals()
+
+
+def test_calls_of_the_queue_before_types_get_a_sleep_of_their_own(monkeypatch):
+    """With `queue_before`, each call of those types is queued behind a sleep too (a forward with more
+    launches than the driver queues), and each sleep inside a call is left out of that call's own time:
+    Outer's own time, the two projections' parent, holds none of their sleeps."""
+    gpu = FakeGPU(monkeypatch)
+    model = Outer()
+    clock = ModuleClock(torch.device("cuda"), queue_ahead_ms=40.0, queue_before=(Linear,))
+    clock.attach(model)
+    with torch.inference_mode():
+        model(torch.randn(5, 64))
+    clock.detach()
+    _probe, *sleeps = gpu.sleeps
+    assert sleeps == [int(40.0 * FakeGPU.CYCLES_PER_MS)] * 3  # the forward and each of its two projections
+    assert len(clock._queued) == 3 and all(host_ms is not None for *_, host_ms in clock._queued)
+    kinds = clock.totals()
+    assert kinds["other"].calls == 1 and kinds["other"].ms == 0.0
+    assert kinds["bf16 projections"].calls == 2 and kinds["bf16 projections"].ms == 0.0
 
 
 def test_a_prefill_of_the_random_model_counts_every_kind(shallow_model_dir):

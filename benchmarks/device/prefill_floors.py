@@ -7,10 +7,11 @@ not run, as in `rank_e2e.py`).
         [--tokens 1024,13312] [--chunked-prefill-size N] [--idle-prefill-sizes N,M] [--rounds R] \
         [--queue-ahead-ms MS] [--out DIR]
 
-Every module call of the model's forward is timed between CUDA events (`ModuleClock`), each forward
-queued behind a GPU sleep so that the events time the GPU's work and not the host's launches; a kind's time
-is its modules' own time, what their child modules take left out, so the kinds add up to the forward. The
-floor of each kind comes from the work its calls did, counted from their arguments (`work`):
+Every module call of the model's forward is timed between CUDA events (`ModuleClock`), each forward and
+each of its decoder layers queued behind a GPU sleep so that the events time the GPU's work and not the
+host's launches; a kind's time is its modules' own time, what their child modules take left out, so the
+kinds add up to the forward. The floor of each kind comes from the work its calls did, counted from their
+arguments (`work`):
 
 - projections (`Linear`, `FusedLinear`; FP8 or bf16 by the weight) and routed experts (the (token,
   expert) pairs the rank holds, 2·(2I·D + I·D) FLOPs each, `work`): FLOPs at the matmul ceiling of their
@@ -77,17 +78,23 @@ class ModuleClock:
     Events time the stream between the markers, which includes the gaps where the GPU waits for the host:
     with a call's markers around every module, a forward of many small launches is host-bound and its
     gaps land on whichever kind is running (the TP8 rank's 13K table, S40-1). So on a GPU each forward (a
-    call of the root module) is queued behind `queue_ahead_ms` of GPU sleep: the host queues the whole
-    forward while the GPU sleeps, and the GPU then runs it without waiting. `totals()` refuses a forward
-    that took the host longer to queue than its sleep lasted (its times would hold gaps again)."""
+    call of the root module) is queued behind `queue_ahead_ms` of GPU sleep, and so is each call of a
+    `queue_before` type inside it: the host queues the stretch up to the next sleep while the GPU sleeps,
+    and the GPU then runs it without waiting. One sleep a forward is not enough where the forward has
+    more launches and markers than the driver queues: the host then blocks until the GPU has drained the
+    queue, so that it ends the sleep with the forward half queued (the TP8 rank's 45 layers: the host's
+    time grew with the sleep, 420 ms to queue behind 283 ms of it, 979 behind 835, with no synchronising
+    torch call). A sleep inside a call is one of its children, out of its own time. `totals()` refuses a
+    stretch that took the host longer to queue than its sleep lasted (its times would hold gaps again)."""
 
     device: torch.device
     queue_ahead_ms: float = 0.0
+    queue_before: tuple[type, ...] = ()  # module types whose calls are queued behind a sleep of their own
     kinds: dict[str, Kind] = field(default_factory=dict)
     _open: list = field(default_factory=list)  # [module, start, children's markers] of calls in progress
     _done: list = field(default_factory=list)  # (kind, start, end, children's markers) to resolve
     _hooks: list = field(default_factory=list)
-    _queued: list = field(default_factory=list)  # [sleep's start, sleep's end, host start, host ms] a forward
+    _queued: list = field(default_factory=list)  # [sleep's start, sleep's end, host start, host ms] a stretch
     _cycles_per_ms: float = 0.0
 
     def attach(self, root: torch.nn.Module) -> None:
@@ -119,12 +126,27 @@ class ModuleClock:
         return int(ms * self._cycles_per_ms)
 
     def _enter(self, module, args, kwargs) -> None:
-        if not self._open and self.queue_ahead_ms and self.device.type == "cuda":
-            cycles = self._sleep_cycles(self.queue_ahead_ms)
-            slept = self._mark()
-            torch.cuda._sleep(cycles)
-            self._queued.append([slept, self._mark(), time.perf_counter(), None])
+        if (
+            self.queue_ahead_ms
+            and self.device.type == "cuda"
+            and (not self._open or isinstance(module, self.queue_before))
+        ):
+            self._queue_ahead()
         self._open.append([module, self._mark(), []])
+
+    def _queue_ahead(self) -> None:
+        self._end_stretch()
+        cycles = self._sleep_cycles(self.queue_ahead_ms)
+        slept = self._mark()
+        torch.cuda._sleep(cycles)
+        woke = self._mark()
+        if self._open:
+            self._open[-1][2].append((slept, woke))
+        self._queued.append([slept, woke, time.perf_counter(), None])
+
+    def _end_stretch(self) -> None:
+        if self._queued and self._queued[-1][3] is None:
+            self._queued[-1][3] = 1e3 * (time.perf_counter() - self._queued[-1][2])
 
     def _leave(self, module, args, kwargs, output) -> None:
         opened, start, children = self._open.pop()
@@ -138,8 +160,8 @@ class ModuleClock:
         self._done.append((name, start, end, children))
         if self._open:
             self._open[-1][2].append((start, end))
-        elif self._queued and self._queued[-1][3] is None:
-            self._queued[-1][3] = 1e3 * (time.perf_counter() - self._queued[-1][2])
+        else:
+            self._end_stretch()
 
     def totals(self) -> dict[str, Kind]:
         """Each kind's own time, once the forward's markers have completed."""
@@ -148,7 +170,7 @@ class ModuleClock:
         for slept, woke, _, host_ms in self._queued:
             if host_ms > slept.elapsed_time(woke):
                 raise RuntimeError(
-                    f"a forward took the host {host_ms:.1f} ms to queue, longer than the "
+                    f"a stretch of a forward took the host {host_ms:.1f} ms to queue, longer than the "
                     f"{slept.elapsed_time(woke):.1f} ms the GPU slept before it: its calls' times would "
                     "hold the host's gaps (give a longer --queue-ahead-ms)"
                 )
@@ -328,8 +350,9 @@ def main() -> None:
         help="a rank's steps of at least this many tokens split the streams by token (0: off)",
     )  # fmt: skip
     parser.add_argument(
-        "--queue-ahead-ms", type=float, default=300.0,
-        help="ms of GPU sleep queued before each forward: the host queues all of it before the GPU starts",
+        "--queue-ahead-ms", type=float, default=50.0,
+        help="ms of GPU sleep queued before each forward and each decoder layer: the host queues the stretch "
+        "up to the next sleep before the GPU starts it",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -364,7 +387,7 @@ def main() -> None:
                 prefill(engine, tokens, seed)
                 torch.cuda.synchronize()
                 wall = 1e3 * (time.perf_counter() - start)
-                clock = ModuleClock(device, queue_ahead_ms=args.queue_ahead_ms)
+                clock = ModuleClock(device, queue_ahead_ms=args.queue_ahead_ms, queue_before=(DecoderLayer,))
                 clock.attach(model)
                 try:
                     prefill(engine, tokens, seed + 1)
@@ -376,8 +399,8 @@ def main() -> None:
                 sum_ms = sum(r["ms"] for r in rows)
                 print(
                     f"\n{tokens} tokens in steps of at most {budget} (round {round_}): wall {wall:.1f} ms "
-                    f"(no hooks); by kind {sum_ms:.1f} ms of GPU time (each forward queued behind "
-                    f"{args.queue_ahead_ms:g} ms of GPU sleep)"
+                    f"(no hooks); by kind {sum_ms:.1f} ms of GPU time (each forward and layer "
+                    f"queued behind {args.queue_ahead_ms:g} ms of GPU sleep)"
                 )
                 print("| kind | ms | calls | floor ms | floor / time |\n|---|---|---|---|---|")
                 for r in rows:
