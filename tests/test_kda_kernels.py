@@ -108,16 +108,6 @@ def check_pools(conv, state, conv_ref, state_ref, touched, ratio=RATIO):
         # the recurrence in two 16-column value tiles of a 32-wide head (a rank's few heads may take narrow
         # tiles for more programs): each tile carries its own columns of the state across two chunks
         ([70], torch.float32, 1, 32, 5, dict(block_v=16)),
-        # the gate taken by the in-chunk launch from f (G never stored): one sequence ending inside its
-        # first sub-block, chunks carried over, d = 32 (two Gram column blocks), fp16
-        ([70, 1], torch.float32, 2, 16, 0, dict(gate_in_intra=True)),
-        ([2, 131], torch.float32, 2, 32, 3, dict(gate_in_intra=True)),
-        ([3, 65], torch.float16, 1, 32, 1, dict(gate_in_intra=True)),
-        # v convolved by the in-chunk launch (its window read and rewritten there): short sequences whose
-        # conv reads the old window (length 1: two old rows), chunks carried, with and without the gate
-        ([70, 1], torch.float32, 2, 16, 0, dict(v_conv_in_intra=True)),
-        ([2, 131], torch.float32, 2, 32, 3, dict(v_conv_in_intra=True, gate_in_intra=True)),
-        ([3, 65], torch.float16, 1, 32, 1, dict(v_conv_in_intra=True, gate_in_intra=True)),
     ],
 )
 def test_prefill_matches_reference(lens, dtype, h, d, seed, tuning):
@@ -164,9 +154,8 @@ class SaturatedGates(Problem):
         return [q, k, v, torch.full_like(f, 30.0), b]
 
 
-@pytest.mark.parametrize("tuning", [{}, dict(gate_in_intra=True)])
-def test_prefill_with_every_gate_at_its_bound(tuning):
-    check_prefill(SaturatedGates(5, h=1, d=16), [130], tuning)
+def test_prefill_with_every_gate_at_its_bound():
+    check_prefill(SaturatedGates(5, h=1, d=16), [130], {})
 
 
 def test_recurrence_locates_sequences_past_one_tile_of_offsets(monkeypatch):
@@ -200,8 +189,7 @@ from hylo.ops.kda import chunk
 
 fn = chunk._conv_gate_kernel
 consts = dict(H=4, D=128, W=4, WP=4, X_STRIDE=512, F_STRIDE=512, B_STRIDE=4, WIN_STRIDE=1536, BT=64,
-              CONV_ROWS=16, GATE_COLS=32, BLOCK_B=2, SUBS=16, HEADS_FIRST=True, FAST_MATH=True, GATE=True,
-              CONV_PARTS=3)
+              CONV_ROWS=16, GATE_COLS=32, BLOCK_B=2, SUBS=16, HEADS_FIRST=True, FAST_MATH=True)
 kinds = {"slot_ids": "*i32", "cu": "*i32", "scale": "fp32", "lower_bound": "fp32", "pool_stride": "i32",
          "n_seq": "i32", "conv_w": "*fp32", "dt_bias": "*fp32", "a_log": "*fp32", "rnorm": "*fp32",
          "gcum": "*fp32", "beta": "*fp32", "decay_c": "*fp32"}
@@ -432,11 +420,8 @@ def test_reference_prefill_matches_naive_per_sequence():
 
 
 # (64, 192): a sequence of exactly one chunk, then two chunks of padding alone
-@pytest.mark.parametrize(
-    ("n", "width", "moved"),
-    [(5, 128, False), (64, 192, False), (70, 128, False), (64, 192, True), (5, 128, True)],
-)
-def test_prefill_of_a_padded_batch_from_device_offsets(n, width, moved):
+@pytest.mark.parametrize(("n", "width"), [(5, 128), (64, 192), (70, 128)])
+def test_prefill_of_a_padded_batch_from_device_offsets(n, width):
     """One sequence of n tokens packed in `width` (a prefill graph's batch): given the device offsets
     alone, the kernel launches for the most chunks `width` tokens hold, and the chunks past the
     sequence's change nothing: outputs, window and state equal the call on the n tokens alone (the
@@ -444,8 +429,7 @@ def test_prefill_of_a_padded_batch_from_device_offsets(n, width, moved):
     p = Problem(11 + n, d=16)
     # A chunk past the sequence is told apart in `_locate` and masked by its row count, the same for every
     # row block: the coarsest conv tiling (64 rows, a third of the default's programs) checks it.
-    # `moved`: the gate and v's conv in the in-chunk launch, which locates its chunk itself
-    tiles = dict(conv_rows=64, gate_in_intra=moved, v_conv_in_intra=moved)
+    tiles = dict(conv_rows=64)
     x = KDAInputs(*p.inputs(width))
     slots = torch.tensor([3])
     cu_dev = torch.tensor([0, n], dtype=torch.int32)

@@ -126,11 +126,6 @@ def fla_api():
 
 PREFILL_VARIANTS = {  # prep settings besides the default (head order, 16-row conv, 32-column gate, 2 warps)
     "tf32_products": dict(gram_precision="tf32", merge_precision="tf32", output_precision="tf32"),
-    # the gate from f inside the in-chunk launch: G (fp32) neither written nor read back
-    "gate_in_intra": dict(gate_in_intra=True),
-    # v convolved by the in-chunk launch: v's conv output neither written nor read back; and both moves
-    "v_conv_in_intra": dict(v_conv_in_intra=True),
-    "both_in_intra": dict(gate_in_intra=True, v_conv_in_intra=True),
 }
 # the recurrence's own settings were swept in KDA run 4 (3 stages best; 4 need 271 KB of shared memory)
 # value tiles of 32 and 16 columns: 2x and 4x the programs, for a rank's few heads (8 heads, one sequence:

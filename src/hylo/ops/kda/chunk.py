@@ -207,17 +207,13 @@ def _conv_gate_kernel(
     SUBS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
     FAST_MATH: tl.constexpr,
-    GATE: tl.constexpr,
-    CONV_PARTS: tl.constexpr,
 ):
     """Program (chunk, head, sub): sub < 3·BT/CONV_ROWS convolves CONV_ROWS whole rows of q, k or v (the
     norms need whole rows); the rest take GATE_COLS columns of the gate over the whole chunk (the cumulative
-    sum runs down it), or without GATE one program writes β alone (the in-chunk launch takes the gate).
-    With CONV_PARTS = 2 only q and k are convolved (the in-chunk launch convolves v).
-    Bases are 64-bit per program, offsets in it 32-bit. The grid is (chunk, head, sub), or with
-    HEADS_FIRST one dimension ordered head fastest, then sub, then chunk (a dimension of its own would
-    cap the chunks at 65535), so that programs next to each other in launch order read the other heads'
-    parts of the same rows."""
+    sum runs down it). Bases are 64-bit per program, offsets in it 32-bit. The grid is (chunk, head, sub),
+    or with HEADS_FIRST one dimension ordered head fastest, then sub, then chunk (a dimension of its own
+    would cap the chunks at 65535), so that programs next to each other in launch order read the other
+    heads' parts of the same rows."""
     if HEADS_FIRST:
         flat = tl.program_id(0)
         h, sub, pid = flat % H, (flat // H) % SUBS, flat // (H * SUBS)
@@ -227,7 +223,7 @@ def _conv_gate_kernel(
     HD: tl.constexpr = H * D
     ROW_BLOCKS: tl.constexpr = BT // CONV_ROWS
     head_tile = pid.to(tl.int64) * H + h
-    if sub < CONV_PARTS * ROW_BLOCKS:
+    if sub < 3 * ROW_BLOCKS:
         part = sub // ROW_BLOCKS
         r0 = (sub % ROW_BLOCKS) * CONV_ROWS
         if part == 0:
@@ -266,25 +262,24 @@ def _conv_gate_kernel(
             x_end = x + (eos - (W - 1)).to(tl.int64) * X_STRIDE
             _rewrite_window(x_end, win, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
     else:
-        c0 = (sub - CONV_PARTS * ROW_BLOCKS) * GATE_COLS
+        c0 = (sub - 3 * ROW_BLOCKS) * GATE_COLS
         chunk_rows = tl.arange(0, BT)[:, None]
         col = c0 + tl.arange(0, GATE_COLS)[None, :]
         live = chunk_rows < eos - bos - chunk * BT
         first_tok = (bos + chunk * BT).to(tl.int64)
-        if GATE:
-            g = _gate(
-                f + first_tok * F_STRIDE + h * D,
-                tl.load(dt_bias + h * D + col),
-                tl.exp(tl.load(a_log + h).to(tl.float32)),
-                lower_bound * 1.4426950408889634,
-                chunk_rows,
-                live,
-                col,
-                F_STRIDE,
-                FAST_MATH,
-            )
-            tl.store(gcum + head_tile * BT * D + chunk_rows * D + col, tl.cumsum(g, 0))
-            tl.store(decay_c + head_tile * D + col, tl.exp2(tl.sum(g, 0)[None, :]))
+        g = _gate(
+            f + first_tok * F_STRIDE + h * D,
+            tl.load(dt_bias + h * D + col),
+            tl.exp(tl.load(a_log + h).to(tl.float32)),
+            lower_bound * 1.4426950408889634,
+            chunk_rows,
+            live,
+            col,
+            F_STRIDE,
+            FAST_MATH,
+        )
+        tl.store(gcum + head_tile * BT * D + chunk_rows * D + col, tl.cumsum(g, 0))
+        tl.store(decay_c + head_tile * D + col, tl.exp2(tl.sum(g, 0)[None, :]))
         if c0 == 0:
             logit = tl.load(b + first_tok * B_STRIDE + chunk_rows * B_STRIDE + h, mask=live, other=0.0)
             tl.store(
@@ -324,21 +319,10 @@ def _lower_inverse(low, low_diag, BT: tl.constexpr, BC: tl.constexpr, SOLVE_PREC
 
 
 @triton.jit
-def _gate_tile(f_chunk, bias, rate, lb2, rows, n_live, col, F_STRIDE: tl.constexpr, FAST: tl.constexpr):
-    """The safe gate of the chunk's `rows` (from the projection f at the chunk's first token; 0 from row
-    `n_live` on) at columns `col` of the head (`bias`: its dt_bias)."""
-    return _gate(f_chunk, tl.load(bias + col), rate, lb2, rows, rows < n_live, col, F_STRIDE, FAST)
-
-
-@triton.jit
 def _chunk_inverse(
     y_q,
     y_k,
     gcum,
-    f_chunk,
-    bias,
-    rate,
-    n_live,
     rn_q,
     rn_k,
     beta,
@@ -352,13 +336,8 @@ def _chunk_inverse(
     GRAM_PREC: tl.constexpr,
     SOLVE_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr,
-    F_STRIDE: tl.constexpr,
-    GATE_HERE: tl.constexpr,
-    FAST: tl.constexpr,
 ):
-    """X = (I + L)⁻¹ of one chunk, [BT, BT] fp32; stores A into att_out (pointers at the chunk's tiles).
-    The gate comes from G stored (`gcum`) or, with GATE_HERE, from the projection (`f_chunk`, `bias`,
-    `rate`, its first `n_live` rows real): each sub-block's cumulative sum and the totals before it."""
+    """X = (I + L)⁻¹ of one chunk, [BT, BT] fp32; stores A into att_out (pointers at the chunk's tiles)."""
     NB: tl.constexpr = BT // BC
     sub = tl.arange(0, NB)
     row = tl.arange(0, BC)
@@ -373,17 +352,8 @@ def _chunk_inverse(
         col = c0 + tl.arange(0, BK)[None, None, :]
         yq = tl.load(y_q + i3 * D + col).to(tl.float32)
         yk = tl.load(y_k + i3 * D + col).to(tl.float32)
-        if GATE_HERE:
-            g3 = _gate_tile(
-                f_chunk, bias, rate, lower_bound * 1.4426950408889634, i3, n_live, col, F_STRIDE, FAST
-            )
-            local = tl.cumsum(g3, 1)
-            totals = tl.sum(g3, 1)  # [NB, BK]
-            before = tl.reshape(tl.cumsum(totals, 0) - totals, [NB, 1, BK])
-        else:
-            # the gate's sum before the sub-block
-            before = tl.load(gcum + prev * D + col, mask=prev >= 0, other=0.0)
-            local = tl.load(gcum + i3 * D + col) - before
+        before = tl.load(gcum + prev * D + col, mask=prev >= 0, other=0.0)  # gate sum before the sub-block
+        local = tl.load(gcum + i3 * D + col) - before
         row_scale = tl.exp2(local - anchor)  # e^{G_i - a_s} for row i of sub-block s
         kc = yk * tl.exp2(anchor - local)  # e^{a_t - G_j} for column j of sub-block t
         # e^{a_s - G_j} = e^{a_t - G_j} e^{a_s - a_t}, the second ≤ 1 for t ≤ s; blocks t > s are not needed
@@ -440,12 +410,6 @@ def _chunk_outputs(
     y_k,
     y_v,
     gcum,
-    f_chunk,
-    bias,
-    rate,
-    lb2,
-    n_live,
-    decay_c,
     rn_q,
     rn_k,
     beta,
@@ -454,44 +418,25 @@ def _chunk_outputs(
     kg_out,
     u_out,
     c0,
-    v_conv,
     D: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     OUT_PREC: tl.constexpr,
-    F_STRIDE: tl.constexpr,
-    GATE_HERE: tl.constexpr,
-    FAST: tl.constexpr,
-    V_HERE: tl.constexpr,
 ):
-    """Columns c0.. of w, q̄, k̄, u of one chunk (pointers at its [BT, D] tiles); with GATE_HERE the gate's
-    cumulative sum from the projection, and e^{G_C} stored at `decay_c` (the chunk's row of it); with
-    V_HERE v's columns are `v_conv` (fp32 [BT, BK]) instead of the first launch's."""
+    """Columns c0.. of w, q̄, k̄, u of one chunk (pointers at its [BT, D] tiles)."""
     r = tl.arange(0, BT)[:, None]
     col = c0 + tl.arange(0, BK)[None, :]
     off = r * D + col
     # each tile is stored as soon as it is made, w last, so that few [BT, BK] tiles are live at once
     bt = tl.load(beta + r)
-    if V_HERE:  # noqa: SIM108 (a constexpr branch: the other side is not compiled)
-        v = v_conv
-    else:
-        v = tl.load(y_v + off).to(tl.float32)
-    u = _dot(inv, bt * v, None, OUT_PREC)
+    u = _dot(inv, bt * tl.load(y_v + off).to(tl.float32), None, OUT_PREC)
     tl.store(u_out + off, u.to(u_out.dtype.element_ty))
-    if GATE_HERE:
-        gate = _gate_tile(f_chunk, bias, rate, lb2, r, n_live, col, F_STRIDE, FAST)
-        g = tl.cumsum(gate, 0)
-        total = tl.sum(gate, 0)[None, :]
-        tl.store(decay_c + col, tl.exp2(total))
-    else:
-        g = tl.load(gcum + off)
+    g = tl.load(gcum + off)
     decay = tl.exp2(g)
     q = tl.load(y_q + off).to(tl.float32) * tl.load(rn_q + r)
     tl.store(qg_out + off, (q * decay).to(qg_out.dtype.element_ty))
     k = tl.load(y_k + off).to(tl.float32) * tl.load(rn_k + r)
-    if not GATE_HERE:  # G_C read where it is used, as the measured launch does
-        total = tl.load(gcum + (BT - 1) * D + col)
-    tl.store(kg_out + off, (k * tl.exp2(total - g)).to(kg_out.dtype.element_ty))
+    tl.store(kg_out + off, (k * tl.exp2(tl.load(gcum + (BT - 1) * D + col) - g)).to(kg_out.dtype.element_ty))
     w = _dot(inv, bt * k * decay, None, OUT_PREC)
     tl.store(w_out + off, w.to(w_out.dtype.element_ty))
 
@@ -508,17 +453,6 @@ def _intra_kernel(
     u_out,
     att_out,
     lower_bound,
-    f,
-    dt_bias,
-    a_log,
-    cu,
-    n_seq,
-    decay_c,
-    xv,
-    conv_w,
-    conv_pool,
-    pool_stride,
-    slot_ids,
     H: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
@@ -530,29 +464,9 @@ def _intra_kernel(
     SOLVE_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr,
     OUT_PREC: tl.constexpr,
-    F_STRIDE: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    GATE_HERE: tl.constexpr,
-    FAST_MATH: tl.constexpr,
-    V_HERE: tl.constexpr,
-    W: tl.constexpr,
-    WP: tl.constexpr,
-    X_STRIDE: tl.constexpr,
-    WIN_STRIDE: tl.constexpr,
 ):
-    """Program (chunk, head). With GATE_HERE it takes the gate from the projection f itself (locating the
-    chunk's tokens) and stores e^{G_C}; else it reads G and the first launch stored e^{G_C}. With V_HERE
-    it convolves v from the projection a column block at a time (the first launch convolved q and k only)
-    and, at a sequence's first chunk, rewrites the slot's window of v's channels after reading it."""
     pid, h = tl.program_id(0), tl.program_id(1)
     tile = (pid * H + h) * BT * D
-    f_chunk, rate, n_live = f, 0.0, 0
-    if GATE_HERE or V_HERE:
-        seq, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
-        n_live = eos - bos - chunk * BT
-    if GATE_HERE:
-        f_chunk = f + (bos + chunk * BT).to(tl.int64) * F_STRIDE + h * D
-        rate = tl.exp(tl.load(a_log + h).to(tl.float32))
     y_q = y + ((pid * 3) * H + h) * BT * D
     y_k, y_v = y_q + H * BT * D, y_q + 2 * H * BT * D
     rn_q = rnorm + ((pid * 2) * H + h) * BT
@@ -563,10 +477,6 @@ def _intra_kernel(
         y_q,
         y_k,
         gcum,
-        f_chunk,
-        dt_bias + h * D,
-        rate,
-        n_live,
         rn_q,
         rn_k,
         beta,
@@ -580,43 +490,14 @@ def _intra_kernel(
         GRAM_PREC,
         SOLVE_PREC,
         MERGE_PREC,
-        F_STRIDE,
-        GATE_HERE,
-        FAST_MATH,
     )
-    if V_HERE:  # v's channels: the projection, the slot's window, the taps
-        xv_h = xv + h * D
-        win = conv_pool + tl.load(slot_ids + seq).to(tl.int64) * pool_stride + (2 * H + h) * D
-        taps = conv_w + (2 * H + h) * D * W
     for c0 in tl.static_range(0, D, BK2):  # unrolled: the [BT, BT] operand is laid out once
-        v_conv = 0.0
-        if V_HERE:
-            cols = c0 + tl.arange(0, BK2)
-            v_conv = _conv_silu(
-                xv_h + (bos + chunk * BT).to(tl.int64) * X_STRIDE,
-                win,
-                taps,
-                tl.arange(0, BT)[:, None],
-                cols[None, :],
-                n_live,
-                chunk * BT,
-                W,
-                X_STRIDE,
-                WIN_STRIDE,
-                FAST_MATH,
-            )
         _chunk_outputs(
             inv,
             y_q,
             y_k,
             y_v,
             gcum,
-            f_chunk,
-            dt_bias + h * D,
-            rate,
-            lower_bound * 1.4426950408889634,
-            n_live,
-            decay_c + (pid * H + h) * D,
             rn_q,
             rn_k,
             beta,
@@ -625,21 +506,11 @@ def _intra_kernel(
             kg_out + tile,
             u_out + tile,
             c0,
-            v_conv,
             D,
             BT,
             BK2,
             OUT_PREC,
-            F_STRIDE,
-            GATE_HERE,
-            FAST_MATH,
-            V_HERE,
         )
-        if V_HERE:  # noqa: SIM102 (constexpr, then a runtime test of a value defined only under it)
-            # this program alone read the old window of these columns (the chunk at the sequence's start)
-            if chunk == 0:
-                x_end = xv_h + (eos - (W - 1)).to(tl.int64) * X_STRIDE
-                _rewrite_window(x_end, win, cols, eos - bos, W, WP, X_STRIDE, WIN_STRIDE)
 
 
 @triton.jit
@@ -833,8 +704,6 @@ PREP_KEYS = frozenset(
         "output_precision",
         "gram_unroll",
         "conv_order",
-        "gate_in_intra",
-        "v_conv_in_intra",
     }
 )
 
@@ -889,8 +758,6 @@ def prep(
     output_precision: str | None = None,
     gram_unroll: int = 1,
     conv_order: str = "head",
-    gate_in_intra: bool = False,
-    v_conv_in_intra: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
     e^{G_C} `[chunks, H, d]`.
@@ -910,12 +777,9 @@ def prep(
     as a triangular tl.dot, and the conv taps shifted out of one tile by tl.dot were all slower:
     benchmarks/RESULTS.md, session 5; on the H100, 32-row conv blocks, 64-column gate blocks and 4 warps
     again, and the in-chunk launch on 2 warps, in 2 stages or with its Gram loop unrolled twice: S44-2).
-    `gate_in_intra`: the in-chunk launch takes the gate from f itself and the first launch writes β
-    alone, so G (fp32, [chunks, H, 64, d]) is never written nor read back (~0.65 GB fewer at T = 13312
-    and 64 heads, for the gate computed twice a column and its cumulative sums in the in-chunk launch;
-    not yet measured on a GPU). `v_conv_in_intra`: the in-chunk launch convolves v itself, a column block at
-    a time, and rewrites v's window, so the first launch convolves q and k alone and v's conv output (~0.22
-    GB at T = 13312 and 64 heads, written, then read back) never reaches memory (not yet measured either).
+    Moving the gate or v's conv into the in-chunk launch, so that G or v's conv output never reaches
+    memory, was slower too (whole prefill 2976 / 2840 / 3074 us with the gate / v / both moved, against
+    2704: the in-chunk launch's registers grow to 209-255 and it loses a CTA a SM; S46-1).
     Reads the slots' windows, not their states."""
     q, k, v, f, b = x.tensors
     conv_pool, slot_ids, lower_bound = slots.conv_pool, slots.slot_ids, params.lower_bound
@@ -947,10 +811,8 @@ def prep(
     beta = torch.empty(n_chunks, h, BT, dtype=torch.float32, device=dev)
     decay_c = torch.empty(n_chunks, h, d, dtype=torch.float32, device=dev)
     y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
-    # with the gate in the in-chunk launch no program touches G: β's buffer stands in for its pointer
-    gcum = beta if gate_in_intra else torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev)
-    conv_parts = 2 if v_conv_in_intra else 3
-    subs = conv_parts * BT // conv_rows + (1 if gate_in_intra else d // gate_cols)
+    gcum = torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev)
+    subs = 3 * BT // conv_rows + d // gate_cols
     _conv_gate_kernel[(h * subs * n_chunks,) if heads_first else (n_chunks, h, subs)](
         q,
         k,
@@ -987,8 +849,6 @@ def prep(
         SUBS=subs,
         HEADS_FIRST=heads_first,
         FAST_MATH=not _INTERPRET,
-        GATE=not gate_in_intra,
-        CONV_PARTS=conv_parts,
         num_warps=conv_warps,
     )
     w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(4))
@@ -1004,17 +864,6 @@ def prep(
         u,
         att,
         float(lower_bound),
-        f,
-        params.dt_bias,
-        params.a_log,
-        cu_seqlens,
-        n_seq,
-        decay_c,
-        v,
-        params.conv_weight,
-        conv_pool,
-        conv_pool.stride(0),
-        slot_ids,
         H=h,
         D=d,
         BT=BT,
@@ -1026,15 +875,6 @@ def prep(
         SOLVE_PREC=solve_precision,
         MERGE_PREC=merge_precision,
         OUT_PREC=output_precision,
-        F_STRIDE=f.stride(0),
-        BLOCK_B=triton.next_power_of_2(n_seq + 1),
-        GATE_HERE=gate_in_intra,
-        FAST_MATH=not _INTERPRET,
-        V_HERE=v_conv_in_intra,
-        W=width,
-        WP=triton.next_power_of_2(width - 1),
-        X_STRIDE=q.stride(0),
-        WIN_STRIDE=conv_pool.stride(1),
         num_warps=intra_warps,
         num_stages=intra_stages,
     )
