@@ -386,10 +386,15 @@ def test_steps_while_no_request_decodes_take_the_idle_budget(checkpoint, prompts
     assert [alone.output_ids, beside.output_ids] == [reference[2], reference[13]]
 
 
+def test_an_engine_without_an_idle_budget_prefills_twice_the_chunk_while_nothing_decodes(checkpoint):
+    engine = make_llm(checkpoint, chunked_prefill_size=16).engine
+    assert (engine.scheduler.prefill_budget, engine.scheduler.idle_prefill_budget) == (16, 32)
+
+
 def test_the_idle_budget_sets_the_longest_step_and_is_never_below_the_chunk_size():
     from hylo.config import EngineConfig
 
-    assert EngineConfig(chunked_prefill_size=64).longest_prefill_step == 64
+    assert EngineConfig(chunked_prefill_size=64).longest_prefill_step == 128  # by default twice the chunk
     assert EngineConfig(chunked_prefill_size=64, idle_prefill_size=256).longest_prefill_step == 256
     with pytest.raises(
         ValueError, match=r"idle_prefill_size \(32\) must be at least chunked_prefill_size \(64\)"

@@ -132,7 +132,8 @@ def make_llm(path, prefill_graphs: bool, adaptive: bool) -> LLM:
     return LLM(
         str(path), device="cpu", dtype="float32", page_size=PAGE, prefix_snapshot_interval=32,
         context_length=256, max_memory_gb=0.25, max_running_requests=1, cuda_graph_max_bs=1,
-        chunked_prefill_size=32, cuda_graph_max_prefill_tokens=32 if prefill_graphs else 0,
+        chunked_prefill_size=32, idle_prefill_size=32,
+        cuda_graph_max_prefill_tokens=32 if prefill_graphs else 0,
         speculative_algorithm="MTP", speculative_num_steps=STEPS, speculative_adaptive=adaptive,
         decode_graphs=True,
     )  # fmt: skip

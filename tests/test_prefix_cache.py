@@ -202,7 +202,7 @@ def test_abort_mid_prefill_and_an_entry_evicted_while_waiting(target):
     _, second = waves()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref, _ = run(make_llm(target, False), [[second[3]], [second[0]]], params)
-    llm = make_llm(target, True, chunked_prefill_size=40, max_running_requests=1)
+    llm = make_llm(target, True, chunked_prefill_size=40, idle_prefill_size=40, max_running_requests=1)
     engine, prefix = llm.engine, llm.engine.caches.prefix
     engine.add_request("aborted", second[3], params)
     engine.step()  # 40 of its 110 tokens: a snapshot at 32

@@ -114,7 +114,7 @@ def build_engine(
     scheduler = Scheduler(
         caches, plan.num_slots, config.chunked_prefill_size, verify_shape, proposer, overlap,
         verify_graphs=runner.verify_graphs is not None, mixed_steps=mixed,
-        prefill_graphs=runner.prefill_graphs is not None, idle_prefill_size=config.idle_prefill_size,
+        prefill_graphs=runner.prefill_graphs is not None, idle_prefill_size=config.longest_prefill_step,
     )  # fmt: skip
     policy = None
     if proposer is not None and config.speculative_adaptive and ranks.leader:
