@@ -338,7 +338,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1024,13312", help="prompt lengths")
     parser.add_argument(
         "--chunked-prefill-size", type=int, default=None,
-        help="prompt tokens a step prefills (the engine's default when not given: 13312 runs as 2 steps)",
+        help="prompt tokens a step prefills while a request decodes (default: the engine's, 8192)",
     )  # fmt: skip
     parser.add_argument(
         "--idle-prefill-sizes", default=None, type=lambda text: [int(b) for b in text.split(",")],
