@@ -112,9 +112,9 @@ def build_engine(
     overlap = not config.disable_overlap_schedule and ranks.parallel.size == 1
     mixed = mixes_steps(config, proposer)
     scheduler = Scheduler(
-        caches, plan.num_slots, config.chunked_prefill_size, verify_shape, proposer, overlap,
-        verify_graphs=runner.verify_graphs is not None, mixed_steps=mixed,
-        prefill_graphs=runner.prefill_graphs is not None, idle_prefill_size=config.longest_prefill_step,
+        caches, plan.num_slots, config.chunked_prefill_size, config.longest_prefill_step, verify_shape,
+        proposer, overlap, verify_graphs=runner.verify_graphs is not None, mixed_steps=mixed,
+        prefill_graphs=runner.prefill_graphs is not None,
     )  # fmt: skip
     policy = None
     if proposer is not None and config.speculative_adaptive and ranks.leader:

@@ -51,13 +51,13 @@ class Scheduler:
         caches: CacheManager,
         max_running: int,
         chunked_prefill_size: int,
+        idle_prefill_size: int,
         verify_shape: VerifyShape | None = None,
         proposer: Any = None,
         overlap: bool = False,
         verify_graphs: bool = False,
         mixed_steps: bool = True,
         prefill_graphs: bool = False,
-        idle_prefill_size: int | None = None,
     ):
         """`overlap`, `verify_graphs`: whether steps may run ahead of the read before them at all, and
         verify steps as verify-graph replays (`InFlightLedger`). `mixed_steps`: whether a step may
@@ -65,15 +65,15 @@ class Scheduler:
         (a prompt going on, a waiting request that can start) runs only that, and the decoding
         requests go on in the next step, whose rows the decode or verify graphs can replay (a mixed
         step runs eagerly). `prefill_graphs`: the engine replays one prompt's short chunks in prefill
-        graphs. `idle_prefill_size`: a step's budget while no request decodes (None: the same
-        `chunked_prefill_size`)."""
+        graphs. `chunked_prefill_size` / `idle_prefill_size`: a step's prefill budget while a request
+        decodes / while none does (the engine's `EngineConfig.longest_prefill_step`)."""
         self.caches = caches
         self.prefix = caches.prefix
         self.proposer = proposer
         self.verify_shape = verify_shape  # None: no speculative decoding
         self.max_running = max_running
         self.prefill_budget = chunked_prefill_size
-        self.idle_prefill_budget = idle_prefill_size or chunked_prefill_size
+        self.idle_prefill_budget = idle_prefill_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
