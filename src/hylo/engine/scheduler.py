@@ -219,9 +219,10 @@ class Scheduler:
 
     def publish(self, chunk: ScheduledChunk) -> None:
         """Put the snapshots `chunk` left, now computed, and the pages before them in the prefix cache."""
-        request = chunk.request
-        for position, sid in chunk.snapshots:
-            self.prefix.insert(request.tokens(0, position), request.pages, position, sid)
+        if chunk.snapshots:
+            request = chunk.request
+            last = chunk.snapshots[-1][0]
+            self.prefix.insert_snapshots(request.tokens(0, last), request.pages, chunk.snapshots)
 
     @staticmethod
     def _prefill_tokens(request: Request, budget: int, remaining: int | None = None) -> int:

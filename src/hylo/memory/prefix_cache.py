@@ -183,8 +183,20 @@ class PrefixCache:
         """Publish the first `position` tokens (a page boundary) of a request whose caches hold them in
         `pages`, with `snapshot` taken after position `position - 1`; a prefix the tree already has
         keeps its own pages and snapshot (then `snapshot` is freed)."""
+        self.insert_snapshots(tokens, pages, [(position, snapshot)])
+
+    def insert_snapshots(
+        self, tokens: Sequence[int], pages: Sequence[int], snapshots: Sequence[tuple[int, int]]
+    ) -> None:
+        """`insert` for each (position, snapshot) of `snapshots` in one walk down the tree: a 13K-token
+        prompt's 13 snapshots walk its 832 pages once (the walks one by one made ~5800 page keys, ~3 ms
+        before its first token was returned)."""
+        for position, _ in snapshots:
+            if position <= 0 or position % self.page_size:
+                raise ValueError(f"snapshots: position {position} is not a page boundary past 0")
+        at_depth = {position // self.page_size: sid for position, sid in snapshots}
         node, now = self.root, next(self._clock)
-        for i, key in enumerate(self._pages_of(tokens, position // self.page_size)):
+        for i, key in enumerate(self._pages_of(tokens, max(at_depth, default=0))):
             child = node.children.get(key)
             if child is None:
                 child = PageNode(pages[i], key, node, node.depth + 1)
@@ -195,11 +207,14 @@ class PrefixCache:
                     self.listener.stored(child)
             child.last_used = now
             node = child
-        if node.snapshot is None:
-            node.snapshot = snapshot
-            self._snapshot_nodes[snapshot] = node
-        else:
-            self.free_snapshot(snapshot)
+            snapshot = at_depth.get(node.depth)
+            if snapshot is None:
+                continue
+            if node.snapshot is None:
+                node.snapshot = snapshot
+                self._snapshot_nodes[snapshot] = node
+            else:
+                self.free_snapshot(snapshot)
 
     def evict_pages(self, num_pages: int) -> int:
         """Free up to `num_pages` pages by evicting least recently used leaves that only the tree
