@@ -38,21 +38,30 @@ def check(out: torch.Tensor, q, latent, rows, scale: float) -> None:
     assert (error <= bound).all(), f"worst error {worst:.3g}x its bound"
 
 
+# the shipped build, and the paired schedule while it is measured against it (`sparse_mla_prefill.cu`)
+BUILDS = {"shipped": (), "paired": ("HYLO_SPARSE_MLA_PAIRED=1",)}
+
+
 def test_the_library_passes_its_self_check():
     assert cuda_prefill.device_refusal(torch.device("cuda")) is None
+    paired = cuda_prefill.load_library("sm_90a", BUILDS["paired"])
+    assert cuda_prefill._self_check(paired, torch.device("cuda")) is None
 
 
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize(
     ("tokens", "heads", "width", "real"),
-    [(96, 64, 2112, 2051), (80, 128, 200, 150), (70, 64, 64, 64), (100, 64, 130, 1)],
+    [(96, 64, 2112, 2051), (80, 128, 200, 150), (70, 64, 64, 64), (100, 64, 130, 1), (9, 64, 300, 200)],
 )
-def test_prefill_matches_the_exact_attention(tokens, heads, width, real):
+def test_prefill_matches_the_exact_attention(tokens, heads, width, real, build):
     q, latent, rows = problem(tokens, heads, slots=4096, width=width, real=real, seed=tokens)
-    out = cuda_prefill.prefill(q, latent, rows, SCALE)
+    library = cuda_prefill.load_library("sm_90a", BUILDS[build]) if BUILDS[build] else None
+    out = cuda_prefill.prefill(q, latent, rows, SCALE, library=library)
     check(out, q, latent, rows, SCALE)
 
 
-def test_late_tokens_of_a_long_prompt_with_full_lists():
+@pytest.mark.parametrize("build", BUILDS)
+def test_late_tokens_of_a_long_prompt_with_full_lists(build):
     """The tokens of a 13K prompt past 2K: every list full (2051 real rows of 2112), the rows scattered
     over the whole cache, a sharper softmax."""
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -61,7 +70,8 @@ def test_late_tokens_of_a_long_prompt_with_full_lists():
     latent = torch.randn(slots, RANK, generator=gen, device="cuda").bfloat16()
     rows = torch.full((tokens, 2112), -1, dtype=torch.int32, device="cuda")
     rows[:, :2051] = torch.rand(tokens, slots, generator=gen, device="cuda").argsort(1)[:, :2051].int()
-    out = cuda_prefill.prefill(q, latent, rows, 2 * SCALE)
+    library = cuda_prefill.load_library("sm_90a", BUILDS[build]) if BUILDS[build] else None
+    out = cuda_prefill.prefill(q, latent, rows, 2 * SCALE, library=library)
     check(out, q, latent, rows, 2 * SCALE)
 
 

@@ -60,6 +60,9 @@ constexpr float kRescaleSlack = HYLO_SPARSE_MLA_RESCALE_SLACK;
 #define HYLO_SPARSE_MLA_PROBE 0  // benchmarks only, wrong outputs: 1 gathers without the math, 2 the math on stale slots
 #endif
 constexpr int kProbe = HYLO_SPARSE_MLA_PROBE;
+#ifndef HYLO_SPARSE_MLA_PAIRED
+#define HYLO_SPARSE_MLA_PAIRED 0  // 1: the paired schedule below (a variant under measurement)
+#endif
 constexpr int kSmemBytes = (1 + kStages) * kTileBytes  // Q and the ring
                            + kPanelBytes               // P
                            + 2 * 2 * kHeads * 4        // row maxima and sums of each consumer
@@ -341,6 +344,397 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_prefill_kernel(const A
     }
 }
 
+
+#if HYLO_SPARSE_MLA_PAIRED
+// The paired schedule (HYLO_SPARSE_MLA_PAIRED=1; a variant while it is measured against the kernel above).
+// The two consumers take alternate key blocks, each in a buffer of its own: consumer c scores block 2i + c
+// against all 64 heads over all 512 dims (S = Q·Kᵀ, m64n64k16: every Q byte read from shared memory feeds
+// 64 keys, not 32), keeps its probabilities in registers for its own half of the output dims (O += P·V,
+// m64n256k16 with P from registers) and hands them to the other consumer through shared memory for the
+// other half. So while one consumer runs its softmax the other's products keep the tensor cores busy.
+// The running maximum passes between them in a chain (consumer 0's block, then consumer 1's): each scales
+// its output half and its own share of the sums when the maximum moves (by more than the slack), and
+// consumer 0 rescales the probabilities it hands over to the maximum consumer 1 set. Each key buffer is
+// filled and released by halves (dims 0-255, 256-511): the half a consumer's values no longer need is
+// refilled while the other half is still in use. The gatherer never waits for its own copies: each
+// thread's copies arrive on the half's mbarrier when they land (`cp.async.mbarrier.arrive.noinc`).
+namespace paired {
+
+constexpr int kBuffers = 2;  // one key block buffer a consumer
+constexpr int kSmemBytes = (1 + kBuffers) * kTileBytes  // Q and the key buffers
+                           + kBuffers * kPanelBytes     // each consumer's probabilities for the other
+                           + kHeads * 4                 // the running maximum of each head
+                           + 2 * kHeads * 4             // each consumer's sums
+                           + kBuffers * 4 * 2           // the buffers' row masks
+                           + 9 * 8                      // mbarriers
+                           + 16                         // the token's block count
+                           + 1024;                      // alignment slack
+
+// named barriers (0 is __syncthreads): consumer 0's maximum, consumer 1's, their probabilities, the sums
+constexpr int kMax0 = 2, kMax1 = 3, kProbs0 = 4, kProbs1 = 5, kSums = 6;
+
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// the mbarrier counts one arrival of this thread when all its cp.async copies so far have landed
+__device__ __forceinline__ void copies_arrive(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// S[64 × 64] (+)= A[64 × 16] · B[64 × 16]ᵀ, bf16 in, fp32 sums, both operands K-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n64k16(float* d, uint64_t a, uint64_t b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+#define HYLO_F8(d, i)                                                                                        \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+        "+f"(d[i + 7])
+
+// O[64 × 256] += A[64 × 16] · B[16 × 256]: A from registers (the fragment of a 64 × 16 bf16 tile), B MN-major.
+__device__ __forceinline__ void wgmma_m64n256k16_rs(float* d, const uint32_t* a, uint64_t b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n"
+        "}\n"
+        : HYLO_F8(d, 0), HYLO_F8(d, 8), HYLO_F8(d, 16), HYLO_F8(d, 24), HYLO_F8(d, 32), HYLO_F8(d, 40),
+          HYLO_F8(d, 48), HYLO_F8(d, 56), HYLO_F8(d, 64), HYLO_F8(d, 72), HYLO_F8(d, 80), HYLO_F8(d, 88),
+          HYLO_F8(d, 96), HYLO_F8(d, 104), HYLO_F8(d, 112), HYLO_F8(d, 120)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+#undef HYLO_F8
+
+// Pins registers at this point of the program: reads and writes of them are not moved across it (so none
+// is moved above the wgmma wait before it, nor below the wgmma issue after it).
+template <int N>
+__device__ __forceinline__ void pin(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// One half (dims 256·half ..) of `rows` 16·warp .. + 15 of a key tile: one row a step, 32 lanes × 16 bytes.
+__device__ __forceinline__ void gather_half(uint32_t tile, int warp, int lane, const __nv_bfloat16* row_src,
+                                            const __nv_bfloat16* any_row, int half) {
+    const int chunk = 32 * half + lane;
+#pragma unroll 4
+    for (int local = 0; local < 16; ++local) {
+        const __nv_bfloat16* src =
+            reinterpret_cast<const __nv_bfloat16*>(__shfl_sync(0xffffffff, reinterpret_cast<uintptr_t>(row_src), local));
+        copy16(tile + tile_offset(16 * warp + local, chunk), (src ? src : any_row) + 8 * chunk, src != nullptr);
+    }
+}
+
+// S of one key block against the queries over dims 256·half .. + 255, committed as one wgmma group; the
+// block's `first` half starts the sums. A consumer scores its block's halves as they land, its own values'
+// half first (the gatherer fills that half first: it is also released first).
+__device__ __forceinline__ void issue_scores(float* s, const uint8_t* q_tile, const uint8_t* keys, int half,
+                                             bool first) {
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kRank / 32; ++k) {
+        const int offset = (4 * half + (k >> 2)) * kPanelBytes + (k & 3) * 32;
+        wgmma_m64n64k16(s, tile_descriptor(q_tile + offset), tile_descriptor(keys + offset), !first || k > 0);
+    }
+    wgmma_commit();
+}
+
+// O[:, half] += P · V[:, half] over a block's 64 keys, P [64 heads × 64 keys] in shared memory (the other
+// consumer's) or in registers (this consumer's: `own` holds its fragments, 4 words a 16-key step).
+__device__ __forceinline__ void issue_values_shared(float* o, const uint8_t* p_tile, const uint8_t* keys, int half) {
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kKeys / 16; ++k)
+        wgmma_m64n256k16_mn(o, tile_descriptor(p_tile + 32 * k),
+                            descriptor(keys + 4 * half * kPanelBytes + k * 2048, kPanelBytes, 1024));
+    wgmma_commit();
+}
+__device__ __forceinline__ void issue_values_own(float* o, const uint32_t* own, const uint8_t* keys, int half) {
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kKeys / 16; ++k)
+        wgmma_m64n256k16_rs(o, own + 4 * k, descriptor(keys + 4 * half * kPanelBytes + k * 2048, kPanelBytes, 1024));
+    wgmma_commit();
+}
+
+// Accumulator register i of a 64-column product: head row row0 + 8·((i >> 1) & 1), key 8·(i >> 2) + 2·quad +
+// (i & 1). The scores of real keys scaled into base 2, the others -inf; the row maxima over the quad.
+__device__ __forceinline__ void mask_scores(float* s, float (&top)[2], uint64_t real, float scale_log2, int quad) {
+    top[0] = top[1] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const int key = 8 * (i >> 2) + 2 * quad + (i & 1);
+        s[i] = ((real >> key) & 1) ? s[i] * scale_log2 : -INFINITY;
+        top[(i >> 1) & 1] = fmaxf(top[(i >> 1) & 1], s[i]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 1));
+        top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffff, top[h], 2));
+    }
+}
+
+// s = exp2(s - m) in place, the row sums added to l, and the A fragments of P (bf16 pairs) in `own`:
+// word q holds registers 2q, 2q + 1 (the fragment of 16-key step k is words 4k .. 4k + 3).
+__device__ __forceinline__ void probabilities(float* s, uint32_t* own, const float (&m)[2], float (&l)[2]) {
+#pragma unroll
+    for (int q = 0; q < 16; ++q) {
+        const int h = q & 1;
+        s[2 * q] = exp2f(s[2 * q] - m[h]);
+        s[2 * q + 1] = exp2f(s[2 * q + 1] - m[h]);
+        l[h] += s[2 * q] + s[2 * q + 1];
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(s[2 * q], s[2 * q + 1]);
+        own[q] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+}
+
+// Word q of the P fragments to the P tile a wgmma reads K-major: head row row0 + 8·(q & 1), keys 8·(q >> 1)
+// + 2·quad, + 1 at 16-byte chunk (q >> 1) ^ (row % 8) of its 128-byte row.
+__device__ __forceinline__ void store_probabilities(uint8_t* p_tile, const uint32_t* words, int row0, int quad) {
+#pragma unroll
+    for (int q = 0; q < 16; ++q) {
+        const int r = row0 + 8 * (q & 1);
+        *reinterpret_cast<uint32_t*>(p_tile + r * 128 + ((((q >> 1) ^ (r & 7))) << 4) + 4 * quad) = words[q];
+    }
+}
+
+// o and l times exp2(from - to) per head row where the maximum moved (a warp skips it where none did).
+__device__ __forceinline__ void rescale(float* o, float (&l)[2], const float (&from)[2], const float (&to)[2]) {
+    const float alpha[2] = {exp2f(from[0] - to[0]), exp2f(from[1] - to[1])};
+    if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < 128; ++i) o[i] *= alpha[(i >> 1) & 1];
+    }
+    l[0] *= alpha[0];
+    l[1] *= alpha[1];
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_paired_kernel(const Args p) {
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    uint8_t* q_tile = smem;
+    uint8_t* key_tiles = smem + kTileBytes;  // [buffer][64 keys × 512]
+    uint8_t* p_tiles = key_tiles + kBuffers * kTileBytes;  // [consumer][64 heads × 64 keys]
+    float* running_max = reinterpret_cast<float*>(p_tiles + kBuffers * kPanelBytes);  // [64]
+    float* sums = running_max + kHeads;                                                  // [consumer][64]
+    uint16_t* masks = reinterpret_cast<uint16_t*>(sums + 2 * kHeads);                   // [buffer][4 warps]
+    uint64_t* bars = reinterpret_cast<uint64_t*>(masks + 4 * kBuffers);
+    uint64_t* queries_ready = bars;
+    // [buffer][half]: the half's copies landed (the first half's: and the buffer's row mask written) / no
+    // consumer reads the half any more. Buffer c is consumer c's; its own values' half is half c.
+    uint64_t* ready = bars + 1;
+    uint64_t* released = bars + 5;
+    int* block_count = reinterpret_cast<int*>(bars + 9);
+
+    const long long token = blockIdx.x;
+    const int head0 = blockIdx.y * kHeads;
+    const int* rows = p.rows + token * p.stride_rt;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+    if (threadIdx.x == 0) {
+        *block_count = 0;
+        bar_init(queries_ready, 128);
+        for (int b = 0; b < kBuffers; ++b) {
+            for (int h = 0; h < 2; ++h) {
+                bar_init(&ready[2 * b + h], h == b ? 128 + 4 : 128);  // the copies, and each warp's mask store
+                bar_init(&released[2 * b + h], 128);
+            }
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    int last = 0;
+    for (int j = threadIdx.x; j < p.width; j += kThreads)
+        if (rows[j] >= 0) last = j + 1;
+    last = __reduce_max_sync(0xffffffff, last);
+    if (lane == 0 && last > 0) atomicMax(block_count, last);
+    __syncthreads();
+    // block 2i is consumer 0's, 2i + 1 consumer 1's; the count and the consumer index go through a shuffle so
+    // that the compiler knows them warp-uniform (wgmma under a branch it thinks divergent is serialised)
+    const int pairs = __shfl_sync(0xffffffff, (*block_count + 2 * kKeys - 1) / (2 * kKeys), 0);
+
+    if (warp < 4) {  // the gatherer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (pairs == 0) return;
+        const int local = 16 * warp + (lane & 15);
+        const __nv_bfloat16* query = p.q + token * p.stride_qt + (long long)(head0 + local) * p.stride_qh;
+        gather_half(smem_u32(q_tile), warp, lane, query, p.latent, 0);
+        gather_half(smem_u32(q_tile), warp, lane, query, p.latent, 1);
+        copies_arrive(queries_ready);
+        // Halves in the order the consumers release them: each consumer's own values' half (its block's half
+        // c), then the halves the other consumer's values read.
+        for (int pair = 0; pair < pairs; ++pair) {
+            const __nv_bfloat16* src[kBuffers];
+            unsigned real[kBuffers];
+#pragma unroll
+            for (int buffer = 0; buffer < kBuffers; ++buffer) {
+                const int j = (2 * pair + buffer) * kKeys + local;
+                const int slot = j < p.width ? rows[j] : -1;
+                src[buffer] = slot >= 0 ? p.latent + (long long)slot * p.stride_kv : nullptr;
+                real[buffer] = __ballot_sync(0xffffffff, slot >= 0) & 0xffff;
+            }
+#pragma unroll
+            for (int step = 0; step < 4; ++step) {
+                const int buffer = step & 1, half = step < 2 ? buffer : 1 - buffer;
+                if (pair > 0) bar_wait(&released[2 * buffer + half], (pair - 1) & 1);
+                if (step < 2 && lane == 0) {
+                    masks[buffer * 4 + warp] = static_cast<uint16_t>(real[buffer]);
+                    bar_arrive(&ready[2 * buffer + half]);  // releases the mask
+                }
+                gather_half(smem_u32(key_tiles + buffer * kTileBytes), warp, lane, src[buffer], p.latent, half);
+                copies_arrive(&ready[2 * buffer + half]);
+            }
+        }
+        copies_wait<0>();
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+
+    const int c = __shfl_sync(0xffffffff, warp / 4 - 1, 0);  // consumer 0 or 1: its blocks, buffer, output half
+    const int row0 = (warp % 4) * 16 + lane / 4;  // this thread's heads: row0 and row0 + 8
+    const int quad = lane % 4;
+    const uint8_t* own_keys = key_tiles + c * kTileBytes;
+    const uint8_t* other_keys = key_tiles + (1 - c) * kTileBytes;
+    uint8_t* own_p = p_tiles + c * kPanelBytes;
+    const uint8_t* other_p = p_tiles + (1 - c) * kPanelBytes;
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float m[2] = {-1.0e30f, -1.0e30f};  // the maximum o and l are scaled to (finite: exp2(-inf - m) = 0)
+    float l[2] = {0.f, 0.f};            // the sums of this consumer's own probabilities
+    float s[32];
+    uint32_t own[16];
+
+    uint64_t* own_ready = &ready[2 * c + c];          // our block's half our values read: scored first
+    uint64_t* rest_ready = &ready[2 * c + 1 - c];
+    uint64_t* own_values_read = &released[2 * c + c];  // our half of our block
+    uint64_t* other_values_read = &released[2 * (1 - c) + c];  // our half of the other consumer's block
+    if (pairs > 0) {
+        bar_wait(queries_ready, 0);
+        bar_wait(own_ready, 0);
+        issue_scores(s, q_tile, own_keys, c, true);
+        bar_wait(rest_ready, 0);
+        issue_scores(s, q_tile, own_keys, 1 - c, false);
+    }
+    // Both consumers issue the same wgmma sequence (their operands picked by c): a wgmma in flight across a
+    // branch on c made the compiler serialise them all. Barriers by role: c arrives at its own, waits at the other's.
+    const int my_max = c == 0 ? kMax0 : kMax1, other_max = c == 0 ? kMax1 : kMax0;
+    const int my_probs = c == 0 ? kProbs0 : kProbs1, other_probs = c == 0 ? kProbs1 : kProbs0;
+    for (int i = 0; i < pairs; ++i) {
+        const int parity = i & 1;
+        wgmma_wait<0>();  // this block's scores, and everything before them
+        pin<32>(s);
+        pin<128>(o);
+        const uint16_t* mask = masks + c * 4;
+        const uint64_t real = uint64_t(mask[0]) | (uint64_t(mask[1]) << 16) | (uint64_t(mask[2]) << 32) |
+                              (uint64_t(mask[3]) << 48);
+        float top[2];
+        mask_scores(s, top, real, p.scale_log2, quad);
+        // the chain of maxima: consumer 0's block against consumer 1's of the last pair (its own m), then
+        // consumer 1's block against consumer 0's
+        float before[2] = {m[0], m[1]};
+        if (c == 1) {
+            named_barrier(kMax0, 256);
+            before[0] = running_max[row0], before[1] = running_max[row0 + 8];
+        }
+        float next[2];
+        for (int h = 0; h < 2; ++h) next[h] = top[h] > before[h] + kRescaleSlack ? top[h] : before[h];
+        rescale(o, l, m, next);
+        m[0] = next[0], m[1] = next[1];
+        probabilities(s, own, m, l);
+        __syncwarp();  // the quad has read consumer 0's maximum
+        if (quad == 0) running_max[row0] = m[0], running_max[row0 + 8] = m[1];
+        named_arrive(my_max, 256);
+        pin<128>(o);
+        issue_values_own(o, own, own_keys, c);
+        // what the other consumer multiplies by its half: consumer 1's probabilities as they are, consumer 0's
+        // under the maximum consumer 1's block set
+        float after[2] = {m[0], m[1]};
+        if (c == 0) {
+            named_barrier(kMax1, 256);
+            after[0] = running_max[row0], after[1] = running_max[row0 + 8];
+        }
+        uint32_t handed[16];
+#pragma unroll
+        for (int q = 0; q < 16; ++q) {
+            const float f = exp2f(m[q & 1] - after[q & 1]);
+            const __nv_bfloat162 pair = __floats2bfloat162_rn(s[2 * q] * f, s[2 * q + 1] * f);
+            handed[q] = *reinterpret_cast<const uint32_t*>(&pair);
+        }
+        store_probabilities(own_p, handed, row0, quad);
+        fence_async_shared();
+        named_arrive(my_probs, 256);
+        wgmma_wait<0>();
+        pin<128>(o);
+        bar_arrive(own_values_read);
+        rescale(o, l, m, after);
+        m[0] = after[0], m[1] = after[1];
+        named_barrier(other_probs, 256);
+        pin<128>(o);
+        issue_values_shared(o, other_p, other_keys, c);
+        // the next block's scores: its first half may run while these values finish
+        if (i + 1 < pairs) {
+            bar_wait(own_ready, parity ^ 1);
+            issue_scores(s, q_tile, own_keys, c, true);
+            wgmma_wait<1>();
+            bar_arrive(other_values_read);
+            bar_wait(rest_ready, parity ^ 1);
+            issue_scores(s, q_tile, own_keys, 1 - c, false);
+        } else {
+            wgmma_wait<0>();
+            bar_arrive(other_values_read);
+        }
+    }
+    wgmma_wait<0>();
+    pin<128>(o);
+
+    // the two consumers' sums meet (both under the last maximum); a token without rows writes zeros
+    publish_rows<false>(l, sums + c * kHeads, row0, quad);
+    named_barrier(kSums, 256);
+    float inverse[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float total = sums[row0 + 8 * h] + sums[kHeads + row0 + 8 * h];
+        inverse[h] = total > 0.f ? 1.0f / total : 0.f;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        __nv_bfloat16* dst = p.out + token * p.stride_ot + (long long)(head0 + row0 + 8 * h) * p.stride_oh +
+                             c * kOutHalf + 2 * quad;
+#pragma unroll
+        for (int g = 0; g < 32; ++g)
+            *reinterpret_cast<__nv_bfloat162*>(dst + 8 * g) =
+                __floats2bfloat162_rn(o[4 * g + 2 * h] * inverse[h], o[4 * g + 2 * h + 1] * inverse[h]);
+    }
+}
+
+}  // namespace paired
+#endif
+
 }  // namespace
 
 // One call's operands by role; `cuda_prefill.py`'s ctypes structures mirror these field for field (the
@@ -382,10 +776,16 @@ int hylo_sparse_mla_prefill_call_layout(long long* out, int capacity) {
 // Launch `call` on `stream`. Returns 0 or a cudaError.
 int hylo_sparse_mla_prefill(const SparseMlaCall* call, void* stream) {
     const SparseMlaCall& c = *call;
+#if HYLO_SPARSE_MLA_PAIRED
+    const auto kernel = paired::sparse_mla_paired_kernel;
+    constexpr int smem_bytes = paired::kSmemBytes;
+#else
+    const auto kernel = sparse_mla_prefill_kernel;
+    constexpr int smem_bytes = kSmemBytes;
+#endif
     static bool configured = false;
     if (!configured) {
-        cudaError_t e =
-            cudaFuncSetAttribute(sparse_mla_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (e != cudaSuccess) return e;
         configured = true;
     }
@@ -403,7 +803,7 @@ int hylo_sparse_mla_prefill(const SparseMlaCall* call, void* stream) {
                     c.width,
                     c.scale_log2};
     const dim3 grid(c.tokens, c.heads / kHeads);
-    sparse_mla_prefill_kernel<<<grid, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args);
+    kernel<<<grid, kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(args);
     return cudaGetLastError();
 }
 
