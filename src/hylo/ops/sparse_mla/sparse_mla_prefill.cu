@@ -609,7 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_paired_kernel(const Ar
                 copies_arrive(&ready[2 * buffer + half]);
             }
         }
-        copies_wait<0>();
+        asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives its thread
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -642,7 +642,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_paired_kernel(const Ar
     }
     // Both consumers issue the same wgmma sequence (their operands picked by c): a wgmma in flight across a
     // branch on c made the compiler serialise them all. Barriers by role: c arrives at its own, waits at the other's.
-    const int my_max = c == 0 ? kMax0 : kMax1, other_max = c == 0 ? kMax1 : kMax0;
+    const int my_max = c == 0 ? kMax0 : kMax1;
     const int my_probs = c == 0 ? kProbs0 : kProbs1, other_probs = c == 0 ? kProbs1 : kProbs0;
     for (int i = 0; i < pairs; ++i) {
         const int parity = i & 1;
