@@ -189,7 +189,9 @@ CUDA_VARIANTS = {
 }
 
 
-def mla_prefill(quick: bool) -> None:
+def mla_prefill(quick: bool, cuda_variants: list[str] | None = None) -> None:
+    """The prefill kernels at PREFILL tokens; `cuda_variants`: the names of `CUDA_VARIANTS` to build and time
+    beside the default (None: all)."""
     gen = torch.Generator(device=DEV).manual_seed(2)
     tokens = PREFILL
     dtype = torch.float32 if DRY else torch.bfloat16
@@ -214,6 +216,8 @@ def mla_prefill(quick: bool) -> None:
              for cfg in (configs if not (quick or DRY) else configs[:2])}  # fmt: skip
     if not DRY and sk.cuda_prefill.refusal(q, latent, rows) is None:
         for name, defines in CUDA_VARIANTS.items():  # the CUDA kernel's compile-time variants
+            if cuda_variants is not None and name not in cuda_variants:
+                continue
             library = sk.cuda_prefill.load_library("sm_90a", defines)
             calls[f"cuda {name}"] = lambda lib=library: sk.cuda_prefill.prefill(
                 q, latent, rows, SCALE, library=lib
@@ -443,6 +447,10 @@ def main() -> None:
         "--dry-run", action="store_true", help="CPU, interpreter, tiny sizes (checks the script)"
     )
     parser.add_argument("--sweep-tokens", default="8", help="query tokens swept by mla_decode_sweep")
+    parser.add_argument(
+        "--cuda-variants", default=None, type=lambda text: [v for v in text.split(",") if v],
+        help=f"comma-separated CUDA prefill variants to time (default: all of {list(CUDA_VARIANTS)})",
+    )  # fmt: skip
     args = parser.parse_args()
     rec("gpu", "none (dry run)" if DRY else torch.cuda.get_device_name())
     rec("torch", torch.__version__)
@@ -453,7 +461,7 @@ def main() -> None:
         ("mla_parity", mla_parity),
         ("mla_decode", mla_decode, args.quick),
         ("mla_decode_sweep", mla_decode_sweep, [int(t) for t in args.sweep_tokens.split(",")]),
-        ("mla_prefill", mla_prefill, args.quick),
+        ("mla_prefill", mla_prefill, args.quick, args.cuda_variants),
         ("indexer", indexer_bench, args.quick),
         ("indexer_quality", indexer_quality),
     ]:
