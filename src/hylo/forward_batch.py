@@ -195,7 +195,7 @@ class ForwardBatch:
                 f"fixed.pool_width: {fixed.pool_width} pools, a sequence has {pool_width} and the "
                 f"table holds {req_to_token.shape[1] // kpool}"
             )
-        done = torch.tensor(_completed_pools(chunks, kpool, fixed), dtype=torch.long).view(-1, 2)
+        done = _completed_pools(chunks, kpool, fixed)
         dev = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
         rows = torch.tensor([c.table_row for c in chunks])
         token_rows, positions = dev(rows[host.token_seq]), dev(host.positions)
@@ -376,20 +376,20 @@ class _HostPacking:
         )
 
 
-def _completed_pools(
-    chunks: Sequence[SequenceChunk], kpool: int, fixed: FixedShape | None
-) -> list[tuple[int, int]]:
-    """(request-table row, position) of the first token of each pool whose last token is in `chunks`,
-    padded to `fixed.num_completed` with the filler slot's first pool."""
-    completed = [
-        (c.table_row, p * kpool)
-        for c in chunks
-        for p in range(c.prefix_len // kpool, (c.prefix_len + len(c.token_ids)) // kpool)
-    ]
+def _completed_pools(chunks: Sequence[SequenceChunk], kpool: int, fixed: FixedShape | None) -> torch.Tensor:
+    """`[P, 2]` int64 (host): (request-table row, position) of the first token of each pool whose last token
+    is in `chunks`, padded to `fixed.num_completed` rows with the filler slot's first pool. Made by a few
+    tensor ops whatever the pool count (a 13K-token prompt completes 3328 pools of 4 tokens: ~2 ms as a
+    Python list of pairs)."""
+    first = torch.tensor([c.prefix_len // kpool for c in chunks])
+    counts = torch.tensor([(c.prefix_len + len(c.token_ids)) // kpool for c in chunks]) - first
+    total = int(counts.sum())
+    offsets = torch.arange(total) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    rows = torch.repeat_interleave(torch.tensor([c.table_row for c in chunks]), counts)
+    completed = torch.stack((rows, (torch.repeat_interleave(first, counts) + offsets) * kpool), 1)
     if fixed is None:
         return completed
-    if len(completed) > fixed.num_completed:
-        raise ValueError(
-            f"chunks: {len(completed)} pools complete, the fixed shape holds {fixed.num_completed}"
-        )
-    return completed + [(fixed.filler_slot, 0)] * (fixed.num_completed - len(completed))
+    if total > fixed.num_completed:
+        raise ValueError(f"chunks: {total} pools complete, the fixed shape holds {fixed.num_completed}")
+    filler = torch.tensor([[fixed.filler_slot, 0]]).expand(fixed.num_completed - total, 2)
+    return torch.cat((completed, filler))

@@ -678,11 +678,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_paired_kernel(const Ar
             named_barrier(kMax1, 256);
             after[0] = running_max[row0], after[1] = running_max[row0 + 8];
         }
+        const float f[2] = {exp2f(m[0] - after[0]), exp2f(m[1] - after[1])};
         uint32_t handed[16];
 #pragma unroll
         for (int q = 0; q < 16; ++q) {
-            const float f = exp2f(m[q & 1] - after[q & 1]);
-            const __nv_bfloat162 pair = __floats2bfloat162_rn(s[2 * q] * f, s[2 * q + 1] * f);
+            const __nv_bfloat162 pair = __floats2bfloat162_rn(s[2 * q] * f[q & 1], s[2 * q + 1] * f[q & 1]);
             handed[q] = *reinterpret_cast<const uint32_t*>(&pair);
         }
         store_probabilities(own_p, handed, row0, quad);
@@ -693,20 +693,21 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_paired_kernel(const Ar
         bar_arrive(own_values_read);
         rescale(o, l, m, after);
         m[0] = after[0], m[1] = after[1];
+        // the next block's first half is scored while we wait for the other consumer's probabilities (it is
+        // our own values' half, which we have just released: the gatherer refills it first)
+        const bool more = i + 1 < pairs;
+        if (more) {
+            bar_wait(own_ready, parity ^ 1);
+            issue_scores(s, q_tile, own_keys, c, true);
+        }
         named_barrier(other_probs, 256);
         pin<128>(o);
         issue_values_shared(o, other_p, other_keys, c);
-        // the next block's scores: its first half may run while these values finish
-        if (i + 1 < pairs) {
-            bar_wait(own_ready, parity ^ 1);
-            issue_scores(s, q_tile, own_keys, c, true);
-            wgmma_wait<1>();
-            bar_arrive(other_values_read);
+        wgmma_wait<0>();
+        bar_arrive(other_values_read);
+        if (more) {
             bar_wait(rest_ready, parity ^ 1);
             issue_scores(s, q_tile, own_keys, 1 - c, false);
-        } else {
-            wgmma_wait<0>();
-            bar_arrive(other_values_read);
         }
     }
     wgmma_wait<0>();
