@@ -38,14 +38,15 @@ def check(out: torch.Tensor, q, latent, rows, scale: float) -> None:
     assert (error <= bound).all(), f"worst error {worst:.3g}x its bound"
 
 
-# the shipped build, and the paired schedule while it is measured against it (`sparse_mla_prefill.cu`)
-BUILDS = {"shipped": (), "paired": ("HYLO_SPARSE_MLA_PAIRED=1",)}
+# the shipped build, and the paired schedules while they are measured against it (`sparse_mla_prefill.cu`)
+BUILDS = {"shipped": (), "paired": ("HYLO_SPARSE_MLA_PAIRED=1",), "paired2": ("HYLO_SPARSE_MLA_PAIRED=2",)}
 
 
 def test_the_library_passes_its_self_check():
     assert cuda_prefill.device_refusal(torch.device("cuda")) is None
-    paired = cuda_prefill.load_library("sm_90a", BUILDS["paired"])
-    assert cuda_prefill._self_check(paired, torch.device("cuda")) is None
+    for build in ("paired", "paired2"):
+        library = cuda_prefill.load_library("sm_90a", BUILDS[build])
+        assert cuda_prefill._self_check(library, torch.device("cuda")) is None, build
 
 
 @pytest.mark.parametrize("build", BUILDS)

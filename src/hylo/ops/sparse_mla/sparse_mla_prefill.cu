@@ -61,7 +61,7 @@ constexpr float kRescaleSlack = HYLO_SPARSE_MLA_RESCALE_SLACK;
 #endif
 constexpr int kProbe = HYLO_SPARSE_MLA_PROBE;
 #ifndef HYLO_SPARSE_MLA_PAIRED
-#define HYLO_SPARSE_MLA_PAIRED 0  // 1: the paired schedule below (a variant under measurement)
+#define HYLO_SPARSE_MLA_PAIRED 0  // 1, 2: the paired schedule below (variants under measurement)
 #endif
 constexpr int kSmemBytes = (1 + kStages) * kTileBytes  // Q and the ring
                            + kPanelBytes               // P
@@ -365,6 +365,7 @@ constexpr int kSmemBytes = (1 + kBuffers) * kTileBytes  // Q and the key buffers
                            + kBuffers * kPanelBytes     // each consumer's probabilities for the other
                            + kHeads * 4                 // the running maximum of each head
                            + 2 * kHeads * 4             // each consumer's sums
+                           + 2 * kHeads * 4             // each consumer's block maxima (PAIRED == 2)
                            + kBuffers * 4 * 2           // the buffers' row masks
                            + 9 * 8                      // mbarriers
                            + 16                         // the token's block count
@@ -541,7 +542,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_paired_kernel(const Ar
     uint8_t* p_tiles = key_tiles + kBuffers * kTileBytes;  // [consumer][64 heads × 64 keys]
     float* running_max = reinterpret_cast<float*>(p_tiles + kBuffers * kPanelBytes);  // [64]
     float* sums = running_max + kHeads;                                                  // [consumer][64]
-    uint16_t* masks = reinterpret_cast<uint16_t*>(sums + 2 * kHeads);                   // [buffer][4 warps]
+    float* tops = sums + 2 * kHeads;                                                     // [consumer][64]
+    uint16_t* masks = reinterpret_cast<uint16_t*>(tops + 2 * kHeads);                   // [buffer][4 warps]
     uint64_t* bars = reinterpret_cast<uint64_t*>(masks + 4 * kBuffers);
     uint64_t* queries_ready = bars;
     // [buffer][half]: the half's copies landed (the first half's: and the buffer's row mask written) / no
@@ -654,6 +656,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_paired_kernel(const Ar
                               (uint64_t(mask[3]) << 48);
         float top[2];
         mask_scores(s, top, real, p.scale_log2, quad);
+#if HYLO_SPARSE_MLA_PAIRED == 2
+        // Both consumers' block maxima meet at one barrier and both move the common maximum alike (max
+        // commutes): no chain, and the probabilities handed over are already under the common maximum.
+        if (quad == 0) tops[c * kHeads + row0] = top[0], tops[c * kHeads + row0 + 8] = top[1];
+        named_barrier(kMax0, 256);
+        float next[2];
+        for (int h = 0; h < 2; ++h) {
+            const float both = fmaxf(top[h], tops[(1 - c) * kHeads + row0 + 8 * h]);
+            next[h] = both > m[h] + kRescaleSlack ? both : m[h];
+        }
+        rescale(o, l, m, next);
+        m[0] = next[0], m[1] = next[1];
+        probabilities(s, own, m, l);
+        pin<128>(o);
+        issue_values_own(o, own, own_keys, c);
+        store_probabilities(own_p, own, row0, quad);
+#else
         // the chain of maxima: consumer 0's block against consumer 1's of the last pair (its own m), then
         // consumer 1's block against consumer 0's
         float before[2] = {m[0], m[1]};
@@ -686,13 +705,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_paired_kernel(const Ar
             handed[q] = *reinterpret_cast<const uint32_t*>(&pair);
         }
         store_probabilities(own_p, handed, row0, quad);
+#endif
         fence_async_shared();
         named_arrive(my_probs, 256);
         wgmma_wait<0>();
         pin<128>(o);
         bar_arrive(own_values_read);
+#if HYLO_SPARSE_MLA_PAIRED != 2
         rescale(o, l, m, after);
         m[0] = after[0], m[1] = after[1];
+#endif
         // the next block's first half is scored while we wait for the other consumer's probabilities (it is
         // our own values' half, which we have just released: the gatherer refills it first)
         const bool more = i + 1 < pairs;
