@@ -54,7 +54,7 @@ class FakeGPU:
     CYCLES_PER_MS = 1.5e6
 
     def __init__(self, monkeypatch):
-        self.now, self.sleeps = 0.0, []
+        self.now, self.sleeps, self.waits = 0.0, [], []
         gpu = self
 
         class Event:
@@ -66,6 +66,9 @@ class FakeGPU:
 
             def elapsed_time(self, other):
                 return other.at - self.at
+
+            def synchronize(self):
+                gpu.waits.append(self)
 
         monkeypatch.setattr(torch.cuda, "Event", Event)
         monkeypatch.setattr(torch.cuda, "_sleep", self.sleep)
@@ -88,8 +91,8 @@ def test_each_forward_is_queued_behind_a_gpu_sleep(monkeypatch):
         model(torch.randn(5, 64))
         model(torch.randn(5, 64))
     clock.detach()
-    probe, *per_forward = gpu.sleeps
-    assert probe == 10**7 and per_forward == [int(5000.0 * FakeGPU.CYCLES_PER_MS)] * 2
+    warm, probe, *per_forward = gpu.sleeps  # the clock rate is measured after a sleep that raised it
+    assert warm == probe == 10**7 and per_forward == [int(5000.0 * FakeGPU.CYCLES_PER_MS)] * 2
     kinds = clock.totals()
     assert sum(k.calls for k in kinds.values()) == 6
     assert all(
@@ -124,9 +127,12 @@ def test_calls_of_the_queue_before_types_get_a_sleep_of_their_own(monkeypatch):
     with torch.inference_mode():
         model(torch.randn(5, 64))
     clock.detach()
-    _probe, *sleeps = gpu.sleeps
+    _warm, _probe, *sleeps = gpu.sleeps
     assert sleeps == [int(40.0 * FakeGPU.CYCLES_PER_MS)] * 3  # the forward and each of its two projections
     assert len(clock._queued) == 3 and all(host_ms is not None for *_, host_ms in clock._queued)
+    # before each sleep after the first the host waited for the GPU to start the one before: the driver's
+    # queue holds one stretch at most
+    assert gpu.waits == [slept for slept, *_ in clock._queued[:2]]
     kinds = clock.totals()
     assert kinds["other"].calls == 1 and kinds["other"].ms == 0.0
     assert kinds["bf16 projections"].calls == 2 and kinds["bf16 projections"].ms == 0.0

@@ -139,6 +139,12 @@ class ModuleClock:
 
     def _queue_ahead(self) -> None:
         self._end_stretch()
+        if self._queued:
+            # Hold the host until the GPU has started the sleep before the stretch just queued: at most that
+            # stretch waits in the driver's queue, which never fills (a full queue blocks the host until the
+            # GPU drains it, through every sleep queued: S46-5, S47-5), and the next stretch is queued while
+            # the GPU sleeps and runs the last one.
+            self._queued[-1][0].synchronize()
         cycles = self._sleep_cycles(self.queue_ahead_ms)
         slept = self._mark()
         torch.cuda._sleep(cycles)
