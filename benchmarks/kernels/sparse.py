@@ -181,9 +181,6 @@ def mla_decode_sweep(tokens_list: list[int]) -> None:
 # `sparse_mla_prefill.cu`'s variants timed beside the default (its macros)
 CUDA_VARIANTS = {
     "rescale every block": ("HYLO_SPARSE_MLA_RESCALE_SLACK=0.0f",),
-    "paired": ("HYLO_SPARSE_MLA_PAIRED=1",),
-    "paired2": ("HYLO_SPARSE_MLA_PAIRED=2",),
-    "paired, rescale every block": ("HYLO_SPARSE_MLA_PAIRED=1", "HYLO_SPARSE_MLA_RESCALE_SLACK=0.0f"),
     # bounds, not kernels (their outputs are wrong): the gather alone, the math alone on stale slots
     "probe: gather only": ("HYLO_SPARSE_MLA_PROBE=1",),
     "probe: math only": ("HYLO_SPARSE_MLA_PROBE=2",),
