@@ -111,7 +111,8 @@ def test_a_forward_queued_slower_than_its_sleep_is_refused(monkeypatch):
         model(torch.randn(5, 64))
     clock.detach()
     with pytest.raises(
-        RuntimeError, match=r"a stretch of a forward took the host .* ms to queue, longer than the 0.0 ms"
+        RuntimeError,
+        match=r"a stretch of a forward \(from Outer call 0\) took the host .* ms to queue, longer than",
     ):
         clock.totals()
 
@@ -129,7 +130,8 @@ def test_calls_of_the_queue_before_types_get_a_sleep_of_their_own(monkeypatch):
     clock.detach()
     _warm, _probe, *sleeps = gpu.sleeps
     assert sleeps == [int(40.0 * FakeGPU.CYCLES_PER_MS)] * 3  # the forward and each of its two projections
-    assert len(clock._queued) == 3 and all(host_ms is not None for *_, host_ms in clock._queued)
+    assert len(clock._queued) == 3 and all(stretch[3] is not None for stretch in clock._queued)
+    assert [stretch[4] for stretch in clock._queued] == ["Outer call 0", "Linear call 0", "Linear call 1"]
     # before each sleep after the first the host waited for the GPU to start the one before: the driver's
     # queue holds one stretch at most
     assert gpu.waits == [slept for slept, *_ in clock._queued[:2]]

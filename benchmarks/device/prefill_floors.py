@@ -94,7 +94,8 @@ class ModuleClock:
     _open: list = field(default_factory=list)  # [module, start, children's markers] of calls in progress
     _done: list = field(default_factory=list)  # (kind, start, end, children's markers) to resolve
     _hooks: list = field(default_factory=list)
-    _queued: list = field(default_factory=list)  # [sleep's start, sleep's end, host start, host ms] a stretch
+    # a stretch: [sleep's start, sleep's end, host start, host ms, the call that opened it]
+    _queued: list = field(default_factory=list)
     _cycles_per_ms: float = 0.0
 
     def attach(self, root: torch.nn.Module) -> None:
@@ -134,10 +135,10 @@ class ModuleClock:
             and self.device.type == "cuda"
             and (not self._open or isinstance(module, self.queue_before))
         ):
-            self._queue_ahead()
+            self._queue_ahead(module)
         self._open.append([module, self._mark(), []])
 
-    def _queue_ahead(self) -> None:
+    def _queue_ahead(self, module) -> None:
         self._end_stretch()
         if self._queued:
             # Hold the host until the GPU has started the sleep before the stretch just queued: at most that
@@ -151,7 +152,9 @@ class ModuleClock:
         woke = self._mark()
         if self._open:
             self._open[-1][2].append((slept, woke))
-        self._queued.append([slept, woke, time.perf_counter(), None])
+        kind = type(module).__name__
+        opened = f"{kind} call {sum(q[4].startswith(kind + ' ') for q in self._queued)}"
+        self._queued.append([slept, woke, time.perf_counter(), None, opened])
 
     def _end_stretch(self) -> None:
         if self._queued and self._queued[-1][3] is None:
@@ -176,12 +179,12 @@ class ModuleClock:
         """Each kind's own time, once the forward's markers have completed."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for slept, woke, _, host_ms in self._queued:
+        for slept, woke, _, host_ms, opened in self._queued:
             if host_ms > slept.elapsed_time(woke):
                 raise RuntimeError(
-                    f"a stretch of a forward took the host {host_ms:.1f} ms to queue, longer than the "
-                    f"{slept.elapsed_time(woke):.1f} ms the GPU slept before it: its calls' times would "
-                    "hold the host's gaps (give a longer --queue-ahead-ms)"
+                    f"a stretch of a forward (from {opened}) took the host {host_ms:.1f} ms to queue, longer "
+                    f"than the {slept.elapsed_time(woke):.1f} ms the GPU slept before it: its calls' times "
+                    "would hold the host's gaps (give a longer --queue-ahead-ms)"
                 )
         self._queued.clear()
 
