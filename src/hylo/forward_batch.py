@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hylo.host_copy import to_device
 from hylo.kda_plan import KDAPlan
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
@@ -196,7 +197,7 @@ class ForwardBatch:
                 f"table holds {req_to_token.shape[1] // kpool}"
             )
         done = _completed_pools(chunks, kpool, fixed)
-        dev = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
+        dev = functools.partial(to_device, device=device)  # pinned staging, copies that do not block the host
         rows = torch.tensor([c.table_row for c in chunks])
         token_rows, positions = dev(rows[host.token_seq]), dev(host.positions)
         pool_ids = torch.arange(pool_width, device=device)
