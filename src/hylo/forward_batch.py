@@ -380,8 +380,8 @@ class _HostPacking:
 def _completed_pools(chunks: Sequence[SequenceChunk], kpool: int, fixed: FixedShape | None) -> torch.Tensor:
     """`[P, 2]` int64 (host): (request-table row, position) of the first token of each pool whose last token
     is in `chunks`, padded to `fixed.num_completed` rows with the filler slot's first pool. Made by a few
-    tensor ops whatever the pool count (a 13K-token prompt completes 3328 pools of 4 tokens: ~2 ms as a
-    Python list of pairs)."""
+    tensor ops whatever the pool count (a 13K-token prompt completes 3328 pools of 4 tokens: 5.8 ms on the
+    CPU machine as a Python list of pairs, 0.1 ms so)."""
     first = torch.tensor([c.prefix_len // kpool for c in chunks])
     counts = torch.tensor([(c.prefix_len + len(c.token_ids)) // kpool for c in chunks]) - first
     total = int(counts.sum())

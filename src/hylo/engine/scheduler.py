@@ -221,7 +221,7 @@ class Scheduler:
         """Put the snapshots `chunk` left, now computed, and the pages before them in the prefix cache."""
         if chunk.snapshots:
             request = chunk.request
-            last = chunk.snapshots[-1][0]
+            last = max(position for position, _ in chunk.snapshots)
             self.prefix.insert_snapshots(request.tokens(0, last), request.pages, chunk.snapshots)
 
     @staticmethod
