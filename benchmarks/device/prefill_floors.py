@@ -84,8 +84,10 @@ class ModuleClock:
     more launches and markers than the driver queues: the host then blocks until the GPU has drained the
     queue, so that it ends the sleep with the forward half queued (the TP8 rank's 45 layers: the host's
     time grew with the sleep, 420 ms to queue behind 283 ms of it, 979 behind 835, with no synchronising
-    torch call). A sleep inside a call is one of its children, out of its own time. `totals()` refuses a
-    stretch that took the host longer to queue than its sleep lasted (its times would hold gaps again)."""
+    torch call). So before queueing a sleep the host also waits for the GPU to start the one before: one
+    stretch at most waits in the driver's queue. A sleep inside a call is one of its children, out of its
+    own time. `totals()` refuses a stretch that took the host longer to queue than its sleep lasted (its
+    times would hold gaps again), naming the call that opened it."""
 
     device: torch.device
     queue_ahead_ms: float = 0.0
@@ -118,7 +120,7 @@ class ModuleClock:
     def _sleep_cycles(self, ms: float) -> int:
         """GPU clock cycles of `ms` (`torch.cuda._sleep` spins on the SM clock), measured once, after a first
         sleep has raised the clock from idle (measured from idle, a 50 ms sleep took 12 ms at the clock the
-        forward runs at: S47-5)."""
+        forward runs at: S47-7)."""
         if not self._cycles_per_ms:
             probe = 10**7
             torch.cuda._sleep(probe)
@@ -143,7 +145,7 @@ class ModuleClock:
         if self._queued:
             # Hold the host until the GPU has started the sleep before the stretch just queued: at most that
             # stretch waits in the driver's queue, which never fills (a full queue blocks the host until the
-            # GPU drains it, through every sleep queued: S46-5, S47-5), and the next stretch is queued while
+            # GPU drains it, through every sleep queued: S46-5, S47-7), and the next stretch is queued while
             # the GPU sleeps and runs the last one.
             self._queued[-1][0].synchronize()
         cycles = self._sleep_cycles(self.queue_ahead_ms)
