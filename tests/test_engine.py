@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_prompt
+from fastapi.testclient import TestClient
 from hf_reference import hf_model, tiny_text_config, write_hf_checkpoint
 
 from hylo import LLM, SamplingParams
@@ -12,6 +13,8 @@ from hylo.config import ModelConfig
 from hylo.memory.kv import TokenCache
 from hylo.memory.state import StateCache
 from hylo.sampling import sample
+from hylo.server.api import build_app
+from hylo.server.async_engine import AsyncEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LENGTHS = [37, 5, 70, 13, 1, 22, 48, 9, 64, 31, 2, 17, 55, 40, 8, 26]
@@ -222,6 +225,43 @@ def test_bad_prompts_are_rejected_before_any_work(checkpoint, kwargs, field):
         llm.generate(sampling_params=GREEDY, use_tqdm=False, **kwargs)
     assert "prompt 1" in str(err.value)
     assert not llm.engine.has_unfinished()
+
+
+def test_a_checked_prompt_is_not_checked_again(checkpoint, monkeypatch):
+    """generate checks every prompt before queueing any, then queues each: one pass over each prompt's
+    ids, not two; a prompt checked by another engine, or for other params, is checked again."""
+    import hylo.engine.engine as engine_module
+
+    passes = []
+    check = engine_module._token_ids
+
+    def counted(field, ids, vocab):
+        passes.append(field)
+        return check(field, ids, vocab)
+
+    monkeypatch.setattr(engine_module, "_token_ids", counted)
+    llm = make_llm(checkpoint, context_length=256)
+    llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9]], sampling_params=GREEDY, use_tqdm=False)
+    assert passes.count("prompt") == 2
+    engine, other = llm.engine, make_llm(checkpoint, context_length=256).engine
+    checked = engine.validate_prompt([5, 6, 7], GREEDY)
+    assert engine.validate_prompt(checked, GREEDY) is checked
+    passes.clear()
+    assert other.validate_prompt(checked, GREEDY).ids == [5, 6, 7]
+    assert engine.validate_prompt(checked, GREEDY.model_copy()).ids == [5, 6, 7]
+    assert passes.count("prompt") == 2
+    with pytest.raises(ValueError, match="stop_token_ids"):  # other params can fail where these passed
+        engine.validate_prompt(checked, GREEDY.model_copy(update={"stop_token_ids": [10**6]}))
+    passes.clear()  # served: each prompt of a request checked before any is queued, and only then
+    served = AsyncEngine(engine)
+    served.start()
+    try:
+        body = {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 2, "temperature": 0}
+        reply = TestClient(build_app(served, "m")).post("/v1/completions", json=body).json()
+        assert len(reply["choices"]) == 2
+    finally:
+        served.shutdown()
+    assert passes.count("prompt") == 2
 
 
 @pytest.mark.parametrize(

@@ -100,14 +100,15 @@ class LLM:
         """One `RequestOutput` per prompt, in order. Every prompt is validated before any work starts."""
         token_lists = self._encode(prompts, prompt_token_ids)
         params = _per_prompt(sampling_params, len(token_lists))
+        checked = []
         for i, (ids, p) in enumerate(zip(token_lists, params, strict=True)):
             try:
-                self.engine.validate_prompt(ids, p)
+                checked.append(self.engine.validate_prompt(ids, p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         groups = [
-            self.engine.add_request(f"gen-{next(self._ids)}", ids, p)
-            for ids, p in zip(token_lists, params, strict=True)
+            self.engine.add_request(f"gen-{next(self._ids)}", prompt, p)
+            for prompt, p in zip(checked, params, strict=True)
         ]
         with tqdm(total=sum(map(len, groups)), desc="Generating", unit="seq", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():

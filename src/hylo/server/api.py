@@ -255,10 +255,9 @@ def build_app(
                 f"{engine.max_queued} (--max-queued-requests)",
                 "n",
             )
-        for ids in prompts:
-            check_prompt(engine, ids, params, param)
+        checked = [check_prompt(engine, ids, params, param) for ids in prompts]
         engine.check_capacity(sequences)
-        return [engine.submit(ids, params) for ids in prompts]
+        return [engine.submit(prompt, params) for prompt in checked]
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, raw: Request) -> Response:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from hylo.engine.engine import Engine, StepOutput
+from hylo.engine.engine import CheckedPrompt, Engine, StepOutput
 from hylo.engine.request import Request, Status
 from hylo.sampling import SamplingParams
 from hylo.server.metrics import ServerMetrics
@@ -120,7 +120,9 @@ class AsyncEngine:
     def num_open(self) -> int:
         return len(self._streams)
 
-    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    def validate(self, prompt_ids: Sequence[int] | CheckedPrompt, params: SamplingParams) -> CheckedPrompt:
+        """The prompt checked for `params` (`Engine.validate_prompt`: from any thread, the engine's
+        limits being fixed), which `submit` takes without checking it again."""
         return self.engine.validate_prompt(prompt_ids, params)
 
     def compile_constraint(self, params: SamplingParams) -> None:
@@ -133,9 +135,10 @@ class AsyncEngine:
         if self.max_queued is not None and self.num_waiting + num_requests > self.max_queued:
             raise QueueFull(f"the waiting queue is full ({self.max_queued} requests); retry later")
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Handle:
+    def submit(self, prompt_ids: Sequence[int] | CheckedPrompt, params: SamplingParams) -> Handle:
         """Queue a request now (from the event loop), so queue-capacity checks see it at once.
-        Raises ValueError for a bad prompt before anything is queued."""
+        Raises ValueError for a bad prompt before anything is queued (a `validate`d one is not checked
+        again, here or on the engine thread)."""
         prompt = self.validate(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt), set(range(params.n)))
         handle = Handle(f"req-{next(self._ids)}", params.n, stream)
@@ -230,7 +233,7 @@ class AsyncEngine:
                 for request_id in list(self._streams):
                     self._abort(request_id)
 
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt: CheckedPrompt, params: SamplingParams) -> None:
         stream = self._streams[request_id]
         try:
             for i, request in enumerate(self.engine.add_request(request_id, prompt, params)):

@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
+from hylo.engine.engine import CheckedPrompt
 from hylo.sampling import SamplingParams
 from hylo.server.async_engine import AsyncEngine, Delta, Handle
 from hylo.server.parsers import ReplyParser
@@ -169,11 +170,14 @@ def param_of(locs: Sequence[Sequence[int | str]]) -> str | None:
     return ".".join(parts) or None
 
 
-def check_prompt(engine: AsyncEngine, ids: Sequence[int], params: SamplingParams, param: str) -> None:
+def check_prompt(
+    engine: AsyncEngine, ids: Sequence[int], params: SamplingParams, param: str
+) -> CheckedPrompt:
     """`ids` and `params` checked as a generation of them would be (token ids, length, the params'
-    ids), or a 400 naming the field: the params' own field, else `param` (where the prompt came from)."""
+    ids), or a 400 naming the field: the params' own field, else `param` (where the prompt came from).
+    The checked prompt is what `AsyncEngine.submit` takes without checking it again."""
     try:
-        engine.validate(ids, params)
+        return engine.validate(ids, params)
     except ValueError as e:
         message = str(e)
         field_name = message.split(":", 1)[0]
