@@ -132,9 +132,10 @@ def test_calls_of_the_queue_before_types_get_a_sleep_of_their_own(monkeypatch):
     assert sleeps == [int(40.0 * FakeGPU.CYCLES_PER_MS)] * 3  # the forward and each of its two projections
     assert len(clock._queued) == 3 and all(stretch[3] is not None for stretch in clock._queued)
     assert [stretch[4] for stretch in clock._queued] == ["Outer call 0", "Linear call 0", "Linear call 1"]
-    # before each sleep after the first the host waited for the GPU to start the one before: the driver's
-    # queue holds one stretch at most
-    assert gpu.waits == [slept for slept, *_ in clock._queued[:2]]
+    # before each sleep after the first the host waited for the GPU to finish the stretch before it: the
+    # driver's queue holds one stretch
+    assert gpu.waits == [stretch[5] for stretch in clock._queued[:2]]
+    assert all(stretch[5] is not None and stretch[5] not in stretch[:2] for stretch in clock._queued)
     kinds = clock.totals()
     assert kinds["other"].calls == 1 and kinds["other"].ms == 0.0
     assert kinds["bf16 projections"].calls == 2 and kinds["bf16 projections"].ms == 0.0

@@ -84,8 +84,8 @@ class ModuleClock:
     more launches and markers than the driver queues: the host then blocks until the GPU has drained the
     queue, so that it ends the sleep with the forward half queued (the TP8 rank's 45 layers: the host's
     time grew with the sleep, 420 ms to queue behind 283 ms of it, 979 behind 835, with no synchronising
-    torch call). So before queueing a sleep the host also waits for the GPU to start the one before: one
-    stretch at most waits in the driver's queue. A sleep inside a call is one of its children, out of its
+    torch call; the profiler names the wait "Command Buffer Full", S48-1). So before queueing a sleep the
+    host also waits for the GPU to finish the stretch before it: the queue holds one stretch. A sleep inside a call is one of its children, out of its
     own time. `totals()` refuses a stretch that took the host longer to queue than its sleep lasted (its
     times would hold gaps again), naming the call that opened it."""
 
@@ -96,7 +96,7 @@ class ModuleClock:
     _open: list = field(default_factory=list)  # [module, start, children's markers] of calls in progress
     _done: list = field(default_factory=list)  # (kind, start, end, children's markers) to resolve
     _hooks: list = field(default_factory=list)
-    # a stretch: [sleep's start, sleep's end, host start, host ms, the call that opened it]
+    # a stretch: [sleep's start, sleep's end, host start, host ms, the call that opened it, its end marker]
     _queued: list = field(default_factory=list)
     _cycles_per_ms: float = 0.0
 
@@ -143,11 +143,11 @@ class ModuleClock:
     def _queue_ahead(self, module) -> None:
         self._end_stretch()
         if self._queued:
-            # Hold the host until the GPU has started the sleep before the stretch just queued: at most that
-            # stretch waits in the driver's queue, which never fills (a full queue blocks the host until the
-            # GPU drains it, through every sleep queued: S46-5, S47-7), and the next stretch is queued while
-            # the GPU sleeps and runs the last one.
-            self._queued[-1][0].synchronize()
+            # Hold the host until the GPU has run the stretch just queued: the driver's queue then holds this
+            # sleep and this stretch alone, and never fills (a full command buffer blocks the host until the
+            # GPU drains it, through every sleep queued: S46-5, S47-7; holding two stretches, the TP8 rank's
+            # fourth layer still found it full, S48-1). The GPU idles between stretches, outside every marker.
+            self._queued[-1][5].synchronize()
         cycles = self._sleep_cycles(self.queue_ahead_ms)
         slept = self._mark()
         torch.cuda._sleep(cycles)
@@ -156,11 +156,12 @@ class ModuleClock:
             self._open[-1][2].append((slept, woke))
         kind = type(module).__name__
         opened = f"{kind} call {sum(q[4].startswith(kind + ' ') for q in self._queued)}"
-        self._queued.append([slept, woke, time.perf_counter(), None, opened])
+        self._queued.append([slept, woke, time.perf_counter(), None, opened, None])
 
     def _end_stretch(self) -> None:
         if self._queued and self._queued[-1][3] is None:
             self._queued[-1][3] = 1e3 * (time.perf_counter() - self._queued[-1][2])
+            self._queued[-1][5] = self._mark()
 
     def _leave(self, module, args, kwargs, output) -> None:
         opened, start, children = self._open.pop()
@@ -181,7 +182,7 @@ class ModuleClock:
         """Each kind's own time, once the forward's markers have completed."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for slept, woke, _, host_ms, opened in self._queued:
+        for slept, woke, _, host_ms, opened, _ in self._queued:
             if host_ms > slept.elapsed_time(woke):
                 raise RuntimeError(
                     f"a stretch of a forward (from {opened}) took the host {host_ms:.1f} ms to queue, longer "
