@@ -233,13 +233,13 @@ def test_a_checked_prompt_is_not_checked_again(checkpoint, monkeypatch):
     import hylo.engine.engine as engine_module
 
     passes = []
-    check = engine_module._token_ids
+    check = engine_module.checked_token_ids
 
     def counted(field, ids, vocab):
         passes.append(field)
         return check(field, ids, vocab)
 
-    monkeypatch.setattr(engine_module, "_token_ids", counted)
+    monkeypatch.setattr(engine_module, "checked_token_ids", counted)
     llm = make_llm(checkpoint, context_length=256)
     llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9]], sampling_params=GREEDY, use_tqdm=False)
     assert passes.count("prompt") == 2

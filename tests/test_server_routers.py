@@ -73,6 +73,9 @@ def test_tokenize_a_prompt_or_chat_messages_as_vllm_does(worker):
     assert chat["tokens"] == rendered["token_ids"] and len(chat["tokens"]) > len(v1["tokens"])
     back = HTTP.post(f"{worker}/detokenize", json={"tokens": v1["tokens"]})
     assert back.status_code == 200 and "story water time" in back.json()["prompt"]
+    outside = HTTP.post(f"{worker}/detokenize", json={"tokens": [v1["tokens"][0], 10**6]})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    assert "token id 1000000 is outside the vocabulary" in outside.json()["error"]["message"]
     both = HTTP.post(f"{worker}/tokenize", json={"prompt": "a", "messages": messages})
     assert both.status_code == 400 and "exactly one of prompt and messages" in both.json()["error"]["message"]
     wrong = HTTP.post(f"{worker}/tokenize", json={"model": "other", "prompt": "a"})

@@ -47,6 +47,7 @@ from hylo.server.runs import (
     Choice,
     RequestFailed,
     check_prompt,
+    check_token_ids,
     collect,
     failed_rule,
     merge,
@@ -197,11 +198,6 @@ def build_app(
             if has_surrogate(text):
                 raise APIError(400, f"{param}: contains a lone surrogate, which is not valid text", param)
         return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
-
-    def check_ids(ids: Sequence[int], param: str) -> None:
-        bad = [t for t in ids if t >= vocab]
-        if bad:
-            raise APIError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param)
 
     async def encode_prompts(prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -419,7 +415,7 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         check_model(body.model)
         need_tokenizer("tokens")
-        check_ids(body.tokens, "tokens")
+        check_token_ids(body.tokens, vocab, "tokens")
         text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
         return DetokenizeResponse(prompt=text)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from hylo.engine.engine import CheckedPrompt
+from hylo.engine.engine import CheckedPrompt, checked_token_ids
 from hylo.sampling import SamplingParams
 from hylo.server.async_engine import AsyncEngine, Delta, Handle
 from hylo.server.parsers import ReplyParser
@@ -168,6 +168,15 @@ def param_of(locs: Sequence[Sequence[int | str]]) -> str | None:
             break
         parts.append(str(part))
     return ".".join(parts) or None
+
+
+def check_token_ids(ids: Sequence[int], vocab: int, param: str) -> None:
+    """Every id of `ids` inside the vocabulary `[0, vocab)`, or a 400 naming `param` and the first that is
+    not (the engine's own check: `checked_token_ids`)."""
+    try:
+        checked_token_ids(param, ids, vocab)
+    except ValueError as e:
+        raise APIError(400, str(e), param) from None
 
 
 def check_prompt(

@@ -30,7 +30,7 @@ from hylo.server.protocol import (
     Tool,
     thinking_kwargs,
 )
-from hylo.server.runs import APIError, check_prompt, failed_rule
+from hylo.server.runs import APIError, check_prompt, check_token_ids, failed_rule
 
 # `GET /get_load`'s shape: vllm-router reads `{"load": N}`, sglang-router a list of per-DP-rank entries.
 LOAD_FORMATS = ("vllm", "sglang")
@@ -202,9 +202,7 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, model_name: str, load_f
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         check_model(body.model)
         need_tokenizer("tokens")
-        bad = [t for t in body.tokens if t >= vocab]
-        if bad:
-            raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        check_token_ids(body.tokens, vocab, "tokens")
         return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens, False))
 
     @app.post("/v1/completions/render", response_model=list[RenderedRequest])
