@@ -36,6 +36,9 @@ def _plant() -> None:
         if _starts(self.prompt_ids, POISON_OUTPUT):
             raise RuntimeError("planted fault in one request's output")
         if self.params.max_tokens == SCRIPTED_MAX_TOKENS:
+            # the script alone ends the reply: a sampled eos (a request without ignore_eos, as every
+            # /v1/messages one) cut ~7% of them short, failing the tests that read the whole script
+            self.stop_ids = frozenset()
             append(self, token, logprobs)  # its bookkeeping; the text is the script's
             k = len(self.output_ids) - 1
             piece = SCRIPTED_REPLY[k] if k < len(SCRIPTED_REPLY) else ""

@@ -18,7 +18,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import pytest
-from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP, SCRIPTED_MAX_TOKENS
+from faulty_server import POISON_HANG, POISON_OUTPUT, POISON_STEP, SCRIPTED_MAX_TOKENS, SCRIPTED_REPLY
 from test_server import on_a_free_port, wait_idle, wait_ready
 
 from hylo.cli import main
@@ -613,6 +613,25 @@ def test_tool_choice_required_or_named_constrains_the_reply_to_calls(server):
     both = chat | {"tool_choice": "required", "regex": "a+"}
     assert_error(post(server, "/v1/chat/completions", both), 400, "tool_choice")
     assert_serving(server)
+
+
+def test_a_scripted_reply_is_whole_whatever_the_model_samples(model_dir, monkeypatch):
+    """The faulty server's script alone ends a scripted reply. Sampled at temperature 1 without
+    ignore_eos (as every /v1/messages request runs), ~7% of the replies drew an eos inside the script
+    and ended early, failing the messages test about one run in eight."""
+    import faulty_server
+
+    from hylo import LLM
+    from hylo.engine.request import Request
+    from hylo.engine.scheduler import Scheduler
+
+    for owner, name in ((Request, "append"), (Scheduler, "schedule")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # the planted faults go after this test
+    faulty_server._plant()
+    llm = LLM(str(model_dir), device="cpu", page_size=16, max_memory_gb=0.25, skip_warmup=True)
+    params = [SamplingParams(max_tokens=SCRIPTED_MAX_TOKENS, temperature=1.0, seed=s) for s in range(60)]
+    outs = llm.generate(prompt_token_ids=[[5, 6, 7, 8]] * 60, sampling_params=params, use_tqdm=False)
+    assert {o.text for o in outs} == {"".join(SCRIPTED_REPLY)}
 
 
 def test_messages_carry_thinking_text_and_tool_use_blocks(server):
