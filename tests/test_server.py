@@ -471,10 +471,8 @@ def test_queue_limit_and_graceful_sigterm(model_dir):
         ):
             lines = first.aiter_lines()
             await anext(lines)
-            burst = [
-                asyncio.create_task(c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
-                for _ in range(4)
-            ]
+            short = {"prompt": "a", "max_tokens": 2, "ignore_eos": True}  # two tokens, whatever is sampled
+            burst = [asyncio.create_task(c.post("/v1/completions", json=short)) for _ in range(4)]
             refused: list[httpx.Response] = []
             waiting = set(burst)
             while len(refused) < 3:
