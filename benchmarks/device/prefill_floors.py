@@ -84,10 +84,11 @@ class ModuleClock:
     more launches and markers than the driver queues: the host then blocks until the GPU has drained the
     queue, so that it ends the sleep with the forward half queued (the TP8 rank's 45 layers: the host's
     time grew with the sleep, 420 ms to queue behind 283 ms of it, 979 behind 835, with no synchronising
-    torch call; the profiler names the wait "Command Buffer Full", S48-1). So before queueing a sleep the
-    host also waits for the GPU to finish the stretch before it: the queue holds one stretch. A sleep inside a call is one of its children, out of its
-    own time. `totals()` refuses a stretch that took the host longer to queue than its sleep lasted (its
-    times would hold gaps again), naming the call that opened it."""
+    torch call; a forward queued behind one long sleep shows the profiler's "Command Buffer Full", S48-1).
+    So before queueing a sleep the host also waits for the GPU to finish the stretch before it: the queue
+    holds one stretch. A sleep inside a call is one of its children, out of its own time. `totals()`
+    refuses a stretch that took the host longer to queue than its sleep lasted (its times would hold gaps
+    again), naming the call that opened it."""
 
     device: torch.device
     queue_ahead_ms: float = 0.0
@@ -146,7 +147,8 @@ class ModuleClock:
             # Hold the host until the GPU has run the stretch just queued: the driver's queue then holds this
             # sleep and this stretch alone, and never fills (a full command buffer blocks the host until the
             # GPU drains it, through every sleep queued: S46-5, S47-7; holding two stretches, the TP8 rank's
-            # fourth layer still found it full, S48-1). The GPU idles between stretches, outside every marker.
+            # fourth layer still waited through two sleeps, S48-1). The GPU idles between stretches, outside
+            # every marker.
             self._queued[-1][5].synchronize()
         cycles = self._sleep_cycles(self.queue_ahead_ms)
         slept = self._mark()
