@@ -117,6 +117,38 @@ def test_a_forward_queued_slower_than_its_sleep_is_refused(monkeypatch):
         clock.totals()
 
 
+class HostBound(torch.nn.Module):
+    """A module whose call holds the host (as a launch into a full command buffer would)."""
+
+    def forward(self, x):
+        time.sleep(0.05)
+        return x
+
+
+class WithAHostWait(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.waits, self.second = Linear(64, 32), HostBound(), Linear(32, 16)
+
+    def forward(self, x):
+        return self.second(self.waits(self.first(x)))
+
+
+def test_a_refused_stretch_names_its_call_with_the_longest_own_host_time(monkeypatch):
+    """The refusal names the call whose host time less its children's was longest in the stretch: the
+    waiting module, not its parent (whose host time holds the wait too)."""
+    FakeGPU(monkeypatch)
+    model = WithAHostWait()
+    clock = ModuleClock(torch.device("cuda"), queue_ahead_ms=20.0)
+    clock.attach(model)
+    with torch.inference_mode():
+        model(torch.randn(5, 64))
+    clock.detach()
+    with pytest.raises(RuntimeError, match=r"longest host time of its own: waits, ") as refused:
+        clock.totals()
+    assert float(str(refused.value).rsplit(", ", 1)[1].removesuffix(" ms")) >= 45.0  # its 50 ms sleep
+
+
 def test_calls_of_the_queue_before_types_get_a_sleep_of_their_own(monkeypatch):
     """With `queue_before`, each call of those types is queued behind a sleep too (a forward with more
     launches than the driver queues), and each sleep inside a call is left out of that call's own time:
@@ -130,12 +162,12 @@ def test_calls_of_the_queue_before_types_get_a_sleep_of_their_own(monkeypatch):
     clock.detach()
     _warm, _probe, *sleeps = gpu.sleeps
     assert sleeps == [int(40.0 * FakeGPU.CYCLES_PER_MS)] * 3  # the forward and each of its two projections
-    assert len(clock._queued) == 3 and all(stretch[3] is not None for stretch in clock._queued)
-    assert [stretch[4] for stretch in clock._queued] == ["Outer call 0", "Linear call 0", "Linear call 1"]
+    assert len(clock._queued) == 3 and all(stretch.host_ms is not None for stretch in clock._queued)
+    assert [stretch.opened for stretch in clock._queued] == ["Outer call 0", "Linear call 0", "Linear call 1"]
     # before each sleep after the first the host waited for the GPU to finish the stretch before it: the
     # driver's queue holds one stretch
-    assert gpu.waits == [stretch[5] for stretch in clock._queued[:2]]
-    assert all(stretch[5] is not None and stretch[5] not in stretch[:2] for stretch in clock._queued)
+    assert gpu.waits == [stretch.ended for stretch in clock._queued[:2]]
+    assert all(stretch.ended not in (None, stretch.slept, stretch.woke) for stretch in clock._queued)
     kinds = clock.totals()
     assert kinds["other"].calls == 1 and kinds["other"].ms == 0.0
     assert kinds["bf16 projections"].calls == 2 and kinds["bf16 projections"].ms == 0.0

@@ -70,6 +70,33 @@ class Kind:
 
 
 @dataclass
+class Stretch:
+    """What the host queued behind one sleep of a `ModuleClock`: the sleep's markers, when the host began,
+    the call that opened it, and once it ended the host's ms, the marker at its end and the call that spent
+    the most host time of its own in it (name, ms: where a refused stretch's host waited)."""
+
+    slept: object
+    woke: object
+    host_start: float
+    opened: str
+    host_ms: float | None = None
+    ended: object = None
+    slowest: tuple[str, float] = ("", 0.0)
+
+
+@dataclass
+class OpenCall:
+    """A module call in progress: its start marker, its children's markers (and sleeps), when the host
+    entered it and the host ms of its children and of the sleeps queued inside it."""
+
+    module: torch.nn.Module
+    start: object
+    children: list = field(default_factory=list)
+    host_start: float = 0.0
+    children_host_ms: float = 0.0
+
+
+@dataclass
 class ModuleClock:
     """Times every module call of a forward between two markers (CUDA events, or the host clock on a
     CPU) and counts each call's work (`work`): `kinds` after `totals()`. Safe to use when the forward
@@ -88,20 +115,21 @@ class ModuleClock:
     So before queueing a sleep the host also waits for the GPU to finish the stretch before it: the queue
     holds one stretch. A sleep inside a call is one of its children, out of its own time. `totals()`
     refuses a stretch that took the host longer to queue than its sleep lasted (its times would hold gaps
-    again), naming the call that opened it."""
+    again), naming the call that opened it and the call whose own host time in it was longest."""
 
     device: torch.device
     queue_ahead_ms: float = 0.0
     queue_before: tuple[type, ...] = ()  # module types whose calls are queued behind a sleep of their own
     kinds: dict[str, Kind] = field(default_factory=dict)
-    _open: list = field(default_factory=list)  # [module, start, children's markers] of calls in progress
+    _open: list[OpenCall] = field(default_factory=list)  # calls in progress, outermost first
     _done: list = field(default_factory=list)  # (kind, start, end, children's markers) to resolve
     _hooks: list = field(default_factory=list)
-    # a stretch: [sleep's start, sleep's end, host start, host ms, the call that opened it, its end marker]
-    _queued: list = field(default_factory=list)
+    _queued: list[Stretch] = field(default_factory=list)
+    _names: dict[int, str] = field(default_factory=dict)  # id(module) -> its name under the root
     _cycles_per_ms: float = 0.0
 
     def attach(self, root: torch.nn.Module) -> None:
+        self._names.update({id(m): name or type(m).__name__ for name, m in root.named_modules()})
         for module in root.modules():
             self._hooks.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(self._leave, with_kwargs=True))
@@ -138,8 +166,11 @@ class ModuleClock:
             and self.device.type == "cuda"
             and (not self._open or isinstance(module, self.queue_before))
         ):
+            began = time.perf_counter()
             self._queue_ahead(module)
-        self._open.append([module, self._mark(), []])
+            if self._open:  # the sleep and the wait before it are not the parent's own host time
+                self._open[-1].children_host_ms += 1e3 * (time.perf_counter() - began)
+        self._open.append(OpenCall(module, self._mark(), host_start=time.perf_counter()))
 
     def _queue_ahead(self, module) -> None:
         self._end_stretch()
@@ -149,34 +180,39 @@ class ModuleClock:
             # GPU drains it, through every sleep queued: S46-5, S47-7; holding two stretches, the TP8 rank's
             # fourth layer still waited through two sleeps, S48-1). The GPU idles between stretches, outside
             # every marker.
-            self._queued[-1][5].synchronize()
+            self._queued[-1].ended.synchronize()
         cycles = self._sleep_cycles(self.queue_ahead_ms)
         slept = self._mark()
         torch.cuda._sleep(cycles)
         woke = self._mark()
         if self._open:
-            self._open[-1][2].append((slept, woke))
+            self._open[-1].children.append((slept, woke))
         kind = type(module).__name__
-        opened = f"{kind} call {sum(q[4].startswith(kind + ' ') for q in self._queued)}"
-        self._queued.append([slept, woke, time.perf_counter(), None, opened, None])
+        opened = f"{kind} call {sum(q.opened.startswith(kind + ' ') for q in self._queued)}"
+        self._queued.append(Stretch(slept, woke, time.perf_counter(), opened))
 
     def _end_stretch(self) -> None:
-        if self._queued and self._queued[-1][3] is None:
-            self._queued[-1][3] = 1e3 * (time.perf_counter() - self._queued[-1][2])
-            self._queued[-1][5] = self._mark()
+        if self._queued and self._queued[-1].host_ms is None:
+            self._queued[-1].host_ms = 1e3 * (time.perf_counter() - self._queued[-1].host_start)
+            self._queued[-1].ended = self._mark()
 
     def _leave(self, module, args, kwargs, output) -> None:
-        opened, start, children = self._open.pop()
-        assert opened is module, "module calls must nest"
+        call = self._open.pop()
+        assert call.module is module, "module calls must nest"
         end = self._mark()
         name, unit, amount = work(module, args, output)
         kind = self.kinds.setdefault(name, Kind(unit))
         kind.calls += 1
         kind.work += amount
         kind.weight_bytes += weight_bytes(module, args)
-        self._done.append((name, start, end, children))
+        self._done.append((name, call.start, end, call.children))
+        host_ms = 1e3 * (time.perf_counter() - call.host_start)
+        own = host_ms - call.children_host_ms
+        if self._queued and self._queued[-1].host_ms is None and own > self._queued[-1].slowest[1]:
+            self._queued[-1].slowest = (self._names.get(id(module), type(module).__name__), own)
         if self._open:
-            self._open[-1][2].append((start, end))
+            self._open[-1].children.append((call.start, end))
+            self._open[-1].children_host_ms += host_ms
         else:
             self._end_stretch()
 
@@ -184,12 +220,15 @@ class ModuleClock:
         """Each kind's own time, once the forward's markers have completed."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for slept, woke, _, host_ms, opened, _ in self._queued:
-            if host_ms > slept.elapsed_time(woke):
+        for stretch in self._queued:
+            slept_ms = stretch.slept.elapsed_time(stretch.woke)
+            if stretch.host_ms > slept_ms:
+                slowest, own = stretch.slowest
                 raise RuntimeError(
-                    f"a stretch of a forward (from {opened}) took the host {host_ms:.1f} ms to queue, longer "
-                    f"than the {slept.elapsed_time(woke):.1f} ms the GPU slept before it: its calls' times "
-                    "would hold the host's gaps (give a longer --queue-ahead-ms)"
+                    f"a stretch of a forward (from {stretch.opened}) took the host {stretch.host_ms:.1f} ms "
+                    f"to queue, longer than the {slept_ms:.1f} ms the GPU slept before it: its calls' times "
+                    "would hold the host's gaps (give a longer --queue-ahead-ms); its call with the longest "
+                    f"host time of its own: {slowest}, {own:.1f} ms"
                 )
         self._queued.clear()
 
