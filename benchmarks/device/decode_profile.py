@@ -1,8 +1,10 @@
 """Where a decode graph replay's time goes, kernel by kernel, beside the bytes each kind of module
-reads: the real-size GLM-5.3-Flash slice (a random FP8 checkpoint, `load_format="dummy"`).
+reads: the real-size GLM-5.3-Flash slice (a random FP8 checkpoint, `load_format="dummy"`), or with
+`--tp 8 --layers 45` rank 0 of a TP8/EP8 deployment of the full model (`hylo.distributed.rank_engine`: the
+rank's share of the weights, its collectives recorded and not run, as in `rank_e2e.py`).
 
-    PYTHONPATH=src python3 benchmarks/device/decode_profile.py [--layers 8] [--buckets 1 8] [--no-ttft]
-                                                               [--out DIR]
+    PYTHONPATH=src python3 benchmarks/device/decode_profile.py [--tp 0|4|8] [--layers 8] [--buckets 1 8]
+                                                               [--no-ttft] [--out DIR]
 
 Per bucket, after a few decode steps of that many requests of random prompts (so the graph's static
 batch is a real one: distinct tokens routed to distinct experts; the warm-up batch repeats one token):
@@ -36,6 +38,8 @@ from rank_e2e import gemv_census, warm
 from spec_e2e import copy_bandwidth, folded_shared_bytes, replay_ms, write_target
 
 from hylo import LLM
+from hylo.config import EngineConfig
+from hylo.distributed.rank_engine import rank_engine
 from hylo.engine.cuda_graph import OBSERVE
 from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.moe import Experts, FP8Experts
@@ -135,25 +139,35 @@ def bytes_by_kind(model: torch.nn.Module, forward) -> dict[str, float]:
     return dict(read)
 
 
+def build(tp: int, layers: int):
+    """The slice's engine (`tp` 0) or rank 0 of a `tp`-rank deployment of `layers` layers."""
+    path = Path(tempfile.mkdtemp())
+    write_target(path, layers)
+    common = dict(
+        load_format="dummy", device="cuda", dtype="bfloat16", max_running_requests=8, cuda_graph_max_bs=8,
+        context_length=16384, skip_warmup=True,
+    )  # fmt: skip
+    if tp == 0:
+        return LLM(str(path), mem_fraction_static=0.6, **common).engine
+    config = EngineConfig.from_kwargs(model=str(path), tp_size=tp, mem_fraction_static=0.85, **common)
+    return rank_engine(config, 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--tp", type=int, default=0, help="0: the slice; 4 or 8: rank 0 of that deployment")
+    parser.add_argument("--layers", type=int, default=8, help="target layers (45: the full model)")
     parser.add_argument("--buckets", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-ttft", action="store_true", help="skip the prefill TTFTs")
     args = parser.parse_args()
-    path = Path(tempfile.mkdtemp())
-    write_target(path, args.layers)
-    llm = LLM(
-        str(path), load_format="dummy", device="cuda", dtype="bfloat16",
-        max_running_requests=8, cuda_graph_max_bs=8, mem_fraction_static=0.6, context_length=16384,
-        skip_warmup=True,
-    )  # fmt: skip
-    graphs = llm.engine.runner.graphs
+    engine = build(args.tp, args.layers)
+    graphs = engine.runner.graphs
     bandwidth = copy_bandwidth()
-    report: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "copy_bytes_per_s": bandwidth}
+    report: dict = {"gpu": torch.cuda.get_device_name(), "tp": args.tp, "layers": args.layers}
+    report["copy_bytes_per_s"] = bandwidth
     for bucket in args.buckets:
-        warm(llm.engine, bucket)
+        warm(engine, bucket)
         with torch.inference_mode(), gemv_census() as census:
             read = bytes_by_kind(graphs.model, lambda b=bucket: graphs.bank.warm(b))
         torch.cuda.synchronize()
@@ -173,7 +187,7 @@ def main() -> None:
     for n in () if args.no_ttft else (1024, 13312):
         times = []
         for _ in range(4):  # the first compiles what this length needs
-            (request,), _ = serve(llm.engine, [torch.randint(0, VOCAB, (n,), generator=gen).tolist()], 1)
+            (request,), _ = serve(engine, [torch.randint(0, VOCAB, (n,), generator=gen).tolist()], 1)
             times.append(ttft(request) * 1e3)
         report[f"ttft_{n}_ms"] = round(statistics.median(times[1:]), 2)
     text = json.dumps(report, indent=1)
