@@ -81,3 +81,21 @@ def test_overlapped_steps_read_once_and_match_the_reading_engine(target, monkeyp
             torch.testing.assert_close(list(mine.values()), list(theirs.values()), atol=0, rtol=0)
         assert replays.count(batch) >= 20, replays
     assert len(reads) >= 60 and ahead[0] >= 60, (len(reads), ahead)
+
+
+def test_steps_upload_from_pinned_memory_only(target):
+    """Every host-to-device copy of an eager prefill (a KDA layer's chunked prompt among them) and of the
+    decode steps after it comes from pinned memory: a pageable upload is staged by the driver, which may
+    wait for the stream first (the KDA plan's offsets were one, and the TP8 rank's timeline had the GPU idle
+    after it, RESULTS S48-2)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = make_llm(target, cuda_graph_max_prefill_tokens=0)
+    lengths = (150, 40)
+    warm = [random_prompt(n, VOCAB, seed=n) for n in lengths]
+    llm.generate(prompt_token_ids=warm, sampling_params=PARAMS[0], use_tqdm=False)
+    fresh = [random_prompt(n, VOCAB, seed=n + 1) for n in lengths]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt_token_ids=fresh, sampling_params=PARAMS[0], use_tqdm=False)
+    copies = {e.name for e in prof.events() if e.name.startswith("Memcpy HtoD")}
+    assert copies and not [c for c in copies if "Pageable" in c], copies

@@ -204,7 +204,7 @@ class KDAPlan:
         other_tokens = [t for i in others for t in range(offsets[i], offsets[i] + lens[i])]
 
         def dev(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+            return to_device(values, device, torch.long)
 
         return VerifyPlan(
             dev(blocks), dev([self.seq_slots[i] for i in self.verify_seqs]), dev(verified), dev(positions),
@@ -217,4 +217,4 @@ def _offsets(lengths: Sequence[int], device: torch.device) -> Offsets:
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
-    return offsets, torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)
+    return offsets, to_device(offsets, device, torch.int32)

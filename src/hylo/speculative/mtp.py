@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from hylo.forward_batch import ForwardBatch, Padded, SequenceChunk, Uniform
+from hylo.host_copy import to_device
 from hylo.layers.vocab import HotTokenHead, VocabHead
 from hylo.memory.specs import TokenCacheSpec
 from hylo.memory.state import StateCache
@@ -204,9 +205,9 @@ class MTPProposer(Proposer):
         if not chunks:
             return
         device = features.device
-        token_index_d = torch.tensor(token_index).to(device, non_blocking=True)
-        hidden_index_d = torch.tensor(hidden_index).clamp(min=0).to(device, non_blocking=True)
-        kept_d = torch.tensor(kept).to(device, non_blocking=True)
+        token_index_d = to_device(token_index, device, torch.long)
+        hidden_index_d = to_device([max(i, 0) for i in hidden_index], device, torch.long)
+        kept_d = to_device(kept, device, torch.bool)
         hidden = torch.where(
             kept_d[:, None], self.last_hidden[batch.token_rows[token_index_d]], features[hidden_index_d]
         )
