@@ -206,7 +206,7 @@ class MTPProposer(Proposer):
             return
         device = features.device
         token_index_d = to_device(token_index, device, torch.long)
-        hidden_index_d = to_device([max(i, 0) for i in hidden_index], device, torch.long)
+        hidden_index_d = to_device(torch.tensor(hidden_index).clamp_(min=0), device)
         kept_d = to_device(kept, device, torch.bool)
         hidden = torch.where(
             kept_d[:, None], self.last_hidden[batch.token_rows[token_index_d]], features[hidden_index_d]
