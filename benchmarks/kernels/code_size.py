@@ -220,10 +220,13 @@ def pool_compression() -> Callable[[], object]:
 
 
 def cases(kda_heads: int) -> dict[str, Callable[[], Callable[[], object]]]:
-    """Each case's launches (made when called): the slice's B = 1 and B = 8 decode batches."""
+    """Each case's launches (made when called): the slice's B = 1 and B = 8 decode batches, and a TP4 and a
+    TP8 rank's KDA step at B = 1 (16 and 8 heads, whose kernel tiles differ from the slice's)."""
     return {
         "kda_step_b1": lambda: kda_step(1, kda_heads),
         "kda_step_b8": lambda: kda_step(8, kda_heads),
+        "kda_step_tp4_rank_b1": lambda: kda_step(1, kda_heads // 4),
+        "kda_step_tp8_rank_b1": lambda: kda_step(1, kda_heads // 8),
         "moe_prologue_t1": lambda: moe_prologue(1),
         "moe_prologue_t8": lambda: moe_prologue(8),
         "pool_compression": pool_compression,

@@ -379,14 +379,16 @@ def conv_steps(x: KDAInputs, conv_weight, slots: KDASlots, *, write_y=True, writ
     return y if write_y else None
 
 
-def _block_v(bsz: int, h: int, d: int, t: int) -> tuple[int, int]:
+def _block_v(bsz: int, h: int, d: int, t: int, factors_inside: bool) -> tuple[int, int]:
     """(BV, num_warps) of the sequential kernel, the fastest measured (benchmarks/RESULTS.md): 64-wide
     tiles of 8 warps at 64 (sequence, head) pairs (one decode sequence of 64 heads: in the H100's decode
     replay 9.1 us a layer against 12.1 for 16-wide tiles of 2 warps, which spilled 200 bytes a thread,
-    S33-2; each program computes its head's gate rows and β, so wider tiles repeat that less), narrow tiles
-    while fewer pairs leave SMs idle (H200; a TP rank's few heads: not measured with the wide tiles), 64-wide
-    tiles with 4 warps beyond."""
-    if t == 1 and bsz * h == 64:
+    S33-2; each program computes its head's gate rows and β, so wider tiles repeat that less) and at fewer
+    pairs when the gate's and β's factors are multiplied inside (`factors_inside`: a TP rank's few heads,
+    where 2 warps hold the gate's rows in 255 registers and spill the same 200 bytes, S49); narrow tiles
+    of 2 warps while fewer pairs of dense gates leave SMs idle (H200), 64-wide tiles with 4 warps
+    beyond."""
+    if t == 1 and (bsz * h == 64 or (factors_inside and bsz * h < 64)):
         return min(64, d), 8
     if t == 1 and bsz * h < 64:
         return min(16, d), 2
@@ -415,7 +417,7 @@ def recurrent(
     f, f_factors, f_constants = _gate_operands(x.f, h, d)
     b, b_weight, b_constants = _beta_operands(x.b, h)
     o = torch.empty(bsz, t, h, d, dtype=qkv.dtype, device=qkv.device) if write_o else qkv
-    bv, warps = _block_v(bsz, h, d, t)
+    bv, warps = _block_v(bsz, h, d, t, factors_inside=f_constants["F_RANK"] > 0 and b_constants["B_RANK"] > 0)
     bv, warps = block_v or bv, num_warps or warps
     use_lb = lower_bound is not None
     dependent = dependent_launches(qkv.device)
