@@ -9,6 +9,8 @@ formulas written the way FLA's `naive.py` writes them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from interpreter import run_compiled_for_hopper, use_interpreter
 
 use_interpreter()  # before the kernels are decorated
@@ -565,30 +567,27 @@ def test_model_decode_step_with_kernels_matches_reference_path(monkeypatch):
 
 # Compiles decode's two launches for sm_90 as the GPU does (bf16 inputs and pools, GLM-5.3-Flash's head
 # size, the window step inside the norm launch) in a fresh interpreter-free process: the interpreter runs
-# their programs one after another and never compiles them.
-_DECODE_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hylo.ops.kda import recurrent, rmsnorm
+# their programs one after another and never compiles them. The launches are the real ones
+# (`code_size.compiled_launches` compiles each with the operands `recurrent.decode` passes, typed bundles
+# included, instead of running it); prints the kernels that came out with a cubin.
+_DECODE_COMPILE = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "benchmarks" / "kernels")!r})
+import torch
+from code_size import compiled_launches
+from hylo.ops.kda import KDAInputs, KDAParams, KDASlots, OutputNorm, recurrent
 
-for fn, consts, fp32 in (
-    (recurrent._recurrent_kernel,
-     dict(T=1, TP=1, H=8, D=128, BV=16, USE_LB=True, WRITE_O=True, STORE_STATE=True, PER_SEQ=False,
-          STEP_STATES=False, CONV=True, W=4, F_RANK=0, F_STEP=1, F_FP8=False, B_RANK=0, B_STEP=1),
-     {"dt_bias", "a_log", "state_pool", "steps", "conv_weight"}),
-    (rmsnorm._gated_norm_kernel,
-     dict(D=128, BR=8, H=8, W=4, WP=4, ADVANCE=True, G_RANK=0, G_STEP=1, G_FP8=False), {"w"}),
-):
-    scalars = {n: "i32" for n in fn.arg_names if n.endswith(("_sb", "_st", "stride", "n_rows"))}
-    scalars |= {"scale": "fp32", "lower_bound": "fp32", "eps": "fp32", "slot_ids": "*i64", "n_steps": "*i64"}
-    sig = {n: "constexpr" if n in consts else scalars.get(n, "*fp32" if n in fp32 else "*bf16")
-           for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
-    print(len(kernel.asm["cubin"]) > 0)
+h, d, bf16 = 8, 128, torch.bfloat16
+q, k, v = torch.zeros(1, 3 * h * d, dtype=bf16).split(h * d, dim=-1)
+x = KDAInputs(q, k, v, torch.zeros(1, h * d, dtype=bf16), torch.zeros(1, h, dtype=bf16))
+params = KDAParams(torch.zeros(3 * h * d, 4), torch.zeros(h * d), torch.zeros(h), -5.0)
+pools = torch.zeros(2, 3, 3 * h * d, dtype=bf16), torch.zeros(2, h, d, d)
+slots = KDASlots(*pools, torch.zeros(1, dtype=torch.int32))
+norm = OutputNorm(torch.zeros(1, h * d, dtype=bf16), torch.ones(d, dtype=bf16), 1e-5)
+launches = compiled_launches(lambda: recurrent.decode(x, params, slots, norm, block_v=16, num_warps=4))
+print(" ".join(launch["kernel"] for launch in launches if launch["instructions"] > 0))
 """
 
 
 def test_decode_launches_compile_for_hopper(hopper_compiles):
-    assert hopper_compiles[1:] == ["True", "True"]
+    assert hopper_compiles[1:] == ["_recurrent_kernel _gated_norm_kernel"]

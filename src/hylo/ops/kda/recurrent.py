@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -51,6 +52,44 @@ class ReplayCache(VerifyCache):
     recomputation; the conv output is not kept."""
 
     replay: torch.Tensor | None = None
+
+
+class TokenRows(NamedTuple):
+    """A `[B, T, ...]` operand of the step kernel: element (b, t, c) at `data + b·seq_stride +
+    t·token_stride + c` (a `LowRank` factor a: its rows, token stride 0)."""
+
+    data: torch.Tensor
+    seq_stride: int
+    token_stride: int
+
+
+class StateSlots(NamedTuple):
+    """The fp32 states `pool [S, H, d, d]` (`slot_stride` elements a slot) and each sequence's slot."""
+
+    pool: torch.Tensor
+    slot_stride: int
+    slot_ids: torch.Tensor
+
+
+class ScaledWeight(NamedTuple):
+    """A low-rank projection W `[H·d, r]` (e4m3 with fp32 `[128, 128]`-block scales `scale`, row stride
+    `scale_stride`; or a's dtype, `scale` unread) that `low_rank.low_rank_rows` multiplies."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    scale_stride: int
+
+
+class DecodeConv(NamedTuple):
+    """A decode launch's conv operands: the raw k and v rows (q's strides), the window pool (`[S, W-1,
+    3·H·d]`, its slot and row strides) and the conv weight `[3·H·d, W]` fp32."""
+
+    xk: torch.Tensor
+    xv: torch.Tensor
+    pool: torch.Tensor
+    slot_stride: int
+    row_stride: int
+    weight: torch.Tensor
 
 
 @triton.jit
@@ -125,29 +164,28 @@ def _conv_token(x, win, win_stride, weight, c, ch, W: tl.constexpr):
 
 @triton.jit
 def _recurrent_kernel(
-    qkv, qkv_sb, qkv_st, f, f_sb, f_st, b, b_sb, b_st, dt_bias, a_log, state_pool, pool_stride, slot_ids,
-    n_steps, o, o_sb, o_st, steps, scale, lower_bound,
-    xk, xv, conv_pool, conv_stride, win_stride, conv_weight, f_w, f_scale, f_scale_stride, b_w,
+    qkv, f, b, dt_bias, a_log, state, n_steps, o, steps, scale, lower_bound, conv, f_w, b_w,
     T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
     USE_LB: tl.constexpr, WRITE_O: tl.constexpr, STORE_STATE: tl.constexpr, PER_SEQ: tl.constexpr,
     STEP_STATES: tl.constexpr, CONV: tl.constexpr, W: tl.constexpr, F_RANK: tl.constexpr,
     F_STEP: tl.constexpr, F_FP8: tl.constexpr, B_RANK: tl.constexpr, B_STEP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One (sequence, head, value tile) over its T tokens (module docstring). With CONV (decode, T = 1)
-    `qkv` is the raw q row (k and v rows at `xk`, `xv`, same strides) and the conv runs here from the
-    slot's window, which is only read: whoever launches this advances it afterwards. With F_RANK > 0
-    (decode) `f` is the low-rank factor a `[B, F_RANK]` of the gate, whose head rows this program
-    computes with the projection `f_w` (`low_rank.low_rank_rows`); with B_RANK > 0 (decode) `b` is the
-    layer input `[B, B_RANK]` whose dot product with row h of `b_w [H, B_RANK]` is the head's β logit
+    """One (sequence, head, value tile) over its T tokens (module docstring); qkv, f, b and o are
+    `TokenRows`, `state` the `StateSlots`. With CONV (decode, T = 1) `qkv` is the raw q row (k and v rows
+    in `conv`, a `DecodeConv`, same strides) and the conv runs here from the slot's window, which is only
+    read: whoever launches this advances it afterwards. With F_RANK > 0 (decode) `f` is the low-rank
+    factor a `[B, F_RANK]` of the gate, whose head rows this program computes with the projection `f_w`
+    (a `ScaledWeight`; `low_rank.low_rank_rows`); with B_RANK > 0 (decode) `b` is the layer input `[B,
+    B_RANK]` whose dot product with row h of `b_w [H, B_RANK]` is the head's β logit
     (`low_rank.long_row_dots`)."""
     enter(PDL)
     bi, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bi64 = bi.to(tl.int64)
-    slot = tl.load(slot_ids + bi).to(tl.int64)
+    slot = tl.load(state.slot_ids + bi).to(tl.int64)
     rk = tl.arange(0, D)
     rv = iv * BV + tl.arange(0, BV)
     rt = tl.arange(0, TP)
-    p_s = state_pool + slot * pool_stride + h * D * D + rk[:, None] * D + rv[None, :]
+    p_s = state.pool + slot * state.slot_stride + h * D * D + rk[:, None] * D + rv[None, :]
     s = tl.load(p_s)
 
     # every token's inputs up front: the steps below then only compute
@@ -155,23 +193,34 @@ def _recurrent_kernel(
     if PER_SEQ:
         live = rt < tl.load(n_steps + bi)
     if CONV:
-        win = conv_pool + slot * conv_stride
-        rows = bi64 * qkv_sb
-        q = _conv_token(qkv + rows, win, win_stride, conv_weight, h * D + rk, h * D + rk, W)[None, :]
-        k = _conv_token(xk + rows, win, win_stride, conv_weight, h * D + rk, (H + h) * D + rk, W)[None, :]
-        v = _conv_token(xv + rows, win, win_stride, conv_weight, h * D + rv, (2 * H + h) * D + rv, W)[None, :]
+        win = conv.pool + slot * conv.slot_stride
+        rows = bi64 * qkv.seq_stride
+        q = _conv_token(qkv.data + rows, win, conv.row_stride, conv.weight, h * D + rk, h * D + rk, W)[
+            None, :
+        ]
+        k = _conv_token(conv.xk + rows, win, conv.row_stride, conv.weight, h * D + rk, (H + h) * D + rk, W)[
+            None, :
+        ]
+        v = _conv_token(
+            conv.xv + rows, win, conv.row_stride, conv.weight, h * D + rv, (2 * H + h) * D + rv, W
+        )[None, :]
     else:
-        row = qkv + bi64 * qkv_sb + rt[:, None] * qkv_st + h * D
+        row = qkv.data + bi64 * qkv.seq_stride + rt[:, None] * qkv.token_stride + h * D
         q = tl.load(row + rk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         k = tl.load(row + H * D + rk[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         v = tl.load(row + 2 * H * D + rv[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     if F_RANK > 0:
         x = low_rank_rows(
-            f + bi64 * f_sb + rt * 0, f_w, f_scale, f_scale_stride, h * D + rk[None, :] + rt[:, None] * 0,
+            f.data + bi64 * f.seq_stride + rt * 0, f_w.weight, f_w.scale, f_w.scale_stride,
+            h * D + rk[None, :] + rt[:, None] * 0,
             live, F_RANK, F_STEP, F_FP8,
         )  # fmt: skip
     else:
-        x = tl.load(f + bi64 * f_sb + rt[:, None] * f_st + h * D + rk[None, :], mask=live[:, None], other=0.0)
+        x = tl.load(
+            f.data + bi64 * f.seq_stride + rt[:, None] * f.token_stride + h * D + rk[None, :],
+            mask=live[:, None],
+            other=0.0,
+        )
     x = x.to(tl.float32) + tl.load(dt_bias + h * D + rk).to(tl.float32)[None, :]
     rate = tl.exp(tl.load(a_log + h).to(tl.float32))
     if USE_LB:
@@ -180,9 +229,11 @@ def _recurrent_kernel(
         g = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
     decay = tl.where(live[:, None], tl.exp(g), 1.0)  # a dead step leaves S exactly as it is
     if B_RANK > 0:
-        beta = long_row_dots(b + bi64 * b_sb + rt * 0, b_w, h + rt * 0, live, B_RANK, B_STEP)
+        beta = long_row_dots(b.data + bi64 * b.seq_stride + rt * 0, b_w, h + rt * 0, live, B_RANK, B_STEP)
     else:
-        beta = tl.load(b + bi64 * b_sb + rt * b_st + h, mask=live, other=0.0).to(tl.float32)
+        beta = tl.load(b.data + bi64 * b.seq_stride + rt * b.token_stride + h, mask=live, other=0.0).to(
+            tl.float32
+        )
     beta = tl.where(live, tl.sigmoid(beta), 0.0)
     k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
     q = q * (scale / tl.sqrt(tl.sum(q * q, 1) + 1e-6))[:, None]
@@ -201,8 +252,8 @@ def _recurrent_kernel(
         if STEP_STATES:
             tl.store(steps + ((bi64 * T + t) * H + h) * D * D + rk[:, None] * D + rv[None, :], s)
     if WRITE_O:
-        p_o = o + bi64 * o_sb + rt[:, None] * o_st + h * D + rv[None, :]
-        tl.store(p_o, out.to(o.dtype.element_ty), mask=(rt < T)[:, None])
+        p_o = o.data + bi64 * o.seq_stride + rt[:, None] * o.token_stride + h * D + rv[None, :]
+        tl.store(p_o, out.to(o.data.dtype.element_ty), mask=(rt < T)[:, None])
     if STORE_STATE:
         tl.store(p_s, s)
 
@@ -422,13 +473,13 @@ def recurrent(
     use_lb = lower_bound is not None
     dependent = dependent_launches(qkv.device)
     _recurrent_kernel[(bsz, h, d // bv)](
-        qkv, qkv.stride(0), qkv.stride(1), *f, *b,
-        params.dt_bias, params.a_log, state_pool, state_pool.stride(0), slot_ids,
-        n_steps if n_steps is not None else slot_ids, o, o.stride(0), o.stride(1) if write_o else 0,
+        TokenRows(qkv, qkv.stride(0), qkv.stride(1)), f, b, params.dt_bias, params.a_log,
+        StateSlots(state_pool, state_pool.stride(0), slot_ids), n_steps if n_steps is not None else slot_ids,
+        TokenRows(o, o.stride(0), o.stride(1) if write_o else 0),
         step_states if step_states is not None else state_pool, d**-0.5,
         float(lower_bound) if use_lb else 0.0,
-        *(_conv_operands(x, params, slots) if conv else (qkv, qkv, qkv, 0, 0, qkv)),  # unread without CONV
-        *f_factors, b_weight,
+        _conv_operands(x, params, slots) if conv else DecodeConv(qkv, qkv, qkv, 0, 0, qkv),  # unread: no CONV
+        f_factors, b_weight,
         T=t, TP=triton.next_power_of_2(t), H=h, D=d, BV=bv, USE_LB=use_lb, WRITE_O=write_o,
         STORE_STATE=store_state, PER_SEQ=n_steps is not None, STEP_STATES=step_states is not None, CONV=conv,
         W=slots.conv_pool.shape[1] + 1 if conv else 1, **f_constants, **b_constants, num_warps=warps,
@@ -437,35 +488,40 @@ def recurrent(
     return o if write_o else None
 
 
-def _gate_operands(f: torch.Tensor | LowRank, heads: int, head_dim: int) -> tuple[tuple, tuple, dict]:
-    """The step kernel's gate arguments: (f or its factor a with two strides, the projection's (W, its
-    scales, their row stride), the constexprs F_RANK, F_STEP, F_FP8). A dense f `[B, T, H·d]` leaves the
-    projection's arguments unread."""
+def _gate_operands(
+    f: torch.Tensor | LowRank, heads: int, head_dim: int
+) -> tuple[TokenRows, ScaledWeight, dict]:
+    """The step kernel's gate arguments: f's rows (or its factor a's), the projection (unread for a
+    dense f `[B, T, H·d]`), the constexprs F_RANK, F_STEP, F_FP8."""
     if not isinstance(f, LowRank):
         assert f.stride(2) == 1
-        return (f, f.stride(0), f.stride(1)), (f, f, 0), dict(F_RANK=0, F_STEP=1, F_FP8=False)
+        return (
+            TokenRows(f, f.stride(0), f.stride(1)),
+            ScaledWeight(f, f, 0),
+            dict(F_RANK=0, F_STEP=1, F_FP8=False),
+        )
     factor = low_rank.operands(f, heads, head_dim)
     constants = dict(F_RANK=factor.rank, F_STEP=factor.step, F_FP8=factor.fp8)
-    return (factor.a, factor.a_stride, 0), factor.factors, constants
+    return TokenRows(factor.a, factor.a_stride, 0), ScaledWeight(*factor.factors), constants
 
 
-def _beta_operands(b: torch.Tensor | LowRank, heads: int) -> tuple[tuple, torch.Tensor, dict]:
-    """The step kernel's β arguments: (b or the layer input x with two strides, the rows of b_proj, the
-    constexprs B_RANK, B_STEP). A dense b `[B, T, H]` leaves the weight argument unread."""
+def _beta_operands(b: torch.Tensor | LowRank, heads: int) -> tuple[TokenRows, torch.Tensor, dict]:
+    """The step kernel's β arguments: b's rows (or the layer input x's), the rows of b_proj (unread for
+    a dense b `[B, T, H]`), the constexprs B_RANK, B_STEP."""
     if not isinstance(b, LowRank):
-        return (b, b.stride(0), b.stride(1)), b, dict(B_RANK=0, B_STEP=1)
+        return TokenRows(b, b.stride(0), b.stride(1)), b, dict(B_RANK=0, B_STEP=1)
     rows = low_rank.operands(b, heads, 1, low_rank.ROW_STEP)
     if rows.fp8:
         raise ValueError("recurrent: β's LowRank weight must be unscaled (the dense rows of a projection)")
-    return (rows.a, rows.a_stride, 0), rows.factors[0], dict(B_RANK=rows.rank, B_STEP=rows.step)
+    return TokenRows(rows.a, rows.a_stride, 0), rows.factors[0], dict(B_RANK=rows.rank, B_STEP=rows.step)
 
 
-def _conv_operands(x: KDAInputs, params: KDAParams, slots: KDASlots) -> tuple:
-    """(xk, xv, conv_pool, its slot stride, its row stride, conv_weight) of a decode launch."""
+def _conv_operands(x: KDAInputs, params: KDAParams, slots: KDASlots) -> DecodeConv:
+    """The conv operands of a decode launch."""
     assert x.q.stride() == x.k.stride() == x.v.stride() and x.q.stride(-1) == 1
     pool = slots.conv_pool
     assert pool.stride(2) == 1
-    return (x.k, x.v, pool, pool.stride(0), pool.stride(1), params.conv_weight)
+    return DecodeConv(x.k, x.v, pool, pool.stride(0), pool.stride(1), params.conv_weight)
 
 
 def _block_rows(t: int) -> int:
