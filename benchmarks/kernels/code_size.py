@@ -129,27 +129,6 @@ def kda_step(batch: int, heads: int) -> Callable[[], object]:
     return lambda: recurrent.decode(KDAInputs(q, k, v, factor(), b), params, slots, norm)
 
 
-def kda_verify(batch: int, heads: int, tokens: int) -> Callable[[], object]:
-    """A speculative step's KDA verify of `tokens` per sequence as one block (`recurrent.block_verify` on
-    the conv outputs; the safe gate, dense f and b as the verify's projections give them)."""
-    from hylo.ops.kda import recurrent
-    from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots
-
-    hd, bf16 = heads * HEAD_DIM, torch.bfloat16
-    q, k, v = torch.zeros(batch, tokens, 3 * hd, dtype=bf16).split(hd, dim=-1)
-    x = KDAInputs(
-        q, k, v, torch.zeros(batch, tokens, hd, dtype=bf16), torch.zeros(batch, tokens, heads, dtype=bf16)
-    )
-    params = KDAParams(torch.zeros(3 * hd, 4), torch.zeros(hd), torch.zeros(heads), -5.0)
-    slots = KDASlots(
-        torch.zeros(batch + 1, 3, 3 * hd, dtype=bf16),
-        torch.zeros(batch + 1, heads, HEAD_DIM, HEAD_DIM),
-        torch.arange(batch, dtype=torch.int32),
-    )
-    qkv = torch.zeros(batch, tokens, 3 * hd, dtype=bf16)
-    return lambda: recurrent.block_verify(qkv, x, params, slots)
-
-
 def moe_prologue(tokens: int) -> Callable[[], object]:
     """The MoE decode prologue: router logits, x's FP8 groups, routing and alignment with the shared
     expert, as a decode step launches it."""

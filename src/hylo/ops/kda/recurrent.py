@@ -55,8 +55,8 @@ class ReplayCache(VerifyCache):
 
 
 class TokenRows(NamedTuple):
-    """A `[B, T, ...]` operand of the step kernel: element (b, t, c) at `data + b·seq_stride +
-    t·token_stride + c` (a `LowRank` factor a: its rows, token stride 0)."""
+    """A `[B, T, ...]` operand of the step and block-verify kernels: element (b, t, c) at `data +
+    b·seq_stride + t·token_stride + c` (a `LowRank` factor a: its rows, token stride 0)."""
 
     data: torch.Tensor
     seq_stride: int
@@ -280,8 +280,7 @@ def _stack_twice(x):
 
 @triton.jit
 def _block_verify_kernel(
-    qkv, qkv_sb, qkv_st, f, f_sb, f_st, b, b_sb, b_st, dt_bias, a_log, state_pool, pool_stride, slot_ids,
-    o, o_sb, o_st, replay, part_stride, scale, lower_bound, anchor,
+    qkv, f, b, dt_bias, a_log, state, o, replay, part_stride, scale, lower_bound, anchor,
     T: tl.constexpr, TP: tl.constexpr, FACTORS: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
     DC: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
@@ -295,7 +294,7 @@ def _block_verify_kernel(
     commit kernel only needs k 2^{m−G}, 2^{G−m} (m the anchor) and u/|k|, which go to `replay`.
     Keys fill rows [0, TP) and queries rows [TP, 2·TP) of one tile: a single product against kᵀ gives
     L and A, a single product against S both S-terms. The channels are walked DC at a time, the norms
-    applied at the end."""
+    applied at the end. qkv, f, b and o are `TokenRows`, `state` the `StateSlots`."""
     bi, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bi64 = bi.to(tl.int64)
     rt = tl.arange(0, TP)
@@ -305,10 +304,10 @@ def _block_verify_kernel(
     tok = rr % TP
     is_q = rr >= TP
     live = tok < T
-    p_s = state_pool + tl.load(slot_ids + bi).to(tl.int64) * pool_stride + h * D * D + rv[None, :]
-    row = qkv + bi64 * qkv_sb + tok[:, None] * qkv_st + h * D
+    p_s = state.pool + tl.load(state.slot_ids + bi).to(tl.int64) * state.slot_stride + h * D * D + rv[None, :]
+    row = qkv.data + bi64 * qkv.seq_stride + tok[:, None] * qkv.token_stride + h * D
     p_kq = row + tl.where(is_q, 0, H * D)[:, None]
-    p_f = f + bi64 * f_sb + rt[:, None] * f_st + h * D
+    p_f = f.data + bi64 * f.seq_stride + rt[:, None] * f.token_stride + h * D
     p_r = replay + bi64 * T * H * D + tok[:, None] * H * D + h * D
     rate = tl.exp(tl.load(a_log + h)) * -1.4426950408889634  # σ(z) = 1 / (1 + 2^{-z·log2 e})
     lb2 = lower_bound * 1.4426950408889634  # the gates in log2 units
@@ -334,7 +333,8 @@ def _block_verify_kernel(
     sq = tl.sum(tl.where(rr[:, None] == rr[None, :], gram, 0.0), 1)
     inv_norm = tl.where(is_q, scale, 1.0) / tl.sqrt(sq + 1e-6)  # 1/|k| on key rows, scale/|q| on query rows
     gram = gram * inv_norm[:, None] * inv_norm[None, :]
-    beta = tl.load(b + bi64 * b_sb + tok * b_st + h, mask=live & ~is_q, other=0.0).to(tl.float32)
+    beta = tl.load(b.data + bi64 * b.seq_stride + tok * b.token_stride + h, mask=live & ~is_q, other=0.0)
+    beta = beta.to(tl.float32)
     beta = tl.where(live & ~is_q, tl.sigmoid(beta), 0.0)
     keys = ~is_q[None, :]
     nil = tl.where(keys & ~is_q[:, None] & (tok[:, None] > tok[None, :]), -beta[:, None] * gram, 0.0)
@@ -344,8 +344,8 @@ def _block_verify_kernel(
     v = tl.load(row + 2 * H * D + rv[None, :], mask=(live & ~is_q)[:, None], other=0.0).to(tl.float32)
     u = tl.dot(t_beta, tl.where(is_q[:, None], 0.0, v - proj), input_precision=PREC)
     out = tl.where(is_q[:, None], proj, 0.0) + tl.dot(a_qk, u, input_precision=PREC)
-    p_o = o + bi64 * o_sb + tok[:, None] * o_st + h * D + rv[None, :]
-    tl.store(p_o, out.to(o.dtype.element_ty), mask=(live & is_q)[:, None])
+    p_o = o.data + bi64 * o.seq_stride + tok[:, None] * o.token_stride + h * D + rv[None, :]
+    tl.store(p_o, out.to(o.data.dtype.element_ty), mask=(live & is_q)[:, None])
     tl.store(p_r + 2 * part_stride + rv[None, :], u * inv_norm[:, None], mask=(live & ~is_q)[:, None])
 
 
@@ -571,8 +571,9 @@ def block_verify(
     bv, warps, dc = _verify_launch(bsz, h, d, t)
     bv, warps, dc = block_v or bv, num_warps or warps, key_chunk or dc
     _block_verify_kernel[(bsz, h, d // bv)](
-        qkv, qkv.stride(0), qkv.stride(1), f, f.stride(0), f.stride(1), b, b.stride(0), b.stride(1),
-        params.dt_bias, params.a_log, state_pool, state_pool.stride(0), slot_ids, o, o.stride(0), o.stride(1),
+        TokenRows(qkv, qkv.stride(0), qkv.stride(1)), TokenRows(f, f.stride(0), f.stride(1)),
+        TokenRows(b, b.stride(0), b.stride(1)), params.dt_bias, params.a_log,
+        StateSlots(state_pool, state_pool.stride(0), slot_ids), TokenRows(o, o.stride(0), o.stride(1)),
         replay, replay.stride(0), d**-0.5, float(lower_bound), _anchor(lower_bound, t),
         T=t, TP=_block_rows(t), FACTORS=max(1, (t - 1).bit_length()), H=h, D=d, DC=dc, BV=bv,
         PREC="ieee" if _INTERPRET else VERIFY_PRECISION, num_warps=warps,
