@@ -92,6 +92,25 @@ class DecodeConv(NamedTuple):
     weight: torch.Tensor
 
 
+class RawQKV(NamedTuple):
+    """The raw (pre-conv) q, k and v `[B, T, H·d]` of a step, one layout: element (b, t, c) of each at
+    `+ b·seq_stride + t·token_stride + c`."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    seq_stride: int
+    token_stride: int
+
+
+class WindowPool(NamedTuple):
+    """The conv windows `pool [S, W-1, 3·H·d]` (`slot_stride`, `row_stride` elements a slot, a row)."""
+
+    pool: torch.Tensor
+    slot_stride: int
+    row_stride: int
+
+
 @triton.jit
 def _window_after(x, x_sb, x_st, win, win_stride, bi, n, c, ch, W: tl.constexpr, WP: tl.constexpr):
     """The window columns `ch` once n tokens (columns `c` of x) are consumed: the last W-1 inputs."""
@@ -111,18 +130,20 @@ def _window_after(x, x_sb, x_st, win, win_stride, bi, n, c, ch, W: tl.constexpr,
 
 @triton.jit
 def _conv_kernel(
-    xq, xk, xv, x_sb, x_st, pool, pool_stride, win_stride, slot_ids, weight, y, y_sb, y_st, n_keep,
+    raw, windows, slot_ids, weight, y, n_keep,
     T: tl.constexpr, TP: tl.constexpr, HD: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
     BC: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_WIN: tl.constexpr, PER_SEQ: tl.constexpr,
 ):  # fmt: skip
     """BC channels of the packed q|k|v space for one sequence: y = SiLU(conv) of its T tokens (each tap
-    one [TP, BC] load from the inputs or the window), then the window rewritten for these channels."""
+    one [TP, BC] load from the inputs or the window), then the window rewritten for these channels. `raw`
+    is the `RawQKV`, `windows` the `WindowPool`, y `TokenRows`."""
     bi, cb = tl.program_id(0), tl.program_id(1)
     part = cb // (HD // BC)  # 0: q, 1: k, 2: v
-    x = tl.where(part == 0, xq, tl.where(part == 1, xk, xv))
+    x = tl.where(part == 0, raw.q, tl.where(part == 1, raw.k, raw.v))
+    x_sb, x_st, win_stride = raw.seq_stride, raw.token_stride, windows.row_stride
     c = (cb % (HD // BC)) * BC + tl.arange(0, BC)  # columns of x
     ch = part * HD + c  # channels of the window, the weight and y
-    win = pool + tl.load(slot_ids + bi).to(tl.int64) * pool_stride
+    win = windows.pool + tl.load(slot_ids + bi).to(tl.int64) * windows.slot_stride
     if WRITE_Y:
         r = tl.arange(0, TP)
         live = r < T
@@ -138,8 +159,8 @@ def _conv_kernel(
                 win + (r + i)[:, None] * win_stride + ch[None, :], mask=(live & (j < 0))[:, None], other=0.0
             ).to(tl.float32)
             acc += z * tl.load(weight + ch * W + i)[None, :]
-        p_y = y + bi.to(tl.int64) * y_sb + r[:, None] * y_st + ch[None, :]
-        tl.store(p_y, (acc * tl.sigmoid(acc)).to(y.dtype.element_ty), mask=live[:, None])
+        p_y = y.data + bi.to(tl.int64) * y.seq_stride + r[:, None] * y.token_stride + ch[None, :]
+        tl.store(p_y, (acc * tl.sigmoid(acc)).to(y.data.dtype.element_ty), mask=live[:, None])
     if WRITE_WIN:
         n = T
         if PER_SEQ:
@@ -351,8 +372,7 @@ def _block_verify_kernel(
 
 @triton.jit
 def _block_commit_kernel(
-    replay, part_stride, state_pool, pool_stride, slot_ids, n_steps, xq, xk, xv, x_sb, x_st, conv_pool,
-    conv_stride, win_stride, anchor,
+    replay, part_stride, state, n_steps, raw, windows, anchor,
     T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr, W: tl.constexpr,
     WP: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
@@ -360,15 +380,16 @@ def _block_commit_kernel(
     Σ_{i<n} (k_i 2^{m−G_i})·2^{G_n−m} (u_i/|k_i|)ᵀ. Rows of S do not mix, so each program streams BK whole
     rows (contiguous, all value columns): every operand is one tile load issued up front, the n rank-1
     updates one [BK, TP] × [TP, D] product (tf32x3, fp32-accurate). One extra program per head advances
-    its q, k, v conv windows, so that the state programs only stream."""
+    its q, k, v conv windows, so that the state programs only stream (`state` the `StateSlots`, `raw` the
+    verified tokens' `RawQKV`, `windows` the `WindowPool`)."""
     ik, bi, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(n_steps + bi)
-    slot = tl.load(slot_ids + bi).to(tl.int64)
+    slot = tl.load(state.slot_ids + bi).to(tl.int64)
     rv = tl.arange(0, D)
     if n > 0 and ik < D // BK:
         rk = ik * BK + tl.arange(0, BK)
         rt = tl.arange(0, TP)
-        p_s = state_pool + slot * pool_stride + h * D * D + rk[:, None] * D + rv[None, :]
+        p_s = state.pool + slot * state.slot_stride + h * D * D + rk[:, None] * D + rv[None, :]
         s = tl.load(p_s)
         base = replay + bi.to(tl.int64) * T * H * D + h * D
         accepted = rt < n
@@ -382,10 +403,11 @@ def _block_commit_kernel(
         tl.store(p_s, s)
     if n > 0 and ik == D // BK:
         c = h * D + rv
-        win = conv_pool + slot * conv_stride
-        new_q = _window_after(xq, x_sb, x_st, win, win_stride, bi, n, c, c, W, WP)
-        new_k = _window_after(xk, x_sb, x_st, win, win_stride, bi, n, c, H * D + c, W, WP)
-        new_v = _window_after(xv, x_sb, x_st, win, win_stride, bi, n, c, 2 * H * D + c, W, WP)
+        win = windows.pool + slot * windows.slot_stride
+        x_sb, x_st, win_stride = raw.seq_stride, raw.token_stride, windows.row_stride
+        new_q = _window_after(raw.q, x_sb, x_st, win, win_stride, bi, n, c, c, W, WP)
+        new_k = _window_after(raw.k, x_sb, x_st, win, win_stride, bi, n, c, H * D + c, W, WP)
+        new_v = _window_after(raw.v, x_sb, x_st, win, win_stride, bi, n, c, 2 * H * D + c, W, WP)
         tl.debug_barrier()  # every thread has read the old window before any row is overwritten
         rows = tl.arange(0, WP)[:, None] * win_stride
         fresh = (tl.arange(0, WP) < W - 1)[:, None]
@@ -421,8 +443,9 @@ def conv_steps(x: KDAInputs, conv_weight, slots: KDASlots, *, write_y=True, writ
     assert hd % bc == 0
     tp = triton.next_power_of_2(t)
     _conv_kernel[(bsz, 3 * hd // bc)](
-        q, k, v, q.stride(0), q.stride(1), conv_pool, conv_pool.stride(0), conv_pool.stride(1), slot_ids,
-        conv_weight if write_y else conv_pool, y, y.stride(0), y.stride(1),
+        RawQKV(q, k, v, q.stride(0), q.stride(1)),
+        WindowPool(conv_pool, conv_pool.stride(0), conv_pool.stride(1)), slot_ids,
+        conv_weight if write_y else conv_pool, TokenRows(y, y.stride(0), y.stride(1)),
         n_keep if n_keep is not None else slot_ids,
         T=t, TP=tp, HD=hd, W=width, WP=triton.next_power_of_2(width - 1), BC=bc, WRITE_Y=write_y,
         WRITE_WIN=write_window, PER_SEQ=n_keep is not None, num_warps=max(1, min(4, tp * bc // 256)),
@@ -603,9 +626,9 @@ def block_commit(
     width = conv_pool.shape[1] + 1
     # a head's row tiles are neighbours in the launch order: its state is streamed in one sweep
     _block_commit_kernel[(d // bk + 1, bsz, h)](
-        replay, replay.stride(0), state_pool, state_pool.stride(0), slot_ids, n_accepted, q, k, v,
-        q.stride(0), q.stride(1), conv_pool, conv_pool.stride(0), conv_pool.stride(1),
-        _anchor(params.lower_bound, t),
+        replay, replay.stride(0), StateSlots(state_pool, state_pool.stride(0), slot_ids), n_accepted,
+        RawQKV(q, k, v, q.stride(0), q.stride(1)),
+        WindowPool(conv_pool, conv_pool.stride(0), conv_pool.stride(1)), _anchor(params.lower_bound, t),
         T=t, TP=max(16, triton.next_power_of_2(t)), H=h, D=d, BK=bk, W=width,
         WP=triton.next_power_of_2(width - 1), PREC="ieee" if _INTERPRET else "tf32x3", num_warps=warps,
     )  # fmt: skip
