@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -34,6 +33,7 @@ from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.gemm import linear
 from hylo.ops.kda import low_rank
 from hylo.ops.kda.low_rank import long_row_dots, low_rank_rows
+from hylo.ops.kda.operands import DecodeConv, RawQKV, ScaledWeight, StateSlots, TokenRows, WindowPool
 from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm, VerifyCache
 from hylo.ops.kda.rmsnorm import WindowStep, gated_rms_norm
 
@@ -52,63 +52,6 @@ class ReplayCache(VerifyCache):
     recomputation; the conv output is not kept."""
 
     replay: torch.Tensor | None = None
-
-
-class TokenRows(NamedTuple):
-    """A `[B, T, ...]` operand of the step and block-verify kernels: element (b, t, c) at `data +
-    b·seq_stride + t·token_stride + c` (a `LowRank` factor a: its rows, token stride 0)."""
-
-    data: torch.Tensor
-    seq_stride: int
-    token_stride: int
-
-
-class StateSlots(NamedTuple):
-    """The fp32 states `pool [S, H, d, d]` (`slot_stride` elements a slot) and each sequence's slot."""
-
-    pool: torch.Tensor
-    slot_stride: int
-    slot_ids: torch.Tensor
-
-
-class ScaledWeight(NamedTuple):
-    """A low-rank projection W `[H·d, r]` (e4m3 with fp32 `[128, 128]`-block scales `scale`, row stride
-    `scale_stride`; or a's dtype, `scale` unread) that `low_rank.low_rank_rows` multiplies."""
-
-    weight: torch.Tensor
-    scale: torch.Tensor
-    scale_stride: int
-
-
-class DecodeConv(NamedTuple):
-    """A decode launch's conv operands: the raw k and v rows (q's strides), the window pool (`[S, W-1,
-    3·H·d]`, its slot and row strides) and the conv weight `[3·H·d, W]` fp32."""
-
-    xk: torch.Tensor
-    xv: torch.Tensor
-    pool: torch.Tensor
-    slot_stride: int
-    row_stride: int
-    weight: torch.Tensor
-
-
-class RawQKV(NamedTuple):
-    """The raw (pre-conv) q, k and v `[B, T, H·d]` of a step, one layout: element (b, t, c) of each at
-    `+ b·seq_stride + t·token_stride + c`."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    seq_stride: int
-    token_stride: int
-
-
-class WindowPool(NamedTuple):
-    """The conv windows `pool [S, W-1, 3·H·d]` (`slot_stride`, `row_stride` elements a slot, a row)."""
-
-    pool: torch.Tensor
-    slot_stride: int
-    row_stride: int
 
 
 @triton.jit

@@ -13,6 +13,7 @@ from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.kda import low_rank
 from hylo.ops.kda.low_rank import low_rank_rows
+from hylo.ops.kda.operands import RawQKV, ScaledWeight, WindowPool
 from hylo.ops.kda.reference import KDAInputs, KDASlots, LowRank, OutputNorm
 
 
@@ -39,15 +40,15 @@ def _step_window(win, x, ok, win_stride, W: tl.constexpr, WP: tl.constexpr):
 
 @triton.jit
 def _gated_norm_kernel(
-    x, gate, gate_sb, w, y, n_rows, eps, xq, xk, xv, x_sb, conv_pool, conv_stride, win_stride, slot_ids,
-    g_w, g_scale, g_scale_stride,
+    x, gate, gate_sb, w, y, n_rows, eps, raw, windows, slot_ids, g_w,
     D: tl.constexpr, BR: tl.constexpr, H: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
     ADVANCE: tl.constexpr, G_RANK: tl.constexpr, G_STEP: tl.constexpr, G_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Rows `BR·pid + [0, BR)` of x (one head of one token each); with ADVANCE, row s·H + h also steps
-    sequence s's window at head h's q, k and v channels (no other program touches them). With G_RANK >
-    0 `gate` is the low-rank factor a `[tokens, G_RANK]` (row stride `gate_sb`) of the gate, whose rows
-    the program computes with the projection `g_w` (`low_rank.low_rank_rows`)."""
+    sequence s's window at head h's q, k and v channels (no other program touches them; `raw` the step's
+    `RawQKV`, `windows` the `WindowPool`). With G_RANK > 0 `gate` is the low-rank factor a `[tokens,
+    G_RANK]` (row stride `gate_sb`) of the gate, whose rows the program computes with the projection `g_w`
+    (a `ScaledWeight`; `low_rank.low_rank_rows`)."""
     enter(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, D)
@@ -58,7 +59,7 @@ def _gated_norm_kernel(
         token, head = rows // H, rows % H
         a_rows = gate + token.to(tl.int64) * gate_sb
         g_rows = head[:, None] * D + cols[None, :]
-        gv = low_rank_rows(a_rows, g_w, g_scale, g_scale_stride, g_rows, ok, G_RANK, G_STEP, G_FP8)
+        gv = low_rank_rows(a_rows, g_w.weight, g_w.scale, g_w.scale_stride, g_rows, ok, G_RANK, G_STEP, G_FP8)
     else:
         gv = tl.load(gate + offs, mask=ok[:, None], other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(xv_ * xv_, 1) / D + eps)
@@ -67,11 +68,11 @@ def _gated_norm_kernel(
     if ADVANCE:
         seq, head = rows // H, rows % H
         slot = tl.load(slot_ids + seq, mask=ok, other=0).to(tl.int64)
-        win = conv_pool + slot[:, None] * conv_stride + head[:, None] * D + cols[None, :]
-        src = seq.to(tl.int64)[:, None] * x_sb + head[:, None] * D + cols[None, :]
-        _step_window(win, xq + src, ok, win_stride, W, WP)
-        _step_window(win + H * D, xk + src, ok, win_stride, W, WP)
-        _step_window(win + 2 * H * D, xv + src, ok, win_stride, W, WP)
+        win = windows.pool + slot[:, None] * windows.slot_stride + head[:, None] * D + cols[None, :]
+        src = seq.to(tl.int64)[:, None] * raw.seq_stride + head[:, None] * D + cols[None, :]
+        _step_window(win, raw.q + src, ok, windows.row_stride, W, WP)
+        _step_window(win + H * D, raw.k + src, ok, windows.row_stride, W, WP)
+        _step_window(win + 2 * H * D, raw.v + src, ok, windows.row_stride, W, WP)
 
 
 def gated_rms_norm(x: torch.Tensor, norm: OutputNorm, window: WindowStep | None = None) -> torch.Tensor:
@@ -84,28 +85,28 @@ def gated_rms_norm(x: torch.Tensor, norm: OutputNorm, window: WindowStep | None 
     y = torch.empty_like(x)
     n_rows = x.numel() // d
     if window is None:
-        advance, br = (x, x, x, 0, x, 0, 0, x), max(1, 4096 // d)
+        advance, br = (RawQKV(x, x, x, 0, 0), WindowPool(x, 0, 0), x), max(1, 4096 // d)  # unread
         width = 2
     else:
         q, pool = window.x.q, window.slots.conv_pool
         assert q.stride() == window.x.k.stride() == window.x.v.stride() and q.stride(-1) == 1
         assert pool.stride(2) == 1
-        advance = (q, window.x.k, window.x.v, q.stride(0), pool, pool.stride(0), pool.stride(1))
-        advance += (window.slots.slot_ids,)
+        raw = RawQKV(q, window.x.k, window.x.v, q.stride(0), 0)  # one token a sequence
+        advance = (raw, WindowPool(pool, pool.stride(0), pool.stride(1)), window.slots.slot_ids)
         br, width = max(1, 1024 // d), pool.shape[1] + 1  # more programs: each also moves 9 window rows
     if isinstance(norm.gate, LowRank):
         factor = low_rank.operands(norm.gate, heads, d)
         if x.dim() != 3 or factor.a.shape[0] != x.shape[0]:
             raise ValueError(f"gated_rms_norm: a LowRank gate needs x [tokens, H, d], got {tuple(x.shape)}")
-        gate, factors = (factor.a, factor.a_stride), factor.factors
+        gate, factors = (factor.a, factor.a_stride), ScaledWeight(*factor.factors)
         constants = dict(G_RANK=factor.rank, G_STEP=factor.step, G_FP8=factor.fp8)
         br = 1  # one head's [d, r] slice of the projection per program: all programs share the read
     else:
-        gate, factors = (norm.gate.reshape(x.shape).contiguous(), 0), (x, x, 0)
+        gate, factors = (norm.gate.reshape(x.shape).contiguous(), 0), ScaledWeight(x, x, 0)  # unread
         constants = dict(G_RANK=0, G_STEP=1, G_FP8=False)
     dependent = dependent_launches(x.device)
     _gated_norm_kernel[(triton.cdiv(n_rows, br),)](
-        x, *gate, norm.weight, y, n_rows, norm.eps, *advance, *factors,
+        x, *gate, norm.weight, y, n_rows, norm.eps, *advance, factors,
         D=d, BR=br, H=heads, W=width, WP=triton.next_power_of_2(width), ADVANCE=window is not None,
         **constants, num_warps=4,
         PDL=dependent, launch_pdl=dependent,
