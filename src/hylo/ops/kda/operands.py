@@ -17,6 +17,11 @@ class TokenRows(NamedTuple):
     seq_stride: int
     token_stride: int
 
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TokenRows:
+        """`t [B, T, ...]` addressed by its own strides."""
+        return cls(t, t.stride(0), t.stride(1))
+
 
 class StateSlots(NamedTuple):
     """The fp32 states `pool [S, H, d, d]` (`slot_stride` elements a slot) and each sequence's slot."""
@@ -24,6 +29,10 @@ class StateSlots(NamedTuple):
     pool: torch.Tensor
     slot_stride: int
     slot_ids: torch.Tensor
+
+    @classmethod
+    def of(cls, pool: torch.Tensor, slot_ids: torch.Tensor) -> StateSlots:
+        return cls(pool, pool.stride(0), slot_ids)
 
 
 class ScaledWeight(NamedTuple):
@@ -33,18 +42,6 @@ class ScaledWeight(NamedTuple):
     weight: torch.Tensor
     scale: torch.Tensor
     scale_stride: int
-
-
-class DecodeConv(NamedTuple):
-    """A decode launch's conv operands: the raw k and v rows (q's strides), the window pool (`[S, W-1,
-    3·H·d]`, its slot and row strides) and the conv weight `[3·H·d, W]` fp32."""
-
-    xk: torch.Tensor
-    xv: torch.Tensor
-    pool: torch.Tensor
-    slot_stride: int
-    row_stride: int
-    weight: torch.Tensor
 
 
 class RawQKV(NamedTuple):
@@ -64,3 +61,19 @@ class WindowPool(NamedTuple):
     pool: torch.Tensor
     slot_stride: int
     row_stride: int
+
+    @classmethod
+    def of(cls, pool: torch.Tensor) -> WindowPool:
+        """`pool`, whose channels must be contiguous."""
+        assert pool.stride(2) == 1
+        return cls(pool, pool.stride(0), pool.stride(1))
+
+
+class DecodeConv(NamedTuple):
+    """A decode launch's conv operands: the raw k and v rows (q's strides), the slots' windows and the conv
+    weight `[3·H·d, W]` fp32."""
+
+    xk: torch.Tensor
+    xv: torch.Tensor
+    windows: WindowPool
+    weight: torch.Tensor

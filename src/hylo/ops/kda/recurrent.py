@@ -157,16 +157,16 @@ def _recurrent_kernel(
     if PER_SEQ:
         live = rt < tl.load(n_steps + bi)
     if CONV:
-        win = conv.pool + slot * conv.slot_stride
+        win = conv.windows.pool + slot * conv.windows.slot_stride
         rows = bi64 * qkv.seq_stride
-        q = _conv_token(qkv.data + rows, win, conv.row_stride, conv.weight, h * D + rk, h * D + rk, W)[
-            None, :
-        ]
-        k = _conv_token(conv.xk + rows, win, conv.row_stride, conv.weight, h * D + rk, (H + h) * D + rk, W)[
-            None, :
-        ]
+        q = _conv_token(
+            qkv.data + rows, win, conv.windows.row_stride, conv.weight, h * D + rk, h * D + rk, W
+        )[None, :]
+        k = _conv_token(
+            conv.xk + rows, win, conv.windows.row_stride, conv.weight, h * D + rk, (H + h) * D + rk, W
+        )[None, :]
         v = _conv_token(
-            conv.xv + rows, win, conv.row_stride, conv.weight, h * D + rv, (2 * H + h) * D + rv, W
+            conv.xv + rows, win, conv.windows.row_stride, conv.weight, h * D + rv, (2 * H + h) * D + rv, W
         )[None, :]
     else:
         row = qkv.data + bi64 * qkv.seq_stride + rt[:, None] * qkv.token_stride + h * D
@@ -379,7 +379,7 @@ def conv_steps(x: KDAInputs, conv_weight, slots: KDASlots, *, write_y=True, writ
     q, k, v = x.q, x.k, x.v
     conv_pool, slot_ids = slots.conv_pool, slots.slot_ids
     bsz, t, hd = q.shape
-    assert q.stride() == k.stride() == v.stride() and q.stride(2) == 1 and conv_pool.stride(2) == 1
+    assert q.stride() == k.stride() == v.stride() and q.stride(2) == 1
     y = torch.empty(bsz, t, 3 * hd, dtype=q.dtype, device=q.device) if write_y else q
     width = conv_pool.shape[1] + 1
     bc = min(128, triton.next_power_of_2(hd))
@@ -387,8 +387,8 @@ def conv_steps(x: KDAInputs, conv_weight, slots: KDASlots, *, write_y=True, writ
     tp = triton.next_power_of_2(t)
     _conv_kernel[(bsz, 3 * hd // bc)](
         RawQKV(q, k, v, q.stride(0), q.stride(1)),
-        WindowPool(conv_pool, conv_pool.stride(0), conv_pool.stride(1)), slot_ids,
-        conv_weight if write_y else conv_pool, TokenRows(y, y.stride(0), y.stride(1)),
+        WindowPool.of(conv_pool), slot_ids,
+        conv_weight if write_y else conv_pool, TokenRows.of(y),
         n_keep if n_keep is not None else slot_ids,
         T=t, TP=tp, HD=hd, W=width, WP=triton.next_power_of_2(width - 1), BC=bc, WRITE_Y=write_y,
         WRITE_WIN=write_window, PER_SEQ=n_keep is not None, num_warps=max(1, min(4, tp * bc // 256)),
@@ -439,12 +439,13 @@ def recurrent(
     use_lb = lower_bound is not None
     dependent = dependent_launches(qkv.device)
     _recurrent_kernel[(bsz, h, d // bv)](
-        TokenRows(qkv, qkv.stride(0), qkv.stride(1)), f, b, params.dt_bias, params.a_log,
-        StateSlots(state_pool, state_pool.stride(0), slot_ids), n_steps if n_steps is not None else slot_ids,
+        TokenRows.of(qkv), f, b, params.dt_bias, params.a_log,
+        StateSlots.of(state_pool, slot_ids), n_steps if n_steps is not None else slot_ids,
         TokenRows(o, o.stride(0), o.stride(1) if write_o else 0),
         step_states if step_states is not None else state_pool, d**-0.5,
         float(lower_bound) if use_lb else 0.0,
-        _conv_operands(x, params, slots) if conv else DecodeConv(qkv, qkv, qkv, 0, 0, qkv),  # unread: no CONV
+        # without CONV the conv operands are never read: qkv stands in
+        _conv_operands(x, params, slots) if conv else DecodeConv(qkv, qkv, WindowPool(qkv, 0, 0), qkv),
         f_factors, b_weight,
         T=t, TP=triton.next_power_of_2(t), H=h, D=d, BV=bv, USE_LB=use_lb, WRITE_O=write_o,
         STORE_STATE=store_state, PER_SEQ=n_steps is not None, STEP_STATES=step_states is not None, CONV=conv,
@@ -462,7 +463,7 @@ def _gate_operands(
     if not isinstance(f, LowRank):
         assert f.stride(2) == 1
         return (
-            TokenRows(f, f.stride(0), f.stride(1)),
+            TokenRows.of(f),
             ScaledWeight(f, f, 0),
             dict(F_RANK=0, F_STEP=1, F_FP8=False),
         )
@@ -475,7 +476,7 @@ def _beta_operands(b: torch.Tensor | LowRank, heads: int) -> tuple[TokenRows, to
     """The step kernel's β arguments: b's rows (or the layer input x's), the rows of b_proj (unread for
     a dense b `[B, T, H]`), the constexprs B_RANK, B_STEP."""
     if not isinstance(b, LowRank):
-        return TokenRows(b, b.stride(0), b.stride(1)), b, dict(B_RANK=0, B_STEP=1)
+        return TokenRows.of(b), b, dict(B_RANK=0, B_STEP=1)
     rows = low_rank.operands(b, heads, 1, low_rank.ROW_STEP)
     if rows.fp8:
         raise ValueError("recurrent: β's LowRank weight must be unscaled (the dense rows of a projection)")
@@ -485,9 +486,7 @@ def _beta_operands(b: torch.Tensor | LowRank, heads: int) -> tuple[TokenRows, to
 def _conv_operands(x: KDAInputs, params: KDAParams, slots: KDASlots) -> DecodeConv:
     """The conv operands of a decode launch."""
     assert x.q.stride() == x.k.stride() == x.v.stride() and x.q.stride(-1) == 1
-    pool = slots.conv_pool
-    assert pool.stride(2) == 1
-    return DecodeConv(x.k, x.v, pool, pool.stride(0), pool.stride(1), params.conv_weight)
+    return DecodeConv(x.k, x.v, WindowPool.of(slots.conv_pool), params.conv_weight)
 
 
 def _block_rows(t: int) -> int:
@@ -537,9 +536,9 @@ def block_verify(
     bv, warps, dc = _verify_launch(bsz, h, d, t)
     bv, warps, dc = block_v or bv, num_warps or warps, key_chunk or dc
     _block_verify_kernel[(bsz, h, d // bv)](
-        TokenRows(qkv, qkv.stride(0), qkv.stride(1)), TokenRows(f, f.stride(0), f.stride(1)),
-        TokenRows(b, b.stride(0), b.stride(1)), params.dt_bias, params.a_log,
-        StateSlots(state_pool, state_pool.stride(0), slot_ids), TokenRows(o, o.stride(0), o.stride(1)),
+        TokenRows.of(qkv), TokenRows.of(f),
+        TokenRows.of(b), params.dt_bias, params.a_log,
+        StateSlots.of(state_pool, slot_ids), TokenRows.of(o),
         replay, replay.stride(0), d**-0.5, float(lower_bound), _anchor(lower_bound, t),
         T=t, TP=_block_rows(t), FACTORS=max(1, (t - 1).bit_length()), H=h, D=d, DC=dc, BV=bv,
         PREC="ieee" if _INTERPRET else VERIFY_PRECISION, num_warps=warps,
@@ -562,16 +561,16 @@ def block_commit(
     replay, q, k, v = cache.replay, cache.x.q, cache.x.k, cache.x.v
     conv_pool, state_pool, slot_ids = slots.tensors
     _, bsz, t, h, d = replay.shape
-    assert q.stride() == k.stride() == v.stride() and q.stride(2) == 1 and conv_pool.stride(2) == 1
+    assert q.stride() == k.stride() == v.stride() and q.stride(2) == 1
     bk, warps = block_k or _commit_rows(bsz, h, d), num_warps or 4
     if d % bk:
         raise ValueError(f"block_commit: block_k={bk} must divide the head size {d}")
     width = conv_pool.shape[1] + 1
     # a head's row tiles are neighbours in the launch order: its state is streamed in one sweep
     _block_commit_kernel[(d // bk + 1, bsz, h)](
-        replay, replay.stride(0), StateSlots(state_pool, state_pool.stride(0), slot_ids), n_accepted,
+        replay, replay.stride(0), StateSlots.of(state_pool, slot_ids), n_accepted,
         RawQKV(q, k, v, q.stride(0), q.stride(1)),
-        WindowPool(conv_pool, conv_pool.stride(0), conv_pool.stride(1)), _anchor(params.lower_bound, t),
+        WindowPool.of(conv_pool), _anchor(params.lower_bound, t),
         T=t, TP=max(16, triton.next_power_of_2(t)), H=h, D=d, BK=bk, W=width,
         WP=triton.next_power_of_2(width - 1), PREC="ieee" if _INTERPRET else "tf32x3", num_warps=warps,
     )  # fmt: skip

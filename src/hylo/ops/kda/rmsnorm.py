@@ -90,9 +90,8 @@ def gated_rms_norm(x: torch.Tensor, norm: OutputNorm, window: WindowStep | None 
     else:
         q, pool = window.x.q, window.slots.conv_pool
         assert q.stride() == window.x.k.stride() == window.x.v.stride() and q.stride(-1) == 1
-        assert pool.stride(2) == 1
         raw = RawQKV(q, window.x.k, window.x.v, q.stride(0), 0)  # one token a sequence
-        advance = (raw, WindowPool(pool, pool.stride(0), pool.stride(1)), window.slots.slot_ids)
+        advance = (raw, WindowPool.of(pool), window.slots.slot_ids)
         br, width = max(1, 1024 // d), pool.shape[1] + 1  # more programs: each also moves 9 window rows
     if isinstance(norm.gate, LowRank):
         factor = low_rank.operands(norm.gate, heads, d)
