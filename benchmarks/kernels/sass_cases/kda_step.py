@@ -1,49 +1,16 @@
-"""SASS fingerprints of every launch of the KDA step family (`ops/kda/recurrent.py`, `rmsnorm.py`) compiled
-for sm_90a on any machine (no GPU: `code_size.compiled_launches`): decode (low-rank FP8 and dense gates, 64
-and 8 heads, B = 1, 2 and 8), block and sequential verify, their commits and window steps. One line per
-launch: case, kernel, a hash of its SASS (instruction addresses stripped; with --loose also parameter
-offsets), registers, instructions. A refactor that must not change the kernels prints the same lines
-before and after:
-
-    PYTHONPATH=src python3 benchmarks/kernels/kda_sass.py [--loose] [--json PATH] > after.txt
-"""
+"""The KDA step family (`ops/kda/recurrent.py`, `rmsnorm.py`): decode with low-rank FP8 and dense gates at
+64 and 8 heads, B = 1, 2 and 8; block and sequential verify, their commits and window steps."""
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
-import re
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import code_size
 from code_size import HEAD_DIM, HIDDEN
 
 from hylo.ops.kda import recurrent, rmsnorm
 from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm
 
 BF16 = torch.bfloat16
-ADDRESS = re.compile(r"/\*[0-9a-f]{4}\*/")
-
-
-def sass_hash(cubin: bytes, loose: bool) -> str:
-    """A hash of the cubin's SASS, instruction addresses stripped (and parameter offsets if `loose`)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run(
-            [code_size.cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    lines = [ADDRESS.sub("", line).strip() for line in text.splitlines() if ADDRESS.search(line)]
-    if loose:
-        lines = [re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "P", line) for line in lines]
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+MODULES = (recurrent, rmsnorm)
 
 
 def setup(batch: int, heads: int, t: int = 1, low_rank: bool = True):
@@ -105,31 +72,3 @@ CASES = {
     "verify_steps_b2_t4": lambda: verify_commit(2, 8, 4, True),
     "verify_seq_b2_t5": lambda: sequential(2, 8, 5),
 }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--loose", action="store_true", help="also strip parameter offsets")
-    parser.add_argument("--json", help="also write every launch's figures here")
-    args = parser.parse_args()
-    resources = code_size.resources
-    code_size.resources = lambda cubin: {**resources(cubin), "sass": sass_hash(cubin, args.loose)}
-    code_size._as_dependents(recurrent, rmsnorm)
-    report = {}
-    for name, call in CASES.items():
-        report[name] = code_size.compiled_launches(call)
-        for launch in report[name]:
-            print(
-                name,
-                launch["kernel"],
-                launch["sass"],
-                launch["registers"],
-                launch["instructions"],
-                flush=True,
-            )
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()
