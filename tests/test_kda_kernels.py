@@ -180,26 +180,24 @@ def test_recurrence_locates_sequences_past_one_tile_of_offsets(monkeypatch):
     assert len(launches) == 2 and launches[0] == launches[1]
 
 
-# Compiles the first prefill launch for sm_90 as the GPU does (fast sigmoid on: the interpreter cannot run
-# inline PTX) in a fresh interpreter-free process; prints whether a cubin came out, whether the PTX holds
-# the fast reciprocal, and how many fp32 divisions it keeps.
-_HOPPER_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hylo.ops.kda import chunk
+# Compiles `chunk.prep`'s launches for sm_90 as the GPU does (fast sigmoid on: the interpreter cannot run
+# inline PTX) in a fresh interpreter-free process; prints whether the first is the conv and gate launch,
+# whether its PTX holds the fast reciprocal, and how many fp32 divisions it keeps.
+_HOPPER_COMPILE = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "benchmarks" / "kernels")!r})
+import torch
+from code_size import compiled_launches
+from hylo.ops.kda import KDAInputs, KDAParams, KDASlots, chunk
 
-fn = chunk._conv_gate_kernel
-consts = dict(H=4, D=128, W=4, WP=4, X_STRIDE=512, F_STRIDE=512, B_STRIDE=4, WIN_STRIDE=1536, BT=64,
-              CONV_ROWS=16, GATE_COLS=32, BLOCK_B=2, SUBS=16, HEADS_FIRST=True, FAST_MATH=True)
-kinds = {"slot_ids": "*i32", "cu": "*i32", "scale": "fp32", "lower_bound": "fp32", "pool_stride": "i32",
-         "n_seq": "i32", "conv_w": "*fp32", "dt_bias": "*fp32", "a_log": "*fp32", "rnorm": "*fp32",
-         "gcum": "*fp32", "beta": "*fp32", "decay_c": "*fp32"}
-sig = {n: "constexpr" if n in consts else kinds.get(n, "*bf16") for n in fn.arg_names}
-src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 2})
-ptx = kernel.asm["ptx"]
-print(len(kernel.asm["cubin"]) > 0, "rcp.approx.ftz.f32" in ptx, ptx.count("div.full"))
+h, d, n, bf16 = 4, 128, 64, torch.bfloat16
+x = KDAInputs(*(torch.zeros(n, h * d, dtype=bf16) for _ in range(4)), torch.zeros(n, h, dtype=bf16))
+params = KDAParams(torch.zeros(3 * h * d, 4), torch.zeros(h * d), torch.zeros(h), -5.0)
+pools = torch.zeros(2, 3, 3 * h * d, dtype=bf16), torch.zeros(2, h, d, d)
+slots, cu = KDASlots(*pools, torch.zeros(1, dtype=torch.int32)), torch.tensor([0, n], dtype=torch.int32)
+first = compiled_launches(lambda: chunk.prep(x, params, slots, cu, [0, n]), with_ptx=True)[0]
+ptx = first["ptx"]
+print(first["kernel"] == "_conv_gate_kernel", "rcp.approx.ftz.f32" in ptx, ptx.count("div.full"))
 """
 
 

@@ -57,9 +57,10 @@ def resources(cubin: bytes) -> dict[str, int]:
     return {"registers": int(found[1]), "stack_bytes": int(found[2]), "instructions": instructions}
 
 
-def compiled_launches(call: Callable[[], object]) -> list[dict[str, object]]:
+def compiled_launches(call: Callable[[], object], with_ptx: bool = False) -> list[dict[str, object]]:
     """Every Triton launch `call` makes, compiled for `TARGET` instead of run: kernel name, launch
-    options, `resources` and whether its PTX waits on the launch before it and releases the next."""
+    options, `resources` and whether its PTX waits on the launch before it and releases the next (and
+    with `with_ptx` the PTX itself)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile, make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -84,6 +85,7 @@ def compiled_launches(call: Callable[[], object]) -> list[dict[str, object]]:
                 **resources(kernel.asm["cubin"]),
                 "waits": "griddepcontrol.wait" in ptx,  # a programmatic dependent (`ops.dependent_launch`)
                 "releases": "griddepcontrol.launch_dependents" in ptx,
+                **({"ptx": ptx} if with_ptx else {}),
             }
         )
 

@@ -400,12 +400,12 @@ def time_prefill(fla_chunk, quick: bool, skip_fla: bool = False) -> None:
             kernel_times(lambda a=args, t=tuning: chunk.prefill(*a, **t), f"prefill_{name}_{var}")
         if len(lens) > 1:
             continue
-        bufs = chunk.prep(*args)
+        terms = chunk.prep(*args)
         o = torch.empty(cu[-1], H, D, dtype=x.q.dtype, device=DEV)
         rec(f"prefill_{name}_hylo_prep_us", bench(lambda a=args: chunk.prep(*a), graph=False))
         rec(
             f"prefill_{name}_hylo_recur_us",
-            bench(lambda: chunk.recur(bufs, o, slots, cu_d), graph=False),
+            bench(lambda: chunk.recur(terms, o, slots, cu_d), graph=False),
         )
         for var, tuning in {} if quick else PREFILL_VARIANTS.items():
             if set(tuning) <= chunk.PREP_KEYS:
@@ -416,7 +416,7 @@ def time_prefill(fla_chunk, quick: bool, skip_fla: bool = False) -> None:
         for var, tuning in {} if quick else RECUR_VARIANTS.items():
             rec(
                 f"prefill_{name}_recur_{var}_us",
-                bench(lambda t=tuning: chunk.recur(bufs, o, slots, cu_d, **t), graph=False),
+                bench(lambda t=tuning: chunk.recur(terms, o, slots, cu_d, **t), graph=False),
             )
         torch.cuda.empty_cache()
     kernel_registers()

@@ -44,6 +44,15 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.kda.operands import (
+    ChunkRows,
+    ChunkTerms,
+    GateInputs,
+    PackedQKV,
+    PackedSeqs,
+    SlotPool,
+    SnapshotTargets,
+)
 from hylo.ops.kda.reference import CHUNK_TOKENS, ChunkSnapshots, KDAInputs, KDAParams, KDASlots
 
 BT = CHUNK_TOKENS  # chunk length
@@ -172,23 +181,12 @@ def _unit_lower_inverse(low, BC: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _conv_gate_kernel(
-    xq,
-    xk,
-    xv,
-    f,
-    b,
+    raw,
+    gate,
     conv_w,
-    conv_pool,
-    pool_stride,
-    slot_ids,
-    dt_bias,
-    a_log,
-    cu,
-    n_seq,
-    y,
-    rnorm,
-    gcum,
-    beta,
+    windows,
+    seqs,
+    rows_out,
     decay_c,
     scale,
     lower_bound,
@@ -213,13 +211,15 @@ def _conv_gate_kernel(
     sum runs down it). Bases are 64-bit per program, offsets in it 32-bit. The grid is (chunk, head, sub),
     or with HEADS_FIRST one dimension ordered head fastest, then sub, then chunk (a dimension of its own
     would cap the chunks at 65535), so that programs next to each other in launch order read the other
-    heads' parts of the same rows."""
+    heads' parts of the same rows. `raw` is the `PackedQKV`, `gate` the `GateInputs`, `windows` the slots'
+    conv windows (a `SlotPool`), `seqs` the `PackedSeqs`; it writes `rows_out` (the `ChunkRows`) and
+    e^{G_C} into `decay_c`."""
     if HEADS_FIRST:
         flat = tl.program_id(0)
         h, sub, pid = flat % H, (flat // H) % SUBS, flat // (H * SUBS)
     else:
         pid, h, sub = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq, bos, eos, chunk = _locate(cu, pid, n_seq, BT, BLOCK_B)
+    seq, bos, eos, chunk = _locate(seqs.cu, pid, seqs.count, BT, BLOCK_B)
     HD: tl.constexpr = H * D
     ROW_BLOCKS: tl.constexpr = BT // CONV_ROWS
     head_tile = pid.to(tl.int64) * H + h
@@ -227,16 +227,17 @@ def _conv_gate_kernel(
         part = sub // ROW_BLOCKS
         r0 = (sub % ROW_BLOCKS) * CONV_ROWS
         if part == 0:
-            x = xq
+            x = raw.q
         elif part == 1:
-            x = xk
+            x = raw.k
         else:
-            x = xv
+            x = raw.v
         x += h * D
         start = chunk * BT + r0
         rows = tl.arange(0, CONV_ROWS)[:, None]
         cols = tl.arange(0, D)
-        win = conv_pool + tl.load(slot_ids + seq).to(tl.int64) * pool_stride + part * HD + h * D
+        slot = tl.load(windows.slot_ids + seq).to(tl.int64)
+        win = windows.pool + slot * windows.slot_stride + part * HD + h * D
         yv = _conv_silu(
             x + (bos + start).to(tl.int64) * X_STRIDE,
             win,
@@ -250,11 +251,11 @@ def _conv_gate_kernel(
             WIN_STRIDE,
             FAST_MATH,
         )
-        tile = y + (((pid.to(tl.int64) * 3 + part) * H + h) * BT + r0) * D
-        tl.store(tile + rows * D + cols[None, :], yv.to(y.dtype.element_ty))
+        tile = rows_out.y + (((pid.to(tl.int64) * 3 + part) * H + h) * BT + r0) * D
+        tl.store(tile + rows * D + cols[None, :], yv.to(rows_out.y.dtype.element_ty))
         if part < 2:
             norm = tl.where(part == 0, scale, 1.0) / tl.sqrt(tl.sum(yv * yv, 1) + 1e-6)
-            norm_tile = rnorm + ((pid.to(tl.int64) * 2 + part) * H + h) * BT + r0
+            norm_tile = rows_out.rnorm + ((pid.to(tl.int64) * 2 + part) * H + h) * BT + r0
             tl.store(norm_tile + tl.arange(0, CONV_ROWS), norm)
         # rows ≥ CONV_ROWS ≥ W-1 never reach back before the sequence: the row block at its start is the
         # only reader of the old window of these channels, so it rewrites it
@@ -268,9 +269,9 @@ def _conv_gate_kernel(
         live = chunk_rows < eos - bos - chunk * BT
         first_tok = (bos + chunk * BT).to(tl.int64)
         g = _gate(
-            f + first_tok * F_STRIDE + h * D,
-            tl.load(dt_bias + h * D + col),
-            tl.exp(tl.load(a_log + h).to(tl.float32)),
+            gate.f + first_tok * F_STRIDE + h * D,
+            tl.load(gate.dt_bias + h * D + col),
+            tl.exp(tl.load(gate.a_log + h).to(tl.float32)),
             lower_bound * 1.4426950408889634,
             chunk_rows,
             live,
@@ -278,12 +279,13 @@ def _conv_gate_kernel(
             F_STRIDE,
             FAST_MATH,
         )
-        tl.store(gcum + head_tile * BT * D + chunk_rows * D + col, tl.cumsum(g, 0))
+        tl.store(rows_out.gcum + head_tile * BT * D + chunk_rows * D + col, tl.cumsum(g, 0))
         tl.store(decay_c + head_tile * D + col, tl.exp2(tl.sum(g, 0)[None, :]))
         if c0 == 0:
-            logit = tl.load(b + first_tok * B_STRIDE + chunk_rows * B_STRIDE + h, mask=live, other=0.0)
+            logit = tl.load(gate.b + first_tok * B_STRIDE + chunk_rows * B_STRIDE + h, mask=live, other=0.0)
             tl.store(
-                beta + head_tile * BT + chunk_rows, tl.where(live, tl.sigmoid(logit.to(tl.float32)), 0.0)
+                rows_out.beta + head_tile * BT + chunk_rows,
+                tl.where(live, tl.sigmoid(logit.to(tl.float32)), 0.0),
             )
 
 
@@ -443,15 +445,8 @@ def _chunk_outputs(
 
 @triton.jit
 def _intra_kernel(
-    y,
-    rnorm,
-    gcum,
-    beta,
-    w_out,
-    qg_out,
-    kg_out,
-    u_out,
-    att_out,
+    rows,
+    terms,
     lower_bound,
     H: tl.constexpr,
     D: tl.constexpr,
@@ -465,14 +460,16 @@ def _intra_kernel(
     MERGE_PREC: tl.constexpr,
     OUT_PREC: tl.constexpr,
 ):
+    """Program (chunk, head): reads the first launch's `ChunkRows`, writes the chunk's w, q̄, k̄, u and A
+    into `terms` (the `ChunkTerms`; e^{G_C} there is the first launch's)."""
     pid, h = tl.program_id(0), tl.program_id(1)
     tile = (pid * H + h) * BT * D
-    y_q = y + ((pid * 3) * H + h) * BT * D
+    y_q = rows.y + ((pid * 3) * H + h) * BT * D
     y_k, y_v = y_q + H * BT * D, y_q + 2 * H * BT * D
-    rn_q = rnorm + ((pid * 2) * H + h) * BT
+    rn_q = rows.rnorm + ((pid * 2) * H + h) * BT
     rn_k = rn_q + H * BT
-    beta += (pid * H + h) * BT
-    gcum += tile
+    beta = rows.beta + (pid * H + h) * BT
+    gcum = rows.gcum + tile
     inv = _chunk_inverse(
         y_q,
         y_k,
@@ -480,7 +477,7 @@ def _intra_kernel(
         rn_q,
         rn_k,
         beta,
-        att_out + (pid * H + h) * BT * BT,
+        terms.att + (pid * H + h) * BT * BT,
         lower_bound,
         D,
         BT,
@@ -501,10 +498,10 @@ def _intra_kernel(
             rn_q,
             rn_k,
             beta,
-            w_out + tile,
-            qg_out + tile,
-            kg_out + tile,
-            u_out + tile,
+            terms.w + tile,
+            terms.qg + tile,
+            terms.kg + tile,
+            terms.u + tile,
             c0,
             D,
             BT,
@@ -516,12 +513,7 @@ def _intra_kernel(
 @triton.jit
 def _chunk_step(
     s,
-    w_in,
-    qg_in,
-    kg_in,
-    u_in,
-    att_in,
-    dc_in,
+    terms,
     o_out,
     bos,
     eos,
@@ -534,17 +526,17 @@ def _chunk_step(
     rk,
     rv,
 ):
-    """One chunk: δ = u − wS, o = q̄S + Aδ, then S ← diag(e^{G_C}) S + k̄ᵀδ."""
+    """One chunk: δ = u − wS, o = q̄S + Aδ, then S ← diag(e^{G_C}) S + k̄ᵀδ (`terms` the `ChunkTerms`)."""
     r = tl.arange(0, BT)
     head_tile = (first + c) * H + h
     tile = head_tile * BT * D + r[:, None] * D
-    w = tl.load(w_in + tile + rk[None, :])
-    qg = tl.load(qg_in + tile + rk[None, :])
-    kg = tl.load(kg_in + tile + rk[None, :])
-    u = tl.load(u_in + tile + rv[None, :])
-    att = tl.load(att_in + head_tile * BT * BT + r[:, None] * BT + r[None, :])
-    dc = tl.load(dc_in + head_tile * D + rk)
-    op_ty = w_in.dtype.element_ty
+    w = tl.load(terms.w + tile + rk[None, :])
+    qg = tl.load(terms.qg + tile + rk[None, :])
+    kg = tl.load(terms.kg + tile + rk[None, :])
+    u = tl.load(terms.u + tile + rv[None, :])
+    att = tl.load(terms.att + head_tile * BT * BT + r[:, None] * BT + r[None, :])
+    dc = tl.load(terms.decay_c + head_tile * D + rk)
+    op_ty = terms.w.dtype.element_ty
     s_op = s.to(op_ty)
     delta = (u.to(tl.float32) - tl.dot(w, s_op)).to(op_ty)
     o = tl.dot(att, delta, tl.dot(qg, s_op))
@@ -559,14 +551,8 @@ def _snapshot_after(
     s,
     chunk_idx,
     chunk_end,
-    snap_ids,
-    snap_state,
-    snap_stride,
-    snap_conv,
-    snap_conv_stride,
-    xq,
-    xk,
-    xv,
+    snap,
+    raw,
     iv,
     h,
     rk,
@@ -578,51 +564,39 @@ def _snapshot_after(
     X_STRIDE: tl.constexpr,
     WIN_STRIDE: tl.constexpr,
 ):
-    """Where packed chunk `chunk_idx` has a snapshot id: S after it into that snapshot, and (value tile
-    0) the head's conv window, the W-1 pre-conv q, k, v rows before `chunk_end` (a token index)."""
-    sid = tl.load(snap_ids + chunk_idx)
+    """Where packed chunk `chunk_idx` has a snapshot id in `snap` (the `SnapshotTargets`): S after it into
+    that snapshot, and (value tile 0) the head's conv window, the W-1 rows of `raw` (the `PackedQKV`) before
+    `chunk_end` (a token index)."""
+    sid = tl.load(snap.chunk_ids + chunk_idx)
     if sid >= 0:
-        base = snap_state + sid.to(tl.int64) * snap_stride + h * D * D
+        base = snap.state + sid.to(tl.int64) * snap.state_stride + h * D * D
         tl.store(base + rk[:, None] * D + rv[None, :], s)
         if iv == 0:
             r = tl.arange(0, WP)
             live = (r < W - 1)[:, None]
             rows = (chunk_end - (W - 1) + r).to(tl.int64)[:, None] * X_STRIDE
             cols = h * D + tl.arange(0, D)[None, :]
-            win = snap_conv + sid.to(tl.int64) * snap_conv_stride + r[:, None] * WIN_STRIDE + cols
+            win = snap.conv + sid.to(tl.int64) * snap.conv_stride + r[:, None] * WIN_STRIDE + cols
             HD: tl.constexpr = H * D
             for part in tl.static_range(3):
                 if part == 0:
-                    x = xq
+                    x = raw.q
                 elif part == 1:
-                    x = xk
+                    x = raw.k
                 else:
-                    x = xv
+                    x = raw.v
                 val = tl.load(x + rows + cols, mask=live, other=0.0)
-                tl.store(win + part * HD, val.to(snap_conv.dtype.element_ty), mask=live)
+                tl.store(win + part * HD, val.to(snap.conv.dtype.element_ty), mask=live)
 
 
 @triton.jit
 def _recur_kernel(
-    w_in,
-    qg_in,
-    kg_in,
-    u_in,
-    att_in,
-    dc_in,
+    terms,
     o_out,
-    state_pool,
-    pool_stride,
-    slot_ids,
+    state,
     cu,
-    snap_ids,
-    snap_state,
-    snap_stride,
-    snap_conv,
-    snap_conv_stride,
-    xq,
-    xk,
-    xv,
+    snap,
+    raw,
     H: tl.constexpr,
     D: tl.constexpr,
     BV: tl.constexpr,
@@ -636,9 +610,10 @@ def _recur_kernel(
     X_STRIDE: tl.constexpr,
     WIN_STRIDE: tl.constexpr,
 ):
-    """Program (value tile, head, sequence) walks the sequence's chunks; with SNAPSHOTS, after each
-    chunk whose packed index has a snapshot id in `snap_ids` (-1: none) it leaves S and the conv window
-    there (`_snapshot_after`)."""
+    """Program (value tile, head, sequence) walks the sequence's chunks (`terms` the `ChunkTerms`, o `[N, H,
+    d]`, `state` the states' `SlotPool`, `cu` the offsets); with SNAPSHOTS, after each chunk whose packed
+    index has a snapshot id in `snap` (a `SnapshotTargets`) it leaves S and the conv window there (the rows
+    of `raw`, a `PackedQKV`; `_snapshot_after`)."""
     iv, h, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # the chunks of the sequences before this one, SEQ_TILE offsets at a time: no constexpr depends on
     # the step's sequence count, so one compiled kernel serves every batch (a warm-up cannot reach them all)
@@ -652,33 +627,55 @@ def _recur_kernel(
         start += SEQ_TILE
     bos = tl.load(cu + seq).to(tl.int64)
     eos = tl.load(cu + seq + 1).to(tl.int64)
-    slot = tl.load(slot_ids + seq).to(tl.int64)
+    slot = tl.load(state.slot_ids + seq).to(tl.int64)
     rk = tl.arange(0, D)
     rv = iv * BV + tl.arange(0, BV)
-    p_s = state_pool + slot * pool_stride + h * D * D + rk[:, None] * D + rv[None, :]
+    p_s = state.pool + slot * state.slot_stride + h * D * D + rk[:, None] * D + rv[None, :]
     s = tl.load(p_s)
     n_chunks = tl.cdiv(eos - bos, BT)
     if FOR_LOOP:
         for c in tl.range(0, n_chunks, num_stages=STAGES):
-            s = _chunk_step(
-                s, w_in, qg_in, kg_in, u_in, att_in, dc_in, o_out, bos, eos, c, first, h, H, D, BT, rk, rv
-            )
+            s = _chunk_step(s, terms, o_out, bos, eos, c, first, h, H, D, BT, rk, rv)
             if SNAPSHOTS:
                 _snapshot_after(
-                    s, first + c, bos + (c + 1) * BT, snap_ids, snap_state, snap_stride, snap_conv,
-                    snap_conv_stride, xq, xk, xv, iv, h, rk, rv, H, D, W, WP, X_STRIDE, WIN_STRIDE,
-                )  # fmt: skip
+                    s,
+                    first + c,
+                    bos + (c + 1) * BT,
+                    snap,
+                    raw,
+                    iv,
+                    h,
+                    rk,
+                    rv,
+                    H,
+                    D,
+                    W,
+                    WP,
+                    X_STRIDE,
+                    WIN_STRIDE,
+                )
     else:  # the interpreter cannot take a run-time bound in range()
         c = 0
         while c < n_chunks:
-            s = _chunk_step(
-                s, w_in, qg_in, kg_in, u_in, att_in, dc_in, o_out, bos, eos, c, first, h, H, D, BT, rk, rv
-            )
+            s = _chunk_step(s, terms, o_out, bos, eos, c, first, h, H, D, BT, rk, rv)
             if SNAPSHOTS:
                 _snapshot_after(
-                    s, first + c, bos + (c + 1) * BT, snap_ids, snap_state, snap_stride, snap_conv,
-                    snap_conv_stride, xq, xk, xv, iv, h, rk, rv, H, D, W, WP, X_STRIDE, WIN_STRIDE,
-                )  # fmt: skip
+                    s,
+                    first + c,
+                    bos + (c + 1) * BT,
+                    snap,
+                    raw,
+                    iv,
+                    h,
+                    rk,
+                    rv,
+                    H,
+                    D,
+                    W,
+                    WP,
+                    X_STRIDE,
+                    WIN_STRIDE,
+                )
             c += 1
     tl.store(p_s, s)
 
@@ -717,7 +714,7 @@ def prefill(
     Needs the safe gate with -5 ≤ lower_bound < 0. `tuning` goes to `prep` (its keyword arguments) and
     `recur` (the rest)."""
     h, d = slots.state_pool.shape[1:3]
-    bufs = prep(
+    terms = prep(
         x,
         params,
         slots,
@@ -729,7 +726,7 @@ def prefill(
     make = torch.empty if cu_seqlens_cpu is not None else torch.zeros
     o = make(x.q.shape[0], h, d, dtype=x.q.dtype, device=x.q.device)
     recur(
-        bufs,
+        terms,
         o,
         slots,
         cu_seqlens,
@@ -758,9 +755,9 @@ def prep(
     output_precision: str | None = None,
     gram_unroll: int = 1,
     conv_order: str = "head",
-) -> tuple[torch.Tensor, ...]:
-    """The parallel launches; returns (w, q̄, k̄, u) `[chunks, H, 64, d]`, A `[chunks, H, 64, 64]` and
-    e^{G_C} `[chunks, H, d]`.
+) -> ChunkTerms:
+    """The parallel launches; returns the `ChunkTerms` (w, q̄, k̄, u `[chunks, H, 64, d]`, A `[chunks, H, 64,
+    64]` and e^{G_C} `[chunks, H, d]`).
 
     `gram_precision` / `solve_precision` / `merge_precision` / `output_precision` are the `tl.dot` modes of
     the Gram, the 16×16 inverses (tf32x3: their Neumann product amplifies rounding), the 64×64 merge and the
@@ -807,30 +804,21 @@ def prep(
         raise ValueError(f"conv_order must be 'chunk' or 'head', got {conv_order!r}")
     heads_first = conv_order == "head"
     dev = q.device
-    rnorm = torch.empty(n_chunks, 2, h, BT, dtype=torch.float32, device=dev)
-    beta = torch.empty(n_chunks, h, BT, dtype=torch.float32, device=dev)
+    rows = ChunkRows(
+        torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev),
+        torch.empty(n_chunks, 2, h, BT, dtype=torch.float32, device=dev),
+        torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev),
+        torch.empty(n_chunks, h, BT, dtype=torch.float32, device=dev),
+    )
     decay_c = torch.empty(n_chunks, h, d, dtype=torch.float32, device=dev)
-    y = torch.empty(n_chunks, 3, h, BT, d, dtype=q.dtype, device=dev)
-    gcum = torch.empty(n_chunks, h, BT, d, dtype=torch.float32, device=dev)
     subs = 3 * BT // conv_rows + d // gate_cols
     _conv_gate_kernel[(h * subs * n_chunks,) if heads_first else (n_chunks, h, subs)](
-        q,
-        k,
-        v,
-        f,
-        b,
+        PackedQKV(q, k, v),
+        GateInputs(f, b, params.dt_bias, params.a_log),
         params.conv_weight,
-        conv_pool,
-        conv_pool.stride(0),
-        slot_ids,
-        params.dt_bias,
-        params.a_log,
-        cu_seqlens,
-        n_seq,
-        y,
-        rnorm,
-        gcum,
-        beta,
+        SlotPool.of(conv_pool, slot_ids),
+        PackedSeqs(cu_seqlens, n_seq),
+        rows,
         decay_c,
         d**-0.5,
         float(lower_bound),
@@ -851,18 +839,14 @@ def prep(
         FAST_MATH=not _INTERPRET,
         num_warps=conv_warps,
     )
-    w, qg, kg, u = (torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(4))
-    att = torch.empty(n_chunks, h, BT, BT, dtype=q.dtype, device=dev)
+    terms = ChunkTerms(
+        *(torch.empty(n_chunks, h, BT, d, dtype=q.dtype, device=dev) for _ in range(4)),
+        torch.empty(n_chunks, h, BT, BT, dtype=q.dtype, device=dev),
+        decay_c,
+    )
     _intra_kernel[(n_chunks, h)](
-        y,
-        rnorm,
-        gcum,
-        beta,
-        w,
-        qg,
-        kg,
-        u,
-        att,
+        rows,
+        terms,
         float(lower_bound),
         H=h,
         D=d,
@@ -878,7 +862,7 @@ def prep(
         num_warps=intra_warps,
         num_stages=intra_stages,
     )
-    return w, qg, kg, u, att, decay_c
+    return terms
 
 
 RECUR_MIN_PROGRAMS = 64
@@ -895,7 +879,7 @@ def value_tile(heads: int, seqs: int, d: int) -> int:
 
 
 def recur(
-    bufs,
+    terms: ChunkTerms,
     o,
     slots: KDASlots,
     cu_seqlens,
@@ -914,13 +898,19 @@ def recur(
     assert state_pool.is_contiguous()
     n_seq = slot_ids.shape[0]
     bv = min(block_v or value_tile(h, n_seq, d), d)
-    if snapshots is None:
-        snap = (slot_ids, state_pool, 0, state_pool, 0, o, o, o)  # never read: SNAPSHOTS is off
+    if snapshots is None:  # never read: SNAPSHOTS is off
+        snap, raw = SnapshotTargets(slot_ids, state_pool, 0, state_pool, 0), PackedQKV(o, o, o)
         width, x_stride, win_stride = 2, 0, 0
     else:
         assert inputs is not None
-        snap = (snapshots.chunk_ids, snapshots.state, snapshots.state.stride(0), snapshots.conv,
-                snapshots.conv.stride(0), inputs.q, inputs.k, inputs.v)  # fmt: skip
+        snap = SnapshotTargets(
+            snapshots.chunk_ids,
+            snapshots.state,
+            snapshots.state.stride(0),
+            snapshots.conv,
+            snapshots.conv.stride(0),
+        )
+        raw = PackedQKV(inputs.q, inputs.k, inputs.v)
         width, x_stride, win_stride = (
             snapshots.conv.shape[1] + 1,
             inputs.q.stride(0),
@@ -929,13 +919,12 @@ def recur(
     # value tiles of a head next to each other in launch order: they read the same w, q̄, k̄ and A, which
     # then come from L2 once; with the sequence first, a batch larger than one wave read them twice
     _recur_kernel[(d // bv, h, n_seq)](
-        *bufs,
+        terms,
         o,
-        state_pool,
-        state_pool.stride(0),
-        slot_ids,
+        SlotPool.of(state_pool, slot_ids),
         cu_seqlens,
-        *snap,
+        snap,
+        raw,
         H=h,
         D=d,
         BV=bv,

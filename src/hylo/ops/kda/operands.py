@@ -1,4 +1,4 @@
-"""The KDA step family's typed operand bundles: what its Triton kernels take, grouped by role (a tensor with
+"""The KDA kernels' typed operand bundles: what its Triton kernels take, grouped by role (a tensor with
 the strides that address it), so that a launch passes a dozen named operands instead of thirty positional
 ones. Triton unpacks a NamedTuple argument into its fields with the same specialisation as loose ones."""
 
@@ -23,15 +23,16 @@ class TokenRows(NamedTuple):
         return cls(t, t.stride(0), t.stride(1))
 
 
-class StateSlots(NamedTuple):
-    """The fp32 states `pool [S, H, d, d]` (`slot_stride` elements a slot) and each sequence's slot."""
+class SlotPool(NamedTuple):
+    """A pool of per-sequence slots `pool [S, ...]` (`slot_stride` elements a slot; the fp32 states `[S, H, d,
+    d]` or the conv windows `[S, W-1, 3·H·d]`) and each sequence's slot `slot_ids [B]`."""
 
     pool: torch.Tensor
     slot_stride: int
     slot_ids: torch.Tensor
 
     @classmethod
-    def of(cls, pool: torch.Tensor, slot_ids: torch.Tensor) -> StateSlots:
+    def of(cls, pool: torch.Tensor, slot_ids: torch.Tensor) -> SlotPool:
         return cls(pool, pool.stride(0), slot_ids)
 
 
@@ -77,3 +78,66 @@ class DecodeConv(NamedTuple):
     xv: torch.Tensor
     windows: WindowPool
     weight: torch.Tensor
+
+
+class PackedQKV(NamedTuple):
+    """The pre-conv q, k and v `[N, H·d]` of a prefill's packed tokens, one row stride (the launches'
+    X_STRIDE constexpr) and unit channel stride."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class GateInputs(NamedTuple):
+    """A prefill's gate and β inputs: f `[N, H·d]` and b's logits `[N, H]` of the packed tokens (row strides
+    the launch's F_STRIDE and B_STRIDE constexprs) and the layer's `dt_bias [H·d]` and `a_log [H]`."""
+
+    f: torch.Tensor
+    b: torch.Tensor
+    dt_bias: torch.Tensor
+    a_log: torch.Tensor
+
+
+class PackedSeqs(NamedTuple):
+    """The prefill's sequences: int32 offsets `cu [count + 1]` of their packed tokens, and their count."""
+
+    cu: torch.Tensor
+    count: int
+
+
+class ChunkRows(NamedTuple):
+    """What the prefill's first launch leaves for the in-chunk launch, each chunk padded to BT rows: the
+    conv outputs `y [chunks, 3, H, BT, d]` (q, k, v), the scaled inverse L2 norms of q and k `rnorm [chunks,
+    2, H, BT]`, the in-chunk cumulative gate `gcum [chunks, H, BT, d]` (fp32, log2 units) and
+    `beta [chunks, H, BT]`."""
+
+    y: torch.Tensor
+    rnorm: torch.Tensor
+    gcum: torch.Tensor
+    beta: torch.Tensor
+
+
+class ChunkTerms(NamedTuple):
+    """A prefill's per-chunk terms, which the sequential launch reads: w, q̄, k̄, u `[chunks, H, BT, d]`, A
+    `[chunks, H, BT, BT]` (the activations' dtype; the in-chunk launch's) and e^{G_C} `[chunks, H, d]` (fp32;
+    the first launch's)."""
+
+    w: torch.Tensor
+    qg: torch.Tensor
+    kg: torch.Tensor
+    u: torch.Tensor
+    att: torch.Tensor
+    decay_c: torch.Tensor
+
+
+class SnapshotTargets(NamedTuple):
+    """Where a prefill leaves snapshots (`reference.ChunkSnapshots`): each packed chunk's snapshot id
+    `chunk_ids` (-1: none), the states `state [S, H, d, d]` (`state_stride` elements one) and the windows
+    `conv [S, W-1, 3·H·d]` (`conv_stride` elements one; row stride the launch's WIN_STRIDE constexpr)."""
+
+    chunk_ids: torch.Tensor
+    state: torch.Tensor
+    state_stride: int
+    conv: torch.Tensor
+    conv_stride: int

@@ -33,7 +33,7 @@ from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.gemm import linear
 from hylo.ops.kda import low_rank
 from hylo.ops.kda.low_rank import long_row_dots, low_rank_rows
-from hylo.ops.kda.operands import DecodeConv, RawQKV, ScaledWeight, StateSlots, TokenRows, WindowPool
+from hylo.ops.kda.operands import DecodeConv, RawQKV, ScaledWeight, SlotPool, TokenRows, WindowPool
 from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm, VerifyCache
 from hylo.ops.kda.rmsnorm import WindowStep, gated_rms_norm
 
@@ -135,7 +135,7 @@ def _recurrent_kernel(
     F_STEP: tl.constexpr, F_FP8: tl.constexpr, B_RANK: tl.constexpr, B_STEP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, head, value tile) over its T tokens (module docstring); qkv, f, b and o are
-    `TokenRows`, `state` the `StateSlots`. With CONV (decode, T = 1) `qkv` is the raw q row (k and v rows
+    `TokenRows`, `state` the `SlotPool`. With CONV (decode, T = 1) `qkv` is the raw q row (k and v rows
     in `conv`, a `DecodeConv`, same strides) and the conv runs here from the slot's window, which is only
     read: whoever launches this advances it afterwards. With F_RANK > 0 (decode) `f` is the low-rank
     factor a `[B, F_RANK]` of the gate, whose head rows this program computes with the projection `f_w`
@@ -258,7 +258,7 @@ def _block_verify_kernel(
     commit kernel only needs k 2^{m−G}, 2^{G−m} (m the anchor) and u/|k|, which go to `replay`.
     Keys fill rows [0, TP) and queries rows [TP, 2·TP) of one tile: a single product against kᵀ gives
     L and A, a single product against S both S-terms. The channels are walked DC at a time, the norms
-    applied at the end. qkv, f, b and o are `TokenRows`, `state` the `StateSlots`."""
+    applied at the end. qkv, f, b and o are `TokenRows`, `state` the `SlotPool`."""
     bi, h, iv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bi64 = bi.to(tl.int64)
     rt = tl.arange(0, TP)
@@ -323,7 +323,7 @@ def _block_commit_kernel(
     Σ_{i<n} (k_i 2^{m−G_i})·2^{G_n−m} (u_i/|k_i|)ᵀ. Rows of S do not mix, so each program streams BK whole
     rows (contiguous, all value columns): every operand is one tile load issued up front, the n rank-1
     updates one [BK, TP] × [TP, D] product (tf32x3, fp32-accurate). One extra program per head advances
-    its q, k, v conv windows, so that the state programs only stream (`state` the `StateSlots`, `raw` the
+    its q, k, v conv windows, so that the state programs only stream (`state` the `SlotPool`, `raw` the
     verified tokens' `RawQKV`, `windows` the `WindowPool`)."""
     ik, bi, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(n_steps + bi)
@@ -440,7 +440,7 @@ def recurrent(
     dependent = dependent_launches(qkv.device)
     _recurrent_kernel[(bsz, h, d // bv)](
         TokenRows.of(qkv), f, b, params.dt_bias, params.a_log,
-        StateSlots.of(state_pool, slot_ids), n_steps if n_steps is not None else slot_ids,
+        SlotPool.of(state_pool, slot_ids), n_steps if n_steps is not None else slot_ids,
         TokenRows(o, o.stride(0), o.stride(1) if write_o else 0),
         step_states if step_states is not None else state_pool, d**-0.5,
         float(lower_bound) if use_lb else 0.0,
@@ -538,7 +538,7 @@ def block_verify(
     _block_verify_kernel[(bsz, h, d // bv)](
         TokenRows.of(qkv), TokenRows.of(f),
         TokenRows.of(b), params.dt_bias, params.a_log,
-        StateSlots.of(state_pool, slot_ids), TokenRows.of(o),
+        SlotPool.of(state_pool, slot_ids), TokenRows.of(o),
         replay, replay.stride(0), d**-0.5, float(lower_bound), _anchor(lower_bound, t),
         T=t, TP=_block_rows(t), FACTORS=max(1, (t - 1).bit_length()), H=h, D=d, DC=dc, BV=bv,
         PREC="ieee" if _INTERPRET else VERIFY_PRECISION, num_warps=warps,
@@ -568,7 +568,7 @@ def block_commit(
     width = conv_pool.shape[1] + 1
     # a head's row tiles are neighbours in the launch order: its state is streamed in one sweep
     _block_commit_kernel[(d // bk + 1, bsz, h)](
-        replay, replay.stride(0), StateSlots.of(state_pool, slot_ids), n_accepted,
+        replay, replay.stride(0), SlotPool.of(state_pool, slot_ids), n_accepted,
         RawQKV(q, k, v, q.stride(0), q.stride(1)),
         WindowPool.of(conv_pool), _anchor(params.lower_bound, t),
         T=t, TP=max(16, triton.next_power_of_2(t)), H=h, D=d, BK=bk, W=width,
