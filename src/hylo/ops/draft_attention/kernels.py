@@ -68,13 +68,12 @@ def _query_rows(
 
 @triton.jit
 def _context_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, ctx_lens_ptr, part_ptr, lse_ptr,
-    scale_log2, window, num_splits,
-    stride_qr, stride_qb, stride_qh,
-    stride_ks, stride_kh, stride_vs, stride_vh,
-    stride_table,
-    stride_pr, stride_pk, stride_ps, stride_pm,
-    stride_lr, stride_lk, stride_ls,
+    q_ptr, stride_qr, stride_qb, stride_qh,
+    k_cache_ptr, stride_ks, stride_kh, v_cache_ptr, stride_vs, stride_vh,
+    table_ptr, stride_table, rows_ptr, ctx_lens_ptr,
+    part_ptr, stride_pr, stride_pk, stride_ps, stride_pm,
+    lse_ptr, stride_lr, stride_lk, stride_ls, num_splits,
+    scale_log2, window,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
@@ -137,13 +136,12 @@ def _context_split_kernel(
 
 @triton.jit
 def _block_merge_kernel(
-    q_ptr, k_block_ptr, v_block_ptr, part_ptr, lse_ptr, out_ptr, ctx_lens_ptr,
-    scale_log2, window, num_splits,
-    stride_qr, stride_qb, stride_qh,
-    stride_kr, stride_kb, stride_kh, stride_vr, stride_vb, stride_vh,
-    stride_pr, stride_pk, stride_ps, stride_pm,
-    stride_lr, stride_lk, stride_ls,
-    stride_or, stride_ob, stride_oh,
+    q_ptr, stride_qr, stride_qb, stride_qh,
+    k_block_ptr, stride_kr, stride_kb, stride_kh, v_block_ptr, stride_vr, stride_vb, stride_vh,
+    part_ptr, stride_pr, stride_pk, stride_ps, stride_pm,
+    lse_ptr, stride_lr, stride_lk, stride_ls, num_splits,
+    out_ptr, stride_or, stride_ob, stride_oh, ctx_lens_ptr,
+    scale_log2, window,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
@@ -265,24 +263,22 @@ def paged_draft_attention(
         BLOCK=block_size, GROUP=group, BLOCK_M=block_m, HEAD_DIM=head_dim, HAS_WINDOW=window is not None
     )
     _context_split_kernel[(num_requests, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, req_to_token, rows, ctx_lens, part, lse,
-        scale_log2, window_arg, num_splits,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
-        lse.stride(0), lse.stride(1), lse.stride(2),
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k_cache, k_cache.stride(0), k_cache.stride(1), v_cache, v_cache.stride(0), v_cache.stride(1),
+        req_to_token, req_to_token.stride(0), rows, ctx_lens,
+        part, part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+        lse, lse.stride(0), lse.stride(1), lse.stride(2), num_splits,
+        scale_log2, window_arg,
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
     _block_merge_kernel[(num_requests, num_kv_heads, head_dim // merge_block_d)](
-        q, k_block, v_block, part, lse, out, ctx_lens,
-        scale_log2, window_arg, num_splits,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_block.stride(0), k_block.stride(1), k_block.stride(2),
-        v_block.stride(0), v_block.stride(1), v_block.stride(2),
-        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k_block, k_block.stride(0), k_block.stride(1), k_block.stride(2),
+        v_block, v_block.stride(0), v_block.stride(1), v_block.stride(2),
+        part, part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+        lse, lse.stride(0), lse.stride(1), lse.stride(2), num_splits,
+        out, out.stride(0), out.stride(1), out.stride(2), ctx_lens,
+        scale_log2, window_arg,
         BLOCK_J=max(16, triton.next_power_of_2(block_size)), BLOCK_N=block_n, BLOCK_D=merge_block_d,
         num_warps=4, **common,
     )  # fmt: skip
@@ -314,8 +310,8 @@ def _norm_rope(x, mask, weight, cos, sin, eps, HALF: tl.constexpr):
 
 @triton.jit
 def _normed_rotated_kernel(
-    x_ptr, weight_ptr, cos_ptr, sin_ptr, positions_ptr, out_ptr, eps, num_heads,
-    stride_xn, stride_xh, stride_on, stride_oh, stride_cos, stride_sin,
+    x_ptr, stride_xn, stride_xh, out_ptr, stride_on, stride_oh, weight_ptr, eps,
+    cos_ptr, stride_cos, sin_ptr, stride_sin, positions_ptr, num_heads,
     BLOCK_H: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
@@ -346,8 +342,8 @@ def normed_rotated(
     if num_tokens == 0:
         return out
     _normed_rotated_kernel[(num_tokens,)](
-        x, weight, cos, sin, positions, out, eps, num_heads,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
+        x, x.stride(0), x.stride(1), out, out.stride(0), out.stride(1), weight, eps,
+        cos, cos.stride(0), sin, sin.stride(0), positions, num_heads,
         BLOCK_H=triton.next_power_of_2(num_heads), HALF=head_dim // 2, num_warps=4,
     )  # fmt: skip
     return out
@@ -355,11 +351,10 @@ def normed_rotated(
 
 @triton.jit
 def _store_context_kv_kernel(
-    k_raw_ptr, v_ptr, weight_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
-    eps, num_heads,
-    stride_xl, stride_xn, stride_xh, stride_vl, stride_vn, stride_vh,
-    stride_wl, stride_cos, stride_sin,
-    stride_kcl, stride_kcs, stride_kch, stride_vcl, stride_vcs, stride_vch,
+    k_raw_ptr, stride_xl, stride_xn, stride_xh, v_ptr, stride_vl, stride_vn, stride_vh,
+    positions_ptr, slots_ptr, weight_ptr, stride_wl, eps, cos_ptr, stride_cos, sin_ptr, stride_sin,
+    k_cache_ptr, stride_kcl, stride_kcs, stride_kch, v_cache_ptr, stride_vcl, stride_vcs, stride_vch,
+    num_heads,
     BLOCK_H: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
@@ -399,11 +394,10 @@ def store_context_kv(tokens: ContextTokens, keys: KeyTransform, cache: KVCache) 
     if num_tokens == 0:
         return
     _store_context_kv_kernel[(num_tokens, num_layers)](
-        k_raw, v, k_norm_weight, cos, sin, positions, slots, k_cache, v_cache,
-        eps, num_heads,
-        k_raw.stride(0), k_raw.stride(1), k_raw.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_norm_weight.stride(0), cos.stride(0), sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_raw, k_raw.stride(0), k_raw.stride(1), k_raw.stride(2), v, v.stride(0), v.stride(1), v.stride(2),
+        positions, slots, k_norm_weight, k_norm_weight.stride(0), eps, cos, cos.stride(0), sin, sin.stride(0),
+        k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_heads,
         BLOCK_H=triton.next_power_of_2(num_heads), HALF=head_dim // 2, num_warps=4,
     )  # fmt: skip
