@@ -8,6 +8,8 @@ GPU (the `cuda` tests; `benchmarks/kernels/draft_attention.py` repeats them befo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from interpreter import run_compiled_for_hopper, use_interpreter
@@ -322,51 +324,47 @@ def test_refusals_name_the_reason():
 
 # ---------------------------------------------------------------- sm_90 compile (no GPU needed)
 
-_HOPPER_COMPILE = """
-import re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+# The real launches at the real shape in bf16 (`code_size.compiled_launches` compiles each with the operands
+# the launch functions pass, typed bundles included, instead of running it); prints each one's spilled bytes.
+_HOPPER_COMPILE = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "benchmarks" / "kernels")!r})
+import torch
+from code_size import compiled_launches
 from hylo.ops.draft_attention import kernels as K
+from hylo.ops.draft_attention.reference import ContextTable, ContextTokens, DraftBlock, KeyTransform, KVCache
 
-KINDS = {"scale_log2": "fp32", "eps": "fp32", "table_ptr": "*i32", "rows_ptr": "*i64", "ctx_lens_ptr": "*i32",
-         "positions_ptr": "*i64", "slots_ptr": "*i64", "part_ptr": "*fp32", "lse_ptr": "*fp32",
-         "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+bf16, block, heads, kv_heads, d, layers, n = torch.bfloat16, 8, 32, 8, 128, 5, 16
+q = torch.zeros(2, block, heads, d, dtype=bf16)
+draft = DraftBlock(q, *(torch.zeros(2, block, kv_heads, d, dtype=bf16) for _ in "kv"))
+cache = KVCache(*(torch.zeros(1024, kv_heads, d, dtype=bf16) for _ in "kv"))
+table = ContextTable(torch.zeros(2, 512, dtype=torch.int32), torch.arange(2), torch.tensor([100, 300]))
+cos, sin = (torch.zeros(1024, d // 2) for _ in "cs")
+raw = (torch.zeros(layers, n, kv_heads, d, dtype=bf16) for _ in "kv")
+tokens = ContextTokens(*raw, torch.arange(n), torch.arange(n))
+keys = KeyTransform(torch.ones(layers, d, dtype=bf16), 1e-6, cos, sin)
+layer_caches = KVCache(*(torch.zeros(layers, 64, kv_heads, d, dtype=bf16) for _ in "kv"))
+x = torch.zeros(n, heads, d, dtype=bf16)
 
-def spill_bytes(fn, consts, num_warps, num_stages=2):
-    sig = {n: "constexpr" if n in consts else KINDS.get(n, "*bf16" if n.endswith("_ptr") else "i32")
-           for n in fn.arg_names}
-    # what the launch-time specialisation sees at real shapes: 16-aligned pointers and strides
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (n.startswith("stride") or n.endswith("_ptr"))}
-    constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
-    assert kernel.asm["cubin"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(kernel.asm["ptx"])
-        ptx.flush()
-        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx.name, "-o", "/dev/null"],
-                             capture_output=True, text=True, check=True).stderr
-    return int(re.search(r"(\\d+) bytes spill stores", log).group(1))
+def launch_all():
+    K.paged_draft_attention(draft, cache, table, 0.1, 2048)
+    K.store_context_kv(tokens, keys, layer_caches)
+    K.normed_rotated(x, torch.ones(d, dtype=bf16), 1e-6, cos, sin, torch.arange(n))
 
-rows = dict(BLOCK=8, GROUP=4, BLOCK_M=32, HEAD_DIM=128, HAS_WINDOW=True)
-tiles = K.CONTEXT_TILES
-print(spill_bytes(K._context_split_kernel, {**rows, "BLOCK_N": tiles["block_n"]}, tiles["num_warps"],
-                  tiles["num_stages"]),
-      spill_bytes(K._block_merge_kernel, {**rows, "BLOCK_J": 16, "BLOCK_N": tiles["block_n"],
-                                          "BLOCK_D": 32}, 4),
-      spill_bytes(K._store_context_kv_kernel, {"BLOCK_H": 8, "HALF": 64}, 4),
-      spill_bytes(K._normed_rotated_kernel, {"BLOCK_H": 32, "HALF": 64}, 4))
+print(" ".join(f"{{launch['kernel']}}:{{launch['stack_bytes']}}" for launch in compiled_launches(launch_all)))
 """
 
 
 def test_kernels_compile_for_hopper_without_spills():
     """bf16 at the real shape (B = 8, Hq 32 over Hkv 8, d = 128), which the interpreter cannot check:
-    the three kernels compile for sm_90 and keep everything in registers at the default tiles."""
-    assert run_compiled_for_hopper(_HOPPER_COMPILE).split() == ["0", "0", "0", "0"]
+    the four kernels compile for sm_90 and keep everything in registers at the default tiles."""
+    names = (
+        "_context_split_kernel",
+        "_block_merge_kernel",
+        "_store_context_kv_kernel",
+        "_normed_rotated_kernel",
+    )
+    assert run_compiled_for_hopper(_HOPPER_COMPILE).split() == [f"{name}:0" for name in names]
 
 
 # ---------------------------------------------------------------- GPU only

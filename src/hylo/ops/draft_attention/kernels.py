@@ -25,6 +25,8 @@ results differ from the reference by about one bf16 rounding. A finite running-m
 
 `store_context_kv` is one launch over (token, layer): RMSNorm over head_dim, weight, rotate-half
 RoPE from fp32 tables, then both caches; a negative slot masks the row's stores.
+
+The kernels take their tensors with the strides that address them as the typed bundles of `operands.py`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.draft_attention.operands import (
+    BlockRows,
+    ContextSlots,
+    LayerHeads,
+    LayerKeyNorm,
+    RotaryTables,
+    SlotHeads,
+    SplitPartials,
+    StoredTokens,
+    TokenHeads,
+)
 from hylo.ops.draft_attention.reference import ContextTable, ContextTokens, DraftBlock, KeyTransform, KVCache
 from hylo.ops.draft_attention.support import (
     normed_rotated_refusal,
@@ -48,51 +61,45 @@ CONTEXT_TILES = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 
 @triton.jit
 def _query_rows(
-    q_ptr, req, kv, stride_qr, stride_qb, stride_qh,
+    q: BlockRows, req, kv,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
-    """The M = B * group query rows of kv head `kv` (row m: block row m // group, head
-    kv * group + m % group), their block rows, heads and validity (rows past B * group are padding)."""
+    """The M = B * group query rows of kv head `kv` in request `req` of `q` (row m: block row m // group,
+    head kv * group + m % group), their block rows, heads and validity (rows past B * group are padding)."""
     m = tl.arange(0, BLOCK_M)
     block_row = m // GROUP
     head = kv * GROUP + m % GROUP
     row_ok = m < BLOCK * GROUP
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + req * stride_qr + block_row[:, None] * stride_qb + head[:, None] * stride_qh + dims[None, :],
+    rows = tl.load(
+        q.data + req * q.request_stride + block_row[:, None] * q.row_stride + head[:, None] * q.head_stride
+        + dims[None, :],
         mask=row_ok[:, None],
         other=0.0,
-    )
-    return q, block_row, head, row_ok
+    )  # fmt: skip
+    return rows, block_row, head, row_ok
 
 
 @triton.jit
 def _context_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, ctx_lens_ptr, part_ptr, lse_ptr,
-    scale_log2, window, num_splits,
-    stride_qr, stride_qb, stride_qh,
-    stride_ks, stride_kh, stride_vs, stride_vh,
-    stride_table,
-    stride_pr, stride_pk, stride_ps, stride_pm,
-    stride_lr, stride_lk, stride_ls,
+    q: BlockRows, k_cache: SlotHeads, v_cache: SlotHeads, context: ContextSlots, partials: SplitPartials,
+    scale_log2, window,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     split = tl.program_id(2)
-    ctx_len = tl.load(ctx_lens_ptr + req).to(tl.int32)
-    table_row = tl.load(rows_ptr + req).to(tl.int64)
-    q, block_row, _, _ = _query_rows(
-        q_ptr, req, kv, stride_qr, stride_qb, stride_qh, BLOCK, GROUP, BLOCK_M, HEAD_DIM
-    )
+    ctx_len = tl.load(context.ctx_lens + req).to(tl.int32)
+    table_row = tl.load(context.rows + req).to(tl.int64)
+    q_rows, block_row, _, _ = _query_rows(q, req, kv, BLOCK, GROUP, BLOCK_M, HEAD_DIM)
     q_pos = ctx_len + block_row
     # Block row 0 is the earliest query: no row sees a context key at or before ctx_len - window.
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(ctx_len - window + 1, 0)
     num_tiles = tl.cdiv(ctx_len - first, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tiles_per_split = tl.cdiv(num_tiles, partials.num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -103,18 +110,19 @@ def _context_split_kernel(
     for tile in range(tile_lo, tile_hi):
         pos = first + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         in_ctx = pos < ctx_len
-        slot = tl.load(table_ptr + table_row * stride_table + pos, mask=in_ctx, other=0).to(tl.int64)
+        table = context.req_to_token + table_row * context.row_stride
+        slot = tl.load(table + pos, mask=in_ctx, other=0).to(tl.int64)
         k = tl.load(
-            k_cache_ptr + slot[:, None] * stride_ks + kv * stride_kh + dims[None, :],
+            k_cache.data + slot[:, None] * k_cache.slot_stride + kv * k_cache.head_stride + dims[None, :],
             mask=in_ctx[:, None],
             other=0.0,
         )
         v = tl.load(
-            v_cache_ptr + slot[:, None] * stride_vs + kv * stride_vh + dims[None, :],
+            v_cache.data + slot[:, None] * v_cache.slot_stride + kv * v_cache.head_stride + dims[None, :],
             mask=in_ctx[:, None],
             other=0.0,
         )
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q_rows, tl.trans(k)) * scale_log2
         allowed = in_ctx[None, :]
         if HAS_WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
@@ -130,20 +138,17 @@ def _context_split_kernel(
     safe_l = tl.where(has_keys, l_i, 1.0)
     lse = tl.where(has_keys, m_i + tl.log2(safe_l), float("-inf"))
     m = tl.arange(0, BLOCK_M)
-    part = part_ptr + req * stride_pr + kv * stride_pk + split * stride_ps
-    tl.store(part + m[:, None] * stride_pm + dims[None, :], acc / safe_l[:, None])
-    tl.store(lse_ptr + req * stride_lr + kv * stride_lk + split * stride_ls + m, lse)
+    parts = partials
+    out = parts.out + req * parts.request_stride + kv * parts.head_stride + split * parts.split_stride
+    tl.store(out + m[:, None] * parts.row_stride + dims[None, :], acc / safe_l[:, None])
+    lse_out = parts.lse + req * parts.lse_request_stride + kv * parts.lse_head_stride
+    tl.store(lse_out + split * parts.lse_split_stride + m, lse)
 
 
 @triton.jit
 def _block_merge_kernel(
-    q_ptr, k_block_ptr, v_block_ptr, part_ptr, lse_ptr, out_ptr, ctx_lens_ptr,
-    scale_log2, window, num_splits,
-    stride_qr, stride_qb, stride_qh,
-    stride_kr, stride_kb, stride_kh, stride_vr, stride_vb, stride_vh,
-    stride_pr, stride_pk, stride_ps, stride_pm,
-    stride_lr, stride_lk, stride_ls,
-    stride_or, stride_ob, stride_oh,
+    q: BlockRows, k_block: BlockRows, v_block: BlockRows, partials: SplitPartials, out: BlockRows, ctx_lens,
+    scale_log2, window,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
@@ -152,32 +157,32 @@ def _block_merge_kernel(
     # The splits that own context tiles, as `_context_split_kernel` shares them out: the others wrote
     # lse = -inf, which folds in as nothing (a short context leaves most of the splits empty, and a
     # serial fold over all of them was most of this kernel's time)
-    ctx_len = tl.load(ctx_lens_ptr + req).to(tl.int32)
+    ctx_len = tl.load(ctx_lens + req).to(tl.int32)
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(ctx_len - window + 1, 0)
     num_tiles = tl.cdiv(ctx_len - first, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tiles_per_split = tl.cdiv(num_tiles, partials.num_splits)
     used_splits = tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1))
     # Scores need all of head_dim; the values, partials and output only this program's BLOCK_D slice.
     out_dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    q, block_row, head, row_ok = _query_rows(
-        q_ptr, req, kv, stride_qr, stride_qb, stride_qh, BLOCK, GROUP, BLOCK_M, HEAD_DIM
-    )
+    q_rows, block_row, head, row_ok = _query_rows(q, req, kv, BLOCK, GROUP, BLOCK_M, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
     j = tl.arange(0, BLOCK_J)
     key_ok = j < BLOCK
     k = tl.load(
-        k_block_ptr + req * stride_kr + j[:, None] * stride_kb + kv * stride_kh + dims[None, :],
+        k_block.data + req * k_block.request_stride + j[:, None] * k_block.row_stride
+        + kv * k_block.head_stride + dims[None, :],
         mask=key_ok[:, None],
         other=0.0,
-    )
+    )  # fmt: skip
     v = tl.load(
-        v_block_ptr + req * stride_vr + j[:, None] * stride_vb + kv * stride_vh + out_dims[None, :],
+        v_block.data + req * v_block.request_stride + j[:, None] * v_block.row_stride
+        + kv * v_block.head_stride + out_dims[None, :],
         mask=key_ok[:, None],
         other=0.0,
-    )
-    s = tl.dot(q, tl.trans(k)) * scale_log2
+    )  # fmt: skip
+    s = tl.dot(q_rows, tl.trans(k)) * scale_log2
     allowed = key_ok[None, :]
     if HAS_WINDOW:  # block key j sits at ctx_len + j, block row b at ctx_len + b
         allowed = allowed & (j[None, :] > block_row[:, None] - window)
@@ -188,11 +193,13 @@ def _block_merge_kernel(
     acc = tl.dot(p.to(v.dtype), v)
 
     m = tl.arange(0, BLOCK_M)
-    part = part_ptr + req * stride_pr + kv * stride_pk + m[:, None] * stride_pm + out_dims[None, :]
-    lse = lse_ptr + req * stride_lr + kv * stride_lk + m
+    parts = partials
+    part = parts.out + req * parts.request_stride + kv * parts.head_stride + m[:, None] * parts.row_stride
+    part += out_dims[None, :]
+    lse = parts.lse + req * parts.lse_request_stride + kv * parts.lse_head_stride + m
     for split in range(used_splits):
-        lse_s = tl.load(lse + split * stride_ls)
-        o_s = tl.load(part + split * stride_ps)
+        lse_s = tl.load(lse + split * parts.lse_split_stride)
+        o_s = tl.load(part + split * parts.split_stride)
         m_new = tl.maximum(m_i, lse_s)
         alpha = tl.exp2(m_i - m_new)
         weight = tl.exp2(lse_s - m_new)
@@ -201,8 +208,9 @@ def _block_merge_kernel(
         m_i = m_new
 
     o = acc / tl.where(row_ok, l_i, 1.0)[:, None]
-    out = out_ptr + req * stride_or + block_row[:, None] * stride_ob + head[:, None] * stride_oh
-    tl.store(out + out_dims[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    dst = out.data + req * out.request_stride + block_row[:, None] * out.row_stride
+    dst += head[:, None] * out.head_stride
+    tl.store(dst + out_dims[None, :], o.to(out.data.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _num_sms(device: torch.device) -> int:
@@ -237,7 +245,7 @@ def paged_draft_attention(
     if refusal is not None:
         raise ValueError(f"paged_draft_attention kernel: {refusal}")
     q, k_block, v_block, k_cache, v_cache = block.q, block.k, block.v, cache.k, cache.v
-    req_to_token, rows, ctx_lens = table.req_to_token, table.rows, table.ctx_lens
+    req_to_token, ctx_lens = table.req_to_token, table.ctx_lens
     num_requests, block_size, num_heads, head_dim = q.shape
     merge_block_d = merge_block_d or min(head_dim, 32)
     if merge_block_d & (merge_block_d - 1) or not 16 <= merge_block_d <= head_dim:
@@ -264,25 +272,15 @@ def paged_draft_attention(
     common = dict(
         BLOCK=block_size, GROUP=group, BLOCK_M=block_m, HEAD_DIM=head_dim, HAS_WINDOW=window is not None
     )
+    queries, partials = BlockRows.of(q), SplitPartials.of(part, lse)
     _context_split_kernel[(num_requests, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, req_to_token, rows, ctx_lens, part, lse,
-        scale_log2, window_arg, num_splits,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
-        lse.stride(0), lse.stride(1), lse.stride(2),
+        queries, SlotHeads.of(k_cache), SlotHeads.of(v_cache), ContextSlots.of(table), partials,
+        scale_log2, window_arg,
         BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **common,
     )  # fmt: skip
     _block_merge_kernel[(num_requests, num_kv_heads, head_dim // merge_block_d)](
-        q, k_block, v_block, part, lse, out, ctx_lens,
-        scale_log2, window_arg, num_splits,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_block.stride(0), k_block.stride(1), k_block.stride(2),
-        v_block.stride(0), v_block.stride(1), v_block.stride(2),
-        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        queries, BlockRows.of(k_block), BlockRows.of(v_block), partials, BlockRows.of(out), ctx_lens,
+        scale_log2, window_arg,
         BLOCK_J=max(16, triton.next_power_of_2(block_size)), BLOCK_N=block_n, BLOCK_D=merge_block_d,
         num_warps=4, **common,
     )  # fmt: skip
@@ -314,22 +312,20 @@ def _norm_rope(x, mask, weight, cos, sin, eps, HALF: tl.constexpr):
 
 @triton.jit
 def _normed_rotated_kernel(
-    x_ptr, weight_ptr, cos_ptr, sin_ptr, positions_ptr, out_ptr, eps, num_heads,
-    stride_xn, stride_xh, stride_on, stride_oh, stride_cos, stride_sin,
+    x: TokenHeads, out: TokenHeads, weight, eps, rotary: RotaryTables, positions, num_heads,
     BLOCK_H: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    pos = tl.load(positions + tok).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     lo = tl.arange(0, HALF)
     mask = (heads < num_heads)[:, None]
-    x = x_ptr + tok * stride_xn + heads[:, None] * stride_xh + lo[None, :]
-    out_lo, out_hi = _norm_rope(
-        x, mask, weight_ptr, cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin, eps, HALF
-    )
-    out = out_ptr + tok * stride_on + heads[:, None] * stride_oh + lo[None, :]
-    tl.store(out, out_lo, mask=mask)
-    tl.store(out + HALF, out_hi, mask=mask)
+    src = x.data + tok * x.token_stride + heads[:, None] * x.head_stride + lo[None, :]
+    cos, sin = rotary.cos + pos * rotary.cos_stride, rotary.sin + pos * rotary.sin_stride
+    out_lo, out_hi = _norm_rope(src, mask, weight, cos, sin, eps, HALF)
+    dst = out.data + tok * out.token_stride + heads[:, None] * out.head_stride + lo[None, :]
+    tl.store(dst, out_lo, mask=mask)
+    tl.store(dst + HALF, out_hi, mask=mask)
 
 
 def normed_rotated(
@@ -346,42 +342,44 @@ def normed_rotated(
     if num_tokens == 0:
         return out
     _normed_rotated_kernel[(num_tokens,)](
-        x, weight, cos, sin, positions, out, eps, num_heads,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
+        TokenHeads.of(x), TokenHeads.of(out), weight, eps, RotaryTables.of(cos, sin), positions, num_heads,
         BLOCK_H=triton.next_power_of_2(num_heads), HALF=head_dim // 2, num_warps=4,
     )  # fmt: skip
     return out
 
 
 @triton.jit
+def _heads_at(rows: LayerHeads, layer, row, heads, lo):
+    """Pointers `[heads, lo]` into row `row` (a token or a cache slot) of layer `layer` of `rows`."""
+    row_start = rows.data + layer * rows.layer_stride + row * rows.row_stride
+    return row_start + heads[:, None] * rows.head_stride + lo[None, :]
+
+
+@triton.jit
 def _store_context_kv_kernel(
-    k_raw_ptr, v_ptr, weight_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
-    eps, num_heads,
-    stride_xl, stride_xn, stride_xh, stride_vl, stride_vn, stride_vh,
-    stride_wl, stride_cos, stride_sin,
-    stride_kcl, stride_kcs, stride_kch, stride_vcl, stride_vcs, stride_vch,
+    k_raw: LayerHeads, v: LayerHeads, tokens: StoredTokens, key_norm: LayerKeyNorm,
+    k_cache: LayerHeads, v_cache: LayerHeads, num_heads,
     BLOCK_H: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slots_ptr + tok).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    slot = tl.load(tokens.slots + tok).to(tl.int64)
+    pos = tl.load(tokens.positions + tok).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     lo = tl.arange(0, HALF)
     mask = (heads < num_heads)[:, None] & (slot >= 0)
-    x = k_raw_ptr + layer * stride_xl + tok * stride_xn + heads[:, None] * stride_xh + lo[None, :]
+    rotary = key_norm.rotary
     k_lo, k_hi = _norm_rope(
-        x, mask, weight_ptr + layer * stride_wl, cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin,
-        eps, HALF,
+        _heads_at(k_raw, layer, tok, heads, lo), mask, key_norm.weight + layer * key_norm.layer_stride,
+        rotary.cos + pos * rotary.cos_stride, rotary.sin + pos * rotary.sin_stride, key_norm.eps, HALF,
     )  # fmt: skip
-    k_out = k_cache_ptr + layer * stride_kcl + slot * stride_kcs + heads[:, None] * stride_kch + lo[None, :]
-    tl.store(k_out, k_lo.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(k_out + HALF, k_hi.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v_in = v_ptr + layer * stride_vl + tok * stride_vn + heads[:, None] * stride_vh + lo[None, :]
-    v_out = v_cache_ptr + layer * stride_vcl + slot * stride_vcs + heads[:, None] * stride_vch + lo[None, :]
+    k_out = _heads_at(k_cache, layer, slot, heads, lo)
+    tl.store(k_out, k_lo.to(k_cache.data.dtype.element_ty), mask=mask)
+    tl.store(k_out + HALF, k_hi.to(k_cache.data.dtype.element_ty), mask=mask)
+    v_in, v_out = _heads_at(v, layer, tok, heads, lo), _heads_at(v_cache, layer, slot, heads, lo)
     for half in tl.static_range(2):
         value = tl.load(v_in + half * HALF, mask=mask, other=0.0)
-        tl.store(v_out + half * HALF, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_out + half * HALF, value.to(v_cache.data.dtype.element_ty), mask=mask)
 
 
 def store_context_kv(tokens: ContextTokens, keys: KeyTransform, cache: KVCache) -> None:
@@ -392,18 +390,12 @@ def store_context_kv(tokens: ContextTokens, keys: KeyTransform, cache: KVCache) 
     if refusal is not None:
         raise ValueError(f"store_context_kv kernel: {refusal}")
     k_raw, v, positions, slots = tokens.k_raw, tokens.v, tokens.positions, tokens.slots
-    k_norm_weight, eps, cos, sin, k_cache, v_cache = (
-        keys.k_norm_weight, keys.eps, keys.cos, keys.sin, cache.k, cache.v
-    )  # fmt: skip
+    k_cache, v_cache = cache.k, cache.v
     num_layers, num_tokens, num_heads, head_dim = k_raw.shape
     if num_tokens == 0:
         return
     _store_context_kv_kernel[(num_tokens, num_layers)](
-        k_raw, v, k_norm_weight, cos, sin, positions, slots, k_cache, v_cache,
-        eps, num_heads,
-        k_raw.stride(0), k_raw.stride(1), k_raw.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_norm_weight.stride(0), cos.stride(0), sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        LayerHeads.of(k_raw), LayerHeads.of(v), StoredTokens(positions, slots), LayerKeyNorm.of(keys),
+        LayerHeads.of(k_cache), LayerHeads.of(v_cache), num_heads,
         BLOCK_H=triton.next_power_of_2(num_heads), HALF=head_dim // 2, num_warps=4,
     )  # fmt: skip
