@@ -316,10 +316,18 @@ def test_refusals_name_the_reason():
     )
     with pytest.raises(ValueError, match="power of two"):
         kernels.paged_draft_attention(*paged(odd), 0.25)
+    # the kernels step the index vectors by one element: every other entry of a longer one is refused
+    two = paged_case([3, 20], 4, 2, 2, 16, torch.float32, seed=5)
+    every_other = torch.stack([two[6], two[6]], 1)[:, 0]
+    assert "rows needs a contiguous" in ops.paged_draft_attention_refusal(
+        *paged((*two[:6], every_other, two[7])), None
+    )
     args = store_case(1, 4, 2, 16, torch.float32, seed=6)
     assert ops.store_context_kv_refusal(*stored(args)) is None
     half_weight = (*args[:2], args[2].half(), *args[3:])
     assert "k_norm_weight" in ops.store_context_kv_refusal(*stored(half_weight))
+    strided_slots = (*args[:7], torch.stack([args[7], args[7]], 1)[:, 0], *args[8:])
+    assert "slots needs a contiguous" in ops.store_context_kv_refusal(*stored(strided_slots))
 
 
 # ---------------------------------------------------------------- sm_90 compile (no GPU needed)

@@ -68,7 +68,7 @@ def paged_draft_attention_refusal(
         return "rows and ctx_lens must be int32/int64"
     if window is not None and window < 1:
         return f"window must be >= 1, got {window}"
-    return _unit_last_stride({**tensors, "req_to_token": req_to_token})
+    return _unit_last_stride({**tensors, "req_to_token": req_to_token, "rows": rows, "ctx_lens": ctx_lens})
 
 
 def store_context_kv_refusal(tokens: ContextTokens, keys: KeyTransform, cache: KVCache) -> str | None:
@@ -95,7 +95,7 @@ def store_context_kv_refusal(tokens: ContextTokens, keys: KeyTransform, cache: K
         return "positions and slots must be [N]"
     if positions.dtype not in (torch.int32, torch.int64) or slots.dtype not in (torch.int32, torch.int64):
         return "positions and slots must be int32/int64"
-    return _unit_last_stride(tensors)
+    return _unit_last_stride({**tensors, "positions": positions, "slots": slots})
 
 
 def normed_rotated_refusal(
