@@ -140,20 +140,27 @@ def test_refusals_name_what_the_kernel_cannot_take():
     assert refusal(prefix, rows, 4, table, KPOOL, None, None) is None
 
 
+# The launch is the real one (`code_size.compiled_launches` compiles it with the operand bundles
+# `kernels.uniform_metadata` passes instead of running it), with lengths, a filler row and a first token
+# resolved after an in-flight commit.
 _HOPPER_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hylo.ops.batch_metadata.kernels import _uniform_metadata_kernel as fn
+import sys
+from pathlib import Path
 
-consts = {"HAS_LENGTHS": True, "HAS_FILLER": True, "IN_FLIGHT": True, "AFTER": True, "BLOCK_TOKENS": 64,
-          "BLOCK_POOLS": 256}
-kinds = {"table": "*i32", "table_stride": "i64", "width": "i32", "kpool": "i32", "candidates": "i32",
-         "pool_columns": "i32", "filler_row": "i32", "marker": "i64", "ids_stride": "i64",
-         "last_committed": "*i32"}
-sig = {n: "constexpr" if n in consts else kinds.get(n, "*i64") for n in fn.arg_names}
-src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0)
+import hylo
+import torch
+sys.path.insert(0, str(Path(hylo.__file__).parents[2] / "benchmarks" / "kernels"))
+from code_size import compiled_launches
+from hylo.ops.batch_metadata import InFlight, kernels, output_sizes
+
+i32, i64 = torch.int32, torch.int64
+prefix, rows, first, after = torch.zeros(4, 2, dtype=i64)
+table = torch.zeros(4, 64, dtype=i32)
+out = {name: torch.zeros(size, dtype=i64) for name, size in output_sizes(2, 4, table, 16).items()}
+ids = torch.zeros(2, 4, dtype=i64)[:, 0]
+f = InFlight(first, -1, torch.zeros(4, dtype=i64), ids, after, torch.zeros(4, dtype=i32))
+launches = compiled_launches(lambda: kernels.uniform_metadata(prefix, rows, 4, table, 16, 3, prefix, out, f))
+print([(p["kernel"], p["instructions"] > 0) for p in launches] == [("_uniform_metadata_kernel", True)])
 """
 
 

@@ -74,16 +74,23 @@ def test_refusals_name_what_the_kernel_cannot_take():
     assert refusal(x, base, deltas, 16) is None
 
 
+# The launch is the real one (`code_size.compiled_launches` compiles it with the operand bundles
+# `kernels.grouped_block_conv` passes instead of running it), the deltas a view as `conv_case` makes them.
 _HOPPER_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hylo.ops.block_conv.kernels import _grouped_block_conv_kernel as fn
+import sys
+from pathlib import Path
 
-consts = {"TAPS": 4, "GROUP_SIZE": 16, "BLOCK_H": 256}
-sig = {n: "constexpr" if n in consts else ("*bf16" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
-src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0)
+import hylo
+import torch
+sys.path.insert(0, str(Path(hylo.__file__).parents[2] / "benchmarks" / "kernels"))
+from code_size import compiled_launches
+from hylo.ops.block_conv import kernels
+
+bf16 = torch.bfloat16
+x, base = torch.zeros(2, 8, 256, dtype=bf16), torch.zeros(4, 256, dtype=bf16)
+deltas = torch.zeros(2, 8, 2, 4, 16, dtype=bf16)[..., 1, :, :]
+launches = compiled_launches(lambda: kernels.grouped_block_conv(x, base, deltas, 16))
+print([(p["kernel"], p["instructions"] > 0) for p in launches] == [("_grouped_block_conv_kernel", True)])
 """
 
 

@@ -93,18 +93,27 @@ def test_refusals_name_what_the_kernel_cannot_take():
     assert refusal(verified, last_hidden, rows) is None
 
 
+# The launch is the real one (`code_size.compiled_launches` compiles it with the operands
+# `kernels.block_inputs` passes instead of running it): bf16 rows 6144 wide, int32 counts.
 _HOPPER_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hylo.ops.mtp_inputs.kernels import _block_inputs_kernel as fn
+import sys
+from pathlib import Path
 
-consts = {"W": 4, "H": 6144, "BH": 2048, "CHAIN": 2}
-kinds = {"last_hidden": "*bf16", "features": "*bf16", "hidden_out": "*bf16", "counts": "*i32",
-         "blocks": "i32", "last": "i32", "stride_last": "i64", "stride_features": "i64", "stride_pad": "i64"}
-sig = {n: "constexpr" if n in consts else kinds.get(n, "*i64") for n in fn.arg_names}
-src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-print(len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0)
+import hylo
+import torch
+sys.path.insert(0, str(Path(hylo.__file__).parents[2] / "benchmarks" / "kernels"))
+from code_size import compiled_launches
+from hylo.ops.mtp_inputs import VerifiedBlocks, kernels
+
+blocks, width, hidden, i64 = 2, 4, 6144, torch.int64
+verified = VerifiedBlocks(
+    torch.zeros(blocks * width, hidden, dtype=torch.bfloat16), torch.zeros(blocks * width, dtype=i64),
+    torch.zeros(blocks * width, dtype=i64), torch.zeros(blocks, width, dtype=i64),
+    torch.zeros(blocks, dtype=torch.int32), torch.zeros(blocks, dtype=i64),
+)
+last_hidden, rows = torch.zeros(4, hidden, dtype=torch.bfloat16), torch.zeros(blocks, dtype=i64)
+launches = compiled_launches(lambda: kernels.block_inputs(verified, last_hidden, rows, 2, 127))
+print([(p["kernel"], p["instructions"] > 0) for p in launches] == [("_block_inputs_kernel", True)])
 """
 
 

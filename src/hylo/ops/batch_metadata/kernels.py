@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.batch_metadata.operands import FirstTokens, Metadata, RequestTable, Sequences, StepShape
 from hylo.ops.batch_metadata.reference import InFlight
 from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
@@ -20,44 +21,47 @@ BLOCK_POOLS = 256  # pool-table columns per loop step
 
 @triton.jit
 def _uniform_metadata_kernel(
-    prefix, rows, lengths, table, table_stride,
-    positions, token_rows, new_slots, state_slots, completed, pool_table,
-    width, kpool, candidates, pool_columns, filler_row,
-    first, marker, last_sampled, ids, ids_stride, after, last_committed,
+    seqs, table, out, shape, in_flight,
     HAS_LENGTHS: tl.constexpr, HAS_FILLER: tl.constexpr, IN_FLIGHT: tl.constexpr, AFTER: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_POOLS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """Program b writes sequence b's entries of `out` (`Metadata`) from `seqs` (`Sequences`) and the
+    request `table` (`RequestTable`), at the step's `shape` (`StepShape`), and with IN_FLIGHT resolves
+    its first token from `in_flight` (`FirstTokens`)."""
     enter(PDL)
+    width, kpool, candidates, pool_columns = shape.width, shape.kpool, shape.candidates, shape.pool_columns
+    slots, table_stride = table.slots, table.row_stride
     b = tl.program_id(0).to(tl.int64)
-    start = tl.load(prefix + b).to(tl.int64)
-    row = tl.load(rows + b).to(tl.int64)
+    start = tl.load(seqs.prefix + b).to(tl.int64)
+    row = tl.load(seqs.rows + b).to(tl.int64)
     if IN_FLIGHT:  # the uploaded first token, or the row's last sampled one (`reference.InFlight`)
-        token = tl.load(first + b).to(tl.int64)
-        token = tl.where(token == marker, tl.load(last_sampled + row).to(tl.int64), token)
-        tl.store(ids + b * ids_stride, token)
+        f = in_flight
+        token = tl.load(f.first + b).to(tl.int64)
+        token = tl.where(token == f.marker, tl.load(f.last_sampled + row).to(tl.int64), token)
+        tl.store(f.ids + b * f.ids_stride, token)
         if AFTER:
-            start += tl.load(after + b).to(tl.int64) * tl.load(last_committed + row).to(tl.int64)
+            start += tl.load(f.after + b).to(tl.int64) * tl.load(f.last_committed + row).to(tl.int64)
     count = width
     if HAS_LENGTHS:
-        count = tl.load(lengths + b).to(tl.int64)
+        count = tl.load(seqs.lengths + b).to(tl.int64)
     end = start + count
     pools_after = end // kpool
-    tl.store(state_slots + b, row)
+    tl.store(out.state_slots + b, row)
     filler_slot = 0
     if HAS_FILLER:
-        filler_slot = tl.load(table + filler_row * table_stride).to(tl.int64)
+        filler_slot = tl.load(slots + shape.filler_row * table_stride).to(tl.int64)
     for w0 in range(0, width, BLOCK_TOKENS):
         t = w0 + tl.arange(0, BLOCK_TOKENS)
         inside = t < width
         position = start + t
         if HAS_LENGTHS:
             position = tl.minimum(position, end - 1)
-        slot = tl.load(table + row * table_stride + position, mask=inside, other=0).to(tl.int64)
+        slot = tl.load(slots + row * table_stride + position, mask=inside, other=0).to(tl.int64)
         if HAS_LENGTHS:
             slot = tl.where(t < count, slot, filler_slot)
-        tl.store(positions + b * width + t, position, mask=inside)
-        tl.store(token_rows + b * width + t, tl.zeros_like(t).to(tl.int64) + row, mask=inside)
-        tl.store(new_slots + b * width + t, slot, mask=inside)
+        tl.store(out.positions + b * width + t, position, mask=inside)
+        tl.store(out.token_rows + b * width + t, tl.zeros_like(t).to(tl.int64) + row, mask=inside)
+        tl.store(out.new_slots + b * width + t, slot, mask=inside)
     first_pool = start // kpool
     for c0 in range(0, candidates, BLOCK_POOLS):
         c = c0 + tl.arange(0, BLOCK_POOLS)
@@ -66,18 +70,18 @@ def _uniform_metadata_kernel(
         completes = pool < pools_after
         pool_row = tl.zeros_like(c).to(tl.int64) + row
         if HAS_FILLER:
-            pool_row = tl.where(completes, pool_row, filler_row)
+            pool_row = tl.where(completes, pool_row, shape.filler_row)
             pool = tl.where(completes, pool, 0)
         else:
             pool = tl.where(completes, pool, first_pool)
-        entry = tl.load(table + pool_row * table_stride + pool * kpool, mask=inside, other=0).to(tl.int64)
-        tl.store(completed + b * candidates + c, entry // kpool, mask=inside)
+        entry = tl.load(slots + pool_row * table_stride + pool * kpool, mask=inside, other=0).to(tl.int64)
+        tl.store(out.completed_pools + b * candidates + c, entry // kpool, mask=inside)
     for q0 in range(0, pool_columns, BLOCK_POOLS):
         q = q0 + tl.arange(0, BLOCK_POOLS)
         inside = q < pool_columns
-        entry = tl.load(table + row * table_stride + q * kpool, mask=inside, other=0).to(tl.int64)
+        entry = tl.load(slots + row * table_stride + q * kpool, mask=inside, other=0).to(tl.int64)
         tl.store(
-            pool_table + b * pool_columns + q, tl.where(q < pools_after, entry // kpool, -1), mask=inside
+            out.pool_table + b * pool_columns + q, tl.where(q < pools_after, entry // kpool, -1), mask=inside
         )
 
 
@@ -95,20 +99,12 @@ def uniform_metadata(
     """Triton twin of `reference.uniform_metadata` for the calls `refusal` takes, written into `out`
     (every name the reference returns, int64, contiguous, of the reference's sizes), after
     `reference.resolve_in_flight` where `in_flight` is given (in the same launch); returns `out`."""
-    sequences = prefix.shape[0]
-    pool_columns = req_to_token.shape[1] // kpool
     f = in_flight
     after = f is not None and f.after is not None
     dependent = dependent_launches(prefix.device)
-    _uniform_metadata_kernel[(sequences,)](
-        prefix, rows, lengths if lengths is not None else prefix, req_to_token, req_to_token.stride(0),
-        out["positions"], out["token_rows"], out["new_slots"], out["state_slots"], out["completed_pools"],
-        out["pool_table"], width, kpool, -(-width // kpool), pool_columns,
-        filler_row if filler_row is not None else 0,
-        prefix if f is None else f.first, 0 if f is None else f.marker,
-        prefix if f is None else f.last_sampled, prefix if f is None else f.ids,
-        0 if f is None else f.ids.stride(0), f.after if after else prefix,
-        f.last_committed if after else prefix,
+    _uniform_metadata_kernel[(prefix.shape[0],)](
+        Sequences.of(prefix, rows, lengths), RequestTable.of(req_to_token), Metadata.of(out),
+        StepShape.of(width, kpool, req_to_token, filler_row), FirstTokens.of(f, prefix),
         HAS_LENGTHS=lengths is not None, HAS_FILLER=filler_row is not None, IN_FLIGHT=f is not None,
         AFTER=after, BLOCK_TOKENS=BLOCK_TOKENS, BLOCK_POOLS=BLOCK_POOLS, num_warps=4,
         PDL=dependent, launch_pdl=dependent,

@@ -9,28 +9,30 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.block_conv.operands import BlockRows, ConvKernel
+
 
 @triton.jit
 def _grouped_block_conv_kernel(
-    x_ptr, base_ptr, deltas_ptr, out_ptr, rows_per_block, hidden,
-    stride_xr, stride_xb, stride_base, stride_dr, stride_db, stride_dt, stride_or, stride_ob,
-    TAPS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
+    x, kernel, out, hidden, TAPS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """Program (r, i, j) writes channels j·BLOCK_H.. of row i of block r of `out` from `x` (both
+    `BlockRows`, `[R, B, hidden]`) and that row's taps of `kernel` (`ConvKernel`)."""
     r = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     inside = h < hidden
-    dtype = x_ptr.dtype.element_ty
+    dtype = x.data.dtype.element_ty
     acc = tl.zeros([BLOCK_H], tl.float32)
+    deltas = kernel.deltas + r * kernel.block_stride + i * kernel.row_stride
     for t in tl.static_range(TAPS):
         if i >= t:  # a tap before the block start reads zeros
-            base = tl.load(base_ptr + t * stride_base + h, mask=inside, other=0.0)
-            delta = tl.load(deltas_ptr + r * stride_dr + i * stride_db + t * stride_dt + h // GROUP_SIZE,
-                            mask=inside, other=0.0)  # fmt: skip
-            kernel = (base.to(tl.float32) + delta.to(tl.float32)).to(dtype)
-            x = tl.load(x_ptr + r * stride_xr + (i - t) * stride_xb + h, mask=inside, other=0.0)
-            acc += (kernel.to(tl.float32) * x.to(tl.float32)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + r * stride_or + i * stride_ob + h, acc.to(dtype), mask=inside)
+            base = tl.load(kernel.base + t * kernel.base_tap_stride + h, mask=inside, other=0.0)
+            delta = tl.load(deltas + t * kernel.tap_stride + h // GROUP_SIZE, mask=inside, other=0.0)
+            tap = (base.to(tl.float32) + delta.to(tl.float32)).to(dtype)
+            xv = tl.load(x.data + r * x.block_stride + (i - t) * x.row_stride + h, mask=inside, other=0.0)
+            acc += (tap.to(tl.float32) * xv.to(tl.float32)).to(dtype).to(tl.float32)
+    tl.store(out.data + r * out.block_stride + i * out.row_stride + h, acc.to(dtype), mask=inside)
 
 
 def grouped_block_conv(
@@ -43,9 +45,7 @@ def grouped_block_conv(
         return out
     block_h = min(triton.next_power_of_2(hidden), 1024)
     _grouped_block_conv_kernel[(blocks, rows, triton.cdiv(hidden, block_h))](
-        x, base_kernel, deltas, out, rows, hidden,
-        x.stride(0), x.stride(1), base_kernel.stride(0), deltas.stride(0), deltas.stride(1), deltas.stride(2),
-        out.stride(0), out.stride(1),
+        BlockRows.of(x), ConvKernel.of(base_kernel, deltas), BlockRows.of(out), hidden,
         TAPS=base_kernel.shape[0], GROUP_SIZE=group_size, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip
     return out

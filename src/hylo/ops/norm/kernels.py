@@ -9,6 +9,7 @@ import triton.language as tl
 
 from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
+from hylo.ops.norm.operands import NormedIntoRows, NormedIntoSlots, NormedRows
 from hylo.ops.norm.reference import NormRows, RowStore
 
 
@@ -33,20 +34,18 @@ def _rms_norm_kernel(x, w, y, x_row_stride, width, eps, BLOCK: tl.constexpr, PDL
 
 
 @triton.jit
-def _rms_norm_pair_kernel(
-    x1, w1, y1, x1_row_stride, width1, eps1,
-    x2, w2, out2, index2, x2_row_stride, out2_row_stride, width2, eps2,
-    BLOCK1: tl.constexpr, BLOCK2: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Program (t, 0) normalises the first rows' row t into y1; program (t, 1) the second's into
-    out2[index2[t]]."""
+def _rms_norm_pair_kernel(first, second, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr, PDL: tl.constexpr):
+    """Program (t, 0) normalises row t of `first` (`NormedIntoRows`) into its `y`; program (t, 1) row t
+    of `second` (`NormedIntoSlots`) into its slot `second.index[t]`."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
-        _rms_norm_row(x1 + row * x1_row_stride, w1, y1 + row * width1, width1, eps1, BLOCK1)
+        x1, y1 = first.x + row * first.row_stride, first.y + row * first.width
+        _rms_norm_row(x1, first.weight, y1, first.width, first.eps, BLOCK1)
     else:
-        slot = tl.load(index2 + row).to(tl.int64)
-        _rms_norm_row(x2 + row * x2_row_stride, w2, out2 + slot * out2_row_stride, width2, eps2, BLOCK2)
+        slot = tl.load(second.index + row).to(tl.int64)
+        x2, out2 = second.x + row * second.row_stride, second.out + slot * second.out_row_stride
+        _rms_norm_row(x2, second.weight, out2, second.width, second.eps, BLOCK2)
 
 
 def rms_norm_pair(first: NormRows, second: NormRows, store: RowStore) -> torch.Tensor:
@@ -59,9 +58,7 @@ def rms_norm_pair(first: NormRows, second: NormRows, store: RowStore) -> torch.T
         width2 = second.x.shape[1]
         dependent = dependent_launches(y1.device)
         _rms_norm_pair_kernel[(tokens, 2)](
-            first.x, first.weight, y1, first.x.stride(0), width1, first.eps,
-            second.x, second.weight, store.out, store.index, second.x.stride(0), store.out.stride(0),
-            width2, second.eps,
+            NormedIntoRows.of(first, y1), NormedIntoSlots.of(second, store),
             BLOCK1=triton.next_power_of_2(width1), BLOCK2=triton.next_power_of_2(width2),
             num_warps=min(16, max(1, triton.next_power_of_2(max(width1, width2)) // 512)),
             PDL=dependent, launch_pdl=dependent,
@@ -88,18 +85,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_norm_cat_kernel(
-    x1, w1, x1_row_stride, width1, eps1, x2, w2, x2_row_stride, width2, eps2, y,
-    BLOCK1: tl.constexpr, BLOCK2: tl.constexpr,
-):  # fmt: skip
-    """Program (t, 0) normalises the first rows' row t into y[t, :width1], program (t, 1) the second's
-    into y[t, width1:]."""
+def _rms_norm_cat_kernel(first, second, y, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr):
+    """Program (t, 0) normalises row t of `first` (`NormedRows`) into y[t, :first.width], program (t, 1)
+    the second's into y[t, first.width:] (`y [T, first.width + second.width]`)."""
     row = tl.program_id(0).to(tl.int64)
-    out = y + row * (width1 + width2)
+    out = y + row * (first.width + second.width)
     if tl.program_id(1) == 0:
-        _rms_norm_row(x1 + row * x1_row_stride, w1, out, width1, eps1, BLOCK1)
+        x1 = first.x + row * first.row_stride
+        _rms_norm_row(x1, first.weight, out, first.width, first.eps, BLOCK1)
     else:
-        _rms_norm_row(x2 + row * x2_row_stride, w2, out + width1, width2, eps2, BLOCK2)
+        x2 = second.x + row * second.row_stride
+        _rms_norm_row(x2, second.weight, out + first.width, second.width, second.eps, BLOCK2)
 
 
 def rms_norm_cat(first: NormRows, second: NormRows) -> torch.Tensor:
@@ -112,8 +108,7 @@ def rms_norm_cat(first: NormRows, second: NormRows) -> torch.Tensor:
     )
     if tokens:
         _rms_norm_cat_kernel[(tokens, 2)](
-            first.x, first.weight, first.x.stride(0), width1, first.eps,
-            second.x, second.weight, second.x.stride(0), width2, second.eps, y,
+            NormedRows.of(first), NormedRows.of(second), y,
             BLOCK1=triton.next_power_of_2(width1), BLOCK2=triton.next_power_of_2(width2),
             num_warps=min(16, max(1, triton.next_power_of_2(max(width1, width2)) // 512)),
         )  # fmt: skip
