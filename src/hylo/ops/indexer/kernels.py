@@ -36,17 +36,17 @@ def _pow2_scale(amax):
 @triton.jit
 def _store_tokens_kernel(
     key_ptr,
+    stride_key,
     gate_ptr,
+    stride_gate,
     weight_ptr,
     bias_ptr,
+    eps,
     slots_ptr,
     keys_ptr,
-    gates_ptr,
-    stride_key,
-    stride_gate,
     stride_keys,
+    gates_ptr,
     stride_gates,
-    eps,
     D: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -70,14 +70,14 @@ def _store_tokens_kernel(
 @triton.jit
 def _compress_kernel(
     keys_ptr,
+    stride_k,
     gates_ptr,
+    stride_g,
     ape_ptr,
+    stride_a,
     pools_ptr,
     pooled_ptr,
     scale_ptr,
-    stride_k,
-    stride_g,
-    stride_a,
     stride_p,
     KPOOL: tl.constexpr,
     KPOOL_PAD: tl.constexpr,
@@ -113,26 +113,26 @@ def _compress_kernel(
 @triton.jit(do_not_specialize=["tok_lo", "tok_hi"])  # one compile serves every rank's range
 def _score_kernel(
     q_ptr,
+    stride_qt,
+    stride_qh,
     w_ptr,
+    stride_wt,
     k_ptr,
     ks_ptr,
+    stride_k,
     pool_table_ptr,
+    stride_pb,
     positions_ptr,
     pad_index_ptr,
     pad_valid_ptr,
-    out_ptr,
+    stride_xb,
     max_new,
+    out_ptr,
+    stride_ot,
     num_pools,
     kpool,
     tok_lo,
     tok_hi,
-    stride_qt,
-    stride_qh,
-    stride_wt,
-    stride_k,
-    stride_pb,
-    stride_xb,
-    stride_ot,
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -214,18 +214,18 @@ def _count_at_least(keys, threshold, step, RADIX: tl.constexpr):
 @triton.jit
 def _topk_kernel(
     logits_ptr,
+    stride_lt,
     positions_ptr,
     seq_ptr,
     rows_ptr,
     pool_table_ptr,
+    stride_pb,
     req_to_token_ptr,
+    stride_rt,
     out_ptr,
+    stride_ot,
     k_pools,
     width,
-    stride_lt,
-    stride_pb,
-    stride_rt,
-    stride_ot,
     KPOOL: tl.constexpr,
     TAIL: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -328,8 +328,8 @@ def store_tokens(
         return
     dependent = dependent_launches(key.device)
     _store_tokens_kernel[(tokens,)](
-        key, gate_scores, norm.weight, norm.bias, slots, cache.keys, cache.gates,
-        key.stride(0), gate_scores.stride(0), cache.keys.stride(0), cache.gates.stride(0), norm.eps,
+        key, key.stride(0), gate_scores, gate_scores.stride(0), norm.weight, norm.bias, norm.eps, slots,
+        cache.keys, cache.keys.stride(0), cache.gates, cache.gates.stride(0),
         D=dim, num_warps=1,
         PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
@@ -354,8 +354,8 @@ def compress_pools(
         raise ValueError("an FP8 pooled-key cache needs its per-pool scale tensor")
     dependent = dependent_launches(keys.device)
     _compress_kernel[(num_pools,)](
-        keys, gates, ape, pools, pooled, pooled_scale if fp8 else pooled,
-        keys.stride(0), gates.stride(0), ape.stride(0), pooled.stride(0),
+        keys, keys.stride(0), gates, gates.stride(0), ape, ape.stride(0), pools,
+        pooled, pooled_scale if fp8 else pooled, pooled.stride(0),
         KPOOL=kpool, KPOOL_PAD=triton.next_power_of_2(kpool), D=dim, FP8=fp8, num_warps=4,
         PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
@@ -404,10 +404,10 @@ def index_scores(
     grid = (batch, triton.cdiv(max_new, block_t))
     dependent = dependent_launches(q.device)
     _score_kernel[grid](
-        q, head_weights, pooled, pooled_scale if fp8 else pooled, pool_table, positions, pad_index, pad_valid,
-        out, max_new, num_pools, kpool, tokens.start, tokens.stop,
-        q.stride(0), q.stride(1), head_weights.stride(0), pooled.stride(0), pool_table.stride(0),
-        pad_index.stride(0), out.stride(0),
+        q, q.stride(0), q.stride(1), head_weights, head_weights.stride(0),
+        pooled, pooled_scale if fp8 else pooled, pooled.stride(0), pool_table, pool_table.stride(0),
+        positions, pad_index, pad_valid, pad_index.stride(0), max_new, out, out.stride(0),
+        num_pools, kpool, tokens.start, tokens.stop,
         H=heads, D=dim, BLOCK_T=block_t, BLOCK_P=block_p, FP8=fp8, POOLS_MAJOR=pools_major,
         FP8_ACC_K=min(fp8_acc_k, dim) if fp8 else 0, num_warps=num_warps, num_stages=num_stages,
         PDL=dependent, launch_pdl=dependent,
@@ -447,8 +447,8 @@ def topk_rows(
     block = max(16, triton.next_power_of_2(min(max(num_pools, 1), MAX_TOPK_TILE)))
     dependent = dependent_launches(logits.device)
     _topk_kernel[(num_tokens,)](
-        logits, positions, token_seq, token_rows, pool_table, req_to_token, out,
-        topk // kpool, width, logits.stride(0), pool_table.stride(0), req_to_token.stride(0), out.stride(0),
+        logits, logits.stride(0), positions, token_seq, token_rows, pool_table, pool_table.stride(0),
+        req_to_token, req_to_token.stride(0), out, out.stride(0), topk // kpool, width,
         KPOOL=kpool, TAIL=tail and kpool > 1, BLOCK=block, ONE_TILE=num_pools <= block,
         BLOCK_W=min(1024, triton.next_power_of_2(width)), RADIX=radix_bits,
         num_warps=num_warps or max(4, min(16, block // 1024)),

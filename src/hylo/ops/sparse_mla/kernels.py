@@ -32,23 +32,23 @@ ROW_SCAN_BLOCK = 256
 @triton.jit
 def _sparse_mla_kernel(
     q_ptr,
-    kv_ptr,
-    rows_ptr,
-    out_ptr,
-    lse_ptr,
-    num_heads,
-    width,
-    rows_per_split,
-    scale_log2,
     stride_qt,
     stride_qh,
+    kv_ptr,
     stride_kv,
+    rows_ptr,
     stride_rt,
+    width,
+    out_ptr,
     stride_ot,
     stride_os,
     stride_oh,
+    lse_ptr,
     stride_lt,
     stride_ls,
+    num_heads,
+    rows_per_split,
+    scale_log2,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     R: tl.constexpr,
@@ -116,17 +116,17 @@ def _sparse_mla_kernel(
 @triton.jit
 def _merge_kernel(
     part_ptr,
-    lse_ptr,
-    out_ptr,
-    num_splits,
-    rank,
     stride_pt,
     stride_ps,
     stride_ph,
+    lse_ptr,
     stride_lt,
     stride_ls,
+    out_ptr,
     stride_ot,
     stride_oh,
+    num_splits,
+    rank,
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
@@ -229,10 +229,9 @@ def sparse_mla_fwd(
     )  # fmt: skip
     if num_splits == 1:
         _sparse_mla_kernel[grid](
-            q_latent, latent, rows, out, out,
-            num_heads, width, rows_per_split, scale * LOG2E,
-            q_latent.stride(0), q_latent.stride(1), latent.stride(0), rows.stride(0),
-            out.stride(0), 0, out.stride(1), 0, 0,
+            q_latent, q_latent.stride(0), q_latent.stride(1), latent, latent.stride(0),
+            rows, rows.stride(0), width, out, out.stride(0), 0, out.stride(1), out, 0, 0,
+            num_heads, rows_per_split, scale * LOG2E,
             PARTIAL=False, SKIP_EMPTY=False, TRIM=True, **common,
         )  # fmt: skip
         return out
@@ -240,17 +239,16 @@ def sparse_mla_fwd(
     lse = torch.empty(num_tokens, num_splits, num_heads, dtype=torch.float32, device=q_latent.device)
     dependent = dependent_launches(q_latent.device)
     _sparse_mla_kernel[grid](
-        q_latent, latent, rows, part, lse,
-        num_heads, width, rows_per_split, scale * LOG2E,
-        q_latent.stride(0), q_latent.stride(1), latent.stride(0), rows.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        q_latent, q_latent.stride(0), q_latent.stride(1), latent, latent.stride(0),
+        rows, rows.stride(0), width,
+        part, part.stride(0), part.stride(1), part.stride(2), lse, lse.stride(0), lse.stride(1),
+        num_heads, rows_per_split, scale * LOG2E,
         PARTIAL=True, SKIP_EMPTY=skip_empty, TRIM=False, **common,
     )  # fmt: skip
     block_r = min(rank, 128)
     _merge_kernel[(num_tokens, num_heads, rank // block_r)](
-        part, lse, out, num_splits, rank,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
+        part, part.stride(0), part.stride(1), part.stride(2), lse, lse.stride(0), lse.stride(1),
+        out, out.stride(0), out.stride(1), num_splits, rank,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_R=block_r, num_warps=4,
         PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
