@@ -3,6 +3,8 @@ the MLP that runs it (bf16 at real shapes on the GPU: `tests/test_fused_decode_k
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from interpreter import run_compiled_for_hopper, use_interpreter
 
 use_interpreter()  # before the kernels are decorated
@@ -120,12 +122,19 @@ def test_dispatch_sends_cuda_calls_to_the_kernel_unless_autograd_records(monkeyp
     assert len(calls) == 1 and gate.grad is not None
 
 
-_HOPPER_COMPILE = """
+# The indexer's stores compile through their real launch (`code_size.compiled_launches` compiles the
+# operands `store_tokens` passes, typed bundles included, instead of running it): bf16, d = 128.
+_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels"
+_HOPPER_COMPILE = (
+    f"import sys\nsys.path.insert(0, {str(_BENCHMARKS)!r})\n"
+    + """
+import torch
 import triton
+from code_size import compiled_launches
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hylo.ops.activation.kernels import _swiglu_clamp_kernel
-from hylo.ops.indexer.kernels import _store_tokens_kernel
+from hylo.ops.indexer import KeyNorm, TokenKeys, kernels as indexer
 from hylo.ops.norm.kernels import _rms_norm_pair_kernel
 
 def compile(fn, consts, kinds):
@@ -133,13 +142,20 @@ def compile(fn, consts, kinds):
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
     return len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0
 
-ints = ("row_stride", "width", "stride_key", "stride_gate", "stride_keys", "stride_gates", "x1_row_stride",
-        "width1", "x2_row_stride", "out2_row_stride", "width2")
-kinds = {n: "i32" for n in ints} | {n: "fp32" for n in ("limit", "eps", "eps1", "eps2")}
+def store_tokens():
+    key, gates = torch.zeros(2, 4, 128, dtype=torch.bfloat16)
+    norm = KeyNorm(torch.ones(128, dtype=torch.bfloat16), torch.zeros(128, dtype=torch.bfloat16), 1e-6)
+    cache = TokenKeys(*torch.zeros(2, 64, 128, dtype=torch.bfloat16))
+    launches = compiled_launches(lambda: indexer.store_tokens(key, gates, norm, cache, torch.arange(4)))
+    return [launch["kernel"] for launch in launches if launch["instructions"] > 0] == ["_store_tokens_kernel"]
+
+ints = ("row_stride", "width", "x1_row_stride", "width1", "x2_row_stride", "out2_row_stride", "width2")
+kinds = {n: "i32" for n in ints} | {n: "fp32" for n in ("limit", "eps1", "eps2")}
 print(compile(_swiglu_clamp_kernel, {"BLOCK": 1024}, kinds),
-      compile(_store_tokens_kernel, {"D": 128}, kinds | {"slots_ptr": "*i64"}),
+      store_tokens(),
       compile(_rms_norm_pair_kernel, {"BLOCK1": 2048, "BLOCK2": 512}, kinds | {"index2": "*i64"}))
 """
+)
 
 
 def test_the_decode_step_kernels_compile_for_hopper():
