@@ -120,8 +120,9 @@ def test_dispatch_sends_cuda_calls_to_the_kernel_unless_autograd_records(monkeyp
     assert len(calls) == 1 and gate.grad is not None
 
 
-# The norm pair's launch is the real one (`code_size.compiled_launches` compiles it with the operand
-# bundles `kernels.rms_norm_pair` passes instead of running it): q_a's and kv_a's rows, views of one row.
+# The indexer's stores and the norm pair compile through their real launches (`code_size.compiled_launches`
+# compiles them with the operand bundles `store_tokens` and `rms_norm_pair` pass, instead of running them):
+# bf16, d = 128; q_a's and kv_a's rows, views of one row.
 _HOPPER_COMPILE = """
 import sys
 from pathlib import Path
@@ -134,7 +135,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(hylo.__file__).parents[2] / "benchmarks" / "kernels"))
 from code_size import compiled_launches
 from hylo.ops.activation.kernels import _swiglu_clamp_kernel
-from hylo.ops.indexer.kernels import _store_tokens_kernel
+from hylo.ops.indexer import KeyNorm, TokenKeys, kernels as indexer
 from hylo.ops.norm import NormRows, RowStore
 from hylo.ops.norm import kernels as norm_kernels
 
@@ -143,16 +144,21 @@ def compile(fn, consts, kinds):
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
     return len(triton.compile(src, target=GPUTarget("cuda", 90, 128)).asm["cubin"]) > 0
 
-ints = ("row_stride", "width", "stride_key", "stride_gate", "stride_keys", "stride_gates")
-kinds = {n: "i32" for n in ints} | {"limit": "fp32", "eps": "fp32"}
+def kernels_of(call):
+    return [launch["kernel"] for launch in compiled_launches(call) if launch["instructions"] > 0]
+
+key, gates = torch.zeros(2, 4, 128, dtype=torch.bfloat16)
+key_norm = KeyNorm(torch.ones(128, dtype=torch.bfloat16), torch.zeros(128, dtype=torch.bfloat16), 1e-6)
+cache = TokenKeys(*torch.zeros(2, 64, 128, dtype=torch.bfloat16))
 q_a, kv_a = torch.zeros(2, 1536 + 512, dtype=torch.bfloat16).split([1536, 512], dim=1)
 weight = torch.ones(1536, dtype=torch.bfloat16)
 store = RowStore(torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64))
 rows = NormRows(q_a, weight, 1e-6), NormRows(kv_a, weight[:512], 1e-6)
-pair = compiled_launches(lambda: norm_kernels.rms_norm_pair(*rows, store))
+kinds = {"row_stride": "i32", "width": "i32", "limit": "fp32"}
+stores = kernels_of(lambda: indexer.store_tokens(key, gates, key_norm, cache, torch.arange(4)))
 print(compile(_swiglu_clamp_kernel, {"BLOCK": 1024}, kinds),
-      compile(_store_tokens_kernel, {"D": 128}, kinds | {"slots_ptr": "*i64"}),
-      [(p["kernel"], p["instructions"] > 0) for p in pair] == [("_rms_norm_pair_kernel", True)])
+      stores == ["_store_tokens_kernel"],
+      kernels_of(lambda: norm_kernels.rms_norm_pair(*rows, store)) == ["_rms_norm_pair_kernel"])
 """
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
+from hylo.ops.indexer.operands import HeadRows, LayerNorm, PaddedSteps, PoolKeys, PoolTable, Rows, TokenPlaces
 from hylo.ops.indexer.reference import KeyNorm, PooledKeys, Selection, SlotLayout, TokenKeys
 
 FP8_MAX = 448.0
@@ -34,147 +35,107 @@ def _pow2_scale(amax):
 
 
 @triton.jit
-def _store_tokens_kernel(
-    key_ptr,
-    gate_ptr,
-    weight_ptr,
-    bias_ptr,
-    slots_ptr,
-    keys_ptr,
-    gates_ptr,
-    stride_key,
-    stride_gate,
-    stride_keys,
-    stride_gates,
-    eps,
-    D: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One token: LayerNorm of its key (fp32 statistics and affine, the output rounded to the key's
-    dtype, as torch's) into `keys[slot]`, its gate scores copied into `gates[slot]`."""
+def _store_tokens_kernel(key, gate, norm, slots, keys, gates, D: tl.constexpr, PDL: tl.constexpr):
+    """One token: LayerNorm (`norm`, a `LayerNorm`) of its key (fp32 statistics and affine, the output
+    rounded to the key's dtype, as torch's) into `keys[slot]`, its gate scores copied into `gates[slot]`.
+    `key`, `gate` `[T, D]` and the caches `keys`, `gates` `[S, D]` are `Rows`; `slots [T]`, the slots."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
+    slot = tl.load(slots + t).to(tl.int64)
     d = tl.arange(0, D)
-    x = tl.load(key_ptr + t * stride_key + d).to(tl.float32)
+    x = tl.load(key.data + t * key.row_stride + d).to(tl.float32)
     mean = tl.sum(x, 0) / D
     centred = x - mean
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 0) / D + eps)
-    y = centred * rstd * tl.load(weight_ptr + d).to(tl.float32) + tl.load(bias_ptr + d).to(tl.float32)
-    y = y.to(key_ptr.dtype.element_ty)
-    tl.store(keys_ptr + slot * stride_keys + d, y.to(keys_ptr.dtype.element_ty))
-    gate = tl.load(gate_ptr + t * stride_gate + d)
-    tl.store(gates_ptr + slot * stride_gates + d, gate.to(gates_ptr.dtype.element_ty))
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 0) / D + norm.eps)
+    y = centred * rstd * tl.load(norm.weight + d).to(tl.float32) + tl.load(norm.bias + d).to(tl.float32)
+    y = y.to(key.data.dtype.element_ty)
+    tl.store(keys.data + slot * keys.row_stride + d, y.to(keys.data.dtype.element_ty))
+    x_gate = tl.load(gate.data + t * gate.row_stride + d)
+    tl.store(gates.data + slot * gates.row_stride + d, x_gate.to(gates.data.dtype.element_ty))
 
 
 @triton.jit
 def _compress_kernel(
-    keys_ptr,
-    gates_ptr,
-    ape_ptr,
-    pools_ptr,
-    pooled_ptr,
-    scale_ptr,
-    stride_k,
-    stride_g,
-    stride_a,
-    stride_p,
-    KPOOL: tl.constexpr,
-    KPOOL_PAD: tl.constexpr,
-    D: tl.constexpr,
-    FP8: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One pool: its members' gates and keys as one [kpool, D] tile each, loaded at once. (The pool's
-    members walked one by one, unrolled, made 4.7k instructions: at decode this one-program launch
-    then waited on instruction fetches, 15 us on an H100.)"""
+    keys, gates, ape, pools, pooled,
+    KPOOL: tl.constexpr, KPOOL_PAD: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One pool of `pools` (its id; its members are token slots id·KPOOL + j): the gate-weighted mean of
+    its members' keys into `pooled` (`PoolKeys`; FP8: with its scale), from the token caches `keys`, `gates`
+    `[S, D]` and the position bias `ape [KPOOL, D]` (`Rows`). Its members' gates and keys are one
+    [kpool, D] tile each, loaded at once. (The pool's members walked one by one, unrolled, made 4.7k
+    instructions: at decode this one-program launch then waited on instruction fetches, 15 us on an H100.)"""
     enter(PDL)
-    pool = tl.load(pools_ptr + tl.program_id(0)).to(tl.int64)
+    pool = tl.load(pools + tl.program_id(0)).to(tl.int64)
     j = tl.arange(0, KPOOL_PAD)
     d = tl.arange(0, D)
     member = (pool * KPOOL + j)[:, None]
     live = (j < KPOOL)[:, None]
-    g = tl.load(gates_ptr + member * stride_g + d[None, :], mask=live, other=0.0).to(tl.float32)
-    g += tl.load(ape_ptr + j[:, None] * stride_a + d[None, :], mask=live, other=0.0).to(tl.float32)
+    g = tl.load(gates.data + member * gates.row_stride + d[None, :], mask=live, other=0.0).to(tl.float32)
+    g += tl.load(ape.data + j[:, None] * ape.row_stride + d[None, :], mask=live, other=0.0).to(tl.float32)
     g = tl.where(live, g, float("-inf"))
-    k = tl.load(keys_ptr + member * stride_k + d[None, :], mask=live, other=0.0).to(tl.float32)
+    k = tl.load(keys.data + member * keys.row_stride + d[None, :], mask=live, other=0.0).to(tl.float32)
     e = tl.exp(g - tl.max(g, axis=0)[None, :])
     # Round to the key dtype first: an FP8 pool quantises the value a bf16 pool would have stored.
-    pooled = (tl.sum(e * k, axis=0) / tl.sum(e, axis=0)).to(keys_ptr.dtype.element_ty).to(tl.float32)
-    dst = pooled_ptr + pool * stride_p + d
+    mean = (tl.sum(e * k, axis=0) / tl.sum(e, axis=0)).to(keys.data.dtype.element_ty).to(tl.float32)
+    dst = pooled.keys + pool * pooled.row_stride + d
     if FP8:
-        scale = _pow2_scale(tl.max(tl.abs(pooled), axis=0))
-        tl.store(dst, (pooled / scale).to(pooled_ptr.dtype.element_ty))
-        tl.store(scale_ptr + pool, scale)
+        scale = _pow2_scale(tl.max(tl.abs(mean), axis=0))
+        tl.store(dst, (mean / scale).to(pooled.keys.dtype.element_ty))
+        tl.store(pooled.scale + pool, scale)
     else:
-        tl.store(dst, pooled.to(pooled_ptr.dtype.element_ty))
+        tl.store(dst, mean.to(pooled.keys.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["tok_lo", "tok_hi"])  # one compile serves every rank's range
 def _score_kernel(
-    q_ptr,
-    w_ptr,
-    k_ptr,
-    ks_ptr,
-    pool_table_ptr,
-    positions_ptr,
-    pad_index_ptr,
-    pad_valid_ptr,
-    out_ptr,
-    max_new,
-    num_pools,
-    kpool,
-    tok_lo,
-    tok_hi,
-    stride_qt,
-    stride_qh,
-    stride_wt,
-    stride_k,
-    stride_pb,
-    stride_xb,
-    stride_ot,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    FP8: tl.constexpr,
-    POOLS_MAJOR: tl.constexpr,
-    FP8_ACC_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    queries, weights, pooled, pool_table, positions, padded, out, num_pools, kpool, tok_lo, tok_hi,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr,
+    POOLS_MAJOR: tl.constexpr, FP8_ACC_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     """logits[t - tok_lo, p] = sum_h w[t,h] relu(q[t,h] . k[p]) for BLOCK_T new tokens of sequence b
     (one program) and every pool p visible to one of them, packed tokens t in [tok_lo, tok_hi) alone
-    (a program holding none reads no pool); -inf at pools a token cannot see."""
+    (a program holding none reads no pool); -inf at pools a token cannot see. q `queries [T, H, D]`
+    (`HeadRows`), w the head `weights [T, H]` (`Rows`), k the `pooled` keys (`PoolKeys`) of the ids in
+    `pool_table` (`PoolTable`); each sequence's tokens found through `padded` (`PaddedSteps`), their
+    `positions [T]`; `out [*, num_pools]` is `Rows`."""
     enter(PDL)
     b = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_T
     M: tl.constexpr = BLOCK_T * H
     r = tl.arange(0, M)
     row_step = first + r // H
-    row_ok = tl.load(pad_valid_ptr + b * stride_xb + row_step, mask=row_step < max_new, other=0) != 0
-    row_tok = tl.load(pad_index_ptr + b * stride_xb + row_step, mask=row_ok, other=0).to(tl.int64)
+    row_ok = (
+        tl.load(padded.valid + b * padded.seq_stride + row_step, mask=row_step < padded.steps, other=0) != 0
+    )
+    row_tok = tl.load(padded.index + b * padded.seq_stride + row_step, mask=row_ok, other=0).to(tl.int64)
     row_ok &= (row_tok >= tok_lo) & (row_tok < tok_hi)
     d = tl.arange(0, D)
     q = tl.load(
-        q_ptr + row_tok[:, None] * stride_qt + (r % H)[:, None] * stride_qh + d[None, :], mask=row_ok[:, None]
+        queries.data
+        + row_tok[:, None] * queries.token_stride
+        + (r % H)[:, None] * queries.head_stride
+        + d[None, :],
+        mask=row_ok[:, None],
     )
-    w = tl.load(w_ptr + row_tok * stride_wt + r % H, mask=row_ok, other=0.0).to(tl.float32)
+    w = tl.load(weights.data + row_tok * weights.row_stride + r % H, mask=row_ok, other=0.0).to(tl.float32)
     if FP8:
         q_scale = _pow2_scale(tl.max(tl.abs(q.to(tl.float32)), axis=1))
         q = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
         w = w * q_scale
 
     step = first + tl.arange(0, BLOCK_T)
-    tok_ok = tl.load(pad_valid_ptr + b * stride_xb + step, mask=step < max_new, other=0) != 0
-    tok = tl.load(pad_index_ptr + b * stride_xb + step, mask=tok_ok, other=0).to(tl.int64)
+    tok_ok = tl.load(padded.valid + b * padded.seq_stride + step, mask=step < padded.steps, other=0) != 0
+    tok = tl.load(padded.index + b * padded.seq_stride + step, mask=tok_ok, other=0).to(tl.int64)
     tok_ok &= (tok >= tok_lo) & (tok < tok_hi)
-    visible = tl.where(tok_ok, (tl.load(positions_ptr + tok, mask=tok_ok, other=0) + 1) // kpool, 0)
+    visible = tl.where(tok_ok, (tl.load(positions + tok, mask=tok_ok, other=0) + 1) // kpool, 0)
     n_visible = tl.max(visible, axis=0)
     for p0 in range(0, n_visible, BLOCK_P):
         pools = p0 + tl.arange(0, BLOCK_P)
         pool_ok = pools < n_visible
-        slot = tl.load(pool_table_ptr + b * stride_pb + pools, mask=pool_ok, other=0).to(tl.int64)
-        k = tl.load(k_ptr + slot[:, None] * stride_k + d[None, :], mask=pool_ok[:, None], other=0.0)
+        slot = tl.load(pool_table.ids + b * pool_table.seq_stride + pools, mask=pool_ok, other=0).to(tl.int64)
+        k = tl.load(
+            pooled.keys + slot[:, None] * pooled.row_stride + d[None, :], mask=pool_ok[:, None], other=0.0
+        )
         if POOLS_MAJOR:
             # FP8_ACC_K: promote the tensor cores' FP8 partial sums to fp32 every that many k (0: bf16)
             s = tl.dot(k, tl.trans(q), max_num_imprecise_acc=FP8_ACC_K)  # [BLOCK_P, M]
@@ -185,10 +146,10 @@ def _score_kernel(
             s = tl.maximum(s, 0.0) * w[:, None]
             logits = tl.sum(tl.reshape(s, [BLOCK_T, H, BLOCK_P]), axis=1)
         if FP8:  # a pool's power-of-two scale commutes with ReLU: apply it once per pool, exactly
-            logits = logits * tl.load(ks_ptr + slot, mask=pool_ok, other=0.0)[None, :]
+            logits = logits * tl.load(pooled.scale + slot, mask=pool_ok, other=0.0)[None, :]
         logits = tl.where(pools[None, :] < visible[:, None], logits, float("-inf"))
         tl.store(
-            out_ptr + (tok - tok_lo)[:, None] * stride_ot + pools[None, :],
+            out.data + (tok - tok_lo)[:, None] * out.row_stride + pools[None, :],
             logits,
             mask=tok_ok[:, None] & (pools < num_pools)[None, :],
         )
@@ -213,35 +174,22 @@ def _count_at_least(keys, threshold, step, RADIX: tl.constexpr):
 
 @triton.jit
 def _topk_kernel(
-    logits_ptr,
-    positions_ptr,
-    seq_ptr,
-    rows_ptr,
-    pool_table_ptr,
-    req_to_token_ptr,
-    out_ptr,
-    k_pools,
-    width,
-    stride_lt,
-    stride_pb,
-    stride_rt,
-    stride_ot,
-    KPOOL: tl.constexpr,
-    TAIL: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ONE_TILE: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    RADIX: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    logits, places, pool_table, req_to_token, out, k_pools, width,
+    KPOOL: tl.constexpr, TAIL: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+    BLOCK_W: tl.constexpr, RADIX: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Packed token t's row of `out [T, width]` (`Rows`; module docstring): the `k_pools` best of its
+    visible pools by `logits [T, *]` (`Rows`), their slots from `pool_table` (`PoolTable`), then with
+    TAIL its incomplete pool's slots from `req_to_token` (`Rows`); `places` (`TokenPlaces`) says where
+    t sits."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + t)
-    b = tl.load(seq_ptr + t).to(tl.int64)
+    pos = tl.load(places.positions + t)
+    b = tl.load(places.seq + t).to(tl.int64)
     visible = (pos + 1) // KPOOL
-    row = logits_ptr + t * stride_lt
+    row = logits.data + t * logits.row_stride
     offs = tl.arange(0, BLOCK)
-    out_row = out_ptr + t * stride_ot
+    out_row = out.data + t * out.row_stride
     int_min = -2147483648
     if ONE_TILE:
         keys = tl.where(
@@ -294,7 +242,7 @@ def _topk_kernel(
         sel = in_row & (take_all | (key > thr) | (tie & (tie_rank <= ties_left)))
         ties_left -= tl.sum(tie.to(tl.int32), axis=0)
         dest = n_sel + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        slot = tl.load(pool_table_ptr + b * stride_pb + p, mask=sel, other=0).to(tl.int32)
+        slot = tl.load(pool_table.ids + b * pool_table.seq_stride + p, mask=sel, other=0).to(tl.int32)
         for i in tl.static_range(KPOOL):
             tl.store(out_row + dest * KPOOL + i, slot * KPOOL + i, mask=sel)
         n_sel += tl.sum(sel.to(tl.int32), axis=0)
@@ -303,8 +251,10 @@ def _topk_kernel(
         j = tl.arange(0, KPOOL)
         tail_pos = visible * KPOOL + j
         tail_ok = (j < KPOOL - 1) & (tail_pos <= pos)
-        tail_row = tl.load(rows_ptr + t)
-        slot = tl.load(req_to_token_ptr + tail_row * stride_rt + tail_pos, mask=tail_ok, other=0).to(tl.int32)
+        tail_row = tl.load(places.table_rows + t)
+        slot = tl.load(
+            req_to_token.data + tail_row * req_to_token.row_stride + tail_pos, mask=tail_ok, other=0
+        ).to(tl.int32)
         tl.store(out_row + n_rows + j, slot, mask=tail_ok)
         n_rows += tl.sum(tail_ok.to(tl.int32), axis=0)
     for w0 in range(0, width, BLOCK_W):
@@ -328,8 +278,8 @@ def store_tokens(
         return
     dependent = dependent_launches(key.device)
     _store_tokens_kernel[(tokens,)](
-        key, gate_scores, norm.weight, norm.bias, slots, cache.keys, cache.gates,
-        key.stride(0), gate_scores.stride(0), cache.keys.stride(0), cache.gates.stride(0), norm.eps,
+        Rows.of(key), Rows.of(gate_scores), LayerNorm(norm.weight, norm.bias, norm.eps), slots,
+        Rows.of(cache.keys), Rows.of(cache.gates),
         D=dim, num_warps=1,
         PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
@@ -354,8 +304,7 @@ def compress_pools(
         raise ValueError("an FP8 pooled-key cache needs its per-pool scale tensor")
     dependent = dependent_launches(keys.device)
     _compress_kernel[(num_pools,)](
-        keys, gates, ape, pools, pooled, pooled_scale if fp8 else pooled,
-        keys.stride(0), gates.stride(0), ape.stride(0), pooled.stride(0),
+        Rows.of(keys), Rows.of(gates), Rows.of(ape), pools, PoolKeys.of(pooled, pooled_scale),
         KPOOL=kpool, KPOOL_PAD=triton.next_power_of_2(kpool), D=dim, FP8=fp8, num_warps=4,
         PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
@@ -399,15 +348,12 @@ def index_scores(
         raise ValueError("FP8 pooled keys need their per-pool scales")
     block_t = block_t or max(1, 128 // heads)
     block_p = block_p or (64 if fp8 else 128)  # the faster tile of each on H200 (RESULTS.md)
-    max_new = pad_index.shape[1]
-    pad_valid = pad_valid.view(torch.uint8) if pad_valid.dtype == torch.bool else pad_valid
-    grid = (batch, triton.cdiv(max_new, block_t))
+    padded = PaddedSteps.of(pad_index, pad_valid)
+    grid = (batch, triton.cdiv(padded.steps, block_t))
     dependent = dependent_launches(q.device)
     _score_kernel[grid](
-        q, head_weights, pooled, pooled_scale if fp8 else pooled, pool_table, positions, pad_index, pad_valid,
-        out, max_new, num_pools, kpool, tokens.start, tokens.stop,
-        q.stride(0), q.stride(1), head_weights.stride(0), pooled.stride(0), pool_table.stride(0),
-        pad_index.stride(0), out.stride(0),
+        HeadRows.of(q), Rows.of(head_weights), PoolKeys.of(pooled, pooled_scale), PoolTable.of(pool_table),
+        positions, padded, Rows.of(out), num_pools, kpool, tokens.start, tokens.stop,
         H=heads, D=dim, BLOCK_T=block_t, BLOCK_P=block_p, FP8=fp8, POOLS_MAJOR=pools_major,
         FP8_ACC_K=min(fp8_acc_k, dim) if fp8 else 0, num_warps=num_warps, num_stages=num_stages,
         PDL=dependent, launch_pdl=dependent,
@@ -447,8 +393,8 @@ def topk_rows(
     block = max(16, triton.next_power_of_2(min(max(num_pools, 1), MAX_TOPK_TILE)))
     dependent = dependent_launches(logits.device)
     _topk_kernel[(num_tokens,)](
-        logits, positions, token_seq, token_rows, pool_table, req_to_token, out,
-        topk // kpool, width, logits.stride(0), pool_table.stride(0), req_to_token.stride(0), out.stride(0),
+        Rows.of(logits), TokenPlaces(positions, token_seq, token_rows), PoolTable.of(pool_table),
+        Rows.of(req_to_token), Rows.of(out), topk // kpool, width,
         KPOOL=kpool, TAIL=tail and kpool > 1, BLOCK=block, ONE_TILE=num_pools <= block,
         BLOCK_W=min(1024, triton.next_power_of_2(width)), RADIX=radix_bits,
         num_warps=num_warps or max(4, min(16, block // 1024)),

@@ -22,6 +22,7 @@ import triton.language as tl
 from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.sparse_mla import cuda_prefill
+from hylo.ops.sparse_mla.operands import HeadRows, LatentRows, RowLists, SplitHeadRows, SplitLse
 
 LOG2E = 1.4426950408889634
 # row-list entries a prefill program scans per load for its last valid row: one size for every width, so
@@ -31,33 +32,15 @@ ROW_SCAN_BLOCK = 256
 
 @triton.jit
 def _sparse_mla_kernel(
-    q_ptr,
-    kv_ptr,
-    rows_ptr,
-    out_ptr,
-    lse_ptr,
-    num_heads,
-    width,
-    rows_per_split,
-    scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_kv,
-    stride_rt,
-    stride_ot,
-    stride_os,
-    stride_oh,
-    stride_lt,
-    stride_ls,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    R: tl.constexpr,
-    PARTIAL: tl.constexpr,
-    SKIP_EMPTY: tl.constexpr,
-    TRIM: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    queries, latent, rows, out, lse, num_heads, rows_per_split, scale_log2,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, PARTIAL: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr, TRIM: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One (token, split, head block) (module docstring): `queries [T, num_heads, R]` (`HeadRows`) over
+    the `latent` rows (`LatentRows`) of entries [split·rows_per_split, + rows_per_split) of the token's
+    row list (`RowLists`), scores scaled by `scale_log2` (base 2). PARTIAL: the split's output (fp32,
+    normalised over its own rows) into `out` (`SplitHeadRows`) and its log-sum-exp into `lse` (`SplitLse`);
+    else the output, in out's dtype, into `out` (one split; `lse` unread)."""
     enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -65,7 +48,9 @@ def _sparse_mla_kernel(
     dims = tl.arange(0, R)
     head_ok = heads < num_heads
     q = tl.load(
-        q_ptr + tok * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0
+        queries.data + tok * queries.token_stride + heads[:, None] * queries.head_stride + dims[None, :],
+        mask=head_ok[:, None],
+        other=0.0,
     )
     # A finite start keeps exp2(-inf - m) = 0 (not NaN) for blocks whose rows are all empty.
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
@@ -76,21 +61,23 @@ def _sparse_mla_kernel(
     hi = lo + rows_per_split
     if TRIM:  # stop after the token's last valid row: a short context leaves the rest of its list empty
         last = tl.full([], 0, tl.int32)
-        for w0 in range(0, width, BLOCK_W):
+        for w0 in range(0, rows.width, BLOCK_W):
             c = w0 + tl.arange(0, BLOCK_W)
-            r = tl.load(rows_ptr + tok * stride_rt + c, mask=c < width, other=-1)
+            r = tl.load(rows.slots + tok * rows.token_stride + c, mask=c < rows.width, other=-1)
             last = tl.maximum(last, tl.max(tl.where(r >= 0, c + 1, 0), axis=0))
         hi = tl.minimum(hi, last)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(rows_ptr + tok * stride_rt + cols, mask=cols < width, other=-1)
+        idx = tl.load(rows.slots + tok * rows.token_stride + cols, mask=cols < rows.width, other=-1)
         valid = idx >= 0
         run = True
         if SKIP_EMPTY:  # decode: skip the loads and dots of a block with no valid row
             run = tl.max(valid.to(tl.int32), axis=0) > 0
         if run:
             kv = tl.load(
-                kv_ptr + idx.to(tl.int64)[:, None] * stride_kv + dims[None, :], mask=valid[:, None], other=0.0
+                latent.data + idx.to(tl.int64)[:, None] * latent.slot_stride + dims[None, :],
+                mask=valid[:, None],
+                other=0.0,
             )
             s = tl.dot(q, tl.trans(kv)) * scale_log2
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -103,54 +90,59 @@ def _sparse_mla_kernel(
     has_rows = l_i > 0
     inv_l = tl.where(has_rows, 1.0 / tl.where(has_rows, l_i, 1.0), 0.0)
     o = acc * inv_l[:, None]
-    o_ptrs = out_ptr + tok * stride_ot + split * stride_os + heads[:, None] * stride_oh + dims[None, :]
+    o_ptrs = (
+        out.data
+        + tok * out.token_stride
+        + split * out.split_stride
+        + heads[:, None] * out.head_stride
+        + dims[None, :]
+    )
     o_mask = head_ok[:, None]
     if PARTIAL:
-        lse = tl.where(has_rows, m_i + tl.log2(tl.where(has_rows, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + tok * stride_lt + split * stride_ls + heads, lse, mask=head_ok)
+        log_sum = tl.where(has_rows, m_i + tl.log2(tl.where(has_rows, l_i, 1.0)), float("-inf"))
+        tl.store(lse.data + tok * lse.token_stride + split * lse.split_stride + heads, log_sum, mask=head_ok)
         tl.store(o_ptrs, o, mask=o_mask)
     else:
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(o_ptrs, o.to(out.data.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
 def _merge_kernel(
-    part_ptr,
-    lse_ptr,
-    out_ptr,
-    num_splits,
-    rank,
-    stride_pt,
-    stride_ps,
-    stride_ph,
-    stride_lt,
-    stride_ls,
-    stride_ot,
-    stride_oh,
-    BLOCK_S: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr,
+    parts, lse, out, num_splits, rank, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr
 ):
+    """One (token, head, block of BLOCK_R dims): the `num_splits` partial outputs `parts`
+    (`SplitHeadRows`) weighed by their log-sum-exps `lse` (`SplitLse`) into `out [T, H, rank]`
+    (`HeadRows`)."""
     enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     splits = tl.arange(0, BLOCK_S)
     split_ok = splits < num_splits
-    lse = tl.load(lse_ptr + tok * stride_lt + splits * stride_ls + head, mask=split_ok, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    live = lse > float("-inf")
-    weight = tl.where(live, tl.exp2(lse - tl.where(live, top, 0.0)), 0.0)
+    log_sum = tl.load(
+        lse.data + tok * lse.token_stride + splits * lse.split_stride + head,
+        mask=split_ok,
+        other=float("-inf"),
+    )
+    top = tl.max(log_sum, axis=0)
+    live = log_sum > float("-inf")
+    weight = tl.where(live, tl.exp2(log_sum - tl.where(live, top, 0.0)), 0.0)
     total = tl.sum(weight, axis=0)
     weight = weight / tl.where(total > 0, total, 1.0)
     part = tl.load(
-        part_ptr + tok * stride_pt + splits[:, None] * stride_ps + head * stride_ph + dims[None, :],
+        parts.data
+        + tok * parts.token_stride
+        + splits[:, None] * parts.split_stride
+        + head * parts.head_stride
+        + dims[None, :],
         mask=live[:, None] & (dims < rank)[None, :],
         other=0.0,
     )
     o = tl.sum(part * weight[:, None], axis=0)
     tl.store(
-        out_ptr + tok * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty), mask=dims < rank
+        out.data + tok * out.token_stride + head * out.head_stride + dims,
+        o.to(out.data.dtype.element_ty),
+        mask=dims < rank,
     )
 
 
@@ -229,10 +221,9 @@ def sparse_mla_fwd(
     )  # fmt: skip
     if num_splits == 1:
         _sparse_mla_kernel[grid](
-            q_latent, latent, rows, out, out,
-            num_heads, width, rows_per_split, scale * LOG2E,
-            q_latent.stride(0), q_latent.stride(1), latent.stride(0), rows.stride(0),
-            out.stride(0), 0, out.stride(1), 0, 0,
+            HeadRows.of(q_latent), LatentRows.of(latent), RowLists.of(rows),
+            SplitHeadRows(out, out.stride(0), 0, out.stride(1)), SplitLse(out, 0, 0),  # lse: unread
+            num_heads, rows_per_split, scale * LOG2E,
             PARTIAL=False, SKIP_EMPTY=False, TRIM=True, **common,
         )  # fmt: skip
         return out
@@ -240,17 +231,13 @@ def sparse_mla_fwd(
     lse = torch.empty(num_tokens, num_splits, num_heads, dtype=torch.float32, device=q_latent.device)
     dependent = dependent_launches(q_latent.device)
     _sparse_mla_kernel[grid](
-        q_latent, latent, rows, part, lse,
-        num_heads, width, rows_per_split, scale * LOG2E,
-        q_latent.stride(0), q_latent.stride(1), latent.stride(0), rows.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        HeadRows.of(q_latent), LatentRows.of(latent), RowLists.of(rows), SplitHeadRows.of(part),
+        SplitLse.of(lse), num_heads, rows_per_split, scale * LOG2E,
         PARTIAL=True, SKIP_EMPTY=skip_empty, TRIM=False, **common,
     )  # fmt: skip
     block_r = min(rank, 128)
     _merge_kernel[(num_tokens, num_heads, rank // block_r)](
-        part, lse, out, num_splits, rank,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
+        SplitHeadRows.of(part), SplitLse.of(lse), HeadRows.of(out), num_splits, rank,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_R=block_r, num_warps=4,
         PDL=dependent, launch_pdl=dependent,
     )  # fmt: skip
