@@ -20,8 +20,8 @@ partial product by the activation scale of the rows and the weight scale of the 
 are issued one step ahead. (Quantising the activation tiles inside the GEMMs instead, to save the x
 launch, measured 2.8x slower at decode on an H200: 210 against 74 us for one token.)
 
-The kernels take their operands as bundles (NamedTuples, which Triton passes as tuples and specialises
-field by field as it would flat arguments): activation rows `Rows`, expert weights `Weights`, the
+The kernels take their operands as bundles (`operands`: NamedTuples, which Triton passes as tuples and
+specialises field by field as it would flat arguments): activation rows `Rows`, expert weights `Weights`, the
 `routing.Alignment`, the routing's `Choices`.
 
 Large FP8 batches (`MoeConfig.tma`) gather the quantised x into the alignment's row order once, so both
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import torch
 import triton
@@ -47,6 +46,7 @@ from hylo.ops.dispatch import use_kernel
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import group_scale, quantize_groups, quantize_rows, round_to_e4m3
 from hylo.ops.moe import grouped_cuda
+from hylo.ops.moe.operands import Rows, Weights
 from hylo.ops.moe.reference import Choices, ExpertWeights, SharedExpert
 from hylo.ops.moe.routing import SHARED_EXPERT, Alignment, align, placed_experts
 
@@ -83,45 +83,6 @@ class MoeConfig:
     down: Tiles
     group_m: int = 8
     tma: bool = False
-
-
-class Rows(NamedTuple):
-    """Activation rows as the grouped-GEMM kernels take them (one operand, not four arguments): row r of
-    `data` at `data + r·stride`, its FP8 group scales at `scales + r·scale_stride` (`data` again where
-    unscaled: the kernels read scales only where FP8). (Not `values`: Triton's tuples use that name.)"""
-
-    data: torch.Tensor
-    scales: torch.Tensor
-    stride: int
-    scale_stride: int
-
-
-def rows_operand(data: torch.Tensor, scales: torch.Tensor | None) -> Rows:
-    """`Rows` of a `[rows, K]` activation and its group scales (None where unscaled)."""
-    scales = _or(scales, data)
-    return Rows(data, scales, data.stride(0), scales.stride(0))
-
-
-class Weights(NamedTuple):
-    """Experts' `[N, K]` weights as the kernels take them: expert e's row n at `weight + e·expert_stride
-    + n·row_stride`, its [128, 128] block scales at `scale + e·scale_expert_stride + (n // 128)·
-    scale_row_stride` (`weight` again, never read, where unscaled); one expert's own tensors (the shared
-    expert's) have expert strides 0."""
-
-    weight: torch.Tensor
-    scale: torch.Tensor
-    expert_stride: int
-    row_stride: int
-    scale_expert_stride: int
-    scale_row_stride: int
-
-
-def weights_operand(weight: torch.Tensor, scale: torch.Tensor | None) -> Weights:
-    """`Weights` of stacked `[E, N, K]` experts or of one expert's `[N, K]` tensors."""
-    scale = _or(scale, weight)
-    if weight.dim() == 2:
-        return Weights(weight, scale, 0, weight.stride(0), 0, scale.stride(0))
-    return Weights(weight, scale, weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1))
 
 
 def default_config(
@@ -853,11 +814,11 @@ def gate_up_stage(
             return grouped_cuda.gate_up(x, x_scale, gate_up, gate_up_scale, layout, limit)
         _gate_up_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(x, [config.block_m, up.block_k]),
-            rows_operand(x, x_scale),
+            Rows.of(x, x_scale),
             TensorDescriptor.from_tensor(gate_up.view(-1, gate_up.shape[2]), [up.block_n, up.block_k]),
-            weights_operand(gate_up, gate_up_scale),
+            Weights.of(gate_up, gate_up_scale),
             layout,
-            rows_operand(h, h_scale),
+            Rows.of(h, h_scale),
             num_blocks,
             float(limit),
             **launch,
@@ -865,11 +826,11 @@ def gate_up_stage(
         return h, h_scale
     dependent = dependent_launches(x.device)
     _gate_up_kernel[(programs,)](
-        rows_operand(x, x_scale),
-        weights_operand(gate_up, gate_up_scale),
+        Rows.of(x, x_scale),
+        Weights.of(gate_up, gate_up_scale),
         _shared_operand(shared, 0, gate_up, gate_up_scale),
         layout,
-        rows_operand(h, h_scale),
+        Rows.of(h, h_scale),
         num_blocks,
         x.shape[0] * top_k,
         float(limit),
@@ -951,8 +912,8 @@ def _shared_operand(
     """The shared expert's gate_up (`part` 0) or down (1) as a launch takes it (`Weights`): a stand-in
     without one (the routed `weight` and its `scale`, never read)."""
     if shared is None:
-        return weights_operand(weight, scale)
-    return weights_operand(shared[part], None if shared.scales is None else shared.scales[part])
+        return Weights.of(weight, scale)
+    return Weights.of(shared[part], None if shared.scales is None else shared.scales[part])
 
 
 def _tile_arguments(config: MoeConfig, tiles: Tiles, n: int, k: int) -> dict[str, object]:
@@ -987,8 +948,8 @@ def _down_arguments(
     hidden = down.shape[1]
     dn = config.down
     arguments = {
-        "h": rows_operand(h, h_scale),
-        "w": weights_operand(down, down_scale),
+        "h": Rows.of(h, h_scale),
+        "w": Weights.of(down, down_scale),
         "layout": layout,
         "weights_ptr": weights.float().contiguous(),
         "num_blocks": num_blocks,
@@ -1043,9 +1004,9 @@ def _down_tma(
     dn = config.down
     _down_tma_kernel[(num_blocks * triton.cdiv(hidden, dn.block_n),)](
         TensorDescriptor.from_tensor(h, [config.block_m, dn.block_k]),
-        rows_operand(h, h_scale),
+        Rows.of(h, h_scale),
         TensorDescriptor.from_tensor(down.view(-1, intermediate), [dn.block_n, dn.block_k]),
-        weights_operand(down, down_scale),
+        Weights.of(down, down_scale),
         layout,
         weights.float().contiguous(),
         routed,
@@ -1145,10 +1106,6 @@ def down_combine_stage(
         launch_pdl=dependent,
     )
     return out
-
-
-def _or(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
-    return stand_in if tensor is None else tensor
 
 
 def experts(
