@@ -108,3 +108,11 @@ class ExpertIds(NamedTuple):
     ids: torch.Tensor
     first: int
 
+
+class ExpertBlocks(NamedTuple):
+    """Every expert's pair count `counts`, first row block `starts` and end block `ends` (`[E_PAD]`
+    registers, empty experts past E): what `routing._expert_blocks` gives the placing steps."""
+
+    counts: torch.Tensor
+    starts: torch.Tensor
+    ends: torch.Tensor
