@@ -52,6 +52,7 @@ from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import quantize_tile
 from hylo.ops.moe import kernels
 from hylo.ops.moe.kernels import MoeConfig
+from hylo.ops.moe.operands import Fp8Rows, Matrix, Placement, Router
 from hylo.ops.moe.reference import Choices, ExpertWeights, Routing, SharedExpert
 from hylo.ops.moe.routing import (
     SHARED_EXPERT,
@@ -102,70 +103,60 @@ def tickets(device: torch.device) -> torch.Tensor:
 def _place_pairs(
     ids_ptr,
     num_pairs,
-    pairs_ptr,
-    block_expert_ptr,
-    block_rows_ptr,
-    num_blocks,
-    first_expert,
-    num_experts,
-    shared_tokens,
+    layout,
+    placement,
     PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCKS_PAD: tl.constexpr,
 ):
     """`routing.align` of the `num_pairs` global ids at `ids_ptr` (this program wrote them: they are
-    read back after a barrier, one pair a lane) from registers, placing only the pairs of experts
-    [first_expert, first_expert + num_experts) (numbered from 0): a pair's rank is the number of
+    read back after a barrier, one pair a lane) from registers, into `layout` (`Alignment`) as `placement`
+    says (`Placement`): only the pairs of its experts, numbered from 0; a pair's rank is the number of
     earlier pairs of its expert, its expert's first block the blocks of all smaller placed experts
     (counted once, at each expert's first pair). The shared expert's pairs of `shared_tokens` tokens
-    (0: none; at most PAIRS) come first: token t's pair num_pairs + t in slot t, cdiv(shared_tokens,
-    BLOCK_M) blocks of `SHARED_EXPERT`."""
+    (at most PAIRS) come first: token t's pair num_pairs + t in slot t, cdiv(shared_tokens, BLOCK_M)
+    blocks of `SHARED_EXPERT`."""
+    shared_tokens = placement.shared_tokens
     lane = tl.arange(0, PAIRS)  # pair index t·k + j; for the shared expert, token t
     shared_blocks = (shared_tokens + BLOCK_M - 1) // BLOCK_M
     mine = lane < shared_tokens
-    tl.store(pairs_ptr + lane, num_pairs + lane, mask=mine)
+    tl.store(layout.pairs + lane, num_pairs + lane, mask=mine)
     # the lanes of one block all write its expert and row count
-    tl.store(block_expert_ptr + lane // BLOCK_M, tl.full([PAIRS], SHARED_EXPERT, tl.int32), mask=mine)
+    tl.store(layout.block_expert + lane // BLOCK_M, tl.full([PAIRS], SHARED_EXPERT, tl.int32), mask=mine)
     shared_rows = tl.minimum(shared_tokens - (lane // BLOCK_M) * BLOCK_M, BLOCK_M)
-    tl.store(block_rows_ptr + lane // BLOCK_M, shared_rows, mask=mine)
-    expert, valid = placed_experts(ids_ptr, lane, lane < num_pairs, first_expert, num_experts)
+    tl.store(layout.block_rows + lane // BLOCK_M, shared_rows, mask=mine)
+    expert, valid = placed_experts(
+        ids_ptr, lane, lane < num_pairs, placement.first_expert, placement.num_experts
+    )
     same = (expert[:, None] == expert[None, :]) & valid[None, :]
     rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
     count = tl.sum(same.to(tl.int32), axis=1)
     blocks = tl.where(valid & (rank == 0), (count + BLOCK_M - 1) // BLOCK_M, 0)
     smaller = tl.sum(tl.where(expert[None, :] < expert[:, None], blocks[None, :], 0), axis=1)
     first_block = shared_blocks + smaller
-    tl.store(pairs_ptr + first_block * BLOCK_M + rank, lane, mask=valid)
+    tl.store(layout.pairs + first_block * BLOCK_M + rank, lane, mask=valid)
     block = rank // BLOCK_M
     # the pairs of one block all write its expert and row count
-    tl.store(block_expert_ptr + first_block + block, expert, mask=valid)
+    tl.store(layout.block_expert + first_block + block, expert, mask=valid)
     rows = tl.minimum(count - block * BLOCK_M, BLOCK_M)
-    tl.store(block_rows_ptr + first_block + block, rows, mask=valid)
+    tl.store(layout.block_rows + first_block + block, rows, mask=valid)
     b = tl.arange(0, BLOCKS_PAD)
-    unused = (b >= shared_blocks + tl.sum(blocks, axis=0)) & (b < num_blocks)
-    tl.store(block_expert_ptr + b, tl.full([BLOCKS_PAD], -1, tl.int32), mask=unused)
-    tl.store(block_rows_ptr + b, tl.zeros([BLOCKS_PAD], tl.int32), mask=unused)
+    unused = (b >= shared_blocks + tl.sum(blocks, axis=0)) & (b < placement.num_blocks)
+    tl.store(layout.block_expert + b, tl.full([BLOCKS_PAD], -1, tl.int32), mask=unused)
+    tl.store(layout.block_rows + b, tl.zeros([BLOCKS_PAD], tl.int32), mask=unused)
 
 
 @triton.jit
 def _prologue_kernel(
-    x_ptr,
-    router_ptr,
-    bias_ptr,
+    x,
+    router,
     logits_ptr,
     choices,
-    q_ptr,
-    q_scale_ptr,
+    x_fp8,
     layout,
     tickets_ptr,
     num_tokens,
-    num_blocks,
-    first_expert,
-    num_experts,
-    shared_tokens,
-    scaling,
-    stride_x,
-    stride_r,
+    placement,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -184,33 +175,36 @@ def _prologue_kernel(
     NORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """`prologue`'s launch: one program a (`BLOCK_E` router rows, token): that token's logits of those
-    experts, and x's FP8 groups in the first programs; the last program of each token (a ticket per
-    token) routes it into `choices` (`Choices`: ids and weights), and the last token routed places every
-    pair into `layout` (`Alignment`). Tokens route in parallel, one bitonic top-k each: 8 tokens routed by
+    """`prologue`'s launch: one program a (`BLOCK_E` rows of the `router`, token): that token's logits of
+    those experts (x `[T, D]` a `Matrix`, the logits `[T, E]` fp32), and x's FP8 groups (`x_fp8`, `Fp8Rows`)
+    in the first programs; the last program of each token (a ticket per token) routes it into `choices`
+    (`Choices`: ids and weights), and the last token routed places every pair into `layout` (`Alignment`)
+    as `placement` says. Tokens route in parallel, one bitonic top-k each: 8 tokens routed by
     one program took ~6 of the launch's 17 us on an H100 (RESULTS S35-1)."""
     enter(PDL)
     pid = tl.program_id(0)
     if QUANTIZE:  # noqa: SIM102 (a constexpr test: the kernel compiles without the branch)
         if pid < tl.cdiv(D, 128):
             tokens = tl.arange(0, T_PAD)
-            quantize_tile(x_ptr, q_ptr, q_scale_ptr, tokens, pid, num_tokens, stride_x, D, tl.cdiv(D, 128), D)
+            quantize_tile(
+                x.data, x_fp8.data, x_fp8.scales, tokens, pid, num_tokens, x.stride, D, tl.cdiv(D, 128), D
+            )
     # a token's programs are its row blocks; the programs past them (there for the FP8 groups) stop here
     if pid < E_BLOCKS * num_tokens:
         token = pid % num_tokens  # one router block's programs side by side: its rows are read from L2
         e = (pid // num_tokens) * BLOCK_E + tl.arange(0, BLOCK_E)
         e_ok = e < E
         d = tl.arange(0, D_PAD)
-        w_rows = router_ptr + e[:, None].to(tl.int64) * stride_r + d[None, :]
+        w_rows = router.weight + e[:, None].to(tl.int64) * router.row_stride + d[None, :]
         w = tl.load(w_rows, mask=e_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + token * stride_x + d, mask=d < D, other=0.0).to(tl.float32)
-        tl.store(logits_ptr + token * E + e, tl.sum(w * x[None, :], axis=1), mask=e_ok)
+        x_row = tl.load(x.data + token * x.stride + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(logits_ptr + token * E + e, tl.sum(w * x_row[None, :], axis=1), mask=e_ok)
         tl.debug_barrier()  # all of this program's logits are stored before its ticket releases them
         if tl.atomic_add(tickets_ptr + 1 + token, 1, sem="acq_rel") == E_BLOCKS - 1:
             tl.store(tickets_ptr + 1 + token, 0)
             t = token + tl.arange(0, 1)
             route_tokens(
-                logits_ptr, bias_ptr, choices.ids, choices.weights, t, t < num_tokens, scaling,
+                logits_ptr, router.bias, choices.ids, choices.weights, t, t < num_tokens, router.scaling,
                 E, E_PAD, TOP_K, K_PAD, N_GROUP, G_PAD, TOPK_GROUP, NORMALIZE,
             )  # fmt: skip
             tl.debug_barrier()  # this token's ids are stored before its ticket releases them
@@ -221,18 +215,7 @@ def _prologue_kernel(
                     tl.store(tickets_ptr, 0)
             if last:
                 _place_pairs(
-                    choices.ids,
-                    num_tokens * TOP_K,
-                    layout.pairs,
-                    layout.block_expert,
-                    layout.block_rows,
-                    num_blocks,
-                    first_expert,
-                    num_experts,
-                    shared_tokens,
-                    T_PAD * K_PAD,
-                    BLOCK_M,
-                    BLOCKS_PAD,
+                    choices.ids, num_tokens * TOP_K, layout, placement, T_PAD * K_PAD, BLOCK_M, BLOCKS_PAD
                 )
 
 
@@ -278,7 +261,7 @@ def prologue(
     first_expert, num_experts = _placed_span(first_expert, num_experts, all_experts)
     if not fits(tokens, top_k):
         raise ValueError(f"prologue: x has {tokens} tokens, more than {MAX_PAIRS // top_k} at top-{top_k}")
-    x, weight = x.contiguous(), routing.weight.contiguous()
+    x = x.contiguous()
     device = x.device
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
@@ -297,23 +280,15 @@ def prologue(
     programs = max(triton.cdiv(all_experts, block_e) * tokens, groups if quantize else 1)
     dependent = dependent_launches(device)
     _prologue_kernel[(programs,)](
-        x,
-        weight,
-        routing.correction_bias.float().contiguous(),
+        Matrix.of(x),
+        Router.of(routing),
         torch.empty(tokens, all_experts, dtype=torch.float32, device=device),  # the logits
         Choices(ids, weights),
-        x if q is None else q,  # read only where QUANTIZE says so
-        weights if q_scale is None else q_scale,
+        Fp8Rows(x, weights) if q is None else Fp8Rows(q, q_scale),  # read only where QUANTIZE says so
         layout,
         tickets(device),
         tokens,
-        num_blocks,
-        first_expert,
-        num_experts,
-        tokens if shared else 0,
-        float(routing.scaling),
-        x.stride(0),
-        weight.stride(0),
+        Placement(num_blocks, first_expert, num_experts, tokens if shared else 0),
         D=hidden,
         D_PAD=triton.next_power_of_2(hidden),
         BLOCK_E=block_e,

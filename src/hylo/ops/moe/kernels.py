@@ -20,8 +20,8 @@ partial product by the activation scale of the rows and the weight scale of the 
 are issued one step ahead. (Quantising the activation tiles inside the GEMMs instead, to save the x
 launch, measured 2.8x slower at decode on an H200: 210 against 74 us for one token.)
 
-The kernels take their operands as bundles (NamedTuples, which Triton passes as tuples and specialises
-field by field as it would flat arguments): activation rows `Rows`, expert weights `Weights`, the
+The kernels take their operands as bundles (`operands`: NamedTuples, which Triton passes as tuples and
+specialises field by field as it would flat arguments): activation rows `Rows`, expert weights `Weights`, the
 `routing.Alignment`, the routing's `Choices`.
 
 Large FP8 batches (`MoeConfig.tma`) gather the quantised x into the alignment's row order once, so both
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import torch
 import triton
@@ -47,6 +46,7 @@ from hylo.ops.dispatch import use_kernel
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import group_scale, quantize_groups, quantize_rows, round_to_e4m3
 from hylo.ops.moe import grouped_cuda
+from hylo.ops.moe.operands import ExpertIds, Matrix, Rows, Weights
 from hylo.ops.moe.reference import Choices, ExpertWeights, SharedExpert
 from hylo.ops.moe.routing import SHARED_EXPERT, Alignment, align, placed_experts
 
@@ -83,45 +83,6 @@ class MoeConfig:
     down: Tiles
     group_m: int = 8
     tma: bool = False
-
-
-class Rows(NamedTuple):
-    """Activation rows as the grouped-GEMM kernels take them (one operand, not four arguments): row r of
-    `data` at `data + r·stride`, its FP8 group scales at `scales + r·scale_stride` (`data` again where
-    unscaled: the kernels read scales only where FP8). (Not `values`: Triton's tuples use that name.)"""
-
-    data: torch.Tensor
-    scales: torch.Tensor
-    stride: int
-    scale_stride: int
-
-
-def rows_operand(data: torch.Tensor, scales: torch.Tensor | None) -> Rows:
-    """`Rows` of a `[rows, K]` activation and its group scales (None where unscaled)."""
-    scales = _or(scales, data)
-    return Rows(data, scales, data.stride(0), scales.stride(0))
-
-
-class Weights(NamedTuple):
-    """Experts' `[N, K]` weights as the kernels take them: expert e's row n at `weight + e·expert_stride
-    + n·row_stride`, its [128, 128] block scales at `scale + e·scale_expert_stride + (n // 128)·
-    scale_row_stride` (`weight` again, never read, where unscaled); one expert's own tensors (the shared
-    expert's) have expert strides 0."""
-
-    weight: torch.Tensor
-    scale: torch.Tensor
-    expert_stride: int
-    row_stride: int
-    scale_expert_stride: int
-    scale_row_stride: int
-
-
-def weights_operand(weight: torch.Tensor, scale: torch.Tensor | None) -> Weights:
-    """`Weights` of stacked `[E, N, K]` experts or of one expert's `[N, K]` tensors."""
-    scale = _or(scale, weight)
-    if weight.dim() == 2:
-        return Weights(weight, scale, 0, weight.stride(0), 0, scale.stride(0))
-    return Weights(weight, scale, weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1))
 
 
 def default_config(
@@ -363,29 +324,29 @@ def _swiglu_store(
 
 @triton.jit
 def _down_rows(
-    h, weight, scale, row_stride, scale_row_stride, layout, weights_ptr, out_ptr, stride_o,
-    pid_m, pid_n, shared,
+    h, weight, scale, strides, layout, weights_ptr, out, pid_m, pid_n, shared,
     N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """Row block `pid_m` of h (`Rows`) times its column tile `pid_n` of its expert's weight (`weight`,
-    `scale`: `_expert_weights`, with their row strides), weighted, to each pair's row; the shared
+    `scale`: `_expert_weights`, addressed with the row strides of `strides`, a `Weights`), weighted by
+    the pair's routing weight (`weights_ptr [T·k]`), to each pair's row of `out` (`Matrix`); the shared
     expert's pairs (`shared`) have no routing weight and take 1."""
     slot, row_ok = _block_slots(pid_m, layout.block_rows, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     h_rows = h.data + slot.to(tl.int64)[:, None] * h.stride
-    w_cols = weight + n[None, :] * row_stride
+    w_cols = weight + n[None, :] * strides.row_stride
     a_scales = h.scales + slot * h.scale_stride
-    w_scales = scale + (n // 128) * scale_row_stride
+    w_scales = scale + (n // 128) * strides.scale_row_stride
     acc = _expert_product(
         h_rows, a_scales, w_cols, w_scales, row_ok, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, 0, None, SWAP_AB
     )  # fmt: skip
     pair = tl.load(layout.pairs + slot, mask=row_ok, other=0)
     if not shared:
         acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
-    dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    dst = out.data + pair.to(tl.int64)[:, None] * out.stride + n[None, :]
+    tl.store(dst, acc.to(out.data.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -394,9 +355,8 @@ def _down_kernel(
     w,
     layout,
     weights_ptr,
-    out_ptr,
+    out,
     num_blocks,
-    stride_o,
     N: tl.constexpr,
     K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -407,50 +367,50 @@ def _down_kernel(
     SWAP_AB: tl.constexpr = False,
 ):
     """Each pair's weighted row of its expert's down product (`down_stage`): h `Rows`, w `Weights`,
-    `layout` the `Alignment`."""
+    `layout` the `Alignment`, the pairs' rows `out [T·k, N]` a `Matrix`."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(layout.block_expert + pid_m)
     if expert < 0:
         return
     weight, scale = _expert_weights(w, expert, False, w)
     _down_rows(
-        h, weight, scale, w.row_stride, w.scale_row_stride, layout, weights_ptr, out_ptr, stride_o,
-        pid_m, pid_n, False, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SWAP_AB,
+        h, weight, scale, w, layout, weights_ptr, out, pid_m, pid_n, False, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+        FP8, SWAP_AB,
     )  # fmt: skip
 
 
 @triton.jit
 def _sum_pairs(
-    routed_ptr, ids_ptr, t, t_ok, n, stride_r, first_expert,
+    routed, ids, t, t_ok, n,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, N: tl.constexpr, E: tl.constexpr, PARTIAL: tl.constexpr,
 ):  # fmt: skip
-    """fp32 `[len(t), len(n)]`: Σ_k of tokens `t`'s rows of `routed [T·k, N]`, in a fixed order. PARTIAL:
-    only the rows of pairs whose global expert (`ids [T, k]`) lies in [first_expert, first_expert + E)
-    (the others were never placed and their rows are unset). The rows are read past this SM's L1
+    """fp32 `[len(t), len(n)]`: Σ_k of tokens `t`'s rows of `routed [T·k, N]` (`Matrix`), in a fixed order.
+    PARTIAL: only the rows of the pairs of the weights' E experts (`ids`, `ExpertIds`; the others were never
+    placed and their rows are unset). The rows are read past this SM's L1
     (`.cg`): in `_down_combine_kernel` other programs of the launch wrote them."""
     j = tl.arange(0, K_PAD)
     pair = t[:, None] * TOP_K + j[None, :]
     ok = t_ok[:, None] & (j < TOP_K)[None, :]
     if PARTIAL:
-        _, ok = placed_experts(ids_ptr, pair, ok, first_expert, E)
-    rows = routed_ptr + pair.to(tl.int64)[:, :, None] * stride_r + n[None, None, :]
+        _, ok = placed_experts(ids.ids, pair, ok, ids.first, E)
+    rows = routed.data + pair.to(tl.int64)[:, :, None] * routed.stride + n[None, None, :]
     mask = ok[:, :, None] & (n < N)[None, None, :]
     return tl.sum(tl.load(rows, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32), axis=1)
 
 
 @triton.jit
 def _combine_kernel(
-    routed_ptr, ids_ptr, out_ptr, num_tokens, first_expert, stride_r, stride_o,
+    routed, ids, out, num_tokens,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, N: tl.constexpr, E: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """`BLOCK_T` tokens × `BLOCK_N` columns of `combine`."""
+    """`BLOCK_T` tokens × `BLOCK_N` columns of `combine` (`routed`, `out`: `Matrix`; `ids`: `ExpertIds`)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_ok = t < num_tokens
-    total = _sum_pairs(routed_ptr, ids_ptr, t, t_ok, n, stride_r, first_expert, TOP_K, K_PAD, N, E, True)
-    dst = out_ptr + t.to(tl.int64)[:, None] * stride_o + n[None, :]
-    tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & (n < N)[None, :])
+    total = _sum_pairs(routed, ids, t, t_ok, n, TOP_K, K_PAD, N, E, True)
+    dst = out.data + t.to(tl.int64)[:, None] * out.stride + n[None, :]
+    tl.store(dst, total.to(out.data.dtype.element_ty), mask=t_ok[:, None] & (n < N)[None, :])
 
 
 @triton.jit
@@ -460,17 +420,13 @@ def _down_combine_kernel(
     shared_w,
     layout,
     weights_ptr,
-    routed_ptr,
-    ids_ptr,
-    addend_ptr,
-    out_ptr,
+    routed,
+    ids,
+    addend,
+    out,
     tickets_ptr,
     num_blocks,
     num_tokens,
-    first_expert,
-    stride_r,
-    stride_a,
-    stride_o,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     T_PAD: tl.constexpr,
@@ -489,11 +445,12 @@ def _down_combine_kernel(
     SHARED_K: tl.constexpr = None,
     SWAP_AB: tl.constexpr = False,
 ):
-    """`_down_kernel`, then the combine of its column tile by the tile's last program to finish: every
-    row block of the tile takes a ticket (empty blocks too), and the last ticket sums each token's k
-    rows (PARTIAL: its placed ones, `_sum_pairs`) in a fixed order, rounds the sum to the output dtype
-    (ADD: then adds the addend's row and rounds again, as a separate add of the two would) and puts
-    the ticket counter back to zero. SHARED: the shared expert's blocks read its own weights and write
+    """`_down_kernel` into the pairs' rows `routed`, then the combine of its column tile by the tile's last
+    program to finish: every row block of the tile takes a ticket (empty blocks too), and the last ticket
+    sums each token's k rows (PARTIAL: its placed ones, `ids` an `ExpertIds`, `_sum_pairs`) in a fixed
+    order, rounds the sum to the output dtype (ADD: then adds the `addend`'s row and rounds again, as a
+    separate add of the two would) into `out` and puts the ticket counter back to zero (`routed`,
+    `addend`, `out`: `Matrix`). SHARED: the shared expert's blocks read its own weights and write
     its rows after the routed pairs' (row T·k + t: the addend the host points ADD at); SHARED_K: its
     intermediate where it is not a routed expert's K (a tensor-parallel slice), read with its own row
     strides (`shared_w`'s; otherwise they are `w`'s)."""
@@ -504,14 +461,13 @@ def _down_combine_kernel(
         weight, scale = _expert_weights(w, expert, shared, shared_w)
         if SHARED_K is not None and shared:
             _down_rows(
-                h, weight, scale, shared_w.row_stride, shared_w.scale_row_stride, layout, weights_ptr,
-                routed_ptr, stride_r, pid_m, pid_n, True, N, SHARED_K, BLOCK_M, BLOCK_N, BLOCK_K, FP8,
-                SWAP_AB,
+                h, weight, scale, shared_w, layout, weights_ptr, routed, pid_m, pid_n, True, N, SHARED_K,
+                BLOCK_M, BLOCK_N, BLOCK_K, FP8, SWAP_AB,
             )  # fmt: skip
         else:
             _down_rows(
-                h, weight, scale, w.row_stride, w.scale_row_stride, layout, weights_ptr, routed_ptr,
-                stride_r, pid_m, pid_n, shared, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP8, SWAP_AB,
+                h, weight, scale, w, layout, weights_ptr, routed, pid_m, pid_n, shared, N, K, BLOCK_M,
+                BLOCK_N, BLOCK_K, FP8, SWAP_AB,
             )  # fmt: skip
     tl.debug_barrier()  # all of this program's rows are stored before its ticket releases them
     if tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == num_blocks - 1:
@@ -519,42 +475,40 @@ def _down_combine_kernel(
         t = tl.arange(0, T_PAD)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         t_ok = t < num_tokens
-        total = _sum_pairs(
-            routed_ptr, ids_ptr, t, t_ok, n, stride_r, first_expert, TOP_K, K_PAD, N, E, PARTIAL
-        )
+        total = _sum_pairs(routed, ids, t, t_ok, n, TOP_K, K_PAD, N, E, PARTIAL)
         inside = t_ok[:, None] & (n < N)[None, :]
-        result = total.to(out_ptr.dtype.element_ty)
+        result = total.to(out.data.dtype.element_ty)
         if ADD:
             # `.cg`: with SHARED, the addend rows are the shared expert's, which other programs of this
             # launch wrote
-            addend_rows = addend_ptr + t[:, None].to(tl.int64) * stride_a + n[None, :]
-            addend = tl.load(addend_rows, mask=inside, other=0.0, cache_modifier=".cg")
-            result = (result.to(tl.float32) + addend.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t[:, None].to(tl.int64) * stride_o + n[None, :], result, mask=inside)
+            addend_rows = addend.data + t[:, None].to(tl.int64) * addend.stride + n[None, :]
+            added = tl.load(addend_rows, mask=inside, other=0.0, cache_modifier=".cg")
+            result = (result.to(tl.float32) + added.to(tl.float32)).to(out.data.dtype.element_ty)
+        tl.store(out.data + t[:, None].to(tl.int64) * out.stride + n[None, :], result, mask=inside)
 
 
 @triton.jit
 def _gather_rows_kernel(
-    q_ptr, scale_ptr, pairs_ptr, block_rows_ptr, out_ptr, out_scale_ptr, num_slots,
-    stride_q, stride_s, stride_o, stride_os,
+    x, layout, out, num_slots,
     TOP_K: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr,
 ):  # fmt: skip
     """`ROWS` slots from `program_id(0)·ROWS`, channel groups `program_id(1)·GROUPS + [0, GROUPS)`: the
-    token row of each valid slot (quantised x and its scales) copied to the slot's row, zeros to the
+    token row of each valid slot of `layout` (quantised `x` and its scales, `Rows`) copied to the slot's
+    row of `out` (`Rows`), zeros to the
     padding rows of real blocks (whole tiles go through the GEMMs: zeros keep their rows finite); the
     rows of the blocks past the real count stay unset, no GEMM program reads them."""
     slot = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     in_range = slot < num_slots
-    rows = tl.load(block_rows_ptr + slot // BLOCK_M, mask=in_range, other=0)
+    rows = tl.load(layout.block_rows + slot // BLOCK_M, mask=in_range, other=0)
     ok = slot % BLOCK_M < rows
     real = in_range & (rows > 0)
-    token = tl.load(pairs_ptr + slot, mask=ok, other=0) // TOP_K
+    token = tl.load(layout.pairs + slot, mask=ok, other=0) // TOP_K
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = tl.program_id(1) * GROUPS * 128 + tl.arange(0, GROUPS * 128)
-    q = tl.load(q_ptr + token.to(tl.int64)[:, None] * stride_q + cols[None, :], mask=ok[:, None], other=0.0)
-    tl.store(out_ptr + slot.to(tl.int64)[:, None] * stride_o + cols[None, :], q, mask=real[:, None])
-    scale = tl.load(scale_ptr + token[:, None] * stride_s + group[None, :], mask=ok[:, None], other=0.0)
-    tl.store(out_scale_ptr + slot[:, None] * stride_os + group[None, :], scale, mask=real[:, None])
+    q = tl.load(x.data + token.to(tl.int64)[:, None] * x.stride + cols[None, :], mask=ok[:, None], other=0.0)
+    tl.store(out.data + slot.to(tl.int64)[:, None] * out.stride + cols[None, :], q, mask=real[:, None])
+    scale = tl.load(x.scales + token[:, None] * x.scale_stride + group[None, :], mask=ok[:, None], other=0.0)
+    tl.store(out.scales + slot[:, None] * out.scale_stride + group[None, :], scale, mask=real[:, None])
 
 
 @triton.jit
@@ -602,13 +556,13 @@ def _gate_up_tma_kernel(
 
 @triton.jit
 def _down_tma_kernel(
-    h_desc, h, w_desc, w, layout, weights_ptr, out_ptr, num_blocks, stride_o,
+    h_desc, h, w_desc, w, layout, weights_ptr, out, num_blocks,
     N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """`_down_kernel` (FP8) through TMA descriptors (`h_desc` over h `[slots, K]`, `w_desc` over the
     weights as `[E·N, K]`; their scales from `h` and `w`), tiles of BLOCK_N ≤ 128 columns in one weight
-    scale block."""
+    scale block; the pairs' rows `out` a `Matrix`."""
     pid_m, pid_n = _block_of(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     expert = tl.load(layout.block_expert + pid_m)
     if expert < 0:
@@ -625,8 +579,8 @@ def _down_tma_kernel(
     pair = tl.load(layout.pairs + slot, mask=row_ok, other=0)
     acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dst = out_ptr + pair.to(tl.int64)[:, None] * stride_o + n[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (n < N)[None, :])
+    dst = out.data + pair.to(tl.int64)[:, None] * out.stride + n[None, :]
+    tl.store(dst, acc.to(out.data.dtype.element_ty), mask=row_ok[:, None] & (n < N)[None, :])
 
 
 def _check(
@@ -779,7 +733,7 @@ def combine(routed: torch.Tensor, ids: torch.Tensor, first_expert: int, num_expe
     out = torch.empty(tokens, hidden, dtype=routed.dtype, device=routed.device)
     block_t, block_n = 8, min(128, triton.next_power_of_2(hidden))
     _combine_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(hidden, block_n))](
-        routed, ids.contiguous(), out, tokens, first_expert, routed.stride(0), out.stride(0),
+        Matrix.of(routed), ExpertIds(ids.contiguous(), first_expert), Matrix.of(out), tokens,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), N=hidden, E=num_experts, BLOCK_T=block_t,
         BLOCK_N=block_n,
     )  # fmt: skip
@@ -805,8 +759,7 @@ def gather_rows(
     out = torch.empty(slots, x.shape[1], dtype=x.dtype, device=x.device)
     out_scale = torch.empty(slots, x_scale.shape[1], dtype=x_scale.dtype, device=x.device)
     _gather_rows_kernel[(triton.cdiv(slots, rows), x_scale.shape[1] // groups)](
-        x, x_scale, layout.pairs, layout.block_rows, out, out_scale, slots,
-        x.stride(0), x_scale.stride(0), out.stride(0), out_scale.stride(0),
+        Rows.of(x, x_scale), layout, Rows.of(out, out_scale), slots,
         TOP_K=top_k, K=x.shape[1], BLOCK_M=layout.block_m, ROWS=rows, GROUPS=groups,
     )  # fmt: skip
     return out, out_scale
@@ -853,11 +806,11 @@ def gate_up_stage(
             return grouped_cuda.gate_up(x, x_scale, gate_up, gate_up_scale, layout, limit)
         _gate_up_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(x, [config.block_m, up.block_k]),
-            rows_operand(x, x_scale),
+            Rows.of(x, x_scale),
             TensorDescriptor.from_tensor(gate_up.view(-1, gate_up.shape[2]), [up.block_n, up.block_k]),
-            weights_operand(gate_up, gate_up_scale),
+            Weights.of(gate_up, gate_up_scale),
             layout,
-            rows_operand(h, h_scale),
+            Rows.of(h, h_scale),
             num_blocks,
             float(limit),
             **launch,
@@ -865,11 +818,11 @@ def gate_up_stage(
         return h, h_scale
     dependent = dependent_launches(x.device)
     _gate_up_kernel[(programs,)](
-        rows_operand(x, x_scale),
-        weights_operand(gate_up, gate_up_scale),
+        Rows.of(x, x_scale),
+        Weights.of(gate_up, gate_up_scale),
         _shared_operand(shared, 0, gate_up, gate_up_scale),
         layout,
-        rows_operand(h, h_scale),
+        Rows.of(h, h_scale),
         num_blocks,
         x.shape[0] * top_k,
         float(limit),
@@ -951,8 +904,8 @@ def _shared_operand(
     """The shared expert's gate_up (`part` 0) or down (1) as a launch takes it (`Weights`): a stand-in
     without one (the routed `weight` and its `scale`, never read)."""
     if shared is None:
-        return weights_operand(weight, scale)
-    return weights_operand(shared[part], None if shared.scales is None else shared.scales[part])
+        return Weights.of(weight, scale)
+    return Weights.of(shared[part], None if shared.scales is None else shared.scales[part])
 
 
 def _tile_arguments(config: MoeConfig, tiles: Tiles, n: int, k: int) -> dict[str, object]:
@@ -987,8 +940,8 @@ def _down_arguments(
     hidden = down.shape[1]
     dn = config.down
     arguments = {
-        "h": rows_operand(h, h_scale),
-        "w": weights_operand(down, down_scale),
+        "h": Rows.of(h, h_scale),
+        "w": Weights.of(down, down_scale),
         "layout": layout,
         "weights_ptr": weights.float().contiguous(),
         "num_blocks": num_blocks,
@@ -1015,7 +968,7 @@ def down_stage(
         _down_tma(h, h_scale, down, down_scale, layout, weights, routed, config)
         return routed
     programs, arguments = _down_arguments(h, h_scale, down, down_scale, layout, weights, config)
-    _down_kernel[(programs,)](**arguments, out_ptr=routed, stride_o=routed.stride(0))
+    _down_kernel[(programs,)](**arguments, out=Matrix.of(routed))
     return routed
 
 
@@ -1043,14 +996,13 @@ def _down_tma(
     dn = config.down
     _down_tma_kernel[(num_blocks * triton.cdiv(hidden, dn.block_n),)](
         TensorDescriptor.from_tensor(h, [config.block_m, dn.block_k]),
-        rows_operand(h, h_scale),
+        Rows.of(h, h_scale),
         TensorDescriptor.from_tensor(down.view(-1, intermediate), [dn.block_n, dn.block_k]),
-        weights_operand(down, down_scale),
+        Weights.of(down, down_scale),
         layout,
         weights.float().contiguous(),
-        routed,
+        Matrix.of(routed),
         num_blocks,
-        routed.stride(0),
         **_tile_arguments(config, dn, hidden, intermediate),
     )
 
@@ -1123,16 +1075,12 @@ def down_combine_stage(
     _down_combine_kernel[(programs,)](
         **arguments,
         shared_w=_shared_operand(shared, 1, down, down_scale),
-        routed_ptr=routed,
-        ids_ptr=ids.contiguous() if partial else layout.pairs,  # read only where PARTIAL says so
-        addend_ptr=out if addend is None else addend,  # read only where ADD says so
-        stride_a=0 if addend is None else addend.stride(0),
-        out_ptr=out,
+        routed=Matrix.of(routed),
+        ids=ExpertIds(ids.contiguous() if partial else layout.pairs, first_expert or 0),  # read where PARTIAL
+        addend=Matrix(out, 0) if addend is None else Matrix.of(addend),  # read only where ADD says so
+        out=Matrix.of(out),
         tickets_ptr=tickets,
         num_tokens=tokens,
-        first_expert=first_expert or 0,
-        stride_r=routed.stride(0),
-        stride_o=out.stride(0),
         TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k),
         T_PAD=triton.next_power_of_2(tokens),
@@ -1145,10 +1093,6 @@ def down_combine_stage(
         launch_pdl=dependent,
     )
     return out
-
-
-def _or(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
-    return stand_in if tensor is None else tensor
 
 
 def experts(

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hylo.ops.moe.operands import ExpertBlocks
 from hylo.ops.moe.reference import Choices, Routing
 
 # Up to this many pairs (decode and verify batches) one program counts and places them, one launch
@@ -256,24 +257,20 @@ def _count_chunk(
 
 @triton.jit
 def _expert_blocks(counts_ptr, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(counts, first block, end block) of every expert, padded to E_PAD with empty experts."""
+    """Every expert's counts, first and end blocks (`ExpertBlocks`), padded to E_PAD with empty experts."""
     e = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + e, mask=e < E, other=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     ends = tl.cumsum(blocks, axis=0)
-    return counts, ends - blocks, ends
+    return ExpertBlocks(counts, ends - blocks, ends)
 
 
 @triton.jit
 def _place_chunk(
     ids_ptr,
     ranks_ptr,
-    pairs_ptr,
-    block_expert_ptr,
-    block_rows_ptr,
-    counts,
-    starts,
-    ends,
+    layout,
+    blocks,
     start,
     num_pairs,
     num_blocks,
@@ -283,25 +280,26 @@ def _place_chunk(
     BLOCK_M: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
 ):
-    """Placed pairs start..start+CHUNK to their padded rows, and blocks start..start+CHUNK to their
-    expert."""
+    """Placed pairs start..start+CHUNK to their padded rows of `layout` (`Alignment`), and its blocks
+    start..start+CHUNK to their expert, by the experts' `blocks` (`ExpertBlocks`)."""
     e = tl.arange(0, E_PAD)
     i = start + tl.arange(0, CHUNK_SIZE)
     expert, placed = placed_experts(ids_ptr, i, i < num_pairs, first_expert, E)
-    first_block = tl.sum(tl.where(e[None, :] == expert[:, None], starts[None, :], 0), axis=1)
+    first_block = tl.sum(tl.where(e[None, :] == expert[:, None], blocks.starts[None, :], 0), axis=1)
     rank = tl.load(ranks_ptr + i, mask=placed, other=0)
-    tl.store(pairs_ptr + first_block * BLOCK_M + rank, i.to(tl.int32), mask=placed)
+    tl.store(layout.pairs + first_block * BLOCK_M + rank, i.to(tl.int32), mask=placed)
 
     b = i  # the same chunk indices, now as block numbers
     # the owner of block b is the number of experts whose blocks all end at or before b
-    owner = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
+    owner = tl.sum((blocks.ends[None, :] <= b[:, None]).to(tl.int32), axis=1)
     owned = e[None, :] == owner[:, None]
-    first = tl.sum(tl.where(owned, starts[None, :], 0), axis=1)
-    rows = tl.minimum(tl.sum(tl.where(owned, counts[None, :], 0), axis=1) - (b - first) * BLOCK_M, BLOCK_M)
+    first = tl.sum(tl.where(owned, blocks.starts[None, :], 0), axis=1)
+    count = tl.sum(tl.where(owned, blocks.counts[None, :], 0), axis=1)
+    rows = tl.minimum(count - (b - first) * BLOCK_M, BLOCK_M)
     real = owner < E
     b_ok = b < num_blocks
-    tl.store(block_expert_ptr + b, tl.where(real, owner, -1), mask=b_ok)
-    tl.store(block_rows_ptr + b, tl.where(real, rows, 0), mask=b_ok)
+    tl.store(layout.block_expert + b, tl.where(real, owner, -1), mask=b_ok)
+    tl.store(layout.block_rows + b, tl.where(real, rows, 0), mask=b_ok)
 
 
 @triton.jit
@@ -328,16 +326,11 @@ def _place_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
 ):
-    counts, starts, ends = _expert_blocks(counts_ptr, E, E_PAD, BLOCK_M)
     _place_chunk(
         ids_ptr,
         ranks_ptr,
-        pairs_ptr,
-        block_expert_ptr,
-        block_rows_ptr,
-        counts,
-        starts,
-        ends,
+        Alignment(pairs_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M),
+        _expert_blocks(counts_ptr, E, E_PAD, BLOCK_M),
         tl.program_id(0) * CHUNK_SIZE,
         num_pairs,
         num_blocks,
