@@ -4,6 +4,7 @@ dispatch that only sends tuned shapes to it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,20 +91,19 @@ def test_fp8_gemm_with_quantised_activations(m, n, k, config):
         kernels.gemm(x, exact_w, config)
 
 
-_HOPPER_COMPILE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_HOPPER_COMPILE = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "benchmarks" / "kernels")!r})
+import torch
+from code_size import compiled_launches
 from hylo.ops.gemm import kernels
+from hylo.ops.gemm.table import GemmConfig
 
-fn = kernels._gemm_kernel
-types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*fp32"}
+x, w = torch.zeros(16, 4096, dtype=torch.bfloat16), torch.zeros(2048, 4096, dtype=torch.float8_e4m3fn)
+scales = torch.ones(16, 32)
 for swap in (False, True):  # the decode shape of the FP8 table: 16 rows of x, 64 weight rows, K tiles of 128
-    consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SCALED=True, QUANT_X=False, SWAP_AB=swap)
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-    options = {"num_warps": 4, "num_stages": 3}
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options).asm["ptx"]
+    config = GemmConfig(16, 64, 128, 1, 4, 3, swap_ab=swap)
+    ptx = compiled_launches(lambda: kernels.gemm(x, w, config, scales), with_ptx=True)[0]["ptx"]
     print("wgmma.mma_async" in ptx, "mma.sync" in ptx)
 """
 

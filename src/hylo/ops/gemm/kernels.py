@@ -29,6 +29,7 @@ from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import quantize_groups, quantize_rows
+from hylo.ops.gemm.operands import BlockScales, Rows, SplitTiles
 from hylo.ops.gemm.table import GemmConfig
 
 SCALE_BLOCK = tl.constexpr(FP8_BLOCK)
@@ -60,19 +61,14 @@ def _tile_product(x, w, SWAP_AB: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a decode batch
 def _gemm_kernel(
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    out_ptr,
+    x,
+    w,
+    scales,
+    out,
     M,
     N,
     K,
     k_per_split,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_os,
-    stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -81,6 +77,8 @@ def _gemm_kernel(
     SWAP_AB: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Program (column tile, K split, row tile) of `x [M, K] @ w [N, K]ᵀ` (x and w `Rows`, the weight's
+    `BlockScales`, `out` the `SplitTiles`); its split's K range is `k_per_split` long."""
     enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -91,22 +89,27 @@ def _gemm_kernel(
     for start in range(lo, lo + k_per_split, BLOCK_K):
         k = start + ks
         k_ok = k[None, :] < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & k_ok)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=(cols[:, None] < N) & k_ok)
+        x_tile = tl.load(x.data + rows[:, None] * x.row_stride + k[None, :], mask=(rows[:, None] < M) & k_ok)
+        w_tile = tl.load(w.data + cols[:, None] * w.row_stride + k[None, :], mask=(cols[:, None] < N) & k_ok)
         if SCALED:  # the tile's [128, 128] block scale of each output column
-            block = (cols // SCALE_BLOCK) * stride_sn + start // SCALE_BLOCK
-            scale = _per_col(tl.load(scale_ptr + block, mask=cols < N), SWAP_AB)
+            block = (cols // SCALE_BLOCK) * scales.row_stride + start // SCALE_BLOCK
+            scale = _per_col(tl.load(scales.data + block, mask=cols < N), SWAP_AB)
             if QUANT_X:  # each row's K tile as e4m3 with its own scale: an FP8 × FP8 product
-                xq, x_scale = quantize_rows(x.to(tl.float32))
-                acc += _tile_product(xq.to(w.dtype), w, SWAP_AB) * scale * _per_row(x_scale, SWAP_AB)
+                xq, x_scale = quantize_rows(x_tile.to(tl.float32))
+                acc += (
+                    _tile_product(xq.to(w_tile.dtype), w_tile, SWAP_AB) * scale * _per_row(x_scale, SWAP_AB)
+                )
             else:
-                acc += _tile_product(x, w.to(x.dtype), SWAP_AB) * scale
+                acc += _tile_product(x_tile, w_tile.to(x_tile.dtype), SWAP_AB) * scale
         else:
-            acc += _tile_product(x, w, SWAP_AB)
+            acc += _tile_product(x_tile, w_tile, SWAP_AB)
     mask = _per_row(rows < M, SWAP_AB) & _per_col(cols < N, SWAP_AB)
     tl.store(
-        out_ptr + split * stride_os + _per_row(rows * stride_om, SWAP_AB) + _per_col(cols, SWAP_AB),
-        acc.to(out_ptr.dtype.element_ty),
+        out.data
+        + split * out.split_stride
+        + _per_row(rows * out.row_stride, SWAP_AB)
+        + _per_col(cols, SWAP_AB),
+        acc.to(out.data.dtype.element_ty),
         mask=mask,
     )
 
@@ -156,8 +159,9 @@ def gemm(
     scaled = scale_inv is not None
     dependent = dependent_launches(x.device)
     _gemm_kernel[grid](
-        x, weight, scale_inv if scaled else weight, part, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), scale_inv.stride(0) if scaled else 0, m * n, n,
+        Rows.of(x), Rows.of(weight),
+        BlockScales(scale_inv, scale_inv.stride(0)) if scaled else BlockScales(weight, 0),
+        SplitTiles(part, m * n, n), m, n, k, k_per_split,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=scaled, QUANT_X=c.quant_x,
         SWAP_AB=c.swap_ab, num_warps=c.num_warps, num_stages=c.num_stages,
         PDL=dependent, launch_pdl=dependent,
