@@ -322,14 +322,10 @@ def _lower_inverse(low, low_diag, BT: tl.constexpr, BC: tl.constexpr, SOLVE_PREC
 
 @triton.jit
 def _chunk_inverse(
-    y_q,
-    y_k,
-    gcum,
-    rn_q,
-    rn_k,
-    beta,
+    rows,
     att_out,
     lower_bound,
+    H: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
@@ -339,7 +335,10 @@ def _chunk_inverse(
     SOLVE_PREC: tl.constexpr,
     MERGE_PREC: tl.constexpr,
 ):
-    """X = (I + L)⁻¹ of one chunk, [BT, BT] fp32; stores A into att_out (pointers at the chunk's tiles)."""
+    """X = (I + L)⁻¹ of one chunk and head, [BT, BT] fp32, from its `ChunkRows` (pointers at its q-part
+    tiles, as `_chunk_outputs` takes them); stores A at `att_out`."""
+    y_q, rn_q, gcum, beta = rows
+    y_k, rn_k = y_q + H * BT * D, rn_q + H * BT
     NB: tl.constexpr = BT // BC
     sub = tl.arange(0, NB)
     row = tl.arange(0, BC)
@@ -408,24 +407,20 @@ def _gram_inverse(
 @triton.jit
 def _chunk_outputs(
     inv,
-    y_q,
-    y_k,
-    y_v,
-    gcum,
-    rn_q,
-    rn_k,
-    beta,
-    w_out,
-    qg_out,
-    kg_out,
-    u_out,
+    rows,
+    terms,
     c0,
+    H: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     OUT_PREC: tl.constexpr,
 ):
-    """Columns c0.. of w, q̄, k̄, u of one chunk (pointers at its [BT, D] tiles)."""
+    """Columns c0.. of w, q̄, k̄, u of one chunk and head: `rows` and `terms` are its `ChunkRows` and
+    `ChunkTerms` (pointers at its q-part tiles: k's and v's conv outputs and k's norms H tiles on)."""
+    y_q, rn_q, gcum, beta = rows
+    y_k, y_v, rn_k = y_q + H * BT * D, y_q + 2 * H * BT * D, rn_q + H * BT
+    w_out, qg_out, kg_out, u_out = terms.w, terms.qg, terms.kg, terms.u
     r = tl.arange(0, BT)[:, None]
     col = c0 + tl.arange(0, BK)[None, :]
     off = r * D + col
@@ -464,21 +459,17 @@ def _intra_kernel(
     into `terms` (the `ChunkTerms`; e^{G_C} there is the first launch's)."""
     pid, h = tl.program_id(0), tl.program_id(1)
     tile = (pid * H + h) * BT * D
-    y_q = rows.y + ((pid * 3) * H + h) * BT * D
-    y_k, y_v = y_q + H * BT * D, y_q + 2 * H * BT * D
-    rn_q = rows.rnorm + ((pid * 2) * H + h) * BT
-    rn_k = rn_q + H * BT
-    beta = rows.beta + (pid * H + h) * BT
-    gcum = rows.gcum + tile
+    rows_at = ChunkRows(
+        rows.y + ((pid * 3) * H + h) * BT * D,
+        rows.rnorm + ((pid * 2) * H + h) * BT,
+        rows.gcum + tile,
+        rows.beta + (pid * H + h) * BT,
+    )
     inv = _chunk_inverse(
-        y_q,
-        y_k,
-        gcum,
-        rn_q,
-        rn_k,
-        beta,
+        rows_at,
         terms.att + (pid * H + h) * BT * BT,
         lower_bound,
+        H,
         D,
         BT,
         BC,
@@ -488,21 +479,16 @@ def _intra_kernel(
         SOLVE_PREC,
         MERGE_PREC,
     )
+    terms_at = ChunkTerms(
+        terms.w + tile, terms.qg + tile, terms.kg + tile, terms.u + tile, terms.att, terms.decay_c
+    )
     for c0 in tl.static_range(0, D, BK2):  # unrolled: the [BT, BT] operand is laid out once
         _chunk_outputs(
             inv,
-            y_q,
-            y_k,
-            y_v,
-            gcum,
-            rn_q,
-            rn_k,
-            beta,
-            terms.w + tile,
-            terms.qg + tile,
-            terms.kg + tile,
-            terms.u + tile,
+            rows_at,
+            terms_at,
             c0,
+            H,
             D,
             BT,
             BK2,
