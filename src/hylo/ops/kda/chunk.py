@@ -576,6 +576,40 @@ def _snapshot_after(
 
 
 @triton.jit
+def _chunk_then_snapshot(
+    s,
+    terms,
+    o_out,
+    snap,
+    raw,
+    bos,
+    eos,
+    c,
+    first,
+    iv,
+    h,
+    rk,
+    rv,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    X_STRIDE: tl.constexpr,
+    WIN_STRIDE: tl.constexpr,
+    SNAPSHOTS: tl.constexpr,
+):
+    """Chunk `c` of the sequence (`_chunk_step`), then with SNAPSHOTS its snapshot (`_snapshot_after`);
+    returns S after it."""
+    s = _chunk_step(s, terms, o_out, bos, eos, c, first, h, H, D, BT, rk, rv)
+    if SNAPSHOTS:
+        _snapshot_after(
+            s, first + c, bos + (c + 1) * BT, snap, raw, iv, h, rk, rv, H, D, W, WP, X_STRIDE, WIN_STRIDE
+        )
+    return s
+
+
+@triton.jit
 def _recur_kernel(
     terms,
     o_out,
@@ -621,47 +655,17 @@ def _recur_kernel(
     n_chunks = tl.cdiv(eos - bos, BT)
     if FOR_LOOP:
         for c in tl.range(0, n_chunks, num_stages=STAGES):
-            s = _chunk_step(s, terms, o_out, bos, eos, c, first, h, H, D, BT, rk, rv)
-            if SNAPSHOTS:
-                _snapshot_after(
-                    s,
-                    first + c,
-                    bos + (c + 1) * BT,
-                    snap,
-                    raw,
-                    iv,
-                    h,
-                    rk,
-                    rv,
-                    H,
-                    D,
-                    W,
-                    WP,
-                    X_STRIDE,
-                    WIN_STRIDE,
-                )
+            s = _chunk_then_snapshot(
+                s, terms, o_out, snap, raw, bos, eos, c, first, iv, h, rk, rv,
+                H, D, BT, W, WP, X_STRIDE, WIN_STRIDE, SNAPSHOTS,
+            )  # fmt: skip
     else:  # the interpreter cannot take a run-time bound in range()
         c = 0
         while c < n_chunks:
-            s = _chunk_step(s, terms, o_out, bos, eos, c, first, h, H, D, BT, rk, rv)
-            if SNAPSHOTS:
-                _snapshot_after(
-                    s,
-                    first + c,
-                    bos + (c + 1) * BT,
-                    snap,
-                    raw,
-                    iv,
-                    h,
-                    rk,
-                    rv,
-                    H,
-                    D,
-                    W,
-                    WP,
-                    X_STRIDE,
-                    WIN_STRIDE,
-                )
+            s = _chunk_then_snapshot(
+                s, terms, o_out, snap, raw, bos, eos, c, first, iv, h, rk, rv,
+                H, D, BT, W, WP, X_STRIDE, WIN_STRIDE, SNAPSHOTS,
+            )  # fmt: skip
             c += 1
     tl.store(p_s, s)
 
