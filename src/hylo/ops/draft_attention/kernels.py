@@ -44,7 +44,6 @@ from hylo.ops.draft_attention.operands import (
     SlotHeads,
     SplitPartials,
     StoredTokens,
-    TokenHeads,
 )
 from hylo.ops.draft_attention.reference import ContextTable, ContextTokens, DraftBlock, KeyTransform, KVCache
 from hylo.ops.draft_attention.support import (
@@ -52,6 +51,7 @@ from hylo.ops.draft_attention.support import (
     paged_draft_attention_refusal,
     store_context_kv_refusal,
 )
+from hylo.ops.operands import HeadRows
 
 LOG2E = 1.4426950408889634
 # Context-split tiles: on sm_90 at B = 8, group 4, d = 128 in bf16 these compile without spills (the
@@ -312,7 +312,7 @@ def _norm_rope(x, mask, weight, cos, sin, eps, HALF: tl.constexpr):
 
 @triton.jit
 def _normed_rotated_kernel(
-    x: TokenHeads, out: TokenHeads, weight, eps, rotary: RotaryTables, positions, num_heads,
+    x: HeadRows, out: HeadRows, weight, eps, rotary: RotaryTables, positions, num_heads,
     BLOCK_H: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)
@@ -342,7 +342,7 @@ def normed_rotated(
     if num_tokens == 0:
         return out
     _normed_rotated_kernel[(num_tokens,)](
-        TokenHeads.of(x), TokenHeads.of(out), weight, eps, RotaryTables.of(cos, sin), positions, num_heads,
+        HeadRows.of(x), HeadRows.of(out), weight, eps, RotaryTables.of(cos, sin), positions, num_heads,
         BLOCK_H=triton.next_power_of_2(num_heads), HALF=head_dim // 2, num_warps=4,
     )  # fmt: skip
     return out

@@ -79,18 +79,6 @@ class SplitPartials(NamedTuple):
         return cls(out, *out.stride()[:4], lse, *lse.stride()[:3], out.shape[2])
 
 
-class TokenHeads(NamedTuple):
-    """Tokens' head vectors `[N, H, d]`: element (n, h, c) at `data + n·token_stride + h·head_stride + c`."""
-
-    data: torch.Tensor
-    token_stride: int
-    head_stride: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> TokenHeads:
-        return cls(t, t.stride(0), t.stride(1))
-
-
 class LayerHeads(NamedTuple):
     """Every draft layer's head vectors `[Lyr, N, Hkv, d]` by token or by cache slot n (the raw keys and
     values to store, the caches they go to): element (l, n, h, c) at `data + l·layer_stride +

@@ -29,8 +29,9 @@ from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
 from hylo.ops.fp8 import FP8_BLOCK
 from hylo.ops.fp8.kernels import quantize_groups, quantize_rows
-from hylo.ops.gemm.operands import BlockScales, Rows, SplitTiles
+from hylo.ops.gemm.operands import SplitTiles
 from hylo.ops.gemm.table import GemmConfig
+from hylo.ops.operands import Rows
 
 SCALE_BLOCK = tl.constexpr(FP8_BLOCK)
 SCALED_MM_ROW_ALIGN = 16  # rows of x padded to a multiple of this for cuBLAS's block-scaled matmul
@@ -77,8 +78,9 @@ def _gemm_kernel(
     SWAP_AB: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (column tile, K split, row tile) of `x [M, K] @ w [N, K]ᵀ` (x and w `Rows`, the weight's
-    `BlockScales`, `out` the `SplitTiles`); its split's K range is `k_per_split` long."""
+    """Program (column tile, K split, row tile) of `x [M, K] @ w [N, K]ᵀ`: x, w and the weight's block
+    scales `[ceil(N/128), ceil(K/128)]` are `Rows`, `out` the `SplitTiles`; its split's K range is
+    `k_per_split` long."""
     enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -160,7 +162,7 @@ def gemm(
     dependent = dependent_launches(x.device)
     _gemm_kernel[grid](
         Rows.of(x), Rows.of(weight),
-        BlockScales(scale_inv, scale_inv.stride(0)) if scaled else BlockScales(weight, 0),
+        Rows.of(scale_inv) if scaled else Rows(weight, 0),
         SplitTiles(part, m * n, n), m, n, k, k_per_split,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SCALED=scaled, QUANT_X=c.quant_x,
         SWAP_AB=c.swap_ab, num_warps=c.num_warps, num_stages=c.num_stages,

@@ -9,26 +9,6 @@ from typing import NamedTuple
 import torch
 
 
-class Rows(NamedTuple):
-    """A `[rows, K]` operand with unit column stride (x, or the weight `[N, K]`): row r at `data +
-    r·row_stride`."""
-
-    data: torch.Tensor
-    row_stride: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> Rows:
-        return cls(t, t.stride(0))
-
-
-class BlockScales(NamedTuple):
-    """An e4m3 weight's fp32 scales `[ceil(N/128), ceil(K/128)]`: block (i, j)'s at `data + i·row_stride +
-    j` (unread for a weight without them)."""
-
-    data: torch.Tensor
-    row_stride: int
-
-
 class SplitTiles(NamedTuple):
     """The product's output: element (K split s, row r, column c) at `data + s·split_stride +
     r·row_stride + c` (`[M, N]` itself, or `[splits, M, N]` fp32 partials that a second launch sums)."""

@@ -17,8 +17,9 @@ import triton.language as tl
 
 from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
-from hylo.ops.indexer.operands import HeadRows, LayerNorm, PaddedSteps, PoolKeys, PoolTable, Rows, TokenPlaces
+from hylo.ops.indexer.operands import LayerNorm, PaddedSteps, PoolKeys, PoolTable, TokenPlaces
 from hylo.ops.indexer.reference import KeyNorm, PooledKeys, Selection, SlotLayout, TokenKeys
+from hylo.ops.operands import HeadRows, Rows
 
 FP8_MAX = 448.0
 # Largest pool count one top-k program holds in registers; longer rows are searched tile by tile.

@@ -9,31 +9,6 @@ from typing import NamedTuple
 import torch
 
 
-class Rows(NamedTuple):
-    """A `[N, C]` operand of unit column stride: element (n, c) at `data + n·row_stride + c` (the new
-    tokens' keys, gate scores and head weights, the token caches, the compression's position bias, the
-    request table, the scores and the selected rows)."""
-
-    data: torch.Tensor
-    row_stride: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> Rows:
-        return cls(t, t.stride(0))
-
-
-class HeadRows(NamedTuple):
-    """The index queries `[T, H, d]`: element (t, h, c) at `data + t·token_stride + h·head_stride + c`."""
-
-    data: torch.Tensor
-    token_stride: int
-    head_stride: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> HeadRows:
-        return cls(t, t.stride(0), t.stride(1))
-
-
 class PoolKeys(NamedTuple):
     """The compressed pool keys `[P, d]` (pool p's row at `keys + p·row_stride`, unit column stride) and,
     with e4m3 keys, each pool's power-of-two scale `scale [P]` (else unread: any pointer)."""

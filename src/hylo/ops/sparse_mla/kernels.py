@@ -21,8 +21,9 @@ import triton.language as tl
 
 from hylo.ops.dependent_launch import dependent_launches
 from hylo.ops.dependent_launch_jit import enter
+from hylo.ops.operands import HeadRows
 from hylo.ops.sparse_mla import cuda_prefill
-from hylo.ops.sparse_mla.operands import HeadRows, LatentRows, RowLists, SplitHeadRows, SplitLse
+from hylo.ops.sparse_mla.operands import LatentRows, RowLists, SplitHeadRows, SplitLse
 
 LOG2E = 1.4426950408889634
 # row-list entries a prefill program scans per load for its last valid row: one size for every width, so

@@ -10,19 +10,6 @@ from typing import NamedTuple
 import torch
 
 
-class HeadRows(NamedTuple):
-    """Queries or outputs `[T, H, R]`: element (t, h, r) at `data + t·token_stride + h·head_stride + r`
-    (the layout `cuda_prefill.HeadRows` passes the CUDA kernel)."""
-
-    data: torch.Tensor
-    token_stride: int
-    head_stride: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> HeadRows:
-        return cls(t, t.stride(0), t.stride(1))
-
-
 class LatentRows(NamedTuple):
     """The latent cache `[S, R]`: slot s's row at `data + s·slot_stride`."""
 
