@@ -199,6 +199,24 @@ def test_index_scores_kernel_matches_reference(pools_major):
     torch.testing.assert_close(got.cpu().double()[seen], expect[seen], **TOL)
 
 
+def test_index_scores_refuse_a_validity_mask_of_another_layout():
+    """The score kernel steps `pad_valid` by `pad_index`'s strides: a mask laid out otherwise is refused by
+    name (it would be read at the wrong steps), one of the same layout taken."""
+    kpool, heads, d = 4, 4, 16
+    q, w, pooled, meta = indexer_case([9, 1, 30], [40, 77, 3], kpool, heads, d, seed=4)
+    meta = to_dev(meta)
+    pad_index, pad_valid = meta["pad_index"], meta["pad_valid"]
+    args = (q.to(DEV), w.to(DEV), pooled.to(DEV), None, meta["pool_table"], meta["positions"])
+    rows, steps = pad_valid.shape
+    wide = torch.zeros(rows, steps + 5, dtype=pad_valid.dtype, device=DEV)[:, :steps]
+    wide.copy_(pad_valid)
+    with pytest.raises(ValueError, match="valid's row stride"):
+        ik.index_scores(*args, pad_index, wide, kpool, block_t=8, block_p=16)
+    with pytest.raises(ValueError, match="valid needs a unit stride"):
+        ik.index_scores(*args, pad_index, pad_valid.t().contiguous().t(), kpool, block_t=8, block_p=16)
+    ik.index_scores(*args, pad_index, wide.contiguous(), kpool, block_t=8, block_p=16)
+
+
 def as_sets(rows):
     return [frozenset(r for r in row.tolist() if r >= 0) for row in rows]
 

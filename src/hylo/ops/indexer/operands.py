@@ -45,9 +45,18 @@ class PaddedSteps(NamedTuple):
 
     @classmethod
     def of(cls, index: torch.Tensor, valid: torch.Tensor) -> PaddedSteps:
-        """`index` and `valid` (bool is read as uint8), addressed by index's strides."""
+        """`index` and `valid` (bool is read as uint8), addressed by index's strides, which `valid` must
+        share (the kernel steps both by them)."""
+        if valid.shape != index.shape:
+            raise ValueError(f"valid {tuple(valid.shape)} must have index's shape {tuple(index.shape)}")
+        batch, steps = index.shape
+        for name, t in (("index", index), ("valid", valid)):
+            if steps > 1 and t.stride(1) != 1:
+                raise ValueError(f"{name} needs a unit stride along the steps, got {t.stride(1)}")
+        if batch > 1 and valid.stride(0) != index.stride(0):
+            raise ValueError(f"valid's row stride {valid.stride(0)} must be index's {index.stride(0)}")
         valid = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
-        return cls(index, valid, index.stride(0), index.shape[1])
+        return cls(index, valid, index.stride(0), steps)
 
 
 class TokenPlaces(NamedTuple):
