@@ -160,6 +160,23 @@ def test_prefill_with_every_gate_at_its_bound():
     check_prefill(SaturatedGates(5, h=1, d=16), [130], {})
 
 
+@pytest.mark.parametrize(("d", "products"), [(32, "tf32"), (64, "bf16")])
+def test_narrow_heads_take_fp32_output_products_in_bf16(d, products, monkeypatch):
+    """bf16 w/u products 32 columns wide end in an illegal address on the H100 (RESULTS S50-2): below 64-wide
+    heads the in-chunk launch takes them with fp32 operands; from 64 on, bf16 as measured fastest."""
+    launches, kernel = [], chunk._intra_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(chunk, "_intra_kernel", Recorded())
+    p = Problem(5, h=1, d=d, dtype=torch.bfloat16)
+    slots = KDASlots(*p.pools(), torch.tensor([0]))
+    chunk.prefill(KDAInputs(*p.inputs(5)), p.params(), slots, torch.tensor([0, 5], dtype=torch.int32), [0, 5])
+    assert [launch["OUT_PREC"] for launch in launches] == [products]
+
+
 def test_recurrence_locates_sequences_past_one_tile_of_offsets(monkeypatch):
     """The recurrence sums the chunks of the sequences before its own `SEQ_TILE` offsets at a time (no
     constexpr follows the sequence count, so one compiled kernel serves every batch): with 2-offset

@@ -755,7 +755,8 @@ def prep(
     takes "bf16" for bf16 activations (H100, T=13312, 64 heads: the in-chunk launch 1546 -> 1318 us, the
     output's error against the fp32 reference 3.9e-3 -> 4.4e-3, FLA's own 4.5e-3: benchmarks/RESULTS.md
     S44-1) and "tf32" otherwise; the w/u products take 64 columns at a time (32, on the H100, ended in an
-    illegal address: S44-2), `gram_unroll` is the unrolling of the Gram loop. The first launch convolves
+    illegal address: S44-2; below 64-wide heads they take fp32 operands, as bf16 ones 32 columns wide
+    fault there too: S50-2), `gram_unroll` is the unrolling of the Gram loop. The first launch convolves
     `conv_rows` rows (a power of two from W-1 to 64) per program and takes the gate in `gate_cols` columns,
     both with `conv_warps` warps; its programs run chunk after chunk of one head and part
     (`conv_order="chunk"`) or head after head of one chunk and part ("head"). The defaults measured fastest
@@ -775,9 +776,11 @@ def prep(
     n_seq = slot_ids.shape[0]
     width = params.conv_weight.shape[1]
     products = "bf16" if q.dtype == torch.bfloat16 else "tf32"
-    gram_precision, merge_precision, output_precision = (
-        products if mode is None else mode for mode in (gram_precision, merge_precision, output_precision)
+    gram_precision, merge_precision = (
+        products if mode is None else mode for mode in (gram_precision, merge_precision)
     )
+    if output_precision is None:  # bf16 w/u products 32 columns wide end in an illegal address on the H100
+        output_precision = products if d >= 64 else "tf32"
     if not -5.0 <= lower_bound < 0:
         raise ValueError(f"the chunked Triton path needs -5 <= lower_bound < 0, got {lower_bound}")
     if conv_rows not in (8, 16, 32, 64) or conv_rows < width - 1:
