@@ -34,7 +34,7 @@ def test_decode_kernels_do_not_spill(compiled):
     launches = [(case, launch) for case, found in compiled.items() for launch in found]
     assert {launch["kernel"] for _, launch in launches} >= {
         "_recurrent_kernel", "_gated_norm_kernel", "_prologue_kernel", "_compress_kernel", "_gate_up_kernel",
-        "_down_combine_kernel", "_split_project_kernel", "_finish_collapse_kernel",
+        "_down_combine_kernel", "_split_project_kernel", "_finish_collapse_kernel", "_block_verify_kernel",
     }  # fmt: skip
     spilled = [
         (case, launch["kernel"], launch["stack_bytes"]) for case, launch in launches if launch["stack_bytes"]
@@ -45,7 +45,12 @@ def test_decode_kernels_do_not_spill(compiled):
 def test_decode_kernels_compile_as_dependent_launches(compiled):
     """Every decode kernel, compiled for Hopper as a programmatic dependent (`ops.dependent_launch`; the
     interpreter cannot run griddepcontrol), waits on the launch before it and releases the next one."""
-    launches = [(case, launch) for case, found in compiled.items() for launch in found]
+    launches = [
+        (case, launch)
+        for case, found in compiled.items()
+        if not case.startswith("kda_verify")  # the verify step's block verify launches in order
+        for launch in found
+    ]
     assert {launch["kernel"] for _, launch in launches} >= {"_split_project_kernel", "_gated_norm_kernel"}
     assert [(case, launch["kernel"]) for case, launch in launches if not launch["waits"]] == []
     assert [(case, launch["kernel"]) for case, launch in launches if not launch["releases"]] == []

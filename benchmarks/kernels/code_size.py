@@ -1,5 +1,6 @@
-"""Registers, spilled bytes and SASS instructions of the decode step's Triton kernels at GLM-5.3-Flash's
-shapes, compiled for sm_90a on any machine (no GPU: Triton's bundled ptxas and cuobjdump).
+"""Registers, spilled bytes and SASS instructions of the decode step's Triton kernels (and the verify step's
+KDA block verify) at GLM-5.3-Flash's shapes, compiled for sm_90a on any machine (no GPU: Triton's bundled
+ptxas and cuobjdump).
 
     PYTHONPATH=src python3 benchmarks/kernels/code_size.py [--kda-heads 64] [--json PATH]
 
@@ -131,6 +132,27 @@ def kda_step(batch: int, heads: int) -> Callable[[], object]:
     return lambda: recurrent.decode(KDAInputs(q, k, v, factor(), b), params, slots, norm)
 
 
+def kda_verify(batch: int, tokens: int) -> Callable[[], object]:
+    """The KDA block verify of a speculative step (`recurrent.block_verify`: `tokens` a request, dense gates
+    as the verify step passes them) at the default launch for its batch and tokens."""
+    from hylo.ops.kda import recurrent
+    from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots
+
+    hd, bf16 = HEADS * HEAD_DIM, torch.bfloat16
+    qkv = torch.zeros(batch, tokens, 3 * hd, dtype=bf16)
+    q, k, v = qkv.split(hd, dim=-1)
+    x = KDAInputs(
+        q, k, v, torch.zeros(batch, tokens, hd, dtype=bf16), torch.zeros(batch, tokens, HEADS, dtype=bf16)
+    )
+    params = KDAParams(torch.zeros(3 * hd, 4), torch.zeros(hd), torch.zeros(HEADS), -5.0)
+    slots = KDASlots(
+        torch.zeros(batch + 1, 3, 3 * hd, dtype=bf16),
+        torch.zeros(batch + 1, HEADS, HEAD_DIM, HEAD_DIM),
+        torch.arange(batch, dtype=torch.int32),
+    )
+    return lambda: recurrent.block_verify(qkv, x, params, slots)
+
+
 def moe_prologue(tokens: int) -> Callable[[], object]:
     """The MoE decode prologue: router logits, x's FP8 groups, routing and alignment with the shared
     expert, as a decode step launches it."""
@@ -222,8 +244,11 @@ def pool_compression() -> Callable[[], object]:
 
 
 def cases(kda_heads: int) -> dict[str, Callable[[], Callable[[], object]]]:
-    """Each case's launches (made when called): the slice's B = 1 and B = 8 decode batches, and a TP4 and a
-    TP8 rank's KDA step at B = 1 (16 and 8 heads, whose kernel tiles differ from the slice's)."""
+    """Each case's launches (made when called): the slice's B = 1 and B = 8 decode batches, a TP4 and a TP8
+    rank's KDA step at B = 1 (16 and 8 heads, whose kernel tiles differ from the slice's), and the KDA block
+    verify of a speculative step with 8 tokens at B = 8 and 16 at B = 1 and 8 (`kda_verify_*`: launched in
+    order, not as a programmatic dependent; at B = 1 with 8 tokens its launch keeps 8 bytes a thread on the
+    stack at 255 registers and still measured fastest, RESULTS S50-2)."""
     return {
         "kda_step_b1": lambda: kda_step(1, kda_heads),
         "kda_step_b8": lambda: kda_step(8, kda_heads),
@@ -237,6 +262,9 @@ def cases(kda_heads: int) -> dict[str, Callable[[], Callable[[], object]]]:
         "moe_experts_tp8_rank_t1": lambda: moe_experts(1, ranks=8),
         "mhc_enter_t1": lambda: mhc_entry(1),
         "mhc_enter_t8": lambda: mhc_entry(8),
+        "kda_verify_b8_t8": lambda: kda_verify(8, 8),
+        "kda_verify_b1_t16": lambda: kda_verify(1, 16),
+        "kda_verify_b8_t16": lambda: kda_verify(8, 16),
     }
 
 

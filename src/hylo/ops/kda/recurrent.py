@@ -508,12 +508,18 @@ VERIFY_PRECISION = "tf32x3"
 
 
 def _verify_launch(bsz: int, h: int, d: int, t: int) -> tuple[int, int, int]:
-    """(BV, num_warps, DC) of the block verify, the fastest of the H200 sweep (benchmarks/RESULTS.md): two
-    value slices per head with the key channels in one pass while the batch leaves SMs idle; beyond, one
-    slice per head (no duplicated Gram and solve) on 2 warps, walking the keys 64 at a time."""
+    """(BV, num_warps, DC) of the block verify. Up to 8 tokens: while the batch leaves SMs idle, two value
+    slices per head with the key channels in one pass (the H200 sweep's fastest, and the H100's at B = 1);
+    beyond, one slice per head (no duplicated Gram and solve) on 4 warps walking the keys 32 at a time (H100,
+    B = 8 at 64 heads, after a 256 MiB read as in a replay: 39.2 us against 56.7 for the 2-warp, 64-key
+    launch, which spilled 728 bytes a thread; RESULTS S50-2). 9 to 16 tokens: two slices per head on 8
+    warps, 32 keys at a time, at every batch (B = 1: 26.5 us against 40.2 for the 8-token launch, which
+    spilled 776 bytes a thread; the largest spill-free launch at 16 tokens)."""
+    if t > 8:
+        return min(64, d), 8, min(32, d)
     if bsz * h <= 128:
         return min(64, d), 4, d
-    return d, 2, min(64, d)
+    return d, 4, min(32, d)
 
 
 def block_verify(
