@@ -514,7 +514,8 @@ def _verify_launch(bsz: int, h: int, d: int, t: int) -> tuple[int, int, int]:
     B = 8 at 64 heads, after a 256 MiB read as in a replay: 39.2 us against 56.7 for the 2-warp, 64-key
     launch, which spilled 728 bytes a thread; RESULTS S50-2). 9 to 16 tokens: two slices per head on 8
     warps, 32 keys at a time, at every batch (B = 1: 26.5 us against 40.2 for the 8-token launch, which
-    spilled 776 bytes a thread; the largest spill-free launch at 16 tokens)."""
+    spilled 776 bytes a thread; at B = 8, where that one spilled 2048, chosen by its compile: no stack at 255
+    registers, untimed)."""
     if t > 8:
         return min(64, d), 8, min(32, d)
     if bsz * h <= 128:
