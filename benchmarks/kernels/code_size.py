@@ -20,6 +20,7 @@ whose kernels are not interpreted (no TRITON_INTERPRET).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -42,20 +43,34 @@ def cuobjdump() -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
 
 
-def resources(cubin: bytes) -> dict[str, int]:
-    """Registers a thread, stack bytes a thread (spills) and SASS instructions of one compiled kernel."""
+INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/")  # a SASS line: its address, then the instruction
+
+
+def _cuobjdump(flag: str, cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run(
-            [cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True
-        )
-        sass = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True)
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout)
+        return subprocess.run([cuobjdump(), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+@functools.lru_cache(maxsize=4)
+def sass_instructions(cubin: bytes) -> tuple[str, ...]:
+    """The SASS instruction lines of a compiled kernel, each with its address (cached: `resources` and
+    `sass.py`'s fingerprint read the same kernel's)."""
+    return tuple(line for line in _cuobjdump("-sass", cubin).splitlines() if INSTRUCTION.match(line))
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers a thread, stack bytes a thread (spills) and SASS instructions of one compiled kernel."""
+    usage = _cuobjdump("-res-usage", cubin)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     if found is None:
-        raise RuntimeError(f"cuobjdump -res-usage gave no register count:\n{usage.stdout}")
-    instructions = sum(1 for line in sass.stdout.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", line))
-    return {"registers": int(found[1]), "stack_bytes": int(found[2]), "instructions": instructions}
+        raise RuntimeError(f"cuobjdump -res-usage gave no register count:\n{usage}")
+    return {
+        "registers": int(found[1]),
+        "stack_bytes": int(found[2]),
+        "instructions": len(sass_instructions(cubin)),
+    }
 
 
 def compiled_launches(call: Callable[[], object], with_ptx: bool = False) -> list[dict[str, object]]:
@@ -105,51 +120,53 @@ def _as_dependents(*modules) -> None:
         module.dependent_launches = lambda device: True
 
 
-def kda_step(batch: int, heads: int) -> Callable[[], object]:
-    """The KDA decode step of an FP8 checkpoint (`recurrent.decode`: the step, then the gated output
-    norm): conv inside, f and the norm's gate from their low-rank factors, β from the layer input and
-    b_proj's rows."""
-    from hylo.ops.kda import recurrent, rmsnorm
+def kda_operands(batch: int, heads: int, t: int = 1, low_rank: bool = True) -> tuple:
+    """Zero operands (inputs, params, slots, output norm) of a KDA step: `t` tokens a sequence (decode's
+    `[B, H·d]` rows at t = 1), as an FP8 checkpoint's decode passes them (f and the norm's gate as low-rank
+    factors, β from the layer input and b_proj's rows) or with dense gates (a verify step's)."""
     from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots, LowRank, OutputNorm
 
-    hd = heads * HEAD_DIM
-    bf16 = torch.bfloat16
+    hd, bf16 = heads * HEAD_DIM, torch.bfloat16
 
     def factor() -> LowRank:
         weight = torch.zeros(hd, HEAD_DIM, dtype=torch.float8_e4m3fn)
         return LowRank(torch.zeros(batch, HEAD_DIM, dtype=bf16), weight, torch.ones(hd // 128, 1))
 
-    q, k, v = torch.zeros(batch, 3 * hd, dtype=bf16).split(hd, dim=-1)
-    b = LowRank(torch.zeros(batch, HIDDEN, dtype=bf16), torch.zeros(heads, HIDDEN, dtype=bf16))
+    lead = (batch,) if t == 1 else (batch, t)
+    q, k, v = torch.zeros(*lead, 3 * hd, dtype=bf16).split(hd, dim=-1)
+    if low_rank:
+        f = factor()
+        b = LowRank(torch.zeros(batch, HIDDEN, dtype=bf16), torch.zeros(heads, HIDDEN, dtype=bf16))
+    else:
+        f, b = torch.zeros(*lead, hd, dtype=bf16), torch.zeros(*lead, heads, dtype=bf16)
     params = KDAParams(torch.zeros(3 * hd, 4), torch.zeros(hd), torch.zeros(heads), -5.0)
     slots = KDASlots(
         torch.zeros(batch + 1, 3, 3 * hd, dtype=bf16),
         torch.zeros(batch + 1, heads, HEAD_DIM, HEAD_DIM),
         torch.arange(batch, dtype=torch.int32),
     )
-    norm = OutputNorm(factor(), torch.ones(HEAD_DIM, dtype=bf16), 1e-5)
+    gate = factor() if low_rank else torch.zeros(batch, hd, dtype=bf16)
+    return KDAInputs(q, k, v, f, b), params, slots, OutputNorm(gate, torch.ones(HEAD_DIM, dtype=bf16), 1e-5)
+
+
+def kda_step(batch: int, heads: int) -> Callable[[], object]:
+    """The KDA decode step of an FP8 checkpoint (`recurrent.decode`: the step, then the gated output
+    norm): conv inside, f and the norm's gate from their low-rank factors, β from the layer input and
+    b_proj's rows."""
+    from hylo.ops.kda import recurrent, rmsnorm
+
+    operands = kda_operands(batch, heads)
     _as_dependents(recurrent, rmsnorm)
-    return lambda: recurrent.decode(KDAInputs(q, k, v, factor(), b), params, slots, norm)
+    return lambda: recurrent.decode(*operands)
 
 
 def kda_verify(batch: int, tokens: int) -> Callable[[], object]:
     """The KDA block verify of a speculative step (`recurrent.block_verify`: `tokens` a request, dense gates
     as the verify step passes them) at the default launch for its batch and tokens."""
     from hylo.ops.kda import recurrent
-    from hylo.ops.kda.reference import KDAInputs, KDAParams, KDASlots
 
-    hd, bf16 = HEADS * HEAD_DIM, torch.bfloat16
-    qkv = torch.zeros(batch, tokens, 3 * hd, dtype=bf16)
-    q, k, v = qkv.split(hd, dim=-1)
-    x = KDAInputs(
-        q, k, v, torch.zeros(batch, tokens, hd, dtype=bf16), torch.zeros(batch, tokens, HEADS, dtype=bf16)
-    )
-    params = KDAParams(torch.zeros(3 * hd, 4), torch.zeros(hd), torch.zeros(HEADS), -5.0)
-    slots = KDASlots(
-        torch.zeros(batch + 1, 3, 3 * hd, dtype=bf16),
-        torch.zeros(batch + 1, HEADS, HEAD_DIM, HEAD_DIM),
-        torch.arange(batch, dtype=torch.int32),
-    )
+    x, params, slots, _ = kda_operands(batch, HEADS, tokens, low_rank=False)
+    qkv = torch.zeros(batch, tokens, 3 * HEADS * HEAD_DIM, dtype=torch.bfloat16)
     return lambda: recurrent.block_verify(qkv, x, params, slots)
 
 
