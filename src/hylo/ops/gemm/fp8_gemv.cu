@@ -64,6 +64,13 @@ namespace cg = cooperative_groups;
 #ifndef HYLO_GEMV_MIN_CTAS
 #define HYLO_GEMV_MIN_CTAS 2
 #endif
+// Independent MMA chains a step (1, 2 or 4; a benchmark variant): the step's 8 products of 8 rows of x go to
+// this many partials in turn, so that a warp waits on fewer MMAs in a row; the partials are scaled into the
+// accumulator one after another (fp32 sums in another order: not bit-equal to one chain).
+#ifndef HYLO_GEMV_CHAINS
+#define HYLO_GEMV_CHAINS 1
+#endif
+static_assert(HYLO_GEMV_CHAINS == 1 || HYLO_GEMV_CHAINS == 2 || HYLO_GEMV_CHAINS == 4, "1, 2 or 4 chains");
 
 
 namespace {
@@ -133,35 +140,86 @@ struct Problem {
     int m, n, k;
 };
 
-// Issue the loads of 128-k block `kb` into `step` (zeros past K).
-__device__ __forceinline__ void load_step(Step& step, const Problem& p, const uint8_t* row_g, const uint8_t* row_g8,
-                                          const float* scale_row, int kb, int t) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int k = kb * kBlockK + 64 * h + 16 * t;
-        const bool inside = k < p.k;  // K is a multiple of 16: a 16-byte chunk is all in or all out
-        step.w[0][h] = inside ? load_streaming(row_g + k) : make_uint4(0, 0, 0, 0);
-        step.w[1][h] = inside ? load_streaming(row_g8 + k) : make_uint4(0, 0, 0, 0);
-    }
-    step.scale = __ldg(scale_row + kb);
+// One lane's read positions along its warp's run of 128-k blocks, set once before the main loop: the weight
+// rows g and g + 8 and x's rows 8nt + g at k = 128·begin + 16t, the tile's scale row at block `begin`. A step
+// i blocks into the run reads at fixed offsets from them (i·128 + 64h), so the loop does no address arithmetic
+// beyond an add per load (recomputing rows, strides and clamps every step had cost ~100 instructions a step
+// against the ~170 that widen and multiply its weights).
+template <int NT>
+struct Cursor {
+    const uint8_t* g;
+    const uint8_t* g8;
+    const float* scale;
+    const __nv_bfloat16* x[NT];  // rows past m read row m - 1: they only make output rows that are never stored
+    int k;            // 128·begin + 16t: the k of the first byte at `g`
+    int k_end;        // p.k
+};
+
+// `v` through an opaque move: the compiler keeps the value in a register instead of recomputing it from the
+// kernel's parameters wherever it is used (which it otherwise prefers, at the cost of that recomputation in
+// every step of the main loop).
+template <typename T>
+__device__ __forceinline__ T* kept(T* v) {
+    uint64_t bits = reinterpret_cast<uint64_t>(v);
+    asm volatile("mov.b64 %0, %0;" : "+l"(bits));
+    return reinterpret_cast<T*>(bits);
 }
 
-// acc += scale · (W block kb) · x rows: 8 MMAs per 8 rows of x into a partial, then one scaled add.
+__device__ __forceinline__ int kept(int v) {
+    asm volatile("mov.b32 %0, %0;" : "+r"(v));
+    return v;
+}
+
 template <int NT>
-__device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& step, const Problem& p, int kb,
-                                              int g, int t) {
-    float part[NT][4];
+__device__ __forceinline__ Cursor<NT> cursor(const Problem& p, int tile_row, int begin, int g, int t) {
+    Cursor<NT> c;
+    const int k = begin * kBlockK + 16 * t;
+    // rows past N read row N - 1 (their results are never stored)
+    c.g = kept(p.w + static_cast<int64_t>(min(tile_row + g, p.n - 1)) * p.k + k);
+    c.g8 = kept(p.w + static_cast<int64_t>(min(tile_row + g + 8, p.n - 1)) * p.k + k);
+    c.scale = kept(p.scale + static_cast<int64_t>(min(tile_row, p.n - 1) / 128) * p.scale_stride + begin);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
+    for (int nt = 0; nt < NT; ++nt) {
+        c.x[nt] = kept(p.x + static_cast<int64_t>(min(8 * nt + g, p.m - 1)) * p.x_stride + k);
+    }
+    c.k = kept(k);
+    c.k_end = p.k;
+    return c;
+}
+
+// Issue the loads of block `i` of the run into `step` (zeros past K; FULL: K is a multiple of 128, so every
+// block is whole and no load needs a bound).
+template <int NT, bool FULL>
+__device__ __forceinline__ void load_step(Step& step, const Cursor<NT>& c, int i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int k = kb * kBlockK + 64 * h + 16 * t;
+        const int offset = i * kBlockK + 64 * h;
+        // K is a multiple of 16: a 16-byte chunk is all in or all out
+        const bool inside = FULL || c.k + offset < c.k_end;
+        step.w[0][h] = inside ? load_streaming(c.g + offset) : make_uint4(0, 0, 0, 0);
+        step.w[1][h] = inside ? load_streaming(c.g8 + offset) : make_uint4(0, 0, 0, 0);
+    }
+    step.scale = __ldg(c.scale + i);
+}
+
+// acc += scale · (W block i of the run) · x rows: 8 MMAs per 8 rows of x into a partial, then one scaled add.
+template <int NT, bool FULL>
+__device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& step, const Cursor<NT>& c, int i) {
+    constexpr int kChains = HYLO_GEMV_CHAINS;
+    float part[kChains][NT][4];
+#pragma unroll
+    for (int ch = 0; ch < kChains; ++ch) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) part[ch][nt][0] = part[ch][nt][1] = part[ch][nt][2] = part[ch][nt][3] = 0.f;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int offset = i * kBlockK + 64 * h;
+        const bool inside = FULL || c.k + offset < c.k_end;
         uint4 xs[NT][2];  // x[8nt + g][k .. k + 16)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            const int row = 8 * nt + g;
-            const bool inside = row < p.m && k < p.k;
-            const uint4* src = reinterpret_cast<const uint4*>(p.x + row * p.x_stride + k);
+            const uint4* src = reinterpret_cast<const uint4*>(c.x[nt] + offset);
             xs[nt][0] = inside ? __ldg(src) : make_uint4(0, 0, 0, 0);
             xs[nt][1] = inside ? __ldg(src + 1) : make_uint4(0, 0, 0, 0);
         }
@@ -174,22 +232,27 @@ __device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& s
             for (int nt = 0; nt < NT; ++nt) {
                 const uint4& xv = xs[nt][j / 2];
                 const int first = 2 * (j % 2);
-                mma_16x8x16(part[nt], g_lo, g8_lo, g_hi, g8_hi, word(xv, first), word(xv, first + 1));
+                mma_16x8x16(part[(4 * h + j) % kChains][nt], g_lo, g8_lo, g_hi, g8_hi, word(xv, first),
+                            word(xv, first + 1));
             }
         }
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int ch = 0; ch < kChains; ++ch) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = fmaf(part[nt][i], step.scale, acc[nt][i]);
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[nt][i] = fmaf(part[ch][nt][i], step.scale, acc[nt][i]);
+        }
     }
 }
 
-// NT: tiles of 8 rows of x (1 for M ≤ 8, 2 for M ≤ 16). SPLIT: CTAs of a cluster splitting K.
+// NT: tiles of 8 rows of x (1 for M ≤ 8, 2 for M ≤ 16). SPLIT: CTAs of a cluster splitting K. FULL: K is a
+// multiple of 128 (every projection of the model), so the loads take no bounds.
 // DEPTH: 128-k blocks in flight per warp. SLICES: warps of a CTA side by side over K (2: two CTAs of 8
 // warps fit a SM; 4: one of 16, for single-wave shapes whose 8 warps a SM leave the schedulers idle, RESULTS
 // S32-4).
-template <int NT, int SPLIT, int DEPTH, int SLICES>
+template <int NT, int SPLIT, int DEPTH, int SLICES, bool FULL>
 __global__ void __launch_bounds__(kRowWarps * SLICES * 32, SLICES == 2 ? HYLO_GEMV_MIN_CTAS : 1)
     __cluster_dims__(1, SPLIT, 1) fp8_gemv_kernel(Problem p) {
     constexpr int kSliceWarps = SLICES;
@@ -208,10 +271,8 @@ __global__ void __launch_bounds__(kRowWarps * SLICES * 32, SLICES == 2 ? HYLO_GE
     const int begin = kblocks * slice / slices;
     const int end = tile_row < p.n ? kblocks * (slice + 1) / slices : begin;  // a tile past N has no work
 
-    // rows past N read row N - 1 (their results are never stored)
-    const uint8_t* row_g = p.w + static_cast<int64_t>(min(tile_row + g, p.n - 1)) * p.k;
-    const uint8_t* row_g8 = p.w + static_cast<int64_t>(min(tile_row + g + 8, p.n - 1)) * p.k;
-    const float* scale_row = p.scale + static_cast<int64_t>(min(tile_row, p.n - 1) / 128) * p.scale_stride;
+    const Cursor<NT> c = cursor<NT>(p, tile_row, begin, g, t);
+    const int blocks = end - begin;
 
     float acc[NT][4];
 #pragma unroll
@@ -220,16 +281,16 @@ __global__ void __launch_bounds__(kRowWarps * SLICES * 32, SLICES == 2 ? HYLO_GE
     Step ring[DEPTH];
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
-        if (begin + d < end) load_step(ring[d], p, row_g, row_g8, scale_row, begin + d, t);
+        if (d < blocks) load_step<NT, FULL>(ring[d], c, d);
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x and out: after the kernel before this one
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    for (int kb = begin; kb < end; kb += DEPTH) {
+    for (int i = 0; i < blocks; i += DEPTH) {
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
-            if (kb + d < end) {
-                multiply_step<NT>(acc, ring[d], p, kb + d, g, t);
-                if (kb + d + DEPTH < end) load_step(ring[d], p, row_g, row_g8, scale_row, kb + d + DEPTH, t);
+            if (i + d < blocks) {
+                multiply_step<NT, FULL>(acc, ring[d], c, i + d);
+                if (i + d + DEPTH < blocks) load_step<NT, FULL>(ring[d], c, i + d + DEPTH);
             }
         }
     }
@@ -273,7 +334,8 @@ cudaError_t launch(const Problem& p, bool dependent, cudaStream_t stream) {
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.attrs = attribute;
     config.numAttrs = dependent ? 1 : 0;
-    return cudaLaunchKernelEx(&config, fp8_gemv_kernel<NT, SPLIT, depth, SLICES>, p);
+    if (p.k % kBlockK == 0) return cudaLaunchKernelEx(&config, fp8_gemv_kernel<NT, SPLIT, depth, SLICES, true>, p);
+    return cudaLaunchKernelEx(&config, fp8_gemv_kernel<NT, SPLIT, depth, SLICES, false>, p);
 }
 
 template <int NT, int SLICES>

@@ -242,15 +242,14 @@ def check_library(library: ctypes.CDLL, device: torch.device) -> str | None:
 
 def _self_check(library: ctypes.CDLL, device: torch.device) -> str | None:
     """Every compiled variant (row tile × split × warps over K, launched plainly and as a dependent) against
-    the float64 product, on a ragged problem: N=200 (a CTA with one partial tile and three past N), K=1040 (a
-    16-wide last block; 9 blocks over up to 32 K slices, some empty), rows of x strided. The first
-    failure, or None."""
+    the float64 product, on ragged problems: N=200 (a CTA with one partial tile and three past N), K=1040 (a
+    16-wide last block; 9 blocks over up to 32 K slices, some empty) and K=1024 (whole blocks: the kernels
+    whose loads take no bounds), rows of x strided. The first failure, or None."""
     generator = torch.Generator(device=device).manual_seed(1234)
-    n, k = 200, 1040
-    weight, scale = random_e4m3(n, k, generator)
-    x_rows = torch.randn(MAX_ROWS, k + 16, generator=generator, device=device).to(torch.bfloat16)
-    for m in CHECK_ROWS:
-        x = x_rows[:m, :k]
+    n = 200
+    for k, m in itertools.product((1040, 1024), CHECK_ROWS):
+        weight, scale = random_e4m3(n, k, generator)
+        x = torch.randn(MAX_ROWS, k + 16, generator=generator, device=device).to(torch.bfloat16)[:m, :k]
         slices = [s for s in SLICES if s == 2 or m <= WIDE_ROWS]
         for split, wide, dependent in itertools.product(SPLITS, slices, (False, True)):
             try:
