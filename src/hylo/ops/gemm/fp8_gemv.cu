@@ -34,10 +34,10 @@
 // go after the main loop instead was no faster, RESULTS S32-2); that kernel's own wait still holds it
 // until this one has finished and its stores are visible.
 //
-// The end: each warp writes its partial tile to shared memory; after a cluster barrier, CTA r of the
-// cluster sums rows [r·64/SPLIT, (r+1)·64/SPLIT) over the SPLIT CTAs (distributed shared memory) and the
-// 2 K warps, in a fixed order (deterministic), and writes bf16; a second barrier keeps each CTA's shared
-// memory alive until the others have read it. One launch, no workspace, no atomics.
+// The end: each warp writes its partial tile to shared memory; after a cluster barrier (a CTA barrier where
+// SPLIT is 1), CTA r of the cluster sums rows [r·64/SPLIT, (r+1)·64/SPLIT) over the SPLIT CTAs (distributed
+// shared memory) and the 2 K warps, in a fixed order (deterministic), and writes bf16; a second barrier keeps
+// each CTA's shared memory alive until the others have read it. One launch, no workspace, no atomics.
 //
 // Supported: 1 ≤ M ≤ 16, any N, K a multiple of 16 (16-byte loads; a 128-k block may be partial), rows of
 // x and W 16-byte aligned. `gemv_cuda.refusal` checks these before a call.
@@ -304,7 +304,13 @@ __global__ void __launch_bounds__(kRowWarps * SLICES * 32, SLICES == 2 ? HYLO_GE
         partials[slice_warp][local + 8][8 * nt + 2 * t] = acc[nt][2];
         partials[slice_warp][local + 8][8 * nt + 2 * t + 1] = acc[nt][3];
     }
-    cluster.sync();
+    // A cluster of one CTA needs only a CTA barrier: the cluster barrier's release and acquire compile to a
+    // GPU-wide memory barrier and an L1 invalidation, and its shared-memory reads to generic loads.
+    if constexpr (SPLIT == 1) {
+        __syncthreads();
+    } else {
+        cluster.sync();
+    }
 
     constexpr int kRowsPerRank = kCtaRows / SPLIT;
     for (int e = threadIdx.x; e < kRowsPerRank * 8 * NT; e += kThreads) {
@@ -313,13 +319,18 @@ __global__ void __launch_bounds__(kRowWarps * SLICES * 32, SLICES == 2 ? HYLO_GE
         float sum = 0.f;
 #pragma unroll
         for (int s = 0; s < SPLIT; ++s) {
-            const float* theirs = cluster.map_shared_rank(&partials[0][0][0], s);
+            const float* theirs = SPLIT == 1 ? &partials[0][0][0] : cluster.map_shared_rank(&partials[0][0][0], s);
 #pragma unroll
             for (int w = 0; w < kSliceWarps; ++w) sum += theirs[(w * kCtaRows + r) * 8 * NT + m];
         }
         if (m < p.m && n < p.n) p.out[static_cast<int64_t>(m) * p.n + n] = __float2bfloat16_rn(sum);
     }
-    cluster.sync();  // the other CTAs of the cluster may still be reading this CTA's partials
+    if constexpr (SPLIT > 1) {
+        // the other CTAs of the cluster may still be reading this CTA's partials; this CTA's own reads were
+        // consumed above, so its arrival orders nothing (relaxed) and only the wait matters
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+        asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    }
 }
 
 template <int NT, int SPLIT, int SLICES>
