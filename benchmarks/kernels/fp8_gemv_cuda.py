@@ -4,7 +4,7 @@ floor, for M = 1, 4, 8, 16 rows at GLM-5.3-Flash's FP8 projection shapes and TP-
     python benchmarks/kernels/fp8_gemv_cuda.py [--out DIR]       # GPU, about 2 minutes with the build
     python benchmarks/kernels/fp8_gemv_cuda.py --dry-run         # CPU: the script's logic, tiny shapes
     python benchmarks/kernels/fp8_gemv_cuda.py --all-splits      # also the GEMV at every compiled K split
-    python benchmarks/kernels/fp8_gemv_cuda.py --variants d6=HYLO_GEMV_DEPTH_8=6+HYLO_GEMV_MIN_CTAS=1
+    python benchmarks/kernels/fp8_gemv_cuda.py --variants d6=HYLO_GEMV_DEPTH_8=6+HYLO_GEMV_MIN_CTAS_8=1
                                                   # also builds of the kernel with other -D tunables
 
 Per shape and M: first parity of both kernels against the float64 product (`gemv_cuda.worst_error`,

@@ -52,25 +52,24 @@
 namespace cg = cooperative_groups;
 
 // Blocks in flight per warp (the register ring) and the CTAs a SM must be able to hold (the register
-// budget) of the 8-warp CTAs: `-D` overrides are for `benchmarks/kernels/fp8_gemv_cuda.py --variants`; the
-// defaults are the measured choice (deeper rings at one CTA a SM were no faster on N = 4096 and slower on
-// multi-wave shapes, RESULTS S32-2).
+// budget) of the 8-warp CTAs, by rows of x: `-D` overrides are for `benchmarks/kernels/fp8_gemv_cuda.py
+// --variants`; the defaults are the measured choice in the decode replay (deeper rings at one CTA a SM were no
+// faster on N = 4096 and slower on multi-wave shapes, RESULTS S32-2). Back to back, two blocks a warp at three
+// CTAs a SM up to 8 rows (`-DHYLO_GEMV_DEPTH_8=2 -DHYLO_GEMV_MIN_CTAS_8=3`: 78 registers, the 388 CTAs of the
+// 24832-row projection in one wave) ran 3-18% faster than these defaults on every measured shape (S53-2); it has
+// not run in a replay, which the microbenchmark has mispredicted (S53-2), so it is not the default yet.
 #ifndef HYLO_GEMV_DEPTH_8
 #define HYLO_GEMV_DEPTH_8 3  // up to 8 rows of x
 #endif
 #ifndef HYLO_GEMV_DEPTH_16
 #define HYLO_GEMV_DEPTH_16 2  // 9 to 16 rows of x
 #endif
-#ifndef HYLO_GEMV_MIN_CTAS
-#define HYLO_GEMV_MIN_CTAS 2
+#ifndef HYLO_GEMV_MIN_CTAS_8
+#define HYLO_GEMV_MIN_CTAS_8 2
 #endif
-// Independent MMA chains a step (1, 2 or 4; a benchmark variant): the step's 8 products of 8 rows of x go to
-// this many partials in turn, so that a warp waits on fewer MMAs in a row; the partials are scaled into the
-// accumulator one after another (fp32 sums in another order: not bit-equal to one chain).
-#ifndef HYLO_GEMV_CHAINS
-#define HYLO_GEMV_CHAINS 1
+#ifndef HYLO_GEMV_MIN_CTAS_16
+#define HYLO_GEMV_MIN_CTAS_16 2
 #endif
-static_assert(HYLO_GEMV_CHAINS == 1 || HYLO_GEMV_CHAINS == 2 || HYLO_GEMV_CHAINS == 4, "1, 2 or 4 chains");
 
 
 namespace {
@@ -205,13 +204,9 @@ __device__ __forceinline__ void load_step(Step& step, const Cursor<NT>& c, int i
 // acc += scale · (W block i of the run) · x rows: 8 MMAs per 8 rows of x into a partial, then one scaled add.
 template <int NT, bool FULL>
 __device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& step, const Cursor<NT>& c, int i) {
-    constexpr int kChains = HYLO_GEMV_CHAINS;
-    float part[kChains][NT][4];
+    float part[NT][4];
 #pragma unroll
-    for (int ch = 0; ch < kChains; ++ch) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) part[ch][nt][0] = part[ch][nt][1] = part[ch][nt][2] = part[ch][nt][3] = 0.f;
-    }
+    for (int nt = 0; nt < NT; ++nt) part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int offset = i * kBlockK + 64 * h;
@@ -232,18 +227,14 @@ __device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& s
             for (int nt = 0; nt < NT; ++nt) {
                 const uint4& xv = xs[nt][j / 2];
                 const int first = 2 * (j % 2);
-                mma_16x8x16(part[(4 * h + j) % kChains][nt], g_lo, g8_lo, g_hi, g8_hi, word(xv, first),
-                            word(xv, first + 1));
+                mma_16x8x16(part[nt], g_lo, g8_lo, g_hi, g8_hi, word(xv, first), word(xv, first + 1));
             }
         }
     }
 #pragma unroll
-    for (int ch = 0; ch < kChains; ++ch) {
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[nt][i] = fmaf(part[ch][nt][i], step.scale, acc[nt][i]);
-        }
+        for (int i = 0; i < 4; ++i) acc[nt][i] = fmaf(part[nt][i], step.scale, acc[nt][i]);
     }
 }
 
@@ -253,7 +244,8 @@ __device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& s
 // warps fit a SM; 4: one of 16, for single-wave shapes whose 8 warps a SM leave the schedulers idle, RESULTS
 // S32-4).
 template <int NT, int SPLIT, int DEPTH, int SLICES, bool FULL>
-__global__ void __launch_bounds__(kRowWarps * SLICES * 32, SLICES == 2 ? HYLO_GEMV_MIN_CTAS : 1)
+__global__ void __launch_bounds__(kRowWarps * SLICES * 32,
+                                  SLICES == 2 ? (NT == 1 ? HYLO_GEMV_MIN_CTAS_8 : HYLO_GEMV_MIN_CTAS_16) : 1)
     __cluster_dims__(1, SPLIT, 1) fp8_gemv_kernel(Problem p) {
     constexpr int kSliceWarps = SLICES;
     constexpr int kThreads = kRowWarps * SLICES * 32;
