@@ -8,13 +8,16 @@ from __future__ import annotations
 import ctypes
 import fnmatch
 import logging
+import re
 import shutil
 import stat
+import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from hylo.ops import gemm
 from hylo.ops.fp8 import FP8_BLOCK
@@ -254,6 +257,37 @@ def test_the_kernel_compiles_for_hopper_and_its_entry_points_load(tmp_path, monk
             plan=gemv_cuda.GemvPlan(split, slices, 0),
         )
         assert library.hylo_fp8_gemv(ctypes.byref(call), None) == 1
+
+
+# Triton's wheel carries cuobjdump (what `benchmarks/kernels/code_size.py` reads SASS with)
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+GEMV_KERNEL = re.compile(r"Function : \S*fp8_gemv_kernelILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize("defines", [(), ("HYLO_GEMV_DEPTH_8=2", "HYLO_GEMV_MIN_CTAS_8=3")])
+def test_every_gemv_kernel_streams_its_first_weights_before_its_wait(tmp_path, monkeypatch, defines):
+    """In the SASS of the real build (the shipped defaults, and the candidate of RESULTS S53-2), every kernel
+    issues its ring's first DEPTH blocks of weights (4 streaming loads a block) before `griddepcontrol.wait`
+    (ACQBULK), so that as a programmatic dependent it streams them while the kernel before it finishes. ptxas
+    had hoisted the wait to the first instruction of the whole-block kernels once their loads lost their
+    bounds (0042f30; the decode replay without dependent launches could not see it)."""
+    monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
+    library = cuda_build.build(gemv_cuda.SOURCE, "sm_90a", gemv_cuda.KERNEL, defines)
+    dump = subprocess.run([CUOBJDUMP, "-sass", str(library)], capture_output=True, text=True, check=True)
+    sass = dump.stdout
+    kernels = re.split(r"(?=\s+Function : )", sass)
+    seen = []
+    for text in kernels:
+        name = GEMV_KERNEL.search(text)
+        if name is None:
+            continue
+        assert "ACQBULK" in text, name.group(0)
+        before_wait = text[: text.index("ACQBULK")]
+        seen.append((name.groups(), before_wait.count("LDG.E.NA")))
+    # 2 row tiles x 4 splits x warps over K (2, and 4 up to 8 rows) x whole blocks or not
+    assert len(seen) == 24
+    assert all(loads == 4 * int(depth) for (_, _, depth, _, _), loads in seen), seen
 
 
 @pytest.mark.parametrize(("n", "k"), MODEL_SHAPES + RANK_SHAPES)

@@ -271,9 +271,14 @@ __global__ void __launch_bounds__(kRowWarps * SLICES * 32,
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 
     Step ring[DEPTH];
+    // One trip of a loop whose count the compiler cannot see: ptxas does not move the wait below into or above
+    // it, where it otherwise hoists the wait over these (predicated, branch-free) loads to the kernel's first
+    // instruction and the weights no longer stream while the kernel before this one finishes (S53-3).
+    for (int pass = kept(0); pass < 1; ++pass) {
 #pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-        if (d < blocks) load_step<NT, FULL>(ring[d], c, d);
+        for (int d = 0; d < DEPTH; ++d) {
+            if (d < blocks) load_step<NT, FULL>(ring[d], c, d);
+        }
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x and out: after the kernel before this one
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
