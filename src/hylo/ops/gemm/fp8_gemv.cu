@@ -56,8 +56,9 @@ namespace cg = cooperative_groups;
 // --variants`; the defaults are the measured choice in the decode replay (deeper rings at one CTA a SM were no
 // faster on N = 4096 and slower on multi-wave shapes, RESULTS S32-2). Back to back, two blocks a warp at three
 // CTAs a SM up to 8 rows (`-DHYLO_GEMV_DEPTH_8=2 -DHYLO_GEMV_MIN_CTAS_8=3`: 78 registers, the 388 CTAs of the
-// 24832-row projection in one wave) ran 3-18% faster than these defaults on every measured shape (S53-2); it has
-// not run in a replay, which the microbenchmark has mispredicted (S53-2), so it is not the default yet.
+// 24832-row projection in one wave) ran 3-18% faster than these defaults on every measured shape (S53-2), against a
+// build whose wait ptxas had hoisted over its first loads (S53-3); it is not the default until a decode replay
+// with dependent launches measures it.
 #ifndef HYLO_GEMV_DEPTH_8
 #define HYLO_GEMV_DEPTH_8 3  // up to 8 rows of x
 #endif
