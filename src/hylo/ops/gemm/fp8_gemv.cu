@@ -323,12 +323,7 @@ __global__ void __launch_bounds__(kRowWarps * SLICES * 32,
         }
         if (m < p.m && n < p.n) p.out[static_cast<int64_t>(m) * p.n + n] = __float2bfloat16_rn(sum);
     }
-    if constexpr (SPLIT > 1) {
-        // the other CTAs of the cluster may still be reading this CTA's partials; this CTA's own reads were
-        // consumed above, so its arrival orders nothing (relaxed) and only the wait matters
-        asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-        asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
-    }
+    if constexpr (SPLIT > 1) cluster.sync();  // the other CTAs of the cluster may still be reading these partials
 }
 
 template <int NT, int SPLIT, int SLICES>
