@@ -1,6 +1,7 @@
 """The decode profile's CUDA GEMV floors, on the CPU: `rank_e2e.gemv_census` counts each launch by shape and
 the weight bytes by template variant, and `decode_profile.with_gemv_floors` puts each variant's bytes, floor
-and share beside its kernel row (the profiler names a ctypes launch by its template alone)."""
+and share beside its kernel row (the profiler names a ctypes launch by its template alone); and its exposed
+table, what each kernel adds to a replay's span on the profiler's timeline."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "device"))
 
-from decode_profile import with_gemv_floors
+import pytest
+from decode_profile import exposed_table, with_gemv_floors
 from rank_e2e import gemv_census
 
 from hylo.ops.gemm import gemv_cuda
@@ -41,11 +43,36 @@ def test_gemv_rows_get_their_floor_and_others_stay():
         {"kernel": "void (anonymous namespace)::fp8_gemv_kernel<1, 4, 3, 2>((anonymous namespace)::Problem)",
          "us": 18.9, "launches": 2.0},
         {"kernel": "_gate_up_kernel", "us": 319.5, "launches": 5.0},
+        {"kernel": "void (anonymous namespace)::fp8_gemv_kernel<1, 2, 3, 4, true>((anonymous namespace)::"
+                   "Problem)", "us": 250.0, "launches": 11.0},
     ]  # fmt: skip
-    out = with_gemv_floors(rows, {(1, 1, 2): 975_000_000}, 3.0e12)
+    out = with_gemv_floors(rows, {(1, 1, 2): 975_000_000, (1, 2, 4): 480_000_000}, 3.0e12)
+    assert out[3]["floor_us"] == 160.0 and out[3]["of_floor"] == 0.64  # the whole-block flag in the name
     assert (
         out[0]["floor_us"] == 325.0
         and out[0]["of_floor"] == round(325.0 / 504.1, 3)
         and out[0]["gb"] == 0.975
     )
     assert out[1] == rows[1] and out[2] == rows[2]  # no census entry for that variant; not a GEMV
+
+
+def test_exposed_time_leaves_out_a_dependents_wait_and_adds_up_to_the_span():
+    # two replays of: a (0-10), a dependent b started at 4 that ends at 25 (its own 21 us hold a 6-us wait),
+    # c inside b's time (nothing exposed), then d after a 3-us gap; the second replay 100 us later, given
+    # out of order (the profiler's event list is not sorted by start)
+    one = [("a", 0.0, 10.0), ("b", 4.0, 25.0), ("c", 12.0, 20.0), ("d", 28.0, 30.0)]
+    spans = [(n, s + 100, e + 100) for n, s, e in reversed(one)] + one
+    table = exposed_table(spans, reps=2)
+    assert table["span_us"] == 30.0 and table["gaps_us"] == 3.0
+    assert table["kernels"] == [
+        {"kernel": "b", "exposed_us": 15.0, "launches": 1.0},
+        {"kernel": "a", "exposed_us": 10.0, "launches": 1.0},
+        {"kernel": "d", "exposed_us": 2.0, "launches": 1.0},
+        {"kernel": "c", "exposed_us": 0.0, "launches": 1.0},
+    ]
+    assert sum(r["exposed_us"] for r in table["kernels"]) + table["gaps_us"] == table["span_us"]
+
+
+def test_exposed_table_refuses_spans_that_are_not_whole_replays():
+    with pytest.raises(ValueError, match="3 kernel spans do not split into 2 replays"):
+        exposed_table([("a", 0.0, 1.0), ("b", 1.0, 2.0), ("a", 5.0, 6.0)], reps=2)

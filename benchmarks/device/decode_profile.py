@@ -18,8 +18,9 @@ TTFT of a fresh 1024- and 13312-token prompt (median of three), for the prefill 
 
 Kernels launched as programmatic dependents (`hylo.ops.dependent_launch`, on by default on Hopper) start
 before the kernel ahead of them ends and wait, so the profiler counts that wait in their time (mHC's pre
-read twice its own cost so, RESULTS S32-2): for each kernel's own time run with `HYLO_PDL=0`, which
-changes the replay by under 1%.
+read twice its own cost so, RESULTS S32-2): for each kernel's own time run with `HYLO_PDL=0`. The
+`exposed` table holds under either setting: what each kernel adds to the replay's span from the same
+profiled replays' timeline (`exposed_table`), and the launch gaps between kernels.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.moe import Experts, FP8Experts
 
 
-def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 10) -> list[dict]:
-    """Every kernel of `graph`'s replay: name, µs and launches per replay, by time."""
+def kernel_tables(graph: torch.cuda.CUDAGraph, reps: int = 10) -> tuple[list[dict], dict]:
+    """Every kernel of `graph`'s replay: name, µs and launches per replay, by time; and `exposed_table` of the
+    same replays."""
     from torch.profiler import ProfilerActivity, profile
 
     graph.replay()
@@ -61,21 +63,57 @@ def kernel_table(graph: torch.cuda.CUDAGraph, reps: int = 10) -> list[dict]:
             continue
         total = getattr(e, "device_time_total", None) or e.cuda_time_total
         rows.append({"kernel": e.key[:120], "us": round(total / reps, 1), "launches": e.count / reps})
-    return sorted(rows, key=lambda r: -r["us"])
+    spans = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return sorted(rows, key=lambda r: -r["us"]), exposed_table(spans, reps)
+
+
+def exposed_table(spans: list[tuple[str, float, float]], reps: int) -> dict:
+    """What each kernel adds to a replay's span, from the profiler's (name, start µs, end µs) of `reps`
+    replays of one graph. Walking them by start, a kernel's exposed time is how far it moves the latest end
+    so far past max(that end, its own start); the idle time before it (its start past that end) is a gap. A
+    programmatic dependent starts before the kernel ahead of it ends, so its own time (the profiler's)
+    counts its wait; its exposed time does not. Per replay: the kernels by exposed µs (launches per replay),
+    the gaps' µs, and the span (first start to last end), which exposed times and gaps add up to."""
+    spans = sorted(spans, key=lambda s: s[1])
+    if not spans or len(spans) % reps:
+        raise ValueError(f"{len(spans)} kernel spans do not split into {reps} replays")
+    per = len(spans) // reps
+    exposed: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
+    gaps = span = 0.0
+    for r in range(reps):
+        replay = spans[r * per : (r + 1) * per]
+        latest = replay[0][1]
+        for name, start, end in replay:
+            gaps += max(0.0, start - latest)
+            exposed[name[:120]] += max(0.0, end - max(latest, start))
+            launches[name[:120]] += 1
+            latest = max(latest, end)
+        span += latest - replay[0][1]
+    rows = [
+        {"kernel": k, "exposed_us": round(t / reps, 1), "launches": launches[k] / reps}
+        for k, t in exposed.items()
+    ]
+    rows.sort(key=lambda r: -r["exposed_us"])
+    return {"span_us": round(span / reps, 1), "gaps_us": round(gaps / reps, 1), "kernels": rows}
 
 
 OTHER = "other (norms, gates, hyper-connections, ...)"  # every module no other kind names
 
 
-_GEMV_KERNEL = re.compile(r"fp8_gemv_kernel<(\d+), (\d+), \d+, (\d+)>")
+_GEMV_KERNEL = re.compile(r"fp8_gemv_kernel<(\d+), (\d+), \d+, (\d+)(?:, (?:true|false))?>")
 
 
 def with_gemv_floors(
     rows: list[dict], weight_bytes: dict[tuple[int, int, int], int], bandwidth: float
 ) -> list[dict]:
-    """`kernel_table` rows, each CUDA GEMV variant's (`fp8_gemv_kernel<NT, SPLIT, DEPTH, SLICES>`) with the
-    weight bytes it read in one step (`rank_e2e.GemvCensus.weight_bytes`), their floor at `bandwidth` and the
-    share of the row's time the floor is."""
+    """`kernel_tables` rows, each CUDA GEMV variant's (`fp8_gemv_kernel<NT, SPLIT, DEPTH, SLICES, FULL>`)
+    with the weight bytes it read in one step (`rank_e2e.GemvCensus.weight_bytes`), their floor at
+    `bandwidth` and the share of the row's time the floor is."""
     out = []
     for row in rows:
         match = _GEMV_KERNEL.search(row["kernel"])
@@ -178,11 +216,11 @@ def main() -> None:
                 k: {"gb": round(v / 1e9, 3), "floor_us": round(1e6 * v / bandwidth, 1)}
                 for k, v in read.items()
             },
-            "kernels": with_gemv_floors(
-                kernel_table(graphs.bank.graphs[OBSERVE, bucket].graph), census.weight_bytes, bandwidth
-            ),
             "gemv_calls": census.calls,
         }
+        own, exposed = kernel_tables(graphs.bank.graphs[OBSERVE, bucket].graph)
+        report[f"b{bucket}"]["kernels"] = with_gemv_floors(own, census.weight_bytes, bandwidth)
+        report[f"b{bucket}"]["exposed"] = exposed
     gen = torch.Generator().manual_seed(5)
     for n in () if args.no_ttft else (1024, 13312):
         times = []
