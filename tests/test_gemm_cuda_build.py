@@ -290,6 +290,24 @@ def test_every_gemv_kernel_streams_its_first_weights_before_its_wait(tmp_path, m
     assert all(loads == 4 * int(depth) for (_, _, depth, _, _), loads in seen), seen
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_the_l2_prefetch_variant_asks_for_its_weights_before_its_wait(tmp_path, monkeypatch):
+    """With `HYLO_GEMV_L2_AHEAD_KIB` set (a benchmark variant; off by default), every kernel issues its bulk L2
+    prefetch (UBLKPF.L2) after its ring's first loads and before `griddepcontrol.wait`, so that it streams while
+    the kernel before it runs; the default build issues none."""
+    monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
+    for defines, wanted in (((), 0), (("HYLO_GEMV_L2_AHEAD_KIB=8192",), 1)):
+        library = cuda_build.build(gemv_cuda.SOURCE, "sm_90a", gemv_cuda.KERNEL, defines)
+        sass = subprocess.run([CUOBJDUMP, "-sass", str(library)], capture_output=True, text=True, check=True).stdout
+        kernels = [text for text in re.split(r"(?=\s+Function : )", sass) if GEMV_KERNEL.search(text)]
+        assert len(kernels) == 24
+        for text in kernels:
+            wait = text.index("ACQBULK")
+            assert text.count("UBLKPF.L2") == text[:wait].count("UBLKPF.L2") == wanted, GEMV_KERNEL.search(text)
+            if wanted:
+                assert text.rindex("LDG.E.NA", 0, wait) < text.index("UBLKPF.L2")
+
+
 @pytest.mark.parametrize(("n", "k"), MODEL_SHAPES + RANK_SHAPES)
 def test_split_fills_the_gpu_without_idle_k_slices(n, k):
     """Clusters split K until about one CTA runs on every SM (132 SMs; the H100 measured two a SM

@@ -71,6 +71,12 @@ namespace cg = cooperative_groups;
 #ifndef HYLO_GEMV_MIN_CTAS_16
 #define HYLO_GEMV_MIN_CTAS_16 2
 #endif
+// KiB of weights the whole grid asks L2 to fetch, past the register ring, before its dependent-launch wait
+// (`l2_prefetch`; 0: none). A benchmark variant, not yet timed on a GPU: the ring's first fill already asks for
+// ~13 MB before the wait on the wide shapes (about 4 us of HBM), so it can only pay behind longer kernels.
+#ifndef HYLO_GEMV_L2_AHEAD_KIB
+#define HYLO_GEMV_L2_AHEAD_KIB 0
+#endif
 
 
 namespace {
@@ -202,6 +208,24 @@ __device__ __forceinline__ void load_step(Step& step, const Cursor<NT>& c, int i
     step.scale = __ldg(c.scale + i);
 }
 
+// Ask L2 for the blocks of the warp's run after its ring's first DEPTH, as many as the grid's share of
+// HYLO_GEMV_L2_AHEAD_KIB gives each warp: one bulk prefetch per weight row (lanes t = 0 take row g, t = 1 row g + 8),
+// no registers held. Issued before the dependent-launch wait, these stream while the kernel before this one runs
+// (in a decode step mostly a short latency-bound kernel, whose time HBM otherwise spends idle).
+template <int NT, int DEPTH, int WARPS>
+__device__ __forceinline__ void l2_prefetch(const Cursor<NT>& c, int blocks, int t) {
+    constexpr long long kBudget = static_cast<long long>(HYLO_GEMV_L2_AHEAD_KIB) << 10;
+    if constexpr (kBudget > 0) {
+        const long long warps = static_cast<long long>(gridDim.x) * gridDim.y * WARPS;
+        const int ahead = min(blocks - DEPTH, static_cast<int>(kBudget / (warps * kTileRows * kBlockK)));
+        if (ahead <= 0 || t > 1) return;
+        const uint8_t* row = (t == 0 ? c.g : c.g8 - 16) + DEPTH * kBlockK;  // k = 128·(begin + DEPTH)
+        const int first = c.k - 16 * t + DEPTH * kBlockK;
+        const int bytes = min(ahead * kBlockK, c.k_end - first);  // a partial last block: K is a multiple of 16
+        if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"(bytes) : "memory");
+    }
+}
+
 // acc += scale · (W block i of the run) · x rows: 8 MMAs per 8 rows of x into a partial, then one scaled add.
 template <int NT, bool FULL>
 __device__ __forceinline__ void multiply_step(float (&acc)[NT][4], const Step& step, const Cursor<NT>& c, int i) {
@@ -280,6 +304,7 @@ __global__ void __launch_bounds__(kRowWarps * SLICES * 32,
         for (int d = 0; d < DEPTH; ++d) {
             if (d < blocks) load_step<NT, FULL>(ring[d], c, d);
         }
+        l2_prefetch<NT, DEPTH, kRowWarps * SLICES>(c, blocks, t);
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");  // x and out: after the kernel before this one
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
