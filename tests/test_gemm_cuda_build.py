@@ -292,20 +292,20 @@ def test_every_gemv_kernel_streams_its_first_weights_before_its_wait(tmp_path, m
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_the_l2_prefetch_variant_asks_for_its_weights_before_its_wait(tmp_path, monkeypatch):
-    """With `HYLO_GEMV_L2_AHEAD_KIB` set (a benchmark variant; off by default), every kernel issues its bulk L2
-    prefetch (UBLKPF.L2) after its ring's first loads and before `griddepcontrol.wait`, so that it streams while
-    the kernel before it runs; the default build issues none."""
+    """With `HYLO_GEMV_L2_AHEAD_KIB` set (a benchmark variant; off by default), every kernel issues its bulk
+    L2 prefetch (UBLKPF.L2) after its ring's first loads and before `griddepcontrol.wait`, so that it
+    streams while the kernel before it runs; the default build issues none."""
     monkeypatch.setenv("HYLO_CACHE", str(tmp_path))
     for defines, wanted in (((), 0), (("HYLO_GEMV_L2_AHEAD_KIB=8192",), 1)):
         library = cuda_build.build(gemv_cuda.SOURCE, "sm_90a", gemv_cuda.KERNEL, defines)
-        sass = subprocess.run([CUOBJDUMP, "-sass", str(library)], capture_output=True, text=True, check=True).stdout
-        kernels = [text for text in re.split(r"(?=\s+Function : )", sass) if GEMV_KERNEL.search(text)]
+        dump = subprocess.run([CUOBJDUMP, "-sass", str(library)], capture_output=True, text=True, check=True)
+        kernels = [text for text in re.split(r"(?=\s+Function : )", dump.stdout) if GEMV_KERNEL.search(text)]
         assert len(kernels) == 24
         for text in kernels:
-            wait = text.index("ACQBULK")
-            assert text.count("UBLKPF.L2") == text[:wait].count("UBLKPF.L2") == wanted, GEMV_KERNEL.search(text)
+            wait, name = text.index("ACQBULK"), GEMV_KERNEL.search(text).group(0)
+            assert text.count("UBLKPF.L2") == text[:wait].count("UBLKPF.L2") == wanted, name
             if wanted:
-                assert text.rindex("LDG.E.NA", 0, wait) < text.index("UBLKPF.L2")
+                assert text.rindex("LDG.E.NA", 0, wait) < text.index("UBLKPF.L2"), name
 
 
 @pytest.mark.parametrize(("n", "k"), MODEL_SHAPES + RANK_SHAPES)
