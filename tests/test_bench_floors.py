@@ -67,3 +67,14 @@ def test_bytes_by_kind_counts_the_routed_experts_only(fold):
     assert sum(by_kind.values()) == expected
     experts_kind = by_kind[decode_profile.module_kind(moe.experts, "experts")]
     assert experts_kind == routed + (shared if fold else 0)
+
+
+def test_bytes_by_kind_counts_a_drafts_modules_under_their_own_kinds():
+    moe = one_rank(moe_config())
+    draft = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN, bias=False))  # a verify step's drafter
+    x = torch.randn(2, HIDDEN)
+    expected, _ = expected_bytes(moe, x)
+    with torch.inference_mode():
+        by_kind = decode_profile.bytes_by_kind(moe, lambda: (moe(x), draft(x)), draft)
+    assert by_kind.pop("draft " + decode_profile.OTHER) == own_bytes(draft[0])
+    assert sum(by_kind.values()) == expected  # the target's kinds as without the draft

@@ -4,7 +4,11 @@ reads: the real-size GLM-5.3-Flash slice (a random FP8 checkpoint, `load_format=
 rank's share of the weights, its collectives recorded and not run, as in `rank_e2e.py`).
 
     PYTHONPATH=src python3 benchmarks/device/decode_profile.py [--tp 0|4|8] [--layers 8] [--buckets 1 8]
-                                                               [--no-ttft] [--out DIR]
+                                                               [--verify BLOCK] [--no-ttft] [--out DIR]
+
+With `--verify 8` the step profiled is a DFlash verify of blocks of 8 tokens (a random draft, every draft
+accepted, as spec_e2e's forced runs): the verify and commit graphs' kernels, and the bytes of the target and
+of the draft (as "draft <kind>") that step reads.
 
 Per bucket, after a few decode steps of that many requests of random prompts (so the graph's static
 batch is a real one: distinct tokens routed to distinct experts; the warm-up batch repeats one token):
@@ -31,31 +35,41 @@ import re
 import statistics
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from prefix_e2e import VOCAB, serve, ttft
 from rank_e2e import gemv_census, warm
-from spec_e2e import copy_bandwidth, folded_shared_bytes, replay_ms, write_target
+from spec_e2e import (
+    accept_everything,
+    copy_bandwidth,
+    replay_ms,
+    replay_step,
+    weight_bytes_by_kind,
+    write_dflash,
+    write_target,
+)
 
+import hylo.engine.verify_graph as verify_graph
+import hylo.speculative.verify as verify
 from hylo import LLM
 from hylo.config import EngineConfig
 from hylo.distributed.rank_engine import rank_engine
-from hylo.engine.cuda_graph import OBSERVE
 from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.moe import Experts, FP8Experts
 
 
-def kernel_tables(graph: torch.cuda.CUDAGraph, reps: int = 10) -> tuple[list[dict], dict]:
-    """Every kernel of `graph`'s replay: name, µs and launches per replay, by time; and `exposed_table` of the
-    same replays."""
+def kernel_tables(replay: Callable[[], None], reps: int = 10) -> tuple[list[dict], dict]:
+    """Every kernel of a step's graph replays (`replay`): name, µs and launches per replay, by time; and
+    `exposed_table` of the same replays."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph.replay()
+    replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            graph.replay()
+            replay()
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
@@ -139,55 +153,42 @@ def module_kind(module: torch.nn.Module, name: str) -> str:
     return OTHER
 
 
-def bytes_by_kind(model: torch.nn.Module, forward) -> dict[str, float]:
-    """Weight bytes one call of `forward` reads, by `module_kind` (as `spec_e2e.weight_bytes_read`)."""
-    from hylo.ops.moe.reference import route
+def bytes_by_kind(model: torch.nn.Module, forward, draft: torch.nn.Module | None = None) -> dict[str, float]:
+    """Weight bytes one call of `forward` reads, by `module_kind` (`spec_e2e.weight_bytes_by_kind`; the
+    router's tensors as OTHER), the modules of `draft` (a speculative step's drafter) as "draft <kind>"."""
+    drafted = {id(m) for m in draft.modules()} if draft is not None else set()
 
-    read: dict[str, float] = defaultdict(float)
-    hooks = []
+    def kind_of(m: torch.nn.Module, name: str) -> str:
+        return ("draft " if id(m) in drafted else "") + module_kind(m, name)
 
-    def own_bytes(m: torch.nn.Module) -> int:
-        return sum(t.numel() * t.element_size() for t in [*m.parameters(False), *m.buffers(False)])
-
-    def hook(kind: str):
-        def on_call(m: torch.nn.Module, args, kwargs) -> None:
-            if isinstance(m, torch.nn.Embedding):
-                read[kind] += args[0].numel() * m.weight.shape[1] * m.weight.element_size()
-            elif isinstance(m, Experts | FP8Experts):
-                routing = args[1]  # the router has no forward of its own: its tensors are read here
-                read[OTHER] += sum(
-                    t.numel() * t.element_size() for t in (routing.weight, routing.correction_bias)
-                )
-                count = int(route(args[0], routing).ids.unique().numel())
-                read[kind] += own_bytes(m) * count / m.gate_up_proj.shape[0]
-                read[kind] += folded_shared_bytes(kwargs)
-            else:
-                read[kind] += own_bytes(m)
-
-        return on_call
-
-    for name, m in model.named_modules():
-        if own_bytes(m):
-            hooks.append(m.register_forward_pre_hook(hook(module_kind(m, name)), with_kwargs=True))
-    try:
-        forward()
-    finally:
-        for h in hooks:
-            h.remove()
-    return dict(read)
+    roots = [model] + ([draft] if draft is not None else [])
+    return weight_bytes_by_kind(roots, forward, kind_of, OTHER)[0]
 
 
-def build(tp: int, layers: int):
-    """The slice's engine (`tp` 0) or rank 0 of a `tp`-rank deployment of `layers` layers."""
-    path = Path(tempfile.mkdtemp())
-    write_target(path, layers)
+def build(tp: int, layers: int, block: int = 0):
+    """The slice's engine (`tp` 0) or rank 0 of a `tp`-rank deployment of `layers` layers; with `block` > 0
+    it speculates with a random DFlash draft of that block (taps 1, L/2, L-2), every draft accepted."""
+    root = Path(tempfile.mkdtemp())
+    (root / "target").mkdir()
+    write_target(root / "target", layers)
     common = dict(
         load_format="dummy", device="cuda", dtype="bfloat16", max_running_requests=8, cuda_graph_max_bs=8,
         context_length=16384, skip_warmup=True,
     )  # fmt: skip
+    if block:
+        (root / "dflash").mkdir()
+        write_dflash(root / "dflash", [1, layers // 2, layers - 2], block)
+        common |= dict(
+            speculative_algorithm="DFLASH", speculative_draft_model_path=str(root / "dflash"),
+            speculative_num_draft_tokens=block, speculative_adaptive=False,
+        )  # fmt: skip
+        # forced acceptance: captured into the verify graphs, and for the eager steps of the warm-up
+        verify_graph.accepted_prefix = verify.accepted_prefix = accept_everything
     if tp == 0:
-        return LLM(str(path), mem_fraction_static=0.6, **common).engine
-    config = EngineConfig.from_kwargs(model=str(path), tp_size=tp, mem_fraction_static=0.85, **common)
+        return LLM(str(root / "target"), mem_fraction_static=0.6, **common).engine
+    config = EngineConfig.from_kwargs(
+        model=str(root / "target"), tp_size=tp, mem_fraction_static=0.85, **common
+    )
     return rank_engine(config, 0)
 
 
@@ -198,18 +199,26 @@ def main() -> None:
     parser.add_argument("--buckets", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-ttft", action="store_true", help="skip the prefill TTFTs")
+    parser.add_argument(
+        "--verify", type=int, default=0, metavar="BLOCK",
+        help="profile the verify step of DFlash blocks of BLOCK tokens (every draft accepted) instead",
+    )  # fmt: skip
     args = parser.parse_args()
-    engine = build(args.tp, args.layers)
-    graphs = engine.runner.graphs
+    engine = build(args.tp, args.layers, args.verify)
+    graphs = engine.runner.verify_graphs if args.verify else engine.runner.graphs
+    draft = getattr(engine.proposer, "draft", None) if args.verify else None
     bandwidth = copy_bandwidth()
     report: dict = {"gpu": torch.cuda.get_device_name(), "tp": args.tp, "layers": args.layers}
+    report |= {"verify_block": args.verify} if args.verify else {}
     report["copy_bytes_per_s"] = bandwidth
-    for bucket in args.buckets:
-        warm(engine, bucket)
+    for batch in args.buckets:
+        warm(engine, batch)
+        bucket = next(b for b in graphs.buckets if b >= batch)
+        replay_step(graphs, bucket)  # a verify's counting rerun below then verifies the drafts replayed
         with torch.inference_mode(), gemv_census() as census:
-            read = bytes_by_kind(graphs.model, lambda b=bucket: graphs.bank.warm(b))
+            read = bytes_by_kind(graphs.model, lambda b=bucket: graphs.bank.warm(b), draft)
         torch.cuda.synchronize()
-        report[f"b{bucket}"] = {
+        report[f"b{batch}"] = {
             "replay_ms": round(replay_ms(graphs, bucket), 3),
             "floor_ms": round(1e3 * sum(read.values()) / bandwidth, 3),
             "bytes_by_kind": {
@@ -218,9 +227,9 @@ def main() -> None:
             },
             "gemv_calls": census.calls,
         }
-        own, exposed = kernel_tables(graphs.bank.graphs[OBSERVE, bucket].graph)
-        report[f"b{bucket}"]["kernels"] = with_gemv_floors(own, census.weight_bytes, bandwidth)
-        report[f"b{bucket}"]["exposed"] = exposed
+        own, exposed = kernel_tables(lambda b=bucket: replay_step(graphs, b))
+        report[f"b{batch}"]["kernels"] = with_gemv_floors(own, census.weight_bytes, bandwidth)
+        report[f"b{batch}"]["exposed"] = exposed
     gen = torch.Generator().manual_seed(5)
     for n in () if args.no_ttft else (1024, 13312):
         times = []

@@ -34,6 +34,9 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -290,54 +293,71 @@ def folded_shared_bytes(kwargs: dict | None) -> int:
 
 
 def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, list[int]]:
-    """(Weight bytes one call of `forward` reads, distinct routed experts per experts call): every
-        call of a module reads its own parameters and buffers once (a vocabulary head's `argmax` too, which
-        bypasses `forward`); an embedding reads only its looked-up rows, routed experts only the experts
-        their tokens are routed to (`route` on the call's input), plus the router's tensors they are given
-    and the shared expert's where it runs in their launches (`shared`: its MLP is not called then)."""
+    """(Weight bytes one call of `forward` reads, distinct routed experts per experts call): the sum of
+    `weight_bytes_by_kind`."""
+    read, distinct = weight_bytes_by_kind(modules, forward)
+    return sum(read.values()), distinct
+
+
+def weight_bytes_by_kind(
+    modules: list[torch.nn.Module],
+    forward,
+    kind_of: Callable[[torch.nn.Module, str], str] = lambda module, name: "weights",
+    router_kind: str = "weights",
+) -> tuple[dict[str, float], list[int]]:
+    """(Weight bytes one call of `forward` reads by `kind_of(module, its name under its root)`, distinct
+    routed experts per experts call): every call of a module reads its own parameters and buffers once (a
+    vocabulary head's `argmax` too, which bypasses `forward`); an embedding reads only its looked-up rows,
+    routed experts only the experts their tokens are routed to (`route` on the call's input; at expert
+    parallelism those of the rank's own), plus the router's tensors they are given (as `router_kind`) and
+    the shared expert's where it runs in their launches (`shared`: its MLP is not called then)."""
     from hylo.layers.moe import Experts, FP8Experts
     from hylo.layers.vocab import HotTokenHead, VocabHead
     from hylo.ops.moe.reference import route
 
-    read, distinct, hooks = [0.0], [], []
+    read: dict[str, float] = defaultdict(float)
+    distinct, hooks = [], []
 
     def own_bytes(m: torch.nn.Module) -> int:
         tensors = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def on_call(m: torch.nn.Module, args, kwargs=None) -> None:
+    def on_call(kind: str, m: torch.nn.Module, args, kwargs=None) -> None:
         if isinstance(m, torch.nn.Embedding):
-            read[0] += args[0].numel() * m.weight.shape[1] * m.weight.element_size()
+            read[kind] += args[0].numel() * m.weight.shape[1] * m.weight.element_size()
         elif isinstance(m, Experts | FP8Experts):
             routing = args[1]  # the router has no forward of its own: its tensors are read here
-            read[0] += sum(t.numel() * t.element_size() for t in (routing.weight, routing.correction_bias))
+            read[router_kind] += sum(
+                t.numel() * t.element_size() for t in (routing.weight, routing.correction_bias)
+            )
             ids = route(args[0], routing).ids.unique()
             first = getattr(m, "first_expert", None)  # a rank at EP reads only its own experts
             if first is not None:
                 ids = ids[(ids >= first) & (ids < first + m.gate_up_proj.shape[0])]
             count = int(ids.numel())
             distinct.append(count)
-            read[0] += own_bytes(m) * count / m.gate_up_proj.shape[0]
-            read[0] += folded_shared_bytes(kwargs)
+            read[kind] += own_bytes(m) * count / m.gate_up_proj.shape[0]
+            read[kind] += folded_shared_bytes(kwargs)
         else:
-            read[0] += own_bytes(m)
+            read[kind] += own_bytes(m)
 
-    def counting_argmax(head: VocabHead | HotTokenHead):
+    def counting_argmax(head: VocabHead | HotTokenHead, kind: str):
         def argmax(hidden: torch.Tensor) -> torch.Tensor:
-            on_call(head, (hidden,))
+            on_call(kind, head, (hidden,))
             return type(head).argmax(head, hidden)
 
         return argmax
 
     seen, heads = set(), []
     for root in modules:
-        for m in root.modules():
+        for name, m in root.named_modules():
+            kind = kind_of(m, name)
             if id(m) not in seen and own_bytes(m):
                 seen.add(id(m))
-                hooks.append(m.register_forward_pre_hook(on_call, with_kwargs=True))
+                hooks.append(m.register_forward_pre_hook(partial(on_call, kind), with_kwargs=True))
             if isinstance(m, VocabHead | HotTokenHead) and m not in heads:
                 heads.append(m)
-                m.argmax = counting_argmax(m)
+                m.argmax = counting_argmax(m, kind)
     try:
         forward()
     finally:
@@ -345,7 +365,7 @@ def weight_bytes_read(modules: list[torch.nn.Module], forward) -> tuple[float, l
             h.remove()
         for head in heads:
             del head.argmax
-    return read[0], distinct
+    return dict(read), distinct
 
 
 def step_floor(graphs: DecodeGraphs, bucket: int, bandwidth: float) -> dict:
