@@ -1,7 +1,7 @@
 """The decode profile's CUDA GEMV floors, on the CPU: `rank_e2e.gemv_census` counts each launch by shape and
 the weight bytes by template variant, and `decode_profile.with_gemv_floors` puts each variant's bytes, floor
 and share beside its kernel row (the profiler names a ctypes launch by its template alone); and its exposed
-table, what each kernel adds to a replay's span on the profiler's timeline."""
+table, what each kernel adds to a replay's span on the profiler's timeline, and the table it prints."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "device"))
 
 import pytest
-from decode_profile import exposed_table, with_gemv_floors
+from decode_profile import exposed_table, markdown_table, with_gemv_floors
 from rank_e2e import gemv_census
 
 from hylo.ops.gemm import gemv_cuda
@@ -76,3 +76,29 @@ def test_exposed_time_leaves_out_a_dependents_wait_and_adds_up_to_the_span():
 def test_exposed_table_refuses_spans_that_are_not_whole_replays():
     with pytest.raises(ValueError, match="3 kernel spans do not split into 2 replays"):
         exposed_table([("a", 0.0, 1.0), ("b", 1.0, 2.0), ("a", 5.0, 6.0)], reps=2)
+
+
+def test_the_printed_table_puts_each_kernel_beside_its_exposed_time_and_floor():
+    step = {
+        "replay_ms": 2.0, "floor_ms": 1.5,
+        "kernels": [
+            {"kernel": "fp8_gemv_kernel<1, 1, 3, 2, true>", "us": 40.0, "launches": 1.0, "gb": 0.1,
+             "floor_us": 30.0, "of_floor": 0.75},
+            {"kernel": "_split_project_kernel", "us": 9.0, "launches": 2.0},
+        ],
+        "exposed": {"span_us": 2000.0, "gaps_us": 3.5, "kernels": [
+            {"kernel": "_split_project_kernel", "exposed_us": 4.0, "launches": 2.0},
+            {"kernel": "fp8_gemv_kernel<1, 1, 3, 2, true>", "exposed_us": 38.0, "launches": 1.0},
+        ]},
+        "bytes_by_kind": {"lm_head": {"gb": 1.2, "floor_us": 400.0},
+                          "projections fp8": {"gb": 1.5, "floor_us": 500.0}},
+    }  # fmt: skip
+    lines = markdown_table(step).splitlines()
+    assert lines[0] == "replay 2.0 ms, floor 1.5 ms (75.0%); span 2000.0 us"
+    assert lines[4] == "| fp8_gemv_kernel<1, 1, 3, 2, true> | 40.0 | 38.0 | 1.0 | 30.0 | 0.75 |"
+    assert lines[5] == "| _split_project_kernel | 9.0 | 4.0 | 2.0 |  |  |"
+    assert lines[6] == "| (gaps between kernels) | | 3.5 | | | |"
+    assert lines[7:] == [
+        "| floor of projections fp8 (1.5 GB) | | | | 500.0 | |",
+        "| floor of lm_head (1.2 GB) | | | | 400.0 | |",
+    ]

@@ -19,6 +19,7 @@ projections, routed experts (the experts routed to), the lm_head, norms and the 
 copy rate measured here; the CUDA GEMV's launches of that rerun by shape and variant
 (`rank_e2e.gemv_census`: the kernel table names them by template only). Also the
 TTFT of a fresh 1024- and 13312-token prompt (median of three), for the prefill side of the same kernels.
+Printed per bucket as a table (`markdown_table`); `--out` gets the whole report as JSON.
 
 Kernels launched as programmatic dependents (`hylo.ops.dependent_launch`, on by default on Hopper) start
 before the kernel ahead of them ends and wait, so the profiler counts that wait in their time (mHC's pre
@@ -140,6 +141,28 @@ def with_gemv_floors(
     return out
 
 
+def markdown_table(step: dict, top: int = 40) -> str:
+    """One bucket's report (`main`'s `b{batch}` entry) as a table: the replay and its floor, then each
+    kernel by its own µs, with its exposed µs, launches and, for a CUDA GEMV variant, its floor and the
+    share of its time that is; the step's floors by module kind and the launch gaps after it."""
+    exposed = {row["kernel"]: row["exposed_us"] for row in step["exposed"]["kernels"]}
+    lines = [
+        f"replay {step['replay_ms']} ms, floor {step['floor_ms']} ms "
+        f"({100 * step['floor_ms'] / step['replay_ms']:.1f}%); span {step['exposed']['span_us']} us",
+        "",
+        "| kernel | own us | exposed us | launches | floor us | floor / own |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in step["kernels"][:top]:
+        floor = (row["floor_us"], row["of_floor"]) if "floor_us" in row else ("", "")
+        cells = (row["kernel"][:90], row["us"], exposed.get(row["kernel"], ""), row["launches"], *floor)
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines.append(f"| (gaps between kernels) | | {step['exposed']['gaps_us']} | | | |")
+    for kind, cost in sorted(step["bytes_by_kind"].items(), key=lambda kv: -kv[1]["floor_us"]):
+        lines.append(f"| floor of {kind} ({cost['gb']} GB) | | | | {cost['floor_us']} | |")
+    return "\n".join(lines)
+
+
 def module_kind(module: torch.nn.Module, name: str) -> str:
     if isinstance(module, Experts | FP8Experts):
         return "routed experts"
@@ -238,7 +261,9 @@ def main() -> None:
             times.append(ttft(request) * 1e3)
         report[f"ttft_{n}_ms"] = round(statistics.median(times[1:]), 2)
     text = json.dumps(report, indent=1)
-    print(text)
+    for batch in args.buckets:
+        print(f"\n## B = {batch}\n\n{markdown_table(report[f'b{batch}'])}")
+    print({k: v for k, v in report.items() if not k.startswith("b")})
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "decode_profile.json").write_text(text)
