@@ -7,6 +7,9 @@ from interpreter import run_compiled_for_hopper, use_interpreter
 
 use_interpreter()  # before the kernels are decorated
 
+import math  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -18,6 +21,7 @@ from hylo.ops.moe import reference as moe_reference  # noqa: E402
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
 
 LIMIT = 10.0
+kernels_run = kernels.swiglu_clamp  # the interpreted kernel, under a counting stand-in where tests patch it
 
 
 def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -104,6 +108,40 @@ def test_mlp_runs_one_gate_up_product_as_hf_runs_two():
     gate_w, up_w = mlp.gate_up_proj.weight.split(48)
     hf = mlp.down_proj(moe_reference.swiglu_clamp(x @ gate_w.t(), x @ up_w.t(), LIMIT))
     torch.testing.assert_close(mlp(x), hf, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_no_limit_it_is_plain_swiglu(dtype):
+    """`limit` inf (the DFlash draft's MLP): the reference is exactly SiLU(gate) · up, the kernel within the
+    two ulps of `test_kernel_matches_the_reference`."""
+    gate_up = fused_gate_up(4, 200, dtype, seed=5)
+    gate, up = gate_up[:, :200], gate_up[:, 200:]
+    plain = torch.nn.functional.silu(gate.contiguous()) * up  # the clamp's copy is contiguous
+    assert torch.equal(reference.swiglu_clamp(gate, up, math.inf), plain)
+    assert ulps(kernels.swiglu_clamp(gate, up, math.inf), plain) <= (8 if dtype == torch.float32 else 2)
+
+
+def test_the_draft_mlp_activates_in_one_kernel_launch(monkeypatch):
+    """The DFlash draft's MLP dispatched as on the GPU: one swiglu launch with no limit, the output the
+    draft's Qwen3 MLP (down of SiLU(gate) · up)."""
+    from hylo.models.dflash import DraftMLP
+
+    config = SimpleNamespace(hidden_size=32, intermediate_size=48)
+    torch.manual_seed(1)
+    mlp = DraftMLP(config)
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.3)
+    x = torch.randn(3, 32)
+    gate_w, up_w = mlp.gate_up_proj.weight.split(48)
+    expected = mlp.down_proj(torch.nn.functional.silu(x @ gate_w.t()) * (x @ up_w.t()))
+    limits = []
+    monkeypatch.setattr(activation, "use_kernel", lambda op, t, verify: verify() is None)
+    monkeypatch.setattr(
+        kernels, "swiglu_clamp", lambda g, u, limit: limits.append(limit) or kernels_run(g, u, limit)
+    )
+    with torch.inference_mode():  # as the engine drafts: autograd records nothing
+        torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+    assert limits == [math.inf]
 
 
 def test_dispatch_sends_cuda_calls_to_the_kernel_unless_autograd_records(monkeypatch):

@@ -39,13 +39,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hylo.layers.linear import FusedLinear, Linear
 from hylo.layers.norm import RMSNorm
 from hylo.layers.vocab import VocabHead
 from hylo.ops import topk as topk_ops
+from hylo.ops.activation import swiglu_clamp
 from hylo.ops.block_conv import grouped_block_conv
 from hylo.ops.draft_attention import (
     ContextTable,
@@ -305,7 +305,8 @@ class DraftAttention(nn.Module):
 
 class DraftMLP(nn.Module):
     """SwiGLU whose gate and up are one GEMM (`gate_up_proj`, a `FusedLinear` whose parts keep the
-    checkpoint names `gate_proj` and `up_proj`)."""
+    checkpoint names `gate_proj` and `up_proj`). The activation is `ops.activation.swiglu_clamp` with no
+    limit: Qwen3's SiLU(gate) · up with its two roundings, one launch on the GPU instead of two."""
 
     def __init__(self, c: DFlashConfig):
         super().__init__()
@@ -316,7 +317,7 @@ class DraftMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu_clamp(gate, up, math.inf))
 
 
 class GroupedBlockConv(nn.Module):
