@@ -260,12 +260,31 @@ def pool_compression() -> Callable[[], object]:
     return lambda: kernels.compress_pools(keys, gates, ape, pools, pooled, torch.ones(slots // KPOOL))
 
 
+def dflash_inputs(blocks: int, width: int = 8) -> Callable[[], object]:
+    """A DFlash verify step's index arithmetic (observe's slots and the next blocks) at `blocks` blocks of
+    `width` tokens."""
+    from hylo.ops.dflash_inputs import CommittedTokens, kernels
+
+    tokens = blocks * width
+    token_seq = torch.arange(blocks).repeat_interleave(width)
+    pad_index = torch.arange(tokens).view(blocks, width)
+    committed = CommittedTokens(token_seq, pad_index, torch.arange(tokens), torch.arange(tokens),
+                                torch.full((blocks,), width, dtype=torch.int32))  # fmt: skip
+    rows, anchors = torch.arange(blocks), torch.zeros(blocks, dtype=torch.int64)
+    _as_dependents(kernels)
+    return lambda: (
+        kernels.committed_slots(committed),
+        kernels.draft_blocks(committed, rows, rows, anchors, width, 154879),
+    )
+
+
 def cases(kda_heads: int) -> dict[str, Callable[[], Callable[[], object]]]:
     """Each case's launches (made when called): the slice's B = 1 and B = 8 decode batches, a TP4 and a TP8
     rank's KDA step at B = 1 (16 and 8 heads, whose kernel tiles differ from the slice's), and the KDA block
     verify of a speculative step with 8 tokens at B = 8 and 16 at B = 1 and 8 (`kda_verify_*`: launched in
     order, not as a programmatic dependent; at B = 1 with 8 tokens its launch keeps 8 bytes a thread on the
-    stack at 255 registers and still measured fastest, RESULTS S50-2)."""
+    stack at 255 registers and still measured fastest, RESULTS S50-2), and a DFlash verify step's index
+    arithmetic at 8 blocks of 8."""
     return {
         "kda_step_b1": lambda: kda_step(1, kda_heads),
         "kda_step_b8": lambda: kda_step(8, kda_heads),
@@ -282,6 +301,7 @@ def cases(kda_heads: int) -> dict[str, Callable[[], Callable[[], object]]]:
         "kda_verify_b8_t8": lambda: kda_verify(8, 8),
         "kda_verify_b1_t16": lambda: kda_verify(1, 16),
         "kda_verify_b8_t16": lambda: kda_verify(8, 16),
+        "dflash_inputs_b8": lambda: dflash_inputs(8),
     }
 
 

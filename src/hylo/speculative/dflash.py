@@ -14,6 +14,7 @@ from hylo.memory.specs import CacheSpec, Unit
 from hylo.models.dflash import DFlashConfig, DFlashDraftModel, PagedContext
 from hylo.models.glm5_next import Glm5NextForCausalLM
 from hylo.models.loader import load_flat
+from hylo.ops.dflash_inputs import CommittedTokens, committed_slots, draft_blocks
 from hylo.ops.draft_attention import ContextTokens, KeyTransform, KVCache, store_context_kv
 from hylo.ops.gemm import linear
 from hylo.speculative.proposer import Proposer, ProposerBuild, ProposerCaches, StepCommit
@@ -135,9 +136,7 @@ class DFlashProposer(Proposer):
         if commit.features is None:
             return
         c = self.draft.config
-        packed = torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device)
-        within = packed - batch.pad_index[batch.token_seq, 0]
-        slots = torch.where(within < commit.counts[batch.token_seq], batch.new_slots, -1)
+        slots = committed_slots(_committed(batch, commit))
         ctx = self.draft.hidden_norm(self.draft.fc(commit.features))
         kv = linear(ctx, self.kv_weight).view(-1, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
         kv = kv.permute(2, 1, 0, 3, 4)  # [k|v, layer, token, kv heads, d]
@@ -153,13 +152,16 @@ class DFlashProposer(Proposer):
         """One block per sampling sequence, [anchor, mask × (B−1)] right after its committed tokens,
         attending its context through the request table; the drafts go to `drafts[row]`."""
         c = self.draft.config
-        seqs = commit.sampling
-        device = self.k_cache.device
-        rows = batch.state_slots[seqs]  # a request's table row and state slot share the index
-        lengths = batch.positions[batch.pad_index[seqs, 0]] + commit.counts[seqs]
-        block = torch.full((seqs.shape[0], self.verify_shape.block), c.mask_token_id, device=device)
-        block[:, 0] = commit.anchors[seqs]
-        positions = lengths[:, None] + torch.arange(self.verify_shape.block, device=device)
+        # a request's table row and state slot share the index
+        rows, lengths, block, positions = draft_blocks(
+            _committed(batch, commit), batch.state_slots, commit.sampling, commit.anchors,
+            self.verify_shape.block, c.mask_token_id,
+        )  # fmt: skip
         context = PagedContext(self.k_cache, self.v_cache, self.table, rows, lengths)
         hidden = self.draft.forward_paged(self.target.embed_tokens(block), positions, context)
         self.drafts[rows] = self.draft.propose(hidden[:, 1:], block[:, 0], self.head)
+
+
+def _committed(batch: ForwardBatch, commit: StepCommit) -> CommittedTokens:
+    """The forward's packed tokens and what it committed, as `ops.dflash_inputs` reads them."""
+    return CommittedTokens(batch.token_seq, batch.pad_index, batch.positions, batch.new_slots, commit.counts)
