@@ -8,6 +8,7 @@ from conftest import Caches, random_prompt
 from tolerance import model_accumulation_terms, relative_tolerance
 
 from hylo import LLM, SamplingParams
+from hylo.forward_batch import ForwardBatch
 
 PROMPT_LENS = (37, 70, 13)  # none a multiple of 4 or 16; all far beyond the top-k on the long ones
 
@@ -39,6 +40,30 @@ def test_prefill_logits_match_hf(models, length):
     # HF computes other arithmetic (attention without the absorbed kv_b, KDA step by step), not only
     # another order: a fixed bound a few times the reordering one
     assert rel_err(ours, ref) < 1e-4
+
+
+def test_captured_features_are_hfs_layer_outputs_averaged_over_streams(models):
+    """A forward's captured features (a drafter's target features) of every layer are the mean over the
+    residual streams of HF's output of that layer (its recorded hidden states, `[B, T, streams, D]`; for the
+    last layer HF records the final norm of that mean), the logits unchanged by capturing."""
+    model, hf = models
+    ids = random_prompt(PROMPT_LENS[0], model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    layers = tuple(range(model.config.num_hidden_layers))
+    caches = Caches(model)
+    m = caches.manager
+    batch = ForwardBatch.build(
+        [caches.chunk(0, ids, 0)], m.table.table, m.tokens, m.states, m.kpool, all_logits=True
+    )
+    captured = model(batch, layers)
+    width = model.config.hidden_size
+    features = captured.features.split(width, dim=-1)
+    for i in layers[:-1]:
+        assert rel_err(features[i], out.hidden_states[i + 1][0].mean(dim=-2)) < 1e-4, i
+    with torch.no_grad():
+        assert rel_err(model.norm(features[-1]), out.hidden_states[-1][0]) < 1e-4
+    assert rel_err(captured.logits, out.logits[0]) < 1e-4
 
 
 def test_greedy_generation_matches_hf(models, tiny_checkpoint):

@@ -19,7 +19,7 @@ from hylo.layers.norm import RMSNorm
 from hylo.layers.sparse_mla import SparseMLA
 from hylo.layers.vocab import VocabEmbedding, VocabHead
 from hylo.ops.kda import VerifyCache, chunked_prefill_refusal
-from hylo.ops.mhc import BlockNorm, PendingPost, mhc_post, mhc_post_mean, streams_refusal
+from hylo.ops.mhc import BlockNorm, PendingPost, mhc_post_mean, streams_refusal
 from hylo.ops.norm import width_refusal
 from hylo.ops.sparse_mla import rank_refusal
 from hylo.parallel.layout import SINGLE, Parallel, TokenShards
@@ -144,9 +144,9 @@ class Glm5NextForCausalLM(nn.Module):
             elif i == last:  # only the streams' mean is read after the last layer
                 mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb, logits_rows)
                 mean = self.parallel.whole(mean, shards)
-            elif i in capture_layers:  # these need the streams complete
-                streams, pending = mhc_post(pending.out, streams, pending.post, pending.comb), None
-                mean = self.parallel.whole(streams.mean(dim=1), shards)
+            elif i in capture_layers:  # the new streams' mean; the next layer's entry still applies the post
+                mean = mhc_post_mean(pending.out, streams, pending.post, pending.comb)
+                mean = self.parallel.whole(mean, shards)
             if i in capture_layers:
                 captured.append(mean)
         features = None
