@@ -53,6 +53,7 @@ def test_decode_kernels_compile_as_dependent_launches(compiled):
     ]
     assert {launch["kernel"] for _, launch in launches} >= {
         "_split_project_kernel", "_gated_norm_kernel", "_committed_slots_kernel", "_draft_blocks_kernel",
+        "_add_rms_norm_kernel",
     }  # fmt: skip
     assert [(case, launch["kernel"]) for case, launch in launches if not launch["waits"]] == []
     assert [(case, launch["kernel"]) for case, launch in launches if not launch["releases"]] == []

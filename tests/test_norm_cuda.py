@@ -41,3 +41,21 @@ def test_bf16_cat_kernel_matches_the_reference(rows):
     assert out.shape == ref.shape and float(((out.float() - ref.float()).abs() / spacing).max()) <= 2
     with torch.inference_mode():
         assert torch.equal(rms_norm_cat(first, second), out)  # the dispatcher takes the kernel
+
+
+@pytest.mark.parametrize("rows", [8, 64])
+def test_bf16_add_kernel_matches_the_reference(rows):
+    """A DFlash draft layer's residual add and the next norm (hidden 4096): the sum equal, the normed row
+    within the two ulps of `rms_norm`."""
+    from hylo.ops.norm import add_refusal
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x, delta = ((torch.randn(rows, 4096, generator=gen, device="cuda") * 4).bfloat16() for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(4096, generator=gen, device="cuda")).bfloat16()
+    assert add_refusal(x, delta, weight) is None
+    (total, out), (ref_total, ref) = (
+        kernels.add_rms_norm(x, delta, weight, 1e-6),
+        reference.add_rms_norm(x, delta, weight, 1e-6),
+    )
+    spacing = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp_min(1e-30)
+    assert torch.equal(total, ref_total) and float(((out.float() - ref.float()).abs() / spacing).max()) <= 2

@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from hylo.layers.norm import RMSNorm  # noqa: E402
+from hylo.ops import norm  # noqa: E402
 from hylo.ops.norm import NormRows, RowStore, cat_refusal, kernels, pair_refusal, reference, refusal  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("strict_launch_arguments")
@@ -153,3 +154,46 @@ def test_cat_kernel_matches_the_reference(dtype, weight_dtype):
 def test_cat_refusal_names_why(change, reason):
     first, second, _ = pair_case(torch.float32, torch.float32, seed=7)
     assert reason in cat_refusal(*change(first, second))
+
+
+@pytest.mark.parametrize("width", [16, 100])
+@pytest.mark.parametrize(("dtype", "weight_dtype"), DTYPES)
+def test_add_kernel_matches_the_reference(width, dtype, weight_dtype):
+    """The sum rounded once as torch's add rounds it (equal), then normalised as `rms_norm` normalises a
+    row (its two ulps)."""
+    gen = torch.Generator().manual_seed(width + 1)
+    x, delta = ((torch.randn(2, 3, width, generator=gen) * 3).to(dtype) for _ in range(2))
+    weight = torch.randn(width, generator=gen).to(weight_dtype)
+    assert norm.add_refusal(x, delta, weight) is None
+    (total, out), (ref_total, ref) = (
+        kernels.add_rms_norm(x, delta, weight, 1e-6),
+        reference.add_rms_norm(x, delta, weight, 1e-6),
+    )
+    assert torch.equal(total, ref_total) and total.dtype == dtype
+    assert out.dtype == ref.dtype and ulps(out, ref) <= (2 if dtype == torch.float16 else 8)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda x: x.half(), "must match x"),
+        (lambda x: x[:, :2], "must match x"),
+        (lambda x: x.t().contiguous().t(), "must be contiguous"),
+    ],
+)
+def test_add_refusal_names_why(make, reason):
+    x = torch.randn(4, 16)
+    assert reason in norm.add_refusal(x, make(torch.randn(4, 16)), torch.ones(16))
+
+
+def test_add_dispatch_takes_the_kernel_unless_autograd_records(monkeypatch):
+    calls = []
+    monkeypatch.setattr(norm, "use_kernel", lambda op, t, verify: verify() is None)
+    monkeypatch.setattr(kernels, "add_rms_norm", lambda *a: calls.append(a) or reference.add_rms_norm(*a))
+    x, delta, weight = torch.randn(3, 16), torch.randn(3, 16), torch.ones(16)
+    norm.add_rms_norm(x, delta, weight, 1e-6)
+    assert len(calls) == 1
+    weight.requires_grad_(True)
+    _, out = norm.add_rms_norm(x, delta, weight, 1e-6)
+    out.sum().backward()
+    assert len(calls) == 1 and weight.grad is not None

@@ -262,8 +262,9 @@ def pool_compression() -> Callable[[], object]:
 
 def dflash_inputs(blocks: int, width: int = 8) -> Callable[[], object]:
     """A DFlash verify step's index arithmetic (observe's slots and the next blocks) at `blocks` blocks of
-    `width` tokens."""
+    `width` tokens, and its draft layers' residual add with the next norm (bf16, hidden 4096)."""
     from hylo.ops.dflash_inputs import CommittedTokens, kernels
+    from hylo.ops.norm import kernels as norm_kernels
 
     tokens = blocks * width
     token_seq = torch.arange(blocks).repeat_interleave(width)
@@ -271,10 +272,12 @@ def dflash_inputs(blocks: int, width: int = 8) -> Callable[[], object]:
     committed = CommittedTokens(token_seq, pad_index, torch.arange(tokens), torch.arange(tokens),
                                 torch.full((blocks,), width, dtype=torch.int32))  # fmt: skip
     rows, anchors = torch.arange(blocks), torch.zeros(blocks, dtype=torch.int64)
-    _as_dependents(kernels)
+    hidden = torch.zeros(blocks, width, HIDDEN, dtype=torch.bfloat16)
+    _as_dependents(kernels, norm_kernels)
     return lambda: (
         kernels.committed_slots(committed),
         kernels.draft_blocks(committed, rows, rows, anchors, width, 154879),
+        norm_kernels.add_rms_norm(hidden, hidden, torch.ones(HIDDEN, dtype=torch.bfloat16), 1e-6),
     )
 
 

@@ -57,6 +57,7 @@ from hylo.ops.draft_attention import (
 )
 from hylo.ops.draft_attention.reference import inverse_frequencies
 from hylo.ops.gemm import linear
+from hylo.ops.norm import add_rms_norm
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 ARCHITECTURES = ("DFlashDraftModel", DFLASH2_ARCHITECTURE)
@@ -419,10 +420,21 @@ class DraftLayer(nn.Module):
             self.attention_conv = GroupedBlockConv(c.hidden_size, taps, group)
             self.mlp_conv = GroupedBlockConv(c.hidden_size, taps, group)
 
-    def forward(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """`attend` is this layer's attention over its context (dense or paged) for the normed block."""
-        x = x + self._around(self.attention_conv, attend, self.input_layernorm(x))
-        return x + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        attend: Callable[[torch.Tensor], torch.Tensor],
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(The layer's output, `next_norm` of it) for its input `x` and `h`, its `input_layernorm` of `x`;
+        `attend` is this layer's attention over its context (dense or paged) for the normed block. Each
+        residual add and the norm after it are one `add_rms_norm` (one launch on the GPU)."""
+        attended = self._around(self.attention_conv, attend, h)
+        x, h = add_rms_norm(
+            x, attended, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
+        )
+        return add_rms_norm(x, self._around(self.mlp_conv, self.mlp, h), next_norm.weight, next_norm.eps)
 
     @staticmethod
     def _around(
@@ -489,9 +501,11 @@ class DFlashDraftModel(nn.Module):
         i's attention (any context source: gathered, paged, or training's shared one) of its normed
         block input `h [R, B, H]`. The one layer walk of every path, so they cannot drift apart."""
         x = block * self.config.input_embedding_scale
-        for i, layer in enumerate(self.layers):
-            x = layer(x, partial(attend, i))
-        return self.norm(x)
+        h = self.layers[0].input_layernorm(x)
+        norms_after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms_after, strict=True)):
+            x, h = layer(x, h, partial(attend, i), next_norm)
+        return h
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """DFlash2's fp32 proposal logits `[..., V]`: the head's, scaled by `output_multiplier` and

@@ -6,7 +6,9 @@ so does a call that autograd records (training: the kernel has no backward). `rm
 norms of the same tokens, the second written into a cache by slot: a DSA layer's q_a and kv_a
 latent) is one launch where `pair_refusal` is None, in place of two norms and the cache store;
 `rms_norm_cat` (two norms of the same tokens side by side: an MTP layer's enorm and hnorm) one launch
-where `cat_refusal` is None, in place of two norms and the concatenation.
+where `cat_refusal` is None, in place of two norms and the concatenation; `add_rms_norm` (a residual add
+and the next block's norm: a DFlash draft's layers) one launch where `add_refusal` is None, in place of the
+add and the norm.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ __all__ = [
     "MAX_WIDTH",
     "NormRows",
     "RowStore",
+    "add_refusal",
+    "add_rms_norm",
     "cat_refusal",
     "pair_refusal",
     "refusal",
@@ -73,6 +77,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
         return kernels.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
+
+
+def add_refusal(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why `kernels.add_rms_norm` cannot take this call, or None: what `refusal` asks of `x`, and `x` and
+    `delta` contiguous, of one shape, dtype and device."""
+    if (reason := refusal(x, weight)) is not None:
+        return reason
+    if delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
+        return (
+            f"delta {tuple(delta.shape)} {delta.dtype} must match x {tuple(x.shape)} {x.dtype} on {x.device}"
+        )
+    if not (x.is_contiguous() and delta.is_contiguous()):
+        return "x and delta must be contiguous"
+    return None
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`x + delta`, `rms_norm` of that sum); see `reference.add_rms_norm`."""
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (x, delta, weight))
+    if not recorded and use_kernel("norm.add_rms_norm", x, lambda: add_refusal(x, delta, weight)):
+        from hylo.ops.norm import kernels
+
+        return kernels.add_rms_norm(x, delta, weight, eps)
+    return reference.add_rms_norm(x, delta, weight, eps)
 
 
 def _row_sets_refusal(first: NormRows, second: NormRows) -> str | None:

@@ -85,6 +85,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _add_rms_norm_kernel(x, delta, total, w, y, width, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row pid of contiguous `x` and `delta`: their sum rounded to x's dtype into `total`, and that rounded
+    sum normalised into `y` as `_rms_norm_row` normalises a row."""
+    enter(PDL)
+    row = tl.program_id(0).to(tl.int64) * width
+    cols = tl.arange(0, BLOCK)
+    ok = cols < width
+    xv = tl.load(x + row + cols, mask=ok, other=0.0).to(tl.float32)
+    xv += tl.load(delta + row + cols, mask=ok, other=0.0).to(tl.float32)
+    rounded = xv.to(total.dtype.element_ty)
+    tl.store(total + row + cols, rounded, mask=ok)
+    xv = rounded.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / width + eps)
+    normed = (xv * inv).to(x.dtype.element_ty).to(tl.float32)
+    out = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32) * normed
+    tl.store(y + row + cols, out.to(y.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `reference.add_rms_norm` in one launch for contiguous `x` and `delta` of one shape and
+    dtype (`add_refusal`)."""
+    width = x.shape[-1]
+    total = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    rows = x.numel() // width if width else 0
+    if rows:
+        block = triton.next_power_of_2(width)
+        dependent = dependent_launches(y.device)
+        _add_rms_norm_kernel[(rows,)](
+            x, delta, total, weight, y, width, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+            PDL=dependent, launch_pdl=dependent,
+        )  # fmt: skip
+    return total, y
+
+
+@triton.jit
 def _rms_norm_cat_kernel(first, second, y, BLOCK1: tl.constexpr, BLOCK2: tl.constexpr):
     """Program (t, 0) normalises row t of `first` (`NormedRows`) into y[t, :first.width], program (t, 1)
     the second's into y[t, first.width:] (`y [T, first.width + second.width]`)."""

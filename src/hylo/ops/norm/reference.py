@@ -14,6 +14,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`x + delta` in their dtype, `rms_norm` of that sum): a residual add and the next block's norm."""
+    total = x + delta
+    return total, rms_norm(total, weight, eps)
+
+
 @dataclass(frozen=True)
 class NormRows:
     """Rows `x [T, w]` to normalise with an RMSNorm's `weight [w]` and `eps`."""
