@@ -78,7 +78,10 @@ class VerifyGraphs:
         # the commit body reads, and a replay rewrites the same tensors
         self.verified: dict[int, ForwardOutput] = {}
         device = caches.table.table.device
-        self.bank = GraphBank(self, batch_size_buckets(max_batch_size), device, pool)
+        buckets = batch_size_buckets(max_batch_size)
+        # every block of a bucket samples: its rows 0..bucket-1, made once here, not an arange launch a commit
+        self.sampling = {b: torch.arange(b, device=device) for b in buckets}
+        self.bank = GraphBank(self, buckets, device, pool)
         if capture:
             self.bank.capture()
 
@@ -155,5 +158,5 @@ class VerifyGraphs:
         self.model.commit(static, verified.kda_records, committed)
         self.caches.last_committed[static.state_slots] = committed
         self.caches.last_sampled[static.state_slots] = anchors
-        sampling = torch.arange(len(static.extend_lens), device=anchors.device)
+        sampling = self.sampling[len(static.extend_lens)]
         self.proposer.observe_and_propose(static, StepCommit(committed, anchors, sampling, verified.features))
