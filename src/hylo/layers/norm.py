@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hylo.ops.norm import rms_norm
+from hylo.ops.norm import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -16,3 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def after_add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`x + delta`, this norm of it): a residual add and the norm reading it, one launch on the GPU."""
+        return add_rms_norm(x, delta, self.weight, self.eps)

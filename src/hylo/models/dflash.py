@@ -57,7 +57,6 @@ from hylo.ops.draft_attention import (
 )
 from hylo.ops.draft_attention.reference import inverse_frequencies
 from hylo.ops.gemm import linear
-from hylo.ops.norm import add_rms_norm
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 ARCHITECTURES = ("DFlashDraftModel", DFLASH2_ARCHITECTURE)
@@ -429,12 +428,9 @@ class DraftLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(The layer's output, `next_norm` of it) for its input `x` and `h`, its `input_layernorm` of `x`;
         `attend` is this layer's attention over its context (dense or paged) for the normed block. Each
-        residual add and the norm after it are one `add_rms_norm` (one launch on the GPU)."""
-        attended = self._around(self.attention_conv, attend, h)
-        x, h = add_rms_norm(
-            x, attended, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
-        )
-        return add_rms_norm(x, self._around(self.mlp_conv, self.mlp, h), next_norm.weight, next_norm.eps)
+        residual add and the norm after it are one launch on the GPU (`RMSNorm.after_add`)."""
+        x, h = self.post_attention_layernorm.after_add(x, self._around(self.attention_conv, attend, h))
+        return next_norm.after_add(x, self._around(self.mlp_conv, self.mlp, h))
 
     @staticmethod
     def _around(

@@ -23,39 +23,41 @@ __all__ = [
 _INDEX_TYPES = (torch.int32, torch.int64)
 
 
-def _committed_refusal(committed: CommittedTokens) -> str | None:
-    tokens = committed.token_seq.shape[0]
-    if committed.pad_index.dim() != 2 or committed.pad_index.stride(1) != 1:
-        return "pad_index must be [S, ·] with a unit last stride"
-    for name, t in zip(CommittedTokens._fields, committed, strict=True):
-        if t.dtype not in _INDEX_TYPES:
-            return f"{name} must be int32 or int64, got {t.dtype}"
-        if t.device != committed.token_seq.device:
-            return f"{name} is on {t.device}, token_seq on {committed.token_seq.device}"
-        if name != "pad_index" and (t.dim() != 1 or (t.shape[0] > 1 and t.stride(0) != 1)):
-            return f"{name} must be a contiguous vector"
-    if committed.positions.shape[0] != tokens or committed.new_slots.shape[0] != tokens:
-        return "token_seq, positions and new_slots must have one entry per packed token"
+def _vector_refusal(name: str, t: torch.Tensor, device: torch.device) -> str | None:
+    if t.dim() != 1 or (t.shape[0] > 1 and t.stride(0) != 1):
+        return f"{name} must be a contiguous vector"
+    if t.device != device:
+        return f"{name} is on {t.device}, token_seq on {device}"
     return None
 
 
 def slots_refusal(committed: CommittedTokens) -> str | None:
     """Why `kernels.committed_slots` cannot take this call, or None."""
-    return _committed_refusal(committed)
+    device = committed.token_seq.device
+    if committed.pad_index.dim() != 2 or committed.pad_index.stride(1) != 1:
+        return "pad_index must be [S, ·] with a unit last stride"
+    if committed.pad_index.device != device:
+        return f"pad_index is on {committed.pad_index.device}, token_seq on {device}"
+    for name, t in zip(CommittedTokens._fields, committed, strict=True):
+        if t.dtype not in _INDEX_TYPES:
+            return f"{name} must be int32 or int64, got {t.dtype}"
+        if name != "pad_index" and (reason := _vector_refusal(name, t, device)) is not None:
+            return reason
+    if not committed.token_seq.shape[0] == committed.positions.shape[0] == committed.new_slots.shape[0]:
+        return "token_seq, positions and new_slots must have one entry per packed token"
+    return None
 
 
 def blocks_refusal(
     committed: CommittedTokens, state_slots: torch.Tensor, sampling: torch.Tensor, anchors: torch.Tensor
 ) -> str | None:
     """Why `kernels.draft_blocks` cannot take this call, or None."""
-    reason = _committed_refusal(committed)
-    if reason is not None:
+    if (reason := slots_refusal(committed)) is not None:
         return reason
+    device = committed.token_seq.device
     for name, t in (("state_slots", state_slots), ("sampling", sampling), ("anchors", anchors)):
-        if t.dim() != 1 or (t.shape[0] > 1 and t.stride(0) != 1):
-            return f"{name} must be a contiguous vector"
-        if t.device != committed.token_seq.device:
-            return f"{name} is on {t.device}, token_seq on {committed.token_seq.device}"
+        if (reason := _vector_refusal(name, t, device)) is not None:
+            return reason
     if state_slots.dtype not in _INDEX_TYPES or sampling.dtype not in _INDEX_TYPES:
         return "state_slots and sampling must be int32 or int64"
     if anchors.dtype != torch.int64:
